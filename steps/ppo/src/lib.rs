@@ -1,0 +1,1 @@
+//! Step 3: PPO on the hybrid engine. Filled by the PPO issue; nothing here yet.

@@ -1,0 +1,1 @@
+//! Step 2: the reward model. Filled by the SFT/reward issue; nothing here yet.
