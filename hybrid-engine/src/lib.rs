@@ -1,1 +1,16 @@
-//! engine
+//! The core of the RLHF system: GPT-2 on candle, its parameters and optimizer, schedules,
+//! checkpoints and generation. Later issues add precision, parallelism, ZeRO and the engine
+//! that switches one model between training and generation.
+
+pub mod checkpoint;
+pub mod generate;
+pub mod gpt2;
+pub mod hf_io;
+pub mod ops;
+pub mod optim;
+pub mod params;
+pub mod schedule;
+pub mod train_step;
+
+pub use gpt2::{Gpt2, Gpt2Config};
+pub use params::ParamStore;

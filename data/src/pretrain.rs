@@ -1,0 +1,313 @@
+//! Pretraining data with Megatron GPT-dataset semantics (`megatron/data/gpt_dataset.py`):
+//! documents joined into one token stream with EOS after each, cut into `seq_length + 1`-token
+//! blocks that overlap by one token (input = first `seq_length`, target = last `seq_length`),
+//! and a seeded per-epoch shuffle of block indices whose cursor goes into resume checkpoints.
+
+use std::ops::Range;
+
+use anyhow::Result;
+use rand::{RngCore, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::{Deserialize, Serialize};
+
+use crate::tokenizer::Tokenizer;
+
+/// Token ids of each document (no EOS added; [`PackedCorpus::pack`] adds it).
+pub fn tokenize_documents(tok: &Tokenizer, docs: &[String]) -> Result<Vec<Vec<u32>>> {
+    tok.encode_batch(docs)
+}
+
+/// All documents as one token stream, each followed by EOS, read as fixed-length blocks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PackedCorpus {
+    tokens: Vec<u32>,
+    seq_length: usize,
+}
+
+impl PackedCorpus {
+    /// Joins `docs` as `doc0 EOS doc1 EOS ...` (Megatron's `--append-eod`).
+    pub fn pack(docs: &[Vec<u32>], eos_id: u32, seq_length: usize) -> Self {
+        assert!(seq_length > 0, "PackedCorpus::pack: seq_length must be > 0");
+        let total: usize = docs.iter().map(|d| d.len() + 1).sum();
+        let mut tokens = Vec::with_capacity(total);
+        for doc in docs {
+            tokens.extend_from_slice(doc);
+            tokens.push(eos_id);
+        }
+        Self { tokens, seq_length }
+    }
+
+    /// Number of whole blocks: each needs `seq_length + 1` tokens and shares its last token with
+    /// the next block, so `(tokens - 1) / seq_length` (Megatron's `num_samples` for one epoch).
+    pub fn num_blocks(&self) -> usize {
+        self.tokens.len().saturating_sub(1) / self.seq_length
+    }
+
+    /// Block `i`: `tokens[i * seq_length ..= (i + 1) * seq_length]`, `seq_length + 1` tokens.
+    pub fn block(&self, i: usize) -> &[u32] {
+        assert!(
+            i < self.num_blocks(),
+            "PackedCorpus::block: index {i} out of range, corpus has {} blocks",
+            self.num_blocks()
+        );
+        let start = i * self.seq_length;
+        &self.tokens[start..start + self.seq_length + 1]
+    }
+
+    /// Tokens in the stream, EOS included.
+    pub fn num_tokens(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// Tokens per training sequence (the block holds one more for the shifted target).
+    pub fn seq_length(&self) -> usize {
+        self.seq_length
+    }
+}
+
+/// Where a [`BlockSampler`] stands: the checkpointable state of the sampler.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SamplerCursor {
+    /// Epochs completed so far; selects the shuffle of the current epoch.
+    pub epoch: u64,
+    /// Indices already handed out in the current epoch's order.
+    pub position: usize,
+}
+
+/// Endless stream of block indices from `range`: a fresh seeded shuffle every epoch.
+#[derive(Clone, Debug)]
+pub struct BlockSampler {
+    range: Range<usize>,
+    seed: u64,
+    cursor: SamplerCursor,
+    /// The current epoch's order, a permutation of `range`.
+    order: Vec<usize>,
+}
+
+impl BlockSampler {
+    /// A sampler at the start of epoch 0.
+    pub fn new(range: Range<usize>, seed: u64) -> Self {
+        Self::with_cursor(
+            range,
+            seed,
+            SamplerCursor {
+                epoch: 0,
+                position: 0,
+            },
+        )
+    }
+
+    /// A sampler that continues exactly where the one that produced `cursor` stood, given the
+    /// same `range` and `seed`.
+    pub fn with_cursor(range: Range<usize>, seed: u64, cursor: SamplerCursor) -> Self {
+        assert!(
+            cursor.position <= range.len(),
+            "BlockSampler: cursor position {} is past the {} blocks of range {range:?}; the \
+             corpus, --split or --seq-length differ from the run that saved it",
+            cursor.position,
+            range.len()
+        );
+        let order = epoch_order(&range, seed, cursor.epoch);
+        Self {
+            range,
+            seed,
+            cursor,
+            order,
+        }
+    }
+
+    /// The next `n` indices, moving into the next epoch (a new shuffle) as often as needed.
+    pub fn next_indices(&mut self, n: usize) -> Vec<usize> {
+        assert!(
+            n == 0 || !self.range.is_empty(),
+            "BlockSampler::next_indices: cannot draw {n} indices from the empty range {:?}",
+            self.range
+        );
+        let mut out = Vec::with_capacity(n);
+        while out.len() < n {
+            if self.cursor.position == self.order.len() {
+                self.cursor = SamplerCursor {
+                    epoch: self.cursor.epoch + 1,
+                    position: 0,
+                };
+                self.order = epoch_order(&self.range, self.seed, self.cursor.epoch);
+            }
+            let take = (n - out.len()).min(self.order.len() - self.cursor.position);
+            out.extend_from_slice(&self.order[self.cursor.position..self.cursor.position + take]);
+            self.cursor.position += take;
+        }
+        out
+    }
+
+    /// State to save for an exact resume with [`BlockSampler::with_cursor`].
+    pub fn cursor(&self) -> SamplerCursor {
+        self.cursor
+    }
+
+    /// The epoch the next index comes from (or the one just finished, if at its end).
+    pub fn epoch(&self) -> u64 {
+        self.cursor.epoch
+    }
+}
+
+/// The shuffle of `range` for `epoch`. ChaCha8 is seeded with `seed` and `epoch` side by side in
+/// its 32-byte key, so no two (seed, epoch) pairs share a stream. Fisher-Yates is written out
+/// (rather than rand's `shuffle`) so the order, and thus resume, cannot change with a rand
+/// upgrade.
+fn epoch_order(range: &Range<usize>, seed: u64, epoch: u64) -> Vec<usize> {
+    let mut key = [0u8; 32];
+    key[..8].copy_from_slice(&seed.to_le_bytes());
+    key[8..16].copy_from_slice(&epoch.to_le_bytes());
+    let mut rng = ChaCha8Rng::from_seed(key);
+    let mut order: Vec<usize> = range.clone().collect();
+    for i in (1..order.len()).rev() {
+        // Uniform in 0..=i by multiply-shift; the bias is below (i + 1) / 2^64.
+        let j = ((u128::from(rng.next_u64()) * (i as u128 + 1)) >> 64) as usize;
+        order.swap(i, j);
+    }
+    order
+}
+
+/// `batches` eval batches of `batch_size` indices, taken in order from `range` and cycling when
+/// it is shorter, so every evaluation scores the same blocks. Empty when `range` is empty (a
+/// split with weight 0 has nothing to evaluate).
+pub fn eval_indices(range: &Range<usize>, batches: usize, batch_size: usize) -> Vec<Vec<usize>> {
+    if range.is_empty() {
+        return Vec::new();
+    }
+    let mut cycle = range.clone().cycle();
+    (0..batches)
+        .map(|_| cycle.by_ref().take(batch_size).collect())
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pack_puts_eos_after_every_document() {
+        let packed = PackedCorpus::pack(&[vec![1, 2, 3], vec![], vec![4, 5]], 0, 2);
+        assert_eq!(packed.tokens, vec![1, 2, 3, 0, 0, 4, 5, 0]);
+        assert_eq!(packed.num_tokens(), 8);
+    }
+
+    #[test]
+    fn blocks_overlap_by_one_token_and_count_is_tokens_minus_one_over_seq() {
+        // Stream 1 2 3 9 4 5 6 9 7 9 (10 tokens), seq 3 -> (10 - 1) / 3 = 3 blocks.
+        let packed = PackedCorpus::pack(&[vec![1, 2, 3], vec![4, 5, 6], vec![7]], 9, 3);
+        assert_eq!(packed.num_blocks(), 3);
+        assert_eq!(packed.block(0), &[1, 2, 3, 9]);
+        assert_eq!(packed.block(1), &[9, 4, 5, 6]);
+        assert_eq!(packed.block(2), &[6, 9, 7, 9]);
+        for i in 0..2 {
+            assert_eq!(packed.block(i).last(), packed.block(i + 1).first());
+        }
+        // One token short of a fourth block: 12 tokens would be needed, 10 suffice for 3.
+        let packed = PackedCorpus::pack(&[vec![1, 2]], 9, 3);
+        assert_eq!(packed.num_blocks(), 0);
+        assert_eq!(PackedCorpus::pack(&[], 9, 3).num_blocks(), 0);
+        assert_eq!(PackedCorpus::pack(&[vec![1, 2, 3]], 9, 3).num_blocks(), 1);
+    }
+
+    #[test]
+    #[should_panic(expected = "out of range")]
+    fn block_past_the_end_panics() {
+        PackedCorpus::pack(&[vec![1, 2, 3]], 9, 3).block(1);
+    }
+
+    fn sorted(mut v: Vec<usize>) -> Vec<usize> {
+        v.sort_unstable();
+        v
+    }
+
+    #[test]
+    fn sampler_wraps_into_new_shuffles_each_a_permutation() {
+        let range = 10..30;
+        let mut sampler = BlockSampler::new(range.clone(), 7);
+        // 3.5 epochs in one call: more than the range holds.
+        let drawn = sampler.next_indices(70);
+        assert_eq!(drawn.len(), 70);
+        assert_eq!(
+            sampler.cursor(),
+            SamplerCursor {
+                epoch: 3,
+                position: 10
+            }
+        );
+        let epochs: Vec<Vec<usize>> = drawn.chunks(20).map(<[usize]>::to_vec).collect();
+        let all: Vec<usize> = range.clone().collect();
+        for epoch in &epochs[..3] {
+            assert_eq!(
+                sorted(epoch.clone()),
+                all,
+                "each epoch is a permutation of the range"
+            );
+        }
+        assert_ne!(epochs[0], epochs[1], "a new order each epoch");
+        assert_ne!(epochs[1], epochs[2], "a new order each epoch");
+        assert_ne!(epochs[0], all, "the order is shuffled");
+        // The same seed gives the same stream; another seed a different one.
+        assert_eq!(BlockSampler::new(range.clone(), 7).next_indices(70), drawn);
+        assert_ne!(BlockSampler::new(range, 8).next_indices(70), drawn);
+    }
+
+    #[test]
+    fn sampler_resumes_exactly_from_a_cursor() -> Result<()> {
+        let range = 0..13;
+        let mut reference = BlockSampler::new(range.clone(), 42);
+        let expected = reference.next_indices(100);
+
+        // Stop at several points, including an epoch boundary (position == len), and resume.
+        for stop in [0, 5, 13, 26, 40, 99] {
+            let mut original = BlockSampler::new(range.clone(), 42);
+            let mut got = original.next_indices(stop);
+            let cursor = original.cursor();
+            let restored: SamplerCursor = serde_json::from_str(&serde_json::to_string(&cursor)?)?;
+            assert_eq!(restored, cursor, "cursor survives JSON");
+            let mut resumed = BlockSampler::with_cursor(range.clone(), 42, restored);
+            got.extend(resumed.next_indices(100 - stop));
+            assert_eq!(got, expected, "resume after {stop} indices");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn sampler_draws_in_uneven_chunks_like_one_long_draw() {
+        let mut whole = BlockSampler::new(3..8, 1);
+        let mut chunked = BlockSampler::new(3..8, 1);
+        let mut got = Vec::new();
+        for n in [1, 4, 0, 7, 3] {
+            got.extend(chunked.next_indices(n));
+        }
+        assert_eq!(got, whole.next_indices(15));
+        assert_eq!(chunked.epoch(), 2);
+    }
+
+    #[test]
+    fn eval_indices_are_in_order_cycle_and_repeat() {
+        assert_eq!(
+            eval_indices(&(5..12), 2, 3),
+            vec![vec![5, 6, 7], vec![8, 9, 10]]
+        );
+        assert_eq!(
+            eval_indices(&(5..8), 3, 2),
+            vec![vec![5, 6], vec![7, 5], vec![6, 7]],
+            "cycles when the range is shorter than batches * batch_size"
+        );
+        assert_eq!(eval_indices(&(5..8), 3, 2), eval_indices(&(5..8), 3, 2));
+        assert!(eval_indices(&(4..4), 3, 2).is_empty());
+    }
+
+    #[test]
+    fn tokenize_then_pack_separates_documents_with_gpt2_eos() -> Result<()> {
+        let tok = Tokenizer::gpt2_default()?;
+        let docs = vec!["Hello world".to_string(), "Hello world".to_string()];
+        let ids = tokenize_documents(&tok, &docs)?;
+        let packed = PackedCorpus::pack(&ids, tok.eos_id(), 2);
+        assert_eq!(packed.tokens, vec![15496, 995, 50256, 15496, 995, 50256]);
+        assert_eq!(packed.num_blocks(), 2);
+        assert_eq!(packed.block(1), &[50256, 15496, 995]);
+        Ok(())
+    }
+}

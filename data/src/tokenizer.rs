@@ -1,0 +1,257 @@
+//! The text <-> token-id boundary: a thin wrapper over HF `tokenizers` that fixes the choices the
+//! training code relies on (no automatic special tokens, `<|endoftext|>` as EOS, special tokens
+//! kept on decode) and embeds the GPT-2 BPE tokenizer so the binaries run from any directory.
+//! Follows HF `GPT2TokenizerFast` behaviour: "Hello world" -> [15496, 995], EOS = 50256.
+
+use std::fs;
+use std::path::Path;
+
+use anyhow::{anyhow, Context, Result};
+
+/// The GPT-2 `tokenizer.json` (HF `gpt2`), vendored under `assets/gpt2-tokenizer/`.
+pub const GPT2_TOKENIZER_JSON: &[u8] = include_bytes!("../../assets/gpt2-tokenizer/tokenizer.json");
+
+/// The end-of-text token GPT-2 uses both as document separator (pretraining packing) and as the
+/// stop token for generation.
+pub const EOS_TOKEN: &str = "<|endoftext|>";
+
+/// A HF tokenizer plus the id of its `<|endoftext|>` token.
+#[derive(Clone)]
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    eos_id: u32,
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("vocab_size", &self.vocab_size())
+            .field("eos_id", &self.eos_id)
+            .finish()
+    }
+}
+
+impl Tokenizer {
+    /// The embedded GPT-2 tokenizer (50257 tokens with `<|endoftext|>`).
+    pub fn gpt2_default() -> Result<Self> {
+        Self::from_json_bytes(GPT2_TOKENIZER_JSON, "the embedded GPT-2 tokenizer.json")
+    }
+
+    /// Loads a HF `tokenizer.json`.
+    pub fn from_file(path: &Path) -> Result<Self> {
+        if path.is_dir() {
+            anyhow::bail!(
+                "tokenizer path {} is a directory; pass the tokenizer.json file inside it",
+                path.display()
+            );
+        }
+        let bytes = fs::read(path).map_err(|e| {
+            anyhow!(
+                "cannot read tokenizer file {} ({e}); pass an existing HF tokenizer.json \
+                 or omit it to use the embedded GPT-2 tokenizer",
+                path.display()
+            )
+        })?;
+        Self::from_json_bytes(&bytes, &path.display().to_string())
+    }
+
+    /// `dir/tokenizer.json` when the model directory has one (a fine-tuned HF checkpoint), else
+    /// the embedded GPT-2 tokenizer (a bare safetensors checkpoint of a GPT-2 model).
+    pub fn from_model_dir_or_default(dir: &Path) -> Result<Self> {
+        let path = dir.join("tokenizer.json");
+        if path.is_file() {
+            Self::from_file(&path)
+        } else {
+            Self::gpt2_default()
+        }
+    }
+
+    fn from_json_bytes(bytes: &[u8], source: &str) -> Result<Self> {
+        let mut inner = tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| {
+            anyhow!(
+                "{source} is not a valid HF tokenizer.json ({e}); \
+                 pass a tokenizer.json saved by HF tokenizers"
+            )
+        })?;
+        // Packing and prompt batching do their own truncation and padding; a tokenizer.json
+        // saved with either enabled would otherwise silently cut or pad every encode.
+        inner
+            .with_truncation(None)
+            .map_err(|e| anyhow!("{source}: cannot disable truncation ({e})"))?;
+        inner.with_padding(None);
+        let eos_id = inner.token_to_id(EOS_TOKEN).ok_or_else(|| {
+            anyhow!(
+                "{source} has no {EOS_TOKEN} token, which packing and generation use as EOS; \
+                 use a GPT-2-family tokenizer.json"
+            )
+        })?;
+        Ok(Self { inner, eos_id })
+    }
+
+    /// Token ids of `text`. Adds no BOS/EOS, but a literal `<|endoftext|>` in the text becomes
+    /// its id (it is an added token, matched before BPE), as in HF `GPT2TokenizerFast`.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let encoding = self
+            .inner
+            .encode(text, false)
+            .map_err(|e| anyhow!("tokenizing a {}-byte text failed: {e}", text.len()))?;
+        Ok(encoding.get_ids().to_vec())
+    }
+
+    /// Token ids of each text, encoded in parallel by HF tokenizers.
+    pub fn encode_batch(&self, texts: &[String]) -> Result<Vec<Vec<u32>>> {
+        let inputs: Vec<&str> = texts.iter().map(String::as_str).collect();
+        let encodings = self
+            .inner
+            .encode_batch(inputs, false)
+            .map_err(|e| anyhow!("tokenizing a batch of {} texts failed: {e}", texts.len()))?;
+        Ok(encodings.iter().map(|e| e.get_ids().to_vec()).collect())
+    }
+
+    /// Text of `ids`, keeping special tokens so that `decode(encode(s)) == s`.
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.inner
+            .decode(ids, false)
+            .map_err(|e| anyhow!("decoding {} token ids failed: {e}", ids.len()))
+    }
+
+    /// Id of `<|endoftext|>` (50256 for GPT-2).
+    pub fn eos_id(&self) -> u32 {
+        self.eos_id
+    }
+
+    /// Vocabulary size including added tokens (50257 for GPT-2): the embedding rows a model
+    /// needs at least.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// Writes the tokenizer as `tokenizer.json` at `path`. Written to a temp file in the same
+    /// directory and renamed, so a crash never leaves a half-written file next to a checkpoint.
+    pub fn save(&self, path: &Path) -> Result<()> {
+        let json = self
+            .inner
+            .to_string(true)
+            .map_err(|e| anyhow!("serialising the tokenizer failed: {e}"))?;
+        let file_name = path
+            .file_name()
+            .with_context(|| format!("tokenizer path {} has no file name", path.display()))?;
+        let mut tmp_name = std::ffi::OsString::from(".");
+        tmp_name.push(file_name);
+        tmp_name.push(format!(".tmp-{}", std::process::id()));
+        let tmp = path.with_file_name(tmp_name);
+        let written = fs::write(&tmp, json).and_then(|()| fs::rename(&tmp, path));
+        if let Err(e) = written {
+            // Best effort: the temp file may not exist if the write itself failed.
+            let _ = fs::remove_file(&tmp);
+            anyhow::bail!(
+                "cannot write tokenizer to {} ({e}); check the directory exists and is writable",
+                path.display()
+            );
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpt2_encodes_known_ids() -> Result<()> {
+        let tok = Tokenizer::gpt2_default()?;
+        assert_eq!(tok.encode("Hello world")?, vec![15496, 995]);
+        assert_eq!(tok.encode("<|endoftext|>")?, vec![50256]);
+        assert_eq!(tok.encode("Hi<|endoftext|>")?, vec![17250, 50256]);
+        assert_eq!(tok.eos_id(), 50256);
+        assert_eq!(tok.vocab_size(), 50257);
+        Ok(())
+    }
+
+    #[test]
+    fn gpt2_decode_round_trips_text_and_eos() -> Result<()> {
+        let tok = Tokenizer::gpt2_default()?;
+        let text = "  First Citizen:\nBefore we proceed, héllo 😀 <|endoftext|>next doc\t\n";
+        let ids = tok.encode(text)?;
+        assert!(
+            ids.contains(&50256),
+            "literal EOS must map to its id: {ids:?}"
+        );
+        assert_eq!(tok.decode(&ids)?, text);
+        Ok(())
+    }
+
+    #[test]
+    fn encode_batch_matches_encode() -> Result<()> {
+        let tok = Tokenizer::gpt2_default()?;
+        let texts = vec![
+            "Hello world".to_string(),
+            String::new(),
+            "to be".to_string(),
+        ];
+        let batch = tok.encode_batch(&texts)?;
+        let single: Vec<Vec<u32>> = texts.iter().map(|t| tok.encode(t)).collect::<Result<_>>()?;
+        assert_eq!(batch, single);
+        assert_eq!(batch[0], vec![15496, 995]);
+        assert!(batch[1].is_empty());
+        Ok(())
+    }
+
+    #[test]
+    fn save_then_from_file_and_model_dir_reload_the_same_tokenizer() -> Result<()> {
+        let tok = Tokenizer::gpt2_default()?;
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("tokenizer.json");
+        tok.save(&path)?;
+        // Only tokenizer.json remains: the temp file was renamed.
+        let names: Vec<_> = fs::read_dir(dir.path())?
+            .map(|e| e.map(|e| e.file_name()))
+            .collect::<std::io::Result<_>>()?;
+        assert_eq!(names, vec![std::ffi::OsString::from("tokenizer.json")]);
+        let loaded = Tokenizer::from_file(&path)?;
+        assert_eq!(loaded.encode("Hello world")?, vec![15496, 995]);
+        assert_eq!(loaded.vocab_size(), 50257);
+        let from_dir = Tokenizer::from_model_dir_or_default(dir.path())?;
+        assert_eq!(from_dir.eos_id(), 50256);
+        Ok(())
+    }
+
+    #[test]
+    fn model_dir_without_tokenizer_falls_back_to_gpt2() -> Result<()> {
+        let dir = tempfile::tempdir()?;
+        let tok = Tokenizer::from_model_dir_or_default(dir.path())?;
+        assert_eq!(tok.encode("Hello world")?, vec![15496, 995]);
+        Ok(())
+    }
+
+    #[test]
+    fn from_file_errors_name_the_path() -> Result<()> {
+        let dir = tempfile::tempdir()?;
+        let missing = dir.path().join("nope.json");
+        let err = Tokenizer::from_file(&missing).unwrap_err().to_string();
+        assert!(
+            err.contains("nope.json") && err.contains("cannot read"),
+            "{err}"
+        );
+
+        let bad = dir.path().join("bad.json");
+        fs::write(&bad, "{not json")?;
+        let err = Tokenizer::from_file(&bad).unwrap_err().to_string();
+        assert!(
+            err.contains("bad.json") && err.contains("not a valid"),
+            "{err}"
+        );
+        Ok(())
+    }
+
+    #[test]
+    fn tokenizer_without_eos_is_rejected() -> Result<()> {
+        let json = String::from_utf8(GPT2_TOKENIZER_JSON.to_vec())?.replace(EOS_TOKEN, "<|eot|>");
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("tokenizer.json");
+        fs::write(&path, json)?;
+        let err = Tokenizer::from_file(&path).unwrap_err().to_string();
+        assert!(err.contains("no <|endoftext|> token"), "{err}");
+        Ok(())
+    }
+}

@@ -1,0 +1,261 @@
+//! Batched generation with the KV cache: greedy, temperature, top-k and top-p sampling (applied
+//! in transformers' order), left-padded prompts, stop at EOS.
+//!
+//! Left padding follows transformers' `generate`: pad tokens are masked out of attention and
+//! position ids count real tokens only (`cumsum(mask) - 1`), so a padded row produces the same
+//! tokens as the same prompt alone.
+
+use crate::gpt2::{Gpt2, Gpt2Cache, Positions};
+use anyhow::{bail, Result};
+use candle_core::{DType, Device, Tensor, D};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+#[derive(Clone, Debug)]
+pub struct SamplingConfig {
+    pub max_new_tokens: usize,
+    /// `None` or 0 means greedy.
+    pub temperature: Option<f64>,
+    pub top_k: Option<usize>,
+    pub top_p: Option<f64>,
+    /// Stop a row when it emits this token.
+    pub eos_token_id: Option<u32>,
+    /// Filler for finished rows and left padding.
+    pub pad_token_id: u32,
+    /// Logits at ids >= this (Megatron vocabulary padding) are never chosen.
+    pub vocab_limit: usize,
+    pub seed: u64,
+}
+
+impl SamplingConfig {
+    pub fn greedy(max_new_tokens: usize, eos: Option<u32>, pad: u32, vocab_limit: usize) -> Self {
+        Self {
+            max_new_tokens,
+            temperature: None,
+            top_k: None,
+            top_p: None,
+            eos_token_id: eos,
+            pad_token_id: pad,
+            vocab_limit,
+            seed: 0,
+        }
+    }
+    fn is_greedy(&self) -> bool {
+        self.temperature.is_none_or(|t| t <= 0.0)
+    }
+}
+
+/// Picks the next token from one row of logits.
+pub fn sample_token(logits: &[f32], cfg: &SamplingConfig, rng: &mut ChaCha8Rng) -> u32 {
+    let limit = cfg.vocab_limit.min(logits.len());
+    let logits = &logits[..limit];
+    if cfg.is_greedy() {
+        return argmax(logits);
+    }
+    let t = cfg.temperature.unwrap_or(1.0);
+    let mut order: Vec<usize> = (0..limit).collect();
+    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a])); // descending
+    if let Some(k) = cfg.top_k.filter(|&k| k > 0) {
+        order.truncate(k);
+    }
+    let max = logits[order[0]] as f64;
+    let mut probs: Vec<f64> = order
+        .iter()
+        .map(|&i| ((logits[i] as f64 - max) / t).exp())
+        .collect();
+    let total: f64 = probs.iter().sum();
+    probs.iter_mut().for_each(|p| *p /= total);
+    if let Some(top_p) = cfg.top_p.filter(|&p| p < 1.0) {
+        // Keep the smallest prefix whose mass reaches top_p (at least one token).
+        let mut cum = 0.0;
+        let keep = probs.iter().take_while(|&&p| {
+            let before = cum;
+            cum += p;
+            before < top_p
+        });
+        let n = keep.count().max(1);
+        order.truncate(n);
+        probs.truncate(n);
+        let total: f64 = probs.iter().sum();
+        probs.iter_mut().for_each(|p| *p /= total);
+    }
+    let mut u: f64 = rng.random();
+    for (i, p) in order.iter().zip(&probs) {
+        if u < *p {
+            return *i as u32;
+        }
+        u -= p;
+    }
+    *order.last().expect("at least one candidate") as u32
+}
+
+fn argmax(xs: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, x) in xs.iter().enumerate() {
+        if *x > xs[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Generates up to `cfg.max_new_tokens` tokens after each prompt. Returns the new tokens of
+/// each row, ending at (and including) EOS when one was produced.
+pub fn generate(
+    model: &Gpt2,
+    prompts: &[Vec<u32>],
+    cfg: &SamplingConfig,
+    device: &Device,
+) -> Result<Vec<Vec<u32>>> {
+    if prompts.is_empty() {
+        return Ok(vec![]);
+    }
+    if prompts.iter().any(|p| p.is_empty()) {
+        bail!("cannot generate from an empty prompt");
+    }
+    let b = prompts.len();
+    let p = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    let n_pos = model.cfg.n_positions;
+    if p >= n_pos {
+        bail!("prompt of {p} tokens leaves no room to generate: the model's context is {n_pos} tokens");
+    }
+    let max_new = cfg.max_new_tokens.min(n_pos - p);
+    let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed);
+
+    // Left-pad; mask and position ids as transformers' generate builds them.
+    let mut ids = Vec::with_capacity(b * p);
+    let mut mask: Vec<Vec<u32>> = Vec::with_capacity(b);
+    let mut positions = Vec::with_capacity(b * p);
+    for prompt in prompts {
+        let pad = p - prompt.len();
+        ids.extend(std::iter::repeat_n(cfg.pad_token_id, pad).chain(prompt.iter().copied()));
+        mask.push((0..p).map(|i| u32::from(i >= pad)).collect());
+        positions.extend((0..p).map(|i| i.saturating_sub(pad) as u32));
+    }
+    let mut next_pos: Vec<u32> = prompts.iter().map(|q| q.len() as u32).collect();
+
+    let mut cache = Gpt2Cache::new(&model.cfg, p + max_new);
+    let mut input = Tensor::from_vec(ids, (b, p), device)?;
+    let mut pos_t = Tensor::from_vec(positions, (b, p), device)?;
+    let mut out: Vec<Vec<u32>> = vec![Vec::new(); b];
+    let mut done = vec![false; b];
+    for _ in 0..max_new {
+        let mask_t = Tensor::new(mask.clone(), device)?; // (B, S)
+        let positions = Positions {
+            position_ids: Some(&pos_t),
+            attention_mask: Some(&mask_t),
+        };
+        let logits = model.forward(&input, &positions, Some(&mut cache), None)?; // (B, T, V)
+        let last = logits
+            .narrow(1, logits.dim(1)? - 1, 1)?
+            .squeeze(1)?
+            .to_dtype(DType::F32)?; // (B, V)
+        let rows: Vec<Vec<f32>> = last.to_vec2()?;
+        let mut step = Vec::with_capacity(b);
+        for (r, row) in rows.iter().enumerate() {
+            let tok = if done[r] {
+                cfg.pad_token_id
+            } else {
+                sample_token(row, cfg, &mut rng)
+            };
+            if !done[r] {
+                out[r].push(tok);
+                done[r] = cfg.eos_token_id == Some(tok);
+            }
+            step.push(tok);
+        }
+        if done.iter().all(|d| *d) {
+            break;
+        }
+        for m in mask.iter_mut() {
+            m.push(1);
+        }
+        input = Tensor::from_vec(step, (b, 1), device)?;
+        pos_t = Tensor::from_vec(next_pos.clone(), (b, 1), device)?;
+        next_pos.iter_mut().for_each(|x| *x += 1);
+    }
+    Ok(out)
+}
+
+/// Log-probabilities of `ids[t+1]` under `logits[t]`: (B, T, V), (B, T) -> (B, T-1).
+/// DS-Chat `gather_log_probs`.
+pub fn gather_log_probs(logits: &Tensor, ids: &Tensor) -> Result<Tensor> {
+    let t = ids.dim(1)?;
+    let logp =
+        crate::ops::log_softmax_last_dim(&logits.narrow(1, 0, t - 1)?.to_dtype(DType::F32)?)?;
+    let next = ids.narrow(1, 1, t - 1)?.unsqueeze(D::Minus1)?;
+    Ok(logp
+        .gather(&next.contiguous()?, D::Minus1)?
+        .squeeze(D::Minus1)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(temp: f64, k: Option<usize>, p: Option<f64>) -> SamplingConfig {
+        SamplingConfig {
+            max_new_tokens: 1,
+            temperature: Some(temp),
+            top_k: k,
+            top_p: p,
+            eos_token_id: None,
+            pad_token_id: 0,
+            vocab_limit: 4,
+            seed: 0,
+        }
+    }
+
+    #[test]
+    fn greedy_ignores_padded_vocabulary_rows() {
+        let mut rng = ChaCha8Rng::seed_from_u64(0);
+        let c = SamplingConfig::greedy(1, None, 0, 3);
+        assert_eq!(
+            sample_token(&[0.0, 2.0, 1.0, 9.0], &c, &mut rng),
+            1,
+            "id 3 is padding"
+        );
+    }
+
+    #[test]
+    fn top_k_one_and_tiny_top_p_are_greedy() {
+        let mut rng = ChaCha8Rng::seed_from_u64(0);
+        let logits = [0.5, 2.0, 1.9, -1.0];
+        for _ in 0..50 {
+            assert_eq!(sample_token(&logits, &cfg(1.0, Some(1), None), &mut rng), 1);
+            assert_eq!(
+                sample_token(&logits, &cfg(1.0, None, Some(0.01)), &mut rng),
+                1
+            );
+        }
+    }
+
+    #[test]
+    fn top_k_two_samples_only_the_two_best_in_proportion() {
+        let mut rng = ChaCha8Rng::seed_from_u64(0);
+        let logits = [-5.0, (2f32).ln(), -5.0, 0.0]; // best two: id 1 (p 2/3), id 3 (1/3)
+        let mut counts = [0usize; 4];
+        for _ in 0..6000 {
+            counts[sample_token(&logits, &cfg(1.0, Some(2), None), &mut rng) as usize] += 1;
+        }
+        assert_eq!(counts[0] + counts[2], 0);
+        let share = counts[1] as f64 / 6000.0;
+        assert!((share - 2.0 / 3.0).abs() < 0.03, "share {share}");
+    }
+
+    #[test]
+    fn top_p_keeps_the_smallest_prefix_reaching_p() {
+        let mut rng = ChaCha8Rng::seed_from_u64(1);
+        // probabilities 0.5, 0.3, 0.2, ~0: top_p 0.7 keeps {0, 1}, renormalised to 5/8, 3/8.
+        let logits = [0.5f32.ln(), 0.3f32.ln(), 0.2f32.ln(), -30.0];
+        let mut counts = [0usize; 4];
+        for _ in 0..8000 {
+            counts[sample_token(&logits, &cfg(1.0, None, Some(0.7)), &mut rng) as usize] += 1;
+        }
+        assert_eq!(counts[2] + counts[3], 0, "{counts:?}");
+        assert!(
+            (counts[0] as f64 / 8000.0 - 0.625).abs() < 0.03,
+            "{counts:?}"
+        );
+    }
+}

@@ -1,0 +1,617 @@
+//! GPT-2 with Hugging Face `GPT2LMHeadModel` semantics: learned position embeddings, pre-LayerNorm
+//! blocks, `gelu_new`, causal self-attention, an LM head tied to `wte`, HF tensor names and the
+//! Conv1D `(in, out)` weight layout. One implementation serves training (logits at every
+//! position, dropout when a [`DropoutKey`] is given) and generation (pass a [`KvCache`]).
+//!
+//! Shapes: B batch, T new tokens, P cached tokens, S = P + T keys, C `n_embd`, NH `n_head`,
+//! HD = C / NH, V `vocab_size` (the embedding's real row count, Megatron padding included), L layers.
+
+use crate::ops::{self, DropoutKey};
+use anyhow::{bail, Context};
+use candle_core::{DType, Device, Result, Tensor, D};
+use candle_nn::VarBuilder;
+use serde::{Deserialize, Serialize};
+
+/// The Hugging Face `GPT2Config` fields we read; unknown fields are kept and written back.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Gpt2Config {
+    /// Rows of the token embedding; may exceed the tokenizer's size (Megatron padding).
+    pub vocab_size: usize,
+    pub n_positions: usize,
+    pub n_embd: usize,
+    pub n_layer: usize,
+    pub n_head: usize,
+    /// MLP width; `None` means 4 * n_embd.
+    #[serde(default)]
+    pub n_inner: Option<usize>,
+    #[serde(default = "default_activation")]
+    pub activation_function: String,
+    #[serde(default = "default_dropout")]
+    pub resid_pdrop: f64,
+    #[serde(default = "default_dropout")]
+    pub embd_pdrop: f64,
+    #[serde(default = "default_dropout")]
+    pub attn_pdrop: f64,
+    #[serde(default = "default_eps")]
+    pub layer_norm_epsilon: f64,
+    #[serde(default = "default_init_range")]
+    pub initializer_range: f64,
+    #[serde(default)]
+    pub bos_token_id: Option<u32>,
+    #[serde(default)]
+    pub eos_token_id: Option<u32>,
+    #[serde(default = "default_true")]
+    pub scale_attn_weights: bool,
+    #[serde(default)]
+    pub scale_attn_by_inverse_layer_idx: bool,
+    #[serde(default = "default_true")]
+    pub tie_word_embeddings: bool,
+    /// Every other field of config.json, preserved on save.
+    #[serde(flatten)]
+    pub extra: serde_json::Map<String, serde_json::Value>,
+}
+
+fn default_activation() -> String {
+    "gelu_new".into()
+}
+fn default_dropout() -> f64 {
+    0.1
+}
+fn default_eps() -> f64 {
+    1e-5
+}
+fn default_init_range() -> f64 {
+    0.02
+}
+fn default_true() -> bool {
+    true
+}
+
+/// GPT-2's tokenizer size; presets start here and Megatron padding rounds it up.
+pub const GPT2_VOCAB: usize = 50257;
+/// `<|endoftext|>`, GPT-2's BOS, EOS and (as in DS-Chat) pad token.
+pub const GPT2_EOS: u32 = 50256;
+
+impl Gpt2Config {
+    fn preset(n_layer: usize, n_embd: usize, n_head: usize, n_positions: usize) -> Self {
+        Self {
+            vocab_size: GPT2_VOCAB,
+            n_positions,
+            n_embd,
+            n_layer,
+            n_head,
+            n_inner: None,
+            activation_function: default_activation(),
+            resid_pdrop: 0.1,
+            embd_pdrop: 0.1,
+            attn_pdrop: 0.1,
+            layer_norm_epsilon: 1e-5,
+            initializer_range: 0.02,
+            bos_token_id: Some(GPT2_EOS),
+            eos_token_id: Some(GPT2_EOS),
+            scale_attn_weights: true,
+            scale_attn_by_inverse_layer_idx: false,
+            tie_word_embeddings: true,
+            extra: Default::default(),
+        }
+    }
+    /// 7.2M parameters (6.4M of them the embedding): tests and the CPU demo.
+    pub fn tiny() -> Self {
+        Self::preset(4, 128, 4, 256)
+    }
+    /// 124M parameters.
+    pub fn gpt2() -> Self {
+        Self::preset(12, 768, 12, 1024)
+    }
+    /// 355M parameters: Megatron's "345M" shape (24 layers, 1024 hidden, 16 heads).
+    pub fn gpt2_medium() -> Self {
+        Self::preset(24, 1024, 16, 1024)
+    }
+    /// 774M parameters.
+    pub fn gpt2_large() -> Self {
+        Self::preset(36, 1280, 20, 1024)
+    }
+    /// 1.56B parameters.
+    pub fn gpt2_xl() -> Self {
+        Self::preset(48, 1600, 25, 1024)
+    }
+
+    /// A preset by name (`tiny`, `gpt2`, `gpt2-medium`, `gpt2-large`, `gpt2-xl`).
+    pub fn from_preset(name: &str) -> Option<Self> {
+        Some(match name {
+            "tiny" => Self::tiny(),
+            "gpt2" | "gpt2-small" => Self::gpt2(),
+            "gpt2-medium" => Self::gpt2_medium(),
+            "gpt2-large" => Self::gpt2_large(),
+            "gpt2-xl" => Self::gpt2_xl(),
+            _ => return None,
+        })
+    }
+    pub const PRESETS: &'static str = "tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl";
+
+    pub fn inner_dim(&self) -> usize {
+        self.n_inner.unwrap_or(4 * self.n_embd)
+    }
+    pub fn head_dim(&self) -> usize {
+        self.n_embd / self.n_head
+    }
+
+    /// Rounds `vocab_size` up to a multiple of `divisor` (Megatron's
+    /// `--make-vocab-size-divisible-by`); the padded size is what the checkpoint records.
+    pub fn pad_vocab(&mut self, divisor: usize) {
+        if divisor > 1 {
+            self.vocab_size = self.vocab_size.div_ceil(divisor) * divisor;
+        }
+    }
+
+    /// Rejects configurations this implementation would silently get wrong.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        let positive = [
+            ("vocab_size", self.vocab_size),
+            ("n_positions", self.n_positions),
+            ("n_embd", self.n_embd),
+            ("n_layer", self.n_layer),
+            ("n_head", self.n_head),
+        ];
+        for (name, v) in positive {
+            if v == 0 {
+                bail!("invalid GPT-2 config: {name} must be positive");
+            }
+        }
+        if self.n_embd % self.n_head != 0 {
+            bail!(
+                "invalid GPT-2 config: n_embd {} is not divisible by n_head {}",
+                self.n_embd,
+                self.n_head
+            );
+        }
+        if !matches!(
+            self.activation_function.as_str(),
+            "gelu_new" | "gelu_pytorch_tanh" | "gelu" | "gelu_fast"
+        ) {
+            bail!(
+                "invalid GPT-2 config: activation_function {:?} is not supported (use gelu_new, gelu_pytorch_tanh or gelu)",
+                self.activation_function
+            );
+        }
+        for (name, p) in [
+            ("resid_pdrop", self.resid_pdrop),
+            ("embd_pdrop", self.embd_pdrop),
+            ("attn_pdrop", self.attn_pdrop),
+        ] {
+            if !(0.0..1.0).contains(&p) {
+                bail!("invalid GPT-2 config: {name} = {p} must be in [0, 1)");
+            }
+        }
+        if !self.tie_word_embeddings {
+            bail!("invalid GPT-2 config: tie_word_embeddings = false is not supported (GPT-2 ties the LM head to wte)");
+        }
+        if let Some(t) = self.extra.get("model_type").and_then(|v| v.as_str()) {
+            if t != "gpt2" {
+                bail!("config.json has model_type {t:?}: only GPT-2 models (model_type \"gpt2\") are supported");
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Hugging Face's Conv1D: a linear layer whose weight is stored `(in, out)`.
+pub struct Conv1D {
+    weight: Tensor, // (in, out)
+    bias: Tensor,   // (out,)
+}
+
+impl Conv1D {
+    fn load(vb: VarBuilder, d_in: usize, d_out: usize) -> Result<Self> {
+        Ok(Self {
+            weight: vb.get((d_in, d_out), "weight")?,
+            bias: vb.get(d_out, "bias")?,
+        })
+    }
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let (b, t, c) = x.dims3()?;
+        // One (B*T, in) x (in, out) gemm instead of B batched ones.
+        let y = x
+            .reshape((b * t, c))?
+            .matmul(&self.weight)?
+            .broadcast_add(&self.bias)?; // (B*T, out)
+        y.reshape((b, t, ()))
+    }
+}
+
+pub struct LayerNorm {
+    weight: Tensor,
+    bias: Tensor,
+    eps: f64,
+}
+
+impl LayerNorm {
+    fn load(vb: VarBuilder, size: usize, eps: f64) -> Result<Self> {
+        Ok(Self {
+            weight: vb.get(size, "weight")?,
+            bias: vb.get(size, "bias")?,
+            eps,
+        })
+    }
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        ops::layer_norm(x, &self.weight, &self.bias, self.eps)
+    }
+}
+
+/// Dropout probabilities and the key of the step being trained; `None` in evaluation.
+#[derive(Clone, Copy, Debug)]
+pub struct Dropout {
+    pub key: DropoutKey,
+    pub embd: f64,
+    pub attn: f64,
+    pub resid: f64,
+}
+
+impl Dropout {
+    pub fn from_config(cfg: &Gpt2Config, key: DropoutKey) -> Self {
+        Self {
+            key,
+            embd: cfg.embd_pdrop,
+            attn: cfg.attn_pdrop,
+            resid: cfg.resid_pdrop,
+        }
+    }
+}
+
+/// One layer's keys and values, preallocated for `max_len` positions on first use.
+pub type KvCache = candle_nn::kv_cache::KvCache;
+
+/// The KV caches of all layers.
+pub struct Gpt2Cache {
+    pub layers: Vec<KvCache>,
+}
+
+impl Gpt2Cache {
+    pub fn new(cfg: &Gpt2Config, max_len: usize) -> Self {
+        Self {
+            layers: (0..cfg.n_layer).map(|_| KvCache::new(2, max_len)).collect(),
+        }
+    }
+    /// Tokens already cached (P).
+    pub fn len(&self) -> usize {
+        self.layers.first().map_or(0, |c| c.current_seq_len())
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+pub struct Attention {
+    c_attn: Conv1D,
+    c_proj: Conv1D,
+    n_head: usize,
+    scale: f64,
+}
+
+impl Attention {
+    fn load(vb: VarBuilder, cfg: &Gpt2Config, layer: usize) -> Result<Self> {
+        let c = cfg.n_embd;
+        let mut scale = if cfg.scale_attn_weights {
+            1.0 / (cfg.head_dim() as f64).sqrt()
+        } else {
+            1.0
+        };
+        if cfg.scale_attn_by_inverse_layer_idx {
+            scale /= (layer + 1) as f64;
+        }
+        Ok(Self {
+            c_attn: Conv1D::load(vb.pp("c_attn"), c, 3 * c)?,
+            c_proj: Conv1D::load(vb.pp("c_proj"), c, c)?,
+            n_head: cfg.n_head,
+            scale,
+        })
+    }
+
+    /// `bias` is the additive attention mask (B or 1, 1, T, S): 0 where allowed, a large negative
+    /// number where masked (causal and padding).
+    fn forward(
+        &self,
+        x: &Tensor,
+        bias: &Tensor,
+        cache: Option<&mut KvCache>,
+        dropout: Option<(&Dropout, u64)>,
+    ) -> Result<Tensor> {
+        let (b, t, c) = x.dims3()?;
+        let hd = c / self.n_head;
+        let qkv = self.c_attn.forward(x)?; // (B, T, 3C)
+        let heads = |i: usize| -> Result<Tensor> {
+            qkv.narrow(D::Minus1, i * c, c)?
+                .reshape((b, t, self.n_head, hd))?
+                .transpose(1, 2)?
+                .contiguous() // (B, NH, T, HD): the layout the batched gemm wants
+        };
+        let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
+        let (k, v) = match cache {
+            Some(cache) => cache.append(&k, &v)?, // (B, NH, S, HD)
+            None => (k, v),
+        };
+        let att = (q.matmul(&k.t()?)? * self.scale)?; // (B, NH, T, S)
+        let att = ops::softmax_last_dim(&att.broadcast_add(bias)?)?;
+        let att = match dropout {
+            Some((d, layer)) => ops::dropout(&att, d.attn, &d.key, layer, 0)?,
+            None => att,
+        };
+        let y = att.matmul(&v)?; // (B, NH, T, HD)
+        let y = y.transpose(1, 2)?.reshape((b, t, c))?; // (B, T, C)
+        let y = self.c_proj.forward(&y)?;
+        match dropout {
+            Some((d, layer)) => ops::dropout(&y, d.resid, &d.key, layer, 1),
+            None => Ok(y),
+        }
+    }
+}
+
+pub struct Mlp {
+    c_fc: Conv1D,
+    c_proj: Conv1D,
+    exact_gelu: bool,
+}
+
+impl Mlp {
+    fn load(vb: VarBuilder, cfg: &Gpt2Config) -> Result<Self> {
+        let (c, inner) = (cfg.n_embd, cfg.inner_dim());
+        Ok(Self {
+            c_fc: Conv1D::load(vb.pp("c_fc"), c, inner)?,
+            c_proj: Conv1D::load(vb.pp("c_proj"), inner, c)?,
+            exact_gelu: cfg.activation_function == "gelu",
+        })
+    }
+    fn forward(&self, x: &Tensor, dropout: Option<(&Dropout, u64)>) -> Result<Tensor> {
+        let h = self.c_fc.forward(x)?; // (B, T, 4C)
+        let h = if self.exact_gelu {
+            h.gelu_erf()?
+        } else {
+            h.gelu()?
+        }; // candle's gelu is gelu_new
+        let y = self.c_proj.forward(&h)?; // (B, T, C)
+        match dropout {
+            Some((d, layer)) => ops::dropout(&y, d.resid, &d.key, layer, 2),
+            None => Ok(y),
+        }
+    }
+}
+
+pub struct Block {
+    ln_1: LayerNorm,
+    attn: Attention,
+    ln_2: LayerNorm,
+    mlp: Mlp,
+    index: u64,
+}
+
+impl Block {
+    fn load(vb: VarBuilder, cfg: &Gpt2Config, index: usize) -> Result<Self> {
+        let eps = cfg.layer_norm_epsilon;
+        Ok(Self {
+            ln_1: LayerNorm::load(vb.pp("ln_1"), cfg.n_embd, eps)?,
+            attn: Attention::load(vb.pp("attn"), cfg, index)?,
+            ln_2: LayerNorm::load(vb.pp("ln_2"), cfg.n_embd, eps)?,
+            mlp: Mlp::load(vb.pp("mlp"), cfg)?,
+            index: index as u64,
+        })
+    }
+
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        bias: &Tensor,
+        cache: Option<&mut KvCache>,
+        dropout: Option<&Dropout>,
+    ) -> Result<Tensor> {
+        let drop = dropout.map(|d| (d, self.index));
+        let x = (x + self
+            .attn
+            .forward(&self.ln_1.forward(x)?, bias, cache, drop)?)?;
+        &x + self.mlp.forward(&self.ln_2.forward(&x)?, drop)?
+    }
+}
+
+/// Where the tokens of a forward pass sit: positions and which keys may be attended to.
+#[derive(Default, Clone, Copy)]
+pub struct Positions<'a> {
+    /// (B, T) u32 position ids; default `P..P+T` for every row.
+    pub position_ids: Option<&'a Tensor>,
+    /// (B, S) with 1 for real tokens and 0 for padding, over cached and new tokens alike.
+    pub attention_mask: Option<&'a Tensor>,
+}
+
+/// The mask value: large enough that exp() underflows to 0, finite so fully masked (padding)
+/// rows stay finite instead of NaN.
+const MASKED: f32 = -1e9;
+
+pub struct Gpt2 {
+    wte: Tensor, // (V, C)
+    wpe: Tensor, // (n_positions, C)
+    pub h: Vec<Block>,
+    ln_f: LayerNorm,
+    pub cfg: Gpt2Config,
+}
+
+impl Gpt2 {
+    /// Builds the model from tensors named as in HF without the `transformer.` prefix
+    /// (`wte.weight`, `h.0.attn.c_attn.weight`, ...).
+    pub fn load(vb: VarBuilder, cfg: &Gpt2Config) -> Result<Self> {
+        let c = cfg.n_embd;
+        Ok(Self {
+            wte: vb.get((cfg.vocab_size, c), "wte.weight")?,
+            wpe: vb.get((cfg.n_positions, c), "wpe.weight")?,
+            h: (0..cfg.n_layer)
+                .map(|i| Block::load(vb.pp("h").pp(i), cfg, i))
+                .collect::<Result<_>>()?,
+            ln_f: LayerNorm::load(vb.pp("ln_f"), c, cfg.layer_norm_epsilon)?,
+            cfg: cfg.clone(),
+        })
+    }
+
+    /// Token plus position embeddings, with embedding dropout in training. (B, T, C)
+    pub fn embed(
+        &self,
+        ids: &Tensor,
+        pos: &Positions,
+        past: usize,
+        dropout: Option<&Dropout>,
+    ) -> Result<Tensor> {
+        let (b, t) = ids.dims2()?;
+        let c = self.cfg.n_embd;
+        let tok = self
+            .wte
+            .index_select(&ids.flatten_all()?, 0)?
+            .reshape((b, t, c))?;
+        let pos_emb = match pos.position_ids {
+            Some(p) => self
+                .wpe
+                .index_select(&p.flatten_all()?, 0)?
+                .reshape((b, t, c))?,
+            None => {
+                let p = Tensor::arange(past as u32, (past + t) as u32, ids.device())?;
+                self.wpe.index_select(&p, 0)?.unsqueeze(0)? // (1, T, C)
+            }
+        };
+        let x = tok.broadcast_add(&pos_emb)?;
+        match dropout {
+            Some(d) => ops::dropout(&x, d.embd, &d.key, u64::MAX, 0),
+            None => Ok(x),
+        }
+    }
+
+    /// The additive attention mask (B or 1, 1, T, S) for T new tokens after P cached ones.
+    pub fn attention_bias(
+        &self,
+        b: usize,
+        t: usize,
+        past: usize,
+        pos: &Positions,
+        device: &Device,
+    ) -> Result<Tensor> {
+        let s = past + t;
+        let keys: Option<Vec<Vec<f32>>> = match pos.attention_mask {
+            Some(m) => Some(m.to_dtype(DType::F32)?.to_vec2()?),
+            None => None,
+        };
+        let rows = if keys.is_some() { b } else { 1 };
+        let mut bias = vec![0f32; rows * t * s];
+        for r in 0..rows {
+            for i in 0..t {
+                for j in 0..s {
+                    let causal = j <= past + i;
+                    let real = keys.as_ref().is_none_or(|k| k[r][j] != 0.0);
+                    if !(causal && real) {
+                        bias[(r * t + i) * s + j] = MASKED;
+                    }
+                }
+            }
+        }
+        Tensor::from_vec(bias, (rows, 1, t, s), device)
+    }
+
+    /// Final LayerNorm and the tied LM head. (B, T, C) -> (B, T, V)
+    pub fn lm_head(&self, x: &Tensor) -> Result<Tensor> {
+        let (b, t, c) = x.dims3()?;
+        let x = self.ln_f.forward(x)?.reshape((b * t, c))?;
+        x.matmul(&self.wte.t()?)?.reshape((b, t, ())) // (B, T, V)
+    }
+
+    /// The last hidden state after `ln_f` is not applied: blocks only. (B, T, C)
+    pub fn forward_blocks(
+        &self,
+        ids: &Tensor,
+        pos: &Positions,
+        mut cache: Option<&mut Gpt2Cache>,
+        dropout: Option<&Dropout>,
+    ) -> Result<Tensor> {
+        let (b, t) = ids.dims2()?;
+        let past = cache.as_ref().map_or(0, |c| c.len());
+        if past + t > self.cfg.n_positions {
+            candle_core::bail!(
+                "sequence of {} tokens exceeds the model's n_positions {}",
+                past + t,
+                self.cfg.n_positions
+            );
+        }
+        let bias = self.attention_bias(b, t, past, pos, ids.device())?;
+        let mut x = self.embed(ids, pos, past, dropout)?;
+        for (i, block) in self.h.iter().enumerate() {
+            let layer_cache = cache.as_mut().map(|c| &mut c.layers[i]);
+            x = block.forward(&x, &bias, layer_cache, dropout)?;
+        }
+        Ok(x)
+    }
+
+    /// Logits at every position: (B, T) ids -> (B, T, V).
+    pub fn forward(
+        &self,
+        ids: &Tensor,
+        pos: &Positions,
+        cache: Option<&mut Gpt2Cache>,
+        dropout: Option<&Dropout>,
+    ) -> Result<Tensor> {
+        let x = self.forward_blocks(ids, pos, cache, dropout)?;
+        self.lm_head(&x)
+    }
+
+    /// Mean next-token cross-entropy of `ids` (B, T) against `targets` (B, T).
+    pub fn lm_loss(
+        &self,
+        ids: &Tensor,
+        targets: &Tensor,
+        dropout: Option<&Dropout>,
+    ) -> Result<Tensor> {
+        let logits = self.forward(ids, &Positions::default(), None, dropout)?; // (B, T, V)
+        let v = logits.dim(D::Minus1)?;
+        ops::cross_entropy(&logits.reshape(((), v))?, &targets.flatten_all()?)
+    }
+}
+
+/// Every parameter of a GPT-2 with its shape, in HF order and naming (without `transformer.`).
+/// The single inventory used for initialisation, loading checks and memory accounting.
+pub fn parameter_shapes(cfg: &Gpt2Config) -> Vec<(String, Vec<usize>)> {
+    let (c, inner) = (cfg.n_embd, cfg.inner_dim());
+    let mut p = vec![
+        ("wte.weight".to_string(), vec![cfg.vocab_size, c]),
+        ("wpe.weight".to_string(), vec![cfg.n_positions, c]),
+    ];
+    for i in 0..cfg.n_layer {
+        let l = |s: &str| format!("h.{i}.{s}");
+        p.extend([
+            (l("ln_1.weight"), vec![c]),
+            (l("ln_1.bias"), vec![c]),
+            (l("attn.c_attn.weight"), vec![c, 3 * c]),
+            (l("attn.c_attn.bias"), vec![3 * c]),
+            (l("attn.c_proj.weight"), vec![c, c]),
+            (l("attn.c_proj.bias"), vec![c]),
+            (l("ln_2.weight"), vec![c]),
+            (l("ln_2.bias"), vec![c]),
+            (l("mlp.c_fc.weight"), vec![c, inner]),
+            (l("mlp.c_fc.bias"), vec![inner]),
+            (l("mlp.c_proj.weight"), vec![inner, c]),
+            (l("mlp.c_proj.bias"), vec![c]),
+        ]);
+    }
+    p.push(("ln_f.weight".into(), vec![c]));
+    p.push(("ln_f.bias".into(), vec![c]));
+    p
+}
+
+/// Total parameter count (the tied LM head counted once).
+pub fn parameter_count(cfg: &Gpt2Config) -> usize {
+    parameter_shapes(cfg)
+        .iter()
+        .map(|(_, s)| s.iter().product::<usize>())
+        .sum()
+}
+
+/// Reads and validates a config.json.
+pub fn read_config(path: &std::path::Path) -> anyhow::Result<Gpt2Config> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let cfg: Gpt2Config = serde_json::from_str(&text)
+        .map_err(|e| anyhow::anyhow!("{} is not a valid GPT-2 config.json: {e}", path.display()))?;
+    cfg.validate()
+        .with_context(|| format!("in {}", path.display()))?;
+    Ok(cfg)
+}

@@ -1,0 +1,237 @@
+//! Differentiable building blocks for the training path.
+//!
+//! candle 0.11's fused `softmax_last_dim`, `ops::layer_norm` and `nn::LayerNorm` have no backward:
+//! gradients silently stop at them. Everything here is composed of ops that candle can
+//! differentiate (each has a finite-difference test below). Issue 5 may swap in fused kernels
+//! with explicit backward; these stay as the reference they are tested against.
+
+use candle_core::{DType, Result, Tensor, D};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+/// Softmax over the last dimension. The max is detached: softmax is shift-invariant, so the
+/// gradient through it is zero in exact arithmetic and only costs time.
+pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
+    let max = x.max_keepdim(D::Minus1)?.detach();
+    let e = x.broadcast_sub(&max)?.exp()?;
+    let sum = e.sum_keepdim(D::Minus1)?;
+    e.broadcast_div(&sum)
+}
+
+/// log-softmax over the last dimension (max detached, as in [`softmax_last_dim`]).
+pub fn log_softmax_last_dim(x: &Tensor) -> Result<Tensor> {
+    let max = x.max_keepdim(D::Minus1)?.detach();
+    let shifted = x.broadcast_sub(&max)?;
+    let lse = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;
+    shifted.broadcast_sub(&lse)
+}
+
+/// Half precision is upcast to f32 for reductions; f32 and f64 stay as they are.
+fn upcast(x: &Tensor) -> Result<Tensor> {
+    match x.dtype() {
+        DType::F16 | DType::BF16 => x.to_dtype(DType::F32),
+        _ => Ok(x.clone()),
+    }
+}
+
+/// LayerNorm over the last dimension, biased variance as in `torch.nn.LayerNorm`, computed in
+/// at least f32.
+pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+    let dtype = x.dtype();
+    let x = upcast(x)?;
+    let mean = x.mean_keepdim(D::Minus1)?; // (.., 1)
+    let centered = x.broadcast_sub(&mean)?;
+    let var = centered.sqr()?.mean_keepdim(D::Minus1)?; // (.., 1)
+    let normed = centered.broadcast_div(&(var + eps)?.sqrt()?)?;
+    normed
+        .to_dtype(dtype)?
+        .broadcast_mul(weight)?
+        .broadcast_add(bias)
+}
+
+/// Mean token cross-entropy of `logits` (N, V) against `targets` (N,) u32.
+pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let n = targets.dim(0)?;
+    let logp = log_softmax_last_dim(&upcast(logits)?)?; // (N, V)
+    let picked = logp.gather(&targets.unsqueeze(1)?, 1)?; // (N, 1)
+    picked.sum_all()?.affine(-1.0 / n as f64, 0.0)
+}
+
+/// Identifies one dropout site in one step, so its mask is a pure function of where it is used.
+///
+/// Counter-based rather than a stream: activation checkpointing recomputes a block in backward
+/// and must draw the very same mask, and a resumed run must draw the masks the uninterrupted
+/// run would have drawn, with no RNG state to carry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DropoutKey {
+    pub seed: u64,
+    pub step: u64,
+    pub micro_batch: u64,
+}
+
+impl DropoutKey {
+    /// The mask stream for site `site` of layer `layer` (layer `u64::MAX` = embeddings).
+    fn rng(&self, layer: u64, site: u64) -> ChaCha8Rng {
+        // SplitMix-style mixing of the coordinates into one 64-bit seed.
+        let mut h = self.seed ^ 0x9E37_79B9_7F4A_7C15;
+        for v in [self.step, self.micro_batch, layer, site] {
+            h = (h ^ v).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            h ^= h >> 31;
+        }
+        ChaCha8Rng::seed_from_u64(h)
+    }
+}
+
+/// Inverted dropout with probability `p`, its mask drawn from `key` at (`layer`, `site`).
+pub fn dropout(x: &Tensor, p: f64, key: &DropoutKey, layer: u64, site: u64) -> Result<Tensor> {
+    if p <= 0.0 {
+        return Ok(x.clone());
+    }
+    let mut rng = key.rng(layer, site);
+    let scale = (1.0 / (1.0 - p)) as f32;
+    let mask: Vec<f32> = (0..x.elem_count())
+        .map(|_| if rng.random::<f64>() < p { 0.0 } else { scale })
+        .collect();
+    let mask = Tensor::from_vec(mask, x.shape(), x.device())?.to_dtype(x.dtype())?;
+    x.mul(&mask)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+
+    /// Central finite differences of `f` (a scalar function) at every element of `x`, compared
+    /// with candle's autograd gradient.
+    fn check_grad(x: &Tensor, f: impl Fn(&Tensor) -> Result<Tensor>) -> Result<f32> {
+        let var = Var::from_tensor(x)?;
+        let grads = f(var.as_tensor())?.backward()?;
+        let analytic: Vec<f32> = grads
+            .get(&var)
+            .expect("no grad")
+            .to_dtype(DType::F32)?
+            .flatten_all()?
+            .to_vec1()?;
+        let base: Vec<f64> = x.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?;
+        let eps = 1e-4;
+        let mut worst = 0f32;
+        for i in 0..base.len() {
+            let eval = |delta: f64| -> Result<f64> {
+                let mut v = base.clone();
+                v[i] += delta;
+                let t = Tensor::from_vec(v, x.shape(), x.device())?;
+                f(&t)?.to_dtype(DType::F64)?.to_scalar::<f64>()
+            };
+            let numeric = (eval(eps)? - eval(-eps)?) / (2.0 * eps);
+            worst = worst.max((numeric as f32 - analytic[i]).abs());
+        }
+        Ok(worst)
+    }
+
+    fn weights(n: usize) -> Result<Tensor> {
+        Tensor::randn(0f64, 1.0, n, &Device::Cpu)
+    }
+
+    #[test]
+    fn softmax_gradient_matches_finite_differences() -> Result<()> {
+        let x = Tensor::randn(0f64, 2.0, (3, 5), &Device::Cpu)?;
+        let w = Tensor::randn(0f64, 1.0, (3, 5), &Device::Cpu)?;
+        let err = check_grad(&x, |t| softmax_last_dim(t)?.mul(&w)?.sum_all())?;
+        assert!(err < 1e-6, "softmax grad error {err}");
+        let err = check_grad(&x, |t| log_softmax_last_dim(t)?.mul(&w)?.sum_all())?;
+        assert!(err < 1e-6, "log-softmax grad error {err}");
+        Ok(())
+    }
+
+    #[test]
+    fn layer_norm_gradients_match_finite_differences_for_input_weight_and_bias() -> Result<()> {
+        let x = Tensor::randn(0f64, 1.0, (4, 6), &Device::Cpu)?;
+        let (g, b) = (weights(6)?, weights(6)?);
+        let w = Tensor::randn(0f64, 1.0, (4, 6), &Device::Cpu)?;
+        let err = check_grad(&x, |t| layer_norm(t, &g, &b, 1e-5)?.mul(&w)?.sum_all())?;
+        assert!(err < 1e-5, "layer norm dx error {err}");
+        let err = check_grad(&g, |t| layer_norm(&x, t, &b, 1e-5)?.mul(&w)?.sum_all())?;
+        assert!(err < 1e-5, "layer norm dweight error {err}");
+        let err = check_grad(&b, |t| layer_norm(&x, &g, t, 1e-5)?.mul(&w)?.sum_all())?;
+        assert!(err < 1e-5, "layer norm dbias error {err}");
+        Ok(())
+    }
+
+    #[test]
+    fn layer_norm_matches_definition() -> Result<()> {
+        let x = Tensor::new(&[[1f32, 2., 3., 6.]], &Device::Cpu)?;
+        let y = layer_norm(
+            &x,
+            &Tensor::ones(4, DType::F32, &Device::Cpu)?,
+            &Tensor::zeros(4, DType::F32, &Device::Cpu)?,
+            0.0,
+        )?;
+        // mean 3, biased variance (4+1+0+9)/4 = 3.5
+        let s = 3.5f32.sqrt();
+        let want = [-2. / s, -1. / s, 0., 3. / s];
+        for (a, b) in y.flatten_all()?.to_vec1::<f32>()?.iter().zip(want) {
+            assert!((a - b).abs() < 1e-6, "{a} vs {b}");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn cross_entropy_matches_hand_computed_and_finite_differences() -> Result<()> {
+        let logits = Tensor::new(&[[0f64, 0., 0.], [1., 2., 3.]], &Device::Cpu)?;
+        let targets = Tensor::new(&[1u32, 2], &Device::Cpu)?;
+        let ce = cross_entropy(&logits, &targets)?.to_scalar::<f64>()?;
+        let row2 = -(3f64 - (1f64.exp() + 2f64.exp() + 3f64.exp()).ln());
+        let want = ((3f64).ln() + row2) / 2.0;
+        assert!((ce - want).abs() < 1e-12, "{ce} vs {want}");
+        let err = check_grad(&logits, |t| cross_entropy(t, &targets))?;
+        assert!(err < 1e-6, "cross entropy grad error {err}");
+        Ok(())
+    }
+
+    #[test]
+    fn gelu_is_the_tanh_approximation_with_a_gradient() -> Result<()> {
+        let x = Tensor::new(&[-2f64, -0.5, 0.0, 0.7, 3.0], &Device::Cpu)?;
+        let y: Vec<f64> = x.gelu()?.to_vec1()?;
+        for (xi, yi) in [-2f64, -0.5, 0.0, 0.7, 3.0].iter().zip(y) {
+            let c = (2.0 / std::f64::consts::PI).sqrt();
+            let want = 0.5 * xi * (1.0 + (c * (xi + 0.044715 * xi.powi(3))).tanh());
+            assert!((yi - want).abs() < 1e-6, "gelu({xi}) = {yi}, want {want}");
+        }
+        let err = check_grad(&x.to_dtype(DType::F32)?, |t| t.gelu()?.sum_all())?;
+        assert!(err < 1e-3, "gelu grad error {err}");
+        Ok(())
+    }
+
+    #[test]
+    fn dropout_is_a_pure_function_of_its_key_and_keeps_the_mean() -> Result<()> {
+        let x = Tensor::ones((64, 64), DType::F32, &Device::Cpu)?;
+        let key = DropoutKey {
+            seed: 1,
+            step: 3,
+            micro_batch: 0,
+        };
+        let a = dropout(&x, 0.1, &key, 2, 0)?;
+        let b = dropout(&x, 0.1, &key, 2, 0)?;
+        let c = dropout(&x, 0.1, &key, 2, 1)?;
+        let diff =
+            |p: &Tensor, q: &Tensor| -> Result<f32> { p.sub(q)?.abs()?.sum_all()?.to_scalar() };
+        assert_eq!(
+            diff(&a, &b)?,
+            0.0,
+            "same key and site must give the same mask"
+        );
+        assert!(diff(&a, &c)? > 0.0, "another site must give another mask");
+        let zeros = a
+            .eq(0f32)?
+            .to_dtype(DType::F32)?
+            .mean_all()?
+            .to_scalar::<f32>()?;
+        assert!((zeros - 0.1).abs() < 0.02, "drop rate {zeros}");
+        let mean = a.mean_all()?.to_scalar::<f32>()?;
+        assert!(
+            (mean - 1.0).abs() < 0.03,
+            "inverted dropout keeps the mean, got {mean}"
+        );
+        Ok(())
+    }
+}

@@ -1,0 +1,282 @@
+//! AdamW with decoupled weight decay (Loshchilov & Hutter; `torch.optim.AdamW` arithmetic),
+//! parameter groups (no decay on biases and LayerNorm, as DS-Chat's
+//! `get_optimizer_grouped_parameters` and Megatron do), gradient accumulation and clipping by
+//! the global gradient norm. Moments are f32 whatever the compute dtype (candle's AdamW in f16
+//! diverges: g^2 underflows).
+
+use crate::params::ParamStore;
+use anyhow::{bail, Result};
+use candle_core::{backprop::GradStore, Tensor};
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AdamWConfig {
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub weight_decay: f64,
+}
+
+impl Default for AdamWConfig {
+    /// Megatron's defaults; DS-Chat's steps use beta2 = 0.95.
+    fn default() -> Self {
+        Self {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+        }
+    }
+}
+
+/// Biases and LayerNorm parameters are not decayed.
+pub fn no_weight_decay(name: &str) -> bool {
+    name.ends_with(".bias") || name.starts_with("ln_") || name.contains(".ln_")
+}
+
+/// The optimizer's checkpointable state: the step count and both moments per parameter.
+pub struct AdamW {
+    pub config: AdamWConfig,
+    pub step: u64,
+    exp_avg: Vec<Tensor>,
+    exp_avg_sq: Vec<Tensor>,
+    decay: Vec<bool>,
+}
+
+impl AdamW {
+    pub fn new(config: AdamWConfig, params: &ParamStore) -> Result<Self> {
+        let zeros =
+            || -> Result<Vec<Tensor>> { params.vars.iter().map(|v| Ok(v.zeros_like()?)).collect() };
+        Ok(Self {
+            config,
+            step: 0,
+            exp_avg: zeros()?,
+            exp_avg_sq: zeros()?,
+            decay: params.names.iter().map(|n| !no_weight_decay(n)).collect(),
+        })
+    }
+
+    /// One update of every parameter with its gradient (same order as `params`).
+    pub fn step(&mut self, params: &ParamStore, grads: &[Tensor], lr: f64) -> Result<()> {
+        assert_eq!(grads.len(), params.vars.len(), "one gradient per parameter");
+        self.step += 1;
+        let AdamWConfig {
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+        } = self.config;
+        let bc1 = 1.0 - beta1.powi(self.step as i32);
+        let bc2 = 1.0 - beta2.powi(self.step as i32);
+        for (i, (var, g)) in params.vars.iter().zip(grads).enumerate() {
+            let m = ((&self.exp_avg[i] * beta1)? + (g * (1.0 - beta1))?)?;
+            let v = ((&self.exp_avg_sq[i] * beta2)? + (g.sqr()? * (1.0 - beta2))?)?;
+            let denom = ((&v / bc2)?.sqrt()? + eps)?;
+            let update = ((&m / denom)? * (lr / bc1))?;
+            let decayed = if self.decay[i] {
+                (var.as_tensor() * (1.0 - lr * weight_decay))?
+            } else {
+                var.as_tensor().clone()
+            };
+            var.set(&(decayed - update)?)?;
+            self.exp_avg[i] = m;
+            self.exp_avg_sq[i] = v;
+        }
+        Ok(())
+    }
+
+    /// Moments keyed `exp_avg.<param>` / `exp_avg_sq.<param>` for a checkpoint.
+    pub fn state_tensors(&self, params: &ParamStore) -> Vec<(String, Tensor)> {
+        let mut out = Vec::new();
+        for (i, name) in params.names.iter().enumerate() {
+            out.push((format!("exp_avg.{name}"), self.exp_avg[i].clone()));
+            out.push((format!("exp_avg_sq.{name}"), self.exp_avg_sq[i].clone()));
+        }
+        out
+    }
+
+    /// Restores moments written by [`Self::state_tensors`], checking every shape.
+    pub fn load_state(
+        &mut self,
+        params: &ParamStore,
+        step: u64,
+        tensors: &HashMap<String, Tensor>,
+    ) -> Result<()> {
+        for (i, name) in params.names.iter().enumerate() {
+            for (key, slot) in [
+                ("exp_avg", &mut self.exp_avg[i]),
+                ("exp_avg_sq", &mut self.exp_avg_sq[i]),
+            ] {
+                let k = format!("{key}.{name}");
+                let Some(t) = tensors.get(&k) else {
+                    bail!("optimizer state lacks {k}: the checkpoint does not match this model")
+                };
+                if t.dims() != slot.dims() {
+                    bail!(
+                        "optimizer state {k} has shape {:?}, the model needs {:?}",
+                        t.dims(),
+                        slot.dims()
+                    );
+                }
+                *slot = t.to_device(slot.device())?;
+            }
+        }
+        self.step = step;
+        Ok(())
+    }
+}
+
+/// Sums gradients over micro-batches, one slot per parameter.
+pub struct GradAccumulator {
+    grads: Vec<Option<Tensor>>,
+}
+
+impl GradAccumulator {
+    pub fn new(n: usize) -> Self {
+        Self {
+            grads: vec![None; n],
+        }
+    }
+
+    /// Adds the gradients a backward pass produced for `params`.
+    pub fn add(&mut self, params: &ParamStore, store: &GradStore) -> Result<()> {
+        for (slot, var) in self.grads.iter_mut().zip(&params.vars) {
+            if let Some(g) = store.get(var.as_tensor()) {
+                *slot = Some(match slot.take() {
+                    Some(acc) => (acc + g)?,
+                    None => g.clone(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The summed gradients; a parameter that got none is an error in our code, not the user's.
+    pub fn finish(self, params: &ParamStore) -> Result<Vec<Tensor>> {
+        self.grads
+            .into_iter()
+            .zip(&params.names)
+            .map(|(g, name)| {
+                g.ok_or_else(|| {
+                    anyhow::anyhow!("internal error: parameter {name} received no gradient")
+                })
+            })
+            .collect()
+    }
+}
+
+/// The L2 norm of all gradients together.
+pub fn global_grad_norm(grads: &[Tensor]) -> Result<f64> {
+    let mut sum = 0f64;
+    for g in grads {
+        sum += g
+            .sqr()?
+            .sum_all()?
+            .to_dtype(candle_core::DType::F64)?
+            .to_scalar::<f64>()?;
+    }
+    Ok(sum.sqrt())
+}
+
+/// Scales gradients so their global norm is at most `max_norm` (Megatron `clip_grad_norm`:
+/// coefficient max_norm / (norm + 1e-6), applied only when below 1). Returns the norm before.
+pub fn clip_grad_norm(grads: &mut [Tensor], max_norm: f64) -> Result<f64> {
+    let norm = global_grad_norm(grads)?;
+    if max_norm > 0.0 {
+        let coeff = max_norm / (norm + 1e-6);
+        if coeff < 1.0 {
+            for g in grads.iter_mut() {
+                *g = (&*g * coeff)?;
+            }
+        }
+    }
+    Ok(norm)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gpt2::Gpt2Config;
+    use candle_core::Device;
+
+    #[test]
+    fn decay_groups_exclude_biases_and_layer_norms() {
+        assert!(no_weight_decay("h.0.attn.c_attn.bias"));
+        assert!(no_weight_decay("h.3.ln_1.weight"));
+        assert!(no_weight_decay("ln_f.weight"));
+        assert!(!no_weight_decay("h.0.mlp.c_fc.weight"));
+        assert!(!no_weight_decay("wte.weight"));
+    }
+
+    #[test]
+    fn adamw_matches_hand_computed_two_steps() -> Result<()> {
+        let cfg = Gpt2Config {
+            n_layer: 1,
+            n_embd: 4,
+            n_head: 1,
+            n_positions: 2,
+            vocab_size: 3,
+            ..Gpt2Config::tiny()
+        };
+        let params = ParamStore::init(&cfg, 0, &Device::Cpu)?;
+        let c = AdamWConfig {
+            beta1: 0.9,
+            beta2: 0.99,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        };
+        let mut opt = AdamW::new(c, &params)?;
+        let w0: Vec<f32> = params.get("wte.weight").unwrap().flatten_all()?.to_vec1()?;
+        let b0: Vec<f32> = params.get("ln_f.bias").unwrap().flatten_all()?.to_vec1()?;
+        let grads_at = |g: f32| -> Result<Vec<Tensor>> {
+            params
+                .vars
+                .iter()
+                .map(|v| Ok((v.ones_like()? * g as f64)?))
+                .collect()
+        };
+        let lr = 0.01;
+        opt.step(&params, &grads_at(0.5)?, lr)?;
+        opt.step(&params, &grads_at(-1.0)?, lr)?;
+        // By hand (f64): m1 = 0.05, v1 = 0.0025; m2 = 0.045 - 0.1 = -0.055, v2 = 0.002475 + 0.01.
+        let (m1, v1) = (0.05f64, 0.0025f64);
+        let (m2, v2) = (0.9 * m1 - 0.1, 0.99 * v1 + 0.01);
+        let upd = |m: f64, v: f64, t: i32| {
+            lr * (m / (1.0 - 0.9f64.powi(t))) / ((v / (1.0 - 0.99f64.powi(t))).sqrt() + 1e-8)
+        };
+        let decayed =
+            |p: f64| (p * (1.0 - lr * 0.1) - upd(m1, v1, 1)) * (1.0 - lr * 0.1) - upd(m2, v2, 2);
+        let plain = |p: f64| p - upd(m1, v1, 1) - upd(m2, v2, 2);
+        let w2: Vec<f32> = params.get("wte.weight").unwrap().flatten_all()?.to_vec1()?;
+        let b2: Vec<f32> = params.get("ln_f.bias").unwrap().flatten_all()?.to_vec1()?;
+        for (a, b) in w0.iter().zip(&w2) {
+            assert!(
+                (decayed(*a as f64) - *b as f64).abs() < 1e-6,
+                "decayed weight {a} -> {b}"
+            );
+        }
+        for (a, b) in b0.iter().zip(&b2) {
+            assert!(
+                (plain(*a as f64) - *b as f64).abs() < 1e-6,
+                "bias {a} -> {b} (no decay)"
+            );
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn clipping_scales_to_the_max_norm_only_when_above() -> Result<()> {
+        let mut g = vec![
+            Tensor::new(&[3f32, 0.0], &Device::Cpu)?,
+            Tensor::new(&[4f32], &Device::Cpu)?,
+        ];
+        let norm = clip_grad_norm(&mut g, 1.0)?;
+        assert!((norm - 5.0).abs() < 1e-9);
+        assert!((global_grad_norm(&g)? - 1.0).abs() < 1e-5);
+        let mut small = vec![Tensor::new(&[0.3f32], &Device::Cpu)?];
+        clip_grad_norm(&mut small, 1.0)?;
+        assert_eq!(small[0].to_vec1::<f32>()?, [0.3]);
+        Ok(())
+    }
+}

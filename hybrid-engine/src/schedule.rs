@@ -1,0 +1,101 @@
+//! Learning-rate schedules: linear warmup, then constant, linear or cosine decay to a floor
+//! (Megatron's `AnnealingLR`; DS-Chat's `--lr-scheduler-type` with `--num-warmup-steps`).
+//! A pure function of the iteration, so resuming needs no scheduler state beyond the iteration.
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DecayStyle {
+    Constant,
+    Linear,
+    Cosine,
+}
+
+impl std::str::FromStr for DecayStyle {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "constant" | "constant_with_warmup" => Ok(Self::Constant),
+            "linear" => Ok(Self::Linear),
+            "cosine" => Ok(Self::Cosine),
+            _ => Err(format!(
+                "unknown schedule {s:?}: use constant, linear or cosine"
+            )),
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LrSchedule {
+    pub max_lr: f64,
+    pub min_lr: f64,
+    pub warmup_iters: u64,
+    /// Iteration at which the decay reaches `min_lr` (Megatron `--lr-decay-iters`, default the
+    /// run's length).
+    pub decay_iters: u64,
+    pub style: DecayStyle,
+}
+
+impl LrSchedule {
+    /// Learning rate for the update made at 1-based `iteration` (Megatron numbering: the first
+    /// update is iteration 1, so the warmup's first step is already non-zero).
+    pub fn lr(&self, iteration: u64) -> f64 {
+        if self.warmup_iters > 0 && iteration <= self.warmup_iters {
+            return self.max_lr * iteration as f64 / self.warmup_iters as f64;
+        }
+        if self.style == DecayStyle::Constant {
+            return self.max_lr;
+        }
+        if iteration >= self.decay_iters {
+            return self.min_lr;
+        }
+        let span = (self.decay_iters - self.warmup_iters).max(1) as f64;
+        let ratio = (iteration - self.warmup_iters) as f64 / span;
+        let coeff = match self.style {
+            DecayStyle::Linear => 1.0 - ratio,
+            DecayStyle::Cosine => 0.5 * (1.0 + (std::f64::consts::PI * ratio).cos()),
+            DecayStyle::Constant => 1.0,
+        };
+        self.min_lr + coeff * (self.max_lr - self.min_lr)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sched(style: DecayStyle) -> LrSchedule {
+        LrSchedule {
+            max_lr: 1.0,
+            min_lr: 0.1,
+            warmup_iters: 10,
+            decay_iters: 110,
+            style,
+        }
+    }
+
+    #[test]
+    fn warmup_is_linear_from_the_first_iteration() {
+        let s = sched(DecayStyle::Cosine);
+        assert_eq!(s.lr(1), 0.1);
+        assert_eq!(s.lr(5), 0.5);
+        assert_eq!(s.lr(10), 1.0);
+    }
+
+    #[test]
+    fn cosine_linear_and_constant_decay_hand_computed() {
+        let c = sched(DecayStyle::Cosine);
+        // Halfway through the decay (iteration 60), cosine is at the midpoint 0.55.
+        assert!((c.lr(60) - 0.55).abs() < 1e-12);
+        // A quarter through: 0.1 + 0.9 * 0.5 * (1 + cos(pi/4)).
+        assert!((c.lr(35) - (0.1 + 0.45 * (1.0 + std::f64::consts::FRAC_1_SQRT_2))).abs() < 1e-12);
+        assert_eq!(c.lr(110), 0.1);
+        assert_eq!(c.lr(500), 0.1, "after the decay, the floor");
+        let l = sched(DecayStyle::Linear);
+        assert!((l.lr(35) - (0.1 + 0.9 * 0.75)).abs() < 1e-12);
+        let k = sched(DecayStyle::Constant);
+        assert_eq!(k.lr(35), 1.0);
+        assert_eq!(k.lr(500), 1.0);
+    }
+}

@@ -1,0 +1,78 @@
+//! Forward and backward of the language-model loss on one micro-batch, with optional activation
+//! checkpointing (Megatron `--checkpoint-activations`, HF `gradient_checkpointing`).
+//!
+//! candle has no hook to recompute a subgraph, so checkpointing is done by hand: the forward
+//! keeps only each block's input (B, T, C) and drops the block's activations; the backward then
+//! walks the blocks in reverse, recomputes one block from its saved input, and back-propagates
+//! the incoming gradient through it with the surrogate `sum(out * grad_out)`. Only one block's
+//! activations are alive at a time. Dropout masks are a pure function of their
+//! [`crate::ops::DropoutKey`], so the recomputation draws the same masks as the forward.
+
+use crate::gpt2::{Dropout, Gpt2, Positions};
+use crate::ops;
+use crate::optim::GradAccumulator;
+use crate::params::ParamStore;
+use anyhow::{anyhow, Result};
+use candle_core::{Tensor, Var, D};
+
+/// Computes the mean LM loss of `ids` (B, T) against `targets` (B, T) and adds the gradients
+/// of `loss * scale` to `acc`. Returns the (unscaled) loss.
+pub fn lm_forward_backward(
+    model: &Gpt2,
+    params: &ParamStore,
+    ids: &Tensor,
+    targets: &Tensor,
+    dropout: Option<&Dropout>,
+    checkpoint_activations: bool,
+    scale: f64,
+    acc: &mut GradAccumulator,
+) -> Result<f32> {
+    if !checkpoint_activations {
+        let loss = model.lm_loss(ids, targets, dropout)?;
+        acc.add(params, &(&loss * scale)?.backward()?)?;
+        return Ok(loss.to_scalar::<f32>()?);
+    }
+
+    let (b, t) = ids.dims2()?;
+    let pos = Positions::default();
+    let bias = model.attention_bias(b, t, 0, &pos, ids.device())?; // (1, 1, T, T)
+
+    // Forward, keeping only block inputs: detach() drops each block's graph (its activations).
+    let mut inputs = Vec::with_capacity(model.h.len());
+    let mut x = model.embed(ids, &pos, 0, dropout)?.detach(); // (B, T, C)
+    for block in &model.h {
+        inputs.push(x.clone());
+        x = block.forward(&x, &bias, None, dropout)?.detach();
+    }
+
+    // Head and loss, with the last hidden state as a leaf so its gradient is returned.
+    let last = Var::from_tensor(&x)?;
+    let logits = model.lm_head(last.as_tensor())?; // (B, T, V)
+    let v = logits.dim(D::Minus1)?;
+    let loss = ops::cross_entropy(&logits.reshape(((), v))?, &targets.flatten_all()?)?;
+    let store = (&loss * scale)?.backward()?;
+    acc.add(params, &store)?;
+    let mut grad = leaf_grad(&store, &last)?;
+    drop((store, logits));
+
+    // Backward through the blocks, recomputing each from its input.
+    for (block, input) in model.h.iter().zip(&inputs).rev() {
+        let input = Var::from_tensor(input)?;
+        let out = block.forward(input.as_tensor(), &bias, None, dropout)?;
+        let store = out.mul(&grad)?.sum_all()?.backward()?;
+        acc.add(params, &store)?;
+        grad = leaf_grad(&store, &input)?;
+    }
+
+    // Embeddings (wte also got the LM head's gradient above: the sum is the tied gradient).
+    let emb = model.embed(ids, &pos, 0, dropout)?;
+    acc.add(params, &emb.mul(&grad)?.sum_all()?.backward()?)?;
+    Ok(loss.to_scalar::<f32>()?)
+}
+
+fn leaf_grad(store: &candle_core::backprop::GradStore, leaf: &Var) -> Result<Tensor> {
+    store
+        .get(leaf.as_tensor())
+        .cloned()
+        .ok_or_else(|| anyhow!("internal error: no gradient reached a checkpointed block boundary"))
+}
