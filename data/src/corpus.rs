@@ -48,10 +48,7 @@ pub enum CorpusFormat {
 impl CorpusFormat {
     /// `.jsonl`/`.json` -> Jsonl, `.parquet` -> Parquet, anything else -> Text.
     pub fn from_path(path: &Path) -> Self {
-        let ext = path
-            .extension()
-            .and_then(|e| e.to_str())
-            .map(str::to_ascii_lowercase);
+        let ext = path.extension().and_then(|e| e.to_str()).map(str::to_ascii_lowercase);
         match ext.as_deref() {
             Some("jsonl" | "json") => Self::Jsonl,
             Some("parquet") => Self::Parquet,
@@ -65,10 +62,7 @@ pub fn read_documents(src: &CorpusSource, text_key: &str) -> Result<Vec<String>>
     let (docs, name) = match src {
         CorpusSource::EmbeddedShakespeare => {
             let name = "embedded shakespeare.jsonl";
-            (
-                read_jsonl(SHAKESPEARE_JSONL, name, text_key)?,
-                name.to_string(),
-            )
+            (read_jsonl(SHAKESPEARE_JSONL, name, text_key)?, name.to_string())
         }
         CorpusSource::File(path) => {
             let name = path.display().to_string();
@@ -106,8 +100,8 @@ fn read_jsonl(reader: impl BufRead, name: &str, text_key: &str) -> Result<Vec<St
         if line.trim().is_empty() {
             continue;
         }
-        let value: serde_json::Value = serde_json::from_str(line)
-            .map_err(|e| anyhow!("{name} line {line_no}: invalid JSON ({e})"))?;
+        let value: serde_json::Value =
+            serde_json::from_str(line).map_err(|e| anyhow!("{name} line {line_no}: invalid JSON ({e})"))?;
         let serde_json::Value::Object(object) = value else {
             bail!("{name} line {line_no}: expected a JSON object with a \"{text_key}\" field");
         };
@@ -133,9 +127,8 @@ fn read_jsonl(reader: impl BufRead, name: &str, text_key: &str) -> Result<Vec<St
 /// The whole file as one document.
 fn read_text(mut file: File, name: &str) -> Result<Vec<String>> {
     let mut text = String::new();
-    std::io::Read::read_to_string(&mut file, &mut text).map_err(|e| {
-        anyhow!("cannot read corpus file {name} as UTF-8 text ({e}); pass a UTF-8 text file")
-    })?;
+    std::io::Read::read_to_string(&mut file, &mut text)
+        .map_err(|e| anyhow!("cannot read corpus file {name} as UTF-8 text ({e}); pass a UTF-8 text file"))?;
     Ok(if text.is_empty() { vec![] } else { vec![text] })
 }
 
@@ -143,24 +136,15 @@ fn read_text(mut file: File, name: &str) -> Result<Vec<String>> {
 fn read_parquet(file: File, name: &str, text_key: &str) -> Result<Vec<String>> {
     let reader = SerializedFileReader::new(file)
         .map_err(|e| anyhow!("{name} is not a valid parquet file ({e}); pass an intact file"))?;
-    let root = reader
-        .metadata()
-        .file_metadata()
-        .schema_descr()
-        .root_schema();
-    let field = root
-        .get_fields()
-        .iter()
-        .find(|f| f.name() == text_key)
-        .cloned()
-        .ok_or_else(|| {
-            let columns: Vec<&str> = root.get_fields().iter().map(|f| f.name()).collect();
-            anyhow!(
-                "{name} has no column \"{text_key}\" (columns: {}); set --text-key to the \
+    let root = reader.metadata().file_metadata().schema_descr().root_schema();
+    let field = root.get_fields().iter().find(|f| f.name() == text_key).cloned().ok_or_else(|| {
+        let columns: Vec<&str> = root.get_fields().iter().map(|f| f.name()).collect();
+        anyhow!(
+            "{name} has no column \"{text_key}\" (columns: {}); set --text-key to the \
                  column that holds the document text",
-                columns.join(", ")
-            )
-        })?;
+            columns.join(", ")
+        )
+    })?;
     if !field.is_primitive() || field.get_physical_type() != PhysicalType::BYTE_ARRAY {
         bail!(
             "{name} column \"{text_key}\" is not a string column; set --text-key to a \
@@ -177,20 +161,15 @@ fn read_parquet(file: File, name: &str, text_key: &str) -> Result<Vec<String>> {
         .map_err(|e| anyhow!("{name}: cannot read column \"{text_key}\" ({e})"))?;
     let mut docs = Vec::new();
     for (row_no, row) in rows.enumerate() {
-        let row = row.map_err(|e| {
-            anyhow!("{name} row {row_no}: cannot read ({e}); the file may be truncated")
-        })?;
+        let row = row.map_err(|e| anyhow!("{name} row {row_no}: cannot read ({e}); the file may be truncated"))?;
         for (_, value) in row.get_column_iter() {
             let text = match value {
                 Field::Null => continue,
                 Field::Str(text) => text.clone(),
                 // A BYTE_ARRAY column without the UTF8 annotation: accept it when it is UTF-8.
-                Field::Bytes(bytes) => String::from_utf8(bytes.data().to_vec()).map_err(|_| {
-                    anyhow!("{name} row {row_no}: column \"{text_key}\" is not UTF-8 text")
-                })?,
-                other => bail!(
-                    "{name} row {row_no}: column \"{text_key}\" holds {other:?}, not a string"
-                ),
+                Field::Bytes(bytes) => String::from_utf8(bytes.data().to_vec())
+                    .map_err(|_| anyhow!("{name} row {row_no}: column \"{text_key}\" is not UTF-8 text"))?,
+                other => bail!("{name} row {row_no}: column \"{text_key}\" holds {other:?}, not a string"),
             };
             if !text.is_empty() {
                 docs.push(text);
@@ -224,31 +203,20 @@ mod tests {
 
     /// `text` is a nullable UTF8 column (`None` writes a null), `id` an INT64 column.
     fn write_parquet(path: &Path, texts: &[Option<&str>]) -> Result<()> {
-        let schema =
-            parse_message_type("message doc { optional binary text (UTF8); required int64 id; }")?;
+        let schema = parse_message_type("message doc { optional binary text (UTF8); required int64 id; }")?;
         let mut writer = SerializedFileWriter::new(
             File::create(path)?,
             Arc::new(schema),
             Arc::new(WriterProperties::builder().build()),
         )?;
         let mut row_group = writer.next_row_group()?;
-        let values: Vec<ByteArray> = texts
-            .iter()
-            .flatten()
-            .map(|t| ByteArray::from(*t))
-            .collect();
+        let values: Vec<ByteArray> = texts.iter().flatten().map(|t| ByteArray::from(*t)).collect();
         let def_levels: Vec<i16> = texts.iter().map(|t| i16::from(t.is_some())).collect();
-        let mut text_col = row_group
-            .next_column()?
-            .ok_or_else(|| anyhow!("no text column"))?;
-        text_col
-            .typed::<ByteArrayType>()
-            .write_batch(&values, Some(&def_levels), None)?;
+        let mut text_col = row_group.next_column()?.ok_or_else(|| anyhow!("no text column"))?;
+        text_col.typed::<ByteArrayType>().write_batch(&values, Some(&def_levels), None)?;
         text_col.close()?;
         let ids: Vec<i64> = (0..texts.len() as i64).collect();
-        let mut id_col = row_group
-            .next_column()?
-            .ok_or_else(|| anyhow!("no id column"))?;
+        let mut id_col = row_group.next_column()?.ok_or_else(|| anyhow!("no id column"))?;
         id_col.typed::<Int64Type>().write_batch(&ids, None, None)?;
         id_col.close()?;
         row_group.close()?;
@@ -258,38 +226,14 @@ mod tests {
 
     #[test]
     fn parse_source_and_infer_format() {
-        assert_eq!(
-            CorpusSource::parse("shakespeare"),
-            CorpusSource::EmbeddedShakespeare
-        );
-        assert_eq!(
-            CorpusSource::parse("embedded"),
-            CorpusSource::EmbeddedShakespeare
-        );
-        assert_eq!(
-            CorpusSource::parse("a/b.txt"),
-            CorpusSource::File("a/b.txt".into())
-        );
-        assert_eq!(
-            CorpusFormat::from_path(Path::new("x.jsonl")),
-            CorpusFormat::Jsonl
-        );
-        assert_eq!(
-            CorpusFormat::from_path(Path::new("x.JSON")),
-            CorpusFormat::Jsonl
-        );
-        assert_eq!(
-            CorpusFormat::from_path(Path::new("x.parquet")),
-            CorpusFormat::Parquet
-        );
-        assert_eq!(
-            CorpusFormat::from_path(Path::new("x.txt")),
-            CorpusFormat::Text
-        );
-        assert_eq!(
-            CorpusFormat::from_path(Path::new("README")),
-            CorpusFormat::Text
-        );
+        assert_eq!(CorpusSource::parse("shakespeare"), CorpusSource::EmbeddedShakespeare);
+        assert_eq!(CorpusSource::parse("embedded"), CorpusSource::EmbeddedShakespeare);
+        assert_eq!(CorpusSource::parse("a/b.txt"), CorpusSource::File("a/b.txt".into()));
+        assert_eq!(CorpusFormat::from_path(Path::new("x.jsonl")), CorpusFormat::Jsonl);
+        assert_eq!(CorpusFormat::from_path(Path::new("x.JSON")), CorpusFormat::Jsonl);
+        assert_eq!(CorpusFormat::from_path(Path::new("x.parquet")), CorpusFormat::Parquet);
+        assert_eq!(CorpusFormat::from_path(Path::new("x.txt")), CorpusFormat::Text);
+        assert_eq!(CorpusFormat::from_path(Path::new("README")), CorpusFormat::Text);
     }
 
     #[test]
@@ -318,11 +262,7 @@ mod tests {
     #[test]
     fn jsonl_malformed_line_names_file_and_line_number() -> Result<()> {
         let dir = tempfile::tempdir()?;
-        let path = write(
-            &dir,
-            "corpus.jsonl",
-            "{\"text\": \"a\"}\n\n{\"text\": oops}\n",
-        )?;
+        let path = write(&dir, "corpus.jsonl", "{\"text\": \"a\"}\n\n{\"text\": oops}\n")?;
         let err = err_of(&CorpusSource::File(path), "text");
         assert!(err.contains("corpus.jsonl line 3: invalid JSON ("), "{err}");
         Ok(())
@@ -333,14 +273,8 @@ mod tests {
         let dir = tempfile::tempdir()?;
         let path = write(&dir, "c.jsonl", "{\"text\": \"a\"}\n{\"content\": \"b\"}\n")?;
         let err = err_of(&CorpusSource::File(path.clone()), "text");
-        assert!(
-            err.contains("c.jsonl line 2: no string field \"text\""),
-            "{err}"
-        );
-        assert!(
-            err.contains("fields: content") && err.contains("--text-key"),
-            "{err}"
-        );
+        assert!(err.contains("c.jsonl line 2: no string field \"text\""), "{err}");
+        assert!(err.contains("fields: content") && err.contains("--text-key"), "{err}");
         // A non-string value under the key is the same error.
         let path = write(&dir, "d.jsonl", "{\"text\": 5}\n")?;
         let err = err_of(&CorpusSource::File(path), "text");
@@ -353,27 +287,18 @@ mod tests {
         let dir = tempfile::tempdir()?;
         let missing = dir.path().join("absent.jsonl");
         let err = err_of(&CorpusSource::File(missing), "text");
-        assert!(
-            err.contains("cannot open corpus file") && err.contains("absent.jsonl"),
-            "{err}"
-        );
+        assert!(err.contains("cannot open corpus file") && err.contains("absent.jsonl"), "{err}");
 
         let err = err_of(&CorpusSource::File(dir.path().to_path_buf()), "text");
         assert!(err.contains("is a directory"), "{err}");
 
         let empty = write(&dir, "empty.jsonl", "\n\n")?;
         let err = err_of(&CorpusSource::File(empty), "text");
-        assert!(
-            err.contains("empty.jsonl has no non-empty documents"),
-            "{err}"
-        );
+        assert!(err.contains("empty.jsonl has no non-empty documents"), "{err}");
 
         let empty_txt = write(&dir, "empty.txt", "")?;
         let err = err_of(&CorpusSource::File(empty_txt), "text");
-        assert!(
-            err.contains("empty.txt has no non-empty documents"),
-            "{err}"
-        );
+        assert!(err.contains("empty.txt has no non-empty documents"), "{err}");
         Ok(())
     }
 
@@ -382,10 +307,7 @@ mod tests {
         let dir = tempfile::tempdir()?;
         let body = "line one\n\nline {\"not\": json}\n";
         let path = write(&dir, "play.txt", body)?;
-        assert_eq!(
-            read_documents(&CorpusSource::File(path), "ignored")?,
-            vec![body]
-        );
+        assert_eq!(read_documents(&CorpusSource::File(path), "ignored")?, vec![body]);
         Ok(())
     }
 
@@ -393,15 +315,9 @@ mod tests {
     fn parquet_reads_text_column_skipping_nulls() -> Result<()> {
         let dir = tempfile::tempdir()?;
         let path = dir.path().join("shard.parquet");
-        write_parquet(
-            &path,
-            &[Some("first doc"), None, Some(""), Some("third, héllo")],
-        )?;
+        write_parquet(&path, &[Some("first doc"), None, Some(""), Some("third, héllo")])?;
         let docs = read_documents(&CorpusSource::File(path), "text")?;
-        assert_eq!(
-            docs,
-            vec!["first doc".to_string(), "third, héllo".to_string()]
-        );
+        assert_eq!(docs, vec!["first doc".to_string(), "third, héllo".to_string()]);
         Ok(())
     }
 
@@ -411,10 +327,7 @@ mod tests {
         let path = dir.path().join("shard.parquet");
         write_parquet(&path, &[Some("a")])?;
         let err = err_of(&CorpusSource::File(path.clone()), "content");
-        assert!(
-            err.contains("no column \"content\" (columns: text, id)"),
-            "{err}"
-        );
+        assert!(err.contains("no column \"content\" (columns: text, id)"), "{err}");
         assert!(err.contains("--text-key"), "{err}");
         let err = err_of(&CorpusSource::File(path), "id");
         assert!(err.contains("\"id\" is not a string column"), "{err}");
@@ -429,10 +342,7 @@ mod tests {
         let bytes = std::fs::read(&path)?;
         std::fs::write(&path, &bytes[..bytes.len() / 2])?;
         let err = err_of(&CorpusSource::File(path), "text");
-        assert!(
-            err.contains("cut.parquet is not a valid parquet file"),
-            "{err}"
-        );
+        assert!(err.contains("cut.parquet is not a valid parquet file"), "{err}");
         Ok(())
     }
 }

@@ -87,14 +87,7 @@ pub struct BlockSampler {
 impl BlockSampler {
     /// A sampler at the start of epoch 0.
     pub fn new(range: Range<usize>, seed: u64) -> Self {
-        Self::with_cursor(
-            range,
-            seed,
-            SamplerCursor {
-                epoch: 0,
-                position: 0,
-            },
-        )
+        Self::with_cursor(range, seed, SamplerCursor { epoch: 0, position: 0 })
     }
 
     /// A sampler that continues exactly where the one that produced `cursor` stood, given the
@@ -108,12 +101,7 @@ impl BlockSampler {
             range.len()
         );
         let order = epoch_order(&range, seed, cursor.epoch);
-        Self {
-            range,
-            seed,
-            cursor,
-            order,
-        }
+        Self { range, seed, cursor, order }
     }
 
     /// The next `n` indices, moving into the next epoch (a new shuffle) as often as needed.
@@ -126,10 +114,7 @@ impl BlockSampler {
         let mut out = Vec::with_capacity(n);
         while out.len() < n {
             if self.cursor.position == self.order.len() {
-                self.cursor = SamplerCursor {
-                    epoch: self.cursor.epoch + 1,
-                    position: 0,
-                };
+                self.cursor = SamplerCursor { epoch: self.cursor.epoch + 1, position: 0 };
                 self.order = epoch_order(&self.range, self.seed, self.cursor.epoch);
             }
             let take = (n - out.len()).min(self.order.len() - self.cursor.position);
@@ -176,9 +161,7 @@ pub fn eval_indices(range: &Range<usize>, batches: usize, batch_size: usize) -> 
         return Vec::new();
     }
     let mut cycle = range.clone().cycle();
-    (0..batches)
-        .map(|_| cycle.by_ref().take(batch_size).collect())
-        .collect()
+    (0..batches).map(|_| cycle.by_ref().take(batch_size).collect()).collect()
 }
 
 #[cfg(test)]
@@ -228,21 +211,11 @@ mod tests {
         // 3.5 epochs in one call: more than the range holds.
         let drawn = sampler.next_indices(70);
         assert_eq!(drawn.len(), 70);
-        assert_eq!(
-            sampler.cursor(),
-            SamplerCursor {
-                epoch: 3,
-                position: 10
-            }
-        );
+        assert_eq!(sampler.cursor(), SamplerCursor { epoch: 3, position: 10 });
         let epochs: Vec<Vec<usize>> = drawn.chunks(20).map(<[usize]>::to_vec).collect();
         let all: Vec<usize> = range.clone().collect();
         for epoch in &epochs[..3] {
-            assert_eq!(
-                sorted(epoch.clone()),
-                all,
-                "each epoch is a permutation of the range"
-            );
+            assert_eq!(sorted(epoch.clone()), all, "each epoch is a permutation of the range");
         }
         assert_ne!(epochs[0], epochs[1], "a new order each epoch");
         assert_ne!(epochs[1], epochs[2], "a new order each epoch");
@@ -286,10 +259,7 @@ mod tests {
 
     #[test]
     fn eval_indices_are_in_order_cycle_and_repeat() {
-        assert_eq!(
-            eval_indices(&(5..12), 2, 3),
-            vec![vec![5, 6, 7], vec![8, 9, 10]]
-        );
+        assert_eq!(eval_indices(&(5..12), 2, 3), vec![vec![5, 6, 7], vec![8, 9, 10]]);
         assert_eq!(
             eval_indices(&(5..8), 3, 2),
             vec![vec![5, 6], vec![7, 5], vec![6, 7]],

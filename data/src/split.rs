@@ -15,10 +15,7 @@ pub fn parse_split(s: &str) -> Result<[f64; 3]> {
     let separator = if s.contains('/') { '/' } else { ',' };
     let parts: Vec<&str> = s.split(separator).map(str::trim).collect();
     if parts.len() > 3 {
-        bail!(
-            "--split {s:?} has {} weights; give at most 3, {EXAMPLE}",
-            parts.len()
-        );
+        bail!("--split {s:?} has {} weights; give at most 3, {EXAMPLE}", parts.len());
     }
     let mut weights = [0.0f64; 3];
     for (weight, part) in weights.iter_mut().zip(&parts) {
@@ -55,20 +52,12 @@ pub fn split_ranges(n: usize, fractions: &[f64; 3]) -> [Range<usize>; 3] {
         clamped[i] = (bounds[i].clamp(0, n as i64) as usize).max(clamped[i - 1]);
     }
     clamped[3] = n;
-    [
-        clamped[0]..clamped[1],
-        clamped[1]..clamped[2],
-        clamped[2]..clamped[3],
-    ]
+    [clamped[0]..clamped[1], clamped[1]..clamped[2], clamped[2]..clamped[3]]
 }
 
 /// Errors when train is empty or a split with a positive weight received no blocks: Megatron
 /// would build an empty dataset and fail later with a shape error far from the cause.
-pub fn check_split(
-    n_blocks: usize,
-    fractions: &[f64; 3],
-    ranges: &[Range<usize>; 3],
-) -> Result<()> {
+pub fn check_split(n_blocks: usize, fractions: &[f64; 3], ranges: &[Range<usize>; 3]) -> Result<()> {
     if n_blocks == 0 {
         bail!(
             "the corpus gives 0 blocks at this --seq-length (it has fewer than seq_length + 1 \
@@ -116,10 +105,7 @@ mod tests {
     fn parse_split_rejects_bad_weights_naming_the_flag() {
         for bad in ["", "a,b", "1,-1,0", "0,0,0", "1,2,3,4", "inf,1", "NaN"] {
             let err = parse_split(bad).unwrap_err().to_string();
-            assert!(
-                err.contains("--split") && err.contains("949,50,1"),
-                "{bad:?}: {err}"
-            );
+            assert!(err.contains("--split") && err.contains("949,50,1"), "{bad:?}: {err}");
         }
     }
 
@@ -148,14 +134,9 @@ mod tests {
         // round(9.49)=9, round(0.5)=0, round(0.01)=0 -> [0,9,9,9], diff -1 -> [0,10,10,10].
         let ranges = split_ranges(10, &fractions);
         assert_eq!(ranges, [0..10, 10..10, 10..10]);
-        let err = check_split(10, &fractions, &ranges)
-            .unwrap_err()
-            .to_string();
+        let err = check_split(10, &fractions, &ranges).unwrap_err().to_string();
         assert!(err.contains("validation split 0 of the 10 blocks"), "{err}");
-        assert!(
-            err.contains("--split 900,90,10") && err.contains("--seq-length"),
-            "{err}"
-        );
+        assert!(err.contains("--split 900,90,10") && err.contains("--seq-length"), "{err}");
 
         // With a zero test weight an empty test split is intended.
         let fractions = parse_split("90,10,0").unwrap_or([0.0; 3]);
@@ -170,12 +151,7 @@ mod tests {
         let ranges = split_ranges(4, &fractions);
         let err = check_split(4, &fractions, &ranges).unwrap_err().to_string();
         assert!(err.contains("train split 0 of the 4 blocks"), "{err}");
-        let err = check_split(0, &[1.0, 0.0, 0.0], &split_ranges(0, &[1.0, 0.0, 0.0]))
-            .unwrap_err()
-            .to_string();
-        assert!(
-            err.contains("0 blocks") && err.contains("--seq-length"),
-            "{err}"
-        );
+        let err = check_split(0, &[1.0, 0.0, 0.0], &split_ranges(0, &[1.0, 0.0, 0.0])).unwrap_err().to_string();
+        assert!(err.contains("0 blocks") && err.contains("--seq-length"), "{err}");
     }
 }

@@ -24,10 +24,7 @@ pub struct Tokenizer {
 
 impl std::fmt::Debug for Tokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Tokenizer")
-            .field("vocab_size", &self.vocab_size())
-            .field("eos_id", &self.eos_id)
-            .finish()
+        f.debug_struct("Tokenizer").field("vocab_size", &self.vocab_size()).field("eos_id", &self.eos_id).finish()
     }
 }
 
@@ -40,10 +37,7 @@ impl Tokenizer {
     /// Loads a HF `tokenizer.json`.
     pub fn from_file(path: &Path) -> Result<Self> {
         if path.is_dir() {
-            anyhow::bail!(
-                "tokenizer path {} is a directory; pass the tokenizer.json file inside it",
-                path.display()
-            );
+            anyhow::bail!("tokenizer path {} is a directory; pass the tokenizer.json file inside it", path.display());
         }
         let bytes = fs::read(path).map_err(|e| {
             anyhow!(
@@ -75,9 +69,7 @@ impl Tokenizer {
         })?;
         // Packing and prompt batching do their own truncation and padding; a tokenizer.json
         // saved with either enabled would otherwise silently cut or pad every encode.
-        inner
-            .with_truncation(None)
-            .map_err(|e| anyhow!("{source}: cannot disable truncation ({e})"))?;
+        inner.with_truncation(None).map_err(|e| anyhow!("{source}: cannot disable truncation ({e})"))?;
         inner.with_padding(None);
         let eos_id = inner.token_to_id(EOS_TOKEN).ok_or_else(|| {
             anyhow!(
@@ -91,10 +83,8 @@ impl Tokenizer {
     /// Token ids of `text`. Adds no BOS/EOS, but a literal `<|endoftext|>` in the text becomes
     /// its id (it is an added token, matched before BPE), as in HF `GPT2TokenizerFast`.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let encoding = self
-            .inner
-            .encode(text, false)
-            .map_err(|e| anyhow!("tokenizing a {}-byte text failed: {e}", text.len()))?;
+        let encoding =
+            self.inner.encode(text, false).map_err(|e| anyhow!("tokenizing a {}-byte text failed: {e}", text.len()))?;
         Ok(encoding.get_ids().to_vec())
     }
 
@@ -110,9 +100,7 @@ impl Tokenizer {
 
     /// Text of `ids`, keeping special tokens so that `decode(encode(s)) == s`.
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
-        self.inner
-            .decode(ids, false)
-            .map_err(|e| anyhow!("decoding {} token ids failed: {e}", ids.len()))
+        self.inner.decode(ids, false).map_err(|e| anyhow!("decoding {} token ids failed: {e}", ids.len()))
     }
 
     /// Id of `<|endoftext|>` (50256 for GPT-2).
@@ -129,13 +117,9 @@ impl Tokenizer {
     /// Writes the tokenizer as `tokenizer.json` at `path`. Written to a temp file in the same
     /// directory and renamed, so a crash never leaves a half-written file next to a checkpoint.
     pub fn save(&self, path: &Path) -> Result<()> {
-        let json = self
-            .inner
-            .to_string(true)
-            .map_err(|e| anyhow!("serialising the tokenizer failed: {e}"))?;
-        let file_name = path
-            .file_name()
-            .with_context(|| format!("tokenizer path {} has no file name", path.display()))?;
+        let json = self.inner.to_string(true).map_err(|e| anyhow!("serialising the tokenizer failed: {e}"))?;
+        let file_name =
+            path.file_name().with_context(|| format!("tokenizer path {} has no file name", path.display()))?;
         let mut tmp_name = std::ffi::OsString::from(".");
         tmp_name.push(file_name);
         tmp_name.push(format!(".tmp-{}", std::process::id()));
@@ -173,10 +157,7 @@ mod tests {
         let tok = Tokenizer::gpt2_default()?;
         let text = "  First Citizen:\nBefore we proceed, héllo 😀 <|endoftext|>next doc\t\n";
         let ids = tok.encode(text)?;
-        assert!(
-            ids.contains(&50256),
-            "literal EOS must map to its id: {ids:?}"
-        );
+        assert!(ids.contains(&50256), "literal EOS must map to its id: {ids:?}");
         assert_eq!(tok.decode(&ids)?, text);
         Ok(())
     }
@@ -184,11 +165,7 @@ mod tests {
     #[test]
     fn encode_batch_matches_encode() -> Result<()> {
         let tok = Tokenizer::gpt2_default()?;
-        let texts = vec![
-            "Hello world".to_string(),
-            String::new(),
-            "to be".to_string(),
-        ];
+        let texts = vec!["Hello world".to_string(), String::new(), "to be".to_string()];
         let batch = tok.encode_batch(&texts)?;
         let single: Vec<Vec<u32>> = texts.iter().map(|t| tok.encode(t)).collect::<Result<_>>()?;
         assert_eq!(batch, single);
@@ -204,9 +181,8 @@ mod tests {
         let path = dir.path().join("tokenizer.json");
         tok.save(&path)?;
         // Only tokenizer.json remains: the temp file was renamed.
-        let names: Vec<_> = fs::read_dir(dir.path())?
-            .map(|e| e.map(|e| e.file_name()))
-            .collect::<std::io::Result<_>>()?;
+        let names: Vec<_> =
+            fs::read_dir(dir.path())?.map(|e| e.map(|e| e.file_name())).collect::<std::io::Result<_>>()?;
         assert_eq!(names, vec![std::ffi::OsString::from("tokenizer.json")]);
         let loaded = Tokenizer::from_file(&path)?;
         assert_eq!(loaded.encode("Hello world")?, vec![15496, 995]);
@@ -229,18 +205,12 @@ mod tests {
         let dir = tempfile::tempdir()?;
         let missing = dir.path().join("nope.json");
         let err = Tokenizer::from_file(&missing).unwrap_err().to_string();
-        assert!(
-            err.contains("nope.json") && err.contains("cannot read"),
-            "{err}"
-        );
+        assert!(err.contains("nope.json") && err.contains("cannot read"), "{err}");
 
         let bad = dir.path().join("bad.json");
         fs::write(&bad, "{not json")?;
         let err = Tokenizer::from_file(&bad).unwrap_err().to_string();
-        assert!(
-            err.contains("bad.json") && err.contains("not a valid"),
-            "{err}"
-        );
+        assert!(err.contains("bad.json") && err.contains("not a valid"), "{err}");
         Ok(())
     }
 

@@ -50,21 +50,10 @@ pub fn checkpoint_name(iteration: u64) -> String {
 
 /// Builds `final_dir` by calling `fill` on a temporary sibling, then renames it into place,
 /// replacing any previous directory of that name only after the new one is complete.
-pub fn write_dir_atomically(
-    final_dir: &Path,
-    fill: impl FnOnce(&Path) -> Result<()>,
-) -> Result<()> {
-    let parent = final_dir
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    std::fs::create_dir_all(parent)
-        .with_context(|| format!("cannot create {}", parent.display()))?;
-    let name = final_dir
-        .file_name()
-        .context("checkpoint path has no name")?
-        .to_string_lossy()
-        .to_string();
+pub fn write_dir_atomically(final_dir: &Path, fill: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+    let parent = final_dir.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    std::fs::create_dir_all(parent).with_context(|| format!("cannot create {}", parent.display()))?;
+    let name = final_dir.file_name().context("checkpoint path has no name")?.to_string_lossy().to_string();
     let tmp = parent.join(format!(".tmp-{name}-{}", std::process::id()));
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp)?;
@@ -98,14 +87,8 @@ pub fn write_file_atomically(path: &Path, contents: &[u8]) -> Result<()> {
 }
 
 fn sync_path(p: &Path) -> Result<()> {
-    let p = if p.as_os_str().is_empty() {
-        Path::new(".")
-    } else {
-        p
-    };
-    std::fs::File::open(p)
-        .and_then(|f| f.sync_all())
-        .with_context(|| format!("cannot flush {}", p.display()))
+    let p = if p.as_os_str().is_empty() { Path::new(".") } else { p };
+    std::fs::File::open(p).and_then(|f| f.sync_all()).with_context(|| format!("cannot flush {}", p.display()))
 }
 
 fn sync_dir_files(dir: &Path) -> Result<()> {
@@ -150,18 +133,13 @@ pub struct Checkpoint {
 /// Loads the checkpoint `root/latest` points to.
 pub fn load_checkpoint(root: &Path, device: &Device) -> Result<Checkpoint> {
     if !root.join(LATEST).is_file() {
-        bail!(
-            "{} holds no checkpoint (no `latest` file): check --load, or drop it to start fresh",
-            root.display()
-        );
+        bail!("{} holds no checkpoint (no `latest` file): check --load, or drop it to start fresh", root.display());
     }
     let dir = hf_io::latest_checkpoint(root)?;
     let state_path = dir.join(TRAINER_STATE);
-    let text = std::fs::read_to_string(&state_path)
-        .with_context(|| format!("cannot read {}", state_path.display()))?;
-    let state: TrainerState = serde_json::from_str(&text).map_err(|e| {
-        anyhow::anyhow!("{} is not a valid trainer state: {e}", state_path.display())
-    })?;
+    let text = std::fs::read_to_string(&state_path).with_context(|| format!("cannot read {}", state_path.display()))?;
+    let state: TrainerState = serde_json::from_str(&text)
+        .map_err(|e| anyhow::anyhow!("{} is not a valid trainer state: {e}", state_path.display()))?;
     if state.format_version != FORMAT_VERSION {
         bail!(
             "{} has training-state format {} but this build reads format {FORMAT_VERSION}: resume with the version that wrote it",
@@ -171,9 +149,5 @@ pub fn load_checkpoint(root: &Path, device: &Device) -> Result<Checkpoint> {
     }
     let model = hf_io::load_model_dir(&dir, device)?;
     let optimizer = hf_io::read_safetensors(&dir.join(OPTIMIZER_STATE), device)?;
-    Ok(Checkpoint {
-        model,
-        optimizer,
-        state,
-    })
+    Ok(Checkpoint { model, optimizer, state })
 }

@@ -59,10 +59,7 @@ pub fn sample_token(logits: &[f32], cfg: &SamplingConfig, rng: &mut ChaCha8Rng) 
         order.truncate(k);
     }
     let max = logits[order[0]] as f64;
-    let mut probs: Vec<f64> = order
-        .iter()
-        .map(|&i| ((logits[i] as f64 - max) / t).exp())
-        .collect();
+    let mut probs: Vec<f64> = order.iter().map(|&i| ((logits[i] as f64 - max) / t).exp()).collect();
     let total: f64 = probs.iter().sum();
     probs.iter_mut().for_each(|p| *p /= total);
     if let Some(top_p) = cfg.top_p.filter(|&p| p < 1.0) {
@@ -101,12 +98,7 @@ fn argmax(xs: &[f32]) -> u32 {
 
 /// Generates up to `cfg.max_new_tokens` tokens after each prompt. Returns the new tokens of
 /// each row, ending at (and including) EOS when one was produced.
-pub fn generate(
-    model: &Gpt2,
-    prompts: &[Vec<u32>],
-    cfg: &SamplingConfig,
-    device: &Device,
-) -> Result<Vec<Vec<u32>>> {
+pub fn generate(model: &Gpt2, prompts: &[Vec<u32>], cfg: &SamplingConfig, device: &Device) -> Result<Vec<Vec<u32>>> {
     if prompts.is_empty() {
         return Ok(vec![]);
     }
@@ -141,23 +133,13 @@ pub fn generate(
     let mut done = vec![false; b];
     for _ in 0..max_new {
         let mask_t = Tensor::new(mask.clone(), device)?; // (B, S)
-        let positions = Positions {
-            position_ids: Some(&pos_t),
-            attention_mask: Some(&mask_t),
-        };
+        let positions = Positions { position_ids: Some(&pos_t), attention_mask: Some(&mask_t) };
         let logits = model.forward(&input, &positions, Some(&mut cache), None)?; // (B, T, V)
-        let last = logits
-            .narrow(1, logits.dim(1)? - 1, 1)?
-            .squeeze(1)?
-            .to_dtype(DType::F32)?; // (B, V)
+        let last = logits.narrow(1, logits.dim(1)? - 1, 1)?.squeeze(1)?.to_dtype(DType::F32)?; // (B, V)
         let rows: Vec<Vec<f32>> = last.to_vec2()?;
         let mut step = Vec::with_capacity(b);
         for (r, row) in rows.iter().enumerate() {
-            let tok = if done[r] {
-                cfg.pad_token_id
-            } else {
-                sample_token(row, cfg, &mut rng)
-            };
+            let tok = if done[r] { cfg.pad_token_id } else { sample_token(row, cfg, &mut rng) };
             if !done[r] {
                 out[r].push(tok);
                 done[r] = cfg.eos_token_id == Some(tok);
@@ -181,12 +163,9 @@ pub fn generate(
 /// DS-Chat `gather_log_probs`.
 pub fn gather_log_probs(logits: &Tensor, ids: &Tensor) -> Result<Tensor> {
     let t = ids.dim(1)?;
-    let logp =
-        crate::ops::log_softmax_last_dim(&logits.narrow(1, 0, t - 1)?.to_dtype(DType::F32)?)?;
+    let logp = crate::ops::log_softmax_last_dim(&logits.narrow(1, 0, t - 1)?.to_dtype(DType::F32)?)?;
     let next = ids.narrow(1, 1, t - 1)?.unsqueeze(D::Minus1)?;
-    Ok(logp
-        .gather(&next.contiguous()?, D::Minus1)?
-        .squeeze(D::Minus1)?)
+    Ok(logp.gather(&next.contiguous()?, D::Minus1)?.squeeze(D::Minus1)?)
 }
 
 #[cfg(test)]
@@ -210,11 +189,7 @@ mod tests {
     fn greedy_ignores_padded_vocabulary_rows() {
         let mut rng = ChaCha8Rng::seed_from_u64(0);
         let c = SamplingConfig::greedy(1, None, 0, 3);
-        assert_eq!(
-            sample_token(&[0.0, 2.0, 1.0, 9.0], &c, &mut rng),
-            1,
-            "id 3 is padding"
-        );
+        assert_eq!(sample_token(&[0.0, 2.0, 1.0, 9.0], &c, &mut rng), 1, "id 3 is padding");
     }
 
     #[test]
@@ -223,10 +198,7 @@ mod tests {
         let logits = [0.5, 2.0, 1.9, -1.0];
         for _ in 0..50 {
             assert_eq!(sample_token(&logits, &cfg(1.0, Some(1), None), &mut rng), 1);
-            assert_eq!(
-                sample_token(&logits, &cfg(1.0, None, Some(0.01)), &mut rng),
-                1
-            );
+            assert_eq!(sample_token(&logits, &cfg(1.0, None, Some(0.01)), &mut rng), 1);
         }
     }
 
@@ -253,9 +225,6 @@ mod tests {
             counts[sample_token(&logits, &cfg(1.0, None, Some(0.7)), &mut rng) as usize] += 1;
         }
         assert_eq!(counts[2] + counts[3], 0, "{counts:?}");
-        assert!(
-            (counts[0] as f64 / 8000.0 - 0.625).abs() < 0.03,
-            "{counts:?}"
-        );
+        assert!((counts[0] as f64 / 8000.0 - 0.625).abs() < 0.03, "{counts:?}");
     }
 }

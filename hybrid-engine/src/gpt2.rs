@@ -159,26 +159,17 @@ impl Gpt2Config {
             }
         }
         if self.n_embd % self.n_head != 0 {
-            bail!(
-                "invalid GPT-2 config: n_embd {} is not divisible by n_head {}",
-                self.n_embd,
-                self.n_head
-            );
+            bail!("invalid GPT-2 config: n_embd {} is not divisible by n_head {}", self.n_embd, self.n_head);
         }
-        if !matches!(
-            self.activation_function.as_str(),
-            "gelu_new" | "gelu_pytorch_tanh" | "gelu" | "gelu_fast"
-        ) {
+        if !matches!(self.activation_function.as_str(), "gelu_new" | "gelu_pytorch_tanh" | "gelu" | "gelu_fast") {
             bail!(
                 "invalid GPT-2 config: activation_function {:?} is not supported (use gelu_new, gelu_pytorch_tanh or gelu)",
                 self.activation_function
             );
         }
-        for (name, p) in [
-            ("resid_pdrop", self.resid_pdrop),
-            ("embd_pdrop", self.embd_pdrop),
-            ("attn_pdrop", self.attn_pdrop),
-        ] {
+        for (name, p) in
+            [("resid_pdrop", self.resid_pdrop), ("embd_pdrop", self.embd_pdrop), ("attn_pdrop", self.attn_pdrop)]
+        {
             if !(0.0..1.0).contains(&p) {
                 bail!("invalid GPT-2 config: {name} = {p} must be in [0, 1)");
             }
@@ -203,18 +194,12 @@ pub struct Conv1D {
 
 impl Conv1D {
     fn load(vb: VarBuilder, d_in: usize, d_out: usize) -> Result<Self> {
-        Ok(Self {
-            weight: vb.get((d_in, d_out), "weight")?,
-            bias: vb.get(d_out, "bias")?,
-        })
+        Ok(Self { weight: vb.get((d_in, d_out), "weight")?, bias: vb.get(d_out, "bias")? })
     }
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let (b, t, c) = x.dims3()?;
         // One (B*T, in) x (in, out) gemm instead of B batched ones.
-        let y = x
-            .reshape((b * t, c))?
-            .matmul(&self.weight)?
-            .broadcast_add(&self.bias)?; // (B*T, out)
+        let y = x.reshape((b * t, c))?.matmul(&self.weight)?.broadcast_add(&self.bias)?; // (B*T, out)
         y.reshape((b, t, ()))
     }
 }
@@ -227,11 +212,7 @@ pub struct LayerNorm {
 
 impl LayerNorm {
     fn load(vb: VarBuilder, size: usize, eps: f64) -> Result<Self> {
-        Ok(Self {
-            weight: vb.get(size, "weight")?,
-            bias: vb.get(size, "bias")?,
-            eps,
-        })
+        Ok(Self { weight: vb.get(size, "weight")?, bias: vb.get(size, "bias")?, eps })
     }
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         ops::layer_norm(x, &self.weight, &self.bias, self.eps)
@@ -249,12 +230,7 @@ pub struct Dropout {
 
 impl Dropout {
     pub fn from_config(cfg: &Gpt2Config, key: DropoutKey) -> Self {
-        Self {
-            key,
-            embd: cfg.embd_pdrop,
-            attn: cfg.attn_pdrop,
-            resid: cfg.resid_pdrop,
-        }
+        Self { key, embd: cfg.embd_pdrop, attn: cfg.attn_pdrop, resid: cfg.resid_pdrop }
     }
 }
 
@@ -268,9 +244,7 @@ pub struct Gpt2Cache {
 
 impl Gpt2Cache {
     pub fn new(cfg: &Gpt2Config, max_len: usize) -> Self {
-        Self {
-            layers: (0..cfg.n_layer).map(|_| KvCache::new(2, max_len)).collect(),
-        }
+        Self { layers: (0..cfg.n_layer).map(|_| KvCache::new(2, max_len)).collect() }
     }
     /// Tokens already cached (P).
     pub fn len(&self) -> usize {
@@ -291,11 +265,7 @@ pub struct Attention {
 impl Attention {
     fn load(vb: VarBuilder, cfg: &Gpt2Config, layer: usize) -> Result<Self> {
         let c = cfg.n_embd;
-        let mut scale = if cfg.scale_attn_weights {
-            1.0 / (cfg.head_dim() as f64).sqrt()
-        } else {
-            1.0
-        };
+        let mut scale = if cfg.scale_attn_weights { 1.0 / (cfg.head_dim() as f64).sqrt() } else { 1.0 };
         if cfg.scale_attn_by_inverse_layer_idx {
             scale /= (layer + 1) as f64;
         }
@@ -320,10 +290,8 @@ impl Attention {
         let hd = c / self.n_head;
         let qkv = self.c_attn.forward(x)?; // (B, T, 3C)
         let heads = |i: usize| -> Result<Tensor> {
-            qkv.narrow(D::Minus1, i * c, c)?
-                .reshape((b, t, self.n_head, hd))?
-                .transpose(1, 2)?
-                .contiguous() // (B, NH, T, HD): the layout the batched gemm wants
+            qkv.narrow(D::Minus1, i * c, c)?.reshape((b, t, self.n_head, hd))?.transpose(1, 2)?.contiguous()
+            // (B, NH, T, HD): the layout the batched gemm wants
         };
         let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
         let (k, v) = match cache {
@@ -363,11 +331,7 @@ impl Mlp {
     }
     fn forward(&self, x: &Tensor, dropout: Option<(&Dropout, u64)>) -> Result<Tensor> {
         let h = self.c_fc.forward(x)?; // (B, T, 4C)
-        let h = if self.exact_gelu {
-            h.gelu_erf()?
-        } else {
-            h.gelu()?
-        }; // candle's gelu is gelu_new
+        let h = if self.exact_gelu { h.gelu_erf()? } else { h.gelu()? }; // candle's gelu is gelu_new
         let y = self.c_proj.forward(&h)?; // (B, T, C)
         match dropout {
             Some((d, layer)) => ops::dropout(&y, d.resid, &d.key, layer, 2),
@@ -404,9 +368,7 @@ impl Block {
         dropout: Option<&Dropout>,
     ) -> Result<Tensor> {
         let drop = dropout.map(|d| (d, self.index));
-        let x = (x + self
-            .attn
-            .forward(&self.ln_1.forward(x)?, bias, cache, drop)?)?;
+        let x = (x + self.attn.forward(&self.ln_1.forward(x)?, bias, cache, drop)?)?;
         &x + self.mlp.forward(&self.ln_2.forward(&x)?, drop)?
     }
 }
@@ -440,33 +402,19 @@ impl Gpt2 {
         Ok(Self {
             wte: vb.get((cfg.vocab_size, c), "wte.weight")?,
             wpe: vb.get((cfg.n_positions, c), "wpe.weight")?,
-            h: (0..cfg.n_layer)
-                .map(|i| Block::load(vb.pp("h").pp(i), cfg, i))
-                .collect::<Result<_>>()?,
+            h: (0..cfg.n_layer).map(|i| Block::load(vb.pp("h").pp(i), cfg, i)).collect::<Result<_>>()?,
             ln_f: LayerNorm::load(vb.pp("ln_f"), c, cfg.layer_norm_epsilon)?,
             cfg: cfg.clone(),
         })
     }
 
     /// Token plus position embeddings, with embedding dropout in training. (B, T, C)
-    pub fn embed(
-        &self,
-        ids: &Tensor,
-        pos: &Positions,
-        past: usize,
-        dropout: Option<&Dropout>,
-    ) -> Result<Tensor> {
+    pub fn embed(&self, ids: &Tensor, pos: &Positions, past: usize, dropout: Option<&Dropout>) -> Result<Tensor> {
         let (b, t) = ids.dims2()?;
         let c = self.cfg.n_embd;
-        let tok = self
-            .wte
-            .index_select(&ids.flatten_all()?, 0)?
-            .reshape((b, t, c))?;
+        let tok = self.wte.index_select(&ids.flatten_all()?, 0)?.reshape((b, t, c))?;
         let pos_emb = match pos.position_ids {
-            Some(p) => self
-                .wpe
-                .index_select(&p.flatten_all()?, 0)?
-                .reshape((b, t, c))?,
+            Some(p) => self.wpe.index_select(&p.flatten_all()?, 0)?.reshape((b, t, c))?,
             None => {
                 let p = Tensor::arange(past as u32, (past + t) as u32, ids.device())?;
                 self.wpe.index_select(&p, 0)?.unsqueeze(0)? // (1, T, C)
@@ -480,14 +428,7 @@ impl Gpt2 {
     }
 
     /// The additive attention mask (B or 1, 1, T, S) for T new tokens after P cached ones.
-    pub fn attention_bias(
-        &self,
-        b: usize,
-        t: usize,
-        past: usize,
-        pos: &Positions,
-        device: &Device,
-    ) -> Result<Tensor> {
+    pub fn attention_bias(&self, b: usize, t: usize, past: usize, pos: &Positions, device: &Device) -> Result<Tensor> {
         let s = past + t;
         let keys: Option<Vec<Vec<f32>>> = match pos.attention_mask {
             Some(m) => Some(m.to_dtype(DType::F32)?.to_vec2()?),
@@ -555,12 +496,7 @@ impl Gpt2 {
     }
 
     /// Mean next-token cross-entropy of `ids` (B, T) against `targets` (B, T).
-    pub fn lm_loss(
-        &self,
-        ids: &Tensor,
-        targets: &Tensor,
-        dropout: Option<&Dropout>,
-    ) -> Result<Tensor> {
+    pub fn lm_loss(&self, ids: &Tensor, targets: &Tensor, dropout: Option<&Dropout>) -> Result<Tensor> {
         let logits = self.forward(ids, &Positions::default(), None, dropout)?; // (B, T, V)
         let v = logits.dim(D::Minus1)?;
         ops::cross_entropy(&logits.reshape(((), v))?, &targets.flatten_all()?)
@@ -571,10 +507,8 @@ impl Gpt2 {
 /// The single inventory used for initialisation, loading checks and memory accounting.
 pub fn parameter_shapes(cfg: &Gpt2Config) -> Vec<(String, Vec<usize>)> {
     let (c, inner) = (cfg.n_embd, cfg.inner_dim());
-    let mut p = vec![
-        ("wte.weight".to_string(), vec![cfg.vocab_size, c]),
-        ("wpe.weight".to_string(), vec![cfg.n_positions, c]),
-    ];
+    let mut p =
+        vec![("wte.weight".to_string(), vec![cfg.vocab_size, c]), ("wpe.weight".to_string(), vec![cfg.n_positions, c])];
     for i in 0..cfg.n_layer {
         let l = |s: &str| format!("h.{i}.{s}");
         p.extend([
@@ -599,19 +533,14 @@ pub fn parameter_shapes(cfg: &Gpt2Config) -> Vec<(String, Vec<usize>)> {
 
 /// Total parameter count (the tied LM head counted once).
 pub fn parameter_count(cfg: &Gpt2Config) -> usize {
-    parameter_shapes(cfg)
-        .iter()
-        .map(|(_, s)| s.iter().product::<usize>())
-        .sum()
+    parameter_shapes(cfg).iter().map(|(_, s)| s.iter().product::<usize>()).sum()
 }
 
 /// Reads and validates a config.json.
 pub fn read_config(path: &std::path::Path) -> anyhow::Result<Gpt2Config> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
     let cfg: Gpt2Config = serde_json::from_str(&text)
         .map_err(|e| anyhow::anyhow!("{} is not a valid GPT-2 config.json: {e}", path.display()))?;
-    cfg.validate()
-        .with_context(|| format!("in {}", path.display()))?;
+    cfg.validate().with_context(|| format!("in {}", path.display()))?;
     Ok(cfg)
 }

@@ -49,14 +49,15 @@ pub fn resolve_model_dir(name_or_path: &str) -> Result<PathBuf> {
         );
     }
     if path.exists() {
-        bail!("{} is not a directory: pass a Hugging Face model directory (config.json + model.safetensors)", path.display());
+        bail!(
+            "{} is not a directory: pass a Hugging Face model directory (config.json + model.safetensors)",
+            path.display()
+        );
     }
     let looks_like_id = !name_or_path.is_empty()
         && !name_or_path.starts_with(['.', '/'])
         && name_or_path.matches('/').count() <= 1
-        && name_or_path
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || "-_./".contains(c));
+        && name_or_path.chars().all(|c| c.is_ascii_alphanumeric() || "-_./".contains(c));
     if !looks_like_id {
         bail!("model directory {name_or_path} does not exist");
     }
@@ -66,18 +67,17 @@ pub fn resolve_model_dir(name_or_path: &str) -> Result<PathBuf> {
 /// The checkpoint directory a root's `latest` pointer names.
 pub fn latest_checkpoint(root: &Path) -> Result<PathBuf> {
     let pointer = root.join(LATEST);
-    let name = std::fs::read_to_string(&pointer)
-        .with_context(|| format!("cannot read {}", pointer.display()))?;
+    let name = std::fs::read_to_string(&pointer).with_context(|| format!("cannot read {}", pointer.display()))?;
     let name = name.trim();
     if name.is_empty() || name.contains(['/', '\\']) || name.starts_with('.') {
-        bail!("{} is corrupt (it holds {name:?}); point it at a checkpoint directory name such as iter_0000100", pointer.display());
+        bail!(
+            "{} is corrupt (it holds {name:?}); point it at a checkpoint directory name such as iter_0000100",
+            pointer.display()
+        );
     }
     let dir = root.join(name);
     if !dir.join(CONFIG).is_file() {
-        bail!(
-            "{} names {name}, which is not a complete checkpoint directory",
-            pointer.display()
-        );
+        bail!("{} names {name}, which is not a complete checkpoint directory", pointer.display());
     }
     Ok(dir)
 }
@@ -99,25 +99,22 @@ fn hub_snapshot(id: &str) -> Result<PathBuf> {
             return Ok(dir);
         }
     }
-    let offline =
-        std::env::var("HF_HUB_OFFLINE").is_ok_and(|v| v == "1" || v.eq_ignore_ascii_case("true"));
+    let offline = std::env::var("HF_HUB_OFFLINE").is_ok_and(|v| v == "1" || v.eq_ignore_ascii_case("true"));
     let hint = format!(
         "model {id:?} is not a local directory and is not in the Hugging Face cache ({})",
         cache.path().display()
     );
     if offline {
-        bail!(
-            "{hint}, and HF_HUB_OFFLINE is set: download it while online or pass a local directory"
-        );
+        bail!("{hint}, and HF_HUB_OFFLINE is set: download it while online or pass a local directory");
     }
     let api = hf_hub::api::sync::ApiBuilder::from_env()
         .with_progress(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .build()
         .map_err(|e| anyhow!("{hint}, and the hub client failed to start: {e}"))?;
     let repo = api.model(id.to_string());
-    let config = repo
-        .get(CONFIG)
-        .map_err(|e| anyhow!("{hint}, and downloading it failed ({e}): check the id and your network, or pass a local directory"))?;
+    let config = repo.get(CONFIG).map_err(|e| {
+        anyhow!("{hint}, and downloading it failed ({e}): check the id and your network, or pass a local directory")
+    })?;
     match repo.get(WEIGHTS) {
         Ok(_) => {}
         Err(_) => {
@@ -125,8 +122,7 @@ fn hub_snapshot(id: &str) -> Result<PathBuf> {
                 anyhow!("hub model {id:?} has no model.safetensors (only pickle weights?): we read safetensors only")
             })?;
             for shard in shard_files(&index)? {
-                repo.get(&shard)
-                    .map_err(|e| anyhow!("downloading {shard} of {id:?} failed: {e}"))?;
+                repo.get(&shard).map_err(|e| anyhow!("downloading {shard} of {id:?} failed: {e}"))?;
             }
         }
     }
@@ -136,10 +132,9 @@ fn hub_snapshot(id: &str) -> Result<PathBuf> {
 
 /// The shard file names listed in a `model.safetensors.index.json`.
 fn shard_files(index: &Path) -> Result<BTreeSet<String>> {
-    let text = std::fs::read_to_string(index)
-        .with_context(|| format!("cannot read {}", index.display()))?;
-    let json: serde_json::Value = serde_json::from_str(&text)
-        .map_err(|e| anyhow!("{} is not valid JSON: {e}", index.display()))?;
+    let text = std::fs::read_to_string(index).with_context(|| format!("cannot read {}", index.display()))?;
+    let json: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| anyhow!("{} is not valid JSON: {e}", index.display()))?;
     let map = json
         .get("weight_map")
         .and_then(|m| m.as_object())
@@ -156,14 +151,15 @@ fn shard_files(index: &Path) -> Result<BTreeSet<String>> {
 pub fn read_safetensors(path: &Path, device: &Device) -> Result<HashMap<String, Tensor>> {
     let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
     let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| {
-        anyhow!("{} is not a valid safetensors file ({e}): it may be truncated or corrupt; re-download or re-save it", path.display())
+        anyhow!(
+            "{} is not a valid safetensors file ({e}): it may be truncated or corrupt; re-download or re-save it",
+            path.display()
+        )
     })?;
     st.tensors()
         .into_iter()
         .map(|(name, view)| {
-            let t = view
-                .load(device)
-                .with_context(|| format!("tensor {name} in {}", path.display()))?;
+            let t = view.load(device).with_context(|| format!("tensor {name} in {}", path.display()))?;
             Ok((name, t))
         })
         .collect()
@@ -181,46 +177,33 @@ pub fn load_model_dir(dir: &Path, device: &Device) -> Result<ModelFiles> {
         }
         all
     } else {
-        bail!("{} has no model.safetensors or model.safetensors.index.json (pickle .bin weights are not read)", dir.display());
-    };
-    let (tensors, extra_tensors) = split_hf_names(raw);
-    let expected: BTreeSet<String> = crate::gpt2::parameter_shapes(&config)
-        .into_iter()
-        .map(|(n, _)| n)
-        .collect();
-    if let Some(missing) = expected.iter().find(|n| !tensors.contains_key(*n)) {
         bail!(
-            "{} lacks tensor {missing}: it is not a complete GPT-2 checkpoint",
+            "{} has no model.safetensors or model.safetensors.index.json (pickle .bin weights are not read)",
             dir.display()
         );
+    };
+    let (tensors, extra_tensors) = split_hf_names(raw);
+    let expected: BTreeSet<String> = crate::gpt2::parameter_shapes(&config).into_iter().map(|(n, _)| n).collect();
+    if let Some(missing) = expected.iter().find(|n| !tensors.contains_key(*n)) {
+        bail!("{} lacks tensor {missing}: it is not a complete GPT-2 checkpoint", dir.display());
     }
-    Ok(ModelFiles {
-        dir: dir.to_path_buf(),
-        config,
-        tensors,
-        extra_tensors,
-    })
+    Ok(ModelFiles { dir: dir.to_path_buf(), config, tensors, extra_tensors })
 }
 
 /// Separates GPT-2 trunk tensors (stripped of HF's optional `transformer.` prefix) from
 /// everything else, dropping the tied `lm_head.weight` and the causal-mask buffers
 /// (`h.N.attn.bias`, `h.N.attn.masked_bias`) that old checkpoints carry.
-fn split_hf_names(
-    raw: HashMap<String, Tensor>,
-) -> (HashMap<String, Tensor>, HashMap<String, Tensor>) {
+fn split_hf_names(raw: HashMap<String, Tensor>) -> (HashMap<String, Tensor>, HashMap<String, Tensor>) {
     let mut trunk = HashMap::new();
     let mut extra = HashMap::new();
     for (name, t) in raw {
         let short = name.strip_prefix("transformer.").unwrap_or(&name);
-        let is_buffer = short.starts_with("h.")
-            && (short.ends_with(".attn.bias") || short.ends_with(".attn.masked_bias"));
+        let is_buffer =
+            short.starts_with("h.") && (short.ends_with(".attn.bias") || short.ends_with(".attn.masked_bias"));
         if is_buffer || name == "lm_head.weight" {
             continue;
         }
-        let is_trunk = short.starts_with("h.")
-            || ["wte.", "wpe.", "ln_f."]
-                .iter()
-                .any(|p| short.starts_with(p));
+        let is_trunk = short.starts_with("h.") || ["wte.", "wpe.", "ln_f."].iter().any(|p| short.starts_with(p));
         if is_trunk {
             trunk.insert(short.to_string(), t);
         } else {
@@ -240,21 +223,16 @@ pub fn write_model_files(
     extra: &[(&str, &Tensor)],
 ) -> Result<()> {
     let mut json = serde_json::to_value(config)?;
-    let obj = json
-        .as_object_mut()
-        .expect("config serialises to an object");
+    let obj = json.as_object_mut().expect("config serialises to an object");
     obj.insert("model_type".into(), "gpt2".into());
-    obj.entry("architectures")
-        .or_insert_with(|| serde_json::json!(["GPT2LMHeadModel"]));
+    obj.entry("architectures").or_insert_with(|| serde_json::json!(["GPT2LMHeadModel"]));
     // Our master weights are f32; transformers 5 reads `dtype` (4.x `torch_dtype`, default f32).
     obj.remove("torch_dtype");
     obj.insert("dtype".into(), "float32".into());
     write_json(&dir.join(CONFIG), &json)?;
 
-    let mut tensors: Vec<(String, Tensor)> = params
-        .iter()
-        .map(|(n, v)| (format!("transformer.{n}"), v.as_tensor().clone()))
-        .collect();
+    let mut tensors: Vec<(String, Tensor)> =
+        params.iter().map(|(n, v)| (format!("transformer.{n}"), v.as_tensor().clone())).collect();
     tensors.extend(extra.iter().map(|(n, t)| (n.to_string(), (*t).clone())));
     let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
     safetensors::serialize_to_file(tensors, Some(metadata), &dir.join(WEIGHTS))
@@ -281,14 +259,7 @@ mod tests {
     #[test]
     fn truncated_safetensors_is_a_clear_error() -> Result<()> {
         let dir = tempfile::tempdir()?;
-        let cfg = Gpt2Config {
-            n_layer: 1,
-            n_embd: 8,
-            n_head: 2,
-            n_positions: 8,
-            vocab_size: 16,
-            ..Gpt2Config::tiny()
-        };
+        let cfg = Gpt2Config { n_layer: 1, n_embd: 8, n_head: 2, n_positions: 8, vocab_size: 16, ..Gpt2Config::tiny() };
         let params = ParamStore::init(&cfg, 0, &Device::Cpu)?;
         write_model_files(dir.path(), &cfg, &params, &[])?;
         let back = load_model_dir(dir.path(), &Device::Cpu)?;
@@ -297,27 +268,14 @@ mod tests {
             c.extra = back.config.extra.clone();
             c
         });
-        let w =
-            back.tensors["h.0.mlp.c_fc.weight"].sub(params.get("h.0.mlp.c_fc.weight").unwrap())?;
-        assert_eq!(
-            w.abs()?.sum_all()?.to_scalar::<f32>()?,
-            0.0,
-            "round trip is exact"
-        );
+        let w = back.tensors["h.0.mlp.c_fc.weight"].sub(params.get("h.0.mlp.c_fc.weight").unwrap())?;
+        assert_eq!(w.abs()?.sum_all()?.to_scalar::<f32>()?, 0.0, "round trip is exact");
 
         let path = dir.path().join(WEIGHTS);
         let bytes = std::fs::read(&path)?;
         std::fs::write(&path, &bytes[..bytes.len() / 2])?;
-        let err = format!(
-            "{:#}",
-            load_model_dir(dir.path(), &Device::Cpu)
-                .err()
-                .expect("must fail")
-        );
-        assert!(
-            err.contains("not a valid safetensors file") && err.contains("truncated"),
-            "{err}"
-        );
+        let err = format!("{:#}", load_model_dir(dir.path(), &Device::Cpu).err().expect("must fail"));
+        assert!(err.contains("not a valid safetensors file") && err.contains("truncated"), "{err}");
         Ok(())
     }
 
@@ -345,21 +303,12 @@ mod tests {
 
     #[test]
     fn missing_model_dir_and_offline_hub_miss_are_clear_errors() {
-        let err = format!(
-            "{:#}",
-            resolve_model_dir("/definitely/not/here").unwrap_err()
-        );
+        let err = format!("{:#}", resolve_model_dir("/definitely/not/here").unwrap_err());
         assert!(err.contains("does not exist"), "{err}");
         let cache = tempfile::tempdir().unwrap();
         std::env::set_var("HF_HOME", cache.path());
         std::env::set_var("HF_HUB_OFFLINE", "1");
-        let err = format!(
-            "{:#}",
-            resolve_model_dir("some-org/not-cached-model").unwrap_err()
-        );
-        assert!(
-            err.contains("not in the Hugging Face cache") && err.contains("HF_HUB_OFFLINE"),
-            "{err}"
-        );
+        let err = format!("{:#}", resolve_model_dir("some-org/not-cached-model").unwrap_err());
+        assert!(err.contains("not in the Hugging Face cache") && err.contains("HF_HUB_OFFLINE"), "{err}");
     }
 }

@@ -3,9 +3,13 @@
 //! that switches one model between training and generation.
 
 pub mod checkpoint;
+pub mod cli;
+pub mod fused;
 pub mod generate;
 pub mod gpt2;
 pub mod hf_io;
+pub mod memory;
+pub mod metrics;
 pub mod ops;
 pub mod optim;
 pub mod params;

@@ -43,18 +43,19 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resul
     let centered = x.broadcast_sub(&mean)?;
     let var = centered.sqr()?.mean_keepdim(D::Minus1)?; // (.., 1)
     let normed = centered.broadcast_div(&(var + eps)?.sqrt()?)?;
-    normed
-        .to_dtype(dtype)?
-        .broadcast_mul(weight)?
-        .broadcast_add(bias)
+    normed.to_dtype(dtype)?.broadcast_mul(weight)?.broadcast_add(bias)
 }
 
-/// Mean token cross-entropy of `logits` (N, V) against `targets` (N,) u32.
+/// Mean token cross-entropy of `logits` (N, V) against `targets` (N,) u32 (fused on the CPU).
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
-    let n = targets.dim(0)?;
+    crate::fused::cross_entropy_rows(logits, targets)?.mean_all()
+}
+
+/// Per-row cross-entropy composed of differentiable candle ops: the reference the fused kernel
+/// is tested against. (N, V), (N,) -> (N,)
+pub fn cross_entropy_rows_reference(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     let logp = log_softmax_last_dim(&upcast(logits)?)?; // (N, V)
-    let picked = logp.gather(&targets.unsqueeze(1)?, 1)?; // (N, 1)
-    picked.sum_all()?.affine(-1.0 / n as f64, 0.0)
+    logp.gather(&targets.unsqueeze(1)?, 1)?.squeeze(1)?.neg()
 }
 
 /// Identifies one dropout site in one step, so its mask is a pure function of where it is used.
@@ -89,9 +90,7 @@ pub fn dropout(x: &Tensor, p: f64, key: &DropoutKey, layer: u64, site: u64) -> R
     }
     let mut rng = key.rng(layer, site);
     let scale = (1.0 / (1.0 - p)) as f32;
-    let mask: Vec<f32> = (0..x.elem_count())
-        .map(|_| if rng.random::<f64>() < p { 0.0 } else { scale })
-        .collect();
+    let mask: Vec<f32> = (0..x.elem_count()).map(|_| if rng.random::<f64>() < p { 0.0 } else { scale }).collect();
     let mask = Tensor::from_vec(mask, x.shape(), x.device())?.to_dtype(x.dtype())?;
     x.mul(&mask)
 }
@@ -106,12 +105,7 @@ mod tests {
     fn check_grad(x: &Tensor, f: impl Fn(&Tensor) -> Result<Tensor>) -> Result<f32> {
         let var = Var::from_tensor(x)?;
         let grads = f(var.as_tensor())?.backward()?;
-        let analytic: Vec<f32> = grads
-            .get(&var)
-            .expect("no grad")
-            .to_dtype(DType::F32)?
-            .flatten_all()?
-            .to_vec1()?;
+        let analytic: Vec<f32> = grads.get(&var).expect("no grad").to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
         let base: Vec<f64> = x.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?;
         let eps = 1e-4;
         let mut worst = 0f32;
@@ -176,14 +170,14 @@ mod tests {
     }
 
     #[test]
-    fn cross_entropy_matches_hand_computed_and_finite_differences() -> Result<()> {
+    fn reference_cross_entropy_matches_hand_computed_and_finite_differences() -> Result<()> {
         let logits = Tensor::new(&[[0f64, 0., 0.], [1., 2., 3.]], &Device::Cpu)?;
         let targets = Tensor::new(&[1u32, 2], &Device::Cpu)?;
-        let ce = cross_entropy(&logits, &targets)?.to_scalar::<f64>()?;
+        let ce = cross_entropy_rows_reference(&logits, &targets)?.mean_all()?.to_scalar::<f64>()?;
         let row2 = -(3f64 - (1f64.exp() + 2f64.exp() + 3f64.exp()).ln());
         let want = ((3f64).ln() + row2) / 2.0;
         assert!((ce - want).abs() < 1e-12, "{ce} vs {want}");
-        let err = check_grad(&logits, |t| cross_entropy(t, &targets))?;
+        let err = check_grad(&logits, |t| cross_entropy_rows_reference(t, &targets)?.mean_all())?;
         assert!(err < 1e-6, "cross entropy grad error {err}");
         Ok(())
     }
@@ -205,33 +199,17 @@ mod tests {
     #[test]
     fn dropout_is_a_pure_function_of_its_key_and_keeps_the_mean() -> Result<()> {
         let x = Tensor::ones((64, 64), DType::F32, &Device::Cpu)?;
-        let key = DropoutKey {
-            seed: 1,
-            step: 3,
-            micro_batch: 0,
-        };
+        let key = DropoutKey { seed: 1, step: 3, micro_batch: 0 };
         let a = dropout(&x, 0.1, &key, 2, 0)?;
         let b = dropout(&x, 0.1, &key, 2, 0)?;
         let c = dropout(&x, 0.1, &key, 2, 1)?;
-        let diff =
-            |p: &Tensor, q: &Tensor| -> Result<f32> { p.sub(q)?.abs()?.sum_all()?.to_scalar() };
-        assert_eq!(
-            diff(&a, &b)?,
-            0.0,
-            "same key and site must give the same mask"
-        );
+        let diff = |p: &Tensor, q: &Tensor| -> Result<f32> { p.sub(q)?.abs()?.sum_all()?.to_scalar() };
+        assert_eq!(diff(&a, &b)?, 0.0, "same key and site must give the same mask");
         assert!(diff(&a, &c)? > 0.0, "another site must give another mask");
-        let zeros = a
-            .eq(0f32)?
-            .to_dtype(DType::F32)?
-            .mean_all()?
-            .to_scalar::<f32>()?;
+        let zeros = a.eq(0f32)?.to_dtype(DType::F32)?.mean_all()?.to_scalar::<f32>()?;
         assert!((zeros - 0.1).abs() < 0.02, "drop rate {zeros}");
         let mean = a.mean_all()?.to_scalar::<f32>()?;
-        assert!(
-            (mean - 1.0).abs() < 0.03,
-            "inverted dropout keeps the mean, got {mean}"
-        );
+        assert!((mean - 1.0).abs() < 0.03, "inverted dropout keeps the mean, got {mean}");
         Ok(())
     }
 }

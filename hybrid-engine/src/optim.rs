@@ -21,12 +21,7 @@ pub struct AdamWConfig {
 impl Default for AdamWConfig {
     /// Megatron's defaults; DS-Chat's steps use beta2 = 0.95.
     fn default() -> Self {
-        Self {
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay: 0.01,
-        }
+        Self { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 }
     }
 }
 
@@ -46,8 +41,7 @@ pub struct AdamW {
 
 impl AdamW {
     pub fn new(config: AdamWConfig, params: &ParamStore) -> Result<Self> {
-        let zeros =
-            || -> Result<Vec<Tensor>> { params.vars.iter().map(|v| Ok(v.zeros_like()?)).collect() };
+        let zeros = || -> Result<Vec<Tensor>> { params.vars.iter().map(|v| Ok(v.zeros_like()?)).collect() };
         Ok(Self {
             config,
             step: 0,
@@ -61,12 +55,7 @@ impl AdamW {
     pub fn step(&mut self, params: &ParamStore, grads: &[Tensor], lr: f64) -> Result<()> {
         assert_eq!(grads.len(), params.vars.len(), "one gradient per parameter");
         self.step += 1;
-        let AdamWConfig {
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-        } = self.config;
+        let AdamWConfig { beta1, beta2, eps, weight_decay } = self.config;
         let bc1 = 1.0 - beta1.powi(self.step as i32);
         let bc2 = 1.0 - beta2.powi(self.step as i32);
         for (i, (var, g)) in params.vars.iter().zip(grads).enumerate() {
@@ -74,11 +63,8 @@ impl AdamW {
             let v = ((&self.exp_avg_sq[i] * beta2)? + (g.sqr()? * (1.0 - beta2))?)?;
             let denom = ((&v / bc2)?.sqrt()? + eps)?;
             let update = ((&m / denom)? * (lr / bc1))?;
-            let decayed = if self.decay[i] {
-                (var.as_tensor() * (1.0 - lr * weight_decay))?
-            } else {
-                var.as_tensor().clone()
-            };
+            let decayed =
+                if self.decay[i] { (var.as_tensor() * (1.0 - lr * weight_decay))? } else { var.as_tensor().clone() };
             var.set(&(decayed - update)?)?;
             self.exp_avg[i] = m;
             self.exp_avg_sq[i] = v;
@@ -97,27 +83,15 @@ impl AdamW {
     }
 
     /// Restores moments written by [`Self::state_tensors`], checking every shape.
-    pub fn load_state(
-        &mut self,
-        params: &ParamStore,
-        step: u64,
-        tensors: &HashMap<String, Tensor>,
-    ) -> Result<()> {
+    pub fn load_state(&mut self, params: &ParamStore, step: u64, tensors: &HashMap<String, Tensor>) -> Result<()> {
         for (i, name) in params.names.iter().enumerate() {
-            for (key, slot) in [
-                ("exp_avg", &mut self.exp_avg[i]),
-                ("exp_avg_sq", &mut self.exp_avg_sq[i]),
-            ] {
+            for (key, slot) in [("exp_avg", &mut self.exp_avg[i]), ("exp_avg_sq", &mut self.exp_avg_sq[i])] {
                 let k = format!("{key}.{name}");
                 let Some(t) = tensors.get(&k) else {
                     bail!("optimizer state lacks {k}: the checkpoint does not match this model")
                 };
                 if t.dims() != slot.dims() {
-                    bail!(
-                        "optimizer state {k} has shape {:?}, the model needs {:?}",
-                        t.dims(),
-                        slot.dims()
-                    );
+                    bail!("optimizer state {k} has shape {:?}, the model needs {:?}", t.dims(), slot.dims());
                 }
                 *slot = t.to_device(slot.device())?;
             }
@@ -134,9 +108,7 @@ pub struct GradAccumulator {
 
 impl GradAccumulator {
     pub fn new(n: usize) -> Self {
-        Self {
-            grads: vec![None; n],
-        }
+        Self { grads: vec![None; n] }
     }
 
     /// Adds the gradients a backward pass produced for `params`.
@@ -157,11 +129,7 @@ impl GradAccumulator {
         self.grads
             .into_iter()
             .zip(&params.names)
-            .map(|(g, name)| {
-                g.ok_or_else(|| {
-                    anyhow::anyhow!("internal error: parameter {name} received no gradient")
-                })
-            })
+            .map(|(g, name)| g.ok_or_else(|| anyhow::anyhow!("internal error: parameter {name} received no gradient")))
             .collect()
     }
 }
@@ -170,11 +138,7 @@ impl GradAccumulator {
 pub fn global_grad_norm(grads: &[Tensor]) -> Result<f64> {
     let mut sum = 0f64;
     for g in grads {
-        sum += g
-            .sqr()?
-            .sum_all()?
-            .to_dtype(candle_core::DType::F64)?
-            .to_scalar::<f64>()?;
+        sum += g.sqr()?.sum_all()?.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
     }
     Ok(sum.sqrt())
 }
@@ -211,66 +175,38 @@ mod tests {
 
     #[test]
     fn adamw_matches_hand_computed_two_steps() -> Result<()> {
-        let cfg = Gpt2Config {
-            n_layer: 1,
-            n_embd: 4,
-            n_head: 1,
-            n_positions: 2,
-            vocab_size: 3,
-            ..Gpt2Config::tiny()
-        };
+        let cfg = Gpt2Config { n_layer: 1, n_embd: 4, n_head: 1, n_positions: 2, vocab_size: 3, ..Gpt2Config::tiny() };
         let params = ParamStore::init(&cfg, 0, &Device::Cpu)?;
-        let c = AdamWConfig {
-            beta1: 0.9,
-            beta2: 0.99,
-            eps: 1e-8,
-            weight_decay: 0.1,
-        };
+        let c = AdamWConfig { beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.1 };
         let mut opt = AdamW::new(c, &params)?;
         let w0: Vec<f32> = params.get("wte.weight").unwrap().flatten_all()?.to_vec1()?;
         let b0: Vec<f32> = params.get("ln_f.bias").unwrap().flatten_all()?.to_vec1()?;
-        let grads_at = |g: f32| -> Result<Vec<Tensor>> {
-            params
-                .vars
-                .iter()
-                .map(|v| Ok((v.ones_like()? * g as f64)?))
-                .collect()
-        };
+        let grads_at =
+            |g: f32| -> Result<Vec<Tensor>> { params.vars.iter().map(|v| Ok((v.ones_like()? * g as f64)?)).collect() };
         let lr = 0.01;
         opt.step(&params, &grads_at(0.5)?, lr)?;
         opt.step(&params, &grads_at(-1.0)?, lr)?;
         // By hand (f64): m1 = 0.05, v1 = 0.0025; m2 = 0.045 - 0.1 = -0.055, v2 = 0.002475 + 0.01.
         let (m1, v1) = (0.05f64, 0.0025f64);
         let (m2, v2) = (0.9 * m1 - 0.1, 0.99 * v1 + 0.01);
-        let upd = |m: f64, v: f64, t: i32| {
-            lr * (m / (1.0 - 0.9f64.powi(t))) / ((v / (1.0 - 0.99f64.powi(t))).sqrt() + 1e-8)
-        };
-        let decayed =
-            |p: f64| (p * (1.0 - lr * 0.1) - upd(m1, v1, 1)) * (1.0 - lr * 0.1) - upd(m2, v2, 2);
+        let upd =
+            |m: f64, v: f64, t: i32| lr * (m / (1.0 - 0.9f64.powi(t))) / ((v / (1.0 - 0.99f64.powi(t))).sqrt() + 1e-8);
+        let decayed = |p: f64| (p * (1.0 - lr * 0.1) - upd(m1, v1, 1)) * (1.0 - lr * 0.1) - upd(m2, v2, 2);
         let plain = |p: f64| p - upd(m1, v1, 1) - upd(m2, v2, 2);
         let w2: Vec<f32> = params.get("wte.weight").unwrap().flatten_all()?.to_vec1()?;
         let b2: Vec<f32> = params.get("ln_f.bias").unwrap().flatten_all()?.to_vec1()?;
         for (a, b) in w0.iter().zip(&w2) {
-            assert!(
-                (decayed(*a as f64) - *b as f64).abs() < 1e-6,
-                "decayed weight {a} -> {b}"
-            );
+            assert!((decayed(*a as f64) - *b as f64).abs() < 1e-6, "decayed weight {a} -> {b}");
         }
         for (a, b) in b0.iter().zip(&b2) {
-            assert!(
-                (plain(*a as f64) - *b as f64).abs() < 1e-6,
-                "bias {a} -> {b} (no decay)"
-            );
+            assert!((plain(*a as f64) - *b as f64).abs() < 1e-6, "bias {a} -> {b} (no decay)");
         }
         Ok(())
     }
 
     #[test]
     fn clipping_scales_to_the_max_norm_only_when_above() -> Result<()> {
-        let mut g = vec![
-            Tensor::new(&[3f32, 0.0], &Device::Cpu)?,
-            Tensor::new(&[4f32], &Device::Cpu)?,
-        ];
+        let mut g = vec![Tensor::new(&[3f32, 0.0], &Device::Cpu)?, Tensor::new(&[4f32], &Device::Cpu)?];
         let norm = clip_grad_norm(&mut g, 1.0)?;
         assert!((norm - 5.0).abs() < 1e-9);
         assert!((global_grad_norm(&g)? - 1.0).abs() < 1e-5);

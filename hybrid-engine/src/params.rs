@@ -19,11 +19,7 @@ pub struct ParamStore {
 impl ParamStore {
     /// Takes ownership of `tensors` (as f32 `Var`s) in the config's parameter order; every
     /// parameter must be present with its expected shape.
-    pub fn from_tensors(
-        cfg: &Gpt2Config,
-        tensors: &HashMap<String, Tensor>,
-        device: &Device,
-    ) -> Result<Self> {
+    pub fn from_tensors(cfg: &Gpt2Config, tensors: &HashMap<String, Tensor>, device: &Device) -> Result<Self> {
         let mut names = Vec::new();
         let mut vars = Vec::new();
         for (name, shape) in parameter_shapes(cfg) {
@@ -31,10 +27,7 @@ impl ParamStore {
                 bail!("checkpoint is missing tensor {name} (is it a GPT-2 checkpoint matching its config.json?)");
             };
             if t.dims() != shape.as_slice() {
-                bail!(
-                    "tensor {name} has shape {:?} but config.json implies {shape:?}",
-                    t.dims()
-                );
+                bail!("tensor {name} has shape {:?} but config.json implies {shape:?}", t.dims());
             }
             let t = t.to_dtype(DType::F32)?.to_device(device)?;
             vars.push(Var::from_tensor(&t)?);
@@ -58,11 +51,7 @@ impl ParamStore {
             } else if name.contains("ln_") {
                 vec![1.0; n]
             } else {
-                let s = if name.ends_with("c_proj.weight") {
-                    proj_std
-                } else {
-                    std
-                };
+                let s = if name.ends_with("c_proj.weight") { proj_std } else { std };
                 (0..n).map(|_| (normal(&mut rng) * s) as f32).collect()
             };
             tensors.insert(name, Tensor::from_vec(values, shape, device)?);
@@ -71,10 +60,7 @@ impl ParamStore {
     }
 
     pub fn get(&self, name: &str) -> Option<&Var> {
-        self.names
-            .iter()
-            .position(|n| n == name)
-            .map(|i| &self.vars[i])
+        self.names.iter().position(|n| n == name).map(|i| &self.vars[i])
     }
 
     pub fn iter(&self) -> impl Iterator<Item = (&str, &Var)> {
@@ -83,17 +69,12 @@ impl ParamStore {
 
     /// The current values, sharing storage with the `Var`s.
     pub fn tensors(&self) -> HashMap<String, Tensor> {
-        self.iter()
-            .map(|(n, v)| (n.to_string(), v.as_tensor().clone()))
-            .collect()
+        self.iter().map(|(n, v)| (n.to_string(), v.as_tensor().clone())).collect()
     }
 
     /// The model over these parameters (same storage: updates to the `Var`s are visible).
     pub fn model(&self, cfg: &Gpt2Config) -> Result<Gpt2> {
-        let device = self
-            .vars
-            .first()
-            .map_or(Device::Cpu, |v| v.device().clone());
+        let device = self.vars.first().map_or(Device::Cpu, |v| v.device().clone());
         let vb = VarBuilder::from_tensors(self.tensors(), DType::F32, &device);
         Ok(Gpt2::load(vb, cfg)?)
     }
@@ -127,20 +108,8 @@ mod tests {
         let proj = 0.02 / (8f32).sqrt();
         assert!((std_of(&a, "h.1.mlp.c_proj.weight")? - proj).abs() < 1e-3);
         assert_eq!(std_of(&a, "h.0.attn.c_attn.bias")?, 0.0);
-        assert_eq!(
-            a.get("ln_f.weight")
-                .unwrap()
-                .as_tensor()
-                .sum_all()?
-                .to_scalar::<f32>()?,
-            128.0
-        );
-        let d = a
-            .get("wte.weight")
-            .unwrap()
-            .sub(b.get("wte.weight").unwrap())?
-            .abs()?
-            .sum_all()?;
+        assert_eq!(a.get("ln_f.weight").unwrap().as_tensor().sum_all()?.to_scalar::<f32>()?, 128.0);
+        let d = a.get("wte.weight").unwrap().sub(b.get("wte.weight").unwrap())?.abs()?.sum_all()?;
         assert_eq!(d.to_scalar::<f32>()?, 0.0, "same seed, same weights");
         assert_eq!(a.numel(), crate::gpt2::parameter_count(&cfg));
         Ok(())

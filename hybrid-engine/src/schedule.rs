@@ -19,9 +19,7 @@ impl std::str::FromStr for DecayStyle {
             "constant" | "constant_with_warmup" => Ok(Self::Constant),
             "linear" => Ok(Self::Linear),
             "cosine" => Ok(Self::Cosine),
-            _ => Err(format!(
-                "unknown schedule {s:?}: use constant, linear or cosine"
-            )),
+            _ => Err(format!("unknown schedule {s:?}: use constant, linear or cosine")),
         }
     }
 }
@@ -66,13 +64,7 @@ mod tests {
     use super::*;
 
     fn sched(style: DecayStyle) -> LrSchedule {
-        LrSchedule {
-            max_lr: 1.0,
-            min_lr: 0.1,
-            warmup_iters: 10,
-            decay_iters: 110,
-            style,
-        }
+        LrSchedule { max_lr: 1.0, min_lr: 0.1, warmup_iters: 10, decay_iters: 110, style }
     }
 
     #[test]

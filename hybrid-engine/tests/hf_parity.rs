@@ -31,11 +31,7 @@ fn load() -> Result<Fixture> {
     let params = ParamStore::from_tensors(&files.config, &files.tensors, &Device::Cpu)?;
     let model = params.model(&files.config)?;
     let expected = read_safetensors(&fixture_dir().join("expected.safetensors"), &Device::Cpu)?;
-    Ok(Fixture {
-        params,
-        model,
-        expected,
-    })
+    Ok(Fixture { params, model, expected })
 }
 
 fn ids(t: &Tensor) -> Result<Tensor> {
@@ -56,20 +52,10 @@ fn logits_and_loss_match_transformers() -> Result<()> {
     assert!(d < 1e-5, "logits differ from transformers by {d}");
 
     let (b, t) = input.dims2()?;
-    let loss = f.model.lm_loss(
-        &input.narrow(1, 0, t - 1)?,
-        &input.narrow(1, 1, t - 1)?,
-        None,
-    )?;
-    let (ours, theirs) = (
-        loss.to_scalar::<f32>()?,
-        f.expected["loss"].to_vec1::<f32>()?[0],
-    );
+    let loss = f.model.lm_loss(&input.narrow(1, 0, t - 1)?, &input.narrow(1, 1, t - 1)?, None)?;
+    let (ours, theirs) = (loss.to_scalar::<f32>()?, f.expected["loss"].to_vec1::<f32>()?[0]);
     println!("loss ours {ours} transformers {theirs} (B={b})");
-    assert!(
-        ((ours - theirs) / theirs).abs() < 1e-6,
-        "loss {ours} vs {theirs}"
-    );
+    assert!(((ours - theirs) / theirs).abs() < 1e-6, "loss {ours} vs {theirs}");
     Ok(())
 }
 
@@ -90,13 +76,13 @@ fn every_parameter_gradient_matches_transformers() -> Result<()> {
             let want = &f.expected[&format!("grad.transformer.{name}")];
             let scale: f32 = want.abs()?.flatten_all()?.max(0)?.to_scalar()?;
             let rel = max_abs_diff(g, want)? / scale;
-            assert!(
-                rel < 1e-4,
-                "gradient of {name} (checkpoint {checkpoint}) off by {rel} relative"
-            );
+            assert!(rel < 1e-4, "gradient of {name} (checkpoint {checkpoint}) off by {rel} relative");
             worst = worst.max(rel);
         }
-        println!("checkpoint_activations={checkpoint}: worst gradient relative diff {worst:e} over {} tensors", grads.len());
+        println!(
+            "checkpoint_activations={checkpoint}: worst gradient relative diff {worst:e} over {} tensors",
+            grads.len()
+        );
     }
     Ok(())
 }
@@ -107,15 +93,8 @@ fn left_padded_batch_matches_transformers_on_real_positions() -> Result<()> {
     let input = ids(&f.expected["padded_input_ids"])?;
     let mask = &f.expected["padded_attention_mask"].to_dtype(DType::U32)?;
     let pos = ids(&f.expected["padded_position_ids"])?;
-    let logits = f.model.forward(
-        &input,
-        &Positions {
-            position_ids: Some(&pos),
-            attention_mask: Some(mask),
-        },
-        None,
-        None,
-    )?;
+    let logits =
+        f.model.forward(&input, &Positions { position_ids: Some(&pos), attention_mask: Some(mask) }, None, None)?;
     let want = &f.expected["padded_logits"];
     let m: Vec<Vec<u32>> = mask.to_vec2()?;
     for (r, row) in m.iter().enumerate() {
@@ -137,32 +116,17 @@ fn greedy_generation_matches_transformers_single_and_left_padded_batch() -> Resu
     let want = to_rows(&f.expected["greedy_tokens"])?;
     let cfg = SamplingConfig::greedy(20, None, 210, 211);
     let got = generate(&f.model, &prompt, &cfg, &Device::Cpu)?;
-    assert_eq!(
-        got[0],
-        want[0][prompt[0].len()..],
-        "single-prompt greedy continuation"
-    );
+    assert_eq!(got[0], want[0][prompt[0].len()..], "single-prompt greedy continuation");
 
     let padded = to_rows(&f.expected["batch_greedy_prompt"])?;
     let mask = to_rows(&f.expected["batch_greedy_attention_mask"])?;
     let prompts: Vec<Vec<u32>> = padded
         .iter()
         .zip(&mask)
-        .map(|(p, m)| {
-            p.iter()
-                .zip(m)
-                .filter(|(_, m)| **m == 1)
-                .map(|(t, _)| *t)
-                .collect()
-        })
+        .map(|(p, m)| p.iter().zip(m).filter(|(_, m)| **m == 1).map(|(t, _)| *t).collect())
         .collect();
     let want = to_rows(&f.expected["batch_greedy_tokens"])?;
-    let got = generate(
-        &f.model,
-        &prompts,
-        &SamplingConfig::greedy(12, None, 210, 211),
-        &Device::Cpu,
-    )?;
+    let got = generate(&f.model, &prompts, &SamplingConfig::greedy(12, None, 210, 211), &Device::Cpu)?;
     for r in 0..2 {
         assert_eq!(got[r], want[r][padded[r].len()..], "batch row {r}");
     }
@@ -176,20 +140,10 @@ fn kv_cache_decoding_equals_full_forward() -> Result<()> {
     let input = ids(&f.expected["input_ids"])?;
     let full = f.model.forward(&input, &Positions::default(), None, None)?;
     let mut cache = Gpt2Cache::new(&f.model.cfg, 16);
-    let prefill = f.model.forward(
-        &input.narrow(1, 0, 5)?,
-        &Positions::default(),
-        Some(&mut cache),
-        None,
-    )?;
+    let prefill = f.model.forward(&input.narrow(1, 0, 5)?, &Positions::default(), Some(&mut cache), None)?;
     let mut worst = max_abs_diff(&prefill, &full.narrow(1, 0, 5)?)?;
     for t in 5..16 {
-        let step = f.model.forward(
-            &input.narrow(1, t, 1)?,
-            &Positions::default(),
-            Some(&mut cache),
-            None,
-        )?;
+        let step = f.model.forward(&input.narrow(1, t, 1)?, &Positions::default(), Some(&mut cache), None)?;
         worst = worst.max(max_abs_diff(&step, &full.narrow(1, t, 1)?)?);
     }
     println!("cached vs full max abs diff {worst:e}");
@@ -205,26 +159,10 @@ fn activation_checkpointing_with_dropout_gives_identical_gradients() -> Result<(
     let input = ids(&f.expected["input_ids"])?;
     let t = input.dim(1)?;
     let (x, y) = (input.narrow(1, 0, t - 1)?, input.narrow(1, 1, t - 1)?);
-    let drop = Dropout::from_config(
-        &f.model.cfg,
-        DropoutKey {
-            seed: 5,
-            step: 2,
-            micro_batch: 1,
-        },
-    );
+    let drop = Dropout::from_config(&f.model.cfg, DropoutKey { seed: 5, step: 2, micro_batch: 1 });
     let run = |ckpt: bool| -> Result<(f32, Vec<Tensor>)> {
         let mut acc = GradAccumulator::new(f.params.vars.len());
-        let loss = lm_forward_backward(
-            &f.model,
-            &f.params,
-            &x,
-            &y,
-            Some(&drop),
-            ckpt,
-            1.0,
-            &mut acc,
-        )?;
+        let loss = lm_forward_backward(&f.model, &f.params, &x, &y, Some(&drop), ckpt, 1.0, &mut acc)?;
         Ok((loss, acc.finish(&f.params)?))
     };
     let (l0, g0) = run(false)?;

@@ -1,1 +1,8 @@
-fn main() {}
+//! `chat`: see `rlhf::chat`.
+
+fn main() {
+    let args: rlhf::chat::ChatArgs = hybrid_engine::cli::parse_or_exit();
+    if let Err(e) = rlhf::chat::run(&args) {
+        hybrid_engine::cli::exit_with(e);
+    }
+}

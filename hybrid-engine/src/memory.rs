@@ -1,0 +1,78 @@
+//! Memory accounting in the open (llm.c's habit): bytes for parameters, gradients and AdamW
+//! moments from the one parameter inventory, and an estimate of activation memory for a
+//! micro-batch, with and without activation checkpointing. Printed at startup; the measured
+//! peak (see `metrics::peak_rss_mib`) is printed at the end so the two can be compared.
+
+use crate::gpt2::{parameter_count, Gpt2Config};
+
+const MIB: f64 = 1024.0 * 1024.0;
+
+pub struct MemoryPlan {
+    pub parameters: usize,
+    pub param_bytes: u64,
+    pub grad_bytes: u64,
+    pub adam_bytes: u64,
+    pub activation_bytes: u64,
+}
+
+/// Activation bytes kept alive for backward by one f32 micro-batch of B x T tokens in our
+/// implementation (counted from `gpt2.rs` and `ops.rs`): per block about 30 (B, T, C) tensors
+/// (LayerNorm intermediates, q/k/v and their head-major copies, projections, residuals, the
+/// 4C-wide MLP tensors counting 4 each) and 5 (B, NH, T, T) attention tensors; plus the LM head's
+/// logits with the log-softmax intermediates, 4 (B, T, V) tensors. With checkpointing only each
+/// block's input stays alive, plus one block's activations during its recomputation.
+pub fn activation_bytes(cfg: &Gpt2Config, b: usize, t: usize, checkpoint: bool) -> u64 {
+    let btc = (b * t * cfg.n_embd) as u64;
+    let attn = (b * cfg.n_head * t * t) as u64;
+    let per_block = 30 * btc + 5 * attn;
+    let head = 4 * (b * t * cfg.vocab_size) as u64 + 6 * btc;
+    let blocks = if checkpoint { cfg.n_layer as u64 * btc + per_block } else { cfg.n_layer as u64 * per_block };
+    4 * (blocks + head)
+}
+
+impl MemoryPlan {
+    pub fn new(cfg: &Gpt2Config, b: usize, t: usize, checkpoint: bool) -> Self {
+        let parameters = parameter_count(cfg);
+        let p = 4 * parameters as u64;
+        Self {
+            parameters,
+            param_bytes: p,
+            grad_bytes: p,
+            adam_bytes: 2 * p,
+            activation_bytes: activation_bytes(cfg, b, t, checkpoint),
+        }
+    }
+
+    pub fn total(&self) -> u64 {
+        self.param_bytes + self.grad_bytes + self.adam_bytes + self.activation_bytes
+    }
+
+    /// The startup report, one allocation per line.
+    pub fn report(&self) -> String {
+        let m = |x: u64| x as f64 / MIB;
+        format!(
+            "parameters: {:.2}M\nallocating {:.1} MiB for parameters (f32)\nallocating {:.1} MiB for gradients\nallocating {:.1} MiB for AdamW m and v\nestimated {:.1} MiB for activations per micro-batch\nestimated total {:.1} MiB",
+            self.parameters as f64 / 1e6,
+            m(self.param_bytes),
+            m(self.grad_bytes),
+            m(self.adam_bytes),
+            m(self.activation_bytes),
+            m(self.total())
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpt2_small_counts_and_checkpointing_saves_block_activations() {
+        let cfg = Gpt2Config::gpt2();
+        let plan = MemoryPlan::new(&cfg, 1, 1024, false);
+        assert_eq!(plan.parameters, 124_439_808, "GPT-2 small has 124.4M parameters");
+        let full = activation_bytes(&cfg, 4, 1024, false);
+        let ckpt = activation_bytes(&cfg, 4, 1024, true);
+        assert!(ckpt * 3 < full, "checkpointing keeps one block's activations, not 12: {ckpt} vs {full}");
+    }
+}

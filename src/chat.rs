@@ -1,0 +1,172 @@
+//! `chat --path DIR`: an interactive multi-turn chat with a model directory in DS-Chat's
+//! `Human:`/`Assistant:` format (`clear` forgets the history, `quit` exits), or with `--prompt`
+//! a one-shot completion of the text given verbatim that prints only the completion (scripts).
+
+use anyhow::{bail, Context, Result};
+use candle_core::Device;
+use clap::Parser;
+use data::Tokenizer;
+use hybrid_engine::generate::{generate, SamplingConfig};
+use hybrid_engine::hf_io::{load_model_dir, resolve_model_dir};
+use hybrid_engine::{Gpt2, ParamStore};
+use std::io::{BufRead, Write};
+
+#[derive(Parser, Debug)]
+#[command(
+    args_override_self = true,
+    name = "chat",
+    about = "Chat with a trained model (a Hugging Face GPT-2 directory)"
+)]
+pub struct ChatArgs {
+    /// Model directory (config.json + model.safetensors), a checkpoint root with a `latest`
+    /// pointer, or a hub id such as gpt2.
+    #[arg(long, alias = "model-name-or-path", alias = "model_name_or_path")]
+    pub path: String,
+    /// Complete this text once (verbatim) and print only the completion.
+    #[arg(long)]
+    pub prompt: Option<String>,
+    /// With --prompt: wrap the text as a chat turn ("\n\nHuman: TEXT\n\nAssistant:").
+    #[arg(long, alias = "chat_format")]
+    pub chat_format: bool,
+    /// Greedy decoding instead of sampling.
+    #[arg(long)]
+    pub greedy: bool,
+    #[arg(long, default_value_t = 128, alias = "max_new_tokens")]
+    pub max_new_tokens: usize,
+    #[arg(long, default_value_t = 0.7)]
+    pub temperature: f64,
+    #[arg(long, default_value_t = 50, alias = "top_k")]
+    pub top_k: usize,
+    #[arg(long, default_value_t = 0.9, alias = "top_p")]
+    pub top_p: f64,
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+    /// cpu (CUDA arrives with the `cuda` feature).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+}
+
+/// A loaded model with its tokenizer, ready to complete token sequences.
+pub struct ChatModel {
+    pub model: Gpt2,
+    pub tokenizer: Tokenizer,
+    device: Device,
+}
+
+impl ChatModel {
+    pub fn load(path: &str) -> Result<Self> {
+        let dir = resolve_model_dir(path)?;
+        let device = Device::Cpu;
+        let files = load_model_dir(&dir, &device)?;
+        let params = ParamStore::from_tensors(&files.config, &files.tensors, &device)?;
+        let model = params.model(&files.config)?;
+        let tokenizer = Tokenizer::from_model_dir_or_default(&dir)?;
+        if tokenizer.vocab_size() > model.cfg.vocab_size {
+            bail!(
+                "{}: tokenizer.json has {} tokens but the model only {}: the directory's tokenizer does not belong to this model",
+                dir.display(),
+                tokenizer.vocab_size(),
+                model.cfg.vocab_size
+            );
+        }
+        Ok(Self { model, tokenizer, device })
+    }
+
+    /// Completes `prompt_ids`; returns the new ids without the final EOS.
+    pub fn complete(&self, prompt_ids: &[u32], sampling: &SamplingConfig) -> Result<Vec<u32>> {
+        let mut out = generate(&self.model, &[prompt_ids.to_vec()], sampling, &self.device)?.remove(0);
+        if out.last() == sampling.eos_token_id.as_ref() {
+            out.pop();
+        }
+        Ok(out)
+    }
+}
+
+/// Runs the chat command.
+pub fn run(args: &ChatArgs) -> Result<()> {
+    if args.device != "cpu" {
+        bail!("--device {}: this build runs on the CPU only; use --device cpu", args.device);
+    }
+    if args.max_new_tokens == 0 {
+        bail!("--max-new-tokens must be at least 1");
+    }
+    if !(args.top_p > 0.0 && args.top_p <= 1.0) || args.temperature < 0.0 {
+        bail!("--top-p must be in (0, 1] and --temperature non-negative");
+    }
+    let chat = ChatModel::load(&args.path)?;
+    let eos = chat.tokenizer.eos_id();
+    let sampling = SamplingConfig {
+        max_new_tokens: args.max_new_tokens,
+        temperature: if args.greedy { None } else { Some(args.temperature) },
+        top_k: Some(args.top_k),
+        top_p: Some(args.top_p),
+        eos_token_id: Some(eos),
+        pad_token_id: eos,
+        vocab_limit: chat.tokenizer.vocab_size(),
+        seed: args.seed,
+    };
+    match &args.prompt {
+        Some(text) => one_shot(&chat, text, args, &sampling),
+        None => interactive(&chat, &sampling),
+    }
+}
+
+fn one_shot(chat: &ChatModel, text: &str, args: &ChatArgs, sampling: &SamplingConfig) -> Result<()> {
+    let text = if args.chat_format { chat_turn(text) } else { text.to_string() };
+    let ids = chat.tokenizer.encode(&text)?;
+    if ids.is_empty() {
+        bail!("--prompt is empty: give some text to complete");
+    }
+    let n_pos = chat.model.cfg.n_positions;
+    if ids.len() >= n_pos {
+        bail!("--prompt has {} tokens but the model's context is {n_pos}: shorten it", ids.len());
+    }
+    let out = chat.complete(&ids, sampling)?;
+    print!("{}", chat.tokenizer.decode(&out)?);
+    println!();
+    Ok(())
+}
+
+/// DS-Chat's prompt format for one human turn.
+pub fn chat_turn(text: &str) -> String {
+    format!("\n\nHuman: {text}\n\nAssistant:")
+}
+
+fn interactive(chat: &ChatModel, sampling: &SamplingConfig) -> Result<()> {
+    println!("Chatting with the model. Type `clear` to start over, `quit` to exit.");
+    let stdin = std::io::stdin();
+    let mut history = String::new();
+    let n_pos = chat.model.cfg.n_positions;
+    let keep = n_pos.saturating_sub(sampling.max_new_tokens.min(n_pos / 2)).max(1);
+    loop {
+        print!("Human: ");
+        std::io::stdout().flush()?;
+        let mut line = String::new();
+        if stdin.lock().read_line(&mut line).context("reading from stdin")? == 0 {
+            println!();
+            return Ok(());
+        }
+        let input = line.trim();
+        match input {
+            "" => continue,
+            "quit" | "exit" => return Ok(()),
+            "clear" => {
+                history.clear();
+                println!("[history cleared]");
+                continue;
+            }
+            _ => {}
+        }
+        history.push_str(&chat_turn(input));
+        let mut ids = chat.tokenizer.encode(&history)?;
+        if ids.len() > keep {
+            ids.drain(..ids.len() - keep); // keep the most recent turns that fit the context
+        }
+        let out = chat.complete(&ids, sampling)?;
+        let answer = chat.tokenizer.decode(&out)?;
+        // A model that keeps writing the dialogue on its own is cut at its next "Human:" turn.
+        let answer = answer.split("Human:").next().unwrap_or("").trim_end().to_string();
+        println!("Assistant:{answer}");
+        history.push_str(&answer);
+    }
+}

@@ -1,0 +1,5 @@
+//! The user-facing binaries' logic: `chat` (talk to a trained model) and the `train` launcher.
+//! Each binary's `main` only parses flags, calls `run` and maps errors to exit code 2.
+
+pub mod chat;
+pub mod launcher;

@@ -1,0 +1,306 @@
+//! GPT-2 pretraining from scratch (`sft --from-scratch`), the analogue of Megatron's
+//! `pretrain_gpt2.py`: pack a corpus into blocks, split train/valid/test, train with AdamW and a
+//! warmup + decay schedule, evaluate perplexity, checkpoint atomically and resume exactly.
+
+use crate::args::{PretrainConfig, SftArgs};
+use anyhow::{bail, Context, Result};
+use candle_core::{Device, Tensor};
+use data::{BlockSampler, CorpusSource, PackedCorpus, SamplerCursor, Tokenizer};
+use hybrid_engine::checkpoint::{self, TrainerState, FORMAT_VERSION};
+use hybrid_engine::gpt2::{Dropout, Gpt2};
+use hybrid_engine::memory::MemoryPlan;
+use hybrid_engine::metrics::{peak_rss_mib, Metrics};
+use hybrid_engine::ops::DropoutKey;
+use hybrid_engine::optim::{clip_grad_norm, AdamW, GradAccumulator};
+use hybrid_engine::train_step::lm_forward_backward;
+use hybrid_engine::ParamStore;
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+use std::ops::Range;
+use std::time::Instant;
+
+/// What a pretraining run reports at the end (also the last record of metrics.jsonl).
+#[derive(Debug, Clone, Serialize)]
+pub struct PretrainSummary {
+    pub iterations: u64,
+    pub first_loss: Option<f32>,
+    pub last_loss: Option<f32>,
+    pub valid_loss: Option<f64>,
+    pub valid_ppl: Option<f64>,
+    pub test_loss: Option<f64>,
+    pub checkpoint: Option<std::path::PathBuf>,
+}
+
+/// The data-dependent facts a resumed run must agree with, stored in the trainer state.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct DataLayout {
+    data_path: String,
+    seq_length: usize,
+    num_blocks: usize,
+    train: Range<usize>,
+    micro_batch_size: usize,
+    gradient_accumulation_steps: usize,
+}
+
+/// Runs `sft --from-scratch`.
+pub fn run(args: &SftArgs) -> Result<PretrainSummary> {
+    let cfg = args.pretrain_config()?;
+    let device = Device::Cpu;
+
+    // Data: tokenize, pack, split. Every failure here happens before any training.
+    let tokenizer = match &args.tokenizer {
+        Some(p) => Tokenizer::from_file(p)?,
+        None => Tokenizer::gpt2_default()?,
+    };
+    let docs = data::read_documents(&CorpusSource::parse(&args.data_path), &args.text_key)?;
+    let tokens = data::tokenize_documents(&tokenizer, &docs)?;
+    let corpus = PackedCorpus::pack(&tokens, tokenizer.eos_id(), args.seq_length);
+    let ranges = data::split_ranges(corpus.num_blocks(), &cfg.split);
+    data::check_split(corpus.num_blocks(), &cfg.split, &ranges)?;
+    let [train, valid, test] = ranges;
+    println!(
+        "corpus: {} documents, {} tokens, {} blocks of {} tokens: train {}, valid {}, test {}",
+        docs.len(),
+        corpus.num_tokens(),
+        corpus.num_blocks(),
+        args.seq_length,
+        train.len(),
+        valid.len(),
+        test.len()
+    );
+    let layout = DataLayout {
+        data_path: args.data_path.clone(),
+        seq_length: args.seq_length,
+        num_blocks: corpus.num_blocks(),
+        train: train.clone(),
+        micro_batch_size: args.micro_batch_size,
+        gradient_accumulation_steps: args.gradient_accumulation_steps,
+    };
+
+    // Model and optimizer: fresh, or exactly as the checkpoint left them.
+    let mut model_cfg = cfg.model.clone();
+    model_cfg.bos_token_id = Some(tokenizer.eos_id());
+    model_cfg.eos_token_id = Some(tokenizer.eos_id());
+    let (params, mut optimizer, start, cursor) = match &args.load {
+        None => {
+            let params = ParamStore::init(&model_cfg, args.seed, &device)?;
+            let optimizer = AdamW::new(cfg.adam.clone(), &params)?;
+            (params, optimizer, 0, SamplerCursor { epoch: 0, position: 0 })
+        }
+        Some(root) => {
+            let ck = checkpoint::load_checkpoint(root, &device)?;
+            check_same_shape(&ck.model.config, &model_cfg)?;
+            let saved: DataLayout = serde_json::from_value(ck.state.run["data"].clone())
+                .context("checkpoint's trainer_state.json lacks the data layout")?;
+            if saved != layout {
+                bail!(
+                    "--load {}: the checkpoint was trained on different data or batching ({saved:?}); resume with the same --data-path, --seq-length, --split, --micro-batch-size and --gradient-accumulation-steps",
+                    root.display()
+                );
+            }
+            let cursor: SamplerCursor = serde_json::from_value(ck.state.data_cursor.clone())
+                .context("checkpoint's data cursor is malformed")?;
+            if cursor.position > train.len() {
+                bail!("checkpoint's data cursor is past the end of the training split: the corpus changed since it was saved");
+            }
+            model_cfg = ck.model.config.clone();
+            if let Some(p) = args.dropout {
+                (model_cfg.resid_pdrop, model_cfg.embd_pdrop, model_cfg.attn_pdrop) = (p, p, p);
+            }
+            let params = ParamStore::from_tensors(&model_cfg, &ck.model.tensors, &device)?;
+            let mut optimizer = AdamW::new(cfg.adam.clone(), &params)?;
+            optimizer.load_state(&params, ck.state.iteration, &ck.optimizer)?;
+            println!("resumed from {} at iteration {}", ck.model.dir.display(), ck.state.iteration);
+            (params, optimizer, ck.state.iteration, cursor)
+        }
+    };
+    if tokenizer.vocab_size() > model_cfg.vocab_size {
+        bail!(
+            "the tokenizer has {} tokens but the model's embedding only {} rows: use a matching --tokenizer",
+            tokenizer.vocab_size(),
+            model_cfg.vocab_size
+        );
+    }
+    let model = params.model(&model_cfg)?;
+    let mut sampler = BlockSampler::with_cursor(train.clone(), args.seed, cursor);
+    println!(
+        "{}",
+        MemoryPlan::new(&model_cfg, args.micro_batch_size, args.seq_length, args.checkpoint_activations).report()
+    );
+
+    let mut metrics = Metrics::open(&args.output_dir, args.train_iters, start)?;
+    let eval_batches = data::eval_indices(&valid, args.eval_iters, args.micro_batch_size);
+    let tokens_per_iter = (args.micro_batch_size * args.gradient_accumulation_steps * args.seq_length) as f64;
+    let mut summary = PretrainSummary {
+        iterations: start,
+        first_loss: None,
+        last_loss: None,
+        valid_loss: None,
+        valid_ppl: None,
+        test_loss: None,
+        checkpoint: None,
+    };
+    let mut last_saved = args.load.as_ref().map(|_| start);
+    let (mut interval_loss, mut interval_iters, mut interval_start) = (0f64, 0u64, Instant::now());
+
+    for iteration in start + 1..=args.train_iters {
+        let lr = cfg.schedule.lr(iteration);
+        let mut acc = GradAccumulator::new(params.vars.len());
+        let mut loss = 0f32;
+        for micro in 0..args.gradient_accumulation_steps {
+            let (x, y) = batch(&corpus, &sampler.next_indices(args.micro_batch_size), &device)?;
+            let key = DropoutKey { seed: args.seed, step: iteration, micro_batch: micro as u64 };
+            let dropout = Dropout::from_config(&model_cfg, key);
+            let scale = 1.0 / args.gradient_accumulation_steps as f64;
+            loss += lm_forward_backward(
+                &model,
+                &params,
+                &x,
+                &y,
+                Some(&dropout),
+                args.checkpoint_activations,
+                scale,
+                &mut acc,
+            )? / args.gradient_accumulation_steps as f32;
+        }
+        let mut grads = acc.finish(&params)?;
+        let grad_norm = clip_grad_norm(&mut grads, args.clip_grad)?;
+        optimizer.step(&params, &grads, lr)?;
+        if !loss.is_finite() {
+            bail!("loss became {loss} at iteration {iteration}: lower --lr or raise --lr-warmup-iters");
+        }
+        summary.first_loss.get_or_insert(loss);
+        summary.last_loss = Some(loss);
+        summary.iterations = iteration;
+        metrics.record(json!({"iteration": iteration, "lm_loss": loss, "lr": lr, "grad_norm": grad_norm, "consumed_samples": iteration * (args.micro_batch_size * args.gradient_accumulation_steps) as u64}))?;
+        metrics.advance(format!("loss {loss:.3}"));
+        interval_loss += loss as f64;
+        interval_iters += 1;
+
+        if iteration % args.log_interval == 0 || iteration == args.train_iters {
+            let secs = interval_start.elapsed().as_secs_f64();
+            let ms = 1000.0 * secs / interval_iters as f64;
+            let tps = tokens_per_iter * interval_iters as f64 / secs;
+            metrics.println(&format!(
+                " iteration {iteration:>8}/{:>8} | consumed samples: {:>10} | elapsed time per iteration (ms): {ms:.1} | learning rate: {lr:.3E} | lm loss: {:.6E} | grad norm: {grad_norm:.3} | tokens/s: {tps:.0} |",
+                args.train_iters,
+                iteration * (args.micro_batch_size * args.gradient_accumulation_steps) as u64,
+                interval_loss / interval_iters as f64,
+            ));
+            metrics.record(json!({"iteration": iteration, "ms_per_iteration": ms, "tokens_per_sec": tps, "interval_lm_loss": interval_loss / interval_iters as f64}))?;
+            (interval_loss, interval_iters, interval_start) = (0.0, 0, Instant::now());
+        }
+        if args.eval_interval > 0 && iteration % args.eval_interval == 0 && iteration != args.train_iters {
+            let l = evaluate(&model, &corpus, &eval_batches, &device)?;
+            report_eval(&metrics, "validation", iteration, l);
+            metrics.record(json!({"iteration": iteration, "valid_loss": l, "valid_ppl": l.exp()}))?;
+        }
+        if args.save_interval > 0 && iteration % args.save_interval == 0 {
+            let state = trainer_state(iteration, args, &sampler, &cfg, &layout);
+            let dir = checkpoint::save_checkpoint(&cfg.save_dir, &model_cfg, &params, &optimizer, &state, &|d| {
+                tokenizer.save(&d.join("tokenizer.json"))
+            })?;
+            metrics.println(&format!(" saved checkpoint at iteration {iteration} to {}", dir.display()));
+            last_saved = Some(iteration);
+            summary.checkpoint = Some(dir);
+        }
+    }
+    metrics.finish();
+
+    let end = summary.iterations;
+    if last_saved != Some(end) {
+        let state = trainer_state(end, args, &sampler, &cfg, &layout);
+        let dir = checkpoint::save_checkpoint(&cfg.save_dir, &model_cfg, &params, &optimizer, &state, &|d| {
+            tokenizer.save(&d.join("tokenizer.json"))
+        })?;
+        println!(" saved checkpoint at iteration {end} to {}", dir.display());
+        summary.checkpoint = Some(dir);
+    } else if summary.checkpoint.is_none() {
+        summary.checkpoint = Some(hybrid_engine::hf_io::latest_checkpoint(&cfg.save_dir)?);
+    }
+    if !eval_batches.is_empty() {
+        let l = evaluate(&model, &corpus, &eval_batches, &device)?;
+        report_eval(&metrics, "validation", end, l);
+        (summary.valid_loss, summary.valid_ppl) = (Some(l), Some(l.exp()));
+    }
+    let test_batches = data::eval_indices(&test, args.eval_iters, args.micro_batch_size);
+    if !test_batches.is_empty() {
+        let l = evaluate(&model, &corpus, &test_batches, &device)?;
+        report_eval(&metrics, "test", end, l);
+        summary.test_loss = Some(l);
+    }
+    let peak = peak_rss_mib();
+    if let Some(p) = peak {
+        println!("peak memory (RSS): {p:.1} MiB");
+    }
+    metrics.record(json!({"event": "end", "summary": summary, "peak_rss_mib": peak}))?;
+    Ok(summary)
+}
+
+/// Inputs and next-token targets for the blocks `idx`: (B, T) each.
+fn batch(corpus: &PackedCorpus, idx: &[usize], device: &Device) -> Result<(Tensor, Tensor)> {
+    let t = corpus.seq_length();
+    let mut x = Vec::with_capacity(idx.len() * t);
+    let mut y = Vec::with_capacity(idx.len() * t);
+    for &i in idx {
+        let block = corpus.block(i); // T + 1 tokens
+        x.extend_from_slice(&block[..t]);
+        y.extend_from_slice(&block[1..]);
+    }
+    Ok((Tensor::from_vec(x, (idx.len(), t), device)?, Tensor::from_vec(y, (idx.len(), t), device)?))
+}
+
+/// Mean LM loss over the given batches, dropout off.
+fn evaluate(model: &Gpt2, corpus: &PackedCorpus, batches: &[Vec<usize>], device: &Device) -> Result<f64> {
+    let mut total = 0f64;
+    for idx in batches {
+        let (x, y) = batch(corpus, idx, device)?;
+        total += model.lm_loss(&x, &y, None)?.to_scalar::<f32>()? as f64;
+    }
+    Ok(total / batches.len() as f64)
+}
+
+fn report_eval(metrics: &Metrics, split: &str, iteration: u64, loss: f64) {
+    let line = format!(
+        " {split} loss at iteration {iteration} | lm loss value: {loss:.6E} | lm loss PPL: {:.6E} |",
+        loss.exp()
+    );
+    let rule = "-".repeat(line.len());
+    metrics.println(&format!("{rule}\n{line}\n{rule}"));
+}
+
+fn trainer_state(
+    iteration: u64,
+    args: &SftArgs,
+    sampler: &BlockSampler,
+    cfg: &PretrainConfig,
+    layout: &DataLayout,
+) -> TrainerState {
+    TrainerState {
+        format_version: FORMAT_VERSION,
+        iteration,
+        consumed_samples: iteration * (args.micro_batch_size * args.gradient_accumulation_steps) as u64,
+        data_cursor: json!(sampler.cursor()),
+        seed: args.seed,
+        run: json!({"schedule": cfg.schedule, "adam": cfg.adam, "data": layout}),
+    }
+}
+
+/// A checkpoint can only resume a run of the same model shape.
+fn check_same_shape(saved: &hybrid_engine::Gpt2Config, asked: &hybrid_engine::Gpt2Config) -> Result<()> {
+    let fields = [
+        ("n_layer (--num-layers)", saved.n_layer, asked.n_layer),
+        ("n_embd (--hidden-size)", saved.n_embd, asked.n_embd),
+        ("n_head (--num-attention-heads)", saved.n_head, asked.n_head),
+        ("n_positions (--max-position-embeddings)", saved.n_positions, asked.n_positions),
+        ("vocab_size (--make-vocab-size-divisible-by)", saved.vocab_size, asked.vocab_size),
+    ];
+    for (name, s, a) in fields {
+        if s != a {
+            bail!(
+                "the checkpoint has {name} = {s} but the flags ask for {a}: resume with the flags it was trained with"
+            );
+        }
+    }
+    Ok(())
+}

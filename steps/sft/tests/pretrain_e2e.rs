@@ -1,0 +1,262 @@
+//! End-to-end tests of `sft --from-scratch`: the loss falls, checkpoints are Hugging Face
+//! directories, a resumed run reproduces the uninterrupted one bit for bit (also after a kill in
+//! the middle of a save), and bad input is one clear error line with exit code 2 that leaves
+//! earlier checkpoints intact.
+
+use serde_json::Value;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+/// A small model on the embedded corpus: fast enough for CI, big enough to learn.
+const SMALL: &[&str] = &[
+    "--from-scratch",
+    "--num-layers",
+    "1",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "2",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "2",
+    "--eval-iters",
+    "2",
+    "--log-interval",
+    "2",
+];
+
+fn sft(args: &[&str], extra_env: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_sft"));
+    cmd.args(args).env_remove("RLHF_FAILPOINT");
+    for (k, v) in extra_env {
+        cmd.env(k, v);
+    }
+    cmd.output().expect("spawn sft")
+}
+
+fn ok(out: &Output) -> String {
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        out.status.success(),
+        "sft failed: {}\nstdout:\n{stdout}\nstderr:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+/// The one error line; asserts exit code 2 and no panic.
+fn error_line(out: &Output) -> String {
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    assert_eq!(out.status.code(), Some(2), "want exit 2, got {:?}; stderr:\n{stderr}", out.status);
+    assert!(!stderr.contains("panicked"), "panic instead of an error:\n{stderr}");
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 1, "want one error line, got:\n{stderr}");
+    assert!(lines[0].starts_with("error: "), "{stderr}");
+    lines[0].to_string()
+}
+
+fn args<'a>(base: &[&'a str], more: &[&'a str]) -> Vec<&'a str> {
+    base.iter().chain(more).copied().collect()
+}
+
+/// Per-iteration training losses from metrics.jsonl; a resumed run's record of an iteration
+/// replaces the interrupted run's.
+fn losses(dir: &Path) -> BTreeMap<u64, f64> {
+    let text = std::fs::read_to_string(dir.join("metrics.jsonl")).expect("metrics.jsonl");
+    let mut out = BTreeMap::new();
+    for line in text.lines() {
+        let v: Value = serde_json::from_str(line).expect("metrics line is JSON");
+        if let (Some(i), Some(l)) = (v["iteration"].as_u64(), v["lm_loss"].as_f64()) {
+            out.insert(i, l);
+        }
+    }
+    out
+}
+
+fn latest(dir: &Path) -> String {
+    std::fs::read_to_string(dir.join("latest")).expect("latest").trim().to_string()
+}
+
+fn read(p: PathBuf) -> Vec<u8> {
+    std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+}
+
+#[test]
+fn pretraining_lowers_the_loss_and_saves_a_hugging_face_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run");
+    let o = out.to_str().unwrap();
+    let stdout = ok(&sft(
+        &args(
+            SMALL,
+            &[
+                "--train-iters",
+                "60",
+                "--lr",
+                "3e-3",
+                "--lr-warmup-iters",
+                "5",
+                "--eval-interval",
+                "30",
+                "--output-dir",
+                o,
+            ],
+        ),
+        &[],
+    ));
+    assert!(stdout.contains("validation loss at iteration 30") && stdout.contains("lm loss PPL"), "{stdout}");
+    assert!(stdout.contains("test loss at iteration 60"), "{stdout}");
+    assert!(stdout.contains("elapsed time per iteration (ms)") && stdout.contains("tokens/s"), "{stdout}");
+    let l = losses(&out);
+    assert_eq!(l.len(), 60);
+    let first: f64 = l.values().take(10).sum::<f64>() / 10.0;
+    let last: f64 = l.values().rev().take(10).sum::<f64>() / 10.0;
+    assert!(last < first - 2.0, "loss should fall: first ten {first:.3}, last ten {last:.3}");
+
+    let ckpt = out.join(latest(&out));
+    for f in [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "generation_config.json",
+        "optimizer.safetensors",
+        "trainer_state.json",
+    ] {
+        assert!(ckpt.join(f).is_file(), "{f} missing from {}", ckpt.display());
+    }
+    let config: Value = serde_json::from_slice(&read(ckpt.join("config.json"))).unwrap();
+    assert_eq!(config["vocab_size"], 50304, "embedding padded to a multiple of 128 and recorded");
+    assert_eq!(config["model_type"], "gpt2");
+    assert_eq!(config["eos_token_id"], 50256);
+    let end: Value =
+        serde_json::from_str(std::fs::read_to_string(out.join("metrics.jsonl")).unwrap().lines().last().unwrap())
+            .unwrap();
+    let ppl = end["summary"]["valid_ppl"].as_f64().unwrap();
+    assert!(ppl < first.exp() / 10.0, "validation perplexity {ppl} should be far below the start's {}", first.exp());
+}
+
+#[test]
+fn resume_is_bit_identical_even_after_a_kill_during_a_save() {
+    let tmp = tempfile::tempdir().unwrap();
+    // Every run shares the schedule's length so the learning rates agree.
+    let common = args(
+        SMALL,
+        &["--lr-decay-iters", "12", "--lr-warmup-iters", "2", "--save-interval", "4", "--eval-interval", "0"],
+    );
+    let straight = tmp.path().join("straight");
+    ok(&sft(&args(&common, &["--train-iters", "12", "--output-dir", straight.to_str().unwrap()]), &[]));
+
+    let broken = tmp.path().join("broken");
+    let b = broken.to_str().unwrap();
+    ok(&sft(&args(&common, &["--train-iters", "4", "--output-dir", b]), &[]));
+    assert_eq!(latest(&broken), "iter_0000004");
+    let weights_at_4 = read(broken.join("iter_0000004/model.safetensors"));
+
+    // Killed while writing the iteration-8 checkpoint, before it is renamed into place.
+    let killed = sft(
+        &args(&common, &["--train-iters", "12", "--load", b, "--output-dir", b]),
+        &[("RLHF_FAILPOINT", "checkpoint-before-rename")],
+    );
+    assert!(!killed.status.success(), "the failpoint must kill the run");
+    assert_eq!(latest(&broken), "iter_0000004", "latest still names the last complete checkpoint");
+    assert!(!broken.join("iter_0000008").exists());
+    assert_eq!(read(broken.join("iter_0000004/model.safetensors")), weights_at_4, "earlier checkpoint untouched");
+
+    // Killed after the rename but before `latest` moves: resume still starts from iteration 4.
+    let killed = sft(
+        &args(&common, &["--train-iters", "12", "--load", b, "--output-dir", b]),
+        &[("RLHF_FAILPOINT", "checkpoint-before-latest")],
+    );
+    assert!(!killed.status.success());
+    assert_eq!(latest(&broken), "iter_0000004");
+
+    let stdout = ok(&sft(&args(&common, &["--train-iters", "12", "--load", b, "--output-dir", b]), &[]));
+    assert!(stdout.contains("resumed from") && stdout.contains("iteration 4"), "{stdout}");
+    assert_eq!(latest(&broken), "iter_0000012");
+
+    let (want, got) = (losses(&straight), losses(&broken));
+    assert_eq!(want.len(), 12);
+    for (i, l) in &want {
+        assert_eq!(got.get(i), Some(l), "iteration {i}: resumed loss differs (bit-exact expected)");
+    }
+    assert_eq!(
+        read(straight.join("iter_0000012/model.safetensors")),
+        read(broken.join("iter_0000012/model.safetensors")),
+        "final weights must be bit-identical"
+    );
+    assert_eq!(
+        read(straight.join("iter_0000012/optimizer.safetensors")),
+        read(broken.join("iter_0000012/optimizer.safetensors"))
+    );
+}
+
+#[test]
+fn bad_input_is_one_clear_error_line() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let o = dir.join("out");
+    let o = o.to_str().unwrap();
+    let run =
+        |more: &[&str]| error_line(&sft(&args(SMALL, &args(&["--train-iters", "2", "--output-dir", o], more)), &[]));
+
+    let e = run(&["--data-path", "/no/such/corpus.jsonl"]);
+    assert!(e.contains("/no/such/corpus.jsonl"), "{e}");
+
+    let bad = dir.join("bad.jsonl");
+    std::fs::write(&bad, "{\"text\": \"fine\"}\n{\"text\": oops}\n").unwrap();
+    let e = run(&["--data-path", bad.to_str().unwrap()]);
+    assert!(e.contains("line 2"), "malformed jsonl must name its line: {e}");
+
+    let e = run(&["--seq-length", "300", "--model", "tiny"]);
+    assert!(e.contains("--seq-length 300") && e.contains("256"), "{e}");
+
+    let cfg = dir.join("config.json");
+    std::fs::write(&cfg, r#"{"vocab_size": 50257, "n_positions": 64, "n_embd": 30, "n_layer": 1, "n_head": 4}"#)
+        .unwrap();
+    let e = error_line(&sft(
+        &["--from-scratch", "--model", cfg.to_str().unwrap(), "--seq-length", "16", "--output-dir", o],
+        &[],
+    ));
+    assert!(e.contains("not divisible"), "{e}");
+    std::fs::write(&cfg, "{ not json").unwrap();
+    let e = error_line(&sft(&["--from-scratch", "--model", cfg.to_str().unwrap(), "--output-dir", o], &[]));
+    assert!(e.contains("not a valid GPT-2 config.json"), "{e}");
+
+    let small = dir.join("small.txt");
+    std::fs::write(&small, "To be, or not to be, that is the question. ".repeat(8)).unwrap();
+    let e = run(&["--data-path", small.to_str().unwrap()]);
+    assert!(e.contains("--split"), "an empty validation split is caught at start: {e}");
+
+    let e = run(&["--micro-batch-size", "0"]);
+    assert!(e.contains("--micro-batch-size"), "{e}");
+}
+
+#[test]
+fn corrupt_checkpoint_is_a_clear_error_and_leaves_other_checkpoints_intact() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("ckpt");
+    let r = root.to_str().unwrap();
+    ok(&sft(
+        &args(SMALL, &["--train-iters", "2", "--save-interval", "1", "--eval-interval", "0", "--output-dir", r]),
+        &[],
+    ));
+    let e = error_line(&sft(
+        &args(SMALL, &["--train-iters", "4", "--hidden-size", "64", "--load", r, "--output-dir", r]),
+        &[],
+    ));
+    assert!(e.contains("n_embd"), "{e}");
+    let good = read(root.join("iter_0000001/model.safetensors"));
+    let target = root.join("iter_0000002/model.safetensors");
+    let bytes = read(target.clone());
+    std::fs::write(&target, &bytes[..bytes.len() / 3]).unwrap();
+    let e = error_line(&sft(&args(SMALL, &["--train-iters", "4", "--load", r, "--output-dir", r]), &[]));
+    assert!(e.contains("model.safetensors") && e.contains("truncated"), "{e}");
+    assert_eq!(read(root.join("iter_0000001/model.safetensors")), good, "other checkpoints untouched");
+    assert_eq!(latest(&root), "iter_0000002", "a failed run does not move `latest`");
+
+    let e = error_line(&sft(&args(SMALL, &["--train-iters", "4", "--load", "/no/such/ckpt", "--output-dir", r]), &[]));
+    assert!(e.contains("/no/such/ckpt"), "{e}");
+}
