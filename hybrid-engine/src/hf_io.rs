@@ -84,7 +84,7 @@ pub fn latest_checkpoint(root: &Path) -> Result<PathBuf> {
 
 /// A hub model's snapshot directory with its config, weights and (when present) tokenizer.
 fn hub_snapshot(id: &str) -> Result<PathBuf> {
-    let cache = hf_hub::Cache::from_env();
+    let cache = hub_cache();
     let cached = cache.model(id.to_string());
     let cached_files = |files: &[&str]| -> Option<PathBuf> {
         let paths: Option<Vec<PathBuf>> = files.iter().map(|f| cached.get(f)).collect();
@@ -107,7 +107,7 @@ fn hub_snapshot(id: &str) -> Result<PathBuf> {
     if offline {
         bail!("{hint}, and HF_HUB_OFFLINE is set: download it while online or pass a local directory");
     }
-    let api = hf_hub::api::sync::ApiBuilder::from_env()
+    let api = hf_hub::api::sync::ApiBuilder::from_cache(cache.clone())
         .with_progress(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .build()
         .map_err(|e| anyhow!("{hint}, and the hub client failed to start: {e}"))?;
@@ -128,6 +128,15 @@ fn hub_snapshot(id: &str) -> Result<PathBuf> {
     }
     let _ = repo.get(TOKENIZER); // optional: the embedded GPT-2 tokenizer is the fallback
     Ok(config.parent().map(Path::to_path_buf).unwrap_or_default())
+}
+
+/// The hub cache: `HF_HUB_CACHE`, else `HF_HOME/hub`, else `~/.cache/huggingface/hub`, as the
+/// Python `huggingface_hub` resolves it (hf-hub 0.4 only reads `HF_HOME`).
+fn hub_cache() -> hf_hub::Cache {
+    match std::env::var_os("HF_HUB_CACHE") {
+        Some(dir) => hf_hub::Cache::new(dir.into()),
+        None => hf_hub::Cache::from_env(),
+    }
 }
 
 /// The shard file names listed in a `model.safetensors.index.json`.
@@ -280,6 +289,40 @@ mod tests {
     }
 
     #[test]
+    fn sharded_checkpoints_load_like_single_files() -> Result<()> {
+        let dir = tempfile::tempdir()?;
+        let cfg = Gpt2Config { n_layer: 2, n_embd: 8, n_head: 2, n_positions: 8, vocab_size: 16, ..Gpt2Config::tiny() };
+        let params = ParamStore::init(&cfg, 3, &Device::Cpu)?;
+        write_model_files(dir.path(), &cfg, &params, &[])?;
+        let single = load_model_dir(dir.path(), &Device::Cpu)?;
+        // Re-save as two shards with an index, the way transformers shards large models.
+        let all = read_safetensors(&dir.path().join(WEIGHTS), &Device::Cpu)?;
+        std::fs::remove_file(dir.path().join(WEIGHTS))?;
+        let mut shards: [HashMap<String, Tensor>; 2] = Default::default();
+        let mut weight_map = serde_json::Map::new();
+        for (name, t) in all {
+            let i = usize::from(name.contains(".h.1.") || name.contains("ln_f"));
+            let file = format!("model-0000{}-of-00002.safetensors", i + 1);
+            weight_map.insert(name.clone(), file.into());
+            shards[i].insert(name, t);
+        }
+        for (i, shard) in shards.iter().enumerate() {
+            candle_core::safetensors::save(
+                shard,
+                dir.path().join(format!("model-0000{}-of-00002.safetensors", i + 1)),
+            )?;
+        }
+        write_json(&dir.path().join(WEIGHTS_INDEX), &serde_json::json!({"metadata": {}, "weight_map": weight_map}))?;
+        let sharded = load_model_dir(dir.path(), &Device::Cpu)?;
+        assert_eq!(sharded.tensors.len(), single.tensors.len());
+        for (name, t) in &single.tensors {
+            let d = t.sub(&sharded.tensors[name])?.abs()?.sum_all()?.to_scalar::<f32>()?;
+            assert_eq!(d, 0.0, "{name}");
+        }
+        Ok(())
+    }
+
+    #[test]
     fn hf_names_drop_prefix_buffers_and_tied_head() -> Result<()> {
         let t = Tensor::zeros(1, candle_core::DType::F32, &Device::Cpu)?;
         let raw: HashMap<String, Tensor> = [
@@ -301,14 +344,31 @@ mod tests {
         Ok(())
     }
 
+    /// One test for everything that reads the hub environment variables (tests run in threads).
     #[test]
-    fn missing_model_dir_and_offline_hub_miss_are_clear_errors() {
+    fn hub_ids_resolve_from_the_cache_and_offline_misses_are_clear_errors() -> Result<()> {
         let err = format!("{:#}", resolve_model_dir("/definitely/not/here").unwrap_err());
         assert!(err.contains("does not exist"), "{err}");
-        let cache = tempfile::tempdir().unwrap();
-        std::env::set_var("HF_HOME", cache.path());
+
+        // A cache laid out as huggingface_hub lays it out: refs/main -> snapshots/<commit>/.
+        let home = tempfile::tempdir()?;
+        let repo = home.path().join("hub/models--some-org--cached-model");
+        let snapshot = repo.join("snapshots/0123abcd");
+        std::fs::create_dir_all(&snapshot)?;
+        std::fs::create_dir_all(repo.join("refs"))?;
+        std::fs::write(repo.join("refs/main"), "0123abcd")?;
+        let cfg = Gpt2Config { n_layer: 1, n_embd: 8, n_head: 2, n_positions: 8, vocab_size: 16, ..Gpt2Config::tiny() };
+        write_model_files(&snapshot, &cfg, &ParamStore::init(&cfg, 0, &Device::Cpu)?, &[])?;
+        std::env::remove_var("HF_HUB_CACHE");
+        std::env::set_var("HF_HOME", home.path());
         std::env::set_var("HF_HUB_OFFLINE", "1");
+        assert_eq!(resolve_model_dir("some-org/cached-model")?, snapshot);
+        assert_eq!(load_model_dir(&snapshot, &Device::Cpu)?.config.n_embd, 8);
+        std::env::set_var("HF_HUB_CACHE", home.path().join("hub"));
+        assert_eq!(resolve_model_dir("some-org/cached-model")?, snapshot, "HF_HUB_CACHE is honoured");
+
         let err = format!("{:#}", resolve_model_dir("some-org/not-cached-model").unwrap_err());
         assert!(err.contains("not in the Hugging Face cache") && err.contains("HF_HUB_OFFLINE"), "{err}");
+        Ok(())
     }
 }

@@ -1,0 +1,97 @@
+//! End-to-end tests of the `chat` and `train` binaries on a model pretrained in-process.
+
+use clap::Parser;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::sync::OnceLock;
+
+/// A small model pretrained once for all tests here (a checkpoint root with `latest`).
+fn model_root() -> &'static Path {
+    static ROOT: OnceLock<PathBuf> = OnceLock::new();
+    ROOT.get_or_init(|| {
+        let dir = std::env::temp_dir().join(format!("rlhf-chat-e2e-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let args = sft::SftArgs::parse_from([
+            "sft",
+            "--from-scratch",
+            "--num-layers",
+            "1",
+            "--hidden-size",
+            "32",
+            "--num-attention-heads",
+            "2",
+            "--seq-length",
+            "32",
+            "--micro-batch-size",
+            "2",
+            "--train-iters",
+            "10",
+            "--eval-iters",
+            "1",
+            "--output-dir",
+            dir.to_str().unwrap(),
+        ]);
+        sft::pretrain::run(&args).expect("pretraining the test model");
+        dir
+    })
+}
+
+fn chat(args: &[&str], stdin: &str) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_chat"))
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn chat");
+    child.stdin.take().unwrap().write_all(stdin.as_bytes()).unwrap();
+    child.wait_with_output().unwrap()
+}
+
+fn stdout(o: &Output) -> String {
+    assert!(o.status.success(), "chat failed: {}", String::from_utf8_lossy(&o.stderr));
+    String::from_utf8_lossy(&o.stdout).to_string()
+}
+
+#[test]
+fn one_shot_prompt_prints_the_greedy_completion_of_the_model() {
+    let root = model_root().to_str().unwrap();
+    let args = ["--path", root, "--prompt", "ROMEO:", "--greedy", "--max-new-tokens", "8"];
+    let out = stdout(&chat(&args, ""));
+
+    // The same completion computed through the library, independently of the binary.
+    let model = rlhf::chat::ChatModel::load(root).unwrap();
+    let eos = model.tokenizer.eos_id();
+    let sampling = hybrid_engine::generate::SamplingConfig::greedy(8, Some(eos), eos, model.tokenizer.vocab_size());
+    let ids = model.tokenizer.encode("ROMEO:").unwrap();
+    let want = model.tokenizer.decode(&model.complete(&ids, &sampling).unwrap()).unwrap();
+    assert!(!want.is_empty());
+    assert_eq!(out, format!("{want}\n"), "prints only the completion");
+    assert_eq!(stdout(&chat(&args, "")), out, "greedy is deterministic");
+}
+
+#[test]
+fn interactive_chat_takes_turns_clears_and_quits() {
+    let root = model_root().to_str().unwrap();
+    let out = stdout(&chat(
+        &["--path", root, "--max-new-tokens", "6"],
+        "Hello there\nclear\nHow are you?\nquit\nnever read\n",
+    ));
+    assert_eq!(out.matches("Assistant:").count(), 2, "{out}");
+    assert!(out.contains("[history cleared]"), "{out}");
+}
+
+#[test]
+fn bad_paths_and_unavailable_steps_are_one_line_errors() {
+    let o = chat(&["--path", "/no/such/model", "--prompt", "hi"], "");
+    assert_eq!(o.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("/no/such/model"), "{err}");
+
+    let o = Command::new(env!("CARGO_BIN_EXE_train")).args(["--step", "1", "2"]).output().unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("not available yet") && err.lines().count() == 1, "{err}");
+}
