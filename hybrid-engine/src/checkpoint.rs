@@ -113,7 +113,7 @@ pub fn save_checkpoint(
     write_dir_atomically(&dir, |tmp| {
         hf_io::write_model_files(tmp, config, params, &[])?;
         write_tokenizer(tmp)?;
-        let tensors = optimizer.state_tensors(params);
+        let tensors = optimizer.state_tensors(params)?;
         let meta = HashMap::from([("format".to_string(), "rlhf-adamw".to_string())]);
         safetensors::serialize_to_file(tensors, Some(meta), &tmp.join(OPTIMIZER_STATE))?;
         hf_io::write_json(&tmp.join(TRAINER_STATE), &serde_json::to_value(state)?)

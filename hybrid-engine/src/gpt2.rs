@@ -158,7 +158,7 @@ impl Gpt2Config {
                 bail!("invalid GPT-2 config: {name} must be positive");
             }
         }
-        if self.n_embd % self.n_head != 0 {
+        if !self.n_embd.is_multiple_of(self.n_head) {
             bail!("invalid GPT-2 config: n_embd {} is not divisible by n_head {}", self.n_embd, self.n_head);
         }
         if !matches!(self.activation_function.as_str(), "gelu_new" | "gelu_pytorch_tanh" | "gelu" | "gelu_fast") {

@@ -30,23 +30,61 @@ pub fn no_weight_decay(name: &str) -> bool {
     name.ends_with(".bias") || name.starts_with("ln_") || name.contains(".ln_")
 }
 
-/// The optimizer's checkpointable state: the step count and both moments per parameter.
+/// The optimizer's checkpointable state: the step count and both moments per parameter, kept
+/// as plain f32 buffers updated in place by one fused pass per parameter.
 pub struct AdamW {
     pub config: AdamWConfig,
     pub step: u64,
-    exp_avg: Vec<Tensor>,
-    exp_avg_sq: Vec<Tensor>,
+    exp_avg: Vec<Vec<f32>>,
+    exp_avg_sq: Vec<Vec<f32>>,
     decay: Vec<bool>,
+}
+
+/// One AdamW update of a parameter in place (`torch.optim.AdamW` arithmetic): decoupled decay
+/// `p *= 1 - lr*wd`, moments `m = b1 m + (1-b1) g`, `v = b2 v + (1-b2) g^2`, then
+/// `p -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps)` with bias corrections `bc = 1 - beta^step`.
+#[allow(clippy::too_many_arguments)]
+pub fn adamw_update(
+    p: &mut [f32],
+    g: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    lr: f64,
+    wd: f64,
+    step: u64,
+    c: &AdamWConfig,
+) {
+    let (b1, b2) = (c.beta1 as f32, c.beta2 as f32);
+    let step_size = (lr / (1.0 - c.beta1.powi(step as i32))) as f32;
+    let bc2_sqrt = (1.0 - c.beta2.powi(step as i32)).sqrt() as f32;
+    let (decay, eps) = ((1.0 - lr * wd) as f32, c.eps as f32);
+    // Split across threads for large tensors; one fused pass touches each value once.
+    let threads = if p.len() < 1 << 16 { 1 } else { std::thread::available_parallelism().map_or(1, |n| n.get()) };
+    let chunk = p.len().div_ceil(threads).max(1);
+    std::thread::scope(|s| {
+        for (((p, g), m), v) in
+            p.chunks_mut(chunk).zip(g.chunks(chunk)).zip(m.chunks_mut(chunk)).zip(v.chunks_mut(chunk))
+        {
+            s.spawn(move || {
+                for i in 0..p.len() {
+                    m[i] = b1 * m[i] + (1.0 - b1) * g[i];
+                    v[i] = b2 * v[i] + (1.0 - b2) * g[i] * g[i];
+                    let denom = v[i].sqrt() / bc2_sqrt + eps;
+                    p[i] = p[i] * decay - step_size * m[i] / denom;
+                }
+            });
+        }
+    });
 }
 
 impl AdamW {
     pub fn new(config: AdamWConfig, params: &ParamStore) -> Result<Self> {
-        let zeros = || -> Result<Vec<Tensor>> { params.vars.iter().map(|v| Ok(v.zeros_like()?)).collect() };
+        let zeros = || -> Vec<Vec<f32>> { params.vars.iter().map(|v| vec![0f32; v.elem_count()]).collect() };
         Ok(Self {
             config,
             step: 0,
-            exp_avg: zeros()?,
-            exp_avg_sq: zeros()?,
+            exp_avg: zeros(),
+            exp_avg_sq: zeros(),
             decay: params.names.iter().map(|n| !no_weight_decay(n)).collect(),
         })
     }
@@ -55,45 +93,39 @@ impl AdamW {
     pub fn step(&mut self, params: &ParamStore, grads: &[Tensor], lr: f64) -> Result<()> {
         assert_eq!(grads.len(), params.vars.len(), "one gradient per parameter");
         self.step += 1;
-        let AdamWConfig { beta1, beta2, eps, weight_decay } = self.config;
-        let bc1 = 1.0 - beta1.powi(self.step as i32);
-        let bc2 = 1.0 - beta2.powi(self.step as i32);
         for (i, (var, g)) in params.vars.iter().zip(grads).enumerate() {
-            let m = ((&self.exp_avg[i] * beta1)? + (g * (1.0 - beta1))?)?;
-            let v = ((&self.exp_avg_sq[i] * beta2)? + (g.sqr()? * (1.0 - beta2))?)?;
-            let denom = ((&v / bc2)?.sqrt()? + eps)?;
-            let update = ((&m / denom)? * (lr / bc1))?;
-            let decayed =
-                if self.decay[i] { (var.as_tensor() * (1.0 - lr * weight_decay))? } else { var.as_tensor().clone() };
-            var.set(&(decayed - update)?)?;
-            self.exp_avg[i] = m;
-            self.exp_avg_sq[i] = v;
+            let mut p: Vec<f32> = var.flatten_all()?.to_vec1()?;
+            let g: Vec<f32> = g.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1()?;
+            let wd = if self.decay[i] { self.config.weight_decay } else { 0.0 };
+            adamw_update(&mut p, &g, &mut self.exp_avg[i], &mut self.exp_avg_sq[i], lr, wd, self.step, &self.config);
+            var.set(&Tensor::from_vec(p, var.shape(), var.device())?)?;
         }
         Ok(())
     }
 
     /// Moments keyed `exp_avg.<param>` / `exp_avg_sq.<param>` for a checkpoint.
-    pub fn state_tensors(&self, params: &ParamStore) -> Vec<(String, Tensor)> {
+    pub fn state_tensors(&self, params: &ParamStore) -> Result<Vec<(String, Tensor)>> {
         let mut out = Vec::new();
-        for (i, name) in params.names.iter().enumerate() {
-            out.push((format!("exp_avg.{name}"), self.exp_avg[i].clone()));
-            out.push((format!("exp_avg_sq.{name}"), self.exp_avg_sq[i].clone()));
+        for (i, (name, var)) in params.iter().enumerate() {
+            let dev = &candle_core::Device::Cpu;
+            out.push((format!("exp_avg.{name}"), Tensor::from_slice(&self.exp_avg[i], var.shape(), dev)?));
+            out.push((format!("exp_avg_sq.{name}"), Tensor::from_slice(&self.exp_avg_sq[i], var.shape(), dev)?));
         }
-        out
+        Ok(out)
     }
 
     /// Restores moments written by [`Self::state_tensors`], checking every shape.
     pub fn load_state(&mut self, params: &ParamStore, step: u64, tensors: &HashMap<String, Tensor>) -> Result<()> {
-        for (i, name) in params.names.iter().enumerate() {
+        for (i, (name, var)) in params.iter().enumerate() {
             for (key, slot) in [("exp_avg", &mut self.exp_avg[i]), ("exp_avg_sq", &mut self.exp_avg_sq[i])] {
                 let k = format!("{key}.{name}");
                 let Some(t) = tensors.get(&k) else {
                     bail!("optimizer state lacks {k}: the checkpoint does not match this model")
                 };
-                if t.dims() != slot.dims() {
-                    bail!("optimizer state {k} has shape {:?}, the model needs {:?}", t.dims(), slot.dims());
+                if t.dims() != var.dims() {
+                    bail!("optimizer state {k} has shape {:?}, the model needs {:?}", t.dims(), var.dims());
                 }
-                *slot = t.to_device(slot.device())?;
+                *slot = t.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1()?;
             }
         }
         self.step = step;

@@ -15,18 +15,27 @@ use crate::params::ParamStore;
 use anyhow::{anyhow, Result};
 use candle_core::{Tensor, Var, D};
 
+/// How a micro-batch's backward runs.
+#[derive(Clone, Copy, Debug)]
+pub struct Backward {
+    /// Recompute each block in backward instead of keeping its activations.
+    pub checkpoint_activations: bool,
+    /// The gradients accumulated are those of `loss * loss_scale` (1 / accumulation steps).
+    pub loss_scale: f64,
+}
+
 /// Computes the mean LM loss of `ids` (B, T) against `targets` (B, T) and adds the gradients
-/// of `loss * scale` to `acc`. Returns the (unscaled) loss.
+/// of `loss * how.loss_scale` to `acc`. Returns the (unscaled) loss.
 pub fn lm_forward_backward(
     model: &Gpt2,
     params: &ParamStore,
     ids: &Tensor,
     targets: &Tensor,
     dropout: Option<&Dropout>,
-    checkpoint_activations: bool,
-    scale: f64,
+    how: Backward,
     acc: &mut GradAccumulator,
 ) -> Result<f32> {
+    let Backward { checkpoint_activations, loss_scale: scale } = how;
     if !checkpoint_activations {
         let loss = model.lm_loss(ids, targets, dropout)?;
         acc.add(params, &(&loss * scale)?.backward()?)?;

@@ -11,7 +11,7 @@ use hybrid_engine::gpt2::{Dropout, Gpt2Cache, Positions};
 use hybrid_engine::hf_io::{load_model_dir, read_safetensors};
 use hybrid_engine::ops::DropoutKey;
 use hybrid_engine::optim::GradAccumulator;
-use hybrid_engine::train_step::lm_forward_backward;
+use hybrid_engine::train_step::{lm_forward_backward, Backward};
 use hybrid_engine::{Gpt2, ParamStore};
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -69,7 +69,15 @@ fn every_parameter_gradient_matches_transformers() -> Result<()> {
     let (x, y) = (input.narrow(1, 0, t - 1)?, input.narrow(1, 1, t - 1)?);
     for checkpoint in [false, true] {
         let mut acc = GradAccumulator::new(f.params.vars.len());
-        lm_forward_backward(&f.model, &f.params, &x, &y, None, checkpoint, 1.0, &mut acc)?;
+        lm_forward_backward(
+            &f.model,
+            &f.params,
+            &x,
+            &y,
+            None,
+            Backward { checkpoint_activations: checkpoint, loss_scale: 1.0 },
+            &mut acc,
+        )?;
         let grads = acc.finish(&f.params)?;
         let mut worst = 0f32;
         for (name, g) in f.params.names.iter().zip(&grads) {
@@ -162,7 +170,15 @@ fn activation_checkpointing_with_dropout_gives_identical_gradients() -> Result<(
     let drop = Dropout::from_config(&f.model.cfg, DropoutKey { seed: 5, step: 2, micro_batch: 1 });
     let run = |ckpt: bool| -> Result<(f32, Vec<Tensor>)> {
         let mut acc = GradAccumulator::new(f.params.vars.len());
-        let loss = lm_forward_backward(&f.model, &f.params, &x, &y, Some(&drop), ckpt, 1.0, &mut acc)?;
+        let loss = lm_forward_backward(
+            &f.model,
+            &f.params,
+            &x,
+            &y,
+            Some(&drop),
+            Backward { checkpoint_activations: ckpt, loss_scale: 1.0 },
+            &mut acc,
+        )?;
         Ok((loss, acc.finish(&f.params)?))
     };
     let (l0, g0) = run(false)?;

@@ -12,7 +12,7 @@ use hybrid_engine::memory::MemoryPlan;
 use hybrid_engine::metrics::{peak_rss_mib, Metrics};
 use hybrid_engine::ops::DropoutKey;
 use hybrid_engine::optim::{clip_grad_norm, AdamW, GradAccumulator};
-use hybrid_engine::train_step::lm_forward_backward;
+use hybrid_engine::train_step::{lm_forward_backward, Backward};
 use hybrid_engine::ParamStore;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -158,8 +158,7 @@ pub fn run(args: &SftArgs) -> Result<PretrainSummary> {
                 &x,
                 &y,
                 Some(&dropout),
-                args.checkpoint_activations,
-                scale,
+                Backward { checkpoint_activations: args.checkpoint_activations, loss_scale: scale },
                 &mut acc,
             )? / args.gradient_accumulation_steps as f32;
         }

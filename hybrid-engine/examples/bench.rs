@@ -1,0 +1,286 @@
+//! Throughput benchmark of the engine on CPU, the Rust half of `scripts/bench/run.sh` (its
+//! PyTorch twin is `scripts/bench/hf_bench.py`, which prints the same JSON fields).
+//!
+//! Modes (one configuration per process, so the peak RSS belongs to that configuration):
+//!
+//! * `train --model M --batch B --seq T --steps N --warmup W [--checkpoint-activations]`: full
+//!   training steps on random token ids (forward with dropout on, as in torch train mode;
+//!   backward; clip to global norm 1.0; AdamW update). Reports the median over N steps after W
+//!   warmup steps: `tokens_per_s` = B*T / step time; `ms_forward_backward`, `ms_clip` and
+//!   `ms_adamw` are the medians of the step's three phases.
+//! * `generate --model M --batch B --prompt-len P --new-tokens N --warmup W --reps R`: greedy
+//!   generation with the KV cache (prefill included), EOS disabled so every row makes exactly N
+//!   tokens. Reports the median over R calls: `tokens_per_s` = B*N / call time.
+//!
+//! The model is randomly initialised with the vocabulary padded to 50304 (a multiple of 128),
+//! as training from scratch does (Megatron `--make-vocab-size-divisible-by 128`); generation
+//! never picks a padding id. Output: one JSON line per measurement on stdout, e.g.
+//! `{"impl":"rust-candle","mode":"train","model":"gpt2","batch":4,"seq":128,...}`.
+//!
+//! Run: `cargo run --release -p hybrid-engine --example bench -- train --model tiny --batch 8
+//! --seq 128 --steps 5 --warmup 2`.
+
+use anyhow::{bail, Context, Result};
+use candle_core::{Device, Tensor};
+use hybrid_engine::generate::{generate, SamplingConfig};
+use hybrid_engine::gpt2::{Dropout, GPT2_EOS, GPT2_VOCAB};
+use hybrid_engine::metrics::peak_rss_mib;
+use hybrid_engine::ops::DropoutKey;
+use hybrid_engine::optim::{clip_grad_norm, AdamW, AdamWConfig, GradAccumulator};
+use hybrid_engine::{Gpt2Config, ParamStore};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use std::time::Instant;
+
+const USAGE: &str = "usage:
+  bench train --model tiny|gpt2|gpt2-medium --batch B --seq T --steps N --warmup W [--checkpoint-activations]
+  bench generate --model tiny|gpt2|gpt2-medium --batch B --prompt-len P --new-tokens N --warmup W --reps R";
+
+/// Megatron's `--make-vocab-size-divisible-by` default: 50257 -> 50304.
+const VOCAB_DIVISOR: usize = 128;
+const SEED: u64 = 1234;
+const LR: f64 = 1e-4;
+
+struct TrainArgs {
+    model: String,
+    batch: usize,
+    seq: usize,
+    steps: usize,
+    warmup: usize,
+    checkpoint_activations: bool,
+}
+
+struct GenerateArgs {
+    model: String,
+    batch: usize,
+    prompt_len: usize,
+    new_tokens: usize,
+    warmup: usize,
+    reps: usize,
+}
+
+enum Mode {
+    Train(TrainArgs),
+    Generate(GenerateArgs),
+}
+
+fn main() {
+    hybrid_engine::memory::retain_freed_memory(); // as the training binaries do
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if let Err(e) = parse_args(&args).and_then(run) {
+        eprintln!("error: {e:#}");
+        std::process::exit(2);
+    }
+}
+
+fn run(mode: Mode) -> Result<()> {
+    let line = match mode {
+        Mode::Train(a) => bench_train(&a)?,
+        Mode::Generate(a) => bench_generate(&a)?,
+    };
+    println!("{line}");
+    Ok(())
+}
+
+/// `--flag value` pairs and `--checkpoint-activations`, std only (clap is not a dependency).
+fn parse_args(args: &[String]) -> Result<Mode> {
+    let Some((mode, rest)) = args.split_first() else {
+        bail!("missing mode\n{USAGE}");
+    };
+    let mut values = Flags::new();
+    let mut checkpoint_activations = false;
+    let mut it = rest.iter();
+    while let Some(flag) = it.next() {
+        match flag.as_str() {
+            "--checkpoint-activations" => checkpoint_activations = true,
+            "-h" | "--help" => bail!("{USAGE}"),
+            f if f.starts_with("--") => {
+                let v = it.next().with_context(|| format!("flag {f} needs a value"))?;
+                values.insert(f.trim_start_matches("--").to_string(), v.clone());
+            }
+            f => bail!("unexpected argument {f:?}\n{USAGE}"),
+        }
+    }
+    let parsed = match mode.as_str() {
+        "train" => Mode::Train(TrainArgs {
+            model: take(&mut values, "model")?,
+            batch: num(&mut values, "batch")?,
+            seq: num(&mut values, "seq")?,
+            steps: num(&mut values, "steps")?,
+            warmup: num(&mut values, "warmup")?,
+            checkpoint_activations,
+        }),
+        "generate" => Mode::Generate(GenerateArgs {
+            model: take(&mut values, "model")?,
+            batch: num(&mut values, "batch")?,
+            prompt_len: num(&mut values, "prompt-len")?,
+            new_tokens: num(&mut values, "new-tokens")?,
+            warmup: num(&mut values, "warmup")?,
+            reps: num(&mut values, "reps")?,
+        }),
+        m => bail!("unknown mode {m:?}: use train or generate\n{USAGE}"),
+    };
+    if let Some(flag) = values.keys().next() {
+        bail!("unknown flag --{flag} for mode {mode}\n{USAGE}");
+    }
+    Ok(parsed)
+}
+
+type Flags = std::collections::HashMap<String, String>;
+
+fn take(values: &mut Flags, name: &str) -> Result<String> {
+    values.remove(name).with_context(|| format!("missing --{name}\n{USAGE}"))
+}
+
+fn num(values: &mut Flags, name: &str) -> Result<usize> {
+    let v = take(values, name)?;
+    v.parse().with_context(|| format!("--{name} {v:?} is not a non-negative integer"))
+}
+
+fn model_config(name: &str) -> Result<Gpt2Config> {
+    let mut cfg = Gpt2Config::from_preset(name)
+        .with_context(|| format!("unknown --model {name:?}: use one of {}", Gpt2Config::PRESETS))?;
+    cfg.pad_vocab(VOCAB_DIVISOR);
+    Ok(cfg)
+}
+
+/// Uniform ids from GPT-2's real vocabulary (never a padding row). (rows, cols)
+fn random_ids(rng: &mut ChaCha8Rng, rows: usize, cols: usize) -> Vec<Vec<u32>> {
+    (0..rows).map(|_| (0..cols).map(|_| rng.random_range(0..GPT2_VOCAB as u32)).collect()).collect()
+}
+
+fn median(xs: &[f64]) -> f64 {
+    let mut v = xs.to_vec();
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+fn bench_train(a: &TrainArgs) -> Result<serde_json::Value> {
+    if a.steps == 0 || a.batch == 0 || a.seq == 0 {
+        bail!("--steps, --batch and --seq must be positive");
+    }
+    let cfg = model_config(&a.model)?;
+    if a.seq > cfg.n_positions {
+        bail!("--seq {} exceeds {}'s context of {} tokens", a.seq, a.model, cfg.n_positions);
+    }
+    let device = Device::Cpu;
+    let params = ParamStore::init(&cfg, SEED, &device)?;
+    let model = params.model(&cfg)?;
+    let mut opt = AdamW::new(AdamWConfig::default(), &params)?;
+    let mut rng = ChaCha8Rng::seed_from_u64(SEED);
+
+    // Per measured step: (total, forward+backward, clip, AdamW) seconds.
+    let mut times = Vec::with_capacity(a.steps);
+    let mut phases: [Vec<f64>; 3] = Default::default();
+    let mut loss = f32::NAN;
+    for step in 0..a.warmup + a.steps {
+        // Fresh ids each step, made outside the timed region. (B, T+1) -> inputs and targets.
+        let rows = random_ids(&mut rng, a.batch, a.seq + 1);
+        let all = Tensor::new(rows, &device)?; // (B, T+1)
+        let ids = all.narrow(1, 0, a.seq)?; // (B, T)
+        let targets = all.narrow(1, 1, a.seq)?; // (B, T)
+        let dropout = Dropout::from_config(&cfg, DropoutKey { seed: SEED, step: step as u64, micro_batch: 0 });
+
+        let start = Instant::now();
+        let mut acc = GradAccumulator::new(params.vars.len());
+        loss = hybrid_engine::train_step::lm_forward_backward(
+            &model,
+            &params,
+            &ids,
+            &targets,
+            Some(&dropout),
+            hybrid_engine::train_step::Backward { checkpoint_activations: a.checkpoint_activations, loss_scale: 1.0 },
+            &mut acc,
+        )?;
+        let mut grads = acc.finish(&params)?;
+        let backward_done = Instant::now();
+        clip_grad_norm(&mut grads, 1.0)?;
+        let clip_done = Instant::now();
+        opt.step(&params, &grads, LR)?;
+        let end = Instant::now();
+        if step >= a.warmup {
+            times.push((end - start).as_secs_f64());
+            phases[0].push((backward_done - start).as_secs_f64());
+            phases[1].push((clip_done - backward_done).as_secs_f64());
+            phases[2].push((end - clip_done).as_secs_f64());
+        }
+    }
+    let step_s = median(&times);
+    Ok(serde_json::json!({
+        "impl": "rust-candle",
+        "mode": "train",
+        "model": a.model,
+        "batch": a.batch,
+        "seq": a.seq,
+        "checkpoint_activations": a.checkpoint_activations,
+        "vocab_size": cfg.vocab_size,
+        "threads": candle_core::utils::get_num_threads(),
+        "warmup": a.warmup,
+        "steps": a.steps,
+        "tokens_per_s": (a.batch * a.seq) as f64 / step_s,
+        "ms_per_step": step_s * 1e3,
+        "ms_per_step_min": times.iter().copied().fold(f64::INFINITY, f64::min) * 1e3,
+        "ms_per_step_max": times.iter().copied().fold(0.0, f64::max) * 1e3,
+        "ms_forward_backward": median(&phases[0]) * 1e3,
+        "ms_clip": median(&phases[1]) * 1e3,
+        "ms_adamw": median(&phases[2]) * 1e3,
+        "last_loss": loss,
+        "peak_rss_mib": peak_rss_mib(),
+    }))
+}
+
+fn bench_generate(a: &GenerateArgs) -> Result<serde_json::Value> {
+    if a.reps == 0 || a.batch == 0 || a.prompt_len == 0 || a.new_tokens == 0 {
+        bail!("--reps, --batch, --prompt-len and --new-tokens must be positive");
+    }
+    let cfg = model_config(&a.model)?;
+    if a.prompt_len + a.new_tokens > cfg.n_positions {
+        bail!(
+            "--prompt-len {} + --new-tokens {} exceeds {}'s context of {} tokens",
+            a.prompt_len,
+            a.new_tokens,
+            a.model,
+            cfg.n_positions
+        );
+    }
+    let device = Device::Cpu;
+    let params = ParamStore::init(&cfg, SEED, &device)?;
+    let model = params.model(&cfg)?;
+    let prompts = random_ids(&mut ChaCha8Rng::seed_from_u64(SEED), a.batch, a.prompt_len);
+    // eos None: no row stops early, so every call makes exactly B * N tokens.
+    let sampling = SamplingConfig::greedy(a.new_tokens, None, GPT2_EOS, GPT2_VOCAB);
+
+    let mut times = Vec::with_capacity(a.reps);
+    for rep in 0..a.warmup + a.reps {
+        let start = Instant::now();
+        let out = generate(&model, &prompts, &sampling, &device)?;
+        let secs = start.elapsed().as_secs_f64();
+        let made: usize = out.iter().map(Vec::len).sum();
+        assert_eq!(made, a.batch * a.new_tokens, "generation stopped early");
+        if rep >= a.warmup {
+            times.push(secs);
+        }
+    }
+    let call_s = median(&times);
+    Ok(serde_json::json!({
+        "impl": "rust-candle",
+        "mode": "generate",
+        "model": a.model,
+        "batch": a.batch,
+        "prompt_len": a.prompt_len,
+        "new_tokens": a.new_tokens,
+        "vocab_size": cfg.vocab_size,
+        "threads": candle_core::utils::get_num_threads(),
+        "warmup": a.warmup,
+        "reps": a.reps,
+        "tokens_per_s": (a.batch * a.new_tokens) as f64 / call_s,
+        "ms_per_call": call_s * 1e3,
+        "ms_per_token_step": call_s * 1e3 / a.new_tokens as f64,
+        "peak_rss_mib": peak_rss_mib(),
+    }))
+}

@@ -1,0 +1,209 @@
+#!/usr/bin/env python3
+"""CPU throughput of Hugging Face transformers' GPT-2, the reference half of ``run.sh``.
+
+The PyTorch twin of ``hybrid-engine/examples/bench.rs``: same modes, flags and JSON fields, with
+``"impl": "hf-pytorch-eager"``. ``GPT2LMHeadModel`` in float32 on CPU with
+``attn_implementation="eager"``, randomly initialised with the vocabulary padded to 50304 as the
+Rust side is, and ``torch.set_num_threads`` = the cores this process may use.
+
+* ``train --model M --batch B --seq T --steps N --warmup W [--checkpoint-activations]``:
+  ``model.train()`` (dropout 0.1), forward with ``labels``, backward, ``clip_grad_norm_(1.0)``,
+  ``torch.optim.AdamW`` (default foreach implementation; no decay on biases and LayerNorm, as
+  ours), on fresh random ids each step. ``--checkpoint-activations`` calls
+  ``gradient_checkpointing_enable()`` (``activation_checkpointing_enable`` in transformers 5).
+  Median over N steps after W warmup steps; ``tokens_per_s`` = B*T / step time; the medians of
+  the phases are ``ms_forward_backward``, ``ms_clip``, ``ms_adamw``. ``labels=ids`` scores T-1
+  positions where ours scores T (same B*T tokens through the model).
+* ``generate --model M --batch B --prompt-len P --new-tokens N --warmup W --reps R``:
+  ``model.generate(do_sample=False, max_new_tokens=N, min_new_tokens=N, use_cache=True)`` in
+  ``torch.inference_mode()``, pad token set; median over R calls; ``tokens_per_s`` = B*N / call
+  time (prefill included).
+
+Peak RSS is ``getrusage(RUSAGE_SELF).ru_maxrss``: run one configuration per process.
+"""
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import time
+
+import torch
+import transformers
+from transformers import GPT2Config, GPT2LMHeadModel
+
+GPT2_VOCAB = 50257
+EOS = 50256
+PADDED_VOCAB = 50304  # 50257 rounded up to a multiple of 128 (Megatron), as bench.rs does
+SEED = 1234
+LR = 1e-4
+
+# (n_layer, n_embd, n_head, n_positions): hybrid_engine::Gpt2Config presets.
+PRESETS = {
+    "tiny": (4, 128, 4, 256),
+    "gpt2": (12, 768, 12, 1024),
+    "gpt2-medium": (24, 1024, 16, 1024),
+}
+
+
+def build_model(name):
+    n_layer, n_embd, n_head, n_positions = PRESETS[name]
+    config = GPT2Config(
+        vocab_size=PADDED_VOCAB,
+        n_positions=n_positions,
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_head=n_head,
+        bos_token_id=EOS,
+        eos_token_id=EOS,
+        pad_token_id=EOS,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(SEED)
+    return GPT2LMHeadModel(config).to(torch.float32)
+
+
+def peak_rss_mib():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
+
+
+def random_ids(gen, rows, cols):
+    return torch.randint(0, GPT2_VOCAB, (rows, cols), generator=gen)
+
+
+def no_weight_decay(name):
+    """Same groups as hybrid_engine::optim::no_weight_decay (biases, LayerNorm)."""
+    return name.endswith(".bias") or ".ln_" in name  # HF names: transformer.h.0.ln_1.weight
+
+
+def bench_train(a):
+    model = build_model(a.model)
+    if a.seq > model.config.n_positions:
+        raise SystemExit(f"--seq {a.seq} exceeds {a.model}'s context of {model.config.n_positions}")
+    if a.checkpoint_activations:
+        # transformers 5 renamed gradient_checkpointing_enable (now a deprecated alias) to
+        # activation_checkpointing_enable; both wrap each block in torch's non-reentrant checkpoint.
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        (enable or model.gradient_checkpointing_enable)()
+    model.train()
+    named = list(model.named_parameters())  # the tied lm_head appears once, as wte
+    groups = [
+        {"params": [p for n, p in named if not no_weight_decay(n)], "weight_decay": 0.01},
+        {"params": [p for n, p in named if no_weight_decay(n)], "weight_decay": 0.0},
+    ]
+    opt = torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.999), eps=1e-8, fused=False)
+    params = [p for _, p in named]
+    gen = torch.Generator().manual_seed(SEED)
+
+    times, phases, loss = [], ([], [], []), float("nan")  # phases: fwd+bwd, clip, AdamW
+    for step in range(a.warmup + a.steps):
+        ids = random_ids(gen, a.batch, a.seq)  # (B, T); labels are shifted inside the model
+        start = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        out = model(input_ids=ids, labels=ids, use_cache=False)
+        out.loss.backward()
+        backward_done = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        clip_done = time.perf_counter()
+        opt.step()
+        end = time.perf_counter()
+        loss = out.loss.item()
+        if step >= a.warmup:
+            times.append(end - start)
+            phases[0].append(backward_done - start)
+            phases[1].append(clip_done - backward_done)
+            phases[2].append(end - clip_done)
+    step_s = statistics.median(times)
+    return {
+        "impl": "hf-pytorch-eager",
+        "mode": "train",
+        "model": a.model,
+        "batch": a.batch,
+        "seq": a.seq,
+        "checkpoint_activations": a.checkpoint_activations,
+        "vocab_size": PADDED_VOCAB,
+        "threads": torch.get_num_threads(),
+        "warmup": a.warmup,
+        "steps": a.steps,
+        "tokens_per_s": a.batch * a.seq / step_s,
+        "ms_per_step": step_s * 1e3,
+        "ms_per_step_min": min(times) * 1e3,
+        "ms_per_step_max": max(times) * 1e3,
+        "ms_forward_backward": statistics.median(phases[0]) * 1e3,
+        "ms_clip": statistics.median(phases[1]) * 1e3,
+        "ms_adamw": statistics.median(phases[2]) * 1e3,
+        "last_loss": loss,
+        "peak_rss_mib": peak_rss_mib(),
+    }
+
+
+def bench_generate(a):
+    model = build_model(a.model)
+    if a.prompt_len + a.new_tokens > model.config.n_positions:
+        raise SystemExit("--prompt-len + --new-tokens exceeds the model's context")
+    model.eval()
+    gen = torch.Generator().manual_seed(SEED)
+    ids = random_ids(gen, a.batch, a.prompt_len)  # (B, P), all the same length: no padding
+    mask = torch.ones_like(ids)
+    times = []
+    with torch.inference_mode():
+        for rep in range(a.warmup + a.reps):
+            start = time.perf_counter()
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=a.new_tokens,
+                min_new_tokens=a.new_tokens,  # EOS suppressed: exactly N tokens per row
+                use_cache=True,
+                pad_token_id=EOS,
+            )
+            secs = time.perf_counter() - start
+            assert out.shape == (a.batch, a.prompt_len + a.new_tokens), out.shape
+            if rep >= a.warmup:
+                times.append(secs)
+    call_s = statistics.median(times)
+    return {
+        "impl": "hf-pytorch-eager",
+        "mode": "generate",
+        "model": a.model,
+        "batch": a.batch,
+        "prompt_len": a.prompt_len,
+        "new_tokens": a.new_tokens,
+        "vocab_size": PADDED_VOCAB,
+        "threads": torch.get_num_threads(),
+        "warmup": a.warmup,
+        "reps": a.reps,
+        "tokens_per_s": a.batch * a.new_tokens / call_s,
+        "ms_per_call": call_s * 1e3,
+        "ms_per_token_step": call_s * 1e3 / a.new_tokens,
+        "peak_rss_mib": peak_rss_mib(),
+    }
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="mode", required=True)
+    t = sub.add_parser("train")
+    g = sub.add_parser("generate")
+    for s in (t, g):
+        s.add_argument("--model", required=True, choices=sorted(PRESETS))
+        s.add_argument("--batch", type=int, required=True)
+        s.add_argument("--warmup", type=int, required=True)
+    t.add_argument("--seq", type=int, required=True)
+    t.add_argument("--steps", type=int, required=True)
+    t.add_argument("--checkpoint-activations", action="store_true")
+    g.add_argument("--prompt-len", type=int, required=True)
+    g.add_argument("--new-tokens", type=int, required=True)
+    g.add_argument("--reps", type=int, required=True)
+    a = p.parse_args()
+
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    transformers.logging.set_verbosity_error()  # no per-call generation warnings on stdout/stderr
+    result = bench_train(a) if a.mode == "train" else bench_generate(a)
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
