@@ -10,7 +10,8 @@ use std::sync::OnceLock;
 fn model_root() -> &'static Path {
     static ROOT: OnceLock<PathBuf> = OnceLock::new();
     ROOT.get_or_init(|| {
-        let dir = std::env::temp_dir().join(format!("rlhf-chat-e2e-{}", std::process::id()));
+        // Under target/ (cargo's per-test scratch space), not the system temp dir.
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("chat-e2e-model");
         let _ = std::fs::remove_dir_all(&dir);
         let args = sft::SftArgs::parse_from([
             "sft",

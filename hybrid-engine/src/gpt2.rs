@@ -7,7 +7,7 @@
 //! HD = C / NH, V `vocab_size` (the embedding's real row count, Megatron padding included), L layers.
 
 use crate::ops::{self, DropoutKey};
-use anyhow::{bail, Context};
+use anyhow::bail;
 use candle_core::{DType, Device, Result, Tensor, D};
 use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
@@ -457,7 +457,7 @@ impl Gpt2 {
         x.matmul(&self.wte.t()?)?.reshape((b, t, ())) // (B, T, V)
     }
 
-    /// The last hidden state after `ln_f` is not applied: blocks only. (B, T, C)
+    /// Embeddings and all blocks, before `ln_f`: the trunk's last hidden state. (B, T, C)
     pub fn forward_blocks(
         &self,
         ids: &Tensor,
@@ -501,46 +501,4 @@ impl Gpt2 {
         let v = logits.dim(D::Minus1)?;
         ops::cross_entropy(&logits.reshape(((), v))?, &targets.flatten_all()?)
     }
-}
-
-/// Every parameter of a GPT-2 with its shape, in HF order and naming (without `transformer.`).
-/// The single inventory used for initialisation, loading checks and memory accounting.
-pub fn parameter_shapes(cfg: &Gpt2Config) -> Vec<(String, Vec<usize>)> {
-    let (c, inner) = (cfg.n_embd, cfg.inner_dim());
-    let mut p =
-        vec![("wte.weight".to_string(), vec![cfg.vocab_size, c]), ("wpe.weight".to_string(), vec![cfg.n_positions, c])];
-    for i in 0..cfg.n_layer {
-        let l = |s: &str| format!("h.{i}.{s}");
-        p.extend([
-            (l("ln_1.weight"), vec![c]),
-            (l("ln_1.bias"), vec![c]),
-            (l("attn.c_attn.weight"), vec![c, 3 * c]),
-            (l("attn.c_attn.bias"), vec![3 * c]),
-            (l("attn.c_proj.weight"), vec![c, c]),
-            (l("attn.c_proj.bias"), vec![c]),
-            (l("ln_2.weight"), vec![c]),
-            (l("ln_2.bias"), vec![c]),
-            (l("mlp.c_fc.weight"), vec![c, inner]),
-            (l("mlp.c_fc.bias"), vec![inner]),
-            (l("mlp.c_proj.weight"), vec![inner, c]),
-            (l("mlp.c_proj.bias"), vec![c]),
-        ]);
-    }
-    p.push(("ln_f.weight".into(), vec![c]));
-    p.push(("ln_f.bias".into(), vec![c]));
-    p
-}
-
-/// Total parameter count (the tied LM head counted once).
-pub fn parameter_count(cfg: &Gpt2Config) -> usize {
-    parameter_shapes(cfg).iter().map(|(_, s)| s.iter().product::<usize>()).sum()
-}
-
-/// Reads and validates a config.json.
-pub fn read_config(path: &std::path::Path) -> anyhow::Result<Gpt2Config> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
-    let cfg: Gpt2Config = serde_json::from_str(&text)
-        .map_err(|e| anyhow::anyhow!("{} is not a valid GPT-2 config.json: {e}", path.display()))?;
-    cfg.validate().with_context(|| format!("in {}", path.display()))?;
-    Ok(cfg)
 }

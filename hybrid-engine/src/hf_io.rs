@@ -5,7 +5,7 @@
 //! Only safetensors and JSON are ever parsed (never pickle), defensively: a truncated or corrupt
 //! file is one error line naming it.
 
-use crate::gpt2::{read_config, Gpt2Config};
+use crate::gpt2::Gpt2Config;
 use crate::params::ParamStore;
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::safetensors::Load;
@@ -192,7 +192,7 @@ pub fn load_model_dir(dir: &Path, device: &Device) -> Result<ModelFiles> {
         );
     };
     let (tensors, extra_tensors) = split_hf_names(raw);
-    let expected: BTreeSet<String> = crate::gpt2::parameter_shapes(&config).into_iter().map(|(n, _)| n).collect();
+    let expected: BTreeSet<String> = crate::params::parameter_shapes(&config).into_iter().map(|(n, _)| n).collect();
     if let Some(missing) = expected.iter().find(|n| !tensors.contains_key(*n)) {
         bail!("{} lacks tensor {missing}: it is not a complete GPT-2 checkpoint", dir.display());
     }
@@ -259,6 +259,15 @@ pub fn write_model_files(
 pub fn write_json(path: &Path, value: &serde_json::Value) -> Result<()> {
     let text = serde_json::to_string_pretty(value)?;
     std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))
+}
+
+/// Reads and validates a config.json.
+pub fn read_config(path: &std::path::Path) -> anyhow::Result<Gpt2Config> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let cfg: Gpt2Config = serde_json::from_str(&text)
+        .map_err(|e| anyhow::anyhow!("{} is not a valid GPT-2 config.json: {e}", path.display()))?;
+    cfg.validate().with_context(|| format!("in {}", path.display()))?;
+    Ok(cfg)
 }
 
 #[cfg(test)]

@@ -3,7 +3,8 @@
 //! micro-batch, with and without activation checkpointing. Printed at startup; the measured
 //! peak (see `metrics::peak_rss_mib`) is printed at the end so the two can be compared.
 
-use crate::gpt2::{parameter_count, Gpt2Config};
+use crate::gpt2::Gpt2Config;
+use crate::params::parameter_count;
 
 const MIB: f64 = 1024.0 * 1024.0;
 

@@ -2,7 +2,7 @@
 //! initialisation. The model is built from these `Var`s' tensors, so gradients computed through
 //! the model land on them and optimizer updates are seen by the model without a copy.
 
-use crate::gpt2::{parameter_shapes, Gpt2, Gpt2Config};
+use crate::gpt2::{Gpt2, Gpt2Config};
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::VarBuilder;
@@ -84,6 +84,39 @@ impl ParamStore {
     }
 }
 
+/// Every parameter of a GPT-2 with its shape, in HF order and naming (without `transformer.`).
+/// The single inventory used for initialisation, loading checks and memory accounting.
+pub fn parameter_shapes(cfg: &Gpt2Config) -> Vec<(String, Vec<usize>)> {
+    let (c, inner) = (cfg.n_embd, cfg.inner_dim());
+    let mut p =
+        vec![("wte.weight".to_string(), vec![cfg.vocab_size, c]), ("wpe.weight".to_string(), vec![cfg.n_positions, c])];
+    for i in 0..cfg.n_layer {
+        let l = |s: &str| format!("h.{i}.{s}");
+        p.extend([
+            (l("ln_1.weight"), vec![c]),
+            (l("ln_1.bias"), vec![c]),
+            (l("attn.c_attn.weight"), vec![c, 3 * c]),
+            (l("attn.c_attn.bias"), vec![3 * c]),
+            (l("attn.c_proj.weight"), vec![c, c]),
+            (l("attn.c_proj.bias"), vec![c]),
+            (l("ln_2.weight"), vec![c]),
+            (l("ln_2.bias"), vec![c]),
+            (l("mlp.c_fc.weight"), vec![c, inner]),
+            (l("mlp.c_fc.bias"), vec![inner]),
+            (l("mlp.c_proj.weight"), vec![inner, c]),
+            (l("mlp.c_proj.bias"), vec![c]),
+        ]);
+    }
+    p.push(("ln_f.weight".into(), vec![c]));
+    p.push(("ln_f.bias".into(), vec![c]));
+    p
+}
+
+/// Total parameter count (the tied LM head counted once).
+pub fn parameter_count(cfg: &Gpt2Config) -> usize {
+    parameter_shapes(cfg).iter().map(|(_, s)| s.iter().product::<usize>()).sum()
+}
+
 /// One standard normal sample (Box-Muller); `rand_distr` for one line is not worth a dependency.
 fn normal(rng: &mut ChaCha8Rng) -> f64 {
     let u1: f64 = rng.random::<f64>().max(f64::MIN_POSITIVE);
@@ -111,7 +144,7 @@ mod tests {
         assert_eq!(a.get("ln_f.weight").unwrap().as_tensor().sum_all()?.to_scalar::<f32>()?, 128.0);
         let d = a.get("wte.weight").unwrap().sub(b.get("wte.weight").unwrap())?.abs()?.sum_all()?;
         assert_eq!(d.to_scalar::<f32>()?, 0.0, "same seed, same weights");
-        assert_eq!(a.numel(), crate::gpt2::parameter_count(&cfg));
+        assert_eq!(a.numel(), parameter_count(&cfg));
         Ok(())
     }
 }

@@ -193,3 +193,48 @@ fn activation_checkpointing_with_dropout_gives_identical_gradients() -> Result<(
     }
     Ok(())
 }
+
+/// Two micro-batches of one row, each scaled by 1/2, accumulate the gradient of the two-row batch.
+#[test]
+fn gradient_accumulation_equals_the_full_batch_gradient() -> Result<()> {
+    let f = load()?;
+    let input = ids(&f.expected["input_ids"])?;
+    let t = input.dim(1)?;
+    let (x, y) = (input.narrow(1, 0, t - 1)?, input.narrow(1, 1, t - 1)?);
+    let full = Backward { checkpoint_activations: false, loss_scale: 1.0 };
+    let mut acc = GradAccumulator::new(f.params.vars.len());
+    lm_forward_backward(&f.model, &f.params, &x, &y, None, full, &mut acc)?;
+    let want = acc.finish(&f.params)?;
+    let half = Backward { checkpoint_activations: false, loss_scale: 0.5 };
+    let mut acc = GradAccumulator::new(f.params.vars.len());
+    for row in 0..2 {
+        lm_forward_backward(&f.model, &f.params, &x.narrow(0, row, 1)?, &y.narrow(0, row, 1)?, None, half, &mut acc)?;
+    }
+    for ((name, a), b) in f.params.names.iter().zip(&want).zip(&acc.finish(&f.params)?) {
+        let scale: f32 = a.abs()?.flatten_all()?.max(0)?.to_scalar()?;
+        let rel = max_abs_diff(a, b)? / scale.max(1e-12);
+        assert!(rel < 1e-5, "{name}: accumulated gradient differs by {rel}");
+    }
+    Ok(())
+}
+
+/// Generation stops a row at EOS (kept as its last token) while other rows continue.
+#[test]
+fn generation_stops_each_row_at_eos() -> Result<()> {
+    let f = load()?;
+    let prompt: Vec<Vec<u32>> = ids(&f.expected["greedy_prompt"])?.to_vec2()?;
+    let free = generate(&f.model, &prompt, &SamplingConfig::greedy(20, None, 210, 211), &Device::Cpu)?.remove(0);
+    let eos = free[3];
+    let first = free.iter().position(|&t| t == eos).unwrap();
+    let mut cfg = SamplingConfig::greedy(20, Some(eos), 210, 211);
+    let stopped = generate(&f.model, &prompt, &cfg, &Device::Cpu)?.remove(0);
+    assert_eq!(stopped, free[..=first], "stops right after the first EOS");
+    // In a batch, the row that hits EOS stops; the other runs to the limit.
+    let other: Vec<Vec<u32>> = ids(&f.expected["input_ids"])?.narrow(1, 0, 6)?.to_vec2()?;
+    cfg.max_new_tokens = 10;
+    let batch = generate(&f.model, &[prompt[0].clone(), other[0].clone()], &cfg, &Device::Cpu)?;
+    assert_eq!(batch[0], free[..=first.min(9)]);
+    let alone = generate(&f.model, &[other[0].clone()], &cfg, &Device::Cpu)?.remove(0);
+    assert_eq!(batch[1], alone, "a finished row does not disturb the others");
+    Ok(())
+}

@@ -232,7 +232,7 @@ fn model_config(name: &str) -> Result<Gpt2Config> {
     let path = std::path::Path::new(name);
     let file = if path.is_dir() { path.join("config.json") } else { path.to_path_buf() };
     if file.is_file() {
-        return hybrid_engine::gpt2::read_config(&file);
+        return hybrid_engine::hf_io::read_config(&file);
     }
     bail!("--model {name:?} is neither a preset ({}) nor a config.json", Gpt2Config::PRESETS)
 }
