@@ -141,9 +141,11 @@ pub fn run(args: &SftArgs) -> Result<PretrainSummary> {
         checkpoint: None,
     };
     let mut last_saved = args.load.as_ref().map(|_| start);
-    let (mut interval_loss, mut interval_iters, mut interval_start) = (0f64, 0u64, Instant::now());
+    // Only training time counts towards ms/iteration and tokens/s (not evaluation or saving).
+    let (mut interval_loss, mut interval_iters, mut interval_secs) = (0f64, 0u64, 0f64);
 
     for iteration in start + 1..=args.train_iters {
+        let iteration_start = Instant::now();
         let lr = cfg.schedule.lr(iteration);
         let mut acc = GradAccumulator::new(params.vars.len());
         let mut loss = 0f32;
@@ -165,6 +167,7 @@ pub fn run(args: &SftArgs) -> Result<PretrainSummary> {
         let mut grads = acc.finish(&params)?;
         let grad_norm = clip_grad_norm(&mut grads, args.clip_grad)?;
         optimizer.step(&params, &grads, lr)?;
+        interval_secs += iteration_start.elapsed().as_secs_f64();
         if !loss.is_finite() {
             bail!("loss became {loss} at iteration {iteration}: lower --lr or raise --lr-warmup-iters");
         }
@@ -177,7 +180,7 @@ pub fn run(args: &SftArgs) -> Result<PretrainSummary> {
         interval_iters += 1;
 
         if iteration % args.log_interval == 0 || iteration == args.train_iters {
-            let secs = interval_start.elapsed().as_secs_f64();
+            let secs = interval_secs;
             let ms = 1000.0 * secs / interval_iters as f64;
             let tps = tokens_per_iter * interval_iters as f64 / secs;
             metrics.println(&format!(
@@ -187,7 +190,7 @@ pub fn run(args: &SftArgs) -> Result<PretrainSummary> {
                 interval_loss / interval_iters as f64,
             ));
             metrics.record(json!({"iteration": iteration, "ms_per_iteration": ms, "tokens_per_sec": tps, "interval_lm_loss": interval_loss / interval_iters as f64}))?;
-            (interval_loss, interval_iters, interval_start) = (0.0, 0, Instant::now());
+            (interval_loss, interval_iters, interval_secs) = (0.0, 0, 0.0);
         }
         if args.eval_interval > 0 && iteration % args.eval_interval == 0 && iteration != args.train_iters {
             let l = evaluate(&model, &corpus, &eval_batches, &device)?;
