@@ -147,9 +147,12 @@ impl GradAccumulator {
     pub fn add(&mut self, params: &ParamStore, store: &GradStore) -> Result<()> {
         for (slot, var) in self.grads.iter_mut().zip(&params.vars) {
             if let Some(g) = store.get(var.as_tensor()) {
+                // candle does not detach the gradients of variables: a kept gradient would
+                // hold the graph of its computation (the step's activations) alive.
+                let g = g.detach();
                 *slot = Some(match slot.take() {
                     Some(acc) => (acc + g)?,
-                    None => g.clone(),
+                    None => g,
                 });
             }
         }

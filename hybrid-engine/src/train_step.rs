@@ -79,9 +79,12 @@ pub fn lm_forward_backward(
     Ok(loss.to_scalar::<f32>()?)
 }
 
+/// The gradient that reached a leaf, detached: candle leaves the gradients of variables attached
+/// to the graph that computed them, and feeding such a tensor into the next block's surrogate
+/// would make each backward walk (and keep alive) every earlier block's backward graph.
 fn leaf_grad(store: &candle_core::backprop::GradStore, leaf: &Var) -> Result<Tensor> {
     store
         .get(leaf.as_tensor())
-        .cloned()
+        .map(Tensor::detach)
         .ok_or_else(|| anyhow!("internal error: no gradient reached a checkpointed block boundary"))
 }

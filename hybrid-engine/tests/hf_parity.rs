@@ -83,6 +83,9 @@ fn every_parameter_gradient_matches_transformers() -> Result<()> {
         for (name, g) in f.params.names.iter().zip(&grads) {
             let want = &f.expected[&format!("grad.transformer.{name}")];
             let scale: f32 = want.abs()?.flatten_all()?.max(0)?.to_scalar()?;
+            // Regression: gradients kept across micro-batches must not hold the graph (and with it
+            // the step's activations) alive; candle leaves variables' gradients attached.
+            assert!(!g.track_op(), "gradient of {name} still carries its backward graph");
             let rel = max_abs_diff(g, want)? / scale;
             assert!(rel < 1e-4, "gradient of {name} (checkpoint {checkpoint}) off by {rel} relative");
             worst = worst.max(rel);
