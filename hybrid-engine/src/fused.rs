@@ -120,14 +120,17 @@ impl CustomOp3 for CrossEntropyRowsGrad {
 }
 
 /// Per-row cross-entropy of `logits` (N, V) against `targets` (N,): fused on the CPU, the
-/// composed reference elsewhere. Returns (N,) f32.
+/// composed reference elsewhere. Returns (N,) f32. Half-precision logits get PyTorch's
+/// half-precision loss: accumulated in f32, the losses (and so their gradients) rounded to the
+/// logits' dtype. Cast the logits to f32 first for an fp32 loss (`--compute-fp32-loss`).
 pub fn cross_entropy_rows(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
-    if logits.device().is_cpu() {
-        let logits = logits.to_dtype(DType::F32)?.contiguous()?;
-        logits.apply_op2(&targets.to_dtype(DType::U32)?.contiguous()?, CrossEntropyRows)
+    let rows = if logits.device().is_cpu() {
+        let logits32 = logits.to_dtype(DType::F32)?.contiguous()?;
+        logits32.apply_op2(&targets.to_dtype(DType::U32)?.contiguous()?, CrossEntropyRows)?
     } else {
-        crate::ops::cross_entropy_rows_reference(logits, targets)
-    }
+        crate::ops::cross_entropy_rows_reference(&logits.to_dtype(DType::F32)?, targets)?
+    };
+    rows.to_dtype(logits.dtype())?.to_dtype(DType::F32)
 }
 
 #[cfg(test)]

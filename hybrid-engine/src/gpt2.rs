@@ -322,7 +322,9 @@ impl Attention {
             None => (k, v),
         };
         let att = (q.matmul(&k.t()?)? * self.scale)?; // (B, NH, T, S)
-        let att = ops::softmax_last_dim(&att.broadcast_add(bias)?)?;
+                                                      // The mask and the softmax in f32 whatever the compute dtype (Megatron's
+                                                      // attention_softmax_in_fp32): -1e9 is -inf in fp16, and fully masked rows would be NaN.
+        let att = ops::softmax_last_dim(&att.to_dtype(DType::F32)?.broadcast_add(bias)?)?.to_dtype(v.dtype())?;
         let att = match dropout {
             Some((d, layer)) => ops::dropout(&att, d.attn, &d.key, layer, 0)?,
             None => att,
@@ -415,6 +417,9 @@ pub struct Gpt2 {
     pub h: Vec<Block>,
     ln_f: LayerNorm,
     pub cfg: Gpt2Config,
+    /// Losses and log-probs read fp32 logits in an fp16/bf16 model (DS-Chat
+    /// `--compute_fp32_loss`); off, they are computed in the compute dtype.
+    pub fp32_loss: bool,
 }
 
 impl Gpt2 {
@@ -428,6 +433,7 @@ impl Gpt2 {
             h: (0..cfg.n_layer).map(|i| Block::load(vb.pp("h").pp(i), cfg, i)).collect::<Result<_>>()?,
             ln_f: LayerNorm::load(vb.pp("ln_f"), c, cfg.layer_norm_epsilon)?,
             cfg: cfg.clone(),
+            fp32_loss: false,
         })
     }
 
@@ -471,6 +477,21 @@ impl Gpt2 {
             }
         }
         Tensor::from_vec(bias, (rows, 1, t, s), device)
+    }
+
+    /// The dtype the model computes in (its weights').
+    pub fn dtype(&self) -> DType {
+        self.wte.dtype()
+    }
+
+    /// What a loss or log-softmax reads from a head's output `x`: fp32 with
+    /// [`Self::fp32_loss`], else `x` in the compute dtype.
+    pub fn loss_input(&self, x: &Tensor) -> Result<Tensor> {
+        if self.fp32_loss {
+            x.to_dtype(DType::F32)
+        } else {
+            Ok(x.clone())
+        }
     }
 
     /// The final LayerNorm: the trunk's output that every head reads. (.., C) -> (.., C)
@@ -545,7 +566,7 @@ impl Gpt2 {
     pub fn lm_loss(&self, ids: &Tensor, targets: &Tensor, dropout: Option<&Dropout>) -> Result<Tensor> {
         let logits = self.forward(ids, &Positions::default(), None, dropout)?; // (B, T, V)
         let v = logits.dim(D::Minus1)?;
-        ops::cross_entropy(&logits.reshape(((), v))?, &targets.flatten_all()?)
+        ops::cross_entropy(&self.loss_input(&logits.reshape(((), v))?)?, &targets.flatten_all()?)
     }
 
     /// Mean cross-entropy over selected positions only: `rows` (N,) u32 indexes the flattened
@@ -554,6 +575,7 @@ impl Gpt2 {
     pub fn lm_loss_at(&self, hidden: &Tensor, rows: &Tensor, targets: &Tensor) -> Result<Tensor> {
         let c = self.cfg.n_embd;
         let selected = hidden.reshape(((), c))?.index_select(rows, 0)?; // (N, C)
-        ops::cross_entropy(&self.lm_head(&selected)?, targets) // (N, V) -> scalar
+        ops::cross_entropy(&self.loss_input(&self.lm_head(&selected)?)?, targets)
+        // (N, V) -> scalar
     }
 }

@@ -15,6 +15,7 @@ pub mod metrics;
 pub mod ops;
 pub mod optim;
 pub mod params;
+pub mod precision;
 pub mod reward_model;
 pub mod schedule;
 pub mod step_args;

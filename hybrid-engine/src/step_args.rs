@@ -8,6 +8,7 @@
 use crate::gpt2::Gpt2Config;
 use crate::optim::AdamWConfig;
 use crate::params::ParamStore;
+use crate::precision::PrecisionArgs;
 use crate::schedule::{DecayStyle, LrSchedule};
 use anyhow::{bail, Result};
 use candle_core::{Device, Tensor};
@@ -68,6 +69,8 @@ pub struct StepArgs {
     /// cpu (CUDA arrives with the `cuda` feature).
     #[arg(long, default_value = "cpu")]
     pub device: String,
+    #[command(flatten)]
+    pub precision: PrecisionArgs,
     /// LoRA rank r on the linears --lora-module-name selects (0: no LoRA). The saved model has
     /// the adapters merged; with --only-optimize-lora they are also saved alone, in PEFT's
     /// layout, to <output-dir>/adapter.
@@ -118,6 +121,7 @@ impl StepArgs {
         if self.zero_stage > 3 {
             bail!("--zero-stage {} does not exist: use 0, 1, 2 or 3", self.zero_stage);
         }
+        self.precision.validate()?;
         if let Some(lora) = self.lora() {
             lora.validate()?;
             if !(self.lora_learning_rate > 0.0 && self.lora_learning_rate.is_finite()) {

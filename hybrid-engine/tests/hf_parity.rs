@@ -68,17 +68,16 @@ fn every_parameter_gradient_matches_transformers() -> Result<()> {
     let t = input.dim(1)?;
     let (x, y) = (input.narrow(1, 0, t - 1)?, input.narrow(1, 1, t - 1)?);
     for checkpoint in [false, true] {
-        let mut acc = GradAccumulator::new(f.params.vars.len());
+        let mut acc = GradAccumulator::new(&f.params);
         lm_forward_backward(
             &f.model,
-            &f.params,
             &x,
             &y,
             None,
             Backward { checkpoint_activations: checkpoint, loss_scale: 1.0 },
             &mut acc,
         )?;
-        let grads = acc.finish(&f.params)?;
+        let grads = acc.finish()?;
         let mut worst = 0f32;
         for (name, g) in f.params.names.iter().zip(&grads) {
             let want = &f.expected[&format!("grad.transformer.{name}")];
@@ -172,17 +171,16 @@ fn activation_checkpointing_with_dropout_gives_identical_gradients() -> Result<(
     let (x, y) = (input.narrow(1, 0, t - 1)?, input.narrow(1, 1, t - 1)?);
     let drop = Dropout::from_config(&f.model.cfg, DropoutKey { seed: 5, step: 2, micro_batch: 1 });
     let run = |ckpt: bool| -> Result<(f32, Vec<Tensor>)> {
-        let mut acc = GradAccumulator::new(f.params.vars.len());
+        let mut acc = GradAccumulator::new(&f.params);
         let loss = lm_forward_backward(
             &f.model,
-            &f.params,
             &x,
             &y,
             Some(&drop),
             Backward { checkpoint_activations: ckpt, loss_scale: 1.0 },
             &mut acc,
         )?;
-        Ok((loss, acc.finish(&f.params)?))
+        Ok((loss, acc.finish()?))
     };
     let (l0, g0) = run(false)?;
     let (l1, g1) = run(true)?;
@@ -205,15 +203,15 @@ fn gradient_accumulation_equals_the_full_batch_gradient() -> Result<()> {
     let t = input.dim(1)?;
     let (x, y) = (input.narrow(1, 0, t - 1)?, input.narrow(1, 1, t - 1)?);
     let full = Backward { checkpoint_activations: false, loss_scale: 1.0 };
-    let mut acc = GradAccumulator::new(f.params.vars.len());
-    lm_forward_backward(&f.model, &f.params, &x, &y, None, full, &mut acc)?;
-    let want = acc.finish(&f.params)?;
+    let mut acc = GradAccumulator::new(&f.params);
+    lm_forward_backward(&f.model, &x, &y, None, full, &mut acc)?;
+    let want = acc.finish()?;
     let half = Backward { checkpoint_activations: false, loss_scale: 0.5 };
-    let mut acc = GradAccumulator::new(f.params.vars.len());
+    let mut acc = GradAccumulator::new(&f.params);
     for row in 0..2 {
-        lm_forward_backward(&f.model, &f.params, &x.narrow(0, row, 1)?, &y.narrow(0, row, 1)?, None, half, &mut acc)?;
+        lm_forward_backward(&f.model, &x.narrow(0, row, 1)?, &y.narrow(0, row, 1)?, None, half, &mut acc)?;
     }
-    for ((name, a), b) in f.params.names.iter().zip(&want).zip(&acc.finish(&f.params)?) {
+    for ((name, a), b) in f.params.names.iter().zip(&want).zip(&acc.finish()?) {
         let scale: f32 = a.abs()?.flatten_all()?.max(0)?.to_scalar()?;
         let rel = max_abs_diff(a, b)? / scale.max(1e-12);
         assert!(rel < 1e-5, "{name}: accumulated gradient differs by {rel}");
