@@ -147,8 +147,9 @@ pub struct PpoArgs {
     /// Where step3's actor, critic and actor_ema directories and metrics.jsonl go.
     #[arg(long, default_value = "output/step3", alias = "output_dir")]
     pub output_dir: PathBuf,
-    /// cpu (CUDA arrives with the `cuda` feature).
-    #[arg(long, default_value = "cpu")]
+    /// auto (CUDA device 0 when built with --features cuda and a GPU opens, else the CPU), cpu,
+    /// cuda or cuda:N.
+    #[arg(long, default_value = "auto", env = hybrid_engine::device::DEVICE_ENV)]
     pub device: String,
     #[command(flatten)]
     pub precision: PrecisionArgs,
@@ -247,12 +248,7 @@ impl PpoArgs {
         if self.actor_zero_stage > 3 || self.critic_zero_stage > 3 {
             bail!("--actor-zero-stage and --critic-zero-stage must be 0, 1, 2 or 3");
         }
-        if self.device != "cpu" {
-            bail!(
-                "--device {}: this build runs on the CPU only (CUDA arrives with the `cuda` feature); use --device cpu",
-                self.device
-            );
-        }
+        hybrid_engine::device::check_device(&self.device)?;
         Ok(())
     }
 }

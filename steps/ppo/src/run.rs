@@ -87,7 +87,8 @@ fn schedule(args: &PpoArgs, lr: f64, total: u64) -> LrSchedule {
 /// Runs step 3.
 pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
     args.validate()?;
-    let device = Device::Cpu;
+    let device = hybrid_engine::device::parse_device(&args.device)?;
+    println!("device: {}", hybrid_engine::device::describe(&device));
     let cfg = args.ppo_config();
 
     // Models: actor and reference from step 1, critic and reward from step 2.

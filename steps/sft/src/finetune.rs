@@ -38,7 +38,8 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
     let t = &args.train;
     let lr = t.learning_rate.unwrap_or(DEFAULT_LR);
     t.validate(lr)?;
-    let device = t.device();
+    let device = t.device()?;
+    println!("device: {}", hybrid_engine::device::describe(&device));
     let mut start = starting_model(&t.model_name_or_path, t.seed, t.dropout, &device)?;
     let tokenizer = match (&args.tokenizer, &start.dir) {
         (Some(p), _) => Tokenizer::from_file(p)?,

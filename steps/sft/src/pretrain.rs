@@ -45,7 +45,8 @@ struct DataLayout {
 /// Runs `sft --from-scratch`.
 pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     let cfg = args.pretrain_config()?;
-    let device = Device::Cpu;
+    let device = hybrid_engine::device::parse_device(&args.device)?;
+    println!("device: {}", hybrid_engine::device::describe(&device));
 
     // Data: tokenize, pack, split. Every failure here happens before any training.
     let tokenizer = match &args.tokenizer {
