@@ -10,6 +10,7 @@
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use hybrid_engine::generate::SamplingConfig;
+use hybrid_engine::precision::Dtype;
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -52,6 +53,10 @@ pub struct TrainArgs {
     /// of their --device.
     #[arg(long, default_value = "auto", env = hybrid_engine::device::DEVICE_ENV)]
     pub device: String,
+    /// Compute dtype of every step: fp32, fp16 or bf16 (see the steps' --dtype). The steps get it
+    /// as RLHF_DTYPE, the default of their --dtype.
+    #[arg(long, value_enum, default_value_t = Dtype::Fp32, env = hybrid_engine::precision::DTYPE_ENV)]
+    pub dtype: Dtype,
 }
 
 /// The recipes shipped with the binary: (step directory, deployment type, script text).
@@ -170,7 +175,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         let script = recipe(args.recipe_dir.as_deref(), plan.recipe_dir, &deployment)?;
         println!("---=== Running Step {} ===---", plan.number);
         let t0 = Instant::now();
-        run_recipe(&script, plan, &bin_dir, &args.device)?;
+        run_recipe(&script, plan, &bin_dir, &args.device, args.dtype)?;
         println!("---=== Finished Step {} in {} ===---", plan.number, duration(t0.elapsed().as_secs()));
     }
     println!("---=== Finished Steps {steps:?} in {} ===---", duration(started.elapsed().as_secs()));
@@ -236,8 +241,9 @@ fn model_size(model: &str) -> String {
 }
 
 /// Runs one step's recipe with bash, its output copied to the terminal and to training.log;
-/// `device` (`--device`) reaches the step binaries as their --device default.
-fn run_recipe(script: &str, plan: &StepPlan, bin_dir: &Path, device: &str) -> Result<()> {
+/// `device` (`--device`) and `dtype` (`--dtype`) reach the step binaries as the defaults of their
+/// --device and --dtype.
+fn run_recipe(script: &str, plan: &StepPlan, bin_dir: &Path, device: &str, dtype: Dtype) -> Result<()> {
     std::fs::create_dir_all(&plan.output).with_context(|| format!("cannot create {}", plan.output.display()))?;
     let log_path = plan.output.join("training.log");
     let mut log = std::fs::File::create(&log_path).with_context(|| format!("cannot create {}", log_path.display()))?;
@@ -253,6 +259,7 @@ fn run_recipe(script: &str, plan: &StepPlan, bin_dir: &Path, device: &str) -> Re
         .args(plan.critic.iter().flat_map(|(dir, zero)| [dir.display().to_string(), zero.to_string()]))
         .env("PATH", path)
         .env(hybrid_engine::device::DEVICE_ENV, device)
+        .env(hybrid_engine::precision::DTYPE_ENV, dtype.name())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()

@@ -13,6 +13,9 @@ use anyhow::{bail, Result};
 use candle_core::{DType, Tensor};
 use serde::{Deserialize, Serialize};
 
+/// The environment variable `train` passes its `--dtype` to the steps in (their default).
+pub const DTYPE_ENV: &str = "RLHF_DTYPE";
+
 /// The compute dtype (`--dtype`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default, clap::ValueEnum, Serialize, Deserialize)]
 pub enum Dtype {
@@ -69,7 +72,7 @@ impl Precision {
 pub struct PrecisionArgs {
     /// Compute dtype: fp32, fp16 (dynamic loss scaling) or bf16. Master weights and Adam moments
     /// stay fp32 either way.
-    #[arg(long, value_enum, default_value_t = Dtype::Fp32)]
+    #[arg(long, value_enum, default_value_t = Dtype::Fp32, env = DTYPE_ENV)]
     pub dtype: Dtype,
     /// Compute losses and log-probs from fp32 logits (and fp32 values and scores) rather than in
     /// the fp16/bf16 compute dtype.
