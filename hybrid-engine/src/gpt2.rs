@@ -200,10 +200,14 @@ impl Conv1D {
         Ok(Self { weight: vb.get((d_in, d_out), "weight")?, bias: vb.get(d_out, "bias")?, lora: None })
     }
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward_without_bias(x)?.broadcast_add(&self.bias)
+    }
+    /// `x W` (plus LoRA), the bias left to the caller to fuse into what follows. (B, T, out)
+    fn forward_without_bias(&self, x: &Tensor) -> Result<Tensor> {
         let (b, t, c) = x.dims3()?;
         // One (B*T, in) x (in, out) gemm instead of B batched ones.
         let x = x.reshape((b * t, c))?; // (B*T, in)
-        let mut y = x.matmul(&self.weight)?.broadcast_add(&self.bias)?; // (B*T, out)
+        let mut y = x.matmul(&self.weight)?; // (B*T, out)
         if let Some(lora) = &self.lora {
             y = (y + lora.forward(&x)?)?; // (B*T, out)
         }
@@ -321,8 +325,7 @@ impl Attention {
             Some(cache) => cache.append(&k, &v)?, // (B, NH, S, HD)
             None => (k, v),
         };
-        let att = (q.matmul(&k.t()?)? * self.scale)?; // (B, NH, T, S)
-        let att = ops::softmax_last_dim(&att.broadcast_add(bias)?)?;
+        let att = ops::masked_softmax(&q.matmul(&k.t()?)?, self.scale, bias)?; // (B, NH, T, S)
         let att = match dropout {
             Some((d, layer)) => ops::dropout(&att, d.attn, &d.key, layer, 0)?,
             None => att,
@@ -353,8 +356,8 @@ impl Mlp {
         })
     }
     fn forward(&self, x: &Tensor, dropout: Option<(&Dropout, u64)>) -> Result<Tensor> {
-        let h = self.c_fc.forward(x)?; // (B, T, 4C)
-        let h = if self.exact_gelu { h.gelu_erf()? } else { h.gelu()? }; // candle's gelu is gelu_new
+        let h = self.c_fc.forward_without_bias(x)?; // (B, T, 4C)
+        let h = ops::bias_gelu(&h, &self.c_fc.bias, self.exact_gelu)?;
         let y = self.c_proj.forward(&h)?; // (B, T, C)
         match dropout {
             Some((d, layer)) => ops::dropout(&y, d.resid, &d.key, layer, 2),

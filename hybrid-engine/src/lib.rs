@@ -16,6 +16,7 @@ pub mod ops;
 pub mod optim;
 pub mod params;
 pub mod reward_model;
+pub mod rowops;
 pub mod schedule;
 pub mod step_args;
 pub mod train_step;
