@@ -65,6 +65,13 @@ impl SharedOut {
         Self { ptr: out.as_mut_ptr(), len }
     }
 
+    /// A pointer to value `offset`, for strided writes (gemm): the caller keeps them disjoint.
+    fn at(&self, offset: usize) -> *mut f32 {
+        assert!(offset < self.len, "offset {offset} outside a buffer of {}", self.len);
+        // SAFETY: within the reserved buffer.
+        unsafe { self.ptr.add(offset) }
+    }
+
     /// # Safety
     /// No two live slices may overlap: callers derive ranges from disjoint row ranges.
     #[allow(clippy::mut_from_ref)]
@@ -89,6 +96,23 @@ fn par_rows(rows: usize, work: usize, f: impl Fn(Range<usize>) + Sync) {
 /// A new (rows * width) buffer, row r written by `f(r, row)` in parallel.
 fn for_rows(rows: usize, width: usize, f: impl Fn(usize, &mut [f32]) + Sync) -> Vec<f32> {
     for_rows_weighted(rows, width, rows * width, f)
+}
+
+/// A new buffer of `len` values written by `f(range, out)` over chunks in parallel.
+fn for_chunks(len: usize, f: impl Fn(Range<usize>, &mut [f32]) + Sync) -> Vec<f32> {
+    const CHUNK: usize = 16 * 1024;
+    let mut out = Vec::new();
+    let shared = SharedOut::new(&mut out, len);
+    par_rows(len.div_ceil(CHUNK), len, |chunks| {
+        for ci in chunks {
+            let range = ci * CHUNK..((ci + 1) * CHUNK).min(len);
+            // SAFETY: chunks are disjoint.
+            f(range.clone(), unsafe { shared.range(range) });
+        }
+    });
+    // SAFETY: the chunks cover every value.
+    unsafe { out.set_len(len) };
+    out
 }
 
 /// [`for_rows`] where the work per row is not its width (a row-wise reduction).
@@ -370,37 +394,104 @@ pub fn masked_softmax(att: &Tensor, scale: f64, bias: &Tensor) -> Result<Tensor>
 }
 
 // ---------------------------------------------------------------------------------------------
-// Bias add and GELU
+// GELU
 
-/// `gelu_new(h + b)`: h (.., W), b (W,).
-struct BiasGelu;
+/// `gelu_new(h)`, GPT-2's tanh approximation.
+struct Gelu;
 
-/// Gradient of [`BiasGelu`] for (h, b, dy): one (N + 1, W) tensor holding dh (N rows), then db.
-struct BiasGeluGrad;
+/// Gradient of [`Gelu`] for (h, dy).
+struct GeluGrad;
 
-impl CustomOp2 for BiasGelu {
+impl CustomOp1 for Gelu {
     fn name(&self) -> &'static str {
-        "bias-gelu"
+        "gelu"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let h = contiguous_f32(s, l, "pre-activation")?;
+        let out = for_chunks(h.len(), |range, o| rowops::gelu(&h[range], o));
+        Ok((CpuStorage::F32(out), l.shape().clone()))
+    }
+
+    fn bwd(&self, h: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        Ok(Some(h.apply_op2_no_bwd(&grad.contiguous()?, &GeluGrad)?))
+    }
+}
+
+impl CustomOp2 for GeluGrad {
+    fn name(&self) -> &'static str {
+        "gelu-grad"
     }
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
         let h = contiguous_f32(s1, l1, "pre-activation")?;
-        let b = contiguous_f32(s2, l2, "bias")?;
-        let w = b.len();
-        let out = for_rows(h.len() / w, w, |r, o| rowops::bias_gelu(&h[r * w..(r + 1) * w], b, o));
+        let dy = contiguous_f32(s2, l2, "activation gradient")?;
+        let out = for_chunks(h.len(), |range, o| rowops::gelu_grad(&h[range.clone()], &dy[range], o));
         Ok((CpuStorage::F32(out), l1.shape().clone()))
-    }
-
-    fn bwd(&self, h: &Tensor, b: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let packed = h.apply_op3_no_bwd(b, &grad.contiguous()?, &BiasGeluGrad)?; // (N + 1, W)
-        let n = packed.dim(0)? - 1;
-        Ok((Some(packed.narrow(0, 0, n)?.reshape(h.shape())?), Some(packed.get(n)?)))
     }
 }
 
-impl CustomOp3 for BiasGeluGrad {
+/// `gelu_new(h)` (GPT-2's tanh approximation) of f32 `h` on the CPU.
+pub fn gelu(h: &Tensor) -> Result<Tensor> {
+    h.contiguous()?.apply_op1(Gelu)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Linear (HF Conv1D)
+
+/// `dst (m x n) = lhs (m x k) * rhs (k x n)`, plus `dst` when `accumulate`, by gemm with
+/// arbitrary (row, column) strides; `threads` > 1 splits it over rayon as candle's matmul does.
+///
+/// # Safety
+/// The pointers must address matrices of these shapes and strides, `dst` not overlapping the
+/// others nor any matrix another thread writes.
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_f32(
+    (m, n, k): (usize, usize, usize),
+    dst: *mut f32,
+    dst_rs: usize,
+    lhs: *const f32,
+    (lhs_rs, lhs_cs): (usize, usize),
+    rhs: *const f32,
+    (rhs_rs, rhs_cs): (usize, usize),
+    accumulate: bool,
+    threads: usize,
+) {
+    let parallelism = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
+    gemm::gemm(
+        m,
+        n,
+        k,
+        dst,
+        1,
+        dst_rs as isize,
+        accumulate,
+        lhs,
+        lhs_cs as isize,
+        lhs_rs as isize,
+        rhs,
+        rhs_cs as isize,
+        rhs_rs as isize,
+        1.0,
+        1.0,
+        false,
+        false,
+        false,
+        parallelism,
+    )
+}
+
+/// `x W + b` for x (.., in), W (in, out) (Hugging Face's Conv1D layout), b (out,): one gemm
+/// accumulating into rows that start as the bias. Backward: dx = dy W^T, dW = x^T dy (both
+/// skipped for inputs that need no gradient, e.g. frozen weights), db = column sums of dy.
+struct Linear;
+
+/// Column sums of a (N, W) tensor: the bias gradient.
+struct ColumnSums;
+
+impl CustomOp3 for Linear {
     fn name(&self) -> &'static str {
-        "bias-gelu-grad"
+        "linear"
     }
 
     fn cpu_fwd(
@@ -412,31 +503,329 @@ impl CustomOp3 for BiasGeluGrad {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let h = contiguous_f32(s1, l1, "pre-activation")?;
-        let b = contiguous_f32(s2, l2, "bias")?;
-        let dy = contiguous_f32(s3, l3, "activation gradient")?;
-        let w = b.len();
-        let n = h.len() / w;
-        let mut out = Vec::with_capacity((n + 1) * w);
-        let dh = SharedOut::new(&mut out, n * w);
-        let db = reduce_rows(n, w, h.len(), |rows, db| {
-            for r in rows {
-                let range = r * w..(r + 1) * w;
-                // SAFETY: rows are disjoint across blocks.
-                let dh = unsafe { dh.range(range.clone()) };
-                rowops::bias_gelu_grad(&h[range.clone()], b, &dy[range], dh, db);
-            }
-        });
-        // SAFETY: every dh row was written above.
-        unsafe { out.set_len(n * w) };
-        out.extend_from_slice(&db);
-        Ok((CpuStorage::F32(out), Shape::from((n + 1, w))))
+        let x = contiguous_f32(s1, l1, "linear input")?;
+        let w = contiguous_f32(s2, l2, "linear weight")?;
+        let b = contiguous_f32(s3, l3, "linear bias")?;
+        let (d_in, d_out) = l2.shape().dims2()?;
+        let n = x.len() / d_in;
+        let mut out = Vec::with_capacity(n * d_out);
+        for _ in 0..n {
+            out.extend_from_slice(b);
+        }
+        // SAFETY: x is (n, d_in), w (d_in, d_out) and out (n, d_out), all contiguous.
+        unsafe {
+            gemm_f32(
+                (n, d_out, d_in),
+                out.as_mut_ptr(),
+                d_out,
+                x.as_ptr(),
+                (d_in, 1),
+                w.as_ptr(),
+                (d_out, 1),
+                true,
+                candle_core::utils::get_num_threads(),
+            )
+        };
+        let mut dims = l1.shape().dims().to_vec();
+        *dims.last_mut().expect("linear input has a last dimension") = d_out;
+        Ok((CpuStorage::F32(out), Shape::from(dims)))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (d_in, d_out) = w.dims2()?;
+        let g2 = grad.contiguous()?.reshape(((), d_out))?; // (N, out)
+                                                           // Detached operands: the gradients must not carry (and keep alive) a graph.
+        let dx = match x.track_op() {
+            true => Some(g2.matmul(&w.detach().t()?)?.reshape(x.shape())?),
+            false => None,
+        };
+        let dw = match w.track_op() {
+            true => Some(x.detach().reshape(((), d_in))?.t()?.matmul(&g2)?),
+            false => None,
+        };
+        let db = match b.track_op() {
+            true => Some(g2.apply_op1_no_bwd(&ColumnSums)?),
+            false => None,
+        };
+        Ok((dx, dw, db))
     }
 }
 
-/// `gelu_new(h + b)` (GPT-2's tanh approximation) for f32 `h` (.., W) and `b` (W,) on the CPU.
-pub fn bias_gelu(h: &Tensor, b: &Tensor) -> Result<Tensor> {
-    h.contiguous()?.apply_op2(&b.contiguous()?, BiasGelu)
+impl CustomOp1 for ColumnSums {
+    fn name(&self) -> &'static str {
+        "column-sums"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let g = contiguous_f32(s, l, "gradient")?;
+        let (n, w) = l.shape().dims2()?;
+        let sums = reduce_rows(n, w, g.len(), |rows, acc| {
+            for r in rows {
+                rowops::add_assign(acc, &g[r * w..(r + 1) * w]);
+            }
+        });
+        Ok((CpuStorage::F32(sums), Shape::from(w)))
+    }
+}
+
+/// `x W + b` for f32 `x` (.., in), `w` (in, out), `b` (out,) on the CPU.
+pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
+    x.contiguous()?.apply_op3(&w.contiguous()?, &b.contiguous()?, Linear)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Attention
+
+/// Self-attention's core on the packed projections of `c_attn`: qkv (B, T, 3C) (q, k, v of C
+/// columns each, head h at columns h*HD..(h+1)*HD of each) and the additive mask bias (B or 1,
+/// 1, T, T) give y (B, T, C), the heads' outputs side by side:
+/// `y_h = dropout(softmax(q_h k_h^T * scale + bias)) v_h`.
+///
+/// One (batch, head) pair per unit of parallel work, its gemms single-threaded and reading the
+/// heads in place through strides (no split or merge copies). Nothing (B, NH, T, T) is kept:
+/// backward recomputes the probabilities (one more q k^T gemm, small beside the projections),
+/// and the dropout mask is regenerated from its key. Dropout's element indices are those of
+/// the (B, NH, T, T) probabilities, so the mask equals the composed reference's.
+struct Attention {
+    n_head: usize,
+    scale: f32,
+    dropout: Option<crate::ops::DropoutMask>,
+}
+
+/// Gradient of [`Attention`] for (qkv, bias, dy): dqkv (B, T, 3C).
+struct AttentionGrad {
+    n_head: usize,
+    scale: f32,
+    dropout: Option<crate::ops::DropoutMask>,
+}
+
+/// Shapes of one attention call and where a (batch, head) pair's matrices live.
+#[derive(Clone, Copy)]
+struct AttentionDims {
+    t: usize,
+    c: usize,
+    hd: usize,
+    n_head: usize,
+    bias_rows: usize,
+}
+
+impl AttentionDims {
+    fn new(qkv: &Layout, bias: &Layout, n_head: usize) -> Result<Self> {
+        let (_, t, c3) = qkv.shape().dims3()?;
+        let (bias_rows, _, bt, bs) = bias.shape().dims4()?;
+        if bt != t || bs != t || c3 % (3 * n_head) != 0 {
+            candle_core::bail!("attention: qkv {:?} and bias {:?} do not fit {n_head} heads", qkv.dims(), bias.dims());
+        }
+        Ok(Self { t, c: c3 / 3, hd: c3 / 3 / n_head, n_head, bias_rows })
+    }
+
+    /// Offset of head `h`'s `part` (0 q, 1 k, 2 v) of batch row `b` in qkv; row stride 3C.
+    fn qkv(&self, b: usize, h: usize, part: usize) -> usize {
+        b * self.t * 3 * self.c + part * self.c + h * self.hd
+    }
+
+    /// The (T, T) mask of batch row `b`.
+    fn bias<'a>(&self, bias: &'a [f32], b: usize) -> &'a [f32] {
+        let r = if self.bias_rows == 1 { 0 } else { b };
+        &bias[r * self.t * self.t..(r + 1) * self.t * self.t]
+    }
+
+    /// The probabilities `softmax(q k^T * scale + bias)` of pair (b, h) into `p` (T, T).
+    fn probabilities(&self, qkv: &[f32], bias: &[f32], b: usize, h: usize, scale: f32, p: &mut [f32]) {
+        let (t, c3) = (self.t, 3 * self.c);
+        // SAFETY: q and k are (T, HD) blocks of qkv with row stride 3C; p is (T, T).
+        unsafe {
+            gemm_f32(
+                (t, t, self.hd),
+                p.as_mut_ptr(),
+                t,
+                qkv[self.qkv(b, h, 0)..].as_ptr(),
+                (c3, 1),
+                qkv[self.qkv(b, h, 1)..].as_ptr(),
+                (1, c3), // k^T
+                false,
+                1,
+            )
+        };
+        let bias = self.bias(bias, b);
+        for (row, bias) in p.chunks_exact_mut(t).zip(bias.chunks_exact(t)) {
+            rowops::masked_softmax_in_place(row, bias, scale);
+        }
+    }
+
+    /// Element index of (b, h, i, 0) in the (B, NH, T, T) probabilities (dropout's counter).
+    fn prob_index(&self, b: usize, h: usize) -> usize {
+        (b * self.n_head + h) * self.t * self.t
+    }
+}
+
+/// Applies dropout to the (T, T) probabilities of one pair in place.
+fn drop_probabilities(mask: &crate::ops::DropoutMask, start: usize, p: &mut [f32]) {
+    mask.apply_in_place(start, p);
+}
+
+impl CustomOp2 for Attention {
+    fn name(&self) -> &'static str {
+        "attention"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let qkv = contiguous_f32(s1, l1, "qkv")?;
+        let bias = contiguous_f32(s2, l2, "attention bias")?;
+        let d = AttentionDims::new(l1, l2, self.n_head)?;
+        let batch = l1.dims()[0];
+        let (t, c) = (d.t, d.c);
+        let mut out = Vec::new();
+        let y = SharedOut::new(&mut out, batch * t * c);
+        par_rows(batch * d.n_head, batch * d.n_head * t * t * d.hd, |pairs| {
+            let mut p = vec![0f32; t * t];
+            for pair in pairs {
+                let (b, h) = (pair / d.n_head, pair % d.n_head);
+                d.probabilities(qkv, bias, b, h, self.scale, &mut p);
+                if let Some(mask) = &self.dropout {
+                    drop_probabilities(mask, d.prob_index(b, h), &mut p);
+                }
+                // SAFETY: pair (b, h) alone writes columns h*HD.. of batch row b's (T, C) block.
+                unsafe {
+                    gemm_f32(
+                        (t, d.hd, t),
+                        y.at(b * t * c + h * d.hd),
+                        c,
+                        p.as_ptr(),
+                        (t, 1),
+                        qkv[d.qkv(b, h, 2)..].as_ptr(),
+                        (3 * c, 1),
+                        false,
+                        1,
+                    )
+                };
+            }
+        });
+        // SAFETY: the pairs cover every (row, column) of y.
+        unsafe { out.set_len(batch * t * c) };
+        Ok((CpuStorage::F32(out), Shape::from((batch, t, c))))
+    }
+
+    fn bwd(&self, qkv: &Tensor, bias: &Tensor, _y: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let op = AttentionGrad { n_head: self.n_head, scale: self.scale, dropout: self.dropout };
+        Ok((Some(qkv.apply_op3_no_bwd(bias, &grad.contiguous()?, &op)?), None))
+    }
+}
+
+impl CustomOp3 for AttentionGrad {
+    fn name(&self) -> &'static str {
+        "attention-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let qkv = contiguous_f32(s1, l1, "qkv")?;
+        let bias = contiguous_f32(s2, l2, "attention bias")?;
+        let dy = contiguous_f32(s3, l3, "attention output gradient")?;
+        let d = AttentionDims::new(l1, l2, self.n_head)?;
+        let batch = l1.dims()[0];
+        let (t, c, hd) = (d.t, d.c, d.hd);
+        let c3 = 3 * c;
+        let mut out = Vec::new();
+        let dqkv = SharedOut::new(&mut out, qkv.len());
+        par_rows(batch * d.n_head, batch * d.n_head * t * t * hd, |pairs| {
+            let (mut p, mut pd, mut dp) = (vec![0f32; t * t], vec![0f32; t * t], vec![0f32; t * t]);
+            for pair in pairs {
+                let (b, h) = (pair / d.n_head, pair % d.n_head);
+                d.probabilities(qkv, bias, b, h, self.scale, &mut p);
+                let kept: &[f32] = match &self.dropout {
+                    Some(mask) => {
+                        pd.copy_from_slice(&p);
+                        drop_probabilities(mask, d.prob_index(b, h), &mut pd);
+                        &pd
+                    }
+                    None => &p,
+                };
+                let dy_bh = dy[b * t * c + h * hd..].as_ptr(); // (T, HD), row stride C
+                                                               // SAFETY (all gemms below): pair (b, h) alone writes columns h*HD.. of the q, k
+                                                               // and v parts of batch row b's (T, 3C) block of dqkv; reads are within qkv, dy
+                                                               // and the (T, T) scratch buffers.
+                unsafe {
+                    // dv = kept^T dy
+                    gemm_f32((t, hd, t), dqkv.at(d.qkv(b, h, 2)), c3, kept.as_ptr(), (1, t), dy_bh, (c, 1), false, 1);
+                    // d(kept) = dy v^T
+                    gemm_f32(
+                        (t, t, hd),
+                        dp.as_mut_ptr(),
+                        t,
+                        dy_bh,
+                        (c, 1),
+                        qkv[d.qkv(b, h, 2)..].as_ptr(),
+                        (1, c3),
+                        false,
+                        1,
+                    );
+                }
+                if let Some(mask) = &self.dropout {
+                    drop_probabilities(mask, d.prob_index(b, h), &mut dp);
+                }
+                // dS = scale * p * (dp - rowsum(dp * p))
+                for (dp, p) in dp.chunks_exact_mut(t).zip(p.chunks_exact(t)) {
+                    rowops::masked_softmax_grad_in_place(p, dp, self.scale);
+                }
+                unsafe {
+                    // dq = dS k
+                    gemm_f32(
+                        (t, hd, t),
+                        dqkv.at(d.qkv(b, h, 0)),
+                        c3,
+                        dp.as_ptr(),
+                        (t, 1),
+                        qkv[d.qkv(b, h, 1)..].as_ptr(),
+                        (c3, 1),
+                        false,
+                        1,
+                    );
+                    // dk = dS^T q
+                    gemm_f32(
+                        (t, hd, t),
+                        dqkv.at(d.qkv(b, h, 1)),
+                        c3,
+                        dp.as_ptr(),
+                        (1, t),
+                        qkv[d.qkv(b, h, 0)..].as_ptr(),
+                        (c3, 1),
+                        false,
+                        1,
+                    );
+                }
+            }
+        });
+        // SAFETY: the pairs cover every (row, column) of dqkv.
+        unsafe { out.set_len(qkv.len()) };
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+}
+
+/// Self-attention's core for f32 `qkv` (B, T, 3C) and a constant f32 mask `bias` (B or 1, 1,
+/// T, T) on the CPU: (B, T, C). See [`Attention`].
+pub fn attention(
+    qkv: &Tensor,
+    bias: &Tensor,
+    n_head: usize,
+    scale: f64,
+    dropout: Option<crate::ops::DropoutMask>,
+) -> Result<Tensor> {
+    qkv.contiguous()?.apply_op2(&bias.contiguous()?, Attention { n_head, scale: scale as f32, dropout })
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -449,20 +838,7 @@ struct Dropout {
 
 impl Dropout {
     fn apply(&self, x: &[f32]) -> Vec<f32> {
-        let mut out = Vec::new();
-        let shared = SharedOut::new(&mut out, x.len());
-        let chunk = crate::ops::DropoutMask::CHUNK;
-        par_rows(x.len().div_ceil(chunk), x.len(), |chunks| {
-            for ci in chunks {
-                let range = ci * chunk..((ci + 1) * chunk).min(x.len());
-                // SAFETY: chunks are disjoint.
-                let o = unsafe { shared.range(range.clone()) };
-                self.mask.apply(range.start, &x[range], o);
-            }
-        });
-        // SAFETY: the chunks cover every element.
-        unsafe { out.set_len(x.len()) };
-        out
+        for_chunks(x.len(), |range, o| self.mask.apply(range.start, &x[range], o))
     }
 }
 
@@ -644,17 +1020,49 @@ mod tests {
     }
 
     #[test]
-    fn fused_bias_gelu_matches_the_reference() -> Result<()> {
+    fn fused_gelu_matches_the_reference() -> Result<()> {
         for rows in [4, 300] {
             let h = Tensor::randn(0f32, 2.0, (rows, 128), &dev())?;
-            let b = Tensor::randn(0f32, 0.5, 128, &dev())?;
-            let f = |t: &[Tensor]| bias_gelu(&t[0], &t[1]);
-            let reference = |t: &[Tensor]| ops::bias_gelu_reference(&t[0], &t[1], false);
-            compare(&[h.clone(), b.clone()], f, reference, 1e-6, 1e-5)?;
-            finite_differences(&[h.clone(), b.clone()], 0, f, 2e-3)?;
-            finite_differences(&[h, b], 1, f, 2e-3)?;
+            let f = |t: &[Tensor]| gelu(&t[0]);
+            compare(std::slice::from_ref(&h), f, |t| ops::gelu_reference(&t[0], false), 1e-6, 1e-5)?;
+            finite_differences(&[h], 0, f, 2e-3)?;
         }
         Ok(())
+    }
+
+    #[test]
+    fn fused_linear_matches_the_reference_and_skips_inputs_without_gradient() -> Result<()> {
+        let x = Tensor::randn(0f32, 1.0, (3, 50, 64), &dev())?;
+        let w = Tensor::randn(0f32, 0.2, (64, 96), &dev())?;
+        let b = Tensor::randn(0f32, 0.2, 96, &dev())?;
+        let f = |t: &[Tensor]| linear(&t[0], &t[1], &t[2]);
+        let reference = |t: &[Tensor]| ops::linear_reference(&t[0], &t[1], &t[2]);
+        compare(&[x.clone(), w.clone(), b.clone()], f, reference, 1e-6, 1e-5)?;
+        for which in 0..3 {
+            finite_differences(&[x.clone(), w.clone(), b.clone()], which, f, 2e-3)?;
+        }
+        // A frozen (non-variable) weight gets no gradient, and the others still do.
+        let xv = Var::from_tensor(&x)?;
+        let g = linear(xv.as_tensor(), &w, &b)?.sum_all()?.backward()?;
+        assert!(g.get(&w).is_none() && g.get(xv.as_tensor()).is_some());
+        Ok(())
+    }
+
+    #[test]
+    fn fused_attention_matches_the_reference_with_and_without_dropout() -> Result<()> {
+        let (b, t, nh, hd) = (2, 40, 3, 8);
+        let qkv = Tensor::randn(0f32, 1.0, (b, t, 3 * nh * hd), &dev())?;
+        let key = ops::DropoutKey { seed: 1, step: 2, micro_batch: 3 };
+        for (bias, drop) in [(causal_bias(b, t, &[7, 0])?, None), (causal_bias(1, t, &[0])?, Some(key.mask(0.2, 1, 0)))]
+        {
+            let f = |x: &[Tensor]| attention(&x[0], &bias, nh, 0.3, drop);
+            let reference = |x: &[Tensor]| ops::attention_reference(&x[0], &bias, nh, 0.3, drop);
+            compare(std::slice::from_ref(&qkv), f, reference, 1e-5, 1e-5)?;
+        }
+        // Finite differences in f32 need few outputs to stay above rounding noise.
+        let qkv = Tensor::randn(0f32, 1.0, (1, 5, 3 * 2 * 4), &dev())?;
+        let bias = causal_bias(1, 5, &[0])?;
+        finite_differences(&[qkv], 0, |x| attention(&x[0], &bias, 2, 0.5, None), 2e-3)
     }
 
     #[test]

@@ -200,18 +200,14 @@ impl Conv1D {
         Ok(Self { weight: vb.get((d_in, d_out), "weight")?, bias: vb.get(d_out, "bias")?, lora: None })
     }
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.forward_without_bias(x)?.broadcast_add(&self.bias)
-    }
-    /// `x W` (plus LoRA), the bias left to the caller to fuse into what follows. (B, T, out)
-    fn forward_without_bias(&self, x: &Tensor) -> Result<Tensor> {
-        let (b, t, c) = x.dims3()?;
-        // One (B*T, in) x (in, out) gemm instead of B batched ones.
-        let x = x.reshape((b * t, c))?; // (B*T, in)
-        let mut y = x.matmul(&self.weight)?; // (B*T, out)
-        if let Some(lora) = &self.lora {
-            y = (y + lora.forward(&x)?)?; // (B*T, out)
+        let y = ops::linear(x, &self.weight, &self.bias)?; // (B, T, out)
+        match &self.lora {
+            Some(lora) => {
+                let (b, t, c) = x.dims3()?;
+                y + lora.forward(&x.reshape((b * t, c))?)?.reshape((b, t, ()))?
+            }
+            None => Ok(y),
         }
-        y.reshape((b, t, ()))
     }
 }
 
@@ -313,25 +309,20 @@ impl Attention {
         cache: Option<&mut KvCache>,
         dropout: Option<(&Dropout, u64)>,
     ) -> Result<Tensor> {
-        let (b, t, c) = x.dims3()?;
-        let hd = c / self.n_head;
         let qkv = self.c_attn.forward(x)?; // (B, T, 3C)
-        let heads = |i: usize| -> Result<Tensor> {
-            qkv.narrow(D::Minus1, i * c, c)?.reshape((b, t, self.n_head, hd))?.transpose(1, 2)?.contiguous()
-            // (B, NH, T, HD): the layout the batched gemm wants
+        let y = match cache {
+            None => {
+                let mask = dropout.filter(|(d, _)| d.attn > 0.0).map(|(d, layer)| d.key.mask(d.attn, layer, 0));
+                ops::attention(&qkv, bias, self.n_head, self.scale, mask)? // (B, T, C)
+            }
+            Some(cache) => {
+                // Generation: the new tokens' keys and values join the cached ones (no dropout).
+                let (q, k, v) = ops::split_heads(&qkv, self.n_head)?; // (B, NH, T, HD)
+                let (k, v) = cache.append(&k, &v)?; // (B, NH, S, HD)
+                let att = ops::masked_softmax(&q.matmul(&k.t()?)?, self.scale, bias)?; // (B, NH, T, S)
+                ops::merge_heads(&att.matmul(&v)?)? // (B, T, C)
+            }
         };
-        let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
-        let (k, v) = match cache {
-            Some(cache) => cache.append(&k, &v)?, // (B, NH, S, HD)
-            None => (k, v),
-        };
-        let att = ops::masked_softmax(&q.matmul(&k.t()?)?, self.scale, bias)?; // (B, NH, T, S)
-        let att = match dropout {
-            Some((d, layer)) => ops::dropout(&att, d.attn, &d.key, layer, 0)?,
-            None => att,
-        };
-        let y = att.matmul(&v)?; // (B, NH, T, HD)
-        let y = y.transpose(1, 2)?.reshape((b, t, c))?; // (B, T, C)
         let y = self.c_proj.forward(&y)?;
         match dropout {
             Some((d, layer)) => ops::dropout(&y, d.resid, &d.key, layer, 1),
@@ -356,8 +347,7 @@ impl Mlp {
         })
     }
     fn forward(&self, x: &Tensor, dropout: Option<(&Dropout, u64)>) -> Result<Tensor> {
-        let h = self.c_fc.forward_without_bias(x)?; // (B, T, 4C)
-        let h = ops::bias_gelu(&h, &self.c_fc.bias, self.exact_gelu)?;
+        let h = ops::gelu(&self.c_fc.forward(x)?, self.exact_gelu)?; // (B, T, 4C)
         let y = self.c_proj.forward(&h)?; // (B, T, C)
         match dropout {
             Some((d, layer)) => ops::dropout(&y, d.resid, &d.key, layer, 2),

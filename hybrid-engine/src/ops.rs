@@ -98,24 +98,90 @@ pub fn masked_softmax_reference(att: &Tensor, scale: f64, bias: &Tensor) -> Resu
     softmax_last_dim(&(att * scale)?.broadcast_add(bias)?)
 }
 
-/// `gelu(h + b)` for `h` (.., W) and the bias `b` (W,): GPT-2's tanh approximation (`gelu_new`),
-/// or with `exact` the erf form (`gelu`).
-pub fn bias_gelu(h: &Tensor, b: &Tensor, exact: bool) -> Result<Tensor> {
-    if !exact && fused(&[h, b]) {
-        crate::fused::bias_gelu(h, b)
+/// GELU: GPT-2's tanh approximation (`gelu_new`), or with `exact` the erf form (`gelu`).
+pub fn gelu(h: &Tensor, exact: bool) -> Result<Tensor> {
+    if !exact && fused(&[h]) {
+        crate::fused::gelu(h)
     } else {
-        bias_gelu_reference(h, b, exact)
+        gelu_reference(h, exact)
     }
 }
 
-/// [`bias_gelu`] composed of candle ops (candle's `gelu` is the tanh approximation).
-pub fn bias_gelu_reference(h: &Tensor, b: &Tensor, exact: bool) -> Result<Tensor> {
-    let u = h.broadcast_add(b)?;
+/// [`gelu`] by candle's ops (candle's `gelu` is the tanh approximation).
+pub fn gelu_reference(h: &Tensor, exact: bool) -> Result<Tensor> {
     if exact {
-        u.gelu_erf()
+        h.gelu_erf()
     } else {
-        u.gelu()
+        h.gelu()
     }
+}
+
+/// `x W + b` for `x` (.., in), `w` (in, out) (Hugging Face's Conv1D layout), `b` (out,).
+pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if fused(&[x, w, b]) {
+        crate::fused::linear(x, w, b)
+    } else {
+        linear_reference(x, w, b)
+    }
+}
+
+/// [`linear`] composed of candle ops: one (rows, in) x (in, out) gemm, then the bias.
+pub fn linear_reference(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let mut dims = x.dims().to_vec();
+    let d_in = *dims.last().expect("linear input has a last dimension");
+    *dims.last_mut().expect("linear input has a last dimension") = w.dim(1)?;
+    x.reshape(((), d_in))?.matmul(w)?.broadcast_add(b)?.reshape(dims)
+}
+
+/// Splits `c_attn`'s output (B, T, 3C) into q, k, v, each (B, NH, T, HD) and contiguous (the
+/// layout the batched gemm wants).
+pub fn split_heads(qkv: &Tensor, n_head: usize) -> Result<(Tensor, Tensor, Tensor)> {
+    let (b, t, c3) = qkv.dims3()?;
+    let c = c3 / 3;
+    let head = |i: usize| -> Result<Tensor> {
+        qkv.narrow(D::Minus1, i * c, c)?.reshape((b, t, n_head, c / n_head))?.transpose(1, 2)?.contiguous()
+    };
+    Ok((head(0)?, head(1)?, head(2)?))
+}
+
+/// The heads' outputs (B, NH, T, HD) side by side: (B, T, C).
+pub fn merge_heads(y: &Tensor) -> Result<Tensor> {
+    let (b, nh, t, hd) = y.dims4()?;
+    y.transpose(1, 2)?.reshape((b, t, nh * hd))
+}
+
+/// Self-attention's core: from `c_attn`'s output `qkv` (B, T, 3C) and the additive mask `bias`
+/// (B or 1, 1, T, T), `dropout(softmax(q k^T * scale + bias)) v` per head, heads side by side:
+/// (B, T, C). `dropout` is the mask of the attention probabilities (B, NH, T, T).
+pub fn attention(
+    qkv: &Tensor,
+    bias: &Tensor,
+    n_head: usize,
+    scale: f64,
+    dropout: Option<DropoutMask>,
+) -> Result<Tensor> {
+    if fused(&[qkv, bias]) && !bias.track_op() && bias.rank() == 4 {
+        crate::fused::attention(qkv, bias, n_head, scale, dropout)
+    } else {
+        attention_reference(qkv, bias, n_head, scale, dropout)
+    }
+}
+
+/// [`attention`] composed of candle ops (and [`masked_softmax`], [`dropout`]'s reference).
+pub fn attention_reference(
+    qkv: &Tensor,
+    bias: &Tensor,
+    n_head: usize,
+    scale: f64,
+    dropout: Option<DropoutMask>,
+) -> Result<Tensor> {
+    let (q, k, v) = split_heads(qkv, n_head)?;
+    let att = masked_softmax_reference(&q.matmul(&k.t()?)?, scale, bias)?; // (B, NH, T, T)
+    let att = match dropout {
+        Some(mask) => dropout_reference(&att, mask)?,
+        None => att,
+    };
+    merge_heads(&att.matmul(&v)?)
 }
 
 /// Mean token cross-entropy of `logits` (N, V) against `targets` (N,) u32.
@@ -190,6 +256,11 @@ impl DropoutMask {
     /// `out[j] = x[j] * factor(start + j)`.
     pub fn apply(&self, start: usize, x: &[f32], out: &mut [f32]) {
         crate::rowops::dropout(self.seed, self.threshold, self.scale, start as u64, x, out)
+    }
+
+    /// `x[j] *= factor(start + j)`.
+    pub fn apply_in_place(&self, start: usize, x: &mut [f32]) {
+        crate::rowops::dropout_in_place(self.seed, self.threshold, self.scale, start as u64, x)
     }
 }
 
@@ -270,20 +341,13 @@ mod tests {
     }
 
     #[test]
-    fn masked_softmax_and_bias_gelu_references_match_finite_differences() -> Result<()> {
+    fn masked_softmax_reference_matches_finite_differences() -> Result<()> {
         let att = Tensor::randn(0f64, 2.0, (1, 2, 3, 3), &Device::Cpu)?;
         let bias =
             Tensor::new(&[[0f64, -1e9, -1e9], [0., 0., -1e9], [0., 0., 0.]], &Device::Cpu)?.reshape((1, 1, 3, 3))?;
         let w = Tensor::randn(0f64, 1.0, (1, 2, 3, 3), &Device::Cpu)?;
         let err = check_grad(&att, |t| masked_softmax_reference(t, 0.3, &bias)?.mul(&w)?.sum_all())?;
         assert!(err < 1e-6, "masked softmax grad error {err}");
-        let h = Tensor::randn(0f64, 1.0, (3, 4), &Device::Cpu)?;
-        let b = weights(4)?;
-        let w = Tensor::randn(0f64, 1.0, (3, 4), &Device::Cpu)?;
-        let err = check_grad(&h, |t| bias_gelu_reference(t, &b, false)?.mul(&w)?.sum_all())?;
-        assert!(err < 1e-5, "bias gelu dh error {err}");
-        let err = check_grad(&b, |t| bias_gelu_reference(&h, t, false)?.mul(&w)?.sum_all())?;
-        assert!(err < 1e-5, "bias gelu db error {err}");
         Ok(())
     }
 

@@ -182,18 +182,34 @@ multiversion! {
     }
 }
 
+/// Softmax in place over a row of scores.
+#[inline(always)]
+fn softmax_in_place(row: &mut [f32]) {
+    let m = max(row);
+    for x in row.iter_mut() {
+        *x = exp(*x - m);
+    }
+    let inv = 1.0 / sum(row);
+    row.iter_mut().for_each(|x| *x *= inv);
+}
+
 multiversion! {
     /// `out = softmax(att * scale + bias)`.
     pub fn masked_softmax(att: &[f32], bias: &[f32], scale: f32, out: &mut [f32]) {
         for ((o, a), b) in out.iter_mut().zip(att).zip(bias) {
             *o = a * scale + b;
         }
-        let m = max(out);
-        for o in out.iter_mut() {
-            *o = exp(*o - m);
+        softmax_in_place(out);
+    }
+}
+
+multiversion! {
+    /// `row = softmax(row * scale + bias)`.
+    pub fn masked_softmax_in_place(row: &mut [f32], bias: &[f32], scale: f32) {
+        for (x, b) in row.iter_mut().zip(bias) {
+            *x = *x * scale + b;
         }
-        let inv = 1.0 / sum(out);
-        out.iter_mut().for_each(|o| *o *= inv);
+        softmax_in_place(row);
     }
 }
 
@@ -203,6 +219,25 @@ multiversion! {
         let d = dot(y, dy);
         for ((o, y), dy) in out.iter_mut().zip(y).zip(dy) {
             *o = scale * y * (dy - d);
+        }
+    }
+}
+
+multiversion! {
+    /// [`masked_softmax_grad`] overwriting `dy`.
+    pub fn masked_softmax_grad_in_place(y: &[f32], dy: &mut [f32], scale: f32) {
+        let d = dot(y, dy);
+        for (dy, y) in dy.iter_mut().zip(y) {
+            *dy = scale * y * (*dy - d);
+        }
+    }
+}
+
+multiversion! {
+    /// `acc += x`.
+    pub fn add_assign(acc: &mut [f32], x: &[f32]) {
+        for (a, x) in acc.iter_mut().zip(x) {
+            *a += x;
         }
     }
 }
@@ -267,25 +302,28 @@ multiversion! {
     }
 }
 
+/// `gelu_new(u)` and its derivative.
+#[inline(always)]
+fn gelu_and_slope(u: f32) -> (f32, f32) {
+    let t = tanh(GELU_K0 * u * (1.0 + GELU_K1 * u * u));
+    let slope = 0.5 * (1.0 + t) + 0.5 * u * (1.0 - t * t) * GELU_K0 * (1.0 + 3.0 * GELU_K1 * u * u);
+    (0.5 * u * (1.0 + t), slope)
+}
+
 multiversion! {
-    /// `out = gelu_new(h + b)`.
-    pub fn bias_gelu(h: &[f32], b: &[f32], out: &mut [f32]) {
-        for ((o, h), b) in out.iter_mut().zip(h).zip(b) {
-            let u = h + b;
-            *o = 0.5 * u * (1.0 + tanh(GELU_K0 * u * (1.0 + GELU_K1 * u * u)));
+    /// `out = gelu_new(h)`.
+    pub fn gelu(h: &[f32], out: &mut [f32]) {
+        for (o, h) in out.iter_mut().zip(h) {
+            *o = gelu_and_slope(*h).0;
         }
     }
 }
 
 multiversion! {
-    /// `dh = dy * gelu_new'(h + b)` and `db += dh`.
-    pub fn bias_gelu_grad(h: &[f32], b: &[f32], dy: &[f32], dh: &mut [f32], db: &mut [f32]) {
-        for ((((o, db), h), b), g) in dh.iter_mut().zip(db.iter_mut()).zip(h).zip(b).zip(dy) {
-            let u = h + b;
-            let t = tanh(GELU_K0 * u * (1.0 + GELU_K1 * u * u));
-            let d = 0.5 * (1.0 + t) + 0.5 * u * (1.0 - t * t) * GELU_K0 * (1.0 + 3.0 * GELU_K1 * u * u);
-            *o = g * d;
-            *db += g * d;
+    /// `out = dy * gelu_new'(h)`.
+    pub fn gelu_grad(h: &[f32], dy: &[f32], out: &mut [f32]) {
+        for ((o, h), g) in out.iter_mut().zip(h).zip(dy) {
+            *o = g * gelu_and_slope(*h).1;
         }
     }
 }
@@ -318,6 +356,15 @@ multiversion! {
     pub fn dropout(seed: u64, threshold: u32, scale: f32, start: u64, x: &[f32], out: &mut [f32]) {
         for (j, (o, x)) in out.iter_mut().zip(x).enumerate() {
             *o = x * dropout_factor(seed, threshold, scale, start + j as u64);
+        }
+    }
+}
+
+multiversion! {
+    /// [`dropout`] in place.
+    pub fn dropout_in_place(seed: u64, threshold: u32, scale: f32, start: u64, x: &mut [f32]) {
+        for (j, x) in x.iter_mut().enumerate() {
+            *x *= dropout_factor(seed, threshold, scale, start + j as u64);
         }
     }
 }
