@@ -234,6 +234,163 @@ pub fn cross_entropy_rows(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
 }
 
 // ---------------------------------------------------------------------------------------------
+// LM head and cross-entropy
+
+/// Per-row cross-entropy of the tied LM head's logits `x wte^T` against targets: x (N, C), wte
+/// (V, C), targets (N,) u32 -> (N,) f32. The logits (N, V), by far the largest activation of a
+/// small GPT-2, never become a tensor: forward keeps them inside the op, and backward turns
+/// them in place into d(logits) = softmax - onehot (scaled per row) and multiplies that out to
+/// dx = dlogits wte and dwte = dlogits^T x. This saves candle's zero-fill and add of the
+/// logits' gradient and a second (N, V) buffer.
+struct LmHeadCrossEntropy {
+    /// Forward's logits, taken by backward (recomputed should backward run twice).
+    logits: std::sync::Mutex<Option<Vec<f32>>>,
+    /// Whether to keep the logits for a backward (no input needs a gradient otherwise).
+    keep: bool,
+}
+
+/// The (N, V) logits `x wte^T`.
+fn lm_head_logits(x: &[f32], wte: &[f32], (n, c, v): (usize, usize, usize)) -> Vec<f32> {
+    let mut logits = Vec::with_capacity(n * v);
+    // SAFETY: x is (N, C), wte (V, C) read as wte^T (C, V), logits (N, V) reserved above.
+    unsafe {
+        gemm_f32(
+            (n, v, c),
+            logits.as_mut_ptr(),
+            v,
+            x.as_ptr(),
+            (c, 1),
+            wte.as_ptr(),
+            (1, c),
+            false,
+            candle_core::utils::get_num_threads(),
+        );
+        logits.set_len(n * v);
+    }
+    logits
+}
+
+impl CustomOp3 for LmHeadCrossEntropy {
+    fn name(&self) -> &'static str {
+        "lm-head-cross-entropy"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let x = contiguous_f32(s1, l1, "hidden states")?;
+        let wte = contiguous_f32(s2, l2, "token embedding")?;
+        let targets = contiguous_u32(s3, l3, "targets")?;
+        let (n, c) = l1.shape().dims2()?;
+        let v = l2.shape().dims2()?.0;
+        if let Some(bad) = targets.iter().find(|&&t| t as usize >= v) {
+            candle_core::bail!("target id {bad} is outside the vocabulary of {v}");
+        }
+        let logits = lm_head_logits(x, wte, (n, c, v));
+        let out = for_rows_weighted(n, 1, n * v, |r, o| {
+            let row = &logits[r * v..(r + 1) * v];
+            o[0] = rowops::log_sum_exp(row) - row[targets[r] as usize];
+        });
+        if self.keep {
+            *self.logits.lock().expect("logits lock") = Some(logits);
+        }
+        Ok((CpuStorage::F32(out), Shape::from(n)))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        wte: &Tensor,
+        targets: &Tensor,
+        loss: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let logits = self.logits.lock().expect("logits lock").take();
+        let op = LmHeadCrossEntropyGrad { logits: std::sync::Mutex::new(logits), with_dwte: wte.track_op() };
+        // Per row: the target (exact in f32 below 2^24), the loss and the upstream gradient.
+        let rows = Tensor::stack(&[&targets.to_dtype(candle_core::DType::F32)?, loss, grad], 1)?; // (N, 3)
+        let packed = x.apply_op3_no_bwd(wte, &rows, &op)?; // dx (N, C), then dwte (V, C)
+        let n = x.dim(0)?;
+        let dx = if x.track_op() { Some(packed.narrow(0, 0, n)?) } else { None };
+        let dwte = if wte.track_op() { Some(packed.narrow(0, n, packed.dim(0)? - n)?) } else { None };
+        Ok((dx, dwte, None))
+    }
+}
+
+/// Backward of [`LmHeadCrossEntropy`] for (x, wte, (target, loss, grad) per row): dx (N, C)
+/// stacked on dwte (V, C) (left out when wte is frozen).
+struct LmHeadCrossEntropyGrad {
+    logits: std::sync::Mutex<Option<Vec<f32>>>,
+    with_dwte: bool,
+}
+
+impl CustomOp3 for LmHeadCrossEntropyGrad {
+    fn name(&self) -> &'static str {
+        "lm-head-cross-entropy-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let x = contiguous_f32(s1, l1, "hidden states")?;
+        let wte = contiguous_f32(s2, l2, "token embedding")?;
+        let rows = contiguous_f32(s3, l3, "targets, losses and gradients")?;
+        let (n, c) = l1.shape().dims2()?;
+        let v = l2.shape().dims2()?.0;
+        let mut logits = match self.logits.lock().expect("logits lock").take() {
+            Some(l) => l,
+            None => lm_head_logits(x, wte, (n, c, v)),
+        };
+        // d(logits) in place: (softmax - onehot) * grad, the log-sum-exp recovered from the loss.
+        let shared = SharedOut { ptr: logits.as_mut_ptr(), len: logits.len() };
+        par_rows(n, n * v, |range| {
+            for r in range {
+                // SAFETY: rows are disjoint.
+                let row = unsafe { shared.range(r * v..(r + 1) * v) };
+                let (t, loss, g) = (rows[3 * r] as usize, rows[3 * r + 1], rows[3 * r + 2]);
+                rowops::softmax_times_in_place(row, loss + row[t], g);
+                row[t] -= g;
+            }
+        });
+        let threads = candle_core::utils::get_num_threads();
+        let out_rows = if self.with_dwte { n + v } else { n };
+        let mut out = Vec::with_capacity(out_rows * c);
+        // SAFETY: dlogits is (N, V), wte (V, C), x (N, C); dx is the first N rows of `out`,
+        // dwte the V rows after them, and the gemms write every value of both.
+        unsafe {
+            let dx = out.as_mut_ptr();
+            gemm_f32((n, c, v), dx, c, logits.as_ptr(), (v, 1), wte.as_ptr(), (c, 1), false, threads);
+            if self.with_dwte {
+                let dwte = dx.add(n * c);
+                gemm_f32((v, c, n), dwte, c, logits.as_ptr(), (1, v), x.as_ptr(), (c, 1), false, threads);
+            }
+            out.set_len(out_rows * c);
+        }
+        Ok((CpuStorage::F32(out), Shape::from((out_rows, c))))
+    }
+}
+
+/// Per-row cross-entropy of the LM head's logits `x wte^T` (f32 `x` (N, C) and `wte` (V, C) on
+/// the CPU) against u32 `targets` (N,): (N,). See [`LmHeadCrossEntropy`].
+pub fn lm_head_cross_entropy_rows(x: &Tensor, wte: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let keep = x.track_op() || wte.track_op();
+    let op = LmHeadCrossEntropy { logits: std::sync::Mutex::new(None), keep };
+    x.contiguous()?.apply_op3(&wte.contiguous()?, &targets.contiguous()?, op)
+}
+
+// ---------------------------------------------------------------------------------------------
 // LayerNorm
 
 /// `(x - mean) * rstd * w + b` over the last dimension (biased variance, as torch).
@@ -957,6 +1114,25 @@ mod tests {
         let reference = |t: &[Tensor]| ops::cross_entropy_rows_reference(&t[0], &targets);
         compare(std::slice::from_ref(&logits), fused, reference, 1e-6, 1e-6)?;
         finite_differences(&[logits], 0, fused, 1e-3)
+    }
+
+    #[test]
+    fn fused_lm_head_cross_entropy_matches_the_reference() -> Result<()> {
+        let x = Tensor::randn(0f32, 1.0, (37, 24), &dev())?;
+        let wte = Tensor::randn(0f32, 0.5, (211, 24), &dev())?;
+        let targets = Tensor::new((0..37u32).map(|i| (i * 17) % 211).collect::<Vec<_>>(), &dev())?;
+        let fused = |t: &[Tensor]| lm_head_cross_entropy_rows(&t[0], &t[1], &targets);
+        let reference = |t: &[Tensor]| ops::lm_head_cross_entropy_rows_reference(&t[0], &t[1], &targets);
+        compare(&[x.clone(), wte.clone()], fused, reference, 1e-6, 1e-5)?;
+        finite_differences(&[x.clone(), wte.clone()], 0, fused, 2e-3)?;
+        finite_differences(&[x.clone(), wte.clone()], 1, fused, 2e-3)?;
+        // A frozen embedding gets no gradient; the hidden states still do.
+        let xv = Var::from_tensor(&x)?;
+        let g = lm_head_cross_entropy_rows(xv.as_tensor(), &wte, &targets)?.sum_all()?.backward()?;
+        let want = reference(&[xv.as_tensor().clone(), wte.clone()])?.sum_all()?.backward()?;
+        assert!(g.get(&wte).is_none());
+        assert!(rel_diff(g.get(xv.as_tensor()).unwrap(), want.get(xv.as_tensor()).unwrap())? < 1e-5);
+        Ok(())
     }
 
     #[test]

@@ -8,7 +8,7 @@
 
 use crate::ops::{self, DropoutKey};
 use anyhow::bail;
-use candle_core::{DType, Device, Result, Tensor, D};
+use candle_core::{DType, Device, Result, Tensor};
 use candle_nn::VarBuilder;
 use lora::LoraLinear;
 use serde::{Deserialize, Serialize};
@@ -536,9 +536,16 @@ impl Gpt2 {
 
     /// Mean next-token cross-entropy of `ids` (B, T) against `targets` (B, T).
     pub fn lm_loss(&self, ids: &Tensor, targets: &Tensor, dropout: Option<&Dropout>) -> Result<Tensor> {
-        let logits = self.forward(ids, &Positions::default(), None, dropout)?; // (B, T, V)
-        let v = logits.dim(D::Minus1)?;
-        ops::cross_entropy(&logits.reshape(((), v))?, &targets.flatten_all()?)
+        let hidden = self.forward_blocks(ids, &Positions::default(), None, dropout)?; // (B, T, C)
+        self.lm_head_loss(&hidden, &targets.flatten_all()?)
+    }
+
+    /// Mean cross-entropy of the LM head on hidden states before `ln_f` ((.., C), N rows in all)
+    /// against `targets` (N,): the final LayerNorm, the tied head and the loss in one, the
+    /// (N, V) logits never materialised as a tensor on the CPU.
+    pub fn lm_head_loss(&self, hidden: &Tensor, targets: &Tensor) -> Result<Tensor> {
+        let x = self.ln_f.forward(hidden)?.reshape(((), self.cfg.n_embd))?; // (N, C)
+        ops::lm_head_cross_entropy_rows(&x, &self.wte, targets)?.mean_all()
     }
 
     /// Mean cross-entropy over selected positions only: `rows` (N,) u32 indexes the flattened
@@ -547,6 +554,6 @@ impl Gpt2 {
     pub fn lm_loss_at(&self, hidden: &Tensor, rows: &Tensor, targets: &Tensor) -> Result<Tensor> {
         let c = self.cfg.n_embd;
         let selected = hidden.reshape(((), c))?.index_select(rows, 0)?; // (N, C)
-        ops::cross_entropy(&self.lm_head(&selected)?, targets) // (N, V) -> scalar
+        self.lm_head_loss(&selected, targets)
     }
 }

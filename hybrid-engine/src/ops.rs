@@ -189,6 +189,22 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     cross_entropy_rows(logits, targets)?.mean_all()
 }
 
+/// Per-row cross-entropy of the tied LM head's logits `x wte^T` against `targets`: x (N, C),
+/// wte (V, C), targets (N,) u32 -> (N,) f32. Fused on the CPU for f32 (the logits never become
+/// a tensor, see `fused::LmHeadCrossEntropy`).
+pub fn lm_head_cross_entropy_rows(x: &Tensor, wte: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    if fused(&[x, wte]) {
+        crate::fused::lm_head_cross_entropy_rows(x, wte, &targets.to_dtype(DType::U32)?)
+    } else {
+        lm_head_cross_entropy_rows_reference(x, wte, targets)
+    }
+}
+
+/// [`lm_head_cross_entropy_rows`] as the logits' matmul and then [`cross_entropy_rows`].
+pub fn lm_head_cross_entropy_rows_reference(x: &Tensor, wte: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    cross_entropy_rows(&x.matmul(&wte.t()?)?, targets)
+}
+
 /// Per-row cross-entropy: (N, V), (N,) -> (N,) f32. Fused on the CPU (half-precision logits are
 /// upcast to f32 first, as the reference does).
 pub fn cross_entropy_rows(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {

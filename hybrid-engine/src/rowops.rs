@@ -182,6 +182,15 @@ multiversion! {
     }
 }
 
+multiversion! {
+    /// `row = exp(row - lse) * g`.
+    pub fn softmax_times_in_place(row: &mut [f32], lse: f32, g: f32) {
+        for x in row.iter_mut() {
+            *x = exp(*x - lse) * g;
+        }
+    }
+}
+
 /// Softmax in place over a row of scores.
 #[inline(always)]
 fn softmax_in_place(row: &mut [f32]) {

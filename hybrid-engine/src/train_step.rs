@@ -9,11 +9,10 @@
 //! [`crate::ops::DropoutKey`], so the recomputation draws the same masks as the forward.
 
 use crate::gpt2::{Dropout, Gpt2, Positions};
-use crate::ops;
 use crate::optim::GradAccumulator;
 use crate::params::ParamStore;
 use anyhow::{anyhow, Result};
-use candle_core::{Tensor, Var, D};
+use candle_core::{Tensor, Var};
 
 /// How a micro-batch's backward runs.
 #[derive(Clone, Copy, Debug)]
@@ -43,9 +42,7 @@ pub fn lm_forward_backward(
     }
     let targets = targets.flatten_all()?;
     forward_backward(model, params, ids, &Positions::default(), dropout, how, acc, |hidden| {
-        let logits = model.lm_head(hidden)?; // (B, T, V)
-        let v = logits.dim(D::Minus1)?;
-        ops::cross_entropy(&logits.reshape(((), v))?, &targets)
+        model.lm_head_loss(hidden, &targets)
     })
 }
 
