@@ -34,7 +34,8 @@ use std::time::Instant;
 
 const USAGE: &str = "usage:
   bench train --model tiny|gpt2|gpt2-medium --batch B --seq T --steps N --warmup W [--checkpoint-activations]
-  bench generate --model tiny|gpt2|gpt2-medium --batch B --prompt-len P --new-tokens N --warmup W --reps R";
+  bench generate --model tiny|gpt2|gpt2-medium --batch B --prompt-len P --new-tokens N --warmup W --reps R
+  bench peak --size N --reps R";
 
 /// Megatron's `--make-vocab-size-divisible-by` default: 50257 -> 50304.
 const VOCAB_DIVISOR: usize = 128;
@@ -59,9 +60,15 @@ struct GenerateArgs {
     reps: usize,
 }
 
+struct PeakArgs {
+    size: usize,
+    reps: usize,
+}
+
 enum Mode {
     Train(TrainArgs),
     Generate(GenerateArgs),
+    Peak(PeakArgs),
 }
 
 fn main() {
@@ -77,6 +84,7 @@ fn run(mode: Mode) -> Result<()> {
     let line = match mode {
         Mode::Train(a) => bench_train(&a)?,
         Mode::Generate(a) => bench_generate(&a)?,
+        Mode::Peak(a) => bench_peak(&a)?,
     };
     println!("{line}");
     Ok(())
@@ -118,7 +126,8 @@ fn parse_args(args: &[String]) -> Result<Mode> {
             warmup: num(&mut values, "warmup")?,
             reps: num(&mut values, "reps")?,
         }),
-        m => bail!("unknown mode {m:?}: use train or generate\n{USAGE}"),
+        "peak" => Mode::Peak(PeakArgs { size: num(&mut values, "size")?, reps: num(&mut values, "reps")? }),
+        m => bail!("unknown mode {m:?}: use train, generate or peak\n{USAGE}"),
     };
     if let Some(flag) = values.keys().next() {
         bail!("unknown flag --{flag} for mode {mode}\n{USAGE}");
@@ -149,6 +158,20 @@ fn random_ids(rng: &mut ChaCha8Rng, rows: usize, cols: usize) -> Vec<Vec<u32>> {
     (0..rows).map(|_| (0..cols).map(|_| rng.random_range(0..GPT2_VOCAB as u32)).collect()).collect()
 }
 
+/// CPU seconds this process has used, all threads together (NaN where unsupported): beside wall
+/// time it shows threads spinning or waiting, and it is steadier on a busy machine.
+fn cpu_seconds() -> f64 {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+        // SAFETY: clock_gettime writes the timespec it is given.
+        if unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) } == 0 {
+            return ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9;
+        }
+    }
+    f64::NAN
+}
+
 fn median(xs: &[f64]) -> f64 {
     let mut v = xs.to_vec();
     v.sort_by(f64::total_cmp);
@@ -174,8 +197,9 @@ fn bench_train(a: &TrainArgs) -> Result<serde_json::Value> {
     let mut opt = AdamW::new(AdamWConfig::default(), &params)?;
     let mut rng = ChaCha8Rng::seed_from_u64(SEED);
 
-    // Per measured step: (total, forward+backward, clip, AdamW) seconds.
+    // Per measured step: (total, forward+backward, clip, AdamW) seconds, and CPU seconds.
     let mut times = Vec::with_capacity(a.steps);
+    let mut cpu_times = Vec::with_capacity(a.steps);
     let mut phases: [Vec<f64>; 3] = Default::default();
     let mut loss = f32::NAN;
     for step in 0..a.warmup + a.steps {
@@ -186,7 +210,7 @@ fn bench_train(a: &TrainArgs) -> Result<serde_json::Value> {
         let targets = all.narrow(1, 1, a.seq)?; // (B, T)
         let dropout = Dropout::from_config(&cfg, DropoutKey { seed: SEED, step: step as u64, micro_batch: 0 });
 
-        let start = Instant::now();
+        let (start, cpu_start) = (Instant::now(), cpu_seconds());
         let mut acc = GradAccumulator::new(&params);
         loss = hybrid_engine::train_step::lm_forward_backward(
             &model,
@@ -203,6 +227,7 @@ fn bench_train(a: &TrainArgs) -> Result<serde_json::Value> {
         opt.step(&params, &grads, LR)?;
         let end = Instant::now();
         if step >= a.warmup {
+            cpu_times.push(cpu_seconds() - cpu_start);
             times.push((end - start).as_secs_f64());
             phases[0].push((backward_done - start).as_secs_f64());
             phases[1].push((clip_done - backward_done).as_secs_f64());
@@ -228,6 +253,7 @@ fn bench_train(a: &TrainArgs) -> Result<serde_json::Value> {
         "ms_forward_backward": median(&phases[0]) * 1e3,
         "ms_clip": median(&phases[1]) * 1e3,
         "ms_adamw": median(&phases[2]) * 1e3,
+        "cpu_ms_per_step": median(&cpu_times) * 1e3,
         "last_loss": loss,
         "peak_rss_mib": peak_rss_mib(),
     }))
@@ -281,5 +307,38 @@ fn bench_generate(a: &GenerateArgs) -> Result<serde_json::Value> {
         "ms_per_call": call_s * 1e3,
         "ms_per_token_step": call_s * 1e3 / a.new_tokens as f64,
         "peak_rss_mib": peak_rss_mib(),
+    }))
+}
+
+/// The machine's measured f32 matmul peak: an (N, N) x (N, N) product R times after one warmup,
+/// 2 N^3 FLOPs each; reports the best and the median rate.
+fn bench_peak(a: &PeakArgs) -> Result<serde_json::Value> {
+    if a.reps == 0 || a.size == 0 {
+        bail!("--size and --reps must be positive");
+    }
+    let n = a.size;
+    let device = Device::Cpu;
+    let x = Tensor::randn(0f32, 1.0, (n, n), &device)?;
+    let y = Tensor::randn(0f32, 1.0, (n, n), &device)?;
+    let mut times = Vec::with_capacity(a.reps);
+    for rep in 0..a.reps + 1 {
+        let start = Instant::now();
+        let z = x.matmul(&y)?;
+        let secs = start.elapsed().as_secs_f64();
+        drop(z);
+        if rep > 0 {
+            times.push(secs);
+        }
+    }
+    let flops = 2.0 * (n as f64).powi(3);
+    let best = times.iter().copied().fold(f64::INFINITY, f64::min);
+    Ok(serde_json::json!({
+        "impl": "rust-candle",
+        "mode": "peak",
+        "size": n,
+        "reps": a.reps,
+        "threads": candle_core::utils::get_num_threads(),
+        "gflops_best": flops / best / 1e9,
+        "gflops_median": flops / median(&times) / 1e9,
     }))
 }

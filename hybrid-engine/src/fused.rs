@@ -1,18 +1,31 @@
 //! Fused CPU kernels with explicit backward, for the ops whose composed form costs the most.
 //!
-//! Cross-entropy over GPT-2's 50k-word vocabulary dominates a small model's step: composed from
-//! candle ops it materialises about ten (N, V) tensors forward and backward. The fused kernel
-//! reads the logits once forward (a per-row log-sum-exp) and writes the gradient once
-//! backward (`softmax - onehot`), rows split across threads. The composed version in `ops.rs`
-//! stays as the reference it is tested against, and serves devices this kernel does not cover.
+//! Composed from candle ops, each of these materialises several full-size temporaries forward
+//! and more backward (candle's backward also allocates a zero tensor and adds into it for every
+//! input of every op). Each kernel here reads its inputs once forward and writes each gradient
+//! once backward, rows split across candle's CPU thread pool:
+//!
+//! * cross-entropy over GPT-2's 50k-word vocabulary: a per-row log-sum-exp forward,
+//!   `softmax - onehot` backward;
+//! * LayerNorm: `(x - mean) * rstd * w + b` forward; backward recomputes the row statistics
+//!   and returns dx, dw and db from one pass (one packed tensor, split into three views);
+//! * the attention softmax with its scale and additive mask: `softmax(att * scale + bias)`
+//!   forward, `scale * y * (dy - sum(dy * y))` backward from the saved output;
+//! * bias add and GPT-2's tanh GELU: `gelu(h + b)` forward, dh and db from one pass backward;
+//! * dropout: the mask is a pure function of the element index (see [`crate::ops::DropoutKey`]),
+//!   so backward regenerates it instead of keeping it.
+//!
+//! The kernels take f32 tensors on the CPU. The dispatchers in `ops.rs` use them there and fall
+//! back to the composed reference (also in `ops.rs`) for other dtypes and devices; the tests
+//! below check value and gradient against that reference and against finite differences.
 
-use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use crate::rowops;
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
+use std::ops::Range;
 
-/// Per-row `logsumexp(x) - x[target]`: (N, V) f32 logits, (N,) u32 targets -> (N,) f32.
-struct CrossEntropyRows;
-
-/// Gradient of [`CrossEntropyRows`]: `(softmax(x) - onehot(target)) * grad[row]`.
-struct CrossEntropyRowsGrad;
+/// Below this many output values a kernel runs on the calling thread: waking the pool costs
+/// more than it saves (candle's own element-wise ops use 64k).
+const PARALLEL_MIN: usize = 32 * 1024;
 
 fn contiguous_f32<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [f32]> {
     let (start, end) =
@@ -32,28 +45,128 @@ fn contiguous_u32<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [
     }
 }
 
-/// Runs `f(row_index, row_chunk_out)` over rows in parallel; `out` has `width` values per row.
-fn for_rows(out: &mut [f32], width: usize, f: impl Fn(usize, &mut [f32]) + Sync) {
-    let rows = out.len() / width.max(1);
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(rows.max(1));
-    let per = rows.div_ceil(threads).max(1);
-    std::thread::scope(|s| {
-        for (chunk_index, chunk) in out.chunks_mut(per * width).enumerate() {
-            let f = &f;
-            s.spawn(move || {
-                for (i, row) in chunk.chunks_mut(width).enumerate() {
-                    f(chunk_index * per + i, row);
-                }
-            });
-        }
-    });
+/// The spare capacity of an output vector, which the pool's workers write in disjoint pieces
+/// before the owner sets its length (outputs are fully overwritten: no zero fill first).
+#[derive(Clone, Copy)]
+struct SharedOut {
+    ptr: *mut f32,
+    len: usize,
 }
 
-fn log_sum_exp(row: &[f32]) -> f32 {
-    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let sum: f32 = row.iter().map(|x| (x - max).exp()).sum();
-    max + sum.ln()
+// SAFETY: only used to hand disjoint ranges of one buffer to the pool's workers (see `range`).
+unsafe impl Send for SharedOut {}
+unsafe impl Sync for SharedOut {}
+
+impl SharedOut {
+    /// The first `len` values of `out`'s buffer (reserved here), which must be empty.
+    fn new(out: &mut Vec<f32>, len: usize) -> Self {
+        assert!(out.is_empty(), "SharedOut writes from the start of an empty vector");
+        out.reserve_exact(len);
+        Self { ptr: out.as_mut_ptr(), len }
+    }
+
+    /// A pointer to value `offset`, for strided writes (gemm): the caller keeps them disjoint.
+    fn at(&self, offset: usize) -> *mut f32 {
+        assert!(offset < self.len, "offset {offset} outside a buffer of {}", self.len);
+        // SAFETY: within the reserved buffer.
+        unsafe { self.ptr.add(offset) }
+    }
+
+    /// # Safety
+    /// No two live slices may overlap: callers derive ranges from disjoint row ranges.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn range(&self, r: Range<usize>) -> &mut [f32] {
+        assert!(r.start <= r.end && r.end <= self.len, "range {r:?} outside a buffer of {}", self.len);
+        // Writing through a slice of uninitialised f32 is sound in practice (every bit pattern
+        // is a valid f32) and is what candle's own kernels do; the callers only write.
+        std::slice::from_raw_parts_mut(self.ptr.add(r.start), r.len())
+    }
 }
+
+/// Runs `f(row_range)` over `rows` rows on candle's CPU thread pool (the calling thread when
+/// the work, about `work` values touched, is small).
+fn par_rows(rows: usize, work: usize, f: impl Fn(Range<usize>) + Sync) {
+    if work < PARALLEL_MIN || rows < 2 {
+        f(0..rows);
+    } else {
+        candle_core::utils::barrier_pool().execute_chunked(rows, f);
+    }
+}
+
+/// A new (rows * width) buffer, row r written by `f(r, row)` in parallel.
+fn for_rows(rows: usize, width: usize, f: impl Fn(usize, &mut [f32]) + Sync) -> Vec<f32> {
+    for_rows_weighted(rows, width, rows * width, f)
+}
+
+/// A new buffer of `len` values written by `f(range, out)` over chunks in parallel.
+fn for_chunks(len: usize, f: impl Fn(Range<usize>, &mut [f32]) + Sync) -> Vec<f32> {
+    const CHUNK: usize = 16 * 1024;
+    let mut out = Vec::new();
+    let shared = SharedOut::new(&mut out, len);
+    par_rows(len.div_ceil(CHUNK), len, |chunks| {
+        for ci in chunks {
+            let range = ci * CHUNK..((ci + 1) * CHUNK).min(len);
+            // SAFETY: chunks are disjoint.
+            f(range.clone(), unsafe { shared.range(range) });
+        }
+    });
+    // SAFETY: the chunks cover every value.
+    unsafe { out.set_len(len) };
+    out
+}
+
+/// [`for_rows`] where the work per row is not its width (a row-wise reduction).
+fn for_rows_weighted(rows: usize, width: usize, work: usize, f: impl Fn(usize, &mut [f32]) + Sync) -> Vec<f32> {
+    let mut out = Vec::new();
+    let shared = SharedOut::new(&mut out, rows * width);
+    par_rows(rows, work, |range| {
+        for r in range {
+            // SAFETY: the pool hands out disjoint row ranges.
+            f(r, unsafe { shared.range(r * width..(r + 1) * width) });
+        }
+    });
+    // SAFETY: every row was written by `f`.
+    unsafe { out.set_len(rows * width) };
+    out
+}
+
+/// Blocks of rows in a parallel reduction: a fixed number, so the result does not depend on
+/// the thread count.
+const REDUCE_BLOCKS: usize = 16;
+
+/// Runs `f(row_range, partial)` over `rows` rows split into blocks, each with its own zeroed
+/// `width`-value accumulator, and returns the sum of the accumulators. The blocks and the order
+/// of the final sum do not depend on which thread runs what: the result is deterministic.
+fn reduce_rows(rows: usize, width: usize, work: usize, f: impl Fn(Range<usize>, &mut [f32]) + Sync) -> Vec<f32> {
+    let blocks = if work < PARALLEL_MIN { 1 } else { REDUCE_BLOCKS.min(rows).max(1) };
+    let per = rows.div_ceil(blocks).max(1);
+    let mut partials = vec![0f32; blocks * width];
+    let shared = SharedOut { ptr: partials.as_mut_ptr(), len: partials.len() };
+    par_rows(blocks, work, |bs| {
+        for blk in bs {
+            // SAFETY: each block owns its accumulator.
+            let partial = unsafe { shared.range(blk * width..(blk + 1) * width) };
+            f(blk * per..((blk + 1) * per).min(rows), partial);
+        }
+    });
+    let (sum, rest) = partials.split_at_mut(width);
+    for partial in rest.chunks(width) {
+        sum.iter_mut().zip(partial).for_each(|(s, p)| *s += p);
+    }
+    partials.truncate(width);
+    partials
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cross-entropy
+
+/// Per-row `logsumexp(x) - x[target]`: (N, V) f32 logits, (N,) u32 targets -> (N,) f32.
+struct CrossEntropyRows;
+
+/// Gradient of [`CrossEntropyRows`] for (logits, targets, (loss, grad) per row):
+/// `(softmax(x) - onehot(target)) * grad[row]`, the row's log-sum-exp recovered from its loss
+/// as `loss + x[target]`.
+struct CrossEntropyRowsGrad;
 
 impl CustomOp2 for CrossEntropyRows {
     fn name(&self) -> &'static str {
@@ -67,10 +180,9 @@ impl CustomOp2 for CrossEntropyRows {
         if let Some(bad) = targets.iter().find(|&&t| t as usize >= v) {
             candle_core::bail!("target id {bad} is outside the vocabulary of {v}");
         }
-        let mut out = vec![0f32; n];
-        for_rows(&mut out, 1, |r, o| {
+        let out = for_rows_weighted(n, 1, n * v, |r, o| {
             let row = &logits[r * v..(r + 1) * v];
-            o[0] = log_sum_exp(row) - row[targets[r] as usize];
+            o[0] = rowops::log_sum_exp(row) - row[targets[r] as usize];
         });
         Ok((CpuStorage::F32(out), Shape::from(n)))
     }
@@ -79,10 +191,11 @@ impl CustomOp2 for CrossEntropyRows {
         &self,
         logits: &Tensor,
         targets: &Tensor,
-        _res: &Tensor,
+        loss: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let g = logits.apply_op3_no_bwd(targets, &grad.contiguous()?, &CrossEntropyRowsGrad)?;
+        let loss_grad = Tensor::stack(&[loss, grad], 1)?; // (N, 2)
+        let g = logits.apply_op3_no_bwd(targets, &loss_grad, &CrossEntropyRowsGrad)?;
         Ok((Some(g), None))
     }
 }
@@ -104,65 +217,1038 @@ impl CustomOp3 for CrossEntropyRowsGrad {
         let (n, v) = l1.shape().dims2()?;
         let logits = contiguous_f32(s1, l1, "logits")?;
         let targets = contiguous_u32(s2, l2, "targets")?;
-        let grad = contiguous_f32(s3, l3, "grad")?;
-        let mut out = vec![0f32; n * v];
-        for_rows(&mut out, v, |r, o| {
+        let loss_grad = contiguous_f32(s3, l3, "loss and gradient")?;
+        let out = for_rows(n, v, |r, o| {
             let row = &logits[r * v..(r + 1) * v];
-            let lse = log_sum_exp(row);
-            let g = grad[r];
-            for (o, x) in o.iter_mut().zip(row) {
-                *o = (x - lse).exp() * g;
-            }
-            o[targets[r] as usize] -= g;
+            let (t, loss, g) = (targets[r] as usize, loss_grad[2 * r], loss_grad[2 * r + 1]);
+            rowops::softmax_times(row, loss + row[t], g, o);
+            o[t] -= g;
         });
         Ok((CpuStorage::F32(out), Shape::from((n, v))))
     }
 }
 
-/// Per-row cross-entropy of `logits` (N, V) against `targets` (N,): fused on the CPU, the
-/// composed reference elsewhere. Returns (N,) f32. Half-precision logits get PyTorch's
-/// half-precision loss: accumulated in f32, the losses (and so their gradients) rounded to the
-/// logits' dtype. Cast the logits to f32 first for an fp32 loss (`--compute-fp32-loss`).
+/// Per-row cross-entropy of f32 `logits` (N, V) against u32 `targets` (N,) on the CPU. (N,)
 pub fn cross_entropy_rows(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
-    let rows = if logits.device().is_cpu() {
-        let logits32 = logits.to_dtype(DType::F32)?.contiguous()?;
-        logits32.apply_op2(&targets.to_dtype(DType::U32)?.contiguous()?, CrossEntropyRows)?
-    } else {
-        crate::ops::cross_entropy_rows_reference(&logits.to_dtype(DType::F32)?, targets)?
-    };
-    rows.to_dtype(logits.dtype())?.to_dtype(DType::F32)
+    logits.contiguous()?.apply_op2(&targets.contiguous()?, CrossEntropyRows)
+}
+
+// ---------------------------------------------------------------------------------------------
+// LM head and cross-entropy
+
+/// Per-row cross-entropy of the tied LM head's logits `x wte^T` against targets: x (N, C), wte
+/// (V, C), targets (N,) u32 -> (N,) f32. The logits (N, V), by far the largest activation of a
+/// small GPT-2, never become a tensor: forward keeps them inside the op, and backward turns
+/// them in place into d(logits) = softmax - onehot (scaled per row) and multiplies that out to
+/// dx = dlogits wte and dwte = dlogits^T x. This saves candle's zero-fill and add of the
+/// logits' gradient and a second (N, V) buffer.
+struct LmHeadCrossEntropy {
+    /// Forward's logits, taken by backward (recomputed should backward run twice).
+    logits: std::sync::Mutex<Option<Vec<f32>>>,
+    /// Whether to keep the logits for a backward (no input needs a gradient otherwise).
+    keep: bool,
+}
+
+/// The (N, V) logits `x wte^T`.
+fn lm_head_logits(x: &[f32], wte: &[f32], (n, c, v): (usize, usize, usize)) -> Vec<f32> {
+    let mut logits = Vec::with_capacity(n * v);
+    // SAFETY: x is (N, C), wte (V, C) read as wte^T (C, V), logits (N, V) reserved above.
+    unsafe {
+        gemm_f32(
+            (n, v, c),
+            logits.as_mut_ptr(),
+            v,
+            x.as_ptr(),
+            (c, 1),
+            wte.as_ptr(),
+            (1, c),
+            false,
+            candle_core::utils::get_num_threads(),
+        );
+        logits.set_len(n * v);
+    }
+    logits
+}
+
+impl CustomOp3 for LmHeadCrossEntropy {
+    fn name(&self) -> &'static str {
+        "lm-head-cross-entropy"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let x = contiguous_f32(s1, l1, "hidden states")?;
+        let wte = contiguous_f32(s2, l2, "token embedding")?;
+        let targets = contiguous_u32(s3, l3, "targets")?;
+        let (n, c) = l1.shape().dims2()?;
+        let v = l2.shape().dims2()?.0;
+        if let Some(bad) = targets.iter().find(|&&t| t as usize >= v) {
+            candle_core::bail!("target id {bad} is outside the vocabulary of {v}");
+        }
+        let logits = lm_head_logits(x, wte, (n, c, v));
+        let out = for_rows_weighted(n, 1, n * v, |r, o| {
+            let row = &logits[r * v..(r + 1) * v];
+            o[0] = rowops::log_sum_exp(row) - row[targets[r] as usize];
+        });
+        if self.keep {
+            *self.logits.lock().expect("logits lock") = Some(logits);
+        }
+        Ok((CpuStorage::F32(out), Shape::from(n)))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        wte: &Tensor,
+        targets: &Tensor,
+        loss: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let logits = self.logits.lock().expect("logits lock").take();
+        let op = LmHeadCrossEntropyGrad { logits: std::sync::Mutex::new(logits), with_dwte: wte.track_op() };
+        // Per row: the target (exact in f32 below 2^24), the loss and the upstream gradient.
+        let rows = Tensor::stack(&[&targets.to_dtype(candle_core::DType::F32)?, loss, grad], 1)?; // (N, 3)
+        let packed = x.apply_op3_no_bwd(wte, &rows, &op)?; // dx (N, C), then dwte (V, C)
+        let n = x.dim(0)?;
+        let dx = if x.track_op() { Some(packed.narrow(0, 0, n)?) } else { None };
+        let dwte = if wte.track_op() { Some(packed.narrow(0, n, packed.dim(0)? - n)?) } else { None };
+        Ok((dx, dwte, None))
+    }
+}
+
+/// Backward of [`LmHeadCrossEntropy`] for (x, wte, (target, loss, grad) per row): dx (N, C)
+/// stacked on dwte (V, C) (left out when wte is frozen).
+struct LmHeadCrossEntropyGrad {
+    logits: std::sync::Mutex<Option<Vec<f32>>>,
+    with_dwte: bool,
+}
+
+impl CustomOp3 for LmHeadCrossEntropyGrad {
+    fn name(&self) -> &'static str {
+        "lm-head-cross-entropy-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let x = contiguous_f32(s1, l1, "hidden states")?;
+        let wte = contiguous_f32(s2, l2, "token embedding")?;
+        let rows = contiguous_f32(s3, l3, "targets, losses and gradients")?;
+        let (n, c) = l1.shape().dims2()?;
+        let v = l2.shape().dims2()?.0;
+        let mut logits = match self.logits.lock().expect("logits lock").take() {
+            Some(l) => l,
+            None => lm_head_logits(x, wte, (n, c, v)),
+        };
+        // d(logits) in place: (softmax - onehot) * grad, the log-sum-exp recovered from the loss.
+        let shared = SharedOut { ptr: logits.as_mut_ptr(), len: logits.len() };
+        par_rows(n, n * v, |range| {
+            for r in range {
+                // SAFETY: rows are disjoint.
+                let row = unsafe { shared.range(r * v..(r + 1) * v) };
+                let (t, loss, g) = (rows[3 * r] as usize, rows[3 * r + 1], rows[3 * r + 2]);
+                rowops::softmax_times_in_place(row, loss + row[t], g);
+                row[t] -= g;
+            }
+        });
+        let threads = candle_core::utils::get_num_threads();
+        let out_rows = if self.with_dwte { n + v } else { n };
+        let mut out = Vec::with_capacity(out_rows * c);
+        // SAFETY: dlogits is (N, V), wte (V, C), x (N, C); dx is the first N rows of `out`,
+        // dwte the V rows after them, and the gemms write every value of both.
+        unsafe {
+            let dx = out.as_mut_ptr();
+            gemm_f32((n, c, v), dx, c, logits.as_ptr(), (v, 1), wte.as_ptr(), (c, 1), false, threads);
+            if self.with_dwte {
+                let dwte = dx.add(n * c);
+                gemm_f32((v, c, n), dwte, c, logits.as_ptr(), (1, v), x.as_ptr(), (c, 1), false, threads);
+            }
+            out.set_len(out_rows * c);
+        }
+        Ok((CpuStorage::F32(out), Shape::from((out_rows, c))))
+    }
+}
+
+/// Per-row cross-entropy of the LM head's logits `x wte^T` (f32 `x` (N, C) and `wte` (V, C) on
+/// the CPU) against u32 `targets` (N,): (N,). See [`LmHeadCrossEntropy`].
+pub fn lm_head_cross_entropy_rows(x: &Tensor, wte: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let keep = x.track_op() || wte.track_op();
+    let op = LmHeadCrossEntropy { logits: std::sync::Mutex::new(None), keep };
+    x.contiguous()?.apply_op3(&wte.contiguous()?, &targets.contiguous()?, op)
+}
+
+// ---------------------------------------------------------------------------------------------
+// LayerNorm
+
+/// `(x - mean) * rstd * w + b` over the last dimension (biased variance, as torch).
+struct LayerNorm {
+    eps: f32,
+}
+
+/// Gradient of [`LayerNorm`] for (x, w, dy): one (N + 2, C) tensor holding dx (N rows), then dw
+/// and db.
+struct LayerNormGrad {
+    eps: f32,
+}
+
+impl CustomOp3 for LayerNorm {
+    fn name(&self) -> &'static str {
+        "layer-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let x = contiguous_f32(s1, l1, "layer norm input")?;
+        let w = contiguous_f32(s2, l2, "layer norm weight")?;
+        let b = contiguous_f32(s3, l3, "layer norm bias")?;
+        let c = w.len();
+        let out = for_rows(x.len() / c, c, |r, o| rowops::layer_norm(&x[r * c..(r + 1) * c], w, b, self.eps, o));
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _b: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let packed = x.apply_op3_no_bwd(w, &grad.contiguous()?, &LayerNormGrad { eps: self.eps })?; // (N + 2, C)
+        let n = packed.dim(0)? - 2;
+        let dx = packed.narrow(0, 0, n)?.reshape(x.shape())?;
+        Ok((Some(dx), Some(packed.get(n)?), Some(packed.get(n + 1)?)))
+    }
+}
+
+impl CustomOp3 for LayerNormGrad {
+    fn name(&self) -> &'static str {
+        "layer-norm-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let x = contiguous_f32(s1, l1, "layer norm input")?;
+        let w = contiguous_f32(s2, l2, "layer norm weight")?;
+        let dy = contiguous_f32(s3, l3, "layer norm output gradient")?;
+        let c = w.len();
+        let n = x.len() / c;
+        let mut out = Vec::with_capacity((n + 2) * c);
+        let dx = SharedOut::new(&mut out, n * c);
+        let sums = reduce_rows(n, 2 * c, x.len(), |rows, partial| {
+            let (dw, db) = partial.split_at_mut(c);
+            let mut scratch = vec![0f32; 2 * c];
+            for r in rows {
+                let range = r * c..(r + 1) * c;
+                // SAFETY: rows are disjoint across blocks.
+                let dx = unsafe { dx.range(range.clone()) };
+                rowops::layer_norm_grad(&x[range.clone()], w, &dy[range], self.eps, dx, dw, db, &mut scratch);
+            }
+        });
+        // SAFETY: every dx row was written above.
+        unsafe { out.set_len(n * c) };
+        out.extend_from_slice(&sums);
+        Ok((CpuStorage::F32(out), Shape::from((n + 2, c))))
+    }
+}
+
+/// LayerNorm of f32 `x` (.., C) with f32 `weight` and `bias` (C,) on the CPU.
+pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+    x.contiguous()?.apply_op3(&weight.contiguous()?, &bias.contiguous()?, LayerNorm { eps: eps as f32 })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Attention softmax
+
+/// `softmax(att * scale + bias)` over the last dimension: att (B, NH, T, S), bias (B or 1, 1, T, S).
+struct MaskedSoftmax {
+    scale: f32,
+}
+
+/// Gradient of [`MaskedSoftmax`] with respect to att, from its output y and dy.
+struct MaskedSoftmaxGrad {
+    scale: f32,
+}
+
+impl CustomOp2 for MaskedSoftmax {
+    fn name(&self) -> &'static str {
+        "masked-softmax"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (_, nh, t, s) = l1.shape().dims4()?;
+        let (bias_rows, _, _, _) = l2.shape().dims4()?;
+        let att = contiguous_f32(s1, l1, "attention scores")?;
+        let bias = contiguous_f32(s2, l2, "attention bias")?;
+        let out = for_rows(att.len() / s, s, |r, o| {
+            let (batch, i) = (r / (nh * t), r % t);
+            let bias_row = if bias_rows == 1 { i } else { batch * t + i };
+            rowops::masked_softmax(&att[r * s..(r + 1) * s], &bias[bias_row * s..(bias_row + 1) * s], self.scale, o);
+        });
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        _att: &Tensor,
+        _bias: &Tensor,
+        y: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        // The bias is a constant mask (the dispatcher never passes one that needs a gradient).
+        let d = y.apply_op2_no_bwd(&grad.contiguous()?, &MaskedSoftmaxGrad { scale: self.scale })?;
+        Ok((Some(d), None))
+    }
+}
+
+impl CustomOp2 for MaskedSoftmaxGrad {
+    fn name(&self) -> &'static str {
+        "masked-softmax-grad"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let s = l1.shape().dims().last().copied().unwrap_or(1);
+        let y = contiguous_f32(s1, l1, "softmax output")?;
+        let dy = contiguous_f32(s2, l2, "softmax output gradient")?;
+        let out = for_rows(y.len() / s, s, |r, o| {
+            rowops::masked_softmax_grad(&y[r * s..(r + 1) * s], &dy[r * s..(r + 1) * s], self.scale, o);
+        });
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+}
+
+/// `softmax(att * scale + bias)` for f32 `att` (B, NH, T, S) and a constant f32 `bias`
+/// (B or 1, 1, T, S) on the CPU.
+pub fn masked_softmax(att: &Tensor, scale: f64, bias: &Tensor) -> Result<Tensor> {
+    att.contiguous()?.apply_op2(&bias.contiguous()?, MaskedSoftmax { scale: scale as f32 })
+}
+
+// ---------------------------------------------------------------------------------------------
+// GELU
+
+/// `gelu_new(h)`, GPT-2's tanh approximation.
+struct Gelu;
+
+/// Gradient of [`Gelu`] for (h, dy).
+struct GeluGrad;
+
+impl CustomOp1 for Gelu {
+    fn name(&self) -> &'static str {
+        "gelu"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let h = contiguous_f32(s, l, "pre-activation")?;
+        let out = for_chunks(h.len(), |range, o| rowops::gelu(&h[range], o));
+        Ok((CpuStorage::F32(out), l.shape().clone()))
+    }
+
+    fn bwd(&self, h: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        Ok(Some(h.apply_op2_no_bwd(&grad.contiguous()?, &GeluGrad)?))
+    }
+}
+
+impl CustomOp2 for GeluGrad {
+    fn name(&self) -> &'static str {
+        "gelu-grad"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let h = contiguous_f32(s1, l1, "pre-activation")?;
+        let dy = contiguous_f32(s2, l2, "activation gradient")?;
+        let out = for_chunks(h.len(), |range, o| rowops::gelu_grad(&h[range.clone()], &dy[range], o));
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+}
+
+/// `gelu_new(h)` (GPT-2's tanh approximation) of f32 `h` on the CPU.
+pub fn gelu(h: &Tensor) -> Result<Tensor> {
+    h.contiguous()?.apply_op1(Gelu)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Linear (HF Conv1D)
+
+/// `dst (m x n) = lhs (m x k) * rhs (k x n)`, plus `dst` when `accumulate`, by gemm with
+/// arbitrary (row, column) strides; `threads` > 1 splits it over rayon as candle's matmul does.
+///
+/// # Safety
+/// The pointers must address matrices of these shapes and strides, `dst` not overlapping the
+/// others nor any matrix another thread writes.
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_f32(
+    (m, n, k): (usize, usize, usize),
+    dst: *mut f32,
+    dst_rs: usize,
+    lhs: *const f32,
+    (lhs_rs, lhs_cs): (usize, usize),
+    rhs: *const f32,
+    (rhs_rs, rhs_cs): (usize, usize),
+    accumulate: bool,
+    threads: usize,
+) {
+    let parallelism = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
+    gemm::gemm(
+        m,
+        n,
+        k,
+        dst,
+        1,
+        dst_rs as isize,
+        accumulate,
+        lhs,
+        lhs_cs as isize,
+        lhs_rs as isize,
+        rhs,
+        rhs_cs as isize,
+        rhs_rs as isize,
+        1.0,
+        1.0,
+        false,
+        false,
+        false,
+        parallelism,
+    )
+}
+
+/// `x W + b` for x (.., in), W (in, out) (Hugging Face's Conv1D layout), b (out,): one gemm
+/// accumulating into rows that start as the bias. Backward: dx = dy W^T, dW = x^T dy (both
+/// skipped for inputs that need no gradient, e.g. frozen weights), db = column sums of dy.
+struct Linear;
+
+/// Column sums of a (N, W) tensor: the bias gradient.
+struct ColumnSums;
+
+impl CustomOp3 for Linear {
+    fn name(&self) -> &'static str {
+        "linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let x = contiguous_f32(s1, l1, "linear input")?;
+        let w = contiguous_f32(s2, l2, "linear weight")?;
+        let b = contiguous_f32(s3, l3, "linear bias")?;
+        let (d_in, d_out) = l2.shape().dims2()?;
+        let n = x.len() / d_in;
+        let mut out = Vec::with_capacity(n * d_out);
+        for _ in 0..n {
+            out.extend_from_slice(b);
+        }
+        // SAFETY: x is (n, d_in), w (d_in, d_out) and out (n, d_out), all contiguous.
+        unsafe {
+            gemm_f32(
+                (n, d_out, d_in),
+                out.as_mut_ptr(),
+                d_out,
+                x.as_ptr(),
+                (d_in, 1),
+                w.as_ptr(),
+                (d_out, 1),
+                true,
+                candle_core::utils::get_num_threads(),
+            )
+        };
+        let mut dims = l1.shape().dims().to_vec();
+        *dims.last_mut().expect("linear input has a last dimension") = d_out;
+        Ok((CpuStorage::F32(out), Shape::from(dims)))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (d_in, d_out) = w.dims2()?;
+        let g2 = grad.contiguous()?.reshape(((), d_out))?; // (N, out)
+                                                           // Detached operands: the gradients must not carry (and keep alive) a graph.
+        let dx = match x.track_op() {
+            true => Some(g2.matmul(&w.detach().t()?)?.reshape(x.shape())?),
+            false => None,
+        };
+        let dw = match w.track_op() {
+            true => Some(x.detach().reshape(((), d_in))?.t()?.matmul(&g2)?),
+            false => None,
+        };
+        let db = match b.track_op() {
+            true => Some(g2.apply_op1_no_bwd(&ColumnSums)?),
+            false => None,
+        };
+        Ok((dx, dw, db))
+    }
+}
+
+impl CustomOp1 for ColumnSums {
+    fn name(&self) -> &'static str {
+        "column-sums"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let g = contiguous_f32(s, l, "gradient")?;
+        let (n, w) = l.shape().dims2()?;
+        let sums = reduce_rows(n, w, g.len(), |rows, acc| {
+            for r in rows {
+                rowops::add_assign(acc, &g[r * w..(r + 1) * w]);
+            }
+        });
+        Ok((CpuStorage::F32(sums), Shape::from(w)))
+    }
+}
+
+/// `x W + b` for f32 `x` (.., in), `w` (in, out), `b` (out,) on the CPU.
+pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
+    x.contiguous()?.apply_op3(&w.contiguous()?, &b.contiguous()?, Linear)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Attention
+
+/// Self-attention's core on the packed projections of `c_attn`: qkv (B, T, 3C) (q, k, v of C
+/// columns each, head h at columns h*HD..(h+1)*HD of each) and the additive mask bias (B or 1,
+/// 1, T, T) give y (B, T, C), the heads' outputs side by side:
+/// `y_h = dropout(softmax(q_h k_h^T * scale + bias)) v_h`.
+///
+/// One (batch, head) pair per unit of parallel work, its gemms single-threaded and reading the
+/// heads in place through strides (no split or merge copies). Nothing (B, NH, T, T) is kept:
+/// backward recomputes the probabilities (one more q k^T gemm, small beside the projections),
+/// and the dropout mask is regenerated from its key. Dropout's element indices are those of
+/// the (B, NH, T, T) probabilities, so the mask equals the composed reference's.
+struct Attention {
+    n_head: usize,
+    scale: f32,
+    dropout: Option<crate::ops::DropoutMask>,
+}
+
+/// Gradient of [`Attention`] for (qkv, bias, dy): dqkv (B, T, 3C).
+struct AttentionGrad {
+    n_head: usize,
+    scale: f32,
+    dropout: Option<crate::ops::DropoutMask>,
+}
+
+/// Shapes of one attention call and where a (batch, head) pair's matrices live.
+#[derive(Clone, Copy)]
+struct AttentionDims {
+    t: usize,
+    c: usize,
+    hd: usize,
+    n_head: usize,
+    bias_rows: usize,
+}
+
+impl AttentionDims {
+    fn new(qkv: &Layout, bias: &Layout, n_head: usize) -> Result<Self> {
+        let (_, t, c3) = qkv.shape().dims3()?;
+        let (bias_rows, _, bt, bs) = bias.shape().dims4()?;
+        if bt != t || bs != t || c3 % (3 * n_head) != 0 {
+            candle_core::bail!("attention: qkv {:?} and bias {:?} do not fit {n_head} heads", qkv.dims(), bias.dims());
+        }
+        Ok(Self { t, c: c3 / 3, hd: c3 / 3 / n_head, n_head, bias_rows })
+    }
+
+    /// Offset of head `h`'s `part` (0 q, 1 k, 2 v) of batch row `b` in qkv; row stride 3C.
+    fn qkv(&self, b: usize, h: usize, part: usize) -> usize {
+        b * self.t * 3 * self.c + part * self.c + h * self.hd
+    }
+
+    /// The (T, T) mask of batch row `b`.
+    fn bias<'a>(&self, bias: &'a [f32], b: usize) -> &'a [f32] {
+        let r = if self.bias_rows == 1 { 0 } else { b };
+        &bias[r * self.t * self.t..(r + 1) * self.t * self.t]
+    }
+
+    /// The probabilities `softmax(q k^T * scale + bias)` of pair (b, h) into `p` (T, T).
+    fn probabilities(&self, qkv: &[f32], bias: &[f32], b: usize, h: usize, scale: f32, p: &mut [f32]) {
+        let (t, c3) = (self.t, 3 * self.c);
+        // SAFETY: q and k are (T, HD) blocks of qkv with row stride 3C; p is (T, T).
+        unsafe {
+            gemm_f32(
+                (t, t, self.hd),
+                p.as_mut_ptr(),
+                t,
+                qkv[self.qkv(b, h, 0)..].as_ptr(),
+                (c3, 1),
+                qkv[self.qkv(b, h, 1)..].as_ptr(),
+                (1, c3), // k^T
+                false,
+                1,
+            )
+        };
+        let bias = self.bias(bias, b);
+        for (row, bias) in p.chunks_exact_mut(t).zip(bias.chunks_exact(t)) {
+            rowops::masked_softmax_in_place(row, bias, scale);
+        }
+    }
+
+    /// Element index of (b, h, i, 0) in the (B, NH, T, T) probabilities (dropout's counter).
+    fn prob_index(&self, b: usize, h: usize) -> usize {
+        (b * self.n_head + h) * self.t * self.t
+    }
+}
+
+/// Applies dropout to the (T, T) probabilities of one pair in place.
+fn drop_probabilities(mask: &crate::ops::DropoutMask, start: usize, p: &mut [f32]) {
+    mask.apply_in_place(start, p);
+}
+
+impl CustomOp2 for Attention {
+    fn name(&self) -> &'static str {
+        "attention"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let qkv = contiguous_f32(s1, l1, "qkv")?;
+        let bias = contiguous_f32(s2, l2, "attention bias")?;
+        let d = AttentionDims::new(l1, l2, self.n_head)?;
+        let batch = l1.dims()[0];
+        let (t, c) = (d.t, d.c);
+        let mut out = Vec::new();
+        let y = SharedOut::new(&mut out, batch * t * c);
+        par_rows(batch * d.n_head, batch * d.n_head * t * t * d.hd, |pairs| {
+            let mut p = vec![0f32; t * t];
+            for pair in pairs {
+                let (b, h) = (pair / d.n_head, pair % d.n_head);
+                d.probabilities(qkv, bias, b, h, self.scale, &mut p);
+                if let Some(mask) = &self.dropout {
+                    drop_probabilities(mask, d.prob_index(b, h), &mut p);
+                }
+                // SAFETY: pair (b, h) alone writes columns h*HD.. of batch row b's (T, C) block.
+                unsafe {
+                    gemm_f32(
+                        (t, d.hd, t),
+                        y.at(b * t * c + h * d.hd),
+                        c,
+                        p.as_ptr(),
+                        (t, 1),
+                        qkv[d.qkv(b, h, 2)..].as_ptr(),
+                        (3 * c, 1),
+                        false,
+                        1,
+                    )
+                };
+            }
+        });
+        // SAFETY: the pairs cover every (row, column) of y.
+        unsafe { out.set_len(batch * t * c) };
+        Ok((CpuStorage::F32(out), Shape::from((batch, t, c))))
+    }
+
+    fn bwd(&self, qkv: &Tensor, bias: &Tensor, _y: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let op = AttentionGrad { n_head: self.n_head, scale: self.scale, dropout: self.dropout };
+        Ok((Some(qkv.apply_op3_no_bwd(bias, &grad.contiguous()?, &op)?), None))
+    }
+}
+
+impl CustomOp3 for AttentionGrad {
+    fn name(&self) -> &'static str {
+        "attention-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let qkv = contiguous_f32(s1, l1, "qkv")?;
+        let bias = contiguous_f32(s2, l2, "attention bias")?;
+        let dy = contiguous_f32(s3, l3, "attention output gradient")?;
+        let d = AttentionDims::new(l1, l2, self.n_head)?;
+        let batch = l1.dims()[0];
+        let (t, c, hd) = (d.t, d.c, d.hd);
+        let c3 = 3 * c;
+        let mut out = Vec::new();
+        let dqkv = SharedOut::new(&mut out, qkv.len());
+        par_rows(batch * d.n_head, batch * d.n_head * t * t * hd, |pairs| {
+            let (mut p, mut pd, mut dp) = (vec![0f32; t * t], vec![0f32; t * t], vec![0f32; t * t]);
+            for pair in pairs {
+                let (b, h) = (pair / d.n_head, pair % d.n_head);
+                d.probabilities(qkv, bias, b, h, self.scale, &mut p);
+                let kept: &[f32] = match &self.dropout {
+                    Some(mask) => {
+                        pd.copy_from_slice(&p);
+                        drop_probabilities(mask, d.prob_index(b, h), &mut pd);
+                        &pd
+                    }
+                    None => &p,
+                };
+                let dy_bh = dy[b * t * c + h * hd..].as_ptr(); // (T, HD), row stride C
+                                                               // SAFETY (all gemms below): pair (b, h) alone writes columns h*HD.. of the q, k
+                                                               // and v parts of batch row b's (T, 3C) block of dqkv; reads are within qkv, dy
+                                                               // and the (T, T) scratch buffers.
+                unsafe {
+                    // dv = kept^T dy
+                    gemm_f32((t, hd, t), dqkv.at(d.qkv(b, h, 2)), c3, kept.as_ptr(), (1, t), dy_bh, (c, 1), false, 1);
+                    // d(kept) = dy v^T
+                    gemm_f32(
+                        (t, t, hd),
+                        dp.as_mut_ptr(),
+                        t,
+                        dy_bh,
+                        (c, 1),
+                        qkv[d.qkv(b, h, 2)..].as_ptr(),
+                        (1, c3),
+                        false,
+                        1,
+                    );
+                }
+                if let Some(mask) = &self.dropout {
+                    drop_probabilities(mask, d.prob_index(b, h), &mut dp);
+                }
+                // dS = scale * p * (dp - rowsum(dp * p))
+                for (dp, p) in dp.chunks_exact_mut(t).zip(p.chunks_exact(t)) {
+                    rowops::masked_softmax_grad_in_place(p, dp, self.scale);
+                }
+                unsafe {
+                    // dq = dS k
+                    gemm_f32(
+                        (t, hd, t),
+                        dqkv.at(d.qkv(b, h, 0)),
+                        c3,
+                        dp.as_ptr(),
+                        (t, 1),
+                        qkv[d.qkv(b, h, 1)..].as_ptr(),
+                        (c3, 1),
+                        false,
+                        1,
+                    );
+                    // dk = dS^T q
+                    gemm_f32(
+                        (t, hd, t),
+                        dqkv.at(d.qkv(b, h, 1)),
+                        c3,
+                        dp.as_ptr(),
+                        (1, t),
+                        qkv[d.qkv(b, h, 0)..].as_ptr(),
+                        (c3, 1),
+                        false,
+                        1,
+                    );
+                }
+            }
+        });
+        // SAFETY: the pairs cover every (row, column) of dqkv.
+        unsafe { out.set_len(qkv.len()) };
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+}
+
+/// Self-attention's core for f32 `qkv` (B, T, 3C) and a constant f32 mask `bias` (B or 1, 1,
+/// T, T) on the CPU: (B, T, C). See [`Attention`].
+pub fn attention(
+    qkv: &Tensor,
+    bias: &Tensor,
+    n_head: usize,
+    scale: f64,
+    dropout: Option<crate::ops::DropoutMask>,
+) -> Result<Tensor> {
+    qkv.contiguous()?.apply_op2(&bias.contiguous()?, Attention { n_head, scale: scale as f32, dropout })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dropout
+
+/// Inverted dropout: keeps element i, scaled by 1/(1-p), where `keep(i)` of the mask holds.
+struct Dropout {
+    mask: crate::ops::DropoutMask,
+}
+
+impl Dropout {
+    fn apply(&self, x: &[f32]) -> Vec<f32> {
+        for_chunks(x.len(), |range, o| self.mask.apply(range.start, &x[range], o))
+    }
+}
+
+impl CustomOp1 for Dropout {
+    fn name(&self) -> &'static str {
+        "dropout"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let x = contiguous_f32(s, l, "dropout input")?;
+        Ok((CpuStorage::F32(self.apply(x)), l.shape().clone()))
+    }
+
+    fn bwd(&self, _x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        // The same mask times the gradient: dropout is linear in x.
+        Ok(Some(grad.contiguous()?.apply_op1_no_bwd(&Dropout { mask: self.mask })?))
+    }
+}
+
+/// Dropout of f32 `x` on the CPU with `mask`.
+pub fn dropout(x: &Tensor, mask: crate::ops::DropoutMask) -> Result<Tensor> {
+    x.contiguous()?.apply_op1(Dropout { mask })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::{Device, Var};
+    use crate::ops;
+    use candle_core::{DType, Device, Var};
+
+    fn max_abs(t: &Tensor) -> Result<f32> {
+        t.abs()?.flatten_all()?.max(0)?.to_scalar()
+    }
+
+    /// Largest difference relative to the largest entry of `want`.
+    fn rel_diff(got: &Tensor, want: &Tensor) -> Result<f32> {
+        Ok(max_abs(&got.sub(want)?)? / max_abs(want)?.max(1e-30))
+    }
+
+    /// Value and gradients (with respect to each of `inputs`) of the fused op `fused` and the
+    /// composed reference `reference`, with a random upstream gradient.
+    fn compare(
+        inputs: &[Tensor],
+        fused: impl Fn(&[Tensor]) -> Result<Tensor>,
+        reference: impl Fn(&[Tensor]) -> Result<Tensor>,
+        value_tol: f32,
+        grad_tol: f32,
+    ) -> Result<()> {
+        let vars: Vec<Var> = inputs.iter().map(Var::from_tensor).collect::<Result<_>>()?;
+        let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+        let (fused, reference) = (fused(&ts)?, reference(&ts)?);
+        assert_eq!(fused.dims(), reference.dims());
+        let d = rel_diff(&fused, &reference)?;
+        assert!(d <= value_tol, "values differ by {d} relative");
+        let w = Tensor::randn(0f32, 1.0, fused.shape(), fused.device())?;
+        let gf = fused.mul(&w)?.sum_all()?.backward()?;
+        let gr = reference.mul(&w)?.sum_all()?.backward()?;
+        for (i, v) in vars.iter().enumerate() {
+            match (gf.get(v.as_tensor()), gr.get(v.as_tensor())) {
+                (Some(a), Some(b)) => {
+                    assert_eq!(a.dims(), b.dims(), "gradient of input {i}");
+                    let d = rel_diff(a, b)?;
+                    assert!(d <= grad_tol, "gradient of input {i} differs by {d} relative");
+                }
+                (None, None) => {}
+                (a, b) => panic!("input {i}: fused gradient {:?}, reference {:?}", a.is_some(), b.is_some()),
+            }
+        }
+        Ok(())
+    }
+
+    /// Central finite differences (in f64, through the fused op on f32 inputs) of
+    /// `sum(f(x) * w)` at a few entries of `inputs[which]`, against the fused backward.
+    fn finite_differences(
+        inputs: &[Tensor],
+        which: usize,
+        f: impl Fn(&[Tensor]) -> Result<Tensor>,
+        tol: f32,
+    ) -> Result<()> {
+        let vars: Vec<Var> = inputs.iter().map(Var::from_tensor).collect::<Result<_>>()?;
+        let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+        let y = f(&ts)?;
+        let w = Tensor::randn(0f32, 1.0, y.shape(), y.device())?;
+        let grads = y.mul(&w)?.sum_all()?.backward()?;
+        let analytic: Vec<f32> = grads.get(vars[which].as_tensor()).expect("no gradient").flatten_all()?.to_vec1()?;
+        let base: Vec<f32> = inputs[which].flatten_all()?.to_vec1()?;
+        let eps = 1e-2f32;
+        let n = base.len();
+        let mut worst = 0f32;
+        let scale = analytic.iter().fold(0f32, |m, g| m.max(g.abs())).max(1e-3);
+        for i in (0..n).step_by((n / 23).max(1)) {
+            let eval = |delta: f32| -> Result<f64> {
+                let mut v = base.clone();
+                v[i] += delta;
+                let mut args = inputs.to_vec();
+                args[which] = Tensor::from_vec(v, inputs[which].shape(), inputs[which].device())?;
+                let y = f(&args)?.to_dtype(DType::F64)?;
+                y.mul(&w.to_dtype(DType::F64)?)?.sum_all()?.to_scalar::<f64>()
+            };
+            let numeric = ((eval(eps)? - eval(-eps)?) / (2.0 * eps as f64)) as f32;
+            worst = worst.max((numeric - analytic[i]).abs() / scale);
+        }
+        assert!(worst < tol, "finite differences of input {which} differ by {worst} relative");
+        Ok(())
+    }
+
+    fn dev() -> Device {
+        Device::Cpu
+    }
 
     #[test]
     fn fused_cross_entropy_matches_the_composed_reference_value_and_gradient() -> Result<()> {
-        let dev = Device::Cpu;
-        let logits = Var::from_tensor(&Tensor::randn(0f32, 3.0, (37, 211), &dev)?)?;
-        let targets = Tensor::new((0..37u32).map(|i| (i * 17) % 211).collect::<Vec<_>>(), &dev)?;
-        let w = Tensor::randn(0f32, 1.0, 37, &dev)?; // a non-uniform upstream gradient
-        let fused = cross_entropy_rows(logits.as_tensor(), &targets)?;
-        let reference = crate::ops::cross_entropy_rows_reference(logits.as_tensor(), &targets)?;
-        let d: f32 = fused.sub(&reference)?.abs()?.max(0)?.to_scalar()?;
-        assert!(d < 1e-5, "values differ by {d}");
-        let gf = fused.mul(&w)?.sum_all()?.backward()?.get(logits.as_tensor()).unwrap().clone();
-        let gr = reference.mul(&w)?.sum_all()?.backward()?.get(logits.as_tensor()).unwrap().clone();
-        // Relative to the largest gradient entry: the inputs are unseeded random draws, and f32
-        // rounding of softmax * w reaches about 1e-6 absolute on unlucky draws.
-        let d: f32 = gf.sub(&gr)?.abs()?.flatten_all()?.max(0)?.to_scalar()?;
-        let scale: f32 = gr.abs()?.flatten_all()?.max(0)?.to_scalar()?;
-        assert!(d <= 1e-6 * scale.max(1.0), "gradients differ by {d} (largest entry {scale})");
+        let logits = Tensor::randn(0f32, 3.0, (37, 211), &dev())?;
+        let targets = Tensor::new((0..37u32).map(|i| (i * 17) % 211).collect::<Vec<_>>(), &dev())?;
+        let fused = |t: &[Tensor]| cross_entropy_rows(&t[0], &targets);
+        let reference = |t: &[Tensor]| ops::cross_entropy_rows_reference(&t[0], &targets);
+        compare(std::slice::from_ref(&logits), fused, reference, 1e-6, 1e-6)?;
+        finite_differences(&[logits], 0, fused, 1e-3)
+    }
+
+    #[test]
+    fn fused_lm_head_cross_entropy_matches_the_reference() -> Result<()> {
+        let x = Tensor::randn(0f32, 1.0, (37, 24), &dev())?;
+        let wte = Tensor::randn(0f32, 0.5, (211, 24), &dev())?;
+        let targets = Tensor::new((0..37u32).map(|i| (i * 17) % 211).collect::<Vec<_>>(), &dev())?;
+        let fused = |t: &[Tensor]| lm_head_cross_entropy_rows(&t[0], &t[1], &targets);
+        let reference = |t: &[Tensor]| ops::lm_head_cross_entropy_rows_reference(&t[0], &t[1], &targets);
+        compare(&[x.clone(), wte.clone()], fused, reference, 1e-6, 1e-5)?;
+        finite_differences(&[x.clone(), wte.clone()], 0, fused, 2e-3)?;
+        finite_differences(&[x.clone(), wte.clone()], 1, fused, 2e-3)?;
+        // A frozen embedding gets no gradient; the hidden states still do.
+        let xv = Var::from_tensor(&x)?;
+        let g = lm_head_cross_entropy_rows(xv.as_tensor(), &wte, &targets)?.sum_all()?.backward()?;
+        let want = reference(&[xv.as_tensor().clone(), wte.clone()])?.sum_all()?.backward()?;
+        assert!(g.get(&wte).is_none());
+        assert!(rel_diff(g.get(xv.as_tensor()).unwrap(), want.get(xv.as_tensor()).unwrap())? < 1e-5);
         Ok(())
     }
 
     #[test]
     fn out_of_vocabulary_target_is_an_error() -> Result<()> {
-        let logits = Tensor::zeros((2, 4), DType::F32, &Device::Cpu)?;
-        let targets = Tensor::new(&[1u32, 9], &Device::Cpu)?;
+        let logits = Tensor::zeros((2, 4), DType::F32, &dev())?;
+        let targets = Tensor::new(&[1u32, 9], &dev())?;
         assert!(cross_entropy_rows(&logits, &targets).is_err());
         Ok(())
+    }
+
+    #[test]
+    fn fused_layer_norm_matches_the_reference_for_input_weight_and_bias() -> Result<()> {
+        let ln = |t: &[Tensor]| layer_norm(&t[0], &t[1], &t[2], 1e-5);
+        let ln_reference = |t: &[Tensor]| ops::layer_norm_reference(&t[0], &t[1], &t[2], 1e-5);
+        // Large enough (rows x 96) to run on the thread pool and reduce over several blocks.
+        for rows in [3, 700] {
+            let x = (Tensor::randn(0f32, 2.0, (rows, 96), &dev())? + 0.5)?;
+            let w = Tensor::randn(1f32, 0.3, 96, &dev())?;
+            let b = Tensor::randn(0f32, 0.3, 96, &dev())?;
+            compare(&[x.clone(), w.clone(), b.clone()], ln, ln_reference, 1e-5, 1e-4)?;
+            for which in 0..3 {
+                finite_differences(&[x.clone(), w.clone(), b.clone()], which, ln, 2e-3)?;
+            }
+        }
+        // (B, T, C) input.
+        let x = Tensor::randn(0f32, 1.0, (2, 5, 16), &dev())?;
+        let (w, b) = (Tensor::randn(1f32, 0.3, 16, &dev())?, Tensor::randn(0f32, 0.3, 16, &dev())?);
+        compare(&[x, w, b], ln, ln_reference, 1e-5, 1e-4)
+    }
+
+    /// A causal mask (rows, 1, T, T) with `pad[r]` left-padding keys masked in row r.
+    fn causal_bias(rows: usize, t: usize, pad: &[usize]) -> Result<Tensor> {
+        let mut bias = vec![0f32; rows * t * t];
+        for r in 0..rows {
+            for i in 0..t {
+                for j in 0..t {
+                    if j > i || j < pad[r] {
+                        bias[(r * t + i) * t + j] = -1e9;
+                    }
+                }
+            }
+        }
+        Tensor::from_vec(bias, (rows, 1, t, t), &dev())
+    }
+
+    #[test]
+    fn fused_masked_softmax_matches_the_reference() -> Result<()> {
+        let (b, nh, t) = (2, 3, 70);
+        let padded = causal_bias(b, t, &[5, 0])?; // (B, 1, T, T), 5 left-padding keys in row 0
+        let causal = causal_bias(1, t, &[0])?; // (1, 1, T, T)
+        let att = Tensor::randn(0f32, 3.0, (b, nh, t, t), &dev())?;
+        for bias in [padded, causal] {
+            let sm = |x: &[Tensor]| masked_softmax(&x[0], 0.125, &bias);
+            let reference = |x: &[Tensor]| ops::masked_softmax_reference(&x[0], 0.125, &bias);
+            compare(std::slice::from_ref(&att), sm, reference, 1e-6, 1e-5)?;
+        }
+        // Finite differences in f32 need few outputs to stay above rounding noise.
+        let bias = causal_bias(2, 6, &[0, 0])?; // no fully masked row: f32 cannot see its slope
+        let att = Tensor::randn(0f32, 3.0, (2, 2, 6, 6), &dev())?;
+        finite_differences(&[att], 0, |x| masked_softmax(&x[0], 0.125, &bias), 2e-3)
+    }
+
+    #[test]
+    fn fused_gelu_matches_the_reference() -> Result<()> {
+        for rows in [4, 300] {
+            let h = Tensor::randn(0f32, 2.0, (rows, 128), &dev())?;
+            let f = |t: &[Tensor]| gelu(&t[0]);
+            compare(std::slice::from_ref(&h), f, |t| ops::gelu_reference(&t[0], false), 1e-6, 1e-5)?;
+            finite_differences(&[h], 0, f, 2e-3)?;
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn fused_linear_matches_the_reference_and_skips_inputs_without_gradient() -> Result<()> {
+        let x = Tensor::randn(0f32, 1.0, (3, 50, 64), &dev())?;
+        let w = Tensor::randn(0f32, 0.2, (64, 96), &dev())?;
+        let b = Tensor::randn(0f32, 0.2, 96, &dev())?;
+        let f = |t: &[Tensor]| linear(&t[0], &t[1], &t[2]);
+        let reference = |t: &[Tensor]| ops::linear_reference(&t[0], &t[1], &t[2]);
+        compare(&[x.clone(), w.clone(), b.clone()], f, reference, 1e-6, 1e-5)?;
+        for which in 0..3 {
+            finite_differences(&[x.clone(), w.clone(), b.clone()], which, f, 2e-3)?;
+        }
+        // A frozen (non-variable) weight gets no gradient, and the others still do.
+        let xv = Var::from_tensor(&x)?;
+        let g = linear(xv.as_tensor(), &w, &b)?.sum_all()?.backward()?;
+        assert!(g.get(&w).is_none() && g.get(xv.as_tensor()).is_some());
+        Ok(())
+    }
+
+    #[test]
+    fn fused_attention_matches_the_reference_with_and_without_dropout() -> Result<()> {
+        let (b, t, nh, hd) = (2, 40, 3, 8);
+        let qkv = Tensor::randn(0f32, 1.0, (b, t, 3 * nh * hd), &dev())?;
+        let key = ops::DropoutKey { seed: 1, step: 2, micro_batch: 3 };
+        for (bias, drop) in [(causal_bias(b, t, &[7, 0])?, None), (causal_bias(1, t, &[0])?, Some(key.mask(0.2, 1, 0)))]
+        {
+            let f = |x: &[Tensor]| attention(&x[0], &bias, nh, 0.3, drop);
+            let reference = |x: &[Tensor]| ops::attention_reference(&x[0], &bias, nh, 0.3, drop);
+            compare(std::slice::from_ref(&qkv), f, reference, 1e-5, 1e-5)?;
+        }
+        // Finite differences in f32 need few outputs to stay above rounding noise.
+        let qkv = Tensor::randn(0f32, 1.0, (1, 5, 3 * 2 * 4), &dev())?;
+        let bias = causal_bias(1, 5, &[0])?;
+        finite_differences(&[qkv], 0, |x| attention(&x[0], &bias, 2, 0.5, None), 2e-3)
+    }
+
+    #[test]
+    fn fused_dropout_matches_the_reference_and_its_gradient_is_the_mask() -> Result<()> {
+        let key = ops::DropoutKey { seed: 3, step: 1, micro_batch: 2 };
+        // Several mask chunks, so the parallel path runs.
+        let x = Tensor::randn(0f32, 1.0, (3, 50_000), &dev())?;
+        let mask = key.mask(0.1, 4, 1);
+        let f = |t: &[Tensor]| dropout(&t[0], mask);
+        compare(std::slice::from_ref(&x), f, |t| ops::dropout_reference(&t[0], mask), 0.0, 0.0)?;
+        finite_differences(&[x], 0, f, 1e-3)
     }
 }

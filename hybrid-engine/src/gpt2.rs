@@ -8,7 +8,7 @@
 
 use crate::ops::{self, DropoutKey};
 use anyhow::bail;
-use candle_core::{DType, Device, Result, Tensor, D};
+use candle_core::{DType, Device, Result, Tensor};
 use candle_nn::VarBuilder;
 use lora::LoraLinear;
 use serde::{Deserialize, Serialize};
@@ -200,14 +200,14 @@ impl Conv1D {
         Ok(Self { weight: vb.get((d_in, d_out), "weight")?, bias: vb.get(d_out, "bias")?, lora: None })
     }
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let (b, t, c) = x.dims3()?;
-        // One (B*T, in) x (in, out) gemm instead of B batched ones.
-        let x = x.reshape((b * t, c))?; // (B*T, in)
-        let mut y = x.matmul(&self.weight)?.broadcast_add(&self.bias)?; // (B*T, out)
-        if let Some(lora) = &self.lora {
-            y = (y + lora.forward(&x)?)?; // (B*T, out)
+        let y = ops::linear(x, &self.weight, &self.bias)?; // (B, T, out)
+        match &self.lora {
+            Some(lora) => {
+                let (b, t, c) = x.dims3()?;
+                y + lora.forward(&x.reshape((b * t, c))?)?.reshape((b, t, ()))?
+            }
+            None => Ok(y),
         }
-        y.reshape((b, t, ()))
     }
 }
 
@@ -309,28 +309,20 @@ impl Attention {
         cache: Option<&mut KvCache>,
         dropout: Option<(&Dropout, u64)>,
     ) -> Result<Tensor> {
-        let (b, t, c) = x.dims3()?;
-        let hd = c / self.n_head;
         let qkv = self.c_attn.forward(x)?; // (B, T, 3C)
-        let heads = |i: usize| -> Result<Tensor> {
-            qkv.narrow(D::Minus1, i * c, c)?.reshape((b, t, self.n_head, hd))?.transpose(1, 2)?.contiguous()
-            // (B, NH, T, HD): the layout the batched gemm wants
+        let y = match cache {
+            None => {
+                let mask = dropout.filter(|(d, _)| d.attn > 0.0).map(|(d, layer)| d.key.mask(d.attn, layer, 0));
+                ops::attention(&qkv, bias, self.n_head, self.scale, mask)? // (B, T, C)
+            }
+            Some(cache) => {
+                // Generation: the new tokens' keys and values join the cached ones (no dropout).
+                let (q, k, v) = ops::split_heads(&qkv, self.n_head)?; // (B, NH, T, HD)
+                let (k, v) = cache.append(&k, &v)?; // (B, NH, S, HD)
+                let att = ops::masked_softmax(&q.matmul(&k.t()?)?, self.scale, bias)?; // (B, NH, T, S)
+                ops::merge_heads(&att.matmul(&v)?)? // (B, T, C)
+            }
         };
-        let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
-        let (k, v) = match cache {
-            Some(cache) => cache.append(&k, &v)?, // (B, NH, S, HD)
-            None => (k, v),
-        };
-        let att = (q.matmul(&k.t()?)? * self.scale)?; // (B, NH, T, S)
-                                                      // The mask and the softmax in f32 whatever the compute dtype (Megatron's
-                                                      // attention_softmax_in_fp32): -1e9 is -inf in fp16, and fully masked rows would be NaN.
-        let att = ops::softmax_last_dim(&att.to_dtype(DType::F32)?.broadcast_add(bias)?)?.to_dtype(v.dtype())?;
-        let att = match dropout {
-            Some((d, layer)) => ops::dropout(&att, d.attn, &d.key, layer, 0)?,
-            None => att,
-        };
-        let y = att.matmul(&v)?; // (B, NH, T, HD)
-        let y = y.transpose(1, 2)?.reshape((b, t, c))?; // (B, T, C)
         let y = self.c_proj.forward(&y)?;
         match dropout {
             Some((d, layer)) => ops::dropout(&y, d.resid, &d.key, layer, 1),
@@ -355,8 +347,7 @@ impl Mlp {
         })
     }
     fn forward(&self, x: &Tensor, dropout: Option<(&Dropout, u64)>) -> Result<Tensor> {
-        let h = self.c_fc.forward(x)?; // (B, T, 4C)
-        let h = if self.exact_gelu { h.gelu_erf()? } else { h.gelu()? }; // candle's gelu is gelu_new
+        let h = ops::gelu(&self.c_fc.forward(x)?, self.exact_gelu)?; // (B, T, 4C)
         let y = self.c_proj.forward(&h)?; // (B, T, C)
         match dropout {
             Some((d, layer)) => ops::dropout(&y, d.resid, &d.key, layer, 2),
@@ -564,9 +555,21 @@ impl Gpt2 {
 
     /// Mean next-token cross-entropy of `ids` (B, T) against `targets` (B, T).
     pub fn lm_loss(&self, ids: &Tensor, targets: &Tensor, dropout: Option<&Dropout>) -> Result<Tensor> {
-        let logits = self.forward(ids, &Positions::default(), None, dropout)?; // (B, T, V)
-        let v = logits.dim(D::Minus1)?;
-        ops::cross_entropy(&self.loss_input(&logits.reshape(((), v))?)?, &targets.flatten_all()?)
+        let hidden = self.forward_blocks(ids, &Positions::default(), None, dropout)?; // (B, T, C)
+        self.lm_head_loss(&hidden, &targets.flatten_all()?)
+    }
+
+    /// Mean cross-entropy of the LM head on hidden states before `ln_f` ((.., C), N rows in all)
+    /// against `targets` (N,): the final LayerNorm, the tied head and the loss in one. In f32 on
+    /// the CPU the (N, V) logits never become a tensor; in fp16/bf16 they do, in the compute
+    /// dtype, and the loss reads them through [`Self::loss_input`].
+    pub fn lm_head_loss(&self, hidden: &Tensor, targets: &Tensor) -> Result<Tensor> {
+        let x = self.ln_f.forward(hidden)?.reshape(((), self.cfg.n_embd))?; // (N, C)
+        if self.dtype() == DType::F32 {
+            ops::lm_head_cross_entropy_rows(&x, &self.wte, targets)?.mean_all()
+        } else {
+            ops::cross_entropy(&self.loss_input(&x.matmul(&self.wte.t()?)?)?, targets)
+        }
     }
 
     /// Mean cross-entropy over selected positions only: `rows` (N,) u32 indexes the flattened
@@ -575,7 +578,6 @@ impl Gpt2 {
     pub fn lm_loss_at(&self, hidden: &Tensor, rows: &Tensor, targets: &Tensor) -> Result<Tensor> {
         let c = self.cfg.n_embd;
         let selected = hidden.reshape(((), c))?.index_select(rows, 0)?; // (N, C)
-        ops::cross_entropy(&self.loss_input(&self.lm_head(&selected)?)?, targets)
-        // (N, V) -> scalar
+        self.lm_head_loss(&selected, targets)
     }
 }

@@ -18,6 +18,7 @@ pub mod optim;
 pub mod params;
 pub mod precision;
 pub mod reward_model;
+pub mod rowops;
 pub mod schedule;
 pub mod step_args;
 pub mod train_step;

@@ -1,13 +1,42 @@
 //! Differentiable building blocks for the training path.
 //!
 //! candle 0.11's fused `softmax_last_dim`, `ops::layer_norm` and `nn::LayerNorm` have no backward:
-//! gradients silently stop at them. Everything here is composed of ops that candle can
-//! differentiate (each has a finite-difference test below). Issue 5 may swap in fused kernels
-//! with explicit backward; these stay as the reference they are tested against.
+//! gradients silently stop at them, so the training path never uses them. Each op here has two
+//! implementations: a fused CPU kernel with explicit backward (`fused.rs`), used for f32 tensors
+//! on the CPU, and a reference composed of ops candle can differentiate (each has a
+//! finite-difference test below), used for other dtypes and devices and by
+//! [`with_reference_ops`]. The kernels are tested against the references.
 
 use candle_core::{DType, Result, Tensor, D};
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
+use std::cell::Cell;
+
+thread_local! {
+    static REFERENCE_OPS: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Runs `f` with the composed reference ops in place of the fused kernels on this thread (tests
+/// compare the two; benchmarks can measure what the kernels buy). Setting the environment
+/// variable `HYBRID_ENGINE_REFERENCE_OPS=1` does the same for a whole process.
+pub fn with_reference_ops<R>(f: impl FnOnce() -> R) -> R {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            REFERENCE_OPS.set(self.0);
+        }
+    }
+    let _restore = Restore(REFERENCE_OPS.replace(true));
+    f()
+}
+
+fn reference_ops() -> bool {
+    static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    REFERENCE_OPS.get() || *ENV.get_or_init(|| std::env::var("HYBRID_ENGINE_REFERENCE_OPS").is_ok_and(|v| v == "1"))
+}
+
+/// Whether the fused CPU kernels apply: every tensor f32 on the CPU, and not in reference mode.
+fn fused(tensors: &[&Tensor]) -> bool {
+    !reference_ops() && tensors.iter().all(|t| t.device().is_cpu() && t.dtype() == DType::F32)
+}
 
 /// Softmax over the last dimension. The max is detached: softmax is shift-invariant, so the
 /// gradient through it is zero in exact arithmetic and only costs time. Half precision is
@@ -40,9 +69,17 @@ fn upcast(x: &Tensor) -> Result<Tensor> {
     }
 }
 
-/// LayerNorm over the last dimension, biased variance as in `torch.nn.LayerNorm`, computed in
-/// at least f32.
+/// LayerNorm over the last dimension, biased variance as in `torch.nn.LayerNorm`.
 pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+    if fused(&[x, weight, bias]) {
+        crate::fused::layer_norm(x, weight, bias, eps)
+    } else {
+        layer_norm_reference(x, weight, bias, eps)
+    }
+}
+
+/// [`layer_norm`] composed of candle ops, computed in at least f32.
+pub fn layer_norm_reference(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
     let dtype = x.dtype();
     let x = upcast(x)?;
     let mean = x.mean_keepdim(D::Minus1)?; // (.., 1)
@@ -52,9 +89,142 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resul
     normed.to_dtype(dtype)?.broadcast_mul(weight)?.broadcast_add(bias)
 }
 
-/// Mean token cross-entropy of `logits` (N, V) against `targets` (N,) u32 (fused on the CPU).
+/// `softmax(att * scale + bias)` over the last dimension: the attention probabilities from raw
+/// scores `att` (B, NH, T, S) and the additive mask `bias` (B or 1, 1, T, S), a constant.
+pub fn masked_softmax(att: &Tensor, scale: f64, bias: &Tensor) -> Result<Tensor> {
+    if fused(&[att, bias]) && !bias.track_op() && bias.rank() == 4 {
+        crate::fused::masked_softmax(att, scale, bias)
+    } else {
+        masked_softmax_reference(att, scale, bias)
+    }
+}
+
+/// [`masked_softmax`] composed of candle ops. Half-precision scores are masked and normalised in
+/// f32 (Megatron's attention_softmax_in_fp32: the f32 mask's -1e9 is -inf in fp16, and fully
+/// masked padding rows would turn NaN) and the probabilities rounded back.
+pub fn masked_softmax_reference(att: &Tensor, scale: f64, bias: &Tensor) -> Result<Tensor> {
+    softmax_last_dim(&(upcast(att)? * scale)?.broadcast_add(bias)?)?.to_dtype(att.dtype())
+}
+
+/// GELU: GPT-2's tanh approximation (`gelu_new`), or with `exact` the erf form (`gelu`).
+pub fn gelu(h: &Tensor, exact: bool) -> Result<Tensor> {
+    if !exact && fused(&[h]) {
+        crate::fused::gelu(h)
+    } else {
+        gelu_reference(h, exact)
+    }
+}
+
+/// [`gelu`] by candle's ops (candle's `gelu` is the tanh approximation).
+pub fn gelu_reference(h: &Tensor, exact: bool) -> Result<Tensor> {
+    if exact {
+        h.gelu_erf()
+    } else {
+        h.gelu()
+    }
+}
+
+/// `x W + b` for `x` (.., in), `w` (in, out) (Hugging Face's Conv1D layout), `b` (out,).
+pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if fused(&[x, w, b]) {
+        crate::fused::linear(x, w, b)
+    } else {
+        linear_reference(x, w, b)
+    }
+}
+
+/// [`linear`] composed of candle ops: one (rows, in) x (in, out) gemm, then the bias.
+pub fn linear_reference(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let mut dims = x.dims().to_vec();
+    let d_in = *dims.last().expect("linear input has a last dimension");
+    *dims.last_mut().expect("linear input has a last dimension") = w.dim(1)?;
+    x.reshape(((), d_in))?.matmul(w)?.broadcast_add(b)?.reshape(dims)
+}
+
+/// Splits `c_attn`'s output (B, T, 3C) into q, k, v, each (B, NH, T, HD) and contiguous (the
+/// layout the batched gemm wants).
+pub fn split_heads(qkv: &Tensor, n_head: usize) -> Result<(Tensor, Tensor, Tensor)> {
+    let (b, t, c3) = qkv.dims3()?;
+    let c = c3 / 3;
+    let head = |i: usize| -> Result<Tensor> {
+        qkv.narrow(D::Minus1, i * c, c)?.reshape((b, t, n_head, c / n_head))?.transpose(1, 2)?.contiguous()
+    };
+    Ok((head(0)?, head(1)?, head(2)?))
+}
+
+/// The heads' outputs (B, NH, T, HD) side by side: (B, T, C).
+pub fn merge_heads(y: &Tensor) -> Result<Tensor> {
+    let (b, nh, t, hd) = y.dims4()?;
+    y.transpose(1, 2)?.reshape((b, t, nh * hd))
+}
+
+/// Self-attention's core: from `c_attn`'s output `qkv` (B, T, 3C) and the additive mask `bias`
+/// (B or 1, 1, T, T), `dropout(softmax(q k^T * scale + bias)) v` per head, heads side by side:
+/// (B, T, C). `dropout` is the mask of the attention probabilities (B, NH, T, T).
+pub fn attention(
+    qkv: &Tensor,
+    bias: &Tensor,
+    n_head: usize,
+    scale: f64,
+    dropout: Option<DropoutMask>,
+) -> Result<Tensor> {
+    if fused(&[qkv, bias]) && !bias.track_op() && bias.rank() == 4 {
+        crate::fused::attention(qkv, bias, n_head, scale, dropout)
+    } else {
+        attention_reference(qkv, bias, n_head, scale, dropout)
+    }
+}
+
+/// [`attention`] composed of candle ops (and [`masked_softmax`], [`dropout`]'s reference).
+pub fn attention_reference(
+    qkv: &Tensor,
+    bias: &Tensor,
+    n_head: usize,
+    scale: f64,
+    dropout: Option<DropoutMask>,
+) -> Result<Tensor> {
+    let (q, k, v) = split_heads(qkv, n_head)?;
+    let att = masked_softmax_reference(&q.matmul(&k.t()?)?, scale, bias)?; // (B, NH, T, T)
+    let att = match dropout {
+        Some(mask) => dropout_reference(&att, mask)?,
+        None => att,
+    };
+    merge_heads(&att.matmul(&v)?)
+}
+
+/// Mean token cross-entropy of `logits` (N, V) against `targets` (N,) u32.
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
-    crate::fused::cross_entropy_rows(logits, targets)?.mean_all()
+    cross_entropy_rows(logits, targets)?.mean_all()
+}
+
+/// Per-row cross-entropy of the tied LM head's logits `x wte^T` against `targets`: x (N, C),
+/// wte (V, C), targets (N,) u32 -> (N,) f32. Fused on the CPU for f32 (the logits never become
+/// a tensor, see `fused::LmHeadCrossEntropy`).
+pub fn lm_head_cross_entropy_rows(x: &Tensor, wte: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    if fused(&[x, wte]) {
+        crate::fused::lm_head_cross_entropy_rows(x, wte, &targets.to_dtype(DType::U32)?)
+    } else {
+        lm_head_cross_entropy_rows_reference(x, wte, targets)
+    }
+}
+
+/// [`lm_head_cross_entropy_rows`] as the logits' matmul and then [`cross_entropy_rows`].
+pub fn lm_head_cross_entropy_rows_reference(x: &Tensor, wte: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    cross_entropy_rows(&x.matmul(&wte.t()?)?, targets)
+}
+
+/// Per-row cross-entropy: (N, V), (N,) -> (N,) f32, fused on the CPU. Half-precision logits get
+/// PyTorch's half-precision loss: accumulated in f32, the losses (and so their gradients)
+/// rounded to the logits' dtype. Cast the logits to f32 first for an fp32 loss
+/// (`--compute-fp32-loss`).
+pub fn cross_entropy_rows(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let logits32 = logits.to_dtype(DType::F32)?;
+    let rows = if logits.device().is_cpu() && !reference_ops() {
+        crate::fused::cross_entropy_rows(&logits32, &targets.to_dtype(DType::U32)?)?
+    } else {
+        cross_entropy_rows_reference(&logits32, targets)?
+    };
+    rows.to_dtype(logits.dtype())?.to_dtype(DType::F32)
 }
 
 /// Per-row cross-entropy composed of differentiable candle ops, in the logits' dtype: the
@@ -68,7 +238,8 @@ pub fn cross_entropy_rows_reference(logits: &Tensor, targets: &Tensor) -> Result
 ///
 /// Counter-based rather than a stream: activation checkpointing recomputes a block in backward
 /// and must draw the very same mask, and a resumed run must draw the masks the uninterrupted
-/// run would have drawn, with no RNG state to carry.
+/// run would have drawn, with no RNG state to carry. The fused kernel also regenerates the mask
+/// in backward instead of keeping it, and draws it in parallel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DropoutKey {
     pub seed: u64,
@@ -76,16 +247,48 @@ pub struct DropoutKey {
     pub micro_batch: u64,
 }
 
+use crate::rowops::{splitmix64, GOLDEN_GAMMA};
+
 impl DropoutKey {
-    /// The mask stream for site `site` of layer `layer` (layer `u64::MAX` = embeddings).
-    fn rng(&self, layer: u64, site: u64) -> ChaCha8Rng {
-        // SplitMix-style mixing of the coordinates into one 64-bit seed.
-        let mut h = self.seed ^ 0x9E37_79B9_7F4A_7C15;
+    /// The mask of site `site` of layer `layer` (layer `u64::MAX` = embeddings) with drop
+    /// probability `p`.
+    pub fn mask(&self, p: f64, layer: u64, site: u64) -> DropoutMask {
+        let mut h = self.seed ^ GOLDEN_GAMMA;
         for v in [self.step, self.micro_batch, layer, site] {
-            h = (h ^ v).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            h ^= h >> 31;
+            h = splitmix64(h ^ v);
         }
-        ChaCha8Rng::seed_from_u64(h)
+        let threshold = (p * 4_294_967_296.0).round().clamp(0.0, u32::MAX as f64) as u32;
+        DropoutMask { seed: h, threshold, scale: (1.0 / (1.0 - p)) as f32 }
+    }
+}
+
+/// The keep/drop pattern of one dropout site: element `i` is kept, and scaled by 1 / (1 - p),
+/// when the high half of SplitMix64's `i`-th output from the site's seed is at least p * 2^32.
+/// A counter-based generator: any element's draw is computed directly from its index.
+#[derive(Clone, Copy, Debug)]
+pub struct DropoutMask {
+    seed: u64,
+    threshold: u32,
+    scale: f32,
+}
+
+impl DropoutMask {
+    /// Elements per unit of parallel work in the fused kernel.
+    pub const CHUNK: usize = 16 * 1024;
+
+    /// The multiplier of element `i`: 0 or 1 / (1 - p).
+    pub fn factor(&self, i: usize) -> f32 {
+        crate::rowops::dropout_factor(self.seed, self.threshold, self.scale, i as u64)
+    }
+
+    /// `out[j] = x[j] * factor(start + j)`.
+    pub fn apply(&self, start: usize, x: &[f32], out: &mut [f32]) {
+        crate::rowops::dropout(self.seed, self.threshold, self.scale, start as u64, x, out)
+    }
+
+    /// `x[j] *= factor(start + j)`.
+    pub fn apply_in_place(&self, start: usize, x: &mut [f32]) {
+        crate::rowops::dropout_in_place(self.seed, self.threshold, self.scale, start as u64, x)
     }
 }
 
@@ -94,11 +297,19 @@ pub fn dropout(x: &Tensor, p: f64, key: &DropoutKey, layer: u64, site: u64) -> R
     if p <= 0.0 {
         return Ok(x.clone());
     }
-    let mut rng = key.rng(layer, site);
-    let scale = (1.0 / (1.0 - p)) as f32;
-    let mask: Vec<f32> = (0..x.elem_count()).map(|_| if rng.random::<f64>() < p { 0.0 } else { scale }).collect();
-    let mask = Tensor::from_vec(mask, x.shape(), x.device())?.to_dtype(x.dtype())?;
-    x.mul(&mask)
+    let mask = key.mask(p, layer, site);
+    if fused(&[x]) {
+        crate::fused::dropout(x, mask)
+    } else {
+        dropout_reference(x, mask)
+    }
+}
+
+/// [`dropout`] composed of candle ops: the mask as a tensor, multiplied in.
+pub fn dropout_reference(x: &Tensor, mask: DropoutMask) -> Result<Tensor> {
+    let factors: Vec<f32> = (0..x.elem_count()).map(|i| mask.factor(i)).collect();
+    let factors = Tensor::from_vec(factors, x.shape(), x.device())?.to_dtype(x.dtype())?;
+    x.mul(&factors)
 }
 
 #[cfg(test)]
@@ -148,19 +359,30 @@ mod tests {
         let x = Tensor::randn(0f64, 1.0, (4, 6), &Device::Cpu)?;
         let (g, b) = (weights(6)?, weights(6)?);
         let w = Tensor::randn(0f64, 1.0, (4, 6), &Device::Cpu)?;
-        let err = check_grad(&x, |t| layer_norm(t, &g, &b, 1e-5)?.mul(&w)?.sum_all())?;
+        let err = check_grad(&x, |t| layer_norm_reference(t, &g, &b, 1e-5)?.mul(&w)?.sum_all())?;
         assert!(err < 1e-5, "layer norm dx error {err}");
-        let err = check_grad(&g, |t| layer_norm(&x, t, &b, 1e-5)?.mul(&w)?.sum_all())?;
+        let err = check_grad(&g, |t| layer_norm_reference(&x, t, &b, 1e-5)?.mul(&w)?.sum_all())?;
         assert!(err < 1e-5, "layer norm dweight error {err}");
-        let err = check_grad(&b, |t| layer_norm(&x, &g, t, 1e-5)?.mul(&w)?.sum_all())?;
+        let err = check_grad(&b, |t| layer_norm_reference(&x, &g, t, 1e-5)?.mul(&w)?.sum_all())?;
         assert!(err < 1e-5, "layer norm dbias error {err}");
+        Ok(())
+    }
+
+    #[test]
+    fn masked_softmax_reference_matches_finite_differences() -> Result<()> {
+        let att = Tensor::randn(0f64, 2.0, (1, 2, 3, 3), &Device::Cpu)?;
+        let bias =
+            Tensor::new(&[[0f64, -1e9, -1e9], [0., 0., -1e9], [0., 0., 0.]], &Device::Cpu)?.reshape((1, 1, 3, 3))?;
+        let w = Tensor::randn(0f64, 1.0, (1, 2, 3, 3), &Device::Cpu)?;
+        let err = check_grad(&att, |t| masked_softmax_reference(t, 0.3, &bias)?.mul(&w)?.sum_all())?;
+        assert!(err < 1e-6, "masked softmax grad error {err}");
         Ok(())
     }
 
     #[test]
     fn layer_norm_matches_definition() -> Result<()> {
         let x = Tensor::new(&[[1f32, 2., 3., 6.]], &Device::Cpu)?;
-        let y = layer_norm(
+        let y = layer_norm_reference(
             &x,
             &Tensor::ones(4, DType::F32, &Device::Cpu)?,
             &Tensor::zeros(4, DType::F32, &Device::Cpu)?,

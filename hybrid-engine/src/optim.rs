@@ -6,8 +6,9 @@
 
 use crate::params::ParamStore;
 use anyhow::{bail, Result};
-use candle_core::{backprop::GradStore, DType, Tensor, Var};
+use candle_core::{backprop::GradStore, CpuStorage, DType, InplaceOp2, Layout, Tensor, Var};
 use serde::{Deserialize, Serialize};
+use std::cell::RefCell;
 use std::collections::HashMap;
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -110,12 +111,19 @@ impl AdamW {
         assert_eq!(grads.len(), params.vars.len(), "one gradient per parameter");
         self.step += 1;
         for (i, (var, g)) in params.vars.iter().zip(grads).enumerate() {
-            let mut p: Vec<f32> = var.flatten_all()?.to_vec1()?;
-            let g: Vec<f32> = g.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1()?;
             let wd = if self.decay[i] { self.config.weight_decay } else { 0.0 };
             let lr = lr * self.lr_scale[i];
-            adamw_update(&mut p, &g, &mut self.exp_avg[i], &mut self.exp_avg_sq[i], lr, wd, self.step, &self.config);
-            var.set(&Tensor::from_vec(p, var.shape(), var.device())?)?;
+            let (m, v) = (&mut self.exp_avg[i], &mut self.exp_avg_sq[i]);
+            if in_place_f32_cpu(var.as_tensor(), g) {
+                // The parameter's own storage, updated in place: no copies in or out.
+                let op = InPlaceAdamW { moments: RefCell::new((m, v)), lr, wd, step: self.step, config: &self.config };
+                var.as_tensor().inplace_op2(g, &op)?;
+            } else {
+                let mut p: Vec<f32> = var.flatten_all()?.to_vec1()?;
+                let g: Vec<f32> = g.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1()?;
+                adamw_update(&mut p, &g, m, v, lr, wd, self.step, &self.config);
+                var.set(&Tensor::from_vec(p, var.shape(), var.device())?)?;
+            }
         }
         Ok(())
     }
@@ -146,6 +154,39 @@ impl AdamW {
             }
         }
         self.step = step;
+        Ok(())
+    }
+}
+
+/// Whether AdamW can update `p` in place from `g`: both contiguous f32 on the CPU.
+fn in_place_f32_cpu(p: &Tensor, g: &Tensor) -> bool {
+    [p, g].iter().all(|t| t.device().is_cpu() && t.dtype() == candle_core::DType::F32 && t.is_contiguous())
+        && p.dims() == g.dims()
+}
+
+/// [`adamw_update`] as a candle in-place op on a CPU f32 parameter, its moments borrowed.
+struct InPlaceAdamW<'a> {
+    moments: RefCell<(&'a mut Vec<f32>, &'a mut Vec<f32>)>,
+    lr: f64,
+    wd: f64,
+    step: u64,
+    config: &'a AdamWConfig,
+}
+
+impl InplaceOp2 for InPlaceAdamW<'_> {
+    fn name(&self) -> &'static str {
+        "adamw"
+    }
+
+    fn cpu_fwd(&self, p: &mut CpuStorage, lp: &Layout, g: &CpuStorage, lg: &Layout) -> candle_core::Result<()> {
+        let (CpuStorage::F32(p), CpuStorage::F32(g)) = (p, g) else {
+            candle_core::bail!("in-place AdamW needs f32 parameters and gradients");
+        };
+        let (Some((p0, p1)), Some((g0, g1))) = (lp.contiguous_offsets(), lg.contiguous_offsets()) else {
+            candle_core::bail!("in-place AdamW needs contiguous parameters and gradients");
+        };
+        let (m, v) = &mut *self.moments.borrow_mut();
+        adamw_update(&mut p[p0..p1], &g[g0..g1], m, v, self.lr, self.wd, self.step, self.config);
         Ok(())
     }
 }

@@ -9,10 +9,9 @@
 //! [`crate::ops::DropoutKey`], so the recomputation draws the same masks as the forward.
 
 use crate::gpt2::{Dropout, Gpt2, Positions};
-use crate::ops;
 use crate::optim::GradAccumulator;
 use anyhow::{anyhow, Result};
-use candle_core::{Tensor, Var, D};
+use candle_core::{Tensor, Var};
 
 /// How a micro-batch's backward runs.
 #[derive(Clone, Copy, Debug)]
@@ -41,9 +40,7 @@ pub fn lm_forward_backward(
     }
     let targets = targets.flatten_all()?;
     forward_backward(model, ids, &Positions::default(), dropout, how, acc, |hidden| {
-        let logits = model.lm_head(hidden)?; // (B, T, V)
-        let v = logits.dim(D::Minus1)?;
-        ops::cross_entropy(&logits.reshape(((), v))?, &targets)
+        model.lm_head_loss(hidden, &targets)
     })
 }
 
