@@ -76,7 +76,7 @@ enum Mode {
 }
 
 fn main() {
-    hybrid_engine::memory::retain_freed_memory(); // as the training binaries do
+    hybrid_engine::runtime::init(); // as the training binaries do
     let args: Vec<String> = std::env::args().skip(1).collect();
     if let Err(e) = parse_args(&args).and_then(run) {
         eprintln!("error: {e:#}");

@@ -17,6 +17,7 @@ pub mod optim;
 pub mod params;
 pub mod reward_model;
 pub mod rowops;
+pub mod runtime;
 pub mod schedule;
 pub mod step_args;
 pub mod train_step;
