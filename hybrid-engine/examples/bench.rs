@@ -8,9 +8,13 @@
 //!   backward; clip to global norm 1.0; AdamW update). Reports the median over N steps after W
 //!   warmup steps: `tokens_per_s` = B*T / step time; `ms_forward_backward`, `ms_clip` and
 //!   `ms_adamw` are the medians of the step's three phases.
+//!   `flops_per_token` is the model FLOPs per trained token (6N + 12LHQT, see
+//!   `train_flops_per_token`), for MFU; `cpu_ms_per_step` the process's CPU time per step.
 //! * `generate --model M --batch B --prompt-len P --new-tokens N --warmup W --reps R`: greedy
 //!   generation with the KV cache (prefill included), EOS disabled so every row makes exactly N
 //!   tokens. Reports the median over R calls: `tokens_per_s` = B*N / call time.
+//! * `peak --size N --reps R`: the f32 matmul rate of candle (gemm) on (N, N) x (N, N), the
+//!   machine's measured peak for MFU.
 //!
 //! The model is randomly initialised with the vocabulary padded to 50304 (a multiple of 128),
 //! as training from scratch does (Megatron `--make-vocab-size-divisible-by 128`); generation
@@ -72,7 +76,7 @@ enum Mode {
 }
 
 fn main() {
-    hybrid_engine::memory::retain_freed_memory(); // as the training binaries do
+    hybrid_engine::runtime::init(); // as the training binaries do
     let args: Vec<String> = std::env::args().skip(1).collect();
     if let Err(e) = parse_args(&args).and_then(run) {
         eprintln!("error: {e:#}");
@@ -172,6 +176,15 @@ fn cpu_seconds() -> f64 {
     f64::NAN
 }
 
+/// Model FLOPs per trained token (forward and backward), as PaLM's appendix B and nanoGPT's
+/// `estimate_mfu`: 6 N + 12 L H Q T, with N the parameters that multiply each token (all but the
+/// position embedding; the token embedding counts as the tied LM head's weight), L layers, H
+/// heads of Q dimensions and T the sequence length (full, not causal-halved, attention).
+fn train_flops_per_token(cfg: &Gpt2Config, seq: usize) -> f64 {
+    let n = hybrid_engine::params::parameter_count(cfg) - cfg.n_positions * cfg.n_embd;
+    6.0 * n as f64 + 12.0 * (cfg.n_layer * cfg.n_head * cfg.head_dim() * seq) as f64
+}
+
 fn median(xs: &[f64]) -> f64 {
     let mut v = xs.to_vec();
     v.sort_by(f64::total_cmp);
@@ -243,6 +256,8 @@ fn bench_train(a: &TrainArgs) -> Result<serde_json::Value> {
         "seq": a.seq,
         "checkpoint_activations": a.checkpoint_activations,
         "vocab_size": cfg.vocab_size,
+        "params": hybrid_engine::params::parameter_count(&cfg),
+        "flops_per_token": train_flops_per_token(&cfg, a.seq),
         "threads": candle_core::utils::get_num_threads(),
         "warmup": a.warmup,
         "steps": a.steps,

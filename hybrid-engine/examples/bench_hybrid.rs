@@ -77,7 +77,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn main() -> Result<()> {
-    hybrid_engine::memory::retain_freed_memory();
+    hybrid_engine::runtime::init();
     let args = parse()?;
     let device = Device::Cpu;
     let mut cfg = Gpt2Config::from_preset(&args.model).with_context(|| format!("unknown preset {}", args.model))?;

@@ -263,7 +263,7 @@ fn lm_head_logits(x: &[f32], wte: &[f32], (n, c, v): (usize, usize, usize)) -> V
             wte.as_ptr(),
             (1, c),
             false,
-            candle_core::utils::get_num_threads(),
+            crate::runtime::threads(),
         );
         logits.set_len(n * v);
     }
@@ -364,7 +364,7 @@ impl CustomOp3 for LmHeadCrossEntropyGrad {
                 row[t] -= g;
             }
         });
-        let threads = candle_core::utils::get_num_threads();
+        let threads = crate::runtime::threads();
         let out_rows = if self.with_dwte { n + v } else { n };
         let mut out = Vec::with_capacity(out_rows * c);
         // SAFETY: dlogits is (N, V), wte (V, C), x (N, C); dx is the first N rows of `out`,
@@ -680,7 +680,7 @@ impl CustomOp3 for Linear {
                 w.as_ptr(),
                 (d_out, 1),
                 true,
-                candle_core::utils::get_num_threads(),
+                crate::runtime::threads(),
             )
         };
         let mut dims = l1.shape().dims().to_vec();

@@ -213,8 +213,10 @@ pub fn generate_with_cache(
     for _ in 0..max_new {
         let mask_t = Tensor::new(mask.clone(), device)?; // (B, S)
         let positions = Positions { position_ids: Some(&pos_t), attention_mask: Some(&mask_t) };
-        let logits = model.forward(&input, &positions, Some(&mut *cache), None)?; // (B, T, V)
-        let last = logits.narrow(1, logits.dim(1)? - 1, 1)?.squeeze(1)?.to_dtype(DType::F32)?; // (B, V)
+        let hidden = model.forward_blocks(&input, &positions, Some(&mut *cache), None)?; // (B, T, C)
+                                                                                         // The LM head on the last position only (the prompt's other positions need no logits).
+        let last = hidden.narrow(1, hidden.dim(1)? - 1, 1)?.squeeze(1)?; // (B, C)
+        let last = model.lm_head(&last)?.to_dtype(DType::F32)?; // (B, V)
         let rows: Vec<Vec<f32>> = last.to_vec2()?;
         let mut step = Vec::with_capacity(b);
         for (r, row) in rows.iter().enumerate() {
@@ -239,11 +241,9 @@ pub fn generate_with_cache(
     Ok(Generation { tokens: out, logprobs })
 }
 
-/// `log softmax(logits)[token]`, accumulated in f64.
+/// `log softmax(logits)[token]`, the exponentials summed in f64.
 fn log_prob_of(logits: &[f32], token: u32) -> f32 {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let sum: f64 = logits.iter().map(|&x| f64::from(x - max).exp()).sum();
-    (f64::from(logits[token as usize] - max) - sum.ln()) as f32
+    (f64::from(logits[token as usize]) - crate::rowops::log_sum_exp_f64(logits)) as f32
 }
 
 /// Log-probabilities of `ids[t+1]` under `logits[t]`: (B, T, V), (B, T) -> (B, T-1) f32,

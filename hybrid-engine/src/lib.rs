@@ -19,6 +19,7 @@ pub mod params;
 pub mod precision;
 pub mod reward_model;
 pub mod rowops;
+pub mod runtime;
 pub mod schedule;
 pub mod step_args;
 pub mod train_step;

@@ -174,6 +174,22 @@ multiversion! {
 }
 
 multiversion! {
+    /// `logsumexp(row)` with the exponentials summed in f64 (generation's log-probs).
+    pub fn log_sum_exp_f64(row: &[f32]) -> f64 {
+        let m = max(row);
+        let mut acc = [0f64; LANES];
+        let chunks = row.chunks_exact(LANES);
+        let tail: f64 = chunks.remainder().iter().map(|x| exp(x - m) as f64).sum();
+        for c in chunks {
+            for (a, x) in acc.iter_mut().zip(c) {
+                *a += exp(x - m) as f64;
+            }
+        }
+        m as f64 + (acc.iter().sum::<f64>() + tail).ln()
+    }
+}
+
+multiversion! {
     /// `out = exp(row - lse) * g`: the softmax scaled by the row's upstream gradient.
     pub fn softmax_times(row: &[f32], lse: f32, g: f32, out: &mut [f32]) {
         for (o, x) in out.iter_mut().zip(row) {

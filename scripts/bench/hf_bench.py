@@ -19,7 +19,12 @@ Rust side is, and ``torch.set_num_threads`` = the cores this process may use.
   ``torch.inference_mode()``, pad token set; median over R calls; ``tokens_per_s`` = B*N / call
   time (prefill included).
 
-Peak RSS is ``getrusage(RUSAGE_SELF).ru_maxrss``: run one configuration per process.
+* ``peak --size N --reps R``: the f32 matmul rate of ``torch.matmul`` on (N, N) x (N, N), best
+  and median of R after one warmup, in GFLOP/s.
+
+Training reports ``flops_per_token`` (6N + 12LHQT, N all parameters but the position embedding,
+as ``bench.rs``), for MFU. Peak RSS is ``getrusage(RUSAGE_SELF).ru_maxrss``: run one
+configuration per process.
 """
 
 import argparse
@@ -123,6 +128,8 @@ def bench_train(a):
         "seq": a.seq,
         "checkpoint_activations": a.checkpoint_activations,
         "vocab_size": PADDED_VOCAB,
+        "params": model.num_parameters(),
+        "flops_per_token": train_flops_per_token(model, a.seq),
         "threads": torch.get_num_threads(),
         "warmup": a.warmup,
         "steps": a.steps,
@@ -135,6 +142,35 @@ def bench_train(a):
         "ms_adamw": statistics.median(phases[2]) * 1e3,
         "last_loss": loss,
         "peak_rss_mib": peak_rss_mib(),
+    }
+
+
+def train_flops_per_token(model, seq):
+    """6N + 12LHQT (PaLM appendix B, nanoGPT's estimate_mfu): N counts every parameter but the
+    position embedding (the tied token embedding is the LM head's weight)."""
+    cfg = model.config
+    n = model.num_parameters() - model.transformer.wpe.weight.numel()
+    return 6 * n + 12 * cfg.n_layer * cfg.n_head * (cfg.n_embd // cfg.n_head) * seq
+
+
+def bench_peak(a):
+    torch.manual_seed(SEED)
+    x, y = torch.randn(a.size, a.size), torch.randn(a.size, a.size)
+    times = []
+    for rep in range(a.reps + 1):
+        start = time.perf_counter()
+        torch.matmul(x, y)
+        if rep > 0:
+            times.append(time.perf_counter() - start)
+    flops = 2.0 * a.size**3
+    return {
+        "impl": "hf-pytorch-eager",
+        "mode": "peak",
+        "size": a.size,
+        "reps": a.reps,
+        "threads": torch.get_num_threads(),
+        "gflops_best": flops / min(times) / 1e9,
+        "gflops_median": flops / statistics.median(times) / 1e9,
     }
 
 
@@ -187,6 +223,9 @@ def main():
     sub = p.add_subparsers(dest="mode", required=True)
     t = sub.add_parser("train")
     g = sub.add_parser("generate")
+    pk = sub.add_parser("peak")
+    pk.add_argument("--size", type=int, required=True)
+    pk.add_argument("--reps", type=int, required=True)
     for s in (t, g):
         s.add_argument("--model", required=True, choices=sorted(PRESETS))
         s.add_argument("--batch", type=int, required=True)
@@ -201,7 +240,7 @@ def main():
 
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     transformers.logging.set_verbosity_error()  # no per-call generation warnings on stdout/stderr
-    result = bench_train(a) if a.mode == "train" else bench_generate(a)
+    result = {"train": bench_train, "generate": bench_generate, "peak": bench_peak}[a.mode](a)
     print(json.dumps(result), flush=True)
 
 

@@ -1,7 +1,7 @@
 //! `chat`: see `rlhf::chat`.
 
 fn main() {
-    hybrid_engine::memory::retain_freed_memory();
+    hybrid_engine::runtime::init();
     let args: rlhf::chat::ChatArgs = hybrid_engine::cli::parse_or_exit();
     if let Err(e) = rlhf::chat::run(&args) {
         hybrid_engine::cli::exit_with(e);

@@ -2,7 +2,7 @@
 //! those names (the launcher links them into `<output>/.bin`), so the whole pipeline is one binary.
 
 fn main() {
-    hybrid_engine::memory::retain_freed_memory();
+    hybrid_engine::runtime::init();
     let name = std::env::args_os()
         .next()
         .and_then(|a| std::path::Path::new(&a).file_name().map(|n| n.to_string_lossy().into_owned()))

@@ -1,6 +1,6 @@
 //! `ppo`: step 3 (PPO).
 
 fn main() {
-    hybrid_engine::memory::retain_freed_memory();
+    hybrid_engine::runtime::init();
     ppo::main_with_args();
 }

@@ -1,6 +1,6 @@
 //! `reward`: step 2 (the reward model).
 
 fn main() {
-    hybrid_engine::memory::retain_freed_memory();
+    hybrid_engine::runtime::init();
     reward::main_with_args();
 }
