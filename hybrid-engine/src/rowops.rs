@@ -259,6 +259,21 @@ multiversion! {
 }
 
 multiversion! {
+    /// `sum(x^2)`, the squares summed in f32 lanes and the lanes in f64.
+    pub fn sum_of_squares(x: &[f32]) -> f64 {
+        let mut acc = [0f32; LANES];
+        let chunks = x.chunks_exact(LANES);
+        let tail: f64 = chunks.remainder().iter().map(|x| (x * x) as f64).sum();
+        for c in chunks {
+            for (a, x) in acc.iter_mut().zip(c) {
+                *a += x * x;
+            }
+        }
+        acc.iter().map(|&a| a as f64).sum::<f64>() + tail
+    }
+}
+
+multiversion! {
     /// `acc += x`.
     pub fn add_assign(acc: &mut [f32], x: &[f32]) {
         for (a, x) in acc.iter_mut().zip(x) {
