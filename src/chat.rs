@@ -41,8 +41,9 @@ pub struct ChatArgs {
     pub top_p: f64,
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
-    /// cpu (CUDA arrives with the `cuda` feature).
-    #[arg(long, default_value = "cpu")]
+    /// auto (CUDA device 0 when built with --features cuda and a GPU opens, else the CPU), cpu,
+    /// cuda or cuda:N.
+    #[arg(long, default_value = "auto", env = hybrid_engine::device::DEVICE_ENV)]
     pub device: String,
 }
 
@@ -54,9 +55,10 @@ pub struct ChatModel {
 }
 
 impl ChatModel {
-    pub fn load(path: &str) -> Result<Self> {
+    /// Loads a model directory, checkpoint root or hub id onto `device`.
+    pub fn load(path: &str, device: &Device) -> Result<Self> {
         let dir = resolve_model_dir(path)?;
-        let device = Device::Cpu;
+        let device = device.clone();
         let files = load_model_dir(&dir, &device)?;
         let params = ParamStore::from_tensors(&files.config, &files.tensors, &device)?;
         let model = params.model(&files.config)?;
@@ -84,16 +86,14 @@ impl ChatModel {
 
 /// Runs the chat command.
 pub fn run(args: &ChatArgs) -> Result<()> {
-    if args.device != "cpu" {
-        bail!("--device {}: this build runs on the CPU only; use --device cpu", args.device);
-    }
     if args.max_new_tokens == 0 {
         bail!("--max-new-tokens must be at least 1");
     }
     if !(args.top_p > 0.0 && args.top_p <= 1.0) || args.temperature < 0.0 {
         bail!("--top-p must be in (0, 1] and --temperature non-negative");
     }
-    let chat = ChatModel::load(&args.path)?;
+    let device = hybrid_engine::device::parse_device(&args.device)?;
+    let chat = ChatModel::load(&args.path, &device)?;
     let eos = chat.tokenizer.eos_id();
     let sampling = SamplingConfig {
         max_new_tokens: args.max_new_tokens,

@@ -10,6 +10,7 @@
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use hybrid_engine::generate::SamplingConfig;
+use hybrid_engine::precision::Dtype;
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -47,6 +48,15 @@ pub struct TrainArgs {
     /// Run the pretraining demo instead (a tiny GPT-2 on the embedded Shakespeare corpus).
     #[arg(long, alias = "pretrain_demo")]
     pub pretrain_demo: bool,
+    /// Where every step computes: auto (CUDA device 0 when built with --features cuda and a GPU
+    /// opens, else the CPU), cpu, cuda or cuda:N. The steps get it as RLHF_DEVICE, the default
+    /// of their --device.
+    #[arg(long, default_value = "auto", env = hybrid_engine::device::DEVICE_ENV)]
+    pub device: String,
+    /// Compute dtype of every step: fp32, fp16 or bf16 (see the steps' --dtype). The steps get it
+    /// as RLHF_DTYPE, the default of their --dtype.
+    #[arg(long, value_enum, default_value_t = Dtype::Fp32, env = hybrid_engine::precision::DTYPE_ENV)]
+    pub dtype: Dtype,
 }
 
 /// The recipes shipped with the binary: (step directory, deployment type, script text).
@@ -76,6 +86,7 @@ struct StepPlan {
 }
 
 pub fn run(args: &TrainArgs) -> Result<()> {
+    hybrid_engine::device::check_device(&args.device)?;
     if args.pretrain_demo {
         return pretrain_demo(args);
     }
@@ -164,7 +175,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         let script = recipe(args.recipe_dir.as_deref(), plan.recipe_dir, &deployment)?;
         println!("---=== Running Step {} ===---", plan.number);
         let t0 = Instant::now();
-        run_recipe(&script, plan, &bin_dir)?;
+        run_recipe(&script, plan, &bin_dir, &args.device, args.dtype)?;
         println!("---=== Finished Step {} in {} ===---", plan.number, duration(t0.elapsed().as_secs()));
     }
     println!("---=== Finished Steps {steps:?} in {} ===---", duration(started.elapsed().as_secs()));
@@ -229,8 +240,10 @@ fn model_size(model: &str) -> String {
     "custom".to_string()
 }
 
-/// Runs one step's recipe with bash, its output copied to the terminal and to training.log.
-fn run_recipe(script: &str, plan: &StepPlan, bin_dir: &Path) -> Result<()> {
+/// Runs one step's recipe with bash, its output copied to the terminal and to training.log;
+/// `device` (`--device`) and `dtype` (`--dtype`) reach the step binaries as the defaults of their
+/// --device and --dtype.
+fn run_recipe(script: &str, plan: &StepPlan, bin_dir: &Path, device: &str, dtype: Dtype) -> Result<()> {
     std::fs::create_dir_all(&plan.output).with_context(|| format!("cannot create {}", plan.output.display()))?;
     let log_path = plan.output.join("training.log");
     let mut log = std::fs::File::create(&log_path).with_context(|| format!("cannot create {}", log_path.display()))?;
@@ -245,6 +258,8 @@ fn run_recipe(script: &str, plan: &StepPlan, bin_dir: &Path) -> Result<()> {
         .arg(model_size(&plan.model))
         .args(plan.critic.iter().flat_map(|(dir, zero)| [dir.display().to_string(), zero.to_string()]))
         .env("PATH", path)
+        .env(hybrid_engine::device::DEVICE_ENV, device)
+        .env(hybrid_engine::precision::DTYPE_ENV, dtype.name())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -341,7 +356,7 @@ fn last_record(path: &Path) -> Result<serde_json::Value> {
 /// The pretraining demo (issue 2's): a tiny GPT-2 on the embedded Shakespeare corpus, then a sample.
 fn pretrain_demo(args: &TrainArgs) -> Result<()> {
     let out = args.output_dir.join("pretrain");
-    println!("---=== Pretraining demo: tiny GPT-2 on the embedded Shakespeare corpus, CPU ===---");
+    println!("---=== Pretraining demo: tiny GPT-2 on the embedded Shakespeare corpus ===---");
     let started = Instant::now();
     let iters = 200u64;
     let pretrain_args = sft::pretrain_args::PretrainArgs::parse_from([
@@ -363,6 +378,8 @@ fn pretrain_demo(args: &TrainArgs) -> Result<()> {
         (iters / 2).to_string(),
         "--output-dir".into(),
         out.display().to_string(),
+        "--device".into(),
+        args.device.clone(),
     ]);
     let summary = sft::pretrain::run(&pretrain_args)?;
     println!("---=== Pretraining finished in {:.0}s ===---", started.elapsed().as_secs_f64());
@@ -372,7 +389,8 @@ fn pretrain_demo(args: &TrainArgs) -> Result<()> {
     if let Some(ppl) = summary.valid_ppl {
         println!("validation perplexity {ppl:.1}");
     }
-    let chat = crate::chat::ChatModel::load(&out.display().to_string())?;
+    let device = hybrid_engine::device::parse_device(&args.device)?;
+    let chat = crate::chat::ChatModel::load(&out.display().to_string(), &device)?;
     let prompt = "ROMEO:";
     let eos = chat.tokenizer.eos_id();
     let sampling = SamplingConfig {

@@ -62,7 +62,7 @@ fn one_shot_prompt_prints_the_greedy_completion_of_the_model() {
     let out = stdout(&chat(&args, ""));
 
     // The same completion computed through the library, independently of the binary.
-    let model = rlhf::chat::ChatModel::load(root).unwrap();
+    let model = rlhf::chat::ChatModel::load(root, &candle_core::Device::Cpu).unwrap();
     let eos = model.tokenizer.eos_id();
     let sampling = hybrid_engine::generate::SamplingConfig::greedy(8, Some(eos), eos, model.tokenizer.vocab_size());
     let ids = model.tokenizer.encode("ROMEO:").unwrap();

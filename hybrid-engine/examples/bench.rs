@@ -224,17 +224,16 @@ fn bench_train(a: &TrainArgs) -> Result<serde_json::Value> {
         let dropout = Dropout::from_config(&cfg, DropoutKey { seed: SEED, step: step as u64, micro_batch: 0 });
 
         let (start, cpu_start) = (Instant::now(), cpu_seconds());
-        let mut acc = GradAccumulator::new(params.vars.len());
+        let mut acc = GradAccumulator::new(&params);
         loss = hybrid_engine::train_step::lm_forward_backward(
             &model,
-            &params,
             &ids,
             &targets,
             Some(&dropout),
             hybrid_engine::train_step::Backward { checkpoint_activations: a.checkpoint_activations, loss_scale: 1.0 },
             &mut acc,
         )?;
-        let mut grads = acc.finish(&params)?;
+        let mut grads = acc.finish()?;
         let backward_done = Instant::now();
         clip_grad_norm(&mut grads, 1.0)?;
         let clip_done = Instant::now();

@@ -22,11 +22,19 @@ pub struct GenerationMode {
     /// rollout).
     release_inference_cache: bool,
     cache: Option<Gpt2Cache>,
+    /// The dtype generation computes in: the training compute dtype.
+    dtype: DType,
 }
 
 impl GenerationMode {
     pub fn new(max_prompt: usize, max_answer: usize, release_inference_cache: bool) -> Self {
-        Self { capacity: max_prompt + max_answer, release_inference_cache, cache: None }
+        Self { capacity: max_prompt + max_answer, release_inference_cache, cache: None, dtype: DType::F32 }
+    }
+
+    /// Generates in `dtype` (the weights are cast once per rollout, with the LoRA fusion).
+    pub fn with_dtype(mut self, dtype: DType) -> Self {
+        self.dtype = dtype;
+        self
     }
 
     /// The full, unsharded weights. Today every rank holds them whole; ZeRO-3 will all-gather
@@ -44,7 +52,7 @@ impl GenerationMode {
             fused.iter().map(|(n, v)| (n.to_string(), v.as_tensor().detach())).collect();
         let device = params.vars.first().map_or(Device::Cpu, |v| v.device().clone());
         let config = Gpt2Config { resid_pdrop: 0.0, embd_pdrop: 0.0, attn_pdrop: 0.0, ..config.clone() };
-        Ok(Gpt2::load(VarBuilder::from_tensors(weights, DType::F32, &device), &config)?)
+        Ok(Gpt2::load(VarBuilder::from_tensors(weights, self.dtype, &device), &config)?)
     }
 
     /// One rollout's generation with `model` (from [`Self::model`]).

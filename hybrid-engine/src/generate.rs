@@ -246,13 +246,13 @@ fn log_prob_of(logits: &[f32], token: u32) -> f32 {
     (f64::from(logits[token as usize]) - crate::rowops::log_sum_exp_f64(logits)) as f32
 }
 
-/// Log-probabilities of `ids[t+1]` under `logits[t]`: (B, T, V), (B, T) -> (B, T-1).
-/// DS-Chat `gather_log_probs`.
+/// Log-probabilities of `ids[t+1]` under `logits[t]`: (B, T, V), (B, T) -> (B, T-1) f32,
+/// computed in the logits' dtype. DS-Chat `gather_log_probs`.
 pub fn gather_log_probs(logits: &Tensor, ids: &Tensor) -> Result<Tensor> {
     let t = ids.dim(1)?;
-    let logp = crate::ops::log_softmax_last_dim(&logits.narrow(1, 0, t - 1)?.to_dtype(DType::F32)?)?;
+    let logp = crate::ops::log_softmax_last_dim(&logits.narrow(1, 0, t - 1)?)?;
     let next = ids.narrow(1, 1, t - 1)?.unsqueeze(D::Minus1)?;
-    Ok(logp.gather(&next.contiguous()?, D::Minus1)?.squeeze(D::Minus1)?)
+    Ok(logp.gather(&next.contiguous()?, D::Minus1)?.squeeze(D::Minus1)?.to_dtype(DType::F32)?)
 }
 
 #[cfg(test)]

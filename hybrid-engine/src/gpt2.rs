@@ -408,6 +408,9 @@ pub struct Gpt2 {
     pub h: Vec<Block>,
     ln_f: LayerNorm,
     pub cfg: Gpt2Config,
+    /// Losses and log-probs read fp32 logits in an fp16/bf16 model (DS-Chat
+    /// `--compute_fp32_loss`); off, they are computed in the compute dtype.
+    pub fp32_loss: bool,
 }
 
 impl Gpt2 {
@@ -421,6 +424,7 @@ impl Gpt2 {
             h: (0..cfg.n_layer).map(|i| Block::load(vb.pp("h").pp(i), cfg, i)).collect::<Result<_>>()?,
             ln_f: LayerNorm::load(vb.pp("ln_f"), c, cfg.layer_norm_epsilon)?,
             cfg: cfg.clone(),
+            fp32_loss: false,
         })
     }
 
@@ -464,6 +468,21 @@ impl Gpt2 {
             }
         }
         Tensor::from_vec(bias, (rows, 1, t, s), device)
+    }
+
+    /// The dtype the model computes in (its weights').
+    pub fn dtype(&self) -> DType {
+        self.wte.dtype()
+    }
+
+    /// What a loss or log-softmax reads from a head's output `x`: fp32 with
+    /// [`Self::fp32_loss`], else `x` in the compute dtype.
+    pub fn loss_input(&self, x: &Tensor) -> Result<Tensor> {
+        if self.fp32_loss {
+            x.to_dtype(DType::F32)
+        } else {
+            Ok(x.clone())
+        }
     }
 
     /// The final LayerNorm: the trunk's output that every head reads. (.., C) -> (.., C)
@@ -541,11 +560,16 @@ impl Gpt2 {
     }
 
     /// Mean cross-entropy of the LM head on hidden states before `ln_f` ((.., C), N rows in all)
-    /// against `targets` (N,): the final LayerNorm, the tied head and the loss in one, the
-    /// (N, V) logits never materialised as a tensor on the CPU.
+    /// against `targets` (N,): the final LayerNorm, the tied head and the loss in one. In f32 on
+    /// the CPU the (N, V) logits never become a tensor; in fp16/bf16 they do, in the compute
+    /// dtype, and the loss reads them through [`Self::loss_input`].
     pub fn lm_head_loss(&self, hidden: &Tensor, targets: &Tensor) -> Result<Tensor> {
         let x = self.ln_f.forward(hidden)?.reshape(((), self.cfg.n_embd))?; // (N, C)
-        ops::lm_head_cross_entropy_rows(&x, &self.wte, targets)?.mean_all()
+        if self.dtype() == DType::F32 {
+            ops::lm_head_cross_entropy_rows(&x, &self.wte, targets)?.mean_all()
+        } else {
+            ops::cross_entropy(&self.loss_input(&x.matmul(&self.wte.t()?)?)?, targets)
+        }
     }
 
     /// Mean cross-entropy over selected positions only: `rows` (N,) u32 indexes the flattened

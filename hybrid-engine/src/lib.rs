@@ -4,6 +4,7 @@
 
 pub mod checkpoint;
 pub mod cli;
+pub mod device;
 pub mod engine;
 pub mod fused;
 pub mod generate;
@@ -15,6 +16,7 @@ pub mod metrics;
 pub mod ops;
 pub mod optim;
 pub mod params;
+pub mod precision;
 pub mod reward_model;
 pub mod rowops;
 pub mod runtime;

@@ -31,6 +31,8 @@ pub struct MemoryPlan {
     pub param_bytes: u64,
     pub grad_bytes: u64,
     pub adam_bytes: u64,
+    /// fp16/bf16: the compute-dtype copy of the weights forward and backward run on.
+    pub compute_copy_bytes: u64,
     pub activation_bytes: u64,
 }
 
@@ -58,6 +60,7 @@ impl MemoryPlan {
             param_bytes: p,
             grad_bytes: p,
             adam_bytes: 2 * p,
+            compute_copy_bytes: 0,
             activation_bytes: activation_bytes(cfg, b, t, checkpoint),
         }
     }
@@ -74,19 +77,35 @@ impl MemoryPlan {
         self
     }
 
+    /// Computing in a 2-byte dtype adds a copy of the weights at 2 bytes per parameter and
+    /// roughly halves the activations (the attention softmax and LayerNorm statistics stay f32,
+    /// so this is an estimate). Gradients are accumulated in f32 either way.
+    pub fn with_compute_dtype(mut self, dtype: candle_core::DType) -> Self {
+        if dtype.size_in_bytes() == 2 {
+            self.compute_copy_bytes = 2 * self.parameters as u64;
+            self.activation_bytes /= 2;
+        }
+        self
+    }
+
     pub fn total(&self) -> u64 {
-        self.param_bytes + self.grad_bytes + self.adam_bytes + self.activation_bytes
+        self.param_bytes + self.grad_bytes + self.adam_bytes + self.compute_copy_bytes + self.activation_bytes
     }
 
     /// The startup report, one allocation per line.
     pub fn report(&self) -> String {
         let m = |x: u64| x as f64 / MIB;
         format!(
-            "parameters: {:.2}M\nallocating {:.1} MiB for parameters (f32)\nallocating {:.1} MiB for gradients\nallocating {:.1} MiB for AdamW m and v\nestimated {:.1} MiB for activations per micro-batch\nestimated total {:.1} MiB",
+            "parameters: {:.2}M\nallocating {:.1} MiB for parameters (f32)\nallocating {:.1} MiB for gradients\nallocating {:.1} MiB for AdamW m and v\n{}estimated {:.1} MiB for activations per micro-batch\nestimated total {:.1} MiB",
             self.parameters as f64 / 1e6,
             m(self.param_bytes),
             m(self.grad_bytes),
             m(self.adam_bytes),
+            if self.compute_copy_bytes > 0 {
+                format!("allocating {:.1} MiB for the fp16/bf16 compute copy of the weights\n", m(self.compute_copy_bytes))
+            } else {
+                String::new()
+            },
             m(self.activation_bytes),
             m(self.total())
         )

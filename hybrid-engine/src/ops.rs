@@ -39,20 +39,26 @@ fn fused(tensors: &[&Tensor]) -> bool {
 }
 
 /// Softmax over the last dimension. The max is detached: softmax is shift-invariant, so the
-/// gradient through it is zero in exact arithmetic and only costs time.
+/// gradient through it is zero in exact arithmetic and only costs time. Half precision is
+/// computed in f32 and rounded back, as PyTorch does: a sum of 50k terms in fp16 stalls at 2048.
 pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
+    let dtype = x.dtype();
+    let x = upcast(x)?;
     let max = x.max_keepdim(D::Minus1)?.detach();
     let e = x.broadcast_sub(&max)?.exp()?;
     let sum = e.sum_keepdim(D::Minus1)?;
-    e.broadcast_div(&sum)
+    e.broadcast_div(&sum)?.to_dtype(dtype)
 }
 
-/// log-softmax over the last dimension (max detached, as in [`softmax_last_dim`]).
+/// log-softmax over the last dimension (max detached and half precision computed in f32, as in
+/// [`softmax_last_dim`]).
 pub fn log_softmax_last_dim(x: &Tensor) -> Result<Tensor> {
+    let dtype = x.dtype();
+    let x = upcast(x)?;
     let max = x.max_keepdim(D::Minus1)?.detach();
     let shifted = x.broadcast_sub(&max)?;
     let lse = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;
-    shifted.broadcast_sub(&lse)
+    shifted.broadcast_sub(&lse)?.to_dtype(dtype)
 }
 
 /// Half precision is upcast to f32 for reductions; f32 and f64 stay as they are.
@@ -93,9 +99,11 @@ pub fn masked_softmax(att: &Tensor, scale: f64, bias: &Tensor) -> Result<Tensor>
     }
 }
 
-/// [`masked_softmax`] composed of candle ops.
+/// [`masked_softmax`] composed of candle ops. Half-precision scores are masked and normalised in
+/// f32 (Megatron's attention_softmax_in_fp32: the f32 mask's -1e9 is -inf in fp16, and fully
+/// masked padding rows would turn NaN) and the probabilities rounded back.
 pub fn masked_softmax_reference(att: &Tensor, scale: f64, bias: &Tensor) -> Result<Tensor> {
-    softmax_last_dim(&(att * scale)?.broadcast_add(bias)?)
+    softmax_last_dim(&(upcast(att)? * scale)?.broadcast_add(bias)?)?.to_dtype(att.dtype())
 }
 
 /// GELU: GPT-2's tanh approximation (`gelu_new`), or with `exact` the erf form (`gelu`).
@@ -205,20 +213,24 @@ pub fn lm_head_cross_entropy_rows_reference(x: &Tensor, wte: &Tensor, targets: &
     cross_entropy_rows(&x.matmul(&wte.t()?)?, targets)
 }
 
-/// Per-row cross-entropy: (N, V), (N,) -> (N,) f32. Fused on the CPU (half-precision logits are
-/// upcast to f32 first, as the reference does).
+/// Per-row cross-entropy: (N, V), (N,) -> (N,) f32, fused on the CPU. Half-precision logits get
+/// PyTorch's half-precision loss: accumulated in f32, the losses (and so their gradients)
+/// rounded to the logits' dtype. Cast the logits to f32 first for an fp32 loss
+/// (`--compute-fp32-loss`).
 pub fn cross_entropy_rows(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
-    if logits.device().is_cpu() && !reference_ops() {
-        crate::fused::cross_entropy_rows(&logits.to_dtype(DType::F32)?, &targets.to_dtype(DType::U32)?)
+    let logits32 = logits.to_dtype(DType::F32)?;
+    let rows = if logits.device().is_cpu() && !reference_ops() {
+        crate::fused::cross_entropy_rows(&logits32, &targets.to_dtype(DType::U32)?)?
     } else {
-        cross_entropy_rows_reference(logits, targets)
-    }
+        cross_entropy_rows_reference(&logits32, targets)?
+    };
+    rows.to_dtype(logits.dtype())?.to_dtype(DType::F32)
 }
 
-/// Per-row cross-entropy composed of differentiable candle ops: the reference the fused kernel
-/// is tested against. (N, V), (N,) -> (N,)
+/// Per-row cross-entropy composed of differentiable candle ops, in the logits' dtype: the
+/// reference the fused kernel is tested against. (N, V), (N,) -> (N,)
 pub fn cross_entropy_rows_reference(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
-    let logp = log_softmax_last_dim(&upcast(logits)?)?; // (N, V)
+    let logp = log_softmax_last_dim(logits)?; // (N, V)
     logp.gather(&targets.unsqueeze(1)?, 1)?.squeeze(1)?.neg()
 }
 

@@ -6,7 +6,7 @@
 
 use crate::params::ParamStore;
 use anyhow::{bail, Result};
-use candle_core::{backprop::GradStore, CpuStorage, InplaceOp2, Layout, Tensor};
+use candle_core::{backprop::GradStore, CpuStorage, DType, InplaceOp2, Layout, Tensor, Var};
 use serde::{Deserialize, Serialize};
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -191,23 +191,26 @@ impl InplaceOp2 for InPlaceAdamW<'_> {
     }
 }
 
-/// Sums gradients over micro-batches, one slot per parameter.
+/// Sums gradients over micro-batches, one fp32 slot per parameter of the store the model was
+/// built from (in mixed precision, the compute-dtype copy: its gradients are upcast here).
 pub struct GradAccumulator {
+    vars: Vec<Var>,
+    names: Vec<String>,
     grads: Vec<Option<Tensor>>,
 }
 
 impl GradAccumulator {
-    pub fn new(n: usize) -> Self {
-        Self { grads: vec![None; n] }
+    pub fn new(params: &ParamStore) -> Self {
+        Self { vars: params.vars.clone(), names: params.names.clone(), grads: vec![None; params.vars.len()] }
     }
 
-    /// Adds the gradients a backward pass produced for `params`.
-    pub fn add(&mut self, params: &ParamStore, store: &GradStore) -> Result<()> {
-        for (slot, var) in self.grads.iter_mut().zip(&params.vars) {
+    /// Adds the gradients a backward pass produced for the accumulator's parameters.
+    pub fn add(&mut self, store: &GradStore) -> Result<()> {
+        for (slot, var) in self.grads.iter_mut().zip(&self.vars) {
             if let Some(g) = store.get(var.as_tensor()) {
                 // candle does not detach the gradients of variables: a kept gradient would
                 // hold the graph of its computation (the step's activations) alive.
-                let g = g.detach();
+                let g = g.detach().to_dtype(DType::F32)?;
                 *slot = Some(match slot.take() {
                     Some(acc) => (acc + g)?,
                     None => g,
@@ -218,12 +221,22 @@ impl GradAccumulator {
     }
 
     /// The summed gradients; a parameter that got none is an error in our code, not the user's.
-    pub fn finish(self, params: &ParamStore) -> Result<Vec<Tensor>> {
+    pub fn finish(self) -> Result<Vec<Tensor>> {
         self.grads
             .into_iter()
-            .zip(&params.names)
+            .zip(&self.names)
             .map(|(g, name)| g.ok_or_else(|| anyhow::anyhow!("internal error: parameter {name} received no gradient")))
             .collect()
+    }
+
+    /// The gradients summed so far (parameters without one yet left out).
+    pub fn partial(&self) -> Vec<Tensor> {
+        self.grads.iter().flatten().cloned().collect()
+    }
+
+    /// A fresh, empty accumulator over the same parameters.
+    pub fn emptied(&self) -> Self {
+        Self { vars: self.vars.clone(), names: self.names.clone(), grads: vec![None; self.vars.len()] }
     }
 }
 
@@ -243,6 +256,12 @@ pub fn global_grad_norm(grads: &[Tensor]) -> Result<f64> {
 /// coefficient max_norm / (norm + 1e-6), applied only when below 1). Returns the norm before.
 pub fn clip_grad_norm(grads: &mut [Tensor], max_norm: f64) -> Result<f64> {
     let norm = global_grad_norm(grads)?;
+    clip_to_norm(grads, norm, max_norm)?;
+    Ok(norm)
+}
+
+/// [`clip_grad_norm`] with the global `norm` already computed.
+pub fn clip_to_norm(grads: &mut [Tensor], norm: f64, max_norm: f64) -> Result<()> {
     if max_norm > 0.0 {
         let coeff = max_norm / (norm + 1e-6);
         if coeff < 1.0 {
@@ -251,7 +270,7 @@ pub fn clip_grad_norm(grads: &mut [Tensor], max_norm: f64) -> Result<f64> {
             }
         }
     }
-    Ok(norm)
+    Ok(())
 }
 
 #[cfg(test)]

@@ -102,7 +102,7 @@ impl ParamStore {
     pub fn model(&self, cfg: &Gpt2Config) -> Result<Gpt2> {
         let device = self.vars.first().map_or(Device::Cpu, |v| v.device().clone());
         let tensors = self.tensors();
-        let mut model = Gpt2::load(VarBuilder::from_tensors(tensors.clone(), DType::F32, &device), cfg)?;
+        let mut model = Gpt2::load(VarBuilder::from_tensors(tensors.clone(), self.dtype(), &device), cfg)?;
         if let Some(scaling) = self.lora_scaling {
             for (module, linear) in model.linears_mut() {
                 let (a, b) = Adapter::param_names(&module);
@@ -112,6 +112,36 @@ impl ParamStore {
             }
         }
         Ok(model)
+    }
+
+    /// The dtype of the parameters: f32 for master weights, the compute dtype for a
+    /// [`Self::compute_copy`].
+    pub fn dtype(&self) -> DType {
+        self.vars.first().map_or(DType::F32, |v| v.dtype())
+    }
+
+    /// The weights forward and backward run on, in `dtype`: for f32 the very same `Var`s, else
+    /// a cast copy (same names, frozen flags and adapters) that [`Self::refresh_from`] brings up
+    /// to date after each optimizer update of the fp32 masters.
+    pub fn compute_copy(&self, dtype: DType) -> Result<ParamStore> {
+        let vars = if dtype == self.dtype() {
+            self.vars.clone()
+        } else {
+            self.vars.iter().map(|v| Var::from_tensor(&v.to_dtype(dtype)?)).collect::<candle_core::Result<_>>()?
+        };
+        Ok(ParamStore { names: self.names.clone(), vars, frozen: self.frozen.clone(), lora_scaling: self.lora_scaling })
+    }
+
+    /// Copies `master`'s values (cast) into this compute copy's `Var`s, matched by name; a
+    /// no-op for `Var`s that are the masters themselves.
+    pub fn refresh_from(&self, master: &ParamStore) -> Result<()> {
+        for (name, m) in master.iter() {
+            let Some(c) = self.get(name) else { bail!("internal error: compute copy lacks {name}") };
+            if c.as_tensor().id() != m.as_tensor().id() {
+                c.set(&m.as_tensor().to_dtype(c.dtype())?)?;
+            }
+        }
+        Ok(())
     }
 
     pub fn numel(&self) -> usize {

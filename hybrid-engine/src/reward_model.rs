@@ -8,7 +8,7 @@
 use crate::gpt2::{Gpt2, Gpt2Config};
 use crate::params::ParamStore;
 use anyhow::{bail, Result};
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
@@ -34,11 +34,14 @@ impl RewardModel {
         Ok(Self { trunk: params.model(cfg)?, score: score.as_tensor().clone() })
     }
 
-    /// Scores of every token from the trunk's last hidden state (B, T, C) -> (B, T).
+    /// Scores of every token from the trunk's last hidden state (B, T, C) -> (B, T), in f32
+    /// (with `fp32_loss` the head itself runs in f32; else its output is upcast).
     pub fn token_scores(&self, hidden: &Tensor) -> candle_core::Result<Tensor> {
         let (b, t, c) = hidden.dims3()?;
         let normed = self.trunk.final_norm(hidden)?.reshape((b * t, c))?; // (B*T, C)
-        normed.matmul(&self.score.t()?)?.reshape((b, t)) // (B, T)
+        let normed = self.trunk.loss_input(&normed)?;
+        let score = self.score.to_dtype(normed.dtype())?;
+        normed.matmul(&score.t()?)?.reshape((b, t))?.to_dtype(DType::F32) // (B, T)
     }
 }
 

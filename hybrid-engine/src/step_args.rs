@@ -8,6 +8,7 @@
 use crate::gpt2::Gpt2Config;
 use crate::optim::AdamWConfig;
 use crate::params::ParamStore;
+use crate::precision::PrecisionArgs;
 use crate::schedule::{DecayStyle, LrSchedule};
 use anyhow::{bail, Result};
 use candle_core::{Device, Tensor};
@@ -65,9 +66,12 @@ pub struct StepArgs {
     /// Print a log line every this many optimizer steps.
     #[arg(long, default_value_t = 10, alias = "log_interval")]
     pub log_interval: u64,
-    /// cpu (CUDA arrives with the `cuda` feature).
-    #[arg(long, default_value = "cpu")]
+    /// auto (CUDA device 0 when built with --features cuda and a GPU opens, else the CPU), cpu,
+    /// cuda or cuda:N.
+    #[arg(long, default_value = "auto", env = crate::device::DEVICE_ENV)]
     pub device: String,
+    #[command(flatten)]
+    pub precision: PrecisionArgs,
     /// LoRA rank r on the linears --lora-module-name selects (0: no LoRA). The saved model has
     /// the adapters merged; with --only-optimize-lora they are also saved alone, in PEFT's
     /// layout, to <output-dir>/adapter.
@@ -118,6 +122,7 @@ impl StepArgs {
         if self.zero_stage > 3 {
             bail!("--zero-stage {} does not exist: use 0, 1, 2 or 3", self.zero_stage);
         }
+        self.precision.validate()?;
         if let Some(lora) = self.lora() {
             lora.validate()?;
             if !(self.lora_learning_rate > 0.0 && self.lora_learning_rate.is_finite()) {
@@ -126,12 +131,7 @@ impl StepArgs {
         } else if self.only_optimize_lora {
             bail!("--only-optimize-lora trains only LoRA adapters, but --lora-dim is 0: add --lora-dim (e.g. 8)");
         }
-        if self.device != "cpu" {
-            bail!(
-                "--device {}: this build runs on the CPU only (CUDA arrives with the `cuda` feature); use --device cpu",
-                self.device
-            );
-        }
+        crate::device::check_device(&self.device)?;
         Ok(())
     }
 
@@ -151,8 +151,9 @@ impl StepArgs {
         }
     }
 
-    pub fn device(&self) -> Device {
-        Device::Cpu
+    /// Opens `--device` (see [`crate::device::parse_device`]).
+    pub fn device(&self) -> Result<Device> {
+        crate::device::parse_device(&self.device)
     }
 
     /// The LoRA configuration, `None` when `--lora-dim` is 0.

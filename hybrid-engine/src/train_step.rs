@@ -10,7 +10,6 @@
 
 use crate::gpt2::{Dropout, Gpt2, Positions};
 use crate::optim::GradAccumulator;
-use crate::params::ParamStore;
 use anyhow::{anyhow, Result};
 use candle_core::{Tensor, Var};
 
@@ -27,7 +26,6 @@ pub struct Backward {
 /// of `loss * how.loss_scale` to `acc`. Returns the (unscaled) loss.
 pub fn lm_forward_backward(
     model: &Gpt2,
-    params: &ParamStore,
     ids: &Tensor,
     targets: &Tensor,
     dropout: Option<&Dropout>,
@@ -37,11 +35,11 @@ pub fn lm_forward_backward(
     if !how.checkpoint_activations {
         // The whole-model path keeps the (B, T, V) logits in one graph: no leaf needed.
         let loss = model.lm_loss(ids, targets, dropout)?;
-        acc.add(params, &(&loss * how.loss_scale)?.backward()?)?;
+        acc.add(&(&loss * how.loss_scale)?.backward()?)?;
         return Ok(loss.to_scalar::<f32>()?);
     }
     let targets = targets.flatten_all()?;
-    forward_backward(model, params, ids, &Positions::default(), dropout, how, acc, |hidden| {
+    forward_backward(model, ids, &Positions::default(), dropout, how, acc, |hidden| {
         model.lm_head_loss(hidden, &targets)
     })
 }
@@ -53,7 +51,6 @@ pub fn lm_forward_backward(
 #[allow(clippy::too_many_arguments)]
 pub fn forward_backward(
     model: &Gpt2,
-    params: &ParamStore,
     ids: &Tensor,
     pos: &Positions,
     dropout: Option<&Dropout>,
@@ -65,7 +62,7 @@ pub fn forward_backward(
     if !checkpoint_activations {
         let hidden = model.forward_blocks(ids, pos, None, dropout)?; // (B, T, C)
         let loss = head(&hidden)?;
-        acc.add(params, &(&loss * scale)?.backward()?)?;
+        acc.add(&(&loss * scale)?.backward()?)?;
         return Ok(loss.to_scalar::<f32>()?);
     }
 
@@ -84,7 +81,7 @@ pub fn forward_backward(
     let last = Var::from_tensor(&x)?;
     let loss = head(last.as_tensor())?;
     let store = (&loss * scale)?.backward()?;
-    acc.add(params, &store)?;
+    acc.add(&store)?;
     let mut grad = leaf_grad(&store, &last)?;
     drop(store);
 
@@ -93,13 +90,13 @@ pub fn forward_backward(
         let input = Var::from_tensor(input)?;
         let out = block.forward(input.as_tensor(), &bias, None, dropout)?;
         let store = out.mul(&grad)?.sum_all()?.backward()?;
-        acc.add(params, &store)?;
+        acc.add(&store)?;
         grad = leaf_grad(&store, &input)?;
     }
 
     // Embeddings (wte also got the LM head's gradient above: the sum is the tied gradient).
     let emb = model.embed(ids, pos, 0, dropout)?;
-    acc.add(params, &emb.mul(&grad)?.sum_all()?.backward()?)?;
+    acc.add(&emb.mul(&grad)?.sum_all()?.backward()?)?;
     Ok(loss.to_scalar::<f32>()?)
 }
 

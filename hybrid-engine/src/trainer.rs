@@ -4,20 +4,54 @@
 //! clipped by their global norm and applied by AdamW at the scheduled learning rate.
 
 use crate::metrics::Metrics;
-use crate::optim::{clip_grad_norm, AdamW, AdamWConfig, GradAccumulator};
+use crate::optim::{clip_to_norm, global_grad_norm, AdamW, AdamWConfig, GradAccumulator};
 use crate::params::ParamStore;
+use crate::precision::{has_overflow, Dtype, LossScaler, LossScaling, Precision, ScaleUpdate};
 use crate::schedule::LrSchedule;
-use anyhow::Result;
+use anyhow::{bail, Result};
+use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 /// What one optimizer step did.
 #[derive(Clone, Copy, Debug)]
 pub struct StepReport {
-    /// 1-based optimizer step.
+    /// 1-based optimizer step (accumulation boundaries, skipped ones included, as DeepSpeed's
+    /// `global_steps`).
     pub step: u64,
     pub lr: f64,
-    /// Global gradient norm before clipping.
+    /// Global gradient norm before clipping (unscaled; inf or NaN on an fp16 overflow).
     pub grad_norm: f64,
+    /// The update was skipped: an fp16 overflow, or the other PPO model's (`--align-overflow`).
+    pub skipped: bool,
+    /// The fp16 loss scale after this step (1 without scaling).
+    pub loss_scale: f64,
+    /// Updates skipped so far in the run.
+    pub skipped_steps: u64,
+}
+
+/// Ends a micro-batch of two models trained on the same data (PPO's actor and critic). With
+/// `align` (DS-Chat `--align_overflow`), when both reach an accumulation boundary and either's
+/// gradients overflowed, both skip their update, so neither moves on experience the other did not
+/// learn from.
+pub fn micro_batch_done_pair(
+    a: (&mut Trainer, &ParamStore),
+    b: (&mut Trainer, &ParamStore),
+    align: bool,
+) -> Result<(Option<StepReport>, Option<StepReport>)> {
+    let (ta, pa) = a;
+    let (tb, pb) = b;
+    let skip =
+        align && ta.boundary_next() && tb.boundary_next() && (ta.pending_overflow()? || tb.pending_overflow()?);
+    Ok((ta.micro_batch_done_or_skip(pa, skip)?, tb.micro_batch_done_or_skip(pb, skip)?))
+}
+
+/// The trainer's counters beyond the optimizer's step, for a checkpoint: accumulation
+/// boundaries, forced skips and the fp16 loss scaler.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TrainerProgress {
+    pub boundaries: u64,
+    pub forced_skips: u64,
+    pub scaler: Option<LossScaler>,
 }
 
 pub struct Trainer {
@@ -27,11 +61,23 @@ pub struct Trainer {
     pub accumulation: usize,
     /// Global-norm clip (0: none).
     pub clip: f64,
+    pub precision: Precision,
+    /// fp16's dynamic loss scale; `None` for fp32 and bf16.
+    pub scaler: Option<LossScaler>,
+    /// The trainable parameters forward and backward run on: the masters themselves in fp32,
+    /// else their compute-dtype copy, refreshed after each update.
+    compute: ParamStore,
     acc: GradAccumulator,
     pending: usize,
+    /// Accumulation boundaries passed, skipped steps included.
+    pub boundaries: u64,
+    /// Updates skipped for overflow or alignment (without a scaler to count them).
+    skipped_steps: u64,
 }
 
 impl Trainer {
+    /// A full-precision trainer over `params`, the trainable fp32 masters; see
+    /// [`Self::with_precision`] for fp16 and bf16.
     pub fn new(
         params: &ParamStore,
         adam: AdamWConfig,
@@ -44,9 +90,25 @@ impl Trainer {
             schedule,
             accumulation,
             clip,
-            acc: GradAccumulator::new(params.vars.len()),
+            precision: Precision::default(),
+            scaler: None,
+            compute: params.compute_copy(params.dtype())?,
+            acc: GradAccumulator::new(params),
             pending: 0,
+            boundaries: 0,
+            skipped_steps: 0,
         })
+    }
+
+    /// Computes in `precision` on `compute`, the compute-dtype copy of the whole store the
+    /// masters belong to ([`ParamStore::compute_copy`]; the model must be built from it):
+    /// gradients are taken from its trainable part. fp16 gets a dynamic loss scale.
+    pub fn with_precision(mut self, precision: Precision, compute: &ParamStore, scaling: LossScaling) -> Self {
+        self.compute = compute.trainable();
+        self.acc = GradAccumulator::new(&self.compute);
+        self.scaler = (precision.dtype == Dtype::Fp16).then(|| LossScaler::new(scaling));
+        self.precision = precision;
+        self
     }
 
     /// Runs the LoRA adapters among `params` at `lora_lr` (DS-Chat `--lora-learning-rate`),
@@ -55,14 +117,53 @@ impl Trainer {
         self.optimizer.set_lora_lr(params, lora_lr, self.schedule.max_lr);
     }
 
-    /// The scale of each micro-batch's loss, so that accumulated gradients are a mean.
+    /// The factor of each micro-batch's loss before backward: 1 / accumulation steps, so that
+    /// accumulated gradients are a mean, times the fp16 loss scale.
     pub fn loss_scale(&self) -> f64 {
-        1.0 / self.accumulation as f64
+        self.dynamic_loss_scale() / self.accumulation as f64
+    }
+
+    /// The fp16 loss scale (1 without scaling).
+    pub fn dynamic_loss_scale(&self) -> f64 {
+        self.scaler.as_ref().map_or(1.0, |s| s.scale)
     }
 
     /// No gradient is waiting for an optimizer step (a safe point for a checkpoint).
     pub fn at_boundary(&self) -> bool {
         self.pending == 0
+    }
+
+    /// The next [`Self::micro_batch_done`] will reach an accumulation boundary.
+    pub fn boundary_next(&self) -> bool {
+        self.pending + 1 >= self.accumulation
+    }
+
+    /// What a checkpoint keeps beyond the optimizer state.
+    pub fn progress(&self) -> TrainerProgress {
+        TrainerProgress { boundaries: self.boundaries, forced_skips: self.skipped_steps, scaler: self.scaler.clone() }
+    }
+
+    /// Restores [`Self::progress`]; the precision must be the one the checkpoint was made with.
+    pub fn restore_progress(&mut self, p: &TrainerProgress) -> Result<()> {
+        if p.scaler.is_some() != self.scaler.is_some() {
+            bail!("the checkpoint was trained with another --dtype (loss scaling differs): resume with the flags it was saved with");
+        }
+        self.boundaries = p.boundaries;
+        self.skipped_steps = p.forced_skips;
+        self.scaler.clone_from(&p.scaler);
+        Ok(())
+    }
+
+    /// Updates skipped so far.
+    pub fn skipped_steps(&self) -> u64 {
+        self.scaler.as_ref().map_or(0, |s| s.skipped_steps) + self.skipped_steps
+    }
+
+    /// Whether the gradients accumulated so far hold an inf or a NaN (what the next step would
+    /// find; `--align-overflow` asks both PPO models before either steps).
+    pub fn pending_overflow(&self) -> Result<bool> {
+        let grads = self.acc.partial();
+        has_overflow(&grads)
     }
 
     /// Where a micro-batch's backward adds its gradients.
@@ -72,11 +173,17 @@ impl Trainer {
 
     /// Call after each micro-batch's backward: steps the optimizer at the boundary.
     pub fn micro_batch_done(&mut self, params: &ParamStore) -> Result<Option<StepReport>> {
+        self.micro_batch_done_or_skip(params, false)
+    }
+
+    /// As [`Self::micro_batch_done`]; `skip` skips the update at the boundary whatever the
+    /// gradients (`--align-overflow`: the other model overflowed).
+    pub fn micro_batch_done_or_skip(&mut self, params: &ParamStore, skip: bool) -> Result<Option<StepReport>> {
         self.pending += 1;
         if self.pending < self.accumulation {
             return Ok(None);
         }
-        self.step(params).map(Some)
+        self.step(params, skip).map(Some)
     }
 
     /// Applies whatever has accumulated (the run's last, partial accumulation), if anything.
@@ -84,25 +191,57 @@ impl Trainer {
         if self.pending == 0 {
             return Ok(None);
         }
-        self.step(params).map(Some)
+        self.step(params, false).map(Some)
     }
 
-    fn step(&mut self, params: &ParamStore) -> Result<StepReport> {
-        let acc = std::mem::replace(&mut self.acc, GradAccumulator::new(params.vars.len()));
-        let mut grads = acc.finish(params)?;
-        if self.pending < self.accumulation {
-            // A partial accumulation was scaled by 1/accumulation per micro-batch: rescale to a mean.
-            let fix = self.accumulation as f64 / self.pending as f64;
+    fn step(&mut self, params: &ParamStore, force_skip: bool) -> Result<StepReport> {
+        let fresh = self.acc.emptied();
+        let acc = std::mem::replace(&mut self.acc, fresh);
+        let mut grads = acc.finish()?;
+        // Back to a mean of the micro-batches' gradients: a partial accumulation was scaled by
+        // 1/accumulation per micro-batch, and fp16 gradients carry the loss scale.
+        let mut fix = self.accumulation as f64 / self.pending as f64;
+        if let Some(s) = &self.scaler {
+            fix /= s.scale;
+        }
+        if fix != 1.0 {
             for g in grads.iter_mut() {
                 *g = (&*g * fix)?;
             }
         }
         self.pending = 0;
-        let grad_norm = clip_grad_norm(&mut grads, self.clip)?;
-        let step = self.optimizer.step + 1;
-        let lr = self.schedule.lr(step);
-        self.optimizer.step(params, &grads, lr)?;
-        Ok(StepReport { step, lr, grad_norm })
+        self.boundaries += 1;
+        let grad_norm = global_grad_norm(&grads)?;
+        let overflow = !grad_norm.is_finite();
+        let skipped = match &mut self.scaler {
+            Some(scaler) => scaler.update(overflow)? == ScaleUpdate::Skip || force_skip,
+            None if overflow => bail!(
+                "gradients became {grad_norm} at step {} in {}: lower --learning-rate or add --num-warmup-steps",
+                self.boundaries,
+                self.precision.dtype.name()
+            ),
+            None => force_skip,
+        };
+        if skipped && !overflow {
+            self.skipped_steps += 1;
+        }
+        let loss_scale = self.dynamic_loss_scale();
+        // A skipped step leaves the weights, the moments and the schedule where they were, as
+        // DeepSpeed does on overflow.
+        let lr = self.schedule.lr(self.optimizer.step + 1);
+        if !skipped {
+            clip_to_norm(&mut grads, grad_norm, self.clip)?;
+            self.optimizer.step(params, &grads, lr)?;
+            self.compute.refresh_from(params)?;
+        }
+        Ok(StepReport {
+            step: self.boundaries,
+            lr,
+            grad_norm,
+            skipped,
+            loss_scale,
+            skipped_steps: self.skipped_steps(),
+        })
     }
 }
 
@@ -114,6 +253,9 @@ pub struct StepLog {
     total: u64,
     /// What `items` counts in the throughput column ("tokens", "pairs").
     unit: &'static str,
+    /// fp16: a non-finite loss is an overflow the loss scaler handles (the step is skipped),
+    /// not the end of the run.
+    tolerate_overflow: bool,
     loss: f64,
     micro_batches: usize,
     items: usize,
@@ -123,17 +265,35 @@ pub struct StepLog {
 
 impl StepLog {
     pub fn new(interval: u64, total: u64, unit: &'static str) -> Self {
-        Self { interval, total, unit, loss: 0.0, micro_batches: 0, items: 0, secs: 0.0, steps: 0 }
+        Self {
+            interval,
+            total,
+            unit,
+            tolerate_overflow: false,
+            loss: 0.0,
+            micro_batches: 0,
+            items: 0,
+            secs: 0.0,
+            steps: 0,
+        }
+    }
+
+    /// For a trainer with a loss scaler (fp16): non-finite losses are overflows, not fatal.
+    pub fn for_trainer(interval: u64, total: u64, unit: &'static str, trainer: &Trainer) -> Self {
+        Self { tolerate_overflow: trainer.scaler.is_some(), ..Self::new(interval, total, unit) }
     }
 
     /// One micro-batch: its loss, the items it held and the seconds it took. A non-finite loss
-    /// ends the run with advice.
+    /// ends the run with advice (unless fp16's loss scaler will skip the step).
     pub fn micro_batch(&mut self, loss: f32, items: usize, secs: f64, epoch: usize) -> Result<()> {
         if !loss.is_finite() {
-            anyhow::bail!("the loss became {loss} in epoch {epoch}: lower --learning-rate or add --num-warmup-steps");
+            if !self.tolerate_overflow {
+                bail!("the loss became {loss} in epoch {epoch}: lower --learning-rate or add --num-warmup-steps");
+            }
+        } else {
+            self.loss += f64::from(loss);
+            self.micro_batches += 1;
         }
-        self.loss += f64::from(loss);
-        self.micro_batches += 1;
         self.items += items;
         self.secs += secs;
         Ok(())
@@ -141,24 +301,30 @@ impl StepLog {
 
     /// After an optimizer step; `loss` is the last micro-batch's.
     pub fn step(&mut self, metrics: &mut Metrics, r: &StepReport, epoch: usize, loss: f32) -> Result<()> {
-        metrics.record(json!({"step": r.step, "epoch": epoch, "loss": loss, "lr": r.lr, "grad_norm": r.grad_norm}))?;
+        metrics.record(json!({
+            "step": r.step, "epoch": epoch, "loss": loss, "lr": r.lr, "grad_norm": r.grad_norm,
+            "loss_scale": r.loss_scale, "skipped": r.skipped, "skipped_steps": r.skipped_steps,
+        }))?;
         metrics.advance(format!("loss {loss:.3}"));
         self.steps += 1;
         if r.step.is_multiple_of(self.interval) || r.step == self.total {
             let line = format!(
-                " step {:>6}/{} | epoch {epoch} | elapsed time per step (ms): {:.1} | learning rate: {:.3E} | loss: {:.4} | grad norm: {:.3} | {}/s: {:.1} |",
+                " step {:>6}/{} | epoch {epoch} | elapsed time per step (ms): {:.1} | learning rate: {:.3E} | loss: {:.4} | grad norm: {:.3} | loss scale: {} | skipped steps: {} | {}/s: {:.1} |",
                 r.step,
                 self.total,
                 1000.0 * self.secs / self.steps as f64,
                 r.lr,
                 self.loss / self.micro_batches.max(1) as f64,
                 r.grad_norm,
+                r.loss_scale,
+                r.skipped_steps,
                 self.unit,
                 self.items as f64 / self.secs,
             );
             metrics.println(&line);
             metrics.record(json!({"step": r.step, "ms_per_step": 1000.0 * self.secs / self.steps as f64, "interval_loss": self.loss / self.micro_batches.max(1) as f64, format!("{}_per_sec", self.unit): self.items as f64 / self.secs}))?;
-            *self = Self::new(self.interval, self.total, self.unit);
+            *self =
+                Self { tolerate_overflow: self.tolerate_overflow, ..Self::new(self.interval, self.total, self.unit) };
         }
         Ok(())
     }
@@ -174,8 +340,55 @@ pub fn total_steps(micro_batches_per_epoch: usize, epochs: usize, accumulation: 
 mod tests {
     use super::*;
     use crate::gpt2::Gpt2Config;
+    use crate::precision::{Dtype, LossScaling, Precision};
     use crate::schedule::DecayStyle;
     use candle_core::{Device, Tensor};
+
+    /// A trainer over its own tiny GPT-2 in fp16, and a micro-batch that overflows or not.
+    fn fp16_trainer(seed: u64) -> Result<(ParamStore, crate::gpt2::Gpt2, Trainer)> {
+        let cfg = Gpt2Config { n_layer: 1, n_embd: 8, n_head: 2, n_positions: 8, vocab_size: 16, ..Gpt2Config::tiny() };
+        let cfg = Gpt2Config { resid_pdrop: 0.0, embd_pdrop: 0.0, attn_pdrop: 0.0, ..cfg };
+        let params = ParamStore::init(&cfg, seed, &Device::Cpu)?;
+        let compute = params.compute_copy(candle_core::DType::F16)?;
+        let model = compute.model(&cfg)?;
+        let schedule =
+            LrSchedule { max_lr: 0.1, min_lr: 0.0, warmup_iters: 0, decay_iters: 10, style: DecayStyle::Constant };
+        let precision = Precision { dtype: Dtype::Fp16, fp32_loss: false };
+        let t = Trainer::new(&params, AdamWConfig::default(), schedule, 1, 0.0)?.with_precision(
+            precision,
+            &compute,
+            LossScaling::default(),
+        );
+        Ok((params, model, t))
+    }
+
+    fn backward(model: &crate::gpt2::Gpt2, t: &mut Trainer, overflow: bool) -> Result<()> {
+        let ids = Tensor::new(&[[1u32, 2, 3]], &Device::Cpu)?;
+        let factor = if overflow { 1e30 } else { 1.0 };
+        let loss = (model.lm_loss(&ids, &ids, None)? * (factor * t.loss_scale()))?;
+        t.grads().add(&loss.backward()?)?;
+        Ok(())
+    }
+
+    #[test]
+    fn aligned_overflow_skips_both_models_and_unaligned_only_the_overflowing_one() -> Result<()> {
+        for align in [true, false] {
+            let (pa, ma, mut ta) = fp16_trainer(1)?;
+            let (pb, mb, mut tb) = fp16_trainer(2)?;
+            backward(&ma, &mut ta, true)?;
+            backward(&mb, &mut tb, false)?;
+            let (ra, rb) = micro_batch_done_pair((&mut ta, &pa), (&mut tb, &pb), align)?;
+            let (ra, rb) = (ra.expect("boundary"), rb.expect("boundary"));
+            assert!(ra.skipped, "the overflowing model always skips");
+            assert_eq!(rb.skipped, align, "the clean one skips only when aligned");
+            assert_eq!(tb.optimizer.step, if align { 0 } else { 1 });
+            assert_eq!((ra.skipped_steps, rb.skipped_steps), (1, u64::from(align)));
+            // Only a real overflow counts against the loss scale's hysteresis.
+            assert_eq!(ta.scaler.as_ref().unwrap().skipped_steps, 1);
+            assert_eq!(tb.scaler.as_ref().unwrap().skipped_steps, 0);
+        }
+        Ok(())
+    }
 
     #[test]
     fn steps_at_the_boundary_and_flushes_a_partial_accumulation_as_a_mean() -> Result<()> {
@@ -189,7 +402,7 @@ mod tests {
         let model = params.model(&cfg)?;
         let backward = |t: &mut Trainer| -> Result<()> {
             let loss = (model.lm_loss(&ids, &ids, None)? * t.loss_scale())?;
-            t.grads().add(&params, &loss.backward()?)?;
+            t.grads().add(&loss.backward()?)?;
             Ok(())
         };
         backward(&mut t)?;
@@ -199,9 +412,9 @@ mod tests {
         assert_eq!((report.step, report.lr), (1, 0.1));
         assert!(t.flush(&params)?.is_none(), "nothing pending");
         // A lone micro-batch flushed gets its full gradient, not the 1/accumulation share.
-        let mut full = GradAccumulator::new(params.vars.len());
-        full.add(&params, &model.lm_loss(&ids, &ids, None)?.backward()?)?;
-        let want = crate::optim::global_grad_norm(&full.finish(&params)?)?;
+        let mut full = GradAccumulator::new(&params);
+        full.add(&model.lm_loss(&ids, &ids, None)?.backward()?)?;
+        let want = crate::optim::global_grad_norm(&full.finish()?)?;
         backward(&mut t)?;
         assert!(t.micro_batch_done(&params)?.is_none());
         let flushed = t.flush(&params)?.expect("partial accumulation is applied");

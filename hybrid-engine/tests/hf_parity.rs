@@ -68,17 +68,16 @@ fn every_parameter_gradient_matches_transformers() -> Result<()> {
     let t = input.dim(1)?;
     let (x, y) = (input.narrow(1, 0, t - 1)?, input.narrow(1, 1, t - 1)?);
     for checkpoint in [false, true] {
-        let mut acc = GradAccumulator::new(f.params.vars.len());
+        let mut acc = GradAccumulator::new(&f.params);
         lm_forward_backward(
             &f.model,
-            &f.params,
             &x,
             &y,
             None,
             Backward { checkpoint_activations: checkpoint, loss_scale: 1.0 },
             &mut acc,
         )?;
-        let grads = acc.finish(&f.params)?;
+        let grads = acc.finish()?;
         let mut worst = 0f32;
         for (name, g) in f.params.names.iter().zip(&grads) {
             let want = &f.expected[&format!("grad.transformer.{name}")];
@@ -172,17 +171,16 @@ fn activation_checkpointing_with_dropout_gives_identical_gradients() -> Result<(
     let (x, y) = (input.narrow(1, 0, t - 1)?, input.narrow(1, 1, t - 1)?);
     let drop = Dropout::from_config(&f.model.cfg, DropoutKey { seed: 5, step: 2, micro_batch: 1 });
     let run = |ckpt: bool| -> Result<(f32, Vec<Tensor>)> {
-        let mut acc = GradAccumulator::new(f.params.vars.len());
+        let mut acc = GradAccumulator::new(&f.params);
         let loss = lm_forward_backward(
             &f.model,
-            &f.params,
             &x,
             &y,
             Some(&drop),
             Backward { checkpoint_activations: ckpt, loss_scale: 1.0 },
             &mut acc,
         )?;
-        Ok((loss, acc.finish(&f.params)?))
+        Ok((loss, acc.finish()?))
     };
     let (l0, g0) = run(false)?;
     let (l1, g1) = run(true)?;
@@ -209,10 +207,10 @@ fn fused_kernels_give_every_parameter_the_reference_ops_gradient() -> Result<()>
     let drop = Dropout::from_config(&f.model.cfg, DropoutKey { seed: 9, step: 4, micro_batch: 0 });
     for checkpoint in [false, true] {
         let run = || -> Result<(f32, Vec<Tensor>)> {
-            let mut acc = GradAccumulator::new(f.params.vars.len());
+            let mut acc = GradAccumulator::new(&f.params);
             let how = Backward { checkpoint_activations: checkpoint, loss_scale: 1.0 };
-            let loss = lm_forward_backward(&f.model, &f.params, &x, &y, Some(&drop), how, &mut acc)?;
-            Ok((loss, acc.finish(&f.params)?))
+            let loss = lm_forward_backward(&f.model, &x, &y, Some(&drop), how, &mut acc)?;
+            Ok((loss, acc.finish()?))
         };
         let (fused_loss, fused) = run()?;
         let (reference_loss, reference) = hybrid_engine::ops::with_reference_ops(run)?;
@@ -229,6 +227,46 @@ fn fused_kernels_give_every_parameter_the_reference_ops_gradient() -> Result<()>
     Ok(())
 }
 
+/// As above with a left-padded batch, as PPO trains on it: an attention mask with a padding row
+/// per sequence (a (B, 1, T, T) bias), position ids that skip the padding, and a head reading
+/// log-softmax values at some positions (the actor's loss).
+#[test]
+fn fused_kernels_match_the_reference_ops_on_left_padded_batches() -> Result<()> {
+    let f = load()?;
+    let input = ids(&f.expected["input_ids"])?; // (B, T)
+    let (b, t) = input.dims2()?;
+    let pad = [0usize, 3];
+    let mask: Vec<u32> = (0..b).flat_map(|r| (0..t).map(move |j| u32::from(j >= pad[r % 2]))).collect();
+    let positions = hybrid_engine::generate::position_ids(&mask, b, t);
+    let mask = Tensor::from_vec(mask, (b, t), &candle_core::Device::Cpu)?;
+    let positions = Tensor::from_vec(positions, (b, t), &candle_core::Device::Cpu)?;
+    let pos = hybrid_engine::gpt2::Positions { position_ids: Some(&positions), attention_mask: Some(&mask) };
+    let drop = Dropout::from_config(&f.model.cfg, DropoutKey { seed: 5, step: 1, micro_batch: 0 });
+    let next = input.narrow(1, 4, t - 4)?.unsqueeze(2)?.contiguous()?; // (B, T-4, 1)
+    for checkpoint in [false, true] {
+        let run = || -> Result<(f32, Vec<Tensor>)> {
+            let mut acc = GradAccumulator::new(&f.params);
+            let how = Backward { checkpoint_activations: checkpoint, loss_scale: 1.0 };
+            let loss =
+                hybrid_engine::train_step::forward_backward(&f.model, &input, &pos, Some(&drop), how, &mut acc, |h| {
+                    let h = h.narrow(1, 3, t - 4)?; // (B, T-4, C)
+                    let logp = hybrid_engine::ops::log_softmax_last_dim(&f.model.lm_head(&h)?)?;
+                    logp.gather(&next, 2)?.mean_all()?.neg()
+                })?;
+            Ok((loss, acc.finish()?))
+        };
+        let (fused_loss, fused) = run()?;
+        let (reference_loss, reference) = hybrid_engine::ops::with_reference_ops(run)?;
+        assert!(((fused_loss - reference_loss) / reference_loss).abs() < 1e-5, "loss {fused_loss} vs {reference_loss}");
+        for ((name, a), b) in f.params.names.iter().zip(&fused).zip(&reference) {
+            let scale: f32 = b.abs()?.flatten_all()?.max(0)?.to_scalar()?;
+            let rel = max_abs_diff(a, b)? / scale.max(1e-12);
+            assert!(rel < 1e-4, "{name} (checkpoint {checkpoint}): fused gradient differs by {rel} relative");
+        }
+    }
+    Ok(())
+}
+
 /// Two micro-batches of one row, each scaled by 1/2, accumulate the gradient of the two-row batch.
 #[test]
 fn gradient_accumulation_equals_the_full_batch_gradient() -> Result<()> {
@@ -237,15 +275,15 @@ fn gradient_accumulation_equals_the_full_batch_gradient() -> Result<()> {
     let t = input.dim(1)?;
     let (x, y) = (input.narrow(1, 0, t - 1)?, input.narrow(1, 1, t - 1)?);
     let full = Backward { checkpoint_activations: false, loss_scale: 1.0 };
-    let mut acc = GradAccumulator::new(f.params.vars.len());
-    lm_forward_backward(&f.model, &f.params, &x, &y, None, full, &mut acc)?;
-    let want = acc.finish(&f.params)?;
+    let mut acc = GradAccumulator::new(&f.params);
+    lm_forward_backward(&f.model, &x, &y, None, full, &mut acc)?;
+    let want = acc.finish()?;
     let half = Backward { checkpoint_activations: false, loss_scale: 0.5 };
-    let mut acc = GradAccumulator::new(f.params.vars.len());
+    let mut acc = GradAccumulator::new(&f.params);
     for row in 0..2 {
-        lm_forward_backward(&f.model, &f.params, &x.narrow(0, row, 1)?, &y.narrow(0, row, 1)?, None, half, &mut acc)?;
+        lm_forward_backward(&f.model, &x.narrow(0, row, 1)?, &y.narrow(0, row, 1)?, None, half, &mut acc)?;
     }
-    for ((name, a), b) in f.params.names.iter().zip(&want).zip(&acc.finish(&f.params)?) {
+    for ((name, a), b) in f.params.names.iter().zip(&want).zip(&acc.finish()?) {
         let scale: f32 = a.abs()?.flatten_all()?.max(0)?.to_scalar()?;
         let rel = max_abs_diff(a, b)? / scale.max(1e-12);
         assert!(rel < 1e-5, "{name}: accumulated gradient differs by {rel}");

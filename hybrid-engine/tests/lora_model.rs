@@ -159,9 +159,9 @@ fn only_optimize_lora_changes_nothing_but_the_adapters_and_the_head() -> Result<
     let mut trainer = Trainer::new(&trainable, adam, schedule, 1, 1.0)?;
     trainer.set_lora_learning_rate(&trainable, 5e-3);
     // The head gets a gradient of its own through a second loss, as a reward loss would give.
-    trainer.grads().add(&trainable, &store)?;
+    trainer.grads().add(&store)?;
     let score = params.get(SCORE_WEIGHT).expect("head").as_tensor().sqr()?.sum_all()?;
-    trainer.grads().add(&trainable, &score.backward()?)?;
+    trainer.grads().add(&score.backward()?)?;
     trainer.micro_batch_done(&trainable)?.expect("one micro-batch per step");
 
     for (name, var) in params.iter() {
@@ -187,10 +187,10 @@ fn checkpointed_backward_gives_the_adapters_the_same_gradients() -> Result<()> {
     let ids = ids()?;
     let mut grads = Vec::new();
     for checkpoint_activations in [false, true] {
-        let mut acc = GradAccumulator::new(trainable.vars.len());
+        let mut acc = GradAccumulator::new(&trainable);
         let how = Backward { checkpoint_activations, loss_scale: 1.0 };
-        lm_forward_backward(&model, &trainable, &ids, &ids, None, how, &mut acc)?;
-        grads.push(acc.finish(&trainable)?);
+        lm_forward_backward(&model, &ids, &ids, None, how, &mut acc)?;
+        grads.push(acc.finish()?);
     }
     for ((name, a), b) in trainable.names.iter().zip(&grads[0]).zip(&grads[1]) {
         let d = max_abs_diff(a, b)?;

@@ -6,6 +6,7 @@ use crate::ppo::PpoConfig;
 use anyhow::{bail, Result};
 use clap::Parser;
 use data::args::DataArgs;
+use hybrid_engine::precision::PrecisionArgs;
 use hybrid_engine::schedule::DecayStyle;
 use std::path::PathBuf;
 
@@ -146,9 +147,16 @@ pub struct PpoArgs {
     /// Where step3's actor, critic and actor_ema directories and metrics.jsonl go.
     #[arg(long, default_value = "output/step3", alias = "output_dir")]
     pub output_dir: PathBuf,
-    /// cpu (CUDA arrives with the `cuda` feature).
-    #[arg(long, default_value = "cpu")]
+    /// auto (CUDA device 0 when built with --features cuda and a GPU opens, else the CPU), cpu,
+    /// cuda or cuda:N.
+    #[arg(long, default_value = "auto", env = hybrid_engine::device::DEVICE_ENV)]
     pub device: String,
+    #[command(flatten)]
+    pub precision: PrecisionArgs,
+    /// fp16: skip both the actor's and the critic's update when either overflowed (DS-Chat
+    /// `--align_overflow`), so the two models stay on the same experience.
+    #[arg(long, alias = "align_overflow")]
+    pub align_overflow: bool,
 }
 
 impl PpoArgs {
@@ -164,6 +172,7 @@ impl PpoArgs {
             "ppo": self.ppo_config(),
             "sampling": [self.do_sample.to_string(), self.temperature.to_string(), self.top_k.to_string(), self.top_p.to_string()],
             "lora": [self.actor_lora_dim.to_string(), self.actor_lora_module_name.clone(), self.critic_lora_dim.to_string(), self.critic_lora_module_name.clone(), self.only_optimize_lora.to_string(), self.actor_lora_learning_rate.to_string(), self.critic_lora_learning_rate.to_string()],
+            "precision": [self.precision.dtype.name().to_string(), self.precision.compute_fp32_loss.to_string(), self.precision.loss_scale_window.to_string(), self.precision.initial_scale_power.to_string(), self.align_overflow.to_string()],
             "ema": self.enable_ema, "ptx": [self.unsupervised_dataset_name.clone().unwrap_or_default(), self.unsup_coef.to_string()],
         })
     }
@@ -235,15 +244,11 @@ impl PpoArgs {
                 bail!("{flag} must be a positive number (got {v})");
             }
         }
+        self.precision.validate()?;
         if self.actor_zero_stage > 3 || self.critic_zero_stage > 3 {
             bail!("--actor-zero-stage and --critic-zero-stage must be 0, 1, 2 or 3");
         }
-        if self.device != "cpu" {
-            bail!(
-                "--device {}: this build runs on the CPU only (CUDA arrives with the `cuda` feature); use --device cpu",
-                self.device
-            );
-        }
+        hybrid_engine::device::check_device(&self.device)?;
         Ok(())
     }
 }

@@ -15,6 +15,7 @@ use data::Tokenizer;
 use hybrid_engine::checkpoint::{checkpoint_name, write_dir_atomically, write_file_atomically};
 use hybrid_engine::hf_io::{self, LATEST};
 use hybrid_engine::reward_model::{causal_lm_config, sequence_classification_config};
+use hybrid_engine::trainer::TrainerProgress;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -40,6 +41,11 @@ pub struct PpoState {
     pub rollouts_reused: u64,
     pub answers_dropped_short: u64,
     pub first_reward: Option<f64>,
+    /// Accumulation boundaries, skipped steps and the fp16 loss scale of each model.
+    #[serde(default)]
+    pub actor_progress: Option<TrainerProgress>,
+    #[serde(default)]
+    pub critic_progress: Option<TrainerProgress>,
     /// The flags that shape training; a resume must use the same.
     pub run: serde_json::Value,
 }

@@ -191,7 +191,7 @@ impl ForwardInputs {
     /// Log-prob of each action's token under `model`: (B, L - 1) row-major.
     pub fn logprobs(&self, model: &Gpt2) -> Result<Vec<f32>> {
         let logits = model.forward(&self.ids, &self.as_positions(), None, None)?; // (B, L, V)
-        Ok(gather_log_probs(&logits, &self.ids)?.flatten_all()?.to_vec1()?)
+        Ok(gather_log_probs(&model.loss_input(&logits)?, &self.ids)?.flatten_all()?.to_vec1()?)
     }
 
     /// Per-token values of a critic: (B, L) row-major.

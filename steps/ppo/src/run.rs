@@ -87,7 +87,8 @@ fn schedule(args: &PpoArgs, lr: f64, total: u64) -> LrSchedule {
 /// Runs step 3.
 pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
     args.validate()?;
-    let device = Device::Cpu;
+    let device = hybrid_engine::device::parse_device(&args.device)?;
+    println!("device: {}", hybrid_engine::device::describe(&device));
     let cfg = args.ppo_config();
 
     // Models: actor and reference from step 1, critic and reward from step 2.
@@ -195,8 +196,15 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
         crate::checkpoint::restore_values(&actor_params, &ck.actor, "actor")?;
         crate::checkpoint::restore_values(&critic_params, &ck.critic, "critic")?;
     }
-    let actor_model = actor_params.model(&actor_cfg)?;
-    let critic_model = RewardModel::new(&critic_params, &critic_cfg)?;
+    // Forward and backward run on copies in the compute dtype (the masters themselves in fp32).
+    let precision = args.precision.precision();
+    let dtype = precision.dtype.dtype();
+    let actor_compute = actor_params.compute_copy(dtype)?;
+    let critic_compute = critic_params.compute_copy(dtype)?;
+    let mut actor_model = actor_compute.model(&actor_cfg)?;
+    actor_model.fp32_loss = precision.fp32_loss;
+    let mut critic_model = RewardModel::new(&critic_compute, &critic_cfg)?;
+    critic_model.trunk.fp32_loss = precision.fp32_loss;
     let ema = match (args.enable_ema, resume.as_ref().and_then(|ck| ck.ema.as_ref())) {
         (false, _) => None,
         (true, saved) => {
@@ -211,6 +219,7 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
         actor: trained(
             args,
             actor_params,
+            &actor_compute,
             &actor_cfg,
             actor_model,
             args.actor_learning_rate,
@@ -222,6 +231,7 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
         critic: trained(
             args,
             critic_params,
+            &critic_compute,
             &critic_cfg,
             critic_model,
             args.critic_learning_rate,
@@ -230,18 +240,24 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
             critic_steps,
             args.critic_gradient_checkpointing,
         )?,
-        reference: ref_params.model(&actor_cfg)?,
-        reward: RewardModel::new(&reward_params, &reward_cfg)?,
+        reference: frozen_lm(&ref_params.compute_copy(dtype)?, &actor_cfg, precision.fp32_loss)?,
+        reward: frozen_reward_model(&reward_params.compute_copy(dtype)?, &reward_cfg, precision.fp32_loss)?,
         ema,
+        align_overflow: args.align_overflow,
     };
     if let Some(ck) = &resume {
         let (a, c) = (&mut models.actor, &mut models.critic);
         a.trainer.optimizer.load_state(&a.trainable, ck.state.actor_steps, &ck.actor_optimizer)?;
         c.trainer.optimizer.load_state(&c.trainable, ck.state.critic_steps, &ck.critic_optimizer)?;
+        if let (Some(ap), Some(cp)) = (&ck.state.actor_progress, &ck.state.critic_progress) {
+            a.trainer.restore_progress(ap)?;
+            c.trainer.restore_progress(cp)?;
+        }
         println!("resumed from {} at rollout {}", ck.dir.display(), ck.state.step);
     }
     let mut engine =
-        GenerationMode::new(args.max_prompt_seq_len, args.max_answer_seq_len, args.release_inference_cache);
+        GenerationMode::new(args.max_prompt_seq_len, args.max_answer_seq_len, args.release_inference_cache)
+            .with_dtype(dtype);
 
     let total_rollouts = (args.num_train_epochs * rollouts_per_epoch) as u64;
     let mut metrics = Metrics::open(&args.output_dir, total_rollouts, resume.as_ref().map_or(0, |ck| ck.state.step))?;
@@ -359,6 +375,8 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
                     rollouts_reused: summary.rollouts_reused,
                     answers_dropped_short: summary.answers_dropped_short,
                     first_reward: summary.first_reward,
+                    actor_progress: Some(models.actor.trainer.progress()),
+                    critic_progress: Some(models.critic.trainer.progress()),
                     run: args.run_fingerprint(),
                 };
                 let dir = crate::checkpoint::save(&save_root, &models, &state, &tokenizer)?;
@@ -433,6 +451,7 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
 fn trained<M>(
     args: &PpoArgs,
     params: ParamStore,
+    compute: &ParamStore,
     config: &Gpt2Config,
     model: M,
     lr: f64,
@@ -443,9 +462,24 @@ fn trained<M>(
 ) -> Result<Trained<M>> {
     let trainable = params.trainable();
     let adam = AdamWConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay };
-    let mut trainer = Trainer::new(&trainable, adam, schedule(args, lr, steps), args.gradient_accumulation_steps, 1.0)?;
+    let mut trainer = Trainer::new(&trainable, adam, schedule(args, lr, steps), args.gradient_accumulation_steps, 1.0)?
+        .with_precision(args.precision.precision(), compute, args.precision.loss_scaling());
     trainer.set_lora_learning_rate(&trainable, lora_lr);
     Ok(Trained { trainer, config: config.clone(), params, trainable, model, checkpoint_activations })
+}
+
+/// The frozen reference model in the compute dtype.
+fn frozen_lm(params: &ParamStore, config: &Gpt2Config, fp32_loss: bool) -> Result<hybrid_engine::Gpt2> {
+    let mut model = params.model(config)?;
+    model.fp32_loss = fp32_loss;
+    Ok(model)
+}
+
+/// The frozen reward model in the compute dtype.
+fn frozen_reward_model(params: &ParamStore, config: &Gpt2Config, fp32_loss: bool) -> Result<RewardModel> {
+    let mut model = RewardModel::new(params, config)?;
+    model.trunk.fp32_loss = fp32_loss;
+    Ok(model)
 }
 
 /// Rollout sampling: DS-Chat's greedy decoding, or sampling with `--do-sample` (a new seed per
@@ -550,11 +584,26 @@ fn log_step(
         "ptx_loss": if ptx.is_empty() { None } else { Some(ptx.iter().sum::<f64>() / ptx.len() as f64) },
         "actor_lr": models.actor.trainer.schedule.lr(models.actor.trainer.optimizer.step.max(1)),
         "critic_lr": models.critic.trainer.schedule.lr(models.critic.trainer.optimizer.step.max(1)),
+        "actor_loss_scale": models.actor.trainer.dynamic_loss_scale(),
+        "critic_loss_scale": models.critic.trainer.dynamic_loss_scale(),
+        "actor_skipped_steps": models.actor.trainer.skipped_steps(),
+        "critic_skipped_steps": models.critic.trainer.skipped_steps(),
         "generation_secs": generation_secs,
         "training_secs": train_secs,
     });
+    // fp16 runs also show each model's loss scale and skipped updates.
+    let scaling = match (&models.actor.trainer.scaler, &models.critic.trainer.scaler) {
+        (Some(a), Some(c)) => format!(
+            " loss scale {}/{} | skipped {}/{} |",
+            a.scale,
+            c.scale,
+            models.actor.trainer.skipped_steps(),
+            models.critic.trainer.skipped_steps()
+        ),
+        _ => String::new(),
+    };
     metrics.println(&format!(
-        " step {step:>5}/{total} | epoch {epoch} | reward {:.3} (std {:.3}) | kl_ref {:.4} | actor loss {:.4} | critic loss {:.4} | ratio {:.3} | clip {:.3} | entropy {:.3} | expl var {:.3} | answer len {:.1} | eos {:.2} | gen {:.1}s train {:.1}s |",
+        " step {step:>5}/{total} | epoch {epoch} | reward {:.3} (std {:.3}) | kl_ref {:.4} | actor loss {:.4} | critic loss {:.4} | ratio {:.3} | clip {:.3} | entropy {:.3} | expl var {:.3} | answer len {:.1} | eos {:.2} | gen {:.1}s train {:.1}s |{scaling}",
         rollout["reward_mean"].as_f64().unwrap_or(f64::NAN),
         rollout["reward_std"].as_f64().unwrap_or(f64::NAN),
         rollout["kl_ref_k3"].as_f64().unwrap_or(f64::NAN),

@@ -6,12 +6,12 @@
 use crate::experience::{Experience, ForwardInputs};
 use crate::ppo::{self, PpoConfig};
 use anyhow::Result;
-use candle_core::{Device, Tensor, D};
+use candle_core::{DType, Device, Tensor, D};
 use hybrid_engine::gpt2::{Dropout, Gpt2, Gpt2Config};
 use hybrid_engine::ops::{self, DropoutKey};
 use hybrid_engine::reward_model::RewardModel;
 use hybrid_engine::train_step::{forward_backward, lm_forward_backward, Backward};
-use hybrid_engine::trainer::{StepReport, Trainer};
+use hybrid_engine::trainer::{micro_batch_done_pair, StepReport, Trainer};
 use hybrid_engine::ParamStore;
 use std::cell::RefCell;
 use std::ops::Range;
@@ -36,6 +36,8 @@ pub struct PpoModels {
     pub reference: Gpt2,
     pub reward: RewardModel,
     pub ema: Option<ParamStore>,
+    /// Skip both updates when either model's gradients overflowed (`--align-overflow`).
+    pub align_overflow: bool,
 }
 
 /// What one PPO update measured.
@@ -102,7 +104,6 @@ impl PpoModels {
         let model = &actor.model;
         let actor_loss = forward_backward(
             model,
-            &actor.trainable,
             &inputs.ids,
             &inputs.as_positions(),
             Some(&dropout),
@@ -110,16 +111,17 @@ impl PpoModels {
             actor.trainer.grads(),
             |hidden| {
                 let h = hidden.narrow(1, start, l - 1 - start)?; // (b, A, C)
-                let logp_all = ops::log_softmax_last_dim(&model.lm_head(&h)?)?; // (b, A, V)
-                let logp =
-                    logp_all.gather(&next_tokens.unsqueeze(D::Minus1)?.contiguous()?, D::Minus1)?.squeeze(D::Minus1)?;
-                let detached = logp_all.detach();
+                let logp_all = ops::log_softmax_last_dim(&model.loss_input(&model.lm_head(&h)?)?)?; // (b, A, V)
+                let logp = logp_all
+                    .gather(&next_tokens.unsqueeze(D::Minus1)?.contiguous()?, D::Minus1)?
+                    .squeeze(D::Minus1)?
+                    .to_dtype(DType::F32)?;
+                let detached = logp_all.detach().to_dtype(DType::F32)?;
                 let entropy = (detached.exp()? * &detached)?.sum(D::Minus1)?.neg()?; // (b, A)
                 *seen.borrow_mut() = Some((logp.detach(), entropy));
                 ppo::actor_loss(&logp, &old_logp, &advantages, &mask, cfg)
             },
         )?;
-        let actor_step = actor.trainer.micro_batch_done(&actor.trainable)?;
         let (new_logp, entropy) = seen.into_inner().expect("the actor head ran");
 
         // Critic.
@@ -131,7 +133,6 @@ impl PpoModels {
         let rm = &critic.model;
         let critic_loss = forward_backward(
             &rm.trunk,
-            &critic.trainable,
             &inputs.ids,
             &inputs.as_positions(),
             Some(&dropout),
@@ -142,9 +143,14 @@ impl PpoModels {
                 ppo::critic_loss(&values, &old_values, &returns, &mask, cfg)
             },
         )?;
-        let critic_step = critic.trainer.micro_batch_done(&critic.trainable)?;
 
-        if let (Some(ema), Some(_)) = (&mut self.ema, actor_step) {
+        // Both steps after both backward passes, so that --align-overflow can look at both.
+        let (actor_step, critic_step) = micro_batch_done_pair(
+            (&mut self.actor.trainer, &self.actor.trainable),
+            (&mut self.critic.trainer, &self.critic.trainable),
+            self.align_overflow,
+        )?;
+        if let (Some(ema), Some(StepReport { skipped: false, .. })) = (&mut self.ema, actor_step) {
             update_ema(ema, &self.actor.params)?;
         }
         let stats = policy_stats(&new_logp, &old_logp, &entropy, &mask, cfg, actor_loss, critic_loss)?;
@@ -168,17 +174,9 @@ impl PpoModels {
             checkpoint_activations: actor.checkpoint_activations,
             loss_scale: unsup_coef * actor.trainer.loss_scale(),
         };
-        let loss = lm_forward_backward(
-            &actor.model,
-            &actor.trainable,
-            ids,
-            targets,
-            Some(&dropout),
-            how,
-            actor.trainer.grads(),
-        )?;
+        let loss = lm_forward_backward(&actor.model, ids, targets, Some(&dropout), how, actor.trainer.grads())?;
         let step = actor.trainer.micro_batch_done(&actor.trainable)?;
-        if let (Some(ema), Some(_)) = (&mut self.ema, step) {
+        if let (Some(ema), Some(StepReport { skipped: false, .. })) = (&mut self.ema, step) {
             update_ema(ema, &self.actor.params)?;
         }
         Ok((loss, step))
@@ -186,7 +184,7 @@ impl PpoModels {
 
     /// Applies what is left in the accumulators at the end of the run.
     pub fn flush(&mut self) -> Result<()> {
-        if self.actor.trainer.flush(&self.actor.trainable)?.is_some() {
+        if let Some(StepReport { skipped: false, .. }) = self.actor.trainer.flush(&self.actor.trainable)? {
             if let Some(ema) = &mut self.ema {
                 update_ema(ema, &self.actor.params)?;
             }

@@ -104,6 +104,21 @@ fn with_lora_only_the_adapters_train_and_resume_is_exact() {
     assert!(!unchanged("h.0.attn.c_attn.weight"), "the merged adapter changed the adapted weight");
 }
 
+#[test]
+fn fp16_with_aligned_overflow_logs_its_loss_scale_and_resumes_exactly() {
+    // 2^24 overflows at first: updates are skipped and the scale falls, then grows back every 3
+    // clean steps; the resumed run must restore both scalers to end with the same weights.
+    let fp16 = ["--dtype", "fp16", "--align-overflow", "--initial-scale-power", "24", "--loss-scale-window", "3"];
+    let (dir, full) = resume_is_exact(&fp16);
+    assert!(full.contains("loss scale "), "fp16 logs its loss scales:\n{full}");
+    let metrics = std::fs::read_to_string(dir.path().join("full/metrics.jsonl")).unwrap();
+    let last: serde_json::Value = serde_json::from_str(metrics.lines().rev().nth(1).unwrap()).unwrap();
+    let skipped = last["actor_skipped_steps"].as_u64().expect("actor_skipped_steps")
+        + last["critic_skipped_steps"].as_u64().expect("critic_skipped_steps");
+    assert!(skipped > 0, "2^24 must overflow at first: {last}");
+    assert!(last["actor_loss_scale"].as_f64().unwrap() < 2f64.powi(24), "{last}");
+}
+
 /// Runs 7 rollouts with checkpoints, resumes from the one after rollout 2, and checks that both
 /// runs end with the same weights. Returns the directory and the full run's log.
 fn resume_is_exact(extra: &[&str]) -> (tempfile::TempDir, String) {

@@ -51,7 +51,8 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
     let t = &args.train;
     let lr = t.learning_rate.unwrap_or(DEFAULT_LR);
     t.validate(lr)?;
-    let device = t.device();
+    let device = t.device()?;
+    println!("device: {}", hybrid_engine::device::describe(&device));
     let mut start = starting_model(&t.model_name_or_path, t.seed, t.dropout, &device)?;
     let tokenizer = match (&args.tokenizer, &start.dir) {
         (Some(p), _) => Tokenizer::from_file(p)?,
@@ -80,7 +81,11 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
     let params = &start.params;
     // What the optimizer updates: everything, or with --only-optimize-lora the adapters and head.
     let trainable = params.trainable();
-    let model = RewardModel::new(params, &config)?;
+    // Forward and backward run on a copy in the compute dtype (the masters themselves in fp32).
+    let precision = t.precision.precision();
+    let compute = params.compute_copy(precision.dtype.dtype())?;
+    let mut model = RewardModel::new(&compute, &config)?;
+    model.trunk.fp32_loss = precision.fp32_loss;
 
     let data_cfg = args.data.config(t.seed, t.max_seq_len, t.max_seq_len, false)?;
     let data = data::phases::reward_data(&data_cfg, &tokenizer)?;
@@ -93,13 +98,15 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
         "{}",
         MemoryPlan::new(&config, 2 * t.per_device_train_batch_size, t.max_seq_len, t.gradient_checkpointing)
             .with_parameters(params.numel(), trainable.numel())
+            .with_compute_dtype(t.precision.dtype.dtype())
             .report()
     );
 
     let micro_per_epoch = data.train.len().div_ceil(t.per_device_train_batch_size);
     let steps = total_steps(micro_per_epoch, t.num_train_epochs, t.gradient_accumulation_steps);
     let mut trainer =
-        Trainer::new(&trainable, t.adam(), t.schedule(lr, steps), t.gradient_accumulation_steps, t.gradient_clipping)?;
+        Trainer::new(&trainable, t.adam(), t.schedule(lr, steps), t.gradient_accumulation_steps, t.gradient_clipping)?
+            .with_precision(precision, &compute, t.precision.loss_scaling());
     trainer.set_lora_learning_rate(&trainable, t.lora_learning_rate);
     let mut metrics = Metrics::open(&args.output_dir, steps, 0)?;
     let mut summary = RewardSummary { steps: 0, evals: Vec::new(), output_dir: args.output_dir.clone() };
@@ -119,7 +126,7 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
     };
     report_eval(&mut metrics, 0, &mut summary)?;
 
-    let mut log = StepLog::new(t.log_interval, steps, "pairs");
+    let mut log = StepLog::for_trainer(t.log_interval, steps, "pairs", &trainer);
     let mut micro_index = 0u64;
     for epoch in 1..=t.num_train_epochs {
         metrics.println(&format!(
@@ -139,7 +146,6 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
             let pair_loss = args.loss;
             let value = forward_backward(
                 &model.trunk,
-                &trainable,
                 &ids,
                 &Positions::default(),
                 Some(&dropout),

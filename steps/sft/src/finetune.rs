@@ -38,7 +38,8 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
     let t = &args.train;
     let lr = t.learning_rate.unwrap_or(DEFAULT_LR);
     t.validate(lr)?;
-    let device = t.device();
+    let device = t.device()?;
+    println!("device: {}", hybrid_engine::device::describe(&device));
     let mut start = starting_model(&t.model_name_or_path, t.seed, t.dropout, &device)?;
     let tokenizer = match (&args.tokenizer, &start.dir) {
         (Some(p), _) => Tokenizer::from_file(p)?,
@@ -64,15 +65,21 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
         "{}",
         MemoryPlan::new(&config, t.per_device_train_batch_size, t.max_seq_len, t.gradient_checkpointing)
             .with_parameters(params.numel(), trainable.numel())
+            .with_compute_dtype(t.precision.dtype.dtype())
             .report()
     );
-    let model = params.model(&config)?;
+    // Forward and backward run on a copy in the compute dtype (the masters themselves in fp32).
+    let precision = t.precision.precision();
+    let compute = params.compute_copy(precision.dtype.dtype())?;
+    let mut model = compute.model(&config)?;
+    model.fp32_loss = precision.fp32_loss;
     // prompt_eval compares with the starting weights, which training overwrites in place.
     let baseline_weights = args.eval_prompts.is_some().then(|| params.copy()).transpose()?;
     let micro_per_epoch = data.train.len().div_ceil(t.per_device_train_batch_size);
     let steps = total_steps(micro_per_epoch, t.num_train_epochs, t.gradient_accumulation_steps);
     let mut trainer =
-        Trainer::new(&trainable, t.adam(), t.schedule(lr, steps), t.gradient_accumulation_steps, t.gradient_clipping)?;
+        Trainer::new(&trainable, t.adam(), t.schedule(lr, steps), t.gradient_accumulation_steps, t.gradient_clipping)?
+            .with_precision(precision, &compute, t.precision.loss_scaling());
     trainer.set_lora_learning_rate(&trainable, t.lora_learning_rate);
     let mut metrics = Metrics::open(&args.output_dir, steps, 0)?;
     let eos = tokenizer.eos_id();
@@ -99,7 +106,7 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
     };
     report_eval(&mut metrics, 0, &mut summary)?;
 
-    let mut log = StepLog::new(t.log_interval, steps, "tokens");
+    let mut log = StepLog::for_trainer(t.log_interval, steps, "tokens", &trainer);
     let mut micro_index = 0u64;
     for epoch in 1..=t.num_train_epochs {
         metrics.println(&format!(
@@ -115,7 +122,7 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
             let key = DropoutKey { seed: t.seed, step: micro_index, micro_batch: 0 };
             let dropout = Dropout::from_config(&config, key);
             let how = Backward { checkpoint_activations: t.gradient_checkpointing, loss_scale: trainer.loss_scale() };
-            let loss = sft_forward_backward(&model, &trainable, &batch, Some(&dropout), how, &mut trainer, &device)?;
+            let loss = sft_forward_backward(&model, &batch, Some(&dropout), how, &mut trainer, &device)?;
             let stepped = trainer.micro_batch_done(&trainable)?;
             log.micro_batch(loss, batch.b * batch.t, started.elapsed().as_secs_f64(), epoch)?;
             if let Some(r) = stepped {
@@ -157,7 +164,6 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
 /// The loss of one micro-batch, its gradients added to the trainer's accumulator.
 fn sft_forward_backward(
     model: &Gpt2,
-    params: &hybrid_engine::ParamStore,
     batch: &SftBatch,
     dropout: Option<&Dropout>,
     how: Backward,
@@ -165,7 +171,7 @@ fn sft_forward_backward(
     device: &Device,
 ) -> Result<f32> {
     let (ids, rows, targets) = batch_tensors(batch, device)?;
-    forward_backward(model, params, &ids, &Positions::default(), dropout, how, trainer.grads(), |hidden| {
+    forward_backward(model, &ids, &Positions::default(), dropout, how, trainer.grads(), |hidden| {
         model.lm_loss_at(hidden, &rows, &targets)
     })
 }

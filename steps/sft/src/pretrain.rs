@@ -45,7 +45,8 @@ struct DataLayout {
 /// Runs `sft --from-scratch`.
 pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     let cfg = args.pretrain_config()?;
-    let device = Device::Cpu;
+    let device = hybrid_engine::device::parse_device(&args.device)?;
+    println!("device: {}", hybrid_engine::device::describe(&device));
 
     // Data: tokenize, pack, split. Every failure here happens before any training.
     let tokenizer = match &args.tokenizer {
@@ -147,7 +148,7 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     for iteration in start + 1..=args.train_iters {
         let iteration_start = Instant::now();
         let lr = cfg.schedule.lr(iteration);
-        let mut acc = GradAccumulator::new(params.vars.len());
+        let mut acc = GradAccumulator::new(&params);
         let mut loss = 0f32;
         for micro in 0..args.gradient_accumulation_steps {
             let (x, y) = batch(&corpus, &sampler.next_indices(args.micro_batch_size), &device)?;
@@ -156,7 +157,6 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
             let scale = 1.0 / args.gradient_accumulation_steps as f64;
             loss += lm_forward_backward(
                 &model,
-                &params,
                 &x,
                 &y,
                 Some(&dropout),
@@ -164,7 +164,7 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
                 &mut acc,
             )? / args.gradient_accumulation_steps as f32;
         }
-        let mut grads = acc.finish(&params)?;
+        let mut grads = acc.finish()?;
         let grad_norm = clip_grad_norm(&mut grads, args.clip_grad)?;
         optimizer.step(&params, &grads, lr)?;
         interval_secs += iteration_start.elapsed().as_secs_f64();

@@ -128,8 +128,9 @@ pub struct PretrainArgs {
     /// Recompute each block's activations in backward instead of storing them.
     #[arg(long, alias = "checkpoint_activations", alias = "gradient-checkpointing", alias = "gradient_checkpointing")]
     pub checkpoint_activations: bool,
-    /// cpu (CUDA arrives with the mixed-precision issue).
-    #[arg(long, default_value = "cpu")]
+    /// auto (CUDA device 0 when built with --features cuda and a GPU opens, else the CPU), cpu,
+    /// cuda or cuda:N.
+    #[arg(long, default_value = "auto", env = hybrid_engine::device::DEVICE_ENV)]
     pub device: String,
 }
 
@@ -148,12 +149,7 @@ impl PretrainArgs {
         if !self.from_scratch {
             bail!("supervised fine-tuning on prompt/answer data is not available yet (it arrives with the SFT issue): pass --from-scratch to pretrain GPT-2 on a corpus");
         }
-        if self.device != "cpu" {
-            bail!(
-                "--device {}: this build runs on the CPU only (CUDA arrives with the `cuda` feature); use --device cpu",
-                self.device
-            );
-        }
+        hybrid_engine::device::check_device(&self.device)?;
         let positive = [
             ("--seq-length", self.seq_length),
             ("--micro-batch-size", self.micro_batch_size),

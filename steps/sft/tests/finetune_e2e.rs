@@ -187,3 +187,52 @@ fn bad_data_input_is_one_clear_error_line() {
     assert!(err.contains("--max-seq-len"), "{err}");
     assert!(!Path::new(&out).join("model.safetensors").exists(), "a failed run saves nothing");
 }
+
+/// `--dtype fp16`: the log line and metrics.jsonl carry the loss scale and the skipped steps, and
+/// the saved model holds the fp32 master weights. A bad dtype is one error line.
+#[test]
+fn fp16_run_logs_its_loss_scale_and_saves_fp32_master_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = |name: &str| dir.path().join(name).to_str().unwrap().to_string();
+    let rows: Vec<String> = (0..40)
+        .map(|i| serde_json::json!({"prompt": format!("Human: {i}? Assistant:"), "chosen": " yes"}).to_string())
+        .collect();
+    std::fs::write(d("rows.jsonl"), rows.join("\n")).unwrap();
+    let (out, cache, data) = (d("out"), d("cache"), d("rows.jsonl"));
+    // Not `small()`: several --data-path flags would blend the demo in.
+    let args = [
+        "--data-path",
+        &data,
+        "--data-split",
+        "1",
+        "--max-seq-len",
+        "48",
+        "--per-device-train-batch-size",
+        "8",
+        "--dropout",
+        "0",
+        "--output-dir",
+        &out,
+        "--data-output-path",
+        &cache,
+        "--dtype",
+        "fp16",
+        "--log-interval",
+        "1",
+    ];
+    let run = sft(&args, &[]);
+    let stdout = String::from_utf8_lossy(&run.stdout).to_string();
+    assert!(run.status.success(), "sft failed:\n{stdout}\n{}", String::from_utf8_lossy(&run.stderr));
+    assert!(stdout.contains("| loss scale: ") && stdout.contains("| skipped steps: "), "{stdout}");
+    let metrics = std::fs::read_to_string(Path::new(&out).join("metrics.jsonl")).unwrap();
+    let step: serde_json::Value =
+        serde_json::from_str(metrics.lines().find(|l| l.contains("\"lr\"")).unwrap()).unwrap();
+    assert!(step["loss_scale"].as_f64().unwrap() <= 65536.0 && step.get("skipped_steps").is_some(), "{step}");
+    let saved = std::fs::read(Path::new(&out).join("model.safetensors")).unwrap();
+    let tensors = safetensors::SafeTensors::deserialize(&saved).unwrap();
+    assert!(tensors.tensors().iter().all(|(_, t)| t.dtype() == safetensors::Dtype::F32), "fp32 masters are saved");
+
+    let bad = sft(&[small(&out, &cache), vec!["--dtype", "fp8"]].concat(), &[]);
+    let err = error_line(&bad);
+    assert!(err.contains("fp8") && err.contains("--dtype"), "{err}");
+}

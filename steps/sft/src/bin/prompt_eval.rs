@@ -20,10 +20,14 @@ struct Args {
     num_prompts: usize,
     #[arg(long, default_value_t = 32, alias = "max_new_tokens")]
     max_new_tokens: usize,
+    /// auto (CUDA device 0 when built with --features cuda and a GPU opens, else the CPU), cpu,
+    /// cuda or cuda:N.
+    #[arg(long, default_value = "auto", env = hybrid_engine::device::DEVICE_ENV)]
+    device: String,
 }
 
 fn run(args: &Args) -> Result<()> {
-    let device = candle_core::Device::Cpu;
+    let device = hybrid_engine::device::parse_device(&args.device)?;
     let load = |name: &str| -> Result<(hybrid_engine::Gpt2, std::path::PathBuf)> {
         let dir = hybrid_engine::hf_io::resolve_model_dir(name)?;
         let files = hybrid_engine::hf_io::load_model_dir(&dir, &device)?;

@@ -1,0 +1,234 @@
+//! `--device`: where a step computes. One parser for every binary:
+//!
+//! - `auto` (the default): CUDA device 0 when this build has the `cuda` feature and a GPU opens,
+//!   else the CPU (with a one-line note on stderr when a CUDA build finds no usable GPU);
+//! - `cpu`;
+//! - `cuda` (= `cuda:0`) or `cuda:N`.
+//!
+//! Asking for CUDA where there is none is one line saying what to do: rebuild with
+//! `--features cuda` (a CPU-only build), or use `--device cpu` (no GPU, no driver, or no such
+//! device), with the driver's own error text inside the line.
+
+use anyhow::{bail, Result};
+use candle_core::{Device, DeviceLocation};
+
+/// The environment variable a `--device` flag falls back to: `train --device D` sets it for the
+/// step processes its recipes start, whatever flags the recipe passes.
+pub const DEVICE_ENV: &str = "RLHF_DEVICE";
+
+/// What the user asked for, before any device is opened.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceSpec {
+    Auto,
+    Cpu,
+    Cuda(usize),
+}
+
+impl DeviceSpec {
+    /// Parses `auto`, `cpu`, `cuda`, `cuda:N` (case-insensitive, surrounding blanks ignored).
+    pub fn parse(spec: &str) -> Result<Self> {
+        let s = spec.trim().to_ascii_lowercase();
+        match s.as_str() {
+            "auto" => return Ok(Self::Auto),
+            "cpu" => return Ok(Self::Cpu),
+            "cuda" => return Ok(Self::Cuda(0)),
+            _ => {}
+        }
+        if let Some(n) = s.strip_prefix("cuda:") {
+            return match n.parse::<usize>() {
+                Ok(n) => Ok(Self::Cuda(n)),
+                Err(_) => bail!("--device {spec:?}: the CUDA device number must be 0, 1, ... (e.g. cuda:0)"),
+            };
+        }
+        bail!("--device {spec:?} is not a device: use auto, cpu, cuda or cuda:N")
+    }
+}
+
+/// Whether this binary was built with the `cuda` feature.
+pub const fn cuda_compiled() -> bool {
+    cfg!(feature = "cuda")
+}
+
+/// Checks `--device` without opening a device (no CUDA context, no GPU memory): the spelling,
+/// that the build has CUDA, and that the driver sees device N. For the flags' validation, before
+/// any work starts, and for `train`, whose steps open the device in their own processes.
+pub fn check_device(spec: &str) -> Result<DeviceSpec> {
+    let parsed = DeviceSpec::parse(spec)?;
+    if let DeviceSpec::Cuda(n) = parsed {
+        check_cuda(spec.trim(), n)?;
+    }
+    Ok(parsed)
+}
+
+/// Parses `--device` and opens the device (see the module documentation).
+pub fn parse_device(spec: &str) -> Result<Device> {
+    match check_device(spec)? {
+        DeviceSpec::Cpu => Ok(Device::Cpu),
+        DeviceSpec::Auto => Ok(auto_device()),
+        DeviceSpec::Cuda(n) => open_cuda(spec.trim(), n),
+    }
+}
+
+/// A short name for logs: `cpu`, `cuda:0`.
+pub fn describe(device: &Device) -> String {
+    match device.location() {
+        DeviceLocation::Cpu => "cpu".into(),
+        DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
+        DeviceLocation::Metal { gpu_id } => format!("metal:{gpu_id}"),
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn auto_device() -> Device {
+    Device::Cpu
+}
+
+#[cfg(feature = "cuda")]
+fn auto_device() -> Device {
+    match cuda_device_count() {
+        Ok(0) => Device::Cpu,
+        Ok(_) => match Device::new_cuda(0) {
+            Ok(d) => d,
+            Err(e) => {
+                eprintln!("note: --device auto: CUDA device 0 does not open ({}); running on the CPU", first_line(&e));
+                Device::Cpu
+            }
+        },
+        Err(e) => {
+            eprintln!("note: --device auto: no usable CUDA driver ({e}); running on the CPU");
+            Device::Cpu
+        }
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn no_cuda_build(spec: &str) -> String {
+    format!(
+        "--device {}: this binary was built without CUDA; rebuild with `cargo build --release --features cuda` (set up by `source scripts/cuda-build-env.sh`), or use --device cpu",
+        spec.trim()
+    )
+}
+
+#[cfg(not(feature = "cuda"))]
+fn check_cuda(spec: &str, _n: usize) -> Result<()> {
+    bail!("{}", no_cuda_build(spec))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn open_cuda(spec: &str, _n: usize) -> Result<Device> {
+    bail!("{}", no_cuda_build(spec))
+}
+
+#[cfg(feature = "cuda")]
+fn check_cuda(spec: &str, n: usize) -> Result<()> {
+    let count = match cuda_device_count() {
+        Ok(c) => c,
+        Err(e) => {
+            bail!("--device {spec}: no usable CUDA driver or GPU on this machine ({e}); use --device cpu (or auto)")
+        }
+    };
+    if n >= count {
+        let have = match count {
+            0 => "no CUDA device".to_string(),
+            1 => "1 CUDA device (cuda:0)".to_string(),
+            c => format!("{c} CUDA devices (cuda:0 to cuda:{})", c - 1),
+        };
+        bail!("--device {spec}: this machine has {have}; use one of those, or --device cpu");
+    }
+    Ok(())
+}
+
+#[cfg(feature = "cuda")]
+fn open_cuda(spec: &str, n: usize) -> Result<Device> {
+    match Device::new_cuda(n) {
+        Ok(d) => Ok(d),
+        Err(e) => bail!("--device {spec}: CUDA device {n} does not open ({}); use --device cpu", first_line(&e)),
+    }
+}
+
+/// The number of CUDA devices the driver sees (initialising the driver first).
+#[cfg(feature = "cuda")]
+fn cuda_device_count() -> std::result::Result<usize, String> {
+    use candle_core::cuda_backend::cudarc::driver::CudaContext;
+    match std::panic::catch_unwind(CudaContext::device_count) {
+        Ok(Ok(c)) => Ok(c.max(0) as usize),
+        // The driver's code and, where the driver can say it, its description.
+        Ok(Err(e)) => Err(match e.error_string() {
+            Ok(text) => format!("{:?}: {}", e.0, text.to_string_lossy()),
+            Err(_) => format!("{:?}", e.0),
+        }),
+        Err(_) => Err("the CUDA driver panicked".into()),
+    }
+}
+
+/// The first line of an error (candle appends a backtrace when RUST_BACKTRACE is set).
+#[cfg(feature = "cuda")]
+fn first_line(e: &impl std::fmt::Display) -> String {
+    e.to_string().lines().next().unwrap_or_default().to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_the_spellings() -> Result<()> {
+        assert_eq!(DeviceSpec::parse("auto")?, DeviceSpec::Auto);
+        assert_eq!(DeviceSpec::parse("cpu")?, DeviceSpec::Cpu);
+        assert_eq!(DeviceSpec::parse(" CPU ")?, DeviceSpec::Cpu);
+        assert_eq!(DeviceSpec::parse("cuda")?, DeviceSpec::Cuda(0));
+        assert_eq!(DeviceSpec::parse("cuda:0")?, DeviceSpec::Cuda(0));
+        assert_eq!(DeviceSpec::parse("cuda:3")?, DeviceSpec::Cuda(3));
+        Ok(())
+    }
+
+    #[test]
+    fn cpu_is_the_cpu() -> Result<()> {
+        assert!(parse_device("cpu")?.is_cpu());
+        Ok(())
+    }
+
+    #[test]
+    fn bad_strings_say_what_is_accepted() {
+        let err = |s: &str| format!("{:#}", parse_device(s).unwrap_err());
+        for bad in ["gpu", "", "cuda0", "metal", "cpu:0"] {
+            let e = err(bad);
+            assert!(e.contains("use auto, cpu, cuda or cuda:N"), "{bad:?}: {e}");
+            assert!(!e.contains('\n'), "one line: {e}");
+        }
+        for bad in ["cuda:x", "cuda:", "cuda:-1", "cuda:1.5"] {
+            let e = err(bad);
+            assert!(e.contains("must be 0, 1, ...") && e.contains(bad), "{bad:?}: {e}");
+        }
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    #[test]
+    fn without_the_cuda_feature_auto_is_the_cpu_and_cuda_says_how_to_rebuild() {
+        assert!(parse_device("auto").unwrap().is_cpu());
+        for spec in ["cuda", "cuda:0", "cuda:1"] {
+            let e = format!("{:#}", parse_device(spec).unwrap_err());
+            assert!(e.starts_with(&format!("--device {spec}: this binary was built without CUDA")), "{e}");
+            assert!(e.contains("--features cuda") && e.contains("scripts/cuda-build-env.sh"), "{e}");
+            assert!(e.contains("--device cpu") && !e.contains('\n'), "{e}");
+            assert_eq!(format!("{:#}", check_device(spec).unwrap_err()), e);
+        }
+        assert_eq!(check_device("auto").unwrap(), DeviceSpec::Auto);
+    }
+
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn with_the_cuda_feature_auto_always_opens_something() {
+        // A GPU machine gets cuda:0, a GPU-less one (or the link stubs) the CPU: never an error.
+        let d = parse_device("auto").unwrap();
+        assert!(matches!(describe(&d).as_str(), "cpu" | "cuda:0"));
+        // A device number past any machine's is one line that says what to do.
+        let e = format!("{:#}", parse_device("cuda:4096").unwrap_err());
+        assert!(e.contains("--device cpu") && !e.contains('\n'), "{e}");
+    }
+
+    #[test]
+    fn describes_the_cpu() {
+        assert_eq!(describe(&Device::Cpu), "cpu");
+    }
+}

@@ -1,0 +1,244 @@
+//! Mixed precision, DeepSpeed semantics: the optimizer keeps fp32 master weights and fp32 Adam
+//! moments; forward and backward run on a copy of the weights in the compute dtype (fp32, fp16
+//! or bf16), refreshed from the masters after every update. Gradients are accumulated in fp32,
+//! unscaled and checked before the update.
+//!
+//! fp16's narrow range (6e-8 .. 65504) needs a dynamic loss scale: the loss is multiplied by
+//! the scale before backward so small gradients do not flush to zero, and the gradients are
+//! divided by it before the update. An overflow (an inf or NaN gradient) skips the update;
+//! [`LossScaler`] then lowers the scale, and raises it again after a window of clean steps.
+//! bf16 has fp32's range, so it needs no scaling.
+
+use anyhow::{bail, Result};
+use candle_core::{DType, Tensor};
+use serde::{Deserialize, Serialize};
+
+/// The environment variable `train` passes its `--dtype` to the steps in (their default).
+pub const DTYPE_ENV: &str = "RLHF_DTYPE";
+
+/// The compute dtype (`--dtype`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, clap::ValueEnum, Serialize, Deserialize)]
+pub enum Dtype {
+    /// Full precision: no copy of the weights, no scaling.
+    #[default]
+    Fp32,
+    /// Half precision with a dynamic loss scale.
+    Fp16,
+    /// bfloat16: fp32's range at half the bytes; no loss scale.
+    Bf16,
+}
+
+impl Dtype {
+    pub fn dtype(self) -> DType {
+        match self {
+            Dtype::Fp32 => DType::F32,
+            Dtype::Fp16 => DType::F16,
+            Dtype::Bf16 => DType::BF16,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Dtype::Fp32 => "fp32",
+            Dtype::Fp16 => "fp16",
+            Dtype::Bf16 => "bf16",
+        }
+    }
+}
+
+/// How a step computes: the dtype, and whether losses and log-probs are taken from fp32 logits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct Precision {
+    pub dtype: Dtype,
+    /// DS-Chat `--compute_fp32_loss`: cast logits (and values, scores) to fp32 before the loss
+    /// and log-softmax, instead of computing them in the half dtype.
+    pub fp32_loss: bool,
+}
+
+impl Precision {
+    /// What a loss or a log-softmax reads: `x` in fp32 when asked for (or already fp32), else in
+    /// the compute dtype.
+    pub fn loss_input(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        if self.fp32_loss {
+            x.to_dtype(DType::F32)
+        } else {
+            Ok(x.clone())
+        }
+    }
+}
+
+/// The precision flags every step shares (DS-Chat's `--dtype`, `--compute_fp32_loss`, and the
+/// DeepSpeed config's `loss_scale_window`).
+#[derive(clap::Args, Debug, Clone, Copy, PartialEq)]
+pub struct PrecisionArgs {
+    /// Compute dtype: fp32, fp16 (dynamic loss scaling) or bf16. Master weights and Adam moments
+    /// stay fp32 either way.
+    #[arg(long, value_enum, default_value_t = Dtype::Fp32, env = DTYPE_ENV)]
+    pub dtype: Dtype,
+    /// Compute losses and log-probs from fp32 logits (and fp32 values and scores) rather than in
+    /// the fp16/bf16 compute dtype.
+    #[arg(long, alias = "compute_fp32_loss")]
+    pub compute_fp32_loss: bool,
+    /// fp16: double the loss scale after this many steps without overflow (DS-Chat: 100).
+    #[arg(long, default_value_t = 100, alias = "loss_scale_window")]
+    pub loss_scale_window: u64,
+    /// fp16: the loss scale starts at 2^this (DeepSpeed's initial_scale_power).
+    #[arg(long, default_value_t = 16, alias = "initial_scale_power")]
+    pub initial_scale_power: u32,
+}
+
+impl PrecisionArgs {
+    pub fn precision(&self) -> Precision {
+        Precision { dtype: self.dtype, fp32_loss: self.compute_fp32_loss }
+    }
+    pub fn loss_scaling(&self) -> LossScaling {
+        LossScaling { initial_scale_power: self.initial_scale_power, window: self.loss_scale_window }
+    }
+    pub fn validate(&self) -> Result<()> {
+        if self.loss_scale_window == 0 {
+            bail!("--loss-scale-window must be at least 1");
+        }
+        if self.initial_scale_power > 32 {
+            bail!(
+                "--initial-scale-power {} is beyond fp16's range of use: use at most 32 (default 16)",
+                self.initial_scale_power
+            );
+        }
+        Ok(())
+    }
+}
+
+/// The fp16 loss scaler's settings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LossScaling {
+    pub initial_scale_power: u32,
+    pub window: u64,
+}
+
+impl Default for LossScaling {
+    /// DeepSpeed's initial scale 2^16 with DS-Chat's window of 100.
+    fn default() -> Self {
+        Self { initial_scale_power: 16, window: 100 }
+    }
+}
+
+/// DeepSpeed's `DynamicLossScaler` with `consecutive_hysteresis`: the scale is halved after
+/// `hysteresis` consecutive overflows (a clean step restores the allowance), doubled after
+/// `window` clean steps in a row, and never goes below `min_scale`; an overflow at the minimum
+/// scale with no allowance left is fatal.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LossScaler {
+    pub scale: f64,
+    pub window: u64,
+    pub hysteresis: u32,
+    pub min_scale: f64,
+    /// Clean steps since the last overflow or scale increase.
+    clean_steps: u64,
+    /// Overflows still tolerated before the scale is halved.
+    hysteresis_left: u32,
+    /// Updates skipped for overflow, over the run.
+    pub skipped_steps: u64,
+}
+
+/// What [`LossScaler::update`] decided for one step.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum ScaleUpdate {
+    /// Clean step: the update is applied (the scale may have grown).
+    Apply,
+    /// Overflow: the update is skipped (the scale may have been halved).
+    Skip,
+}
+
+impl LossScaler {
+    /// DeepSpeed's hysteresis 2 and minimum scale 1.
+    pub fn new(s: LossScaling) -> Self {
+        Self::with(2f64.powi(s.initial_scale_power as i32), s.window, 2, 1.0)
+    }
+
+    pub fn with(scale: f64, window: u64, hysteresis: u32, min_scale: f64) -> Self {
+        Self {
+            scale,
+            window: window.max(1),
+            hysteresis: hysteresis.max(1),
+            min_scale,
+            clean_steps: 0,
+            hysteresis_left: hysteresis.max(1),
+            skipped_steps: 0,
+        }
+    }
+
+    /// Records one step's outcome and adjusts the scale.
+    pub fn update(&mut self, overflow: bool) -> Result<ScaleUpdate> {
+        if !overflow {
+            self.hysteresis_left = self.hysteresis;
+            self.clean_steps += 1;
+            if self.clean_steps >= self.window {
+                self.scale *= 2.0;
+                self.clean_steps = 0;
+            }
+            return Ok(ScaleUpdate::Apply);
+        }
+        self.clean_steps = 0;
+        self.skipped_steps += 1;
+        if self.hysteresis_left > 1 {
+            self.hysteresis_left -= 1;
+            return Ok(ScaleUpdate::Skip);
+        }
+        if self.scale <= self.min_scale {
+            bail!(
+                "fp16 gradients still overflow with the loss scale at its minimum ({}): train with --dtype bf16 (fp32's range), or lower --learning-rate",
+                self.min_scale
+            );
+        }
+        self.scale = (self.scale / 2.0).max(self.min_scale);
+        Ok(ScaleUpdate::Skip)
+    }
+}
+
+/// Whether any gradient holds an inf or a NaN (the sum of squares is then non-finite too).
+pub fn has_overflow(grads: &[Tensor]) -> Result<bool> {
+    Ok(!crate::optim::global_grad_norm(grads)?.is_finite())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn overflows_halve_the_scale_after_the_hysteresis_and_clean_windows_double_it() -> Result<()> {
+        let mut s = LossScaler::new(LossScaling { initial_scale_power: 16, window: 3 });
+        assert_eq!(s.scale, 65536.0);
+        // First overflow: skipped, the hysteresis absorbs it.
+        assert_eq!(s.update(true)?, ScaleUpdate::Skip);
+        assert_eq!((s.scale, s.skipped_steps), (65536.0, 1));
+        // Second consecutive overflow: skipped and halved.
+        assert_eq!(s.update(true)?, ScaleUpdate::Skip);
+        assert_eq!((s.scale, s.skipped_steps), (32768.0, 2));
+        // Hysteresis is spent until a clean step: the next overflow halves at once.
+        assert_eq!(s.update(true)?, ScaleUpdate::Skip);
+        assert_eq!(s.scale, 16384.0);
+        // A clean step restores the allowance: an isolated overflow does not halve.
+        assert_eq!(s.update(false)?, ScaleUpdate::Apply);
+        assert_eq!(s.update(true)?, ScaleUpdate::Skip);
+        assert_eq!(s.scale, 16384.0);
+        // Three clean steps in a row (the window) double the scale.
+        for _ in 0..2 {
+            s.update(false)?;
+        }
+        assert_eq!(s.scale, 16384.0);
+        s.update(false)?;
+        assert_eq!(s.scale, 32768.0);
+        assert_eq!(s.skipped_steps, 4);
+        Ok(())
+    }
+
+    #[test]
+    fn overflow_at_the_minimum_scale_is_fatal_with_advice() -> Result<()> {
+        let mut s = LossScaler::with(2.0, 100, 2, 1.0);
+        s.update(true)?;
+        s.update(true)?;
+        assert_eq!(s.scale, 1.0);
+        let err = s.update(true).unwrap_err().to_string();
+        assert!(err.contains("--dtype bf16"), "{err}");
+        Ok(())
+    }
+}
