@@ -1020,6 +1020,35 @@ pub fn dropout(x: &Tensor, mask: crate::ops::DropoutMask) -> Result<Tensor> {
     x.contiguous()?.apply_op1(Dropout { mask })
 }
 
+// ---------------------------------------------------------------------------------------------
+// Gradient norm
+
+/// The sum of squares of a contiguous f32 CPU tensor, read in place and accumulated in f64
+/// across threads (`None` for other tensors: the caller falls back to candle's ops).
+pub fn sum_of_squares(t: &Tensor) -> Result<Option<f64>> {
+    if !t.device().is_cpu() || t.dtype() != candle_core::DType::F32 {
+        return Ok(None);
+    }
+    let (storage, layout) = t.storage_and_layout();
+    let (candle_core::Storage::Cpu(CpuStorage::F32(data)), Some((start, end))) =
+        (&*storage, layout.contiguous_offsets())
+    else {
+        return Ok(None);
+    };
+    let x = &data[start..end];
+    const CHUNK: usize = 64 * 1024;
+    let chunks = x.len().div_ceil(CHUNK);
+    let partial = std::sync::Mutex::new(vec![0f64; chunks]);
+    par_rows(chunks, x.len(), |range| {
+        for ci in range {
+            let s = rowops::sum_of_squares(&x[ci * CHUNK..((ci + 1) * CHUNK).min(x.len())]);
+            partial.lock().expect("partial sums lock")[ci] = s;
+        }
+    });
+    // Summed in chunk order: the result does not depend on the threads.
+    Ok(Some(partial.into_inner().expect("partial sums lock").iter().sum()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1132,6 +1161,16 @@ mod tests {
         let want = reference(&[xv.as_tensor().clone(), wte.clone()])?.sum_all()?.backward()?;
         assert!(g.get(&wte).is_none());
         assert!(rel_diff(g.get(xv.as_tensor()).unwrap(), want.get(xv.as_tensor()).unwrap())? < 1e-5);
+        Ok(())
+    }
+
+    #[test]
+    fn sum_of_squares_matches_candle() -> Result<()> {
+        let x = Tensor::randn(0f32, 1.0, (300, 1000), &dev())?;
+        let want = x.to_dtype(DType::F64)?.sqr()?.sum_all()?.to_scalar::<f64>()?;
+        let got = sum_of_squares(&x)?.expect("f32 on the CPU");
+        assert!((got - want).abs() < 1e-6 * want, "{got} vs {want}"); // f32 lanes, f64 across
+        assert!(sum_of_squares(&x.to_dtype(DType::F64)?)?.is_none());
         Ok(())
     }
 

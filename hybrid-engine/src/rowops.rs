@@ -92,6 +92,8 @@ fn dot(xs: &[f32], ys: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
+/// The largest value (a plain comparison rather than `f32::max`, whose NaN rules keep LLVM from
+/// vectorising; a NaN input still reaches the result through the sums that follow).
 #[inline(always)]
 fn max(xs: &[f32]) -> f32 {
     let mut acc = [f32::NEG_INFINITY; LANES];
@@ -99,7 +101,7 @@ fn max(xs: &[f32]) -> f32 {
     let tail = chunks.remainder().iter().copied().fold(f32::NEG_INFINITY, f32::max);
     for c in chunks {
         for (a, x) in acc.iter_mut().zip(c) {
-            *a = a.max(*x);
+            *a = if *x > *a { *x } else { *a };
         }
     }
     acc.iter().copied().fold(tail, f32::max)
@@ -126,7 +128,10 @@ pub fn exp(x: f32) -> f32 {
     p = p * r + 1.666_666_5e-1;
     p = p * r + 0.5;
     let e = p * r * r + r + 1.0;
-    let scale = f32::from_bits(((n as i32 + 127) << 23) as u32);
+    // 2^n from its biased exponent n + 127 (an integer in 1..=254): added to 2^23 it lands in
+    // the mantissa bits, and shifting those into the exponent field gives 2^n. A float-to-int
+    // cast would do, but Rust's saturating `as` keeps LLVM from vectorising the loop.
+    let scale = f32::from_bits((n + (127.0 + 8_388_608.0)).to_bits() << 23);
     if underflow {
         0.0
     } else {
@@ -255,6 +260,21 @@ multiversion! {
         for (dy, y) in dy.iter_mut().zip(y) {
             *dy = scale * y * (*dy - d);
         }
+    }
+}
+
+multiversion! {
+    /// `sum(x^2)`, the squares summed in f32 lanes and the lanes in f64.
+    pub fn sum_of_squares(x: &[f32]) -> f64 {
+        let mut acc = [0f32; LANES];
+        let chunks = x.chunks_exact(LANES);
+        let tail: f64 = chunks.remainder().iter().map(|x| (x * x) as f64).sum();
+        for c in chunks {
+            for (a, x) in acc.iter_mut().zip(c) {
+                *a += x * x;
+            }
+        }
+        acc.iter().map(|&a| a as f64).sum::<f64>() + tail
     }
 }
 
