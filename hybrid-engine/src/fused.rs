@@ -1,23 +1,24 @@
 //! Fused CPU kernels with explicit backward, for the ops whose composed form costs the most.
 //!
 //! Composed from candle ops, each of these materialises several full-size temporaries forward
-//! and more backward (candle's backward also allocates a zero tensor and adds into it for every
-//! input of every op). Each kernel here reads its inputs once forward and writes each gradient
-//! once backward, rows split across candle's CPU thread pool:
+//! and more backward, and candle's backward adds a zero fill and an add for every input of
+//! every op. Each kernel here is one node of the graph: it reads its inputs once forward and
+//! writes each gradient once backward, rows (or (batch, head) pairs) split across candle's CPU
+//! thread pool, the per-row arithmetic in `rowops.rs` (vectorised for AVX-512 and AVX2):
 //!
-//! * cross-entropy over GPT-2's 50k-word vocabulary: a per-row log-sum-exp forward,
-//!   `softmax - onehot` backward;
-//! * LayerNorm: `(x - mean) * rstd * w + b` forward; backward recomputes the row statistics
-//!   and returns dx, dw and db from one pass (one packed tensor, split into three views);
-//! * the attention softmax with its scale and additive mask: `softmax(att * scale + bias)`
-//!   forward, `scale * y * (dy - sum(dy * y))` backward from the saved output;
-//! * bias add and GPT-2's tanh GELU: `gelu(h + b)` forward, dh and db from one pass backward;
-//! * dropout: the mask is a pure function of the element index (see [`crate::ops::DropoutKey`]),
-//!   so backward regenerates it instead of keeping it.
+//! * linear (`x W + b`, Hugging Face's Conv1D layout): one gemm onto rows holding the bias;
+//! * the attention core on `c_attn`'s packed q, k, v: per (batch, head) strided gemms, the
+//!   masked softmax and the attention dropout in between, nothing (B, NH, T, T) kept for
+//!   backward (it recomputes the probabilities);
+//! * LayerNorm: backward recomputes the row statistics and returns dx, dw and db from one pass;
+//! * GELU (`gelu_new`), dropout (the mask regenerated from its counter-based key in backward),
+//!   the masked softmax on its own (generation over the KV cache);
+//! * the tied LM head with the cross-entropy: the (N, V) logits never become a tensor, and
+//!   backward turns them into their gradient in place; cross-entropy on given logits too.
 //!
 //! The kernels take f32 tensors on the CPU. The dispatchers in `ops.rs` use them there and fall
 //! back to the composed reference (also in `ops.rs`) for other dtypes and devices; the tests
-//! below check value and gradient against that reference and against finite differences.
+//! below check values and gradients against those references and against finite differences.
 
 use crate::rowops;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
@@ -823,11 +824,6 @@ impl AttentionDims {
     }
 }
 
-/// Applies dropout to the (T, T) probabilities of one pair in place.
-fn drop_probabilities(mask: &crate::ops::DropoutMask, start: usize, p: &mut [f32]) {
-    mask.apply_in_place(start, p);
-}
-
 impl CustomOp2 for Attention {
     fn name(&self) -> &'static str {
         "attention"
@@ -847,7 +843,7 @@ impl CustomOp2 for Attention {
                 let (b, h) = (pair / d.n_head, pair % d.n_head);
                 d.probabilities(qkv, bias, b, h, self.scale, &mut p);
                 if let Some(mask) = &self.dropout {
-                    drop_probabilities(mask, d.prob_index(b, h), &mut p);
+                    mask.apply_in_place(d.prob_index(b, h), &mut p);
                 }
                 // SAFETY: pair (b, h) alone writes columns h*HD.. of batch row b's (T, C) block.
                 unsafe {
@@ -907,7 +903,7 @@ impl CustomOp3 for AttentionGrad {
                 let kept: &[f32] = match &self.dropout {
                     Some(mask) => {
                         pd.copy_from_slice(&p);
-                        drop_probabilities(mask, d.prob_index(b, h), &mut pd);
+                        mask.apply_in_place(d.prob_index(b, h), &mut pd);
                         &pd
                     }
                     None => &p,
@@ -933,7 +929,7 @@ impl CustomOp3 for AttentionGrad {
                     );
                 }
                 if let Some(mask) = &self.dropout {
-                    drop_probabilities(mask, d.prob_index(b, h), &mut dp);
+                    mask.apply_in_place(d.prob_index(b, h), &mut dp);
                 }
                 // dS = scale * p * (dp - rowsum(dp * p))
                 for (dp, p) in dp.chunks_exact_mut(t).zip(p.chunks_exact(t)) {
