@@ -132,11 +132,13 @@ impl ParamStore {
         Ok(ParamStore { names: self.names.clone(), vars, frozen: self.frozen.clone(), lora_scaling: self.lora_scaling })
     }
 
-    /// Copies `master`'s values (cast) into this compute copy's `Var`s, matched by name; a
-    /// no-op for `Var`s that are the masters themselves.
+    /// Copies `master`'s values (cast) into this compute copy's `Var`s, which hold the same
+    /// parameters in the same order; a no-op for `Var`s that are the masters themselves.
     pub fn refresh_from(&self, master: &ParamStore) -> Result<()> {
-        for (name, m) in master.iter() {
-            let Some(c) = self.get(name) else { bail!("internal error: compute copy lacks {name}") };
+        if self.names != master.names {
+            bail!("internal error: the compute copy does not hold the masters' parameters");
+        }
+        for (c, m) in self.vars.iter().zip(&master.vars) {
             if c.as_tensor().id() != m.as_tensor().id() {
                 c.set(&m.as_tensor().to_dtype(c.dtype())?)?;
             }

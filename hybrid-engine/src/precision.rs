@@ -54,18 +54,6 @@ pub struct Precision {
     pub fp32_loss: bool,
 }
 
-impl Precision {
-    /// What a loss or a log-softmax reads: `x` in fp32 when asked for (or already fp32), else in
-    /// the compute dtype.
-    pub fn loss_input(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        if self.fp32_loss {
-            x.to_dtype(DType::F32)
-        } else {
-            Ok(x.clone())
-        }
-    }
-}
-
 /// The precision flags every step shares (DS-Chat's `--dtype`, `--compute_fp32_loss`, and the
 /// DeepSpeed config's `loss_scale_window`).
 #[derive(clap::Args, Debug, Clone, Copy, PartialEq)]
