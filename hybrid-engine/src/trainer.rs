@@ -71,8 +71,9 @@ pub struct Trainer {
     pending: usize,
     /// Accumulation boundaries passed, skipped steps included.
     pub boundaries: u64,
-    /// Updates skipped for overflow or alignment (without a scaler to count them).
-    skipped_steps: u64,
+    /// Updates skipped without an overflow of their own (`--align-overflow`); the scaler counts
+    /// the overflows.
+    forced_skips: u64,
 }
 
 impl Trainer {
@@ -96,7 +97,7 @@ impl Trainer {
             acc: GradAccumulator::new(params),
             pending: 0,
             boundaries: 0,
-            skipped_steps: 0,
+            forced_skips: 0,
         })
     }
 
@@ -140,7 +141,7 @@ impl Trainer {
 
     /// What a checkpoint keeps beyond the optimizer state.
     pub fn progress(&self) -> TrainerProgress {
-        TrainerProgress { boundaries: self.boundaries, forced_skips: self.skipped_steps, scaler: self.scaler.clone() }
+        TrainerProgress { boundaries: self.boundaries, forced_skips: self.forced_skips, scaler: self.scaler.clone() }
     }
 
     /// Restores [`Self::progress`]; the precision must be the one the checkpoint was made with.
@@ -149,14 +150,14 @@ impl Trainer {
             bail!("the checkpoint was trained with another --dtype (loss scaling differs): resume with the flags it was saved with");
         }
         self.boundaries = p.boundaries;
-        self.skipped_steps = p.forced_skips;
+        self.forced_skips = p.forced_skips;
         self.scaler.clone_from(&p.scaler);
         Ok(())
     }
 
     /// Updates skipped so far.
     pub fn skipped_steps(&self) -> u64 {
-        self.scaler.as_ref().map_or(0, |s| s.skipped_steps) + self.skipped_steps
+        self.scaler.as_ref().map_or(0, |s| s.skipped_steps) + self.forced_skips
     }
 
     /// Whether the gradients accumulated so far hold an inf or a NaN (what the next step would
@@ -223,7 +224,7 @@ impl Trainer {
             None => force_skip,
         };
         if skipped && !overflow {
-            self.skipped_steps += 1;
+            self.forced_skips += 1;
         }
         let loss_scale = self.dynamic_loss_scale();
         // A skipped step leaves the weights, the moments and the schedule where they were, as
