@@ -49,7 +49,7 @@ fn contiguous_u32<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [
 /// The spare capacity of an output vector, which the pool's workers write in disjoint pieces
 /// before the owner sets its length (outputs are fully overwritten: no zero fill first).
 #[derive(Clone, Copy)]
-struct SharedOut {
+pub(crate) struct SharedOut {
     ptr: *mut f32,
     len: usize,
 }
@@ -60,14 +60,14 @@ unsafe impl Sync for SharedOut {}
 
 impl SharedOut {
     /// The first `len` values of `out`'s buffer (reserved here), which must be empty.
-    fn new(out: &mut Vec<f32>, len: usize) -> Self {
+    pub(crate) fn new(out: &mut Vec<f32>, len: usize) -> Self {
         assert!(out.is_empty(), "SharedOut writes from the start of an empty vector");
         out.reserve_exact(len);
         Self { ptr: out.as_mut_ptr(), len }
     }
 
     /// A pointer to value `offset`, for strided writes (gemm): the caller keeps them disjoint.
-    fn at(&self, offset: usize) -> *mut f32 {
+    pub(crate) fn at(&self, offset: usize) -> *mut f32 {
         assert!(offset < self.len, "offset {offset} outside a buffer of {}", self.len);
         // SAFETY: within the reserved buffer.
         unsafe { self.ptr.add(offset) }
@@ -76,7 +76,7 @@ impl SharedOut {
     /// # Safety
     /// No two live slices may overlap: callers derive ranges from disjoint row ranges.
     #[allow(clippy::mut_from_ref)]
-    unsafe fn range(&self, r: Range<usize>) -> &mut [f32] {
+    pub(crate) unsafe fn range(&self, r: Range<usize>) -> &mut [f32] {
         assert!(r.start <= r.end && r.end <= self.len, "range {r:?} outside a buffer of {}", self.len);
         // Writing through a slice of uninitialised f32 is sound in practice (every bit pattern
         // is a valid f32) and is what candle's own kernels do; the callers only write.
@@ -86,7 +86,7 @@ impl SharedOut {
 
 /// Runs `f(row_range)` over `rows` rows on candle's CPU thread pool (the calling thread when
 /// the work, about `work` values touched, is small).
-fn par_rows(rows: usize, work: usize, f: impl Fn(Range<usize>) + Sync) {
+pub(crate) fn par_rows(rows: usize, work: usize, f: impl Fn(Range<usize>) + Sync) {
     if work < PARALLEL_MIN || rows < 2 {
         f(0..rows);
     } else {
@@ -604,7 +604,7 @@ pub fn gelu(h: &Tensor) -> Result<Tensor> {
 /// The pointers must address matrices of these shapes and strides, `dst` not overlapping the
 /// others nor any matrix another thread writes.
 #[allow(clippy::too_many_arguments)]
-unsafe fn gemm_f32(
+pub(crate) unsafe fn gemm_f32(
     (m, n, k): (usize, usize, usize),
     dst: *mut f32,
     dst_rs: usize,
@@ -666,6 +666,12 @@ impl CustomOp3 for Linear {
         let b = contiguous_f32(s3, l3, "linear bias")?;
         let (d_in, d_out) = l2.shape().dims2()?;
         let n = x.len() / d_in;
+        let mut dims = l1.shape().dims().to_vec();
+        *dims.last_mut().expect("linear input has a last dimension") = d_out;
+        if n <= crate::decode::MAX_LINEAR_ROWS && crate::decode::available() {
+            // A decoding step: a few rows, where streaming the weights on every core wins.
+            return Ok((CpuStorage::F32(crate::decode::linear_rows(x, n, w, b)), Shape::from(dims)));
+        }
         let mut out = Vec::with_capacity(n * d_out);
         for _ in 0..n {
             out.extend_from_slice(b);
@@ -684,8 +690,6 @@ impl CustomOp3 for Linear {
                 crate::runtime::threads(),
             )
         };
-        let mut dims = l1.shape().dims().to_vec();
-        *dims.last_mut().expect("linear input has a last dimension") = d_out;
         Ok((CpuStorage::F32(out), Shape::from(dims)))
     }
 

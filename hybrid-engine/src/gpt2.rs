@@ -319,8 +319,7 @@ impl Attention {
                 // Generation: the new tokens' keys and values join the cached ones (no dropout).
                 let (q, k, v) = ops::split_heads(&qkv, self.n_head)?; // (B, NH, T, HD)
                 let (k, v) = cache.append(&k, &v)?; // (B, NH, S, HD)
-                let att = ops::masked_softmax(&q.matmul(&k.t()?)?, self.scale, bias)?; // (B, NH, T, S)
-                ops::merge_heads(&att.matmul(&v)?)? // (B, T, C)
+                ops::cached_attention(&q, &k, &v, bias, self.scale)? // (B, T, C)
             }
         };
         let y = self.c_proj.forward(&y)?;
@@ -496,7 +495,7 @@ impl Gpt2 {
         let dims = x.dims().to_vec();
         let c = self.cfg.n_embd;
         let x = self.ln_f.forward(x)?.reshape(((), c))?; // (rows, C): one gemm for all positions
-        let logits = x.matmul(&self.wte.t()?)?; // (rows, V)
+        let logits = ops::lm_head_logits(&x, &self.wte)?; // (rows, V)
         let mut out_dims = dims;
         *out_dims.last_mut().expect("hidden states have a last dimension") = self.cfg.vocab_size;
         logits.reshape(out_dims)

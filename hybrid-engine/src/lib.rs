@@ -4,6 +4,7 @@
 
 pub mod checkpoint;
 pub mod cli;
+pub mod decode;
 pub mod device;
 pub mod engine;
 pub mod fused;

@@ -158,6 +158,28 @@ pub fn merge_heads(y: &Tensor) -> Result<Tensor> {
     y.transpose(1, 2)?.reshape((b, t, nh * hd))
 }
 
+/// Attention of new queries over the KV cache during generation: q (B, NH, T, HD), the cached
+/// keys and values (B, NH, S, HD), bias (B or 1, 1, T, S) -> (B, T, C). No gradient flows into
+/// the cache (it is written in place), so none is kept here.
+pub fn cached_attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale: f64) -> Result<Tensor> {
+    if fused(&[q, k, v, bias]) && crate::rowops::has_fma() && bias.rank() == 4 {
+        crate::decode::cached_attention(q, k, v, bias, scale)
+    } else {
+        let att = masked_softmax(&q.matmul(&k.t()?)?, scale, bias)?; // (B, NH, T, S)
+        merge_heads(&att.matmul(v)?)
+    }
+}
+
+/// The tied LM head `x wte^T`: (N, C), (V, C) -> (N, V). For the few rows of a decoding step
+/// on the CPU, [`crate::decode::lm_head`] (2-4x gemm's speed there); the plain matmul otherwise.
+pub fn lm_head_logits(x: &Tensor, wte: &Tensor) -> Result<Tensor> {
+    if fused(&[x, wte]) && x.dim(0)? <= crate::decode::MAX_LM_HEAD_ROWS {
+        crate::decode::lm_head(x, wte)
+    } else {
+        x.matmul(&wte.t()?)
+    }
+}
+
 /// Self-attention's core: from `c_attn`'s output `qkv` (B, T, 3C) and the additive mask `bias`
 /// (B or 1, 1, T, T), `dropout(softmax(q k^T * scale + bias)) v` per head, heads side by side:
 /// (B, T, C). `dropout` is the mask of the attention probabilities (B, NH, T, T).

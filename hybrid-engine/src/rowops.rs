@@ -63,6 +63,22 @@ fn simd_level() -> SimdLevel {
     })
 }
 
+/// Whether the CPU has AVX-512 (the F, DQ, VL and BW subsets).
+pub fn has_avx512() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return simd_level() == SimdLevel::V4;
+    #[allow(unreachable_code)]
+    false
+}
+
+/// Whether the CPU has AVX2 with FMA (or more).
+pub fn has_fma() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return simd_level() != SimdLevel::Baseline;
+    #[allow(unreachable_code)]
+    false
+}
+
 /// Lanes of the accumulators in reductions: one AVX-512 register of f32.
 const LANES: usize = 16;
 
@@ -175,6 +191,15 @@ multiversion! {
             }
         }
         m + (acc.iter().sum::<f32>() + tail).ln()
+    }
+}
+
+multiversion! {
+    /// The index of the first largest value (NaNs are never chosen; 0 for an empty or all-NaN
+    /// row): the vectorised maximum, then a search for it.
+    pub fn argmax(row: &[f32]) -> usize {
+        let m = max(row);
+        row.iter().position(|&x| x == m).unwrap_or(0)
     }
 }
 
