@@ -121,6 +121,51 @@ mod avx512 {
         }
     }
 
+    /// One query's attention over S cached positions: `out = softmax(q K^T * scale + bias) V`
+    /// for head size 16 HV, keys and values `ks`, `vs` values apart; `scores` holds S values.
+    /// Returns true (the head size matched a caller's dispatch).
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn attend<const HV: usize>(
+        q: &[f32],
+        k: &[f32],
+        ks: usize,
+        v: &[f32],
+        vs: usize,
+        bias: &[f32],
+        scale: f32,
+        scores: &mut [f32],
+        out: &mut [f32],
+    ) -> bool {
+        let s = scores.len();
+        assert!(q.len() >= 16 * HV && out.len() >= 16 * HV && bias.len() >= s);
+        assert!(s == 0 || (k.len() >= (s - 1) * ks + 16 * HV && v.len() >= (s - 1) * vs + 16 * HV));
+        // SAFETY: every load and store is within the bounds asserted above.
+        unsafe {
+            let qv: [__m512; HV] = std::array::from_fn(|h| _mm512_loadu_ps(q.as_ptr().add(16 * h)));
+            for (j, sc) in scores.iter_mut().enumerate() {
+                let kp = k.as_ptr().add(j * ks);
+                let mut acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kp));
+                for (h, &qh) in qv.iter().enumerate().skip(1) {
+                    acc = _mm512_fmadd_ps(qh, _mm512_loadu_ps(kp.add(16 * h)), acc);
+                }
+                *sc = _mm512_reduce_add_ps(acc);
+            }
+            crate::rowops::masked_softmax_in_place(scores, bias, scale);
+            let mut acc = [_mm512_setzero_ps(); HV];
+            for (j, &p) in scores.iter().enumerate() {
+                let (pb, vp) = (_mm512_set1_ps(p), v.as_ptr().add(j * vs));
+                for (h, a) in acc.iter_mut().enumerate() {
+                    *a = _mm512_fmadd_ps(pb, _mm512_loadu_ps(vp.add(16 * h)), *a);
+                }
+            }
+            for (h, a) in acc.iter().enumerate() {
+                _mm512_storeu_ps(out.as_mut_ptr().add(16 * h), *a);
+            }
+        }
+        true
+    }
+
     /// Logits of vocabulary rows `v0..v0 + VR` for input rows `r0..r0 + MR`: dot products of
     /// length C (a multiple of 16).
     #[target_feature(enable = "avx512f")]
@@ -343,21 +388,38 @@ fma_kernel! {
         let AttentionShape { nh, t, s, hd, .. } = shape;
         let mut scores = vec![0f32; s];
         let mut acc = vec![0f32; hd];
+        #[cfg(target_arch = "x86_64")]
+        let avx512 = crate::rowops::has_avx512();
         for pair in pairs {
             let (bi, h) = (pair / nh, pair % nh);
-            let key = |j: usize| &k[k0 + bi * ks[0] + h * ks[1] + j * ks[2]..][..hd];
-            let value = |j: usize| &v[v0 + bi * vs[0] + h * vs[1] + j * vs[2]..][..hd];
+            let (kp, vp) = (&k[k0 + bi * ks[0] + h * ks[1]..], &v[v0 + bi * vs[0] + h * vs[1]..]);
             for i in 0..t {
                 let qi = &q[(pair * t + i) * hd..][..hd];
-                for (j, sc) in scores.iter_mut().enumerate() {
-                    *sc = dot(qi, key(j));
-                }
                 let bias_row = &bias[((if bias_rows == 1 { 0 } else { bi }) * t + i) * s..][..s];
-                crate::rowops::masked_softmax_in_place(&mut scores, bias_row, scale);
-                acc.iter_mut().for_each(|a| *a = 0.0);
-                for (j, &p) in scores.iter().enumerate() {
-                    for (a, &vv) in acc.iter_mut().zip(value(j)) {
-                        *a = p.mul_add(vv, *a);
+                #[cfg(target_arch = "x86_64")]
+                let done = avx512 && {
+                    // SAFETY: the CPU has AVX-512 (checked once above).
+                    unsafe {
+                        match hd {
+                            32 => avx512::attend::<2>(qi, kp, ks[2], vp, vs[2], bias_row, scale, &mut scores, &mut acc),
+                            64 => avx512::attend::<4>(qi, kp, ks[2], vp, vs[2], bias_row, scale, &mut scores, &mut acc),
+                            128 => avx512::attend::<8>(qi, kp, ks[2], vp, vs[2], bias_row, scale, &mut scores, &mut acc),
+                            _ => false,
+                        }
+                    }
+                };
+                #[cfg(not(target_arch = "x86_64"))]
+                let done = false;
+                if !done {
+                    for (j, sc) in scores.iter_mut().enumerate() {
+                        *sc = dot(qi, &kp[j * ks[2]..][..hd]);
+                    }
+                    crate::rowops::masked_softmax_in_place(&mut scores, bias_row, scale);
+                    acc.iter_mut().for_each(|a| *a = 0.0);
+                    for (j, &p) in scores.iter().enumerate() {
+                        for (a, &vv) in acc.iter_mut().zip(&vp[j * vs[2]..][..hd]) {
+                            *a = p.mul_add(vv, *a);
+                        }
                     }
                 }
                 let o = (bi * t + i) * nh * hd + h * hd;
@@ -640,11 +702,12 @@ mod tests {
             return Ok(());
         }
         let dev = Device::Cpu;
-        let (b, nh, hd, cap) = (3, 2, 24, 10);
-        // Keys and values as the KV cache hands them out: the first S positions of a larger buffer.
-        let kbuf = Tensor::randn(0f32, 1.0, (b, nh, cap, hd), &dev)?;
-        let vbuf = Tensor::randn(0f32, 1.0, (b, nh, cap, hd), &dev)?;
-        for (t, s, bias_rows) in [(1, 7, 3), (4, 7, 1), (2, 9, 3)] {
+        let (b, nh, cap) = (3, 2, 10);
+        // Head sizes 32 and 64 take the AVX-512 path, 24 the portable one.
+        for (hd, t, s, bias_rows) in [(24, 1, 7, 3), (32, 1, 9, 3), (64, 4, 7, 1), (64, 2, 9, 3), (24, 2, 1, 1)] {
+            // Keys and values as the KV cache hands them out: the first S positions of a larger buffer.
+            let kbuf = Tensor::randn(0f32, 1.0, (b, nh, cap, hd), &dev)?;
+            let vbuf = Tensor::randn(0f32, 1.0, (b, nh, cap, hd), &dev)?;
             let (k, v) = (kbuf.narrow(2, 0, s)?, vbuf.narrow(2, 0, s)?);
             let q = Tensor::randn(0f32, 1.0, (b, nh, t, hd), &dev)?;
             // A padding-style mask: some keys of some rows masked out.
@@ -655,7 +718,7 @@ mod tests {
             let want = crate::ops::merge_heads(&att.matmul(&v.contiguous()?)?)?;
             let got = cached_attention(&q, &k, &v, &bias, scale)?;
             assert_eq!(got.dims(), [b, t, nh * hd]);
-            assert!(max_diff(&got, &want) < 1e-5, "t {t} s {s}: {}", max_diff(&got, &want));
+            assert!(max_diff(&got, &want) < 1e-5, "hd {hd} t {t} s {s}: {}", max_diff(&got, &want));
             assert_eq!(got.dtype(), DType::F32);
             let _ = got.sum(D::Minus1)?;
         }
