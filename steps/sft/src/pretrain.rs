@@ -1,6 +1,8 @@
 //! GPT-2 pretraining from scratch (`sft --from-scratch`), the analogue of Megatron's
 //! `pretrain_gpt2.py`: pack a corpus into blocks, split train/valid/test, train with AdamW and a
 //! warmup + decay schedule, evaluate perplexity, checkpoint atomically and resume exactly.
+//! `--dtype fp16|bf16` computes in half precision on fp32 master weights, as every step does
+//! (the [`Trainer`]: Megatron's `--fp16` with its dynamic loss scale, or `--bf16`).
 
 use crate::pretrain_args::{PretrainArgs, PretrainConfig};
 use anyhow::{bail, Context, Result};
@@ -11,8 +13,8 @@ use hybrid_engine::gpt2::{Dropout, Gpt2};
 use hybrid_engine::memory::MemoryPlan;
 use hybrid_engine::metrics::{peak_rss_mib, Metrics};
 use hybrid_engine::ops::DropoutKey;
-use hybrid_engine::optim::{clip_grad_norm, AdamW, GradAccumulator};
 use hybrid_engine::train_step::{lm_forward_backward, Backward};
+use hybrid_engine::trainer::{Trainer, TrainerProgress};
 use hybrid_engine::ParamStore;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -82,11 +84,17 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     let mut model_cfg = cfg.model.clone();
     model_cfg.bos_token_id = Some(tokenizer.eos_id());
     model_cfg.eos_token_id = Some(tokenizer.eos_id());
-    let (params, mut optimizer, start, cursor) = match &args.load {
+    // What a checkpoint restores beyond the weights: the optimizer state, its step (fewer than
+    // the iterations when fp16 skipped some) and the trainer's counters.
+    struct Resume {
+        optimizer: std::collections::HashMap<String, Tensor>,
+        optimizer_step: u64,
+        progress: Option<TrainerProgress>,
+    }
+    let (params, start, cursor, resume) = match &args.load {
         None => {
             let params = ParamStore::init(&model_cfg, args.seed, &device)?;
-            let optimizer = AdamW::new(cfg.adam.clone(), &params)?;
-            (params, optimizer, 0, SamplerCursor { epoch: 0, position: 0 })
+            (params, 0, SamplerCursor { epoch: 0, position: 0 }, None)
         }
         Some(root) => {
             let ck = checkpoint::load_checkpoint(root, &device)?;
@@ -104,15 +112,23 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
             if cursor.position > train.len() {
                 bail!("checkpoint's data cursor is past the end of the training split: the corpus changed since it was saved");
             }
+            // Checkpoints from before --dtype hold neither: fp32, every iteration an update.
+            let progress: Option<TrainerProgress> = match ck.state.run.get("trainer") {
+                Some(v) => {
+                    Some(serde_json::from_value(v.clone()).context("checkpoint's trainer progress is malformed")?)
+                }
+                None => None,
+            };
+            let optimizer_step =
+                ck.state.run.get("optimizer_step").and_then(|v| v.as_u64()).unwrap_or(ck.state.iteration);
             model_cfg = ck.model.config.clone();
             if let Some(p) = args.dropout {
                 (model_cfg.resid_pdrop, model_cfg.embd_pdrop, model_cfg.attn_pdrop) = (p, p, p);
             }
             let params = ParamStore::from_tensors(&model_cfg, &ck.model.tensors, &device)?;
-            let mut optimizer = AdamW::new(cfg.adam.clone(), &params)?;
-            optimizer.load_state(&params, ck.state.iteration, &ck.optimizer)?;
             println!("resumed from {} at iteration {}", ck.model.dir.display(), ck.state.iteration);
-            (params, optimizer, ck.state.iteration, cursor)
+            let resume = Resume { optimizer: ck.optimizer, optimizer_step, progress };
+            (params, ck.state.iteration, cursor, Some(resume))
         }
     };
     if tokenizer.vocab_size() > model_cfg.vocab_size {
@@ -122,12 +138,31 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
             model_cfg.vocab_size
         );
     }
-    let model = params.model(&model_cfg)?;
+    // Forward and backward run on a copy in the compute dtype (the masters themselves in fp32);
+    // the trainer accumulates, unscales, checks and applies the gradients to the fp32 masters.
+    let precision = args.precision.precision();
+    let compute = params.compute_copy(precision.dtype.dtype())?;
+    let mut model = compute.model(&model_cfg)?;
+    model.fp32_loss = precision.fp32_loss;
+    let accumulation = args.gradient_accumulation_steps;
+    let mut trainer = Trainer::new(&params, cfg.adam.clone(), cfg.schedule.clone(), accumulation, args.clip_grad)?
+        .with_precision(precision, &compute, args.precision.loss_scaling());
+    if let Some(r) = &resume {
+        trainer.optimizer.load_state(&params, r.optimizer_step, &r.optimizer)?;
+        let progress =
+            r.progress.clone().unwrap_or(TrainerProgress { boundaries: start, forced_skips: 0, scaler: None });
+        trainer.restore_progress(&progress)?;
+    }
     let mut sampler = BlockSampler::with_cursor(train.clone(), args.seed, cursor);
     println!(
         "{}",
-        MemoryPlan::new(&model_cfg, args.micro_batch_size, args.seq_length, args.checkpoint_activations).report()
+        MemoryPlan::new(&model_cfg, args.micro_batch_size, args.seq_length, args.checkpoint_activations)
+            .with_compute_dtype(precision.dtype.dtype())
+            .report()
     );
+    if precision.dtype != hybrid_engine::precision::Dtype::Fp32 {
+        println!("compute dtype: {} (fp32 master weights and Adam moments)", precision.dtype.name());
+    }
 
     let mut metrics = Metrics::open(&args.output_dir, args.train_iters, start)?;
     let eval_batches = data::eval_indices(&valid, args.eval_iters, args.micro_batch_size);
@@ -147,34 +182,37 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
 
     for iteration in start + 1..=args.train_iters {
         let iteration_start = Instant::now();
-        let lr = cfg.schedule.lr(iteration);
-        let mut acc = GradAccumulator::new(&params);
         let mut loss = 0f32;
-        for micro in 0..args.gradient_accumulation_steps {
+        let mut report = None;
+        for micro in 0..accumulation {
             let (x, y) = batch(&corpus, &sampler.next_indices(args.micro_batch_size), &device)?;
             let key = DropoutKey { seed: args.seed, step: iteration, micro_batch: micro as u64 };
             let dropout = Dropout::from_config(&model_cfg, key);
-            let scale = 1.0 / args.gradient_accumulation_steps as f64;
-            loss += lm_forward_backward(
-                &model,
-                &x,
-                &y,
-                Some(&dropout),
-                Backward { checkpoint_activations: args.checkpoint_activations, loss_scale: scale },
-                &mut acc,
-            )? / args.gradient_accumulation_steps as f32;
+            let how =
+                Backward { checkpoint_activations: args.checkpoint_activations, loss_scale: trainer.loss_scale() };
+            loss += lm_forward_backward(&model, &x, &y, Some(&dropout), how, trainer.grads())? / accumulation as f32;
+            report = trainer.micro_batch_done(&params)?;
         }
-        let mut grads = acc.finish()?;
-        let grad_norm = clip_grad_norm(&mut grads, args.clip_grad)?;
-        optimizer.step(&params, &grads, lr)?;
+        let report = report.context("internal error: an iteration ended without an optimizer step")?;
+        let (lr, grad_norm) = (report.lr, report.grad_norm);
         interval_secs += iteration_start.elapsed().as_secs_f64();
-        if !loss.is_finite() {
+        // In fp16 an infinite loss is an overflow like any other: the scaler skips the update.
+        if !loss.is_finite() && trainer.scaler.is_none() {
             bail!("loss became {loss} at iteration {iteration}: lower --lr or raise --lr-warmup-iters");
         }
         summary.first_loss.get_or_insert(loss);
         summary.last_loss = Some(loss);
         summary.iterations = iteration;
-        metrics.record(json!({"iteration": iteration, "lm_loss": loss, "lr": lr, "grad_norm": grad_norm, "consumed_samples": iteration * (args.micro_batch_size * args.gradient_accumulation_steps) as u64}))?;
+        metrics.record(json!({
+            "iteration": iteration,
+            "lm_loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "loss_scale": report.loss_scale,
+            "skipped": report.skipped,
+            "skipped_iterations": report.skipped_steps,
+            "consumed_samples": iteration * (args.micro_batch_size * args.gradient_accumulation_steps) as u64,
+        }))?;
         metrics.advance(format!("loss {loss:.3}"));
         interval_loss += loss as f64;
         interval_iters += 1;
@@ -184,10 +222,12 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
             let ms = 1000.0 * secs / interval_iters as f64;
             let tps = tokens_per_iter * interval_iters as f64 / secs;
             metrics.println(&format!(
-                " iteration {iteration:>8}/{:>8} | consumed samples: {:>10} | elapsed time per iteration (ms): {ms:.1} | learning rate: {lr:.3E} | lm loss: {:.6E} | grad norm: {grad_norm:.3} | tokens/s: {tps:.0} |",
+                " iteration {iteration:>8}/{:>8} | consumed samples: {:>10} | elapsed time per iteration (ms): {ms:.1} | learning rate: {lr:.3E} | lm loss: {:.6E} | loss scale: {:.1} | grad norm: {grad_norm:.3} | number of skipped iterations: {:>3} | tokens/s: {tps:.0} |",
                 args.train_iters,
                 iteration * (args.micro_batch_size * args.gradient_accumulation_steps) as u64,
                 interval_loss / interval_iters as f64,
+                report.loss_scale,
+                report.skipped_steps,
             ));
             metrics.record(json!({"iteration": iteration, "ms_per_iteration": ms, "tokens_per_sec": tps, "interval_lm_loss": interval_loss / interval_iters as f64}))?;
             (interval_loss, interval_iters, interval_secs) = (0.0, 0, 0.0);
@@ -198,10 +238,11 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
             metrics.record(json!({"iteration": iteration, "valid_loss": l, "valid_ppl": l.exp()}))?;
         }
         if args.save_interval > 0 && iteration % args.save_interval == 0 {
-            let state = trainer_state(iteration, args, &sampler, &cfg, &layout);
-            let dir = checkpoint::save_checkpoint(&cfg.save_dir, &model_cfg, &params, &optimizer, &state, &|d| {
-                tokenizer.save(&d.join("tokenizer.json"))
-            })?;
+            let state = trainer_state(iteration, args, &sampler, &cfg, &layout, &trainer);
+            let dir =
+                checkpoint::save_checkpoint(&cfg.save_dir, &model_cfg, &params, &trainer.optimizer, &state, &|d| {
+                    tokenizer.save(&d.join("tokenizer.json"))
+                })?;
             metrics.println(&format!(" saved checkpoint at iteration {iteration} to {}", dir.display()));
             last_saved = Some(iteration);
             summary.checkpoint = Some(dir);
@@ -211,8 +252,8 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
 
     let end = summary.iterations;
     if last_saved != Some(end) {
-        let state = trainer_state(end, args, &sampler, &cfg, &layout);
-        let dir = checkpoint::save_checkpoint(&cfg.save_dir, &model_cfg, &params, &optimizer, &state, &|d| {
+        let state = trainer_state(end, args, &sampler, &cfg, &layout, &trainer);
+        let dir = checkpoint::save_checkpoint(&cfg.save_dir, &model_cfg, &params, &trainer.optimizer, &state, &|d| {
             tokenizer.save(&d.join("tokenizer.json"))
         })?;
         println!(" saved checkpoint at iteration {end} to {}", dir.display());
@@ -257,7 +298,7 @@ fn evaluate(model: &Gpt2, corpus: &PackedCorpus, batches: &[Vec<usize>], device:
     let mut total = 0f64;
     for idx in batches {
         let (x, y) = batch(corpus, idx, device)?;
-        total += model.lm_loss(&x, &y, None)?.to_scalar::<f32>()? as f64;
+        total += model.lm_loss(&x, &y, None)?.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()? as f64;
     }
     Ok(total / batches.len() as f64)
 }
@@ -277,6 +318,7 @@ fn trainer_state(
     sampler: &BlockSampler,
     cfg: &PretrainConfig,
     layout: &DataLayout,
+    trainer: &Trainer,
 ) -> TrainerState {
     TrainerState {
         format_version: FORMAT_VERSION,
@@ -284,7 +326,14 @@ fn trainer_state(
         consumed_samples: iteration * (args.micro_batch_size * args.gradient_accumulation_steps) as u64,
         data_cursor: json!(sampler.cursor()),
         seed: args.seed,
-        run: json!({"schedule": cfg.schedule, "adam": cfg.adam, "data": layout}),
+        run: json!({
+            "schedule": cfg.schedule,
+            "adam": cfg.adam,
+            "data": layout,
+            "dtype": trainer.precision.dtype.name(),
+            "optimizer_step": trainer.optimizer.step,
+            "trainer": trainer.progress(),
+        }),
     }
 }
 

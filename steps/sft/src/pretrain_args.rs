@@ -132,6 +132,9 @@ pub struct PretrainArgs {
     /// cuda or cuda:N.
     #[arg(long, default_value = "auto", env = hybrid_engine::device::DEVICE_ENV)]
     pub device: String,
+    /// --dtype, --compute-fp32-loss, --loss-scale-window, --initial-scale-power.
+    #[command(flatten)]
+    pub precision: hybrid_engine::precision::PrecisionArgs,
 }
 
 /// Validated pretraining settings.
@@ -150,6 +153,7 @@ impl PretrainArgs {
             bail!("supervised fine-tuning on prompt/answer data is not available yet (it arrives with the SFT issue): pass --from-scratch to pretrain GPT-2 on a corpus");
         }
         hybrid_engine::device::check_device(&self.device)?;
+        self.precision.validate()?;
         let positive = [
             ("--seq-length", self.seq_length),
             ("--micro-batch-size", self.micro_batch_size),
