@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Builds the CUDA binaries on this (GPU-less) machine and packs them for a GPU machine that has no
-# Rust toolchain: `train` (also `sft`, `reward`, `ppo` by name) and `chat`, stripped, with
-# `run-gpu.sh` and the CUDA runtime they link (lib/libcudart.so.13, 0.7 MiB), in one xz-compressed
-# tarball (under 64 MiB).
+# Rust toolchain: `train` (also `sft`, `reward`, `ppo` by name), `chat` and the benchmark `bench`,
+# stripped, with `run-gpu.sh`, the benchmark scripts (scripts/bench/) and the CUDA runtime they
+# link (lib/libcudart.so.13, 0.7 MiB), in one xz-compressed tarball (under 64 MiB).
 #
 # Usage: scripts/package-gpu.sh [OUT_DIR]     (default: dist/)
 #   FEATURES (default: cuda,nccl, what .ci/run builds; NCCL is needed at run time only once code calls it)
@@ -10,6 +10,7 @@
 #
 # On the GPU machine:
 #   tar xJf rlhf-gpu-*.tar.xz && cd rlhf-gpu && ./run-gpu.sh train --device cuda ...
+#   ./run-gpu.sh bench-table --device cuda --out BENCHMARKS-gpu.md   # the GPU table vs PyTorch
 # The binaries need the NVIDIA driver (libcuda.so.1) and the CUDA 13 libraries libcublas.so.13,
 # libcublasLt.so.13 and libcurand.so.10 (from a CUDA 13 toolkit or the PyPI nvidia-* wheels a
 # CUDA 13 PyTorch installs; cuBLAS alone is far over 64 MiB, so they are not packed); run-gpu.sh
@@ -23,24 +24,29 @@ target=${CARGO_TARGET_DIR:-$root/target}
 # shellcheck source=cuda-build-env.sh
 source "$root/scripts/cuda-build-env.sh" "$root"
 (cd "$root" && cargo build --release --features "$features" --bin train --bin chat)
+(cd "$root" && cargo build --release -p hybrid-engine --features "$features" --example bench)
 
 version=$(git -C "$root" describe --always --dirty 2>/dev/null || echo unknown)
 name=rlhf-gpu
 stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
-mkdir -p "$stage/$name/lib" "$out"
+mkdir -p "$stage/$name/lib" "$stage/$name/scripts/bench" "$out"
 for bin in train chat; do
   strip -o "$stage/$name/$bin" "$target/release/$bin"
 done
+strip -o "$stage/$name/bench" "$target/release/examples/bench"
+cp "$root/scripts/bench/run.sh" "$root/scripts/bench/hf_bench.py" "$stage/$name/scripts/bench/"
 cp -L "$CUDA_HOME/lib/libcudart.so.13" "$stage/$name/lib/"
 cat > "$stage/$name/run-gpu.sh" <<'EOF'
 #!/usr/bin/env bash
 # Runs one of this package's binaries (train, chat, or sft/reward/ppo through train) with the CUDA
 # 13 libraries on LD_LIBRARY_PATH: from CUDA_HOME, /usr/local/cuda*, or the PyPI nvidia-* wheels of
 # any python3 on PATH (a CUDA 13 PyTorch brings them). Usage: run-gpu.sh train --device cuda ...
+# `run-gpu.sh bench-table --device cuda` runs scripts/bench/run.sh with the packaged `bench`
+# against the PyTorch on this machine and appends the table to BENCHMARKS.md here (or --out FILE).
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-bin=${1:?usage: run-gpu.sh train|chat|sft|reward|ppo [FLAGS...]}; shift
+bin=${1:?usage: run-gpu.sh train|chat|sft|reward|ppo|bench|bench-table [FLAGS...]}; shift
 dirs=()
 for d in ${CUDA_HOME:+"$CUDA_HOME/lib64" "$CUDA_HOME/lib"} /usr/local/cuda/lib64 /usr/local/cuda-13*/lib64 "$here/lib"; do
   [ -d "$d" ] && dirs+=("$d")
@@ -61,9 +67,10 @@ done
 ld=$(printf '%s\n' "${dirs[@]}" | awk 'NF && !seen[$0]++' | paste -sd: -)
 export LD_LIBRARY_PATH=${ld}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 case "$bin" in
-  train|chat) exec "$here/$bin" "$@" ;;
+  train|chat|bench) exec "$here/$bin" "$@" ;;
   sft|reward|ppo) exec -a "$bin" "$here/train" "$@" ;;
-  *) echo "run-gpu.sh: unknown binary $bin (train, chat, sft, reward, ppo)" >&2; exit 2 ;;
+  bench-table) BENCH_BIN="$here/bench" exec "$here/scripts/bench/run.sh" "$@" ;;
+  *) echo "run-gpu.sh: unknown binary $bin (train, chat, sft, reward, ppo, bench, bench-table)" >&2; exit 2 ;;
 esac
 EOF
 chmod +x "$stage/$name/run-gpu.sh"
@@ -72,9 +79,9 @@ echo "$version ($features, CUDA_COMPUTE_CAP=$CUDA_COMPUTE_CAP, built $(date -u +
 tarball="$out/$name-$version.tar.xz"
 tar -C "$stage" -cf - "$name" | xz -9e -T0 > "$tarball"
 size=$(stat -c %s "$tarball")
-unpacked=$(du -cb "$stage/$name/train" "$stage/$name/chat" | tail -1 | cut -f1)
+unpacked=$(du -cb "$stage/$name/train" "$stage/$name/chat" "$stage/$name/bench" | tail -1 | cut -f1)
 awk -v t="$tarball" -v s="$size" -v u="$unpacked" \
-  'BEGIN { printf "%s: %d bytes (%.1f MiB; train + chat unpacked %.1f MiB)\n", t, s, s / 1048576, u / 1048576 }'
+  'BEGIN { printf "%s: %d bytes (%.1f MiB; train + chat + bench unpacked %.1f MiB)\n", t, s, s / 1048576, u / 1048576 }'
 if [ "$size" -ge $((64 * 1024 * 1024)) ]; then
   echo "error: the tarball is over 64 MiB" >&2
   exit 1

@@ -1,4 +1,4 @@
-//! Throughput benchmark of the engine on CPU, the Rust half of `scripts/bench/run.sh` (its
+//! Throughput benchmark of the engine (CPU, or a GPU with `--device cuda` in a CUDA build), the Rust half of `scripts/bench/run.sh` (its
 //! PyTorch twin is `scripts/bench/hf_bench.py`, which prints the same JSON fields).
 //!
 //! Modes (one configuration per process, so the peak RSS belongs to that configuration):
@@ -21,6 +21,9 @@
 //! never picks a padding id. Output: one JSON line per measurement on stdout, e.g.
 //! `{"impl":"rust-candle","mode":"train","model":"gpt2","batch":4,"seq":128,...}`.
 //!
+//! Every mode takes `--device cpu|cuda|cuda:N|auto` (default cpu); on a GPU each timed region
+//! ends with a device synchronisation, and the JSON carries `"device"`.
+//!
 //! Run: `cargo run --release -p hybrid-engine --example bench -- train --model tiny --batch 8
 //! --seq 128 --steps 5 --warmup 2`.
 
@@ -39,7 +42,8 @@ use std::time::Instant;
 const USAGE: &str = "usage:
   bench train --model tiny|gpt2|gpt2-medium --batch B --seq T --steps N --warmup W [--checkpoint-activations]
   bench generate --model tiny|gpt2|gpt2-medium --batch B --prompt-len P --new-tokens N --warmup W --reps R
-  bench peak --size N --reps R";
+  bench peak --size N --reps R
+every mode also takes --device cpu|cuda|cuda:N|auto (default cpu)";
 
 /// Megatron's `--make-vocab-size-divisible-by` default: 50257 -> 50304.
 const VOCAB_DIVISOR: usize = 128;
@@ -78,24 +82,27 @@ enum Mode {
 fn main() {
     hybrid_engine::runtime::init(); // as the training binaries do
     let args: Vec<String> = std::env::args().skip(1).collect();
-    if let Err(e) = parse_args(&args).and_then(run) {
+    if let Err(e) = parse_args(&args).and_then(|(mode, device)| run(mode, &device)) {
         eprintln!("error: {e:#}");
         std::process::exit(2);
     }
 }
 
-fn run(mode: Mode) -> Result<()> {
-    let line = match mode {
-        Mode::Train(a) => bench_train(&a)?,
-        Mode::Generate(a) => bench_generate(&a)?,
-        Mode::Peak(a) => bench_peak(&a)?,
+fn run(mode: Mode, device: &str) -> Result<()> {
+    let device = hybrid_engine::device::parse_device(device)?;
+    let mut line = match mode {
+        Mode::Train(a) => bench_train(&a, &device)?,
+        Mode::Generate(a) => bench_generate(&a, &device)?,
+        Mode::Peak(a) => bench_peak(&a, &device)?,
     };
+    line["device"] = hybrid_engine::device::describe(&device).into();
     println!("{line}");
     Ok(())
 }
 
 /// `--flag value` pairs and `--checkpoint-activations`, std only (clap is not a dependency).
-fn parse_args(args: &[String]) -> Result<Mode> {
+/// Returns the mode and the `--device` spec.
+fn parse_args(args: &[String]) -> Result<(Mode, String)> {
     let Some((mode, rest)) = args.split_first() else {
         bail!("missing mode\n{USAGE}");
     };
@@ -113,6 +120,7 @@ fn parse_args(args: &[String]) -> Result<Mode> {
             f => bail!("unexpected argument {f:?}\n{USAGE}"),
         }
     }
+    let device = values.remove("device").unwrap_or_else(|| "cpu".into());
     let parsed = match mode.as_str() {
         "train" => Mode::Train(TrainArgs {
             model: take(&mut values, "model")?,
@@ -136,7 +144,7 @@ fn parse_args(args: &[String]) -> Result<Mode> {
     if let Some(flag) = values.keys().next() {
         bail!("unknown flag --{flag} for mode {mode}\n{USAGE}");
     }
-    Ok(parsed)
+    Ok((parsed, device))
 }
 
 type Flags = std::collections::HashMap<String, String>;
@@ -196,7 +204,7 @@ fn median(xs: &[f64]) -> f64 {
     }
 }
 
-fn bench_train(a: &TrainArgs) -> Result<serde_json::Value> {
+fn bench_train(a: &TrainArgs, device: &Device) -> Result<serde_json::Value> {
     if a.steps == 0 || a.batch == 0 || a.seq == 0 {
         bail!("--steps, --batch and --seq must be positive");
     }
@@ -204,8 +212,7 @@ fn bench_train(a: &TrainArgs) -> Result<serde_json::Value> {
     if a.seq > cfg.n_positions {
         bail!("--seq {} exceeds {}'s context of {} tokens", a.seq, a.model, cfg.n_positions);
     }
-    let device = Device::Cpu;
-    let params = ParamStore::init(&cfg, SEED, &device)?;
+    let params = ParamStore::init(&cfg, SEED, device)?;
     let model = params.model(&cfg)?;
     let mut opt = AdamW::new(AdamWConfig::default(), &params)?;
     let mut rng = ChaCha8Rng::seed_from_u64(SEED);
@@ -218,11 +225,12 @@ fn bench_train(a: &TrainArgs) -> Result<serde_json::Value> {
     for step in 0..a.warmup + a.steps {
         // Fresh ids each step, made outside the timed region. (B, T+1) -> inputs and targets.
         let rows = random_ids(&mut rng, a.batch, a.seq + 1);
-        let all = Tensor::new(rows, &device)?; // (B, T+1)
+        let all = Tensor::new(rows, device)?; // (B, T+1)
         let ids = all.narrow(1, 0, a.seq)?; // (B, T)
         let targets = all.narrow(1, 1, a.seq)?; // (B, T)
         let dropout = Dropout::from_config(&cfg, DropoutKey { seed: SEED, step: step as u64, micro_batch: 0 });
 
+        device.synchronize()?;
         let (start, cpu_start) = (Instant::now(), cpu_seconds());
         let mut acc = GradAccumulator::new(&params);
         loss = hybrid_engine::train_step::lm_forward_backward(
@@ -234,10 +242,13 @@ fn bench_train(a: &TrainArgs) -> Result<serde_json::Value> {
             &mut acc,
         )?;
         let mut grads = acc.finish()?;
+        device.synchronize()?;
         let backward_done = Instant::now();
         clip_grad_norm(&mut grads, 1.0)?;
+        device.synchronize()?;
         let clip_done = Instant::now();
         opt.step(&params, &grads, LR)?;
+        device.synchronize()?;
         let end = Instant::now();
         if step >= a.warmup {
             cpu_times.push(cpu_seconds() - cpu_start);
@@ -274,7 +285,7 @@ fn bench_train(a: &TrainArgs) -> Result<serde_json::Value> {
     }))
 }
 
-fn bench_generate(a: &GenerateArgs) -> Result<serde_json::Value> {
+fn bench_generate(a: &GenerateArgs, device: &Device) -> Result<serde_json::Value> {
     if a.reps == 0 || a.batch == 0 || a.prompt_len == 0 || a.new_tokens == 0 {
         bail!("--reps, --batch, --prompt-len and --new-tokens must be positive");
     }
@@ -288,8 +299,7 @@ fn bench_generate(a: &GenerateArgs) -> Result<serde_json::Value> {
             cfg.n_positions
         );
     }
-    let device = Device::Cpu;
-    let params = ParamStore::init(&cfg, SEED, &device)?;
+    let params = ParamStore::init(&cfg, SEED, device)?;
     let model = params.model(&cfg)?;
     let prompts = random_ids(&mut ChaCha8Rng::seed_from_u64(SEED), a.batch, a.prompt_len);
     // eos None: no row stops early, so every call makes exactly B * N tokens.
@@ -298,7 +308,8 @@ fn bench_generate(a: &GenerateArgs) -> Result<serde_json::Value> {
     let mut times = Vec::with_capacity(a.reps);
     for rep in 0..a.warmup + a.reps {
         let start = Instant::now();
-        let out = generate(&model, &prompts, &sampling, &device)?;
+        let out = generate(&model, &prompts, &sampling, device)?;
+        device.synchronize()?;
         let secs = start.elapsed().as_secs_f64();
         let made: usize = out.iter().map(Vec::len).sum();
         assert_eq!(made, a.batch * a.new_tokens, "generation stopped early");
@@ -327,18 +338,19 @@ fn bench_generate(a: &GenerateArgs) -> Result<serde_json::Value> {
 
 /// The machine's measured f32 matmul peak: an (N, N) x (N, N) product R times after one warmup,
 /// 2 N^3 FLOPs each; reports the best and the median rate.
-fn bench_peak(a: &PeakArgs) -> Result<serde_json::Value> {
+fn bench_peak(a: &PeakArgs, device: &Device) -> Result<serde_json::Value> {
     if a.reps == 0 || a.size == 0 {
         bail!("--size and --reps must be positive");
     }
     let n = a.size;
-    let device = Device::Cpu;
-    let x = Tensor::randn(0f32, 1.0, (n, n), &device)?;
-    let y = Tensor::randn(0f32, 1.0, (n, n), &device)?;
+    let x = Tensor::randn(0f32, 1.0, (n, n), device)?;
+    let y = Tensor::randn(0f32, 1.0, (n, n), device)?;
     let mut times = Vec::with_capacity(a.reps);
     for rep in 0..a.reps + 1 {
+        device.synchronize()?;
         let start = Instant::now();
         let z = x.matmul(&y)?;
+        device.synchronize()?;
         let secs = start.elapsed().as_secs_f64();
         drop(z);
         if rep > 0 {

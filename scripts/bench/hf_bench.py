@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""CPU throughput of Hugging Face transformers' GPT-2, the reference half of ``run.sh``.
+"""Throughput of Hugging Face transformers' GPT-2 (CPU, or ``--device cuda``), the reference half of ``run.sh``.
 
 The PyTorch twin of ``hybrid-engine/examples/bench.rs``: same modes, flags and JSON fields, with
-``"impl": "hf-pytorch-eager"``. ``GPT2LMHeadModel`` in float32 on CPU with
+``"impl": "hf-pytorch-eager"``. ``GPT2LMHeadModel`` in float32 on the CPU (or ``--device cuda``) with
 ``attn_implementation="eager"``, randomly initialised with the vocabulary padded to 50304 as the
 Rust side is, and ``torch.set_num_threads`` = the cores this process may use.
 
@@ -38,6 +38,8 @@ import torch
 import transformers
 from transformers import GPT2Config, GPT2LMHeadModel
 
+DEVICE = torch.device("cpu")  # set from --device in main()
+
 GPT2_VOCAB = 50257
 EOS = 50256
 PADDED_VOCAB = 50304  # 50257 rounded up to a multiple of 128 (Megatron), as bench.rs does
@@ -66,7 +68,13 @@ def build_model(name):
         attn_implementation="eager",
     )
     torch.manual_seed(SEED)
-    return GPT2LMHeadModel(config).to(torch.float32)
+    return GPT2LMHeadModel(config).to(torch.float32).to(DEVICE)
+
+
+def sync():
+    """Waits for the GPU's queued work, so timers measure it (a no-op on the CPU)."""
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
 
 
 def peak_rss_mib():
@@ -74,7 +82,7 @@ def peak_rss_mib():
 
 
 def random_ids(gen, rows, cols):
-    return torch.randint(0, GPT2_VOCAB, (rows, cols), generator=gen)
+    return torch.randint(0, GPT2_VOCAB, (rows, cols), generator=gen).to(DEVICE)
 
 
 def no_weight_decay(name):
@@ -104,14 +112,18 @@ def bench_train(a):
     times, phases, loss = [], ([], [], []), float("nan")  # phases: fwd+bwd, clip, AdamW
     for step in range(a.warmup + a.steps):
         ids = random_ids(gen, a.batch, a.seq)  # (B, T); labels are shifted inside the model
+        sync()
         start = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         out = model(input_ids=ids, labels=ids, use_cache=False)
         out.loss.backward()
+        sync()
         backward_done = time.perf_counter()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
+        sync()
         clip_done = time.perf_counter()
         opt.step()
+        sync()
         end = time.perf_counter()
         loss = out.loss.item()
         if step >= a.warmup:
@@ -155,11 +167,13 @@ def train_flops_per_token(model, seq):
 
 def bench_peak(a):
     torch.manual_seed(SEED)
-    x, y = torch.randn(a.size, a.size), torch.randn(a.size, a.size)
+    x, y = torch.randn(a.size, a.size, device=DEVICE), torch.randn(a.size, a.size, device=DEVICE)
     times = []
     for rep in range(a.reps + 1):
+        sync()
         start = time.perf_counter()
         torch.matmul(x, y)
+        sync()
         if rep > 0:
             times.append(time.perf_counter() - start)
     flops = 2.0 * a.size**3
@@ -195,6 +209,7 @@ def bench_generate(a):
                 use_cache=True,
                 pad_token_id=EOS,
             )
+            sync()
             secs = time.perf_counter() - start
             assert out.shape == (a.batch, a.prompt_len + a.new_tokens), out.shape
             if rep >= a.warmup:
@@ -219,11 +234,14 @@ def bench_generate(a):
 
 
 def main():
+    global DEVICE
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="mode", required=True)
     t = sub.add_parser("train")
     g = sub.add_parser("generate")
     pk = sub.add_parser("peak")
+    for s in (t, g, pk):
+        s.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     pk.add_argument("--size", type=int, required=True)
     pk.add_argument("--reps", type=int, required=True)
     for s in (t, g):
@@ -237,10 +255,16 @@ def main():
     g.add_argument("--new-tokens", type=int, required=True)
     g.add_argument("--reps", type=int, required=True)
     a = p.parse_args()
+    DEVICE = torch.device(a.device)
+    if DEVICE.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"error: --device {a.device}: this PyTorch sees no CUDA GPU")
 
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     transformers.logging.set_verbosity_error()  # no per-call generation warnings on stdout/stderr
     result = {"train": bench_train, "generate": bench_generate, "peak": bench_peak}[a.mode](a)
+    result["device"] = str(DEVICE) if DEVICE.type == "cpu" else f"cuda:{DEVICE.index or 0}"
+    if DEVICE.type == "cuda":
+        result["peak_gpu_mib"] = torch.cuda.max_memory_allocated(DEVICE) / 2**20
     print(json.dumps(result), flush=True)
 
 

@@ -8,11 +8,14 @@
 # at batch 1 and 32 with 128 new tokens. Takes ~15-30 minutes on 2 cores; run it on a quiet
 # machine.
 #
-# Usage: scripts/bench/run.sh [--smoke] [--out FILE]
+# Usage: scripts/bench/run.sh [--smoke] [--out FILE] [--device cuda[:N]]
 #   --smoke     tiny configurations only, 1 warmup + 2 steps: checks the scripts (~1 minute);
 #               appends nothing unless --out is given.
 #   --out FILE  where to append the results (default BENCHMARKS.md at the repository root).
-# The build honours CARGO_TARGET_DIR.
+#   --device D  run both sides on D (default cpu): the GPU table. On a GPU machine without a Rust
+#               toolchain, set BENCH_BIN to a prebuilt `bench` (scripts/package-gpu.sh packs one,
+#               built with --features cuda, and this script beside it).
+# The build honours CARGO_TARGET_DIR; with BENCH_BIN set nothing is built.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -21,11 +24,13 @@ INVOCATION="scripts/bench/run.sh${*:+ $*}"
 
 SMOKE=0
 OUT=BENCHMARKS.md
+DEVICE=cpu
 while [ $# -gt 0 ]; do
   case "$1" in
     --smoke) SMOKE=1; OUT=""; shift ;;
     --out) OUT=${2:?--out needs a file}; shift 2 ;;
-    *) echo "error: unknown argument $1 (usage: scripts/bench/run.sh [--smoke] [--out FILE])" >&2; exit 2 ;;
+    --device) DEVICE=${2:?--device needs cpu, cuda or cuda:N}; shift 2 ;;
+    *) echo "error: unknown argument $1 (usage: scripts/bench/run.sh [--smoke] [--out FILE] [--device D])" >&2; exit 2 ;;
   esac
 done
 
@@ -54,11 +59,15 @@ else
   )
 fi
 
-echo "building the bench example (release)..." >&2
-cargo build --release --quiet -p hybrid-engine --example bench
-TARGET=${CARGO_TARGET_DIR:-$ROOT/target}
-case "$TARGET" in /*) ;; *) TARGET="$ROOT/$TARGET" ;; esac
-BIN="$TARGET/release/examples/bench"
+if [ -n "${BENCH_BIN:-}" ]; then
+  BIN=$BENCH_BIN
+else
+  echo "building the bench example (release)..." >&2
+  cargo build --release --quiet -p hybrid-engine --example bench
+  TARGET=${CARGO_TARGET_DIR:-$ROOT/target}
+  case "$TARGET" in /*) ;; *) TARGET="$ROOT/$TARGET" ;; esac
+  BIN="$TARGET/release/examples/bench"
+fi
 HF=(python3 scripts/bench/hf_bench.py)
 
 RESULTS=$(mktemp)
@@ -68,7 +77,7 @@ START=$(date +%s)
 # The machine's measured peak first: an f32 matmul on each side (same arguments).
 for entry in "peak|$PEAK_ARGS" "${CONFIGS[@]}"; do
   label=${entry%%|*}
-  read -r -a args <<<"${entry#*|}"
+  read -r -a args <<<"${entry#*|} --device $DEVICE"
   for impl in ours hf; do
     echo "[$(( $(date +%s) - START ))s] $label: $impl" >&2
     if [ "$impl" = ours ]; then cmd=("$BIN" "${args[@]}"); else cmd=("${HF[@]}" "${args[@]}"); fi
@@ -134,11 +143,19 @@ EOF
 
 CPU=$(lscpu | sed -n 's/^Model name:[[:space:]]*//p' | head -n 1)
 CORES=$(nproc)
-RUSTC=$(rustc --version)
+RUSTC=$(rustc --version 2>/dev/null || echo "prebuilt $(basename "$BIN")")
+if [ "$DEVICE" = cpu ]; then
+  WHERE=CPU
+  GPU_LINE=""
+else
+  WHERE=GPU
+  GPU_LINE="
+- GPU (\`--device $DEVICE\` on both sides): $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -n 1 || echo unknown)."
+fi
 PYVERS=$(python3 -c 'import torch, transformers; print(f"torch {torch.__version__}, transformers {transformers.__version__}")')
-REPORT="## $(date -u '+%Y-%m-%d %H:%M UTC'): CPU training and generation throughput
+REPORT="## $(date -u '+%Y-%m-%d %H:%M UTC'): ${WHERE} training and generation throughput
 
-- Machine: ${CPU}, ${CORES} cores (\`nproc\`); threads: candle's default (all cores), \`torch.set_num_threads(${CORES})\`.
+- Machine: ${CPU}, ${CORES} cores (\`nproc\`); threads: candle's default (all cores), \`torch.set_num_threads(${CORES})\`.${GPU_LINE}
 - Versions: ${RUSTC}; ${PYVERS}; git $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD 2>/dev/null || echo ' (dirty tree)').
 - Command: \`${INVOCATION}\` (took ${ELAPSED} s); load average (1, 5, 15 min) before
   ${LOAD_BEFORE}, after ${LOAD_AFTER} (other processes may have shared the cores).
