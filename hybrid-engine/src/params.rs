@@ -54,7 +54,9 @@ impl ParamStore {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let std = cfg.initializer_range;
         let proj_std = std / (2.0 * cfg.n_layer as f64).sqrt();
-        let mut tensors = HashMap::new();
+        // Each tensor goes into its Var (a copy) as soon as it is made, so the peak holds the
+        // weights once, not twice (gpt2-medium: 1.4 GB less).
+        let mut store = Self::default();
         for (name, shape) in parameter_shapes(cfg) {
             let n: usize = shape.iter().product();
             let values: Vec<f32> = if name.ends_with(".bias") {
@@ -65,9 +67,9 @@ impl ParamStore {
                 let s = if name.ends_with("c_proj.weight") { proj_std } else { std };
                 (0..n).map(|_| (normal(&mut rng) * s) as f32).collect()
             };
-            tensors.insert(name, Tensor::from_vec(values, shape, device)?);
+            store.push(&name, &Tensor::from_vec(values, shape, device)?)?;
         }
-        Self::from_tensors(cfg, &tensors, device)
+        Ok(store)
     }
 
     /// Adds a parameter outside the GPT-2 trunk (a reward model's `score.weight`), after the
