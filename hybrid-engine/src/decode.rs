@@ -9,14 +9,16 @@
 //! matmul makes one small gemm call per (batch, head) pair and copies the cache's keys first.
 //!
 //! The kernels here read each weight where it lies, once, on every core:
-//! - [`linear_rows`]: `x W + b`, W (in, out) row-major, columns split across threads, each tile
-//!   of up to 8 rows x 32-128 columns accumulated in registers down the whole of `in`.
+//! - [`linear_rows`]: `x W + b`, W (in, out) row-major, column blocks split across threads, each
+//!   tile of 1-6 rows x 64-128 columns accumulated in registers down the whole of `in`.
 //! - [`lm_head_rows`]: `x wte^T`, vocabulary rows split across threads, dot products of 4 (or 8)
-//!   embedding rows with up to 4 input rows at a time.
+//!   embedding rows with up to 4 input rows at a time; [`lm_head`] takes gemm the right way
+//!   round instead for more than [`MAX_LM_HEAD_TILE_ROWS`] rows.
 //! - [`cached_attention`]: one pass per (batch, head) over the cached keys and values in place.
 //!
-//! They run on AVX-512 or AVX2 with FMA (chosen at run time); on other CPUs the callers keep
-//! gemm. Each is tested against the composed candle ops.
+//! The linear and LM-head tiles need AVX-512 ([`available`]; elsewhere the callers keep gemm);
+//! the attention runs on AVX2 with FMA too, with AVX-512 intrinsics for head sizes 32, 64 and
+//! 128. Each is tested against the composed candle ops.
 
 use crate::fused::{par_rows, SharedOut};
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
@@ -38,9 +40,9 @@ pub fn available() -> bool {
     crate::rowops::has_avx512()
 }
 
-/// Runs `$body` (a closure-free block using the given arguments) compiled for AVX-512 or for
-/// AVX2 + FMA, whichever the CPU has; the callers check [`available`] first. `mul_add` inside
-/// compiles to FMA instructions there (on a CPU without FMA it would be a libm call per value).
+/// Defines `fn $name` whose body is compiled twice, for AVX-512 and for AVX2 + FMA, the one the
+/// CPU has chosen at run time (callers check `rowops::has_fma` first). `mul_add` in the body
+/// compiles to FMA instructions there; on a CPU without FMA it would be a libm call per value.
 macro_rules! fma_kernel {
     ($(#[$meta:meta])* fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $body:block) => {
         $(#[$meta])*
@@ -335,8 +337,8 @@ fn lm_head_groups(
     }
 }
 
-/// `x wte^T` for x (M, C) with M at most [`MAX_LM_HEAD_TILE_ROWS`] and wte (V, C), row-major: the (M, V)
-/// logits of the tied LM head. Needs [`available`].
+/// `x wte^T` for x (M, C) and wte (V, C), row-major: the (M, V) logits of the tied LM head,
+/// faster than gemm up to [`MAX_LM_HEAD_TILE_ROWS`] rows. Needs [`available`].
 pub fn lm_head_rows(x: &[f32], m: usize, wte: &[f32], vocab: usize) -> Vec<f32> {
     let c = wte.len().checked_div(vocab).unwrap_or(0);
     assert!(x.len() == m * c && wte.len() == vocab * c, "lm_head_rows: x {} values, wte {} values", x.len(), wte.len());
@@ -465,8 +467,8 @@ pub fn log_sum_exp_rows(logits: &[f32], width: usize) -> Vec<f64> {
 #[derive(Clone, Copy)]
 struct SharedOutF64(*mut f64);
 impl SharedOutF64 {
+    /// Where row `r`'s value goes (the caller keeps `r` below the vector's length).
     fn slot(self, r: usize) -> *mut f64 {
-        // SAFETY (of the caller's write): r < rows, the vector's length.
         self.0.wrapping_add(r)
     }
 }
