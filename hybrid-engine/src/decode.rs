@@ -20,7 +20,7 @@
 //! the attention runs on AVX2 with FMA too, with AVX-512 intrinsics for head sizes 32, 64 and
 //! 128. Each is tested against the composed candle ops.
 
-use crate::fused::{par_rows, SharedOut};
+use crate::fused::{contiguous_f32 as contiguous, par_rows, SharedOut};
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 use std::ops::Range;
 
@@ -480,20 +480,11 @@ unsafe impl Sync for SharedOutF64 {}
 // ---------------------------------------------------------------------------------------------
 // candle ops
 
+/// The whole f32 buffer of `s` (the KV cache's buffers are read through their layouts' strides).
 fn f32_slice<'a>(s: &'a CpuStorage, what: &str) -> Result<&'a [f32]> {
     match s {
         CpuStorage::F32(v) => Ok(v),
-        other => candle_core::bail!(
-            "decode kernel: {what} must be f32, got {:?}",
-            candle_core::backend::BackendStorage::dtype(other)
-        ),
-    }
-}
-
-fn contiguous<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [f32]> {
-    match l.contiguous_offsets() {
-        Some((a, b)) => Ok(&f32_slice(s, what)?[a..b]),
-        None => candle_core::bail!("decode kernel: {what} must be contiguous"),
+        _ => candle_core::bail!("{what} must be f32"),
     }
 }
 

@@ -28,7 +28,7 @@ use std::ops::Range;
 /// more than it saves (candle's own element-wise ops use 64k).
 const PARALLEL_MIN: usize = 32 * 1024;
 
-fn contiguous_f32<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [f32]> {
+pub(crate) fn contiguous_f32<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [f32]> {
     let (start, end) =
         l.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg(format!("{what} must be contiguous")))?;
     match s {
