@@ -414,7 +414,7 @@ fma_kernel! {
                 let done = false;
                 if !done {
                     for (j, sc) in scores.iter_mut().enumerate() {
-                        *sc = dot(qi, &kp[j * ks[2]..][..hd]);
+                        *sc = crate::rowops::dot(qi, &kp[j * ks[2]..][..hd]);
                     }
                     crate::rowops::masked_softmax_in_place(&mut scores, bias_row, scale);
                     acc.iter_mut().for_each(|a| *a = 0.0);
@@ -430,21 +430,6 @@ fma_kernel! {
             }
         }
     }
-}
-
-const LANES: usize = 16;
-
-#[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; LANES];
-    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
-    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
-    for (x, y) in ca.zip(cb) {
-        for l in 0..LANES {
-            acc[l] = x[l].mul_add(y[l], acc[l]);
-        }
-    }
-    acc.iter().sum::<f32>() + tail
 }
 
 /// `logsumexp` of each row of `logits` (rows of `width` values), summed in f64, rows in
