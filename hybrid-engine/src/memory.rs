@@ -26,6 +26,70 @@ pub fn retain_freed_memory() {
     }
 }
 
+/// Which implementation runs a micro-batch: it decides what forward keeps for backward.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kernels {
+    /// The fused CPU f32 kernels (`fused.rs`, the default on the CPU).
+    FusedCpu,
+    /// The composed candle ops: other devices and dtypes, and `HYBRID_ENGINE_REFERENCE_OPS=1`.
+    Composed,
+}
+
+/// The micro-batch an activation estimate is for.
+#[derive(Clone, Debug)]
+pub struct ActivationShape {
+    pub cfg: Gpt2Config,
+    pub b: usize,
+    pub t: usize,
+    pub checkpoint: bool,
+    pub kernels: Kernels,
+    /// An LM head (logits over the vocabulary); false for a reward model's score head.
+    pub lm_head: bool,
+    /// The compute dtype's size.
+    pub dtype_bytes: usize,
+}
+
+/// What one micro-batch of B x T tokens allocates beyond the weights, their compute copy and the
+/// gradients it leaves: the activations kept for backward and backward's own transients, at
+/// their peak. N = B*T tokens, C, L layers, V vocabulary rows; the LM head's terms only with an
+/// LM head.
+///
+/// [`Kernels::FusedCpu`], fitted to measurements (`tests/memory_plan.rs` counts every
+/// allocation): the activations, about 15 (N, C) tensors a block (the fused attention keeps no
+/// (B, NH, T, T) tensor), and the (N, V) logits the LM head keeps for its backward (as a plain
+/// buffer, turned into their gradient in place) stay alive into backward, where `wte`'s (V, C)
+/// gradient is formed beside them. With checkpointing only each block's input stays, one block's
+/// activations come back during its recomputation, and the tied embedding's two (V, C)
+/// gradients meet outside candle's backward (the accumulated one and the embedding's). Exact
+/// to 1% for gpt2 at 128-1024 tokens; 5-30% high for tiny, whose peak the formula overcounts
+/// (an overestimate is the safe side).
+///
+/// [`Kernels::Composed`], counted from the graph (not measured: it runs on the GPU and in half
+/// precision): per block about 30 (N, C) tensors (LayerNorm intermediates, q/k/v and their
+/// head-major copies, projections, residuals, the 4C-wide MLP tensors counting 4 each) and 5
+/// (B, NH, T, T) attention tensors; the LM head's logits with the log-softmax intermediates,
+/// 4 (N, V) tensors; all in the compute dtype (the attention softmax and LayerNorm statistics
+/// stay f32 in half precision, so that is an estimate).
+pub fn activation_bytes(a: &ActivationShape) -> u64 {
+    let (n, c, l) = ((a.b * a.t) as u64, a.cfg.n_embd as u64, a.cfg.n_layer as u64);
+    let v = if a.lm_head { a.cfg.vocab_size as u64 } else { 0 };
+    match a.kernels {
+        Kernels::FusedCpu => {
+            let wte = a.cfg.vocab_size as u64 * c;
+            let floats =
+                if a.checkpoint { n * (l * c + 15 * c) + wte + (n * v).max(wte) } else { n * (v + 15 * l * c) + wte };
+            4 * floats
+        }
+        Kernels::Composed => {
+            let attn = (a.b * a.cfg.n_head * a.t * a.t) as u64;
+            let per_block = 30 * n * c + 5 * attn;
+            let head = 4 * n * v + 6 * n * c;
+            let blocks = if a.checkpoint { l * n * c + per_block } else { l * per_block };
+            a.dtype_bytes as u64 * (blocks + head)
+        }
+    }
+}
+
 pub struct MemoryPlan {
     pub parameters: usize,
     pub param_bytes: u64,
@@ -33,25 +97,12 @@ pub struct MemoryPlan {
     pub adam_bytes: u64,
     /// fp16/bf16: the compute-dtype copy of the weights forward and backward run on.
     pub compute_copy_bytes: u64,
-    pub activation_bytes: u64,
-}
-
-/// Activation bytes kept alive for backward by one f32 micro-batch of B x T tokens in our
-/// implementation (counted from `gpt2.rs` and `ops.rs`): per block about 30 (B, T, C) tensors
-/// (LayerNorm intermediates, q/k/v and their head-major copies, projections, residuals, the
-/// 4C-wide MLP tensors counting 4 each) and 5 (B, NH, T, T) attention tensors; plus the LM head's
-/// logits with the log-softmax intermediates, 4 (B, T, V) tensors. With checkpointing only each
-/// block's input stays alive, plus one block's activations during its recomputation.
-pub fn activation_bytes(cfg: &Gpt2Config, b: usize, t: usize, checkpoint: bool) -> u64 {
-    let btc = (b * t * cfg.n_embd) as u64;
-    let attn = (b * cfg.n_head * t * t) as u64;
-    let per_block = 30 * btc + 5 * attn;
-    let head = 4 * (b * t * cfg.vocab_size) as u64 + 6 * btc;
-    let blocks = if checkpoint { cfg.n_layer as u64 * btc + per_block } else { cfg.n_layer as u64 * per_block };
-    4 * (blocks + head)
+    pub activations: ActivationShape,
+    device_is_cpu: bool,
 }
 
 impl MemoryPlan {
+    /// The plan of an f32 LM on the CPU; the `with_*` and [`Self::on_device`] methods adjust it.
     pub fn new(cfg: &Gpt2Config, b: usize, t: usize, checkpoint: bool) -> Self {
         let parameters = parameter_count(cfg);
         let p = 4 * parameters as u64;
@@ -61,7 +112,16 @@ impl MemoryPlan {
             grad_bytes: p,
             adam_bytes: 2 * p,
             compute_copy_bytes: 0,
-            activation_bytes: activation_bytes(cfg, b, t, checkpoint),
+            activations: ActivationShape {
+                cfg: cfg.clone(),
+                b,
+                t,
+                checkpoint,
+                kernels: Kernels::FusedCpu,
+                lm_head: true,
+                dtype_bytes: 4,
+            },
+            device_is_cpu: true,
         }
     }
 
@@ -77,19 +137,41 @@ impl MemoryPlan {
         self
     }
 
-    /// Computing in a 2-byte dtype adds a copy of the weights at 2 bytes per parameter and
-    /// roughly halves the activations (the attention softmax and LayerNorm statistics stay f32,
-    /// so this is an estimate). Gradients are accumulated in f32 either way.
+    /// Computing in a 2-byte dtype adds a copy of the weights at 2 bytes per parameter and runs
+    /// the composed ops. Gradients are accumulated in f32 either way.
     pub fn with_compute_dtype(mut self, dtype: candle_core::DType) -> Self {
-        if dtype.size_in_bytes() == 2 {
-            self.compute_copy_bytes = 2 * self.parameters as u64;
-            self.activation_bytes /= 2;
-        }
+        let bytes = dtype.size_in_bytes();
+        self.compute_copy_bytes = if bytes == 4 { 0 } else { bytes as u64 * self.parameters as u64 };
+        self.activations.dtype_bytes = bytes;
+        self.set_kernels();
         self
     }
 
+    /// The device the micro-batches run on: the fused kernels are CPU-only.
+    pub fn on_device(mut self, device: &candle_core::Device) -> Self {
+        self.device_is_cpu = device.is_cpu();
+        self.set_kernels();
+        self
+    }
+
+    /// A reward model: a score head instead of the LM head (no logits).
+    pub fn with_score_head(mut self) -> Self {
+        self.activations.lm_head = false;
+        self
+    }
+
+    fn set_kernels(&mut self) {
+        let fused = self.device_is_cpu && self.activations.dtype_bytes == 4 && !crate::ops::reference_ops();
+        self.activations.kernels = if fused { Kernels::FusedCpu } else { Kernels::Composed };
+    }
+
+    /// The estimate of [`activation_bytes`] for this plan's micro-batch.
+    pub fn activation_bytes(&self) -> u64 {
+        activation_bytes(&self.activations)
+    }
+
     pub fn total(&self) -> u64 {
-        self.param_bytes + self.grad_bytes + self.adam_bytes + self.compute_copy_bytes + self.activation_bytes
+        self.param_bytes + self.grad_bytes + self.adam_bytes + self.compute_copy_bytes + self.activation_bytes()
     }
 
     /// The startup report, one allocation per line.
@@ -106,7 +188,7 @@ impl MemoryPlan {
             } else {
                 String::new()
             },
-            m(self.activation_bytes),
+            m(self.activation_bytes()),
             m(self.total())
         )
     }
@@ -121,8 +203,36 @@ mod tests {
         let cfg = Gpt2Config::gpt2();
         let plan = MemoryPlan::new(&cfg, 1, 1024, false);
         assert_eq!(plan.parameters, 124_439_808, "GPT-2 small has 124.4M parameters");
-        let full = activation_bytes(&cfg, 4, 1024, false);
-        let ckpt = activation_bytes(&cfg, 4, 1024, true);
-        assert!(ckpt * 3 < full, "checkpointing keeps one block's activations, not 12: {ckpt} vs {full}");
+        for kernels in [Kernels::FusedCpu, Kernels::Composed] {
+            let shape = |checkpoint| ActivationShape {
+                cfg: cfg.clone(),
+                b: 4,
+                t: 1024,
+                checkpoint,
+                kernels,
+                lm_head: false,
+                dtype_bytes: 4,
+            };
+            let (full, ckpt) = (activation_bytes(&shape(false)), activation_bytes(&shape(true)));
+            assert!(
+                ckpt * 3 < full,
+                "{kernels:?}: checkpointing keeps one block's activations, not 12: {ckpt} vs {full}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_plan_follows_the_device_and_dtype() {
+        let cfg = Gpt2Config::tiny();
+        let plan = MemoryPlan::new(&cfg, 2, 64, false);
+        assert_eq!(plan.activations.kernels, Kernels::FusedCpu);
+        let half = MemoryPlan::new(&cfg, 2, 64, false).with_compute_dtype(candle_core::DType::BF16);
+        assert_eq!(
+            (half.activations.kernels, half.compute_copy_bytes),
+            (Kernels::Composed, 2 * plan.parameters as u64)
+        );
+        let scored = MemoryPlan::new(&cfg, 2, 64, false).with_score_head();
+        let logits = 4 * 2 * 64 * cfg.vocab_size as u64;
+        assert_eq!(plan.activation_bytes() - scored.activation_bytes(), logits, "a score head keeps no logits");
     }
 }

@@ -28,7 +28,7 @@ pub fn with_reference_ops<R>(f: impl FnOnce() -> R) -> R {
     f()
 }
 
-fn reference_ops() -> bool {
+pub(crate) fn reference_ops() -> bool {
     static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     REFERENCE_OPS.get() || *ENV.get_or_init(|| std::env::var("HYBRID_ENGINE_REFERENCE_OPS").is_ok_and(|v| v == "1"))
 }

@@ -99,6 +99,8 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
         MemoryPlan::new(&config, 2 * t.per_device_train_batch_size, t.max_seq_len, t.gradient_checkpointing)
             .with_parameters(params.numel(), trainable.numel())
             .with_compute_dtype(t.precision.dtype.dtype())
+            .on_device(&device)
+            .with_score_head()
             .report()
     );
 

@@ -66,6 +66,7 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
         MemoryPlan::new(&config, t.per_device_train_batch_size, t.max_seq_len, t.gradient_checkpointing)
             .with_parameters(params.numel(), trainable.numel())
             .with_compute_dtype(t.precision.dtype.dtype())
+            .on_device(&device)
             .report()
     );
     // Forward and backward run on a copy in the compute dtype (the masters themselves in fp32).

@@ -158,6 +158,7 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
         "{}",
         MemoryPlan::new(&model_cfg, args.micro_batch_size, args.seq_length, args.checkpoint_activations)
             .with_compute_dtype(precision.dtype.dtype())
+            .on_device(&device)
             .report()
     );
     if precision.dtype != hybrid_engine::precision::Dtype::Fp32 {
