@@ -61,8 +61,8 @@ pub struct ActivationShape {
 /// gradient is formed beside them. With checkpointing only each block's input stays, one block's
 /// activations come back during its recomputation, and the tied embedding's two (V, C)
 /// gradients meet outside candle's backward (the accumulated one and the embedding's). Exact
-/// to 1% for gpt2 at 128-1024 tokens; 5-30% high for tiny, whose peak the formula overcounts
-/// (an overestimate is the safe side).
+/// to 1% for gpt2 at 128-1024 tokens; 18-31% high for tiny, whose peak the formula overcounts
+/// (the safe side), and 9% low for tiny's score head.
 ///
 /// [`Kernels::Composed`], counted from the graph (not measured: it runs on the GPU and in half
 /// precision): per block about 30 (N, C) tensors (LayerNorm intermediates, q/k/v and their
