@@ -204,7 +204,8 @@ pub fn generate_with_cache(
         let mask_t = Tensor::new(mask.clone(), device)?; // (B, S)
         let positions = Positions { position_ids: Some(&pos_t), attention_mask: Some(&mask_t) };
         let hidden = model.forward_blocks(&input, &positions, Some(&mut *cache), None)?; // (B, T, C)
-                                                                                         // The LM head on the last position only (the prompt's other positions need no logits).
+
+        // The LM head on the last position only (the prompt's other positions need no logits).
         let last = hidden.narrow(1, hidden.dim(1)? - 1, 1)?.squeeze(1)?; // (B, C)
         let last = model.lm_head(&last)?.to_dtype(DType::F32)?; // (B, V)
         let v = last.dim(1)?;

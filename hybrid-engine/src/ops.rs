@@ -171,7 +171,8 @@ pub fn cached_attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale
 }
 
 /// The tied LM head `x wte^T`: (N, C), (V, C) -> (N, V). For the few rows of a decoding step
-/// on the CPU, [`crate::decode::lm_head`] (2-4x gemm's speed there); the plain matmul otherwise.
+/// on the CPU, [`crate::decode::lm_head`] (1.4-3.5x the matmul's speed there); the plain
+/// matmul otherwise.
 pub fn lm_head_logits(x: &Tensor, wte: &Tensor) -> Result<Tensor> {
     if fused(&[x, wte]) && x.dim(0)? <= crate::decode::MAX_LM_HEAD_ROWS {
         crate::decode::lm_head(x, wte)
