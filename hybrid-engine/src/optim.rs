@@ -201,7 +201,12 @@ pub struct GradAccumulator {
 
 impl GradAccumulator {
     pub fn new(params: &ParamStore) -> Self {
-        Self { vars: params.vars.clone(), names: params.names.clone(), grads: vec![None; params.vars.len()] }
+        Self::over(params.vars.clone(), params.names.clone())
+    }
+
+    fn over(vars: Vec<Var>, names: Vec<String>) -> Self {
+        let grads = vec![None; vars.len()];
+        Self { vars, names, grads }
     }
 
     /// Adds the gradients a backward pass produced for the accumulator's parameters.
@@ -236,7 +241,7 @@ impl GradAccumulator {
 
     /// A fresh, empty accumulator over the same parameters.
     pub fn emptied(&self) -> Self {
-        Self { vars: self.vars.clone(), names: self.names.clone(), grads: vec![None; self.vars.len()] }
+        Self::over(self.vars.clone(), self.names.clone())
     }
 }
 

@@ -36,7 +36,7 @@ pub fn lm_forward_backward(
         // The whole-model path keeps the (B, T, V) logits in one graph: no leaf needed.
         let loss = model.lm_loss(ids, targets, dropout)?;
         acc.add(&(&loss * how.loss_scale)?.backward()?)?;
-        return Ok(loss.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()?);
+        return Ok(loss.to_scalar::<f32>()?);
     }
     let targets = targets.flatten_all()?;
     forward_backward(model, ids, &Positions::default(), dropout, how, acc, |hidden| {
@@ -63,7 +63,7 @@ pub fn forward_backward(
         let hidden = model.forward_blocks(ids, pos, None, dropout)?; // (B, T, C)
         let loss = head(&hidden)?;
         acc.add(&(&loss * scale)?.backward()?)?;
-        return Ok(loss.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()?);
+        return Ok(loss.to_scalar::<f32>()?);
     }
 
     let (b, t) = ids.dims2()?;
@@ -97,7 +97,7 @@ pub fn forward_backward(
     // Embeddings (wte also got the LM head's gradient above: the sum is the tied gradient).
     let emb = model.embed(ids, pos, 0, dropout)?;
     acc.add(&emb.mul(&grad)?.sum_all()?.backward()?)?;
-    Ok(loss.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()?)
+    Ok(loss.to_scalar::<f32>()?)
 }
 
 /// The gradient that reached a leaf, detached: candle leaves the gradients of variables attached

@@ -299,7 +299,7 @@ fn evaluate(model: &Gpt2, corpus: &PackedCorpus, batches: &[Vec<usize>], device:
     let mut total = 0f64;
     for idx in batches {
         let (x, y) = batch(corpus, idx, device)?;
-        total += model.lm_loss(&x, &y, None)?.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()? as f64;
+        total += model.lm_loss(&x, &y, None)?.to_scalar::<f32>()? as f64;
     }
     Ok(total / batches.len() as f64)
 }
