@@ -201,10 +201,8 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
     let dtype = precision.dtype.dtype();
     let actor_compute = actor_params.compute_copy(dtype)?;
     let critic_compute = critic_params.compute_copy(dtype)?;
-    let mut actor_model = actor_compute.model(&actor_cfg)?;
-    actor_model.fp32_loss = precision.fp32_loss;
-    let mut critic_model = RewardModel::new(&critic_compute, &critic_cfg)?;
-    critic_model.trunk.fp32_loss = precision.fp32_loss;
+    let actor_model = lm_on(&actor_compute, &actor_cfg, precision.fp32_loss)?;
+    let critic_model = reward_model_on(&critic_compute, &critic_cfg, precision.fp32_loss)?;
     let ema = match (args.enable_ema, resume.as_ref().and_then(|ck| ck.ema.as_ref())) {
         (false, _) => None,
         (true, saved) => {
@@ -240,8 +238,8 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
             critic_steps,
             args.critic_gradient_checkpointing,
         )?,
-        reference: frozen_lm(&ref_params.compute_copy(dtype)?, &actor_cfg, precision.fp32_loss)?,
-        reward: frozen_reward_model(&reward_params.compute_copy(dtype)?, &reward_cfg, precision.fp32_loss)?,
+        reference: lm_on(&ref_params.compute_copy(dtype)?, &actor_cfg, precision.fp32_loss)?,
+        reward: reward_model_on(&reward_params.compute_copy(dtype)?, &reward_cfg, precision.fp32_loss)?,
         ema,
         align_overflow: args.align_overflow,
     };
@@ -468,15 +466,15 @@ fn trained<M>(
     Ok(Trained { trainer, config: config.clone(), params, trainable, model, checkpoint_activations })
 }
 
-/// The frozen reference model in the compute dtype.
-fn frozen_lm(params: &ParamStore, config: &Gpt2Config, fp32_loss: bool) -> Result<hybrid_engine::Gpt2> {
+/// A language model over `params` (the actor, or the frozen reference) in their dtype.
+fn lm_on(params: &ParamStore, config: &Gpt2Config, fp32_loss: bool) -> Result<hybrid_engine::Gpt2> {
     let mut model = params.model(config)?;
     model.fp32_loss = fp32_loss;
     Ok(model)
 }
 
-/// The frozen reward model in the compute dtype.
-fn frozen_reward_model(params: &ParamStore, config: &Gpt2Config, fp32_loss: bool) -> Result<RewardModel> {
+/// A reward model over `params` (the critic, or the frozen reward model) in their dtype.
+fn reward_model_on(params: &ParamStore, config: &Gpt2Config, fp32_loss: bool) -> Result<RewardModel> {
     let mut model = RewardModel::new(params, config)?;
     model.trunk.fp32_loss = fp32_loss;
     Ok(model)
