@@ -258,6 +258,8 @@ fn run_recipe(script: &str, plan: &StepPlan, bin_dir: &Path, device: &str, dtype
         .arg(model_size(&plan.model))
         .args(plan.critic.iter().flat_map(|(dir, zero)| [dir.display().to_string(), zero.to_string()]))
         .env("PATH", path)
+        // The step's model save replaces this directory; the log must survive it.
+        .env(hybrid_engine::durable::LIVE_LOG_ENV, &log_path)
         .env(hybrid_engine::device::DEVICE_ENV, device)
         .env(hybrid_engine::precision::DTYPE_ENV, dtype.name())
         .stdout(Stdio::piped())
@@ -345,12 +347,9 @@ fn print_summary(output: &Path, steps: &[u32]) -> Result<()> {
     Ok(())
 }
 
-/// The last JSON record of a metrics.jsonl.
+/// The last JSON record of a metrics.jsonl (a torn last line, from an interrupted write, skipped).
 fn last_record(path: &Path) -> Result<serde_json::Value> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
-    let line =
-        text.lines().rev().find(|l| !l.trim().is_empty()).with_context(|| format!("{} is empty", path.display()))?;
-    serde_json::from_str(line).with_context(|| format!("the last line of {} is not JSON", path.display()))
+    hybrid_engine::metrics::read_records(path)?.pop().with_context(|| format!("{} is empty", path.display()))
 }
 
 /// The pretraining demo (issue 2's): a tiny GPT-2 on the embedded Shakespeare corpus, then a sample.

@@ -2,10 +2,11 @@
 //! iteration, data cursor, schedule, seed), under `<root>/iter_NNNNNNN/`, with `<root>/latest`
 //! naming the newest complete one (Megatron's layout, HF's files).
 //!
-//! Every write is atomic: the checkpoint is assembled in a hidden temporary directory, flushed,
-//! renamed into place, and only then is `latest` replaced (itself through a temporary file). A
-//! crash at any point leaves the previous checkpoint and pointer intact.
+//! Every write is atomic ([`crate::durable`]): the checkpoint is assembled in a hidden temporary
+//! directory, flushed, put in place, and only then is `latest` replaced (itself through a
+//! temporary file). A crash at any point leaves the previous checkpoint and pointer intact.
 
+use crate::durable::{failpoint, write_dir_atomically, write_file_atomically};
 use crate::gpt2::Gpt2Config;
 use crate::hf_io::{self, ModelFiles, LATEST};
 use crate::optim::AdamW;
@@ -35,90 +36,8 @@ pub struct TrainerState {
     pub run: serde_json::Value,
 }
 
-/// Test hook: `RLHF_FAILPOINT=<name>` aborts the process at the named point, to prove that an
-/// interrupted save damages nothing.
-pub fn failpoint(name: &str) {
-    if std::env::var("RLHF_FAILPOINT").is_ok_and(|v| v == name) {
-        eprintln!("failpoint {name}: aborting");
-        std::process::abort();
-    }
-}
-
 pub fn checkpoint_name(iteration: u64) -> String {
     format!("iter_{iteration:07}")
-}
-
-/// Builds `final_dir` by calling `fill` on a temporary sibling, then renames it into place,
-/// replacing any previous directory of that name only after the new one is complete.
-///
-/// Files of the previous directory that `fill` did not write (a step's `metrics.jsonl`, the
-/// launcher's `training.log`) are carried over as hard links: the same inode, so a process still
-/// appending to them keeps writing into the directory that is now in place.
-pub fn write_dir_atomically(final_dir: &Path, fill: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
-    let parent = final_dir.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    std::fs::create_dir_all(parent).with_context(|| format!("cannot create {}", parent.display()))?;
-    let name = final_dir.file_name().context("checkpoint path has no name")?.to_string_lossy().to_string();
-    let tmp = parent.join(format!(".tmp-{name}-{}", std::process::id()));
-    if tmp.exists() {
-        std::fs::remove_dir_all(&tmp)?;
-    }
-    std::fs::create_dir(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
-    fill(&tmp)?;
-    if final_dir.is_dir() {
-        carry_over_other_files(final_dir, &tmp)?;
-    }
-    sync_dir_files(&tmp)?;
-    failpoint("checkpoint-before-rename");
-    if final_dir.exists() {
-        let old = parent.join(format!(".old-{name}-{}", std::process::id()));
-        std::fs::rename(final_dir, &old)?;
-        std::fs::rename(&tmp, final_dir)?;
-        std::fs::remove_dir_all(&old)?;
-    } else {
-        std::fs::rename(&tmp, final_dir)
-            .with_context(|| format!("cannot move checkpoint into {}", final_dir.display()))?;
-    }
-    sync_path(parent)
-}
-
-/// Links (or, across filesystems, copies) the regular files of `old` that `new` lacks into `new`.
-fn carry_over_other_files(old: &Path, new: &Path) -> Result<()> {
-    for entry in std::fs::read_dir(old).with_context(|| format!("cannot list {}", old.display()))? {
-        let entry = entry?;
-        let target = new.join(entry.file_name());
-        if !entry.file_type()?.is_file() || target.exists() {
-            continue;
-        }
-        if std::fs::hard_link(entry.path(), &target).is_err() {
-            std::fs::copy(entry.path(), &target)
-                .with_context(|| format!("cannot carry {} over into the new directory", entry.path().display()))?;
-        }
-    }
-    Ok(())
-}
-
-/// Replaces a small file atomically (temporary file, fsync, rename).
-pub fn write_file_atomically(path: &Path, contents: &[u8]) -> Result<()> {
-    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-    std::fs::write(&tmp, contents).with_context(|| format!("cannot write {}", tmp.display()))?;
-    sync_path(&tmp)?;
-    std::fs::rename(&tmp, path).with_context(|| format!("cannot replace {}", path.display()))?;
-    if let Some(parent) = path.parent() {
-        sync_path(parent)?;
-    }
-    Ok(())
-}
-
-fn sync_path(p: &Path) -> Result<()> {
-    let p = if p.as_os_str().is_empty() { Path::new(".") } else { p };
-    std::fs::File::open(p).and_then(|f| f.sync_all()).with_context(|| format!("cannot flush {}", p.display()))
-}
-
-fn sync_dir_files(dir: &Path) -> Result<()> {
-    for entry in std::fs::read_dir(dir)? {
-        sync_path(&entry?.path())?;
-    }
-    sync_path(dir)
 }
 
 /// Saves a checkpoint for `state.iteration` under `root` and then points `latest` at it.
@@ -195,32 +114,4 @@ pub fn load_checkpoint(root: &Path, device: &Device) -> Result<Checkpoint> {
     let model = hf_io::load_model_dir(&dir, device)?;
     let optimizer = hf_io::read_safetensors(&dir.join(OPTIMIZER_STATE), device)?;
     Ok(Checkpoint { model, optimizer, state })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn replacing_a_model_dir_keeps_the_logs_a_process_is_appending_to() -> Result<()> {
-        use std::io::Write;
-        let root = tempfile::tempdir()?;
-        let dir = root.path().join("actor");
-        let cfg = Gpt2Config { n_layer: 1, n_embd: 8, n_head: 2, n_positions: 8, vocab_size: 16, ..Gpt2Config::tiny() };
-        let first = ParamStore::init(&cfg, 1, &Device::Cpu)?;
-        save_model_dir(&dir, &cfg, &first, &|_| Ok(()))?;
-        let mut log = std::fs::OpenOptions::new().create(true).append(true).open(dir.join("training.log"))?;
-        writeln!(log, "before")?;
-
-        let second = ParamStore::init(&cfg, 2, &Device::Cpu)?;
-        save_model_dir(&dir, &cfg, &second, &|_| Ok(()))?;
-        writeln!(log, "after")?; // the open handle still writes into the directory in place
-        assert_eq!(std::fs::read_to_string(dir.join("training.log"))?, "before\nafter\n");
-        let saved = hf_io::load_model_dir(&dir, &Device::Cpu)?;
-        let d = saved.tensors["wte.weight"].sub(second.get("wte.weight").unwrap())?.abs()?.sum_all()?;
-        assert_eq!(d.to_scalar::<f32>()?, 0.0, "the new weights replaced the old");
-        let leftovers: Vec<_> = std::fs::read_dir(root.path())?.collect::<std::io::Result<_>>()?;
-        assert_eq!(leftovers.len(), 1, "no temporary or old directory is left behind");
-        Ok(())
-    }
 }

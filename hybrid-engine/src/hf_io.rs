@@ -36,6 +36,10 @@ pub struct ModelFiles {
 /// HF cache first and downloaded when online.
 pub fn resolve_model_dir(name_or_path: &str) -> Result<PathBuf> {
     let path = Path::new(name_or_path);
+    if path.file_name().is_some() {
+        // A save killed between its two renames leaves the directory under `.old-*`.
+        crate::durable::recover_leftovers(path)?;
+    }
     if path.is_dir() {
         if path.join(CONFIG).is_file() {
             return Ok(path.to_path_buf());
@@ -76,6 +80,7 @@ pub fn latest_checkpoint(root: &Path) -> Result<PathBuf> {
 /// The directory a root's `latest` pointer names, checked to be a plain name inside `root`.
 pub fn latest_pointer(root: &Path) -> Result<PathBuf> {
     let pointer = root.join(LATEST);
+    crate::durable::recover_leftovers(&pointer)?;
     let name = std::fs::read_to_string(&pointer).with_context(|| format!("cannot read {}", pointer.display()))?;
     let name = name.trim();
     if name.is_empty() || name.contains(['/', '\\']) || name.starts_with('.') {
@@ -84,7 +89,9 @@ pub fn latest_pointer(root: &Path) -> Result<PathBuf> {
             pointer.display()
         );
     }
-    Ok(root.join(name))
+    let dir = root.join(name);
+    crate::durable::recover_leftovers(&dir)?;
+    Ok(dir)
 }
 
 /// A hub model's snapshot directory with its config, weights and (when present) tokenizer.
@@ -181,6 +188,9 @@ pub fn read_safetensors(path: &Path, device: &Device) -> Result<HashMap<String, 
 
 /// Reads a model directory: config.json and the weights, single-file or sharded.
 pub fn load_model_dir(dir: &Path, device: &Device) -> Result<ModelFiles> {
+    if dir.file_name().is_some() {
+        crate::durable::recover_leftovers(dir)?;
+    }
     let config = read_config(&dir.join(CONFIG))?;
     let raw = if dir.join(WEIGHTS).is_file() {
         read_safetensors(&dir.join(WEIGHTS), device)?

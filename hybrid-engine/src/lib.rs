@@ -6,6 +6,7 @@ pub mod checkpoint;
 pub mod cli;
 pub mod decode;
 pub mod device;
+pub mod durable;
 pub mod engine;
 pub mod fused;
 pub mod generate;

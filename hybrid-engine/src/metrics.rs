@@ -1,11 +1,16 @@
 //! Training telemetry: every metric appended as one JSON object per line to `metrics.jsonl`
 //! (so a crashed run keeps what it logged), a Megatron-style text line per log interval, a
 //! progress bar only when stderr is a terminal, and the process's peak memory.
+//!
+//! Each line is written with a single `write` on a file opened for appending, so a crash leaves at
+//! worst a torn last line, never two records interleaved; [`read_records`] skips such a line.
 
 use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
+
+pub const METRICS_FILE: &str = "metrics.jsonl";
 
 pub struct Metrics {
     path: PathBuf,
@@ -14,16 +19,22 @@ pub struct Metrics {
 }
 
 impl Metrics {
-    /// Appends to `<dir>/metrics.jsonl` (a resumed run continues the same file). `total` sizes the
-    /// progress bar; `done` is where it starts.
+    /// Opens `<dir>/metrics.jsonl`: a run that starts from the beginning (`done == 0`) starts a
+    /// fresh file, a resumed run appends to the one it continues. `total` sizes the progress
+    /// bar; `done` is where it starts. The file is marked live ([`crate::durable::mark_live`]),
+    /// so saving the model into `dir` keeps it.
     pub fn open(dir: &Path, total: u64, done: u64) -> Result<Self> {
         std::fs::create_dir_all(dir).with_context(|| format!("cannot create output directory {}", dir.display()))?;
-        let path = dir.join("metrics.jsonl");
+        let path = dir.join(METRICS_FILE);
         let file = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(&path)
             .with_context(|| format!("cannot open {} for appending", path.display()))?;
+        if done == 0 {
+            file.set_len(0).with_context(|| format!("cannot start {} afresh", path.display()))?;
+        }
+        crate::durable::mark_live(&path);
         let bar = std::io::stderr().is_terminal().then(|| {
             let bar = ProgressBar::new(total).with_position(done);
             bar.set_style(
@@ -35,9 +46,9 @@ impl Metrics {
         Ok(Self { path, file, bar })
     }
 
-    /// Appends one record.
+    /// Appends one record, as one line in one write.
     pub fn record(&mut self, value: serde_json::Value) -> Result<()> {
-        writeln!(self.file, "{value}").with_context(|| format!("writing {}", self.path.display()))
+        self.file.write_all(format!("{value}\n").as_bytes()).with_context(|| format!("writing {}", self.path.display()))
     }
 
     /// Prints a log line to stdout without tearing the progress bar.
@@ -62,10 +73,68 @@ impl Metrics {
     }
 }
 
+/// The records of a `metrics.jsonl`. A last line that is not valid JSON and has no newline is
+/// what a crash in the middle of a write leaves: it is skipped with a warning. Any other invalid
+/// line is an error.
+pub fn read_records(path: &Path) -> Result<Vec<serde_json::Value>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let torn_tail = !text.is_empty() && !text.ends_with('\n');
+    let lines: Vec<&str> = text.lines().collect();
+    let mut records = Vec::with_capacity(lines.len());
+    for (i, line) in lines.iter().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        match serde_json::from_str(line) {
+            Ok(value) => records.push(value),
+            Err(_) if torn_tail && i + 1 == lines.len() => {
+                eprintln!(
+                    "warning: {} ends with a partly written line (a run was interrupted while logging); skipped it",
+                    path.display()
+                );
+            }
+            Err(e) => anyhow::bail!("{} line {} is not JSON ({e}): the file is damaged", path.display(), i + 1),
+        }
+    }
+    Ok(records)
+}
+
 /// Peak resident memory of this process in MiB (Linux `VmHWM`), if the platform reports it.
 pub fn peak_rss_mib() -> Option<f64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
     let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
     let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib / 1024.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_torn_last_line_is_skipped_and_other_damage_is_an_error() -> Result<()> {
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join(METRICS_FILE);
+        std::fs::write(&path, "{\"step\":1}\n{\"step\":2}\n{\"step\":3,\"lo")?;
+        let records = read_records(&path)?;
+        assert_eq!(records, vec![serde_json::json!({"step": 1}), serde_json::json!({"step": 2})]);
+        std::fs::write(&path, "{\"step\":1}\n{\"st\n{\"step\":3}\n")?;
+        let err = read_records(&path).unwrap_err().to_string();
+        assert!(err.contains("line 2") && !err.contains('\n'), "{err}");
+        Ok(())
+    }
+
+    #[test]
+    fn records_are_whole_lines_and_a_fresh_run_starts_a_fresh_file() -> Result<()> {
+        let dir = tempfile::tempdir()?;
+        std::fs::write(dir.path().join(METRICS_FILE), "{\"stale\":true}\n")?;
+        let mut m = Metrics::open(dir.path(), 2, 0)?;
+        m.record(serde_json::json!({"step": 1}))?;
+        drop(m);
+        let mut m = Metrics::open(dir.path(), 2, 1)?; // resumed: appends
+        m.record(serde_json::json!({"step": 2}))?;
+        let text = std::fs::read_to_string(dir.path().join(METRICS_FILE))?;
+        assert_eq!(text, "{\"step\":1}\n{\"step\":2}\n");
+        Ok(())
+    }
 }

@@ -60,8 +60,10 @@ impl PeftAdapter {
     }
 }
 
-/// Writes `dir/adapter_config.json` and `dir/adapter_model.safetensors`, replacing a previous
-/// `dir` only once both are complete (temporary sibling directory, fsync, rename).
+/// Writes `dir/adapter_config.json` and `dir/adapter_model.safetensors` (creating `dir`). Not
+/// atomic on its own: callers write it inside a directory being assembled by the engine's
+/// `durable::write_dir_atomically` (a step's model directory holds its adapter in `adapter/`),
+/// which syncs it and puts it in place as a whole.
 pub fn save_peft_adapter(dir: &Path, adapter: &PeftAdapter) -> Result<()> {
     for ad in &adapter.adapters {
         check_pair(&ad.module, &ad.a, &ad.b, adapter.rank)?;
@@ -99,16 +101,15 @@ pub fn save_peft_adapter(dir: &Path, adapter: &PeftAdapter) -> Result<()> {
     for (name, t) in &adapter.modules_to_save {
         tensors.push((format!("{PREFIX}{name}"), t.to_dtype(DType::F32)?));
     }
-    write_dir_atomically(dir, |tmp| {
-        let text = serde_json::to_string_pretty(&config)? + "\n";
-        std::fs::write(tmp.join(ADAPTER_CONFIG), text)
-            .with_context(|| format!("writing {}", tmp.join(ADAPTER_CONFIG).display()))?;
-        // transformers and PEFT expect `format: pt` in the safetensors metadata.
-        let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
-        safetensors::serialize_to_file(tensors, Some(metadata), &tmp.join(ADAPTER_WEIGHTS))
-            .with_context(|| format!("writing {}", tmp.join(ADAPTER_WEIGHTS).display()))
-    })
-    .with_context(|| format!("saving the LoRA adapter to {}", dir.display()))
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let text = serde_json::to_string_pretty(&config)? + "\n";
+    std::fs::write(dir.join(ADAPTER_CONFIG), text)
+        .with_context(|| format!("writing {}", dir.join(ADAPTER_CONFIG).display()))?;
+    // transformers and PEFT expect `format: pt` in the safetensors metadata.
+    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+    safetensors::serialize_to_file(tensors, Some(metadata), &dir.join(ADAPTER_WEIGHTS))
+        .with_context(|| format!("writing {}", dir.join(ADAPTER_WEIGHTS).display()))
+        .with_context(|| format!("saving the LoRA adapter to {}", dir.display()))
 }
 
 /// Reads an adapter directory written by [`save_peft_adapter`] or by PEFT's `save_pretrained`.
@@ -209,35 +210,6 @@ fn check_pair(module: &str, a: &Tensor, b: &Tensor, rank: usize) -> Result<()> {
         (&[ra, _], &[_, rb]) if ra == rank && rb == rank => Ok(()),
         (da, db) => bail!("adapter {module}: lora_A {da:?} and lora_B {db:?} do not have the shapes (r, in) and (out, r) with r = {rank}"),
     }
-}
-
-/// Builds `final_dir` by calling `fill` on a temporary sibling, then renames it into place,
-/// replacing a previous directory of that name only after the new one is complete. (The engine's
-/// `checkpoint::write_dir_atomically` does the same with more bookkeeping; `lora` sits below it.)
-fn write_dir_atomically(final_dir: &Path, fill: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
-    let parent = final_dir.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    std::fs::create_dir_all(parent).with_context(|| format!("cannot create {}", parent.display()))?;
-    let name = final_dir.file_name().context("the adapter path has no name")?.to_string_lossy().to_string();
-    let tmp = parent.join(format!(".tmp-{name}-{}", std::process::id()));
-    if tmp.exists() {
-        std::fs::remove_dir_all(&tmp).with_context(|| format!("cannot remove {}", tmp.display()))?;
-    }
-    std::fs::create_dir(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
-    fill(&tmp)?;
-    for entry in std::fs::read_dir(&tmp)? {
-        std::fs::File::open(entry?.path())?.sync_all()?;
-    }
-    if final_dir.exists() {
-        let old = parent.join(format!(".old-{name}-{}", std::process::id()));
-        std::fs::rename(final_dir, &old)?;
-        std::fs::rename(&tmp, final_dir)?;
-        std::fs::remove_dir_all(&old)?;
-    } else {
-        std::fs::rename(&tmp, final_dir)
-            .with_context(|| format!("cannot move the adapter into {}", final_dir.display()))?;
-    }
-    std::fs::File::open(parent)?.sync_all()?;
-    Ok(())
 }
 
 #[cfg(test)]

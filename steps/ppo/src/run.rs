@@ -285,6 +285,8 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
             (st.rollouts_reused, st.answers_dropped_short, st.first_reward);
     }
     let save_root = args.save.clone().unwrap_or_else(|| args.output_dir.join("checkpoints"));
+    let (mut save_pending, mut last_saved_step) = (false, step);
+    let batches_per_epoch = prompts.train.len().div_ceil(args.per_device_generation_batch_size);
     for epoch in first_epoch..=args.num_train_epochs {
         let order = data::pretrain::epoch_order(&(0..prompts.train.len()), args.seed, epoch as u64 - 1);
         let skip = if epoch == first_epoch { skip_batches } else { 0 };
@@ -360,25 +362,20 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
             summary.steps = step;
             let safe_point =
                 buffer.is_empty() && models.actor.trainer.at_boundary() && models.critic.trainer.at_boundary();
-            if args.save_interval > 0 && step % args.save_interval == 0 && safe_point {
-                let state = crate::checkpoint::PpoState {
-                    format_version: crate::checkpoint::PPO_FORMAT_VERSION,
-                    step,
-                    micro,
-                    epoch,
-                    batches_done: batch_index + 1,
-                    actor_steps: models.actor.trainer.optimizer.step,
-                    critic_steps: models.critic.trainer.optimizer.step,
-                    ptx_cursor: ptx_cursor.cursor(),
-                    rollouts_reused: summary.rollouts_reused,
-                    answers_dropped_short: summary.answers_dropped_short,
-                    first_reward: summary.first_reward,
-                    actor_progress: Some(models.actor.trainer.progress()),
-                    critic_progress: Some(models.critic.trainer.progress()),
-                    run: args.run_fingerprint(),
-                };
+            // A checkpoint needs a safe point (no rollout buffered, no gradient pending); an
+            // interval that falls elsewhere is moved to the next safe point, and the log says so.
+            let at_interval = args.save_interval > 0 && step % args.save_interval == 0;
+            if at_interval && !safe_point && !save_pending {
+                metrics.println(&format!(
+                    " rollout {step}: the --save-interval checkpoint moves to the next safe point (rollouts are buffered for --generation-batches or gradients are accumulating)"
+                ));
+            }
+            save_pending |= at_interval;
+            if save_pending && safe_point {
+                let state = checkpoint_state(args, step, micro, epoch, batch_index + 1, &models, &ptx_cursor, &summary);
                 let dir = crate::checkpoint::save(&save_root, &models, &state, &tokenizer)?;
                 metrics.println(&format!(" saved a step-3 checkpoint at rollout {step} to {}", dir.display()));
+                (save_pending, last_saved_step) = (false, step);
             }
             log_step(
                 &mut metrics,
@@ -397,6 +394,39 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
     models.flush()?;
     metrics.finish();
 
+    // The models first: the held-out evaluation below can take long, and a run stopped during
+    // it must not lose what it trained.
+    let actor_dir = args.output_dir.join("actor");
+    let write_tok = |d: &Path| tokenizer.save(&d.join("tokenizer.json"));
+    save_model_dir(&actor_dir, &causal_lm_config(&actor_cfg), &models.actor.params, &write_tok)?;
+    save_model_dir(
+        &args.output_dir.join("critic"),
+        &sequence_classification_config(&critic_cfg, eos),
+        &models.critic.params,
+        &write_tok,
+    )?;
+    if let Some(ema) = &models.ema {
+        save_model_dir(&args.output_dir.join("actor_ema"), &causal_lm_config(&actor_cfg), ema, &write_tok)?;
+    }
+    println!("saved the PPO actor to {} (chat --path {})", actor_dir.display(), actor_dir.display());
+    // The end of the run is always resumable: a checkpoint of the final state (its models are
+    // the ones just saved), unless the last interval already wrote it.
+    if step != last_saved_step {
+        let state = checkpoint_state(
+            args,
+            step,
+            micro,
+            args.num_train_epochs,
+            batches_per_epoch,
+            &models,
+            &ptx_cursor,
+            &summary,
+        );
+        let dir = crate::checkpoint::save(&save_root, &models, &state, &tokenizer)?;
+        println!("saved the final step-3 checkpoint (rollout {step}) to {}", dir.display());
+    }
+
+    hybrid_engine::durable::failpoint("ppo-before-eval");
     if let Some(prompts) = &eval_prompts {
         let evaluate = |actor: &hybrid_engine::Gpt2| {
             evaluate_policy(
@@ -425,22 +455,40 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
         (summary.sft_eval, summary.ppo_eval) = (Some(before), Some(after));
     }
 
-    let actor_dir = args.output_dir.join("actor");
-    let write_tok = |d: &Path| tokenizer.save(&d.join("tokenizer.json"));
-    save_model_dir(&actor_dir, &causal_lm_config(&actor_cfg), &models.actor.params, &write_tok)?;
-    save_model_dir(
-        &args.output_dir.join("critic"),
-        &sequence_classification_config(&critic_cfg, eos),
-        &models.critic.params,
-        &write_tok,
-    )?;
-    if let Some(ema) = &models.ema {
-        save_model_dir(&args.output_dir.join("actor_ema"), &causal_lm_config(&actor_cfg), ema, &write_tok)?;
-    }
-    println!("saved the PPO actor to {} (chat --path {})", actor_dir.display(), actor_dir.display());
     let peak = peak_rss_mib();
     metrics.record(json!({"event": "end", "summary": summary, "peak_rss_mib": peak}))?;
     Ok(summary)
+}
+
+/// Where the loop stands after `step` rollouts, `batches_done` of them in `epoch`: what a
+/// checkpoint needs to resume.
+#[allow(clippy::too_many_arguments)]
+fn checkpoint_state(
+    args: &PpoArgs,
+    step: u64,
+    micro: u64,
+    epoch: usize,
+    batches_done: usize,
+    models: &PpoModels,
+    ptx_cursor: &data::BlockSampler,
+    summary: &PpoSummary,
+) -> crate::checkpoint::PpoState {
+    crate::checkpoint::PpoState {
+        format_version: crate::checkpoint::PPO_FORMAT_VERSION,
+        step,
+        micro,
+        epoch,
+        batches_done,
+        actor_steps: models.actor.trainer.optimizer.step,
+        critic_steps: models.critic.trainer.optimizer.step,
+        ptx_cursor: ptx_cursor.cursor(),
+        rollouts_reused: summary.rollouts_reused,
+        answers_dropped_short: summary.answers_dropped_short,
+        first_reward: summary.first_reward,
+        actor_progress: Some(models.actor.trainer.progress()),
+        critic_progress: Some(models.critic.trainer.progress()),
+        run: args.run_fingerprint(),
+    }
 }
 
 /// A trained model with its optimizer over what it trains (everything, or with

@@ -30,6 +30,10 @@ fn setup(dir: &Path) {
 }
 
 fn ppo(dir: &Path, out: &str, extra: &[&str]) -> Output {
+    ppo_with_env(dir, out, extra, &[])
+}
+
+fn ppo_with_env(dir: &Path, out: &str, extra: &[&str], env: &[(&str, &str)]) -> Output {
     let d = |name: &str| dir.join(name).to_str().unwrap().to_string();
     let mut args: Vec<String> = [
         "--data-path",
@@ -70,7 +74,7 @@ fn ppo(dir: &Path, out: &str, extra: &[&str]) -> Output {
     .map(|s| s.to_string())
     .collect();
     args.extend(extra.iter().map(|s| s.to_string()));
-    Command::new(env!("CARGO_BIN_EXE_ppo")).args(&args).output().expect("spawn ppo")
+    Command::new(env!("CARGO_BIN_EXE_ppo")).args(&args).envs(env.iter().copied()).output().expect("spawn ppo")
 }
 
 fn ok(out: &Output) -> String {
@@ -128,6 +132,10 @@ fn resume_is_exact(extra: &[&str]) -> (tempfile::TempDir, String) {
     // 54 training prompts in batches of 8: 7 rollouts; checkpoints after rollouts 2, 4 and 6.
     assert!(full.contains("step     7/7"), "{full}");
     assert!(full.contains("saved a step-3 checkpoint at rollout 2"), "{full}");
+    // The end of a run is always resumable.
+    assert!(full.contains("saved the final step-3 checkpoint (rollout 7)"), "{full}");
+    let final_checkpoint = dir.path().join("full/checkpoints/iter_0000007");
+    assert!(final_checkpoint.join("actor/model.safetensors").is_file(), "{full}");
     for line in ["reward", "kl_ref", "clip", "entropy", "expl var", "--- answer:"] {
         assert!(full.contains(line), "missing {line:?} in the log:\n{full}");
     }
@@ -165,6 +173,30 @@ fn resume_is_exact(extra: &[&str]) -> (tempfile::TempDir, String) {
         assert!(a == b, "{model}: the resumed run's weights differ from the uninterrupted run's");
     }
     (dir, full)
+}
+
+/// A --save-interval rollout that is not a safe point moves the checkpoint, with a log line; the
+/// models are saved before the held-out evaluation (a run killed during it keeps them) and the
+/// final checkpoint is written.
+#[test]
+fn an_interval_off_a_safe_point_moves_and_the_models_are_saved_before_the_evaluation() {
+    let dir = tempfile::tempdir().unwrap();
+    setup(dir.path());
+    let prompts = dir.path().join("prompts.jsonl");
+    let extra = ["--generation-batches", "2", "--save-interval", "3", "--eval-prompts", prompts.to_str().unwrap()];
+    let out = ppo_with_env(dir.path(), "moved", &extra, &[("RLHF_FAILPOINT", "ppo-before-eval")]);
+    let log = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(!out.status.success(), "the failpoint must abort the run during the evaluation:\n{log}");
+    // Rollout 3 is buffered (generation batches of 2): the checkpoint moves to rollout 4.
+    assert!(log.contains("rollout 3: the --save-interval checkpoint moves to the next safe point"), "{log}");
+    assert!(log.contains("saved a step-3 checkpoint at rollout 4"), "{log}");
+    let root = dir.path().join("moved");
+    assert!(root.join("checkpoints/iter_0000004").is_dir() && !root.join("checkpoints/iter_0000003").exists());
+    assert!(root.join("checkpoints/iter_0000007").is_dir(), "the final checkpoint is written:\n{log}");
+    for model in ["actor", "critic", "actor_ema"] {
+        hybrid_engine::hf_io::load_model_dir(&root.join(model), &Device::Cpu)
+            .unwrap_or_else(|e| panic!("{model} was not saved before the evaluation: {e:#}"));
+    }
 }
 
 #[test]

@@ -23,6 +23,9 @@ use serde::Serialize;
 use serde_json::json;
 use std::time::Instant;
 
+/// The final evaluation (accuracy, margins, length bias), saved with the reward model.
+pub const REWARD_EVAL_FILE: &str = "reward_eval.json";
+
 /// One evaluation over the eval pairs.
 #[derive(Clone, Debug, Serialize)]
 pub struct RewardEval {
@@ -178,17 +181,18 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
     metrics.finish();
 
     // The model directory has LoRA merged; a frozen trunk's adapter (with the trained head as
-    // PEFT's modules_to_save) is also saved on its own.
+    // PEFT's modules_to_save) is also saved on its own. reward_eval.json goes in the same atomic
+    // save: the directory never pairs one run's model with another run's evaluation.
+    let report = summary.evals.last().map(
+        |last| json!({"final": last, "before_training": summary.evals.first(), "loss": format!("{:?}", args.loss)}),
+    );
     t.save_step_model("reward model", &args.output_dir, &config, params, "SEQ_CLS", &|d| {
-        tokenizer.save(&d.join("tokenizer.json"))
+        tokenizer.save(&d.join("tokenizer.json"))?;
+        match &report {
+            Some(report) => Ok(std::fs::write(d.join(REWARD_EVAL_FILE), serde_json::to_string_pretty(report)?)?),
+            None => Ok(()),
+        }
     })?;
-    if let Some(last) = summary.evals.last() {
-        let path = args.output_dir.join("reward_eval.json");
-        let report =
-            json!({"final": last, "before_training": summary.evals.first(), "loss": format!("{:?}", args.loss)});
-        hybrid_engine::checkpoint::write_file_atomically(&path, serde_json::to_string_pretty(&report)?.as_bytes())?;
-        println!("wrote {}", path.display());
-    }
     let peak = peak_rss_mib();
     if let Some(p) = peak {
         println!("peak memory (RSS): {p:.1} MiB");

@@ -23,6 +23,9 @@ use serde::Serialize;
 use serde_json::json;
 use std::time::Instant;
 
+/// The greedy answers of the starting and the fine-tuned model, side by side, in the model directory.
+pub const PROMPT_EVAL_FILE: &str = "prompt_eval.jsonl";
+
 /// What step 1 achieved (also the last record of metrics.jsonl).
 #[derive(Debug, Clone, Serialize)]
 pub struct SftSummary {
@@ -76,6 +79,9 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
     model.fp32_loss = precision.fp32_loss;
     // prompt_eval compares with the starting weights, which training overwrites in place.
     let baseline_weights = args.eval_prompts.is_some().then(|| params.copy()).transpose()?;
+    // Read now, so a bad prompts file fails before training rather than after it.
+    let prompts =
+        args.eval_prompts.as_ref().map(|spec| data::prompts::read_prompts(spec, args.num_eval_prompts)).transpose()?;
     let micro_per_epoch = data.train.len().div_ceil(t.per_device_train_batch_size);
     let steps = total_steps(micro_per_epoch, t.num_train_epochs, t.gradient_accumulation_steps);
     let mut trainer =
@@ -140,20 +146,27 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
     }
     metrics.finish();
 
+    // The held-out comparison is written with the model, in the same atomic save, so the
+    // directory never holds a comparison of another run's model.
+    let prompt_eval_lines = match (&prompts, baseline_weights) {
+        (Some(prompts), Some(weights)) => {
+            let baseline = weights.model(&config)?;
+            let comparisons =
+                prompt_eval::compare(&baseline, &model, &tokenizer, prompts, args.max_new_tokens, &device)?;
+            print!("{}", prompt_eval::render(&comparisons));
+            let lines: Vec<String> = comparisons.iter().map(|c| json!(c).to_string() + "\n").collect();
+            Some(lines.concat())
+        }
+        _ => None,
+    };
     // The model directory has LoRA merged; a frozen base's adapter is also saved on its own.
     t.save_step_model("fine-tuned model", &args.output_dir, &config, params, "CAUSAL_LM", &|d| {
-        tokenizer.save(&d.join("tokenizer.json"))
+        tokenizer.save(&d.join("tokenizer.json"))?;
+        match &prompt_eval_lines {
+            Some(text) => Ok(std::fs::write(d.join(PROMPT_EVAL_FILE), text)?),
+            None => Ok(()),
+        }
     })?;
-
-    if let (Some(spec), Some(weights)) = (&args.eval_prompts, baseline_weights) {
-        let baseline = weights.model(&config)?;
-        let prompts = data::prompts::read_prompts(spec, args.num_eval_prompts)?;
-        let comparisons = prompt_eval::compare(&baseline, &model, &tokenizer, &prompts, args.max_new_tokens, &device)?;
-        print!("{}", prompt_eval::render(&comparisons));
-        let lines: Vec<String> = comparisons.iter().map(|c| json!(c).to_string()).collect();
-        let path = args.output_dir.join("prompt_eval.jsonl");
-        hybrid_engine::checkpoint::write_file_atomically(&path, (lines.join("\n") + "\n").as_bytes())?;
-    }
     let peak = peak_rss_mib();
     if let Some(p) = peak {
         println!("peak memory (RSS): {p:.1} MiB");

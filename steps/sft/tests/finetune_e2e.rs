@@ -84,14 +84,18 @@ fn one_epoch_on_the_demo_lowers_perplexity_and_saves_a_model_that_generates() {
         serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
     assert_eq!(config["architectures"][0], "GPT2LMHeadModel");
 
-    // A second run reads the tokenized data from the cache and replaces the model atomically,
-    // keeping the metrics log.
+    // A second run reads the tokenized data from the cache and replaces the model atomically.
+    // The new directory holds exactly what the second run produced: its own metrics log (the
+    // same run without --eval-prompts writes as many records), and no prompt_eval.jsonl of the
+    // first run's model.
     let again = sft(&[small(out_s, cache_s), vec!["--num-train-epochs", "1", "--max-seq-len", "48"]].concat(), &[]);
     let stdout = String::from_utf8_lossy(&again.stdout).to_string();
     assert!(again.status.success(), "{stdout}");
     assert!(stdout.contains("cache hit"), "{stdout}");
-    let lines = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap().lines().count();
-    assert!(lines > metrics.lines().count(), "metrics.jsonl is appended to, not lost");
+    let second = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    assert_eq!(second.lines().count(), metrics.lines().count(), "metrics.jsonl holds this run's records only");
+    assert!(second.ends_with('\n') && second != metrics, "the second run's own, complete records");
+    assert!(!out.join("prompt_eval.jsonl").exists(), "no file of the earlier run is carried over");
 }
 
 /// `sft --lora-dim 4 --only-optimize-lora` on the demo: perplexity falls with the trunk frozen;

@@ -1,0 +1,367 @@
+//! Durable, atomic writes: the one implementation behind every directory and small file a run
+//! saves (model directories, checkpoints, PEFT adapters, `latest`, evaluation reports).
+//!
+//! A directory is assembled in a hidden sibling `.tmp-<name>-<pid>`, every file and directory
+//! in it is fsynced, and it then takes the final name in one step: on Linux `renameat2` with
+//! `RENAME_EXCHANGE` swaps the complete new directory with the old one, so at every instant the
+//! final name holds a complete directory, old or new. Where the exchange is unsupported (other
+//! systems, some filesystems) the old directory is first renamed to `.old-<name>-<pid>` and the
+//! new one moved in; a crash between those two renames leaves no directory at the final name, and
+//! [`recover_leftovers`] puts the old one back. Every save and every load of a local directory
+//! runs that recovery first, so a killed process's leftovers never outlive the next run.
+//!
+//! On any error the temporary directory is removed (a full disk must not leave gigabytes of
+//! `.tmp-*` behind). The new directory holds exactly what the save wrote, plus the live logs this
+//! process tree is appending to ([`mark_live`], [`LIVE_LOG_ENV`]), which are carried over as hard
+//! links so the writers keep writing into the directory in place; nothing else of the old
+//! directory survives.
+
+use anyhow::{Context, Result};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+/// Set by the launcher to the log file it appends a step's output to (`<output>/<model>/training.log`):
+/// a live file that a save of that directory must keep.
+pub const LIVE_LOG_ENV: &str = "RLHF_LIVE_LOG";
+
+/// Test hook: `RLHF_FAILPOINT=<name>` aborts the process at the named point, to prove that an
+/// interrupted save damages nothing. Points: `checkpoint-before-rename` (the new directory is
+/// complete and synced, nothing replaced), `replace-after-exchange` (the directories are
+/// swapped, the old one not yet removed), `replace-between-renames` (the fallback's window: the
+/// old directory moved away, the new one not yet in), `checkpoint-before-latest`.
+pub fn failpoint(name: &str) {
+    if std::env::var("RLHF_FAILPOINT").is_ok_and(|v| v == name) {
+        eprintln!("failpoint {name}: aborting");
+        std::process::abort();
+    }
+}
+
+/// Test hook: with `RLHF_TEST_NO_EXCHANGE=1` directories are replaced by the two-rename fallback
+/// even where `RENAME_EXCHANGE` works, so tests reach the fallback's crash window.
+const NO_EXCHANGE_ENV: &str = "RLHF_TEST_NO_EXCHANGE";
+
+static LIVE_FILES: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+
+/// Declares `path` a file this process keeps appending to (a step's `metrics.jsonl`): when the
+/// directory holding it is replaced, the file is carried into the new directory.
+pub fn mark_live(path: &Path) {
+    if let Ok(p) = std::fs::canonicalize(path) {
+        LIVE_FILES.lock().unwrap_or_else(|e| e.into_inner()).push(p);
+    }
+}
+
+/// The live files inside `dir`: those marked by this process and the launcher's log.
+fn live_files_in(dir: &Path) -> Vec<PathBuf> {
+    let Ok(dir) = std::fs::canonicalize(dir) else { return Vec::new() };
+    let mut live: Vec<PathBuf> = LIVE_FILES.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    if let Some(log) = std::env::var_os(LIVE_LOG_ENV).and_then(|p| std::fs::canonicalize(p).ok()) {
+        live.push(log);
+    }
+    live.retain(|p| p.parent() == Some(dir.as_path()));
+    live
+}
+
+fn parent_of(path: &Path) -> &Path {
+    path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."))
+}
+
+fn name_of(path: &Path) -> Result<String> {
+    Ok(path.file_name().with_context(|| format!("{} has no file name", path.display()))?.to_string_lossy().to_string())
+}
+
+fn sibling(path: &Path, kind: &str) -> Result<PathBuf> {
+    Ok(parent_of(path).join(format!(".{kind}-{}-{}", name_of(path)?, std::process::id())))
+}
+
+/// A temporary file or directory, removed when dropped unless [`TempPath::commit`]ted.
+struct TempPath {
+    path: PathBuf,
+    committed: bool,
+}
+
+impl TempPath {
+    fn commit(mut self) {
+        self.committed = true;
+    }
+}
+
+impl Drop for TempPath {
+    fn drop(&mut self) {
+        if !self.committed {
+            remove_any(&self.path);
+        }
+    }
+}
+
+fn remove_any(path: &Path) {
+    let _ = match std::fs::symlink_metadata(path) {
+        Ok(m) if m.is_dir() => std::fs::remove_dir_all(path),
+        Ok(_) => std::fs::remove_file(path),
+        Err(_) => Ok(()),
+    };
+}
+
+/// Builds `final_dir` by calling `fill` on a temporary sibling, then puts it in place atomically,
+/// replacing a previous directory of that name only once the new one is complete and synced.
+/// On error nothing is left behind and the previous directory is untouched.
+pub fn write_dir_atomically(final_dir: &Path, fill: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+    let parent = parent_of(final_dir);
+    std::fs::create_dir_all(parent).with_context(|| format!("cannot create {}", parent.display()))?;
+    recover_leftovers(final_dir)?;
+    let tmp = TempPath { path: sibling(final_dir, "tmp")?, committed: false };
+    remove_any(&tmp.path);
+    std::fs::create_dir(&tmp.path).with_context(|| format!("cannot create {}", tmp.path.display()))?;
+    fill(&tmp.path)?;
+    for live in live_files_in(final_dir) {
+        let target = tmp.path.join(live.file_name().expect("a file inside a directory has a name"));
+        if !target.exists() && std::fs::hard_link(&live, &target).is_err() {
+            std::fs::copy(&live, &target)
+                .with_context(|| format!("cannot carry the live log {} into the new directory", live.display()))?;
+        }
+    }
+    sync_tree(&tmp.path)?;
+    failpoint("checkpoint-before-rename");
+    replace_dir(&tmp.path, final_dir)?;
+    tmp.commit();
+    sync_path(parent)
+}
+
+/// Moves the complete directory `new` to `final_dir`, replacing what is there.
+fn replace_dir(new: &Path, final_dir: &Path) -> Result<()> {
+    if !final_dir.exists() {
+        return std::fs::rename(new, final_dir)
+            .with_context(|| format!("cannot move the new directory into {}", final_dir.display()));
+    }
+    if std::env::var_os(NO_EXCHANGE_ENV).is_none() && exchange(new, final_dir)? {
+        // `new` now names the old directory.
+        failpoint("replace-after-exchange");
+        return std::fs::remove_dir_all(new).with_context(|| format!("cannot remove the old {}", new.display()));
+    }
+    let old = sibling(final_dir, "old")?;
+    std::fs::rename(final_dir, &old).with_context(|| format!("cannot move {} aside", final_dir.display()))?;
+    failpoint("replace-between-renames");
+    if let Err(e) = std::fs::rename(new, final_dir) {
+        let _ = std::fs::rename(&old, final_dir);
+        return Err(e).with_context(|| format!("cannot move the new directory into {}", final_dir.display()));
+    }
+    std::fs::remove_dir_all(&old).with_context(|| format!("cannot remove {}", old.display()))
+}
+
+/// Swaps two paths atomically. `Ok(false)` where the system or filesystem cannot.
+#[cfg(target_os = "linux")]
+fn exchange(a: &Path, b: &Path) -> Result<bool> {
+    use std::ffi::CString;
+    use std::os::unix::ffi::OsStrExt;
+    let c = |p: &Path| CString::new(p.as_os_str().as_bytes()).context("a path with a NUL byte");
+    let (ca, cb) = (c(a)?, c(b)?);
+    // SAFETY: two valid NUL-terminated paths; renameat2 only reads them. The raw syscall works
+    // with any C library (glibc gained the wrapper late, musl has none).
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_renameat2,
+            libc::AT_FDCWD,
+            ca.as_ptr(),
+            libc::AT_FDCWD,
+            cb.as_ptr(),
+            libc::RENAME_EXCHANGE,
+        )
+    };
+    if rc == 0 {
+        return Ok(true);
+    }
+    let err = std::io::Error::last_os_error();
+    match err.raw_os_error() {
+        Some(libc::EINVAL | libc::ENOSYS | libc::ENOTSUP) => Ok(false),
+        _ => Err(err).with_context(|| format!("cannot swap {} into {}", a.display(), b.display())),
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn exchange(_: &Path, _: &Path) -> Result<bool> {
+    Ok(false)
+}
+
+/// Replaces a small file atomically (temporary sibling, fsync, rename, fsync of the directory).
+pub fn write_file_atomically(path: &Path, contents: &[u8]) -> Result<()> {
+    use std::io::Write;
+    recover_leftovers(path)?;
+    let tmp = TempPath { path: sibling(path, "tmp")?, committed: false };
+    remove_any(&tmp.path);
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&tmp.path)
+        .with_context(|| format!("cannot create {}", tmp.path.display()))?;
+    file.write_all(contents)
+        .and_then(|()| file.sync_all())
+        .with_context(|| format!("cannot write {}", tmp.path.display()))?;
+    drop(file);
+    std::fs::rename(&tmp.path, path).with_context(|| format!("cannot replace {}", path.display()))?;
+    tmp.commit();
+    sync_path(parent_of(path))
+}
+
+/// Cleans what killed processes left next to `path` (in its parent directory): their
+/// `.tmp-<name>-<pid>` (an unfinished save, or after an exchange the replaced directory) are
+/// removed, and an `.old-<name>-<pid>` is put back when `<name>` itself is missing (a crash
+/// between the fallback's two renames), else removed. Leftovers of a process that is still
+/// running are left alone.
+pub fn recover_leftovers(path: &Path) -> Result<()> {
+    let parent = parent_of(path);
+    let Ok(entries) = std::fs::read_dir(parent) else { return Ok(()) };
+    let mut olds = Vec::new();
+    for entry in entries.flatten() {
+        let file_name = entry.file_name().to_string_lossy().to_string();
+        let Some((kind, name, pid)) = leftover(&file_name) else { continue };
+        if pid != std::process::id() && process_alive(pid) {
+            continue;
+        }
+        match kind {
+            "old" => olds.push((entry.path(), parent.join(name))),
+            _ => remove_any(&entry.path()),
+        }
+    }
+    for (old, original) in olds {
+        if std::fs::symlink_metadata(&original).is_err() {
+            std::fs::rename(&old, &original).with_context(|| {
+                format!("cannot restore {} from {} (an interrupted save)", original.display(), old.display())
+            })?;
+            eprintln!("warning: restored {} from an interrupted save ({})", original.display(), old.display());
+        } else {
+            remove_any(&old);
+        }
+    }
+    Ok(())
+}
+
+/// `.tmp-<name>-<pid>` or `.old-<name>-<pid>`, as ("tmp" | "old", name, pid).
+fn leftover(file_name: &str) -> Option<(&str, &str, u32)> {
+    let (kind, rest) = file_name.strip_prefix('.')?.split_once('-')?;
+    let (name, pid) = rest.rsplit_once('-')?;
+    let pid = pid.parse().ok().filter(|_| pid.bytes().all(|b| b.is_ascii_digit()))?;
+    (matches!(kind, "tmp" | "old") && !name.is_empty()).then_some((kind, name, pid))
+}
+
+#[cfg(unix)]
+fn process_alive(pid: u32) -> bool {
+    let Ok(pid) = libc::pid_t::try_from(pid) else { return false };
+    // SAFETY: signal 0 only checks that the process exists and may be signalled.
+    let rc = unsafe { libc::kill(pid, 0) };
+    rc == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+}
+
+#[cfg(not(unix))]
+fn process_alive(_: u32) -> bool {
+    true
+}
+
+/// fsyncs `path` (a file or a directory).
+pub fn sync_path(path: &Path) -> Result<()> {
+    let path = if path.as_os_str().is_empty() { Path::new(".") } else { path };
+    std::fs::File::open(path).and_then(|f| f.sync_all()).with_context(|| format!("cannot flush {}", path.display()))
+}
+
+/// fsyncs every file and directory below `dir`, then `dir` itself.
+pub fn sync_tree(dir: &Path) -> Result<()> {
+    for entry in std::fs::read_dir(dir).with_context(|| format!("cannot list {}", dir.display()))? {
+        let entry = entry?;
+        if entry.file_type()?.is_dir() {
+            sync_tree(&entry.path())?;
+        } else {
+            sync_path(&entry.path())?;
+        }
+    }
+    sync_path(dir)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use anyhow::bail;
+
+    fn names(dir: &Path) -> Vec<String> {
+        let mut v: Vec<String> =
+            std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().to_string()).collect();
+        v.sort();
+        v
+    }
+
+    fn write(dir: &Path, files: &[(&str, &str)]) -> Result<()> {
+        for (n, c) in files {
+            std::fs::write(dir.join(n), c)?;
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn a_replacement_holds_exactly_what_the_save_wrote() -> Result<()> {
+        let root = tempfile::tempdir()?;
+        let dir = root.path().join("model");
+        write_dir_atomically(&dir, |d| write(d, &[("weights", "old"), ("reward_eval.json", "stale")]))?;
+        write_dir_atomically(&dir, |d| write(d, &[("weights", "new")]))?;
+        assert_eq!(names(&dir), ["weights"], "nothing of the earlier save is carried over");
+        assert_eq!(std::fs::read_to_string(dir.join("weights"))?, "new");
+        assert_eq!(names(root.path()), ["model"], "no temporary or old directory is left");
+        Ok(())
+    }
+
+    #[test]
+    fn a_failing_save_leaves_no_temporary_directory_and_the_old_one_intact() -> Result<()> {
+        let root = tempfile::tempdir()?;
+        let dir = root.path().join("model");
+        write_dir_atomically(&dir, |d| write(d, &[("weights", "old")]))?;
+        let err = write_dir_atomically(&dir, |d| {
+            write(d, &[("weights", "half")])?;
+            bail!("No space left on device (a failing writer)")
+        })
+        .unwrap_err();
+        assert!(err.to_string().contains("No space left"), "{err}");
+        assert_eq!(names(root.path()), ["model"], "the temporary directory is removed on error");
+        assert_eq!(std::fs::read_to_string(dir.join("weights"))?, "old");
+        // Also for a first save, where there is no old directory.
+        let fresh = root.path().join("fresh");
+        assert!(write_dir_atomically(&fresh, |_| bail!("disk full")).is_err());
+        assert_eq!(names(root.path()), ["model"]);
+        Ok(())
+    }
+
+    #[test]
+    fn live_logs_are_carried_over_and_keep_receiving_writes() -> Result<()> {
+        use std::io::Write;
+        let root = tempfile::tempdir()?;
+        let dir = root.path().join("actor");
+        write_dir_atomically(&dir, |d| write(d, &[("weights", "1")]))?;
+        let log_path = dir.join("metrics.jsonl");
+        let mut log = std::fs::OpenOptions::new().create(true).append(true).open(&log_path)?;
+        mark_live(&log_path);
+        writeln!(log, "before")?;
+        write_dir_atomically(&dir, |d| write(d, &[("weights", "2")]))?;
+        writeln!(log, "after")?;
+        assert_eq!(std::fs::read_to_string(&log_path)?, "before\nafter\n");
+        assert_eq!(names(&dir), ["metrics.jsonl", "weights"]);
+        Ok(())
+    }
+
+    #[test]
+    fn leftovers_of_dead_processes_are_recovered() -> Result<()> {
+        let root = tempfile::tempdir()?;
+        let dir = root.path().join("model");
+        // A pid that cannot be running: above the kernel's pid_max (at most 2^22).
+        let dead = 1u32 << 23;
+        // The fallback's window: the old directory moved away, the new one not yet in.
+        std::fs::create_dir(root.path().join(format!(".old-model-{dead}")))?;
+        write(&root.path().join(format!(".old-model-{dead}")), &[("weights", "old")])?;
+        std::fs::create_dir(root.path().join(format!(".tmp-model-{dead}")))?;
+        std::fs::write(root.path().join(format!(".tmp-latest-{dead}")), "iter_")?;
+        // This process's own leftover is stale (saves are not concurrent within a process); a
+        // running process's save in progress (pid 1 is always running) is not touched; names
+        // without a pid are not ours.
+        std::fs::create_dir(root.path().join(format!(".tmp-model-{}", std::process::id())))?;
+        std::fs::create_dir(root.path().join(".tmp-model-1"))?;
+        std::fs::create_dir(root.path().join(".tmp-model-x"))?;
+        recover_leftovers(&dir)?;
+        assert_eq!(std::fs::read_to_string(dir.join("weights"))?, "old", "the old directory is restored");
+        assert_eq!(names(root.path()), [".tmp-model-1", ".tmp-model-x", "model"]);
+        Ok(())
+    }
+}
