@@ -33,11 +33,11 @@ pub struct ChatArgs {
     pub greedy: bool,
     #[arg(long, default_value_t = 128, alias = "max_new_tokens")]
     pub max_new_tokens: usize,
-    #[arg(long, default_value_t = 0.7)]
+    #[arg(long, default_value_t = 0.7, value_parser = hybrid_engine::cli::positive())]
     pub temperature: f64,
     #[arg(long, default_value_t = 50, alias = "top_k")]
     pub top_k: usize,
-    #[arg(long, default_value_t = 0.9, alias = "top_p")]
+    #[arg(long, default_value_t = 0.9, alias = "top_p", value_parser = hybrid_engine::cli::top_p())]
     pub top_p: f64,
     #[arg(long, default_value_t = 42)]
     pub seed: u64,

@@ -6,6 +6,7 @@ use crate::ppo::PpoConfig;
 use anyhow::{bail, Result};
 use clap::Parser;
 use data::args::DataArgs;
+use hybrid_engine::cli;
 use hybrid_engine::precision::PrecisionArgs;
 use hybrid_engine::schedule::DecayStyle;
 use std::path::PathBuf;
@@ -42,13 +43,13 @@ pub struct PpoArgs {
     pub max_prompt_seq_len: usize,
     #[arg(long, default_value_t = 256, alias = "max_answer_seq_len")]
     pub max_answer_seq_len: usize,
-    #[arg(long, default_value_t = 9.65e-6, alias = "actor_learning_rate")]
+    #[arg(long, default_value_t = 9.65e-6, alias = "actor_learning_rate", value_parser = cli::positive())]
     pub actor_learning_rate: f64,
-    #[arg(long, default_value_t = 5e-6, alias = "critic_learning_rate")]
+    #[arg(long, default_value_t = 5e-6, alias = "critic_learning_rate", value_parser = cli::positive())]
     pub critic_learning_rate: f64,
-    #[arg(long, default_value_t = 0.0, alias = "actor_weight_decay")]
+    #[arg(long, default_value_t = 0.0, alias = "actor_weight_decay", value_parser = cli::non_negative())]
     pub actor_weight_decay: f64,
-    #[arg(long, default_value_t = 0.0, alias = "critic_weight_decay")]
+    #[arg(long, default_value_t = 0.0, alias = "critic_weight_decay", value_parser = cli::non_negative())]
     pub critic_weight_decay: f64,
     /// Passes over the prompts.
     #[arg(long, default_value_t = 1, alias = "num_train_epochs")]
@@ -62,10 +63,10 @@ pub struct PpoArgs {
     #[arg(long, default_value_t = 1234)]
     pub seed: u64,
     /// Actor dropout (default: its config's).
-    #[arg(long, alias = "actor_dropout")]
+    #[arg(long, alias = "actor_dropout", value_parser = cli::dropout())]
     pub actor_dropout: Option<f64>,
     /// Critic dropout (default: its config's).
-    #[arg(long, alias = "critic_dropout")]
+    #[arg(long, alias = "critic_dropout", value_parser = cli::dropout())]
     pub critic_dropout: Option<f64>,
     #[arg(long, alias = "actor_gradient_checkpointing")]
     pub actor_gradient_checkpointing: bool,
@@ -85,9 +86,9 @@ pub struct PpoArgs {
     /// Train only the LoRA adapters (and the critic's score head).
     #[arg(long, alias = "only_optimize_lora")]
     pub only_optimize_lora: bool,
-    #[arg(long, default_value_t = 5e-4, alias = "actor_lora_learning_rate")]
+    #[arg(long, default_value_t = 5e-4, alias = "actor_lora_learning_rate", value_parser = cli::positive())]
     pub actor_lora_learning_rate: f64,
-    #[arg(long, default_value_t = 5e-4, alias = "critic_lora_learning_rate")]
+    #[arg(long, default_value_t = 5e-4, alias = "critic_lora_learning_rate", value_parser = cli::positive())]
     pub critic_lora_learning_rate: f64,
     /// Keep an exponential moving average of the actor (saved as actor_ema).
     #[arg(long, alias = "enable_ema")]
@@ -97,28 +98,28 @@ pub struct PpoArgs {
     #[arg(long, alias = "unsupervised_dataset_name")]
     pub unsupervised_dataset_name: Option<String>,
     /// Weight of the PTX loss (DS-Chat: 27.8, reported unstable).
-    #[arg(long, default_value_t = 27.8, alias = "unsup_coef")]
+    #[arg(long, default_value_t = 27.8, alias = "unsup_coef", value_parser = cli::non_negative())]
     pub unsup_coef: f64,
     /// Sample rollouts (temperature, top-k, top-p) instead of DS-Chat's greedy decoding.
     #[arg(long, alias = "do_sample")]
     pub do_sample: bool,
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, value_parser = cli::positive())]
     pub temperature: f64,
     #[arg(long, default_value_t = 0, alias = "top_k")]
     pub top_k: usize,
-    #[arg(long, default_value_t = 1.0, alias = "top_p")]
+    #[arg(long, default_value_t = 1.0, alias = "top_p", value_parser = cli::top_p())]
     pub top_p: f64,
-    #[arg(long, default_value_t = 0.1, alias = "kl_ctl")]
+    #[arg(long, default_value_t = 0.1, alias = "kl_ctl", value_parser = cli::non_negative())]
     pub kl_ctl: f64,
-    #[arg(long, default_value_t = 5.0, alias = "clip_reward_value")]
+    #[arg(long, default_value_t = 5.0, alias = "clip_reward_value", value_parser = cli::positive())]
     pub clip_reward_value: f64,
-    #[arg(long, default_value_t = 0.2)]
+    #[arg(long, default_value_t = 0.2, value_parser = cli::positive())]
     pub cliprange: f64,
-    #[arg(long, default_value_t = 0.2, alias = "cliprange_value")]
+    #[arg(long, default_value_t = 0.2, alias = "cliprange_value", value_parser = cli::positive())]
     pub cliprange_value: f64,
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, value_parser = cli::unit_interval())]
     pub gamma: f64,
-    #[arg(long, default_value_t = 0.95)]
+    #[arg(long, default_value_t = 0.95, value_parser = cli::unit_interval())]
     pub lam: f64,
     /// Held-out prompts on which the starting (SFT) actor and the PPO actor are compared at the
     /// end, by greedy answers' reward-model score and, for demo prompts, the task score: `demo`,
@@ -193,7 +194,8 @@ impl PpoArgs {
         }
     }
 
-    /// Checks every flag that has a valid range.
+    /// Checks the counts and the flags that depend on each other (float ranges are checked while
+    /// parsing).
     pub fn validate(&self) -> Result<()> {
         let positive = [
             ("--per-device-generation-batch-size", self.per_device_generation_batch_size),
@@ -210,39 +212,8 @@ impl PpoArgs {
                 bail!("{flag} must be at least 1");
             }
         }
-        for (flag, v) in
-            [("--actor-learning-rate", self.actor_learning_rate), ("--critic-learning-rate", self.critic_learning_rate)]
-        {
-            if !(v > 0.0 && v.is_finite()) {
-                bail!("{flag} must be a positive number (got {v})");
-            }
-        }
-        for (flag, v) in [("--actor-dropout", self.actor_dropout), ("--critic-dropout", self.critic_dropout)] {
-            if let Some(p) = v {
-                if !(0.0..1.0).contains(&p) {
-                    bail!("{flag} {p} must be in [0, 1)");
-                }
-            }
-        }
-        if !(0.0..=1.0).contains(&self.gamma) || !(0.0..=1.0).contains(&self.lam) {
-            bail!("--gamma and --lam must be in [0, 1]");
-        }
-        if self.cliprange <= 0.0 || self.cliprange_value <= 0.0 || self.clip_reward_value <= 0.0 || self.kl_ctl < 0.0 {
-            bail!("--cliprange, --cliprange-value and --clip-reward-value must be positive and --kl-ctl >= 0");
-        }
-        if self.do_sample && (self.temperature <= 0.0 || !(0.0..=1.0).contains(&self.top_p) || self.top_p == 0.0) {
-            bail!("--temperature must be positive and --top-p in (0, 1] when sampling");
-        }
         if self.only_optimize_lora && self.actor_lora_dim == 0 && self.critic_lora_dim == 0 {
             bail!("--only-optimize-lora trains only LoRA adapters, but --actor-lora-dim and --critic-lora-dim are 0: add e.g. --actor-lora-dim 8");
-        }
-        for (flag, v) in [
-            ("--actor-lora-learning-rate", self.actor_lora_learning_rate),
-            ("--critic-lora-learning-rate", self.critic_lora_learning_rate),
-        ] {
-            if !(v > 0.0 && v.is_finite()) {
-                bail!("{flag} must be a positive number (got {v})");
-            }
         }
         self.precision.validate()?;
         if self.actor_zero_stage > 3 || self.critic_zero_stage > 3 {
