@@ -94,7 +94,7 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     let (params, start, cursor, resume) = match &args.load {
         None => {
             let params = ParamStore::init(&model_cfg, args.seed, &device)?;
-            (params, 0, SamplerCursor { epoch: 0, position: 0 }, None)
+            (params, 0, SamplerCursor::default(), None)
         }
         Some(root) => {
             let ck = checkpoint::load_checkpoint(root, &device)?;
@@ -153,7 +153,9 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
             r.progress.clone().unwrap_or(TrainerProgress { boundaries: start, forced_skips: 0, scaler: None });
         trainer.restore_progress(&progress)?;
     }
-    let mut sampler = BlockSampler::with_cursor(train.clone(), args.seed, cursor);
+    let mut sampler = BlockSampler::with_cursor(train.clone(), args.seed, cursor).context(
+        "cannot resume: --data-path, --split or --seq-length differ from the run that saved the checkpoint (use the same, or start anew without --load)",
+    )?;
     println!(
         "{}",
         MemoryPlan::new(&model_cfg, args.micro_batch_size, args.seq_length, args.checkpoint_activations)
