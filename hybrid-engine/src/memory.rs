@@ -26,6 +26,48 @@ pub fn retain_freed_memory() {
     }
 }
 
+/// Refuses, before anything is allocated, a model whose f32 weights alone exceed the machine's
+/// memory (RAM and swap) when they are to live on the CPU: the allocation would otherwise abort
+/// the process without a word of why. The memory plan, printed later, details the rest.
+pub fn check_weights_fit(cfg: &Gpt2Config, device: &candle_core::Device) -> anyhow::Result<()> {
+    let (Some(memory), true) = (machine_memory_bytes(), device.is_cpu()) else { return Ok(()) };
+    weights_fit(cfg, memory)
+}
+
+/// [`check_weights_fit`] against `memory` bytes.
+fn weights_fit(cfg: &Gpt2Config, memory: u64) -> anyhow::Result<()> {
+    let parameters = cfg.checked_parameter_count().unwrap_or(u64::MAX);
+    let bytes = parameters.saturating_mul(4);
+    if bytes > memory {
+        anyhow::bail!(
+            "the model has {:.2}B parameters, {:.1} GiB of f32 weights alone, more than this machine's {:.1} GiB of memory (RAM and swap): choose smaller dimensions (n_layer {}, n_embd {}, vocab_size {})",
+            parameters as f64 / 1e9,
+            bytes as f64 / (1024.0 * MIB),
+            memory as f64 / (1024.0 * MIB),
+            cfg.n_layer,
+            cfg.n_embd,
+            cfg.vocab_size
+        );
+    }
+    Ok(())
+}
+
+/// RAM plus swap, `None` where it cannot be read.
+fn machine_memory_bytes() -> Option<u64> {
+    #[cfg(target_os = "linux")]
+    {
+        // SAFETY: sysinfo only writes the struct it is given, which is zero-initialised POD.
+        let mut info: libc::sysinfo = unsafe { std::mem::zeroed() };
+        if unsafe { libc::sysinfo(&mut info) } != 0 {
+            return None;
+        }
+        let unit = u64::from(info.mem_unit.max(1));
+        Some((info.totalram as u64).saturating_add(info.totalswap as u64).saturating_mul(unit))
+    }
+    #[cfg(not(target_os = "linux"))]
+    None
+}
+
 /// Which implementation runs a micro-batch: it decides what forward keeps for backward.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kernels {
@@ -197,6 +239,16 @@ impl MemoryPlan {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn weights_larger_than_the_machine_are_refused_before_allocation() {
+        let gpt2 = Gpt2Config::from_preset("gpt2").unwrap();
+        assert!(weights_fit(&gpt2, 4 * 124_439_808).is_ok(), "exactly enough");
+        let err = weights_fit(&gpt2, 4 * 124_439_808 - 1).unwrap_err().to_string();
+        assert!(err.contains("0.12B parameters") && err.contains("choose smaller dimensions"), "{err}");
+        let deep = Gpt2Config { n_layer: 1_000_000_000, ..gpt2 };
+        assert!(check_weights_fit(&deep, &candle_core::Device::Cpu).is_err(), "7 quadrillion parameters fit nowhere");
+    }
 
     #[test]
     fn gpt2_small_counts_and_checkpointing_saves_block_activations() {
