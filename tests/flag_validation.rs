@@ -1,17 +1,18 @@
 //! Every float flag of every binary is checked while parsing: NaN, the infinities and values
 //! outside the flag's range are one `error:` line naming the flag and its range, with clap's
-//! usage exit code 2; a value in range parses. And `train --pretrain-demo` refuses the flags it
-//! has no use for.
+//! usage exit code 2; a value in range parses. And a flag that would have no effect is refused:
+//! `train --pretrain-demo` with the pipeline's flags, sampling flags without sampling, LoRA
+//! options without a LoRA rank, `--unsup-coef` without PTX data.
 
 use clap::Parser;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// A float flag: the binary (and any flag that selects its mode), the flag, a value outside its
-/// range, a value inside it, and the range as the error states it.
+/// A float flag: the binary and the flags it needs (its mode, or the feature it tunes), the flag,
+/// a value outside its range, a value inside it, and the range as the error states it.
 struct FloatFlag {
     binary: &'static str,
-    mode: &'static [&'static str],
+    needs: &'static [&'static str],
     flag: &'static str,
     outside: &'static str,
     inside: &'static str,
@@ -20,13 +21,13 @@ struct FloatFlag {
 
 const fn flag(
     binary: &'static str,
-    mode: &'static [&'static str],
+    needs: &'static [&'static str],
     flag: &'static str,
     outside: &'static str,
     inside: &'static str,
     range: &'static str,
 ) -> FloatFlag {
-    FloatFlag { binary, mode, flag, outside, inside, range }
+    FloatFlag { binary, needs, flag, outside, inside, range }
 }
 
 const POSITIVE: &str = "(0, inf)";
@@ -35,6 +36,8 @@ const DROPOUT: &str = "[0, 1)";
 const UNIT: &str = "[0, 1]";
 const TOP_P: &str = "(0, 1]";
 const SCRATCH: &[&str] = &["--from-scratch"];
+const LORA: &[&str] = &["--lora-dim", "4"];
+const SAMPLING: &[&str] = &["--do-sample"];
 
 /// The flags the fine-tuning steps share (hybrid-engine's StepArgs), for `sft` and `reward`.
 fn step_flags(binary: &'static str) -> Vec<FloatFlag> {
@@ -43,8 +46,8 @@ fn step_flags(binary: &'static str) -> Vec<FloatFlag> {
         flag(binary, &[], "--weight-decay", "-0.1", "0.1", NON_NEGATIVE),
         flag(binary, &[], "--dropout", "1", "0", DROPOUT),
         flag(binary, &[], "--gradient-clipping", "-1", "0", NON_NEGATIVE),
-        flag(binary, &[], "--lora-alpha", "0", "16", POSITIVE),
-        flag(binary, &[], "--lora-learning-rate", "-1e-3", "1e-3", POSITIVE),
+        flag(binary, LORA, "--lora-alpha", "0", "16", POSITIVE),
+        flag(binary, LORA, "--lora-learning-rate", "-1e-3", "1e-3", POSITIVE),
     ]
 }
 
@@ -66,11 +69,11 @@ fn all_float_flags() -> Vec<FloatFlag> {
         flag("ppo", &[], "--critic-weight-decay", "-1", "0.1", NON_NEGATIVE),
         flag("ppo", &[], "--actor-dropout", "1", "0", DROPOUT),
         flag("ppo", &[], "--critic-dropout", "-0.1", "0.5", DROPOUT),
-        flag("ppo", &[], "--actor-lora-learning-rate", "0", "1e-4", POSITIVE),
-        flag("ppo", &[], "--critic-lora-learning-rate", "0", "1e-4", POSITIVE),
-        flag("ppo", &[], "--unsup-coef", "-1", "0", NON_NEGATIVE),
-        flag("ppo", &[], "--temperature", "0", "0.7", POSITIVE),
-        flag("ppo", &[], "--top-p", "0", "1", TOP_P),
+        flag("ppo", &["--actor-lora-dim", "4"], "--actor-lora-learning-rate", "0", "1e-4", POSITIVE),
+        flag("ppo", &["--critic-lora-dim", "4"], "--critic-lora-learning-rate", "0", "1e-4", POSITIVE),
+        flag("ppo", &["--unsupervised-dataset-name", "shakespeare"], "--unsup-coef", "-1", "0", NON_NEGATIVE),
+        flag("ppo", SAMPLING, "--temperature", "0", "0.7", POSITIVE),
+        flag("ppo", SAMPLING, "--top-p", "0", "1", TOP_P),
         flag("ppo", &[], "--kl-ctl", "-0.1", "0", NON_NEGATIVE),
         flag("ppo", &[], "--clip-reward-value", "0", "5", POSITIVE),
         flag("ppo", &[], "--cliprange", "0", "0.2", POSITIVE),
@@ -115,7 +118,7 @@ fn nan_infinite_and_out_of_range_floats_are_one_usage_error_naming_flag_and_rang
     for f in all_float_flags() {
         for bad in ["nan", "inf", "-inf", f.outside] {
             let value = format!("{}={bad}", f.flag);
-            let args: Vec<&str> = f.mode.iter().copied().chain([value.as_str()]).collect();
+            let args: Vec<&str> = f.needs.iter().copied().chain([value.as_str()]).collect();
             let stderr = usage_error(dir.path(), f.binary, &args);
             assert!(
                 stderr.contains(&format!("'{}", f.flag)) && stderr.contains(&format!("{} (finite)", f.range)),
@@ -133,10 +136,10 @@ fn floats_in_range_parse() {
         T::try_parse_from(argv).map_err(|e| eprintln!("{argv:?}: {e}")).is_ok()
     }
     for f in all_float_flags() {
-        let argv: Vec<&str> = [f.binary].into_iter().chain(f.mode.iter().copied()).chain([f.flag, f.inside]).collect();
-        let ok = match (f.binary, f.mode.is_empty()) {
-            ("sft", true) => parses::<sft::args::SftArgs>(&argv),
-            ("sft", false) => parses::<sft::pretrain_args::PretrainArgs>(&argv),
+        let argv: Vec<&str> = [f.binary].into_iter().chain(f.needs.iter().copied()).chain([f.flag, f.inside]).collect();
+        let ok = match (f.binary, f.needs == SCRATCH) {
+            ("sft", false) => parses::<sft::args::SftArgs>(&argv),
+            ("sft", true) => parses::<sft::pretrain_args::PretrainArgs>(&argv),
             ("reward", _) => parses::<reward::args::RewardArgs>(&argv),
             ("ppo", _) => parses::<ppo::args::PpoArgs>(&argv),
             ("chat", _) => parses::<rlhf::chat::ChatArgs>(&[argv.as_slice(), &["--path", "gpt2"]].concat()),
@@ -168,4 +171,35 @@ fn the_pretrain_demo_refuses_the_pipeline_flags_it_would_ignore() {
         assert!(stderr.contains("--pretrain-demo") && stderr.contains(extra[0]), "{args:?}: {stderr}");
     }
     assert!(!out.exists(), "a refused run writes nothing");
+}
+
+#[test]
+fn flags_that_would_have_no_effect_are_refused_naming_what_they_need() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases: &[(&str, &[&str], &str)] = &[
+        ("ppo", &["--temperature", "0.7"], "--do-sample"),
+        ("ppo", &["--top-k", "5"], "--do-sample"),
+        ("ppo", &["--top-p", "0.9"], "--do-sample"),
+        ("ppo", &["--unsup-coef", "1"], "--unsupervised-dataset-name"),
+        ("ppo", &["--actor-lora-module-name", "attn"], "--actor-lora-dim"),
+        ("ppo", &["--actor-lora-learning-rate", "1e-4"], "--actor-lora-dim"),
+        ("ppo", &["--critic-lora-module-name", "attn"], "--critic-lora-dim"),
+        ("ppo", &["--critic-lora-learning-rate", "1e-4"], "--critic-lora-dim"),
+        ("sft", &["--lora-alpha", "8"], "--lora-dim"),
+        ("sft", &["--lora-module-name", "attn"], "--lora-dim"),
+        ("reward", &["--lora-learning-rate", "1e-3"], "--lora-dim"),
+        ("chat", &["--path", "gpt2", "--greedy", "--temperature", "0.5"], "--greedy"),
+        ("chat", &["--path", "gpt2", "--greedy", "--top-k", "5"], "--greedy"),
+        ("chat", &["--path", "gpt2", "--greedy", "--top-p", "0.5"], "--greedy"),
+    ];
+    for (name, args, want) in cases {
+        let stderr = usage_error(dir.path(), name, args);
+        assert!(stderr.contains(want) && stderr.contains(args[args.len() - 2]), "{name} {args:?}: {stderr}");
+    }
+    // With what they need, the same flags parse.
+    assert!(ppo::args::PpoArgs::try_parse_from(["ppo", "--do-sample", "--top-k", "5", "--top-p", "0.9"]).is_ok());
+    assert!(ppo::args::PpoArgs::try_parse_from(["ppo", "--actor-lora-dim", "4", "--actor-lora-module-name", "attn"])
+        .is_ok());
+    assert!(sft::args::SftArgs::try_parse_from(["sft", "--lora-dim", "4", "--lora-alpha", "8"]).is_ok());
+    assert!(rlhf::chat::ChatArgs::try_parse_from(["chat", "--path", "gpt2", "--top-k", "5"]).is_ok());
 }

@@ -16,12 +16,24 @@ pub fn parse_or_exit<T: Parser>() -> T {
             if matches!(e.kind(), DisplayHelp | DisplayVersion | DisplayHelpOnMissingArgumentOrSubcommand) {
                 e.exit();
             }
-            let rendered = e.to_string();
-            let first = rendered.lines().next().unwrap_or("error: invalid arguments").trim_end();
-            eprintln!("{first} (see --help)");
+            eprintln!("{} (see --help)", one_line(&e.to_string()));
             std::process::exit(2);
         }
     }
+}
+
+/// clap's error as one line: its first line, and when that ends in a colon, the list clap puts
+/// on the following indented lines (missing flags) joined onto it, with clap's usage line, which
+/// shows the flag that needs them (`ppo --do-sample --top-k <TOP_K>`).
+fn one_line(rendered: &str) -> String {
+    let mut lines = rendered.lines();
+    let first = lines.next().unwrap_or("error: invalid arguments").trim_end();
+    if !first.ends_with(':') {
+        return first.to_string();
+    }
+    let items: Vec<&str> = lines.by_ref().take_while(|l| l.starts_with("  ")).map(str::trim).collect();
+    let usage = lines.find_map(|l| l.strip_prefix("Usage: ")).map_or(String::new(), |u| format!(" (usage: {u})"));
+    format!("{first} {}{usage}", items.join(", "))
 }
 
 /// Prints an error chain as one line and exits with code 2.
@@ -105,6 +117,17 @@ fn describe_range(low: Bound<f64>, high: Bound<f64>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_clap_error_is_its_first_line_with_any_list_it_announces() {
+        let missing = "error: the following required arguments were not provided:\n  --do-sample\n  --x <X>\n\nUsage: ppo --do-sample --top-k <TOP_K>\n\nFor more information, try '--help'.\n";
+        assert_eq!(
+            one_line(missing),
+            "error: the following required arguments were not provided: --do-sample, --x <X> (usage: ppo --do-sample --top-k <TOP_K>)"
+        );
+        let plain = "error: unexpected argument '--nope' found\n\nUsage: ppo [OPTIONS]\n";
+        assert_eq!(one_line(plain), "error: unexpected argument '--nope' found");
+    }
 
     #[test]
     fn float_in_accepts_the_interval_and_refuses_nan_infinities_and_the_outside() {

@@ -74,21 +74,21 @@ pub struct StepArgs {
     pub precision: PrecisionArgs,
     /// LoRA rank r on the linears --lora-module-name selects (0: no LoRA). The saved model has
     /// the adapters merged; with --only-optimize-lora they are also saved alone, in PEFT's
-    /// layout, to <output-dir>/adapter.
+    /// layout, to <output-dir>/adapter. The other LoRA flags need it.
     #[arg(long, default_value_t = 0, alias = "lora_dim")]
     pub lora_dim: usize,
     /// LoRA goes on the linears whose names (h.0.attn.c_attn, h.0.mlp.c_fc, ...) contain this:
     /// h. selects every block, attn the attention only.
-    #[arg(long, default_value = "h.", alias = "lora_module_name")]
+    #[arg(long, default_value = "h.", alias = "lora_module_name", requires = "lora_dim")]
     pub lora_module_name: String,
     /// PEFT's lora_alpha: scaling alpha/r instead of DS-Chat's 1/r.
-    #[arg(long, alias = "lora_alpha", value_parser = crate::cli::positive())]
+    #[arg(long, alias = "lora_alpha", value_parser = crate::cli::positive(), requires = "lora_dim")]
     pub lora_alpha: Option<f64>,
     /// Train only the LoRA adapters (and a reward model's score head); the trunk stays frozen.
     #[arg(long, alias = "only_optimize_lora")]
     pub only_optimize_lora: bool,
     /// Learning rate of the LoRA adapters' parameter group, scheduled like --learning-rate.
-    #[arg(long, default_value_t = 5e-4, alias = "lora_learning_rate", value_parser = crate::cli::positive())]
+    #[arg(long, default_value_t = 5e-4, alias = "lora_learning_rate", value_parser = crate::cli::positive(), requires = "lora_dim")]
     pub lora_learning_rate: f64,
 }
 
@@ -120,6 +120,10 @@ impl StepArgs {
             lora.validate()?;
         } else if self.only_optimize_lora {
             bail!("--only-optimize-lora trains only LoRA adapters, but --lora-dim is 0: add --lora-dim (e.g. 8)");
+        } else if self.lora_alpha.is_some() {
+            bail!(
+                "--lora-alpha scales LoRA adapters, but --lora-dim is 0: add --lora-dim (e.g. 8) or drop --lora-alpha"
+            );
         }
         crate::device::check_device(&self.device)?;
         Ok(())
@@ -292,6 +296,7 @@ mod tests {
     fn inconsistent_lora_flags_are_one_line_errors_naming_the_flag() {
         let err = |args: &[&str]| parse(args).validate(1e-3).unwrap_err().to_string();
         assert!(err(&["--only-optimize-lora"]).contains("--lora-dim"));
+        assert!(err(&["--lora-dim", "0", "--lora-alpha", "8"]).contains("--lora-dim is 0"));
         assert!(err(&["--lora-dim", "4", "--lora-module-name", ""]).contains("--lora-module-name"));
         // Out-of-range floats do not get past parsing.
         let parse_err = |args: &[&str]| match Cli::try_parse_from(std::iter::once("step").chain(args.iter().copied())) {

@@ -76,19 +76,19 @@ pub struct PpoArgs {
     /// adapters (B = 0) are added to the step-1 actor; saved models have them merged.
     #[arg(long, default_value_t = 0, alias = "actor_lora_dim")]
     pub actor_lora_dim: usize,
-    #[arg(long, default_value = "h.", alias = "actor_lora_module_name")]
+    #[arg(long, default_value = "h.", alias = "actor_lora_module_name", requires = "actor_lora_dim")]
     pub actor_lora_module_name: String,
     /// LoRA rank on the critic (0: none).
     #[arg(long, default_value_t = 0, alias = "critic_lora_dim")]
     pub critic_lora_dim: usize,
-    #[arg(long, default_value = "h.", alias = "critic_lora_module_name")]
+    #[arg(long, default_value = "h.", alias = "critic_lora_module_name", requires = "critic_lora_dim")]
     pub critic_lora_module_name: String,
     /// Train only the LoRA adapters (and the critic's score head).
     #[arg(long, alias = "only_optimize_lora")]
     pub only_optimize_lora: bool,
-    #[arg(long, default_value_t = 5e-4, alias = "actor_lora_learning_rate", value_parser = cli::positive())]
+    #[arg(long, default_value_t = 5e-4, alias = "actor_lora_learning_rate", value_parser = cli::positive(), requires = "actor_lora_dim")]
     pub actor_lora_learning_rate: f64,
-    #[arg(long, default_value_t = 5e-4, alias = "critic_lora_learning_rate", value_parser = cli::positive())]
+    #[arg(long, default_value_t = 5e-4, alias = "critic_lora_learning_rate", value_parser = cli::positive(), requires = "critic_lora_dim")]
     pub critic_lora_learning_rate: f64,
     /// Keep an exponential moving average of the actor (saved as actor_ema).
     #[arg(long, alias = "enable_ema")]
@@ -97,17 +97,19 @@ pub struct PpoArgs {
     /// `shakespeare`.
     #[arg(long, alias = "unsupervised_dataset_name")]
     pub unsupervised_dataset_name: Option<String>,
-    /// Weight of the PTX loss (DS-Chat: 27.8, reported unstable).
-    #[arg(long, default_value_t = 27.8, alias = "unsup_coef", value_parser = cli::non_negative())]
+    /// Weight of the PTX loss (DS-Chat: 27.8, reported unstable); needs
+    /// --unsupervised-dataset-name.
+    #[arg(long, default_value_t = 27.8, alias = "unsup_coef", value_parser = cli::non_negative(), requires = "unsupervised_dataset_name")]
     pub unsup_coef: f64,
-    /// Sample rollouts (temperature, top-k, top-p) instead of DS-Chat's greedy decoding.
+    /// Sample rollouts (temperature, top-k, top-p) instead of DS-Chat's greedy decoding; the
+    /// three sampling flags need it.
     #[arg(long, alias = "do_sample")]
     pub do_sample: bool,
-    #[arg(long, default_value_t = 1.0, value_parser = cli::positive())]
+    #[arg(long, default_value_t = 1.0, value_parser = cli::positive(), requires = "do_sample")]
     pub temperature: f64,
-    #[arg(long, default_value_t = 0, alias = "top_k")]
+    #[arg(long, default_value_t = 0, alias = "top_k", requires = "do_sample")]
     pub top_k: usize,
-    #[arg(long, default_value_t = 1.0, alias = "top_p", value_parser = cli::top_p())]
+    #[arg(long, default_value_t = 1.0, alias = "top_p", value_parser = cli::top_p(), requires = "do_sample")]
     pub top_p: f64,
     #[arg(long, default_value_t = 0.1, alias = "kl_ctl", value_parser = cli::non_negative())]
     pub kl_ctl: f64,
