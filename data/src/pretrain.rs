@@ -260,9 +260,9 @@ mod tests {
         let mut saved = BlockSampler::new(0..13, 42);
         saved.next_indices(9);
         let cursor = saved.cursor();
-        let fewer = BlockSampler::with_cursor(0..5, 42, cursor).err().expect("5 blocks, not 13").to_string();
+        let fewer = BlockSampler::with_cursor(0..5, 42, cursor).expect_err("5 blocks, not 13").to_string();
         assert!(fewer.contains("13 blocks") && fewer.contains("now makes 5"), "{fewer}");
-        let more = BlockSampler::with_cursor(0..20, 42, cursor).err().expect("20 blocks, not 13").to_string();
+        let more = BlockSampler::with_cursor(0..20, 42, cursor).expect_err("20 blocks, not 13").to_string();
         assert!(more.contains("13 blocks") && more.contains("now makes 20"), "{more}");
         // A checkpoint from before the block count was recorded: only a position past the end
         // is known to be wrong.
