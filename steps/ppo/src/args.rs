@@ -214,6 +214,9 @@ impl PpoArgs {
                 bail!("{flag} must be at least 1");
             }
         }
+        if self.max_prompt_seq_len.checked_add(self.max_answer_seq_len).is_none() {
+            bail!("--max-prompt-seq-len + --max-answer-seq-len overflows: give lengths within the models' context (e.g. 256 and 256)");
+        }
         if self.only_optimize_lora && self.actor_lora_dim == 0 && self.critic_lora_dim == 0 {
             bail!("--only-optimize-lora trains only LoRA adapters, but --actor-lora-dim and --critic-lora-dim are 0: add e.g. --actor-lora-dim 8");
         }

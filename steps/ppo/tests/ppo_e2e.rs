@@ -185,6 +185,7 @@ fn bad_input_is_one_clear_error_line() {
     check(&["--max-answer-seq-len", "100"], &["exceeds", "context"]);
     check(&["--load", dir.path().to_str().unwrap()], &["no step-3 checkpoint"]);
     check(&["--cliprange", "0"], &["--cliprange"]);
+    check(&["--max-answer-seq-len", &usize::MAX.to_string()], &["overflows", "--max-answer-seq-len"]);
 }
 
 #[test]

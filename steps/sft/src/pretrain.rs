@@ -84,6 +84,12 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     let mut model_cfg = cfg.model.clone();
     model_cfg.bos_token_id = Some(tokenizer.eos_id());
     model_cfg.eos_token_id = Some(tokenizer.eos_id());
+    // Refused here, before the weights and the first micro-batch are allocated, rather than by an
+    // allocation abort.
+    let plan = MemoryPlan::new(&model_cfg, args.micro_batch_size, args.seq_length, args.checkpoint_activations)
+        .with_compute_dtype(args.precision.dtype.dtype())
+        .on_device(&device);
+    hybrid_engine::memory::check_plan_fits(&plan, &device)?;
     // What a checkpoint restores beyond the weights: the optimizer state, its step (fewer than
     // the iterations when fp16 skipped some) and the trainer's counters.
     struct Resume {
@@ -156,13 +162,7 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     let mut sampler = BlockSampler::with_cursor(train.clone(), args.seed, cursor).context(
         "cannot resume: --data-path, --split or --seq-length differ from the run that saved the checkpoint (use the same, or start anew without --load)",
     )?;
-    println!(
-        "{}",
-        MemoryPlan::new(&model_cfg, args.micro_batch_size, args.seq_length, args.checkpoint_activations)
-            .with_compute_dtype(precision.dtype.dtype())
-            .on_device(&device)
-            .report()
-    );
+    println!("{}", plan.report());
     if precision.dtype != hybrid_engine::precision::Dtype::Fp32 {
         println!("compute dtype: {} (fp32 master weights and Adam moments)", precision.dtype.name());
     }

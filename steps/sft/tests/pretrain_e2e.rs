@@ -336,6 +336,9 @@ fn model_dimensions_too_large_are_one_error_line_before_anything_is_allocated() 
     // Countable (1.3 trillion parameters) but beyond this machine's memory.
     let e = run(&["--num-layers", "100000000"]);
     assert!(e.contains("more than this machine's") && e.contains("choose smaller dimensions"), "{e}");
+    // A micro-batch no machine holds: used to abort allocating its indices.
+    let e = run(&["--micro-batch-size", "1000000000000"]);
+    assert!(e.contains("memory plan") && e.contains("lower the micro-batch size"), "{e}");
     let cfg = tmp.path().join("config.json");
     std::fs::write(
         &cfg,
