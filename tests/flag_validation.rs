@@ -2,7 +2,8 @@
 //! outside the flag's range are one `error:` line naming the flag and its range, with clap's
 //! usage exit code 2; a value in range parses. And a flag that would have no effect is refused:
 //! `train --pretrain-demo` with the pipeline's flags, sampling flags without sampling, LoRA
-//! options without a LoRA rank, `--unsup-coef` without PTX data.
+//! options without a LoRA rank, `--unsup-coef` without PTX data, fp16's loss-scaling flags in
+//! another dtype.
 
 use clap::Parser;
 use std::path::{Path, PathBuf};
@@ -104,7 +105,7 @@ fn binary(dir: &Path, name: &str) -> PathBuf {
 
 /// Runs `name args` and returns its stderr, asserting a usage error: exit 2 and one line.
 fn usage_error(dir: &Path, name: &str, args: &[&str]) -> String {
-    let out = Command::new(binary(dir, name)).args(args).output().expect("spawn");
+    let out = Command::new(binary(dir, name)).args(args).env_remove("RLHF_DTYPE").output().expect("spawn");
     let stderr = String::from_utf8_lossy(&out.stderr).to_string();
     assert_eq!(out.status.code(), Some(2), "{name} {args:?}: {stderr}");
     assert_eq!(stderr.lines().count(), 1, "{name} {args:?}: one line, got:\n{stderr}");
@@ -202,4 +203,27 @@ fn flags_that_would_have_no_effect_are_refused_naming_what_they_need() {
         .is_ok());
     assert!(sft::args::SftArgs::try_parse_from(["sft", "--lora-dim", "4", "--lora-alpha", "8"]).is_ok());
     assert!(rlhf::chat::ChatArgs::try_parse_from(["chat", "--path", "gpt2", "--top-k", "5"]).is_ok());
+}
+
+#[test]
+fn fp16_only_flags_are_refused_in_another_dtype() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases: &[(&str, &[&str], &str)] = &[
+        ("ppo", &["--loss-scale-window", "3"], "--loss-scale-window"),
+        ("ppo", &["--dtype", "bf16", "--initial-scale-power", "20"], "the dtype is bf16"),
+        ("ppo", &["--align-overflow"], "--align-overflow"),
+        ("sft", &["--initial-scale-power", "20"], "--initial-scale-power"),
+        ("sft", &["--from-scratch", "--loss-scale-window", "4"], "--loss-scale-window"),
+        ("reward", &["--loss-scale-window", "4"], "--loss-scale-window"),
+    ];
+    for (name, args, want) in cases {
+        let stderr = usage_error(dir.path(), name, args);
+        assert!(stderr.contains(want) && stderr.contains("--dtype fp16"), "{name} {args:?}: {stderr}");
+    }
+    let fp16 =
+        ["ppo", "--dtype", "fp16", "--loss-scale-window", "3", "--initial-scale-power", "20", "--align-overflow"];
+    let args = ppo::args::PpoArgs::try_parse_from(fp16).expect("fp16 flags parse");
+    args.validate().expect("with --dtype fp16 they are accepted");
+    let scaling = args.precision.loss_scaling();
+    assert_eq!((scaling.window, scaling.initial_scale_power), (3, 20), "and take effect");
 }

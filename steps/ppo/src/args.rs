@@ -7,7 +7,7 @@ use anyhow::{bail, Result};
 use clap::Parser;
 use data::args::DataArgs;
 use hybrid_engine::cli;
-use hybrid_engine::precision::PrecisionArgs;
+use hybrid_engine::precision::{Dtype, PrecisionArgs};
 use hybrid_engine::schedule::DecayStyle;
 use std::path::PathBuf;
 
@@ -175,7 +175,7 @@ impl PpoArgs {
             "ppo": self.ppo_config(),
             "sampling": [self.do_sample.to_string(), self.temperature.to_string(), self.top_k.to_string(), self.top_p.to_string()],
             "lora": [self.actor_lora_dim.to_string(), self.actor_lora_module_name.clone(), self.critic_lora_dim.to_string(), self.critic_lora_module_name.clone(), self.only_optimize_lora.to_string(), self.actor_lora_learning_rate.to_string(), self.critic_lora_learning_rate.to_string()],
-            "precision": [self.precision.dtype.name().to_string(), self.precision.compute_fp32_loss.to_string(), self.precision.loss_scale_window.to_string(), self.precision.initial_scale_power.to_string(), self.align_overflow.to_string()],
+            "precision": [self.precision.dtype.name().to_string(), self.precision.compute_fp32_loss.to_string(), self.precision.loss_scaling().window.to_string(), self.precision.loss_scaling().initial_scale_power.to_string(), self.align_overflow.to_string()],
             "ema": self.enable_ema, "ptx": [self.unsupervised_dataset_name.clone().unwrap_or_default(), self.unsup_coef.to_string()],
         })
     }
@@ -221,6 +221,12 @@ impl PpoArgs {
             bail!("--only-optimize-lora trains only LoRA adapters, but --actor-lora-dim and --critic-lora-dim are 0: add e.g. --actor-lora-dim 8");
         }
         self.precision.validate()?;
+        if self.align_overflow && self.precision.dtype != Dtype::Fp16 {
+            bail!(
+                "--align-overflow aligns fp16 overflow skips, and the dtype is {}: add --dtype fp16 or drop it",
+                self.precision.dtype.name()
+            );
+        }
         if self.actor_zero_stage > 3 || self.critic_zero_stage > 3 {
             bail!("--actor-zero-stage and --critic-zero-stage must be 0, 1, 2 or 3");
         }
