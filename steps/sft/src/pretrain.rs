@@ -85,7 +85,9 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     model_cfg.bos_token_id = Some(tokenizer.eos_id());
     model_cfg.eos_token_id = Some(tokenizer.eos_id());
     // Refused here, before the weights and the first micro-batch are allocated, rather than by an
-    // allocation abort.
+    // allocation abort. The weights first: the plan counts parameters through their inventory,
+    // one entry per tensor, which an absurd layer count would make enormous itself.
+    hybrid_engine::memory::check_weights_fit(&model_cfg, &device)?;
     let plan = MemoryPlan::new(&model_cfg, args.micro_batch_size, args.seq_length, args.checkpoint_activations)
         .with_compute_dtype(args.precision.dtype.dtype())
         .on_device(&device);
