@@ -28,16 +28,16 @@ pub struct ChatArgs {
     /// With --prompt: wrap the text as a chat turn ("\n\nHuman: TEXT\n\nAssistant:").
     #[arg(long, alias = "chat_format")]
     pub chat_format: bool,
-    /// Greedy decoding instead of sampling.
+    /// Greedy decoding instead of sampling (the sampling flags are refused with it).
     #[arg(long)]
     pub greedy: bool,
     #[arg(long, default_value_t = 128, alias = "max_new_tokens")]
     pub max_new_tokens: usize,
-    #[arg(long, default_value_t = 0.7)]
+    #[arg(long, default_value_t = 0.7, value_parser = hybrid_engine::cli::positive(), conflicts_with = "greedy")]
     pub temperature: f64,
-    #[arg(long, default_value_t = 50, alias = "top_k")]
+    #[arg(long, default_value_t = 50, alias = "top_k", conflicts_with = "greedy")]
     pub top_k: usize,
-    #[arg(long, default_value_t = 0.9, alias = "top_p")]
+    #[arg(long, default_value_t = 0.9, alias = "top_p", value_parser = hybrid_engine::cli::top_p(), conflicts_with = "greedy")]
     pub top_p: f64,
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
@@ -88,9 +88,6 @@ impl ChatModel {
 pub fn run(args: &ChatArgs) -> Result<()> {
     if args.max_new_tokens == 0 {
         bail!("--max-new-tokens must be at least 1");
-    }
-    if !(args.top_p > 0.0 && args.top_p <= 1.0) || args.temperature < 0.0 {
-        bail!("--top-p must be in (0, 1] and --temperature non-negative");
     }
     let device = hybrid_engine::device::parse_device(&args.device)?;
     let chat = ChatModel::load(&args.path, &device)?;

@@ -45,8 +45,9 @@ pub struct TrainArgs {
     /// Read recipes from this directory (laid out as scripts/recipes) instead of the embedded ones.
     #[arg(long, alias = "recipe_dir")]
     pub recipe_dir: Option<PathBuf>,
-    /// Run the pretraining demo instead (a tiny GPT-2 on the embedded Shakespeare corpus).
-    #[arg(long, alias = "pretrain_demo")]
+    /// Run the pretraining demo instead (a tiny GPT-2 on the embedded Shakespeare corpus); it
+    /// takes --output-dir, --device and --dtype, and refuses the pipeline's flags.
+    #[arg(long, alias = "pretrain_demo", conflicts_with_all = PIPELINE_ONLY_FLAGS)]
     pub pretrain_demo: bool,
     /// Where every step computes: auto (CUDA device 0 when built with --features cuda and a GPU
     /// opens, else the CPU), cpu, cuda or cuda:N. The steps get it as RLHF_DEVICE, the default
@@ -58,6 +59,11 @@ pub struct TrainArgs {
     #[arg(long, value_enum, default_value_t = Dtype::Fp32, env = hybrid_engine::precision::DTYPE_ENV)]
     pub dtype: Dtype,
 }
+
+/// The flags that choose the RLHF pipeline's steps, models and recipes: --pretrain-demo has no
+/// use for them, so it refuses them rather than drop them silently.
+const PIPELINE_ONLY_FLAGS: [&str; 7] =
+    ["step", "deployment_type", "actor_model", "reward_model", "actor_zero_stage", "reward_zero_stage", "recipe_dir"];
 
 /// The recipes shipped with the binary: (step directory, deployment type, script text).
 const RECIPES: &[(&str, &str, &str)] = &[
@@ -358,28 +364,7 @@ fn pretrain_demo(args: &TrainArgs) -> Result<()> {
     println!("---=== Pretraining demo: tiny GPT-2 on the embedded Shakespeare corpus ===---");
     let started = Instant::now();
     let iters = 200u64;
-    let pretrain_args = sft::pretrain_args::PretrainArgs::parse_from([
-        "sft".to_string(),
-        "--from-scratch".into(),
-        "--model".into(),
-        "tiny".into(),
-        "--micro-batch-size".into(),
-        "4".into(),
-        "--train-iters".into(),
-        iters.to_string(),
-        "--lr-warmup-iters".into(),
-        (iters / 10).to_string(),
-        "--eval-interval".into(),
-        (iters / 4).to_string(),
-        "--eval-iters".into(),
-        "8".into(),
-        "--save-interval".into(),
-        (iters / 2).to_string(),
-        "--output-dir".into(),
-        out.display().to_string(),
-        "--device".into(),
-        args.device.clone(),
-    ]);
+    let pretrain_args = pretrain_demo_args(args, &out, iters);
     let summary = sft::pretrain::run(&pretrain_args)?;
     println!("---=== Pretraining finished in {:.0}s ===---", started.elapsed().as_secs_f64());
     if let (Some(first), Some(last)) = (summary.first_loss, summary.last_loss) {
@@ -407,4 +392,48 @@ fn pretrain_demo(args: &TrainArgs) -> Result<()> {
     println!("---=== Sample from {} ===---\n{prompt}{completion}", out.display());
     println!("Chat with it: chat --path {}", out.display());
     Ok(())
+}
+
+/// The demo's `sft --from-scratch` flags: `iters` iterations of tiny into `out`, on the
+/// launcher's --device and in its --dtype.
+fn pretrain_demo_args(args: &TrainArgs, out: &Path, iters: u64) -> sft::pretrain_args::PretrainArgs {
+    sft::pretrain_args::PretrainArgs::parse_from([
+        "sft".to_string(),
+        "--from-scratch".into(),
+        "--model".into(),
+        "tiny".into(),
+        "--micro-batch-size".into(),
+        "4".into(),
+        "--train-iters".into(),
+        iters.to_string(),
+        "--lr-warmup-iters".into(),
+        (iters / 10).to_string(),
+        "--eval-interval".into(),
+        (iters / 4).to_string(),
+        "--eval-iters".into(),
+        "8".into(),
+        "--save-interval".into(),
+        (iters / 2).to_string(),
+        "--output-dir".into(),
+        out.display().to_string(),
+        "--device".into(),
+        args.device.clone(),
+        "--dtype".into(),
+        args.dtype.name().into(),
+    ])
+}
+
+#[cfg(test)]
+mod pretrain_demo_tests {
+    use super::*;
+
+    #[test]
+    fn the_pretrain_demo_trains_in_the_launchers_dtype_and_device() {
+        for dtype in ["fp32", "fp16", "bf16"] {
+            let train = TrainArgs::parse_from(["train", "--pretrain-demo", "--dtype", dtype, "--device", "cpu"]);
+            let demo = pretrain_demo_args(&train, Path::new("out/pretrain"), 8);
+            assert_eq!(demo.precision.dtype.name(), dtype);
+            assert_eq!((demo.device.as_str(), demo.output_dir.as_path()), ("cpu", Path::new("out/pretrain")));
+        }
+    }
 }

@@ -56,6 +56,15 @@ fn stdout(o: &Output) -> String {
 }
 
 #[test]
+fn max_new_tokens_beyond_the_context_generates_up_to_the_context() {
+    let root = model_root().to_str().unwrap();
+    let one_shot = |n: &str| chat(&["--path", root, "--prompt", "ROMEO:", "--greedy", "--max-new-tokens", n], "");
+    // usize::MAX used to overflow the KV cache's size into a refusal.
+    let huge = stdout(&one_shot(&usize::MAX.to_string()));
+    assert_eq!(huge, stdout(&one_shot("100000")), "both stop at the model's context (or EOS)");
+}
+
+#[test]
 fn one_shot_prompt_prints_the_greedy_completion_of_the_model() {
     let root = model_root().to_str().unwrap();
     let args = ["--path", root, "--prompt", "ROMEO:", "--greedy", "--max-new-tokens", "8"];

@@ -5,7 +5,7 @@
 
 use std::ops::Range;
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 use rand::{RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
@@ -65,13 +65,19 @@ impl PackedCorpus {
     }
 }
 
-/// Where a [`BlockSampler`] stands: the checkpointable state of the sampler.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+/// Where a [`BlockSampler`] stands: the checkpointable state of the sampler. The default is the
+/// start of epoch 0, valid for any range.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SamplerCursor {
     /// Epochs completed so far; selects the shuffle of the current epoch.
     pub epoch: u64,
     /// Indices already handed out in the current epoch's order.
     pub position: usize,
+    /// Blocks in the range it was drawing from (absent in checkpoints written before it was
+    /// recorded, and at the start): over another number of blocks the shuffle is another, so
+    /// the cursor means nothing there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub blocks: Option<usize>,
 }
 
 /// Endless stream of block indices from `range`: a fresh seeded shuffle every epoch.
@@ -87,21 +93,25 @@ pub struct BlockSampler {
 impl BlockSampler {
     /// A sampler at the start of epoch 0.
     pub fn new(range: Range<usize>, seed: u64) -> Self {
-        Self::with_cursor(range, seed, SamplerCursor { epoch: 0, position: 0 })
+        let cursor = SamplerCursor { blocks: Some(range.len()), ..SamplerCursor::default() };
+        let order = epoch_order(&range, seed, cursor.epoch);
+        Self { range, seed, cursor, order }
     }
 
     /// A sampler that continues exactly where the one that produced `cursor` stood, given the
-    /// same `range` and `seed`.
-    pub fn with_cursor(range: Range<usize>, seed: u64, cursor: SamplerCursor) -> Self {
-        assert!(
-            cursor.position <= range.len(),
-            "BlockSampler: cursor position {} is past the {} blocks of range {range:?}; the \
-             corpus, --split or --seq-length differ from the run that saved it",
-            cursor.position,
-            range.len()
-        );
+    /// same `range` and `seed`. A cursor saved over another number of blocks is an error: the
+    /// data changed since the checkpoint (corpus, split or sequence length), and continuing
+    /// would neither repeat the saved run nor start the new data's epoch afresh.
+    pub fn with_cursor(range: Range<usize>, seed: u64, cursor: SamplerCursor) -> Result<Self> {
+        let blocks = range.len();
+        if let Some(saved) = cursor.blocks.filter(|&saved| saved != blocks) {
+            bail!("the checkpoint was drawing from {saved} blocks of data and the data now makes {blocks}");
+        }
+        if cursor.position > blocks {
+            bail!("the checkpoint had drawn {} blocks of this epoch and the data now makes {blocks}", cursor.position);
+        }
         let order = epoch_order(&range, seed, cursor.epoch);
-        Self { range, seed, cursor, order }
+        Ok(Self { range, seed, cursor: SamplerCursor { blocks: Some(blocks), ..cursor }, order })
     }
 
     /// The next `n` indices, moving into the next epoch (a new shuffle) as often as needed.
@@ -114,7 +124,7 @@ impl BlockSampler {
         let mut out = Vec::with_capacity(n);
         while out.len() < n {
             if self.cursor.position == self.order.len() {
-                self.cursor = SamplerCursor { epoch: self.cursor.epoch + 1, position: 0 };
+                self.cursor = SamplerCursor { epoch: self.cursor.epoch + 1, position: 0, ..self.cursor };
                 self.order = epoch_order(&self.range, self.seed, self.cursor.epoch);
             }
             let take = (n - out.len()).min(self.order.len() - self.cursor.position);
@@ -211,7 +221,7 @@ mod tests {
         // 3.5 epochs in one call: more than the range holds.
         let drawn = sampler.next_indices(70);
         assert_eq!(drawn.len(), 70);
-        assert_eq!(sampler.cursor(), SamplerCursor { epoch: 3, position: 10 });
+        assert_eq!(sampler.cursor(), SamplerCursor { epoch: 3, position: 10, blocks: Some(range.len()) });
         let epochs: Vec<Vec<usize>> = drawn.chunks(20).map(<[usize]>::to_vec).collect();
         let all: Vec<usize> = range.clone().collect();
         for epoch in &epochs[..3] {
@@ -238,10 +248,28 @@ mod tests {
             let cursor = original.cursor();
             let restored: SamplerCursor = serde_json::from_str(&serde_json::to_string(&cursor)?)?;
             assert_eq!(restored, cursor, "cursor survives JSON");
-            let mut resumed = BlockSampler::with_cursor(range.clone(), 42, restored);
+            let mut resumed = BlockSampler::with_cursor(range.clone(), 42, restored)?;
             got.extend(resumed.next_indices(100 - stop));
             assert_eq!(got, expected, "resume after {stop} indices");
         }
+        Ok(())
+    }
+
+    #[test]
+    fn a_cursor_saved_over_other_data_is_refused_not_a_panic() -> Result<()> {
+        let mut saved = BlockSampler::new(0..13, 42);
+        saved.next_indices(9);
+        let cursor = saved.cursor();
+        let fewer = BlockSampler::with_cursor(0..5, 42, cursor).expect_err("5 blocks, not 13").to_string();
+        assert!(fewer.contains("13 blocks") && fewer.contains("now makes 5"), "{fewer}");
+        let more = BlockSampler::with_cursor(0..20, 42, cursor).expect_err("20 blocks, not 13").to_string();
+        assert!(more.contains("13 blocks") && more.contains("now makes 20"), "{more}");
+        // A checkpoint from before the block count was recorded: only a position past the end
+        // is known to be wrong.
+        let unrecorded: SamplerCursor = serde_json::from_str(r#"{"epoch": 0, "position": 9}"#)?;
+        assert_eq!(unrecorded.blocks, None);
+        assert!(BlockSampler::with_cursor(0..5, 42, unrecorded).is_err());
+        assert_eq!(BlockSampler::with_cursor(0..13, 42, unrecorded)?.cursor(), cursor);
         Ok(())
     }
 

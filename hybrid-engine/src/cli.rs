@@ -1,8 +1,11 @@
 //! Command-line conventions shared by every binary: a usage mistake is one `error:` line and
 //! exit code 2 (clap's multi-line usage block is left to `--help`); a repeated flag overrides
-//! the earlier one, so scripts can append to a base command.
+//! the earlier one, so scripts can append to a base command. Float flags are checked while
+//! parsing ([`float_in`]), so a NaN, an infinity or an out-of-range value is a usage error that
+//! names the flag and its range.
 
 use clap::Parser;
+use std::ops::Bound::{self, Excluded, Included, Unbounded};
 
 /// Parses the process arguments, or prints one error line (or the help) and exits.
 pub fn parse_or_exit<T: Parser>() -> T {
@@ -13,12 +16,24 @@ pub fn parse_or_exit<T: Parser>() -> T {
             if matches!(e.kind(), DisplayHelp | DisplayVersion | DisplayHelpOnMissingArgumentOrSubcommand) {
                 e.exit();
             }
-            let rendered = e.to_string();
-            let first = rendered.lines().next().unwrap_or("error: invalid arguments").trim_end();
-            eprintln!("{first} (see --help)");
+            eprintln!("{} (see --help)", one_line(&e.to_string()));
             std::process::exit(2);
         }
     }
+}
+
+/// clap's error as one line: its first line, and when that ends in a colon, the list clap puts
+/// on the following indented lines (missing flags) joined onto it, with clap's usage line, which
+/// shows the flag that needs them (`ppo --do-sample --top-k <TOP_K>`).
+fn one_line(rendered: &str) -> String {
+    let mut lines = rendered.lines();
+    let first = lines.next().unwrap_or("error: invalid arguments").trim_end();
+    if !first.ends_with(':') {
+        return first.to_string();
+    }
+    let items: Vec<&str> = lines.by_ref().take_while(|l| l.starts_with("  ")).map(str::trim).collect();
+    let usage = lines.find_map(|l| l.strip_prefix("Usage: ")).map_or(String::new(), |u| format!(" (usage: {u})"));
+    format!("{first} {}{usage}", items.join(", "))
 }
 
 /// Prints an error chain as one line and exits with code 2.
@@ -26,4 +41,109 @@ pub fn exit_with(err: anyhow::Error) -> ! {
     let text = format!("{err:#}").replace('\n', " ");
     eprintln!("error: {text}");
     std::process::exit(2);
+}
+
+/// A clap value parser for a float flag: a finite number within `(low, high)`, each bound
+/// inclusive, exclusive or absent. NaN and the infinities are refused even where a bound is
+/// absent; clap's error names the flag and the message the range, e.g. `error: invalid value
+/// 'nan' for '--top-p <TOP_P>': expected a number in (0, 1]`.
+pub fn float_in(low: Bound<f64>, high: Bound<f64>) -> impl Fn(&str) -> Result<f64, String> + Clone + Send + Sync {
+    move |text| {
+        let range = describe_range(low, high);
+        let value: f64 = text.trim().parse().map_err(|_| format!("expected a number in {range}"))?;
+        let above_low = match low {
+            Included(l) => value >= l,
+            Excluded(l) => value > l,
+            Unbounded => true,
+        };
+        let below_high = match high {
+            Included(h) => value <= h,
+            Excluded(h) => value < h,
+            Unbounded => true,
+        };
+        if value.is_finite() && above_low && below_high {
+            Ok(value)
+        } else {
+            Err(format!("expected a number in {range}"))
+        }
+    }
+}
+
+/// A probability, or any other fraction: [0, 1].
+pub fn unit_interval() -> impl Fn(&str) -> Result<f64, String> + Clone + Send + Sync {
+    float_in(Included(0.0), Included(1.0))
+}
+
+/// A dropout probability: [0, 1) (dropping everything leaves nothing to train).
+pub fn dropout() -> impl Fn(&str) -> Result<f64, String> + Clone + Send + Sync {
+    float_in(Included(0.0), Excluded(1.0))
+}
+
+/// Nucleus sampling's top-p: (0, 1] (1 keeps every token).
+pub fn top_p() -> impl Fn(&str) -> Result<f64, String> + Clone + Send + Sync {
+    float_in(Excluded(0.0), Included(1.0))
+}
+
+/// Adam's beta1 and beta2: [0, 1).
+pub fn adam_beta() -> impl Fn(&str) -> Result<f64, String> + Clone + Send + Sync {
+    float_in(Included(0.0), Excluded(1.0))
+}
+
+/// A strictly positive finite number (learning rates, clip ranges, temperatures).
+pub fn positive() -> impl Fn(&str) -> Result<f64, String> + Clone + Send + Sync {
+    float_in(Excluded(0.0), Unbounded)
+}
+
+/// A finite number >= 0 (weight decay, coefficients where 0 switches a term off).
+pub fn non_negative() -> impl Fn(&str) -> Result<f64, String> + Clone + Send + Sync {
+    float_in(Included(0.0), Unbounded)
+}
+
+/// `[0, 1)`, `(0, inf)` and so on: the interval as the error message shows it.
+fn describe_range(low: Bound<f64>, high: Bound<f64>) -> String {
+    let low = match low {
+        Included(l) => format!("[{l}"),
+        Excluded(l) => format!("({l}"),
+        Unbounded => "(-inf".to_string(),
+    };
+    let high = match high {
+        Included(h) => format!("{h}]"),
+        Excluded(h) => format!("{h})"),
+        Unbounded => "inf)".to_string(),
+    };
+    format!("{low}, {high} (finite)")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_clap_error_is_its_first_line_with_any_list_it_announces() {
+        let missing = "error: the following required arguments were not provided:\n  --do-sample\n  --x <X>\n\nUsage: ppo --do-sample --top-k <TOP_K>\n\nFor more information, try '--help'.\n";
+        assert_eq!(
+            one_line(missing),
+            "error: the following required arguments were not provided: --do-sample, --x <X> (usage: ppo --do-sample --top-k <TOP_K>)"
+        );
+        let plain = "error: unexpected argument '--nope' found\n\nUsage: ppo [OPTIONS]\n";
+        assert_eq!(one_line(plain), "error: unexpected argument '--nope' found");
+    }
+
+    #[test]
+    fn float_in_accepts_the_interval_and_refuses_nan_infinities_and_the_outside() {
+        let top_p = float_in(Excluded(0.0), Included(1.0));
+        assert_eq!(top_p("1"), Ok(1.0));
+        assert_eq!(top_p("0.5"), Ok(0.5));
+        for bad in ["0", "1.01", "-0.5", "nan", "NaN", "inf", "-inf", "infinity", "", "x"] {
+            assert_eq!(top_p(bad), Err("expected a number in (0, 1] (finite)".to_string()), "{bad:?}");
+        }
+        let any = float_in(Unbounded, Unbounded);
+        assert_eq!(any("-1e300"), Ok(-1e300));
+        assert!(any("inf").is_err() && any("nan").is_err() && any("1e400").is_err(), "1e400 parses as inf");
+        assert_eq!(dropout()("0"), Ok(0.0));
+        assert!(dropout()("1").is_err());
+        assert_eq!(unit_interval()("1"), Ok(1.0));
+        assert!(positive()("0").is_err() && positive()("1e-9").is_ok());
+        assert!(non_negative()("0").is_ok() && non_negative()("-1e-9").is_err());
+    }
 }

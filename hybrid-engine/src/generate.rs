@@ -165,7 +165,7 @@ pub fn generate_left_padded(
     cfg: &SamplingConfig,
     device: &Device,
 ) -> Result<Generation> {
-    let capacity = (batch.p + cfg.max_new_tokens).min(model.cfg.n_positions);
+    let capacity = batch.p.saturating_add(cfg.max_new_tokens).min(model.cfg.n_positions);
     generate_with_cache(model, batch, cfg, &mut Gpt2Cache::new(&model.cfg, capacity), device)
 }
 

@@ -130,6 +130,25 @@ impl Gpt2Config {
     }
     pub const PRESETS: &'static str = "tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl";
 
+    /// The parameter count (the tied LM head once) from the dimensions alone, with checked
+    /// arithmetic: `None` when it overflows 64 bits. Unlike [`crate::params::parameter_count`] it
+    /// builds no inventory, so [`Gpt2Config::validate`] can size any config, however absurd.
+    pub fn checked_parameter_count(&self) -> Option<u64> {
+        let n = |x: usize| u64::try_from(x).ok();
+        let (v, p, c, l) = (n(self.vocab_size)?, n(self.n_positions)?, n(self.n_embd)?, n(self.n_layer)?);
+        let inner = match self.n_inner {
+            Some(i) => n(i)?,
+            None => c.checked_mul(4)?,
+        };
+        // A block: c_attn (C x 3C + 3C) and c_proj (C x C + C), c_fc (C x inner + inner) and the
+        // MLP's c_proj (inner x C + C), two LayerNorms (2C each).
+        let attention = c.checked_mul(c)?.checked_mul(4)?.checked_add(c.checked_mul(4)?)?;
+        let mlp = c.checked_mul(inner)?.checked_mul(2)?.checked_add(inner)?.checked_add(c)?;
+        let block = attention.checked_add(mlp)?.checked_add(c.checked_mul(4)?)?;
+        let embeddings = v.checked_add(p)?.checked_mul(c)?;
+        block.checked_mul(l)?.checked_add(embeddings)?.checked_add(c.checked_mul(2)?)
+    }
+
     pub fn inner_dim(&self) -> usize {
         self.n_inner.unwrap_or(4 * self.n_embd)
     }
@@ -141,7 +160,7 @@ impl Gpt2Config {
     /// `--make-vocab-size-divisible-by`); the padded size is what the checkpoint records.
     pub fn pad_vocab(&mut self, divisor: usize) {
         if divisor > 1 {
-            self.vocab_size = self.vocab_size.div_ceil(divisor) * divisor;
+            self.vocab_size = self.vocab_size.div_ceil(divisor).saturating_mul(divisor);
         }
     }
 
@@ -158,6 +177,18 @@ impl Gpt2Config {
             if v == 0 {
                 bail!("invalid GPT-2 config: {name} must be positive");
             }
+        }
+        // Before anything is sized from these dimensions: an absurd config.json or --hidden-size
+        // must be this error, not an arithmetic overflow or an allocation abort later.
+        let f32_bytes = self.checked_parameter_count().and_then(|n| n.checked_mul(4));
+        if f32_bytes.is_none_or(|bytes| bytes > isize::MAX as u64) {
+            bail!(
+                "invalid GPT-2 config: vocab_size {}, n_positions {}, n_embd {}, n_layer {} make more parameters than any machine can address: check the dimensions",
+                self.vocab_size,
+                self.n_positions,
+                self.n_embd,
+                self.n_layer
+            );
         }
         if !self.n_embd.is_multiple_of(self.n_head) {
             bail!("invalid GPT-2 config: n_embd {} is not divisible by n_head {}", self.n_embd, self.n_head);
@@ -578,5 +609,31 @@ impl Gpt2 {
         let c = self.cfg.n_embd;
         let selected = hidden.reshape(((), c))?.index_select(rows, 0)?; // (N, C)
         self.lm_head_loss(&selected, targets)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_checked_parameter_count_matches_the_inventory_and_refuses_overflow() {
+        let odd =
+            Gpt2Config { n_layer: 3, n_embd: 24, n_head: 4, n_positions: 40, vocab_size: 77, ..Gpt2Config::tiny() };
+        let wide_mlp = Gpt2Config { n_inner: Some(50), ..odd.clone() };
+        for cfg in [Gpt2Config::from_preset("gpt2").unwrap(), odd, wide_mlp] {
+            assert_eq!(cfg.checked_parameter_count(), Some(crate::params::parameter_count(&cfg) as u64));
+        }
+        let huge = Gpt2Config { n_embd: usize::MAX / 2, ..Gpt2Config::tiny() };
+        assert_eq!(huge.checked_parameter_count(), None);
+        for absurd in [
+            huge,
+            Gpt2Config { n_embd: 1 << 32, n_head: 1, ..Gpt2Config::tiny() },
+            Gpt2Config { vocab_size: usize::MAX, ..Gpt2Config::tiny() },
+            Gpt2Config { n_layer: 1 << 50, ..Gpt2Config::tiny() },
+        ] {
+            let err = absurd.validate().unwrap_err().to_string();
+            assert!(err.contains("more parameters than any machine can address"), "{err}");
+        }
     }
 }

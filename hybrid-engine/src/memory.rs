@@ -26,6 +26,71 @@ pub fn retain_freed_memory() {
     }
 }
 
+/// Refuses, before anything is allocated, a model whose f32 weights alone exceed the machine's
+/// memory (RAM and swap) when they are to live on the CPU: the allocation would otherwise abort
+/// the process without a word of why. The memory plan, printed later, details the rest.
+pub fn check_weights_fit(cfg: &Gpt2Config, device: &candle_core::Device) -> anyhow::Result<()> {
+    let (Some(memory), true) = (machine_memory_bytes(), device.is_cpu()) else { return Ok(()) };
+    weights_fit(cfg, memory)
+}
+
+/// Refuses, before training allocates it, a plan whose estimated total exceeds the machine's
+/// memory (RAM and swap) on the CPU: `--micro-batch-size` or `--seq-length` too large for it.
+pub fn check_plan_fits(plan: &MemoryPlan, device: &candle_core::Device) -> anyhow::Result<()> {
+    let (Some(memory), true) = (machine_memory_bytes(), device.is_cpu()) else { return Ok(()) };
+    plan_fits(plan, memory)
+}
+
+/// [`check_plan_fits`] against `memory` bytes.
+fn plan_fits(plan: &MemoryPlan, memory: u64) -> anyhow::Result<()> {
+    if plan.total() > memory {
+        let gib = |x: u64| x as f64 / (1024.0 * MIB);
+        anyhow::bail!(
+            "the memory plan needs an estimated {:.1} GiB ({:.1} GiB of it activations for a micro-batch of {} x {} tokens), more than this machine's {:.1} GiB of memory (RAM and swap): lower the micro-batch size or the sequence length, or turn on activation checkpointing",
+            gib(plan.total()),
+            gib(plan.activation_bytes()),
+            plan.activations.b,
+            plan.activations.t,
+            gib(memory)
+        );
+    }
+    Ok(())
+}
+
+/// [`check_weights_fit`] against `memory` bytes.
+fn weights_fit(cfg: &Gpt2Config, memory: u64) -> anyhow::Result<()> {
+    let parameters = cfg.checked_parameter_count().unwrap_or(u64::MAX);
+    let bytes = parameters.saturating_mul(4);
+    if bytes > memory {
+        anyhow::bail!(
+            "the model has {:.2}B parameters, {:.1} GiB of f32 weights alone, more than this machine's {:.1} GiB of memory (RAM and swap): choose smaller dimensions (n_layer {}, n_embd {}, vocab_size {})",
+            parameters as f64 / 1e9,
+            bytes as f64 / (1024.0 * MIB),
+            memory as f64 / (1024.0 * MIB),
+            cfg.n_layer,
+            cfg.n_embd,
+            cfg.vocab_size
+        );
+    }
+    Ok(())
+}
+
+/// RAM plus swap, `None` where it cannot be read.
+fn machine_memory_bytes() -> Option<u64> {
+    #[cfg(target_os = "linux")]
+    {
+        // SAFETY: sysinfo only writes the struct it is given, which is zero-initialised POD.
+        let mut info: libc::sysinfo = unsafe { std::mem::zeroed() };
+        if unsafe { libc::sysinfo(&mut info) } != 0 {
+            return None;
+        }
+        let unit = u64::from(info.mem_unit.max(1));
+        Some((info.totalram as u64).saturating_add(info.totalswap as u64).saturating_mul(unit))
+    }
+    #[cfg(not(target_os = "linux"))]
+    None
+}
+
 /// Which implementation runs a micro-batch: it decides what forward keeps for backward.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kernels {
@@ -70,24 +135,33 @@ pub struct ActivationShape {
 /// (B, NH, T, T) attention tensors; the LM head's logits with the log-softmax intermediates,
 /// 4 (N, V) tensors; all in the compute dtype (the attention softmax and LayerNorm statistics
 /// stay f32 in half precision, so that is an estimate).
+///
+/// Computed in f64, exact for every size below 2^53 bytes, so that an absurd batch size
+/// saturates at `u64::MAX` (and is refused by [`check_plan_fits`]) instead of overflowing.
 pub fn activation_bytes(a: &ActivationShape) -> u64 {
-    let (n, c, l) = ((a.b * a.t) as u64, a.cfg.n_embd as u64, a.cfg.n_layer as u64);
-    let v = if a.lm_head { a.cfg.vocab_size as u64 } else { 0 };
-    match a.kernels {
+    let (b, t) = (a.b as f64, a.t as f64);
+    let (n, c, l) = (b * t, a.cfg.n_embd as f64, a.cfg.n_layer as f64);
+    let v = if a.lm_head { a.cfg.vocab_size as f64 } else { 0.0 };
+    let bytes = match a.kernels {
         Kernels::FusedCpu => {
-            let wte = a.cfg.vocab_size as u64 * c;
-            let floats =
-                if a.checkpoint { n * (l * c + 15 * c) + wte + (n * v).max(wte) } else { n * (v + 15 * l * c) + wte };
-            4 * floats
+            let wte = a.cfg.vocab_size as f64 * c;
+            let floats = if a.checkpoint {
+                n * (l * c + 15.0 * c) + wte + (n * v).max(wte)
+            } else {
+                n * (v + 15.0 * l * c) + wte
+            };
+            4.0 * floats
         }
         Kernels::Composed => {
-            let attn = (a.b * a.cfg.n_head * a.t * a.t) as u64;
-            let per_block = 30 * n * c + 5 * attn;
-            let head = 4 * n * v + 6 * n * c;
+            let attn = b * a.cfg.n_head as f64 * t * t;
+            let per_block = 30.0 * n * c + 5.0 * attn;
+            let head = 4.0 * n * v + 6.0 * n * c;
             let blocks = if a.checkpoint { l * n * c + per_block } else { l * per_block };
-            a.dtype_bytes as u64 * (blocks + head)
+            a.dtype_bytes as f64 * (blocks + head)
         }
-    }
+    };
+    // `as` saturates: beyond u64 is u64::MAX.
+    bytes as u64
 }
 
 pub struct MemoryPlan {
@@ -171,7 +245,9 @@ impl MemoryPlan {
     }
 
     pub fn total(&self) -> u64 {
-        self.param_bytes + self.grad_bytes + self.adam_bytes + self.compute_copy_bytes + self.activation_bytes()
+        [self.param_bytes, self.grad_bytes, self.adam_bytes, self.compute_copy_bytes, self.activation_bytes()]
+            .into_iter()
+            .fold(0, u64::saturating_add)
     }
 
     /// The startup report, one allocation per line.
@@ -197,6 +273,28 @@ impl MemoryPlan {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_plan_beyond_the_machine_is_refused_and_absurd_batches_saturate() {
+        let tiny = Gpt2Config::tiny();
+        let plan = MemoryPlan::new(&tiny, 4, 64, false);
+        assert!(plan_fits(&plan, plan.total()).is_ok());
+        let err = plan_fits(&plan, plan.total() - 1).unwrap_err().to_string();
+        assert!(err.contains("micro-batch of 4 x 64 tokens") && err.contains("lower the micro-batch size"), "{err}");
+        let absurd = MemoryPlan::new(&tiny, usize::MAX, 64, false);
+        assert_eq!((absurd.activation_bytes(), absurd.total()), (u64::MAX, u64::MAX), "saturates, no overflow");
+        assert!(check_plan_fits(&absurd, &candle_core::Device::Cpu).is_err());
+    }
+
+    #[test]
+    fn weights_larger_than_the_machine_are_refused_before_allocation() {
+        let gpt2 = Gpt2Config::from_preset("gpt2").unwrap();
+        assert!(weights_fit(&gpt2, 4 * 124_439_808).is_ok(), "exactly enough");
+        let err = weights_fit(&gpt2, 4 * 124_439_808 - 1).unwrap_err().to_string();
+        assert!(err.contains("0.12B parameters") && err.contains("choose smaller dimensions"), "{err}");
+        let deep = Gpt2Config { n_layer: 1_000_000_000, ..gpt2 };
+        assert!(check_weights_fit(&deep, &candle_core::Device::Cpu).is_err(), "7 quadrillion parameters fit nowhere");
+    }
 
     #[test]
     fn gpt2_small_counts_and_checkpointing_saves_block_activations() {

@@ -34,6 +34,7 @@ impl ParamStore {
     /// Takes ownership of `tensors` (as f32 `Var`s) in the config's parameter order; every
     /// parameter must be present with its expected shape.
     pub fn from_tensors(cfg: &Gpt2Config, tensors: &HashMap<String, Tensor>, device: &Device) -> Result<Self> {
+        crate::memory::check_weights_fit(cfg, device)?;
         let mut store = Self::default();
         for (name, shape) in parameter_shapes(cfg) {
             let Some(t) = tensors.get(&name) else {
@@ -51,6 +52,7 @@ impl ParamStore {
     /// weights and embeddings, zero biases, unit LayerNorm gains, and the residual projections
     /// (`c_proj`) scaled by 1/sqrt(2 * n_layer) (GPT-2 paper, section 2.3).
     pub fn init(cfg: &Gpt2Config, seed: u64, device: &Device) -> Result<Self> {
+        crate::memory::check_weights_fit(cfg, device)?;
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let std = cfg.initializer_range;
         let proj_std = std / (2.0 * cfg.n_layer as f64).sqrt();

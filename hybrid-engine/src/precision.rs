@@ -66,29 +66,43 @@ pub struct PrecisionArgs {
     /// the fp16/bf16 compute dtype.
     #[arg(long, alias = "compute_fp32_loss")]
     pub compute_fp32_loss: bool,
-    /// fp16: double the loss scale after this many steps without overflow (DS-Chat: 100).
-    #[arg(long, default_value_t = 100, alias = "loss_scale_window")]
-    pub loss_scale_window: u64,
-    /// fp16: the loss scale starts at 2^this (DeepSpeed's initial_scale_power).
-    #[arg(long, default_value_t = 16, alias = "initial_scale_power")]
-    pub initial_scale_power: u32,
+    /// fp16 only: double the loss scale after this many steps without overflow (default 100,
+    /// DS-Chat's).
+    #[arg(long, alias = "loss_scale_window")]
+    pub loss_scale_window: Option<u64>,
+    /// fp16 only: the loss scale starts at 2^this (DeepSpeed's initial_scale_power; default 16).
+    #[arg(long, alias = "initial_scale_power")]
+    pub initial_scale_power: Option<u32>,
 }
 
 impl PrecisionArgs {
     pub fn precision(&self) -> Precision {
         Precision { dtype: self.dtype, fp32_loss: self.compute_fp32_loss }
     }
+    /// The fp16 loss scaler's settings: the flags, else DeepSpeed's and DS-Chat's defaults.
     pub fn loss_scaling(&self) -> LossScaling {
-        LossScaling { initial_scale_power: self.initial_scale_power, window: self.loss_scale_window }
+        let default = LossScaling::default();
+        LossScaling {
+            initial_scale_power: self.initial_scale_power.unwrap_or(default.initial_scale_power),
+            window: self.loss_scale_window.unwrap_or(default.window),
+        }
     }
+    /// Refuses the loss-scaling flags outside fp16 (they would do nothing) and values out of range.
     pub fn validate(&self) -> Result<()> {
-        if self.loss_scale_window == 0 {
+        if self.dtype != Dtype::Fp16 && (self.loss_scale_window.is_some() || self.initial_scale_power.is_some()) {
+            bail!(
+                "--loss-scale-window and --initial-scale-power tune fp16's loss scale, and the dtype is {}: add --dtype fp16 or drop them",
+                self.dtype.name()
+            );
+        }
+        let scaling = self.loss_scaling();
+        if scaling.window == 0 {
             bail!("--loss-scale-window must be at least 1");
         }
-        if self.initial_scale_power > 32 {
+        if scaling.initial_scale_power > 32 {
             bail!(
                 "--initial-scale-power {} is beyond fp16's range of use: use at most 32 (default 16)",
-                self.initial_scale_power
+                scaling.initial_scale_power
             );
         }
         Ok(())

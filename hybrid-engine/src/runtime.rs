@@ -1,7 +1,16 @@
-//! Process setup for the CPU backend, called once at the start of `main` (before any thread is
-//! spawned) by every binary: the training steps, `chat` and the benchmarks.
+//! Process setup, called once at the start of `main` (before any thread is spawned) by every
+//! binary: the training steps, `chat` and the benchmarks. It installs the panic hook that reports
+//! a panic as one line naming it a bug, and tunes the CPU backend.
 
-/// Configures the process: keeps freed memory for reuse ([`crate::memory::retain_freed_memory`]),
+/// Test hook: set to `main` or `thread`, [`init`] panics on purpose on the main thread or on a
+/// worker thread, so that tests can check the panic hook through a real binary. No other value
+/// does anything, and nothing else reads it.
+pub const TEST_PANIC_ENV: &str = "RLHF_TEST_PANIC";
+
+/// The exit code of a process that panicked (Rust's own for a panic on the main thread).
+pub const PANIC_EXIT_CODE: i32 = 101;
+
+/// Configures the process: reports panics as one line ([`install_panic_hook`]), keeps freed memory for reuse ([`crate::memory::retain_freed_memory`]),
 /// fixes candle's thread count and shortens its workers' spinning.
 ///
 /// candle 0.11 asks for its thread count before every matmul, and without `RAYON_NUM_THREADS`
@@ -16,6 +25,7 @@
 /// nothing on a quiet one (1.52-1.62 s against 1.58-1.68 s). `CANDLE_BARRIER_POOL_SPIN_LIMIT`,
 /// when set, is kept.
 pub fn init() {
+    install_panic_hook();
     crate::memory::retain_freed_memory();
     // Called at the start of main, before other threads exist to read the environment.
     if std::env::var_os("RAYON_NUM_THREADS").is_none() && std::env::var_os("CANDLE_NUM_THREADS").is_none() {
@@ -25,10 +35,71 @@ pub fn init() {
     if std::env::var_os("CANDLE_BARRIER_POOL_SPIN_LIMIT").is_none() {
         std::env::set_var("CANDLE_BARRIER_POOL_SPIN_LIMIT", "2000");
     }
+    panic_if_asked_by_a_test();
+}
+
+/// Makes any panic, on any thread, print `error: internal error (a bug, please report it):
+/// MESSAGE at FILE:LINE` and end the process with code 101; the backtrace follows only when
+/// `RUST_BACKTRACE` asks for it. Exiting from the hook matters off the main thread: a panicking
+/// rayon worker or spawned thread would otherwise print Rust's multi-line report and leave the
+/// process running, or hung, without the work it was doing.
+pub fn install_panic_hook() {
+    std::panic::set_hook(Box::new(|info| {
+        let location = info.location().map_or(String::new(), |l| format!(" at {}:{}", l.file(), l.line()));
+        eprintln!("error: internal error (a bug, please report it): {}{location}", panic_message(info.payload()));
+        if backtrace_requested(std::env::var("RUST_BACKTRACE").ok().as_deref()) {
+            eprintln!("{}", std::backtrace::Backtrace::force_capture());
+        }
+        std::process::exit(PANIC_EXIT_CODE);
+    }));
+}
+
+/// The text a panic was raised with, on one line.
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    let text = payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".to_string());
+    text.replace('\n', " ")
+}
+
+/// Whether `RUST_BACKTRACE` asks for a backtrace: set to anything but `0`, as the standard hook reads it.
+fn backtrace_requested(rust_backtrace: Option<&str>) -> bool {
+    rust_backtrace.is_some_and(|v| v != "0")
+}
+
+/// The [`TEST_PANIC_ENV`] hook.
+fn panic_if_asked_by_a_test() {
+    match std::env::var(TEST_PANIC_ENV).as_deref() {
+        Ok("main") => panic!("{TEST_PANIC_ENV}=main: a deliberate panic on the main thread"),
+        Ok("thread") => {
+            // A worker's panic must end the process from the hook, before join could report it.
+            let worker =
+                std::thread::spawn(|| panic!("{TEST_PANIC_ENV}=thread: a deliberate panic on a worker thread"));
+            let _ = worker.join();
+            unreachable!("the panic hook exits the process");
+        }
+        _ => {}
+    }
 }
 
 /// candle's thread count, detected once (see [`init`]).
 pub fn threads() -> usize {
     static THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *THREADS.get_or_init(candle_core::utils::get_num_threads)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn panic_messages_become_one_line_and_backtraces_follow_rust_backtrace() {
+        assert_eq!(panic_message(&"index out of bounds\nsecond line"), "index out of bounds second line");
+        assert_eq!(panic_message(&String::from("owned")), "owned");
+        assert_eq!(panic_message(&42u8), "a panic without a message");
+        assert!(!backtrace_requested(None) && !backtrace_requested(Some("0")));
+        assert!(backtrace_requested(Some("1")) && backtrace_requested(Some("full")));
+    }
 }

@@ -35,9 +35,9 @@ pub struct StepArgs {
     #[arg(long, default_value_t = 512, alias = "max_seq_len")]
     pub max_seq_len: usize,
     /// Peak learning rate (default: 1e-3 in step 1, 5e-5 in step 2, as DS-Chat).
-    #[arg(long, alias = "learning_rate", alias = "lr")]
+    #[arg(long, alias = "learning_rate", alias = "lr", value_parser = crate::cli::positive())]
     pub learning_rate: Option<f64>,
-    #[arg(long, default_value_t = 0.0, alias = "weight_decay")]
+    #[arg(long, default_value_t = 0.0, alias = "weight_decay", value_parser = crate::cli::non_negative())]
     pub weight_decay: f64,
     #[arg(long, default_value_t = 1, alias = "num_train_epochs")]
     pub num_train_epochs: usize,
@@ -51,13 +51,13 @@ pub struct StepArgs {
     #[arg(long, default_value_t = 1234)]
     pub seed: u64,
     /// Dropout of embeddings, attention and residuals (default: the model config's).
-    #[arg(long)]
+    #[arg(long, value_parser = crate::cli::dropout())]
     pub dropout: Option<f64>,
     /// Recompute each block's activations in backward instead of storing them.
     #[arg(long, alias = "gradient_checkpointing")]
     pub gradient_checkpointing: bool,
     /// Clip gradients to this global norm (DS-Chat's DeepSpeed config: 1.0; 0 disables).
-    #[arg(long, default_value_t = 1.0, alias = "gradient_clipping")]
+    #[arg(long, default_value_t = 1.0, alias = "gradient_clipping", value_parser = crate::cli::non_negative())]
     pub gradient_clipping: f64,
     /// ZeRO stage (0-3). With one process there is nothing to shard, so every stage trains
     /// identically; sharding across ranks arrives with the distributed issue.
@@ -74,26 +74,27 @@ pub struct StepArgs {
     pub precision: PrecisionArgs,
     /// LoRA rank r on the linears --lora-module-name selects (0: no LoRA). The saved model has
     /// the adapters merged; with --only-optimize-lora they are also saved alone, in PEFT's
-    /// layout, to <output-dir>/adapter.
+    /// layout, to <output-dir>/adapter. The other LoRA flags need it.
     #[arg(long, default_value_t = 0, alias = "lora_dim")]
     pub lora_dim: usize,
     /// LoRA goes on the linears whose names (h.0.attn.c_attn, h.0.mlp.c_fc, ...) contain this:
     /// h. selects every block, attn the attention only.
-    #[arg(long, default_value = "h.", alias = "lora_module_name")]
+    #[arg(long, default_value = "h.", alias = "lora_module_name", requires = "lora_dim")]
     pub lora_module_name: String,
     /// PEFT's lora_alpha: scaling alpha/r instead of DS-Chat's 1/r.
-    #[arg(long, alias = "lora_alpha")]
+    #[arg(long, alias = "lora_alpha", value_parser = crate::cli::positive(), requires = "lora_dim")]
     pub lora_alpha: Option<f64>,
     /// Train only the LoRA adapters (and a reward model's score head); the trunk stays frozen.
     #[arg(long, alias = "only_optimize_lora")]
     pub only_optimize_lora: bool,
     /// Learning rate of the LoRA adapters' parameter group, scheduled like --learning-rate.
-    #[arg(long, default_value_t = 5e-4, alias = "lora_learning_rate")]
+    #[arg(long, default_value_t = 5e-4, alias = "lora_learning_rate", value_parser = crate::cli::positive(), requires = "lora_dim")]
     pub lora_learning_rate: f64,
 }
 
 impl StepArgs {
-    /// Checks the flags that every step reads; `lr` is the step's resolved learning rate.
+    /// Checks what parsing cannot: flags that depend on each other, and `lr`, the step's resolved
+    /// learning rate (its default is the step's). Float ranges are checked while parsing.
     pub fn validate(&self, lr: f64) -> Result<()> {
         let positive = [
             ("--per-device-train-batch-size", self.per_device_train_batch_size),
@@ -111,25 +112,18 @@ impl StepArgs {
         if !(lr > 0.0 && lr.is_finite()) {
             bail!("--learning-rate must be a positive number (got {lr})");
         }
-        if !(self.weight_decay >= 0.0 && self.weight_decay.is_finite()) {
-            bail!("--weight-decay must be >= 0 (got {})", self.weight_decay);
-        }
-        if let Some(p) = self.dropout {
-            if !(0.0..1.0).contains(&p) {
-                bail!("--dropout {p} must be in [0, 1)");
-            }
-        }
         if self.zero_stage > 3 {
             bail!("--zero-stage {} does not exist: use 0, 1, 2 or 3", self.zero_stage);
         }
         self.precision.validate()?;
         if let Some(lora) = self.lora() {
             lora.validate()?;
-            if !(self.lora_learning_rate > 0.0 && self.lora_learning_rate.is_finite()) {
-                bail!("--lora-learning-rate must be a positive number (got {})", self.lora_learning_rate);
-            }
         } else if self.only_optimize_lora {
             bail!("--only-optimize-lora trains only LoRA adapters, but --lora-dim is 0: add --lora-dim (e.g. 8)");
+        } else if self.lora_alpha.is_some() {
+            bail!(
+                "--lora-alpha scales LoRA adapters, but --lora-dim is 0: add --lora-dim (e.g. 8) or drop --lora-alpha"
+            );
         }
         crate::device::check_device(&self.device)?;
         Ok(())
@@ -302,9 +296,15 @@ mod tests {
     fn inconsistent_lora_flags_are_one_line_errors_naming_the_flag() {
         let err = |args: &[&str]| parse(args).validate(1e-3).unwrap_err().to_string();
         assert!(err(&["--only-optimize-lora"]).contains("--lora-dim"));
-        assert!(err(&["--lora-dim", "4", "--lora-alpha", "0"]).contains("--lora-alpha"));
-        assert!(err(&["--lora-dim", "4", "--lora-learning-rate=-1"]).contains("--lora-learning-rate"));
+        assert!(err(&["--lora-dim", "0", "--lora-alpha", "8"]).contains("--lora-dim is 0"));
         assert!(err(&["--lora-dim", "4", "--lora-module-name", ""]).contains("--lora-module-name"));
+        // Out-of-range floats do not get past parsing.
+        let parse_err = |args: &[&str]| match Cli::try_parse_from(std::iter::once("step").chain(args.iter().copied())) {
+            Ok(_) => panic!("{args:?} parsed"),
+            Err(e) => e.to_string(),
+        };
+        assert!(parse_err(&["--lora-dim", "4", "--lora-alpha", "0"]).contains("--lora-alpha"));
+        assert!(parse_err(&["--lora-dim", "4", "--lora-learning-rate=-1"]).contains("--lora-learning-rate"));
     }
 
     #[test]

@@ -6,7 +6,8 @@ use crate::ppo::PpoConfig;
 use anyhow::{bail, Result};
 use clap::Parser;
 use data::args::DataArgs;
-use hybrid_engine::precision::PrecisionArgs;
+use hybrid_engine::cli;
+use hybrid_engine::precision::{Dtype, PrecisionArgs};
 use hybrid_engine::schedule::DecayStyle;
 use std::path::PathBuf;
 
@@ -42,13 +43,13 @@ pub struct PpoArgs {
     pub max_prompt_seq_len: usize,
     #[arg(long, default_value_t = 256, alias = "max_answer_seq_len")]
     pub max_answer_seq_len: usize,
-    #[arg(long, default_value_t = 9.65e-6, alias = "actor_learning_rate")]
+    #[arg(long, default_value_t = 9.65e-6, alias = "actor_learning_rate", value_parser = cli::positive())]
     pub actor_learning_rate: f64,
-    #[arg(long, default_value_t = 5e-6, alias = "critic_learning_rate")]
+    #[arg(long, default_value_t = 5e-6, alias = "critic_learning_rate", value_parser = cli::positive())]
     pub critic_learning_rate: f64,
-    #[arg(long, default_value_t = 0.0, alias = "actor_weight_decay")]
+    #[arg(long, default_value_t = 0.0, alias = "actor_weight_decay", value_parser = cli::non_negative())]
     pub actor_weight_decay: f64,
-    #[arg(long, default_value_t = 0.0, alias = "critic_weight_decay")]
+    #[arg(long, default_value_t = 0.0, alias = "critic_weight_decay", value_parser = cli::non_negative())]
     pub critic_weight_decay: f64,
     /// Passes over the prompts.
     #[arg(long, default_value_t = 1, alias = "num_train_epochs")]
@@ -62,10 +63,10 @@ pub struct PpoArgs {
     #[arg(long, default_value_t = 1234)]
     pub seed: u64,
     /// Actor dropout (default: its config's).
-    #[arg(long, alias = "actor_dropout")]
+    #[arg(long, alias = "actor_dropout", value_parser = cli::dropout())]
     pub actor_dropout: Option<f64>,
     /// Critic dropout (default: its config's).
-    #[arg(long, alias = "critic_dropout")]
+    #[arg(long, alias = "critic_dropout", value_parser = cli::dropout())]
     pub critic_dropout: Option<f64>,
     #[arg(long, alias = "actor_gradient_checkpointing")]
     pub actor_gradient_checkpointing: bool,
@@ -75,19 +76,19 @@ pub struct PpoArgs {
     /// adapters (B = 0) are added to the step-1 actor; saved models have them merged.
     #[arg(long, default_value_t = 0, alias = "actor_lora_dim")]
     pub actor_lora_dim: usize,
-    #[arg(long, default_value = "h.", alias = "actor_lora_module_name")]
+    #[arg(long, default_value = "h.", alias = "actor_lora_module_name", requires = "actor_lora_dim")]
     pub actor_lora_module_name: String,
     /// LoRA rank on the critic (0: none).
     #[arg(long, default_value_t = 0, alias = "critic_lora_dim")]
     pub critic_lora_dim: usize,
-    #[arg(long, default_value = "h.", alias = "critic_lora_module_name")]
+    #[arg(long, default_value = "h.", alias = "critic_lora_module_name", requires = "critic_lora_dim")]
     pub critic_lora_module_name: String,
     /// Train only the LoRA adapters (and the critic's score head).
     #[arg(long, alias = "only_optimize_lora")]
     pub only_optimize_lora: bool,
-    #[arg(long, default_value_t = 5e-4, alias = "actor_lora_learning_rate")]
+    #[arg(long, default_value_t = 5e-4, alias = "actor_lora_learning_rate", value_parser = cli::positive(), requires = "actor_lora_dim")]
     pub actor_lora_learning_rate: f64,
-    #[arg(long, default_value_t = 5e-4, alias = "critic_lora_learning_rate")]
+    #[arg(long, default_value_t = 5e-4, alias = "critic_lora_learning_rate", value_parser = cli::positive(), requires = "critic_lora_dim")]
     pub critic_lora_learning_rate: f64,
     /// Keep an exponential moving average of the actor (saved as actor_ema).
     #[arg(long, alias = "enable_ema")]
@@ -96,29 +97,31 @@ pub struct PpoArgs {
     /// `shakespeare`.
     #[arg(long, alias = "unsupervised_dataset_name")]
     pub unsupervised_dataset_name: Option<String>,
-    /// Weight of the PTX loss (DS-Chat: 27.8, reported unstable).
-    #[arg(long, default_value_t = 27.8, alias = "unsup_coef")]
+    /// Weight of the PTX loss (DS-Chat: 27.8, reported unstable); needs
+    /// --unsupervised-dataset-name.
+    #[arg(long, default_value_t = 27.8, alias = "unsup_coef", value_parser = cli::non_negative(), requires = "unsupervised_dataset_name")]
     pub unsup_coef: f64,
-    /// Sample rollouts (temperature, top-k, top-p) instead of DS-Chat's greedy decoding.
+    /// Sample rollouts (temperature, top-k, top-p) instead of DS-Chat's greedy decoding; the
+    /// three sampling flags need it.
     #[arg(long, alias = "do_sample")]
     pub do_sample: bool,
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, value_parser = cli::positive(), requires = "do_sample")]
     pub temperature: f64,
-    #[arg(long, default_value_t = 0, alias = "top_k")]
+    #[arg(long, default_value_t = 0, alias = "top_k", requires = "do_sample")]
     pub top_k: usize,
-    #[arg(long, default_value_t = 1.0, alias = "top_p")]
+    #[arg(long, default_value_t = 1.0, alias = "top_p", value_parser = cli::top_p(), requires = "do_sample")]
     pub top_p: f64,
-    #[arg(long, default_value_t = 0.1, alias = "kl_ctl")]
+    #[arg(long, default_value_t = 0.1, alias = "kl_ctl", value_parser = cli::non_negative())]
     pub kl_ctl: f64,
-    #[arg(long, default_value_t = 5.0, alias = "clip_reward_value")]
+    #[arg(long, default_value_t = 5.0, alias = "clip_reward_value", value_parser = cli::positive())]
     pub clip_reward_value: f64,
-    #[arg(long, default_value_t = 0.2)]
+    #[arg(long, default_value_t = 0.2, value_parser = cli::positive())]
     pub cliprange: f64,
-    #[arg(long, default_value_t = 0.2, alias = "cliprange_value")]
+    #[arg(long, default_value_t = 0.2, alias = "cliprange_value", value_parser = cli::positive())]
     pub cliprange_value: f64,
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, value_parser = cli::unit_interval())]
     pub gamma: f64,
-    #[arg(long, default_value_t = 0.95)]
+    #[arg(long, default_value_t = 0.95, value_parser = cli::unit_interval())]
     pub lam: f64,
     /// Held-out prompts on which the starting (SFT) actor and the PPO actor are compared at the
     /// end, by greedy answers' reward-model score and, for demo prompts, the task score: `demo`,
@@ -172,7 +175,7 @@ impl PpoArgs {
             "ppo": self.ppo_config(),
             "sampling": [self.do_sample.to_string(), self.temperature.to_string(), self.top_k.to_string(), self.top_p.to_string()],
             "lora": [self.actor_lora_dim.to_string(), self.actor_lora_module_name.clone(), self.critic_lora_dim.to_string(), self.critic_lora_module_name.clone(), self.only_optimize_lora.to_string(), self.actor_lora_learning_rate.to_string(), self.critic_lora_learning_rate.to_string()],
-            "precision": [self.precision.dtype.name().to_string(), self.precision.compute_fp32_loss.to_string(), self.precision.loss_scale_window.to_string(), self.precision.initial_scale_power.to_string(), self.align_overflow.to_string()],
+            "precision": [self.precision.dtype.name().to_string(), self.precision.compute_fp32_loss.to_string(), self.precision.loss_scaling().window.to_string(), self.precision.loss_scaling().initial_scale_power.to_string(), self.align_overflow.to_string()],
             "ema": self.enable_ema, "ptx": [self.unsupervised_dataset_name.clone().unwrap_or_default(), self.unsup_coef.to_string()],
         })
     }
@@ -193,7 +196,8 @@ impl PpoArgs {
         }
     }
 
-    /// Checks every flag that has a valid range.
+    /// Checks the counts and the flags that depend on each other (float ranges are checked while
+    /// parsing).
     pub fn validate(&self) -> Result<()> {
         let positive = [
             ("--per-device-generation-batch-size", self.per_device_generation_batch_size),
@@ -210,41 +214,19 @@ impl PpoArgs {
                 bail!("{flag} must be at least 1");
             }
         }
-        for (flag, v) in
-            [("--actor-learning-rate", self.actor_learning_rate), ("--critic-learning-rate", self.critic_learning_rate)]
-        {
-            if !(v > 0.0 && v.is_finite()) {
-                bail!("{flag} must be a positive number (got {v})");
-            }
-        }
-        for (flag, v) in [("--actor-dropout", self.actor_dropout), ("--critic-dropout", self.critic_dropout)] {
-            if let Some(p) = v {
-                if !(0.0..1.0).contains(&p) {
-                    bail!("{flag} {p} must be in [0, 1)");
-                }
-            }
-        }
-        if !(0.0..=1.0).contains(&self.gamma) || !(0.0..=1.0).contains(&self.lam) {
-            bail!("--gamma and --lam must be in [0, 1]");
-        }
-        if self.cliprange <= 0.0 || self.cliprange_value <= 0.0 || self.clip_reward_value <= 0.0 || self.kl_ctl < 0.0 {
-            bail!("--cliprange, --cliprange-value and --clip-reward-value must be positive and --kl-ctl >= 0");
-        }
-        if self.do_sample && (self.temperature <= 0.0 || !(0.0..=1.0).contains(&self.top_p) || self.top_p == 0.0) {
-            bail!("--temperature must be positive and --top-p in (0, 1] when sampling");
+        if self.max_prompt_seq_len.checked_add(self.max_answer_seq_len).is_none() {
+            bail!("--max-prompt-seq-len + --max-answer-seq-len overflows: give lengths within the models' context (e.g. 256 and 256)");
         }
         if self.only_optimize_lora && self.actor_lora_dim == 0 && self.critic_lora_dim == 0 {
             bail!("--only-optimize-lora trains only LoRA adapters, but --actor-lora-dim and --critic-lora-dim are 0: add e.g. --actor-lora-dim 8");
         }
-        for (flag, v) in [
-            ("--actor-lora-learning-rate", self.actor_lora_learning_rate),
-            ("--critic-lora-learning-rate", self.critic_lora_learning_rate),
-        ] {
-            if !(v > 0.0 && v.is_finite()) {
-                bail!("{flag} must be a positive number (got {v})");
-            }
-        }
         self.precision.validate()?;
+        if self.align_overflow && self.precision.dtype != Dtype::Fp16 {
+            bail!(
+                "--align-overflow aligns fp16 overflow skips, and the dtype is {}: add --dtype fp16 or drop it",
+                self.precision.dtype.name()
+            );
+        }
         if self.actor_zero_stage > 3 || self.critic_zero_stage > 3 {
             bail!("--actor-zero-stage and --critic-zero-stage must be 0, 1, 2 or 3");
         }

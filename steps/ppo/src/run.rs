@@ -280,7 +280,9 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
     if let Some(ck) = &resume {
         let st = &ck.state;
         (micro, step, first_epoch, skip_batches) = (st.micro, st.step, st.epoch, st.batches_done);
-        ptx_cursor = data::BlockSampler::with_cursor(ptx_range.clone(), args.seed, st.ptx_cursor);
+        ptx_cursor = data::BlockSampler::with_cursor(ptx_range.clone(), args.seed, st.ptx_cursor).context(
+            "cannot resume: the --unsupervised-dataset-name corpus differs from the run that saved the checkpoint (use the same, or start anew without --load)",
+        )?;
         (summary.rollouts_reused, summary.answers_dropped_short, summary.first_reward) =
             (st.rollouts_reused, st.answers_dropped_short, st.first_reward);
     }

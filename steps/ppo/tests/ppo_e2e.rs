@@ -217,4 +217,25 @@ fn bad_input_is_one_clear_error_line() {
     check(&["--max-answer-seq-len", "100"], &["exceeds", "context"]);
     check(&["--load", dir.path().to_str().unwrap()], &["no step-3 checkpoint"]);
     check(&["--cliprange", "0"], &["--cliprange"]);
+    check(&["--max-answer-seq-len", &usize::MAX.to_string()], &["overflows", "--max-answer-seq-len"]);
+}
+
+#[test]
+fn a_resume_over_a_changed_ptx_corpus_is_one_clear_error_line() {
+    let dir = tempfile::tempdir().unwrap();
+    setup(dir.path());
+    let corpus = dir.path().join("ptx.txt");
+    let sentence = "The quick brown fox jumps over the lazy dog near the quiet river bank.\n";
+    std::fs::write(&corpus, sentence.repeat(40)).unwrap();
+    let ptx = ["--unsupervised-dataset-name", corpus.to_str().unwrap()];
+    ok(&ppo(dir.path(), "run", &[&ptx[..], &["--save-interval", "2"]].concat()));
+    // The corpus shrinks between the save and the resume: the saved PTX position means nothing
+    // in it (before the fix: an assertion, or a silent resume on other data).
+    std::fs::write(&corpus, sentence.repeat(4)).unwrap();
+    let ckpts = dir.path().join("run/checkpoints");
+    let out = ppo(dir.path(), "resumed", &[&ptx[..], &["--load", ckpts.to_str().unwrap()]].concat());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert_eq!(stderr.lines().count(), 1, "one line, got:\n{stderr}");
+    assert!(stderr.contains("--unsupervised-dataset-name") && stderr.contains("now makes"), "{stderr}");
 }

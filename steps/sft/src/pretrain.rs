@@ -84,6 +84,14 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     let mut model_cfg = cfg.model.clone();
     model_cfg.bos_token_id = Some(tokenizer.eos_id());
     model_cfg.eos_token_id = Some(tokenizer.eos_id());
+    // Refused here, before the weights and the first micro-batch are allocated, rather than by an
+    // allocation abort. The weights first: the plan counts parameters through their inventory,
+    // one entry per tensor, which an absurd layer count would make enormous itself.
+    hybrid_engine::memory::check_weights_fit(&model_cfg, &device)?;
+    let plan = MemoryPlan::new(&model_cfg, args.micro_batch_size, args.seq_length, args.checkpoint_activations)
+        .with_compute_dtype(args.precision.dtype.dtype())
+        .on_device(&device);
+    hybrid_engine::memory::check_plan_fits(&plan, &device)?;
     // What a checkpoint restores beyond the weights: the optimizer state, its step (fewer than
     // the iterations when fp16 skipped some) and the trainer's counters.
     struct Resume {
@@ -94,7 +102,7 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     let (params, start, cursor, resume) = match &args.load {
         None => {
             let params = ParamStore::init(&model_cfg, args.seed, &device)?;
-            (params, 0, SamplerCursor { epoch: 0, position: 0 }, None)
+            (params, 0, SamplerCursor::default(), None)
         }
         Some(root) => {
             let ck = checkpoint::load_checkpoint(root, &device)?;
@@ -153,14 +161,10 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
             r.progress.clone().unwrap_or(TrainerProgress { boundaries: start, forced_skips: 0, scaler: None });
         trainer.restore_progress(&progress)?;
     }
-    let mut sampler = BlockSampler::with_cursor(train.clone(), args.seed, cursor);
-    println!(
-        "{}",
-        MemoryPlan::new(&model_cfg, args.micro_batch_size, args.seq_length, args.checkpoint_activations)
-            .with_compute_dtype(precision.dtype.dtype())
-            .on_device(&device)
-            .report()
-    );
+    let mut sampler = BlockSampler::with_cursor(train.clone(), args.seed, cursor).context(
+        "cannot resume: --data-path, --split or --seq-length differ from the run that saved the checkpoint (use the same, or start anew without --load)",
+    )?;
+    println!("{}", plan.report());
     if precision.dtype != hybrid_engine::precision::Dtype::Fp32 {
         println!("compute dtype: {} (fp32 master weights and Adam moments)", precision.dtype.name());
     }

@@ -3,6 +3,7 @@
 
 use anyhow::{bail, Result};
 use clap::Parser;
+use hybrid_engine::cli;
 use hybrid_engine::gpt2::Gpt2Config;
 use hybrid_engine::optim::AdamWConfig;
 use hybrid_engine::schedule::{DecayStyle, LrSchedule};
@@ -65,9 +66,9 @@ pub struct PretrainArgs {
     /// Optimizer iterations to run (the data wraps around by epoch as needed).
     #[arg(long, default_value_t = 200, alias = "train_iters")]
     pub train_iters: u64,
-    #[arg(long, default_value_t = 1e-3, alias = "learning-rate", alias = "learning_rate")]
+    #[arg(long, default_value_t = 1e-3, alias = "learning-rate", alias = "learning_rate", value_parser = cli::positive())]
     pub lr: f64,
-    #[arg(long, default_value_t = 1e-4, alias = "min_lr")]
+    #[arg(long, default_value_t = 1e-4, alias = "min_lr", value_parser = cli::non_negative())]
     pub min_lr: f64,
     /// constant, linear or cosine.
     #[arg(
@@ -89,19 +90,19 @@ pub struct PretrainArgs {
     /// Iteration where the decay reaches --min-lr (default: --train-iters).
     #[arg(long, alias = "lr_decay_iters")]
     pub lr_decay_iters: Option<u64>,
-    #[arg(long, default_value_t = 0.1, alias = "weight_decay")]
+    #[arg(long, default_value_t = 0.1, alias = "weight_decay", value_parser = cli::non_negative())]
     pub weight_decay: f64,
     /// Clip gradients to this global norm (0 disables).
-    #[arg(long, default_value_t = 1.0, alias = "clip_grad")]
+    #[arg(long, default_value_t = 1.0, alias = "clip_grad", value_parser = cli::non_negative())]
     pub clip_grad: f64,
-    #[arg(long, default_value_t = 0.9, alias = "adam_beta1")]
+    #[arg(long, default_value_t = 0.9, alias = "adam_beta1", value_parser = cli::adam_beta())]
     pub adam_beta1: f64,
-    #[arg(long, default_value_t = 0.95, alias = "adam_beta2")]
+    #[arg(long, default_value_t = 0.95, alias = "adam_beta2", value_parser = cli::adam_beta())]
     pub adam_beta2: f64,
-    #[arg(long, default_value_t = 1e-8, alias = "adam_eps")]
+    #[arg(long, default_value_t = 1e-8, alias = "adam_eps", value_parser = cli::positive())]
     pub adam_eps: f64,
     /// Dropout for embeddings, attention and residuals (default: the model config's, 0.1).
-    #[arg(long)]
+    #[arg(long, value_parser = cli::dropout())]
     pub dropout: Option<f64>,
     #[arg(long, default_value_t = 1234)]
     pub seed: u64,
@@ -147,7 +148,7 @@ pub struct PretrainConfig {
 }
 
 impl PretrainArgs {
-    /// Checks every flag and derives the model and optimizer configuration.
+    /// Checks every flag that parsing has not (float ranges are checked there) and derives the model and optimizer configuration.
     pub fn pretrain_config(&self) -> Result<PretrainConfig> {
         if !self.from_scratch {
             bail!("supervised fine-tuning on prompt/answer data is not available yet (it arrives with the SFT issue): pass --from-scratch to pretrain GPT-2 on a corpus");
@@ -166,16 +167,12 @@ impl PretrainArgs {
                 bail!("{flag} must be at least 1");
             }
         }
-        if !(self.lr > 0.0 && self.lr.is_finite()) || self.min_lr < 0.0 || self.min_lr > self.lr {
-            bail!("--lr must be positive and --min-lr between 0 and --lr (got {} and {})", self.lr, self.min_lr);
-        }
-        if !(0.0..1.0).contains(&self.adam_beta1) || !(0.0..1.0).contains(&self.adam_beta2) || self.adam_eps <= 0.0 {
-            bail!("--adam-beta1/--adam-beta2 must be in [0, 1) and --adam-eps positive");
-        }
-        if let Some(p) = self.dropout {
-            if !(0.0..1.0).contains(&p) {
-                bail!("--dropout {p} must be in [0, 1)");
-            }
+        if self.min_lr > self.lr {
+            bail!(
+                "--min-lr {} is above --lr {}: the decay ends at --min-lr, so it must be at most --lr",
+                self.min_lr,
+                self.lr
+            );
         }
         let mut model = model_config(&self.model)?;
         if let Some(n) = self.num_layers {

@@ -324,6 +324,33 @@ fn bad_input_is_one_clear_error_line() {
 }
 
 #[test]
+fn model_dimensions_too_large_are_one_error_line_before_anything_is_allocated() {
+    let tmp = tempfile::tempdir().unwrap();
+    let o = tmp.path().join("out");
+    let o = o.to_str().unwrap();
+    let run =
+        |more: &[&str]| error_line(&sft(&args(SMALL, &args(&["--train-iters", "2", "--output-dir", o], more)), &[]));
+    // Beyond 64-bit arithmetic: used to overflow, then abort in an allocation.
+    let e = run(&["--hidden-size", "4294967296", "--num-attention-heads", "1"]);
+    assert!(e.contains("more parameters than any machine can address"), "{e}");
+    // Countable (1.3 trillion parameters) but beyond this machine's memory.
+    let e = run(&["--num-layers", "100000000"]);
+    assert!(e.contains("more than this machine's") && e.contains("choose smaller dimensions"), "{e}");
+    // A micro-batch no machine holds: used to abort allocating its indices.
+    let e = run(&["--micro-batch-size", "1000000000000"]);
+    assert!(e.contains("memory plan") && e.contains("lower the micro-batch size"), "{e}");
+    let cfg = tmp.path().join("config.json");
+    std::fs::write(
+        &cfg,
+        r#"{"vocab_size": 1000000000000000000, "n_positions": 64, "n_embd": 32, "n_layer": 1, "n_head": 2}"#,
+    )
+    .unwrap();
+    let e = error_line(&sft(&args(SMALL, &["--model", cfg.to_str().unwrap(), "--output-dir", o]), &[]));
+    assert!(e.contains("vocab_size 1000000000000000000") && e.contains("any machine can address"), "{e}");
+    assert!(!Path::new(o).exists(), "nothing was written");
+}
+
+#[test]
 fn corrupt_checkpoint_is_a_clear_error_and_leaves_other_checkpoints_intact() {
     let tmp = tempfile::tempdir().unwrap();
     let root = tmp.path().join("ckpt");

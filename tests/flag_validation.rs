@@ -1,0 +1,229 @@
+//! Every float flag of every binary is checked while parsing: NaN, the infinities and values
+//! outside the flag's range are one `error:` line naming the flag and its range, with clap's
+//! usage exit code 2; a value in range parses. And a flag that would have no effect is refused:
+//! `train --pretrain-demo` with the pipeline's flags, sampling flags without sampling, LoRA
+//! options without a LoRA rank, `--unsup-coef` without PTX data, fp16's loss-scaling flags in
+//! another dtype.
+
+use clap::Parser;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// A float flag: the binary and the flags it needs (its mode, or the feature it tunes), the flag,
+/// a value outside its range, a value inside it, and the range as the error states it.
+struct FloatFlag {
+    binary: &'static str,
+    needs: &'static [&'static str],
+    flag: &'static str,
+    outside: &'static str,
+    inside: &'static str,
+    range: &'static str,
+}
+
+const fn flag(
+    binary: &'static str,
+    needs: &'static [&'static str],
+    flag: &'static str,
+    outside: &'static str,
+    inside: &'static str,
+    range: &'static str,
+) -> FloatFlag {
+    FloatFlag { binary, needs, flag, outside, inside, range }
+}
+
+const POSITIVE: &str = "(0, inf)";
+const NON_NEGATIVE: &str = "[0, inf)";
+const DROPOUT: &str = "[0, 1)";
+const UNIT: &str = "[0, 1]";
+const TOP_P: &str = "(0, 1]";
+const SCRATCH: &[&str] = &["--from-scratch"];
+const LORA: &[&str] = &["--lora-dim", "4"];
+const SAMPLING: &[&str] = &["--do-sample"];
+
+/// The flags the fine-tuning steps share (hybrid-engine's StepArgs), for `sft` and `reward`.
+fn step_flags(binary: &'static str) -> Vec<FloatFlag> {
+    vec![
+        flag(binary, &[], "--learning-rate", "0", "1e-4", POSITIVE),
+        flag(binary, &[], "--weight-decay", "-0.1", "0.1", NON_NEGATIVE),
+        flag(binary, &[], "--dropout", "1", "0", DROPOUT),
+        flag(binary, &[], "--gradient-clipping", "-1", "0", NON_NEGATIVE),
+        flag(binary, LORA, "--lora-alpha", "0", "16", POSITIVE),
+        flag(binary, LORA, "--lora-learning-rate", "-1e-3", "1e-3", POSITIVE),
+    ]
+}
+
+fn all_float_flags() -> Vec<FloatFlag> {
+    let mut flags = step_flags("sft");
+    flags.extend(step_flags("reward"));
+    flags.extend([
+        flag("sft", SCRATCH, "--lr", "0", "6e-4", POSITIVE),
+        flag("sft", SCRATCH, "--min-lr", "-1e-5", "0", NON_NEGATIVE),
+        flag("sft", SCRATCH, "--weight-decay", "-1", "0", NON_NEGATIVE),
+        flag("sft", SCRATCH, "--clip-grad", "-1", "0", NON_NEGATIVE),
+        flag("sft", SCRATCH, "--adam-beta1", "1", "0", "[0, 1)"),
+        flag("sft", SCRATCH, "--adam-beta2", "1.5", "0.999", "[0, 1)"),
+        flag("sft", SCRATCH, "--adam-eps", "0", "1e-8", POSITIVE),
+        flag("sft", SCRATCH, "--dropout", "1", "0.1", DROPOUT),
+        flag("ppo", &[], "--actor-learning-rate", "0", "1e-5", POSITIVE),
+        flag("ppo", &[], "--critic-learning-rate", "-1", "1e-5", POSITIVE),
+        flag("ppo", &[], "--actor-weight-decay", "-1", "0", NON_NEGATIVE),
+        flag("ppo", &[], "--critic-weight-decay", "-1", "0.1", NON_NEGATIVE),
+        flag("ppo", &[], "--actor-dropout", "1", "0", DROPOUT),
+        flag("ppo", &[], "--critic-dropout", "-0.1", "0.5", DROPOUT),
+        flag("ppo", &["--actor-lora-dim", "4"], "--actor-lora-learning-rate", "0", "1e-4", POSITIVE),
+        flag("ppo", &["--critic-lora-dim", "4"], "--critic-lora-learning-rate", "0", "1e-4", POSITIVE),
+        flag("ppo", &["--unsupervised-dataset-name", "shakespeare"], "--unsup-coef", "-1", "0", NON_NEGATIVE),
+        flag("ppo", SAMPLING, "--temperature", "0", "0.7", POSITIVE),
+        flag("ppo", SAMPLING, "--top-p", "0", "1", TOP_P),
+        flag("ppo", &[], "--kl-ctl", "-0.1", "0", NON_NEGATIVE),
+        flag("ppo", &[], "--clip-reward-value", "0", "5", POSITIVE),
+        flag("ppo", &[], "--cliprange", "0", "0.2", POSITIVE),
+        flag("ppo", &[], "--cliprange-value", "-0.2", "0.2", POSITIVE),
+        flag("ppo", &[], "--gamma", "1.01", "1", UNIT),
+        flag("ppo", &[], "--lam", "-0.5", "0", UNIT),
+        flag("chat", &[], "--temperature", "0", "0.7", POSITIVE),
+        flag("chat", &[], "--top-p", "1.5", "0.9", TOP_P),
+    ]);
+    flags
+}
+
+/// `sft`, `reward` and `ppo` are the `train` binary under another name, as the launcher runs them.
+fn binary(dir: &Path, name: &str) -> PathBuf {
+    let train = Path::new(env!("CARGO_BIN_EXE_train"));
+    match name {
+        "chat" => PathBuf::from(env!("CARGO_BIN_EXE_chat")),
+        "train" => train.to_path_buf(),
+        step => {
+            let link = dir.join(step);
+            if !link.exists() {
+                std::os::unix::fs::symlink(train, &link).expect("link the step name to train");
+            }
+            link
+        }
+    }
+}
+
+/// Runs `name args` and returns its stderr, asserting a usage error: exit 2 and one line.
+fn usage_error(dir: &Path, name: &str, args: &[&str]) -> String {
+    let out = Command::new(binary(dir, name)).args(args).env_remove("RLHF_DTYPE").output().expect("spawn");
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    assert_eq!(out.status.code(), Some(2), "{name} {args:?}: {stderr}");
+    assert_eq!(stderr.lines().count(), 1, "{name} {args:?}: one line, got:\n{stderr}");
+    assert!(stderr.starts_with("error: "), "{name} {args:?}: {stderr}");
+    stderr
+}
+
+#[test]
+fn nan_infinite_and_out_of_range_floats_are_one_usage_error_naming_flag_and_range() {
+    let dir = tempfile::tempdir().unwrap();
+    for f in all_float_flags() {
+        for bad in ["nan", "inf", "-inf", f.outside] {
+            let value = format!("{}={bad}", f.flag);
+            let args: Vec<&str> = f.needs.iter().copied().chain([value.as_str()]).collect();
+            let stderr = usage_error(dir.path(), f.binary, &args);
+            assert!(
+                stderr.contains(&format!("'{}", f.flag)) && stderr.contains(&format!("{} (finite)", f.range)),
+                "{} {args:?}: want the flag and {} in: {stderr}",
+                f.binary,
+                f.range
+            );
+        }
+    }
+}
+
+#[test]
+fn floats_in_range_parse() {
+    fn parses<T: Parser>(argv: &[&str]) -> bool {
+        T::try_parse_from(argv).map_err(|e| eprintln!("{argv:?}: {e}")).is_ok()
+    }
+    for f in all_float_flags() {
+        let argv: Vec<&str> = [f.binary].into_iter().chain(f.needs.iter().copied()).chain([f.flag, f.inside]).collect();
+        let ok = match (f.binary, f.needs == SCRATCH) {
+            ("sft", false) => parses::<sft::args::SftArgs>(&argv),
+            ("sft", true) => parses::<sft::pretrain_args::PretrainArgs>(&argv),
+            ("reward", _) => parses::<reward::args::RewardArgs>(&argv),
+            ("ppo", _) => parses::<ppo::args::PpoArgs>(&argv),
+            ("chat", _) => parses::<rlhf::chat::ChatArgs>(&[argv.as_slice(), &["--path", "gpt2"]].concat()),
+            (other, _) => panic!("no parser for {other}"),
+        };
+        assert!(ok, "{argv:?} is in range and must parse");
+    }
+}
+
+#[test]
+fn the_pretrain_demo_refuses_the_pipeline_flags_it_would_ignore() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("output");
+    let pipeline_flags: [&[&str]; 7] = [
+        &["--step", "1"],
+        &["--deployment-type", "single_gpu"],
+        &["--actor-model", "gpt2"],
+        &["--reward-model", "gpt2"],
+        &["--actor-zero-stage", "2"],
+        &["--reward-zero-stage", "1"],
+        &["--recipe-dir", "scripts/recipes"],
+    ];
+    for extra in pipeline_flags {
+        let args: Vec<&str> = ["--pretrain-demo", "--output-dir", out.to_str().unwrap()]
+            .into_iter()
+            .chain(extra.iter().copied())
+            .collect();
+        let stderr = usage_error(dir.path(), "train", &args);
+        assert!(stderr.contains("--pretrain-demo") && stderr.contains(extra[0]), "{args:?}: {stderr}");
+    }
+    assert!(!out.exists(), "a refused run writes nothing");
+}
+
+#[test]
+fn flags_that_would_have_no_effect_are_refused_naming_what_they_need() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases: &[(&str, &[&str], &str)] = &[
+        ("ppo", &["--temperature", "0.7"], "--do-sample"),
+        ("ppo", &["--top-k", "5"], "--do-sample"),
+        ("ppo", &["--top-p", "0.9"], "--do-sample"),
+        ("ppo", &["--unsup-coef", "1"], "--unsupervised-dataset-name"),
+        ("ppo", &["--actor-lora-module-name", "attn"], "--actor-lora-dim"),
+        ("ppo", &["--actor-lora-learning-rate", "1e-4"], "--actor-lora-dim"),
+        ("ppo", &["--critic-lora-module-name", "attn"], "--critic-lora-dim"),
+        ("ppo", &["--critic-lora-learning-rate", "1e-4"], "--critic-lora-dim"),
+        ("sft", &["--lora-alpha", "8"], "--lora-dim"),
+        ("sft", &["--lora-module-name", "attn"], "--lora-dim"),
+        ("reward", &["--lora-learning-rate", "1e-3"], "--lora-dim"),
+        ("chat", &["--path", "gpt2", "--greedy", "--temperature", "0.5"], "--greedy"),
+        ("chat", &["--path", "gpt2", "--greedy", "--top-k", "5"], "--greedy"),
+        ("chat", &["--path", "gpt2", "--greedy", "--top-p", "0.5"], "--greedy"),
+    ];
+    for (name, args, want) in cases {
+        let stderr = usage_error(dir.path(), name, args);
+        assert!(stderr.contains(want) && stderr.contains(args[args.len() - 2]), "{name} {args:?}: {stderr}");
+    }
+    // With what they need, the same flags parse.
+    assert!(ppo::args::PpoArgs::try_parse_from(["ppo", "--do-sample", "--top-k", "5", "--top-p", "0.9"]).is_ok());
+    assert!(ppo::args::PpoArgs::try_parse_from(["ppo", "--actor-lora-dim", "4", "--actor-lora-module-name", "attn"])
+        .is_ok());
+    assert!(sft::args::SftArgs::try_parse_from(["sft", "--lora-dim", "4", "--lora-alpha", "8"]).is_ok());
+    assert!(rlhf::chat::ChatArgs::try_parse_from(["chat", "--path", "gpt2", "--top-k", "5"]).is_ok());
+}
+
+#[test]
+fn fp16_only_flags_are_refused_in_another_dtype() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases: &[(&str, &[&str], &str)] = &[
+        ("ppo", &["--loss-scale-window", "3"], "--loss-scale-window"),
+        ("ppo", &["--dtype", "bf16", "--initial-scale-power", "20"], "the dtype is bf16"),
+        ("ppo", &["--align-overflow"], "--align-overflow"),
+        ("sft", &["--initial-scale-power", "20"], "--initial-scale-power"),
+        ("sft", &["--from-scratch", "--loss-scale-window", "4"], "--loss-scale-window"),
+        ("reward", &["--loss-scale-window", "4"], "--loss-scale-window"),
+    ];
+    for (name, args, want) in cases {
+        let stderr = usage_error(dir.path(), name, args);
+        assert!(stderr.contains(want) && stderr.contains("--dtype fp16"), "{name} {args:?}: {stderr}");
+    }
+    let fp16 =
+        ["ppo", "--dtype", "fp16", "--loss-scale-window", "3", "--initial-scale-power", "20", "--align-overflow"];
+    let args = ppo::args::PpoArgs::try_parse_from(fp16).expect("fp16 flags parse");
+    args.validate().expect("with --dtype fp16 they are accepted");
+    let scaling = args.precision.loss_scaling();
+    assert_eq!((scaling.window, scaling.initial_scale_power), (3, 20), "and take effect");
+}
