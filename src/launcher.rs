@@ -253,7 +253,7 @@ fn run_recipe(script: &str, plan: &StepPlan, bin_dir: &Path, device: &str, dtype
     std::fs::create_dir_all(&plan.output).with_context(|| format!("cannot create {}", plan.output.display()))?;
     let log_path = plan.output.join("training.log");
     let mut log = std::fs::File::create(&log_path).with_context(|| format!("cannot create {}", log_path.display()))?;
-    let path = format!("{}:{}", bin_dir.display(), std::env::var("PATH").unwrap_or_default());
+    let path = path_with(bin_dir, std::env::var_os("PATH").as_deref())?;
     let mut child = Command::new("bash")
         .arg("-c")
         .arg(script)
@@ -287,6 +287,19 @@ fn run_recipe(script: &str, plan: &StepPlan, bin_dir: &Path, device: &str, dtype
         bail!("step {} failed: {last} (full log: {})", plan.number, log_path.display());
     }
     Ok(())
+}
+
+/// `PATH` with `bin_dir` first, so the recipe's `sft`/`reward`/`ppo` are this launcher. Built
+/// with `join_paths`, which refuses a directory containing the separator (`:`) instead of
+/// silently splitting it into two wrong entries.
+fn path_with(bin_dir: &Path, path: Option<&std::ffi::OsStr>) -> Result<std::ffi::OsString> {
+    let rest = path.map(|p| std::env::split_paths(p).collect::<Vec<_>>()).unwrap_or_default();
+    std::env::join_paths(std::iter::once(bin_dir.to_path_buf()).chain(rest)).map_err(|_| {
+        anyhow::anyhow!(
+            "the output directory's path {} contains ':', which cannot be put on PATH for the steps: choose an --output-dir without ':'",
+            bin_dir.display()
+        )
+    })
 }
 
 /// Copies lines to the terminal and the log; returns the last line (for the failure message).
@@ -435,5 +448,19 @@ mod pretrain_demo_tests {
             assert_eq!(demo.precision.dtype.name(), dtype);
             assert_eq!((demo.device.as_str(), demo.output_dir.as_path()), ("cpu", Path::new("out/pretrain")));
         }
+    }
+}
+
+#[cfg(test)]
+mod path_tests {
+    use super::*;
+
+    #[test]
+    fn the_step_binaries_come_first_on_path_and_a_colon_is_refused() {
+        let path = path_with(Path::new("/out/.bin"), Some("/usr/bin:/bin".as_ref())).unwrap();
+        assert_eq!(path, "/out/.bin:/usr/bin:/bin");
+        assert_eq!(path_with(Path::new("/out/.bin"), None).unwrap(), "/out/.bin");
+        let err = path_with(Path::new("/a:b/.bin"), Some("/usr/bin".as_ref())).unwrap_err().to_string();
+        assert!(err.contains("contains ':'") && err.contains("--output-dir"), "{err}");
     }
 }

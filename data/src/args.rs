@@ -24,9 +24,11 @@ pub struct DataArgs {
     /// Datasets used wholly, and only, for SFT.
     #[arg(long, num_args = 1.., alias = "sft_only_data_path")]
     pub sft_only_data_path: Vec<String>,
-    /// Where tokenized datasets are cached (shared by runs and steps).
-    #[arg(long, default_value = "/tmp/data_files", alias = "data_output_path")]
-    pub data_output_path: PathBuf,
+    /// Where tokenized datasets are cached (shared by runs and steps). Default: a private
+    /// per-user directory, `$XDG_CACHE_HOME/rlhf-rs/data_files` or `~/.cache/rlhf-rs/data_files`
+    /// (DS-Chat's `/tmp/data_files` is writable by every local user).
+    #[arg(long, alias = "data_output_path")]
+    pub data_output_path: Option<PathBuf>,
     /// Never read or write the tokenized-data cache.
     #[arg(long, alias = "no_data_cache")]
     pub no_data_cache: bool,
@@ -65,7 +67,17 @@ impl DataArgs {
             max_seq_len,
             max_prompt_seq_len,
             train_on_prompt,
-            data_output_path: (!self.no_data_cache).then(|| self.data_output_path.clone()),
+            data_output_path: if self.no_data_cache {
+                None
+            } else {
+                Some(match &self.data_output_path {
+                    Some(dir) => dir.clone(),
+                    None => crate::cache::default_cache_dir(
+                        std::env::var_os("XDG_CACHE_HOME").as_deref(),
+                        std::env::var_os("HOME").as_deref(),
+                    )?,
+                })
+            },
         })
     }
 }

@@ -348,6 +348,9 @@ fn phase_data<T>(
         ["train", "eval"].iter().flat_map(|s| column_names.iter().map(move |c| format!("{s}.{c}"))).collect();
     let all_refs: Vec<&str> = all_names.iter().map(String::as_str).collect();
 
+    if let Some(dir) = &cfg.data_output_path {
+        cache::check_cache_dir(dir)?;
+    }
     let cached = path.as_ref().and_then(|p| cache::load(p, &key, &all_refs));
     let (train, eval, counts, hit) = match cached {
         Some((columns, info)) => {
@@ -569,6 +572,91 @@ mod tests {
         let changed = sft_data(&config(&[&src], &cache, 16), &tok)?;
         assert_eq!(changed.cache.as_ref().map(|c| c.1), Some(false), "edited source: rebuilt");
         assert_ne!(changed.train, first.train);
+        Ok(())
+    }
+
+    /// Every input in the cache key, changed alone, rebuilds the phase that reads it (one
+    /// assertion per key), and an input a phase does not read leaves its cache in use.
+    #[test]
+    fn every_cache_key_input_rebuilds_the_phases_that_read_it() -> Result<()> {
+        let dir = tempfile::tempdir()?;
+        let (src, other, cache) = (dir.path().join("a.jsonl"), dir.path().join("b.jsonl"), dir.path().join("cache"));
+        let rows: Vec<String> = (0..50)
+            .map(|i| {
+                json!({"prompt": format!("Q{i}:"), "question": format!("R{i}:"), "chosen": " yes", "rejected": " no"})
+                    .to_string()
+            })
+            .collect();
+        std::fs::write(&src, rows.join("\n"))?;
+        std::fs::copy(&src, &other)?;
+        let tok = tok();
+        let base = config(&[&src], &cache, 16);
+        type Build = fn(&DataConfig, &Tokenizer) -> Result<Option<bool>>;
+        let sft: Build = |c, t| Ok(sft_data(c, t)?.cache.map(|c| c.1));
+        let reward: Build = |c, t| Ok(reward_data(c, t)?.cache.map(|c| c.1));
+        let ppo: Build = |c, t| Ok(prompt_data(c, t)?.cache.map(|c| c.1));
+        for build in [sft, reward, ppo] {
+            build(&base, &tok)?;
+            assert_eq!(build(&base, &tok)?, Some(true), "same inputs: a cache hit");
+        }
+        let changed = |what: &str, edit: &dyn Fn(&mut DataConfig)| {
+            let mut c = base.clone();
+            edit(&mut c);
+            (what.to_string(), c)
+        };
+        let cases = [
+            changed("--data-path (another file of the same content)", &|c| {
+                c.data_paths = vec![other.display().to_string()]
+            }),
+            changed("--data-split", &|c| c.data_split = [0.3, 0.3, 0.4]),
+            changed("--prompt-key", &|c| c.keys.prompt = "question".into()),
+            changed("--seed", &|c| c.seed = 2),
+        ];
+        for (what, cfg) in &cases {
+            for (phase, build) in [("sft", sft), ("reward", reward), ("ppo", ppo)] {
+                assert_eq!(build(cfg, &tok)?, Some(false), "{what} must rebuild phase {phase}");
+            }
+        }
+        // Inputs read by some phases only.
+        let mut c = base.clone();
+        c.sft_only_data_paths = vec![other.display().to_string()];
+        assert_eq!(
+            (sft(&c, &tok)?, reward(&c, &tok)?),
+            (Some(false), Some(true)),
+            "--sft-only-data-path: phase 1 only"
+        );
+        let mut c = base.clone();
+        c.train_on_prompt = true;
+        assert_eq!((sft(&c, &tok)?, reward(&c, &tok)?), (Some(false), Some(true)), "--train-on-prompt: phase 1 only");
+        let mut c = base.clone();
+        c.max_seq_len = 17;
+        assert_eq!(
+            (sft(&c, &tok)?, reward(&c, &tok)?, ppo(&c, &tok)?),
+            (Some(false), Some(false), Some(true)),
+            "--max-seq-len: phases 1 and 2"
+        );
+        let mut c = base.clone();
+        c.max_prompt_seq_len = 9;
+        assert_eq!((sft(&c, &tok)?, ppo(&c, &tok)?), (Some(true), Some(false)), "--max-prompt-seq-len: phase 3 only");
+        // Another tokenizer (one added token changes its fingerprint, not these texts' ids).
+        let mut json: serde_json::Value = serde_json::from_slice(crate::GPT2_TOKENIZER_JSON)?;
+        let added = json["added_tokens"].as_array_mut().expect("added_tokens");
+        let mut pad = added[0].clone();
+        (pad["id"], pad["content"]) = (json!(50257), json!("<|pad|>"));
+        added.push(pad);
+        let other_tok_path = dir.path().join("tokenizer.json");
+        std::fs::write(&other_tok_path, serde_json::to_vec(&json)?)?;
+        let other_tok = Tokenizer::from_file(&other_tok_path)?;
+        assert_ne!(other_tok.fingerprint(), tok.fingerprint());
+        for (phase, build) in [("sft", sft), ("reward", reward), ("ppo", ppo)] {
+            assert_eq!(build(&base, &other_tok)?, Some(false), "another tokenizer must rebuild phase {phase}");
+        }
+        // The source's content (its size and mtime in the fingerprint).
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        std::fs::write(&src, rows[..40].join("\n"))?;
+        for (phase, build) in [("sft", sft), ("reward", reward), ("ppo", ppo)] {
+            assert_eq!(build(&base, &tok)?, Some(false), "an edited source must rebuild phase {phase}");
+        }
         Ok(())
     }
 

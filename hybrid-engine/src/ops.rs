@@ -433,17 +433,52 @@ mod tests {
         Ok(())
     }
 
+    /// Our GELU as the model calls it (`gelu`: the fused kernel for f32 on the CPU), against the
+    /// formulas and against finite differences, for both forms.
     #[test]
-    fn gelu_is_the_tanh_approximation_with_a_gradient() -> Result<()> {
-        let x = Tensor::new(&[-2f64, -0.5, 0.0, 0.7, 3.0], &Device::Cpu)?;
-        let y: Vec<f64> = x.gelu()?.to_vec1()?;
-        for (xi, yi) in [-2f64, -0.5, 0.0, 0.7, 3.0].iter().zip(y) {
-            let c = (2.0 / std::f64::consts::PI).sqrt();
-            let want = 0.5 * xi * (1.0 + (c * (xi + 0.044715 * xi.powi(3))).tanh());
-            assert!((yi - want).abs() < 1e-6, "gelu({xi}) = {yi}, want {want}");
+    fn gelu_is_the_tanh_approximation_or_erf_with_a_gradient() -> Result<()> {
+        let xs = [-2f64, -0.5, 0.0, 0.7, 3.0];
+        let x = Tensor::new(&xs, &Device::Cpu)?.to_dtype(DType::F32)?;
+        let c = (2.0 / std::f64::consts::PI).sqrt();
+        let tanh_form = |x: f64| 0.5 * x * (1.0 + (c * (x + 0.044715 * x.powi(3))).tanh());
+        // erf(x / sqrt 2) through the normal CDF's relation to tanh is not exact: integrate
+        // the density instead (Simpson's rule, far finer than f32).
+        let erf_form = |x: f64| {
+            let n = 20_000;
+            let (a, h) = (0.0, x / n as f64);
+            let pdf = |t: f64| (-t * t / 2.0).exp() / (2.0 * std::f64::consts::PI).sqrt();
+            let sum: f64 = (0..=n)
+                .map(|i| {
+                    let w = if i == 0 || i == n {
+                        1.0
+                    } else if i % 2 == 1 {
+                        4.0
+                    } else {
+                        2.0
+                    };
+                    w * pdf(a + i as f64 * h)
+                })
+                .sum();
+            x * (0.5 + sum * h / 3.0)
+        };
+        for (exact, form) in [(false, &tanh_form as &dyn Fn(f64) -> f64), (true, &erf_form)] {
+            let y: Vec<f32> = gelu(&x, exact)?.to_vec1()?;
+            for (xi, yi) in xs.iter().zip(y) {
+                let want = form(*xi);
+                assert!((f64::from(yi) - want).abs() < 1e-5, "gelu({xi}, exact {exact}) = {yi}, want {want}");
+            }
+            // Finite differences of our own function, in f32 where it runs (element-wise, so
+            // one shifted evaluation gives every element's slope).
+            let var = Var::from_tensor(&x)?;
+            let grads = gelu(var.as_tensor(), exact)?.sum_all()?.backward()?;
+            let analytic: Vec<f32> = grads.get(&var).expect("gelu has a gradient").to_vec1()?;
+            let eps = 1e-2;
+            let (up, down) = (gelu(&(&x + eps)?, exact)?, gelu(&(&x - eps)?, exact)?);
+            let numeric: Vec<f32> = ((up - down)? / (2.0 * eps))?.to_vec1()?;
+            for (i, (a, n)) in analytic.iter().zip(&numeric).enumerate() {
+                assert!((a - n).abs() < 1e-3, "gelu'(x = {}, exact {exact}): {a} vs finite differences {n}", xs[i]);
+            }
         }
-        let err = check_grad(&x.to_dtype(DType::F32)?, |t| t.gelu()?.sum_all())?;
-        assert!(err < 1e-3, "gelu grad error {err}");
         Ok(())
     }
 

@@ -8,7 +8,7 @@ OUTPUT=${1:-./output/actor}
 ZERO_STAGE=${2:-0}
 MODEL=${3:-gpt2-xl}
 SIZE=${4:-$MODEL}
-DATA_CACHE="$(dirname "$OUTPUT")/data_files"
+DATA_CACHE="$(dirname -- "$OUTPUT")/data_files"
 
 case "$SIZE" in
   tiny)
@@ -30,5 +30,5 @@ case "$SIZE" in
   *) echo "no step-1 recipe for model size $SIZE" >&2; exit 2 ;;
 esac
 
-exec sft --model-name-or-path "$MODEL" --zero-stage "$ZERO_STAGE" --seed 1234 \
-  --data-output-path "$DATA_CACHE" --output-dir "$OUTPUT" "${ARGS[@]}"
+exec sft --model-name-or-path="$MODEL" --zero-stage="$ZERO_STAGE" --seed 1234 \
+  --data-output-path="$DATA_CACHE" --output-dir="$OUTPUT" "${ARGS[@]}"

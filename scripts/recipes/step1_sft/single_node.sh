@@ -9,7 +9,7 @@ OUTPUT=${1:-./output/actor}
 ZERO_STAGE=${2:-2}
 MODEL=${3:-gpt2-xl}
 SIZE=${4:-$MODEL}
-DATA_CACHE="$(dirname "$OUTPUT")/data_files"
+DATA_CACHE="$(dirname -- "$OUTPUT")/data_files"
 
 case "$SIZE" in
   tiny) ARGS=(--data-path demo --data-split 2,6,2 --max-seq-len 48 --per-device-train-batch-size 16 --learning-rate 2e-3
@@ -23,5 +23,5 @@ case "$SIZE" in
   *) echo "no step-1 recipe for model size $SIZE" >&2; exit 2 ;;
 esac
 
-exec sft --model-name-or-path "$MODEL" --zero-stage "$ZERO_STAGE" --seed 1234 \
-  --data-output-path "$DATA_CACHE" --output-dir "$OUTPUT" "${ARGS[@]}"
+exec sft --model-name-or-path="$MODEL" --zero-stage="$ZERO_STAGE" --seed 1234 \
+  --data-output-path="$DATA_CACHE" --output-dir="$OUTPUT" "${ARGS[@]}"

@@ -8,7 +8,7 @@ OUTPUT=${1:-./output/reward}
 ZERO_STAGE=${2:-0}
 MODEL=${3:-gpt2-medium}
 SIZE=${4:-$MODEL}
-DATA_CACHE="$(dirname "$OUTPUT")/data_files"
+DATA_CACHE="$(dirname -- "$OUTPUT")/data_files"
 
 case "$SIZE" in
   tiny)
@@ -27,5 +27,5 @@ case "$SIZE" in
   *) echo "no step-2 recipe for model size $SIZE" >&2; exit 2 ;;
 esac
 
-exec reward --model-name-or-path "$MODEL" --zero-stage "$ZERO_STAGE" --seed 1234 \
-  --data-output-path "$DATA_CACHE" --output-dir "$OUTPUT" "${ARGS[@]}"
+exec reward --model-name-or-path="$MODEL" --zero-stage="$ZERO_STAGE" --seed 1234 \
+  --data-output-path="$DATA_CACHE" --output-dir="$OUTPUT" "${ARGS[@]}"

@@ -9,7 +9,7 @@ OUTPUT=${1:-./output/reward}
 ZERO_STAGE=${2:-0}
 MODEL=${3:-gpt2-medium}
 SIZE=${4:-$MODEL}
-DATA_CACHE="$(dirname "$OUTPUT")/data_files"
+DATA_CACHE="$(dirname -- "$OUTPUT")/data_files"
 
 case "$SIZE" in
   tiny) ARGS=(--data-path demo --data-split 2,6,2 --max-seq-len 48 --per-device-train-batch-size 16
@@ -23,5 +23,5 @@ case "$SIZE" in
   *) echo "no step-2 recipe for model size $SIZE" >&2; exit 2 ;;
 esac
 
-exec reward --model-name-or-path "$MODEL" --zero-stage "$ZERO_STAGE" --seed 1234 \
-  --data-output-path "$DATA_CACHE" --output-dir "$OUTPUT" "${ARGS[@]}"
+exec reward --model-name-or-path="$MODEL" --zero-stage="$ZERO_STAGE" --seed 1234 \
+  --data-output-path="$DATA_CACHE" --output-dir="$OUTPUT" "${ARGS[@]}"

@@ -11,7 +11,7 @@ ACTOR=${3:-./output/actor}
 SIZE=${4:-gpt2-xl}
 CRITIC=${5:-./output/reward}
 CRITIC_ZERO_STAGE=${6:-2}
-DATA_CACHE="$(dirname "$OUTPUT")/data_files"
+DATA_CACHE="$(dirname -- "$OUTPUT")/data_files"
 
 case "$SIZE" in
   tiny) ARGS=(--data-path demo --data-split 2,6,2 --max-prompt-seq-len 24 --max-answer-seq-len 16
@@ -28,6 +28,6 @@ case "$SIZE" in
   *) echo "no step-3 recipe for model size $SIZE" >&2; exit 2 ;;
 esac
 
-exec ppo --actor-model-name-or-path "$ACTOR" --critic-model-name-or-path "$CRITIC" \
-  --actor-zero-stage "$ACTOR_ZERO_STAGE" --critic-zero-stage "$CRITIC_ZERO_STAGE" --seed 1234 \
-  --data-output-path "$DATA_CACHE" --output-dir "$OUTPUT" "${ARGS[@]}"
+exec ppo --actor-model-name-or-path="$ACTOR" --critic-model-name-or-path="$CRITIC" \
+  --actor-zero-stage="$ACTOR_ZERO_STAGE" --critic-zero-stage="$CRITIC_ZERO_STAGE" --seed 1234 \
+  --data-output-path="$DATA_CACHE" --output-dir="$OUTPUT" "${ARGS[@]}"

@@ -1,0 +1,49 @@
+//! The launcher's recipes pass every path to the step binaries as one `--flag=value` argument, so
+//! a value that starts with `-` or holds spaces, quotes or `$` reaches the step intact and is
+//! never taken for a flag.
+
+use clap::Parser;
+use std::path::Path;
+use std::process::Command;
+
+/// Runs `recipe` with a stand-in for the step binary that prints each argument it gets on a
+/// line of its own, and returns those arguments.
+fn recipe_argv(recipe: &str, step_binary: &str, args: &[&str]) -> Vec<String> {
+    let dir = tempfile::tempdir().unwrap();
+    let fake = dir.path().join(step_binary);
+    std::fs::write(&fake, "#!/usr/bin/env bash\nprintf '%s\\n' \"$@\"\n").unwrap();
+    std::fs::set_permissions(&fake, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let path = std::env::join_paths(
+        std::iter::once(dir.path().to_path_buf()).chain(std::env::split_paths(&std::env::var_os("PATH").unwrap())),
+    )
+    .unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/recipes").join(recipe);
+    let out = Command::new("bash").arg(script).args(args).env("PATH", path).output().unwrap();
+    assert!(out.status.success(), "{recipe}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap().lines().map(str::to_string).collect()
+}
+
+#[test]
+fn paths_that_look_like_flags_reach_the_steps_intact() {
+    let output = "-o ut/it's a \"dir\" $HOME";
+    for recipe in ["step1_sft/single_gpu.sh", "step1_sft/single_node.sh", "step1_sft/multi_node.sh"] {
+        let argv = recipe_argv(recipe, "sft", &[output, "0", "-model", "tiny"]);
+        assert!(argv.contains(&format!("--output-dir={output}")), "{recipe}: {argv:?}");
+        assert!(argv.contains(&"--model-name-or-path=-model".to_string()), "{recipe}: {argv:?}");
+        assert!(argv.contains(&"--data-output-path=-o ut/data_files".to_string()), "{recipe}: {argv:?}");
+        // And the step's parser takes the values as values.
+        let parsed = sft::args::SftArgs::try_parse_from(std::iter::once("sft".to_string()).chain(argv)).unwrap();
+        assert_eq!(parsed.output_dir, Path::new(output));
+    }
+    for recipe in ["step2_reward/single_gpu.sh", "step2_reward/single_node.sh", "step2_reward/multi_node.sh"] {
+        let argv = recipe_argv(recipe, "reward", &[output, "0", "-model", "tiny"]);
+        assert!(argv.contains(&format!("--output-dir={output}")), "{recipe}: {argv:?}");
+        assert!(argv.contains(&"--model-name-or-path=-model".to_string()), "{recipe}: {argv:?}");
+    }
+    for recipe in ["step3_ppo/single_gpu.sh", "step3_ppo/single_node.sh", "step3_ppo/multi_node.sh"] {
+        let argv = recipe_argv(recipe, "ppo", &[output, "0", "-actor", "tiny", "-critic dir", "0"]);
+        assert!(argv.contains(&format!("--output-dir={output}")), "{recipe}: {argv:?}");
+        assert!(argv.contains(&"--actor-model-name-or-path=-actor".to_string()), "{recipe}: {argv:?}");
+        assert!(argv.contains(&"--critic-model-name-or-path=-critic dir".to_string()), "{recipe}: {argv:?}");
+    }
+}
