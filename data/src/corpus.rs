@@ -116,7 +116,7 @@ fn read_jsonl(reader: impl BufRead, name: &str, text_key: &str) -> Result<Vec<St
                 bail!(
                     "{name} line {line_no}: no string field \"{text_key}\" (fields: {}); \
                      set --text-key to the field that holds the document text",
-                    keys.join(", ")
+                    crate::printable_list(&keys)
                 );
             }
         }
@@ -132,8 +132,13 @@ fn read_text(mut file: File, name: &str) -> Result<Vec<String>> {
     Ok(if text.is_empty() { vec![] } else { vec![text] })
 }
 
-/// The string column `text_key` of every row group; nulls and empty strings skipped.
+/// The string column `text_key` of every row group; nulls and empty strings skipped. The
+/// parquet crate's panics on malformed files are contained ([`crate::panics`]).
 fn read_parquet(file: File, name: &str, text_key: &str) -> Result<Vec<String>> {
+    crate::panics::contain(name, || read_parquet_uncontained(file, name, text_key))
+}
+
+fn read_parquet_uncontained(file: File, name: &str, text_key: &str) -> Result<Vec<String>> {
     let reader = SerializedFileReader::new(file)
         .map_err(|e| anyhow!("{name} is not a valid parquet file ({e}); pass an intact file"))?;
     let root = reader.metadata().file_metadata().schema_descr().root_schema();
@@ -142,7 +147,7 @@ fn read_parquet(file: File, name: &str, text_key: &str) -> Result<Vec<String>> {
         anyhow!(
             "{name} has no column \"{text_key}\" (columns: {}); set --text-key to the \
                  column that holds the document text",
-            columns.join(", ")
+            crate::printable_list(&columns)
         )
     })?;
     if !field.is_primitive() || field.get_physical_type() != PhysicalType::BYTE_ARRAY {

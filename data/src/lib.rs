@@ -9,6 +9,7 @@ pub mod cache;
 pub mod corpus;
 pub mod demo;
 pub mod hub;
+pub mod panics;
 pub mod phases;
 pub mod pretrain;
 pub mod prompts;
@@ -21,3 +22,13 @@ pub use pretrain::{eval_indices, tokenize_documents, BlockSampler, PackedCorpus,
 pub use sources::{load_raw_dataset, rows_from_json_bytes, ColumnKeys, PreferenceRow, RawDataset};
 pub use split::{check_split, parse_split, split_ranges};
 pub use tokenizer::{Tokenizer, GPT2_TOKENIZER_JSON};
+
+/// Names read from a file (columns, fields, file names) joined for an error message, with control
+/// characters escaped: a corrupt or crafted file must not break an error into several lines or
+/// smuggle terminal escapes.
+pub fn printable_list<S: AsRef<str>>(names: &[S]) -> String {
+    let printable = |name: &str| -> String {
+        name.chars().map(|c| if c.is_control() { c.escape_default().collect() } else { c.to_string() }).collect()
+    };
+    names.iter().map(|n| printable(n.as_ref())).collect::<Vec<_>>().join(", ")
+}

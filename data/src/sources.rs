@@ -173,7 +173,7 @@ pub(crate) fn plan_splits(files: &[String], eval: EvalSplit) -> Result<SplitPlan
         return Err(format!(
             "cannot tell which split {} belong(s) to (the name says neither train nor test/eval/valid); \
              rename or move it",
-            unnamed.join(", ")
+            crate::printable_list(&unnamed)
         ));
     }
     if train.is_empty() {
@@ -182,7 +182,7 @@ pub(crate) fn plan_splits(files: &[String], eval: EvalSplit) -> Result<SplitPlan
         } else {
             format!(
                 "has eval files ({}) but no train file; name the training file with `train` in it",
-                files.join(", ")
+                crate::printable_list(&files)
             )
         });
     }

@@ -38,7 +38,8 @@ fn one_line(rendered: &str) -> String {
 
 /// Prints an error chain as one line and exits with code 2.
 pub fn exit_with(err: anyhow::Error) -> ! {
-    let text = format!("{err:#}").replace('\n', " ");
+    // One line whatever the error quotes from its input: control characters become spaces.
+    let text: String = format!("{err:#}").chars().map(|c| if c.is_control() { ' ' } else { c }).collect();
     eprintln!("error: {text}");
     std::process::exit(2);
 }

@@ -83,7 +83,7 @@ pub fn latest_pointer(root: &Path) -> Result<PathBuf> {
     crate::durable::recover_leftovers(&pointer)?;
     let name = std::fs::read_to_string(&pointer).with_context(|| format!("cannot read {}", pointer.display()))?;
     let name = name.trim();
-    if name.is_empty() || name.contains(['/', '\\']) || name.starts_with('.') {
+    if name.is_empty() || name.contains(['/', '\\']) || name.starts_with('.') || name.contains(char::is_control) {
         bail!(
             "{} is corrupt (it holds {name:?}); point it at a checkpoint directory name such as iter_0000100",
             pointer.display()

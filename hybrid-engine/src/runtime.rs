@@ -45,6 +45,10 @@ pub fn init() {
 /// process running, or hung, without the work it was doing.
 pub fn install_panic_hook() {
     std::panic::set_hook(Box::new(|info| {
+        if CONTAINED.get().is_some_and(|contained| contained()) {
+            // A reader boundary catches this one and reports the input as bad.
+            return;
+        }
         let location = info.location().map_or(String::new(), |l| format!(" at {}:{}", l.file(), l.line()));
         eprintln!("error: internal error (a bug, please report it): {}{location}", panic_message(info.payload()));
         if backtrace_requested(std::env::var("RUST_BACKTRACE").ok().as_deref()) {
@@ -52,6 +56,15 @@ pub fn install_panic_hook() {
         }
         std::process::exit(PANIC_EXIT_CODE);
     }));
+}
+
+static CONTAINED: std::sync::OnceLock<fn() -> bool> = std::sync::OnceLock::new();
+
+/// Tells the panic hook how to recognise a panic that a reader boundary catches (the `data`
+/// crate's `panics::panic_is_contained`, for the parquet crate's panics on malformed files):
+/// the hook then stays silent and does not exit, and the boundary reports one error line.
+pub fn contain_panics_when(contained: fn() -> bool) {
+    let _ = CONTAINED.set(contained);
 }
 
 /// The text a panic was raised with, on one line.

@@ -3,6 +3,7 @@
 
 fn main() {
     hybrid_engine::runtime::init();
+    hybrid_engine::runtime::contain_panics_when(data::panics::panic_is_contained);
     let name = std::env::args_os()
         .next()
         .and_then(|a| std::path::Path::new(&a).file_name().map(|n| n.to_string_lossy().into_owned()))

@@ -191,7 +191,11 @@ impl Mapping {
             }
             Mapping::DsChat(ds) => format!("DS-Chat's mapping for {} reads them: pass that dataset's files", ds.name()),
         };
-        anyhow!("{name} has none of the columns {} (columns: {}); {fix}", wanted.join(", "), present.join(", "))
+        anyhow!(
+            "{name} has none of the columns {} (columns: {}); {fix}",
+            wanted.join(", "),
+            crate::printable_list(present)
+        )
     }
 
     /// For the fingerprint.
@@ -314,8 +318,13 @@ pub(super) fn json_rows(bytes: &[u8], name: &str, mapping: &Mapping) -> Result<V
 }
 
 /// Rows of a parquet file, read only from the columns the mapping needs; nested columns (webgpt's
-/// `question` struct) become JSON objects.
+/// `question` struct) become JSON objects. The parquet crate's panics on malformed files are
+/// contained ([`crate::panics`]).
 fn parquet_rows(path: &Path, name: &str, mapping: &Mapping) -> Result<Vec<PreferenceRow>> {
+    crate::panics::contain(name, || parquet_rows_uncontained(path, name, mapping))
+}
+
+fn parquet_rows_uncontained(path: &Path, name: &str, mapping: &Mapping) -> Result<Vec<PreferenceRow>> {
     let file = File::open(path).map_err(|e| anyhow!("cannot open {name} ({e}); pass an existing, readable file"))?;
     let reader = SerializedFileReader::new(file)
         .map_err(|e| anyhow!("{name} is not a valid parquet file ({e}); pass an intact file"))?;

@@ -2,5 +2,6 @@
 
 fn main() {
     hybrid_engine::runtime::init();
+    hybrid_engine::runtime::contain_panics_when(data::panics::panic_is_contained);
     ppo::main_with_args();
 }

@@ -172,6 +172,23 @@ fn resume_is_exact(extra: &[&str]) -> (tempfile::TempDir, String) {
         let b = std::fs::read(dir.path().join("resumed").join(model).join("model.safetensors")).unwrap();
         assert!(a == b, "{model}: the resumed run's weights differ from the uninterrupted run's");
     }
+    // Equal weights must not be the equality of nothing happening: both models took optimizer
+    // steps, and the weights moved after the resume point (the checkpoint of rollout 2).
+    let state: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.path().join("full/checkpoints/iter_0000007/ppo_state.json")).unwrap(),
+    )
+    .unwrap();
+    let at_resume: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(ckpts.join("iter_0000002/ppo_state.json")).unwrap()).unwrap();
+    for steps in ["actor_steps", "critic_steps"] {
+        let (end, start) = (state[steps].as_u64().unwrap(), at_resume[steps].as_u64().unwrap());
+        assert!(end > start, "{steps}: {start} at the resume point, {end} at the end: no update was applied");
+    }
+    for (model, file) in [("actor", "actor/model.safetensors"), ("critic", "critic/model.safetensors")] {
+        let end = std::fs::read(dir.path().join("resumed").join(file)).unwrap();
+        let resume_point = std::fs::read(ckpts.join("iter_0000002").join(file)).unwrap();
+        assert!(end != resume_point, "{model}: the weights did not move after the resume point");
+    }
     (dir, full)
 }
 
