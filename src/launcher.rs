@@ -118,6 +118,16 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     } else {
         ("gpt2-xl".into(), "gpt2-medium".into())
     };
+    // As in DS-Chat, the models name where steps 1 and 2 start; step 3 always continues from
+    // their outputs. Named without the step that reads them, they would do nothing.
+    for (flag, given, step) in [("--actor-model", &args.actor_model, 1), ("--reward-model", &args.reward_model, 2)] {
+        if given.is_some() && !steps.contains(&step) {
+            bail!(
+                "{flag} names the model step {step} starts from, and step {step} is not run (step 3 continues from {}): drop {flag} or add --step {step}",
+                args.output_dir.join(if step == 1 { "actor" } else { "reward" }).display()
+            );
+        }
+    }
     let actor = args.actor_model.clone().unwrap_or(default_actor);
     let reward = args.reward_model.clone().unwrap_or(default_reward);
     if steps.contains(&2)

@@ -206,6 +206,23 @@ fn flags_that_would_have_no_effect_are_refused_naming_what_they_need() {
 }
 
 #[test]
+fn sft_only_data_is_refused_outside_sft() {
+    let dir = tempfile::tempdir().unwrap();
+    for name in ["reward", "ppo"] {
+        let out = Command::new(binary(dir.path(), name))
+            .args(["--sft-only-data-path", "demo", "--output-dir"])
+            .arg(dir.path().join(format!("{name}-out")))
+            .output()
+            .expect("spawn");
+        let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(!out.status.success(), "{name}: {stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{name}: one line, got:\n{stderr}");
+        assert!(stderr.contains("--sft-only-data-path feeds SFT (step 1) only"), "{name}: {stderr}");
+        assert!(!dir.path().join(format!("{name}-out")).exists(), "{name}: a refused run writes nothing");
+    }
+}
+
+#[test]
 fn fp16_only_flags_are_refused_in_another_dtype() {
     let dir = tempfile::tempdir().unwrap();
     let cases: &[(&str, &[&str], &str)] = &[

@@ -1,8 +1,9 @@
 //! Property-based fuzzing of every reader of untrusted files: dataset rows (jsonl/json), parquet
 //! (preference datasets and pretraining corpora), `config.json`, safetensors weights, a
-//! checkpoint's `trainer_state.json` and the tokenized-data cache. Inputs are valid files mutated
+//! checkpoint's `trainer_state.json` and `latest`, a user's `tokenizer.json` and the
+//! tokenized-data cache. Inputs are valid files mutated
 //! by proptest (byte flips, truncation, inserted bytes, splices of two seeds) plus random bytes.
-//! Every input must give `Ok` or an error of one line; no panic. Each reader gets
+//! Every input must give `Ok` or an error of one line naming the file; no panic. Each reader gets
 //! `RLHF_FUZZ_SECS` seconds (default 3) and the test prints how many inputs it tried.
 
 use anyhow::Result;
@@ -71,7 +72,9 @@ fn apply(m: &Mutation, seeds: &[Vec<u8>]) -> Vec<u8> {
 }
 
 /// Runs `read` on mutations of `seeds` for the time budget; returns the number of inputs tried.
-fn fuzz(reader: &str, seeds: Vec<Vec<u8>>, read: impl Fn(&[u8]) -> Result<()>) -> u64 {
+/// Every rejection must be one line, and name `file` (the file a user would have to fix).
+fn fuzz(reader: &str, file: &str, seeds: Vec<Vec<u8>>, read: impl Fn(&[u8]) -> Result<()>) -> u64 {
+    quiet_contained_panics();
     let budget = std::env::var("RLHF_FUZZ_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(3.0);
     let deadline = Instant::now() + Duration::from_secs_f64(budget);
     let strategy = mutation(seeds.len());
@@ -80,46 +83,10 @@ fn fuzz(reader: &str, seeds: Vec<Vec<u8>>, read: impl Fn(&[u8]) -> Result<()>) -
     while Instant::now() < deadline {
         // A fixed seed per round: a failure is reproducible from the round number.
         let config = Config { cases: 64, failure_persistence: None, ..Config::default() };
-        let mut runner = TestRunner::new_with_rng(
-            config,
-            proptest::test_runner::TestRng::from_seed(
-                proptest::test_runner::RngAlgorithm::ChaCha,
-                &[
-                    round as u8,
-                    (round >> 8) as u8,
-                    (round >> 16) as u8,
-                    7,
-                    1,
-                    2,
-                    3,
-                    4,
-                    5,
-                    6,
-                    7,
-                    8,
-                    9,
-                    10,
-                    11,
-                    12,
-                    13,
-                    14,
-                    15,
-                    16,
-                    17,
-                    18,
-                    19,
-                    20,
-                    21,
-                    22,
-                    23,
-                    24,
-                    25,
-                    26,
-                    27,
-                    28,
-                ],
-            ),
-        );
+        let mut seed = [7u8; 32];
+        seed[..4].copy_from_slice(&round.to_le_bytes());
+        let rng = proptest::test_runner::TestRng::from_seed(proptest::test_runner::RngAlgorithm::ChaCha, &seed);
+        let mut runner = TestRunner::new_with_rng(config, rng);
         let result = runner.run(&strategy, |m| {
             let bytes = apply(&m, &seeds);
             let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| read(&bytes)));
@@ -127,6 +94,9 @@ fn fuzz(reader: &str, seeds: Vec<Vec<u8>>, read: impl Fn(&[u8]) -> Result<()>) -
                 Err(_) => Err(TestCaseError::fail(format!("{reader}: panicked on {} bytes", bytes.len()))),
                 Ok(Err(e)) if format!("{e:#}").contains('\n') => {
                     Err(TestCaseError::fail(format!("{reader}: a multi-line error: {e:#}")))
+                }
+                Ok(Err(e)) if !format!("{e:#}").contains(file) => {
+                    Err(TestCaseError::fail(format!("{reader}: the error does not name {file}: {e:#}")))
                 }
                 Ok(_) => Ok(()),
             }
@@ -137,8 +107,22 @@ fn fuzz(reader: &str, seeds: Vec<Vec<u8>>, read: impl Fn(&[u8]) -> Result<()>) -
         tried += 64;
         round += 1;
     }
-    println!("{reader}: {tried} inputs in {budget} s, no panic, every rejection one line");
+    println!("{reader}: {tried} inputs in {budget} s, no panic, every rejection one line naming {file}");
     tried
+}
+
+/// A third-party reader's panic that our reader boundary contains (`data::panics`) is bad input
+/// reported as an error, not news: as the binaries' hook does, print nothing for it.
+fn quiet_contained_panics() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let default = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if !data::panics::panic_is_contained() {
+                default(info)
+            }
+        }));
+    });
 }
 
 /// Writes `bytes` as `name` in a fresh directory and runs `read` on the path.
@@ -181,7 +165,9 @@ fn dataset_rows_jsonl_and_json() {
         br#"[{"prompt": "x", "chosen": "y", "rejected": "z"}, {"prompt": null, "chosen": 3}]"#.to_vec(),
         data::demo::TRAIN_JSONL[..2000.min(data::demo::TRAIN_JSONL.len())].to_vec(),
     ];
-    fuzz("jsonl/json dataset rows", seeds, |b| data::rows_from_json_bytes(b, "fuzz.jsonl", &keys).map(|_| ()));
+    fuzz("jsonl/json dataset rows", "fuzz.jsonl", seeds, |b| {
+        data::rows_from_json_bytes(b, "fuzz.jsonl", &keys).map(|_| ())
+    });
 }
 
 #[test]
@@ -207,7 +193,7 @@ fn parquet_datasets_and_corpora() {
         let err = read(&bytes).expect_err("a corrupt file");
         assert!(!format!("{err:#}").contains('\n'), "{err:#}");
     }
-    let tried = fuzz("parquet (datasets and corpora)", seeds, read);
+    let tried = fuzz("parquet (datasets and corpora)", "train.parquet", seeds, read);
     assert!(tried > 0);
 }
 
@@ -219,7 +205,7 @@ fn tokenized_data_cache() {
     let columns = vec![("train.ids".to_string(), vec![vec![1u32, 2, 3], vec![4]])];
     data::cache::save(&path, &key, &columns, &serde_json::json!({"kept": 2})).unwrap();
     let seeds = vec![std::fs::read(&path).unwrap()];
-    fuzz("tokenized-data cache", seeds, |b| {
+    fuzz("tokenized-data cache", "", seeds, |b| {
         std::fs::write(&path, b)?;
         // The cache never errors: anything unusable is a miss, rebuilt by the caller.
         let _ = data::cache::load(&path, &key, &["train.ids"]);
@@ -244,18 +230,21 @@ fn config_json() {
     let params = hybrid_engine::ParamStore::init(&tiny_config(), 1, &Device::Cpu).unwrap();
     hybrid_engine::checkpoint::save_model_dir(&dir.path().join("m"), &tiny_config(), &params, &|_| Ok(())).unwrap();
     let seeds = vec![std::fs::read(dir.path().join("m/config.json")).unwrap()];
-    fuzz("config.json", seeds, |b| as_file("config.json", b, |p| hybrid_engine::hf_io::read_config(p).map(|_| ())));
+    fuzz("config.json", "config.json", seeds, |b| {
+        as_file("config.json", b, |p| hybrid_engine::hf_io::read_config(p).map(|_| ()))
+    });
 }
 
 #[test]
 fn safetensors_weights_in_a_model_directory() {
     let dir = tempfile::tempdir().unwrap();
-    let model = dir.path().join("m");
+    let model = dir.path().join("fuzzed-model");
     let params = hybrid_engine::ParamStore::init(&tiny_config(), 1, &Device::Cpu).unwrap();
     hybrid_engine::checkpoint::save_model_dir(&model, &tiny_config(), &params, &|_| Ok(())).unwrap();
     let weights = model.join("model.safetensors");
     let seeds = vec![std::fs::read(&weights).unwrap()];
-    fuzz("safetensors (model.safetensors)", seeds, |b| {
+    // Errors name the model directory (what the user passed) or the file in it.
+    fuzz("safetensors (model.safetensors)", "fuzzed-model", seeds, |b| {
         std::fs::write(&weights, b)?;
         hybrid_engine::hf_io::load_model_dir(&model, &Device::Cpu).map(|_| ())
     });
@@ -279,15 +268,36 @@ fn a_checkpoints_trainer_state() {
     };
     let saved = save_checkpoint(&root, &tiny_config(), &params, &optimizer, &state, &|_| Ok(())).unwrap();
     let state_file = saved.join(TRAINER_STATE);
-    let seeds = vec![std::fs::read(&state_file).unwrap(), std::fs::read(root.join("latest")).unwrap()];
-    fuzz("trainer_state.json and latest", seeds.clone(), |b| {
+    let seeds = [std::fs::read(&state_file).unwrap(), std::fs::read(root.join("latest")).unwrap()];
+    fuzz("trainer_state.json", TRAINER_STATE, vec![seeds[0].clone()], |b| {
         std::fs::write(&state_file, b)?;
         hybrid_engine::checkpoint::load_checkpoint(&root, &Device::Cpu).map(|_| ())
     });
     std::fs::write(&state_file, &seeds[0]).unwrap();
-    fuzz("the latest pointer", vec![seeds[1].clone()], |b| {
+    fuzz("the latest pointer", "latest", vec![seeds[1].clone()], |b| {
         std::fs::write(root.join("latest"), b)?;
         hybrid_engine::checkpoint::load_checkpoint(&root, &Device::Cpu).map(|_| ())
+    });
+}
+
+/// A user's `tokenizer.json` (`--tokenizer`, or one in a model directory): loaded, then used to
+/// encode and decode, since a poisoned tokenizer could load and fail only when used.
+#[test]
+fn a_tokenizer_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tokenizer.json");
+    // A small byte-level BPE (GPT-2's layout, a handful of merges) and the embedded GPT-2 one's
+    // opening (its pre-tokenizer, normalizer and added tokens).
+    let small = br#"{"version":"1.0","truncation":null,"padding":null,"added_tokens":[{"id":5,"content":"<|endoftext|>","single_word":false,"lstrip":false,"rstrip":false,"normalized":true,"special":true}],"normalizer":null,"pre_tokenizer":{"type":"ByteLevel","add_prefix_space":false,"trim_offsets":true,"use_regex":true},"post_processor":{"type":"ByteLevel","add_prefix_space":true,"trim_offsets":false,"use_regex":true},"decoder":{"type":"ByteLevel","add_prefix_space":true,"trim_offsets":true,"use_regex":true},"model":{"type":"BPE","dropout":null,"unk_token":null,"continuing_subword_prefix":"","end_of_word_suffix":"","fuse_unk":false,"byte_fallback":false,"vocab":{"a":0,"b":1,"ab":2,"\u0120":3,"\u0120ab":4,"<|endoftext|>":5},"merges":["a b","\u0120 ab"]}}"#;
+    let seeds = vec![small.to_vec()];
+    std::fs::write(&path, small).unwrap();
+    let tok = data::Tokenizer::from_file(&path).expect("the seed is a valid tokenizer");
+    assert_eq!(tok.encode("ab ab").unwrap(), vec![2, 4], "and it tokenizes");
+    fuzz("tokenizer.json", "tokenizer.json", seeds, |b| {
+        std::fs::write(&path, b)?;
+        let tok = data::Tokenizer::from_file(&path)?;
+        let ids = tok.encode("ab ab<|endoftext|> b")?;
+        tok.decode(&ids).map(drop)
     });
 }
 

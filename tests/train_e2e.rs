@@ -99,5 +99,9 @@ fn unsupported_requests_are_one_clear_error_line() {
     check(&["--step", "2", "3"], &["step 3 needs the step-1 model", "train --step 1"]);
     let actor = format!("{out}/actor");
     check(&["--step", "2", "--reward-model", &actor], &["step 2 starts from the step-1 actor", "train --step 1"]);
+    // Step 3 continues from the outputs of steps 1 and 2: naming their starting models does nothing.
+    check(&["--step", "3", "--actor-model", "gpt2"], &["--actor-model", "step 1 is not run", "drop --actor-model"]);
+    check(&["--step", "2", "3", "--actor-model", "gpt2"], &["--actor-model", "--step 1"]);
+    check(&["--step", "1", "3", "--reward-model", "gpt2"], &["--reward-model", "step 2 is not run"]);
     assert!(!Path::new(out).join("actor").exists(), "a refused run creates no step output");
 }

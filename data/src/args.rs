@@ -42,6 +42,17 @@ pub struct DataArgs {
 }
 
 impl DataArgs {
+    /// `--sft-only-data-path` feeds phase 1 alone (as in DS-Chat, which accepts it in every step
+    /// and ignores it outside step 1): refused in `step`, where it would have no effect.
+    pub fn refuse_sft_only_data(&self, step: &str) -> Result<()> {
+        if !self.sft_only_data_path.is_empty() {
+            bail!(
+                "--sft-only-data-path feeds SFT (step 1) only and would have no effect in {step}: drop it here (put the data in --data-path to use it)"
+            );
+        }
+        Ok(())
+    }
+
     /// The validated data configuration for sequences of `max_seq_len` tokens (phases 1 and 2)
     /// and prompts of `max_prompt_seq_len` (phase 3).
     pub fn config(

@@ -298,6 +298,19 @@ fn is_safe_repo_path(path: &str) -> bool {
 mod tests {
     use super::*;
     use std::io::{BufRead, BufReader, Write};
+
+    /// A hub file list is server data: names that would leave the snapshot directory are dropped.
+    #[test]
+    fn hub_file_names_that_escape_the_snapshot_are_refused() {
+        for ok in ["data/train-00000-of-00001.parquet", "default/train/0000.parquet", "train.parquet"] {
+            assert!(is_safe_repo_path(ok), "{ok}");
+        }
+        for bad in
+            ["../../x.parquet", "/etc/passwd", "data/../../x.parquet", "./x.parquet", "a\\..\\b.parquet", "a//b", ""]
+        {
+            assert!(!is_safe_repo_path(bad), "{bad}");
+        }
+    }
     use std::net::{TcpListener, TcpStream};
 
     /// Train = paths with `train`, eval = paths with `test`; a stand-in for `sources::plan_splits`.

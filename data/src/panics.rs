@@ -1,6 +1,7 @@
 //! Containing panics of third-party readers. The `parquet` crate panics on some malformed files
-//! (e.g. "column start and length should not be negative" from a corrupt footer) instead of
-//! returning an error; such a panic is not our bug but bad input, so the reader boundary catches
+//! (e.g. "column start and length should not be negative" from a corrupt footer), and the
+//! `tokenizers` crate on some malformed `tokenizer.json` sections (a decoder it cannot parse),
+//! instead of returning an error; such a panic is not our bug but bad input, so the reader boundary catches
 //! it and reports one line naming the file. While [`contain`] runs, [`panic_is_contained`] is
 //! true on that thread, which the process's panic hook (`hybrid_engine::runtime`) reads to stay
 //! silent and let the unwinding reach the catch.

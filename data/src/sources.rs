@@ -182,7 +182,7 @@ pub(crate) fn plan_splits(files: &[String], eval: EvalSplit) -> Result<SplitPlan
         } else {
             format!(
                 "has eval files ({}) but no train file; name the training file with `train` in it",
-                crate::printable_list(&files)
+                crate::printable_list(files)
             )
         });
     }
@@ -386,6 +386,19 @@ fn looks_like_hub_id(spec: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Dataset names crafted to escape the hub cache are not hub ids (and so never reach it).
+    #[test]
+    fn dataset_names_crafted_to_escape_are_not_hub_ids() {
+        for ok in ["Dahoas/rm-static", "org/name.v2", "stanfordnlp/SHP"] {
+            assert!(looks_like_hub_id(ok), "{ok}");
+        }
+        for bad in
+            ["../x", "org/..", "org/../../x", "/etc/passwd", "../../etc/passwd", "org/.x", "-o/x", "a/b/c", "org/"]
+        {
+            assert!(!looks_like_hub_id(bad), "{bad}");
+        }
+    }
     use parquet::data_type::{ByteArray, ByteArrayType, DoubleType};
     use parquet::file::properties::WriterProperties;
     use parquet::file::writer::SerializedFileWriter;

@@ -61,11 +61,15 @@ impl Tokenizer {
     }
 
     fn from_json_bytes(bytes: &[u8], source: &str) -> Result<Self> {
-        let mut inner = tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| {
-            anyhow!(
-                "{source} is not a valid HF tokenizer.json ({e}); \
-                 pass a tokenizer.json saved by HF tokenizers"
-            )
+        // The tokenizers crate panics on some malformed sections (a decoder it cannot parse,
+        // found by tests/fuzz_readers.rs) instead of returning an error.
+        let mut inner = crate::panics::contain(source, || {
+            tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| {
+                anyhow!(
+                    "{source} is not a valid HF tokenizer.json ({e}); \
+                     pass a tokenizer.json saved by HF tokenizers"
+                )
+            })
         })?;
         // Packing and prompt batching do their own truncation and padding; a tokenizer.json
         // saved with either enabled would otherwise silently cut or pad every encode.
@@ -218,6 +222,23 @@ mod tests {
         fs::write(&bad, "{not json")?;
         let err = Tokenizer::from_file(&bad).unwrap_err().to_string();
         assert!(err.contains("bad.json") && err.contains("not a valid"), "{err}");
+        Ok(())
+    }
+
+    /// The tokenizers crate panics on a decoder section it cannot parse (found by
+    /// tests/fuzz_readers.rs): one error line naming the file.
+    #[test]
+    fn a_malformed_decoder_is_one_error_naming_the_file() -> Result<()> {
+        let json = String::from_utf8(GPT2_TOKENIZER_JSON.to_vec())?;
+        let decoder = json.find("\"decoder\":").expect("a decoder section");
+        let broken =
+            format!("{}\"decoder\":{{\"type\":\"ByteLevel\",\"x\":\"\\ud8\"}},{}", &json[..decoder], &json[decoder..]);
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("tokenizer.json");
+        fs::write(&path, broken)?;
+        let err = crate::panics::contain("test", || Tokenizer::from_file(&path)).map(drop).unwrap_err().to_string();
+        assert!(err.contains("tokenizer.json") && !err.contains('\n'), "{err}");
+        assert!(!err.starts_with("test"), "the reader contains it, not the test: {err}");
         Ok(())
     }
 

@@ -1055,6 +1055,30 @@ mod tests {
     use crate::ops;
     use candle_core::{DType, Device, Var};
 
+    thread_local! {
+        static RNG: std::cell::RefCell<rand::rngs::StdRng> =
+            std::cell::RefCell::new(rand::SeedableRng::seed_from_u64(0));
+    }
+
+    /// Normal draws from a seeded generator, like `Tensor::randn` but reproducible: each test
+    /// runs on a thread of its own, so it draws the same numbers on every run and a tolerance
+    /// means the same thing in CI and here.
+    fn randn(mean: f32, std: f32, shape: impl Into<Shape>, device: &Device) -> Result<Tensor> {
+        use rand::Rng;
+        let shape = shape.into();
+        let values: Vec<f32> = RNG.with(|rng| {
+            let mut rng = rng.borrow_mut();
+            (0..shape.elem_count())
+                .map(|_| {
+                    // Box-Muller: two uniforms in (0, 1] and [0, 1) to one standard normal.
+                    let (u, v): (f32, f32) = (1.0 - rng.random::<f32>(), rng.random());
+                    mean + std * (-2.0 * u.ln()).sqrt() * (std::f32::consts::TAU * v).cos()
+                })
+                .collect()
+        });
+        Tensor::from_vec(values, shape, device)
+    }
+
     fn max_abs(t: &Tensor) -> Result<f32> {
         t.abs()?.flatten_all()?.max(0)?.to_scalar()
     }
@@ -1079,7 +1103,7 @@ mod tests {
         assert_eq!(fused.dims(), reference.dims());
         let d = rel_diff(&fused, &reference)?;
         assert!(d <= value_tol, "values differ by {d} relative");
-        let w = Tensor::randn(0f32, 1.0, fused.shape(), fused.device())?;
+        let w = randn(0f32, 1.0, fused.shape(), fused.device())?;
         let gf = fused.mul(&w)?.sum_all()?.backward()?;
         let gr = reference.mul(&w)?.sum_all()?.backward()?;
         for (i, v) in vars.iter().enumerate() {
@@ -1107,7 +1131,7 @@ mod tests {
         let vars: Vec<Var> = inputs.iter().map(Var::from_tensor).collect::<Result<_>>()?;
         let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
         let y = f(&ts)?;
-        let w = Tensor::randn(0f32, 1.0, y.shape(), y.device())?;
+        let w = randn(0f32, 1.0, y.shape(), y.device())?;
         let grads = y.mul(&w)?.sum_all()?.backward()?;
         let analytic: Vec<f32> = grads.get(vars[which].as_tensor()).expect("no gradient").flatten_all()?.to_vec1()?;
         let base: Vec<f32> = inputs[which].flatten_all()?.to_vec1()?;
@@ -1137,7 +1161,7 @@ mod tests {
 
     #[test]
     fn fused_cross_entropy_matches_the_composed_reference_value_and_gradient() -> Result<()> {
-        let logits = Tensor::randn(0f32, 3.0, (37, 211), &dev())?;
+        let logits = randn(0f32, 3.0, (37, 211), &dev())?;
         let targets = Tensor::new((0..37u32).map(|i| (i * 17) % 211).collect::<Vec<_>>(), &dev())?;
         let fused = |t: &[Tensor]| cross_entropy_rows(&t[0], &targets);
         let reference = |t: &[Tensor]| ops::cross_entropy_rows_reference(&t[0], &targets);
@@ -1147,8 +1171,8 @@ mod tests {
 
     #[test]
     fn fused_lm_head_cross_entropy_matches_the_reference() -> Result<()> {
-        let x = Tensor::randn(0f32, 1.0, (37, 24), &dev())?;
-        let wte = Tensor::randn(0f32, 0.5, (211, 24), &dev())?;
+        let x = randn(0f32, 1.0, (37, 24), &dev())?;
+        let wte = randn(0f32, 0.5, (211, 24), &dev())?;
         let targets = Tensor::new((0..37u32).map(|i| (i * 17) % 211).collect::<Vec<_>>(), &dev())?;
         let fused = |t: &[Tensor]| lm_head_cross_entropy_rows(&t[0], &t[1], &targets);
         let reference = |t: &[Tensor]| ops::lm_head_cross_entropy_rows_reference(&t[0], &t[1], &targets);
@@ -1166,7 +1190,7 @@ mod tests {
 
     #[test]
     fn sum_of_squares_matches_candle() -> Result<()> {
-        let x = Tensor::randn(0f32, 1.0, (300, 1000), &dev())?;
+        let x = randn(0f32, 1.0, (300, 1000), &dev())?;
         let want = x.to_dtype(DType::F64)?.sqr()?.sum_all()?.to_scalar::<f64>()?;
         let got = sum_of_squares(&x)?.expect("f32 on the CPU");
         assert!((got - want).abs() < 1e-6 * want, "{got} vs {want}"); // f32 lanes, f64 across
@@ -1188,17 +1212,17 @@ mod tests {
         let ln_reference = |t: &[Tensor]| ops::layer_norm_reference(&t[0], &t[1], &t[2], 1e-5);
         // Large enough (rows x 96) to run on the thread pool and reduce over several blocks.
         for rows in [3, 700] {
-            let x = (Tensor::randn(0f32, 2.0, (rows, 96), &dev())? + 0.5)?;
-            let w = Tensor::randn(1f32, 0.3, 96, &dev())?;
-            let b = Tensor::randn(0f32, 0.3, 96, &dev())?;
+            let x = (randn(0f32, 2.0, (rows, 96), &dev())? + 0.5)?;
+            let w = randn(1f32, 0.3, 96, &dev())?;
+            let b = randn(0f32, 0.3, 96, &dev())?;
             compare(&[x.clone(), w.clone(), b.clone()], ln, ln_reference, 1e-5, 1e-4)?;
             for which in 0..3 {
                 finite_differences(&[x.clone(), w.clone(), b.clone()], which, ln, 2e-3)?;
             }
         }
         // (B, T, C) input.
-        let x = Tensor::randn(0f32, 1.0, (2, 5, 16), &dev())?;
-        let (w, b) = (Tensor::randn(1f32, 0.3, 16, &dev())?, Tensor::randn(0f32, 0.3, 16, &dev())?);
+        let x = randn(0f32, 1.0, (2, 5, 16), &dev())?;
+        let (w, b) = (randn(1f32, 0.3, 16, &dev())?, randn(0f32, 0.3, 16, &dev())?);
         compare(&[x, w, b], ln, ln_reference, 1e-5, 1e-4)
     }
 
@@ -1222,7 +1246,7 @@ mod tests {
         let (b, nh, t) = (2, 3, 70);
         let padded = causal_bias(b, t, &[5, 0])?; // (B, 1, T, T), 5 left-padding keys in row 0
         let causal = causal_bias(1, t, &[0])?; // (1, 1, T, T)
-        let att = Tensor::randn(0f32, 3.0, (b, nh, t, t), &dev())?;
+        let att = randn(0f32, 3.0, (b, nh, t, t), &dev())?;
         for bias in [padded, causal] {
             let sm = |x: &[Tensor]| masked_softmax(&x[0], 0.125, &bias);
             let reference = |x: &[Tensor]| ops::masked_softmax_reference(&x[0], 0.125, &bias);
@@ -1230,14 +1254,14 @@ mod tests {
         }
         // Finite differences in f32 need few outputs to stay above rounding noise.
         let bias = causal_bias(2, 6, &[0, 0])?; // no fully masked row: f32 cannot see its slope
-        let att = Tensor::randn(0f32, 3.0, (2, 2, 6, 6), &dev())?;
+        let att = randn(0f32, 3.0, (2, 2, 6, 6), &dev())?;
         finite_differences(&[att], 0, |x| masked_softmax(&x[0], 0.125, &bias), 2e-3)
     }
 
     #[test]
     fn fused_gelu_matches_the_reference() -> Result<()> {
         for rows in [4, 300] {
-            let h = Tensor::randn(0f32, 2.0, (rows, 128), &dev())?;
+            let h = randn(0f32, 2.0, (rows, 128), &dev())?;
             let f = |t: &[Tensor]| gelu(&t[0]);
             compare(std::slice::from_ref(&h), f, |t| ops::gelu_reference(&t[0], false), 1e-6, 1e-5)?;
             finite_differences(&[h], 0, f, 2e-3)?;
@@ -1247,9 +1271,9 @@ mod tests {
 
     #[test]
     fn fused_linear_matches_the_reference_and_skips_inputs_without_gradient() -> Result<()> {
-        let x = Tensor::randn(0f32, 1.0, (3, 50, 64), &dev())?;
-        let w = Tensor::randn(0f32, 0.2, (64, 96), &dev())?;
-        let b = Tensor::randn(0f32, 0.2, 96, &dev())?;
+        let x = randn(0f32, 1.0, (3, 50, 64), &dev())?;
+        let w = randn(0f32, 0.2, (64, 96), &dev())?;
+        let b = randn(0f32, 0.2, 96, &dev())?;
         let f = |t: &[Tensor]| linear(&t[0], &t[1], &t[2]);
         let reference = |t: &[Tensor]| ops::linear_reference(&t[0], &t[1], &t[2]);
         compare(&[x.clone(), w.clone(), b.clone()], f, reference, 1e-6, 1e-5)?;
@@ -1266,7 +1290,7 @@ mod tests {
     #[test]
     fn fused_attention_matches_the_reference_with_and_without_dropout() -> Result<()> {
         let (b, t, nh, hd) = (2, 40, 3, 8);
-        let qkv = Tensor::randn(0f32, 1.0, (b, t, 3 * nh * hd), &dev())?;
+        let qkv = randn(0f32, 1.0, (b, t, 3 * nh * hd), &dev())?;
         let key = ops::DropoutKey { seed: 1, step: 2, micro_batch: 3 };
         for (bias, drop) in [(causal_bias(b, t, &[7, 0])?, None), (causal_bias(1, t, &[0])?, Some(key.mask(0.2, 1, 0)))]
         {
@@ -1275,7 +1299,7 @@ mod tests {
             compare(std::slice::from_ref(&qkv), f, reference, 1e-5, 1e-5)?;
         }
         // Finite differences in f32 need few outputs to stay above rounding noise.
-        let qkv = Tensor::randn(0f32, 1.0, (1, 5, 3 * 2 * 4), &dev())?;
+        let qkv = randn(0f32, 1.0, (1, 5, 3 * 2 * 4), &dev())?;
         let bias = causal_bias(1, 5, &[0])?;
         finite_differences(&[qkv], 0, |x| attention(&x[0], &bias, 2, 0.5, None), 2e-3)
     }
@@ -1284,7 +1308,7 @@ mod tests {
     fn fused_dropout_matches_the_reference_and_its_gradient_is_the_mask() -> Result<()> {
         let key = ops::DropoutKey { seed: 3, step: 1, micro_batch: 2 };
         // Several mask chunks, so the parallel path runs.
-        let x = Tensor::randn(0f32, 1.0, (3, 50_000), &dev())?;
+        let x = randn(0f32, 1.0, (3, 50_000), &dev())?;
         let mask = key.mask(0.1, 4, 1);
         let f = |t: &[Tensor]| dropout(&t[0], mask);
         compare(std::slice::from_ref(&x), f, |t| ops::dropout_reference(&t[0], mask), 0.0, 0.0)?;

@@ -58,10 +58,7 @@ pub fn resolve_model_dir(name_or_path: &str) -> Result<PathBuf> {
             path.display()
         );
     }
-    let looks_like_id = !name_or_path.is_empty()
-        && !name_or_path.starts_with(['.', '/'])
-        && name_or_path.matches('/').count() <= 1
-        && name_or_path.chars().all(|c| c.is_ascii_alphanumeric() || "-_./".contains(c));
+    let looks_like_id = looks_like_model_id(name_or_path);
     if !looks_like_id {
         bail!("model directory {name_or_path} does not exist");
     }
@@ -75,6 +72,18 @@ pub fn latest_checkpoint(root: &Path) -> Result<PathBuf> {
         bail!("{} names {}, which is not a complete checkpoint directory", root.join(LATEST).display(), dir.display());
     }
     Ok(dir)
+}
+
+/// `name` or `org/name` with the hub's characters, each part a plain name: no `..`, no leading
+/// `.` or `-`, so an id can never name a path outside the hub cache.
+fn looks_like_model_id(id: &str) -> bool {
+    id.matches('/').count() <= 1
+        && id.split('/').all(|part| {
+            !part.is_empty()
+                && !part.starts_with(['.', '-'])
+                && !part.contains("..")
+                && part.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+        })
 }
 
 /// The directory a root's `latest` pointer names, checked to be a plain name inside `root`.
@@ -397,5 +406,17 @@ mod tests {
         let err = format!("{:#}", resolve_model_dir("some-org/not-cached-model").unwrap_err());
         assert!(err.contains("not in the Hugging Face cache") && err.contains("HF_HUB_OFFLINE"), "{err}");
         Ok(())
+    }
+
+    #[test]
+    fn model_ids_crafted_to_escape_the_hub_cache_are_not_ids() {
+        for ok in ["gpt2", "openai-community/gpt2", "org/name.v2"] {
+            assert!(looks_like_model_id(ok), "{ok}");
+        }
+        for bad in ["../x", "org/..", "org/../../x", "/etc/passwd", "..", "org/.hidden", "-flag", "a/b/c", "org/", ""] {
+            assert!(!looks_like_model_id(bad), "{bad}");
+            let err = resolve_model_dir(bad).unwrap_err().to_string();
+            assert!(!err.contains('\n'), "{bad}: {err}");
+        }
     }
 }

@@ -112,22 +112,43 @@ pub struct ActivationShape {
     pub lm_head: bool,
     /// The compute dtype's size.
     pub dtype_bytes: usize,
+    /// All parameters (adapters included) and those the optimizer updates: backward forms a
+    /// gradient for the trainable ones only (frozen weights enter the model detached).
+    pub parameters: usize,
+    pub trainable: usize,
+    /// Gradient accumulation over several micro-batches: from the second on, backward's fresh
+    /// gradients are formed while the accumulated ones are held.
+    pub accumulating: bool,
+    /// LoRA adapters on the blocks' linears (`--lora-dim` above 0).
+    pub lora: bool,
 }
 
-/// What one micro-batch of B x T tokens allocates beyond the weights, their compute copy and the
-/// gradients it leaves: the activations kept for backward and backward's own transients, at
-/// their peak. N = B*T tokens, C, L layers, V vocabulary rows; the LM head's terms only with an
-/// LM head.
+/// What one micro-batch of B x T tokens allocates beyond the weights, their compute copy, the
+/// AdamW moments and the accumulated gradients, at its peak: the activations kept for backward,
+/// backward's transients and the gradients it forms before they are added to the accumulated
+/// ones. N = B*T tokens, C, L layers, V vocabulary rows (the LM head's terms only with an LM
+/// head), P parameters, P_t of them trainable (what stays accumulated), W = V*C the tied
+/// embedding's gradient.
 ///
-/// [`Kernels::FusedCpu`], fitted to measurements (`tests/memory_plan.rs` counts every
-/// allocation): the activations, about 15 (N, C) tensors a block (the fused attention keeps no
-/// (B, NH, T, T) tensor), and the (N, V) logits the LM head keeps for its backward (as a plain
-/// buffer, turned into their gradient in place) stay alive into backward, where `wte`'s (V, C)
-/// gradient is formed beside them. With checkpointing only each block's input stays, one block's
-/// activations come back during its recomputation, and the tied embedding's two (V, C)
-/// gradients meet outside candle's backward (the accumulated one and the embedding's). Exact
-/// to 1% for gpt2 at 128-1024 tokens; 18-31% high for tiny, whose peak the formula overcounts
-/// (the safe side), and 9% low for tiny's score head.
+/// [`Kernels::FusedCpu`], the peak of the phases found by counting every allocation
+/// (`tests/memory_plan.rs` checks 36 configurations: within 2%, never under by more than 0.3%):
+/// - the LM head's backward: the activations A, about (20L + 6) (N, C) tensors (the fused
+///   attention keeps no (B, NH, T, T) tensor; LoRA adapters add about 3 (N, out) each), the
+///   (N, V) logits that forward kept and backward turns in place into their gradient, and the
+///   op's output, dx (N, C) stacked on dwte (W);
+/// - the embedding's backward: A, that output (the head's dwte lives in it), the fresh
+///   gradients of the rest of the model (P - W) and candle's copy of the embedding's summed
+///   gradient (W), which at that moment meets either the rest or a second W (a score head,
+///   with no dwte of its own, meets both);
+/// - with accumulation, adding backward's gradients (P) to the accumulated ones while A lives,
+///   one new (W) sum at a time: never above the embedding's phase, so not a term.
+///
+/// The first micro-batch's peak is P_t lower: its gradients become the accumulated ones. With
+/// checkpointing only each block's input stays; the head's phase keeps them (about L + 4 (N, C)
+/// tensors with its own); the embedding's gradient, formed in a backward of its own, and its
+/// sum with the head's meet as two W beside one block's recomputed activations (three W when
+/// accumulating). A frozen model (`--only-optimize-lora`) forms no W and no gradient but the
+/// adapters'.
 ///
 /// [`Kernels::Composed`], counted from the graph (not measured: it runs on the GPU and in half
 /// precision): per block about 30 (N, C) tensors (LayerNorm intermediates, q/k/v and their
@@ -144,11 +165,30 @@ pub fn activation_bytes(a: &ActivationShape) -> u64 {
     let v = if a.lm_head { a.cfg.vocab_size as f64 } else { 0.0 };
     let bytes = match a.kernels {
         Kernels::FusedCpu => {
-            let wte = a.cfg.vocab_size as f64 * c;
+            let nc = n * c;
+            // Frozen weights are detached from the graph: no gradient is formed for them, the
+            // tied embedding's included (only `--only-optimize-lora` freezes any).
+            let frozen = a.trainable < a.parameters;
+            let kept = a.trainable as f64;
+            let formed = if frozen { kept } else { a.parameters as f64 };
+            let w = if frozen { 0.0 } else { a.cfg.vocab_size as f64 * c };
+            // The LM head's dwte; its sum with the embedding's own is a second W.
+            let head_w = if a.lm_head { w } else { 0.0 };
+            // An adapter keeps about 3 (N, out) tensors; on all four linears, 27 (N, C) a block.
+            let lora = if a.lora { 27.0 } else { 0.0 };
             let floats = if a.checkpoint {
-                n * (l * c + 15.0 * c) + wte + (n * v).max(wte)
+                let head = n * v + head_w + (l + 4.0) * nc;
+                if a.accumulating {
+                    head.max(head_w + 2.0 * w + (l + 17.0 + lora) * nc)
+                } else {
+                    (head - kept).max(head_w + w + (l + 15.0 + lora) * nc)
+                }
             } else {
-                n * (v + 15.0 * l * c) + wte
+                let acts = ((20.0 + lora) * l + 6.0) * nc;
+                let head = acts + n * v + nc + head_w;
+                let rest = formed - w;
+                let embedding = acts + nc + w + if a.lm_head { w + rest.max(w) } else { rest + w };
+                head.max(embedding) - if a.accumulating { 0.0 } else { kept }
             };
             4.0 * floats
         }
@@ -194,20 +234,37 @@ impl MemoryPlan {
                 kernels: Kernels::FusedCpu,
                 lm_head: true,
                 dtype_bytes: 4,
+                parameters,
+                trainable: parameters,
+                accumulating: false,
+                lora: false,
             },
             device_is_cpu: true,
         }
     }
 
     /// Counts `total` parameters (LoRA adapters included) but gradients and AdamW moments for the
-    /// `trainable` ones only (`--only-optimize-lora`). candle still forms a frozen weight's
-    /// gradient inside backward (its matmul rule computes both operands' gradients) but drops it
-    /// with the backward's store: no accumulated copy, no moments.
+    /// `trainable` ones only (`--only-optimize-lora`): frozen weights enter the model detached,
+    /// so backward forms no gradient for them.
     pub fn with_parameters(mut self, total: usize, trainable: usize) -> Self {
         self.parameters = total;
         self.param_bytes = 4 * total as u64;
         self.grad_bytes = 4 * trainable as u64;
         self.adam_bytes = 8 * trainable as u64;
+        self.activations.parameters = total;
+        self.activations.trainable = trainable;
+        self
+    }
+
+    /// LoRA adapters on the blocks' linears: their activations (counted as if on all four).
+    pub fn with_lora(mut self, enabled: bool) -> Self {
+        self.activations.lora = enabled;
+        self
+    }
+
+    /// Accumulating gradients over `steps` micro-batches (`--gradient-accumulation-steps`).
+    pub fn with_gradient_accumulation(mut self, steps: usize) -> Self {
+        self.activations.accumulating = steps > 1;
         self
     }
 
@@ -310,6 +367,10 @@ mod tests {
                 kernels,
                 lm_head: false,
                 dtype_bytes: 4,
+                parameters: plan.parameters,
+                trainable: plan.parameters,
+                accumulating: true,
+                lora: false,
             };
             let (full, ckpt) = (activation_bytes(&shape(false)), activation_bytes(&shape(true)));
             assert!(
@@ -330,7 +391,12 @@ mod tests {
             (Kernels::Composed, 2 * plan.parameters as u64)
         );
         let scored = MemoryPlan::new(&cfg, 2, 64, false).with_score_head();
-        let logits = 4 * 2 * 64 * cfg.vocab_size as u64;
-        assert_eq!(plan.activation_bytes() - scored.activation_bytes(), logits, "a score head keeps no logits");
+        assert!(scored.activation_bytes() < plan.activation_bytes(), "a score head keeps no logits");
+        let accumulating = MemoryPlan::new(&cfg, 2, 64, false).with_gradient_accumulation(2);
+        assert_eq!(
+            accumulating.activation_bytes() - plan.activation_bytes(),
+            4 * plan.parameters as u64,
+            "from the second micro-batch on, backward's gradients meet the accumulated ones"
+        );
     }
 }

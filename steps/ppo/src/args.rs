@@ -221,6 +221,7 @@ impl PpoArgs {
             bail!("--only-optimize-lora trains only LoRA adapters, but --actor-lora-dim and --critic-lora-dim are 0: add e.g. --actor-lora-dim 8");
         }
         self.precision.validate()?;
+        self.data.refuse_sft_only_data("PPO's step 3")?;
         if self.align_overflow && self.precision.dtype != Dtype::Fp16 {
             bail!(
                 "--align-overflow aligns fp16 overflow skips, and the dtype is {}: add --dtype fp16 or drop it",

@@ -54,6 +54,7 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
     let t = &args.train;
     let lr = t.learning_rate.unwrap_or(DEFAULT_LR);
     t.validate(lr)?;
+    args.data.refuse_sft_only_data("the reward model's step 2")?;
     let device = t.device()?;
     println!("device: {}", hybrid_engine::device::describe(&device));
     let mut start = starting_model(&t.model_name_or_path, t.seed, t.dropout, &device)?;
@@ -101,6 +102,8 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
         "{}",
         MemoryPlan::new(&config, 2 * t.per_device_train_batch_size, t.max_seq_len, t.gradient_checkpointing)
             .with_parameters(params.numel(), trainable.numel())
+            .with_gradient_accumulation(t.gradient_accumulation_steps)
+            .with_lora(t.lora().is_some())
             .with_compute_dtype(t.precision.dtype.dtype())
             .on_device(&device)
             .with_score_head()

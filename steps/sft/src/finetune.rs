@@ -68,6 +68,8 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
         "{}",
         MemoryPlan::new(&config, t.per_device_train_batch_size, t.max_seq_len, t.gradient_checkpointing)
             .with_parameters(params.numel(), trainable.numel())
+            .with_gradient_accumulation(t.gradient_accumulation_steps)
+            .with_lora(t.lora().is_some())
             .with_compute_dtype(t.precision.dtype.dtype())
             .on_device(&device)
             .report()

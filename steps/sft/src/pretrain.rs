@@ -89,6 +89,7 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     // one entry per tensor, which an absurd layer count would make enormous itself.
     hybrid_engine::memory::check_weights_fit(&model_cfg, &device)?;
     let plan = MemoryPlan::new(&model_cfg, args.micro_batch_size, args.seq_length, args.checkpoint_activations)
+        .with_gradient_accumulation(args.gradient_accumulation_steps)
         .with_compute_dtype(args.precision.dtype.dtype())
         .on_device(&device);
     hybrid_engine::memory::check_plan_fits(&plan, &device)?;
