@@ -6,8 +6,8 @@ use anyhow::{bail, Context, Result};
 use candle_core::Device;
 use clap::Parser;
 use data::Tokenizer;
-use hybrid_engine::generate::{generate, SamplingConfig};
-use hybrid_engine::hf_io::{load_model_dir, resolve_model_dir};
+use hybrid_engine::checkpoints::hf_io::{load_model_dir, resolve_model_dir};
+use hybrid_engine::generation::generate::{generate, SamplingConfig};
 use hybrid_engine::{Gpt2, ParamStore};
 use std::io::{BufRead, Write};
 

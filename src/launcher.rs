@@ -9,8 +9,8 @@
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
-use hybrid_engine::generate::SamplingConfig;
-use hybrid_engine::precision::Dtype;
+use hybrid_engine::generation::generate::SamplingConfig;
+use hybrid_engine::training::precision::Dtype;
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -56,7 +56,7 @@ pub struct TrainArgs {
     pub device: String,
     /// Compute dtype of every step: fp32, fp16 or bf16 (see the steps' --dtype). The steps get it
     /// as RLHF_DTYPE, the default of their --dtype.
-    #[arg(long, value_enum, default_value_t = Dtype::Fp32, env = hybrid_engine::precision::DTYPE_ENV)]
+    #[arg(long, value_enum, default_value_t = Dtype::Fp32, env = hybrid_engine::training::precision::DTYPE_ENV)]
     pub dtype: Dtype,
 }
 
@@ -245,7 +245,7 @@ fn model_size(model: &str) -> String {
         return base.to_string();
     }
     let config = Path::new(model).join("config.json");
-    if let Ok(cfg) = hybrid_engine::hf_io::read_config(&config) {
+    if let Ok(cfg) = hybrid_engine::checkpoints::hf_io::read_config(&config) {
         for name in ["tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"] {
             let p = hybrid_engine::Gpt2Config::from_preset(name).expect("known preset");
             if (p.n_layer, p.n_embd) == (cfg.n_layer, cfg.n_embd) {
@@ -277,7 +277,7 @@ fn run_recipe(script: &str, plan: &StepPlan, bin_dir: &Path, device: &str, dtype
         // The step's model save replaces this directory; the log must survive it.
         .env(hybrid_engine::durable::LIVE_LOG_ENV, &log_path)
         .env(hybrid_engine::device::DEVICE_ENV, device)
-        .env(hybrid_engine::precision::DTYPE_ENV, dtype.name())
+        .env(hybrid_engine::training::precision::DTYPE_ENV, dtype.name())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -378,7 +378,7 @@ fn print_summary(output: &Path, steps: &[u32]) -> Result<()> {
 
 /// The last JSON record of a metrics.jsonl (a torn last line, from an interrupted write, skipped).
 fn last_record(path: &Path) -> Result<serde_json::Value> {
-    hybrid_engine::metrics::read_records(path)?.pop().with_context(|| format!("{} is empty", path.display()))
+    hybrid_engine::training::metrics::read_records(path)?.pop().with_context(|| format!("{} is empty", path.display()))
 }
 
 /// The pretraining demo (issue 2's): a tiny GPT-2 on the embedded Shakespeare corpus, then a sample.

@@ -73,7 +73,8 @@ fn one_shot_prompt_prints_the_greedy_completion_of_the_model() {
     // The same completion computed through the library, independently of the binary.
     let model = rlhf::chat::ChatModel::load(root, &candle_core::Device::Cpu).unwrap();
     let eos = model.tokenizer.eos_id();
-    let sampling = hybrid_engine::generate::SamplingConfig::greedy(8, Some(eos), eos, model.tokenizer.vocab_size());
+    let sampling =
+        hybrid_engine::generation::generate::SamplingConfig::greedy(8, Some(eos), eos, model.tokenizer.vocab_size());
     let ids = model.tokenizer.encode("ROMEO:").unwrap();
     let want = model.tokenizer.decode(&model.complete(&ids, &sampling).unwrap()).unwrap();
     assert!(!want.is_empty());

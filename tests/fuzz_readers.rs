@@ -228,10 +228,11 @@ fn tiny_config() -> hybrid_engine::Gpt2Config {
 fn config_json() {
     let dir = tempfile::tempdir().unwrap();
     let params = hybrid_engine::ParamStore::init(&tiny_config(), 1, &Device::Cpu).unwrap();
-    hybrid_engine::checkpoint::save_model_dir(&dir.path().join("m"), &tiny_config(), &params, &|_| Ok(())).unwrap();
+    hybrid_engine::checkpoints::resume::save_model_dir(&dir.path().join("m"), &tiny_config(), &params, &|_| Ok(()))
+        .unwrap();
     let seeds = vec![std::fs::read(dir.path().join("m/config.json")).unwrap()];
     fuzz("config.json", "config.json", seeds, |b| {
-        as_file("config.json", b, |p| hybrid_engine::hf_io::read_config(p).map(|_| ()))
+        as_file("config.json", b, |p| hybrid_engine::checkpoints::hf_io::read_config(p).map(|_| ()))
     });
 }
 
@@ -240,24 +241,24 @@ fn safetensors_weights_in_a_model_directory() {
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("fuzzed-model");
     let params = hybrid_engine::ParamStore::init(&tiny_config(), 1, &Device::Cpu).unwrap();
-    hybrid_engine::checkpoint::save_model_dir(&model, &tiny_config(), &params, &|_| Ok(())).unwrap();
+    hybrid_engine::checkpoints::resume::save_model_dir(&model, &tiny_config(), &params, &|_| Ok(())).unwrap();
     let weights = model.join("model.safetensors");
     let seeds = vec![std::fs::read(&weights).unwrap()];
     // Errors name the model directory (what the user passed) or the file in it.
     fuzz("safetensors (model.safetensors)", "fuzzed-model", seeds, |b| {
         std::fs::write(&weights, b)?;
-        hybrid_engine::hf_io::load_model_dir(&model, &Device::Cpu).map(|_| ())
+        hybrid_engine::checkpoints::hf_io::load_model_dir(&model, &Device::Cpu).map(|_| ())
     });
 }
 
 #[test]
 fn a_checkpoints_trainer_state() {
-    use hybrid_engine::checkpoint::{save_checkpoint, TrainerState, FORMAT_VERSION, TRAINER_STATE};
+    use hybrid_engine::checkpoints::resume::{save_checkpoint, TrainerState, FORMAT_VERSION, TRAINER_STATE};
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path().join("ckpt");
     let params = hybrid_engine::ParamStore::init(&tiny_config(), 1, &Device::Cpu).unwrap();
-    let adam = hybrid_engine::optim::AdamWConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.0 };
-    let optimizer = hybrid_engine::optim::AdamW::new(adam, &params).unwrap();
+    let adam = hybrid_engine::training::optim::AdamWConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.0 };
+    let optimizer = hybrid_engine::training::optim::AdamW::new(adam, &params).unwrap();
     let state = TrainerState {
         format_version: FORMAT_VERSION,
         iteration: 3,
@@ -271,12 +272,12 @@ fn a_checkpoints_trainer_state() {
     let seeds = [std::fs::read(&state_file).unwrap(), std::fs::read(root.join("latest")).unwrap()];
     fuzz("trainer_state.json", TRAINER_STATE, vec![seeds[0].clone()], |b| {
         std::fs::write(&state_file, b)?;
-        hybrid_engine::checkpoint::load_checkpoint(&root, &Device::Cpu).map(|_| ())
+        hybrid_engine::checkpoints::resume::load_checkpoint(&root, &Device::Cpu).map(|_| ())
     });
     std::fs::write(&state_file, &seeds[0]).unwrap();
     fuzz("the latest pointer", "latest", vec![seeds[1].clone()], |b| {
         std::fs::write(root.join("latest"), b)?;
-        hybrid_engine::checkpoint::load_checkpoint(&root, &Device::Cpu).map(|_| ())
+        hybrid_engine::checkpoints::resume::load_checkpoint(&root, &Device::Cpu).map(|_| ())
     });
 }
 

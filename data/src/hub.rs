@@ -17,7 +17,7 @@ use anyhow::{anyhow, bail, Result};
 use hf_hub::api::sync::ApiBuilder;
 use hf_hub::{Cache, Repo, RepoType};
 
-use crate::sources::SplitPlan;
+use crate::file_splits::SplitPlan;
 
 /// The hub's automatic parquet conversion of a dataset.
 pub(crate) const CONVERTED_REVISION: &str = "refs/convert/parquet";

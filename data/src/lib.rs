@@ -8,6 +8,7 @@ pub mod batch;
 pub mod cache;
 pub mod corpus;
 pub mod demo;
+pub mod file_splits;
 pub mod hub;
 pub mod panics;
 pub mod phases;

@@ -29,11 +29,11 @@
 
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
-use hybrid_engine::generate::{generate, SamplingConfig};
-use hybrid_engine::gpt2::{Dropout, GPT2_EOS, GPT2_VOCAB};
-use hybrid_engine::metrics::peak_rss_mib;
-use hybrid_engine::ops::DropoutKey;
-use hybrid_engine::optim::{clip_grad_norm, AdamW, AdamWConfig, GradAccumulator};
+use hybrid_engine::generation::generate::{generate, SamplingConfig};
+use hybrid_engine::kernels::ops::DropoutKey;
+use hybrid_engine::model::gpt2::{Dropout, GPT2_EOS, GPT2_VOCAB};
+use hybrid_engine::training::metrics::peak_rss_mib;
+use hybrid_engine::training::optim::{clip_grad_norm, AdamW, AdamWConfig, GradAccumulator};
 use hybrid_engine::{Gpt2Config, ParamStore};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -189,7 +189,7 @@ fn cpu_seconds() -> f64 {
 /// position embedding; the token embedding counts as the tied LM head's weight), L layers, H
 /// heads of Q dimensions and T the sequence length (full, not causal-halved, attention).
 fn train_flops_per_token(cfg: &Gpt2Config, seq: usize) -> f64 {
-    let n = hybrid_engine::params::parameter_count(cfg) - cfg.n_positions * cfg.n_embd;
+    let n = hybrid_engine::model::params::parameter_count(cfg) - cfg.n_positions * cfg.n_embd;
     6.0 * n as f64 + 12.0 * (cfg.n_layer * cfg.n_head * cfg.head_dim() * seq) as f64
 }
 
@@ -233,12 +233,15 @@ fn bench_train(a: &TrainArgs, device: &Device) -> Result<serde_json::Value> {
         device.synchronize()?;
         let (start, cpu_start) = (Instant::now(), cpu_seconds());
         let mut acc = GradAccumulator::new(&params);
-        loss = hybrid_engine::train_step::lm_forward_backward(
+        loss = hybrid_engine::training::train_step::lm_forward_backward(
             &model,
             &ids,
             &targets,
             Some(&dropout),
-            hybrid_engine::train_step::Backward { checkpoint_activations: a.checkpoint_activations, loss_scale: 1.0 },
+            hybrid_engine::training::train_step::Backward {
+                checkpoint_activations: a.checkpoint_activations,
+                loss_scale: 1.0,
+            },
             &mut acc,
         )?;
         let mut grads = acc.finish()?;
@@ -267,7 +270,7 @@ fn bench_train(a: &TrainArgs, device: &Device) -> Result<serde_json::Value> {
         "seq": a.seq,
         "checkpoint_activations": a.checkpoint_activations,
         "vocab_size": cfg.vocab_size,
-        "params": hybrid_engine::params::parameter_count(&cfg),
+        "params": hybrid_engine::model::params::parameter_count(&cfg),
         "flops_per_token": train_flops_per_token(&cfg, a.seq),
         "threads": candle_core::utils::get_num_threads(),
         "warmup": a.warmup,

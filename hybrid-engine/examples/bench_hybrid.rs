@@ -15,9 +15,9 @@
 
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor, D};
-use hybrid_engine::engine::GenerationMode;
-use hybrid_engine::generate::{LeftPadded, SamplingConfig};
-use hybrid_engine::gpt2::{Gpt2, Positions, GPT2_VOCAB};
+use hybrid_engine::generation::engine::GenerationMode;
+use hybrid_engine::generation::generate::{LeftPadded, SamplingConfig};
+use hybrid_engine::model::gpt2::{Gpt2, Positions, GPT2_VOCAB};
 use hybrid_engine::{Gpt2Config, ParamStore};
 use std::time::Instant;
 
@@ -58,7 +58,8 @@ fn naive_generate(model: &Gpt2, prompts: &LeftPadded, new_tokens: usize, device:
         let flat_mask: Vec<u32> = mask.concat();
         let ids = Tensor::from_vec(rows.concat(), (b, t), device)?;
         let m = Tensor::from_vec(flat_mask.clone(), (b, t), device)?;
-        let pos = Tensor::from_vec(hybrid_engine::generate::position_ids(&flat_mask, b, t), (b, t), device)?;
+        let pos =
+            Tensor::from_vec(hybrid_engine::generation::generate::position_ids(&flat_mask, b, t), (b, t), device)?;
         let logits =
             model.forward(&ids, &Positions { position_ids: Some(&pos), attention_mask: Some(&m) }, None, None)?;
         let last = logits.narrow(1, t - 1, 1)?.squeeze(1)?.narrow(D::Minus1, 0, GPT2_VOCAB)?; // (B, V)

@@ -1,33 +1,27 @@
-//! The core of the RLHF system: GPT-2 on candle, its parameters and optimizer, schedules,
-//! checkpoints and generation. Later issues add precision, parallelism, ZeRO and the engine
-//! that switches one model between training and generation.
+//! The core of the RLHF system, one module per concern; imports point down this list:
+//!
+//! - `runtime`, `durable`, `device`: process setup, crash-safe files, where to compute;
+//! - `comm`: process groups from the launcher's environment, rendezvous, collectives (CPU ring,
+//!   NCCL);
+//! - `kernels`: CPU kernels with their backward and the dispatch between them and candle's ops;
+//! - `model`: GPT-2, its parameters, KV cache and reward head;
+//! - `training`: optimizer, mixed precision, schedules, the training step, memory plan, metrics;
+//! - `checkpoints`: Hugging Face model directories and resumable checkpoints;
+//! - `generation`: sampling with the KV cache and the hybrid engine's generation mode;
+//! - `cli`: the flags every step shares and their validation.
 
-pub mod checkpoint;
+pub mod checkpoints;
 pub mod cli;
-pub mod decode;
+pub mod comm;
 pub mod device;
 pub mod durable;
-pub mod engine;
-pub mod fused;
-pub mod generate;
-pub mod gpt2;
-pub mod hf_io;
-pub mod kv_cache;
-pub mod memory;
-pub mod metrics;
-pub mod ops;
-pub mod optim;
-pub mod params;
-pub mod precision;
-pub mod reward_model;
-pub mod rowops;
+pub mod generation;
+pub mod kernels;
+pub mod model;
 pub mod runtime;
-pub mod schedule;
-pub mod step_args;
-pub mod train_step;
-pub mod trainer;
+pub mod training;
 
-pub use gpt2::{Gpt2, Gpt2Config};
 /// LoRA's pure core and PEFT I/O, for the steps.
 pub use lora;
-pub use params::ParamStore;
+pub use model::gpt2::{Gpt2, Gpt2Config};
+pub use model::params::ParamStore;

@@ -10,7 +10,7 @@ pub const TEST_PANIC_ENV: &str = "RLHF_TEST_PANIC";
 /// The exit code of a process that panicked (Rust's own for a panic on the main thread).
 pub const PANIC_EXIT_CODE: i32 = 101;
 
-/// Configures the process: reports panics as one line ([`install_panic_hook`]), keeps freed memory for reuse ([`crate::memory::retain_freed_memory`]),
+/// Configures the process: reports panics as one line ([`install_panic_hook`]), keeps freed memory for reuse ([`retain_freed_memory`]),
 /// fixes candle's thread count and shortens its workers' spinning.
 ///
 /// candle 0.11 asks for its thread count before every matmul, and without `RAYON_NUM_THREADS`
@@ -26,7 +26,7 @@ pub const PANIC_EXIT_CODE: i32 = 101;
 /// when set, is kept.
 pub fn init() {
     install_panic_hook();
-    crate::memory::retain_freed_memory();
+    retain_freed_memory();
     // Called at the start of main, before other threads exist to read the environment.
     if std::env::var_os("RAYON_NUM_THREADS").is_none() && std::env::var_os("CANDLE_NUM_THREADS").is_none() {
         let threads = candle_core::utils::get_num_threads();
@@ -101,6 +101,40 @@ fn panic_if_asked_by_a_test() {
 pub fn threads() -> usize {
     static THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *THREADS.get_or_init(candle_core::utils::get_num_threads)
+}
+
+/// Keeps freed memory in the process for reuse instead of returning it to the kernel.
+///
+/// candle allocates a fresh buffer for every op result and frees it when dropped. glibc serves
+/// buffers above 32 MiB (a (B*T, V) logits tensor is 100-800 MiB) with a new `mmap` each time, and
+/// the kernel zero-fills every page on first touch: measured at about 20% of a tiny-model step in
+/// page faults. Serving them from the heap and never trimming it makes steps about 30% faster
+/// (BENCHMARKS.md); the price is that RSS stays at its peak, which a training process reaches
+/// on its first step anyway. Call once at startup, before threads allocate.
+pub fn retain_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only changes allocator tuning parameters; called before other threads
+    // exist, it cannot race with allocations.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_MAX, 0);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
+    }
+}
+
+/// RAM plus swap, `None` where it cannot be read.
+pub fn machine_memory_bytes() -> Option<u64> {
+    #[cfg(target_os = "linux")]
+    {
+        // SAFETY: sysinfo only writes the struct it is given, which is zero-initialised POD.
+        let mut info: libc::sysinfo = unsafe { std::mem::zeroed() };
+        if unsafe { libc::sysinfo(&mut info) } != 0 {
+            return None;
+        }
+        let unit = u64::from(info.mem_unit.max(1));
+        Some((info.totalram as u64).saturating_add(info.totalswap as u64).saturating_mul(unit))
+    }
+    #[cfg(not(target_os = "linux"))]
+    None
 }
 
 #[cfg(test)]

@@ -7,9 +7,12 @@
 
 use anyhow::Result;
 use candle_core::Device;
-use hybrid_engine::checkpoint::{load_checkpoint, save_checkpoint, save_model_dir, TrainerState, FORMAT_VERSION};
-use hybrid_engine::optim::{AdamW, AdamWConfig};
-use hybrid_engine::{hf_io, Gpt2Config, ParamStore};
+use hybrid_engine::checkpoints::hf_io;
+use hybrid_engine::checkpoints::resume::{
+    load_checkpoint, save_checkpoint, save_model_dir, TrainerState, FORMAT_VERSION,
+};
+use hybrid_engine::training::optim::{AdamW, AdamWConfig};
+use hybrid_engine::{Gpt2Config, ParamStore};
 use rand::{Rng, SeedableRng};
 use std::path::Path;
 use std::process::{Command, Stdio};

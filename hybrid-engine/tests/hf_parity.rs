@@ -6,12 +6,12 @@
 
 use anyhow::Result;
 use candle_core::{DType, Device, IndexOp, Tensor};
-use hybrid_engine::generate::{generate, SamplingConfig};
-use hybrid_engine::gpt2::{Dropout, Gpt2Cache, Positions};
-use hybrid_engine::hf_io::{load_model_dir, read_safetensors};
-use hybrid_engine::ops::DropoutKey;
-use hybrid_engine::optim::GradAccumulator;
-use hybrid_engine::train_step::{lm_forward_backward, Backward};
+use hybrid_engine::checkpoints::hf_io::{load_model_dir, read_safetensors};
+use hybrid_engine::generation::generate::{generate, SamplingConfig};
+use hybrid_engine::kernels::ops::DropoutKey;
+use hybrid_engine::model::gpt2::{Dropout, Gpt2Cache, Positions};
+use hybrid_engine::training::optim::GradAccumulator;
+use hybrid_engine::training::train_step::{lm_forward_backward, Backward};
 use hybrid_engine::{Gpt2, ParamStore};
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -213,7 +213,7 @@ fn fused_kernels_give_every_parameter_the_reference_ops_gradient() -> Result<()>
             Ok((loss, acc.finish()?))
         };
         let (fused_loss, fused) = run()?;
-        let (reference_loss, reference) = hybrid_engine::ops::with_reference_ops(run)?;
+        let (reference_loss, reference) = hybrid_engine::kernels::ops::with_reference_ops(run)?;
         assert!(((fused_loss - reference_loss) / reference_loss).abs() < 1e-6, "loss {fused_loss} vs {reference_loss}");
         let mut worst = 0f32;
         for ((name, a), b) in f.params.names.iter().zip(&fused).zip(&reference) {
@@ -237,26 +237,33 @@ fn fused_kernels_match_the_reference_ops_on_left_padded_batches() -> Result<()> 
     let (b, t) = input.dims2()?;
     let pad = [0usize, 3];
     let mask: Vec<u32> = (0..b).flat_map(|r| (0..t).map(move |j| u32::from(j >= pad[r % 2]))).collect();
-    let positions = hybrid_engine::generate::position_ids(&mask, b, t);
+    let positions = hybrid_engine::generation::generate::position_ids(&mask, b, t);
     let mask = Tensor::from_vec(mask, (b, t), &candle_core::Device::Cpu)?;
     let positions = Tensor::from_vec(positions, (b, t), &candle_core::Device::Cpu)?;
-    let pos = hybrid_engine::gpt2::Positions { position_ids: Some(&positions), attention_mask: Some(&mask) };
+    let pos = hybrid_engine::model::gpt2::Positions { position_ids: Some(&positions), attention_mask: Some(&mask) };
     let drop = Dropout::from_config(&f.model.cfg, DropoutKey { seed: 5, step: 1, micro_batch: 0 });
     let next = input.narrow(1, 4, t - 4)?.unsqueeze(2)?.contiguous()?; // (B, T-4, 1)
     for checkpoint in [false, true] {
         let run = || -> Result<(f32, Vec<Tensor>)> {
             let mut acc = GradAccumulator::new(&f.params);
             let how = Backward { checkpoint_activations: checkpoint, loss_scale: 1.0 };
-            let loss =
-                hybrid_engine::train_step::forward_backward(&f.model, &input, &pos, Some(&drop), how, &mut acc, |h| {
+            let loss = hybrid_engine::training::train_step::forward_backward(
+                &f.model,
+                &input,
+                &pos,
+                Some(&drop),
+                how,
+                &mut acc,
+                |h| {
                     let h = h.narrow(1, 3, t - 4)?; // (B, T-4, C)
-                    let logp = hybrid_engine::ops::log_softmax_last_dim(&f.model.lm_head(&h)?)?;
+                    let logp = hybrid_engine::kernels::ops::log_softmax_last_dim(&f.model.lm_head(&h)?)?;
                     logp.gather(&next, 2)?.mean_all()?.neg()
-                })?;
+                },
+            )?;
             Ok((loss, acc.finish()?))
         };
         let (fused_loss, fused) = run()?;
-        let (reference_loss, reference) = hybrid_engine::ops::with_reference_ops(run)?;
+        let (reference_loss, reference) = hybrid_engine::kernels::ops::with_reference_ops(run)?;
         assert!(((fused_loss - reference_loss) / reference_loss).abs() < 1e-5, "loss {fused_loss} vs {reference_loss}");
         for ((name, a), b) in f.params.names.iter().zip(&fused).zip(&reference) {
             let scale: f32 = b.abs()?.flatten_all()?.max(0)?.to_scalar()?;

@@ -6,14 +6,14 @@
 
 use anyhow::Result;
 use candle_core::{Device, Tensor, Var};
-use hybrid_engine::checkpoint::save_model_dir;
-use hybrid_engine::gpt2::{Gpt2Config, Positions};
-use hybrid_engine::hf_io::load_model_dir;
-use hybrid_engine::optim::{AdamWConfig, GradAccumulator};
-use hybrid_engine::reward_model::{add_score_head, SCORE_WEIGHT};
-use hybrid_engine::schedule::{DecayStyle, LrSchedule};
-use hybrid_engine::train_step::{lm_forward_backward, Backward};
-use hybrid_engine::trainer::Trainer;
+use hybrid_engine::checkpoints::hf_io::load_model_dir;
+use hybrid_engine::checkpoints::resume::save_model_dir;
+use hybrid_engine::model::gpt2::{Gpt2Config, Positions};
+use hybrid_engine::model::reward_model::{add_score_head, SCORE_WEIGHT};
+use hybrid_engine::training::optim::{AdamWConfig, GradAccumulator};
+use hybrid_engine::training::schedule::{DecayStyle, LrSchedule};
+use hybrid_engine::training::train_step::{lm_forward_backward, Backward};
+use hybrid_engine::training::trainer::Trainer;
 use hybrid_engine::ParamStore;
 use lora::LoraConfig;
 
@@ -211,7 +211,7 @@ fn a_saved_model_has_lora_merged_and_gives_the_unfused_logits() -> Result<()> {
     save_model_dir(&out, &cfg, &params, &|_| Ok(()))?;
     let files = load_model_dir(&out, &Device::Cpu)?;
     assert!(files.extra_tensors.is_empty(), "no adapter tensor is saved: {:?}", files.extra_tensors.keys());
-    let raw = hybrid_engine::hf_io::read_safetensors(&out.join("model.safetensors"), &Device::Cpu)?;
+    let raw = hybrid_engine::checkpoints::hf_io::read_safetensors(&out.join("model.safetensors"), &Device::Cpu)?;
     assert!(raw.keys().all(|k| !k.contains("lora")), "{:?}", raw.keys());
     let loaded = ParamStore::from_tensors(&files.config, &files.tensors, &Device::Cpu)?;
     let d = max_abs_diff(&unfused, &logits(&loaded, &files.config)?)?;

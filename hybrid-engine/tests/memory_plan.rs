@@ -7,12 +7,12 @@
 //! a run that will not fit is known before it starts.
 
 use candle_core::{Device, Tensor};
-use hybrid_engine::gpt2::Dropout;
-use hybrid_engine::memory::MemoryPlan;
-use hybrid_engine::ops::DropoutKey;
-use hybrid_engine::optim::GradAccumulator;
-use hybrid_engine::reward_model::{add_score_head, RewardModel};
-use hybrid_engine::train_step::{forward_backward, lm_forward_backward, Backward};
+use hybrid_engine::kernels::ops::DropoutKey;
+use hybrid_engine::model::gpt2::Dropout;
+use hybrid_engine::model::reward_model::{add_score_head, RewardModel};
+use hybrid_engine::training::memory::MemoryPlan;
+use hybrid_engine::training::optim::GradAccumulator;
+use hybrid_engine::training::train_step::{forward_backward, lm_forward_backward, Backward};
 use hybrid_engine::{Gpt2Config, ParamStore};
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};

@@ -3,12 +3,12 @@
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
-use hybrid_engine::gpt2::Gpt2Config;
-use hybrid_engine::optim::AdamWConfig;
-use hybrid_engine::precision::{Dtype, LossScaling, Precision};
-use hybrid_engine::schedule::{DecayStyle, LrSchedule};
-use hybrid_engine::train_step::{lm_forward_backward, Backward};
-use hybrid_engine::trainer::Trainer;
+use hybrid_engine::model::gpt2::Gpt2Config;
+use hybrid_engine::training::optim::AdamWConfig;
+use hybrid_engine::training::precision::{Dtype, LossScaling, Precision};
+use hybrid_engine::training::schedule::{DecayStyle, LrSchedule};
+use hybrid_engine::training::train_step::{lm_forward_backward, Backward};
+use hybrid_engine::training::trainer::Trainer;
 use hybrid_engine::ParamStore;
 
 fn schedule(lr: f64) -> LrSchedule {
@@ -69,7 +69,7 @@ fn fp16_overflow_skips_the_step_and_halves_the_scale_after_the_hysteresis() -> R
     let clean = trainer.micro_batch_done(&master)?.expect("a step");
     assert!(!clean.skipped && clean.grad_norm.is_finite());
     let fp32 = before.model(&cfg)?;
-    let mut acc = hybrid_engine::optim::GradAccumulator::new(&before);
+    let mut acc = hybrid_engine::training::optim::GradAccumulator::new(&before);
     lm_forward_backward(
         &fp32,
         &ids,
@@ -78,7 +78,7 @@ fn fp16_overflow_skips_the_step_and_halves_the_scale_after_the_hysteresis() -> R
         Backward { checkpoint_activations: false, loss_scale: 1.0 },
         &mut acc,
     )?;
-    let want = hybrid_engine::optim::global_grad_norm(&acc.finish()?)?;
+    let want = hybrid_engine::training::optim::global_grad_norm(&acc.finish()?)?;
     assert!((clean.grad_norm - want).abs() < 0.01 * want, "unscaled norm {} vs fp32 {want}", clean.grad_norm);
     assert_eq!(trainer.optimizer.step, 1);
     for (name, var) in master.iter() {

@@ -9,10 +9,10 @@ mod models;
 
 use anyhow::Result;
 use candle_core::{Device, Tensor};
-use hybrid_engine::gpt2::Positions;
-use hybrid_engine::hf_io::load_model_dir;
+use hybrid_engine::checkpoints::hf_io::load_model_dir;
 use hybrid_engine::lora::peft::{load_peft_adapter, ADAPTER_WEIGHTS};
-use hybrid_engine::reward_model::{RewardModel, SCORE_WEIGHT};
+use hybrid_engine::model::gpt2::Positions;
+use hybrid_engine::model::reward_model::{RewardModel, SCORE_WEIGHT};
 use hybrid_engine::ParamStore;
 use serde_json::Value;
 

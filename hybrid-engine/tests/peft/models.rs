@@ -7,11 +7,11 @@
 
 use anyhow::Result;
 use candle_core::{Device, Tensor};
-use hybrid_engine::checkpoint::save_model_dir;
-use hybrid_engine::gpt2::Gpt2Config;
+use hybrid_engine::checkpoints::resume::save_model_dir;
 use hybrid_engine::lora::peft::{save_peft_adapter, PeftAdapter};
 use hybrid_engine::lora::{Adapter, LoraConfig};
-use hybrid_engine::reward_model::{add_score_head, causal_lm_config, SCORE_WEIGHT};
+use hybrid_engine::model::gpt2::Gpt2Config;
+use hybrid_engine::model::reward_model::{add_score_head, causal_lm_config, SCORE_WEIGHT};
 use hybrid_engine::ParamStore;
 use std::path::Path;
 

@@ -7,8 +7,8 @@ use anyhow::{bail, Result};
 use clap::Parser;
 use data::args::DataArgs;
 use hybrid_engine::cli;
-use hybrid_engine::precision::{Dtype, PrecisionArgs};
-use hybrid_engine::schedule::DecayStyle;
+use hybrid_engine::training::precision::{Dtype, PrecisionArgs};
+use hybrid_engine::training::schedule::DecayStyle;
 use std::path::PathBuf;
 
 #[derive(Parser, Debug, Clone)]

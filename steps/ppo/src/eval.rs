@@ -6,9 +6,9 @@ use crate::experience::ForwardInputs;
 use anyhow::Result;
 use candle_core::Device;
 use data::Tokenizer;
-use hybrid_engine::generate::{generate_left_padded, LeftPadded, SamplingConfig};
-use hybrid_engine::gpt2::Gpt2;
-use hybrid_engine::reward_model::RewardModel;
+use hybrid_engine::generation::generate::{generate_left_padded, LeftPadded, SamplingConfig};
+use hybrid_engine::model::gpt2::Gpt2;
+use hybrid_engine::model::reward_model::RewardModel;
 use serde::Serialize;
 
 /// A policy's greedy answers to held-out prompts, scored.

@@ -10,10 +10,10 @@
 use crate::ppo::{self, PpoConfig};
 use anyhow::Result;
 use candle_core::{Device, Tensor};
-use hybrid_engine::engine::GenerationMode;
-use hybrid_engine::generate::{gather_log_probs, position_ids, LeftPadded, SamplingConfig};
-use hybrid_engine::gpt2::{Gpt2, Positions};
-use hybrid_engine::reward_model::RewardModel;
+use hybrid_engine::generation::engine::GenerationMode;
+use hybrid_engine::generation::generate::{gather_log_probs, position_ids, LeftPadded, SamplingConfig};
+use hybrid_engine::model::gpt2::{Gpt2, Positions};
+use hybrid_engine::model::reward_model::RewardModel;
 
 /// One rollout's record. Per-action arrays are (B, L - 1) row-major; `advantages` and
 /// `returns` cover actions `start..` only: (B, L - 1 - start).
@@ -217,9 +217,9 @@ impl ForwardInputs {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use hybrid_engine::generate::generate_left_padded;
-    use hybrid_engine::gpt2::Gpt2Config;
-    use hybrid_engine::reward_model::add_score_head;
+    use hybrid_engine::generation::generate::generate_left_padded;
+    use hybrid_engine::model::gpt2::Gpt2Config;
+    use hybrid_engine::model::reward_model::add_score_head;
     use hybrid_engine::ParamStore;
 
     fn small() -> Gpt2Config {

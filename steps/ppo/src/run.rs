@@ -11,16 +11,16 @@ use crate::trainer::{PpoModels, Trained, UpdateStats};
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
 use data::{PackedCorpus, Tokenizer};
-use hybrid_engine::checkpoint::save_model_dir;
-use hybrid_engine::engine::GenerationMode;
-use hybrid_engine::generate::{LeftPadded, SamplingConfig};
-use hybrid_engine::gpt2::Gpt2Config;
-use hybrid_engine::hf_io::{load_model_dir, resolve_model_dir};
-use hybrid_engine::metrics::{peak_rss_mib, Metrics};
-use hybrid_engine::optim::AdamWConfig;
-use hybrid_engine::reward_model::{causal_lm_config, sequence_classification_config, RewardModel, SCORE_WEIGHT};
-use hybrid_engine::schedule::LrSchedule;
-use hybrid_engine::trainer::Trainer;
+use hybrid_engine::checkpoints::hf_io::{load_model_dir, resolve_model_dir};
+use hybrid_engine::checkpoints::resume::save_model_dir;
+use hybrid_engine::generation::engine::GenerationMode;
+use hybrid_engine::generation::generate::{LeftPadded, SamplingConfig};
+use hybrid_engine::model::gpt2::Gpt2Config;
+use hybrid_engine::model::reward_model::{causal_lm_config, sequence_classification_config, RewardModel, SCORE_WEIGHT};
+use hybrid_engine::training::metrics::{peak_rss_mib, Metrics};
+use hybrid_engine::training::optim::AdamWConfig;
+use hybrid_engine::training::schedule::LrSchedule;
+use hybrid_engine::training::trainer::Trainer;
 use hybrid_engine::ParamStore;
 use serde::Serialize;
 use serde_json::json;
@@ -48,7 +48,7 @@ fn read_model(
     flag: &str,
     dropout: Option<f64>,
     device: &Device,
-) -> Result<(Gpt2Config, ParamStore, hybrid_engine::hf_io::ModelFiles)> {
+) -> Result<(Gpt2Config, ParamStore, hybrid_engine::checkpoints::hf_io::ModelFiles)> {
     let dir = resolve_model_dir(name).with_context(|| format!("{flag} {name:?}"))?;
     let files = load_model_dir(&dir, device)?;
     let mut config = files.config.clone();

@@ -3,9 +3,9 @@
 //! uninterrupted run; bad input is one clear error line.
 
 use candle_core::Device;
-use hybrid_engine::checkpoint::save_model_dir;
-use hybrid_engine::gpt2::Gpt2Config;
-use hybrid_engine::reward_model::{add_score_head, causal_lm_config, sequence_classification_config};
+use hybrid_engine::checkpoints::resume::save_model_dir;
+use hybrid_engine::model::gpt2::Gpt2Config;
+use hybrid_engine::model::reward_model::{add_score_head, causal_lm_config, sequence_classification_config};
 use hybrid_engine::ParamStore;
 use std::path::Path;
 use std::process::{Command, Output};
@@ -95,8 +95,9 @@ fn with_lora_only_the_adapters_train_and_resume_is_exact() {
     assert!(full.contains("actor LoRA: rank 4") && full.contains("critic LoRA: rank 4"), "{full}");
     // The saved actor has the adapters merged: plain GPT-2 tensors, and the change from the
     // step-1 weights is the rank-4 product scaling * A^T B^T in every adapted linear.
-    let saved = hybrid_engine::hf_io::load_model_dir(&dir.path().join("full/actor"), &Device::Cpu).unwrap();
-    let start = hybrid_engine::hf_io::load_model_dir(&dir.path().join("actor"), &Device::Cpu).unwrap();
+    let saved =
+        hybrid_engine::checkpoints::hf_io::load_model_dir(&dir.path().join("full/actor"), &Device::Cpu).unwrap();
+    let start = hybrid_engine::checkpoints::hf_io::load_model_dir(&dir.path().join("actor"), &Device::Cpu).unwrap();
     assert!(saved.extra_tensors.keys().all(|k| !k.contains("lora")), "adapters are merged, not saved");
     let unchanged = |name: &str| {
         let d = (&saved.tensors[name] - &start.tensors[name]).unwrap().abs().unwrap().max_all().unwrap();
@@ -211,7 +212,7 @@ fn an_interval_off_a_safe_point_moves_and_the_models_are_saved_before_the_evalua
     assert!(root.join("checkpoints/iter_0000004").is_dir() && !root.join("checkpoints/iter_0000003").exists());
     assert!(root.join("checkpoints/iter_0000007").is_dir(), "the final checkpoint is written:\n{log}");
     for model in ["actor", "critic", "actor_ema"] {
-        hybrid_engine::hf_io::load_model_dir(&root.join(model), &Device::Cpu)
+        hybrid_engine::checkpoints::hf_io::load_model_dir(&root.join(model), &Device::Cpu)
             .unwrap_or_else(|e| panic!("{model} was not saved before the evaluation: {e:#}"));
     }
 }

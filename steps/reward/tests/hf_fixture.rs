@@ -5,9 +5,9 @@
 //! them back with our loaders and compare.
 
 use candle_core::{Device, Tensor};
-use hybrid_engine::gpt2::Positions;
-use hybrid_engine::hf_io::load_model_dir;
-use hybrid_engine::reward_model::{RewardModel, SCORE_WEIGHT};
+use hybrid_engine::checkpoints::hf_io::load_model_dir;
+use hybrid_engine::model::gpt2::Positions;
+use hybrid_engine::model::reward_model::{RewardModel, SCORE_WEIGHT};
 use hybrid_engine::ParamStore;
 use reward::fixture::{fixture_models, save_fixture_models, FIXTURE_EOS};
 use reward::loss::{batch_spans, end_scores};

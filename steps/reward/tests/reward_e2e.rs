@@ -64,7 +64,7 @@ fn a_short_run_learns_the_demo_pairs_and_reports_them() {
     assert_eq!(config["architectures"][0], "GPT2ForSequenceClassification");
     assert_eq!(config["num_labels"], 1);
     assert_eq!(config["pad_token_id"], 50256);
-    let files = hybrid_engine::hf_io::load_model_dir(&out, &candle_core::Device::Cpu).unwrap();
+    let files = hybrid_engine::checkpoints::hf_io::load_model_dir(&out, &candle_core::Device::Cpu).unwrap();
     assert_eq!(files.extra_tensors["score.weight"].dims(), [1, 128]);
 }
 
@@ -100,9 +100,9 @@ fn bad_input_is_one_clear_error_line() {
 #[test]
 fn lora_only_run_saves_a_merged_model_and_an_adapter_that_reproduces_it() {
     use candle_core::{Device, Tensor};
-    use hybrid_engine::gpt2::{Gpt2Config, Positions};
     use hybrid_engine::lora::peft::load_peft_adapter;
-    use hybrid_engine::reward_model::{RewardModel, SCORE_WEIGHT};
+    use hybrid_engine::model::gpt2::{Gpt2Config, Positions};
+    use hybrid_engine::model::reward_model::{RewardModel, SCORE_WEIGHT};
     use hybrid_engine::ParamStore;
 
     let dir = tempfile::tempdir().unwrap();
@@ -141,7 +141,7 @@ fn lora_only_run_saves_a_merged_model_and_an_adapter_that_reproduces_it() {
     assert!(stdout.contains("only LoRA is optimized"), "{stdout}");
 
     let d = Device::Cpu;
-    let files = hybrid_engine::hf_io::load_model_dir(&out, &d).unwrap();
+    let files = hybrid_engine::checkpoints::hf_io::load_model_dir(&out, &d).unwrap();
     assert_eq!(files.extra_tensors.keys().collect::<Vec<_>>(), [SCORE_WEIGHT], "no adapter tensors in the model");
     let mut saved = ParamStore::from_tensors(&files.config, &files.tensors, &d).unwrap();
     saved.push(SCORE_WEIGHT, &files.extra_tensors[SCORE_WEIGHT]).unwrap();

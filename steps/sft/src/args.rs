@@ -4,7 +4,7 @@
 
 use clap::Parser;
 use data::args::DataArgs;
-use hybrid_engine::step_args::StepArgs;
+use hybrid_engine::cli::step_args::StepArgs;
 use std::path::PathBuf;
 
 /// DS-Chat's step-1 default learning rate.

@@ -8,13 +8,13 @@ use crate::pretrain_args::{PretrainArgs, PretrainConfig};
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
 use data::{BlockSampler, CorpusSource, PackedCorpus, SamplerCursor, Tokenizer};
-use hybrid_engine::checkpoint::{self, TrainerState, FORMAT_VERSION};
-use hybrid_engine::gpt2::{Dropout, Gpt2};
-use hybrid_engine::memory::MemoryPlan;
-use hybrid_engine::metrics::{peak_rss_mib, Metrics};
-use hybrid_engine::ops::DropoutKey;
-use hybrid_engine::train_step::{lm_forward_backward, Backward};
-use hybrid_engine::trainer::{Trainer, TrainerProgress};
+use hybrid_engine::checkpoints::resume::{self, TrainerState, FORMAT_VERSION};
+use hybrid_engine::kernels::ops::DropoutKey;
+use hybrid_engine::model::gpt2::{Dropout, Gpt2};
+use hybrid_engine::training::memory::MemoryPlan;
+use hybrid_engine::training::metrics::{peak_rss_mib, Metrics};
+use hybrid_engine::training::train_step::{lm_forward_backward, Backward};
+use hybrid_engine::training::trainer::{Trainer, TrainerProgress};
 use hybrid_engine::ParamStore;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -87,12 +87,12 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     // Refused here, before the weights and the first micro-batch are allocated, rather than by an
     // allocation abort. The weights first: the plan counts parameters through their inventory,
     // one entry per tensor, which an absurd layer count would make enormous itself.
-    hybrid_engine::memory::check_weights_fit(&model_cfg, &device)?;
+    hybrid_engine::model::params::check_weights_fit(&model_cfg, &device)?;
     let plan = MemoryPlan::new(&model_cfg, args.micro_batch_size, args.seq_length, args.checkpoint_activations)
         .with_gradient_accumulation(args.gradient_accumulation_steps)
         .with_compute_dtype(args.precision.dtype.dtype())
         .on_device(&device);
-    hybrid_engine::memory::check_plan_fits(&plan, &device)?;
+    hybrid_engine::training::memory::check_plan_fits(&plan, &device)?;
     // What a checkpoint restores beyond the weights: the optimizer state, its step (fewer than
     // the iterations when fp16 skipped some) and the trainer's counters.
     struct Resume {
@@ -106,7 +106,7 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
             (params, 0, SamplerCursor::default(), None)
         }
         Some(root) => {
-            let ck = checkpoint::load_checkpoint(root, &device)?;
+            let ck = resume::load_checkpoint(root, &device)?;
             check_same_shape(&ck.model.config, &model_cfg)?;
             let saved: DataLayout = serde_json::from_value(ck.state.run["data"].clone())
                 .context("checkpoint's trainer_state.json lacks the data layout")?;
@@ -166,7 +166,7 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
         "cannot resume: --data-path, --split or --seq-length differ from the run that saved the checkpoint (use the same, or start anew without --load)",
     )?;
     println!("{}", plan.report());
-    if precision.dtype != hybrid_engine::precision::Dtype::Fp32 {
+    if precision.dtype != hybrid_engine::training::precision::Dtype::Fp32 {
         println!("compute dtype: {} (fp32 master weights and Adam moments)", precision.dtype.name());
     }
 
@@ -245,10 +245,9 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
         }
         if args.save_interval > 0 && iteration % args.save_interval == 0 {
             let state = trainer_state(iteration, args, &sampler, &cfg, &layout, &trainer);
-            let dir =
-                checkpoint::save_checkpoint(&cfg.save_dir, &model_cfg, &params, &trainer.optimizer, &state, &|d| {
-                    tokenizer.save(&d.join("tokenizer.json"))
-                })?;
+            let dir = resume::save_checkpoint(&cfg.save_dir, &model_cfg, &params, &trainer.optimizer, &state, &|d| {
+                tokenizer.save(&d.join("tokenizer.json"))
+            })?;
             metrics.println(&format!(" saved checkpoint at iteration {iteration} to {}", dir.display()));
             last_saved = Some(iteration);
             summary.checkpoint = Some(dir);
@@ -259,13 +258,13 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     let end = summary.iterations;
     if last_saved != Some(end) {
         let state = trainer_state(end, args, &sampler, &cfg, &layout, &trainer);
-        let dir = checkpoint::save_checkpoint(&cfg.save_dir, &model_cfg, &params, &trainer.optimizer, &state, &|d| {
+        let dir = resume::save_checkpoint(&cfg.save_dir, &model_cfg, &params, &trainer.optimizer, &state, &|d| {
             tokenizer.save(&d.join("tokenizer.json"))
         })?;
         println!(" saved checkpoint at iteration {end} to {}", dir.display());
         summary.checkpoint = Some(dir);
     } else if summary.checkpoint.is_none() {
-        summary.checkpoint = Some(hybrid_engine::hf_io::latest_checkpoint(&cfg.save_dir)?);
+        summary.checkpoint = Some(hybrid_engine::checkpoints::hf_io::latest_checkpoint(&cfg.save_dir)?);
     }
     if !eval_batches.is_empty() {
         let l = evaluate(&model, &corpus, &eval_batches, &device)?;

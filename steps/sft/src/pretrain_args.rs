@@ -4,9 +4,9 @@
 use anyhow::{bail, Result};
 use clap::Parser;
 use hybrid_engine::cli;
-use hybrid_engine::gpt2::Gpt2Config;
-use hybrid_engine::optim::AdamWConfig;
-use hybrid_engine::schedule::{DecayStyle, LrSchedule};
+use hybrid_engine::model::gpt2::Gpt2Config;
+use hybrid_engine::training::optim::AdamWConfig;
+use hybrid_engine::training::schedule::{DecayStyle, LrSchedule};
 use std::path::PathBuf;
 
 #[derive(Parser, Debug, Clone)]
@@ -135,7 +135,7 @@ pub struct PretrainArgs {
     pub device: String,
     /// --dtype, --compute-fp32-loss, --loss-scale-window, --initial-scale-power.
     #[command(flatten)]
-    pub precision: hybrid_engine::precision::PrecisionArgs,
+    pub precision: hybrid_engine::training::precision::PrecisionArgs,
 }
 
 /// Validated pretraining settings.
@@ -229,7 +229,7 @@ fn model_config(name: &str) -> Result<Gpt2Config> {
     let path = std::path::Path::new(name);
     let file = if path.is_dir() { path.join("config.json") } else { path.to_path_buf() };
     if file.is_file() {
-        return hybrid_engine::hf_io::read_config(&file);
+        return hybrid_engine::checkpoints::hf_io::read_config(&file);
     }
     bail!("--model {name:?} is neither a preset ({}) nor a config.json", Gpt2Config::PRESETS)
 }

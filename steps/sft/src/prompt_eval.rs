@@ -4,7 +4,7 @@
 use anyhow::Result;
 use candle_core::Device;
 use data::Tokenizer;
-use hybrid_engine::generate::{generate, SamplingConfig};
+use hybrid_engine::generation::generate::{generate, SamplingConfig};
 use hybrid_engine::Gpt2;
 use serde::Serialize;
 

@@ -104,8 +104,8 @@ fn one_epoch_on_the_demo_lowers_perplexity_and_saves_a_model_that_generates() {
 #[test]
 fn lora_only_run_lowers_perplexity_and_saves_a_merged_model_and_a_peft_adapter() {
     use candle_core::{Device, Tensor};
-    use hybrid_engine::gpt2::{Gpt2Config, Positions};
     use hybrid_engine::lora::peft::load_peft_adapter;
+    use hybrid_engine::model::gpt2::{Gpt2Config, Positions};
     use hybrid_engine::ParamStore;
 
     let dir = tempfile::tempdir().unwrap();
@@ -126,7 +126,7 @@ fn lora_only_run_lowers_perplexity_and_saves_a_merged_model_and_a_peft_adapter()
     assert!(ppl[1] < 0.8 * ppl[0], "one epoch of LoRA alone must lower perplexity: {ppl:?}");
 
     let d = Device::Cpu;
-    let files = hybrid_engine::hf_io::load_model_dir(&out, &d).unwrap();
+    let files = hybrid_engine::checkpoints::hf_io::load_model_dir(&out, &d).unwrap();
     assert!(files.extra_tensors.is_empty(), "adapters are merged, never saved as tensors");
     let saved = ParamStore::from_tensors(&files.config, &files.tensors, &d).unwrap();
     let mut base = ParamStore::init(&Gpt2Config::tiny(), 1234, &d).unwrap(); // the preset at --seed 1234

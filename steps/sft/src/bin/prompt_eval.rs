@@ -29,8 +29,8 @@ struct Args {
 fn run(args: &Args) -> Result<()> {
     let device = hybrid_engine::device::parse_device(&args.device)?;
     let load = |name: &str| -> Result<(hybrid_engine::Gpt2, std::path::PathBuf)> {
-        let dir = hybrid_engine::hf_io::resolve_model_dir(name)?;
-        let files = hybrid_engine::hf_io::load_model_dir(&dir, &device)?;
+        let dir = hybrid_engine::checkpoints::hf_io::resolve_model_dir(name)?;
+        let files = hybrid_engine::checkpoints::hf_io::load_model_dir(&dir, &device)?;
         let params = hybrid_engine::ParamStore::from_tensors(&files.config, &files.tensors, &device)?;
         Ok((params.model(&files.config)?, dir))
     };

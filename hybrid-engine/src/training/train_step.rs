@@ -6,10 +6,10 @@
 //! walks the blocks in reverse, recomputes one block from its saved input, and back-propagates
 //! the incoming gradient through it with the surrogate `sum(out * grad_out)`. Only one block's
 //! activations are alive at a time. Dropout masks are a pure function of their
-//! [`crate::ops::DropoutKey`], so the recomputation draws the same masks as the forward.
+//! [`crate::kernels::ops::DropoutKey`], so the recomputation draws the same masks as the forward.
 
-use crate::gpt2::{Dropout, Gpt2, Positions};
-use crate::optim::GradAccumulator;
+use crate::model::gpt2::{Dropout, Gpt2, Positions};
+use crate::training::optim::GradAccumulator;
 use anyhow::{anyhow, Result};
 use candle_core::{Tensor, Var};
 

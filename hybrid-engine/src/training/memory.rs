@@ -3,41 +3,15 @@
 //! micro-batch, with and without activation checkpointing. Printed at startup; the measured
 //! peak (see `metrics::peak_rss_mib`) is printed at the end so the two can be compared.
 
-use crate::gpt2::Gpt2Config;
-use crate::params::parameter_count;
+use crate::model::gpt2::Gpt2Config;
+use crate::model::params::parameter_count;
 
 const MIB: f64 = 1024.0 * 1024.0;
-
-/// Keeps freed memory in the process for reuse instead of returning it to the kernel.
-///
-/// candle allocates a fresh buffer for every op result and frees it when dropped. glibc serves
-/// buffers above 32 MiB (a (B*T, V) logits tensor is 100-800 MiB) with a new `mmap` each time, and
-/// the kernel zero-fills every page on first touch: measured at about 20% of a tiny-model step in
-/// page faults. Serving them from the heap and never trimming it makes steps about 30% faster
-/// (BENCHMARKS.md); the price is that RSS stays at its peak, which a training process reaches
-/// on its first step anyway. Call once at startup, before threads allocate.
-pub fn retain_freed_memory() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: mallopt only changes allocator tuning parameters; called before other threads
-    // exist, it cannot race with allocations.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_MAX, 0);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
-    }
-}
-
-/// Refuses, before anything is allocated, a model whose f32 weights alone exceed the machine's
-/// memory (RAM and swap) when they are to live on the CPU: the allocation would otherwise abort
-/// the process without a word of why. The memory plan, printed later, details the rest.
-pub fn check_weights_fit(cfg: &Gpt2Config, device: &candle_core::Device) -> anyhow::Result<()> {
-    let (Some(memory), true) = (machine_memory_bytes(), device.is_cpu()) else { return Ok(()) };
-    weights_fit(cfg, memory)
-}
 
 /// Refuses, before training allocates it, a plan whose estimated total exceeds the machine's
 /// memory (RAM and swap) on the CPU: `--micro-batch-size` or `--seq-length` too large for it.
 pub fn check_plan_fits(plan: &MemoryPlan, device: &candle_core::Device) -> anyhow::Result<()> {
-    let (Some(memory), true) = (machine_memory_bytes(), device.is_cpu()) else { return Ok(()) };
+    let (Some(memory), true) = (crate::runtime::machine_memory_bytes(), device.is_cpu()) else { return Ok(()) };
     plan_fits(plan, memory)
 }
 
@@ -55,40 +29,6 @@ fn plan_fits(plan: &MemoryPlan, memory: u64) -> anyhow::Result<()> {
         );
     }
     Ok(())
-}
-
-/// [`check_weights_fit`] against `memory` bytes.
-fn weights_fit(cfg: &Gpt2Config, memory: u64) -> anyhow::Result<()> {
-    let parameters = cfg.checked_parameter_count().unwrap_or(u64::MAX);
-    let bytes = parameters.saturating_mul(4);
-    if bytes > memory {
-        anyhow::bail!(
-            "the model has {:.2}B parameters, {:.1} GiB of f32 weights alone, more than this machine's {:.1} GiB of memory (RAM and swap): choose smaller dimensions (n_layer {}, n_embd {}, vocab_size {})",
-            parameters as f64 / 1e9,
-            bytes as f64 / (1024.0 * MIB),
-            memory as f64 / (1024.0 * MIB),
-            cfg.n_layer,
-            cfg.n_embd,
-            cfg.vocab_size
-        );
-    }
-    Ok(())
-}
-
-/// RAM plus swap, `None` where it cannot be read.
-fn machine_memory_bytes() -> Option<u64> {
-    #[cfg(target_os = "linux")]
-    {
-        // SAFETY: sysinfo only writes the struct it is given, which is zero-initialised POD.
-        let mut info: libc::sysinfo = unsafe { std::mem::zeroed() };
-        if unsafe { libc::sysinfo(&mut info) } != 0 {
-            return None;
-        }
-        let unit = u64::from(info.mem_unit.max(1));
-        Some((info.totalram as u64).saturating_add(info.totalswap as u64).saturating_mul(unit))
-    }
-    #[cfg(not(target_os = "linux"))]
-    None
 }
 
 /// Which implementation runs a micro-batch: it decides what forward keeps for backward.
@@ -292,7 +232,7 @@ impl MemoryPlan {
     }
 
     fn set_kernels(&mut self) {
-        let fused = self.device_is_cpu && self.activations.dtype_bytes == 4 && !crate::ops::reference_ops();
+        let fused = self.device_is_cpu && self.activations.dtype_bytes == 4 && !crate::kernels::ops::reference_ops();
         self.activations.kernels = if fused { Kernels::FusedCpu } else { Kernels::Composed };
     }
 
@@ -341,16 +281,6 @@ mod tests {
         let absurd = MemoryPlan::new(&tiny, usize::MAX, 64, false);
         assert_eq!((absurd.activation_bytes(), absurd.total()), (u64::MAX, u64::MAX), "saturates, no overflow");
         assert!(check_plan_fits(&absurd, &candle_core::Device::Cpu).is_err());
-    }
-
-    #[test]
-    fn weights_larger_than_the_machine_are_refused_before_allocation() {
-        let gpt2 = Gpt2Config::from_preset("gpt2").unwrap();
-        assert!(weights_fit(&gpt2, 4 * 124_439_808).is_ok(), "exactly enough");
-        let err = weights_fit(&gpt2, 4 * 124_439_808 - 1).unwrap_err().to_string();
-        assert!(err.contains("0.12B parameters") && err.contains("choose smaller dimensions"), "{err}");
-        let deep = Gpt2Config { n_layer: 1_000_000_000, ..gpt2 };
-        assert!(check_weights_fit(&deep, &candle_core::Device::Cpu).is_err(), "7 quadrillion parameters fit nowhere");
     }
 
     #[test]

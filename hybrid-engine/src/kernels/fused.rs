@@ -20,143 +20,12 @@
 //! back to the composed reference (also in `ops.rs`) for other dtypes and devices; the tests
 //! below check values and gradients against those references and against finite differences.
 
-use crate::rowops;
+use crate::kernels::dropout::DropoutMask;
+use crate::kernels::parallel::{
+    contiguous_f32, contiguous_u32, for_chunks, for_rows, for_rows_weighted, gemm_f32, par_rows, reduce_rows, SharedOut,
+};
+use crate::kernels::rowops;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
-use std::ops::Range;
-
-/// Below this many output values a kernel runs on the calling thread: waking the pool costs
-/// more than it saves (candle's own element-wise ops use 64k).
-const PARALLEL_MIN: usize = 32 * 1024;
-
-pub(crate) fn contiguous_f32<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [f32]> {
-    let (start, end) =
-        l.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg(format!("{what} must be contiguous")))?;
-    match s {
-        CpuStorage::F32(v) => Ok(&v[start..end]),
-        _ => candle_core::bail!("{what} must be f32"),
-    }
-}
-
-fn contiguous_u32<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [u32]> {
-    let (start, end) =
-        l.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg(format!("{what} must be contiguous")))?;
-    match s {
-        CpuStorage::U32(v) => Ok(&v[start..end]),
-        _ => candle_core::bail!("{what} must be u32"),
-    }
-}
-
-/// The spare capacity of an output vector, which the pool's workers write in disjoint pieces
-/// before the owner sets its length (outputs are fully overwritten: no zero fill first).
-#[derive(Clone, Copy)]
-pub(crate) struct SharedOut {
-    ptr: *mut f32,
-    len: usize,
-}
-
-// SAFETY: only used to hand disjoint ranges of one buffer to the pool's workers (see `range`).
-unsafe impl Send for SharedOut {}
-unsafe impl Sync for SharedOut {}
-
-impl SharedOut {
-    /// The first `len` values of `out`'s buffer (reserved here), which must be empty.
-    pub(crate) fn new(out: &mut Vec<f32>, len: usize) -> Self {
-        assert!(out.is_empty(), "SharedOut writes from the start of an empty vector");
-        out.reserve_exact(len);
-        Self { ptr: out.as_mut_ptr(), len }
-    }
-
-    /// A pointer to value `offset`, for strided writes (gemm): the caller keeps them disjoint.
-    pub(crate) fn at(&self, offset: usize) -> *mut f32 {
-        assert!(offset < self.len, "offset {offset} outside a buffer of {}", self.len);
-        // SAFETY: within the reserved buffer.
-        unsafe { self.ptr.add(offset) }
-    }
-
-    /// # Safety
-    /// No two live slices may overlap: callers derive ranges from disjoint row ranges.
-    #[allow(clippy::mut_from_ref)]
-    pub(crate) unsafe fn range(&self, r: Range<usize>) -> &mut [f32] {
-        assert!(r.start <= r.end && r.end <= self.len, "range {r:?} outside a buffer of {}", self.len);
-        // Writing through a slice of uninitialised f32 is sound in practice (every bit pattern
-        // is a valid f32) and is what candle's own kernels do; the callers only write.
-        std::slice::from_raw_parts_mut(self.ptr.add(r.start), r.len())
-    }
-}
-
-/// Runs `f(row_range)` over `rows` rows on candle's CPU thread pool (the calling thread when
-/// the work, about `work` values touched, is small).
-pub(crate) fn par_rows(rows: usize, work: usize, f: impl Fn(Range<usize>) + Sync) {
-    if work < PARALLEL_MIN || rows < 2 {
-        f(0..rows);
-    } else {
-        candle_core::utils::barrier_pool().execute_chunked(rows, f);
-    }
-}
-
-/// A new (rows * width) buffer, row r written by `f(r, row)` in parallel.
-fn for_rows(rows: usize, width: usize, f: impl Fn(usize, &mut [f32]) + Sync) -> Vec<f32> {
-    for_rows_weighted(rows, width, rows * width, f)
-}
-
-/// A new buffer of `len` values written by `f(range, out)` over chunks in parallel.
-fn for_chunks(len: usize, f: impl Fn(Range<usize>, &mut [f32]) + Sync) -> Vec<f32> {
-    const CHUNK: usize = 16 * 1024;
-    let mut out = Vec::new();
-    let shared = SharedOut::new(&mut out, len);
-    par_rows(len.div_ceil(CHUNK), len, |chunks| {
-        for ci in chunks {
-            let range = ci * CHUNK..((ci + 1) * CHUNK).min(len);
-            // SAFETY: chunks are disjoint.
-            f(range.clone(), unsafe { shared.range(range) });
-        }
-    });
-    // SAFETY: the chunks cover every value.
-    unsafe { out.set_len(len) };
-    out
-}
-
-/// [`for_rows`] where the work per row is not its width (a row-wise reduction).
-fn for_rows_weighted(rows: usize, width: usize, work: usize, f: impl Fn(usize, &mut [f32]) + Sync) -> Vec<f32> {
-    let mut out = Vec::new();
-    let shared = SharedOut::new(&mut out, rows * width);
-    par_rows(rows, work, |range| {
-        for r in range {
-            // SAFETY: the pool hands out disjoint row ranges.
-            f(r, unsafe { shared.range(r * width..(r + 1) * width) });
-        }
-    });
-    // SAFETY: every row was written by `f`.
-    unsafe { out.set_len(rows * width) };
-    out
-}
-
-/// Blocks of rows in a parallel reduction: a fixed number, so the result does not depend on
-/// the thread count.
-const REDUCE_BLOCKS: usize = 16;
-
-/// Runs `f(row_range, partial)` over `rows` rows split into blocks, each with its own zeroed
-/// `width`-value accumulator, and returns the sum of the accumulators. The blocks and the order
-/// of the final sum do not depend on which thread runs what: the result is deterministic.
-fn reduce_rows(rows: usize, width: usize, work: usize, f: impl Fn(Range<usize>, &mut [f32]) + Sync) -> Vec<f32> {
-    let blocks = if work < PARALLEL_MIN { 1 } else { REDUCE_BLOCKS.min(rows).max(1) };
-    let per = rows.div_ceil(blocks).max(1);
-    let mut partials = vec![0f32; blocks * width];
-    let shared = SharedOut { ptr: partials.as_mut_ptr(), len: partials.len() };
-    par_rows(blocks, work, |bs| {
-        for blk in bs {
-            // SAFETY: each block owns its accumulator.
-            let partial = unsafe { shared.range(blk * width..(blk + 1) * width) };
-            f(blk * per..((blk + 1) * per).min(rows), partial);
-        }
-    });
-    let (sum, rest) = partials.split_at_mut(width);
-    for partial in rest.chunks(width) {
-        sum.iter_mut().zip(partial).for_each(|(s, p)| *s += p);
-    }
-    partials.truncate(width);
-    partials
-}
 
 // ---------------------------------------------------------------------------------------------
 // Cross-entropy
@@ -597,48 +466,6 @@ pub fn gelu(h: &Tensor) -> Result<Tensor> {
 // ---------------------------------------------------------------------------------------------
 // Linear (HF Conv1D)
 
-/// `dst (m x n) = lhs (m x k) * rhs (k x n)`, plus `dst` when `accumulate`, by gemm with
-/// arbitrary (row, column) strides; `threads` > 1 splits it over rayon as candle's matmul does.
-///
-/// # Safety
-/// The pointers must address matrices of these shapes and strides, `dst` not overlapping the
-/// others nor any matrix another thread writes.
-#[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn gemm_f32(
-    (m, n, k): (usize, usize, usize),
-    dst: *mut f32,
-    dst_rs: usize,
-    lhs: *const f32,
-    (lhs_rs, lhs_cs): (usize, usize),
-    rhs: *const f32,
-    (rhs_rs, rhs_cs): (usize, usize),
-    accumulate: bool,
-    threads: usize,
-) {
-    let parallelism = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
-    gemm::gemm(
-        m,
-        n,
-        k,
-        dst,
-        1,
-        dst_rs as isize,
-        accumulate,
-        lhs,
-        lhs_cs as isize,
-        lhs_rs as isize,
-        rhs,
-        rhs_cs as isize,
-        rhs_rs as isize,
-        1.0,
-        1.0,
-        false,
-        false,
-        false,
-        parallelism,
-    )
-}
-
 /// `x W + b` for x (.., in), W (in, out) (Hugging Face's Conv1D layout), b (out,): one gemm
 /// accumulating into rows that start as the bias. Backward: dx = dy W^T, dW = x^T dy (both
 /// skipped for inputs that need no gradient, e.g. frozen weights), db = column sums of dy.
@@ -668,9 +495,9 @@ impl CustomOp3 for Linear {
         let n = x.len() / d_in;
         let mut dims = l1.shape().dims().to_vec();
         *dims.last_mut().expect("linear input has a last dimension") = d_out;
-        if n <= crate::decode::MAX_LINEAR_ROWS && crate::decode::available() {
+        if n <= crate::kernels::decode::MAX_LINEAR_ROWS && crate::kernels::decode::available() {
             // A decoding step: a few rows, where streaming the weights on every core wins.
-            return Ok((CpuStorage::F32(crate::decode::linear_rows(x, n, w, b)), Shape::from(dims)));
+            return Ok((CpuStorage::F32(crate::kernels::decode::linear_rows(x, n, w, b)), Shape::from(dims)));
         }
         let mut out = Vec::with_capacity(n * d_out);
         for _ in 0..n {
@@ -758,14 +585,14 @@ pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
 struct Attention {
     n_head: usize,
     scale: f32,
-    dropout: Option<crate::ops::DropoutMask>,
+    dropout: Option<DropoutMask>,
 }
 
 /// Gradient of [`Attention`] for (qkv, bias, dy): dqkv (B, T, 3C).
 struct AttentionGrad {
     n_head: usize,
     scale: f32,
-    dropout: Option<crate::ops::DropoutMask>,
+    dropout: Option<DropoutMask>,
 }
 
 /// Shapes of one attention call and where a (batch, head) pair's matrices live.
@@ -980,7 +807,7 @@ pub fn attention(
     bias: &Tensor,
     n_head: usize,
     scale: f64,
-    dropout: Option<crate::ops::DropoutMask>,
+    dropout: Option<DropoutMask>,
 ) -> Result<Tensor> {
     qkv.contiguous()?.apply_op2(&bias.contiguous()?, Attention { n_head, scale: scale as f32, dropout })
 }
@@ -990,7 +817,7 @@ pub fn attention(
 
 /// Inverted dropout: keeps element i, scaled by 1/(1-p), where `keep(i)` of the mask holds.
 struct Dropout {
-    mask: crate::ops::DropoutMask,
+    mask: DropoutMask,
 }
 
 impl Dropout {
@@ -1016,7 +843,7 @@ impl CustomOp1 for Dropout {
 }
 
 /// Dropout of f32 `x` on the CPU with `mask`.
-pub fn dropout(x: &Tensor, mask: crate::ops::DropoutMask) -> Result<Tensor> {
+pub fn dropout(x: &Tensor, mask: DropoutMask) -> Result<Tensor> {
     x.contiguous()?.apply_op1(Dropout { mask })
 }
 
@@ -1052,7 +879,7 @@ pub fn sum_of_squares(t: &Tensor) -> Result<Option<f64>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops;
+    use crate::kernels::ops;
     use candle_core::{DType, Device, Var};
 
     thread_local! {

@@ -5,8 +5,8 @@
 //! Only safetensors and JSON are ever parsed (never pickle), defensively: a truncated or corrupt
 //! file is one error line naming it.
 
-use crate::gpt2::Gpt2Config;
-use crate::params::ParamStore;
+use crate::model::gpt2::Gpt2Config;
+use crate::model::params::ParamStore;
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::safetensors::Load;
 use candle_core::{Device, Tensor};
@@ -216,7 +216,8 @@ pub fn load_model_dir(dir: &Path, device: &Device) -> Result<ModelFiles> {
         );
     };
     let (tensors, extra_tensors) = split_hf_names(raw);
-    let expected: BTreeSet<String> = crate::params::parameter_shapes(&config).into_iter().map(|(n, _)| n).collect();
+    let expected: BTreeSet<String> =
+        crate::model::params::parameter_shapes(&config).into_iter().map(|(n, _)| n).collect();
     if let Some(missing) = expected.iter().find(|n| !tensors.contains_key(*n)) {
         bail!("{} lacks tensor {missing}: it is not a complete GPT-2 checkpoint", dir.display());
     }
@@ -236,7 +237,7 @@ fn split_hf_names(raw: HashMap<String, Tensor>) -> (HashMap<String, Tensor>, Has
         if is_buffer || name == "lm_head.weight" {
             continue;
         }
-        if crate::params::is_trunk_name(short) {
+        if crate::model::params::is_trunk_name(short) {
             trunk.insert(short.to_string(), t);
         } else {
             extra.insert(name, t);
@@ -267,14 +268,15 @@ pub fn write_model_files(
     write_json(&dir.join(CONFIG), &json)?;
 
     // HF nests the trunk under `transformer.`; heads (`score.weight`) sit at the top level.
-    let hf_name = |n: &str| if crate::params::is_trunk_name(n) { format!("transformer.{n}") } else { n.to_string() };
+    let hf_name =
+        |n: &str| if crate::model::params::is_trunk_name(n) { format!("transformer.{n}") } else { n.to_string() };
     let mut tensors: Vec<(String, Tensor)> = params.iter().map(|(n, v)| (hf_name(n), v.as_tensor().clone())).collect();
     tensors.extend(extra.iter().map(|(n, t)| (n.to_string(), (*t).clone())));
     let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
     safetensors::serialize_to_file(tensors, Some(metadata), &dir.join(WEIGHTS))
         .with_context(|| format!("writing {}", dir.join(WEIGHTS).display()))?;
 
-    let eos = config.eos_token_id.unwrap_or(crate::gpt2::GPT2_EOS);
+    let eos = config.eos_token_id.unwrap_or(crate::model::gpt2::GPT2_EOS);
     let generation = serde_json::json!({
         "bos_token_id": config.bos_token_id.unwrap_or(eos),
         "eos_token_id": eos,

@@ -72,7 +72,7 @@ fn upcast(x: &Tensor) -> Result<Tensor> {
 /// LayerNorm over the last dimension, biased variance as in `torch.nn.LayerNorm`.
 pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
     if fused(&[x, weight, bias]) {
-        crate::fused::layer_norm(x, weight, bias, eps)
+        crate::kernels::fused::layer_norm(x, weight, bias, eps)
     } else {
         layer_norm_reference(x, weight, bias, eps)
     }
@@ -93,7 +93,7 @@ pub fn layer_norm_reference(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64
 /// scores `att` (B, NH, T, S) and the additive mask `bias` (B or 1, 1, T, S), a constant.
 pub fn masked_softmax(att: &Tensor, scale: f64, bias: &Tensor) -> Result<Tensor> {
     if fused(&[att, bias]) && !bias.track_op() && bias.rank() == 4 {
-        crate::fused::masked_softmax(att, scale, bias)
+        crate::kernels::fused::masked_softmax(att, scale, bias)
     } else {
         masked_softmax_reference(att, scale, bias)
     }
@@ -109,7 +109,7 @@ pub fn masked_softmax_reference(att: &Tensor, scale: f64, bias: &Tensor) -> Resu
 /// GELU: GPT-2's tanh approximation (`gelu_new`), or with `exact` the erf form (`gelu`).
 pub fn gelu(h: &Tensor, exact: bool) -> Result<Tensor> {
     if !exact && fused(&[h]) {
-        crate::fused::gelu(h)
+        crate::kernels::fused::gelu(h)
     } else {
         gelu_reference(h, exact)
     }
@@ -127,7 +127,7 @@ pub fn gelu_reference(h: &Tensor, exact: bool) -> Result<Tensor> {
 /// `x W + b` for `x` (.., in), `w` (in, out) (Hugging Face's Conv1D layout), `b` (out,).
 pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
     if fused(&[x, w, b]) {
-        crate::fused::linear(x, w, b)
+        crate::kernels::fused::linear(x, w, b)
     } else {
         linear_reference(x, w, b)
     }
@@ -162,8 +162,8 @@ pub fn merge_heads(y: &Tensor) -> Result<Tensor> {
 /// keys and values (B, NH, S, HD), bias (B or 1, 1, T, S) -> (B, T, C). No gradient flows into
 /// the cache (it is written in place), so none is kept here.
 pub fn cached_attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale: f64) -> Result<Tensor> {
-    if fused(&[q, k, v, bias]) && crate::rowops::has_fma() && bias.rank() == 4 {
-        crate::decode::cached_attention(q, k, v, bias, scale)
+    if fused(&[q, k, v, bias]) && crate::kernels::rowops::has_fma() && bias.rank() == 4 {
+        crate::kernels::decode::cached_attention(q, k, v, bias, scale)
     } else {
         let att = masked_softmax(&q.matmul(&k.t()?)?, scale, bias)?; // (B, NH, T, S)
         merge_heads(&att.matmul(v)?)
@@ -171,11 +171,11 @@ pub fn cached_attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale
 }
 
 /// The tied LM head `x wte^T`: (N, C), (V, C) -> (N, V). For the few rows of a decoding step
-/// on the CPU, [`crate::decode::lm_head`] (1.4-3.5x the matmul's speed there); the plain
+/// on the CPU, [`crate::kernels::decode::lm_head`] (1.4-3.5x the matmul's speed there); the plain
 /// matmul otherwise.
 pub fn lm_head_logits(x: &Tensor, wte: &Tensor) -> Result<Tensor> {
-    if fused(&[x, wte]) && x.dim(0)? <= crate::decode::MAX_LM_HEAD_ROWS {
-        crate::decode::lm_head(x, wte)
+    if fused(&[x, wte]) && x.dim(0)? <= crate::kernels::decode::MAX_LM_HEAD_ROWS {
+        crate::kernels::decode::lm_head(x, wte)
     } else {
         x.matmul(&wte.t()?)
     }
@@ -192,7 +192,7 @@ pub fn attention(
     dropout: Option<DropoutMask>,
 ) -> Result<Tensor> {
     if fused(&[qkv, bias]) && !bias.track_op() && bias.rank() == 4 {
-        crate::fused::attention(qkv, bias, n_head, scale, dropout)
+        crate::kernels::fused::attention(qkv, bias, n_head, scale, dropout)
     } else {
         attention_reference(qkv, bias, n_head, scale, dropout)
     }
@@ -225,7 +225,7 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
 /// a tensor, see `fused::LmHeadCrossEntropy`).
 pub fn lm_head_cross_entropy_rows(x: &Tensor, wte: &Tensor, targets: &Tensor) -> Result<Tensor> {
     if fused(&[x, wte]) {
-        crate::fused::lm_head_cross_entropy_rows(x, wte, &targets.to_dtype(DType::U32)?)
+        crate::kernels::fused::lm_head_cross_entropy_rows(x, wte, &targets.to_dtype(DType::U32)?)
     } else {
         lm_head_cross_entropy_rows_reference(x, wte, targets)
     }
@@ -243,7 +243,7 @@ pub fn lm_head_cross_entropy_rows_reference(x: &Tensor, wte: &Tensor, targets: &
 pub fn cross_entropy_rows(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     let logits32 = logits.to_dtype(DType::F32)?;
     let rows = if logits.device().is_cpu() && !reference_ops() {
-        crate::fused::cross_entropy_rows(&logits32, &targets.to_dtype(DType::U32)?)?
+        crate::kernels::fused::cross_entropy_rows(&logits32, &targets.to_dtype(DType::U32)?)?
     } else {
         cross_entropy_rows_reference(&logits32, targets)?
     };
@@ -257,63 +257,7 @@ pub fn cross_entropy_rows_reference(logits: &Tensor, targets: &Tensor) -> Result
     logp.gather(&targets.unsqueeze(1)?, 1)?.squeeze(1)?.neg()
 }
 
-/// Identifies one dropout site in one step, so its mask is a pure function of where it is used.
-///
-/// Counter-based rather than a stream: activation checkpointing recomputes a block in backward
-/// and must draw the very same mask, and a resumed run must draw the masks the uninterrupted
-/// run would have drawn, with no RNG state to carry. The fused kernel also regenerates the mask
-/// in backward instead of keeping it, and draws it in parallel.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct DropoutKey {
-    pub seed: u64,
-    pub step: u64,
-    pub micro_batch: u64,
-}
-
-use crate::rowops::{splitmix64, GOLDEN_GAMMA};
-
-impl DropoutKey {
-    /// The mask of site `site` of layer `layer` (layer `u64::MAX` = embeddings) with drop
-    /// probability `p`.
-    pub fn mask(&self, p: f64, layer: u64, site: u64) -> DropoutMask {
-        let mut h = self.seed ^ GOLDEN_GAMMA;
-        for v in [self.step, self.micro_batch, layer, site] {
-            h = splitmix64(h ^ v);
-        }
-        let threshold = (p * 4_294_967_296.0).round().clamp(0.0, u32::MAX as f64) as u32;
-        DropoutMask { seed: h, threshold, scale: (1.0 / (1.0 - p)) as f32 }
-    }
-}
-
-/// The keep/drop pattern of one dropout site: element `i` is kept, and scaled by 1 / (1 - p),
-/// when the high half of SplitMix64's `i`-th output from the site's seed is at least p * 2^32.
-/// A counter-based generator: any element's draw is computed directly from its index.
-#[derive(Clone, Copy, Debug)]
-pub struct DropoutMask {
-    seed: u64,
-    threshold: u32,
-    scale: f32,
-}
-
-impl DropoutMask {
-    /// Elements per unit of parallel work in the fused kernel.
-    pub const CHUNK: usize = 16 * 1024;
-
-    /// The multiplier of element `i`: 0 or 1 / (1 - p).
-    pub fn factor(&self, i: usize) -> f32 {
-        crate::rowops::dropout_factor(self.seed, self.threshold, self.scale, i as u64)
-    }
-
-    /// `out[j] = x[j] * factor(start + j)`.
-    pub fn apply(&self, start: usize, x: &[f32], out: &mut [f32]) {
-        crate::rowops::dropout(self.seed, self.threshold, self.scale, start as u64, x, out)
-    }
-
-    /// `x[j] *= factor(start + j)`.
-    pub fn apply_in_place(&self, start: usize, x: &mut [f32]) {
-        crate::rowops::dropout_in_place(self.seed, self.threshold, self.scale, start as u64, x)
-    }
-}
+pub use crate::kernels::dropout::{DropoutKey, DropoutMask};
 
 /// Inverted dropout with probability `p`, its mask drawn from `key` at (`layer`, `site`).
 pub fn dropout(x: &Tensor, p: f64, key: &DropoutKey, layer: u64, site: u64) -> Result<Tensor> {
@@ -322,7 +266,7 @@ pub fn dropout(x: &Tensor, p: f64, key: &DropoutKey, layer: u64, site: u64) -> R
     }
     let mask = key.mask(p, layer, site);
     if fused(&[x]) {
-        crate::fused::dropout(x, mask)
+        crate::kernels::fused::dropout(x, mask)
     } else {
         dropout_reference(x, mask)
     }

@@ -198,7 +198,7 @@ impl LossScaler {
 
 /// Whether any gradient holds an inf or a NaN (the sum of squares is then non-finite too).
 pub fn has_overflow(grads: &[Tensor]) -> Result<bool> {
-    Ok(!crate::optim::global_grad_norm(grads)?.is_finite())
+    Ok(!crate::training::optim::global_grad_norm(grads)?.is_finite())
 }
 
 #[cfg(test)]

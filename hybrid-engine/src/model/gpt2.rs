@@ -6,7 +6,7 @@
 //! Shapes: B batch, T new tokens, P cached tokens, S = P + T keys, C `n_embd`, NH `n_head`,
 //! HD = C / NH, V `vocab_size` (the embedding's real row count, Megatron padding included), L layers.
 
-use crate::ops::{self, DropoutKey};
+use crate::kernels::ops::{self, DropoutKey};
 use anyhow::bail;
 use candle_core::{DType, Device, Result, Tensor};
 use candle_nn::VarBuilder;
@@ -131,7 +131,7 @@ impl Gpt2Config {
     pub const PRESETS: &'static str = "tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl";
 
     /// The parameter count (the tied LM head once) from the dimensions alone, with checked
-    /// arithmetic: `None` when it overflows 64 bits. Unlike [`crate::params::parameter_count`] it
+    /// arithmetic: `None` when it overflows 64 bits. Unlike [`crate::model::params::parameter_count`] it
     /// builds no inventory, so [`Gpt2Config::validate`] can size any config, however absurd.
     pub fn checked_parameter_count(&self) -> Option<u64> {
         let n = |x: usize| u64::try_from(x).ok();
@@ -273,7 +273,7 @@ impl Dropout {
 }
 
 /// One layer's keys and values, preallocated for `max_len` positions on first use.
-pub use crate::kv_cache::KvCache;
+pub use crate::model::kv_cache::KvCache;
 
 /// The KV caches of all layers.
 pub struct Gpt2Cache {
@@ -622,7 +622,7 @@ mod tests {
             Gpt2Config { n_layer: 3, n_embd: 24, n_head: 4, n_positions: 40, vocab_size: 77, ..Gpt2Config::tiny() };
         let wide_mlp = Gpt2Config { n_inner: Some(50), ..odd.clone() };
         for cfg in [Gpt2Config::from_preset("gpt2").unwrap(), odd, wide_mlp] {
-            assert_eq!(cfg.checked_parameter_count(), Some(crate::params::parameter_count(&cfg) as u64));
+            assert_eq!(cfg.checked_parameter_count(), Some(crate::model::params::parameter_count(&cfg) as u64));
         }
         let huge = Gpt2Config { n_embd: usize::MAX / 2, ..Gpt2Config::tiny() };
         assert_eq!(huge.checked_parameter_count(), None);

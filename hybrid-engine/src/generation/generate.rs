@@ -5,7 +5,7 @@
 //! position ids count real tokens only (`cumsum(mask) - 1`), so a padded row produces the same
 //! tokens as the same prompt alone.
 
-use crate::gpt2::{Gpt2, Gpt2Cache, Positions};
+use crate::model::gpt2::{Gpt2, Gpt2Cache, Positions};
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor, D};
 use rand::{Rng, SeedableRng};
@@ -50,7 +50,7 @@ pub fn sample_token(logits: &[f32], cfg: &SamplingConfig, rng: &mut ChaCha8Rng) 
     let limit = cfg.vocab_limit.min(logits.len());
     let logits = &logits[..limit];
     if cfg.is_greedy() {
-        return crate::rowops::argmax(logits) as u32;
+        return crate::kernels::rowops::argmax(logits) as u32;
     }
     let t = cfg.temperature.unwrap_or(1.0);
     let mut order: Vec<usize> = (0..limit).collect();
@@ -210,7 +210,7 @@ pub fn generate_with_cache(
         let last = model.lm_head(&last)?.to_dtype(DType::F32)?; // (B, V)
         let v = last.dim(1)?;
         let logits: Vec<f32> = last.flatten_all()?.to_vec1()?;
-        let lse = crate::decode::log_sum_exp_rows(&logits, v);
+        let lse = crate::kernels::decode::log_sum_exp_rows(&logits, v);
         let mut step = Vec::with_capacity(b);
         for (r, row) in logits.chunks_exact(v).enumerate() {
             let tok = if done[r] { cfg.pad_token_id } else { sample_token(row, cfg, &mut rng) };
@@ -239,7 +239,7 @@ pub fn generate_with_cache(
 /// computed in the logits' dtype. DS-Chat `gather_log_probs`.
 pub fn gather_log_probs(logits: &Tensor, ids: &Tensor) -> Result<Tensor> {
     let t = ids.dim(1)?;
-    let logp = crate::ops::log_softmax_last_dim(&logits.narrow(1, 0, t - 1)?)?;
+    let logp = crate::kernels::ops::log_softmax_last_dim(&logits.narrow(1, 0, t - 1)?)?;
     let next = ids.narrow(1, 1, t - 1)?.unsqueeze(D::Minus1)?;
     Ok(logp.gather(&next.contiguous()?, D::Minus1)?.squeeze(D::Minus1)?.to_dtype(DType::F32)?)
 }
@@ -280,7 +280,8 @@ mod tests {
             let batch = LeftPadded::new(&prompts, p, 0);
             let sampling = SamplingConfig::greedy(10, None, 0, 50257);
             let fast = generate_left_padded(&model, &batch, &sampling, &dev)?;
-            let reference = crate::ops::with_reference_ops(|| generate_left_padded(&model, &batch, &sampling, &dev))?;
+            let reference =
+                crate::kernels::ops::with_reference_ops(|| generate_left_padded(&model, &batch, &sampling, &dev))?;
             assert_eq!(fast.tokens, reference.tokens, "{rows} rows");
             for (a, b) in fast.logprobs.iter().flatten().zip(reference.logprobs.iter().flatten()) {
                 assert!((a - b).abs() < 1e-4, "{rows} rows: log-prob {a} vs {b}");

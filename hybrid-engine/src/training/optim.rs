@@ -4,7 +4,7 @@
 //! clipping by the global gradient norm. Moments are f32 whatever the compute dtype (candle's
 //! AdamW in f16 diverges: g^2 underflows).
 
-use crate::params::ParamStore;
+use crate::model::params::ParamStore;
 use anyhow::{bail, Result};
 use candle_core::{backprop::GradStore, CpuStorage, DType, InplaceOp2, Layout, Tensor, Var};
 use serde::{Deserialize, Serialize};
@@ -249,7 +249,7 @@ impl GradAccumulator {
 pub fn global_grad_norm(grads: &[Tensor]) -> Result<f64> {
     let mut sum = 0f64;
     for g in grads {
-        sum += match crate::fused::sum_of_squares(g)? {
+        sum += match crate::kernels::fused::sum_of_squares(g)? {
             Some(s) => s, // CPU f32: one pass, no squared copy
             None => g.sqr()?.sum_all()?.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?,
         };
@@ -281,7 +281,7 @@ pub fn clip_to_norm(grads: &mut [Tensor], norm: f64, max_norm: f64) -> Result<()
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::gpt2::Gpt2Config;
+    use crate::model::gpt2::Gpt2Config;
     use candle_core::Device;
 
     #[test]

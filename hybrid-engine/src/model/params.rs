@@ -9,7 +9,7 @@
 //! optimizer is given only [`ParamStore::trainable`]. A saved model always has LoRA merged
 //! ([`ParamStore::merged`]).
 
-use crate::gpt2::{Gpt2, Gpt2Config};
+use crate::model::gpt2::{Gpt2, Gpt2Config};
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::VarBuilder;
@@ -17,6 +17,8 @@ use lora::{Adapter, LoraConfig, LoraLinear};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::collections::HashMap;
+
+const GIB: f64 = (1u64 << 30) as f64;
 
 /// Named parameters in a fixed order (the order of [`parameter_shapes`], then heads and adapters
 /// in the order they were added).
@@ -34,7 +36,7 @@ impl ParamStore {
     /// Takes ownership of `tensors` (as f32 `Var`s) in the config's parameter order; every
     /// parameter must be present with its expected shape.
     pub fn from_tensors(cfg: &Gpt2Config, tensors: &HashMap<String, Tensor>, device: &Device) -> Result<Self> {
-        crate::memory::check_weights_fit(cfg, device)?;
+        check_weights_fit(cfg, device)?;
         let mut store = Self::default();
         for (name, shape) in parameter_shapes(cfg) {
             let Some(t) = tensors.get(&name) else {
@@ -52,7 +54,7 @@ impl ParamStore {
     /// weights and embeddings, zero biases, unit LayerNorm gains, and the residual projections
     /// (`c_proj`) scaled by 1/sqrt(2 * n_layer) (GPT-2 paper, section 2.3).
     pub fn init(cfg: &Gpt2Config, seed: u64, device: &Device) -> Result<Self> {
-        crate::memory::check_weights_fit(cfg, device)?;
+        check_weights_fit(cfg, device)?;
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let std = cfg.initializer_range;
         let proj_std = std / (2.0 * cfg.n_layer as f64).sqrt();
@@ -349,9 +351,45 @@ pub(crate) fn normal(rng: &mut ChaCha8Rng) -> f64 {
     (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
 }
 
+/// Refuses, before anything is allocated, a model whose f32 weights alone exceed the machine's
+/// memory (RAM and swap) when they are to live on the CPU: the allocation would otherwise abort
+/// the process without a word of why. The memory plan, printed later, details the rest.
+pub fn check_weights_fit(cfg: &Gpt2Config, device: &candle_core::Device) -> anyhow::Result<()> {
+    let (Some(memory), true) = (crate::runtime::machine_memory_bytes(), device.is_cpu()) else { return Ok(()) };
+    weights_fit(cfg, memory)
+}
+
+/// [`check_weights_fit`] against `memory` bytes.
+fn weights_fit(cfg: &Gpt2Config, memory: u64) -> anyhow::Result<()> {
+    let parameters = cfg.checked_parameter_count().unwrap_or(u64::MAX);
+    let bytes = parameters.saturating_mul(4);
+    if bytes > memory {
+        anyhow::bail!(
+            "the model has {:.2}B parameters, {:.1} GiB of f32 weights alone, more than this machine's {:.1} GiB of memory (RAM and swap): choose smaller dimensions (n_layer {}, n_embd {}, vocab_size {})",
+            parameters as f64 / 1e9,
+            bytes as f64 / GIB,
+            memory as f64 / GIB,
+            cfg.n_layer,
+            cfg.n_embd,
+            cfg.vocab_size
+        );
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn weights_larger_than_the_machine_are_refused_before_allocation() {
+        let gpt2 = Gpt2Config::from_preset("gpt2").unwrap();
+        assert!(weights_fit(&gpt2, 4 * 124_439_808).is_ok(), "exactly enough");
+        let err = weights_fit(&gpt2, 4 * 124_439_808 - 1).unwrap_err().to_string();
+        assert!(err.contains("0.12B parameters") && err.contains("choose smaller dimensions"), "{err}");
+        let deep = Gpt2Config { n_layer: 1_000_000_000, ..gpt2 };
+        assert!(check_weights_fit(&deep, &candle_core::Device::Cpu).is_err(), "7 quadrillion parameters fit nowhere");
+    }
 
     #[test]
     fn init_follows_hf_statistics_and_is_seeded() -> Result<()> {

@@ -20,7 +20,7 @@
 //! the attention runs on AVX2 with FMA too, with AVX-512 intrinsics for head sizes 32, 64 and
 //! 128. Each is tested against the composed candle ops.
 
-use crate::fused::{contiguous_f32 as contiguous, par_rows, SharedOut};
+use crate::kernels::parallel::{contiguous_f32 as contiguous, gemm_f32, par_rows, SharedOut};
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 use std::ops::Range;
 
@@ -37,7 +37,7 @@ pub const MAX_LM_HEAD_ROWS: usize = 64;
 
 /// Whether the CPU runs these kernels (AVX-512).
 pub fn available() -> bool {
-    crate::rowops::has_avx512()
+    crate::kernels::rowops::has_avx512()
 }
 
 /// Defines `fn $name` whose body is compiled twice, for AVX-512 and for AVX2 + FMA, the one the
@@ -59,11 +59,11 @@ macro_rules! fma_kernel {
                 #[target_feature(enable = "avx2,fma")]
                 #[allow(clippy::too_many_arguments)]
                 unsafe fn v3($($arg: $ty),*) { body($($arg),*) }
-                if crate::rowops::has_avx512() {
+                if crate::kernels::rowops::has_avx512() {
                     // SAFETY: the CPU has the features (checked at run time).
                     return unsafe { v4($($arg),*) };
                 }
-                assert!(crate::rowops::has_fma(), "decode kernels need FMA (check decode::available)");
+                assert!(crate::kernels::rowops::has_fma(), "decode kernels need FMA (check decode::available)");
                 // SAFETY: as above.
                 return unsafe { v3($($arg),*) };
             }
@@ -153,7 +153,7 @@ mod avx512 {
                 }
                 *sc = _mm512_reduce_add_ps(acc);
             }
-            crate::rowops::masked_softmax_in_place(scores, bias, scale);
+            crate::kernels::rowops::masked_softmax_in_place(scores, bias, scale);
             let mut acc = [_mm512_setzero_ps(); HV];
             for (j, &p) in scores.iter().enumerate() {
                 let (pb, vp) = (_mm512_set1_ps(p), v.as_ptr().add(j * vs));
@@ -219,7 +219,7 @@ fn linear_blocks(
     out: &SharedOut,
 ) {
     use avx512::linear_tile;
-    assert!(crate::rowops::has_avx512(), "decode kernels need AVX-512 (check decode::available)");
+    assert!(crate::kernels::rowops::has_avx512(), "decode kernels need AVX-512 (check decode::available)");
     for blk in blocks {
         let j0 = blk * width;
         let mut r0 = 0;
@@ -313,7 +313,7 @@ fn lm_head_groups(
     out: &SharedOut,
 ) {
     use avx512::logits_tile;
-    assert!(crate::rowops::has_avx512(), "decode kernels need AVX-512 (check decode::available)");
+    assert!(crate::kernels::rowops::has_avx512(), "decode kernels need AVX-512 (check decode::available)");
     for g in groups {
         let v0 = g * group;
         // SAFETY (each call): the CPU has AVX-512 (asserted above).
@@ -391,7 +391,7 @@ fma_kernel! {
         let mut scores = vec![0f32; s];
         let mut acc = vec![0f32; hd];
         #[cfg(target_arch = "x86_64")]
-        let avx512 = crate::rowops::has_avx512();
+        let avx512 = crate::kernels::rowops::has_avx512();
         for pair in pairs {
             let (bi, h) = (pair / nh, pair % nh);
             let (kp, vp) = (&k[k0 + bi * ks[0] + h * ks[1]..], &v[v0 + bi * vs[0] + h * vs[1]..]);
@@ -414,9 +414,9 @@ fma_kernel! {
                 let done = false;
                 if !done {
                     for (j, sc) in scores.iter_mut().enumerate() {
-                        *sc = crate::rowops::dot(qi, &kp[j * ks[2]..][..hd]);
+                        *sc = crate::kernels::rowops::dot(qi, &kp[j * ks[2]..][..hd]);
                     }
-                    crate::rowops::masked_softmax_in_place(&mut scores, bias_row, scale);
+                    crate::kernels::rowops::masked_softmax_in_place(&mut scores, bias_row, scale);
                     acc.iter_mut().for_each(|a| *a = 0.0);
                     for (j, &p) in scores.iter().enumerate() {
                         for (a, &vv) in acc.iter_mut().zip(&vp[j * vs[2]..][..hd]) {
@@ -440,7 +440,7 @@ pub fn log_sum_exp_rows(logits: &[f32], width: usize) -> Vec<f64> {
     let shared = SharedOutF64(lse.as_mut_ptr());
     par_rows(rows, logits.len(), |range| {
         for r in range {
-            let v = crate::rowops::log_sum_exp_f64(&logits[r * width..(r + 1) * width]);
+            let v = crate::kernels::rowops::log_sum_exp_f64(&logits[r * width..(r + 1) * width]);
             // SAFETY: each row's slot is written by the one worker that has the row.
             unsafe { *shared.slot(r) = v };
         }
@@ -510,7 +510,7 @@ fn lm_head_gemm(x: &[f32], m: usize, wte: &[f32], vocab: usize) -> Vec<f32> {
     let mut t = vec![0f32; vocab * m];
     // SAFETY: wte is (V, C) row-major, x (M, C) read as x^T (C, M), t (V, M) row-major.
     unsafe {
-        crate::fused::gemm_f32(
+        gemm_f32(
             (vocab, m, c),
             t.as_mut_ptr(),
             m,
@@ -646,7 +646,7 @@ mod tests {
             for m in [1, 2, 3, 4, 5, 8, 13, 32] {
                 let x = Tensor::randn(0f32, 1.0, (m, k), &dev)?;
                 let want = x.matmul(&w)?.broadcast_add(&b)?;
-                let dispatched = crate::ops::linear(&x, &w, &b)?;
+                let dispatched = crate::kernels::ops::linear(&x, &w, &b)?;
                 assert!(max_diff(&dispatched, &want) < 1e-4, "ops::linear m {m} k {k} n {n}");
                 if available() {
                     let got = linear_rows(&x.flatten_all()?.to_vec1()?, m, &w.flatten_all()?.to_vec1()?, &b.to_vec1()?);
@@ -684,7 +684,7 @@ mod tests {
     /// the composed ops) on the same cache views.
     #[test]
     fn cached_attention_matches_the_composed_ops_on_cache_views() -> Result<()> {
-        if !crate::rowops::has_fma() {
+        if !crate::kernels::rowops::has_fma() {
             println!("skipped: no AVX2/FMA on this CPU, so the cached_attention kernel is not run; checking ops::cached_attention");
         }
         let dev = Device::Cpu;
@@ -700,11 +700,11 @@ mod tests {
             let bias: Vec<f32> = (0..bias_rows * t * s).map(|i| if i % 5 == 1 { -1e9 } else { 0.0 }).collect();
             let bias = Tensor::from_vec(bias, (bias_rows, 1, t, s), &dev)?;
             let scale = 1.0 / (hd as f64).sqrt();
-            let att = crate::ops::masked_softmax_reference(&q.matmul(&k.t()?)?, scale, &bias)?;
-            let want = crate::ops::merge_heads(&att.matmul(&v.contiguous()?)?)?;
-            let dispatched = crate::ops::cached_attention(&q, &k, &v, &bias, scale)?;
+            let att = crate::kernels::ops::masked_softmax_reference(&q.matmul(&k.t()?)?, scale, &bias)?;
+            let want = crate::kernels::ops::merge_heads(&att.matmul(&v.contiguous()?)?)?;
+            let dispatched = crate::kernels::ops::cached_attention(&q, &k, &v, &bias, scale)?;
             assert!(max_diff(&dispatched, &want) < 1e-5, "ops::cached_attention hd {hd} t {t} s {s}");
-            if !crate::rowops::has_fma() {
+            if !crate::kernels::rowops::has_fma() {
                 continue;
             }
             let got = cached_attention(&q, &k, &v, &bias, scale)?;

@@ -3,11 +3,11 @@
 //! `is_gradient_accumulation_boundary`, counted over the whole run, not per epoch), then are
 //! clipped by their global norm and applied by AdamW at the scheduled learning rate.
 
-use crate::metrics::Metrics;
-use crate::optim::{clip_to_norm, global_grad_norm, AdamW, AdamWConfig, GradAccumulator};
-use crate::params::ParamStore;
-use crate::precision::{has_overflow, Dtype, LossScaler, LossScaling, Precision, ScaleUpdate};
-use crate::schedule::LrSchedule;
+use crate::model::params::ParamStore;
+use crate::training::metrics::Metrics;
+use crate::training::optim::{clip_to_norm, global_grad_norm, AdamW, AdamWConfig, GradAccumulator};
+use crate::training::precision::{has_overflow, Dtype, LossScaler, LossScaling, Precision, ScaleUpdate};
+use crate::training::schedule::LrSchedule;
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -340,13 +340,13 @@ pub fn total_steps(micro_batches_per_epoch: usize, epochs: usize, accumulation: 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::gpt2::Gpt2Config;
-    use crate::precision::{Dtype, LossScaling, Precision};
-    use crate::schedule::DecayStyle;
+    use crate::model::gpt2::Gpt2Config;
+    use crate::training::precision::{Dtype, LossScaling, Precision};
+    use crate::training::schedule::DecayStyle;
     use candle_core::{Device, Tensor};
 
     /// A trainer over its own tiny GPT-2 in fp16, and a micro-batch that overflows or not.
-    fn fp16_trainer(seed: u64) -> Result<(ParamStore, crate::gpt2::Gpt2, Trainer)> {
+    fn fp16_trainer(seed: u64) -> Result<(ParamStore, crate::model::gpt2::Gpt2, Trainer)> {
         let cfg = Gpt2Config { n_layer: 1, n_embd: 8, n_head: 2, n_positions: 8, vocab_size: 16, ..Gpt2Config::tiny() };
         let cfg = Gpt2Config { resid_pdrop: 0.0, embd_pdrop: 0.0, attn_pdrop: 0.0, ..cfg };
         let params = ParamStore::init(&cfg, seed, &Device::Cpu)?;
@@ -363,7 +363,7 @@ mod tests {
         Ok((params, model, t))
     }
 
-    fn backward(model: &crate::gpt2::Gpt2, t: &mut Trainer, overflow: bool) -> Result<()> {
+    fn backward(model: &crate::model::gpt2::Gpt2, t: &mut Trainer, overflow: bool) -> Result<()> {
         let ids = Tensor::new(&[[1u32, 2, 3]], &Device::Cpu)?;
         let factor = if overflow { 1e30 } else { 1.0 };
         let loss = (model.lm_loss(&ids, &ids, None)? * (factor * t.loss_scale()))?;
@@ -415,7 +415,7 @@ mod tests {
         // A lone micro-batch flushed gets its full gradient, not the 1/accumulation share.
         let mut full = GradAccumulator::new(&params);
         full.add(&model.lm_loss(&ids, &ids, None)?.backward()?)?;
-        let want = crate::optim::global_grad_norm(&full.finish()?)?;
+        let want = crate::training::optim::global_grad_norm(&full.finish()?)?;
         backward(&mut t)?;
         assert!(t.micro_batch_done(&params)?.is_none());
         let flushed = t.flush(&params)?.expect("partial accumulation is applied");

@@ -5,8 +5,8 @@
 //!
 //! Shapes: B rows, T tokens, C `n_embd`.
 
-use crate::gpt2::{Gpt2, Gpt2Config};
-use crate::params::ParamStore;
+use crate::model::gpt2::{Gpt2, Gpt2Config};
+use crate::model::params::ParamStore;
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
 use rand::SeedableRng;
@@ -50,7 +50,7 @@ impl RewardModel {
 pub fn add_score_head(params: &mut ParamStore, cfg: &Gpt2Config, seed: u64, device: &Device) -> Result<()> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x5c0e_5c0e);
     let values: Vec<f32> =
-        (0..cfg.n_embd).map(|_| (crate::params::normal(&mut rng) * cfg.initializer_range) as f32).collect();
+        (0..cfg.n_embd).map(|_| (crate::model::params::normal(&mut rng) * cfg.initializer_range) as f32).collect();
     params.push(SCORE_WEIGHT, &Tensor::from_vec(values, (1, cfg.n_embd), device)?)
 }
 
@@ -80,7 +80,7 @@ pub fn causal_lm_config(cfg: &Gpt2Config) -> Gpt2Config {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::gpt2::Positions;
+    use crate::model::gpt2::Positions;
     use candle_core::Var;
 
     fn small() -> Gpt2Config {

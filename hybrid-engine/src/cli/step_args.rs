@@ -5,11 +5,11 @@
 //! Each step flattens these into its own flags and supplies its own learning-rate default
 //! (DS-Chat: 1e-3 in step 1, 5e-5 in step 2).
 
-use crate::gpt2::Gpt2Config;
-use crate::optim::AdamWConfig;
-use crate::params::ParamStore;
-use crate::precision::PrecisionArgs;
-use crate::schedule::{DecayStyle, LrSchedule};
+use crate::model::gpt2::Gpt2Config;
+use crate::model::params::ParamStore;
+use crate::training::optim::AdamWConfig;
+use crate::training::precision::PrecisionArgs;
+use crate::training::schedule::{DecayStyle, LrSchedule};
 use anyhow::{bail, Result};
 use candle_core::{Device, Tensor};
 use clap::Args;
@@ -215,7 +215,7 @@ impl StepArgs {
         write_tokenizer: &dyn Fn(&std::path::Path) -> Result<()>,
     ) -> Result<()> {
         let adapter = self.peft_adapter(params, task_type);
-        crate::checkpoint::save_model_dir(dir, config, params, &|d| {
+        crate::checkpoints::resume::save_model_dir(dir, config, params, &|d| {
             write_tokenizer(d)?;
             match &adapter {
                 Some(a) => lora::peft::save_peft_adapter(&d.join(ADAPTER_DIR), a),
@@ -247,10 +247,10 @@ pub fn starting_model(name_or_path: &str, seed: u64, dropout: Option<f64>, devic
     let (mut config, tensors, extra, dir) = match Gpt2Config::from_preset(name_or_path) {
         Some(config) => (config, None, HashMap::new(), None),
         None => {
-            let dir = crate::hf_io::resolve_model_dir(name_or_path).map_err(|e| {
+            let dir = crate::checkpoints::hf_io::resolve_model_dir(name_or_path).map_err(|e| {
                 anyhow::anyhow!("--model-name-or-path {name_or_path:?}: {e:#} (presets: {})", Gpt2Config::PRESETS)
             })?;
-            let files = crate::hf_io::load_model_dir(&dir, device)?;
+            let files = crate::checkpoints::hf_io::load_model_dir(&dir, device)?;
             (files.config, Some(files.tensors), files.extra_tensors, Some(dir))
         }
     };

@@ -6,11 +6,11 @@
 //! directory, flushed, put in place, and only then is `latest` replaced (itself through a
 //! temporary file). A crash at any point leaves the previous checkpoint and pointer intact.
 
+use crate::checkpoints::hf_io::{self, ModelFiles, LATEST};
 use crate::durable::{failpoint, write_dir_atomically, write_file_atomically};
-use crate::gpt2::Gpt2Config;
-use crate::hf_io::{self, ModelFiles, LATEST};
-use crate::optim::AdamW;
-use crate::params::ParamStore;
+use crate::model::gpt2::Gpt2Config;
+use crate::model::params::ParamStore;
+use crate::training::optim::AdamW;
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};

@@ -148,3 +148,4 @@ mod tests {
         assert!(non_negative()("0").is_ok() && non_negative()("-1e-9").is_err());
     }
 }
+pub mod step_args;

@@ -1,0 +1,271 @@
+//! Which rank this process is, read from the environment launchers set: torchrun's (`RANK`,
+//! `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`), which our own
+//! launcher and DeepSpeed's also set, or SLURM's (`SLURM_PROCID`, `SLURM_NTASKS`,
+//! `SLURM_LOCALID`, `SLURM_NTASKS_PER_NODE`/`SLURM_TASKS_PER_NODE`, the allocation's first host
+//! as the master). None of them set: one rank, no sockets.
+//!
+//! A pure function of a variable lookup, so every case is unit-tested without touching the
+//! process environment.
+
+use anyhow::{anyhow, bail, Result};
+
+/// The default rendezvous port when only `MASTER_ADDR` (or SLURM) is given: torchrun's.
+pub const DEFAULT_MASTER_PORT: u16 = 29500;
+
+/// This process's place in the job.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RankEnv {
+    pub rank: usize,
+    pub world: usize,
+    /// Rank among the processes of this machine (picks the GPU).
+    pub local_rank: usize,
+    pub local_world: usize,
+    /// Where rank 0 serves the rendezvous store.
+    pub master_addr: String,
+    pub master_port: u16,
+    /// Which launcher's variables these came from, for messages.
+    pub source: &'static str,
+}
+
+impl RankEnv {
+    /// One process alone: rank 0 of 1, no rendezvous.
+    pub fn single() -> Self {
+        Self {
+            rank: 0,
+            world: 1,
+            local_rank: 0,
+            local_world: 1,
+            master_addr: "127.0.0.1".into(),
+            master_port: DEFAULT_MASTER_PORT,
+            source: "none",
+        }
+    }
+
+    /// Reads the process environment (see [`Self::from_lookup`]).
+    pub fn from_process() -> Result<Self> {
+        Self::from_lookup(&|k| std::env::var(k).ok())
+    }
+
+    /// torchrun's variables if `RANK` or `WORLD_SIZE` is set, else SLURM's if `SLURM_PROCID` is,
+    /// else one rank. Every variable is checked: a rank outside the world, a world of 0 or a
+    /// port that is not a number is one error naming the variable.
+    pub fn from_lookup(get: &dyn Fn(&str) -> Option<String>) -> Result<Self> {
+        let has = |k: &str| get(k).is_some_and(|v| !v.trim().is_empty());
+        if has("RANK") || has("WORLD_SIZE") {
+            torchrun(get)
+        } else if has("SLURM_PROCID") && has("SLURM_NTASKS") {
+            slurm(get)
+        } else {
+            Ok(Self::single())
+        }
+    }
+
+    pub fn is_distributed(&self) -> bool {
+        self.world > 1
+    }
+}
+
+fn number(get: &dyn Fn(&str) -> Option<String>, key: &str) -> Result<Option<usize>> {
+    match get(key).map(|v| v.trim().to_string()).filter(|v| !v.is_empty()) {
+        None => Ok(None),
+        Some(v) => v
+            .parse::<usize>()
+            .map(Some)
+            .map_err(|_| anyhow!("environment variable {key}={v:?} is not a non-negative integer")),
+    }
+}
+
+fn required(get: &dyn Fn(&str) -> Option<String>, key: &str, launcher: &str) -> Result<usize> {
+    number(get, key)?
+        .ok_or_else(|| anyhow!("{launcher}: {key} is not set; set it (or unset the others) to run one rank"))
+}
+
+fn port(get: &dyn Fn(&str) -> Option<String>) -> Result<u16> {
+    match get("MASTER_PORT").map(|v| v.trim().to_string()).filter(|v| !v.is_empty()) {
+        None => Ok(DEFAULT_MASTER_PORT),
+        Some(v) => match v.parse::<u16>() {
+            Ok(p) if p > 0 => Ok(p),
+            _ => bail!("environment variable MASTER_PORT={v:?} is not a port number (1-65535)"),
+        },
+    }
+}
+
+fn checked(env: RankEnv) -> Result<RankEnv> {
+    let (r, w, lr, lw, src) = (env.rank, env.world, env.local_rank, env.local_world, env.source);
+    if w == 0 {
+        bail!("{src}: the world size is 0; it must be at least 1");
+    }
+    if r >= w {
+        bail!("{src}: rank {r} is outside a world of {w} ranks (ranks are 0..{w})");
+    }
+    if lw == 0 || lr >= lw || lw > w {
+        bail!("{src}: local rank {lr} of {lw} local ranks does not fit a world of {w}");
+    }
+    Ok(env)
+}
+
+fn torchrun(get: &dyn Fn(&str) -> Option<String>) -> Result<RankEnv> {
+    let src = "torchrun environment (RANK, WORLD_SIZE)";
+    let rank = required(get, "RANK", src)?;
+    let world = required(get, "WORLD_SIZE", src)?;
+    let local_rank = number(get, "LOCAL_RANK")?.unwrap_or(rank);
+    let local_world = number(get, "LOCAL_WORLD_SIZE")?.unwrap_or(world);
+    let master_addr = get("MASTER_ADDR").filter(|v| !v.trim().is_empty());
+    if world > 1 && master_addr.is_none() {
+        bail!("{src}: MASTER_ADDR is not set; set it to rank 0's host name or address");
+    }
+    checked(RankEnv {
+        rank,
+        world,
+        local_rank,
+        local_world,
+        master_addr: master_addr.unwrap_or_else(|| "127.0.0.1".into()),
+        master_port: port(get)?,
+        source: "torchrun",
+    })
+}
+
+fn slurm(get: &dyn Fn(&str) -> Option<String>) -> Result<RankEnv> {
+    let src = "SLURM environment (SLURM_PROCID, SLURM_NTASKS)";
+    let rank = required(get, "SLURM_PROCID", src)?;
+    let world = required(get, "SLURM_NTASKS", src)?;
+    let local_rank = number(get, "SLURM_LOCALID")?.unwrap_or(0);
+    let local_world = match number(get, "SLURM_NTASKS_PER_NODE")? {
+        Some(n) => n,
+        None => get("SLURM_TASKS_PER_NODE").and_then(|v| first_count(&v)).unwrap_or(world),
+    };
+    let master_addr = match get("MASTER_ADDR").filter(|v| !v.trim().is_empty()) {
+        Some(a) => a,
+        None => {
+            let list = get("SLURM_STEP_NODELIST")
+                .or_else(|| get("SLURM_JOB_NODELIST"))
+                .or_else(|| get("SLURM_NODELIST"))
+                .ok_or_else(|| anyhow!("{src}: neither MASTER_ADDR nor SLURM_JOB_NODELIST is set"))?;
+            first_host(&list)?
+        }
+    };
+    checked(RankEnv { rank, world, local_rank, local_world, master_addr, master_port: port(get)?, source: "SLURM" })
+}
+
+/// `SLURM_TASKS_PER_NODE`'s first count: `4(x2),3` -> 4.
+fn first_count(v: &str) -> Option<usize> {
+    v.split([',', '(']).next()?.trim().parse().ok()
+}
+
+/// The first host of a SLURM node list, as `scontrol show hostnames | head -1` gives it:
+/// `node[003-005,007],gpu1` -> `node003`; `a1,b2` -> `a1`; `node7` -> `node7`.
+pub fn first_host(list: &str) -> Result<String> {
+    let list = list.trim();
+    let bad = || anyhow!("cannot read the SLURM node list {list:?}; set MASTER_ADDR to the first host");
+    // The first entry ends at a comma outside brackets.
+    let mut depth = 0;
+    let end = list
+        .char_indices()
+        .find(|&(_, c)| {
+            match c {
+                '[' => depth += 1,
+                ']' => depth -= 1,
+                ',' if depth == 0 => return true,
+                _ => {}
+            }
+            false
+        })
+        .map_or(list.len(), |(i, _)| i);
+    let entry = &list[..end];
+    let Some(open) = entry.find('[') else {
+        return if entry.is_empty() { Err(bad()) } else { Ok(entry.to_string()) };
+    };
+    let (prefix, rest) = entry.split_at(open);
+    let close = rest.find(']').ok_or_else(bad)?;
+    let first = rest[1..close].split(',').next().ok_or_else(bad)?;
+    let low = first.split('-').next().ok_or_else(bad)?;
+    if low.is_empty() || !low.chars().all(|c| c.is_ascii_digit()) {
+        return Err(bad());
+    }
+    Ok(format!("{prefix}{low}{}", &rest[close + 1..]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn env(vars: &[(&str, &str)]) -> Result<RankEnv> {
+        let map: HashMap<String, String> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        RankEnv::from_lookup(&|k| map.get(k).cloned())
+    }
+
+    #[test]
+    fn nothing_set_is_one_rank_without_sockets() -> Result<()> {
+        let e = env(&[])?;
+        assert_eq!((e.rank, e.world, e.is_distributed()), (0, 1, false));
+        Ok(())
+    }
+
+    #[test]
+    fn torchrun_variables_are_read_and_checked() -> Result<()> {
+        let e = env(&[
+            ("RANK", "3"),
+            ("WORLD_SIZE", "4"),
+            ("LOCAL_RANK", "1"),
+            ("LOCAL_WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "node0"),
+            ("MASTER_PORT", "1234"),
+        ])?;
+        assert_eq!((e.rank, e.world, e.local_rank, e.local_world), (3, 4, 1, 2));
+        assert_eq!((e.master_addr.as_str(), e.master_port, e.source), ("node0", 1234, "torchrun"));
+        let e = env(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h")])?;
+        assert_eq!((e.local_rank, e.local_world, e.master_port), (0, 2, DEFAULT_MASTER_PORT));
+        for (vars, needle) in [
+            (vec![("RANK", "2"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h")], "rank 2 is outside a world of 2"),
+            (vec![("RANK", "0"), ("WORLD_SIZE", "0"), ("MASTER_ADDR", "h")], "world size is 0"),
+            (vec![("RANK", "x"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h")], "RANK=\"x\""),
+            (vec![("RANK", "0"), ("WORLD_SIZE", "2")], "MASTER_ADDR is not set"),
+            (vec![("WORLD_SIZE", "2"), ("MASTER_ADDR", "h")], "RANK is not set"),
+            (vec![("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "70000")], "MASTER_PORT"),
+            (
+                vec![
+                    ("RANK", "0"),
+                    ("WORLD_SIZE", "2"),
+                    ("MASTER_ADDR", "h"),
+                    ("LOCAL_RANK", "3"),
+                    ("LOCAL_WORLD_SIZE", "2"),
+                ],
+                "local rank 3 of 2",
+            ),
+        ] {
+            let err = env(&vars).unwrap_err().to_string();
+            assert!(err.contains(needle), "{vars:?}: {err}");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn slurm_variables_name_the_first_host_of_the_allocation() -> Result<()> {
+        let e = env(&[
+            ("SLURM_PROCID", "5"),
+            ("SLURM_NTASKS", "8"),
+            ("SLURM_LOCALID", "1"),
+            ("SLURM_TASKS_PER_NODE", "4(x2)"),
+            ("SLURM_JOB_NODELIST", "gpu[007-008]"),
+        ])?;
+        assert_eq!((e.rank, e.world, e.local_rank, e.local_world), (5, 8, 1, 4));
+        assert_eq!((e.master_addr.as_str(), e.source), ("gpu007", "SLURM"));
+        for (list, first) in [
+            ("node[003-005,007],gpu1", "node003"),
+            ("a1,b2", "a1"),
+            ("node7", "node7"),
+            ("rack[1-2]-n[3]", "rack1-n[3]"),
+        ] {
+            assert_eq!(first_host(list)?, first, "{list}");
+        }
+        assert!(first_host("node[x]").is_err() && first_host("").is_err());
+        // MASTER_ADDR wins over the node list; torchrun's variables win over SLURM's.
+        let e =
+            env(&[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "2"), ("MASTER_ADDR", "m"), ("SLURM_JOB_NODELIST", "n1")])?;
+        assert_eq!(e.master_addr, "m");
+        let e = env(&[("SLURM_PROCID", "1"), ("SLURM_NTASKS", "2"), ("RANK", "0"), ("WORLD_SIZE", "1")])?;
+        assert_eq!((e.rank, e.world, e.source), (0, 1, "torchrun"));
+        Ok(())
+    }
+}

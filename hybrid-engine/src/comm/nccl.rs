@@ -1,0 +1,121 @@
+//! The GPU backend: NCCL through cudarc, one communicator per group, created on the stream candle
+//! computes on so that every collective is ordered after the kernels that produce its input
+//! (no synchronisation needed). The unique id is made by rank 0 and sent to the others over the
+//! CPU ring that the rendezvous built (NCCL's own bootstrap needs exactly this side channel).
+//!
+//! Each collective is a candle custom op whose CUDA forward calls NCCL into a fresh buffer, as
+//! candle's `llama_multiprocess` example does; the CPU forward refuses (CPU tensors go over the
+//! ring). `cudarc::nccl::Comm` is neither Send nor Sync: it lives on the thread that owns the
+//! device, which is the only thread our steps compute on.
+
+use crate::comm::tcp::{ReduceOp, TcpRing};
+use anyhow::{anyhow, Result};
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CudaStorage, CustomOp1, Device, Layout, Shape, Tensor};
+use cudarc::nccl::safe::{Comm, Id, ReduceOp as NcclOp};
+use std::rc::Rc;
+
+/// One NCCL communicator for the ranks of a group, on `device`'s stream.
+pub struct NcclComm {
+    comm: Rc<Comm>,
+}
+
+impl NcclComm {
+    /// Creates the communicator collectively: every rank of `ring` calls this in the same order.
+    pub fn new(ring: &TcpRing, device: &Device) -> Result<Self> {
+        let cuda = device.as_cuda_device()?;
+        let mut bytes = [0u8; 128];
+        if ring.rank() == 0 {
+            let id = Id::new().map_err(|e| anyhow!("NCCL could not make a unique id: {e:?}"))?;
+            for (b, c) in bytes.iter_mut().zip(id.internal()) {
+                *b = *c as u8;
+            }
+        }
+        ring.broadcast_bytes(&mut bytes, 0)?;
+        let id = Id::uninit(bytes.map(|b| b as core::ffi::c_char));
+        let comm = Comm::from_rank(cuda.cuda_stream(), ring.rank(), ring.world(), id)
+            .map_err(|e| anyhow!("NCCL could not create the communicator of rank {}: {e:?}", ring.rank()))?;
+        Ok(Self { comm: Rc::new(comm) })
+    }
+
+    fn run(&self, t: &Tensor, kind: Kind) -> Result<Tensor> {
+        let t = t.flatten_all()?.contiguous()?;
+        Ok(t.apply_op1_no_bwd(&Collective { comm: self.comm.clone(), kind })?)
+    }
+
+    pub fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        self.run(t, Kind::AllReduce(op))
+    }
+
+    pub fn reduce_scatter(&self, t: &Tensor) -> Result<Tensor> {
+        self.run(t, Kind::ReduceScatter)
+    }
+
+    pub fn all_gather(&self, t: &Tensor) -> Result<Tensor> {
+        self.run(t, Kind::AllGather)
+    }
+
+    pub fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
+        self.run(t, Kind::Broadcast(root))
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Kind {
+    AllReduce(ReduceOp),
+    ReduceScatter,
+    AllGather,
+    Broadcast(usize),
+}
+
+struct Collective {
+    comm: Rc<Comm>,
+    kind: Kind,
+}
+
+impl CustomOp1 for Collective {
+    fn name(&self) -> &'static str {
+        "nccl-collective"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        candle_core::bail!("NCCL collectives take CUDA tensors; CPU tensors use the CPU ring")
+    }
+
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        let (Some((start, end)), dev) = (l.contiguous_offsets(), s.device()) else {
+            candle_core::bail!("NCCL collectives need a contiguous tensor")
+        };
+        let n = end - start;
+        let world = self.comm.world_size();
+        let src = s.as_cuda_slice::<f32>()?.slice(start..end);
+        let err = |e| candle_core::Error::Cuda(format!("NCCL failed: {e:?}").into());
+        let (out_len, out) = match self.kind {
+            Kind::AllReduce(op) => {
+                let mut dst = dev.alloc_zeros::<f32>(n)?;
+                let op = if op == ReduceOp::Sum { NcclOp::Sum } else { NcclOp::Max };
+                self.comm.all_reduce(&src, &mut dst, &op).map_err(err)?;
+                (n, dst)
+            }
+            Kind::ReduceScatter => {
+                if n % world != 0 {
+                    candle_core::bail!("reduce-scatter of {n} values over {world} ranks: pad to a multiple");
+                }
+                let mut dst = dev.alloc_zeros::<f32>(n / world)?;
+                self.comm.reduce_scatter(&src, &mut dst, &NcclOp::Sum).map_err(err)?;
+                (n / world, dst)
+            }
+            Kind::AllGather => {
+                let mut dst = dev.alloc_zeros::<f32>(n * world)?;
+                self.comm.all_gather(&src, &mut dst).map_err(err)?;
+                (n * world, dst)
+            }
+            Kind::Broadcast(root) => {
+                let mut dst = dev.alloc_zeros::<f32>(n)?;
+                self.comm.broadcast(Some(&src), &mut dst, root as i32).map_err(err)?;
+                (n, dst)
+            }
+        };
+        Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), Shape::from(out_len)))
+    }
+}

@@ -1,0 +1,418 @@
+//! The CPU backend: collectives between processes over TCP, with the ring algorithms NCCL uses
+//! for large buffers. Each rank keeps two sockets, one to the next rank and one from the
+//! previous; every step of a ring sends one chunk forward while receiving one from behind, so an
+//! all-reduce sends 2(N-1)/N of the buffer from each rank whatever N is (bandwidth-optimal), and
+//! a reduce-scatter or an all-gather half of that.
+//!
+//! Every read and write has the group's timeout. A rank that dies closes its sockets, so its
+//! neighbours fail at once and the failure travels round the ring; a rank that hangs makes its
+//! neighbours time out. Either way each rank fails with one line naming the rank it lost.
+
+use anyhow::{anyhow, bail, Context, Result};
+use std::io::{ErrorKind, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// How values meet in a reduction.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReduceOp {
+    Sum,
+    Max,
+}
+
+/// What the ring moves: plain numbers sent as their bytes.
+pub trait Element: bytemuck::Pod + Default + PartialOrd + std::ops::AddAssign + Send + Sync {
+    fn is_nan(self) -> bool;
+}
+
+impl Element for f32 {
+    fn is_nan(self) -> bool {
+        f32::is_nan(self)
+    }
+}
+
+impl Element for f64 {
+    fn is_nan(self) -> bool {
+        f64::is_nan(self)
+    }
+}
+
+impl ReduceOp {
+    fn apply<T: Element>(self, acc: &mut [T], x: &[T]) {
+        match self {
+            Self::Sum => acc.iter_mut().zip(x).for_each(|(a, &b)| *a += b),
+            // NaN wins, so an overflow flag or a NaN norm is never lost.
+            Self::Max => acc.iter_mut().zip(x).for_each(|(a, &b)| {
+                if b.is_nan() || b > *a {
+                    *a = b
+                }
+            }),
+        }
+    }
+}
+
+/// Bytes sent and seconds spent in collectives, for the communication report.
+#[derive(Debug, Default)]
+pub struct CommStats {
+    pub bytes_sent: AtomicU64,
+    pub nanos: AtomicU64,
+    pub calls: AtomicU64,
+}
+
+impl CommStats {
+    pub fn snapshot(&self) -> (u64, f64, u64) {
+        (
+            self.bytes_sent.load(Ordering::Relaxed),
+            self.nanos.load(Ordering::Relaxed) as f64 * 1e-9,
+            self.calls.load(Ordering::Relaxed),
+        )
+    }
+}
+
+/// Rank `r`'s chunk of a buffer of `len` values split over `world` ranks: equal chunks of
+/// `ceil(len / world)`, the last ones shorter (or empty) when `len` does not divide.
+pub fn chunk(len: usize, world: usize, r: usize) -> Range<usize> {
+    let size = len.div_ceil(world);
+    (r * size).min(len)..((r + 1) * size).min(len)
+}
+
+/// One rank's two ring connections.
+pub struct TcpRing {
+    rank: usize,
+    world: usize,
+    /// To rank + 1 and from rank - 1 (`None` for a world of one).
+    links: Option<(TcpStream, TcpStream)>,
+    addrs: Vec<SocketAddr>,
+    timeout: Duration,
+    pub stats: CommStats,
+}
+
+const HELLO: u64 = 0x524c_4846_7269_6e67; // "RLHFring"
+
+impl TcpRing {
+    /// A world of one: every collective is the identity.
+    pub fn single() -> Self {
+        Self { rank: 0, world: 1, links: None, addrs: Vec::new(), timeout: Duration::MAX, stats: CommStats::default() }
+    }
+
+    /// Connects rank `rank` to the next rank's listener and accepts the previous rank on
+    /// `listener`, each within `timeout`.
+    pub fn connect(rank: usize, addrs: Vec<SocketAddr>, listener: TcpListener, timeout: Duration) -> Result<Self> {
+        let world = addrs.len();
+        if world == 1 {
+            return Ok(Self::single());
+        }
+        let deadline = Instant::now() + timeout;
+        let (next, prev) = ((rank + 1) % world, (rank + world - 1) % world);
+        let to_next = loop {
+            match TcpStream::connect_timeout(&addrs[next], Duration::from_secs(2)) {
+                Ok(s) => break s,
+                Err(e) if Instant::now() >= deadline => {
+                    bail!("rank {rank}: cannot connect to rank {next} at {}: {e}", addrs[next])
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(10)),
+            }
+        };
+        to_next.set_nodelay(true)?;
+        to_next.set_write_timeout(Some(timeout))?;
+        (&to_next).write_all(&[HELLO.to_le_bytes(), (rank as u64).to_le_bytes()].concat())?;
+        listener.set_nonblocking(true)?;
+        let from_prev = loop {
+            match listener.accept() {
+                Ok((s, _)) => {
+                    s.set_nonblocking(false)?;
+                    s.set_read_timeout(Some(timeout))?;
+                    let mut hello = [0u8; 16];
+                    if (&s).read_exact(&mut hello).is_err()
+                        || hello[..8] != HELLO.to_le_bytes()
+                        || u64::from_le_bytes(hello[8..].try_into().unwrap()) != prev as u64
+                    {
+                        continue; // not our previous rank: a stray connection
+                    }
+                    break s;
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                    if Instant::now() >= deadline {
+                        bail!("rank {rank}: rank {prev} never connected within {}s", timeout.as_secs());
+                    }
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                Err(e) => return Err(e).context("the ring listener failed"),
+            }
+        };
+        from_prev.set_nodelay(true)?;
+        Ok(Self { rank, world, links: Some((to_next, from_prev)), addrs, timeout, stats: CommStats::default() })
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub fn world(&self) -> usize {
+        self.world
+    }
+
+    fn next(&self) -> usize {
+        (self.rank + 1) % self.world
+    }
+
+    fn prev(&self) -> usize {
+        (self.rank + self.world - 1) % self.world
+    }
+
+    /// The error of losing rank `peer` during `what`.
+    fn lost(&self, peer: usize, what: &str, e: std::io::Error) -> anyhow::Error {
+        let addr = self.addrs.get(peer).map_or(String::new(), |a| format!(" at {a}"));
+        match e.kind() {
+            ErrorKind::WouldBlock | ErrorKind::TimedOut => anyhow!(
+                "rank {}: rank {peer}{addr} sent nothing for {}s during {what}: it is stuck or dead (see its log; --dist-timeout sets the wait)",
+                self.rank,
+                self.timeout.as_secs()
+            ),
+            _ => anyhow!(
+                "rank {}: lost rank {peer}{addr} during {what} ({e}): it exited or crashed; see its log",
+                self.rank
+            ),
+        }
+    }
+
+    /// Sends `out` to the next rank while receiving `into` from the previous one.
+    fn exchange(&self, out: &[u8], into: &mut [u8], what: &str) -> Result<()> {
+        let Some((to_next, from_prev)) = &self.links else { bail!("a world of one has no peers") };
+        let (next, prev) = (self.next(), self.prev());
+        std::thread::scope(|s| {
+            let sender = s.spawn(move || {
+                let mut w = to_next;
+                w.write_all(out)
+            });
+            let mut r = from_prev;
+            let received = r.read_exact(into).map_err(|e| {
+                let e = if e.kind() == ErrorKind::UnexpectedEof {
+                    std::io::Error::new(ErrorKind::ConnectionAborted, "connection closed")
+                } else {
+                    e
+                };
+                self.lost(prev, what, e)
+            });
+            let sent = sender.join().map_err(|_| anyhow!("the sending thread panicked"))?;
+            received?;
+            sent.map_err(|e| self.lost(next, what, e))
+        })?;
+        self.stats.bytes_sent.fetch_add(out.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn timed<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        let t0 = Instant::now();
+        let out = f();
+        self.stats.nanos.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        self.stats.calls.fetch_add(1, Ordering::Relaxed);
+        out
+    }
+
+    /// Ring reduce-scatter in place: afterwards `buf[chunk(len, world, rank)]` holds the
+    /// reduction over all ranks of that chunk (the rest of `buf` is scratch). Returns the range.
+    pub fn reduce_scatter<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<Range<usize>> {
+        let (n, r, len) = (self.world, self.rank, buf.len());
+        if n == 1 {
+            return Ok(0..len);
+        }
+        self.timed(|| {
+            let mut incoming = vec![T::default(); len.div_ceil(n)];
+            // Step s sends chunk r-s-1 (reduced so far) and receives chunk r-s-2 from the
+            // previous rank; after n-1 steps chunk r has met every rank.
+            for s in 0..n - 1 {
+                let send = chunk(len, n, (r + 2 * n - s - 1) % n);
+                let recv = chunk(len, n, (r + 2 * n - s - 2) % n);
+                let into = &mut incoming[..recv.len()];
+                self.exchange(bytemuck::cast_slice(&buf[send]), bytemuck::cast_slice_mut(into), "a reduce-scatter")?;
+                op.apply(&mut buf[recv], into);
+            }
+            Ok(chunk(len, n, r))
+        })
+    }
+
+    /// Ring all-gather in place: every rank holds its own chunk of `buf`
+    /// (`chunk(len, world, rank)`), and afterwards all of it.
+    pub fn all_gather<T: Element>(&self, buf: &mut [T]) -> Result<()> {
+        let (n, r, len) = (self.world, self.rank, buf.len());
+        if n == 1 {
+            return Ok(());
+        }
+        self.timed(|| {
+            let mut incoming = vec![T::default(); len.div_ceil(n)];
+            for s in 0..n - 1 {
+                let send = chunk(len, n, (r + n - s) % n);
+                let recv = chunk(len, n, (r + 2 * n - s - 1) % n);
+                let into = &mut incoming[..recv.len()];
+                self.exchange(bytemuck::cast_slice(&buf[send]), bytemuck::cast_slice_mut(into), "an all-gather")?;
+                buf[recv].copy_from_slice(into);
+            }
+            Ok(())
+        })
+    }
+
+    /// Ring all-reduce in place: a reduce-scatter, then an all-gather of the reduced chunks.
+    pub fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        self.reduce_scatter(buf, op)?;
+        self.all_gather(buf)
+    }
+
+    /// Broadcast from `root` in place, pipelined round the ring in segments so that a large
+    /// buffer streams through every rank at once.
+    pub fn broadcast_bytes(&self, buf: &mut [u8], root: usize) -> Result<()> {
+        if self.world == 1 {
+            return Ok(());
+        }
+        let Some((to_next, from_prev)) = &self.links else { unreachable!("world > 1 has links") };
+        const SEGMENT: usize = 1 << 20;
+        let forward = self.next() != root;
+        self.timed(|| {
+            for seg in buf.chunks_mut(SEGMENT) {
+                if self.rank != root {
+                    (&*from_prev).read_exact(seg).map_err(|e| self.lost(self.prev(), "a broadcast", e))?;
+                }
+                if forward {
+                    (&*to_next).write_all(seg).map_err(|e| self.lost(self.next(), "a broadcast", e))?;
+                    self.stats.bytes_sent.fetch_add(seg.len() as u64, Ordering::Relaxed);
+                }
+            }
+            Ok(())
+        })
+    }
+
+    pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
+        self.broadcast_bytes(bytemuck::cast_slice_mut(buf), root)
+    }
+
+    /// Returns when every rank has called it (or fails naming the rank that never did).
+    pub fn barrier(&self) -> Result<()> {
+        self.all_reduce(&mut [0f32], ReduceOp::Sum)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `world` rings on loopback, one per thread, each running `f`.
+    pub(crate) fn on_ring<T: Send>(world: usize, f: impl Fn(&TcpRing) -> Result<T> + Sync) -> Vec<Result<T>> {
+        let listeners: Vec<TcpListener> = (0..world).map(|_| TcpListener::bind("127.0.0.1:0").unwrap()).collect();
+        let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
+        std::thread::scope(|s| {
+            let handles: Vec<_> = listeners
+                .into_iter()
+                .enumerate()
+                .map(|(r, l)| {
+                    let (addrs, f) = (addrs.clone(), &f);
+                    s.spawn(move || f(&TcpRing::connect(r, addrs, l, Duration::from_secs(5))?))
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    fn data(rank: usize, len: usize) -> Vec<f32> {
+        (0..len).map(|i| ((i * 7 + rank * 13) % 17) as f32 - 8.0 + rank as f32 * 0.25).collect()
+    }
+
+    #[test]
+    fn chunks_cover_the_buffer_in_order_even_when_uneven() {
+        for (len, world) in [(10, 3), (2, 3), (0, 2), (9, 3), (1, 1)] {
+            let ranges: Vec<_> = (0..world).map(|r| chunk(len, world, r)).collect();
+            assert_eq!(ranges.first().unwrap().start, 0);
+            assert_eq!(ranges.last().unwrap().end, len);
+            assert!(ranges.windows(2).all(|w| w[0].end == w[1].start), "{len} {world}: {ranges:?}");
+        }
+        assert_eq!(chunk(10, 3, 2), 8..10);
+        assert_eq!(chunk(2, 3, 2), 2..2);
+    }
+
+    #[test]
+    fn collectives_match_their_definitions_for_two_three_and_four_ranks() -> Result<()> {
+        for world in [2, 3, 4] {
+            for len in [1, 2, 7, 1000, 65_537] {
+                let inputs: Vec<Vec<f32>> = (0..world).map(|r| data(r, len)).collect();
+                let want_sum: Vec<f32> = (0..len).map(|i| inputs.iter().map(|d| d[i]).sum()).collect();
+                let want_max: Vec<f32> =
+                    (0..len).map(|i| inputs.iter().map(|d| d[i]).fold(f32::MIN, f32::max)).collect();
+                let results = on_ring(world, |ring| {
+                    let r = ring.rank();
+                    let mut sum = data(r, len);
+                    ring.all_reduce(&mut sum, ReduceOp::Sum)?;
+                    let mut max = data(r, len);
+                    ring.all_reduce(&mut max, ReduceOp::Max)?;
+                    let mut rs = data(r, len);
+                    let mine = ring.reduce_scatter(&mut rs, ReduceOp::Sum)?;
+                    let mut gathered = vec![-1.0; len];
+                    let own = chunk(len, world, r);
+                    gathered[own.clone()].copy_from_slice(&data(r, len)[own]);
+                    ring.all_gather(&mut gathered)?;
+                    let mut b = if r == 1 { data(9, len) } else { vec![0.0; len] };
+                    ring.broadcast(&mut b, 1)?;
+                    ring.barrier()?;
+                    Ok((sum, max, rs[mine.clone()].to_vec(), mine, gathered, b, ring.stats.snapshot().0))
+                });
+                for (r, res) in results.into_iter().enumerate() {
+                    let (sum, max, rs, mine, gathered, b, sent) = res?;
+                    // Sums are added in ring order, not left to right: allow rounding.
+                    assert!(sum.iter().zip(&want_sum).all(|(a, b)| (a - b).abs() < 1e-4), "sum w{world} n{len}");
+                    assert_eq!(max, want_max, "max w{world} n{len}");
+                    assert!(rs.iter().zip(&want_sum[mine]).all(|(a, b)| (a - b).abs() < 1e-4), "rs w{world} n{len}");
+                    let all: Vec<f32> = (0..world).flat_map(|q| inputs[q][chunk(len, world, q)].to_vec()).collect();
+                    assert_eq!(gathered, all, "all-gather w{world} n{len} rank {r}");
+                    assert_eq!(b, data(9, len), "broadcast w{world} n{len} rank {r}");
+                    if len == 65_537 {
+                        // Two all-reduces, a reduce-scatter and an all-gather: 2 + 2 + 1 + 1 times
+                        // (n-1)/n of the buffer, plus the broadcast's forwarding and the barrier.
+                        let per_pass = (world - 1) * len.div_ceil(world) * 4;
+                        assert!(sent as usize >= 6 * per_pass - 6 * 4 * world, "rank {r} sent {sent}");
+                        assert!(sent as usize <= 6 * per_pass + len * 4 + 64, "rank {r} sent {sent}: not a ring");
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn a_rank_that_dies_fails_the_others_with_its_name_and_one_that_hangs_times_them_out() {
+        let results = on_ring(3, |ring| {
+            if ring.rank() == 1 {
+                return Ok(()); // leaves: its sockets close
+            }
+            std::thread::sleep(Duration::from_millis(50));
+            ring.all_reduce(&mut [1.0; 100], ReduceOp::Sum)
+        });
+        for r in [0, 2] {
+            let err = results[r].as_ref().unwrap_err().to_string();
+            assert!(err.contains("rank 1") || err.contains("lost rank"), "rank {r}: {err}");
+        }
+        let t0 = Instant::now();
+        let listeners: Vec<TcpListener> = (0..2).map(|_| TcpListener::bind("127.0.0.1:0").unwrap()).collect();
+        let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
+        let results: Vec<Result<()>> = std::thread::scope(|s| {
+            let hs: Vec<_> = listeners
+                .into_iter()
+                .enumerate()
+                .map(|(r, l)| {
+                    let addrs = addrs.clone();
+                    s.spawn(move || {
+                        let ring = TcpRing::connect(r, addrs, l, Duration::from_millis(300))?;
+                        if r == 1 {
+                            std::thread::sleep(Duration::from_millis(900)); // stuck, sockets open
+                            return Ok(());
+                        }
+                        ring.all_reduce(&mut [1.0; 10], ReduceOp::Sum)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let err = results[0].as_ref().unwrap_err().to_string();
+        assert!(err.contains("rank 1") && err.contains("stuck or dead"), "{err}");
+        assert!(t0.elapsed() < Duration::from_secs(3), "failed within the timeout");
+    }
+}

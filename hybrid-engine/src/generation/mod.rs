@@ -1,0 +1,5 @@
+//! The generation side of the hybrid engine: batched sampling with the KV cache (`generate`) and
+//! the engine that switches one trained model into generation mode once per rollout (`engine`).
+
+pub mod engine;
+pub mod generate;

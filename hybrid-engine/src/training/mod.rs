@@ -1,0 +1,12 @@
+//! The training side of the hybrid engine: AdamW and gradient accumulation (`optim`), mixed
+//! precision and loss scaling (`precision`), learning-rate schedules, the forward/backward of a
+//! micro-batch (`train_step`), the optimizer step with its accumulation boundary (`trainer`),
+//! the memory plan and the metrics log.
+
+pub mod memory;
+pub mod metrics;
+pub mod optim;
+pub mod precision;
+pub mod schedule;
+pub mod train_step;
+pub mod trainer;
