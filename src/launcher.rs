@@ -42,6 +42,10 @@ pub struct TrainArgs {
     pub reward_zero_stage: u8,
     #[arg(long, default_value = "output", alias = "output_dir")]
     pub output_dir: PathBuf,
+    /// single_node: ranks (processes) per step (DeepSpeed's --num_gpus). Default: every visible
+    /// GPU on CUDA; on the CPU, one per core, at least 2.
+    #[arg(long, alias = "num_gpus", value_parser = clap::value_parser!(u64).range(1..))]
+    pub num_gpus: Option<u64>,
     /// Read recipes from this directory (laid out as scripts/recipes) instead of the embedded ones.
     #[arg(long, alias = "recipe_dir")]
     pub recipe_dir: Option<PathBuf>,
@@ -62,8 +66,16 @@ pub struct TrainArgs {
 
 /// The flags that choose the RLHF pipeline's steps, models and recipes: --pretrain-demo has no
 /// use for them, so it refuses them rather than drop them silently.
-const PIPELINE_ONLY_FLAGS: [&str; 7] =
-    ["step", "deployment_type", "actor_model", "reward_model", "actor_zero_stage", "reward_zero_stage", "recipe_dir"];
+const PIPELINE_ONLY_FLAGS: [&str; 8] = [
+    "step",
+    "deployment_type",
+    "actor_model",
+    "reward_model",
+    "actor_zero_stage",
+    "reward_zero_stage",
+    "recipe_dir",
+    "num_gpus",
+];
 
 /// The recipes shipped with the binary: (step directory, deployment type, script text).
 const RECIPES: &[(&str, &str, &str)] = &[
@@ -105,11 +117,31 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     if !DEPLOYMENTS.contains(&deployment.as_str()) {
         bail!("--deployment-type {deployment:?} is not one of single_gpu, single_node, multi_node");
     }
-    if deployment != "single_gpu" {
+    if deployment == "multi_node" {
         bail!(
-            "--deployment-type {deployment} needs data and tensor parallelism across processes, which arrive with the distributed issue; use --deployment-type single_gpu (one process) for now"
+            "--deployment-type multi_node (ranks on several hosts over ssh or srun) is not available yet; \
+             use single_node (ranks on this machine) or start the ranks yourself with torchrun's or SLURM's environment"
         );
     }
+    if let (Some(n), false) = (args.num_gpus, deployment == "single_node") {
+        bail!("--num-gpus {n} sets the ranks of --deployment-type single_node: add it, or drop --num-gpus");
+    }
+    let ranks = if deployment == "single_node" {
+        if let Some(&later) = steps.iter().find(|&&s| s != 1) {
+            bail!(
+                "--deployment-type single_node trains step 1 across ranks; step {later} does not train across ranks yet: \
+                 run `--step 1 --deployment-type single_node`, then the later steps with --deployment-type single_gpu"
+            );
+        }
+        let n = match args.num_gpus {
+            Some(n) => n as usize,
+            None => default_ranks(&args.device)?,
+        };
+        println!("single_node: each step runs as {n} ranks on this machine (rank logs: <step output>/rank-<r>.log)");
+        n
+    } else {
+        1
+    };
     // The demo's reward model starts from the step-1 actor (InstructGPT initialises its reward
     // model from the SFT model): a random 7M-parameter trunk learns the pairs too slowly.
     let actor_dir = args.output_dir.join("actor");
@@ -191,7 +223,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         let script = recipe(args.recipe_dir.as_deref(), plan.recipe_dir, &deployment)?;
         println!("---=== Running Step {} ===---", plan.number);
         let t0 = Instant::now();
-        run_recipe(&script, plan, &bin_dir, &args.device, args.dtype)?;
+        run_recipe(&script, plan, &bin_dir, &args.device, args.dtype, ranks)?;
         println!("---=== Finished Step {} in {} ===---", plan.number, duration(t0.elapsed().as_secs()));
     }
     println!("---=== Finished Steps {steps:?} in {} ===---", duration(started.elapsed().as_secs()));
@@ -237,6 +269,26 @@ fn recipe(dir: Option<&Path>, step: &str, deployment: &str) -> Result<String> {
         .with_context(|| format!("internal error: no embedded recipe for {step}/{deployment}"))
 }
 
+/// single_node's ranks when --num-gpus is not given: the visible GPUs on CUDA (none visible is
+/// an error), else one per core and at least 2.
+fn default_ranks(device: &str) -> Result<usize> {
+    let dev = hybrid_engine::device::parse_device(device)?;
+    if dev.is_cuda() {
+        let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
+        if let Some(list) = visible.as_deref().filter(|l| !l.trim().is_empty()) {
+            return Ok(list.split(',').count());
+        }
+        let listed = Command::new("nvidia-smi").arg("-L").output().ok().filter(|o| o.status.success());
+        let gpus =
+            listed.map_or(0, |o| String::from_utf8_lossy(&o.stdout).lines().filter(|l| l.starts_with("GPU ")).count());
+        if gpus == 0 {
+            bail!("cannot count this machine's GPUs (nvidia-smi -L listed none): pass --num-gpus");
+        }
+        return Ok(gpus);
+    }
+    Ok(std::thread::available_parallelism().map_or(2, |n| n.get()).max(2))
+}
+
 /// The recipe key for a model: the preset it is (`gpt2-medium`, also as
 /// `openai-community/gpt2-medium`), the preset a local directory's shape matches, or `custom`.
 fn model_size(model: &str) -> String {
@@ -259,7 +311,7 @@ fn model_size(model: &str) -> String {
 /// Runs one step's recipe with bash, its output copied to the terminal and to training.log;
 /// `device` (`--device`) and `dtype` (`--dtype`) reach the step binaries as the defaults of their
 /// --device and --dtype.
-fn run_recipe(script: &str, plan: &StepPlan, bin_dir: &Path, device: &str, dtype: Dtype) -> Result<()> {
+fn run_recipe(script: &str, plan: &StepPlan, bin_dir: &Path, device: &str, dtype: Dtype, ranks: usize) -> Result<()> {
     std::fs::create_dir_all(&plan.output).with_context(|| format!("cannot create {}", plan.output.display()))?;
     let log_path = plan.output.join("training.log");
     let mut log = std::fs::File::create(&log_path).with_context(|| format!("cannot create {}", log_path.display()))?;
@@ -278,6 +330,9 @@ fn run_recipe(script: &str, plan: &StepPlan, bin_dir: &Path, device: &str, dtype
         .env(hybrid_engine::durable::LIVE_LOG_ENV, &log_path)
         .env(hybrid_engine::device::DEVICE_ENV, device)
         .env(hybrid_engine::training::precision::DTYPE_ENV, dtype.name())
+        // The step binary starts its ranks itself (crate::ranks), logging into its output.
+        .env(crate::ranks::NPROC_ENV, ranks.to_string())
+        .env(crate::ranks::RANK_LOG_DIR_ENV, &plan.output)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()

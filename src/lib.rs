@@ -3,3 +3,4 @@
 
 pub mod chat;
 pub mod launcher;
+pub mod ranks;

@@ -89,9 +89,42 @@ pub fn prompt_batch(samples: &[&PromptSample], pad: u32, len: usize) -> PromptBa
     PromptBatch { ids, attention_mask, b, len }
 }
 
+/// This rank's micro-batches of one epoch under data parallelism (torch's `DistributedSampler`
+/// under DS-Chat's per-device batches): `order` padded by repeating its start to a multiple of
+/// `world` (every rank gets as many rows, so all take the same number of steps), cut into
+/// global micro-batches of `per_device * world` rows, of which rank `r` takes rows
+/// `r, r + world, ...`. The union over ranks of micro-batch k is then the k-th micro-batch of
+/// one rank with `per_device * world` rows, which is what makes N ranks train like one.
+pub fn rank_micro_batches(order: &[usize], per_device: usize, rank: usize, world: usize) -> Vec<Vec<usize>> {
+    assert!(rank < world && per_device > 0, "rank {rank} of {world}, {per_device} rows per device");
+    let padded = order.len().div_ceil(world) * world;
+    let rows: Vec<usize> = order.iter().copied().cycle().take(padded).collect();
+    rows.chunks(per_device * world).map(|global| global.iter().skip(rank).step_by(world).copied().collect()).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ranks_share_each_global_micro_batch_and_pad_to_equal_counts() {
+        let order: Vec<usize> = (0..10).rev().collect(); // 9, 8, ..., 0
+        let one = rank_micro_batches(&order, 6, 0, 1);
+        assert_eq!(one, vec![vec![9, 8, 7, 6, 5, 4], vec![3, 2, 1, 0]]);
+        let ranks: Vec<_> = (0..3).map(|r| rank_micro_batches(&order, 2, r, 3)).collect();
+        // 10 rows padded to 12 by repeating the start (9, 8), in global micro-batches of 6.
+        assert_eq!(ranks[0], vec![vec![9, 6], vec![3, 0]]);
+        assert_eq!(ranks[1], vec![vec![8, 5], vec![2, 9]]);
+        assert_eq!(ranks[2], vec![vec![7, 4], vec![1, 8]]);
+        // Without padding, the union over ranks of micro-batch k is the one-rank micro-batch k.
+        let order: Vec<usize> = (0..12).collect();
+        let single = rank_micro_batches(&order, 4, 0, 1);
+        for (k, want) in single.iter().enumerate() {
+            let mut union: Vec<usize> = (0..2).flat_map(|r| rank_micro_batches(&order, 2, r, 2)[k].clone()).collect();
+            union.sort();
+            assert_eq!(&union, want);
+        }
+    }
 
     const PAD: u32 = 0;
 

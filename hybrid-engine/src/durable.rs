@@ -24,6 +24,10 @@ use std::sync::Mutex;
 /// a live file that a save of that directory must keep.
 pub const LIVE_LOG_ENV: &str = "RLHF_LIVE_LOG";
 
+/// Set by the rank launcher (`src/ranks.rs`) to the directory whose `rank-<r>.log` files it
+/// appends the ranks' output to: live files too.
+pub const RANK_LOGS_ENV: &str = "RLHF_RANK_LOG_DIR";
+
 /// Test hook: `RLHF_FAILPOINT=<name>` aborts the process at the named point, to prove that an
 /// interrupted save damages nothing. Points: `checkpoint-before-rename` (the new directory is
 /// complete and synced, nothing replaced), `replace-after-exchange` (the directories are
@@ -56,6 +60,16 @@ fn live_files_in(dir: &Path) -> Vec<PathBuf> {
     let mut live: Vec<PathBuf> = LIVE_FILES.lock().unwrap_or_else(|e| e.into_inner()).clone();
     if let Some(log) = std::env::var_os(LIVE_LOG_ENV).and_then(|p| std::fs::canonicalize(p).ok()) {
         live.push(log);
+    }
+    if std::env::var_os(RANK_LOGS_ENV).and_then(|p| std::fs::canonicalize(p).ok()).as_deref() == Some(dir.as_path()) {
+        let is_rank_log = |n: &str| {
+            n.strip_prefix("rank-")
+                .and_then(|r| r.strip_suffix(".log"))
+                .is_some_and(|r| r.bytes().all(|b| b.is_ascii_digit()))
+        };
+        if let Ok(entries) = std::fs::read_dir(&dir) {
+            live.extend(entries.flatten().filter(|e| is_rank_log(&e.file_name().to_string_lossy())).map(|e| e.path()));
+        }
     }
     live.retain(|p| p.parent() == Some(dir.as_path()));
     live

@@ -8,6 +8,15 @@ fn main() {
         .next()
         .and_then(|a| std::path::Path::new(&a).file_name().map(|n| n.to_string_lossy().into_owned()))
         .unwrap_or_default();
+    let is_step = matches!(name.as_str(), "sft" | "reward" | "ppo");
+    if is_step {
+        // A single_node recipe's step: start its ranks and supervise them.
+        match rlhf::ranks::ranks_to_spawn().and_then(|n| n.map(rlhf::ranks::spawn_local_ranks).transpose()) {
+            Ok(Some(code)) => std::process::exit(code),
+            Ok(None) => {}
+            Err(e) => hybrid_engine::cli::exit_with(e),
+        }
+    }
     match name.as_str() {
         "sft" => sft::main_with_args(),
         "reward" => reward::main_with_args(),

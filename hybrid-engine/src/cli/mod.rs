@@ -148,4 +148,5 @@ mod tests {
         assert!(non_negative()("0").is_ok() && non_negative()("-1e-9").is_err());
     }
 }
+pub mod dist_args;
 pub mod step_args;

@@ -59,10 +59,12 @@ pub struct StepArgs {
     /// Clip gradients to this global norm (DS-Chat's DeepSpeed config: 1.0; 0 disables).
     #[arg(long, default_value_t = 1.0, alias = "gradient_clipping", value_parser = crate::cli::non_negative())]
     pub gradient_clipping: f64,
-    /// ZeRO stage (0-3). With one process there is nothing to shard, so every stage trains
-    /// identically; sharding across ranks arrives with the distributed issue.
+    /// ZeRO stage: 0 (gradients all-reduced), 1 (+ optimizer state sharded), 2 (+ gradients
+    /// sharded). With one process there is nothing to shard and every stage trains alike.
     #[arg(long, default_value_t = 0, alias = "zero_stage")]
     pub zero_stage: u8,
+    #[command(flatten)]
+    pub dist: crate::cli::dist_args::DistArgs,
     /// Print a log line every this many optimizer steps.
     #[arg(long, default_value_t = 10, alias = "log_interval")]
     pub log_interval: u64,

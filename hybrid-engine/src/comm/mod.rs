@@ -23,6 +23,22 @@ use tcp::TcpRing;
 /// The default wait for a peer, at rendezvous and in every collective (`--dist-timeout`).
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 
+/// Refuses to run `what` as one of several ranks, for the steps that do not train data-parallel
+/// yet: each rank would train alone and all would write the same output.
+pub fn refuse_distributed(what: &str) -> Result<()> {
+    let env = RankEnv::from_process()?;
+    if env.is_distributed() {
+        bail!(
+            "{what} does not train across ranks yet (this process is rank {} of {} from the {} environment): \
+             run it as one process (--deployment-type single_gpu)",
+            env.rank,
+            env.world,
+            env.source
+        );
+    }
+    Ok(())
+}
+
 /// The ranks of a job and the means to talk to them.
 pub struct ProcessGroup {
     pub env: RankEnv,

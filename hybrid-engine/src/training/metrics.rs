@@ -14,7 +14,8 @@ pub const METRICS_FILE: &str = "metrics.jsonl";
 
 pub struct Metrics {
     path: PathBuf,
-    file: std::fs::File,
+    /// `None` on the ranks other than 0: they log nothing (rank 0 logs for the group).
+    file: Option<std::fs::File>,
     bar: Option<ProgressBar>,
 }
 
@@ -43,16 +44,29 @@ impl Metrics {
             );
             bar
         });
-        Ok(Self { path, file, bar })
+        Ok(Self { path, file: Some(file), bar })
+    }
+
+    /// [`Self::open`] on rank 0; on the other ranks a log that records and prints nothing.
+    pub fn for_rank(rank: usize, dir: &Path, total: u64, done: u64) -> Result<Self> {
+        if rank == 0 {
+            Self::open(dir, total, done)
+        } else {
+            Ok(Self { path: dir.join(METRICS_FILE), file: None, bar: None })
+        }
     }
 
     /// Appends one record, as one line in one write.
     pub fn record(&mut self, value: serde_json::Value) -> Result<()> {
-        self.file.write_all(format!("{value}\n").as_bytes()).with_context(|| format!("writing {}", self.path.display()))
+        let Some(file) = &mut self.file else { return Ok(()) };
+        file.write_all(format!("{value}\n").as_bytes()).with_context(|| format!("writing {}", self.path.display()))
     }
 
     /// Prints a log line to stdout without tearing the progress bar.
     pub fn println(&self, line: &str) {
+        if self.file.is_none() {
+            return;
+        }
         match &self.bar {
             Some(bar) => bar.suspend(|| println!("{line}")),
             None => println!("{line}"),

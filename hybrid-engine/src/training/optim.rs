@@ -10,6 +10,7 @@ use candle_core::{backprop::GradStore, CpuStorage, DType, InplaceOp2, Layout, Te
 use serde::{Deserialize, Serialize};
 use std::cell::RefCell;
 use std::collections::HashMap;
+use std::ops::Range;
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct AdamWConfig {
@@ -32,12 +33,16 @@ pub fn no_weight_decay(name: &str) -> bool {
 }
 
 /// The optimizer's checkpointable state: the step count and both moments per parameter, kept
-/// as plain f32 buffers updated in place by one fused pass per parameter.
+/// as plain f32 buffers updated in place by one fused pass per parameter. Under ZeRO stages 1
+/// and 2 a rank holds the moments of only its shard: `held[i]` is the range of parameter `i`'s
+/// flattened values whose moments are here (all of them without sharding).
+#[derive(Clone)]
 pub struct AdamW {
     pub config: AdamWConfig,
     pub step: u64,
     exp_avg: Vec<Vec<f32>>,
     exp_avg_sq: Vec<Vec<f32>>,
+    held: Vec<Range<usize>>,
     decay: Vec<bool>,
     /// Each parameter's learning rate relative to the scheduled one (1 but for LoRA adapters).
     lr_scale: Vec<f64>,
@@ -90,7 +95,47 @@ impl AdamW {
             exp_avg_sq: zeros(),
             decay: params.names.iter().map(|n| !no_weight_decay(n)).collect(),
             lr_scale: vec![1.0; params.vars.len()],
+            held: params.vars.iter().map(|v| 0..v.elem_count()).collect(),
         })
+    }
+
+    /// Keeps only the moments of `ranges` (one per parameter, within the moments held now):
+    /// ZeRO stages 1 and 2 give each rank the moments of its shard.
+    pub fn keep_only(&mut self, ranges: &[Range<usize>]) {
+        assert_eq!(ranges.len(), self.held.len(), "one range per parameter");
+        for (i, r) in ranges.iter().enumerate() {
+            let held = &self.held[i];
+            assert!(r.start >= held.start && r.end <= held.end, "range {r:?} outside the held {held:?}");
+            let local = r.start - held.start..r.end - held.start;
+            self.exp_avg[i] = self.exp_avg[i][local.clone()].to_vec();
+            self.exp_avg_sq[i] = self.exp_avg_sq[i][local].to_vec();
+            self.held[i] = r.clone();
+        }
+    }
+
+    /// The range of parameter `i` whose moments this optimizer holds.
+    pub fn held(&self, i: usize) -> Range<usize> {
+        self.held[i].clone()
+    }
+
+    /// Parameter `i`'s held moments (first, second).
+    pub fn held_moments(&self, i: usize) -> (&[f32], &[f32]) {
+        (&self.exp_avg[i], &self.exp_avg_sq[i])
+    }
+
+    /// Replaces every moment with full ones (consolidating a sharded optimizer).
+    pub fn set_full_moments(&mut self, exp_avg: Vec<Vec<f32>>, exp_avg_sq: Vec<Vec<f32>>) {
+        self.held = exp_avg.iter().map(|m| 0..m.len()).collect();
+        (self.exp_avg, self.exp_avg_sq) = (exp_avg, exp_avg_sq);
+    }
+
+    /// Updates `p`, the held piece of parameter `i`, with its gradient `g`, in the current step
+    /// (the caller has advanced `step`): ZeRO's per-shard update.
+    pub fn update_held(&mut self, i: usize, p: &mut [f32], g: &[f32], lr: f64) {
+        assert_eq!(p.len(), self.held[i].len(), "the piece is the held range");
+        let wd = if self.decay[i] { self.config.weight_decay } else { 0.0 };
+        let lr = lr * self.lr_scale[i];
+        adamw_update(p, g, &mut self.exp_avg[i], &mut self.exp_avg_sq[i], lr, wd, self.step, &self.config);
     }
 
     /// Puts the LoRA adapters of `params` in DS-Chat's LoRA group: learning rate `lora_lr` where
@@ -109,6 +154,10 @@ impl AdamW {
     /// One update of every parameter with its gradient (same order as `params`).
     pub fn step(&mut self, params: &ParamStore, grads: &[Tensor], lr: f64) -> Result<()> {
         assert_eq!(grads.len(), params.vars.len(), "one gradient per parameter");
+        assert!(
+            self.held.iter().zip(&params.vars).all(|(h, v)| h.start == 0 && h.end == v.elem_count()),
+            "a sharded optimizer steps through training::zero"
+        );
         self.step += 1;
         for (i, (var, g)) in params.vars.iter().zip(grads).enumerate() {
             let wd = if self.decay[i] { self.config.weight_decay } else { 0.0 };
@@ -130,6 +179,9 @@ impl AdamW {
 
     /// Moments keyed `exp_avg.<param>` / `exp_avg_sq.<param>` for a checkpoint.
     pub fn state_tensors(&self, params: &ParamStore) -> Result<Vec<(String, Tensor)>> {
+        if self.held.iter().zip(&params.vars).any(|(h, v)| h.start != 0 || h.end != v.elem_count()) {
+            bail!("internal error: a sharded optimizer's state is saved after training::zero::consolidate");
+        }
         let mut out = Vec::new();
         for (i, (name, var)) in params.iter().enumerate() {
             let dev = &candle_core::Device::Cpu;
@@ -150,7 +202,10 @@ impl AdamW {
                 if t.dims() != var.dims() {
                     bail!("optimizer state {k} has shape {:?}, the model needs {:?}", t.dims(), var.dims());
                 }
-                *slot = t.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1()?;
+                // A sharded optimizer keeps its own pieces of the full moments.
+                let held = self.held[i].clone();
+                *slot =
+                    t.to_dtype(candle_core::DType::F32)?.flatten_all()?.narrow(0, held.start, held.len())?.to_vec1()?;
             }
         }
         self.step = step;

@@ -8,7 +8,9 @@ use crate::training::metrics::Metrics;
 use crate::training::optim::{clip_to_norm, global_grad_norm, AdamW, AdamWConfig, GradAccumulator};
 use crate::training::precision::{has_overflow, Dtype, LossScaler, LossScaling, Precision, ScaleUpdate};
 use crate::training::schedule::LrSchedule;
+use crate::training::zero::{self, DataParallel, Partition};
 use anyhow::{bail, Result};
+use candle_core::Tensor;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
@@ -74,6 +76,10 @@ pub struct Trainer {
     /// Updates skipped without an overflow of their own (`--align-overflow`); the scaler counts
     /// the overflows.
     forced_skips: u64,
+    /// Data parallelism across ranks (`None`: one rank).
+    dp: Option<(DataParallel, Partition)>,
+    /// ZeRO stage 2: this rank's shard of the gradients summed over ranks and micro-batches.
+    grad_shard: Option<Tensor>,
 }
 
 impl Trainer {
@@ -98,7 +104,31 @@ impl Trainer {
             pending: 0,
             boundaries: 0,
             forced_skips: 0,
+            dp: None,
+            grad_shard: None,
         })
+    }
+
+    /// Trains as one of the ranks of `dp`'s group with its ZeRO stage: call after
+    /// [`Self::with_precision`] and before loading optimizer state. One rank changes nothing.
+    pub fn with_data_parallel(mut self, dp: DataParallel) -> Self {
+        if dp.world() > 1 {
+            let partition = Partition::of(&self.compute, dp.world());
+            if dp.shards_optimizer() {
+                self.optimizer.keep_only(&partition.ranges(dp.group.rank()));
+            }
+            self.dp = Some((dp, partition));
+        }
+        self
+    }
+
+    /// The optimizer with its full state, gathered from the ranks' shards under ZeRO (every
+    /// rank must call it, together): what a checkpoint saves.
+    pub fn consolidated_optimizer(&self, params: &ParamStore) -> Result<crate::training::optim::AdamW> {
+        match &self.dp {
+            Some((dp, partition)) => zero::consolidate(dp, partition, &self.optimizer, params),
+            None => Ok(self.optimizer.clone()),
+        }
     }
 
     /// Computes in `precision` on `compute`, the compute-dtype copy of the whole store the
@@ -163,8 +193,18 @@ impl Trainer {
     /// Whether the gradients accumulated so far hold an inf or a NaN (what the next step would
     /// find; `--align-overflow` asks both PPO models before either steps).
     pub fn pending_overflow(&self) -> Result<bool> {
-        let grads = self.acc.partial();
-        has_overflow(&grads)
+        let mut grads = self.acc.partial();
+        grads.extend(self.grad_shard.clone());
+        let local = has_overflow(&grads)?;
+        match &self.dp {
+            // Every rank must agree, or one would step while another skips.
+            Some((dp, _)) => {
+                let mut flag = [f64::from(u8::from(local))];
+                dp.group.all_reduce_scalars(&mut flag, crate::comm::ReduceOp::Max)?;
+                Ok(flag[0] > 0.0)
+            }
+            None => Ok(local),
+        }
     }
 
     /// Where a micro-batch's backward adds its gradients.
@@ -181,6 +221,17 @@ impl Trainer {
     /// gradients (`--align-overflow`: the other model overflowed).
     pub fn micro_batch_done_or_skip(&mut self, params: &ParamStore, skip: bool) -> Result<Option<StepReport>> {
         self.pending += 1;
+        if let Some((dp, partition)) = self.dp.as_ref().filter(|(dp, _)| dp.stage == 2) {
+            // Stage 2 reduce-scatters each micro-batch's gradient at once: the full gradient
+            // does not outlive the micro-batch.
+            let fresh = self.acc.emptied();
+            let grads = std::mem::replace(&mut self.acc, fresh).finish()?;
+            let shard = zero::reduce_scatter_gradients(dp, partition, &grads)?;
+            self.grad_shard = Some(match self.grad_shard.take() {
+                Some(acc) => (acc + shard)?,
+                None => shard,
+            });
+        }
         if self.pending < self.accumulation {
             return Ok(None);
         }
@@ -196,23 +247,28 @@ impl Trainer {
     }
 
     fn step(&mut self, params: &ParamStore, force_skip: bool) -> Result<StepReport> {
-        let fresh = self.acc.emptied();
-        let acc = std::mem::replace(&mut self.acc, fresh);
-        let mut grads = acc.finish()?;
         // Back to a mean of the micro-batches' gradients: a partial accumulation was scaled by
         // 1/accumulation per micro-batch, and fp16 gradients carry the loss scale.
         let mut fix = self.accumulation as f64 / self.pending as f64;
         if let Some(s) = &self.scaler {
             fix /= s.scale;
         }
+        let mut gradients = self.take_gradients()?;
+        if let Gradients::Shard(_) = gradients {
+            // Shards hold sums over ranks: the mean is over ranks too.
+            fix /= self.dp.as_ref().map_or(1, |(dp, _)| dp.world()) as f64;
+        }
         if fix != 1.0 {
-            for g in grads.iter_mut() {
+            for g in gradients.tensors_mut() {
                 *g = (&*g * fix)?;
             }
         }
         self.pending = 0;
         self.boundaries += 1;
-        let grad_norm = global_grad_norm(&grads)?;
+        let grad_norm = match (&gradients, &self.dp) {
+            (Gradients::Shard(shard), Some((dp, _))) => zero::sharded_grad_norm(dp, shard)?,
+            _ => global_grad_norm(gradients.tensors_mut())?,
+        };
         let overflow = !grad_norm.is_finite();
         let skipped = match &mut self.scaler {
             Some(scaler) => scaler.update(overflow)? == ScaleUpdate::Skip || force_skip,
@@ -231,8 +287,14 @@ impl Trainer {
         // DeepSpeed does on overflow.
         let lr = self.schedule.lr(self.optimizer.step + 1);
         if !skipped {
-            clip_to_norm(&mut grads, grad_norm, self.clip)?;
-            self.optimizer.step(params, &grads, lr)?;
+            clip_to_norm(gradients.tensors_mut(), grad_norm, self.clip)?;
+            match (&gradients, &self.dp) {
+                (Gradients::Shard(shard), Some((dp, partition))) => {
+                    zero::sharded_adamw_step(dp, partition, &mut self.optimizer, params, shard, lr)?
+                }
+                (Gradients::Full(grads), _) => self.optimizer.step(params, grads, lr)?,
+                (Gradients::Shard(_), None) => unreachable!("shards only exist under data parallelism"),
+            }
             self.compute.refresh_from(params)?;
         }
         Ok(StepReport {
@@ -243,6 +305,47 @@ impl Trainer {
             loss_scale,
             skipped_steps: self.skipped_steps(),
         })
+    }
+
+    /// The accumulated gradients, reduced over ranks as the ZeRO stage says: all of them
+    /// averaged (stage 0), or this rank's shard of their sum (stages 1 and 2).
+    fn take_gradients(&mut self) -> Result<Gradients> {
+        let fresh = self.acc.emptied();
+        let acc = std::mem::replace(&mut self.acc, fresh);
+        match &self.dp {
+            None => Ok(Gradients::Full(acc.finish()?)),
+            Some((dp, _)) if dp.stage == 0 => {
+                let mut grads = acc.finish()?;
+                zero::all_reduce_gradients(dp, &mut grads)?;
+                Ok(Gradients::Full(grads))
+            }
+            Some((dp, partition)) if dp.stage == 1 => {
+                Ok(Gradients::Shard(zero::reduce_scatter_gradients(dp, partition, &acc.finish()?)?))
+            }
+            Some(_) => {
+                let shard = self.grad_shard.take();
+                Ok(Gradients::Shard(
+                    shard.ok_or_else(|| anyhow::anyhow!("internal error: no gradient shard at the boundary"))?,
+                ))
+            }
+        }
+    }
+}
+
+/// What an optimizer step works on.
+enum Gradients {
+    /// One gradient per parameter.
+    Full(Vec<Tensor>),
+    /// This rank's shard of the flat gradient (ZeRO stages 1 and 2).
+    Shard(Tensor),
+}
+
+impl Gradients {
+    fn tensors_mut(&mut self) -> &mut [Tensor] {
+        match self {
+            Self::Full(g) => g,
+            Self::Shard(s) => std::slice::from_mut(s),
+        }
     }
 }
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Step 1 (SFT) on one node of 8 GPUs: DS-Chat's
 # training/step1_supervised_finetuning/training_scripts/opt/single_node/run_1.3b.sh (and its
-# 6.7b/13b/30b/66b siblings), with GPT-2 sizes. `train` refuses this deployment until data and
-# tensor parallelism land (the distributed issue); the values are DS-Chat's.
+# 6.7b/13b/30b/66b siblings), with GPT-2 sizes. `train` runs it with RLHF_NPROC_PER_NODE set, so
+# `sft` below starts one rank per GPU (src/ranks.rs); the values are DS-Chat's.
 # Usage: single_node.sh OUTPUT_DIR [ZERO_STAGE] [MODEL] [SIZE]
 set -euo pipefail
 OUTPUT=${1:-./output/actor}

@@ -137,6 +137,7 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
             Some(corpus)
         }
     };
+    hybrid_engine::comm::refuse_distributed("step 3 (PPO)")?;
     for (flag, stage) in
         [("--actor-zero-stage", args.actor_zero_stage), ("--critic-zero-stage", args.critic_zero_stage)]
     {

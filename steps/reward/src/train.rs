@@ -94,6 +94,7 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
     let data_cfg = args.data.config(t.seed, t.max_seq_len, t.max_seq_len, false)?;
     let data = data::phases::reward_data(&data_cfg, &tokenizer)?;
     println!("{}", data.summary);
+    hybrid_engine::comm::refuse_distributed("step 2 (reward model)")?;
     if t.zero_stage > 0 {
         println!("ZeRO stage {} with 1 process: nothing to shard, training as stage 0", t.zero_stage);
     }

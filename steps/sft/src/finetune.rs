@@ -8,10 +8,11 @@ use crate::args::{SftArgs, DEFAULT_LR};
 use crate::prompt_eval;
 use anyhow::Result;
 use candle_core::{Device, Tensor};
-use data::batch::{sft_batch, SftBatch};
+use data::batch::{rank_micro_batches, sft_batch, SftBatch};
 use data::phases::SftSample;
 use data::Tokenizer;
 use hybrid_engine::cli::step_args::starting_model;
+use hybrid_engine::comm::ReduceOp;
 use hybrid_engine::kernels::ops::DropoutKey;
 use hybrid_engine::model::gpt2::{Dropout, Gpt2, Positions};
 use hybrid_engine::model::reward_model::causal_lm_config;
@@ -42,6 +43,8 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
     let lr = t.learning_rate.unwrap_or(DEFAULT_LR);
     t.validate(lr)?;
     let device = t.device()?;
+    let group = t.dist.join()?;
+    let (rank, world) = (group.rank(), group.world());
     println!("device: {}", hybrid_engine::device::describe(&device));
     let mut start = starting_model(&t.model_name_or_path, t.seed, t.dropout, &device)?;
     let tokenizer = match (&args.tokenizer, &start.dir) {
@@ -55,9 +58,7 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
     let data_cfg = args.data.config(t.seed, t.max_seq_len, t.max_seq_len, args.train_on_prompt)?;
     let data = data::phases::sft_data(&data_cfg, &tokenizer)?;
     println!("{}", data.summary);
-    if t.zero_stage > 0 {
-        println!("ZeRO stage {} with 1 process: nothing to shard, training as stage 0", t.zero_stage);
-    }
+    let dp = t.dist.data_parallel(&group, t.zero_stage)?;
     if let Some(line) = t.apply_lora(&mut start.params, &config)? {
         println!("{line}");
     }
@@ -84,13 +85,15 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
     // Read now, so a bad prompts file fails before training rather than after it.
     let prompts =
         args.eval_prompts.as_ref().map(|spec| data::prompts::read_prompts(spec, args.num_eval_prompts)).transpose()?;
-    let micro_per_epoch = data.train.len().div_ceil(t.per_device_train_batch_size);
+    // Every rank takes its share of each global micro-batch of per-device x world rows.
+    let micro_per_epoch = data.train.len().div_ceil(world).div_ceil(t.per_device_train_batch_size);
     let steps = total_steps(micro_per_epoch, t.num_train_epochs, t.gradient_accumulation_steps);
     let mut trainer =
         Trainer::new(&trainable, t.adam(), t.schedule(lr, steps), t.gradient_accumulation_steps, t.gradient_clipping)?
-            .with_precision(precision, &compute, t.precision.loss_scaling());
+            .with_precision(precision, &compute, t.precision.loss_scaling())
+            .with_data_parallel(dp);
     trainer.set_lora_learning_rate(&trainable, t.lora_learning_rate);
-    let mut metrics = Metrics::open(&args.output_dir, steps, 0)?;
+    let mut metrics = Metrics::for_rank(rank, &args.output_dir, steps, 0)?;
     let eos = tokenizer.eos_id();
 
     let mut summary = SftSummary {
@@ -103,7 +106,13 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
         if data.eval.is_empty() {
             return Ok(());
         }
-        let loss = eval_loss(&model, &data.eval, t.per_device_eval_batch_size, eos, args.train_on_prompt, &device)?;
+        // Each rank evaluates its share of the rows; the loss is the mean over all their tokens.
+        let share: Vec<SftSample> = data.eval.iter().skip(rank).step_by(world).cloned().collect();
+        let (sum, tokens) =
+            eval_loss_sum(&model, &share, t.per_device_eval_batch_size, eos, args.train_on_prompt, &device)?;
+        let mut totals = [sum, tokens as f64];
+        group.all_reduce_scalars(&mut totals, ReduceOp::Sum)?;
+        let loss = totals[0] / totals[1].max(1.0);
         let ppl = loss.exp();
         metrics.println(&format!(
             "***** Evaluating perplexity, Epoch {epoch}/{} *****\nppl: {ppl:.4}, loss: {loss:.4}",
@@ -123,17 +132,29 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
             t.num_train_epochs
         ));
         let order = data::pretrain::epoch_order(&(0..data.train.len()), t.seed, epoch as u64 - 1);
-        for chunk in order.chunks(t.per_device_train_batch_size) {
+        for chunk in rank_micro_batches(&order, t.per_device_train_batch_size, rank, world) {
             let started = Instant::now();
             let rows: Vec<&SftSample> = chunk.iter().map(|&i| &data.train[i]).collect();
             let batch = sft_batch(&rows, eos, args.train_on_prompt);
             micro_index += 1;
-            let key = DropoutKey { seed: t.seed, step: micro_index, micro_batch: 0 };
+            // Each rank draws its own masks (its rows differ); rank 0 draws one rank's masks.
+            let key = DropoutKey { seed: t.seed, step: micro_index, micro_batch: rank as u64 };
             let dropout = Dropout::from_config(&config, key);
-            let how = Backward { checkpoint_activations: t.gradient_checkpointing, loss_scale: trainer.loss_scale() };
+            // The loss is a mean over the learned tokens of the whole global micro-batch, as one
+            // rank holding all of it would compute: each rank's mean weighs by its share of them.
+            let local_tokens = batch.loss_rows.len() as f64;
+            let mut tokens = [local_tokens];
+            group.all_reduce_scalars(&mut tokens, ReduceOp::Sum)?;
+            let share = local_tokens * world as f64 / tokens[0].max(1.0);
+            let how =
+                Backward { checkpoint_activations: t.gradient_checkpointing, loss_scale: trainer.loss_scale() * share };
             let loss = sft_forward_backward(&model, &batch, Some(&dropout), how, &mut trainer, &device)?;
+            // The logged loss is the global micro-batch's.
+            let mut sums = [f64::from(loss) * local_tokens];
+            group.all_reduce_scalars(&mut sums, ReduceOp::Sum)?;
+            let loss = (sums[0] / tokens[0].max(1.0)) as f32;
             let stepped = trainer.micro_batch_done(&trainable)?;
-            log.micro_batch(loss, batch.b * batch.t, started.elapsed().as_secs_f64(), epoch)?;
+            log.micro_batch(loss, batch.b * batch.t * world, started.elapsed().as_secs_f64(), epoch)?;
             if let Some(r) = stepped {
                 summary.steps = r.step;
                 log.step(&mut metrics, &r, epoch, loss)?;
@@ -150,6 +171,11 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
 
     // The held-out comparison is written with the model, in the same atomic save, so the
     // directory never holds a comparison of another run's model.
+    if !group.is_first() {
+        // Rank 0 saves the model the ranks share and compares it on the prompts.
+        group.barrier()?;
+        return Ok(summary);
+    }
     let prompt_eval_lines = match (&prompts, baseline_weights) {
         (Some(prompts), Some(weights)) => {
             let baseline = weights.model(&config)?;
@@ -174,6 +200,7 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
         println!("peak memory (RSS): {p:.1} MiB");
     }
     metrics.record(json!({"event": "end", "summary": summary, "peak_rss_mib": peak}))?;
+    group.barrier()?;
     Ok(summary)
 }
 
@@ -211,6 +238,19 @@ pub fn eval_loss(
     train_on_prompt: bool,
     device: &Device,
 ) -> Result<f64> {
+    let (total, tokens) = eval_loss_sum(model, rows, batch_size, eos, train_on_prompt, device)?;
+    Ok(total / tokens.max(1) as f64)
+}
+
+/// The summed loss over the learned tokens of `rows`, and their count.
+pub fn eval_loss_sum(
+    model: &Gpt2,
+    rows: &[SftSample],
+    batch_size: usize,
+    eos: u32,
+    train_on_prompt: bool,
+    device: &Device,
+) -> Result<(f64, usize)> {
     let (mut total, mut tokens) = (0f64, 0usize);
     for chunk in rows.chunks(batch_size) {
         let refs: Vec<&SftSample> = chunk.iter().collect();
@@ -224,7 +264,7 @@ pub fn eval_loss(
         total += loss as f64 * batch.loss_rows.len() as f64;
         tokens += batch.loss_rows.len();
     }
-    Ok(total / tokens.max(1) as f64)
+    Ok((total, tokens))
 }
 
 /// The model must embed every token id and hold a whole sequence.

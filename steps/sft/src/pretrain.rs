@@ -9,6 +9,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
 use data::{BlockSampler, CorpusSource, PackedCorpus, SamplerCursor, Tokenizer};
 use hybrid_engine::checkpoints::resume::{self, TrainerState, FORMAT_VERSION};
+use hybrid_engine::comm::{ProcessGroup, ReduceOp};
 use hybrid_engine::kernels::ops::DropoutKey;
 use hybrid_engine::model::gpt2::{Dropout, Gpt2};
 use hybrid_engine::training::memory::MemoryPlan;
@@ -48,6 +49,8 @@ struct DataLayout {
 pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     let cfg = args.pretrain_config()?;
     let device = hybrid_engine::device::parse_device(&args.device)?;
+    let group = args.dist.join()?;
+    let (rank, world) = (group.rank(), group.world());
     println!("device: {}", hybrid_engine::device::describe(&device));
 
     // Data: tokenize, pack, split. Every failure here happens before any training.
@@ -155,7 +158,10 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     model.fp32_loss = precision.fp32_loss;
     let accumulation = args.gradient_accumulation_steps;
     let mut trainer = Trainer::new(&params, cfg.adam.clone(), cfg.schedule.clone(), accumulation, args.clip_grad)?
-        .with_precision(precision, &compute, args.precision.loss_scaling());
+        .with_precision(precision, &compute, args.precision.loss_scaling())
+        .with_data_parallel(args.dist.data_parallel(&group, args.zero_stage)?);
+    // A checkpoint holds the whole optimizer state, so it loads into any world size or stage:
+    // each rank keeps its shard of the moments.
     if let Some(r) = &resume {
         trainer.optimizer.load_state(&params, r.optimizer_step, &r.optimizer)?;
         let progress =
@@ -170,9 +176,10 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
         println!("compute dtype: {} (fp32 master weights and Adam moments)", precision.dtype.name());
     }
 
-    let mut metrics = Metrics::open(&args.output_dir, args.train_iters, start)?;
+    let mut metrics = Metrics::for_rank(rank, &args.output_dir, args.train_iters, start)?;
     let eval_batches = data::eval_indices(&valid, args.eval_iters, args.micro_batch_size);
-    let tokens_per_iter = (args.micro_batch_size * args.gradient_accumulation_steps * args.seq_length) as f64;
+    let samples_per_iter = args.micro_batch_size * args.gradient_accumulation_steps * world;
+    let tokens_per_iter = (samples_per_iter * args.seq_length) as f64;
     let mut summary = PretrainSummary {
         iterations: start,
         first_loss: None,
@@ -191,8 +198,12 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
         let mut loss = 0f32;
         let mut report = None;
         for micro in 0..accumulation {
-            let (x, y) = batch(&corpus, &sampler.next_indices(args.micro_batch_size), &device)?;
-            let key = DropoutKey { seed: args.seed, step: iteration, micro_batch: micro as u64 };
+            // Every rank draws the global micro-batch (so the sampler, and its checkpointed cursor,
+            // is the same everywhere) and trains on its own slice of it.
+            let global = sampler.next_indices(args.micro_batch_size * world);
+            let mine = &global[rank * args.micro_batch_size..(rank + 1) * args.micro_batch_size];
+            let (x, y) = batch(&corpus, mine, &device)?;
+            let key = DropoutKey { seed: args.seed, step: iteration, micro_batch: (micro * world + rank) as u64 };
             let dropout = Dropout::from_config(&model_cfg, key);
             let how =
                 Backward { checkpoint_activations: args.checkpoint_activations, loss_scale: trainer.loss_scale() };
@@ -200,6 +211,10 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
             report = trainer.micro_batch_done(&params)?;
         }
         let report = report.context("internal error: an iteration ended without an optimizer step")?;
+        // The loss of the global batch: the mean over ranks (each one's is over equal blocks).
+        let mut losses = [f64::from(loss)];
+        group.all_reduce_scalars(&mut losses, ReduceOp::Sum)?;
+        let loss = (losses[0] / world as f64) as f32;
         let (lr, grad_norm) = (report.lr, report.grad_norm);
         interval_secs += iteration_start.elapsed().as_secs_f64();
         // In fp16 an infinite loss is an overflow like any other: the scaler skips the update.
@@ -217,7 +232,7 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
             "loss_scale": report.loss_scale,
             "skipped": report.skipped,
             "skipped_iterations": report.skipped_steps,
-            "consumed_samples": iteration * (args.micro_batch_size * args.gradient_accumulation_steps) as u64,
+            "consumed_samples": iteration * samples_per_iter as u64,
         }))?;
         metrics.advance(format!("loss {loss:.3}"));
         interval_loss += loss as f64;
@@ -230,7 +245,7 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
             metrics.println(&format!(
                 " iteration {iteration:>8}/{:>8} | consumed samples: {:>10} | elapsed time per iteration (ms): {ms:.1} | learning rate: {lr:.3E} | lm loss: {:.6E} | loss scale: {:.1} | grad norm: {grad_norm:.3} | number of skipped iterations: {:>3} | tokens/s: {tps:.0} |",
                 args.train_iters,
-                iteration * (args.micro_batch_size * args.gradient_accumulation_steps) as u64,
+                iteration * samples_per_iter as u64,
                 interval_loss / interval_iters as f64,
                 report.loss_scale,
                 report.skipped_steps,
@@ -244,26 +259,24 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
             metrics.record(json!({"iteration": iteration, "valid_loss": l, "valid_ppl": l.exp()}))?;
         }
         if args.save_interval > 0 && iteration % args.save_interval == 0 {
-            let state = trainer_state(iteration, args, &sampler, &cfg, &layout, &trainer);
-            let dir = resume::save_checkpoint(&cfg.save_dir, &model_cfg, &params, &trainer.optimizer, &state, &|d| {
-                tokenizer.save(&d.join("tokenizer.json"))
-            })?;
-            metrics.println(&format!(" saved checkpoint at iteration {iteration} to {}", dir.display()));
+            let state = trainer_state(iteration, args, world, &sampler, &cfg, &layout, &trainer);
+            if let Some(dir) = save(&group, &cfg.save_dir, &model_cfg, &params, &trainer, &state, &tokenizer)? {
+                metrics.println(&format!(" saved checkpoint at iteration {iteration} to {}", dir.display()));
+                summary.checkpoint = Some(dir);
+            }
             last_saved = Some(iteration);
-            summary.checkpoint = Some(dir);
         }
     }
     metrics.finish();
 
     let end = summary.iterations;
     if last_saved != Some(end) {
-        let state = trainer_state(end, args, &sampler, &cfg, &layout, &trainer);
-        let dir = resume::save_checkpoint(&cfg.save_dir, &model_cfg, &params, &trainer.optimizer, &state, &|d| {
-            tokenizer.save(&d.join("tokenizer.json"))
-        })?;
-        println!(" saved checkpoint at iteration {end} to {}", dir.display());
-        summary.checkpoint = Some(dir);
-    } else if summary.checkpoint.is_none() {
+        let state = trainer_state(end, args, world, &sampler, &cfg, &layout, &trainer);
+        if let Some(dir) = save(&group, &cfg.save_dir, &model_cfg, &params, &trainer, &state, &tokenizer)? {
+            println!(" saved checkpoint at iteration {end} to {}", dir.display());
+            summary.checkpoint = Some(dir);
+        }
+    } else if summary.checkpoint.is_none() && group.is_first() {
         summary.checkpoint = Some(hybrid_engine::checkpoints::hf_io::latest_checkpoint(&cfg.save_dir)?);
     }
     if !eval_batches.is_empty() {
@@ -282,7 +295,32 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
         println!("peak memory (RSS): {p:.1} MiB");
     }
     metrics.record(json!({"event": "end", "summary": summary, "peak_rss_mib": peak}))?;
+    group.barrier()?;
     Ok(summary)
+}
+
+/// Saves a checkpoint from rank 0, the optimizer state first gathered from every rank's shard
+/// (all ranks call this together). The others wait until it is written, so none runs ahead of a
+/// checkpoint that a restart would resume from. Returns the directory on rank 0.
+fn save(
+    group: &ProcessGroup,
+    save_dir: &std::path::Path,
+    model_cfg: &hybrid_engine::Gpt2Config,
+    params: &hybrid_engine::ParamStore,
+    trainer: &Trainer,
+    state: &TrainerState,
+    tokenizer: &Tokenizer,
+) -> Result<Option<std::path::PathBuf>> {
+    let optimizer = trainer.consolidated_optimizer(params)?;
+    let dir = if group.is_first() {
+        Some(resume::save_checkpoint(save_dir, model_cfg, params, &optimizer, state, &|d| {
+            tokenizer.save(&d.join("tokenizer.json"))
+        })?)
+    } else {
+        None
+    };
+    group.barrier()?;
+    Ok(dir)
 }
 
 /// Inputs and next-token targets for the blocks `idx`: (B, T) each.
@@ -317,9 +355,11 @@ fn report_eval(metrics: &Metrics, split: &str, iteration: u64, loss: f64) {
     metrics.println(&format!("{rule}\n{line}\n{rule}"));
 }
 
+#[allow(clippy::too_many_arguments)]
 fn trainer_state(
     iteration: u64,
     args: &PretrainArgs,
+    world: usize,
     sampler: &BlockSampler,
     cfg: &PretrainConfig,
     layout: &DataLayout,
@@ -328,7 +368,7 @@ fn trainer_state(
     TrainerState {
         format_version: FORMAT_VERSION,
         iteration,
-        consumed_samples: iteration * (args.micro_batch_size * args.gradient_accumulation_steps) as u64,
+        consumed_samples: iteration * (args.micro_batch_size * args.gradient_accumulation_steps * world) as u64,
         data_cursor: json!(sampler.cursor()),
         seed: args.seed,
         run: json!({

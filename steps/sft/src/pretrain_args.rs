@@ -136,6 +136,13 @@ pub struct PretrainArgs {
     /// --dtype, --compute-fp32-loss, --loss-scale-window, --initial-scale-power.
     #[command(flatten)]
     pub precision: hybrid_engine::training::precision::PrecisionArgs,
+    /// ZeRO stage across data-parallel ranks: 0 (gradients all-reduced), 1 (+ optimizer state
+    /// sharded), 2 (+ gradients sharded). Each rank trains on its own --micro-batch-size blocks:
+    /// the global batch is micro-batch x ranks x accumulation, as Megatron's.
+    #[arg(long, default_value_t = 0, alias = "zero_stage")]
+    pub zero_stage: u8,
+    #[command(flatten)]
+    pub dist: hybrid_engine::cli::dist_args::DistArgs,
 }
 
 /// Validated pretraining settings.

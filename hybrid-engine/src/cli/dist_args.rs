@@ -1,0 +1,53 @@
+//! The flags of data-parallel training every step shares: how long to wait for other ranks, the
+//! gradient bucket, DS-Chat's `--offload`. Which rank a process is comes from the environment
+//! (`comm::env`), set by our launcher, torchrun or SLURM.
+
+use crate::comm::{ProcessGroup, RankEnv};
+use crate::training::zero::{DataParallel, DEFAULT_BUCKET};
+use anyhow::Result;
+use clap::Args;
+use std::rc::Rc;
+use std::time::Duration;
+
+#[derive(Args, Clone, Debug)]
+pub struct DistArgs {
+    /// Seconds to wait for another rank, at the rendezvous and in every collective; a rank that
+    /// died or hangs makes the others fail after this long, naming it.
+    #[arg(long, default_value_t = 300, alias = "dist_timeout", value_parser = clap::value_parser!(u64).range(1..))]
+    pub dist_timeout: u64,
+    /// Gradient values per all-reduce bucket in ZeRO stage 0 (DeepSpeed's reduce_bucket_size).
+    #[arg(long, default_value_t = DEFAULT_BUCKET as u64, alias = "reduce_bucket_size", value_parser = clap::value_parser!(u64).range(1..))]
+    pub reduce_bucket_size: u64,
+    /// DS-Chat's ZeRO offload of the optimizer state to host memory. Our AdamW keeps its fp32
+    /// moments in host memory on every device, so this is always so; the flag is accepted for
+    /// DS-Chat's scripts.
+    #[arg(long)]
+    pub offload: bool,
+}
+
+impl DistArgs {
+    /// Joins the job the environment describes (one rank when none does). Every rank's
+    /// command line must match rank 0's: the store compares their hashes.
+    pub fn join(&self) -> Result<Rc<ProcessGroup>> {
+        let env = RankEnv::from_process()?;
+        let flags: Vec<String> = std::env::args().skip(1).collect();
+        let group = ProcessGroup::init(env, Duration::from_secs(self.dist_timeout), &flags.join("\0"))?;
+        Ok(Rc::new(group))
+    }
+
+    /// Data parallelism over `group` at ZeRO `stage`, with a line saying what it does.
+    pub fn data_parallel(&self, group: &Rc<ProcessGroup>, stage: u8) -> Result<DataParallel> {
+        let dp = DataParallel::new(group.clone(), stage, self.reduce_bucket_size as usize)?;
+        if group.world() == 1 && stage > 0 {
+            println!("ZeRO stage {stage} with 1 process: nothing to shard, training as stage 0");
+        } else if group.world() > 1 {
+            let what = match stage {
+                0 => "gradients all-reduced, every rank updates the whole model",
+                1 => "Adam moments sharded, gradients reduce-scattered at the step, weights all-gathered",
+                _ => "Adam moments and gradients sharded (reduce-scattered every micro-batch), weights all-gathered",
+            };
+            println!("data parallel: {} ranks, ZeRO stage {stage}: {what}", group.world());
+        }
+        Ok(dp)
+    }
+}

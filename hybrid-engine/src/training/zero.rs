@@ -1,0 +1,314 @@
+//! Data parallelism with DeepSpeed's ZeRO stages, over the trainable parameters of one model.
+//!
+//! Every rank holds the whole model (one candle `Var` per parameter: candle's backward of
+//! `narrow` would allocate the full source for every slice, so the parameters are never views of
+//! one flat buffer). For communication the parameters are laid end to end in a fixed order, a
+//! flat index space padded to a multiple of the world size, and cut into one equal shard per
+//! rank ([`Partition`]); a shard maps back to at most one contiguous piece of each parameter.
+//!
+//! - stage 0 (DDP): gradients are all-reduced in buckets of `reduce_bucket_size` values and
+//!   averaged; every rank then takes the same AdamW step.
+//! - stage 1: gradients are reduce-scattered at the accumulation boundary; each rank keeps the
+//!   Adam moments of its shard only, updates its shard of the weights and all-gathers them.
+//! - stage 2: as stage 1, but every micro-batch's gradient is reduce-scattered at once into a
+//!   shard-sized accumulator, so no rank keeps a full fp32 gradient across micro-batches.
+//!
+//! The global gradient norm is the square root of the all-reduced squared norms of the shards,
+//! so clipping and the fp16 overflow decision (a non-finite norm) are the same on every rank.
+
+use crate::comm::{ProcessGroup, ReduceOp};
+use crate::model::params::ParamStore;
+use crate::training::optim::AdamW;
+use anyhow::{bail, Result};
+use candle_core::{DType, Device, Tensor};
+use std::ops::Range;
+use std::rc::Rc;
+
+/// DeepSpeed's default `reduce_bucket_size` (values, not bytes).
+pub const DEFAULT_BUCKET: usize = 500_000_000;
+
+/// How a model's training is spread over the ranks of a group.
+#[derive(Clone)]
+pub struct DataParallel {
+    pub group: Rc<ProcessGroup>,
+    pub stage: u8,
+    /// Values per all-reduce in stage 0 (DeepSpeed's `reduce_bucket_size`).
+    pub bucket: usize,
+}
+
+impl DataParallel {
+    pub fn new(group: Rc<ProcessGroup>, stage: u8, bucket: usize) -> Result<Self> {
+        if stage > 2 {
+            bail!(
+                "--zero-stage {stage} is not available yet: stages 0, 1 and 2 shard across ranks; \
+                 stage 3 (parameters sharded at rest) is still being built"
+            );
+        }
+        Ok(Self { group, stage, bucket: bucket.max(1) })
+    }
+
+    pub fn world(&self) -> usize {
+        self.group.world()
+    }
+
+    /// Whether the optimizer state is sharded (stages 1 and 2 with more than one rank).
+    pub fn shards_optimizer(&self) -> bool {
+        self.stage >= 1 && self.world() > 1
+    }
+}
+
+/// One parameter's piece of a shard.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Piece {
+    pub param: usize,
+    /// The piece's values within the flattened parameter.
+    pub in_param: Range<usize>,
+    /// Where they sit within the shard.
+    pub in_shard: Range<usize>,
+}
+
+/// The flat index space over the parameters (in store order) and its equal shards.
+#[derive(Clone, Debug)]
+pub struct Partition {
+    offsets: Vec<usize>,
+    sizes: Vec<usize>,
+    pub world: usize,
+    /// Values per shard: `ceil(total / world)`; the last shard ends in padding.
+    pub shard_len: usize,
+}
+
+impl Partition {
+    pub fn new(sizes: Vec<usize>, world: usize) -> Self {
+        let mut offsets = Vec::with_capacity(sizes.len());
+        let mut total = 0;
+        for s in &sizes {
+            offsets.push(total);
+            total += s;
+        }
+        Self { offsets, sizes, world, shard_len: total.div_ceil(world).max(1) }
+    }
+
+    pub fn of(params: &ParamStore, world: usize) -> Self {
+        Self::new(params.vars.iter().map(|v| v.elem_count()).collect(), world)
+    }
+
+    pub fn total(&self) -> usize {
+        self.offsets.last().map_or(0, |o| o + self.sizes.last().unwrap())
+    }
+
+    /// The flat length with padding: `shard_len * world`.
+    pub fn padded(&self) -> usize {
+        self.shard_len * self.world
+    }
+
+    /// Rank `r`'s shard in the flat space.
+    pub fn shard(&self, r: usize) -> Range<usize> {
+        r * self.shard_len..(r + 1) * self.shard_len
+    }
+
+    /// The parameter pieces of rank `r`'s shard, in order.
+    pub fn pieces(&self, r: usize) -> Vec<Piece> {
+        let shard = self.shard(r);
+        let mut out = Vec::new();
+        for (i, (&off, &size)) in self.offsets.iter().zip(&self.sizes).enumerate() {
+            let (lo, hi) = (off.max(shard.start), (off + size).min(shard.end));
+            if lo < hi {
+                out.push(Piece {
+                    param: i,
+                    in_param: lo - off..hi - off,
+                    in_shard: lo - shard.start..hi - shard.start,
+                });
+            }
+        }
+        out
+    }
+
+    /// The range of each parameter held in rank `r`'s shard (empty where none).
+    pub fn ranges(&self, r: usize) -> Vec<Range<usize>> {
+        let mut ranges = vec![0..0; self.sizes.len()];
+        for p in self.pieces(r) {
+            ranges[p.param] = p.in_param;
+        }
+        ranges
+    }
+
+    /// The tensors laid end to end and padded with zeros to [`Self::padded`] values (f32).
+    pub fn flatten(&self, tensors: &[Tensor]) -> Result<Tensor> {
+        let device = tensors.first().map_or(Device::Cpu, |t| t.device().clone());
+        let mut parts: Vec<Tensor> = tensors.iter().map(|t| t.flatten_all()).collect::<candle_core::Result<_>>()?;
+        let pad = self.padded() - self.total();
+        if pad > 0 {
+            parts.push(Tensor::zeros(pad, candle_core::DType::F32, &device)?);
+        }
+        Ok(Tensor::cat(&parts, 0)?)
+    }
+
+    /// Cuts a flat tensor back into tensors of `shapes` (the inverse of [`Self::flatten`]).
+    pub fn unflatten(&self, flat: &Tensor, shapes: &[&candle_core::Shape]) -> Result<Vec<Tensor>> {
+        self.offsets
+            .iter()
+            .zip(&self.sizes)
+            .zip(shapes)
+            .map(|((&o, &n), s)| Ok(flat.narrow(0, o, n)?.reshape(*s)?))
+            .collect()
+    }
+}
+
+/// Stage 0: the mean over ranks of each gradient, all-reduced in buckets of about
+/// `dp.bucket` values (a bucket holds whole parameters; one larger than a bucket goes alone).
+pub fn all_reduce_gradients(dp: &DataParallel, grads: &mut [Tensor]) -> Result<()> {
+    let world = dp.world();
+    if world == 1 {
+        return Ok(());
+    }
+    let mut start = 0;
+    while start < grads.len() {
+        let mut end = start;
+        let mut values = 0;
+        while end < grads.len() && (end == start || values + grads[end].elem_count() <= dp.bucket) {
+            values += grads[end].elem_count();
+            end += 1;
+        }
+        let flat: Vec<Tensor> =
+            grads[start..end].iter().map(|g| g.flatten_all()).collect::<candle_core::Result<_>>()?;
+        let bucket = Tensor::cat(&flat, 0)?;
+        let summed = (dp.group.all_reduce(&bucket, ReduceOp::Sum)? / world as f64)?;
+        let mut offset = 0;
+        for g in &mut grads[start..end] {
+            let n = g.elem_count();
+            *g = summed.narrow(0, offset, n)?.reshape(g.shape())?;
+            offset += n;
+        }
+        start = end;
+    }
+    Ok(())
+}
+
+/// Stages 1 and 2: this rank's shard of the summed gradients (not yet averaged).
+pub fn reduce_scatter_gradients(dp: &DataParallel, partition: &Partition, grads: &[Tensor]) -> Result<Tensor> {
+    dp.group.reduce_scatter(&partition.flatten(grads)?)
+}
+
+/// The global L2 norm of sharded gradients: every rank's squared norm, summed over ranks.
+pub fn sharded_grad_norm(dp: &DataParallel, shard: &Tensor) -> Result<f64> {
+    let mut sq = [crate::training::optim::global_grad_norm(std::slice::from_ref(shard))?.powi(2)];
+    dp.group.all_reduce_scalars(&mut sq, ReduceOp::Sum)?;
+    Ok(sq[0].sqrt())
+}
+
+/// Writes the all-gathered shards of updated weights back into every parameter.
+pub fn all_gather_parameters(
+    dp: &DataParallel,
+    partition: &Partition,
+    params: &ParamStore,
+    my_shard: Vec<f32>,
+) -> Result<()> {
+    let device = params.vars.first().map_or(Device::Cpu, |v| v.device().clone());
+    let full = dp.group.all_gather(&Tensor::from_vec(my_shard, partition.shard_len, &device)?)?;
+    let shapes: Vec<&candle_core::Shape> = params.vars.iter().map(|v| v.shape()).collect();
+    for (var, t) in params.vars.iter().zip(partition.unflatten(&full, &shapes)?) {
+        var.set(&t.to_dtype(var.dtype())?)?;
+    }
+    Ok(())
+}
+
+/// Stages 1 and 2: one AdamW step of this rank's shard from its gradient shard (averaged and
+/// clipped), then the updated weights all-gathered into every parameter.
+pub fn sharded_adamw_step(
+    dp: &DataParallel,
+    partition: &Partition,
+    optimizer: &mut AdamW,
+    params: &ParamStore,
+    grad_shard: &Tensor,
+    lr: f64,
+) -> Result<()> {
+    let g: Vec<f32> = grad_shard.to_dtype(DType::F32)?.to_vec1()?;
+    let mut shard = vec![0f32; partition.shard_len];
+    optimizer.step += 1;
+    for piece in partition.pieces(dp.group.rank()) {
+        let var = &params.vars[piece.param];
+        let range = piece.in_param.clone();
+        let mut p: Vec<f32> =
+            var.flatten_all()?.narrow(0, range.start, range.len())?.to_dtype(DType::F32)?.to_vec1()?;
+        optimizer.update_held(piece.param, &mut p, &g[piece.in_shard.clone()], lr);
+        shard[piece.in_shard].copy_from_slice(&p);
+    }
+    all_gather_parameters(dp, partition, params, shard)
+}
+
+/// A copy of a sharded optimizer with the full moments, all-gathered (every rank calls it; the
+/// result is the same everywhere): what a checkpoint saves, so that it loads into any world
+/// size or stage.
+pub fn consolidate(dp: &DataParallel, partition: &Partition, optimizer: &AdamW, params: &ParamStore) -> Result<AdamW> {
+    let mut full = optimizer.clone();
+    if !dp.shards_optimizer() {
+        return Ok(full);
+    }
+    let rank = dp.group.rank();
+    let mut moments = Vec::new();
+    for which in 0..2 {
+        let mut shard = vec![0f32; partition.shard_len];
+        for piece in partition.pieces(rank) {
+            let (m, v) = optimizer.held_moments(piece.param);
+            shard[piece.in_shard].copy_from_slice(if which == 0 { m } else { v });
+        }
+        let all = dp.group.all_gather(&Tensor::from_vec(shard, partition.shard_len, &Device::Cpu)?)?;
+        let shapes: Vec<&candle_core::Shape> = params.vars.iter().map(|v| v.shape()).collect();
+        let per_param: Vec<Vec<f32>> = partition
+            .unflatten(&all, &shapes)?
+            .iter()
+            .map(|t| t.flatten_all()?.to_vec1::<f32>())
+            .collect::<candle_core::Result<_>>()?;
+        moments.push(per_param);
+    }
+    let exp_avg_sq = moments.pop().unwrap();
+    full.set_full_moments(moments.pop().unwrap(), exp_avg_sq);
+    Ok(full)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shards_cover_every_parameter_once_even_when_uneven() {
+        // 3 ranks over 4 + 5 + 1 = 10 values: shards of 4, the last ends in 2 values of padding.
+        let p = Partition::new(vec![4, 5, 1], 3);
+        assert_eq!((p.total(), p.shard_len, p.padded()), (10, 4, 12));
+        assert_eq!(p.pieces(0), vec![Piece { param: 0, in_param: 0..4, in_shard: 0..4 }]);
+        assert_eq!(p.pieces(1), vec![Piece { param: 1, in_param: 0..4, in_shard: 0..4 }]);
+        assert_eq!(
+            p.pieces(2),
+            vec![
+                Piece { param: 1, in_param: 4..5, in_shard: 0..1 },
+                Piece { param: 2, in_param: 0..1, in_shard: 1..2 }
+            ]
+        );
+        assert_eq!(p.ranges(2), vec![0..0, 4..5, 0..1]);
+        // Every value of every parameter lands in exactly one shard.
+        for world in 1..=5 {
+            let p = Partition::new(vec![7, 1, 13, 2], world);
+            let mut seen = [vec![0; 7], vec![0; 1], vec![0; 13], vec![0; 2]];
+            for r in 0..world {
+                for piece in p.pieces(r) {
+                    assert_eq!(piece.in_param.len(), piece.in_shard.len());
+                    piece.in_param.for_each(|i| seen[piece.param][i] += 1);
+                }
+            }
+            assert!(seen.iter().flatten().all(|&c| c == 1), "world {world}: {seen:?}");
+        }
+    }
+
+    #[test]
+    fn flatten_and_unflatten_are_inverse() -> Result<()> {
+        let p = Partition::new(vec![6, 3], 4);
+        let a = Tensor::arange(0f32, 6., &Device::Cpu)?.reshape((2, 3))?;
+        let b = Tensor::arange(6f32, 9., &Device::Cpu)?;
+        let flat = p.flatten(&[a.clone(), b.clone()])?;
+        assert_eq!(flat.to_vec1::<f32>()?, [0., 1., 2., 3., 4., 5., 6., 7., 8., 0., 0., 0.]);
+        let back = p.unflatten(&flat, &[a.shape(), b.shape()])?;
+        assert_eq!(back[0].to_vec2::<f32>()?, a.to_vec2::<f32>()?);
+        assert_eq!(back[1].to_vec1::<f32>()?, b.to_vec1::<f32>()?);
+        Ok(())
+    }
+}
