@@ -7,11 +7,12 @@
 //! With no arguments it runs the embedded demo: the three steps on a tiny GPT-2 and the demo data,
 //! on the CPU, then a summary of what each step achieved.
 
+use crate::ranks::{tee, Echo};
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use hybrid_engine::generation::generate::SamplingConfig;
 use hybrid_engine::training::precision::Dtype;
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Instant;
@@ -340,8 +341,8 @@ fn run_recipe(script: &str, plan: &StepPlan, bin_dir: &Path, device: &str, dtype
     // Both streams into the log in arrival order: stderr on its own thread.
     let stderr = child.stderr.take().expect("piped stderr");
     let err_log = log.try_clone()?;
-    let err_thread = std::thread::spawn(move || tee(BufReader::new(stderr), err_log, true));
-    tee(BufReader::new(child.stdout.take().expect("piped stdout")), log.try_clone()?, false)?;
+    let err_thread = std::thread::spawn(move || tee(BufReader::new(stderr), err_log, Echo::Stderr));
+    tee(BufReader::new(child.stdout.take().expect("piped stdout")), log.try_clone()?, Echo::Stdout)?;
     let err_tail = err_thread.join().map_err(|_| anyhow::anyhow!("the log thread panicked"))??;
     let status = child.wait()?;
     log.flush()?;
@@ -365,22 +366,6 @@ fn path_with(bin_dir: &Path, path: Option<&std::ffi::OsStr>) -> Result<std::ffi:
             bin_dir.display()
         )
     })
-}
-
-/// Copies lines to the terminal and the log; returns the last line (for the failure message).
-fn tee(reader: impl BufRead, mut log: std::fs::File, to_stderr: bool) -> Result<Option<String>> {
-    let mut last = None;
-    for line in reader.lines() {
-        let line = line?;
-        if to_stderr {
-            eprintln!("{line}");
-        } else {
-            println!("{line}");
-        }
-        writeln!(log, "{line}")?;
-        last = Some(line);
-    }
-    Ok(last)
 }
 
 /// What each finished step achieved, read from its output directory.

@@ -96,28 +96,44 @@ impl RankProcess {
         let file = std::fs::File::create(&log).with_context(|| format!("cannot create {}", log.display()))?;
         let out = child.stdout.take().expect("piped stdout");
         let err = child.stderr.take().expect("piped stderr");
-        let copiers =
-            vec![copy_lines(out, file.try_clone()?, rank == 0, false), copy_lines(err, file, rank == 0, true)];
+        let (to_out, to_err) = if rank == 0 { (Echo::Stdout, Echo::Stderr) } else { (Echo::None, Echo::None) };
+        let copiers = vec![copy_lines(out, file.try_clone()?, to_out), copy_lines(err, file, to_err)];
         Ok(Self { rank, child, log, copiers })
     }
 }
 
-/// Copies a rank's lines into its log and, for rank 0, to the terminal.
+/// Where [`tee`] also prints the lines it logs.
+#[derive(Clone, Copy)]
+pub enum Echo {
+    Stdout,
+    Stderr,
+    None,
+}
+
+/// Copies lines into `log` and to `echo`; returns the last line (for a failure message).
+pub fn tee(reader: impl BufRead, mut log: std::fs::File, echo: Echo) -> Result<Option<String>> {
+    let mut last = None;
+    for line in reader.lines() {
+        let line = line?;
+        match echo {
+            Echo::Stdout => println!("{line}"),
+            Echo::Stderr => eprintln!("{line}"),
+            Echo::None => {}
+        }
+        writeln!(log, "{line}")?;
+        last = Some(line);
+    }
+    Ok(last)
+}
+
+/// Copies a rank's lines into its log (and, for rank 0, to the terminal) on a thread.
 fn copy_lines(
     stream: impl std::io::Read + Send + 'static,
-    mut log: std::fs::File,
-    echo: bool,
-    to_stderr: bool,
+    log: std::fs::File,
+    echo: Echo,
 ) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
-        for line in BufReader::new(stream).lines().map_while(Result::ok) {
-            let _ = writeln!(log, "{line}");
-            if echo && to_stderr {
-                eprintln!("{line}");
-            } else if echo {
-                println!("{line}");
-            }
-        }
+        let _ = tee(BufReader::new(stream), log, echo);
     })
 }
 

@@ -45,6 +45,7 @@ fn step_flags(binary: &'static str) -> Vec<FloatFlag> {
     vec![
         flag(binary, &[], "--learning-rate", "0", "1e-4", POSITIVE),
         flag(binary, &[], "--weight-decay", "-0.1", "0.1", NON_NEGATIVE),
+        flag(binary, &[], "--adam-eps", "0", "1e-8", POSITIVE),
         flag(binary, &[], "--dropout", "1", "0", DROPOUT),
         flag(binary, &[], "--gradient-clipping", "-1", "0", NON_NEGATIVE),
         flag(binary, LORA, "--lora-alpha", "0", "16", POSITIVE),

@@ -39,6 +39,9 @@ pub struct StepArgs {
     pub learning_rate: Option<f64>,
     #[arg(long, default_value_t = 0.0, alias = "weight_decay", value_parser = crate::cli::non_negative())]
     pub weight_decay: f64,
+    /// AdamW's epsilon (HF's adam_epsilon; DS-Chat's DeepSpeed default 1e-8).
+    #[arg(long, default_value_t = 1e-8, alias = "adam_eps", alias = "adam-epsilon", alias = "adam_epsilon", value_parser = crate::cli::positive())]
+    pub adam_eps: f64,
     #[arg(long, default_value_t = 1, alias = "num_train_epochs")]
     pub num_train_epochs: usize,
     #[arg(long, default_value_t = 1, alias = "gradient_accumulation_steps")]
@@ -133,7 +136,7 @@ impl StepArgs {
 
     /// DS-Chat's optimizer: AdamW, betas (0.9, 0.95), no decay on biases and LayerNorm.
     pub fn adam(&self) -> AdamWConfig {
-        AdamWConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: self.weight_decay }
+        AdamWConfig { beta1: 0.9, beta2: 0.95, eps: self.adam_eps, weight_decay: self.weight_decay }
     }
 
     /// Warmup then decay to 0 over `total_steps` optimizer steps (HF `get_scheduler`).

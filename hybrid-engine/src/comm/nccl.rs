@@ -11,8 +11,8 @@
 use crate::comm::tcp::{ReduceOp, TcpRing};
 use anyhow::{anyhow, Result};
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CudaStorage, CustomOp1, Device, Layout, Shape, Tensor};
 use candle_core::cuda_backend::cudarc::nccl::safe::{Comm, Id, ReduceOp as NcclOp};
+use candle_core::{CpuStorage, CudaStorage, CustomOp1, Device, Layout, Shape, Tensor};
 use std::rc::Rc;
 
 /// One NCCL communicator for the ranks of a group, on `device`'s stream.
