@@ -168,13 +168,13 @@ fn supervise(mut ranks: Vec<RankProcess>) -> Result<i32> {
     }
     let Some((rank, status)) = failed else { return Ok(0) };
     let p = &ranks[rank];
-    let tail = last_lines(&p.log, 5);
-    bail!(
-        "rank {rank} of {} failed ({status}); the others were stopped. Its last lines ({}):\n{}",
-        ranks.len(),
-        p.log.display(),
-        tail
-    )
+    if rank != 0 {
+        // Rank 0's lines are on the terminal already; show the failed rank's end too.
+        for line in last_lines(&p.log, 5) {
+            eprintln!("[rank {rank}] {line}");
+        }
+    }
+    bail!("rank {rank} of {} failed ({status}); the others were stopped (its log: {})", ranks.len(), p.log.display())
 }
 
 fn stop_all(ranks: &mut [RankProcess], done: &[bool]) {
@@ -195,10 +195,10 @@ fn stop_all(ranks: &mut [RankProcess], done: &[bool]) {
     }
 }
 
-fn last_lines(path: &Path, n: usize) -> String {
+fn last_lines(path: &Path, n: usize) -> Vec<String> {
     let text = std::fs::read_to_string(path).unwrap_or_default();
     let lines: Vec<&str> = text.lines().collect();
-    lines[lines.len().saturating_sub(n)..].iter().map(|l| format!("  {l}")).collect::<Vec<_>>().join("\n")
+    lines[lines.len().saturating_sub(n)..].iter().map(|l| l.to_string()).collect()
 }
 
 #[cfg(test)]

@@ -279,6 +279,26 @@ fn train_single_node_runs_step_1_as_ranks_with_a_log_each() {
         assert!(log.contains("data parallel: 2 ranks"), "rank {r}: {log}");
     }
     assert!(out.join("actor/model.safetensors").is_file());
+    // A rank that fails stops the step: one line naming the rank and its log.
+    let bad = dir.path().join("bad/step1_sft");
+    std::fs::create_dir_all(&bad).unwrap();
+    std::fs::write(
+        bad.join("single_node.sh"),
+        "exec sft --output-dir=\"$1\" --data-path /no/such/data --max-seq-len 48 --device cpu\n",
+    )
+    .unwrap();
+    let failed = Command::new(env!("CARGO_BIN_EXE_train"))
+        .args(["--step", "1", "--deployment-type", "single_node", "--num-gpus", "2", "--actor-model", "tiny"])
+        .arg("--recipe-dir")
+        .arg(dir.path().join("bad"))
+        .arg("--output-dir")
+        .arg(dir.path().join("failing"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&failed.stderr);
+    assert!(!failed.status.success(), "{err}");
+    assert!(err.contains("the others were stopped") && err.contains("rank-"), "{err}");
+    assert!(err.contains("/no/such/data"), "the failing rank's own error is shown: {err}");
     // Steps that do not train across ranks yet are refused up front.
     let refused = Command::new(env!("CARGO_BIN_EXE_train"))
         .args(["--step", "1", "2", "--deployment-type", "single_node", "--output-dir"])

@@ -92,7 +92,10 @@ fn unsupported_requests_are_one_clear_error_line() {
             assert!(stderr.contains(w), "{args:?}: want {w:?} in {stderr}");
         }
     };
-    check(&["--step", "1", "--deployment-type", "single_node"], &["single_node", "distributed issue"]);
+    // single_node trains step 1 across ranks (tests/distributed.rs); what it cannot do is refused.
+    check(&["--step", "1", "2", "--deployment-type", "single_node"], &["step 2 does not train across ranks yet"]);
+    check(&["--step", "1", "--deployment-type", "multi_node"], &["multi_node", "not available yet"]);
+    check(&["--step", "1", "--num-gpus", "2"], &["--num-gpus 2", "single_node"]);
     check(&["--step", "1", "--deployment-type", "cluster"], &["cluster", "single_gpu"]);
     check(&["--step", "4"], &["--step 4"]);
     check(&["--step", "3"], &["step 3 needs the step-1 model", "train --step 1"]);
