@@ -159,7 +159,7 @@ fn pretraining_on_2_and_3_ranks_matches_one_rank_at_every_zero_stage() {
     let limit = 1e-5f64.max(2.0 * noise);
     eprintln!("control noise {noise:.2e}");
     for world in [2, 3] {
-        for stage in [0u8, 1, 2] {
+        for stage in [0u8, 1, 2, 3] {
             let out = dir.path().join(format!("w{world}-s{stage}"));
             let outs = run_ranks(dir.path(), world, &pretrain_args(&out, 6 / world, stage));
             let log = String::from_utf8_lossy(&outs[0].stdout);
@@ -198,7 +198,7 @@ fn sft_on_2_ranks_matches_one_rank_at_every_zero_stage() {
     let dir = tempfile::tempdir().unwrap();
     let single = dir.path().join("single");
     run_ranks(dir.path(), 1, &sft_args(&single, 8, 0));
-    for stage in [0u8, 1, 2] {
+    for stage in [0u8, 1, 2, 3] {
         let out = dir.path().join(format!("w2-s{stage}"));
         run_ranks(dir.path(), 2, &sft_args(&out, 4, stage));
         assert_same_weights(&out, &single, 1e-5, 0.0, &format!("SFT on 2 ranks, stage {stage}"));

@@ -4,7 +4,7 @@
 
 use crate::comm::{ProcessGroup, RankEnv};
 use crate::training::zero::{DataParallel, DEFAULT_BUCKET};
-use anyhow::Result;
+use anyhow::{bail, Result};
 use clap::Args;
 use std::rc::Rc;
 use std::time::Duration;
@@ -36,7 +36,20 @@ impl DistArgs {
     }
 
     /// Data parallelism over `group` at ZeRO `stage`, with a line saying what it does.
+    /// Stage 3 is refused: see [`Self::data_parallel_with_stage3`].
     pub fn data_parallel(&self, group: &Rc<ProcessGroup>, stage: u8) -> Result<DataParallel> {
+        if stage == 3 {
+            bail!(
+                "--zero-stage 3 (parameters sharded at rest) trains step 1 and pretraining; this step shards up to \
+                 stage 2: use --zero-stage 2"
+            );
+        }
+        self.data_parallel_with_stage3(group, stage)
+    }
+
+    /// [`Self::data_parallel`] for a step that trains a [`crate::training::zero3::ShardedModel`]
+    /// at stage 3.
+    pub fn data_parallel_with_stage3(&self, group: &Rc<ProcessGroup>, stage: u8) -> Result<DataParallel> {
         let dp = DataParallel::new(group.clone(), stage, self.reduce_bucket_size as usize)?;
         if group.world() == 1 && stage > 0 {
             println!("ZeRO stage {stage} with 1 process: nothing to shard, training as stage 0");
@@ -44,6 +57,7 @@ impl DistArgs {
             let what = match stage {
                 0 => "gradients all-reduced, every rank updates the whole model",
                 1 => "Adam moments sharded, gradients reduce-scattered at the step, weights all-gathered",
+                3 => "weights, gradients and Adam moments sharded; each block's weights gathered when it runs",
                 _ => "Adam moments and gradients sharded (reduce-scattered every micro-batch), weights all-gathered",
             };
             println!("data parallel: {} ranks, ZeRO stage {stage}: {what}", group.world());

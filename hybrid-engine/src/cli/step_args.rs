@@ -63,7 +63,7 @@ pub struct StepArgs {
     #[arg(long, default_value_t = 1.0, alias = "gradient_clipping", value_parser = crate::cli::non_negative())]
     pub gradient_clipping: f64,
     /// ZeRO stage: 0 (gradients all-reduced), 1 (+ optimizer state sharded), 2 (+ gradients
-    /// sharded). With one process there is nothing to shard and every stage trains alike.
+    /// sharded), 3 (+ weights sharded at rest; step 1 only). With one process there is nothing to shard and every stage trains alike.
     #[arg(long, default_value_t = 0, alias = "zero_stage")]
     pub zero_stage: u8,
     #[command(flatten)]

@@ -458,6 +458,12 @@ impl Gpt2 {
         })
     }
 
+    /// Block `index` alone, from tensors named as for [`Self::load`] (`h.<index>.attn...`):
+    /// ZeRO stage 3 builds each block from its gathered weights when it runs.
+    pub fn load_block(vb: VarBuilder, cfg: &Gpt2Config, index: usize) -> Result<Block> {
+        Block::load(vb.pp("h").pp(index), cfg, index)
+    }
+
     /// Token plus position embeddings, with embedding dropout in training. (B, T, C)
     pub fn embed(&self, ids: &Tensor, pos: &Positions, past: usize, dropout: Option<&Dropout>) -> Result<Tensor> {
         let (b, t) = ids.dims2()?;

@@ -153,6 +153,8 @@ pub struct MemoryPlan {
     pub compute_copy_bytes: u64,
     pub activations: ActivationShape,
     device_is_cpu: bool,
+    /// Data parallelism: (ZeRO stage, ranks); the byte counts above are per rank.
+    pub zero: Option<(u8, usize)>,
 }
 
 impl MemoryPlan {
@@ -180,7 +182,37 @@ impl MemoryPlan {
                 lora: false,
             },
             device_is_cpu: true,
+            zero: None,
         }
+    }
+
+    /// Per-rank model states under ZeRO `stage` over `world` ranks (DeepSpeed's accounting:
+    /// stage 1 divides the AdamW moments by the world size, stage 2 the gradients too, stage 3
+    /// the weights and their compute copy as well, which also recomputes every block in backward,
+    /// so the activations are those of checkpointing). Call after the other `with_*` methods.
+    pub fn with_data_parallel(mut self, stage: u8, world: usize) -> Self {
+        if world <= 1 {
+            return self;
+        }
+        let shard = |bytes: u64| bytes.div_ceil(world as u64);
+        if stage >= 1 {
+            self.adam_bytes = shard(self.adam_bytes);
+        }
+        if stage >= 2 {
+            self.grad_bytes = shard(self.grad_bytes);
+        }
+        if stage >= 3 {
+            self.param_bytes = shard(self.param_bytes);
+            self.compute_copy_bytes = shard(self.compute_copy_bytes);
+            self.activations.checkpoint = true;
+        }
+        self.zero = Some((stage, world));
+        self
+    }
+
+    /// Parameters, gradients, AdamW moments and compute copy: DeepSpeed's "model states".
+    pub fn model_state_bytes(&self) -> u64 {
+        self.param_bytes + self.grad_bytes + self.adam_bytes + self.compute_copy_bytes
     }
 
     /// Counts `total` parameters (LoRA adapters included) but gradients and AdamW moments for the
@@ -250,8 +282,16 @@ impl MemoryPlan {
     /// The startup report, one allocation per line.
     pub fn report(&self) -> String {
         let m = |x: u64| x as f64 / MIB;
+        let per_rank = match self.zero {
+            Some((stage, world)) => format!(
+                "per rank of {world} (ZeRO stage {stage}): model states {:.1} MiB, {:.2} bytes per parameter\n",
+                m(self.model_state_bytes()),
+                self.model_state_bytes() as f64 / self.parameters.max(1) as f64
+            ),
+            None => String::new(),
+        };
         format!(
-            "parameters: {:.2}M\nallocating {:.1} MiB for parameters (f32)\nallocating {:.1} MiB for gradients\nallocating {:.1} MiB for AdamW m and v\n{}estimated {:.1} MiB for activations per micro-batch\nestimated total {:.1} MiB",
+            "{per_rank}parameters: {:.2}M\nallocating {:.1} MiB for parameters (f32)\nallocating {:.1} MiB for gradients\nallocating {:.1} MiB for AdamW m and v\n{}estimated {:.1} MiB for activations per micro-batch\nestimated total {:.1} MiB",
             self.parameters as f64 / 1e6,
             m(self.param_bytes),
             m(self.grad_bytes),

@@ -1,7 +1,7 @@
 //! The training side of the hybrid engine: AdamW and gradient accumulation (`optim`), mixed
 //! precision and loss scaling (`precision`), learning-rate schedules, the forward/backward of a
 //! micro-batch (`train_step`), the optimizer step with its accumulation boundary (`trainer`),
-//! data parallelism with ZeRO stages (`zero`), the memory plan and the metrics log.
+//! data parallelism with ZeRO stages (`zero`; stage 3, parameters sharded at rest, `zero3`), the memory plan and the metrics log.
 
 pub mod memory;
 pub mod metrics;
@@ -11,3 +11,4 @@ pub mod schedule;
 pub mod train_step;
 pub mod trainer;
 pub mod zero;
+pub mod zero3;

@@ -87,16 +87,22 @@ pub fn adamw_update(
 
 impl AdamW {
     pub fn new(config: AdamWConfig, params: &ParamStore) -> Result<Self> {
-        let zeros = || -> Vec<Vec<f32>> { params.vars.iter().map(|v| vec![0f32; v.elem_count()]).collect() };
-        Ok(Self {
+        Ok(Self::over_ranges(config, &params.names, params.vars.iter().map(|v| 0..v.elem_count()).collect()))
+    }
+
+    /// An optimizer holding the moments of `held[i]` of parameter `names[i]` only (ZeRO stage 3
+    /// creates its shard's moments directly: the full ones never exist on any rank).
+    pub fn over_ranges(config: AdamWConfig, names: &[String], held: Vec<Range<usize>>) -> Self {
+        let zeros = || -> Vec<Vec<f32>> { held.iter().map(|r| vec![0f32; r.len()]).collect() };
+        Self {
             config,
             step: 0,
             exp_avg: zeros(),
             exp_avg_sq: zeros(),
-            decay: params.names.iter().map(|n| !no_weight_decay(n)).collect(),
-            lr_scale: vec![1.0; params.vars.len()],
-            held: params.vars.iter().map(|v| 0..v.elem_count()).collect(),
-        })
+            decay: names.iter().map(|n| !no_weight_decay(n)).collect(),
+            lr_scale: vec![1.0; names.len()],
+            held,
+        }
     }
 
     /// Keeps only the moments of `ranges` (one per parameter, within the moments held now):

@@ -10,8 +10,74 @@
 
 use crate::model::gpt2::{Dropout, Gpt2, Positions};
 use crate::training::optim::GradAccumulator;
+use crate::training::zero3::ShardedModel;
 use anyhow::{anyhow, Result};
 use candle_core::{Tensor, Var};
+use std::rc::Rc;
+
+/// The model a step trains: whole on every rank, or sharded at rest (ZeRO stage 3, whose
+/// gradients go to the model's own shard rather than to the accumulator).
+pub enum TrainedModel {
+    Whole(Box<Gpt2>),
+    Sharded(Rc<ShardedModel>),
+}
+
+impl TrainedModel {
+    /// [`forward_backward`] with a head that also gets the model's embeddings and final norm:
+    /// the whole model, or under stage 3 the gathered model without blocks.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_backward(
+        &self,
+        ids: &Tensor,
+        pos: &Positions,
+        dropout: Option<&Dropout>,
+        how: Backward,
+        acc: &mut GradAccumulator,
+        head: impl Fn(&Gpt2, &Tensor) -> candle_core::Result<Tensor>,
+    ) -> Result<f32> {
+        match self {
+            Self::Whole(model) => forward_backward(model, ids, pos, dropout, how, acc, |h| head(model, h)),
+            Self::Sharded(model) => model.forward_backward(ids, pos, dropout, how.loss_scale, head),
+        }
+    }
+
+    /// [`lm_forward_backward`] on either kind of model.
+    pub fn lm_forward_backward(
+        &self,
+        ids: &Tensor,
+        targets: &Tensor,
+        dropout: Option<&Dropout>,
+        how: Backward,
+        acc: &mut GradAccumulator,
+    ) -> Result<f32> {
+        match self {
+            Self::Whole(model) => lm_forward_backward(model, ids, targets, dropout, how, acc),
+            Self::Sharded(model) => {
+                let targets = targets.flatten_all()?;
+                model.forward_backward(ids, &Positions::default(), dropout, how.loss_scale, |m, h| {
+                    m.lm_head_loss(h, &targets)
+                })
+            }
+        }
+    }
+
+    /// Runs `f` on the trunk's last hidden state of `ids` (no dropout, no gradient wanted) and
+    /// the model whose heads read it (see [`Self::forward_backward`]): evaluation.
+    pub fn with_hidden<R>(
+        &self,
+        ids: &Tensor,
+        pos: &Positions,
+        f: impl FnOnce(&Gpt2, &Tensor) -> Result<R>,
+    ) -> Result<R> {
+        match self {
+            Self::Whole(model) => f(model, &model.forward_blocks(ids, pos, None, None)?),
+            Self::Sharded(model) => {
+                let hidden = model.forward_blocks(ids, pos)?;
+                f(&model.outer()?.0, &hidden)
+            }
+        }
+    }
+}
 
 /// How a micro-batch's backward runs.
 #[derive(Clone, Copy, Debug)]

@@ -9,10 +9,12 @@ use crate::training::optim::{clip_to_norm, global_grad_norm, AdamW, AdamWConfig,
 use crate::training::precision::{has_overflow, Dtype, LossScaler, LossScaling, Precision, ScaleUpdate};
 use crate::training::schedule::LrSchedule;
 use crate::training::zero::{self, DataParallel, Partition};
+use crate::training::zero3::ShardedModel;
 use anyhow::{bail, Result};
 use candle_core::Tensor;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
+use std::rc::Rc;
 
 /// What one optimizer step did.
 #[derive(Clone, Copy, Debug)]
@@ -80,6 +82,8 @@ pub struct Trainer {
     dp: Option<(DataParallel, Partition)>,
     /// ZeRO stage 2: this rank's shard of the gradients summed over ranks and micro-batches.
     grad_shard: Option<Tensor>,
+    /// ZeRO stage 3: the sharded model, which holds the master shard and the gradient shard.
+    zero3: Option<Rc<ShardedModel>>,
 }
 
 impl Trainer {
@@ -106,7 +110,40 @@ impl Trainer {
             forced_skips: 0,
             dp: None,
             grad_shard: None,
+            zero3: None,
         })
+    }
+
+    /// A trainer of a model sharded at rest (ZeRO stage 3): the optimizer holds the moments of
+    /// this rank's shard only, the gradients reach the model's shard during backward, and a
+    /// step updates the shard in place. Precision as [`Self::with_precision`] (the model
+    /// gathers its weights in the compute dtype).
+    pub fn sharded(
+        model: Rc<ShardedModel>,
+        adam: AdamWConfig,
+        schedule: LrSchedule,
+        accumulation: usize,
+        clip: f64,
+        precision: Precision,
+        scaling: LossScaling,
+    ) -> Self {
+        let empty = ParamStore::default();
+        Self {
+            optimizer: model.optimizer(adam),
+            schedule,
+            accumulation,
+            clip,
+            scaler: (precision.dtype == Dtype::Fp16).then(|| LossScaler::new(scaling)),
+            precision,
+            acc: GradAccumulator::new(&empty),
+            compute: empty,
+            pending: 0,
+            boundaries: 0,
+            forced_skips: 0,
+            dp: None,
+            grad_shard: None,
+            zero3: Some(model),
+        }
     }
 
     /// Trains as one of the ranks of `dp`'s group with its ZeRO stage: call after
@@ -125,9 +162,10 @@ impl Trainer {
     /// The optimizer with its full state, gathered from the ranks' shards under ZeRO (every
     /// rank must call it, together): what a checkpoint saves.
     pub fn consolidated_optimizer(&self, params: &ParamStore) -> Result<crate::training::optim::AdamW> {
-        match &self.dp {
-            Some((dp, partition)) => zero::consolidate(dp, partition, &self.optimizer, params),
-            None => Ok(self.optimizer.clone()),
+        match (&self.dp, &self.zero3) {
+            (_, Some(model)) => model.consolidate(&self.optimizer),
+            (Some((dp, partition)), None) => zero::consolidate(dp, partition, &self.optimizer, params),
+            (None, None) => Ok(self.optimizer.clone()),
         }
     }
 
@@ -195,15 +233,27 @@ impl Trainer {
     pub fn pending_overflow(&self) -> Result<bool> {
         let mut grads = self.acc.partial();
         grads.extend(self.grad_shard.clone());
+        if let Some(model) = &self.zero3 {
+            grads.extend(model.partial_gradients());
+        }
         let local = has_overflow(&grads)?;
-        match &self.dp {
+        match self.group() {
             // Every rank must agree, or one would step while another skips.
-            Some((dp, _)) => {
+            Some(group) => {
                 let mut flag = [f64::from(u8::from(local))];
-                dp.group.all_reduce_scalars(&mut flag, crate::comm::ReduceOp::Max)?;
+                group.all_reduce_scalars(&mut flag, crate::comm::ReduceOp::Max)?;
                 Ok(flag[0] > 0.0)
             }
             None => Ok(local),
+        }
+    }
+
+    /// The group the model is trained across, if more than one rank.
+    fn group(&self) -> Option<&crate::comm::ProcessGroup> {
+        match (&self.dp, &self.zero3) {
+            (_, Some(model)) => Some(model.group()),
+            (Some((dp, _)), None) => Some(&dp.group),
+            (None, None) => None,
         }
     }
 
@@ -256,7 +306,7 @@ impl Trainer {
         let mut gradients = self.take_gradients()?;
         if let Gradients::Shard(_) = gradients {
             // Shards hold sums over ranks: the mean is over ranks too.
-            fix /= self.dp.as_ref().map_or(1, |(dp, _)| dp.world()) as f64;
+            fix /= self.group().map_or(1, |g| g.world()) as f64;
         }
         if fix != 1.0 {
             for g in gradients.tensors_mut() {
@@ -265,8 +315,9 @@ impl Trainer {
         }
         self.pending = 0;
         self.boundaries += 1;
-        let grad_norm = match (&gradients, &self.dp) {
-            (Gradients::Shard(shard), Some((dp, _))) => zero::sharded_grad_norm(dp, shard)?,
+        let grad_norm = match (&gradients, &self.dp, &self.zero3) {
+            (Gradients::Shard(shard), _, Some(model)) => model.grad_norm(shard)?,
+            (Gradients::Shard(shard), Some((dp, _)), None) => zero::sharded_grad_norm(dp, shard)?,
             _ => global_grad_norm(gradients.tensors_mut())?,
         };
         let overflow = !grad_norm.is_finite();
@@ -288,14 +339,17 @@ impl Trainer {
         let lr = self.schedule.lr(self.optimizer.step + 1);
         if !skipped {
             clip_to_norm(gradients.tensors_mut(), grad_norm, self.clip)?;
-            match (&gradients, &self.dp) {
-                (Gradients::Shard(shard), Some((dp, partition))) => {
+            match (&gradients, &self.dp, &self.zero3) {
+                (Gradients::Shard(shard), _, Some(model)) => model.adamw_step(&mut self.optimizer, shard, lr)?,
+                (Gradients::Shard(shard), Some((dp, partition)), None) => {
                     zero::sharded_adamw_step(dp, partition, &mut self.optimizer, params, shard, lr)?
                 }
-                (Gradients::Full(grads), _) => self.optimizer.step(params, grads, lr)?,
-                (Gradients::Shard(_), None) => unreachable!("shards only exist under data parallelism"),
+                (Gradients::Full(grads), _, _) => self.optimizer.step(params, grads, lr)?,
+                (Gradients::Shard(_), None, None) => unreachable!("shards only exist under data parallelism"),
             }
-            self.compute.refresh_from(params)?;
+            if self.zero3.is_none() {
+                self.compute.refresh_from(params)?;
+            }
         }
         Ok(StepReport {
             step: self.boundaries,
@@ -310,6 +364,9 @@ impl Trainer {
     /// The accumulated gradients, reduced over ranks as the ZeRO stage says: all of them
     /// averaged (stage 0), or this rank's shard of their sum (stages 1 and 2).
     fn take_gradients(&mut self) -> Result<Gradients> {
+        if let Some(model) = &self.zero3 {
+            return Ok(Gradients::Shard(model.take_gradient_shard()?));
+        }
         let fresh = self.acc.emptied();
         let acc = std::mem::replace(&mut self.acc, fresh);
         match &self.dp {

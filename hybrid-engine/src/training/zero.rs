@@ -13,6 +13,8 @@
 //! - stage 2: as stage 1, but every micro-batch's gradient is reduce-scattered at once into a
 //!   shard-sized accumulator, so no rank keeps a full fp32 gradient across micro-batches.
 //!
+//! Stage 3 (the parameters sharded at rest too) is in [`crate::training::zero3`].
+//!
 //! The global gradient norm is the square root of the all-reduced squared norms of the shards,
 //! so clipping and the fp16 overflow decision (a non-finite norm) are the same on every rank.
 
@@ -38,17 +40,20 @@ pub struct DataParallel {
 
 impl DataParallel {
     pub fn new(group: Rc<ProcessGroup>, stage: u8, bucket: usize) -> Result<Self> {
-        if stage > 2 {
-            bail!(
-                "--zero-stage {stage} is not available yet: stages 0, 1 and 2 shard across ranks; \
-                 stage 3 (parameters sharded at rest) is still being built"
-            );
+        if stage > 3 {
+            bail!("--zero-stage {stage} does not exist: DeepSpeed's stages are 0, 1, 2 and 3");
         }
         Ok(Self { group, stage, bucket: bucket.max(1) })
     }
 
     pub fn world(&self) -> usize {
         self.group.world()
+    }
+
+    /// Whether the parameters themselves are sharded at rest (stage 3 with more than one rank):
+    /// the model is a [`crate::training::zero3::ShardedModel`] trained by `Trainer::sharded`.
+    pub fn shards_parameters(&self) -> bool {
+        self.stage == 3 && self.world() > 1
     }
 
     /// Whether the optimizer state is sharded (stages 1 and 2 with more than one rank).

@@ -14,14 +14,17 @@ use data::Tokenizer;
 use hybrid_engine::cli::step_args::starting_model;
 use hybrid_engine::comm::ReduceOp;
 use hybrid_engine::kernels::ops::DropoutKey;
-use hybrid_engine::model::gpt2::{Dropout, Gpt2, Positions};
+use hybrid_engine::model::gpt2::{Dropout, Positions};
 use hybrid_engine::model::reward_model::causal_lm_config;
 use hybrid_engine::training::memory::MemoryPlan;
 use hybrid_engine::training::metrics::{peak_rss_mib, Metrics};
-use hybrid_engine::training::train_step::{forward_backward, Backward};
+use hybrid_engine::training::train_step::{Backward, TrainedModel};
 use hybrid_engine::training::trainer::{total_steps, StepLog, Trainer};
+use hybrid_engine::training::zero3::ShardedModel;
+use hybrid_engine::ParamStore;
 use serde::Serialize;
 use serde_json::json;
+use std::rc::Rc;
 use std::time::Instant;
 
 /// The greedy answers of the starting and the fine-tuned model, side by side, in the model directory.
@@ -58,11 +61,11 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
     let data_cfg = args.data.config(t.seed, t.max_seq_len, t.max_seq_len, args.train_on_prompt)?;
     let data = data::phases::sft_data(&data_cfg, &tokenizer)?;
     println!("{}", data.summary);
-    let dp = t.dist.data_parallel(&group, t.zero_stage)?;
+    let dp = t.dist.data_parallel_with_stage3(&group, t.zero_stage)?;
     if let Some(line) = t.apply_lora(&mut start.params, &config)? {
         println!("{line}");
     }
-    let params = &start.params;
+    let params = std::mem::take(&mut start.params);
     // What the optimizer updates: everything, or with --only-optimize-lora the adapters alone.
     let trainable = params.trainable();
     println!(
@@ -73,26 +76,50 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
             .with_lora(t.lora().is_some())
             .with_compute_dtype(t.precision.dtype.dtype())
             .on_device(&device)
+            .with_data_parallel(dp.stage, world)
             .report()
     );
     // Forward and backward run on a copy in the compute dtype (the masters themselves in fp32).
     let precision = t.precision.precision();
-    let compute = params.compute_copy(precision.dtype.dtype())?;
-    let mut model = compute.model(&config)?;
-    model.fp32_loss = precision.fp32_loss;
-    // prompt_eval compares with the starting weights, which training overwrites in place.
-    let baseline_weights = args.eval_prompts.is_some().then(|| params.copy()).transpose()?;
+    // prompt_eval (rank 0) compares with the starting weights, which training overwrites in place.
+    let baseline_weights = (args.eval_prompts.is_some() && group.is_first()).then(|| params.copy()).transpose()?;
     // Read now, so a bad prompts file fails before training rather than after it.
     let prompts =
         args.eval_prompts.as_ref().map(|spec| data::prompts::read_prompts(spec, args.num_eval_prompts)).transpose()?;
     // Every rank takes its share of each global micro-batch of per-device x world rows.
     let micro_per_epoch = data.train.len().div_ceil(world).div_ceil(t.per_device_train_batch_size);
     let steps = total_steps(micro_per_epoch, t.num_train_epochs, t.gradient_accumulation_steps);
-    let mut trainer =
-        Trainer::new(&trainable, t.adam(), t.schedule(lr, steps), t.gradient_accumulation_steps, t.gradient_clipping)?
+    let accumulation = t.gradient_accumulation_steps;
+    let (model, mut trainer) = if dp.shards_parameters() {
+        let mut sharded = ShardedModel::new(group.clone(), &config, &params, precision.dtype.dtype())?;
+        sharded.fp32_loss = precision.fp32_loss;
+        let sharded = Rc::new(sharded);
+        let (schedule, scaling) = (t.schedule(lr, steps), t.precision.loss_scaling());
+        let trainer = Trainer::sharded(
+            sharded.clone(),
+            t.adam(),
+            schedule,
+            accumulation,
+            t.gradient_clipping,
+            precision,
+            scaling,
+        );
+        (TrainedModel::Sharded(sharded), trainer)
+    } else {
+        let compute = params.compute_copy(precision.dtype.dtype())?;
+        let mut model = compute.model(&config)?;
+        model.fp32_loss = precision.fp32_loss;
+        let trainer = Trainer::new(&trainable, t.adam(), t.schedule(lr, steps), accumulation, t.gradient_clipping)?
             .with_precision(precision, &compute, t.precision.loss_scaling())
             .with_data_parallel(dp);
+        (TrainedModel::Whole(Box::new(model)), trainer)
+    };
     trainer.set_lora_learning_rate(&trainable, t.lora_learning_rate);
+    // Under ZeRO stage 3 each rank keeps only its shard: the whole model goes now.
+    let (params, trainable) = match &model {
+        TrainedModel::Whole(_) => (params, trainable),
+        TrainedModel::Sharded(_) => (ParamStore::default(), ParamStore::default()),
+    };
     let mut metrics = Metrics::for_rank(rank, &args.output_dir, steps, 0)?;
     let eos = tokenizer.eos_id();
 
@@ -108,8 +135,15 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
         }
         // Each rank evaluates its share of the rows; the loss is the mean over all their tokens.
         let share: Vec<SftSample> = data.eval.iter().skip(rank).step_by(world).cloned().collect();
-        let (sum, tokens) =
-            eval_loss_sum(&model, &share, t.per_device_eval_batch_size, eos, args.train_on_prompt, &device)?;
+        let batches = data.eval.len().div_ceil(world).div_ceil(t.per_device_eval_batch_size);
+        let (sum, tokens) = eval_loss_sum(
+            &model,
+            (&share, batches, &data.eval[0]),
+            t.per_device_eval_batch_size,
+            eos,
+            args.train_on_prompt,
+            &device,
+        )?;
         let mut totals = [sum, tokens as f64];
         group.all_reduce_scalars(&mut totals, ReduceOp::Sum)?;
         let loss = totals[0] / totals[1].max(1.0);
@@ -170,17 +204,31 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
     metrics.finish();
 
     // The held-out comparison is written with the model, in the same atomic save, so the
-    // directory never holds a comparison of another run's model.
+    // directory never holds a comparison of another run's model. Under ZeRO-3 every rank takes
+    // part in gathering the weights.
+    let gathered = match &model {
+        TrainedModel::Sharded(sharded) => Some(sharded.gather_params()?),
+        TrainedModel::Whole(_) => None,
+    };
     if !group.is_first() {
         // Rank 0 saves the model the ranks share and compares it on the prompts.
         group.barrier()?;
         return Ok(summary);
     }
+    let params = gathered.as_ref().unwrap_or(&params);
     let prompt_eval_lines = match (&prompts, baseline_weights) {
         (Some(prompts), Some(weights)) => {
             let baseline = weights.model(&config)?;
+            let rebuilt;
+            let tuned = match &model {
+                TrainedModel::Whole(m) => &**m,
+                TrainedModel::Sharded(_) => {
+                    rebuilt = params.model(&config)?;
+                    &rebuilt
+                }
+            };
             let comparisons =
-                prompt_eval::compare(&baseline, &model, &tokenizer, prompts, args.max_new_tokens, &device)?;
+                prompt_eval::compare(&baseline, tuned, &tokenizer, prompts, args.max_new_tokens, &device)?;
             print!("{}", prompt_eval::render(&comparisons));
             let lines: Vec<String> = comparisons.iter().map(|c| json!(c).to_string() + "\n").collect();
             Some(lines.concat())
@@ -206,7 +254,7 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
 
 /// The loss of one micro-batch, its gradients added to the trainer's accumulator.
 fn sft_forward_backward(
-    model: &Gpt2,
+    model: &TrainedModel,
     batch: &SftBatch,
     dropout: Option<&Dropout>,
     how: Backward,
@@ -214,8 +262,8 @@ fn sft_forward_backward(
     device: &Device,
 ) -> Result<f32> {
     let (ids, rows, targets) = batch_tensors(batch, device)?;
-    forward_backward(model, &ids, &Positions::default(), dropout, how, trainer.grads(), |hidden| {
-        model.lm_loss_at(hidden, &rows, &targets)
+    model.forward_backward(&ids, &Positions::default(), dropout, how, trainer.grads(), |m, hidden| {
+        m.lm_loss_at(hidden, &rows, &targets)
     })
 }
 
@@ -227,42 +275,45 @@ fn batch_tensors(batch: &SftBatch, device: &Device) -> Result<(Tensor, Tensor, T
     ))
 }
 
-/// Mean loss per learned token over the eval rows, dropout off (exp of it is the perplexity).
-/// DS-Chat averages per-batch means instead; weighting by tokens makes the number independent
-/// of the eval batch size.
-pub fn eval_loss(
-    model: &Gpt2,
-    rows: &[SftSample],
-    batch_size: usize,
-    eos: u32,
-    train_on_prompt: bool,
-    device: &Device,
-) -> Result<f64> {
-    let (total, tokens) = eval_loss_sum(model, rows, batch_size, eos, train_on_prompt, device)?;
-    Ok(total / tokens.max(1) as f64)
-}
-
-/// The summed loss over the learned tokens of `rows`, and their count.
+/// The summed loss over the learned tokens of `rows`, and their count (the mean per learned
+/// token: DS-Chat averages per-batch means instead; weighting by tokens makes the number
+/// independent of the eval batch size). Dropout off.
+///
+/// `(rows, batches, filler)`: under ZeRO-3 every forward is a collective, so every rank runs
+/// `batches` forwards whatever its share of rows; the missing ones run on `filler` and count
+/// for nothing.
 pub fn eval_loss_sum(
-    model: &Gpt2,
-    rows: &[SftSample],
+    model: &TrainedModel,
+    (rows, batches, filler): (&[SftSample], usize, &SftSample),
     batch_size: usize,
     eos: u32,
     train_on_prompt: bool,
     device: &Device,
 ) -> Result<(f64, usize)> {
+    let chunks: Vec<Vec<&SftSample>> = rows.chunks(batch_size).map(|c| c.iter().collect()).collect();
+    let forwards = match model {
+        TrainedModel::Sharded(_) => chunks.len().max(batches),
+        TrainedModel::Whole(_) => chunks.len(),
+    };
     let (mut total, mut tokens) = (0f64, 0usize);
-    for chunk in rows.chunks(batch_size) {
-        let refs: Vec<&SftSample> = chunk.iter().collect();
+    for k in 0..forwards {
+        let (refs, counted) = match chunks.get(k) {
+            Some(c) => (c.clone(), true),
+            None => (vec![filler], false),
+        };
         let batch = sft_batch(&refs, eos, train_on_prompt);
-        if batch.loss_rows.is_empty() {
+        if batch.loss_rows.is_empty() && matches!(model, TrainedModel::Whole(_)) {
             continue;
         }
         let (ids, rows, targets) = batch_tensors(&batch, device)?;
-        let hidden = model.forward_blocks(&ids, &Positions::default(), None, None)?;
-        let loss: f32 = model.lm_loss_at(&hidden, &rows, &targets)?.to_scalar()?;
-        total += loss as f64 * batch.loss_rows.len() as f64;
-        tokens += batch.loss_rows.len();
+        let loss = model.with_hidden(&ids, &Positions::default(), |m, hidden| match batch.loss_rows.is_empty() {
+            true => Ok(0.0),
+            false => Ok(m.lm_loss_at(hidden, &rows, &targets)?.to_scalar::<f32>()?),
+        })?;
+        if counted {
+            total += loss as f64 * batch.loss_rows.len() as f64;
+            tokens += batch.loss_rows.len();
+        }
     }
     Ok((total, tokens))
 }

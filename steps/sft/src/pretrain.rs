@@ -11,15 +11,17 @@ use data::{BlockSampler, CorpusSource, PackedCorpus, SamplerCursor, Tokenizer};
 use hybrid_engine::checkpoints::resume::{self, TrainerState, FORMAT_VERSION};
 use hybrid_engine::comm::{ProcessGroup, ReduceOp};
 use hybrid_engine::kernels::ops::DropoutKey;
-use hybrid_engine::model::gpt2::{Dropout, Gpt2};
+use hybrid_engine::model::gpt2::{Dropout, Positions};
 use hybrid_engine::training::memory::MemoryPlan;
 use hybrid_engine::training::metrics::{peak_rss_mib, Metrics};
-use hybrid_engine::training::train_step::{lm_forward_backward, Backward};
+use hybrid_engine::training::train_step::{Backward, TrainedModel};
 use hybrid_engine::training::trainer::{Trainer, TrainerProgress};
+use hybrid_engine::training::zero3::ShardedModel;
 use hybrid_engine::ParamStore;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use std::ops::Range;
+use std::rc::Rc;
 use std::time::Instant;
 
 /// What a pretraining run reports at the end (also the last record of metrics.jsonl).
@@ -94,7 +96,8 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     let plan = MemoryPlan::new(&model_cfg, args.micro_batch_size, args.seq_length, args.checkpoint_activations)
         .with_gradient_accumulation(args.gradient_accumulation_steps)
         .with_compute_dtype(args.precision.dtype.dtype())
-        .on_device(&device);
+        .on_device(&device)
+        .with_data_parallel(args.zero_stage, world);
     hybrid_engine::training::memory::check_plan_fits(&plan, &device)?;
     // What a checkpoint restores beyond the weights: the optimizer state, its step (fewer than
     // the iterations when fp16 skipped some) and the trainer's counters.
@@ -153,13 +156,25 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     // Forward and backward run on a copy in the compute dtype (the masters themselves in fp32);
     // the trainer accumulates, unscales, checks and applies the gradients to the fp32 masters.
     let precision = args.precision.precision();
-    let compute = params.compute_copy(precision.dtype.dtype())?;
-    let mut model = compute.model(&model_cfg)?;
-    model.fp32_loss = precision.fp32_loss;
     let accumulation = args.gradient_accumulation_steps;
-    let mut trainer = Trainer::new(&params, cfg.adam.clone(), cfg.schedule.clone(), accumulation, args.clip_grad)?
-        .with_precision(precision, &compute, args.precision.loss_scaling())
-        .with_data_parallel(args.dist.data_parallel(&group, args.zero_stage)?);
+    let dp = args.dist.data_parallel_with_stage3(&group, args.zero_stage)?;
+    let (model, mut trainer) = if dp.shards_parameters() {
+        let mut sharded = ShardedModel::new(group.clone(), &model_cfg, &params, precision.dtype.dtype())?;
+        sharded.fp32_loss = precision.fp32_loss;
+        let sharded = Rc::new(sharded);
+        let (adam, schedule, scaling) = (cfg.adam.clone(), cfg.schedule.clone(), args.precision.loss_scaling());
+        let trainer =
+            Trainer::sharded(sharded.clone(), adam, schedule, accumulation, args.clip_grad, precision, scaling);
+        (TrainedModel::Sharded(sharded), trainer)
+    } else {
+        let compute = params.compute_copy(precision.dtype.dtype())?;
+        let mut model = compute.model(&model_cfg)?;
+        model.fp32_loss = precision.fp32_loss;
+        let trainer = Trainer::new(&params, cfg.adam.clone(), cfg.schedule.clone(), accumulation, args.clip_grad)?
+            .with_precision(precision, &compute, args.precision.loss_scaling())
+            .with_data_parallel(dp);
+        (TrainedModel::Whole(Box::new(model)), trainer)
+    };
     // A checkpoint holds the whole optimizer state, so it loads into any world size or stage:
     // each rank keeps its shard of the moments.
     if let Some(r) = &resume {
@@ -168,6 +183,11 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
             r.progress.clone().unwrap_or(TrainerProgress { boundaries: start, forced_skips: 0, scaler: None });
         trainer.restore_progress(&progress)?;
     }
+    // Under ZeRO stage 3 each rank keeps only its shard: the whole model goes now.
+    let masters = match &model {
+        TrainedModel::Whole(_) => params,
+        TrainedModel::Sharded(_) => ParamStore::default(),
+    };
     let mut sampler = BlockSampler::with_cursor(train.clone(), args.seed, cursor).context(
         "cannot resume: --data-path, --split or --seq-length differ from the run that saved the checkpoint (use the same, or start anew without --load)",
     )?;
@@ -207,8 +227,8 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
             let dropout = Dropout::from_config(&model_cfg, key);
             let how =
                 Backward { checkpoint_activations: args.checkpoint_activations, loss_scale: trainer.loss_scale() };
-            loss += lm_forward_backward(&model, &x, &y, Some(&dropout), how, trainer.grads())? / accumulation as f32;
-            report = trainer.micro_batch_done(&params)?;
+            loss += model.lm_forward_backward(&x, &y, Some(&dropout), how, trainer.grads())? / accumulation as f32;
+            report = trainer.micro_batch_done(&masters)?;
         }
         let report = report.context("internal error: an iteration ended without an optimizer step")?;
         // The loss of the global batch: the mean over ranks (each one's is over equal blocks).
@@ -260,7 +280,9 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
         }
         if args.save_interval > 0 && iteration % args.save_interval == 0 {
             let state = trainer_state(iteration, args, world, &sampler, &cfg, &layout, &trainer);
-            if let Some(dir) = save(&group, &cfg.save_dir, &model_cfg, &params, &trainer, &state, &tokenizer)? {
+            if let Some(dir) =
+                save(&group, &cfg.save_dir, &model_cfg, (&masters, &model), &trainer, &state, &tokenizer)?
+            {
                 metrics.println(&format!(" saved checkpoint at iteration {iteration} to {}", dir.display()));
                 summary.checkpoint = Some(dir);
             }
@@ -272,7 +294,7 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     let end = summary.iterations;
     if last_saved != Some(end) {
         let state = trainer_state(end, args, world, &sampler, &cfg, &layout, &trainer);
-        if let Some(dir) = save(&group, &cfg.save_dir, &model_cfg, &params, &trainer, &state, &tokenizer)? {
+        if let Some(dir) = save(&group, &cfg.save_dir, &model_cfg, (&masters, &model), &trainer, &state, &tokenizer)? {
             println!(" saved checkpoint at iteration {end} to {}", dir.display());
             summary.checkpoint = Some(dir);
         }
@@ -299,18 +321,24 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     Ok(summary)
 }
 
-/// Saves a checkpoint from rank 0, the optimizer state first gathered from every rank's shard
-/// (all ranks call this together). The others wait until it is written, so none runs ahead of a
-/// checkpoint that a restart would resume from. Returns the directory on rank 0.
+/// Saves a checkpoint from rank 0, the optimizer state (and under ZeRO-3 the weights) first
+/// gathered from every rank's shard (all ranks call this together). The others wait until it is
+/// written, so none runs ahead of a checkpoint that a restart would resume from. Returns the
+/// directory on rank 0.
 fn save(
     group: &ProcessGroup,
     save_dir: &std::path::Path,
     model_cfg: &hybrid_engine::Gpt2Config,
-    params: &hybrid_engine::ParamStore,
+    (masters, model): (&ParamStore, &TrainedModel),
     trainer: &Trainer,
     state: &TrainerState,
     tokenizer: &Tokenizer,
 ) -> Result<Option<std::path::PathBuf>> {
+    let gathered = match model {
+        TrainedModel::Sharded(sharded) => Some(sharded.gather_params()?),
+        TrainedModel::Whole(_) => None,
+    };
+    let params = gathered.as_ref().unwrap_or(masters);
     let optimizer = trainer.consolidated_optimizer(params)?;
     let dir = if group.is_first() {
         Some(resume::save_checkpoint(save_dir, model_cfg, params, &optimizer, state, &|d| {
@@ -337,11 +365,15 @@ fn batch(corpus: &PackedCorpus, idx: &[usize], device: &Device) -> Result<(Tenso
 }
 
 /// Mean LM loss over the given batches, dropout off.
-fn evaluate(model: &Gpt2, corpus: &PackedCorpus, batches: &[Vec<usize>], device: &Device) -> Result<f64> {
+fn evaluate(model: &TrainedModel, corpus: &PackedCorpus, batches: &[Vec<usize>], device: &Device) -> Result<f64> {
     let mut total = 0f64;
     for idx in batches {
         let (x, y) = batch(corpus, idx, device)?;
-        total += model.lm_loss(&x, &y, None)?.to_scalar::<f32>()? as f64;
+        let targets = y.flatten_all()?;
+        let loss = model.with_hidden(&x, &Positions::default(), |m, hidden| {
+            Ok(m.lm_head_loss(hidden, &targets)?.to_scalar::<f32>()?)
+        })?;
+        total += loss as f64;
     }
     Ok(total / batches.len() as f64)
 }

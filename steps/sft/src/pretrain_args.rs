@@ -137,7 +137,8 @@ pub struct PretrainArgs {
     #[command(flatten)]
     pub precision: hybrid_engine::training::precision::PrecisionArgs,
     /// ZeRO stage across data-parallel ranks: 0 (gradients all-reduced), 1 (+ optimizer state
-    /// sharded), 2 (+ gradients sharded). Each rank trains on its own --micro-batch-size blocks:
+    /// sharded), 2 (+ gradients sharded), 3 (+ weights sharded, each block gathered when it runs,
+    /// with activation recomputation). Each rank trains on its own --micro-batch-size blocks:
     /// the global batch is micro-batch x ranks x accumulation, as Megatron's.
     #[arg(long, default_value_t = 0, alias = "zero_stage")]
     pub zero_stage: u8,

@@ -1,0 +1,406 @@
+//! ZeRO stage 3: the parameters themselves are sharded at rest. Each rank keeps only its shard
+//! of the fp32 master weights, of the summed gradients and of the Adam moments (16 bytes per
+//! parameter divided by the world size, DeepSpeed's formula); a layer's full weights exist only
+//! while it runs, gathered from every rank's shard and dropped after.
+//!
+//! The parameters are cut into units, each gathered with one all-gather: one per transformer
+//! block, and one for everything outside the blocks (embeddings, the final LayerNorm and any
+//! head), which embedding and head share because GPT-2 ties them. Each unit is flattened and
+//! split into equal shards ([`Partition`]), so every rank holds a piece of every unit.
+//!
+//! candle keeps the tensors a backward pass needs inside the graph of the forward, so a
+//! gathered weight would live until backward if the graph kept it: stage 3 therefore always
+//! runs the block-by-block recomputation of activation checkpointing
+//! ([`crate::training::train_step`]), gathering each block twice (forward, then backward) and
+//! reduce-scattering its gradient as soon as its backward is done. One micro-batch moves
+//! 3x the outer unit and 2x every block in all-gathers, and reduce-scatters the outer unit twice
+//! (head and embedding) and every block once.
+
+use crate::comm::{ProcessGroup, ReduceOp};
+use crate::model::gpt2::{Block, Dropout, Gpt2, Gpt2Config, Positions};
+use crate::model::params::ParamStore;
+use crate::training::optim::AdamW;
+use crate::training::zero::Partition;
+use anyhow::{anyhow, bail, Result};
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Shape, Tensor, Var};
+use candle_nn::VarBuilder;
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::ops::Range;
+use std::rc::Rc;
+
+/// The unit of everything outside the blocks; block `i` is unit `i + 1`.
+const OUTER: usize = 0;
+
+/// Parameters gathered together.
+struct Unit {
+    /// Indices of the unit's parameters in the model's order.
+    params: Vec<usize>,
+    partition: Partition,
+    /// Where this rank's shard of the unit starts in [`ShardedModel::shard`].
+    offset: usize,
+}
+
+/// A GPT-2 whose parameters are sharded over the ranks of a group (ZeRO stage 3).
+pub struct ShardedModel {
+    group: Rc<ProcessGroup>,
+    pub cfg: Gpt2Config,
+    names: Vec<String>,
+    shapes: Vec<Shape>,
+    units: Vec<Unit>,
+    /// The dtype gathered weights compute in (the masters are fp32).
+    dtype: DType,
+    device: Device,
+    /// Losses read fp32 logits (DS-Chat `--compute_fp32_loss`), as [`Gpt2::fp32_loss`].
+    pub fp32_loss: bool,
+    /// This rank's fp32 master weights: its shard of every unit, end to end.
+    shard: RefCell<Vec<f32>>,
+    /// Per unit, this rank's shard of the gradients summed over ranks and micro-batches.
+    grads: RefCell<Vec<Option<Tensor>>>,
+}
+
+impl ShardedModel {
+    /// Keeps this rank's shard of `masters` (the whole model's fp32 weights, which the caller
+    /// drops after); gathered weights compute in `dtype`.
+    pub fn new(group: Rc<ProcessGroup>, cfg: &Gpt2Config, masters: &ParamStore, dtype: DType) -> Result<Self> {
+        if masters.lora_scaling().is_some() || masters.trainable().numel() != masters.numel() {
+            bail!(
+                "--zero-stage 3 shards every parameter and trains them all: it does not combine with LoRA or \
+                 --only-optimize-lora yet; use --zero-stage 2 with LoRA"
+            );
+        }
+        let world = group.world();
+        let rank = group.rank();
+        let mut members: Vec<Vec<usize>> = vec![Vec::new(); cfg.n_layer + 1];
+        for (i, name) in masters.names.iter().enumerate() {
+            members[unit_of(name, cfg.n_layer)?].push(i);
+        }
+        let mut units = Vec::new();
+        let mut shard = Vec::new();
+        for params in members {
+            let tensors: Vec<Tensor> = params.iter().map(|&i| masters.vars[i].as_tensor().clone()).collect();
+            let partition = Partition::new(tensors.iter().map(Tensor::elem_count).collect(), world);
+            let flat = partition.flatten(&tensors)?.to_dtype(DType::F32)?;
+            let range = partition.shard(rank);
+            shard.extend(flat.narrow(0, range.start, range.len())?.to_vec1::<f32>()?);
+            units.push(Unit { params, partition, offset: shard.len() - range.len() });
+        }
+        let unit_count = units.len();
+        Ok(Self {
+            group,
+            cfg: cfg.clone(),
+            names: masters.names.clone(),
+            shapes: masters.vars.iter().map(|v| v.shape().clone()).collect(),
+            units,
+            dtype,
+            device: masters.vars.first().map_or(Device::Cpu, |v| v.device().clone()),
+            fp32_loss: false,
+            shard: RefCell::new(shard),
+            grads: RefCell::new(vec![None; unit_count]),
+        })
+    }
+
+    pub fn group(&self) -> &Rc<ProcessGroup> {
+        &self.group
+    }
+
+    /// Values in this rank's shard (padding included).
+    pub fn shard_len(&self) -> usize {
+        self.shard.borrow().len()
+    }
+
+    /// Every parameter's values, in fp32, on every rank (a collective): for saving the model.
+    /// Transient: the whole model exists on each rank until the result is dropped.
+    pub fn gather_params(&self) -> Result<ParamStore> {
+        let mut full: Vec<Option<Tensor>> = vec![None; self.names.len()];
+        let shard = self.shard.borrow();
+        for unit in &self.units {
+            let values = &shard[unit.offset..unit.offset + unit.partition.shard_len];
+            for (&i, t) in unit.params.iter().zip(self.gather_unit(unit, values)?) {
+                full[i] = Some(t);
+            }
+        }
+        let mut store = ParamStore::default();
+        for (name, t) in self.names.iter().zip(full) {
+            store.push(name, &t.ok_or_else(|| anyhow!("internal error: {name} is in no unit"))?)?;
+        }
+        Ok(store)
+    }
+
+    /// A unit's parameters from every rank's `values` (this rank's shard of some per-value
+    /// quantity of the unit: weights or moments), full and in fp32 on the compute device.
+    fn gather_unit(&self, unit: &Unit, values: &[f32]) -> Result<Vec<Tensor>> {
+        let mine = Tensor::from_slice(values, values.len(), &self.device)?;
+        let full = self.group.all_gather(&mine)?;
+        let shapes: Vec<&Shape> = unit.params.iter().map(|&i| &self.shapes[i]).collect();
+        unit.partition.unflatten(&full, &shapes)
+    }
+
+    /// Unit `u`'s weights, gathered into fresh variables in the compute dtype (gradients
+    /// computed through them land on these variables).
+    fn gather(&self, u: usize) -> Result<Gathered> {
+        let unit = &self.units[u];
+        let tensors = {
+            let shard = self.shard.borrow();
+            self.gather_unit(unit, &shard[unit.offset..unit.offset + unit.partition.shard_len])?
+        };
+        let vars: Vec<Var> =
+            tensors.iter().map(|t| Var::from_tensor(&t.to_dtype(self.dtype)?)).collect::<candle_core::Result<_>>()?;
+        let named: HashMap<String, Tensor> =
+            unit.params.iter().zip(&vars).map(|(&i, v)| (self.names[i].clone(), v.as_tensor().clone())).collect();
+        Ok(Gathered { unit: u, vars, vb: VarBuilder::from_tensors(named, self.dtype, &self.device) })
+    }
+
+    /// Embeddings, final LayerNorm and heads, gathered: a GPT-2 without blocks, for the
+    /// embedding and for the heads (its `lm_head`, `lm_loss_at`, `final_norm` work as usual).
+    pub fn outer(&self) -> Result<(Gpt2, Gathered)> {
+        let g = self.gather(OUTER)?;
+        let mut model = Gpt2::load(g.vb.clone(), &Gpt2Config { n_layer: 0, ..self.cfg.clone() })?;
+        model.fp32_loss = self.fp32_loss;
+        Ok((model, g))
+    }
+
+    /// Block `i`, gathered.
+    fn block(&self, i: usize) -> Result<(Block, Gathered)> {
+        let g = self.gather(i + 1)?;
+        Ok((Gpt2::load_block(g.vb.clone(), &self.cfg, i)?, g))
+    }
+
+    /// The trunk's last hidden state (B, T, C) without gradients, each block gathered in turn.
+    pub fn forward_blocks(&self, ids: &Tensor, pos: &Positions) -> Result<Tensor> {
+        let (b, t) = ids.dims2()?;
+        let (outer, _) = self.outer()?;
+        let bias = outer.attention_bias(b, t, 0, pos, ids.device())?;
+        let mut x = outer.embed(ids, pos, 0, None)?;
+        drop(outer);
+        for i in 0..self.cfg.n_layer {
+            x = self.block(i)?.0.forward(&x, &bias, None, None)?.detach();
+        }
+        Ok(x)
+    }
+
+    /// Forward and backward of `head`'s loss on the trunk's output, block by block with
+    /// recomputation; the gradients of `loss * loss_scale` are reduce-scattered into this rank's
+    /// gradient shard as each unit's backward ends. `head` gets the gathered outer model and
+    /// the last hidden state (B, T, C, before `ln_f`) and returns a scalar. Returns the loss.
+    pub fn forward_backward(
+        &self,
+        ids: &Tensor,
+        pos: &Positions,
+        dropout: Option<&Dropout>,
+        loss_scale: f64,
+        head: impl Fn(&Gpt2, &Tensor) -> candle_core::Result<Tensor>,
+    ) -> Result<f32> {
+        let (b, t) = ids.dims2()?;
+        // Forward, keeping only each block's input.
+        let (outer, _) = self.outer()?;
+        let bias = outer.attention_bias(b, t, 0, pos, ids.device())?;
+        let mut x = outer.embed(ids, pos, 0, dropout)?.detach();
+        drop(outer);
+        let mut inputs = Vec::with_capacity(self.cfg.n_layer);
+        for i in 0..self.cfg.n_layer {
+            inputs.push(x.clone());
+            x = self.block(i)?.0.forward(&x, &bias, None, dropout)?.detach();
+        }
+
+        // The head, with the last hidden state as a leaf so its gradient comes back.
+        let (outer, gathered) = self.outer()?;
+        let last = Var::from_tensor(&x)?;
+        let loss = head(&outer, last.as_tensor())?;
+        let store = (&loss * loss_scale)?.backward()?;
+        self.reduce_scatter_gradients(&gathered, &store)?;
+        let mut grad = leaf_grad(&store, &last)?;
+        drop((store, outer, gathered));
+
+        for (i, input) in inputs.iter().enumerate().rev() {
+            let (block, gathered) = self.block(i)?;
+            let input = Var::from_tensor(input)?;
+            let out = block.forward(input.as_tensor(), &bias, None, dropout)?;
+            let store = out.mul(&grad)?.sum_all()?.backward()?;
+            self.reduce_scatter_gradients(&gathered, &store)?;
+            grad = leaf_grad(&store, &input)?;
+        }
+
+        // The embeddings; wte's gradient from the head was reduce-scattered above and adds up.
+        let (outer, gathered) = self.outer()?;
+        let emb = outer.embed(ids, pos, 0, dropout)?;
+        self.reduce_scatter_gradients(&gathered, &emb.mul(&grad)?.sum_all()?.backward()?)?;
+        Ok(loss.to_dtype(DType::F32)?.to_scalar::<f32>()?)
+    }
+
+    /// Adds this rank's shard of the gradients `store` holds for a gathered unit, summed over
+    /// ranks, to the unit's gradient shard. Parameters the backward did not reach count as 0.
+    fn reduce_scatter_gradients(&self, g: &Gathered, store: &GradStore) -> Result<()> {
+        let unit = &self.units[g.unit];
+        let grads: Vec<Tensor> = g
+            .vars
+            .iter()
+            .map(|v| match store.get(v.as_tensor()) {
+                Some(grad) => grad.detach().to_dtype(DType::F32),
+                None => Tensor::zeros(v.shape(), DType::F32, &self.device),
+            })
+            .collect::<candle_core::Result<_>>()?;
+        let mine = self.group.reduce_scatter(&unit.partition.flatten(&grads)?)?;
+        let mut slots = self.grads.borrow_mut();
+        slots[g.unit] = Some(match slots[g.unit].take() {
+            Some(acc) => (acc + mine)?,
+            None => mine,
+        });
+        Ok(())
+    }
+
+    /// The gradient shards accumulated so far (for an overflow check).
+    pub fn partial_gradients(&self) -> Vec<Tensor> {
+        self.grads.borrow().iter().flatten().cloned().collect()
+    }
+
+    /// This rank's gradient shard (summed over ranks and micro-batches), laid out as the weight
+    /// shard, and the accumulation emptied.
+    pub fn take_gradient_shard(&self) -> Result<Tensor> {
+        let parts: Vec<Tensor> = self
+            .grads
+            .borrow_mut()
+            .iter_mut()
+            .map(|g| g.take().ok_or_else(|| anyhow!("internal error: a unit received no gradient")))
+            .collect::<Result<_>>()?;
+        Ok(Tensor::cat(&parts, 0)?)
+    }
+
+    /// The range of each parameter (in the model's order) whose values this rank holds.
+    pub fn held_ranges(&self) -> Vec<Range<usize>> {
+        let mut ranges = vec![0..0; self.names.len()];
+        for unit in &self.units {
+            for piece in unit.partition.pieces(self.group.rank()) {
+                ranges[unit.params[piece.param]] = piece.in_param;
+            }
+        }
+        ranges
+    }
+
+    /// An AdamW over this rank's shard only (the moments of [`Self::held_ranges`]).
+    pub fn optimizer(&self, config: crate::training::optim::AdamWConfig) -> AdamW {
+        AdamW::over_ranges(config, &self.names, self.held_ranges())
+    }
+
+    /// One AdamW step of this rank's weight shard with its (averaged, clipped) gradient shard.
+    /// Nothing is gathered: the next forward gathers the updated weights.
+    pub fn adamw_step(&self, optimizer: &mut AdamW, grad_shard: &Tensor, lr: f64) -> Result<()> {
+        let g: Vec<f32> = grad_shard.to_dtype(DType::F32)?.to_vec1()?;
+        let mut shard = self.shard.borrow_mut();
+        optimizer.step += 1;
+        for unit in &self.units {
+            for piece in unit.partition.pieces(self.group.rank()) {
+                let at = unit.offset + piece.in_shard.start..unit.offset + piece.in_shard.end;
+                optimizer.update_held(unit.params[piece.param], &mut shard[at.clone()], &g[at], lr);
+            }
+        }
+        Ok(())
+    }
+
+    /// A copy of `optimizer` with the full moments gathered from every rank (a collective): what
+    /// a checkpoint saves, so that it loads into any world size or stage.
+    pub fn consolidate(&self, optimizer: &AdamW) -> Result<AdamW> {
+        let rank = self.group.rank();
+        let mut moments: [Vec<Vec<f32>>; 2] = [vec![Vec::new(); self.names.len()], vec![Vec::new(); self.names.len()]];
+        for (which, out) in moments.iter_mut().enumerate() {
+            for unit in &self.units {
+                let mut values = vec![0f32; unit.partition.shard_len];
+                for piece in unit.partition.pieces(rank) {
+                    let (m, v) = optimizer.held_moments(unit.params[piece.param]);
+                    values[piece.in_shard].copy_from_slice(if which == 0 { m } else { v });
+                }
+                for (&i, t) in unit.params.iter().zip(self.gather_unit(unit, &values)?) {
+                    out[i] = t.flatten_all()?.to_vec1()?;
+                }
+            }
+        }
+        let mut full = optimizer.clone();
+        let [exp_avg, exp_avg_sq] = moments;
+        full.set_full_moments(exp_avg, exp_avg_sq);
+        Ok(full)
+    }
+
+    /// The squared L2 norm of a gradient shard summed over ranks, square-rooted: the global norm.
+    pub fn grad_norm(&self, shard: &Tensor) -> Result<f64> {
+        let mut sq = [crate::training::optim::global_grad_norm(std::slice::from_ref(shard))?.powi(2)];
+        self.group.all_reduce_scalars(&mut sq, ReduceOp::Sum)?;
+        Ok(sq[0].sqrt())
+    }
+}
+
+/// A unit's gathered weights: alive while this is.
+pub struct Gathered {
+    unit: usize,
+    vars: Vec<Var>,
+    vb: VarBuilder<'static>,
+}
+
+/// The unit of parameter `name`: block `i`'s (`h.<i>.…`) is `i + 1`, the rest is [`OUTER`].
+fn unit_of(name: &str, n_layer: usize) -> Result<usize> {
+    let Some(rest) = name.strip_prefix("h.") else { return Ok(OUTER) };
+    let index = rest.split('.').next().and_then(|i| i.parse::<usize>().ok());
+    match index {
+        Some(i) if i < n_layer => Ok(i + 1),
+        _ => bail!("internal error: parameter {name} names no block of the {n_layer}"),
+    }
+}
+
+/// The gradient that reached a leaf, detached (see `train_step::leaf_grad`).
+fn leaf_grad(store: &GradStore, leaf: &Var) -> Result<Tensor> {
+    store
+        .get(leaf.as_tensor())
+        .map(Tensor::detach)
+        .ok_or_else(|| anyhow!("internal error: no gradient reached a block boundary"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parameters_fall_into_their_blocks_unit() {
+        assert_eq!(unit_of("wte.weight", 2).unwrap(), OUTER);
+        assert_eq!(unit_of("score.weight", 2).unwrap(), OUTER);
+        assert_eq!(unit_of("h.0.attn.c_attn.weight", 2).unwrap(), 1);
+        assert_eq!(unit_of("h.1.ln_2.bias", 2).unwrap(), 2);
+        assert!(unit_of("h.2.ln_2.bias", 2).is_err());
+    }
+
+    /// One rank: the sharded forward and backward give the whole model's loss and gradients.
+    #[test]
+    fn one_rank_matches_the_whole_model() -> Result<()> {
+        let cfg = Gpt2Config { n_layer: 2, n_embd: 8, n_head: 2, n_positions: 8, vocab_size: 16, ..Gpt2Config::tiny() };
+        let params = ParamStore::init(&cfg, 3, &Device::Cpu)?;
+        let group = Rc::new(ProcessGroup::single());
+        let sharded = ShardedModel::new(group, &cfg, &params, DType::F32)?;
+        let ids = Tensor::new(&[[1u32, 2, 3, 4], [5, 6, 7, 8]], &Device::Cpu)?;
+        let targets = Tensor::new(&[[2u32, 3, 4, 5], [6, 7, 8, 9]], &Device::Cpu)?.flatten_all()?;
+        let loss =
+            sharded.forward_backward(&ids, &Positions::default(), None, 1.0, |m, h| m.lm_head_loss(h, &targets))?;
+        let model = params.model(&cfg)?;
+        let want = model.lm_loss(&ids, &targets.reshape((2, 4))?, None)?;
+        assert!((loss - want.to_scalar::<f32>()?).abs() < 1e-6);
+        let store = want.backward()?;
+        let shard: Vec<f32> = sharded.take_gradient_shard()?.to_vec1()?;
+        // The shard is laid out unit by unit: compare each parameter's piece.
+        for unit in &sharded.units {
+            for piece in unit.partition.pieces(0) {
+                let i = unit.params[piece.param];
+                let g: Vec<f32> = store.get(params.vars[i].as_tensor()).unwrap().flatten_all()?.to_vec1()?;
+                let got = &shard[unit.offset + piece.in_shard.start..unit.offset + piece.in_shard.end];
+                for (a, b) in got.iter().zip(&g[piece.in_param]) {
+                    assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{}: {a} vs {b}", params.names[i]);
+                }
+            }
+        }
+        let gathered = sharded.gather_params()?;
+        for (a, b) in gathered.vars.iter().zip(&params.vars) {
+            assert_eq!(a.flatten_all()?.to_vec1::<f32>()?, b.flatten_all()?.to_vec1::<f32>()?);
+        }
+        let hidden = sharded.forward_blocks(&ids, &Positions::default())?;
+        let want = model.forward_blocks(&ids, &Positions::default(), None, None)?;
+        assert!((hidden - want)?.abs()?.max_all()?.to_scalar::<f32>()? < 1e-6);
+        Ok(())
+    }
+}
