@@ -177,6 +177,63 @@ fn pretraining_on_2_and_3_ranks_matches_one_rank_at_every_zero_stage() {
     }
 }
 
+/// A checkpoint directory holding only `out`'s checkpoint of `iteration`, as if the run had
+/// stopped there.
+fn stopped_at(out: &Path, iteration: u64, root: &Path) -> PathBuf {
+    let name = format!("iter_{iteration:07}");
+    std::fs::create_dir_all(root.join(&name)).unwrap();
+    for f in std::fs::read_dir(out.join(&name)).unwrap() {
+        let f = f.unwrap();
+        std::fs::copy(f.path(), root.join(&name).join(f.file_name())).unwrap();
+    }
+    std::fs::write(root.join("latest"), &name).unwrap();
+    root.to_path_buf()
+}
+
+#[test]
+fn pretraining_resumes_at_another_world_size_and_stage_on_the_same_trajectory() {
+    let dir = tempfile::tempdir().unwrap();
+    let with = |mut a: Vec<String>, extra: &str| {
+        a.extend(args(extra));
+        a
+    };
+    // One rank, 6 iterations, a checkpoint every 3: the trajectory to continue.
+    let single = dir.path().join("single");
+    run_ranks(dir.path(), 1, &with(pretrain_args(&single, 6, 0), "--save-interval 3"));
+    let end = latest(&single);
+
+    // 2 ranks at stage 3 stop at iteration 3; one rank resumes with micro-batches of 3 and
+    // --global-batch-size 12 (4 accumulation steps instead of 2 x 2 ranks).
+    let two = dir.path().join("two");
+    run_ranks(dir.path(), 2, &with(pretrain_args(&two, 3, 3), "--save-interval 3"));
+    let from_two = stopped_at(&two, 3, &dir.path().join("from-two"));
+    let resumed = dir.path().join("two-to-one");
+    let mut a = pretrain_args(&resumed, 3, 0);
+    let acc = a.iter().position(|x| x == "--gradient-accumulation-steps").unwrap();
+    a.drain(acc..acc + 2);
+    a.extend(args("--global-batch-size 12 --load"));
+    a.push(from_two.display().to_string());
+    let out = run_ranks(dir.path(), 1, &a);
+    assert!(String::from_utf8_lossy(&out[0].stdout).contains("resumed from"), "the run must resume");
+    assert_same_weights(&latest(&resumed), &end, 1e-5, 0.0, "2 ranks (stage 3) -> 1 rank");
+
+    // One rank stops at iteration 3; 3 ranks at stage 3 resume.
+    let from_one = stopped_at(&single, 3, &dir.path().join("from-one"));
+    let resumed = dir.path().join("one-to-three");
+    let mut a = pretrain_args(&resumed, 2, 3);
+    a.push("--load".into());
+    a.push(from_one.display().to_string());
+    run_ranks(dir.path(), 3, &a);
+    assert_same_weights(&latest(&resumed), &end, 1e-5, 0.0, "1 rank -> 3 ranks (stage 3)");
+
+    // Another global batch is refused with one line that says what differs.
+    let mut a = pretrain_args(&dir.path().join("refused"), 2, 0);
+    a.extend(["--load".into(), from_one.display().to_string()]);
+    let out = wait(start_rank(dir.path(), 0, 1, 0, &a), Duration::from_secs(120));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("global batch") && err.contains("= 4 now, 12 then"), "{err}");
+}
+
 /// `--adam-eps 1e-2` and no clipping make the update proportional to the gradient for most
 /// values, so a gradient scaled wrongly (a missing average over ranks) changes the weights;
 /// clipping or Adam's usual 1e-8 would normalise the scale away.

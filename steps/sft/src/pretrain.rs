@@ -43,8 +43,31 @@ struct DataLayout {
     seq_length: usize,
     num_blocks: usize,
     train: Range<usize>,
+    /// Per rank.
     micro_batch_size: usize,
     gradient_accumulation_steps: usize,
+    /// Blocks per iteration over all ranks; absent from checkpoints made before data
+    /// parallelism, which ran one rank (micro-batch x accumulation).
+    #[serde(default)]
+    global_batch_size: usize,
+}
+
+impl DataLayout {
+    fn global_batch(&self) -> usize {
+        match self.global_batch_size {
+            0 => self.micro_batch_size * self.gradient_accumulation_steps,
+            g => g,
+        }
+    }
+
+    /// Whether a run laid out as `self` continues one saved as `saved`: the same blocks in the
+    /// same order. The sampler draws the global batch block after block, so how it is cut into
+    /// ranks and micro-batches does not matter (Megatron resumes at another data-parallel size
+    /// the same way).
+    fn continues(&self, saved: &DataLayout) -> bool {
+        (&self.data_path, self.seq_length, self.num_blocks, &self.train, self.global_batch())
+            == (&saved.data_path, saved.seq_length, saved.num_blocks, &saved.train, saved.global_batch())
+    }
 }
 
 /// Runs `sft --from-scratch`.
@@ -53,6 +76,7 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     let device = hybrid_engine::device::parse_device(&args.device)?;
     let group = args.dist.join()?;
     let (rank, world) = (group.rank(), group.world());
+    let accumulation = args.gradient_accumulation(world)?;
     println!("device: {}", hybrid_engine::device::describe(&device));
 
     // Data: tokenize, pack, split. Every failure here happens before any training.
@@ -82,7 +106,8 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
         num_blocks: corpus.num_blocks(),
         train: train.clone(),
         micro_batch_size: args.micro_batch_size,
-        gradient_accumulation_steps: args.gradient_accumulation_steps,
+        gradient_accumulation_steps: accumulation,
+        global_batch_size: args.micro_batch_size * world * accumulation,
     };
 
     // Model and optimizer: fresh, or exactly as the checkpoint left them.
@@ -94,7 +119,7 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     // one entry per tensor, which an absurd layer count would make enormous itself.
     hybrid_engine::model::params::check_weights_fit(&model_cfg, &device)?;
     let plan = MemoryPlan::new(&model_cfg, args.micro_batch_size, args.seq_length, args.checkpoint_activations)
-        .with_gradient_accumulation(args.gradient_accumulation_steps)
+        .with_gradient_accumulation(accumulation)
         .with_compute_dtype(args.precision.dtype.dtype())
         .on_device(&device)
         .with_data_parallel(args.zero_stage, world);
@@ -116,10 +141,12 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
             check_same_shape(&ck.model.config, &model_cfg)?;
             let saved: DataLayout = serde_json::from_value(ck.state.run["data"].clone())
                 .context("checkpoint's trainer_state.json lacks the data layout")?;
-            if saved != layout {
+            if !layout.continues(&saved) {
                 bail!(
-                    "--load {}: the checkpoint was trained on different data or batching ({saved:?}); resume with the same --data-path, --seq-length, --split, --micro-batch-size and --gradient-accumulation-steps",
-                    root.display()
+                    "--load {}: the checkpoint was trained on different data or batching ({saved:?}); resume with the same --data-path, --seq-length, --split and global batch (--micro-batch-size x ranks x --gradient-accumulation-steps = {} now, {} then)",
+                    root.display(),
+                    layout.global_batch(),
+                    saved.global_batch()
                 );
             }
             let cursor: SamplerCursor = serde_json::from_value(ck.state.data_cursor.clone())
@@ -156,7 +183,6 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     // Forward and backward run on a copy in the compute dtype (the masters themselves in fp32);
     // the trainer accumulates, unscales, checks and applies the gradients to the fp32 masters.
     let precision = args.precision.precision();
-    let accumulation = args.gradient_accumulation_steps;
     let dp = args.dist.data_parallel_with_stage3(&group, args.zero_stage)?;
     let (model, mut trainer) = if dp.shards_parameters() {
         let mut sharded = ShardedModel::new(group.clone(), &model_cfg, &params, precision.dtype.dtype())?;
@@ -198,7 +224,7 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
 
     let mut metrics = Metrics::for_rank(rank, &args.output_dir, args.train_iters, start)?;
     let eval_batches = data::eval_indices(&valid, args.eval_iters, args.micro_batch_size);
-    let samples_per_iter = args.micro_batch_size * args.gradient_accumulation_steps * world;
+    let samples_per_iter = layout.global_batch();
     let tokens_per_iter = (samples_per_iter * args.seq_length) as f64;
     let mut summary = PretrainSummary {
         iterations: start,
@@ -279,7 +305,7 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
             metrics.record(json!({"iteration": iteration, "valid_loss": l, "valid_ppl": l.exp()}))?;
         }
         if args.save_interval > 0 && iteration % args.save_interval == 0 {
-            let state = trainer_state(iteration, args, world, &sampler, &cfg, &layout, &trainer);
+            let state = trainer_state(iteration, args, &sampler, &cfg, &layout, &trainer);
             if let Some(dir) =
                 save(&group, &cfg.save_dir, &model_cfg, (&masters, &model), &trainer, &state, &tokenizer)?
             {
@@ -293,7 +319,7 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
 
     let end = summary.iterations;
     if last_saved != Some(end) {
-        let state = trainer_state(end, args, world, &sampler, &cfg, &layout, &trainer);
+        let state = trainer_state(end, args, &sampler, &cfg, &layout, &trainer);
         if let Some(dir) = save(&group, &cfg.save_dir, &model_cfg, (&masters, &model), &trainer, &state, &tokenizer)? {
             println!(" saved checkpoint at iteration {end} to {}", dir.display());
             summary.checkpoint = Some(dir);
@@ -387,11 +413,9 @@ fn report_eval(metrics: &Metrics, split: &str, iteration: u64, loss: f64) {
     metrics.println(&format!("{rule}\n{line}\n{rule}"));
 }
 
-#[allow(clippy::too_many_arguments)]
 fn trainer_state(
     iteration: u64,
     args: &PretrainArgs,
-    world: usize,
     sampler: &BlockSampler,
     cfg: &PretrainConfig,
     layout: &DataLayout,
@@ -400,7 +424,7 @@ fn trainer_state(
     TrainerState {
         format_version: FORMAT_VERSION,
         iteration,
-        consumed_samples: iteration * (args.micro_batch_size * args.gradient_accumulation_steps * world) as u64,
+        consumed_samples: iteration * layout.global_batch() as u64,
         data_cursor: json!(sampler.cursor()),
         seed: args.seed,
         run: json!({

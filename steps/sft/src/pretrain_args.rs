@@ -63,6 +63,10 @@ pub struct PretrainArgs {
     pub micro_batch_size: usize,
     #[arg(long, default_value_t = 1, alias = "gradient_accumulation_steps")]
     pub gradient_accumulation_steps: usize,
+    /// Blocks per iteration over all ranks (Megatron's --global-batch-size): the accumulation
+    /// steps become global batch / (micro-batch x ranks), which must divide it.
+    #[arg(long, alias = "global_batch_size", conflicts_with = "gradient_accumulation_steps")]
+    pub global_batch_size: Option<usize>,
     /// Optimizer iterations to run (the data wraps around by epoch as needed).
     #[arg(long, default_value_t = 200, alias = "train_iters")]
     pub train_iters: u64,
@@ -156,6 +160,20 @@ pub struct PretrainConfig {
 }
 
 impl PretrainArgs {
+    /// Micro-batches per iteration on each of `world` ranks: --gradient-accumulation-steps, or
+    /// derived from --global-batch-size as Megatron does.
+    pub fn gradient_accumulation(&self, world: usize) -> Result<usize> {
+        let Some(global) = self.global_batch_size else { return Ok(self.gradient_accumulation_steps) };
+        let per_step = self.micro_batch_size * world;
+        if global == 0 || global % per_step != 0 {
+            bail!(
+                "--global-batch-size {global} is not a positive multiple of --micro-batch-size {} x {world} data-parallel ranks = {per_step}: change one of them",
+                self.micro_batch_size
+            );
+        }
+        Ok(global / per_step)
+    }
+
     /// Checks every flag that parsing has not (float ranges are checked there) and derives the model and optimizer configuration.
     pub fn pretrain_config(&self) -> Result<PretrainConfig> {
         if !self.from_scratch {
@@ -240,4 +258,22 @@ fn model_config(name: &str) -> Result<Gpt2Config> {
         return hybrid_engine::checkpoints::hf_io::read_config(&file);
     }
     bail!("--model {name:?} is neither a preset ({}) nor a config.json", Gpt2Config::PRESETS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_global_batch_size_sets_the_accumulation_per_world_size_or_is_refused() {
+        let parse = |extra: &[&str]| {
+            PretrainArgs::try_parse_from(["sft", "--from-scratch", "--micro-batch-size", "3"].iter().chain(extra))
+        };
+        let a = parse(&["--global-batch-size", "12"]).unwrap();
+        assert_eq!((a.gradient_accumulation(1).unwrap(), a.gradient_accumulation(2).unwrap()), (4, 2));
+        let err = a.gradient_accumulation(3).unwrap_err().to_string();
+        assert!(err.contains("not a positive multiple of --micro-batch-size 3 x 3 data-parallel ranks = 9"), "{err}");
+        assert_eq!(parse(&[]).unwrap().gradient_accumulation(4).unwrap(), 1, "without it, the flag's accumulation");
+        assert!(parse(&["--global-batch-size", "12", "--gradient-accumulation-steps", "2"]).is_err());
+    }
 }
