@@ -121,6 +121,27 @@ pub fn peak_rss_mib() -> Option<f64> {
     Some(kib / 1024.0)
 }
 
+/// One rank's use of the machine over its training loop, `train_secs` long (every rank prints
+/// its own line; the record is for rank 0's metrics.jsonl): its peak memory so far and what
+/// its collectives sent and how long they took, waiting for slower ranks included.
+pub fn rank_usage(group: &crate::comm::ProcessGroup, train_secs: f64) -> (String, serde_json::Value) {
+    let (bytes, comm_secs, calls) = group.stats().snapshot();
+    let peak = peak_rss_mib();
+    let share = 100.0 * comm_secs / train_secs.max(1e-9);
+    let line = format!(
+        "rank {} of {}: peak memory in training (RSS) {} | communication: {:.1} MiB sent in {calls} collectives, {comm_secs:.2} s = {share:.1}% of {train_secs:.2} s training",
+        group.rank(),
+        group.world(),
+        peak.map_or("n/a".into(), |p| format!("{p:.1} MiB")),
+        bytes as f64 / (1024.0 * 1024.0),
+    );
+    let record = serde_json::json!({
+        "event": "rank_usage", "rank": group.rank(), "world": group.world(), "peak_rss_mib": peak,
+        "comm_bytes": bytes, "comm_secs": comm_secs, "comm_calls": calls, "train_secs": train_secs,
+    });
+    (line, record)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -160,6 +160,7 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
 
     let mut log = StepLog::for_trainer(t.log_interval, steps, "tokens", &trainer);
     let mut micro_index = 0u64;
+    let mut train_secs = 0f64;
     for epoch in 1..=t.num_train_epochs {
         metrics.println(&format!(
             "Beginning of Epoch {epoch}/{}, Total Micro Batches {micro_per_epoch}",
@@ -188,6 +189,7 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
             group.all_reduce_scalars(&mut sums, ReduceOp::Sum)?;
             let loss = (sums[0] / tokens[0].max(1.0)) as f32;
             let stepped = trainer.micro_batch_done(&trainable)?;
+            train_secs += started.elapsed().as_secs_f64();
             log.micro_batch(loss, batch.b * batch.t * world, started.elapsed().as_secs_f64(), epoch)?;
             if let Some(r) = stepped {
                 summary.steps = r.step;
@@ -202,6 +204,12 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
         report_eval(&mut metrics, epoch, &mut summary)?;
     }
     metrics.finish();
+    // Before saving, which gathers the model under ZeRO-3: what training itself used.
+    if world > 1 {
+        let (line, record) = hybrid_engine::training::metrics::rank_usage(&group, train_secs);
+        println!("{line}");
+        metrics.record(record)?;
+    }
 
     // The held-out comparison is written with the model, in the same atomic save, so the
     // directory never holds a comparison of another run's model. Under ZeRO-3 every rank takes

@@ -238,6 +238,7 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     let mut last_saved = args.load.as_ref().map(|_| start);
     // Only training time counts towards ms/iteration and tokens/s (not evaluation or saving).
     let (mut interval_loss, mut interval_iters, mut interval_secs) = (0f64, 0u64, 0f64);
+    let mut train_secs = 0f64;
 
     for iteration in start + 1..=args.train_iters {
         let iteration_start = Instant::now();
@@ -263,6 +264,7 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
         let loss = (losses[0] / world as f64) as f32;
         let (lr, grad_norm) = (report.lr, report.grad_norm);
         interval_secs += iteration_start.elapsed().as_secs_f64();
+        train_secs += iteration_start.elapsed().as_secs_f64();
         // In fp16 an infinite loss is an overflow like any other: the scaler skips the update.
         if !loss.is_finite() && trainer.scaler.is_none() {
             bail!("loss became {loss} at iteration {iteration}: lower --lr or raise --lr-warmup-iters");
@@ -316,6 +318,12 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
         }
     }
     metrics.finish();
+    // Before saving, which gathers the model under ZeRO-3: what training itself used.
+    if world > 1 {
+        let (line, record) = hybrid_engine::training::metrics::rank_usage(&group, train_secs);
+        println!("{line}");
+        metrics.record(record)?;
+    }
 
     let end = summary.iterations;
     if last_saved != Some(end) {
