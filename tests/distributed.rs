@@ -206,6 +206,22 @@ fn pretraining_resumes_at_another_world_size_and_stage_on_the_same_trajectory() 
     // --global-batch-size 12 (4 accumulation steps instead of 2 x 2 ranks).
     let two = dir.path().join("two");
     run_ranks(dir.path(), 2, &with(pretrain_args(&two, 3, 3), "--save-interval 3"));
+    // Each rank wrote the optimizer state it holds; no rank gathered all of it.
+    let files = |d: PathBuf| -> Vec<String> {
+        let mut f: Vec<String> =
+            std::fs::read_dir(d).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+        f.retain(|n| n.starts_with("optimizer"));
+        f.sort();
+        f
+    };
+    let sharded =
+        ["optimizer-manifest.json", "optimizer-rank-000-of-002.safetensors", "optimizer-rank-001-of-002.safetensors"];
+    assert_eq!(files(two.join("iter_0000003")), sharded);
+    assert_eq!(files(end.clone()), ["optimizer-manifest.json", "optimizer-rank-000-of-001.safetensors"]);
+    assert!(
+        !std::fs::read_dir(&two).unwrap().any(|e| e.unwrap().file_name().to_string_lossy().starts_with('.')),
+        "no staging left"
+    );
     let from_two = stopped_at(&two, 3, &dir.path().join("from-two"));
     let resumed = dir.path().join("two-to-one");
     let mut a = pretrain_args(&resumed, 3, 0);

@@ -258,7 +258,7 @@ fn a_checkpoints_trainer_state() {
     let root = dir.path().join("ckpt");
     let params = hybrid_engine::ParamStore::init(&tiny_config(), 1, &Device::Cpu).unwrap();
     let adam = hybrid_engine::training::optim::AdamWConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.0 };
-    let optimizer = hybrid_engine::training::optim::AdamW::new(adam, &params).unwrap();
+    let optimizer = hybrid_engine::training::optim::AdamW::new(adam.clone(), &params).unwrap();
     let state = TrainerState {
         format_version: FORMAT_VERSION,
         iteration: 3,
@@ -279,6 +279,24 @@ fn a_checkpoints_trainer_state() {
         std::fs::write(root.join("latest"), b)?;
         hybrid_engine::checkpoints::resume::load_checkpoint(&root, &Device::Cpu).map(|_| ())
     });
+    std::fs::write(root.join("latest"), &seeds[1]).unwrap();
+    // The optimizer state: its manifest, then a rank's shard, each restored into an optimizer.
+    let numels: Vec<usize> = params.vars.iter().map(|v| v.elem_count()).collect();
+    let restore = || -> anyhow::Result<()> {
+        let ck = hybrid_engine::checkpoints::resume::load_checkpoint(&root, &Device::Cpu)?;
+        let mut opt = hybrid_engine::training::optim::AdamW::new(adam.clone(), &params)?;
+        ck.optimizer.restore(&mut opt, &params.names, &numels)
+    };
+    restore().expect("the seeds restore");
+    for file in ["optimizer-manifest.json", "optimizer-rank-000-of-001.safetensors"] {
+        let path = saved.join(file);
+        let seed = std::fs::read(&path).unwrap();
+        fuzz(file, file, vec![seed.clone()], |b| {
+            std::fs::write(&path, b)?;
+            restore()
+        });
+        std::fs::write(&path, seed).unwrap();
+    }
 }
 
 /// A user's `tokenizer.json` (`--tokenizer`, or one in a model directory): loaded, then used to

@@ -5,8 +5,16 @@
 //! Every write is atomic ([`crate::durable`]): the checkpoint is assembled in a hidden temporary
 //! directory, flushed, put in place, and only then is `latest` replaced (itself through a
 //! temporary file). A crash at any point leaves the previous checkpoint and pointer intact.
+//!
+//! With N ranks the optimizer state is written by every rank that holds a distinct piece of it
+//! (`optimizer_shards`): each writes its file into a staging directory next to the checkpoints,
+//! then rank 0 moves the files into the checkpoint it assembles and puts that in place as above.
+//! A rank that dies before that leaves at most the staging directory, which the next save
+//! replaces.
 
 use crate::checkpoints::hf_io::{self, ModelFiles, LATEST};
+use crate::checkpoints::optimizer_shards::{self, Manifest};
+use crate::comm::{ProcessGroup, ReduceOp};
 use crate::durable::{failpoint, write_dir_atomically, write_file_atomically};
 use crate::model::gpt2::Gpt2Config;
 use crate::model::params::ParamStore;
@@ -17,8 +25,9 @@ use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-/// Bumped whenever the training-state layout changes; checked on load.
-pub const FORMAT_VERSION: u32 = 1;
+/// Bumped whenever the training-state layout changes; checked on load. Format 1 kept the
+/// optimizer state in one `optimizer.safetensors`; 2 in per-rank shards with a manifest.
+pub const FORMAT_VERSION: u32 = 2;
 pub const TRAINER_STATE: &str = "trainer_state.json";
 pub const OPTIMIZER_STATE: &str = "optimizer.safetensors";
 
@@ -40,8 +49,8 @@ pub fn checkpoint_name(iteration: u64) -> String {
     format!("iter_{iteration:07}")
 }
 
-/// Saves a checkpoint for `state.iteration` under `root` and then points `latest` at it.
-/// `write_tokenizer` writes tokenizer.json into the directory it is given.
+/// Saves a one-process checkpoint for `state.iteration` under `root` and then points `latest`
+/// at it. `write_tokenizer` writes tokenizer.json into the directory it is given.
 pub fn save_checkpoint(
     root: &Path,
     config: &Gpt2Config,
@@ -50,24 +59,96 @@ pub fn save_checkpoint(
     state: &TrainerState,
     write_tokenizer: &dyn Fn(&Path) -> Result<()>,
 ) -> Result<PathBuf> {
-    if params.lora_scaling().is_some() {
-        // The model directory holds the merged weights, which cannot be split back into a base
-        // and adapters to continue from.
-        bail!("resumable checkpoints of a model with LoRA adapters are not supported yet (the saved weights are merged): train without LoRA or without checkpoints");
-    }
+    let numels: Vec<usize> = params.vars.iter().map(|v| v.elem_count()).collect();
+    let shard = OptimizerShard { optimizer, names: &params.names, numels: &numels, sharded: false };
+    let group = ProcessGroup::single();
+    let dir = save_checkpoint_across(&group, root, config, Some(params), shard, state, write_tokenizer)?;
+    dir.ok_or_else(|| anyhow::anyhow!("internal error: a one-process save wrote no checkpoint"))
+}
+
+/// What a rank contributes to a checkpoint's optimizer state.
+pub struct OptimizerShard<'a> {
+    /// Holding the moments of its pieces (all of them without ZeRO sharding).
+    pub optimizer: &'a AdamW,
+    /// Every parameter's name and number of values, in the model's order.
+    pub names: &'a [String],
+    pub numels: &'a [usize],
+    /// Ranks hold different pieces (ZeRO stages 1-3): each writes its own file. Otherwise rank
+    /// 0's copy is the state.
+    pub sharded: bool,
+}
+
+/// Saves a checkpoint from every rank of `group` together (a collective): the ranks' optimizer
+/// files, and from rank 0 the model (`params`, the whole model, needed on rank 0 only), the
+/// manifest and the trainer state; then `latest`. Returns the directory on rank 0.
+pub fn save_checkpoint_across(
+    group: &ProcessGroup,
+    root: &Path,
+    config: &Gpt2Config,
+    params: Option<&ParamStore>,
+    shard: OptimizerShard,
+    state: &TrainerState,
+    write_tokenizer: &dyn Fn(&Path) -> Result<()>,
+) -> Result<Option<PathBuf>> {
+    let (rank, world) = (group.rank(), group.world());
     let name = checkpoint_name(state.iteration);
-    let dir = root.join(&name);
-    write_dir_atomically(&dir, |tmp| {
-        hf_io::write_model_files(tmp, config, params, &[])?;
-        write_tokenizer(tmp)?;
-        let tensors = optimizer.state_tensors(params)?;
-        let meta = HashMap::from([("format".to_string(), "rlhf-adamw".to_string())]);
-        safetensors::serialize_to_file(tensors, Some(meta), &tmp.join(OPTIMIZER_STATE))?;
-        hf_io::write_json(&tmp.join(TRAINER_STATE), &serde_json::to_value(state)?)
+    let staging = root.join(format!(".shards-{name}"));
+    agree(group, "create the checkpoint's staging directory", || {
+        if rank == 0 {
+            if params.is_some_and(|p| p.lora_scaling().is_some()) {
+                // The model directory holds the merged weights, which cannot be split back into
+                // a base and adapters to continue from.
+                bail!("resumable checkpoints of a model with LoRA adapters are not supported yet (the saved weights are merged): train without LoRA or without checkpoints");
+            }
+            let _ = std::fs::remove_dir_all(&staging);
+            std::fs::create_dir_all(&staging).with_context(|| format!("cannot create {}", staging.display()))?;
+        }
+        Ok(())
     })?;
-    failpoint("checkpoint-before-latest");
-    write_file_atomically(&root.join(LATEST), format!("{name}\n").as_bytes())?;
-    Ok(dir)
+    let writers = if shard.sharded { world } else { 1 };
+    agree(group, "write its optimizer shard", || match rank < writers {
+        true => optimizer_shards::write_shard(&staging, rank, world, shard.optimizer, shard.names),
+        false => Ok(()),
+    })?;
+    let dir = root.join(&name);
+    agree(group, "assemble the checkpoint", || {
+        if rank != 0 {
+            return Ok(());
+        }
+        let params = params.ok_or_else(|| anyhow::anyhow!("internal error: rank 0 saves without the model"))?;
+        let manifest = optimizer_shards::manifest(world, writers, shard.names, shard.numels);
+        write_dir_atomically(&dir, |tmp| {
+            hf_io::write_model_files(tmp, config, params, &[])?;
+            write_tokenizer(tmp)?;
+            for f in &manifest.files {
+                std::fs::rename(staging.join(f), tmp.join(f))
+                    .with_context(|| format!("moving {f} into the checkpoint"))?;
+            }
+            hf_io::write_json(&tmp.join(optimizer_shards::MANIFEST), &serde_json::to_value(&manifest)?)?;
+            hf_io::write_json(&tmp.join(TRAINER_STATE), &serde_json::to_value(state)?)
+        })?;
+        let _ = std::fs::remove_dir_all(&staging);
+        failpoint("checkpoint-before-latest");
+        write_file_atomically(&root.join(LATEST), format!("{name}\n").as_bytes())
+    })?;
+    Ok((rank == 0).then_some(dir))
+}
+
+/// Runs `f` on every rank and fails on all of them if it failed on any (each failing rank
+/// returns its own error; the others say which rank failed), so no rank waits on a rank that
+/// gave up.
+fn agree(group: &ProcessGroup, what: &str, f: impl FnOnce() -> Result<()>) -> Result<()> {
+    let result = f();
+    if group.world() == 1 {
+        return result;
+    }
+    let mut failed = [if result.is_err() { group.rank() as f64 + 1.0 } else { 0.0 }];
+    group.all_reduce_scalars(&mut failed, ReduceOp::Max)?;
+    result?;
+    if failed[0] > 0.0 {
+        bail!("rank {} could not {what}; no checkpoint was written", failed[0] as usize - 1);
+    }
+    Ok(())
 }
 
 /// Saves a finished model as a HF directory at `dir` (replacing a previous one atomically):
@@ -90,8 +171,43 @@ pub fn save_model_dir(
 /// A checkpoint read back: the model, the optimizer moments and the trainer state.
 pub struct Checkpoint {
     pub model: ModelFiles,
-    pub optimizer: HashMap<String, Tensor>,
+    pub optimizer: OptimizerState,
     pub state: TrainerState,
+}
+
+/// A checkpoint's AdamW moments, restored into an optimizer of any layout.
+pub enum OptimizerState {
+    /// Format 1: every moment whole in one file, read.
+    Whole(HashMap<String, Tensor>),
+    /// Format 2: per-rank files, read when restored.
+    Shards { dir: PathBuf, manifest: Manifest },
+}
+
+impl OptimizerState {
+    /// Fills the moments `optimizer` holds (parameter `i` is `names[i]`, `numels[i]` values),
+    /// whatever world size and ZeRO stage wrote them.
+    pub fn restore(&self, optimizer: &mut AdamW, names: &[String], numels: &[usize]) -> Result<()> {
+        match self {
+            Self::Shards { dir, manifest } => optimizer_shards::load_into(dir, manifest, optimizer, names, numels),
+            Self::Whole(tensors) => {
+                for (i, (name, &n)) in names.iter().zip(numels).enumerate() {
+                    let read = |key: &str| -> Result<Vec<f32>> {
+                        let k = format!("{key}.{name}");
+                        let t = tensors.get(&k).ok_or_else(|| {
+                            anyhow::anyhow!("optimizer state lacks {k}: the checkpoint does not match this model")
+                        })?;
+                        if t.elem_count() != n {
+                            bail!("optimizer state {k} has {} values, the model needs {n}", t.elem_count());
+                        }
+                        Ok(t.flatten_all()?.to_dtype(candle_core::DType::F32)?.to_vec1()?)
+                    };
+                    let (m, v) = (read("exp_avg")?, read("exp_avg_sq")?);
+                    optimizer.fill_held(i, 0..n, &m, &v);
+                }
+                Ok(())
+            }
+        }
+    }
 }
 
 /// Loads the checkpoint `root/latest` points to.
@@ -104,14 +220,14 @@ pub fn load_checkpoint(root: &Path, device: &Device) -> Result<Checkpoint> {
     let text = std::fs::read_to_string(&state_path).with_context(|| format!("cannot read {}", state_path.display()))?;
     let state: TrainerState = serde_json::from_str(&text)
         .map_err(|e| anyhow::anyhow!("{} is not a valid trainer state: {e}", state_path.display()))?;
-    if state.format_version != FORMAT_VERSION {
-        bail!(
-            "{} has training-state format {} but this build reads format {FORMAT_VERSION}: resume with the version that wrote it",
+    let optimizer = match state.format_version {
+        1 => OptimizerState::Whole(hf_io::read_safetensors(&dir.join(OPTIMIZER_STATE), device)?),
+        FORMAT_VERSION => OptimizerState::Shards { manifest: optimizer_shards::read_manifest(&dir)?, dir: dir.clone() },
+        other => bail!(
+            "{} has training-state format {other} but this build reads formats 1 and {FORMAT_VERSION}: resume with the version that wrote it",
             state_path.display(),
-            state.format_version
-        );
-    }
+        ),
+    };
     let model = hf_io::load_model_dir(&dir, device)?;
-    let optimizer = hf_io::read_safetensors(&dir.join(OPTIMIZER_STATE), device)?;
     Ok(Checkpoint { model, optimizer, state })
 }

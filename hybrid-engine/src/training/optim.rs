@@ -129,6 +129,20 @@ impl AdamW {
         (&self.exp_avg[i], &self.exp_avg_sq[i])
     }
 
+    /// Copies the moments of `range` of parameter `i` (`m` and `v`, one value per index of
+    /// `range`) where they overlap the held range; returns how many values were copied.
+    pub fn fill_held(&mut self, i: usize, range: Range<usize>, m: &[f32], v: &[f32]) -> usize {
+        let held = self.held[i].clone();
+        let (lo, hi) = (range.start.max(held.start), range.end.min(held.end));
+        if lo >= hi {
+            return 0;
+        }
+        let (src, dst) = (lo - range.start..hi - range.start, lo - held.start..hi - held.start);
+        self.exp_avg[i][dst.clone()].copy_from_slice(&m[src.clone()]);
+        self.exp_avg_sq[i][dst].copy_from_slice(&v[src]);
+        hi - lo
+    }
+
     /// Replaces every moment with full ones (consolidating a sharded optimizer).
     pub fn set_full_moments(&mut self, exp_avg: Vec<Vec<f32>>, exp_avg_sq: Vec<Vec<f32>>) {
         self.held = exp_avg.iter().map(|m| 0..m.len()).collect();

@@ -159,6 +159,12 @@ impl Trainer {
         self
     }
 
+    /// Whether the ranks hold different pieces of the optimizer state (ZeRO stages 1-3 across
+    /// ranks): each saves its own in a checkpoint.
+    pub fn shards_optimizer(&self) -> bool {
+        self.zero3.is_some() || self.dp.as_ref().is_some_and(|(dp, _)| dp.shards_optimizer())
+    }
+
     /// The optimizer with its full state, gathered from the ranks' shards under ZeRO (every
     /// rank must call it, together): what a checkpoint saves.
     pub fn consolidated_optimizer(&self, params: &ParamStore) -> Result<crate::training::optim::AdamW> {

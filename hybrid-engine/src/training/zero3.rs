@@ -110,22 +110,40 @@ impl ShardedModel {
         self.shard.borrow().len()
     }
 
-    /// Every parameter's values, in fp32, on every rank (a collective): for saving the model.
-    /// Transient: the whole model exists on each rank until the result is dropped.
-    pub fn gather_params(&self) -> Result<ParamStore> {
+    /// The parameters' names, in the model's order.
+    pub fn names(&self) -> &[String] {
+        &self.names
+    }
+
+    /// Every parameter's number of values, in the model's order.
+    pub fn numels(&self) -> Vec<usize> {
+        self.shapes.iter().map(Shape::elem_count).collect()
+    }
+
+    /// Every parameter's values in fp32, on rank 0 (`None` elsewhere): for saving the model.
+    /// Every rank must call it (each unit is all-gathered); the others drop each unit at once,
+    /// so only rank 0 ever holds the whole model.
+    pub fn gather_params(&self) -> Result<Option<ParamStore>> {
+        let first = self.group.is_first();
         let mut full: Vec<Option<Tensor>> = vec![None; self.names.len()];
         let shard = self.shard.borrow();
         for unit in &self.units {
             let values = &shard[unit.offset..unit.offset + unit.partition.shard_len];
-            for (&i, t) in unit.params.iter().zip(self.gather_unit(unit, values)?) {
-                full[i] = Some(t);
+            let tensors = self.gather_unit(unit, values)?;
+            if first {
+                for (&i, t) in unit.params.iter().zip(tensors) {
+                    full[i] = Some(t);
+                }
             }
+        }
+        if !first {
+            return Ok(None);
         }
         let mut store = ParamStore::default();
         for (name, t) in self.names.iter().zip(full) {
             store.push(name, &t.ok_or_else(|| anyhow!("internal error: {name} is in no unit"))?)?;
         }
-        Ok(store)
+        Ok(Some(store))
     }
 
     /// A unit's parameters from every rank's `values` (this rank's shard of some per-value
@@ -394,7 +412,7 @@ mod tests {
                 }
             }
         }
-        let gathered = sharded.gather_params()?;
+        let gathered = sharded.gather_params()?.expect("rank 0 of one");
         for (a, b) in gathered.vars.iter().zip(&params.vars) {
             assert_eq!(a.flatten_all()?.to_vec1::<f32>()?, b.flatten_all()?.to_vec1::<f32>()?);
         }

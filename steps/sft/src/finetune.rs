@@ -215,7 +215,7 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
     // directory never holds a comparison of another run's model. Under ZeRO-3 every rank takes
     // part in gathering the weights.
     let gathered = match &model {
-        TrainedModel::Sharded(sharded) => Some(sharded.gather_params()?),
+        TrainedModel::Sharded(sharded) => sharded.gather_params()?,
         TrainedModel::Whole(_) => None,
     };
     if !group.is_first() {

@@ -8,7 +8,7 @@ use crate::pretrain_args::{PretrainArgs, PretrainConfig};
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
 use data::{BlockSampler, CorpusSource, PackedCorpus, SamplerCursor, Tokenizer};
-use hybrid_engine::checkpoints::resume::{self, TrainerState, FORMAT_VERSION};
+use hybrid_engine::checkpoints::resume::{self, OptimizerShard, TrainerState, FORMAT_VERSION};
 use hybrid_engine::comm::{ProcessGroup, ReduceOp};
 use hybrid_engine::kernels::ops::DropoutKey;
 use hybrid_engine::model::gpt2::{Dropout, Positions};
@@ -127,7 +127,7 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     // What a checkpoint restores beyond the weights: the optimizer state, its step (fewer than
     // the iterations when fp16 skipped some) and the trainer's counters.
     struct Resume {
-        optimizer: std::collections::HashMap<String, Tensor>,
+        optimizer: resume::OptimizerState,
         optimizer_step: u64,
         progress: Option<TrainerProgress>,
     }
@@ -204,7 +204,9 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     // A checkpoint holds the whole optimizer state, so it loads into any world size or stage:
     // each rank keeps its shard of the moments.
     if let Some(r) = &resume {
-        trainer.optimizer.load_state(&params, r.optimizer_step, &r.optimizer)?;
+        let numels: Vec<usize> = params.vars.iter().map(|v| v.elem_count()).collect();
+        r.optimizer.restore(&mut trainer.optimizer, &params.names, &numels)?;
+        trainer.optimizer.step = r.optimizer_step;
         let progress =
             r.progress.clone().unwrap_or(TrainerProgress { boundaries: start, forced_skips: 0, scaler: None });
         trainer.restore_progress(&progress)?;
@@ -355,10 +357,9 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     Ok(summary)
 }
 
-/// Saves a checkpoint from rank 0, the optimizer state (and under ZeRO-3 the weights) first
-/// gathered from every rank's shard (all ranks call this together). The others wait until it is
-/// written, so none runs ahead of a checkpoint that a restart would resume from. Returns the
-/// directory on rank 0.
+/// Saves a checkpoint (all ranks call this together): each rank writes the optimizer state it
+/// holds, rank 0 the model (under ZeRO-3 gathered from every rank's shard). No rank runs ahead
+/// of a checkpoint that a restart would resume from. Returns the directory on rank 0.
 fn save(
     group: &ProcessGroup,
     save_dir: &std::path::Path,
@@ -368,21 +369,16 @@ fn save(
     state: &TrainerState,
     tokenizer: &Tokenizer,
 ) -> Result<Option<std::path::PathBuf>> {
-    let gathered = match model {
-        TrainedModel::Sharded(sharded) => Some(sharded.gather_params()?),
-        TrainedModel::Whole(_) => None,
+    let (gathered, names, numels) = match model {
+        TrainedModel::Sharded(sharded) => (sharded.gather_params()?, sharded.names(), sharded.numels()),
+        TrainedModel::Whole(_) => (None, &masters.names[..], masters.vars.iter().map(|v| v.elem_count()).collect()),
     };
-    let params = gathered.as_ref().unwrap_or(masters);
-    let optimizer = trainer.consolidated_optimizer(params)?;
-    let dir = if group.is_first() {
-        Some(resume::save_checkpoint(save_dir, model_cfg, params, &optimizer, state, &|d| {
-            tokenizer.save(&d.join("tokenizer.json"))
-        })?)
-    } else {
-        None
-    };
-    group.barrier()?;
-    Ok(dir)
+    let params = gathered.as_ref().or(group.is_first().then_some(masters));
+    let shard =
+        OptimizerShard { optimizer: &trainer.optimizer, names, numels: &numels, sharded: trainer.shards_optimizer() };
+    resume::save_checkpoint_across(group, save_dir, model_cfg, params, shard, state, &|d| {
+        tokenizer.save(&d.join("tokenizer.json"))
+    })
 }
 
 /// Inputs and next-token targets for the blocks `idx`: (B, T) each.

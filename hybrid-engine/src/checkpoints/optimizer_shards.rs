@@ -1,0 +1,227 @@
+//! A checkpoint's AdamW state as one file per rank plus a manifest (DeepSpeed's
+//! `zero_pp_rank_<r>_..._optim_states.pt` files, in safetensors). Under ZeRO each rank writes
+//! the moments it holds, so no rank ever gathers the whole optimizer state; every piece carries
+//! the range of its parameter it covers, so the state loads into any world size or ZeRO stage:
+//! each rank reads the pieces that overlap what it holds and checks that they cover all of it.
+//!
+//! Files: `optimizer-manifest.json` (the files, the world size that wrote them, every parameter's
+//! size) and `optimizer-rank-<r>-of-<n>.safetensors`, whose tensors are 1-D pieces named
+//! `exp_avg.<param>` / `exp_avg_sq.<param>` with `<param>` -> `start..end` in the metadata.
+//! Unsharded optimizers (one rank, or ZeRO stage 0 where every rank holds the same state) are
+//! written by rank 0 alone, as one file of whole pieces.
+
+use crate::training::optim::AdamW;
+use anyhow::{anyhow, bail, Context, Result};
+use candle_core::safetensors::Load;
+use candle_core::{Device, Tensor};
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::ops::Range;
+use std::path::Path;
+
+pub const MANIFEST: &str = "optimizer-manifest.json";
+const FORMAT: &str = "rlhf-adamw-shards";
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Manifest {
+    pub format: String,
+    /// Ranks of the run that wrote the files.
+    pub world: usize,
+    pub files: Vec<String>,
+    /// Every parameter's name and number of values, in the model's order.
+    pub params: Vec<(String, usize)>,
+}
+
+/// The file rank `rank` of `world` writes.
+pub fn shard_file(rank: usize, world: usize) -> String {
+    format!("optimizer-rank-{rank:03}-of-{world:03}.safetensors")
+}
+
+/// The manifest of a save by `world` ranks, `writers` of which wrote a file (all of them when
+/// the optimizer is sharded, rank 0 alone otherwise).
+pub fn manifest(world: usize, writers: usize, names: &[String], numels: &[usize]) -> Manifest {
+    Manifest {
+        format: FORMAT.into(),
+        world,
+        files: (0..writers).map(|r| shard_file(r, world)).collect(),
+        params: names.iter().cloned().zip(numels.iter().copied()).collect(),
+    }
+}
+
+/// Writes the moments `optimizer` holds (parameter `i` is `names[i]`) into `dir`'s file for
+/// `rank` of `world`.
+pub fn write_shard(dir: &Path, rank: usize, world: usize, optimizer: &AdamW, names: &[String]) -> Result<()> {
+    let mut tensors = Vec::new();
+    let mut meta = HashMap::from([("format".to_string(), FORMAT.to_string())]);
+    for (i, name) in names.iter().enumerate() {
+        let held = optimizer.held(i);
+        if held.is_empty() {
+            continue;
+        }
+        let (m, v) = optimizer.held_moments(i);
+        tensors.push((format!("exp_avg.{name}"), Tensor::from_slice(m, m.len(), &Device::Cpu)?));
+        tensors.push((format!("exp_avg_sq.{name}"), Tensor::from_slice(v, v.len(), &Device::Cpu)?));
+        meta.insert(name.clone(), format!("{}..{}", held.start, held.end));
+    }
+    let path = dir.join(shard_file(rank, world));
+    safetensors::serialize_to_file(tensors, Some(meta), &path).with_context(|| format!("writing {}", path.display()))
+}
+
+/// Reads the manifest in `dir`.
+pub fn read_manifest(dir: &Path) -> Result<Manifest> {
+    let path = dir.join(MANIFEST);
+    let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
+    let m: Manifest = serde_json::from_str(&text)
+        .map_err(|e| anyhow!("{} is not a valid optimizer manifest: {e}", path.display()))?;
+    if m.format != FORMAT {
+        bail!("{} has format {:?}, not {FORMAT:?}: it was not written by this program", path.display(), m.format);
+    }
+    for f in &m.files {
+        // A file name, never a path: a manifest must not make us read outside the checkpoint.
+        if f.contains('/') || f.contains('\\') || f.starts_with('.') {
+            bail!("{} names the file {f:?}, which is not a plain file name", path.display());
+        }
+    }
+    Ok(m)
+}
+
+/// Fills the moments `optimizer` holds (parameter `i` is `names[i]` with `numels[i]` values)
+/// from the files of `dir`'s manifest, whatever world size wrote them; the held values must be
+/// covered exactly. Each file is read, used and dropped in turn.
+pub fn load_into(
+    dir: &Path,
+    manifest: &Manifest,
+    optimizer: &mut AdamW,
+    names: &[String],
+    numels: &[usize],
+) -> Result<()> {
+    let expected: Vec<(String, usize)> = names.iter().cloned().zip(numels.iter().copied()).collect();
+    if manifest.params != expected {
+        let differs = expected.iter().zip(&manifest.params).find(|(a, b)| a != b);
+        bail!(
+            "{} is for other parameters ({}): resume with the model it was saved with",
+            dir.join(MANIFEST).display(),
+            match differs {
+                Some((want, got)) =>
+                    format!("{} has {} values here, the checkpoint {} with {}", want.0, want.1, got.0, got.1),
+                None => format!("{} parameters here, {} in the checkpoint", expected.len(), manifest.params.len()),
+            }
+        );
+    }
+    let index: HashMap<&str, usize> = names.iter().enumerate().map(|(i, n)| (n.as_str(), i)).collect();
+    let mut covered = vec![0usize; names.len()];
+    for file in &manifest.files {
+        let path = dir.join(file);
+        let bytes = std::fs::read(&path)
+            .with_context(|| format!("cannot read {}, listed in the checkpoint's {MANIFEST}", path.display()))?;
+        let corrupt = |e: &dyn std::fmt::Display| anyhow!("{} is not a valid optimizer shard ({e})", path.display());
+        let (_, metadata) = safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| corrupt(&e))?;
+        let ranges = metadata.metadata().clone().unwrap_or_default();
+        let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| corrupt(&e))?;
+        for (name, range) in &ranges {
+            if name == "format" {
+                continue;
+            }
+            let Some(&i) = index.get(name.as_str()) else {
+                return Err(corrupt(&format!("it holds {name}, which the model does not")));
+            };
+            let range = parse_range(range)
+                .filter(|r| r.end <= numels[i])
+                .ok_or_else(|| corrupt(&format!("{name}'s range {range:?} is not within its {} values", numels[i])))?;
+            let read = |key: &str| -> Result<Vec<f32>> {
+                let view = st.tensor(&format!("{key}.{name}")).map_err(|e| corrupt(&e))?;
+                let t = view.load(&Device::Cpu).map_err(|e| corrupt(&e))?;
+                if t.elem_count() != range.len() {
+                    return Err(corrupt(&format!(
+                        "{key}.{name} has {} values for the range {range:?}",
+                        t.elem_count()
+                    )));
+                }
+                Ok(t.flatten_all()?.to_dtype(candle_core::DType::F32)?.to_vec1()?)
+            };
+            covered[i] += optimizer.fill_held(i, range.clone(), &read("exp_avg")?, &read("exp_avg_sq")?);
+        }
+    }
+    for (i, name) in names.iter().enumerate() {
+        if covered[i] != optimizer.held(i).len() {
+            bail!(
+                "the optimizer shards listed in {} ({}) cover {} of the {} values of {name} this rank needs: a shard is missing or damaged",
+                dir.join(MANIFEST).display(),
+                manifest.files.join(", "),
+                covered[i],
+                optimizer.held(i).len()
+            );
+        }
+    }
+    Ok(())
+}
+
+fn parse_range(s: &str) -> Option<Range<usize>> {
+    let (a, b) = s.split_once("..")?;
+    let r = a.parse().ok()?..b.parse().ok()?;
+    (r.start <= r.end).then_some(r)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::training::optim::AdamWConfig;
+
+    /// An optimizer over `numels` holding `ranges`, its moments set to the global value index
+    /// (first moment) and its negation (second), so any misplaced copy shows.
+    fn numbered(names: &[String], numels: &[usize], ranges: Vec<Range<usize>>) -> AdamW {
+        let mut opt = AdamW::over_ranges(AdamWConfig::default(), names, ranges.clone());
+        for (i, r) in ranges.iter().enumerate() {
+            let base = numels[..i].iter().sum::<usize>();
+            let m: Vec<f32> = r.clone().map(|j| (base + j) as f32).collect();
+            let v: Vec<f32> = m.iter().map(|x| -x).collect();
+            opt.fill_held(i, r.clone(), &m, &v);
+        }
+        opt
+    }
+
+    #[test]
+    fn shards_written_by_3_ranks_load_into_2_and_1_and_a_missing_file_is_named() -> Result<()> {
+        let names: Vec<String> = ["a", "b", "c"].iter().map(|s| s.to_string()).collect();
+        let numels = [5usize, 1, 6];
+        // 3 writers, uneven pieces (one holds nothing of `b`).
+        let held = [vec![0..4, 0..0, 0..0], vec![4..5, 0..1, 0..2], vec![5..5, 1..1, 2..6]];
+        let dir = tempfile::tempdir()?;
+        for (r, ranges) in held.iter().enumerate() {
+            write_shard(dir.path(), r, 3, &numbered(&names, &numels, ranges.clone()), &names)?;
+        }
+        let m = manifest(3, 3, &names, &numels);
+        std::fs::write(dir.path().join(MANIFEST), serde_json::to_string(&m)?)?;
+        let m = read_manifest(dir.path())?;
+        let want = numbered(&names, &numels, numels.iter().map(|&n| 0..n).collect());
+        for layout in [vec![vec![0..5, 0..1, 0..6]], vec![vec![0..3, 0..0, 0..0], vec![3..5, 0..1, 0..6]]] {
+            for ranges in layout {
+                let mut opt = AdamW::over_ranges(AdamWConfig::default(), &names, ranges.clone());
+                load_into(dir.path(), &m, &mut opt, &names, &numels)?;
+                for (i, r) in ranges.iter().enumerate() {
+                    let (wm, wv) = want.held_moments(i);
+                    assert_eq!(opt.held_moments(i), (&wm[r.clone()], &wv[r.clone()]), "param {i} range {r:?}");
+                }
+            }
+        }
+        std::fs::remove_file(dir.path().join(shard_file(1, 3)))?;
+        let mut opt = AdamW::over_ranges(AdamWConfig::default(), &names, numels.iter().map(|&n| 0..n).collect());
+        let err = load_into(dir.path(), &m, &mut opt, &names, &numels).unwrap_err().to_string();
+        assert!(err.contains("optimizer-rank-001-of-003.safetensors"), "{err}");
+        // Another model's parameters are refused by name.
+        let other = [5usize, 1, 7];
+        let err = load_into(dir.path(), &m, &mut opt, &names, &other).unwrap_err().to_string();
+        assert!(err.contains("c has 7 values here, the checkpoint c with 6"), "{err}");
+        Ok(())
+    }
+
+    #[test]
+    fn a_manifest_cannot_name_a_file_outside_the_checkpoint() -> Result<()> {
+        let dir = tempfile::tempdir()?;
+        let mut m = manifest(1, 1, &[], &[]);
+        m.files = vec!["../../etc/passwd".into()];
+        std::fs::write(dir.path().join(MANIFEST), serde_json::to_string(&m)?)?;
+        assert!(read_manifest(dir.path()).unwrap_err().to_string().contains("not a plain file name"));
+        Ok(())
+    }
+}
