@@ -282,9 +282,11 @@ fn sft_on_2_ranks_matches_one_rank_at_every_zero_stage() {
 fn a_killed_rank_fails_the_others_naming_it_and_mismatched_flags_are_refused() {
     let dir = tempfile::tempdir().unwrap();
     let port = free_port();
-    let mut args = pretrain_args(&dir.path().join("k"), 2, 1);
+    // Stage 3 with a checkpoint every iteration: the kill lands in a step or in a save.
+    let mut args = pretrain_args(&dir.path().join("k"), 2, 3);
     let at = args.iter().position(|a| a == "--train-iters").unwrap();
     args[at + 1] = "100000".into();
+    args.extend(["--save-interval".into(), "1".into()]);
     let dist = args.iter().position(|a| a == "--dist-timeout").unwrap();
     args[dist + 1] = "20".into();
     let rank0 = start_rank(dir.path(), 0, 2, port, &args);
@@ -298,6 +300,16 @@ fn a_killed_rank_fails_the_others_naming_it_and_mismatched_flags_are_refused() {
     assert!(!out.status.success() && err.contains("rank 1"), "{err}");
     assert_eq!(err.lines().filter(|l| l.starts_with("error:")).count(), 1, "one line: {err}");
     assert!(t0.elapsed() < Duration::from_secs(25), "failed within the timeout");
+    // The last checkpoint is whole: it loads and its optimizer shards restore.
+    let ck = hybrid_engine::checkpoints::resume::load_checkpoint(&dir.path().join("k"), &candle_core::Device::Cpu)
+        .expect("the checkpoint survives a killed rank");
+    let params =
+        hybrid_engine::ParamStore::from_tensors(&ck.model.config, &ck.model.tensors, &candle_core::Device::Cpu)
+            .unwrap();
+    let mut optimizer = hybrid_engine::training::optim::AdamW::new(Default::default(), &params).unwrap();
+    let numels: Vec<usize> = params.vars.iter().map(|v| v.elem_count()).collect();
+    ck.optimizer.restore(&mut optimizer, &params.names, &numels).expect("its optimizer state is complete");
+    assert!(ck.state.iteration >= 1, "a checkpoint was written before the kill");
 
     // Ranks started with different flags: every rank is refused with a line naming rank 1.
     let port = free_port();
