@@ -1,17 +1,17 @@
 //! Data parallelism end to end: N real rank processes talking over loopback, against one process
 //! trained on the same global batch. The N-rank run must end with the one-rank run's weights
 //! (fp32, 1e-5 relative per tensor) at every ZeRO stage, with 2 and 3 ranks (3 makes the shards
-//! uneven); a rank that dies, a missing rank and mismatched flags must fail every rank with one
-//! line naming the culprit, within the timeout.
+//! uneven), for pretraining, SFT and the reward model; a rank that dies, a missing rank and
+//! mismatched flags must fail every rank with one line naming the culprit, within the timeout.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-/// `sft` as the multi-call `train` binary under that name.
-fn sft(dir: &Path) -> PathBuf {
-    let link = dir.join("sft");
+/// A step's binary (`sft`, `reward`): the multi-call `train` binary under that name.
+fn step_bin(dir: &Path, name: &str) -> PathBuf {
+    let link = dir.join(name);
     if !link.exists() {
         std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_train"), &link).unwrap();
     }
@@ -22,8 +22,8 @@ fn free_port() -> u16 {
     rlhf::ranks::free_port().unwrap()
 }
 
-fn start_rank(dir: &Path, rank: usize, world: usize, port: u16, args: &[String]) -> Child {
-    let mut cmd = Command::new(sft(dir));
+fn start_rank(dir: &Path, bin: &str, rank: usize, world: usize, port: u16, args: &[String]) -> Child {
+    let mut cmd = Command::new(step_bin(dir, bin));
     cmd.args(args).stdout(Stdio::piped()).stderr(Stdio::piped()).env("HF_HUB_OFFLINE", "1");
     if world > 1 {
         cmd.envs(rlhf::ranks::rank_env(rank, world, port));
@@ -53,10 +53,10 @@ fn wait(child: Child, limit: Duration) -> Output {
     out
 }
 
-/// Runs `world` ranks with `args` (plus `--output-dir out`), all of which must succeed.
-fn run_ranks(dir: &Path, world: usize, args: &[String]) -> Vec<Output> {
+/// Runs `world` ranks of `bin` with `args`, all of which must succeed.
+fn run_ranks(dir: &Path, bin: &str, world: usize, args: &[String]) -> Vec<Output> {
     let port = free_port();
-    let children: Vec<Child> = (0..world).map(|r| start_rank(dir, r, world, port, args)).collect();
+    let children: Vec<Child> = (0..world).map(|r| start_rank(dir, bin, r, world, port, args)).collect();
     let outs: Vec<Output> = children.into_iter().map(|c| wait(c, Duration::from_secs(300))).collect();
     for (r, o) in outs.iter().enumerate() {
         assert!(
@@ -143,14 +143,14 @@ fn pretraining_on_2_and_3_ranks_matches_one_rank_at_every_zero_stage() {
     let dir = tempfile::tempdir().unwrap();
     // Global batch 6 blocks per micro-step: 1 x 6, 2 x 3, 3 x 2.
     let single = dir.path().join("single");
-    run_ranks(dir.path(), 1, &pretrain_args(&single, 6, 0));
+    run_ranks(dir.path(), "sft", 1, &pretrain_args(&single, 6, 0));
     // The control: one rank, each iteration's 12 blocks as 4 micro-batches of 3 instead of 2
     // of 6 (the same mean gradient, summed in another order).
     let control = dir.path().join("control");
     let mut args = pretrain_args(&control, 3, 0);
     let acc = args.iter().position(|a| a == "--gradient-accumulation-steps").unwrap();
     args[acc + 1] = "4".into();
-    run_ranks(dir.path(), 1, &args);
+    run_ranks(dir.path(), "sft", 1, &args);
     // The limit is 1e-5, or twice what reassociation alone moves a tensor if that is more.
     // Both runs use --adam-eps 1e-4: with 1e-8, Adam turns the rounding noise of near-zero
     // gradients into full-size steps of either sign (measured: 1.6e-5 between two orders of
@@ -161,7 +161,7 @@ fn pretraining_on_2_and_3_ranks_matches_one_rank_at_every_zero_stage() {
     for world in [2, 3] {
         for stage in [0u8, 1, 2, 3] {
             let out = dir.path().join(format!("w{world}-s{stage}"));
-            let outs = run_ranks(dir.path(), world, &pretrain_args(&out, 6 / world, stage));
+            let outs = run_ranks(dir.path(), "sft", world, &pretrain_args(&out, 6 / world, stage));
             let log = String::from_utf8_lossy(&outs[0].stdout);
             assert!(log.contains(&format!("data parallel: {world} ranks, ZeRO stage {stage}")), "{log}");
             assert_same_weights(
@@ -199,13 +199,13 @@ fn pretraining_resumes_at_another_world_size_and_stage_on_the_same_trajectory() 
     };
     // One rank, 6 iterations, a checkpoint every 3: the trajectory to continue.
     let single = dir.path().join("single");
-    run_ranks(dir.path(), 1, &with(pretrain_args(&single, 6, 0), "--save-interval 3"));
+    run_ranks(dir.path(), "sft", 1, &with(pretrain_args(&single, 6, 0), "--save-interval 3"));
     let end = latest(&single);
 
     // 2 ranks at stage 3 stop at iteration 3; one rank resumes with micro-batches of 3 and
     // --global-batch-size 12 (4 accumulation steps instead of 2 x 2 ranks).
     let two = dir.path().join("two");
-    run_ranks(dir.path(), 2, &with(pretrain_args(&two, 3, 3), "--save-interval 3"));
+    run_ranks(dir.path(), "sft", 2, &with(pretrain_args(&two, 3, 3), "--save-interval 3"));
     // Each rank wrote the optimizer state it holds; no rank gathered all of it.
     let files = |d: PathBuf| -> Vec<String> {
         let mut f: Vec<String> =
@@ -229,7 +229,7 @@ fn pretraining_resumes_at_another_world_size_and_stage_on_the_same_trajectory() 
     a.drain(acc..acc + 2);
     a.extend(args("--global-batch-size 12 --load"));
     a.push(from_two.display().to_string());
-    let out = run_ranks(dir.path(), 1, &a);
+    let out = run_ranks(dir.path(), "sft", 1, &a);
     assert!(String::from_utf8_lossy(&out[0].stdout).contains("resumed from"), "the run must resume");
     assert_same_weights(&latest(&resumed), &end, 1e-5, 0.0, "2 ranks (stage 3) -> 1 rank");
 
@@ -239,13 +239,13 @@ fn pretraining_resumes_at_another_world_size_and_stage_on_the_same_trajectory() 
     let mut a = pretrain_args(&resumed, 2, 3);
     a.push("--load".into());
     a.push(from_one.display().to_string());
-    run_ranks(dir.path(), 3, &a);
+    run_ranks(dir.path(), "sft", 3, &a);
     assert_same_weights(&latest(&resumed), &end, 1e-5, 0.0, "1 rank -> 3 ranks (stage 3)");
 
     // Another global batch is refused with one line that says what differs.
     let mut a = pretrain_args(&dir.path().join("refused"), 2, 0);
     a.extend(["--load".into(), from_one.display().to_string()]);
-    let out = wait(start_rank(dir.path(), 0, 1, 0, &a), Duration::from_secs(120));
+    let out = wait(start_rank(dir.path(), "sft", 0, 1, 0, &a), Duration::from_secs(120));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("global batch") && err.contains("= 4 now, 12 then"), "{err}");
 }
@@ -270,11 +270,104 @@ fn sft_args(out: &Path, per_device: usize, stage: u8) -> Vec<String> {
 fn sft_on_2_ranks_matches_one_rank_at_every_zero_stage() {
     let dir = tempfile::tempdir().unwrap();
     let single = dir.path().join("single");
-    run_ranks(dir.path(), 1, &sft_args(&single, 8, 0));
+    run_ranks(dir.path(), "sft", 1, &sft_args(&single, 8, 0));
     for stage in [0u8, 1, 2, 3] {
         let out = dir.path().join(format!("w2-s{stage}"));
-        run_ranks(dir.path(), 2, &sft_args(&out, 4, stage));
+        run_ranks(dir.path(), "sft", 2, &sft_args(&out, 4, stage));
         assert_same_weights(&out, &single, 1e-5, 0.0, &format!("SFT on 2 ranks, stage {stage}"));
+    }
+}
+
+/// Step 2 on 54 pairs (5 eval pairs: uneven shares on 2 and 3 ranks) at a global batch of 12
+/// pairs with 2 micro-batches per step: 4 full micro-batches, a last one of 6 pairs, and a final
+/// step flushed from one micro-batch. Large Adam epsilon and no clipping, as [`sft_args`].
+fn reward_args(start: &Path, out: &Path, per_device: usize, stage: u8) -> Vec<String> {
+    let mut a = args("--data-path demo --data-split 9865,135,0 --max-seq-len 48 --learning-rate 2e-3 --num-train-epochs 1 --dropout 0 --gradient-accumulation-steps 2 --per-device-eval-batch-size 4 --device cpu --dist-timeout 60 --log-interval 100 --adam-eps 1e-2 --gradient-clipping 0");
+    a.extend([
+        "--per-device-train-batch-size".into(),
+        per_device.to_string(),
+        "--zero-stage".into(),
+        stage.to_string(),
+    ]);
+    a.extend(["--model-name-or-path".into(), start.display().to_string()]);
+    a.extend(["--output-dir".into(), out.display().to_string()]);
+    a.extend(["--data-output-path".into(), out.with_extension("cache").display().to_string()]);
+    a
+}
+
+/// The reward model's starting actor: the tiny preset with every bias lifted off zero, as a
+/// step-1 actor has them. From zero, a bias's relative distance is the relative error of its few
+/// updates alone, and the pairwise loss makes their gradients near-cancelling sums (opposite loss
+/// gradients on the similar hidden states of the chosen and rejected rows): float reassociation
+/// alone then moves the residual-stream biases by 5e-6 to 9e-6 relative (measured: one process at
+/// another micro-batch size; 2 and 3 ranks), and `ln_f.bias`, whose exact gradient is zero (it
+/// shifts every score alike), by 100%. From these biases the worst tensor moves by 2e-7, and a
+/// gradient summed over ranks instead of averaged by 1e-2.
+fn reward_start(dir: &Path) -> PathBuf {
+    use hybrid_engine::model::reward_model::causal_lm_config;
+    let cfg = hybrid_engine::Gpt2Config::tiny();
+    let params = hybrid_engine::ParamStore::init(&cfg, 5, &candle_core::Device::Cpu).unwrap();
+    for (i, (name, var)) in params.iter().enumerate() {
+        if name.ends_with(".bias") {
+            let n = var.elem_count();
+            let bump: Vec<f32> = (0..n).map(|k| ((k * 7 + i * 13) % 17) as f32 * 0.01 - 0.08).collect();
+            let bump = candle_core::Tensor::from_vec(bump, var.shape(), &candle_core::Device::Cpu).unwrap();
+            var.set(&(var.as_tensor() + bump).unwrap()).unwrap();
+        }
+    }
+    let start = dir.join("start");
+    hybrid_engine::checkpoints::resume::save_model_dir(&start, &causal_lm_config(&cfg), &params, &|_| Ok(())).unwrap();
+    start
+}
+
+fn reward_eval(model_dir: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(model_dir.join("reward_eval.json")).unwrap()).unwrap()
+}
+
+/// Every number of two `RewardEval`s within `tol` (absolute), pair counts and accuracy exactly.
+fn assert_same_eval(a: &serde_json::Value, b: &serde_json::Value, tol: f64, what: &str) {
+    assert_eq!(a["pairs"], b["pairs"], "{what}: {a} vs {b}");
+    assert_eq!(a["accuracy"], b["accuracy"], "{what}: {a} vs {b}");
+    let numbers = |v: &serde_json::Value| -> Vec<(String, f64)> {
+        let mut out: Vec<(String, f64)> = ["chosen_mean_score", "rejected_mean_score", "score_length_correlation"]
+            .iter()
+            .map(|k| (k.to_string(), v[k].as_f64().unwrap()))
+            .collect();
+        let q = v["margin_quantiles"].as_object().unwrap();
+        out.extend(q.iter().map(|(k, x)| (k.clone(), x.as_f64().unwrap())));
+        out
+    };
+    let (na, nb) = (numbers(a), numbers(b));
+    assert_eq!(na.len(), 10, "{what}: {a}");
+    for ((k, x), (kb, y)) in na.iter().zip(&nb) {
+        assert_eq!(k, kb, "{what}");
+        assert!((x - y).abs() <= tol, "{what}: {k} is {x} vs {y} (tolerance {tol:.0e})");
+    }
+}
+
+#[test]
+fn reward_model_on_2_and_3_ranks_matches_one_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let start = reward_start(dir.path());
+    let single = dir.path().join("single");
+    run_ranks(dir.path(), "reward", 1, &reward_args(&start, &single, 12, 0));
+    let one = reward_eval(&single);
+    for (world, stage) in [(2, 0u8), (2, 1), (2, 2), (3, 0), (3, 1), (3, 2)] {
+        let out = dir.path().join(format!("w{world}-s{stage}"));
+        let outs = run_ranks(dir.path(), "reward", world, &reward_args(&start, &out, 12 / world, stage));
+        let what = format!("reward model on {world} ranks, stage {stage}");
+        let log = String::from_utf8_lossy(&outs[0].stdout);
+        assert!(log.contains(&format!("data parallel: {world} ranks, ZeRO stage {stage}")), "{log}");
+        let other = String::from_utf8_lossy(&outs[1].stdout);
+        assert!(!other.contains("Evaluating reward") && !other.contains("saved the reward model"), "{other}");
+        let d = distances(&out, &single);
+        assert!(d.contains_key("score.weight"), "the score head is compared: {:?}", d.keys());
+        assert_same_weights(&out, &single, 1e-5, 0.0, &what);
+        // Rank 0 reports the evaluation of all the eval pairs, not of its share: before training
+        // the weights are the same; after it they differ by the reassociation of sums.
+        let many = reward_eval(&out);
+        assert_same_eval(&many["before_training"], &one["before_training"], 1e-6, &what);
+        assert_same_eval(&many["final"], &one["final"], 1e-5, &what);
     }
 }
 
@@ -289,8 +382,8 @@ fn a_killed_rank_fails_the_others_naming_it_and_mismatched_flags_are_refused() {
     args.extend(["--save-interval".into(), "1".into()]);
     let dist = args.iter().position(|a| a == "--dist-timeout").unwrap();
     args[dist + 1] = "20".into();
-    let rank0 = start_rank(dir.path(), 0, 2, port, &args);
-    let mut rank1 = start_rank(dir.path(), 1, 2, port, &args);
+    let rank0 = start_rank(dir.path(), "sft", 0, 2, port, &args);
+    let mut rank1 = start_rank(dir.path(), "sft", 1, 2, port, &args);
     std::thread::sleep(Duration::from_secs(4));
     rank1.kill().unwrap();
     let _ = rank1.wait();
@@ -317,7 +410,7 @@ fn a_killed_rank_fails_the_others_naming_it_and_mismatched_flags_are_refused() {
     let mut b = a.clone();
     let lr = b.iter().position(|x| x == "--lr").unwrap();
     b[lr + 1] = "1e-3".into();
-    let children = [start_rank(dir.path(), 0, 2, port, &a), start_rank(dir.path(), 1, 2, port, &b)];
+    let children = [start_rank(dir.path(), "sft", 0, 2, port, &a), start_rank(dir.path(), "sft", 1, 2, port, &b)];
     for (r, c) in children.into_iter().enumerate() {
         let out = wait(c, Duration::from_secs(60));
         let err = String::from_utf8_lossy(&out.stderr);
@@ -328,7 +421,7 @@ fn a_killed_rank_fails_the_others_naming_it_and_mismatched_flags_are_refused() {
     let mut lonely = pretrain_args(&dir.path().join("l"), 2, 0);
     let dist = lonely.iter().position(|a| a == "--dist-timeout").unwrap();
     lonely[dist + 1] = "2".into();
-    let out = wait(start_rank(dir.path(), 0, 3, free_port(), &lonely), Duration::from_secs(60));
+    let out = wait(start_rank(dir.path(), "sft", 0, 3, free_port(), &lonely), Duration::from_secs(60));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("rank(s) 1, 2 of 3 never arrived"), "{err}");
 }

@@ -3,15 +3,19 @@
 //! before training and after every epoch, `reward_eval.json` with the margin distribution and
 //! the length correlation, and the model saved as `GPT2ForSequenceClassification` (LoRA merged;
 //! with `--only-optimize-lora` also the adapter alone in `adapter/`, PEFT's layout).
+//!
+//! Data-parallel as step 1: each rank trains on its share of every global micro-batch of pairs
+//! and evaluates its share of the eval pairs; rank 0 logs and saves.
 
 use crate::args::{PairLoss, RewardArgs, DEFAULT_LR};
-use crate::loss::{self, PairSpan};
+use crate::loss;
 use anyhow::Result;
 use candle_core::{Device, Tensor};
-use data::batch::{pair_batch, PairBatch};
+use data::batch::{pair_batch, rank_micro_batches, PairBatch};
 use data::phases::PairSample;
 use data::Tokenizer;
 use hybrid_engine::cli::step_args::starting_model;
+use hybrid_engine::comm::{ProcessGroup, ReduceOp};
 use hybrid_engine::kernels::ops::DropoutKey;
 use hybrid_engine::model::gpt2::{Dropout, Positions};
 use hybrid_engine::model::reward_model::{add_score_head, sequence_classification_config, RewardModel, SCORE_WEIGHT};
@@ -56,6 +60,8 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
     t.validate(lr)?;
     args.data.refuse_sft_only_data("the reward model's step 2")?;
     let device = t.device()?;
+    let group = t.dist.join()?;
+    let (rank, world) = (group.rank(), group.world());
     println!("device: {}", hybrid_engine::device::describe(&device));
     let mut start = starting_model(&t.model_name_or_path, t.seed, t.dropout, &device)?;
     let tokenizer = match (&args.tokenizer, &start.dir) {
@@ -94,10 +100,7 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
     let data_cfg = args.data.config(t.seed, t.max_seq_len, t.max_seq_len, false)?;
     let data = data::phases::reward_data(&data_cfg, &tokenizer)?;
     println!("{}", data.summary);
-    hybrid_engine::comm::refuse_distributed("step 2 (reward model)")?;
-    if t.zero_stage > 0 {
-        println!("ZeRO stage {} with 1 process: nothing to shard, training as stage 0", t.zero_stage);
-    }
+    let dp = t.dist.data_parallel(&group, t.zero_stage)?;
     // A batch of B pairs runs 2B sequences.
     println!(
         "{}",
@@ -111,20 +114,22 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
             .report()
     );
 
-    let micro_per_epoch = data.train.len().div_ceil(t.per_device_train_batch_size);
+    // Every rank takes its share of each global micro-batch of per-device x world pairs.
+    let micro_per_epoch = data.train.len().div_ceil(world).div_ceil(t.per_device_train_batch_size);
     let steps = total_steps(micro_per_epoch, t.num_train_epochs, t.gradient_accumulation_steps);
     let mut trainer =
         Trainer::new(&trainable, t.adam(), t.schedule(lr, steps), t.gradient_accumulation_steps, t.gradient_clipping)?
-            .with_precision(precision, &compute, t.precision.loss_scaling());
+            .with_precision(precision, &compute, t.precision.loss_scaling())
+            .with_data_parallel(dp);
     trainer.set_lora_learning_rate(&trainable, t.lora_learning_rate);
-    let mut metrics = Metrics::open(&args.output_dir, steps, 0)?;
+    let mut metrics = Metrics::for_rank(rank, &args.output_dir, steps, 0)?;
     let mut summary = RewardSummary { steps: 0, evals: Vec::new(), output_dir: args.output_dir.clone() };
 
     let report_eval = |metrics: &mut Metrics, epoch: usize, summary: &mut RewardSummary| -> Result<()> {
         if data.eval.is_empty() {
             return Ok(());
         }
-        let e = evaluate(&model, &data.eval, t.per_device_eval_batch_size, eos, &device)?;
+        let e = evaluate(&model, &data.eval, t.per_device_eval_batch_size, eos, &device, &group)?;
         metrics.println(&format!(
             "***** Evaluating reward, Epoch {epoch}/{} *****\nchosen_last_scores (higher is better) : {:.4}, rejected_last_scores (lower is better) : {:.4}, acc (higher is better) : {:.4}",
             t.num_train_epochs, e.chosen_mean_score, e.rejected_mean_score, e.accuracy
@@ -143,14 +148,23 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
             t.num_train_epochs
         ));
         let order = data::pretrain::epoch_order(&(0..data.train.len()), t.seed, epoch as u64 - 1);
-        for chunk in order.chunks(t.per_device_train_batch_size) {
+        for chunk in rank_micro_batches(&order, t.per_device_train_batch_size, rank, world) {
             let started = Instant::now();
             let pairs: Vec<&PairSample> = chunk.iter().map(|&i| &data.train[i]).collect();
             let batch = pair_batch(&pairs, eos);
             let spans = loss::batch_spans(&batch.ids, batch.pairs, batch.t, eos);
             micro_index += 1;
-            let dropout = Dropout::from_config(&config, DropoutKey { seed: t.seed, step: micro_index, micro_batch: 0 });
-            let how = Backward { checkpoint_activations: t.gradient_checkpointing, loss_scale: trainer.loss_scale() };
+            // Each rank draws its own masks (its pairs differ); rank 0 draws one rank's masks.
+            let key = DropoutKey { seed: t.seed, step: micro_index, micro_batch: rank as u64 };
+            let dropout = Dropout::from_config(&config, key);
+            // The loss is a mean over the pairs of the whole global micro-batch, as one rank
+            // holding all of it would compute: each rank's mean weighs by its share of them.
+            let local_pairs = batch.pairs as f64;
+            let mut global_pairs = [local_pairs];
+            group.all_reduce_scalars(&mut global_pairs, ReduceOp::Sum)?;
+            let share = local_pairs * world as f64 / global_pairs[0].max(1.0);
+            let how =
+                Backward { checkpoint_activations: t.gradient_checkpointing, loss_scale: trainer.loss_scale() * share };
             let ids = batch_ids(&batch, &device)?;
             let pair_loss = args.loss;
             let value = forward_backward(
@@ -168,8 +182,13 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
                     }
                 },
             )?;
+            // The logged loss is the global micro-batch's: every rank then agrees on whether it
+            // is finite, and a rank that stopped alone would leave the others waiting.
+            let mut sums = [f64::from(value) * local_pairs];
+            group.all_reduce_scalars(&mut sums, ReduceOp::Sum)?;
+            let value = (sums[0] / global_pairs[0].max(1.0)) as f32;
             let stepped = trainer.micro_batch_done(&trainable)?;
-            log.micro_batch(value, batch.pairs, started.elapsed().as_secs_f64(), epoch)?;
+            log.micro_batch(value, batch.pairs * world, started.elapsed().as_secs_f64(), epoch)?;
             if let Some(r) = stepped {
                 summary.steps = r.step;
                 log.step(&mut metrics, &r, epoch, value)?;
@@ -184,6 +203,11 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
     }
     metrics.finish();
 
+    if !group.is_first() {
+        // Rank 0 saves the model the ranks share.
+        group.barrier()?;
+        return Ok(summary);
+    }
     // The model directory has LoRA merged; a frozen trunk's adapter (with the trained head as
     // PEFT's modules_to_save) is also saved on its own. reward_eval.json goes in the same atomic
     // save: the directory never pairs one run's model with another run's evaluation.
@@ -202,6 +226,7 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
         println!("peak memory (RSS): {p:.1} MiB");
     }
     metrics.record(json!({"event": "end", "summary": summary, "peak_rss_mib": peak}))?;
+    group.barrier()?;
     Ok(summary)
 }
 
@@ -209,57 +234,105 @@ fn batch_ids(batch: &PairBatch, device: &Device) -> Result<Tensor> {
     Ok(Tensor::from_slice(&batch.ids, (2 * batch.pairs, batch.t), device)?)
 }
 
-/// The end scores of every eval pair, chosen and rejected, dropout off.
+/// What one pair gives an evaluation: its two end scores and its two answers' lengths in tokens
+/// (between the prompt and the sequence's end, its first pad).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PairScore {
+    pub chosen: f32,
+    pub rejected: f32,
+    pub chosen_len: usize,
+    pub rejected_len: usize,
+}
+
+/// Scores `pairs` in batches of `batch_size`, dropout off.
 pub fn pair_scores(
     model: &RewardModel,
-    pairs: &[PairSample],
+    pairs: &[&PairSample],
     batch_size: usize,
     pad: u32,
     device: &Device,
-) -> Result<(Vec<f32>, Vec<f32>, Vec<PairSpan>)> {
-    let (mut chosen, mut rejected, mut all_spans) = (Vec::new(), Vec::new(), Vec::new());
+) -> Result<Vec<PairScore>> {
+    let mut out = Vec::with_capacity(pairs.len());
     for chunk in pairs.chunks(batch_size) {
-        let refs: Vec<&PairSample> = chunk.iter().collect();
-        let batch = pair_batch(&refs, pad);
+        let batch = pair_batch(chunk, pad);
         let spans = loss::batch_spans(&batch.ids, batch.pairs, batch.t, pad);
         let hidden = model.trunk.forward_blocks(&batch_ids(&batch, device)?, &Positions::default(), None, None)?;
         let (c, r) = loss::end_scores(&model.token_scores(&hidden)?, &spans)?;
-        chosen.extend(c.to_vec1::<f32>()?);
-        rejected.extend(r.to_vec1::<f32>()?);
-        all_spans.extend(spans);
+        let (c, r) = (c.to_vec1::<f32>()?, r.to_vec1::<f32>()?);
+        for (((chosen, rejected), s), p) in c.into_iter().zip(r).zip(&spans).zip(chunk) {
+            out.push(PairScore {
+                chosen,
+                rejected,
+                chosen_len: s.chosen_end.saturating_sub(p.prompt_len),
+                rejected_len: s.rejected_end.saturating_sub(p.prompt_len),
+            });
+        }
     }
-    Ok((chosen, rejected, all_spans))
+    Ok(out)
 }
 
-/// Accuracy, mean scores, margin quantiles and the score/length correlation on `pairs`.
+/// Accuracy, mean scores, margin quantiles and the score/length correlation on `pairs`, over the
+/// ranks of `group` (every rank must call it): each rank scores pairs `rank, rank + world, ...`,
+/// and every rank ends with the evaluation of all of them. Quantiles and the correlation need
+/// every value, so the scores themselves are exchanged, not partial statistics: each rank writes
+/// its pairs into their slots of a zeroed buffer and the buffers are summed (adding zeros is
+/// exact), after which every number is computed from all pairs in the one-rank order.
 pub fn evaluate(
     model: &RewardModel,
     pairs: &[PairSample],
     batch_size: usize,
     pad: u32,
     device: &Device,
+    group: &ProcessGroup,
 ) -> Result<RewardEval> {
-    let (chosen, rejected, spans) = pair_scores(model, pairs, batch_size, pad, device)?;
+    let (rank, world) = (group.rank(), group.world());
+    let share: Vec<&PairSample> = pairs.iter().skip(rank).step_by(world).collect();
+    let mine = pair_scores(model, &share, batch_size, pad, device)?;
+    const FIELDS: usize = 4;
+    let mut all = vec![0f64; FIELDS * pairs.len()];
+    for (k, p) in mine.iter().enumerate() {
+        let at = FIELDS * (rank + k * world);
+        all[at..at + FIELDS].copy_from_slice(&[
+            f64::from(p.chosen),
+            f64::from(p.rejected),
+            p.chosen_len as f64,
+            p.rejected_len as f64,
+        ]);
+    }
+    group.all_reduce_scalars(&mut all, ReduceOp::Sum)?;
+    // Back to f32 exactly: each value is one rank's f32 plus zeros.
+    let every: Vec<PairScore> = all
+        .chunks_exact(FIELDS)
+        .map(|v| PairScore {
+            chosen: v[0] as f32,
+            rejected: v[1] as f32,
+            chosen_len: v[2] as usize,
+            rejected_len: v[3] as usize,
+        })
+        .collect();
+    Ok(summarize(&every))
+}
+
+/// The evaluation of scored pairs.
+fn summarize(scored: &[PairScore]) -> RewardEval {
+    let chosen: Vec<f32> = scored.iter().map(|p| p.chosen).collect();
+    let rejected: Vec<f32> = scored.iter().map(|p| p.rejected).collect();
     let n = chosen.len().max(1) as f64;
     let margins: Vec<f64> = chosen.iter().zip(&rejected).map(|(c, r)| (c - r) as f64).collect();
     let qs = [0.0, 0.05, 0.25, 0.5, 0.75, 0.95, 1.0];
     let margin_quantiles: serde_json::Map<String, serde_json::Value> =
         qs.iter().map(|&q| (format!("q{:02}", (q * 100.0) as u32), json!(loss::quantile(&margins, q)))).collect();
-    // Answer length: the tokens between the prompt and the sequence's end (its first pad).
     let (mut scores, mut lengths) = (Vec::new(), Vec::new());
-    for (i, (s, p)) in spans.iter().zip(pairs).enumerate() {
-        scores.extend([chosen[i] as f64, rejected[i] as f64]);
-        lengths.extend([
-            s.chosen_end.saturating_sub(p.prompt_len) as f64,
-            s.rejected_end.saturating_sub(p.prompt_len) as f64,
-        ]);
+    for p in scored {
+        scores.extend([f64::from(p.chosen), f64::from(p.rejected)]);
+        lengths.extend([p.chosen_len as f64, p.rejected_len as f64]);
     }
-    Ok(RewardEval {
+    RewardEval {
         pairs: chosen.len(),
         accuracy: loss::accuracy(&chosen, &rejected),
         chosen_mean_score: chosen.iter().map(|&x| x as f64).sum::<f64>() / n,
         rejected_mean_score: rejected.iter().map(|&x| x as f64).sum::<f64>() / n,
         margin_quantiles: margin_quantiles.into(),
         score_length_correlation: loss::pearson(&scores, &lengths),
-    })
+    }
 }
