@@ -352,7 +352,7 @@ fn reward_model_on_2_and_3_ranks_matches_one_rank() {
     let single = dir.path().join("single");
     run_ranks(dir.path(), "reward", 1, &reward_args(&start, &single, 12, 0));
     let one = reward_eval(&single);
-    for (world, stage) in [(2, 0u8), (2, 1), (2, 2), (3, 0), (3, 1), (3, 2)] {
+    for (world, stage) in [(2, 0u8), (2, 1), (2, 2), (2, 3), (3, 0), (3, 1), (3, 2), (3, 3)] {
         let out = dir.path().join(format!("w{world}-s{stage}"));
         let outs = run_ranks(dir.path(), "reward", world, &reward_args(&start, &out, 12 / world, stage));
         let what = format!("reward model on {world} ranks, stage {stage}");

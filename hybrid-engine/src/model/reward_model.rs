@@ -37,10 +37,34 @@ impl RewardModel {
     /// Scores of every token from the trunk's last hidden state (B, T, C) -> (B, T), in f32
     /// (with `fp32_loss` the head itself runs in f32; else its output is upcast).
     pub fn token_scores(&self, hidden: &Tensor) -> candle_core::Result<Tensor> {
+        self.heads().token_scores(hidden)
+    }
+
+    /// The weights its heads read.
+    pub fn heads(&self) -> Heads<'_> {
+        Heads { trunk: &self.trunk, score: Some(&self.score) }
+    }
+}
+
+/// What a loss head reads besides the trunk's hidden states: the trunk (its final LayerNorm and
+/// the tied LM head) and, for a reward model or a critic, the score head. Under ZeRO stage 3
+/// these are the weights gathered for the head (the trunk then has no blocks).
+#[derive(Clone, Copy)]
+pub struct Heads<'a> {
+    pub trunk: &'a Gpt2,
+    pub score: Option<&'a Tensor>,
+}
+
+impl Heads<'_> {
+    /// [`RewardModel::token_scores`].
+    pub fn token_scores(&self, hidden: &Tensor) -> candle_core::Result<Tensor> {
+        let Some(score) = self.score else {
+            candle_core::bail!("internal error: scores asked of a model without {SCORE_WEIGHT}")
+        };
         let (b, t, c) = hidden.dims3()?;
         let normed = self.trunk.final_norm(hidden)?.reshape((b * t, c))?; // (B*T, C)
         let normed = self.trunk.loss_input(&normed)?;
-        let score = self.score.to_dtype(normed.dtype())?;
+        let score = score.to_dtype(normed.dtype())?;
         normed.matmul(&score.t()?)?.reshape((b, t))?.to_dtype(DType::F32) // (B, T)
     }
 }

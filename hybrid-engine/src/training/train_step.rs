@@ -9,6 +9,7 @@
 //! [`crate::kernels::ops::DropoutKey`], so the recomputation draws the same masks as the forward.
 
 use crate::model::gpt2::{Dropout, Gpt2, Positions};
+use crate::model::reward_model::{Heads, RewardModel};
 use crate::training::optim::GradAccumulator;
 use crate::training::zero3::ShardedModel;
 use anyhow::{anyhow, Result};
@@ -18,13 +19,27 @@ use std::rc::Rc;
 /// The model a step trains: whole on every rank, or sharded at rest (ZeRO stage 3, whose
 /// gradients go to the model's own shard rather than to the accumulator).
 pub enum TrainedModel {
-    Whole(Box<Gpt2>),
+    /// The trunk and, for a reward model or critic, its score head.
+    Whole {
+        trunk: Box<Gpt2>,
+        score: Option<Tensor>,
+    },
     Sharded(Rc<ShardedModel>),
 }
 
 impl TrainedModel {
-    /// [`forward_backward`] with a head that also gets the model's embeddings and final norm:
-    /// the whole model, or under stage 3 the gathered model without blocks.
+    /// A whole language model.
+    pub fn lm(trunk: Gpt2) -> Self {
+        Self::Whole { trunk: Box::new(trunk), score: None }
+    }
+
+    /// A whole reward model or critic.
+    pub fn reward(model: RewardModel) -> Self {
+        Self::Whole { trunk: Box::new(model.trunk), score: Some(model.score) }
+    }
+
+    /// [`forward_backward`] with a head that gets the weights it reads ([`Heads`]): the whole
+    /// model's, or under stage 3 those gathered for the head.
     #[allow(clippy::too_many_arguments)]
     pub fn forward_backward(
         &self,
@@ -33,10 +48,13 @@ impl TrainedModel {
         dropout: Option<&Dropout>,
         how: Backward,
         acc: &mut GradAccumulator,
-        head: impl Fn(&Gpt2, &Tensor) -> candle_core::Result<Tensor>,
+        head: impl Fn(&Heads, &Tensor) -> candle_core::Result<Tensor>,
     ) -> Result<f32> {
         match self {
-            Self::Whole(model) => forward_backward(model, ids, pos, dropout, how, acc, |h| head(model, h)),
+            Self::Whole { trunk, score } => {
+                let heads = Heads { trunk, score: score.as_ref() };
+                forward_backward(trunk, ids, pos, dropout, how, acc, |h| head(&heads, h))
+            }
             Self::Sharded(model) => model.forward_backward(ids, pos, dropout, how.loss_scale, head),
         }
     }
@@ -51,29 +69,33 @@ impl TrainedModel {
         acc: &mut GradAccumulator,
     ) -> Result<f32> {
         match self {
-            Self::Whole(model) => lm_forward_backward(model, ids, targets, dropout, how, acc),
+            Self::Whole { trunk, .. } => lm_forward_backward(trunk, ids, targets, dropout, how, acc),
             Self::Sharded(model) => {
                 let targets = targets.flatten_all()?;
-                model.forward_backward(ids, &Positions::default(), dropout, how.loss_scale, |m, h| {
-                    m.lm_head_loss(h, &targets)
+                model.forward_backward(ids, &Positions::default(), dropout, how.loss_scale, |w, h| {
+                    w.trunk.lm_head_loss(h, &targets)
                 })
             }
         }
     }
 
     /// Runs `f` on the trunk's last hidden state of `ids` (no dropout, no gradient wanted) and
-    /// the model whose heads read it (see [`Self::forward_backward`]): evaluation.
+    /// the weights of the heads that read it (see [`Self::forward_backward`]): evaluation.
     pub fn with_hidden<R>(
         &self,
         ids: &Tensor,
         pos: &Positions,
-        f: impl FnOnce(&Gpt2, &Tensor) -> Result<R>,
+        f: impl FnOnce(&Heads, &Tensor) -> Result<R>,
     ) -> Result<R> {
         match self {
-            Self::Whole(model) => f(model, &model.forward_blocks(ids, pos, None, None)?),
+            Self::Whole { trunk, score } => {
+                f(&Heads { trunk, score: score.as_ref() }, &trunk.forward_blocks(ids, pos, None, None)?)
+            }
             Self::Sharded(model) => {
                 let hidden = model.forward_blocks(ids, pos)?;
-                f(&model.outer()?.0, &hidden)
+                let (outer, gathered) = model.outer()?;
+                let score = gathered.tensor(crate::model::reward_model::SCORE_WEIGHT);
+                f(&Heads { trunk: &outer, score: score.as_ref() }, &hidden)
             }
         }
     }

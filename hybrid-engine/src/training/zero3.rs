@@ -19,6 +19,7 @@
 use crate::comm::{ProcessGroup, ReduceOp};
 use crate::model::gpt2::{Block, Dropout, Gpt2, Gpt2Config, Positions};
 use crate::model::params::ParamStore;
+use crate::model::reward_model::{Heads, SCORE_WEIGHT};
 use crate::training::optim::AdamW;
 use crate::training::zero::Partition;
 use anyhow::{anyhow, bail, Result};
@@ -200,15 +201,16 @@ impl ShardedModel {
 
     /// Forward and backward of `head`'s loss on the trunk's output, block by block with
     /// recomputation; the gradients of `loss * loss_scale` are reduce-scattered into this rank's
-    /// gradient shard as each unit's backward ends. `head` gets the gathered outer model and
-    /// the last hidden state (B, T, C, before `ln_f`) and returns a scalar. Returns the loss.
+    /// gradient shard as each unit's backward ends. `head` gets the gathered head weights (the
+    /// outer unit) and the last hidden state (B, T, C, before `ln_f`) and returns a scalar.
+    /// Returns the loss.
     pub fn forward_backward(
         &self,
         ids: &Tensor,
         pos: &Positions,
         dropout: Option<&Dropout>,
         loss_scale: f64,
-        head: impl Fn(&Gpt2, &Tensor) -> candle_core::Result<Tensor>,
+        head: impl Fn(&Heads, &Tensor) -> candle_core::Result<Tensor>,
     ) -> Result<f32> {
         let (b, t) = ids.dims2()?;
         // Forward, keeping only each block's input.
@@ -225,11 +227,12 @@ impl ShardedModel {
         // The head, with the last hidden state as a leaf so its gradient comes back.
         let (outer, gathered) = self.outer()?;
         let last = Var::from_tensor(&x)?;
-        let loss = head(&outer, last.as_tensor())?;
+        let score = gathered.tensor(SCORE_WEIGHT);
+        let loss = head(&Heads { trunk: &outer, score: score.as_ref() }, last.as_tensor())?;
         let store = (&loss * loss_scale)?.backward()?;
         self.reduce_scatter_gradients(&gathered, &store)?;
         let mut grad = leaf_grad(&store, &last)?;
-        drop((store, outer, gathered));
+        drop((store, outer, gathered, score));
 
         for (i, input) in inputs.iter().enumerate().rev() {
             let (block, gathered) = self.block(i)?;
@@ -354,6 +357,13 @@ pub struct Gathered {
     vb: VarBuilder<'static>,
 }
 
+impl Gathered {
+    /// The gathered weight `name` (a head's, such as `score.weight`), if the unit holds it.
+    pub fn tensor(&self, name: &str) -> Option<Tensor> {
+        self.vb.contains_tensor(name).then(|| self.vb.get_unchecked(name).ok()).flatten()
+    }
+}
+
 /// The unit of parameter `name`: block `i`'s (`h.<i>.…`) is `i + 1`, the rest is [`OUTER`].
 fn unit_of(name: &str, n_layer: usize) -> Result<usize> {
     let Some(rest) = name.strip_prefix("h.") else { return Ok(OUTER) };
@@ -394,8 +404,8 @@ mod tests {
         let sharded = ShardedModel::new(group, &cfg, &params, DType::F32)?;
         let ids = Tensor::new(&[[1u32, 2, 3, 4], [5, 6, 7, 8]], &Device::Cpu)?;
         let targets = Tensor::new(&[[2u32, 3, 4, 5], [6, 7, 8, 9]], &Device::Cpu)?.flatten_all()?;
-        let loss =
-            sharded.forward_backward(&ids, &Positions::default(), None, 1.0, |m, h| m.lm_head_loss(h, &targets))?;
+        let loss = sharded
+            .forward_backward(&ids, &Positions::default(), None, 1.0, |w, h| w.trunk.lm_head_loss(h, &targets))?;
         let model = params.model(&cfg)?;
         let want = model.lm_loss(&ids, &targets.reshape((2, 4))?, None)?;
         assert!((loss - want.to_scalar::<f32>()?).abs() < 1e-6);

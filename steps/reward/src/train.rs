@@ -21,10 +21,13 @@ use hybrid_engine::model::gpt2::{Dropout, Positions};
 use hybrid_engine::model::reward_model::{add_score_head, sequence_classification_config, RewardModel, SCORE_WEIGHT};
 use hybrid_engine::training::memory::MemoryPlan;
 use hybrid_engine::training::metrics::{peak_rss_mib, Metrics};
-use hybrid_engine::training::train_step::{forward_backward, Backward};
+use hybrid_engine::training::train_step::{Backward, TrainedModel};
 use hybrid_engine::training::trainer::{total_steps, StepLog, Trainer};
+use hybrid_engine::training::zero3::ShardedModel;
+use hybrid_engine::ParamStore;
 use serde::Serialize;
 use serde_json::json;
+use std::rc::Rc;
 use std::time::Instant;
 
 /// The final evaluation (accuracy, margins, length bias), saved with the reward model.
@@ -88,19 +91,15 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
     if let Some(line) = t.apply_lora(&mut start.params, &config)? {
         println!("{line}");
     }
-    let params = &start.params;
+    let params = std::mem::take(&mut start.params);
     // What the optimizer updates: everything, or with --only-optimize-lora the adapters and head.
     let trainable = params.trainable();
-    // Forward and backward run on a copy in the compute dtype (the masters themselves in fp32).
     let precision = t.precision.precision();
-    let compute = params.compute_copy(precision.dtype.dtype())?;
-    let mut model = RewardModel::new(&compute, &config)?;
-    model.trunk.fp32_loss = precision.fp32_loss;
 
     let data_cfg = args.data.config(t.seed, t.max_seq_len, t.max_seq_len, false)?;
     let data = data::phases::reward_data(&data_cfg, &tokenizer)?;
     println!("{}", data.summary);
-    let dp = t.dist.data_parallel(&group, t.zero_stage)?;
+    let dp = t.dist.data_parallel_with_stage3(&group, t.zero_stage)?;
     // A batch of B pairs runs 2B sequences.
     println!(
         "{}",
@@ -111,17 +110,46 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
             .with_compute_dtype(t.precision.dtype.dtype())
             .on_device(&device)
             .with_score_head()
+            .with_data_parallel(dp.stage, world)
             .report()
     );
 
     // Every rank takes its share of each global micro-batch of per-device x world pairs.
     let micro_per_epoch = data.train.len().div_ceil(world).div_ceil(t.per_device_train_batch_size);
     let steps = total_steps(micro_per_epoch, t.num_train_epochs, t.gradient_accumulation_steps);
-    let mut trainer =
-        Trainer::new(&trainable, t.adam(), t.schedule(lr, steps), t.gradient_accumulation_steps, t.gradient_clipping)?
+    let accumulation = t.gradient_accumulation_steps;
+    // Forward and backward run on a copy in the compute dtype (the masters themselves in fp32),
+    // or under ZeRO-3 on weights gathered in it from this rank's shard of the masters.
+    let (model, mut trainer) = if dp.shards_parameters() {
+        let mut sharded = ShardedModel::new(group.clone(), &config, &params, precision.dtype.dtype())?;
+        sharded.fp32_loss = precision.fp32_loss;
+        let sharded = Rc::new(sharded);
+        let (schedule, scaling) = (t.schedule(lr, steps), t.precision.loss_scaling());
+        let trainer = Trainer::sharded(
+            sharded.clone(),
+            t.adam(),
+            schedule,
+            accumulation,
+            t.gradient_clipping,
+            precision,
+            scaling,
+        );
+        (TrainedModel::Sharded(sharded), trainer)
+    } else {
+        let compute = params.compute_copy(precision.dtype.dtype())?;
+        let mut model = RewardModel::new(&compute, &config)?;
+        model.trunk.fp32_loss = precision.fp32_loss;
+        let trainer = Trainer::new(&trainable, t.adam(), t.schedule(lr, steps), accumulation, t.gradient_clipping)?
             .with_precision(precision, &compute, t.precision.loss_scaling())
             .with_data_parallel(dp);
+        (TrainedModel::reward(model), trainer)
+    };
     trainer.set_lora_learning_rate(&trainable, t.lora_learning_rate);
+    // Under ZeRO stage 3 each rank keeps only its shard: the whole model goes now.
+    let (params, trainable) = match &model {
+        TrainedModel::Whole { .. } => (params, trainable),
+        TrainedModel::Sharded(_) => (ParamStore::default(), ParamStore::default()),
+    };
     let mut metrics = Metrics::for_rank(rank, &args.output_dir, steps, 0)?;
     let mut summary = RewardSummary { steps: 0, evals: Vec::new(), output_dir: args.output_dir.clone() };
 
@@ -167,21 +195,14 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
                 Backward { checkpoint_activations: t.gradient_checkpointing, loss_scale: trainer.loss_scale() * share };
             let ids = batch_ids(&batch, &device)?;
             let pair_loss = args.loss;
-            let value = forward_backward(
-                &model.trunk,
-                &ids,
-                &Positions::default(),
-                Some(&dropout),
-                how,
-                trainer.grads(),
-                |h| {
-                    let scores = model.token_scores(h)?; // (2B, T)
+            let value =
+                model.forward_backward(&ids, &Positions::default(), Some(&dropout), how, trainer.grads(), |w, h| {
+                    let scores = w.token_scores(h)?; // (2B, T)
                     match pair_loss {
                         PairLoss::DsChat => loss::ds_chat_loss(&scores, &spans),
                         PairLoss::LastToken => loss::last_token_loss(&scores, &spans),
                     }
-                },
-            )?;
+                })?;
             // The logged loss is the global micro-batch's: every rank then agrees on whether it
             // is finite, and a rank that stopped alone would leave the others waiting.
             let mut sums = [f64::from(value) * local_pairs];
@@ -203,11 +224,17 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
     }
     metrics.finish();
 
+    // Under ZeRO-3 every rank takes part in gathering the weights rank 0 saves.
+    let gathered = match &model {
+        TrainedModel::Sharded(sharded) => sharded.gather_params()?,
+        TrainedModel::Whole { .. } => None,
+    };
     if !group.is_first() {
         // Rank 0 saves the model the ranks share.
         group.barrier()?;
         return Ok(summary);
     }
+    let params = gathered.as_ref().unwrap_or(&params);
     // The model directory has LoRA merged; a frozen trunk's adapter (with the trained head as
     // PEFT's modules_to_save) is also saved on its own. reward_eval.json goes in the same atomic
     // save: the directory never pairs one run's model with another run's evaluation.
@@ -244,20 +271,33 @@ pub struct PairScore {
     pub rejected_len: usize,
 }
 
-/// Scores `pairs` in batches of `batch_size`, dropout off.
+/// Scores `pairs` in batches of `batch_size`, dropout off. Under ZeRO-3 every forward is a
+/// collective, so every rank runs at least `batches` forwards whatever its share of pairs; the
+/// extra ones score `filler` and are dropped.
 pub fn pair_scores(
-    model: &RewardModel,
-    pairs: &[&PairSample],
+    model: &TrainedModel,
+    (pairs, batches, filler): (&[&PairSample], usize, &PairSample),
     batch_size: usize,
     pad: u32,
     device: &Device,
 ) -> Result<Vec<PairScore>> {
     let mut out = Vec::with_capacity(pairs.len());
-    for chunk in pairs.chunks(batch_size) {
+    let chunks: Vec<&[&PairSample]> = pairs.chunks(batch_size).collect();
+    let forwards = match model {
+        TrainedModel::Sharded(_) => chunks.len().max(batches),
+        TrainedModel::Whole { .. } => chunks.len(),
+    };
+    for k in 0..forwards {
+        let Some(&chunk) = chunks.get(k) else {
+            let filler = pair_batch(&[filler], pad);
+            model.with_hidden(&batch_ids(&filler, device)?, &Positions::default(), |_, _| Ok(()))?;
+            continue;
+        };
         let batch = pair_batch(chunk, pad);
         let spans = loss::batch_spans(&batch.ids, batch.pairs, batch.t, pad);
-        let hidden = model.trunk.forward_blocks(&batch_ids(&batch, device)?, &Positions::default(), None, None)?;
-        let (c, r) = loss::end_scores(&model.token_scores(&hidden)?, &spans)?;
+        let scores = model
+            .with_hidden(&batch_ids(&batch, device)?, &Positions::default(), |w, hidden| Ok(w.token_scores(hidden)?))?;
+        let (c, r) = loss::end_scores(&scores, &spans)?;
         let (c, r) = (c.to_vec1::<f32>()?, r.to_vec1::<f32>()?);
         for (((chosen, rejected), s), p) in c.into_iter().zip(r).zip(&spans).zip(chunk) {
             out.push(PairScore {
@@ -278,7 +318,7 @@ pub fn pair_scores(
 /// its pairs into their slots of a zeroed buffer and the buffers are summed (adding zeros is
 /// exact), after which every number is computed from all pairs in the one-rank order.
 pub fn evaluate(
-    model: &RewardModel,
+    model: &TrainedModel,
     pairs: &[PairSample],
     batch_size: usize,
     pad: u32,
@@ -287,7 +327,9 @@ pub fn evaluate(
 ) -> Result<RewardEval> {
     let (rank, world) = (group.rank(), group.world());
     let share: Vec<&PairSample> = pairs.iter().skip(rank).step_by(world).collect();
-    let mine = pair_scores(model, &share, batch_size, pad, device)?;
+    let batches = pairs.len().div_ceil(world).div_ceil(batch_size);
+    let Some(filler) = pairs.first() else { return Ok(summarize(&[])) };
+    let mine = pair_scores(model, (&share, batches, filler), batch_size, pad, device)?;
     const FIELDS: usize = 4;
     let mut all = vec![0f64; FIELDS * pairs.len()];
     for (k, p) in mine.iter().enumerate() {

@@ -112,12 +112,12 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
         let trainer = Trainer::new(&trainable, t.adam(), t.schedule(lr, steps), accumulation, t.gradient_clipping)?
             .with_precision(precision, &compute, t.precision.loss_scaling())
             .with_data_parallel(dp);
-        (TrainedModel::Whole(Box::new(model)), trainer)
+        (TrainedModel::lm(model), trainer)
     };
     trainer.set_lora_learning_rate(&trainable, t.lora_learning_rate);
     // Under ZeRO stage 3 each rank keeps only its shard: the whole model goes now.
     let (params, trainable) = match &model {
-        TrainedModel::Whole(_) => (params, trainable),
+        TrainedModel::Whole { .. } => (params, trainable),
         TrainedModel::Sharded(_) => (ParamStore::default(), ParamStore::default()),
     };
     let mut metrics = Metrics::for_rank(rank, &args.output_dir, steps, 0)?;
@@ -216,7 +216,7 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
     // part in gathering the weights.
     let gathered = match &model {
         TrainedModel::Sharded(sharded) => sharded.gather_params()?,
-        TrainedModel::Whole(_) => None,
+        TrainedModel::Whole { .. } => None,
     };
     if !group.is_first() {
         // Rank 0 saves the model the ranks share and compares it on the prompts.
@@ -229,7 +229,7 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
             let baseline = weights.model(&config)?;
             let rebuilt;
             let tuned = match &model {
-                TrainedModel::Whole(m) => &**m,
+                TrainedModel::Whole { trunk, .. } => &**trunk,
                 TrainedModel::Sharded(_) => {
                     rebuilt = params.model(&config)?;
                     &rebuilt
@@ -270,8 +270,8 @@ fn sft_forward_backward(
     device: &Device,
 ) -> Result<f32> {
     let (ids, rows, targets) = batch_tensors(batch, device)?;
-    model.forward_backward(&ids, &Positions::default(), dropout, how, trainer.grads(), |m, hidden| {
-        m.lm_loss_at(hidden, &rows, &targets)
+    model.forward_backward(&ids, &Positions::default(), dropout, how, trainer.grads(), |w, hidden| {
+        w.trunk.lm_loss_at(hidden, &rows, &targets)
     })
 }
 
@@ -301,7 +301,7 @@ pub fn eval_loss_sum(
     let chunks: Vec<Vec<&SftSample>> = rows.chunks(batch_size).map(|c| c.iter().collect()).collect();
     let forwards = match model {
         TrainedModel::Sharded(_) => chunks.len().max(batches),
-        TrainedModel::Whole(_) => chunks.len(),
+        TrainedModel::Whole { .. } => chunks.len(),
     };
     let (mut total, mut tokens) = (0f64, 0usize);
     for k in 0..forwards {
@@ -310,13 +310,13 @@ pub fn eval_loss_sum(
             None => (vec![filler], false),
         };
         let batch = sft_batch(&refs, eos, train_on_prompt);
-        if batch.loss_rows.is_empty() && matches!(model, TrainedModel::Whole(_)) {
+        if batch.loss_rows.is_empty() && matches!(model, TrainedModel::Whole { .. }) {
             continue;
         }
         let (ids, rows, targets) = batch_tensors(&batch, device)?;
-        let loss = model.with_hidden(&ids, &Positions::default(), |m, hidden| match batch.loss_rows.is_empty() {
+        let loss = model.with_hidden(&ids, &Positions::default(), |w, hidden| match batch.loss_rows.is_empty() {
             true => Ok(0.0),
-            false => Ok(m.lm_loss_at(hidden, &rows, &targets)?.to_scalar::<f32>()?),
+            false => Ok(w.trunk.lm_loss_at(hidden, &rows, &targets)?.to_scalar::<f32>()?),
         })?;
         if counted {
             total += loss as f64 * batch.loss_rows.len() as f64;

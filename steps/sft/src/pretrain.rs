@@ -199,7 +199,7 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
         let trainer = Trainer::new(&params, cfg.adam.clone(), cfg.schedule.clone(), accumulation, args.clip_grad)?
             .with_precision(precision, &compute, args.precision.loss_scaling())
             .with_data_parallel(dp);
-        (TrainedModel::Whole(Box::new(model)), trainer)
+        (TrainedModel::lm(model), trainer)
     };
     // A checkpoint holds the whole optimizer state, so it loads into any world size or stage:
     // each rank keeps its shard of the moments.
@@ -213,7 +213,7 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     }
     // Under ZeRO stage 3 each rank keeps only its shard: the whole model goes now.
     let masters = match &model {
-        TrainedModel::Whole(_) => params,
+        TrainedModel::Whole { .. } => params,
         TrainedModel::Sharded(_) => ParamStore::default(),
     };
     let mut sampler = BlockSampler::with_cursor(train.clone(), args.seed, cursor).context(
@@ -371,7 +371,7 @@ fn save(
 ) -> Result<Option<std::path::PathBuf>> {
     let (gathered, names, numels) = match model {
         TrainedModel::Sharded(sharded) => (sharded.gather_params()?, sharded.names(), sharded.numels()),
-        TrainedModel::Whole(_) => (None, &masters.names[..], masters.vars.iter().map(|v| v.elem_count()).collect()),
+        TrainedModel::Whole { .. } => (None, &masters.names[..], masters.vars.iter().map(|v| v.elem_count()).collect()),
     };
     let params = gathered.as_ref().or(group.is_first().then_some(masters));
     let shard =
@@ -400,8 +400,8 @@ fn evaluate(model: &TrainedModel, corpus: &PackedCorpus, batches: &[Vec<usize>],
     for idx in batches {
         let (x, y) = batch(corpus, idx, device)?;
         let targets = y.flatten_all()?;
-        let loss = model.with_hidden(&x, &Positions::default(), |m, hidden| {
-            Ok(m.lm_head_loss(hidden, &targets)?.to_scalar::<f32>()?)
+        let loss = model.with_hidden(&x, &Positions::default(), |w, hidden| {
+            Ok(w.trunk.lm_head_loss(hidden, &targets)?.to_scalar::<f32>()?)
         })?;
         total += loss as f64;
     }
