@@ -9,9 +9,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-/// `sft` as the multi-call `train` binary under that name.
-fn sft(dir: &Path) -> PathBuf {
-    let link = dir.join("sft");
+/// A step (`sft`, `reward`, `ppo`): the multi-call `train` binary under that name.
+fn step_binary(dir: &Path, step: &str) -> PathBuf {
+    let link = dir.join(step);
     if !link.exists() {
         std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_train"), &link).unwrap();
     }
@@ -22,8 +22,8 @@ fn free_port() -> u16 {
     rlhf::ranks::free_port().unwrap()
 }
 
-fn start_rank(dir: &Path, rank: usize, world: usize, port: u16, args: &[String]) -> Child {
-    let mut cmd = Command::new(sft(dir));
+fn start_rank(dir: &Path, step: &str, rank: usize, world: usize, port: u16, args: &[String]) -> Child {
+    let mut cmd = Command::new(step_binary(dir, step));
     cmd.args(args).stdout(Stdio::piped()).stderr(Stdio::piped()).env("HF_HUB_OFFLINE", "1");
     if world > 1 {
         cmd.envs(rlhf::ranks::rank_env(rank, world, port));
@@ -53,10 +53,10 @@ fn wait(child: Child, limit: Duration) -> Output {
     out
 }
 
-/// Runs `world` ranks with `args` (plus `--output-dir out`), all of which must succeed.
-fn run_ranks(dir: &Path, world: usize, args: &[String]) -> Vec<Output> {
+/// Runs `world` ranks of `step` with `args`, all of which must succeed.
+fn run_ranks(dir: &Path, step: &str, world: usize, args: &[String]) -> Vec<Output> {
     let port = free_port();
-    let children: Vec<Child> = (0..world).map(|r| start_rank(dir, r, world, port, args)).collect();
+    let children: Vec<Child> = (0..world).map(|r| start_rank(dir, step, r, world, port, args)).collect();
     let outs: Vec<Output> = children.into_iter().map(|c| wait(c, Duration::from_secs(300))).collect();
     for (r, o) in outs.iter().enumerate() {
         assert!(
@@ -143,14 +143,14 @@ fn pretraining_on_2_and_3_ranks_matches_one_rank_at_every_zero_stage() {
     let dir = tempfile::tempdir().unwrap();
     // Global batch 6 blocks per micro-step: 1 x 6, 2 x 3, 3 x 2.
     let single = dir.path().join("single");
-    run_ranks(dir.path(), 1, &pretrain_args(&single, 6, 0));
+    run_ranks(dir.path(), "sft", 1, &pretrain_args(&single, 6, 0));
     // The control: one rank, each iteration's 12 blocks as 4 micro-batches of 3 instead of 2
     // of 6 (the same mean gradient, summed in another order).
     let control = dir.path().join("control");
     let mut args = pretrain_args(&control, 3, 0);
     let acc = args.iter().position(|a| a == "--gradient-accumulation-steps").unwrap();
     args[acc + 1] = "4".into();
-    run_ranks(dir.path(), 1, &args);
+    run_ranks(dir.path(), "sft", 1, &args);
     // The limit is 1e-5, or twice what reassociation alone moves a tensor if that is more.
     // Both runs use --adam-eps 1e-4: with 1e-8, Adam turns the rounding noise of near-zero
     // gradients into full-size steps of either sign (measured: 1.6e-5 between two orders of
@@ -161,7 +161,7 @@ fn pretraining_on_2_and_3_ranks_matches_one_rank_at_every_zero_stage() {
     for world in [2, 3] {
         for stage in [0u8, 1, 2] {
             let out = dir.path().join(format!("w{world}-s{stage}"));
-            let outs = run_ranks(dir.path(), world, &pretrain_args(&out, 6 / world, stage));
+            let outs = run_ranks(dir.path(), "sft", world, &pretrain_args(&out, 6 / world, stage));
             let log = String::from_utf8_lossy(&outs[0].stdout);
             assert!(log.contains(&format!("data parallel: {world} ranks, ZeRO stage {stage}")), "{log}");
             assert_same_weights(
@@ -197,10 +197,10 @@ fn sft_args(out: &Path, per_device: usize, stage: u8) -> Vec<String> {
 fn sft_on_2_ranks_matches_one_rank_at_every_zero_stage() {
     let dir = tempfile::tempdir().unwrap();
     let single = dir.path().join("single");
-    run_ranks(dir.path(), 1, &sft_args(&single, 8, 0));
+    run_ranks(dir.path(), "sft", 1, &sft_args(&single, 8, 0));
     for stage in [0u8, 1, 2] {
         let out = dir.path().join(format!("w2-s{stage}"));
-        run_ranks(dir.path(), 2, &sft_args(&out, 4, stage));
+        run_ranks(dir.path(), "sft", 2, &sft_args(&out, 4, stage));
         assert_same_weights(&out, &single, 1e-5, 0.0, &format!("SFT on 2 ranks, stage {stage}"));
     }
 }
@@ -214,8 +214,8 @@ fn a_killed_rank_fails_the_others_naming_it_and_mismatched_flags_are_refused() {
     args[at + 1] = "100000".into();
     let dist = args.iter().position(|a| a == "--dist-timeout").unwrap();
     args[dist + 1] = "20".into();
-    let rank0 = start_rank(dir.path(), 0, 2, port, &args);
-    let mut rank1 = start_rank(dir.path(), 1, 2, port, &args);
+    let rank0 = start_rank(dir.path(), "sft", 0, 2, port, &args);
+    let mut rank1 = start_rank(dir.path(), "sft", 1, 2, port, &args);
     std::thread::sleep(Duration::from_secs(4));
     rank1.kill().unwrap();
     let _ = rank1.wait();
@@ -232,7 +232,7 @@ fn a_killed_rank_fails_the_others_naming_it_and_mismatched_flags_are_refused() {
     let mut b = a.clone();
     let lr = b.iter().position(|x| x == "--lr").unwrap();
     b[lr + 1] = "1e-3".into();
-    let children = [start_rank(dir.path(), 0, 2, port, &a), start_rank(dir.path(), 1, 2, port, &b)];
+    let children = [start_rank(dir.path(), "sft", 0, 2, port, &a), start_rank(dir.path(), "sft", 1, 2, port, &b)];
     for (r, c) in children.into_iter().enumerate() {
         let out = wait(c, Duration::from_secs(60));
         let err = String::from_utf8_lossy(&out.stderr);
@@ -243,7 +243,7 @@ fn a_killed_rank_fails_the_others_naming_it_and_mismatched_flags_are_refused() {
     let mut lonely = pretrain_args(&dir.path().join("l"), 2, 0);
     let dist = lonely.iter().position(|a| a == "--dist-timeout").unwrap();
     lonely[dist + 1] = "2".into();
-    let out = wait(start_rank(dir.path(), 0, 3, free_port(), &lonely), Duration::from_secs(60));
+    let out = wait(start_rank(dir.path(), "sft", 0, 3, free_port(), &lonely), Duration::from_secs(60));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("rank(s) 1, 2 of 3 never arrived"), "{err}");
 }
@@ -307,4 +307,149 @@ fn train_single_node_runs_step_1_as_ranks_with_a_log_each() {
         .unwrap();
     let err = String::from_utf8_lossy(&refused.stderr);
     assert!(!refused.status.success() && err.contains("step 2 does not train across ranks yet"), "{err}");
+}
+
+/// Step 3's starting models, tiny, over GPT-2's vocabulary (written as steps 1 and 2 save them),
+/// 35 prompts (32 train) and a PTX corpus. The actor (also the reference) ends about a fifth of its answers
+/// at once with EOS: rollouts drop rows, so ranks hold unequal shares of global micro-batches,
+/// some none, and micro-batches of dropped rows only are skipped by every rank together.
+fn ppo_setup(dir: &Path) {
+    use hybrid_engine::checkpoints::resume::save_model_dir;
+    use hybrid_engine::model::reward_model::{add_score_head, causal_lm_config, sequence_classification_config};
+    let cpu = candle_core::Device::Cpu;
+    let cfg = hybrid_engine::Gpt2Config {
+        n_layer: 1,
+        n_embd: 16,
+        n_head: 2,
+        n_positions: 64,
+        resid_pdrop: 0.0,
+        embd_pdrop: 0.0,
+        attn_pdrop: 0.0,
+        ..hybrid_engine::Gpt2Config::tiny()
+    };
+    let tok = data::Tokenizer::gpt2_default().unwrap();
+    let eos = tok.eos_id() as usize;
+    let write_tok = |d: &Path| tok.save(&d.join("tokenizer.json"));
+    let actor = hybrid_engine::ParamStore::init(&cfg, 1, &cpu).unwrap();
+    // The final hidden state gets 10 on its first dimension, and EOS's embedding reads it: an EOS
+    // logit near 9.4 against 50k near-zero ones, prompt-dependent through the rest of the state.
+    for (name, var) in actor.iter() {
+        let mut v: Vec<f32> = var.flatten_all().unwrap().to_vec1().unwrap();
+        match name {
+            "ln_f.bias" => v[0] = 10.0,
+            "wte.weight" => {
+                v[eos * cfg.n_embd..(eos + 1) * cfg.n_embd].fill(0.0);
+                v[eos * cfg.n_embd] = 0.944;
+            }
+            _ => continue,
+        }
+        var.set(&candle_core::Tensor::from_vec(v, var.shape(), &cpu).unwrap()).unwrap();
+    }
+    save_model_dir(&dir.join("actor"), &causal_lm_config(&cfg), &actor, &write_tok).unwrap();
+    let mut rm = hybrid_engine::ParamStore::init(&cfg, 2, &cpu).unwrap();
+    add_score_head(&mut rm, &cfg, 2, &cpu).unwrap();
+    save_model_dir(&dir.join("reward"), &sequence_classification_config(&cfg, eos as u32), &rm, &write_tok).unwrap();
+    let rows: Vec<String> = (0..35)
+        .map(|i| {
+            let prompt = format!("\n\nHuman: What is {i} plus one?\n\nAssistant:");
+            serde_json::json!({"prompt": prompt, "chosen": " x", "rejected": " y"}).to_string()
+        })
+        .collect();
+    std::fs::write(dir.join("prompts.jsonl"), rows.join("\n")).unwrap();
+    let sentence = "The quick brown fox jumps over the lazy dog near the quiet river bank.\n";
+    std::fs::write(dir.join("ptx.txt"), sentence.repeat(20)).unwrap();
+}
+
+/// A short PPO run: sampled rollouts, 2 PPO epochs over 2 buffered rollouts, accumulation over 2
+/// micro-batches, PTX and EMA; dropout off, and `--adam-eps 1e-2` with no clipping so that a
+/// gradient scaled wrongly changes the weights (see `sft_args`).
+fn ppo_args(dir: &Path, out: &Path, generation: usize, training: usize, stages: (u8, u8)) -> Vec<String> {
+    let mut a = args("--data-split 0,0,1 --no-data-cache --max-prompt-seq-len 24 --max-answer-seq-len 5 --actor-learning-rate 1e-3 --critic-learning-rate 1e-3 --num-warmup-steps 0 --do-sample --enable-ema --unsup-coef 0.5 --ppo-epochs 2 --generation-batches 2 --gradient-accumulation-steps 2 --print-answers-interval 0 --actor-dropout 0 --critic-dropout 0 --adam-eps 1e-2 --gradient-clipping 0 --device cpu --dist-timeout 60 --seed 7");
+    let path = |name: &str| dir.join(name).display().to_string();
+    a.extend(["--data-path".into(), path("prompts.jsonl"), "--unsupervised-dataset-name".into(), path("ptx.txt")]);
+    a.extend([
+        "--actor-model-name-or-path".into(),
+        path("actor"),
+        "--critic-model-name-or-path".into(),
+        path("reward"),
+    ]);
+    a.extend(["--per-device-generation-batch-size".into(), generation.to_string()]);
+    a.extend(["--per-device-training-batch-size".into(), training.to_string()]);
+    a.extend(["--actor-zero-stage".into(), stages.0.to_string(), "--critic-zero-stage".into(), stages.1.to_string()]);
+    a.extend(["--output-dir".into(), out.display().to_string()]);
+    a
+}
+
+/// The records of a step-3 metrics.jsonl: one per rollout, then the summary.
+fn ppo_metrics(out: &Path) -> (Vec<serde_json::Value>, serde_json::Value) {
+    let text = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let records: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let steps = records.iter().filter(|r| r.get("rollout").is_some()).cloned().collect();
+    let end = records.iter().find(|r| r["event"] == "end").expect("an end record").clone();
+    (steps, end["summary"].clone())
+}
+
+/// The N-rank run ended with the one-rank run's actor, critic and EMA, and logged its global
+/// statistics: rank 0's log holds the whole rollout's reward, KL, losses and drop counts.
+fn assert_same_ppo(out: &Path, single: &Path, what: &str) {
+    for model in ["actor", "critic", "actor_ema"] {
+        assert_same_weights(&out.join(model), &single.join(model), 1e-5, 0.0, &format!("{what}: {model}"));
+    }
+    let ((steps, summary), (want_steps, want_summary)) = (ppo_metrics(out), ppo_metrics(single));
+    assert_eq!(steps.len(), want_steps.len(), "{what}: rollouts");
+    assert_eq!(summary["answers_dropped_short"], want_summary["answers_dropped_short"], "{what}");
+    assert_eq!(summary["rollouts_reused"], want_summary["rollouts_reused"], "{what}");
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-4 * a.abs().max(b.abs()) + 1e-6;
+    for (got, want) in steps.iter().zip(&want_steps) {
+        for key in ["actor_loss", "critic_loss", "ratio_mean", "clip_fraction", "approx_kl", "entropy", "ptx_loss"] {
+            let (a, b) = (got[key].as_f64(), want[key].as_f64());
+            assert!(
+                a.zip(b).is_none_or(|(a, b)| close(a, b)) && a.is_some() == b.is_some(),
+                "{what}: {key} {got} vs {want}"
+            );
+        }
+        for key in ["reward_mean", "reward_std", "kl_ref_k3", "explained_variance", "answer_len_mean", "rows"] {
+            let (a, b) = (got["rollout"][key].as_f64().unwrap(), want["rollout"][key].as_f64().unwrap());
+            assert!(close(a, b), "{what}: rollout {key} {got} vs {want}");
+        }
+    }
+}
+
+#[test]
+fn ppo_on_2_and_3_ranks_matches_one_rank_at_every_zero_stage() {
+    let dir = tempfile::tempdir().unwrap();
+    ppo_setup(dir.path());
+    // 32 train prompts in rollouts of 8, global micro-batches of 4: one rank, or 2 ranks with 4
+    // and 2 each.
+    let single = dir.path().join("single-8");
+    run_ranks(dir.path(), "ppo", 1, &ppo_args(dir.path(), &single, 8, 4, (0, 0)));
+    let (_, summary) = ppo_metrics(&single);
+    assert!(summary["answers_dropped_short"].as_u64().unwrap() > 0, "rows must be dropped: {summary}");
+    // Equal weights must not be the equality of nothing happening.
+    for (model, start) in [("actor", "actor"), ("critic", "reward")] {
+        let moved = distances(&single.join(model), &dir.path().join(start));
+        let moved = moved.into_values().fold(0f64, f64::max);
+        assert!(moved > 1e-3, "the {model} barely trained ({moved:.1e}): the comparison would mean nothing");
+    }
+    for stage in [0u8, 1, 2] {
+        let out = dir.path().join(format!("w2-s{stage}"));
+        let outs = run_ranks(dir.path(), "ppo", 2, &ppo_args(dir.path(), &out, 4, 2, (stage, stage)));
+        let log = String::from_utf8_lossy(&outs[0].stdout);
+        for model in ["actor", "critic"] {
+            assert!(log.contains(&format!("{model}: data parallel: 2 ranks, ZeRO stage {stage}")), "{log}");
+        }
+        assert_same_ppo(&out, &single, &format!("PPO on 2 ranks, stage {stage}"));
+    }
+    // 3 ranks (uneven ZeRO shards), each model at its own stage: rollouts of 6 prompts in
+    // global micro-batches of 3, one row per rank; the last rollout has 2 prompts: rank 2 none.
+    let single = dir.path().join("single-6");
+    run_ranks(dir.path(), "ppo", 1, &ppo_args(dir.path(), &single, 6, 3, (0, 0)));
+    let out = dir.path().join("w3");
+    let outs = run_ranks(dir.path(), "ppo", 3, &ppo_args(dir.path(), &out, 2, 1, (1, 2)));
+    let log = String::from_utf8_lossy(&outs[0].stdout);
+    assert!(log.contains("actor: data parallel: 3 ranks, ZeRO stage 1"), "{log}");
+    assert!(log.contains("critic: data parallel: 3 ranks, ZeRO stage 2"), "{log}");
+    assert_same_ppo(&out, &single, "PPO on 3 ranks, stages 1 and 2");
+    // Only rank 0 writes: the other ranks' logs hold no step lines.
+    assert!(!String::from_utf8_lossy(&outs[1].stdout).contains(" step "), "rank 1 logs no steps");
 }

@@ -3,7 +3,9 @@
 //!
 //! Left padding follows transformers' `generate`: pad tokens are masked out of attention and
 //! position ids count real tokens only (`cumsum(mask) - 1`), so a padded row produces the same
-//! tokens as the same prompt alone.
+//! tokens as the same prompt alone. Sampling draws each row's random numbers from its own stream,
+//! named by the row's key ([`LeftPadded::with_keys`]), so a row's answer does not depend on which
+//! rows share its batch: a rollout cut across data-parallel ranks samples what one rank would.
 
 use crate::model::gpt2::{Gpt2, Gpt2Cache, Positions};
 use anyhow::{bail, Result};
@@ -24,6 +26,7 @@ pub struct SamplingConfig {
     pub pad_token_id: u32,
     /// Logits at ids >= this (Megatron vocabulary padding) are never chosen.
     pub vocab_limit: usize,
+    /// With a row's key, the stream its sampling draws from ([`row_rng`]).
     pub seed: u64,
 }
 
@@ -43,6 +46,14 @@ impl SamplingConfig {
     fn is_greedy(&self) -> bool {
         self.temperature.is_none_or(|t| t <= 0.0)
     }
+}
+
+/// The random stream of the row keyed `key`: ChaCha8 seeded by `seed`, stream `key`. Key 0 is
+/// the seed's default stream, so a lone row samples as before per-row streams existed.
+pub fn row_rng(seed: u64, key: u64) -> ChaCha8Rng {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    rng.set_stream(key);
+    rng
 }
 
 /// Picks the next token from one row of logits.
@@ -121,6 +132,8 @@ pub struct LeftPadded {
     pub mask: Vec<u32>,
     pub b: usize,
     pub p: usize,
+    /// Each row's sampling stream ([`row_rng`]); its index in the batch unless set.
+    pub keys: Vec<u64>,
 }
 
 impl LeftPadded {
@@ -134,7 +147,15 @@ impl LeftPadded {
             ids.extend(std::iter::repeat_n(pad, pad_len).chain(prompt.iter().copied()));
             mask.extend((0..p).map(|i| u32::from(i >= pad_len)));
         }
-        Self { ids, mask, b, p }
+        Self { ids, mask, b, p, keys: (0..b as u64).collect() }
+    }
+
+    /// Samples row `r` from the stream `keys[r]`: a row keyed by its place in a larger batch
+    /// (PPO's rollout cut across ranks) samples what it would sample there.
+    pub fn with_keys(mut self, keys: Vec<u64>) -> Self {
+        assert_eq!(keys.len(), self.b, "LeftPadded::with_keys: one key per row");
+        self.keys = keys;
+        self
     }
 
     /// Position ids `cumsum(mask) - 1`, pads at 0. (B, P) row-major.
@@ -187,7 +208,7 @@ pub fn generate_with_cache(
         bail!("prompt of {p} tokens leaves no room to generate: the model's context is {n_pos} tokens");
     }
     let max_new = cfg.max_new_tokens.min(n_pos - p);
-    let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed);
+    let mut rngs: Vec<ChaCha8Rng> = batch.keys.iter().map(|&k| row_rng(cfg.seed, k)).collect();
 
     let mut mask: Vec<Vec<u32>> = batch.mask.chunks(p).map(<[u32]>::to_vec).collect();
     let mut next_pos: Vec<u32> = mask.iter().map(|m| m.iter().sum()).collect();
@@ -213,7 +234,7 @@ pub fn generate_with_cache(
         let lse = crate::kernels::decode::log_sum_exp_rows(&logits, v);
         let mut step = Vec::with_capacity(b);
         for (r, row) in logits.chunks_exact(v).enumerate() {
-            let tok = if done[r] { cfg.pad_token_id } else { sample_token(row, cfg, &mut rng) };
+            let tok = if done[r] { cfg.pad_token_id } else { sample_token(row, cfg, &mut rngs[r]) };
             if !done[r] {
                 out[r].push(tok);
                 // log softmax(logits)[token], the exponentials summed in f64.
@@ -287,6 +308,32 @@ mod tests {
                 assert!((a - b).abs() < 1e-4, "{rows} rows: log-prob {a} vs {b}");
             }
         }
+        Ok(())
+    }
+
+    /// A sampled row depends on its prompt and its key only: generated among other rows, alone or
+    /// in another order, it is the same answer; the same prompt under another key is another.
+    #[test]
+    fn a_sampled_row_depends_on_its_key_not_on_its_batch_mates() -> Result<()> {
+        let dev = Device::Cpu;
+        let cfg = crate::Gpt2Config {
+            n_layer: 1,
+            n_embd: 16,
+            n_head: 2,
+            n_positions: 32,
+            vocab_size: 64,
+            ..crate::Gpt2Config::tiny()
+        };
+        let model = crate::ParamStore::init(&cfg, 5, &dev)?.model(&cfg)?;
+        let sampling = SamplingConfig { temperature: Some(1.0), seed: 11, ..SamplingConfig::greedy(8, None, 0, 64) };
+        let prompts = [vec![3, 4, 5], vec![9], vec![7, 8], vec![1, 2, 3, 4]];
+        let all = generate_left_padded(&model, &LeftPadded::new(&prompts, 6, 0), &sampling, &dev)?;
+        let some = LeftPadded::new(&[prompts[2].clone(), prompts[0].clone()], 6, 0).with_keys(vec![2, 0]);
+        let some = generate_left_padded(&model, &some, &sampling, &dev)?;
+        assert_eq!(some.tokens, vec![all.tokens[2].clone(), all.tokens[0].clone()]);
+        let rekeyed = LeftPadded::new(&[prompts[2].clone()], 6, 0).with_keys(vec![3]);
+        let rekeyed = generate_left_padded(&model, &rekeyed, &sampling, &dev)?;
+        assert_ne!(rekeyed.tokens[0], all.tokens[2], "another key samples another answer");
         Ok(())
     }
 
