@@ -64,37 +64,44 @@ pub fn sample_token(logits: &[f32], cfg: &SamplingConfig, rng: &mut ChaCha8Rng) 
         return crate::kernels::rowops::argmax(logits) as u32;
     }
     let t = cfg.temperature.unwrap_or(1.0);
-    let mut order: Vec<usize> = (0..limit).collect();
-    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a])); // descending
-    if let Some(k) = cfg.top_k.filter(|&k| k > 0) {
-        order.truncate(k);
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let weight = |i: usize| ((logits[i] as f64 - max) / t).exp();
+    let top_k = cfg.top_k.filter(|&k| k > 0 && k < limit);
+    let top_p = cfg.top_p.filter(|&p| p < 1.0);
+    let mut candidates: Vec<usize> = (0..limit).collect();
+    if top_k.is_some() || top_p.is_some() {
+        candidates.sort_by(|&a, &b| logits[b].total_cmp(&logits[a])); // descending
+        if let Some(k) = top_k {
+            candidates.truncate(k);
+        }
+        if let Some(top_p) = top_p {
+            // Keep the smallest prefix whose mass (among the top k) reaches top_p, at least one.
+            let total: f64 = candidates.iter().map(|&i| weight(i)).sum();
+            let mut cum = 0.0;
+            let keep = candidates.iter().take_while(|&&i| {
+                let before = cum;
+                cum += weight(i) / total;
+                before < top_p
+            });
+            let n = keep.count().max(1);
+            candidates.truncate(n);
+        }
+        // The draw walks the candidates in vocabulary order, not by logit: in the sorted order two
+        // nearly equal logits swap places on a rounding difference, and the draw would then pick
+        // another token although no probability moved beyond rounding (a flat distribution has
+        // thousands of such pairs). This way a token changes only when the draw falls within
+        // rounding of a boundary.
+        candidates.sort_unstable();
     }
-    let max = logits[order[0]] as f64;
-    let mut probs: Vec<f64> = order.iter().map(|&i| ((logits[i] as f64 - max) / t).exp()).collect();
-    let total: f64 = probs.iter().sum();
-    probs.iter_mut().for_each(|p| *p /= total);
-    if let Some(top_p) = cfg.top_p.filter(|&p| p < 1.0) {
-        // Keep the smallest prefix whose mass reaches top_p (at least one token).
-        let mut cum = 0.0;
-        let keep = probs.iter().take_while(|&&p| {
-            let before = cum;
-            cum += p;
-            before < top_p
-        });
-        let n = keep.count().max(1);
-        order.truncate(n);
-        probs.truncate(n);
-        let total: f64 = probs.iter().sum();
-        probs.iter_mut().for_each(|p| *p /= total);
-    }
-    let mut u: f64 = rng.random();
-    for (i, p) in order.iter().zip(&probs) {
-        if u < *p {
+    let weights: Vec<f64> = candidates.iter().map(|&i| weight(i)).collect();
+    let mut u: f64 = rng.random::<f64>() * weights.iter().sum::<f64>();
+    for (i, w) in candidates.iter().zip(&weights) {
+        if u < *w {
             return *i as u32;
         }
-        u -= p;
+        u -= w;
     }
-    *order.last().expect("at least one candidate") as u32
+    *candidates.last().expect("at least one candidate") as u32
 }
 
 /// Generates up to `cfg.max_new_tokens` tokens after each prompt. Returns the new tokens of
@@ -335,6 +342,23 @@ mod tests {
         let rekeyed = generate_left_padded(&model, &rekeyed, &sampling, &dev)?;
         assert_ne!(rekeyed.tokens[0], all.tokens[2], "another key samples another answer");
         Ok(())
+    }
+
+    /// A rounding-size change of nearly flat logits (what another batch shape or summation order
+    /// gives) leaves the sampled tokens alone, with and without top-k: the draw walks the
+    /// candidates in vocabulary order, where such a change moves no boundary beyond rounding.
+    #[test]
+    fn sampling_is_stable_under_rounding_changes_of_flat_logits() {
+        let mut noise = ChaCha8Rng::seed_from_u64(9);
+        let logits: Vec<f32> = (0..50257).map(|_| noise.random_range(-0.1f32..0.1)).collect();
+        let nudged: Vec<f32> = logits.iter().map(|&x| x * (1.0 + noise.random_range(-1e-6f32..1e-6))).collect();
+        for top_k in [None, Some(1000)] {
+            let cfg = SamplingConfig { top_k, ..cfg(1.0, None, None) };
+            let cfg = SamplingConfig { vocab_limit: 50257, ..cfg };
+            let (mut a, mut b) = (row_rng(4, 0), row_rng(4, 0));
+            let same = (0..300).filter(|_| sample_token(&logits, &cfg, &mut a) == sample_token(&nudged, &cfg, &mut b));
+            assert_eq!(same.count(), 300, "top-k {top_k:?}");
+        }
     }
 
     #[test]

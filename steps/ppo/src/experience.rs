@@ -389,6 +389,17 @@ mod tests {
     }
 
     #[test]
+    fn micro_batches_count_rollout_positions_so_drops_leave_holes() {
+        // Kept rows at positions 0, 2, 3 and 7 of a rollout of 9 (the others dropped, or another
+        // rank's): micro-batches of 4 positions.
+        let exp = Experience { positions: vec![0, 2, 3, 7], ..Experience::empty(4, 9) };
+        assert_eq!(exp.micro_batches(4), 3, "by the rollout's size, whatever was dropped");
+        assert_eq!(exp.micro_batch_rows(0, 4), 0..3);
+        assert_eq!(exp.micro_batch_rows(1, 4), 3..4);
+        assert_eq!(exp.micro_batch_rows(2, 4), 4..4, "none of the last micro-batch's rows is here");
+    }
+
+    #[test]
     fn answers_of_at_most_one_token_are_dropped() {
         let eos = 9;
         assert!(!answer_is_learnable(&[eos], eos), "EOS at once");
