@@ -434,23 +434,43 @@ fn ppo_on_2_and_3_ranks_matches_one_rank_at_every_zero_stage() {
     }
     for stage in [0u8, 1, 2] {
         let out = dir.path().join(format!("w2-s{stage}"));
-        let outs = run_ranks(dir.path(), "ppo", 2, &ppo_args(dir.path(), &out, 4, 2, (stage, stage)));
+        let mut a = ppo_args(dir.path(), &out, 4, 2, (stage, stage));
+        a.extend(args("--save-interval 2"));
+        let outs = run_ranks(dir.path(), "ppo", 2, &a);
         let log = String::from_utf8_lossy(&outs[0].stdout);
         for model in ["actor", "critic"] {
             assert!(log.contains(&format!("{model}: data parallel: 2 ranks, ZeRO stage {stage}")), "{log}");
         }
         assert_same_ppo(&out, &single, &format!("PPO on 2 ranks, stage {stage}"));
     }
+    // The 2 ranks' stage-2 checkpoint after rollout 2 (optimizers gathered from the shards)
+    // resumes on one rank at the same global batch and ends with the one-rank run's models.
+    let ckpts = dir.path().join("w2-s2/checkpoints");
+    std::fs::write(ckpts.join("latest"), "iter_0000002\n").unwrap();
+    let resumed = dir.path().join("resumed-1");
+    let mut a = ppo_args(dir.path(), &resumed, 8, 4, (0, 0));
+    a.extend(["--load".into(), ckpts.display().to_string()]);
+    let outs = run_ranks(dir.path(), "ppo", 1, &a);
+    let log = String::from_utf8_lossy(&outs[0].stdout);
+    assert!(log.contains("resumed from") && log.contains("at rollout 2"), "{log}");
+    for model in ["actor", "critic", "actor_ema"] {
+        let what = format!("2 ranks resumed on 1: {model}");
+        assert_same_weights(&resumed.join(model), &single.join(model), 1e-5, 0.0, &what);
+    }
     // 3 ranks (uneven ZeRO shards), each model at its own stage: rollouts of 6 prompts in
     // global micro-batches of 3, one row per rank; the last rollout has 2 prompts: rank 2 none.
     let single = dir.path().join("single-6");
     run_ranks(dir.path(), "ppo", 1, &ppo_args(dir.path(), &single, 6, 3, (0, 0)));
     let out = dir.path().join("w3");
-    let outs = run_ranks(dir.path(), "ppo", 3, &ppo_args(dir.path(), &out, 2, 1, (1, 2)));
+    let mut a = ppo_args(dir.path(), &out, 2, 1, (1, 2));
+    a.extend(["--eval-prompts".into(), dir.path().join("prompts.jsonl").display().to_string()]);
+    let outs = run_ranks(dir.path(), "ppo", 3, &a);
     let log = String::from_utf8_lossy(&outs[0].stdout);
     assert!(log.contains("actor: data parallel: 3 ranks, ZeRO stage 1"), "{log}");
     assert!(log.contains("critic: data parallel: 3 ranks, ZeRO stage 2"), "{log}");
     assert_same_ppo(&out, &single, "PPO on 3 ranks, stages 1 and 2");
-    // Only rank 0 writes: the other ranks' logs hold no step lines.
-    assert!(!String::from_utf8_lossy(&outs[1].stdout).contains(" step "), "rank 1 logs no steps");
+    // Only rank 0 logs and evaluates the held-out prompts, after the others have ended.
+    assert!(log.contains("held-out prompts (35)"), "{log}");
+    let other = String::from_utf8_lossy(&outs[1].stdout);
+    assert!(!other.contains(" step ") && !other.contains("held-out"), "rank 1: {other}");
 }
