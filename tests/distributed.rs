@@ -1,7 +1,7 @@
 //! Data parallelism end to end: N real rank processes talking over loopback, against one process
 //! trained on the same global batch. The N-rank run must end with the one-rank run's weights
 //! (fp32, 1e-5 relative per tensor) at every ZeRO stage, with 2 and 3 ranks (3 makes the shards
-//! uneven), for pretraining, SFT and the reward model; a rank that dies, a missing rank and
+//! uneven), for pretraining, SFT, the reward model and PPO; a rank that dies, a missing rank and
 //! mismatched flags must fail every rank with one line naming the culprit, within the timeout.
 
 use std::collections::HashMap;
@@ -9,9 +9,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-/// A step's binary (`sft`, `reward`): the multi-call `train` binary under that name.
-fn step_bin(dir: &Path, name: &str) -> PathBuf {
-    let link = dir.join(name);
+/// A step (`sft`, `reward`, `ppo`): the multi-call `train` binary under that name.
+fn step_binary(dir: &Path, step: &str) -> PathBuf {
+    let link = dir.join(step);
     if !link.exists() {
         std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_train"), &link).unwrap();
     }
@@ -22,8 +22,8 @@ fn free_port() -> u16 {
     rlhf::ranks::free_port().unwrap()
 }
 
-fn start_rank(dir: &Path, bin: &str, rank: usize, world: usize, port: u16, args: &[String]) -> Child {
-    let mut cmd = Command::new(step_bin(dir, bin));
+fn start_rank(dir: &Path, step: &str, rank: usize, world: usize, port: u16, args: &[String]) -> Child {
+    let mut cmd = Command::new(step_binary(dir, step));
     cmd.args(args).stdout(Stdio::piped()).stderr(Stdio::piped()).env("HF_HUB_OFFLINE", "1");
     if world > 1 {
         cmd.envs(rlhf::ranks::rank_env(rank, world, port));
@@ -53,10 +53,10 @@ fn wait(child: Child, limit: Duration) -> Output {
     out
 }
 
-/// Runs `world` ranks of `bin` with `args`, all of which must succeed.
-fn run_ranks(dir: &Path, bin: &str, world: usize, args: &[String]) -> Vec<Output> {
+/// Runs `world` ranks of `step` with `args`, all of which must succeed.
+fn run_ranks(dir: &Path, step: &str, world: usize, args: &[String]) -> Vec<Output> {
     let port = free_port();
-    let children: Vec<Child> = (0..world).map(|r| start_rank(dir, bin, r, world, port, args)).collect();
+    let children: Vec<Child> = (0..world).map(|r| start_rank(dir, step, r, world, port, args)).collect();
     let outs: Vec<Output> = children.into_iter().map(|c| wait(c, Duration::from_secs(300))).collect();
     for (r, o) in outs.iter().enumerate() {
         assert!(
@@ -485,4 +485,170 @@ fn train_single_node_runs_step_1_as_ranks_with_a_log_each() {
         .unwrap();
     let err = String::from_utf8_lossy(&refused.stderr);
     assert!(!refused.status.success() && err.contains("step 2 does not train across ranks yet"), "{err}");
+}
+
+/// Step 3's starting models, tiny, over GPT-2's vocabulary (written as steps 1 and 2 save them),
+/// 35 prompts (32 train) and a PTX corpus. The actor (also the reference) samples EOS often
+/// enough that about a quarter of its answers have at most one token and are dropped: ranks hold
+/// unequal shares of global micro-batches, and some hold none of one (measured: 9 of 32 answers
+/// dropped in the one-rank run of rollouts of 8).
+fn ppo_setup(dir: &Path) {
+    use hybrid_engine::checkpoints::resume::save_model_dir;
+    use hybrid_engine::model::reward_model::{add_score_head, causal_lm_config, sequence_classification_config};
+    let cpu = candle_core::Device::Cpu;
+    let cfg = hybrid_engine::Gpt2Config {
+        n_layer: 1,
+        n_embd: 16,
+        n_head: 2,
+        n_positions: 64,
+        resid_pdrop: 0.0,
+        embd_pdrop: 0.0,
+        attn_pdrop: 0.0,
+        ..hybrid_engine::Gpt2Config::tiny()
+    };
+    let tok = data::Tokenizer::gpt2_default().unwrap();
+    let eos = tok.eos_id() as usize;
+    let write_tok = |d: &Path| tok.save(&d.join("tokenizer.json"));
+    let actor = hybrid_engine::ParamStore::init(&cfg, 1, &cpu).unwrap();
+    // The final hidden state gets 10 on its first dimension, and EOS's embedding reads it: an EOS
+    // logit near 9 against 50k near-zero ones, prompt-dependent through the rest of the state.
+    for (name, var) in actor.iter() {
+        let mut v: Vec<f32> = var.flatten_all().unwrap().to_vec1().unwrap();
+        match name {
+            "ln_f.bias" => v[0] = 10.0,
+            "wte.weight" => {
+                v[eos * cfg.n_embd..(eos + 1) * cfg.n_embd].fill(0.0);
+                v[eos * cfg.n_embd] = 0.85;
+            }
+            _ => continue,
+        }
+        var.set(&candle_core::Tensor::from_vec(v, var.shape(), &cpu).unwrap()).unwrap();
+    }
+    save_model_dir(&dir.join("actor"), &causal_lm_config(&cfg), &actor, &write_tok).unwrap();
+    let mut rm = hybrid_engine::ParamStore::init(&cfg, 2, &cpu).unwrap();
+    add_score_head(&mut rm, &cfg, 2, &cpu).unwrap();
+    save_model_dir(&dir.join("reward"), &sequence_classification_config(&cfg, eos as u32), &rm, &write_tok).unwrap();
+    let rows: Vec<String> = (0..35)
+        .map(|i| {
+            let prompt = format!("\n\nHuman: What is {i} plus one?\n\nAssistant:");
+            serde_json::json!({"prompt": prompt, "chosen": " x", "rejected": " y"}).to_string()
+        })
+        .collect();
+    std::fs::write(dir.join("prompts.jsonl"), rows.join("\n")).unwrap();
+    let sentence = "The quick brown fox jumps over the lazy dog near the quiet river bank.\n";
+    std::fs::write(dir.join("ptx.txt"), sentence.repeat(20)).unwrap();
+}
+
+/// A short PPO run: sampled rollouts, 2 PPO epochs over 2 buffered rollouts, accumulation over 2
+/// micro-batches, PTX and EMA; dropout off, and `--adam-eps 1e-2` with no clipping so that a
+/// gradient scaled wrongly changes the weights (see `sft_args`).
+fn ppo_args(dir: &Path, out: &Path, generation: usize, training: usize, stages: (u8, u8)) -> Vec<String> {
+    let mut a = args("--data-split 0,0,1 --no-data-cache --max-prompt-seq-len 24 --max-answer-seq-len 5 --actor-learning-rate 1e-3 --critic-learning-rate 1e-3 --num-warmup-steps 0 --do-sample --enable-ema --unsup-coef 0.5 --ppo-epochs 2 --generation-batches 2 --gradient-accumulation-steps 2 --print-answers-interval 0 --actor-dropout 0 --critic-dropout 0 --adam-eps 1e-2 --gradient-clipping 0 --device cpu --dist-timeout 60 --seed 7");
+    let path = |name: &str| dir.join(name).display().to_string();
+    a.extend(["--data-path".into(), path("prompts.jsonl"), "--unsupervised-dataset-name".into(), path("ptx.txt")]);
+    a.extend([
+        "--actor-model-name-or-path".into(),
+        path("actor"),
+        "--critic-model-name-or-path".into(),
+        path("reward"),
+    ]);
+    a.extend(["--per-device-generation-batch-size".into(), generation.to_string()]);
+    a.extend(["--per-device-training-batch-size".into(), training.to_string()]);
+    a.extend(["--actor-zero-stage".into(), stages.0.to_string(), "--critic-zero-stage".into(), stages.1.to_string()]);
+    a.extend(["--output-dir".into(), out.display().to_string()]);
+    a
+}
+
+/// The records of a step-3 metrics.jsonl: one per rollout, then the summary.
+fn ppo_metrics(out: &Path) -> (Vec<serde_json::Value>, serde_json::Value) {
+    let text = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let records: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let steps = records.iter().filter(|r| r.get("rollout").is_some()).cloned().collect();
+    let end = records.iter().find(|r| r["event"] == "end").expect("an end record").clone();
+    (steps, end["summary"].clone())
+}
+
+/// The N-rank run ended with the one-rank run's actor, critic and EMA, and logged its global
+/// statistics: rank 0's log holds the whole rollout's reward, KL, losses and drop counts.
+fn assert_same_ppo(out: &Path, single: &Path, what: &str) {
+    for model in ["actor", "critic", "actor_ema"] {
+        assert_same_weights(&out.join(model), &single.join(model), 1e-5, 0.0, &format!("{what}: {model}"));
+    }
+    let ((steps, summary), (want_steps, want_summary)) = (ppo_metrics(out), ppo_metrics(single));
+    assert_eq!(steps.len(), want_steps.len(), "{what}: rollouts");
+    assert_eq!(summary["answers_dropped_short"], want_summary["answers_dropped_short"], "{what}");
+    assert_eq!(summary["rollouts_reused"], want_summary["rollouts_reused"], "{what}");
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-4 * a.abs().max(b.abs()) + 1e-6;
+    for (got, want) in steps.iter().zip(&want_steps) {
+        for key in ["actor_loss", "critic_loss", "ratio_mean", "clip_fraction", "approx_kl", "entropy", "ptx_loss"] {
+            let (a, b) = (got[key].as_f64(), want[key].as_f64());
+            assert!(
+                a.zip(b).is_none_or(|(a, b)| close(a, b)) && a.is_some() == b.is_some(),
+                "{what}: {key} {got} vs {want}"
+            );
+        }
+        for key in ["reward_mean", "reward_std", "kl_ref_k3", "explained_variance", "answer_len_mean", "rows"] {
+            let (a, b) = (got["rollout"][key].as_f64().unwrap(), want["rollout"][key].as_f64().unwrap());
+            assert!(close(a, b), "{what}: rollout {key} {got} vs {want}");
+        }
+    }
+}
+
+#[test]
+fn ppo_on_2_and_3_ranks_matches_one_rank_at_every_zero_stage() {
+    let dir = tempfile::tempdir().unwrap();
+    ppo_setup(dir.path());
+    // 32 train prompts in rollouts of 8, global micro-batches of 4: one rank, or 2 ranks with 4
+    // and 2 each.
+    let single = dir.path().join("single-8");
+    run_ranks(dir.path(), "ppo", 1, &ppo_args(dir.path(), &single, 8, 4, (0, 0)));
+    let (_, summary) = ppo_metrics(&single);
+    assert!(summary["answers_dropped_short"].as_u64().unwrap() > 0, "rows must be dropped: {summary}");
+    // Equal weights must not be the equality of nothing happening.
+    for (model, start) in [("actor", "actor"), ("critic", "reward")] {
+        let moved = distances(&single.join(model), &dir.path().join(start));
+        let moved = moved.into_values().fold(0f64, f64::max);
+        assert!(moved > 1e-3, "the {model} barely trained ({moved:.1e}): the comparison would mean nothing");
+    }
+    for stage in [0u8, 1, 2] {
+        let out = dir.path().join(format!("w2-s{stage}"));
+        let mut a = ppo_args(dir.path(), &out, 4, 2, (stage, stage));
+        a.extend(args("--save-interval 2"));
+        let outs = run_ranks(dir.path(), "ppo", 2, &a);
+        let log = String::from_utf8_lossy(&outs[0].stdout);
+        for model in ["actor", "critic"] {
+            assert!(log.contains(&format!("{model}: data parallel: 2 ranks, ZeRO stage {stage}")), "{log}");
+        }
+        assert_same_ppo(&out, &single, &format!("PPO on 2 ranks, stage {stage}"));
+    }
+    // The 2 ranks' stage-2 checkpoint after rollout 2 (optimizers gathered from the shards)
+    // resumes on one rank at the same global batch and ends with the one-rank run's models.
+    let ckpts = dir.path().join("w2-s2/checkpoints");
+    std::fs::write(ckpts.join("latest"), "iter_0000002\n").unwrap();
+    let resumed = dir.path().join("resumed-1");
+    let mut a = ppo_args(dir.path(), &resumed, 8, 4, (0, 0));
+    a.extend(["--load".into(), ckpts.display().to_string()]);
+    let outs = run_ranks(dir.path(), "ppo", 1, &a);
+    let log = String::from_utf8_lossy(&outs[0].stdout);
+    assert!(log.contains("resumed from") && log.contains("at rollout 2"), "{log}");
+    for model in ["actor", "critic", "actor_ema"] {
+        let what = format!("2 ranks resumed on 1: {model}");
+        assert_same_weights(&resumed.join(model), &single.join(model), 1e-5, 0.0, &what);
+    }
+    // 3 ranks (uneven ZeRO shards), each model at its own stage: rollouts of 6 prompts in
+    // global micro-batches of 3, one row per rank; the last rollout has 2 prompts: rank 2 none.
+    let single = dir.path().join("single-6");
+    run_ranks(dir.path(), "ppo", 1, &ppo_args(dir.path(), &single, 6, 3, (0, 0)));
+    let out = dir.path().join("w3");
+    let mut a = ppo_args(dir.path(), &out, 2, 1, (1, 2));
+    a.extend(["--eval-prompts".into(), dir.path().join("prompts.jsonl").display().to_string()]);
+    let outs = run_ranks(dir.path(), "ppo", 3, &a);
+    let log = String::from_utf8_lossy(&outs[0].stdout);
+    assert!(log.contains("actor: data parallel: 3 ranks, ZeRO stage 1"), "{log}");
+    assert!(log.contains("critic: data parallel: 3 ranks, ZeRO stage 2"), "{log}");
+    assert_same_ppo(&out, &single, "PPO on 3 ranks, stages 1 and 2");
+    // Only rank 0 logs and evaluates the held-out prompts, after the others have ended.
+    assert!(log.contains("held-out prompts (35)"), "{log}");
+    let other = String::from_utf8_lossy(&outs[1].stdout);
+    assert!(!other.contains(" step ") && !other.contains("held-out"), "rank 1: {other}");
 }

@@ -69,6 +69,8 @@ fn all_float_flags() -> Vec<FloatFlag> {
         flag("ppo", &[], "--critic-learning-rate", "-1", "1e-5", POSITIVE),
         flag("ppo", &[], "--actor-weight-decay", "-1", "0", NON_NEGATIVE),
         flag("ppo", &[], "--critic-weight-decay", "-1", "0.1", NON_NEGATIVE),
+        flag("ppo", &[], "--adam-eps", "0", "1e-8", POSITIVE),
+        flag("ppo", &[], "--gradient-clipping", "-1", "0", NON_NEGATIVE),
         flag("ppo", &[], "--actor-dropout", "1", "0", DROPOUT),
         flag("ppo", &[], "--critic-dropout", "-0.1", "0.5", DROPOUT),
         flag("ppo", &["--actor-lora-dim", "4"], "--actor-lora-learning-rate", "0", "1e-4", POSITIVE),

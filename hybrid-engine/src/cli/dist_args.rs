@@ -40,19 +40,29 @@ impl DistArgs {
     pub fn data_parallel(&self, group: &Rc<ProcessGroup>, stage: u8) -> Result<DataParallel> {
         if stage == 3 {
             bail!(
-                "--zero-stage 3 (parameters sharded at rest) trains step 1 and pretraining; this step shards up to \
+                "--zero-stage 3 (parameters sharded at rest) trains steps 1 and 2 and pretraining; this step shards up to \
                  stage 2: use --zero-stage 2"
             );
         }
-        self.data_parallel_with_stage3(group, stage)
+        self.data_parallel_of(group, stage, "")
     }
 
     /// [`Self::data_parallel`] for a step that trains a [`crate::training::zero3::ShardedModel`]
     /// at stage 3.
     pub fn data_parallel_with_stage3(&self, group: &Rc<ProcessGroup>, stage: u8) -> Result<DataParallel> {
+        self.data_parallel_of(group, stage, "")
+    }
+
+    /// [`Self::data_parallel`] for one of several models a step trains (step 3's actor and
+    /// critic, each at its own stage): the line starts with `model`.
+    pub fn model_data_parallel(&self, group: &Rc<ProcessGroup>, stage: u8, model: &str) -> Result<DataParallel> {
+        self.data_parallel_of(group, stage, &format!("{model}: "))
+    }
+
+    fn data_parallel_of(&self, group: &Rc<ProcessGroup>, stage: u8, prefix: &str) -> Result<DataParallel> {
         let dp = DataParallel::new(group.clone(), stage, self.reduce_bucket_size as usize)?;
         if group.world() == 1 && stage > 0 {
-            println!("ZeRO stage {stage} with 1 process: nothing to shard, training as stage 0");
+            println!("{prefix}ZeRO stage {stage} with 1 process: nothing to shard, training as stage 0");
         } else if group.world() > 1 {
             let what = match stage {
                 0 => "gradients all-reduced, every rank updates the whole model",
@@ -60,7 +70,7 @@ impl DistArgs {
                 3 => "weights, gradients and Adam moments sharded; each block's weights gathered when it runs",
                 _ => "Adam moments and gradients sharded (reduce-scattered every micro-batch), weights all-gathered",
             };
-            println!("data parallel: {} ranks, ZeRO stage {stage}: {what}", group.world());
+            println!("{prefix}data parallel: {} ranks, ZeRO stage {stage}: {what}", group.world());
         }
         Ok(dp)
     }

@@ -3,7 +3,9 @@
 //!
 //! Left padding follows transformers' `generate`: pad tokens are masked out of attention and
 //! position ids count real tokens only (`cumsum(mask) - 1`), so a padded row produces the same
-//! tokens as the same prompt alone.
+//! tokens as the same prompt alone. Sampling draws each row's random numbers from its own stream,
+//! named by the row's key ([`LeftPadded::with_keys`]), so a row's answer does not depend on which
+//! rows share its batch: a rollout cut across data-parallel ranks samples what one rank would.
 
 use crate::model::gpt2::{Gpt2, Gpt2Cache, Positions};
 use anyhow::{bail, Result};
@@ -24,6 +26,7 @@ pub struct SamplingConfig {
     pub pad_token_id: u32,
     /// Logits at ids >= this (Megatron vocabulary padding) are never chosen.
     pub vocab_limit: usize,
+    /// With a row's key, the stream its sampling draws from ([`row_rng`]).
     pub seed: u64,
 }
 
@@ -45,6 +48,14 @@ impl SamplingConfig {
     }
 }
 
+/// The random stream of the row keyed `key`: ChaCha8 seeded by `seed`, stream `key`. Key 0 is
+/// the seed's default stream, so a lone row samples as before per-row streams existed.
+pub fn row_rng(seed: u64, key: u64) -> ChaCha8Rng {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    rng.set_stream(key);
+    rng
+}
+
 /// Picks the next token from one row of logits.
 pub fn sample_token(logits: &[f32], cfg: &SamplingConfig, rng: &mut ChaCha8Rng) -> u32 {
     let limit = cfg.vocab_limit.min(logits.len());
@@ -53,37 +64,44 @@ pub fn sample_token(logits: &[f32], cfg: &SamplingConfig, rng: &mut ChaCha8Rng) 
         return crate::kernels::rowops::argmax(logits) as u32;
     }
     let t = cfg.temperature.unwrap_or(1.0);
-    let mut order: Vec<usize> = (0..limit).collect();
-    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a])); // descending
-    if let Some(k) = cfg.top_k.filter(|&k| k > 0) {
-        order.truncate(k);
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let weight = |i: usize| ((logits[i] as f64 - max) / t).exp();
+    let top_k = cfg.top_k.filter(|&k| k > 0 && k < limit);
+    let top_p = cfg.top_p.filter(|&p| p < 1.0);
+    let mut candidates: Vec<usize> = (0..limit).collect();
+    if top_k.is_some() || top_p.is_some() {
+        candidates.sort_by(|&a, &b| logits[b].total_cmp(&logits[a])); // descending
+        if let Some(k) = top_k {
+            candidates.truncate(k);
+        }
+        if let Some(top_p) = top_p {
+            // Keep the smallest prefix whose mass (among the top k) reaches top_p, at least one.
+            let total: f64 = candidates.iter().map(|&i| weight(i)).sum();
+            let mut cum = 0.0;
+            let keep = candidates.iter().take_while(|&&i| {
+                let before = cum;
+                cum += weight(i) / total;
+                before < top_p
+            });
+            let n = keep.count().max(1);
+            candidates.truncate(n);
+        }
+        // The draw walks the candidates in vocabulary order, not by logit: in the sorted order two
+        // nearly equal logits swap places on a rounding difference, and the draw would then pick
+        // another token although no probability moved beyond rounding (a flat distribution has
+        // thousands of such pairs). This way a token changes only when the draw falls within
+        // rounding of a boundary.
+        candidates.sort_unstable();
     }
-    let max = logits[order[0]] as f64;
-    let mut probs: Vec<f64> = order.iter().map(|&i| ((logits[i] as f64 - max) / t).exp()).collect();
-    let total: f64 = probs.iter().sum();
-    probs.iter_mut().for_each(|p| *p /= total);
-    if let Some(top_p) = cfg.top_p.filter(|&p| p < 1.0) {
-        // Keep the smallest prefix whose mass reaches top_p (at least one token).
-        let mut cum = 0.0;
-        let keep = probs.iter().take_while(|&&p| {
-            let before = cum;
-            cum += p;
-            before < top_p
-        });
-        let n = keep.count().max(1);
-        order.truncate(n);
-        probs.truncate(n);
-        let total: f64 = probs.iter().sum();
-        probs.iter_mut().for_each(|p| *p /= total);
-    }
-    let mut u: f64 = rng.random();
-    for (i, p) in order.iter().zip(&probs) {
-        if u < *p {
+    let weights: Vec<f64> = candidates.iter().map(|&i| weight(i)).collect();
+    let mut u: f64 = rng.random::<f64>() * weights.iter().sum::<f64>();
+    for (i, w) in candidates.iter().zip(&weights) {
+        if u < *w {
             return *i as u32;
         }
-        u -= p;
+        u -= w;
     }
-    *order.last().expect("at least one candidate") as u32
+    *candidates.last().expect("at least one candidate") as u32
 }
 
 /// Generates up to `cfg.max_new_tokens` tokens after each prompt. Returns the new tokens of
@@ -121,6 +139,8 @@ pub struct LeftPadded {
     pub mask: Vec<u32>,
     pub b: usize,
     pub p: usize,
+    /// Each row's sampling stream ([`row_rng`]); its index in the batch unless set.
+    pub keys: Vec<u64>,
 }
 
 impl LeftPadded {
@@ -134,7 +154,15 @@ impl LeftPadded {
             ids.extend(std::iter::repeat_n(pad, pad_len).chain(prompt.iter().copied()));
             mask.extend((0..p).map(|i| u32::from(i >= pad_len)));
         }
-        Self { ids, mask, b, p }
+        Self { ids, mask, b, p, keys: (0..b as u64).collect() }
+    }
+
+    /// Samples row `r` from the stream `keys[r]`: a row keyed by its place in a larger batch
+    /// (PPO's rollout cut across ranks) samples what it would sample there.
+    pub fn with_keys(mut self, keys: Vec<u64>) -> Self {
+        assert_eq!(keys.len(), self.b, "LeftPadded::with_keys: one key per row");
+        self.keys = keys;
+        self
     }
 
     /// Position ids `cumsum(mask) - 1`, pads at 0. (B, P) row-major.
@@ -187,7 +215,7 @@ pub fn generate_with_cache(
         bail!("prompt of {p} tokens leaves no room to generate: the model's context is {n_pos} tokens");
     }
     let max_new = cfg.max_new_tokens.min(n_pos - p);
-    let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed);
+    let mut rngs: Vec<ChaCha8Rng> = batch.keys.iter().map(|&k| row_rng(cfg.seed, k)).collect();
 
     let mut mask: Vec<Vec<u32>> = batch.mask.chunks(p).map(<[u32]>::to_vec).collect();
     let mut next_pos: Vec<u32> = mask.iter().map(|m| m.iter().sum()).collect();
@@ -213,7 +241,7 @@ pub fn generate_with_cache(
         let lse = crate::kernels::decode::log_sum_exp_rows(&logits, v);
         let mut step = Vec::with_capacity(b);
         for (r, row) in logits.chunks_exact(v).enumerate() {
-            let tok = if done[r] { cfg.pad_token_id } else { sample_token(row, cfg, &mut rng) };
+            let tok = if done[r] { cfg.pad_token_id } else { sample_token(row, cfg, &mut rngs[r]) };
             if !done[r] {
                 out[r].push(tok);
                 // log softmax(logits)[token], the exponentials summed in f64.
@@ -288,6 +316,49 @@ mod tests {
             }
         }
         Ok(())
+    }
+
+    /// A sampled row depends on its prompt and its key only: generated among other rows, alone or
+    /// in another order, it is the same answer; the same prompt under another key is another.
+    #[test]
+    fn a_sampled_row_depends_on_its_key_not_on_its_batch_mates() -> Result<()> {
+        let dev = Device::Cpu;
+        let cfg = crate::Gpt2Config {
+            n_layer: 1,
+            n_embd: 16,
+            n_head: 2,
+            n_positions: 32,
+            vocab_size: 64,
+            ..crate::Gpt2Config::tiny()
+        };
+        let model = crate::ParamStore::init(&cfg, 5, &dev)?.model(&cfg)?;
+        let sampling = SamplingConfig { temperature: Some(1.0), seed: 11, ..SamplingConfig::greedy(8, None, 0, 64) };
+        let prompts = [vec![3, 4, 5], vec![9], vec![7, 8], vec![1, 2, 3, 4]];
+        let all = generate_left_padded(&model, &LeftPadded::new(&prompts, 6, 0), &sampling, &dev)?;
+        let some = LeftPadded::new(&[prompts[2].clone(), prompts[0].clone()], 6, 0).with_keys(vec![2, 0]);
+        let some = generate_left_padded(&model, &some, &sampling, &dev)?;
+        assert_eq!(some.tokens, vec![all.tokens[2].clone(), all.tokens[0].clone()]);
+        let rekeyed = LeftPadded::new(&[prompts[2].clone()], 6, 0).with_keys(vec![3]);
+        let rekeyed = generate_left_padded(&model, &rekeyed, &sampling, &dev)?;
+        assert_ne!(rekeyed.tokens[0], all.tokens[2], "another key samples another answer");
+        Ok(())
+    }
+
+    /// A rounding-size change of nearly flat logits (what another batch shape or summation order
+    /// gives) leaves the sampled tokens alone, with and without top-k: the draw walks the
+    /// candidates in vocabulary order, where such a change moves no boundary beyond rounding.
+    #[test]
+    fn sampling_is_stable_under_rounding_changes_of_flat_logits() {
+        let mut noise = ChaCha8Rng::seed_from_u64(9);
+        let logits: Vec<f32> = (0..50257).map(|_| noise.random_range(-0.1f32..0.1)).collect();
+        let nudged: Vec<f32> = logits.iter().map(|&x| x * (1.0 + noise.random_range(-1e-6f32..1e-6))).collect();
+        for top_k in [None, Some(1000)] {
+            let cfg = SamplingConfig { top_k, ..cfg(1.0, None, None) };
+            let cfg = SamplingConfig { vocab_limit: 50257, ..cfg };
+            let (mut a, mut b) = (row_rng(4, 0), row_rng(4, 0));
+            let same = (0..300).filter(|_| sample_token(&logits, &cfg, &mut a) == sample_token(&nudged, &cfg, &mut b));
+            assert_eq!(same.count(), 300, "top-k {top_k:?}");
+        }
     }
 
     #[test]

@@ -7,6 +7,7 @@ use anyhow::{bail, Result};
 use clap::Parser;
 use data::args::DataArgs;
 use hybrid_engine::cli;
+use hybrid_engine::cli::dist_args::DistArgs;
 use hybrid_engine::training::precision::{Dtype, PrecisionArgs};
 use hybrid_engine::training::schedule::DecayStyle;
 use std::path::PathBuf;
@@ -26,10 +27,11 @@ pub struct PpoArgs {
     /// The step-2 reward model (also the critic's start): HF directory or hub id.
     #[arg(long, default_value = "output/reward", alias = "critic_model_name_or_path")]
     pub critic_model_name_or_path: String,
-    /// Prompts per rollout.
+    /// Prompts each rank generates per rollout (a rollout is this times the number of ranks).
     #[arg(long, default_value_t = 16, alias = "per_device_generation_batch_size")]
     pub per_device_generation_batch_size: usize,
-    /// Rows per PPO micro-batch (a rollout is sliced into these).
+    /// Rows per PPO micro-batch on each rank (a rollout is sliced into global micro-batches of
+    /// this times the number of ranks).
     #[arg(long, default_value_t = 16, alias = "per_device_training_batch_size")]
     pub per_device_training_batch_size: usize,
     /// Rollouts collected before the PPO epochs over them.
@@ -134,10 +136,20 @@ pub struct PpoArgs {
     /// Print decoded rollouts every this many steps (0: never).
     #[arg(long, default_value_t = 10, alias = "print_answers_interval")]
     pub print_answers_interval: u64,
+    /// The actor's ZeRO stage across ranks (0, 1 or 2).
     #[arg(long, default_value_t = 0, alias = "actor_zero_stage")]
     pub actor_zero_stage: u8,
+    /// The critic's ZeRO stage across ranks (0, 1 or 2).
     #[arg(long, default_value_t = 0, alias = "critic_zero_stage")]
     pub critic_zero_stage: u8,
+    #[command(flatten)]
+    pub dist: DistArgs,
+    /// AdamW's epsilon for both models (DeepSpeed's default 1e-8).
+    #[arg(long, default_value_t = 1e-8, alias = "adam_eps", value_parser = cli::positive())]
+    pub adam_eps: f64,
+    /// Global gradient-norm clip of each model (DS-Chat 1.0; 0: none).
+    #[arg(long, default_value_t = 1.0, alias = "gradient_clipping", value_parser = cli::non_negative())]
+    pub gradient_clipping: f64,
     /// Save a resumable checkpoint every this many rollouts (0: none), under --save.
     #[arg(long, default_value_t = 0, alias = "save_interval")]
     pub save_interval: u64,
@@ -163,12 +175,14 @@ pub struct PpoArgs {
 }
 
 impl PpoArgs {
-    /// The flags that shape training, recorded in checkpoints: a resume must match them.
-    pub fn run_fingerprint(&self) -> serde_json::Value {
+    /// The flags that shape training, recorded in checkpoints: a resume must match them. The
+    /// batch sizes are the global ones (per device times `world`), so a run can resume at
+    /// another world size with per-device sizes that keep them.
+    pub fn run_fingerprint(&self, world: usize) -> serde_json::Value {
         serde_json::json!({
             "data_path": self.data.data_path, "data_split": self.data.data_split, "seed": self.seed,
             "actor": self.actor_model_name_or_path, "critic": self.critic_model_name_or_path,
-            "batch": [self.per_device_generation_batch_size, self.per_device_training_batch_size, self.generation_batches, self.ppo_epochs, self.gradient_accumulation_steps],
+            "batch": [self.per_device_generation_batch_size * world, self.per_device_training_batch_size * world, self.generation_batches, self.ppo_epochs, self.gradient_accumulation_steps],
             "lengths": [self.max_prompt_seq_len, self.max_answer_seq_len],
             "lr": [self.actor_learning_rate, self.critic_learning_rate, self.actor_weight_decay, self.critic_weight_decay],
             "schedule": [format!("{:?}", self.lr_scheduler_type), self.num_warmup_steps.to_string(), self.num_train_epochs.to_string()],
@@ -176,6 +190,7 @@ impl PpoArgs {
             "sampling": [self.do_sample.to_string(), self.temperature.to_string(), self.top_k.to_string(), self.top_p.to_string()],
             "lora": [self.actor_lora_dim.to_string(), self.actor_lora_module_name.clone(), self.critic_lora_dim.to_string(), self.critic_lora_module_name.clone(), self.only_optimize_lora.to_string(), self.actor_lora_learning_rate.to_string(), self.critic_lora_learning_rate.to_string()],
             "precision": [self.precision.dtype.name().to_string(), self.precision.compute_fp32_loss.to_string(), self.precision.loss_scaling().window.to_string(), self.precision.loss_scaling().initial_scale_power.to_string(), self.align_overflow.to_string()],
+            "optimizer": [self.adam_eps, self.gradient_clipping],
             "ema": self.enable_ema, "ptx": [self.unsupervised_dataset_name.clone().unwrap_or_default(), self.unsup_coef.to_string()],
         })
     }
@@ -228,8 +243,15 @@ impl PpoArgs {
                 self.precision.dtype.name()
             );
         }
-        if self.actor_zero_stage > 3 || self.critic_zero_stage > 3 {
-            bail!("--actor-zero-stage and --critic-zero-stage must be 0, 1, 2 or 3");
+        for (flag, stage) in
+            [("--actor-zero-stage", self.actor_zero_stage), ("--critic-zero-stage", self.critic_zero_stage)]
+        {
+            match stage {
+                0..=2 => {}
+                // Generation would have to gather the sharded weights once per rollout first.
+                3 => bail!("{flag} 3 (parameters sharded at rest) is not available for step 3 yet: use 0, 1 or 2"),
+                _ => bail!("{flag} {stage}: ZeRO stages are 0, 1 and 2 for step 3"),
+            }
         }
         hybrid_engine::device::check_device(&self.device)?;
         Ok(())

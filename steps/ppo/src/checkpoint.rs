@@ -6,6 +6,9 @@
 //! functions of the optimizer steps, and rollout sampling and dropout are seeded by the step and
 //! update numbers, so a resumed run continues as the uninterrupted one would. Checkpoints are
 //! taken only between training phases, when no rollout is buffered and no gradient is pending.
+//! Across ranks rank 0 writes them, with the optimizers gathered whole from the ZeRO shards, and
+//! the loop position counts global rollouts: a checkpoint loads into any world size and stage
+//! that keeps the global batch sizes.
 
 use crate::trainer::PpoModels;
 use anyhow::{bail, Context, Result};
@@ -16,6 +19,7 @@ use hybrid_engine::checkpoints::hf_io::{self, LATEST};
 use hybrid_engine::checkpoints::resume::checkpoint_name;
 use hybrid_engine::durable::{write_dir_atomically, write_file_atomically};
 use hybrid_engine::model::reward_model::{causal_lm_config, sequence_classification_config};
+use hybrid_engine::training::optim::AdamW;
 use hybrid_engine::training::trainer::TrainerProgress;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -62,8 +66,15 @@ pub struct PpoCheckpoint {
     pub state: PpoState,
 }
 
-/// Saves the models, optimizers and `state` under `root`, then points `latest` at it.
-pub fn save(root: &Path, models: &PpoModels, state: &PpoState, tokenizer: &Tokenizer) -> Result<PathBuf> {
+/// Saves the models, the optimizers (`actor_opt`, `critic_opt`: whole, consolidated from the
+/// ranks' shards) and `state` under `root`, then points `latest` at it.
+pub fn save(
+    root: &Path,
+    models: &PpoModels,
+    (actor_opt, critic_opt): (&AdamW, &AdamW),
+    state: &PpoState,
+    tokenizer: &Tokenizer,
+) -> Result<PathBuf> {
     let name = checkpoint_name(state.step);
     let dir = root.join(&name);
     let eos = tokenizer.eos_id();
@@ -96,9 +107,9 @@ pub fn save(root: &Path, models: &PpoModels, state: &PpoState, tokenizer: &Token
             safetensors::serialize_to_file(raw(ema), None, &tmp.join("actor_ema_params.safetensors"))?;
         }
         let meta = HashMap::from([("format".to_string(), "rlhf-adamw".to_string())]);
-        let actor_opt = models.actor.trainer.optimizer.state_tensors(&models.actor.trainable)?;
+        let actor_opt = actor_opt.state_tensors(&models.actor.trainable)?;
         safetensors::serialize_to_file(actor_opt, Some(meta.clone()), &tmp.join("actor_optimizer.safetensors"))?;
-        let critic_opt = models.critic.trainer.optimizer.state_tensors(&models.critic.trainable)?;
+        let critic_opt = critic_opt.state_tensors(&models.critic.trainable)?;
         safetensors::serialize_to_file(critic_opt, Some(meta), &tmp.join("critic_optimizer.safetensors"))?;
         hf_io::write_json(&tmp.join(STATE), &serde_json::to_value(state)?)
     })?;

@@ -6,6 +6,10 @@
 //! Shapes: B rows, P = `max_prompt_seq_len` (prompts are left-padded to exactly P, so the first
 //! answer token is emitted by action `start = P - 1` in every row), L = P + the longest answer,
 //! L - 1 actions.
+//!
+//! Across data-parallel ranks each rank generates its share of the rollout's prompts; every row
+//! keeps its position in the whole rollout, which keys its sampling and places it in a global
+//! micro-batch, so the ranks together hold the rows one rank would.
 
 use crate::ppo::{self, PpoConfig};
 use anyhow::Result;
@@ -14,6 +18,7 @@ use hybrid_engine::generation::engine::GenerationMode;
 use hybrid_engine::generation::generate::{gather_log_probs, position_ids, LeftPadded, SamplingConfig};
 use hybrid_engine::model::gpt2::{Gpt2, Positions};
 use hybrid_engine::model::reward_model::RewardModel;
+use std::ops::Range;
 
 /// One rollout's record. Per-action arrays are (B, L - 1) row-major; `advantages` and
 /// `returns` cover actions `start..` only: (B, L - 1 - start).
@@ -42,9 +47,50 @@ pub struct Experience {
     /// Answer tokens per row (EOS included when produced) and whether it ended with EOS.
     pub answer_lens: Vec<usize>,
     pub ended_with_eos: Vec<bool>,
+    /// Each row's position in the whole rollout (over all ranks), ascending.
+    pub positions: Vec<usize>,
+    /// Prompts in the whole rollout (over all ranks), dropped rows included.
+    pub rollout_size: usize,
 }
 
 impl Experience {
+    /// A rank's record of a rollout in which none of its rows was kept (the other ranks' were):
+    /// it holds no rows but takes part in every global micro-batch.
+    pub fn empty(p: usize, rollout_size: usize) -> Self {
+        Self {
+            seq: vec![],
+            attention_mask: vec![],
+            b: 0,
+            l: p,
+            start: p - 1,
+            logprobs: vec![],
+            ref_logprobs: vec![],
+            values: vec![],
+            rewards: vec![],
+            action_mask: vec![],
+            advantages: vec![],
+            returns: vec![],
+            scores: vec![],
+            answer_lens: vec![],
+            ended_with_eos: vec![],
+            positions: vec![],
+            rollout_size,
+        }
+    }
+
+    /// Global micro-batches of `global_micro` rollout positions each: the same number on every
+    /// rank, whatever rows were dropped.
+    pub fn micro_batches(&self, global_micro: usize) -> usize {
+        self.rollout_size.div_ceil(global_micro)
+    }
+
+    /// The rows of global micro-batch `k` (positions `k * global_micro..`) this rank holds.
+    pub fn micro_batch_rows(&self, k: usize, global_micro: usize) -> Range<usize> {
+        let first = self.positions.partition_point(|&p| p < k * global_micro);
+        let end = self.positions.partition_point(|&p| p < (k + 1) * global_micro);
+        first..end
+    }
+
     /// Actions per row (L - 1).
     pub fn actions(&self) -> usize {
         self.l - 1
@@ -77,10 +123,13 @@ pub struct RolloutCounts {
 
 /// Generates answers for `prompts` and scores them; `None` when every answer was too short to
 /// learn from (the caller then reuses the previous experience, DS-Chat's `last_generated_experience`).
+/// Each prompt's key ([`LeftPadded::keys`]) is its position in the rollout of `rollout_size`
+/// prompts (this rank's share of which `prompts` are).
 pub fn generate_experience(
     models: &RolloutModels,
     engine: &mut GenerationMode,
     prompts: &LeftPadded,
+    rollout_size: usize,
     sampling: &SamplingConfig,
     cfg: &PpoConfig,
     device: &Device,
@@ -137,6 +186,7 @@ pub fn generate_experience(
     }
     let answer_lens = keep.iter().map(|&r| generation.tokens[r].len()).collect();
     let ended_with_eos = keep.iter().map(|&r| generation.tokens[r].last() == sampling.eos_token_id.as_ref()).collect();
+    let positions = keep.iter().map(|&r| prompts.keys[r] as usize).collect();
     let experience = Experience {
         seq,
         attention_mask,
@@ -153,8 +203,23 @@ pub fn generate_experience(
         scores,
         answer_lens,
         ended_with_eos,
+        positions,
+        rollout_size,
     };
     Ok((Some(experience), counts))
+}
+
+/// The positions of a rollout of `n` prompts that `rank` of `world` ranks generates: in each
+/// global micro-batch of `global_micro` consecutive positions, every `world`-th from `rank` on
+/// (torch's DistributedSampler within the micro-batch), ascending. The ranks' shares of global
+/// micro-batch `k` together are the one-rank micro-batch `k`; unlike SFT's sampler nothing is
+/// padded, so a short last rollout gives some ranks fewer rows, or none.
+pub fn rollout_share(n: usize, global_micro: usize, rank: usize, world: usize) -> Vec<usize> {
+    assert!(rank < world && global_micro > 0, "rank {rank} of {world}, global micro-batch {global_micro}");
+    (0..n)
+        .step_by(global_micro)
+        .flat_map(|first| (first..(first + global_micro).min(n)).skip(rank).step_by(world))
+        .collect()
 }
 
 /// DS-Chat drops answers with at most one non-pad token: nothing to learn from.
@@ -299,6 +364,42 @@ mod tests {
     }
 
     #[test]
+    fn rollout_shares_split_every_global_micro_batch_and_cover_the_rollout_once() {
+        // 10 prompts, global micro-batches of 4 over 2 ranks: [0..4), [4..8), [8..10).
+        assert_eq!(rollout_share(10, 4, 0, 2), vec![0, 2, 4, 6, 8]);
+        assert_eq!(rollout_share(10, 4, 1, 2), vec![1, 3, 5, 7, 9]);
+        // 4 prompts, micro-batches of 3 over 3 ranks: the last micro-batch has rank 0's row only.
+        assert_eq!(rollout_share(4, 3, 0, 3), vec![0, 3]);
+        assert_eq!(rollout_share(4, 3, 2, 3), vec![2]);
+        assert_eq!(rollout_share(7, 7, 0, 1), (0..7).collect::<Vec<_>>());
+        for (n, world, per_rank) in [(12, 2, 3), (13, 3, 2), (5, 3, 4), (2, 3, 1)] {
+            let micro = per_rank * world;
+            let mut seen = vec![0; n];
+            for rank in 0..world {
+                let share = rollout_share(n, micro, rank, world);
+                assert!(share.windows(2).all(|w| w[0] < w[1]), "ascending: {share:?}");
+                for k in 0..n.div_ceil(micro) {
+                    let in_k = share.iter().filter(|&&p| p / micro == k).count();
+                    assert!(in_k <= per_rank, "at most the per-device rows in a micro-batch");
+                }
+                share.iter().for_each(|&p| seen[p] += 1);
+            }
+            assert!(seen.iter().all(|&c| c == 1), "n {n}, world {world}: {seen:?}");
+        }
+    }
+
+    #[test]
+    fn micro_batches_count_rollout_positions_so_drops_leave_holes() {
+        // Kept rows at positions 0, 2, 3 and 7 of a rollout of 9 (the others dropped, or another
+        // rank's): micro-batches of 4 positions.
+        let exp = Experience { positions: vec![0, 2, 3, 7], ..Experience::empty(4, 9) };
+        assert_eq!(exp.micro_batches(4), 3, "by the rollout's size, whatever was dropped");
+        assert_eq!(exp.micro_batch_rows(0, 4), 0..3);
+        assert_eq!(exp.micro_batch_rows(1, 4), 3..4);
+        assert_eq!(exp.micro_batch_rows(2, 4), 4..4, "none of the last micro-batch's rows is here");
+    }
+
+    #[test]
     fn answers_of_at_most_one_token_are_dropped() {
         let eos = 9;
         assert!(!answer_is_learnable(&[eos], eos), "EOS at once");
@@ -330,7 +431,7 @@ mod tests {
         let sampling = SamplingConfig { temperature: Some(1.0), seed: 1, ..SamplingConfig::greedy(6, Some(63), 0, 64) };
         let cfg_ppo = PpoConfig { lam: 1.0, ..PpoConfig::default() };
         let mut engine = GenerationMode::new(4, 6, false);
-        let (exp, counts) = generate_experience(&models, &mut engine, &prompts, &sampling, &cfg_ppo, &dev)?;
+        let (exp, counts) = generate_experience(&models, &mut engine, &prompts, 2, &sampling, &cfg_ppo, &dev)?;
         let exp = exp.expect("random answers are longer than one token");
         assert_eq!(counts.generated, 2);
         assert_eq!(exp.b + counts.dropped_short, 2);

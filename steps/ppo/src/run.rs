@@ -2,25 +2,35 @@
 //! of prompts generate experience; every `--generation-batches` rollouts run `--ppo-epochs`
 //! passes of PPO updates over their micro-batches; log the diagnostics users need each step;
 //! save `step3/{actor,critic,actor_ema}` as HF directories.
+//!
+//! Across N data-parallel ranks (DS-Chat under deepspeed) every rank holds the four models; a
+//! rollout is `--per-device-generation-batch-size` x N prompts of one seeded order, each rank
+//! generating and scoring its share; the actor's and the critic's gradients are averaged over the
+//! ranks at their own ZeRO stages. Every loss, statistic and decision that spans the rollout is
+//! reduced over the ranks, so N ranks train as one rank would at the same global batch. Rank 0
+//! logs and saves.
 
 use crate::args::PpoArgs;
 use crate::eval::{evaluate_policy, PolicyEval};
-use crate::experience::{generate_experience, Experience, RolloutModels};
+use crate::experience::{generate_experience, rollout_share, Experience, RolloutModels};
 use crate::ppo;
-use crate::trainer::{PpoModels, Trained, UpdateStats};
+use crate::trainer::{answer_tokens, MicroBatch, PpoModels, Trained, UpdateStats};
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
 use data::{PackedCorpus, Tokenizer};
 use hybrid_engine::checkpoints::hf_io::{load_model_dir, resolve_model_dir};
 use hybrid_engine::checkpoints::resume::save_model_dir;
+use hybrid_engine::comm::{ProcessGroup, ReduceOp};
 use hybrid_engine::generation::engine::GenerationMode;
 use hybrid_engine::generation::generate::{LeftPadded, SamplingConfig};
+use hybrid_engine::kernels::ops::DropoutKey;
 use hybrid_engine::model::gpt2::Gpt2Config;
 use hybrid_engine::model::reward_model::{causal_lm_config, sequence_classification_config, RewardModel, SCORE_WEIGHT};
 use hybrid_engine::training::metrics::{peak_rss_mib, Metrics};
 use hybrid_engine::training::optim::AdamWConfig;
 use hybrid_engine::training::schedule::LrSchedule;
 use hybrid_engine::training::trainer::Trainer;
+use hybrid_engine::training::zero::DataParallel;
 use hybrid_engine::ParamStore;
 use serde::Serialize;
 use serde_json::json;
@@ -88,6 +98,8 @@ fn schedule(args: &PpoArgs, lr: f64, total: u64) -> LrSchedule {
 pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
     args.validate()?;
     let device = hybrid_engine::device::parse_device(&args.device)?;
+    let group = args.dist.join()?;
+    let (rank, world) = (group.rank(), group.world());
     println!("device: {}", hybrid_engine::device::describe(&device));
     let cfg = args.ppo_config();
 
@@ -137,19 +149,16 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
             Some(corpus)
         }
     };
-    hybrid_engine::comm::refuse_distributed("step 3 (PPO)")?;
-    for (flag, stage) in
-        [("--actor-zero-stage", args.actor_zero_stage), ("--critic-zero-stage", args.critic_zero_stage)]
-    {
-        if stage > 0 {
-            println!("{flag} {stage} with 1 process: nothing to shard, training as stage 0");
-        }
-    }
+    let actor_dp = args.dist.model_data_parallel(&group, args.actor_zero_stage, "actor")?;
+    let critic_dp = args.dist.model_data_parallel(&group, args.critic_zero_stage, "critic")?;
+    // The global batches: a rollout's prompts and a PPO micro-batch's rows over all ranks.
+    let global_generation = args.per_device_generation_batch_size * world;
+    let global_micro = args.per_device_training_batch_size * world;
 
     // Optimizer steps: each rollout is sliced into micro-batches, each an actor and a critic
     // micro-step (and a PTX actor micro-step).
-    let rollouts_per_epoch = prompts.train.len().div_ceil(args.per_device_generation_batch_size);
-    let micro_per_rollout = args.per_device_generation_batch_size.div_ceil(args.per_device_training_batch_size);
+    let rollouts_per_epoch = prompts.train.len().div_ceil(global_generation);
+    let micro_per_rollout = global_generation.div_ceil(global_micro);
     let micro_total = args.num_train_epochs * rollouts_per_epoch * micro_per_rollout * args.ppo_epochs;
     let critic_steps = micro_total.div_ceil(args.gradient_accumulation_steps) as u64;
     let actor_steps = critic_steps * if unsupervised.is_some() { 2 } else { 1 };
@@ -187,7 +196,7 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
     // Resume: the trained models' values from the checkpoint (the frozen ones from their dirs).
     let resume = args.load.as_deref().map(|root| crate::checkpoint::load(root, &device)).transpose()?;
     if let Some(ck) = &resume {
-        if ck.state.run != args.run_fingerprint() {
+        if ck.state.run != args.run_fingerprint(world) {
             bail!(
                 "--load {}: the checkpoint was made with other training flags ({}); resume with the flags it was saved with",
                 ck.dir.display(),
@@ -221,11 +230,14 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
             &actor_compute,
             &actor_cfg,
             actor_model,
-            args.actor_learning_rate,
-            args.actor_lora_learning_rate,
-            args.actor_weight_decay,
-            actor_steps,
-            args.actor_gradient_checkpointing,
+            TrainedAs {
+                lr: args.actor_learning_rate,
+                lora_lr: args.actor_lora_learning_rate,
+                weight_decay: args.actor_weight_decay,
+                steps: actor_steps,
+                checkpoint_activations: args.actor_gradient_checkpointing,
+                dp: actor_dp,
+            },
         )?,
         critic: trained(
             args,
@@ -233,11 +245,14 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
             &critic_compute,
             &critic_cfg,
             critic_model,
-            args.critic_learning_rate,
-            args.critic_lora_learning_rate,
-            args.critic_weight_decay,
-            critic_steps,
-            args.critic_gradient_checkpointing,
+            TrainedAs {
+                lr: args.critic_learning_rate,
+                lora_lr: args.critic_lora_learning_rate,
+                weight_decay: args.critic_weight_decay,
+                steps: critic_steps,
+                checkpoint_activations: args.critic_gradient_checkpointing,
+                dp: critic_dp,
+            },
         )?,
         reference: lm_on(&ref_params.compute_copy(dtype)?, &actor_cfg, precision.fp32_loss)?,
         reward: reward_model_on(&reward_params.compute_copy(dtype)?, &reward_cfg, precision.fp32_loss)?,
@@ -259,7 +274,8 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
             .with_dtype(dtype);
 
     let total_rollouts = (args.num_train_epochs * rollouts_per_epoch) as u64;
-    let mut metrics = Metrics::open(&args.output_dir, total_rollouts, resume.as_ref().map_or(0, |ck| ck.state.step))?;
+    let mut metrics =
+        Metrics::for_rank(rank, &args.output_dir, total_rollouts, resume.as_ref().map_or(0, |ck| ck.state.step))?;
     let eval_prompts =
         args.eval_prompts.as_deref().map(|spec| data::prompts::read_prompts(spec, usize::MAX)).transpose()?;
     let mut summary = PpoSummary {
@@ -289,41 +305,40 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
     }
     let save_root = args.save.clone().unwrap_or_else(|| args.output_dir.join("checkpoints"));
     let (mut save_pending, mut last_saved_step) = (false, step);
-    let batches_per_epoch = prompts.train.len().div_ceil(args.per_device_generation_batch_size);
+    let batches_per_epoch = prompts.train.len().div_ceil(global_generation);
+    let ctx = Ctx {
+        args,
+        cfg,
+        group: &group,
+        device: device.clone(),
+        actor_cfg: actor_cfg.clone(),
+        eos,
+        vocab: tokenizer.vocab_size(),
+        global_micro,
+    };
     for epoch in first_epoch..=args.num_train_epochs {
         let order = data::pretrain::epoch_order(&(0..prompts.train.len()), args.seed, epoch as u64 - 1);
         let skip = if epoch == first_epoch { skip_batches } else { 0 };
-        for (batch_index, chunk) in order.chunks(args.per_device_generation_batch_size).enumerate().skip(skip) {
+        for (batch_index, chunk) in order.chunks(global_generation).enumerate().skip(skip) {
             step += 1;
             let rollout_started = Instant::now();
-            let batch: Vec<Vec<u32>> = chunk.iter().map(|&i| prompts.train[i].ids.clone()).collect();
-            let padded = LeftPadded::new(&batch, args.max_prompt_seq_len, eos);
-            let sampling = sampling_config(args, eos, tokenizer.vocab_size(), step);
-            // Generation mode, once per rollout: gather, fuse, dropout off.
-            let generation_model = engine.model(&models.actor.params, &actor_cfg)?;
-            let rollout = RolloutModels {
-                actor_generation: &generation_model,
-                actor: &models.actor.model,
-                reference: &models.reference,
-                critic: &models.critic.model,
-                reward: &models.reward,
-            };
-            let (experience, counts) = generate_experience(&rollout, &mut engine, &padded, &sampling, &cfg, &device)?;
-            summary.answers_dropped_short += counts.dropped_short as u64;
+            let rollout: Vec<&[u32]> = chunk.iter().map(|&i| prompts.train[i].ids.as_slice()).collect();
+            let (experience, totals) = generate_share(&ctx, &models, &mut engine, &rollout, step)?;
+            summary.answers_dropped_short += totals.dropped_short as u64;
             let experience = match experience {
                 Some(e) => e,
                 None => match &last_experience {
                     // DS-Chat's `last_generated_experience`: every answer was too short.
                     Some(previous) => {
                         summary.rollouts_reused += 1;
-                        metrics.println(&format!(" step {step}: all {} answers had at most one token; reusing the previous rollout", counts.generated));
+                        metrics.println(&format!(" step {step}: all {} answers had at most one token; reusing the previous rollout", totals.generated));
                         previous.clone()
                     }
                     None => bail!("the actor's first rollout gave only empty or one-token answers: check the step-1 model and --max-answer-seq-len"),
                 },
             };
             let generation_secs = rollout_started.elapsed().as_secs_f64();
-            let rollout_stats = rollout_stats(&experience);
+            let rollout_stats = rollout_stats(&experience, &group)?;
             if args.print_answers_interval > 0 && (step - 1) % args.print_answers_interval == 0 {
                 print_answers(&metrics, &experience, &tokenizer, eos, 2)?;
             }
@@ -334,33 +349,13 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
 
             // Training: once `generation_batches` rollouts are collected.
             let train_started = Instant::now();
-            let mut updates: Vec<UpdateStats> = Vec::new();
-            let mut ptx_losses = Vec::new();
+            let mut updates = Updates::default();
             if buffer.len() == args.generation_batches {
-                for ppo_epoch in 0..args.ppo_epochs {
-                    let mut slices: Vec<(usize, std::ops::Range<usize>)> = Vec::new();
-                    for (e, exp) in buffer.iter().enumerate() {
-                        for s in (0..exp.b).step_by(args.per_device_training_batch_size) {
-                            slices.push((e, s..(s + args.per_device_training_batch_size).min(exp.b)));
-                        }
-                    }
-                    let shuffle = data::pretrain::epoch_order(&(0..slices.len()), args.seed ^ step, ppo_epoch as u64);
-                    for k in shuffle {
-                        let (e, rows) = slices[k].clone();
-                        micro += 1;
-                        let (stats, _, _) = models.train_rlhf(&buffer[e], rows, &cfg, args.seed, micro, &device)?;
-                        updates.push(stats);
-                        if let Some(corpus) = &unsupervised {
-                            let idx = ptx_cursor.next_indices(args.per_device_training_batch_size);
-                            let (ids, targets) = ptx_batch(corpus, &idx, &device)?;
-                            let (loss, _) =
-                                models.train_unsupervised(&ids, &targets, args.unsup_coef, args.seed, micro)?;
-                            ptx_losses.push(f64::from(loss));
-                        }
-                    }
-                }
+                let ptx = unsupervised.as_ref().map(|corpus| (corpus, &mut ptx_cursor));
+                updates = ppo_epochs(&ctx, &mut models, &buffer, step, &mut micro, ptx)?;
                 buffer.clear();
             }
+            let means = updates.global_means(&group)?;
             let train_secs = train_started.elapsed().as_secs_f64();
             summary.steps = step;
             let safe_point =
@@ -375,48 +370,43 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
             }
             save_pending |= at_interval;
             if save_pending && safe_point {
-                let state = checkpoint_state(args, step, micro, epoch, batch_index + 1, &models, &ptx_cursor, &summary);
-                let dir = crate::checkpoint::save(&save_root, &models, &state, &tokenizer)?;
-                metrics.println(&format!(" saved a step-3 checkpoint at rollout {step} to {}", dir.display()));
+                let state =
+                    checkpoint_state(args, world, step, micro, epoch, batch_index + 1, &models, &ptx_cursor, &summary);
+                if let Some(dir) = save_checkpoint(&group, &save_root, &models, &state, &tokenizer)? {
+                    metrics.println(&format!(" saved a step-3 checkpoint at rollout {step} to {}", dir.display()));
+                }
                 (save_pending, last_saved_step) = (false, step);
             }
-            log_step(
-                &mut metrics,
-                epoch,
-                step,
-                total_rollouts,
-                &rollout_stats,
-                &updates,
-                &ptx_losses,
-                generation_secs,
-                train_secs,
-                &models,
-            )?;
+            let times = (generation_secs, train_secs);
+            log_step(&mut metrics, epoch, step, total_rollouts, &rollout_stats, &means, times, &models)?;
         }
     }
     models.flush()?;
     metrics.finish();
 
     // The models first: the held-out evaluation below can take long, and a run stopped during
-    // it must not lose what it trained.
-    let actor_dir = args.output_dir.join("actor");
-    let write_tok = |d: &Path| tokenizer.save(&d.join("tokenizer.json"));
-    save_model_dir(&actor_dir, &causal_lm_config(&actor_cfg), &models.actor.params, &write_tok)?;
-    save_model_dir(
-        &args.output_dir.join("critic"),
-        &sequence_classification_config(&critic_cfg, eos),
-        &models.critic.params,
-        &write_tok,
-    )?;
-    if let Some(ema) = &models.ema {
-        save_model_dir(&args.output_dir.join("actor_ema"), &causal_lm_config(&actor_cfg), ema, &write_tok)?;
+    // it must not lose what it trained. Every rank holds the same weights: rank 0 saves them.
+    if group.is_first() {
+        let actor_dir = args.output_dir.join("actor");
+        let write_tok = |d: &Path| tokenizer.save(&d.join("tokenizer.json"));
+        save_model_dir(&actor_dir, &causal_lm_config(&actor_cfg), &models.actor.params, &write_tok)?;
+        save_model_dir(
+            &args.output_dir.join("critic"),
+            &sequence_classification_config(&critic_cfg, eos),
+            &models.critic.params,
+            &write_tok,
+        )?;
+        if let Some(ema) = &models.ema {
+            save_model_dir(&args.output_dir.join("actor_ema"), &causal_lm_config(&actor_cfg), ema, &write_tok)?;
+        }
+        println!("saved the PPO actor to {} (chat --path {})", actor_dir.display(), actor_dir.display());
     }
-    println!("saved the PPO actor to {} (chat --path {})", actor_dir.display(), actor_dir.display());
     // The end of the run is always resumable: a checkpoint of the final state (its models are
     // the ones just saved), unless the last interval already wrote it.
     if step != last_saved_step {
         let state = checkpoint_state(
             args,
+            world,
             step,
             micro,
             args.num_train_epochs,
@@ -425,8 +415,14 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
             &ptx_cursor,
             &summary,
         );
-        let dir = crate::checkpoint::save(&save_root, &models, &state, &tokenizer)?;
-        println!("saved the final step-3 checkpoint (rollout {step}) to {}", dir.display());
+        if let Some(dir) = save_checkpoint(&group, &save_root, &models, &state, &tokenizer)? {
+            println!("saved the final step-3 checkpoint (rollout {step}) to {}", dir.display());
+        }
+    }
+    // The other ranks end once rank 0 has saved; it evaluates alone, with no collective.
+    group.barrier()?;
+    if !group.is_first() {
+        return Ok(summary);
     }
 
     hybrid_engine::durable::failpoint("ppo-before-eval");
@@ -463,11 +459,180 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
     Ok(summary)
 }
 
+/// What the stages of the loop read: the flags, the ranks, the device.
+struct Ctx<'a> {
+    args: &'a PpoArgs,
+    cfg: crate::PpoConfig,
+    group: &'a ProcessGroup,
+    device: Device,
+    actor_cfg: Gpt2Config,
+    eos: u32,
+    vocab: usize,
+    /// Rows of a PPO micro-batch over all ranks.
+    global_micro: usize,
+}
+
+/// Rows of a rollout over all ranks.
+#[derive(Clone, Copy, Debug, Default)]
+struct RolloutTotals {
+    generated: usize,
+    dropped_short: usize,
+}
+
+/// Generation and scoring of this rank's share of the rollout `prompts` (the whole rollout, in
+/// order), each row sampled from the stream of its position in the rollout, so that what it
+/// samples does not depend on the world size. Returns this rank's experience, empty when only
+/// the other ranks kept rows, or `None` when no rank did; and the rollout's totals.
+fn generate_share(
+    ctx: &Ctx,
+    models: &PpoModels,
+    engine: &mut GenerationMode,
+    prompts: &[&[u32]],
+    step: u64,
+) -> Result<(Option<Experience>, RolloutTotals)> {
+    let (args, group) = (ctx.args, ctx.group);
+    let share = rollout_share(prompts.len(), ctx.global_micro, group.rank(), group.world());
+    let batch: Vec<Vec<u32>> = share.iter().map(|&i| prompts[i].to_vec()).collect();
+    let padded =
+        LeftPadded::new(&batch, args.max_prompt_seq_len, ctx.eos).with_keys(share.iter().map(|&i| i as u64).collect());
+    let sampling = sampling_config(args, ctx.eos, ctx.vocab, step);
+    // Generation mode, once per rollout: gather, fuse, dropout off.
+    let generation_model = engine.model(&models.actor.params, &ctx.actor_cfg)?;
+    let rollout = RolloutModels {
+        actor_generation: &generation_model,
+        actor: &models.actor.model,
+        reference: &models.reference,
+        critic: &models.critic.model,
+        reward: &models.reward,
+    };
+    let (experience, counts) =
+        generate_experience(&rollout, engine, &padded, prompts.len(), &sampling, &ctx.cfg, &ctx.device)?;
+    let kept = experience.as_ref().map_or(0, |e| e.b);
+    let mut totals = [kept as f64, counts.dropped_short as f64, counts.generated as f64];
+    group.all_reduce_scalars(&mut totals, ReduceOp::Sum)?;
+    let totals_rows = RolloutTotals { generated: totals[2] as usize, dropped_short: totals[1] as usize };
+    // Reusing the previous rollout is the ranks' common decision: each reuses its own share.
+    let experience = match experience {
+        None if totals[0] > 0.0 => Some(Experience::empty(args.max_prompt_seq_len, prompts.len())),
+        e => e,
+    };
+    Ok((experience, totals_rows))
+}
+
+/// What a training phase measured on this rank (its parts of the global means).
+#[derive(Default)]
+struct Updates {
+    stats: Vec<UpdateStats>,
+    /// This rank's PTX loss of each update.
+    ptx_losses: Vec<f64>,
+}
+
+/// Means over a training phase's updates of the global micro-batches' measurements.
+struct UpdateMeans {
+    stats: UpdateStats,
+    ptx_loss: Option<f64>,
+}
+
+impl Updates {
+    /// The means over the phase's updates, each update's values reduced over the ranks (every
+    /// rank ran the same updates). NaN when the phase had none (rollouts are being collected).
+    fn global_means(&self, group: &ProcessGroup) -> Result<UpdateMeans> {
+        let mut sums = [0f64; 7];
+        for u in &self.stats {
+            for (s, v) in sums.iter_mut().zip(u.to_array()) {
+                *s += v;
+            }
+        }
+        // Every rank holds as many PTX blocks: the global loss is the ranks' mean.
+        sums[6] = self.ptx_losses.iter().sum::<f64>() / group.world() as f64;
+        group.all_reduce_scalars(&mut sums, ReduceOp::Sum)?;
+        let n = self.stats.len();
+        let mean = |x: f64| if n == 0 { f64::NAN } else { x / n as f64 };
+        let mut stats = [0f64; 6];
+        for (m, s) in stats.iter_mut().zip(sums) {
+            *m = mean(s);
+        }
+        Ok(UpdateMeans {
+            stats: UpdateStats::from_array(stats),
+            ptx_loss: (!self.ptx_losses.is_empty()).then(|| sums[6] / self.ptx_losses.len() as f64),
+        })
+    }
+}
+
+/// The PPO epochs over the buffered rollouts: each pass shuffles their global micro-batches (one
+/// seeded order, the same on every rank) and runs one update per micro-batch, each followed by a
+/// PTX update when `ptx` gives a corpus and its sampler.
+fn ppo_epochs(
+    ctx: &Ctx,
+    models: &mut PpoModels,
+    buffer: &[Experience],
+    step: u64,
+    micro: &mut u64,
+    mut ptx: Option<(&PackedCorpus, &mut data::BlockSampler)>,
+) -> Result<Updates> {
+    let (args, group) = (ctx.args, ctx.group);
+    let (rank, world) = (group.rank(), group.world());
+    let mut updates = Updates::default();
+    for ppo_epoch in 0..args.ppo_epochs {
+        // Global micro-batches, counted from the rollouts' sizes: the same on every rank,
+        // whatever rows each dropped.
+        let slices: Vec<(usize, usize)> = buffer
+            .iter()
+            .enumerate()
+            .flat_map(|(e, exp)| (0..exp.micro_batches(ctx.global_micro)).map(move |k| (e, k)))
+            .collect();
+        let shuffle = data::pretrain::epoch_order(&(0..slices.len()), args.seed ^ step, ppo_epoch as u64);
+        for k in shuffle {
+            let (e, k) = slices[k];
+            let exp = &buffer[e];
+            let rows = exp.micro_batch_rows(k, ctx.global_micro);
+            *micro += 1;
+            let mut tokens = [answer_tokens(exp, &rows)];
+            group.all_reduce_scalars(&mut tokens, ReduceOp::Sum)?;
+            if tokens[0] == 0.0 {
+                // Every row of this micro-batch was dropped, on every rank: nothing to learn.
+                continue;
+            }
+            let mb = MicroBatch { exp, rows, global_tokens: tokens[0], rank, world, micro: *micro };
+            let (stats, _, _) = models.train_rlhf(&mb, &ctx.cfg, args.seed, &ctx.device)?;
+            updates.stats.push(stats);
+            if let Some((corpus, cursor)) = ptx.as_mut() {
+                // Every rank draws the global micro-batch's blocks and trains on its slice.
+                let per_device = args.per_device_training_batch_size;
+                let idx = cursor.next_indices(ctx.global_micro);
+                let (ids, targets) = ptx_batch(corpus, &idx[rank * per_device..(rank + 1) * per_device], &ctx.device)?;
+                let key = DropoutKey { seed: args.seed, step: *micro, micro_batch: rank as u64 };
+                let (loss, _) = models.train_unsupervised(&ids, &targets, args.unsup_coef, key)?;
+                updates.ptx_losses.push(f64::from(loss));
+            }
+        }
+    }
+    Ok(updates)
+}
+
+/// Saves a checkpoint of the ranks' common state: every rank gathers the optimizers' shards
+/// (a collective), rank 0 writes. Returns the directory on rank 0.
+fn save_checkpoint(
+    group: &ProcessGroup,
+    root: &Path,
+    models: &PpoModels,
+    state: &crate::checkpoint::PpoState,
+    tokenizer: &Tokenizer,
+) -> Result<Option<std::path::PathBuf>> {
+    let actor_opt = models.actor.trainer.consolidated_optimizer(&models.actor.trainable)?;
+    let critic_opt = models.critic.trainer.consolidated_optimizer(&models.critic.trainable)?;
+    if !group.is_first() {
+        return Ok(None);
+    }
+    crate::checkpoint::save(root, models, (&actor_opt, &critic_opt), state, tokenizer).map(Some)
+}
+
 /// Where the loop stands after `step` rollouts, `batches_done` of them in `epoch`: what a
 /// checkpoint needs to resume.
 #[allow(clippy::too_many_arguments)]
 fn checkpoint_state(
     args: &PpoArgs,
+    world: usize,
     step: u64,
     micro: u64,
     epoch: usize,
@@ -490,31 +655,49 @@ fn checkpoint_state(
         first_reward: summary.first_reward,
         actor_progress: Some(models.actor.trainer.progress()),
         critic_progress: Some(models.critic.trainer.progress()),
-        run: args.run_fingerprint(),
+        run: args.run_fingerprint(world),
     }
 }
 
+/// How one of the trained models (actor, critic) trains.
+struct TrainedAs {
+    lr: f64,
+    lora_lr: f64,
+    weight_decay: f64,
+    /// Optimizer steps of the run (the schedule's length).
+    steps: u64,
+    checkpoint_activations: bool,
+    dp: DataParallel,
+}
+
 /// A trained model with its optimizer over what it trains (everything, or with
-/// `--only-optimize-lora` the adapters and heads), LoRA at its own learning rate.
-#[allow(clippy::too_many_arguments)]
+/// `--only-optimize-lora` the adapters and heads), LoRA at its own learning rate, its gradients
+/// averaged over the ranks at its ZeRO stage.
 fn trained<M>(
     args: &PpoArgs,
     params: ParamStore,
     compute: &ParamStore,
     config: &Gpt2Config,
     model: M,
-    lr: f64,
-    lora_lr: f64,
-    weight_decay: f64,
-    steps: u64,
-    checkpoint_activations: bool,
+    how: TrainedAs,
 ) -> Result<Trained<M>> {
     let trainable = params.trainable();
-    let adam = AdamWConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay };
-    let mut trainer = Trainer::new(&trainable, adam, schedule(args, lr, steps), args.gradient_accumulation_steps, 1.0)?
-        .with_precision(args.precision.precision(), compute, args.precision.loss_scaling());
-    trainer.set_lora_learning_rate(&trainable, lora_lr);
-    Ok(Trained { trainer, config: config.clone(), params, trainable, model, checkpoint_activations })
+    let adam = AdamWConfig { beta1: 0.9, beta2: 0.95, eps: args.adam_eps, weight_decay: how.weight_decay };
+    let schedule = schedule(args, how.lr, how.steps);
+    let mut trainer =
+        Trainer::new(&trainable, adam, schedule, args.gradient_accumulation_steps, args.gradient_clipping)?
+            .with_precision(args.precision.precision(), compute, args.precision.loss_scaling())
+            .with_data_parallel(how.dp);
+    trainer.set_lora_learning_rate(&trainable, how.lora_lr);
+    Ok(Trained {
+        trainer,
+        config: config.clone(),
+        params,
+        trainable,
+        model,
+        checkpoint_activations: how.checkpoint_activations,
+        compute: compute.trainable(),
+    })
 }
 
 /// A language model over `params` (the actor, or the frozen reference) in their dtype.
@@ -559,45 +742,105 @@ fn ptx_batch(corpus: &PackedCorpus, idx: &[usize], device: &Device) -> Result<(T
     Ok((Tensor::from_vec(x, (idx.len(), t), device)?, Tensor::from_vec(y, (idx.len(), t), device)?))
 }
 
-fn mean_std(x: &[f64]) -> (f64, f64) {
-    let n = x.len().max(1) as f64;
-    let m = x.iter().sum::<f64>() / n;
-    (m, (x.iter().map(|v| (v - m).powi(2)).sum::<f64>() / n).sqrt())
+/// Sums over a rollout's rows behind [`rollout_stats`]: summed over the ranks, they give the
+/// statistics of the whole rollout.
+#[derive(Clone, Copy, Debug, Default)]
+struct RolloutSums {
+    rows: f64,
+    reward: f64,
+    reward_sq: f64,
+    kl_k1: f64,
+    kl_k3: f64,
+    answer_len: f64,
+    eos: f64,
+    /// Over the unmasked answer actions: their count, the returns and the critic's errors.
+    actions: f64,
+    ret: f64,
+    ret_sq: f64,
+    err: f64,
+    err_sq: f64,
 }
 
-/// What a rollout says about the policy: reward, KL to the reference, answer lengths, EOS share,
-/// how well the critic explains the returns.
-fn rollout_stats(exp: &Experience) -> serde_json::Value {
-    let scores: Vec<f64> = exp.scores.iter().map(|&s| f64::from(s)).collect();
-    let (reward_mean, reward_std) = mean_std(&scores);
-    let (mut k1, mut k3) = (0f64, 0f64);
-    let (mut values, mut returns, mut masks) = (Vec::new(), Vec::new(), Vec::new());
-    let width = exp.actions() - exp.start;
-    for r in 0..exp.b {
-        let mask = &exp.row(&exp.action_mask, r)[exp.start..];
-        let (a, b) = ppo::kl_estimates(
-            &exp.row(&exp.logprobs, r)[exp.start..],
-            &exp.row(&exp.ref_logprobs, r)[exp.start..],
-            mask,
-        );
-        k1 += a;
-        k3 += b;
-        values.extend_from_slice(&exp.row(&exp.values, r)[exp.start..]);
-        returns.extend_from_slice(&exp.returns[r * width..(r + 1) * width]);
-        masks.extend_from_slice(mask);
+impl RolloutSums {
+    fn of(exp: &Experience) -> Self {
+        let mut s = Self { rows: exp.b as f64, ..Self::default() };
+        let width = exp.actions() - exp.start;
+        for r in 0..exp.b {
+            let score = f64::from(exp.scores[r]);
+            (s.reward, s.reward_sq) = (s.reward + score, s.reward_sq + score * score);
+            let mask = &exp.row(&exp.action_mask, r)[exp.start..];
+            let (k1, k3) = ppo::kl_estimates(
+                &exp.row(&exp.logprobs, r)[exp.start..],
+                &exp.row(&exp.ref_logprobs, r)[exp.start..],
+                mask,
+            );
+            (s.kl_k1, s.kl_k3) = (s.kl_k1 + k1, s.kl_k3 + k3);
+            s.answer_len += exp.answer_lens[r] as f64;
+            s.eos += f64::from(u8::from(exp.ended_with_eos[r]));
+            let values = &exp.row(&exp.values, r)[exp.start..];
+            let returns = &exp.returns[r * width..(r + 1) * width];
+            for ((&m, &v), &g) in mask.iter().zip(values).zip(returns) {
+                if m > 0.0 {
+                    let (g, e) = (f64::from(g), f64::from(g - v));
+                    s.actions += 1.0;
+                    (s.ret, s.ret_sq, s.err, s.err_sq) = (s.ret + g, s.ret_sq + g * g, s.err + e, s.err_sq + e * e);
+                }
+            }
+        }
+        s
     }
-    let n = exp.b as f64;
-    let lens: Vec<f64> = exp.answer_lens.iter().map(|&l| l as f64).collect();
-    json!({
-        "reward_mean": reward_mean,
-        "reward_std": reward_std,
-        "kl_ref_k1": k1 / n,
-        "kl_ref_k3": k3 / n,
-        "explained_variance": ppo::explained_variance(&values, &returns, &masks),
-        "answer_len_mean": mean_std(&lens).0,
-        "eos_share": exp.ended_with_eos.iter().filter(|e| **e).count() as f64 / n,
-        "rows": exp.b,
-    })
+
+    fn to_array(self) -> [f64; 12] {
+        [
+            self.rows,
+            self.reward,
+            self.reward_sq,
+            self.kl_k1,
+            self.kl_k3,
+            self.answer_len,
+            self.eos,
+            self.actions,
+            self.ret,
+            self.ret_sq,
+            self.err,
+            self.err_sq,
+        ]
+    }
+
+    fn from_array(a: [f64; 12]) -> Self {
+        let [rows, reward, reward_sq, kl_k1, kl_k3, answer_len, eos, actions, ret, ret_sq, err, err_sq] = a;
+        Self { rows, reward, reward_sq, kl_k1, kl_k3, answer_len, eos, actions, ret, ret_sq, err, err_sq }
+    }
+
+    /// The sums over every rank's rows.
+    fn over_ranks(self, group: &ProcessGroup) -> Result<Self> {
+        let mut a = self.to_array();
+        group.all_reduce_scalars(&mut a, ReduceOp::Sum)?;
+        Ok(Self::from_array(a))
+    }
+}
+
+/// The population variance of values with `n`, `sum` and `sum_sq`.
+fn variance(n: f64, sum: f64, sum_sq: f64) -> f64 {
+    let mean = sum / n.max(1.0);
+    (sum_sq / n.max(1.0) - mean * mean).max(0.0)
+}
+
+/// What a rollout says about the policy, over every rank's rows: reward, KL to the reference,
+/// answer lengths, EOS share, how well the critic explains the returns.
+fn rollout_stats(exp: &Experience, group: &ProcessGroup) -> Result<serde_json::Value> {
+    let s = RolloutSums::of(exp).over_ranks(group)?;
+    let n = s.rows.max(1.0);
+    Ok(json!({
+        "reward_mean": s.reward / n,
+        "reward_std": variance(s.rows, s.reward, s.reward_sq).sqrt(),
+        "kl_ref_k1": s.kl_k1 / n,
+        "kl_ref_k3": s.kl_k3 / n,
+        "explained_variance": 1.0 - variance(s.actions, s.err, s.err_sq) / variance(s.actions, s.ret, s.ret_sq),
+        "answer_len_mean": s.answer_len / n,
+        "eos_share": s.eos / n,
+        "rows": s.rows,
+    }))
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -607,30 +850,22 @@ fn log_step(
     step: u64,
     total: u64,
     rollout: &serde_json::Value,
-    updates: &[UpdateStats],
-    ptx: &[f64],
-    generation_secs: f64,
-    train_secs: f64,
+    updates: &UpdateMeans,
+    (generation_secs, train_secs): (f64, f64),
     models: &PpoModels,
 ) -> Result<()> {
-    let avg = |f: &dyn Fn(&UpdateStats) -> f64| {
-        if updates.is_empty() {
-            f64::NAN
-        } else {
-            updates.iter().map(f).sum::<f64>() / updates.len() as f64
-        }
-    };
+    let u = &updates.stats;
     let record = json!({
         "step": step,
         "epoch": epoch,
         "rollout": rollout,
-        "actor_loss": avg(&|u| u.actor_loss),
-        "critic_loss": avg(&|u| u.critic_loss),
-        "ratio_mean": avg(&|u| u.ratio_mean),
-        "clip_fraction": avg(&|u| u.clip_fraction),
-        "approx_kl": avg(&|u| u.approx_kl),
-        "entropy": avg(&|u| u.entropy),
-        "ptx_loss": if ptx.is_empty() { None } else { Some(ptx.iter().sum::<f64>() / ptx.len() as f64) },
+        "actor_loss": u.actor_loss,
+        "critic_loss": u.critic_loss,
+        "ratio_mean": u.ratio_mean,
+        "clip_fraction": u.clip_fraction,
+        "approx_kl": u.approx_kl,
+        "entropy": u.entropy,
+        "ptx_loss": updates.ptx_loss,
         "actor_lr": models.actor.trainer.schedule.lr(models.actor.trainer.optimizer.step.max(1)),
         "critic_lr": models.critic.trainer.schedule.lr(models.critic.trainer.optimizer.step.max(1)),
         "actor_loss_scale": models.actor.trainer.dynamic_loss_scale(),

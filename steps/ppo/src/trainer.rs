@@ -2,6 +2,10 @@
 //! micro-batch of an [`Experience`], the clipped actor loss and step, then the clipped critic
 //! loss and step; the optional pretraining (PTX) loss as its own actor step
 //! (`train_unsupervised`), and the EMA of the actor after each update.
+//!
+//! Across data-parallel ranks an update is one global micro-batch: each rank backpropagates its
+//! rows' masked means weighted by its share of the global micro-batch's answer tokens, so the
+//! gradient the trainers average over ranks is the one-rank gradient of the whole micro-batch.
 
 use crate::experience::{Experience, ForwardInputs};
 use crate::ppo::{self, PpoConfig};
@@ -27,6 +31,9 @@ pub struct Trained<M> {
     pub model: M,
     pub trainer: Trainer,
     pub checkpoint_activations: bool,
+    /// The trainable part of the compute-dtype copy the model runs on: the parameters whose
+    /// gradients the trainer accumulates.
+    pub compute: ParamStore,
 }
 
 /// Actor, critic, the frozen reference and reward models, and the optional EMA.
@@ -40,7 +47,9 @@ pub struct PpoModels {
     pub align_overflow: bool,
 }
 
-/// What one PPO update measured.
+/// What one PPO update measured: this rank's part of the global micro-batch's means (its sums
+/// over answer tokens divided by the global micro-batch's token count), so that the sum over
+/// ranks is the global mean; with one rank, the means themselves.
 #[derive(Clone, Copy, Debug, Default, serde::Serialize)]
 pub struct UpdateStats {
     pub actor_loss: f64,
@@ -53,6 +62,43 @@ pub struct UpdateStats {
     pub approx_kl: f64,
     /// Mean entropy of the policy at the masked actions.
     pub entropy: f64,
+}
+
+impl UpdateStats {
+    pub fn to_array(self) -> [f64; 6] {
+        [self.actor_loss, self.critic_loss, self.ratio_mean, self.clip_fraction, self.approx_kl, self.entropy]
+    }
+
+    pub fn from_array(a: [f64; 6]) -> Self {
+        let [actor_loss, critic_loss, ratio_mean, clip_fraction, approx_kl, entropy] = a;
+        Self { actor_loss, critic_loss, ratio_mean, clip_fraction, approx_kl, entropy }
+    }
+}
+
+/// This rank's part of one global PPO micro-batch.
+pub struct MicroBatch<'a> {
+    pub exp: &'a Experience,
+    /// This rank's rows of `exp` in the global micro-batch; empty when it holds none of them
+    /// (it still takes part in the update, with zero gradients).
+    pub rows: Range<usize>,
+    /// Answer tokens of the global micro-batch over all ranks (what the one-rank loss divides by).
+    pub global_tokens: f64,
+    pub rank: usize,
+    pub world: usize,
+    /// The update's number (dropout keys).
+    pub micro: u64,
+}
+
+impl MicroBatch<'_> {
+    /// Answer tokens (unmasked actions) of this rank's rows.
+    pub fn local_tokens(&self) -> f64 {
+        answer_tokens(self.exp, &self.rows)
+    }
+}
+
+/// Unmasked answer actions of rows `rows` of `exp`: the denominator of PPO's masked means.
+pub fn answer_tokens(exp: &Experience, rows: &Range<usize>) -> f64 {
+    rows.clone().map(|r| exp.row(&exp.action_mask, r)[exp.start..].iter().map(|&m| f64::from(m)).sum::<f64>()).sum()
 }
 
 /// Per-action tensors of rows `rows` for actions `start..`: (b, A).
@@ -73,33 +119,72 @@ fn answer_rows(exp: &Experience, data: &[f32], rows: &Range<usize>, device: &Dev
 }
 
 impl PpoModels {
-    /// One PPO update on rows `rows` of `exp`. `micro` numbers the update (dropout keys).
-    /// Returns the measurements and the optimizer steps it completed (actor, critic).
+    /// One PPO update: this rank's part of a global micro-batch `mb`. Returns its part of the
+    /// measurements and the optimizer steps it completed (actor, critic).
     pub fn train_rlhf(
         &mut self,
-        exp: &Experience,
-        rows: Range<usize>,
+        mb: &MicroBatch,
         cfg: &PpoConfig,
         seed: u64,
-        micro: u64,
         device: &Device,
     ) -> Result<(UpdateStats, Option<StepReport>, Option<StepReport>)> {
+        let local_tokens = mb.local_tokens();
+        let stats = if mb.rows.is_empty() {
+            // The other ranks' gradients are averaged with this rank's: it adds zeros.
+            add_zero_gradients(&mut self.actor.trainer, &self.actor.compute)?;
+            add_zero_gradients(&mut self.critic.trainer, &self.critic.compute)?;
+            UpdateStats::default()
+        } else {
+            // The loss is a mean over the answer tokens of the whole global micro-batch, as one
+            // rank holding all of it would compute: this rank's mean weighs by its share of them
+            // (times the world, which the ranks' average divides out).
+            let share = local_tokens * mb.world as f64 / mb.global_tokens;
+            self.rlhf_backward(mb, cfg, seed, share, device)?
+        };
+
+        // Both steps after both backward passes, so that --align-overflow can look at both.
+        let (actor_step, critic_step) = micro_batch_done_pair(
+            (&mut self.actor.trainer, &self.actor.trainable),
+            (&mut self.critic.trainer, &self.critic.trainable),
+            self.align_overflow,
+        )?;
+        if let (Some(ema), Some(StepReport { skipped: false, .. })) = (&mut self.ema, actor_step) {
+            update_ema(ema, &self.actor.params)?;
+        }
+        Ok((stats, actor_step, critic_step))
+    }
+
+    /// The actor's and the critic's forward and backward on this rank's (non-empty) rows of
+    /// `mb`, their losses scaled by `share`; returns this rank's part of the measurements.
+    fn rlhf_backward(
+        &mut self,
+        mb: &MicroBatch,
+        cfg: &PpoConfig,
+        seed: u64,
+        share: f64,
+        device: &Device,
+    ) -> Result<UpdateStats> {
+        let (exp, rows) = (mb.exp, &mb.rows);
         let (b, l, start) = (rows.len(), exp.l, exp.start);
         let seq = &exp.seq[rows.start * l..rows.end * l];
         let mask_tokens = &exp.attention_mask[rows.start * l..rows.end * l];
         let inputs = ForwardInputs::new(seq, mask_tokens, b, l, device)?;
-        let old_logp = answer_slice(exp, &exp.logprobs, &rows, device)?;
-        let old_values = answer_slice(exp, &exp.values, &rows, device)?;
-        let mask = answer_slice(exp, &exp.action_mask, &rows, device)?;
-        let advantages = answer_rows(exp, &exp.advantages, &rows, device)?;
-        let returns = answer_rows(exp, &exp.returns, &rows, device)?;
+        let old_logp = answer_slice(exp, &exp.logprobs, rows, device)?;
+        let old_values = answer_slice(exp, &exp.values, rows, device)?;
+        let mask = answer_slice(exp, &exp.action_mask, rows, device)?;
+        let advantages = answer_rows(exp, &exp.advantages, rows, device)?;
+        let returns = answer_rows(exp, &exp.returns, rows, device)?;
         let next_tokens = inputs.ids.narrow(1, start + 1, l - 1 - start)?; // (b, A)
+                                                                           // Each rank draws its own masks (its rows differ); one rank draws one rank's masks.
+        let key = |salt: u64| DropoutKey { seed: seed ^ salt, step: mb.micro, micro_batch: mb.rank as u64 };
 
         // Actor: the LM head only on the answer's positions.
         let actor = &mut self.actor;
-        let dropout = Dropout::from_config(&actor.config, DropoutKey { seed, step: micro, micro_batch: 0 });
-        let how =
-            Backward { checkpoint_activations: actor.checkpoint_activations, loss_scale: actor.trainer.loss_scale() };
+        let dropout = Dropout::from_config(&actor.config, key(0));
+        let how = Backward {
+            checkpoint_activations: actor.checkpoint_activations,
+            loss_scale: actor.trainer.loss_scale() * share,
+        };
         let seen: RefCell<Option<(Tensor, Tensor)>> = RefCell::new(None);
         let model = &actor.model;
         let actor_loss = forward_backward(
@@ -126,10 +211,11 @@ impl PpoModels {
 
         // Critic.
         let critic = &mut self.critic;
-        let dropout =
-            Dropout::from_config(&critic.config, DropoutKey { seed: seed ^ 0xc417, step: micro, micro_batch: 0 });
-        let how =
-            Backward { checkpoint_activations: critic.checkpoint_activations, loss_scale: critic.trainer.loss_scale() };
+        let dropout = Dropout::from_config(&critic.config, key(0xc417));
+        let how = Backward {
+            checkpoint_activations: critic.checkpoint_activations,
+            loss_scale: critic.trainer.loss_scale() * share,
+        };
         let rm = &critic.model;
         let critic_loss = forward_backward(
             &rm.trunk,
@@ -143,33 +229,22 @@ impl PpoModels {
                 ppo::critic_loss(&values, &old_values, &returns, &mask, cfg)
             },
         )?;
-
-        // Both steps after both backward passes, so that --align-overflow can look at both.
-        let (actor_step, critic_step) = micro_batch_done_pair(
-            (&mut self.actor.trainer, &self.actor.trainable),
-            (&mut self.critic.trainer, &self.critic.trainable),
-            self.align_overflow,
-        )?;
-        if let (Some(ema), Some(StepReport { skipped: false, .. })) = (&mut self.ema, actor_step) {
-            update_ema(ema, &self.actor.params)?;
-        }
-        let stats = policy_stats(&new_logp, &old_logp, &entropy, &mask, cfg, actor_loss, critic_loss)?;
-        Ok((stats, actor_step, critic_step))
+        policy_stats(&new_logp, &old_logp, &entropy, &mask, cfg, (actor_loss, critic_loss), mb.global_tokens)
     }
 
     /// The PTX loss on a batch of pretraining blocks, scaled by `unsup_coef`, as its own actor
-    /// micro-batch (DS-Chat `train_unsupervised`). Returns the unscaled LM loss.
+    /// micro-batch (DS-Chat `train_unsupervised`). Across ranks every rank holds as many full
+    /// blocks, so the ranks' average of their mean losses is the global mean. Returns the
+    /// unscaled LM loss of this rank's blocks.
     pub fn train_unsupervised(
         &mut self,
         ids: &Tensor,
         targets: &Tensor,
         unsup_coef: f64,
-        seed: u64,
-        micro: u64,
+        key: DropoutKey,
     ) -> Result<(f32, Option<StepReport>)> {
         let actor = &mut self.actor;
-        let dropout =
-            Dropout::from_config(&actor.config, DropoutKey { seed: seed ^ 0x9715, step: micro, micro_batch: 0 });
+        let dropout = Dropout::from_config(&actor.config, DropoutKey { seed: key.seed ^ 0x9715, ..key });
         let how = Backward {
             checkpoint_activations: actor.checkpoint_activations,
             loss_scale: unsup_coef * actor.trainer.loss_scale(),
@@ -194,6 +269,26 @@ impl PpoModels {
     }
 }
 
+/// Adds a zero gradient for every parameter of `compute` (a rank with no rows in a global
+/// micro-batch): the trainer's step and the reductions over ranks run as on the other ranks.
+fn add_zero_gradients(trainer: &mut Trainer, compute: &ParamStore) -> Result<()> {
+    let mut zero: Option<Tensor> = None;
+    for var in &compute.vars {
+        // Times a zero tensor, not `* 0.0`: candle's backward prunes an affine by 0 from the
+        // graph, and the parameter would get no gradient at all.
+        let sum = var.as_tensor().sum_all()?.to_dtype(DType::F32)?;
+        let term = (&sum * sum.zeros_like()?)?;
+        zero = Some(match zero {
+            Some(z) => (z + term)?,
+            None => term,
+        });
+    }
+    if let Some(z) = zero {
+        trainer.grads().add(&z.backward()?)?;
+    }
+    Ok(())
+}
+
 /// DS-Chat's `moving_average` with beta 0.992.
 fn update_ema(ema: &ParamStore, actor: &ParamStore) -> Result<()> {
     for ((_, e), (_, a)) in ema.iter().zip(actor.iter()) {
@@ -205,14 +300,16 @@ fn update_ema(ema: &ParamStore, actor: &ParamStore) -> Result<()> {
     Ok(())
 }
 
+/// This rank's part of the global micro-batch's means: sums over its masked actions divided by
+/// `global_tokens`; its mean losses weighted by its share of those tokens.
 fn policy_stats(
     new: &Tensor,
     old: &Tensor,
     entropy: &Tensor,
     mask: &Tensor,
     cfg: &PpoConfig,
-    actor_loss: f32,
-    critic_loss: f32,
+    (actor_loss, critic_loss): (f32, f32),
+    global_tokens: f64,
 ) -> Result<UpdateStats> {
     let new: Vec<f32> = new.flatten_all()?.to_vec1()?;
     let old: Vec<f32> = old.flatten_all()?.to_vec1()?;
@@ -230,13 +327,13 @@ fn policy_stats(
             h += f64::from(ent[i]);
         }
     }
-    let n = n.max(1.0);
+    let total = global_tokens.max(1.0);
     Ok(UpdateStats {
-        actor_loss: f64::from(actor_loss),
-        critic_loss: f64::from(critic_loss),
-        ratio_mean: ratio / n,
-        clip_fraction: clipped / n,
-        approx_kl: kl / n,
-        entropy: h / n,
+        actor_loss: f64::from(actor_loss) * n / total,
+        critic_loss: f64::from(critic_loss) * n / total,
+        ratio_mean: ratio / total,
+        clip_fraction: clipped / total,
+        approx_kl: kl / total,
+        entropy: h / total,
     })
 }
