@@ -4,4 +4,5 @@
 pub mod chat;
 pub mod hostfile;
 pub mod launcher;
+pub mod nodes;
 pub mod ranks;
