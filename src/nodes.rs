@@ -226,10 +226,7 @@ fn launch_over_ssh(
     };
     let (node, p) = (&plan.nodes[index], &nodes[index]);
     let first: usize = plan.nodes[..index].iter().map(|n| n.slots.len()).sum();
-    let ranks_held = match node.slots.len() {
-        1 => format!("rank {first}"),
-        n => format!("ranks {first}-{}", first + n - 1),
-    };
+    let ranks_held = ranks::describe_ranks(first, node.slots.len());
     let reason =
         p.last_error.as_deref().map_or_else(|| status.to_string(), |l| l.trim_start_matches("error: ").to_string());
     if index != 0 {

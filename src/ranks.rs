@@ -157,14 +157,11 @@ pub fn spawn_local_ranks(node: &NodeRanks) -> Result<i32> {
         let log = log_dir.join(format!("rank-{rank}.log"));
         ranks.push(Watched::spawn(&mut cmd, &log, local == 0).with_context(|| format!("cannot start rank {rank}"))?);
     }
-    let last = node.first_rank + node.local - 1;
     match wait_all(&mut ranks, closed.as_deref())? {
         Ended::Succeeded => Ok(0),
         Ended::Abandoned => {
-            bail!(
-                "the launching host closed this node's session (stopped or gone): stopped ranks {}-{last}",
-                node.first_rank
-            )
+            let held = describe_ranks(node.first_rank, node.local);
+            bail!("the launching host closed this node's session (stopped or gone): stopped {held}")
         }
         Ended::Failed { index, status } => {
             let (rank, p) = (node.first_rank + index, &ranks[index]);
@@ -180,6 +177,14 @@ pub fn spawn_local_ranks(node: &NodeRanks) -> Result<i32> {
                 p.log.display()
             )
         }
+    }
+}
+
+/// `rank 3`, or `ranks 2-5` for `n` ranks from `first`.
+pub fn describe_ranks(first: usize, n: usize) -> String {
+    match n {
+        1 => format!("rank {first}"),
+        _ => format!("ranks {first}-{}", first + n - 1),
     }
 }
 

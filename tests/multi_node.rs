@@ -8,7 +8,7 @@
 
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 /// A scratch directory with the stand-ins, a hostfile, a fast step-1 recipe and a small dataset.
@@ -122,22 +122,7 @@ exit $status
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .process_group(0);
-        let child = cmd.spawn().unwrap();
-        let group = child.id() as i32;
-        let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let flag = done.clone();
-        let watchdog = std::thread::spawn(move || {
-            let t0 = Instant::now();
-            while !flag.load(std::sync::atomic::Ordering::Relaxed) && t0.elapsed() < limit {
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            // SAFETY: kill signals the process group this test started.
-            unsafe { libc::kill(-group, libc::SIGKILL) };
-        });
-        let out = child.wait_with_output().unwrap();
-        done.store(true, std::sync::atomic::Ordering::Relaxed);
-        watchdog.join().unwrap();
-        out
+        finish(cmd.spawn().unwrap(), limit)
     }
 
     /// Processes still running from this rig's directory (node launchers and ranks run the step
@@ -159,6 +144,26 @@ exit $status
             std::thread::sleep(Duration::from_millis(100));
         }
     }
+}
+
+/// Waits for `child`, started in a process group of its own, then kills that group: after
+/// `limit`, or at once once it ended, so that nothing it started outlives the test.
+fn finish(child: Child, limit: Duration) -> Output {
+    let group = child.id() as i32;
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = done.clone();
+    let watchdog = std::thread::spawn(move || {
+        let t0 = Instant::now();
+        while !flag.load(std::sync::atomic::Ordering::Relaxed) && t0.elapsed() < limit {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        // SAFETY: kill signals the process group this test started.
+        unsafe { libc::kill(-group, libc::SIGKILL) };
+    });
+    let out = child.wait_with_output().unwrap();
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    watchdog.join().unwrap();
+    out
 }
 
 fn text(bytes: &[u8]) -> String {
@@ -234,6 +239,54 @@ fn an_unreachable_host_stops_the_job_with_one_line_naming_it() {
     );
     // localhost's rank, waiting for its partner, was stopped at once, not at the rendezvous timeout.
     assert!(t0.elapsed() < Duration::from_secs(30), "took {:?}", t0.elapsed());
+    assert_eq!(rig.leftovers(), Vec::<String>::new());
+}
+
+/// sshd sends no signal to a command run without a terminal when the client goes: a node sees
+/// its stdin end, and must stop its ranks then rather than leave them waiting for the job.
+#[test]
+fn a_node_stops_its_ranks_when_its_ssh_session_closes() {
+    let rig = Rig::new();
+    let sft = rig.path("bin/sft");
+    std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_train"), &sft).unwrap();
+    let logs = rig.path("logs");
+    // Rank 0 of 2 on this node; rank 1 never comes, so rank 0 would wait 120 s for it.
+    let port = rlhf::ranks::free_port().unwrap().to_string();
+    let mut node = Command::new(&sft)
+        .args(["--data-path", rig.path("data").to_str().unwrap(), "--max-seq-len", "32", "--device", "cpu"])
+        .args(["--dist-timeout", "120", "--output-dir", rig.path("out").to_str().unwrap()])
+        .envs([
+            (rlhf::ranks::NPROC_ENV, "1"),
+            (rlhf::ranks::FIRST_RANK_ENV, "0"),
+            (rlhf::ranks::WORLD_SIZE_ENV, "2"),
+            (rlhf::ranks::MASTER_ADDR_ENV, "127.0.0.1"),
+            (rlhf::ranks::MASTER_PORT_ENV, &port),
+            (rlhf::ranks::RANK_LOG_DIR_ENV, logs.to_str().unwrap()),
+            ("HF_HUB_OFFLINE", "1"),
+        ])
+        .env_remove("RANK")
+        .env_remove("WORLD_SIZE")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0)
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    while !logs.join("rank-0.log").exists() && t0.elapsed() < Duration::from_secs(20) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_secs(1));
+    let closed = Instant::now();
+    drop(node.stdin.take());
+    let out = finish(node, Duration::from_secs(60));
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("the launching host closed this node's session") && stderr.contains("stopped rank 0"),
+        "{stderr}"
+    );
+    assert!(closed.elapsed() < Duration::from_secs(15), "stopped after {:?}", closed.elapsed());
     assert_eq!(rig.leftovers(), Vec::<String>::new());
 }
 
