@@ -6,7 +6,13 @@
 //!
 //! With no arguments it runs the embedded demo: the three steps on a tiny GPT-2 and the demo data,
 //! on the CPU, then a summary of what each step achieved.
+//!
+//! single_node and multi_node tell the step binary which ranks to start through the
+//! environment: a count for this machine (src/ranks.rs), or the hosts of a DeepSpeed hostfile
+//! (src/hostfile.rs, src/nodes.rs).
 
+use crate::hostfile::{self, Node};
+use crate::nodes::{Launcher, NodesPlan};
 use crate::ranks::{tee, Echo};
 use anyhow::{bail, Context, Result};
 use clap::Parser;
@@ -44,9 +50,32 @@ pub struct TrainArgs {
     #[arg(long, default_value = "output", alias = "output_dir")]
     pub output_dir: PathBuf,
     /// single_node: ranks (processes) per step (DeepSpeed's --num_gpus). Default: every visible
-    /// GPU on CUDA; on the CPU, one per core, at least 2.
+    /// GPU on CUDA; on the CPU, one per core, at least 2. multi_node: at most this many ranks on
+    /// each host, its first slots (DeepSpeed's --num_gpus; not with --include/--exclude).
     #[arg(long, alias = "num_gpus", value_parser = clap::value_parser!(u64).range(1..))]
     pub num_gpus: Option<u64>,
+    /// multi_node: the DeepSpeed hostfile, one `host slots=N` per line (default /job/hostfile,
+    /// as DeepSpeed).
+    #[arg(long)]
+    pub hostfile: Option<PathBuf>,
+    /// multi_node: only these hosts and slots, as DeepSpeed's: HOST[:SLOT[,SLOT...]] joined by
+    /// `@` (`worker-0@worker-1:0,2`: every slot of worker-0, slots 0 and 2 of worker-1).
+    #[arg(long)]
+    pub include: Option<String>,
+    /// multi_node: every host and slot but these (the format of --include; `worker-1:0`).
+    #[arg(long)]
+    pub exclude: Option<String>,
+    /// multi_node: rank 0's address, which every host must reach (default: the first host; with
+    /// --launcher srun, the first host SLURM gives the step).
+    #[arg(long, alias = "master_addr")]
+    pub master_addr: Option<String>,
+    /// multi_node: rank 0's rendezvous port (default 29500, as DeepSpeed).
+    #[arg(long, alias = "master_port", value_parser = clap::value_parser!(u16).range(1..))]
+    pub master_port: Option<u16>,
+    /// multi_node: how the hosts' ranks start: ssh (one session per host) or srun (inside a SLURM
+    /// allocation). Default: srun when SLURM_JOB_ID is set, else ssh.
+    #[arg(long, value_enum)]
+    pub launcher: Option<Launcher>,
     /// Read recipes from this directory (laid out as scripts/recipes) instead of the embedded ones.
     #[arg(long, alias = "recipe_dir")]
     pub recipe_dir: Option<PathBuf>,
@@ -67,7 +96,7 @@ pub struct TrainArgs {
 
 /// The flags that choose the RLHF pipeline's steps, models and recipes: --pretrain-demo has no
 /// use for them, so it refuses them rather than drop them silently.
-const PIPELINE_ONLY_FLAGS: [&str; 8] = [
+const PIPELINE_ONLY_FLAGS: [&str; 14] = [
     "step",
     "deployment_type",
     "actor_model",
@@ -76,7 +105,23 @@ const PIPELINE_ONLY_FLAGS: [&str; 8] = [
     "reward_zero_stage",
     "recipe_dir",
     "num_gpus",
+    "hostfile",
+    "include",
+    "exclude",
+    "master_addr",
+    "master_port",
+    "launcher",
 ];
+
+/// How many processes each step runs as, and where.
+enum Ranks {
+    /// single_gpu: the step's own process.
+    One,
+    /// single_node: this many ranks on this machine.
+    Local(usize),
+    /// multi_node: the hosts' ranks.
+    Nodes(NodesPlan),
+}
 
 /// The recipes shipped with the binary: (step directory, deployment type, script text).
 const RECIPES: &[(&str, &str, &str)] = &[
@@ -118,30 +163,36 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     if !DEPLOYMENTS.contains(&deployment.as_str()) {
         bail!("--deployment-type {deployment:?} is not one of single_gpu, single_node, multi_node");
     }
-    if deployment == "multi_node" {
-        bail!(
-            "--deployment-type multi_node (ranks on several hosts over ssh or srun) is not available yet; \
-             use single_node (ranks on this machine) or start the ranks yourself with torchrun's or SLURM's environment"
-        );
+    if let Some(&n) = steps.iter().find(|&&s| !(1..=3).contains(&s)) {
+        bail!("--step {n} does not exist: the steps are 1 (SFT), 2 (reward model) and 3 (PPO)");
     }
-    if let (Some(n), false) = (args.num_gpus, deployment == "single_node") {
-        bail!("--num-gpus {n} sets the ranks of --deployment-type single_node: add it, or drop --num-gpus");
+    let multi_node_flags = [
+        ("--hostfile", args.hostfile.is_some()),
+        ("--include", args.include.is_some()),
+        ("--exclude", args.exclude.is_some()),
+        ("--master-addr", args.master_addr.is_some()),
+        ("--master-port", args.master_port.is_some()),
+        ("--launcher", args.launcher.is_some()),
+    ];
+    if let (Some((flag, _)), false) = (multi_node_flags.iter().find(|(_, given)| *given), deployment == "multi_node") {
+        bail!("{flag} sets up --deployment-type multi_node: add it, or drop {flag}");
     }
-    let ranks = if deployment == "single_node" {
-        if let Some(&later) = steps.iter().find(|&&s| s != 1) {
-            bail!(
-                "--deployment-type single_node trains step 1 across ranks; step {later} does not train across ranks yet: \
-                 run `--step 1 --deployment-type single_node`, then the later steps with --deployment-type single_gpu"
-            );
-        }
+    if let (Some(n), "single_gpu") = (args.num_gpus, deployment.as_str()) {
+        bail!("--num-gpus {n} sets the ranks of --deployment-type single_node (per host with multi_node): add one, or drop --num-gpus");
+    }
+    // multi_node's plan is complete once the step binaries have a directory (below); a refused
+    // run creates no output, so the hosts are checked first.
+    let hosts = if deployment == "multi_node" { Some(multi_node_hosts(args)?) } else { None };
+    let local_ranks = if deployment == "single_node" {
         let n = match args.num_gpus {
             Some(n) => n as usize,
             None => default_ranks(&args.device)?,
         };
+        check_no_outer_job(n, &format!("the {n} ranks of single_node"))?;
         println!("single_node: each step runs as {n} ranks on this machine (rank logs: <step output>/rank-<r>.log)");
-        n
+        Some(n)
     } else {
-        1
+        None
     };
     // The demo's reward model starts from the step-1 actor (InstructGPT initialises its reward
     // model from the SFT model): a random 7M-parameter trunk learns the pairs too slowly.
@@ -219,12 +270,23 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     }
 
     let bin_dir = step_binaries(&args.output_dir)?;
+    let ranks = match (local_ranks, hosts) {
+        (Some(n), _) => Ranks::Local(n),
+        (None, Some((nodes, launcher))) => Ranks::Nodes(NodesPlan {
+            nodes,
+            launcher,
+            master_addr: args.master_addr.clone(),
+            master_port: args.master_port.unwrap_or(hybrid_engine::comm::env::DEFAULT_MASTER_PORT),
+            bin_dir: bin_dir.clone(),
+        }),
+        (None, None) => Ranks::One,
+    };
     let started = Instant::now();
     for plan in &plans {
         let script = recipe(args.recipe_dir.as_deref(), plan.recipe_dir, &deployment)?;
         println!("---=== Running Step {} ===---", plan.number);
         let t0 = Instant::now();
-        run_recipe(&script, plan, &bin_dir, &args.device, args.dtype, ranks)?;
+        run_recipe(&script, plan, &bin_dir, &args.device, args.dtype, &ranks)?;
         println!("---=== Finished Step {} in {} ===---", plan.number, duration(t0.elapsed().as_secs()));
     }
     println!("---=== Finished Steps {steps:?} in {} ===---", duration(started.elapsed().as_secs()));
@@ -290,6 +352,66 @@ fn default_ranks(device: &str) -> Result<usize> {
     Ok(std::thread::available_parallelism().map_or(2, |n| n.get()).max(2))
 }
 
+/// multi_node's hosts, from the hostfile with --include/--exclude/--num-gpus applied, and how
+/// their ranks start; prints what will run.
+fn multi_node_hosts(args: &TrainArgs) -> Result<(Vec<Node>, Launcher)> {
+    if args.num_gpus.is_some() && (args.include.is_some() || args.exclude.is_some()) {
+        bail!("--num-gpus cannot be combined with --include or --exclude (as in DeepSpeed): pick the slots with one of them");
+    }
+    if args.master_addr.as_deref().is_some_and(|a| a.trim().is_empty()) {
+        bail!("--master-addr is empty: give rank 0's host name or address, or drop it for the first host");
+    }
+    let path = args.hostfile.clone().unwrap_or_else(|| PathBuf::from(hostfile::DEFAULT_HOSTFILE));
+    let pool = hostfile::read(&path)?;
+    let mut nodes = hostfile::filter(&pool, args.include.as_deref(), args.exclude.as_deref())?;
+    if let Some(n) = args.num_gpus {
+        hostfile::limit_slots(&mut nodes, n as usize);
+    }
+    let world = hostfile::world_size(&nodes);
+    let described = format!("{} ({})", path.display(), hostfile::describe(&nodes));
+    check_no_outer_job(world, &format!("the {world} ranks of the hostfile {described}"))?;
+    let launcher = args.launcher.unwrap_or(if std::env::var_os("SLURM_JOB_ID").is_some() {
+        Launcher::Srun
+    } else {
+        Launcher::Ssh
+    });
+    if launcher == Launcher::Srun {
+        crate::nodes::check_srun_layout(&nodes)?;
+    }
+    let master = match (&args.master_addr, launcher) {
+        (Some(addr), _) => addr.clone(),
+        (None, Launcher::Ssh) => nodes[0].host.clone(),
+        (None, Launcher::Srun) => "SLURM's first host".into(),
+    };
+    let port = args.master_port.unwrap_or(hybrid_engine::comm::env::DEFAULT_MASTER_PORT);
+    let logs = match launcher {
+        Launcher::Ssh => {
+            "node logs: <step output>/node-<host>.log here, rank logs: <step output>/rank-<r>.log on each host"
+        }
+        Launcher::Srun => "rank logs: <step output>/rank-<r>.log",
+    };
+    println!(
+        "multi_node: each step runs as {world} ranks on {} hosts of {described} over {}, rank 0 at {master}:{port} ({logs})",
+        nodes.len(),
+        if launcher == Launcher::Ssh { "ssh" } else { "srun" },
+    );
+    Ok((nodes, launcher))
+}
+
+/// The step binary takes a launcher's `RANK` for its own place and would start no ranks, and a
+/// `WORLD_SIZE` other than the job's says the user expects another job: either is one line.
+fn check_no_outer_job(world: usize, job: &str) -> Result<()> {
+    if let Some(rank) = std::env::var_os("RANK") {
+        bail!("RANK={rank:?} is set in the environment, so each step would run as that one rank instead of {job}: unset RANK");
+    }
+    if let Some(w) = std::env::var_os("WORLD_SIZE").filter(|w| w.to_str().map(str::trim) != Some(&world.to_string())) {
+        bail!(
+            "WORLD_SIZE={w:?} is set in the environment and disagrees with {job}: unset WORLD_SIZE or make it {world}"
+        );
+    }
+    Ok(())
+}
+
 /// The recipe key for a model: the preset it is (`gpt2-medium`, also as
 /// `openai-community/gpt2-medium`), the preset a local directory's shape matches, or `custom`.
 fn model_size(model: &str) -> String {
@@ -311,13 +433,29 @@ fn model_size(model: &str) -> String {
 
 /// Runs one step's recipe with bash, its output copied to the terminal and to training.log;
 /// `device` (`--device`) and `dtype` (`--dtype`) reach the step binaries as the defaults of their
-/// --device and --dtype.
-fn run_recipe(script: &str, plan: &StepPlan, bin_dir: &Path, device: &str, dtype: Dtype, ranks: usize) -> Result<()> {
+/// --device and --dtype, `ranks` as the variables src/ranks.rs and src/nodes.rs read.
+fn run_recipe(script: &str, plan: &StepPlan, bin_dir: &Path, device: &str, dtype: Dtype, ranks: &Ranks) -> Result<()> {
     std::fs::create_dir_all(&plan.output).with_context(|| format!("cannot create {}", plan.output.display()))?;
     let log_path = plan.output.join("training.log");
     let mut log = std::fs::File::create(&log_path).with_context(|| format!("cannot create {}", log_path.display()))?;
     let path = path_with(bin_dir, std::env::var_os("PATH").as_deref())?;
-    let mut child = Command::new("bash")
+    let mut cmd = Command::new("bash");
+    // Only what this run asks for says which ranks to start: nothing left in the environment.
+    for k in [
+        crate::nodes::NODES_ENV,
+        crate::ranks::FIRST_RANK_ENV,
+        crate::ranks::WORLD_SIZE_ENV,
+        crate::ranks::MASTER_ADDR_ENV,
+        crate::ranks::MASTER_PORT_ENV,
+    ] {
+        cmd.env_remove(k);
+    }
+    match ranks {
+        Ranks::One => cmd.env(crate::ranks::NPROC_ENV, "1"),
+        Ranks::Local(n) => cmd.env(crate::ranks::NPROC_ENV, n.to_string()),
+        Ranks::Nodes(nodes) => cmd.env_remove(crate::ranks::NPROC_ENV).env(crate::nodes::NODES_ENV, nodes.to_env()?),
+    };
+    let mut child = cmd
         .arg("-c")
         .arg(script)
         .arg(format!("{}/{}", plan.recipe_dir, plan.number))
@@ -331,8 +469,7 @@ fn run_recipe(script: &str, plan: &StepPlan, bin_dir: &Path, device: &str, dtype
         .env(hybrid_engine::durable::LIVE_LOG_ENV, &log_path)
         .env(hybrid_engine::device::DEVICE_ENV, device)
         .env(hybrid_engine::training::precision::DTYPE_ENV, dtype.name())
-        // The step binary starts its ranks itself (crate::ranks), logging into its output.
-        .env(crate::ranks::NPROC_ENV, ranks.to_string())
+        // The step binary starts its ranks itself (crate::ranks, crate::nodes), logging into its output.
         .env(crate::ranks::RANK_LOG_DIR_ENV, &plan.output)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

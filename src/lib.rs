@@ -2,5 +2,7 @@
 //! Each binary's `main` only parses flags, calls `run` and maps errors to exit code 2.
 
 pub mod chat;
+pub mod hostfile;
 pub mod launcher;
+pub mod nodes;
 pub mod ranks;

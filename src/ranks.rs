@@ -1,32 +1,117 @@
-//! Runs one step as N rank processes on this machine (torchrun's `--nproc-per-node`). The
-//! launcher sets [`NPROC_ENV`] for a `single_node` recipe; the step binary, started by the recipe
-//! without `RANK`, then starts N copies of itself with torchrun's variables and supervises them:
-//! rank 0's output goes to the terminal, every rank's to `<dir>/rank-<r>.log`, and when one rank
-//! fails the others are stopped and the failure is reported with that rank's last lines. A
-//! process that has `RANK` set is a rank, never a launcher, so nothing spawns twice.
+//! Runs one node's ranks of a step (torchrun's `--nproc-per-node`) and supervises child
+//! processes. The launcher sets [`NPROC_ENV`] for a `single_node` recipe; the step binary,
+//! started by the recipe without `RANK`, then starts N copies of itself with torchrun's
+//! variables and supervises them: rank 0's output goes to the terminal, every rank's to
+//! `<dir>/rank-<r>.log`, and when one rank fails the others are stopped and the failure is
+//! reported with that rank's last lines. A node of a `multi_node` job (src/nodes.rs) is the same
+//! with [`FIRST_RANK_ENV`], [`WORLD_SIZE_ENV`] and rank 0's address also set: its ranks are
+//! `first..first + N` of the job's world. A process that has `RANK` set is a rank, never a
+//! launcher, so nothing spawns twice.
 
 use anyhow::{anyhow, bail, Context, Result};
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-/// Ranks per node to start (set by `train --deployment-type single_node`).
+/// Ranks to start on this node (set by `train --deployment-type single_node`, and per node by
+/// multi_node).
 pub const NPROC_ENV: &str = "RLHF_NPROC_PER_NODE";
 /// Where the rank logs go (the step's output directory).
 pub const RANK_LOG_DIR_ENV: &str = hybrid_engine::durable::RANK_LOGS_ENV;
+/// multi_node, per node: the global rank of this node's first rank.
+pub const FIRST_RANK_ENV: &str = "RLHF_FIRST_RANK";
+/// multi_node, per node: the ranks of the whole job.
+pub const WORLD_SIZE_ENV: &str = "RLHF_WORLD_SIZE";
+/// multi_node, per node: where rank 0 serves the rendezvous.
+pub const MASTER_ADDR_ENV: &str = "RLHF_MASTER_ADDR";
+pub const MASTER_PORT_ENV: &str = "RLHF_MASTER_PORT";
 
-/// How many ranks this process should start: `Some(n)` when [`NPROC_ENV`] asks for more than one
-/// and this process is not itself a rank.
-pub fn ranks_to_spawn() -> Result<Option<usize>> {
-    let Some(v) = std::env::var_os(NPROC_ENV) else { return Ok(None) };
-    let n: usize = v
-        .to_str()
-        .and_then(|s| s.trim().parse().ok())
-        .filter(|&n| n >= 1)
-        .ok_or_else(|| anyhow!("{NPROC_ENV}={v:?} is not a positive number of processes"))?;
-    Ok((n > 1 && std::env::var_os("RANK").is_none()).then_some(n))
+/// This node's share of a job.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NodeRanks {
+    /// Ranks started on this node.
+    pub local: usize,
+    /// Global rank of this node's local rank 0.
+    pub first_rank: usize,
+    pub world: usize,
+    pub master_addr: String,
+    pub master_port: u16,
+    /// A node of a multi_node job: it was started over ssh and stops its ranks when its stdin
+    /// closes, which is how it learns that the launching host stopped it or went away (sshd
+    /// sends no signal to a command run without a terminal).
+    pub remote: bool,
+}
+
+impl NodeRanks {
+    /// single_node: `n` ranks on this machine, the whole job.
+    pub fn single_node(n: usize, port: u16) -> Self {
+        Self { local: n, first_rank: 0, world: n, master_addr: "127.0.0.1".into(), master_port: port, remote: false }
+    }
+
+    /// The ranks this process should start (see [`Self::from_lookup`]).
+    pub fn from_env() -> Result<Option<Self>> {
+        Self::from_lookup(&|k| std::env::var(k).ok())
+    }
+
+    /// `None` when this process is a rank (`RANK` set), [`NPROC_ENV`] is unset, or the job is
+    /// one rank; a multi_node node when [`WORLD_SIZE_ENV`] is set (its other variables then
+    /// required), else single_node on a free port.
+    pub fn from_lookup(get: &dyn Fn(&str) -> Option<String>) -> Result<Option<Self>> {
+        if get("RANK").is_some() {
+            return Ok(None);
+        }
+        let Some(local) = get(NPROC_ENV) else { return Ok(None) };
+        let local = count(NPROC_ENV, &local, 1)?;
+        let Some(world) = get(WORLD_SIZE_ENV) else {
+            return (local > 1).then(|| free_port().map(|p| Self::single_node(local, p))).transpose();
+        };
+        let world = count(WORLD_SIZE_ENV, &world, 1)?;
+        let need = |k: &str| {
+            get(k).filter(|v| !v.trim().is_empty()).ok_or_else(|| {
+                anyhow!("{WORLD_SIZE_ENV} is set and {k} is not: a multi_node node needs both (train sets them)")
+            })
+        };
+        let first_rank = count(FIRST_RANK_ENV, &need(FIRST_RANK_ENV)?, 0)?;
+        let master_addr = need(MASTER_ADDR_ENV)?;
+        let port = need(MASTER_PORT_ENV)?;
+        let master_port = port
+            .trim()
+            .parse::<u16>()
+            .ok()
+            .filter(|&p| p > 0)
+            .ok_or_else(|| anyhow!("{MASTER_PORT_ENV}={port:?} is not a port number (1-65535)"))?;
+        if first_rank + local > world {
+            bail!("this node's ranks {first_rank}..{} do not fit a world of {world} ranks", first_rank + local);
+        }
+        let node = Self { local, first_rank, world, master_addr, master_port, remote: true };
+        Ok((world > 1).then_some(node))
+    }
+
+    /// torchrun's environment for this node's local rank `local_rank`.
+    pub fn rank_env(&self, local_rank: usize) -> Vec<(&'static str, String)> {
+        vec![
+            ("RANK", (self.first_rank + local_rank).to_string()),
+            ("WORLD_SIZE", self.world.to_string()),
+            ("LOCAL_RANK", local_rank.to_string()),
+            ("LOCAL_WORLD_SIZE", self.local.to_string()),
+            ("MASTER_ADDR", self.master_addr.clone()),
+            ("MASTER_PORT", self.master_port.to_string()),
+        ]
+    }
+}
+
+fn count(key: &str, value: &str, min: usize) -> Result<usize> {
+    value
+        .trim()
+        .parse::<usize>()
+        .ok()
+        .filter(|&n| n >= min)
+        .ok_or_else(|| anyhow!("{key}={value:?} is not a number of at least {min}"))
 }
 
 /// A free TCP port for the rendezvous (bound and released: another process could take it in
@@ -35,21 +120,25 @@ pub fn free_port() -> Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
-/// The environment rank `rank` of `world` ranks on this node gets.
+/// The environment rank `rank` of a single_node job of `world` ranks gets.
 pub fn rank_env(rank: usize, world: usize, port: u16) -> Vec<(&'static str, String)> {
-    vec![
-        ("RANK", rank.to_string()),
-        ("WORLD_SIZE", world.to_string()),
-        ("LOCAL_RANK", rank.to_string()),
-        ("LOCAL_WORLD_SIZE", world.to_string()),
-        ("MASTER_ADDR", "127.0.0.1".to_string()),
-        ("MASTER_PORT", port.to_string()),
-    ]
+    NodeRanks::single_node(world, port).rank_env(rank)
 }
 
-/// Starts this executable again as `n` ranks with the same name and arguments and waits for
-/// them; returns the exit code to end with.
-pub fn spawn_local_ranks(n: usize) -> Result<i32> {
+/// Makes the child die with this process: no child outlives a killed launcher.
+pub fn die_with_parent(cmd: &mut Command) {
+    // SAFETY: prctl is async-signal-safe and touches nothing of the parent.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            Ok(())
+        });
+    }
+}
+
+/// Starts this executable again as the node's ranks, with the same name and arguments, and
+/// waits for them; returns the exit code to end with.
+pub fn spawn_local_ranks(node: &NodeRanks) -> Result<i32> {
     let exe = std::env::current_exe().context("cannot find this executable to start the ranks")?;
     let mut args = std::env::args_os();
     let arg0 = args.next().unwrap_or_default();
@@ -58,48 +147,135 @@ pub fn spawn_local_ranks(n: usize) -> Result<i32> {
     std::fs::create_dir_all(&log_dir).with_context(|| format!("cannot create {}", log_dir.display()))?;
     // The ranks read it too: rank 0's model save keeps the logs being written (durable.rs).
     let log_dir = std::fs::canonicalize(&log_dir)?;
-    let port = free_port()?;
+    let closed = node.remote.then(stdin_closed_flag);
     let mut ranks = Vec::new();
-    for r in 0..n {
+    for local in 0..node.local {
+        let rank = node.first_rank + local;
         let mut cmd = Command::new(&exe);
-        cmd.arg0(&arg0)
-            .args(&args)
-            .envs(rank_env(r, n, port))
-            .env(RANK_LOG_DIR_ENV, &log_dir)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        // SAFETY: prctl is async-signal-safe. A rank dies with its launcher: no rank outlives
-        // a killed launcher.
-        unsafe {
-            cmd.pre_exec(|| {
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-                Ok(())
-            });
-        }
-        let child = cmd.spawn().with_context(|| format!("cannot start rank {r}"))?;
-        ranks.push(RankProcess::watch(r, child, &log_dir)?);
+        cmd.arg0(&arg0).args(&args).envs(node.rank_env(local)).env(RANK_LOG_DIR_ENV, &log_dir);
+        die_with_parent(&mut cmd);
+        let log = log_dir.join(format!("rank-{rank}.log"));
+        ranks.push(Watched::spawn(&mut cmd, &log, local == 0).with_context(|| format!("cannot start rank {rank}"))?);
     }
-    supervise(ranks)
+    match wait_all(&mut ranks, closed.as_deref())? {
+        Ended::Succeeded => Ok(0),
+        Ended::Abandoned => {
+            let held = describe_ranks(node.first_rank, node.local);
+            bail!("the launching host closed this node's session (stopped or gone): stopped {held}")
+        }
+        Ended::Failed { index, status } => {
+            let (rank, p) = (node.first_rank + index, &ranks[index]);
+            if index != 0 {
+                // Local rank 0's lines are on this node's output already; show the failed rank's end too.
+                for line in last_lines(&p.log, 5) {
+                    eprintln!("[rank {rank}] {line}");
+                }
+            }
+            bail!(
+                "rank {rank} of {} failed ({status}); the others were stopped (its log: {})",
+                node.world,
+                p.log.display()
+            )
+        }
+    }
 }
 
-/// One running rank and the threads copying its output.
-struct RankProcess {
-    rank: usize,
-    child: Child,
-    log: PathBuf,
-    copiers: Vec<std::thread::JoinHandle<()>>,
+/// `rank 3`, or `ranks 2-5` for `n` ranks from `first`.
+pub fn describe_ranks(first: usize, n: usize) -> String {
+    match n {
+        1 => format!("rank {first}"),
+        _ => format!("ranks {first}-{}", first + n - 1),
+    }
 }
 
-impl RankProcess {
-    fn watch(rank: usize, mut child: Child, dir: &Path) -> Result<Self> {
-        let log = dir.join(format!("rank-{rank}.log"));
-        let file = std::fs::File::create(&log).with_context(|| format!("cannot create {}", log.display()))?;
+/// A flag set once this process's stdin reaches its end.
+fn stdin_closed_flag() -> Arc<AtomicBool> {
+    let closed = Arc::new(AtomicBool::new(false));
+    let flag = closed.clone();
+    std::thread::spawn(move || {
+        let mut stdin = std::io::stdin().lock();
+        let mut sink = [0u8; 4096];
+        loop {
+            match stdin.read(&mut sink) {
+                Ok(0) => break,
+                Ok(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(_) => break,
+            }
+        }
+        flag.store(true, Ordering::Relaxed);
+    });
+    closed
+}
+
+/// A child process whose output threads copy into its log and, when echoed, to this process's
+/// stdout and stderr.
+pub struct Watched {
+    pub child: Child,
+    pub log: PathBuf,
+    copiers: Vec<JoinHandle<Option<String>>>,
+    /// The last line the child wrote on stderr (its error line, when it failed), once it ended.
+    pub last_error: Option<String>,
+}
+
+impl Watched {
+    /// Starts `cmd` with its stdout and stderr piped into `log` (created, or emptied).
+    pub fn spawn(cmd: &mut Command, log: &Path, echo: bool) -> Result<Self> {
+        let file = std::fs::File::create(log).with_context(|| format!("cannot create {}", log.display()))?;
+        let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn()?;
         let out = child.stdout.take().expect("piped stdout");
         let err = child.stderr.take().expect("piped stderr");
-        let (to_out, to_err) = if rank == 0 { (Echo::Stdout, Echo::Stderr) } else { (Echo::None, Echo::None) };
+        let (to_out, to_err) = if echo { (Echo::Stdout, Echo::Stderr) } else { (Echo::None, Echo::None) };
         let copiers = vec![copy_lines(out, file.try_clone()?, to_out), copy_lines(err, file, to_err)];
-        Ok(Self { rank, child, log, copiers })
+        Ok(Self { child, log: log.to_path_buf(), copiers, last_error: None })
     }
+}
+
+/// How a group of children ended.
+pub enum Ended {
+    Succeeded,
+    /// The child at `index` failed first; the others were stopped.
+    Failed {
+        index: usize,
+        status: ExitStatus,
+    },
+    /// `abandoned` was set: every child was stopped.
+    Abandoned,
+}
+
+/// Waits for every child; on the first failure, or once `abandoned` is set, stops the others
+/// (SIGTERM, then SIGKILL after a grace period). Every child has ended and its output is copied
+/// when this returns.
+pub fn wait_all(children: &mut [Watched], abandoned: Option<&AtomicBool>) -> Result<Ended> {
+    let mut ended = None;
+    let mut done = vec![false; children.len()];
+    while ended.is_none() && done.iter().any(|d| !d) {
+        for (index, p) in children.iter_mut().enumerate() {
+            if done[index] {
+                continue;
+            }
+            if let Some(status) = p.child.try_wait()? {
+                done[index] = true;
+                if !status.success() {
+                    ended = Some(Ended::Failed { index, status });
+                    break;
+                }
+            }
+        }
+        if ended.is_none() && abandoned.is_some_and(|a| a.load(Ordering::Relaxed)) {
+            ended = Some(Ended::Abandoned);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    if ended.is_some() {
+        stop_all(children, &done);
+    }
+    for p in children.iter_mut() {
+        let _ = p.child.wait();
+        let lasts: Vec<Option<String>> = p.copiers.drain(..).map(|c| c.join().ok().flatten()).collect();
+        p.last_error = lasts.into_iter().nth(1).flatten();
+    }
+    Ok(ended.unwrap_or(Ended::Succeeded))
 }
 
 /// Where [`tee`] also prints the lines it logs.
@@ -126,66 +302,25 @@ pub fn tee(reader: impl BufRead, mut log: std::fs::File, echo: Echo) -> Result<O
     Ok(last)
 }
 
-/// Copies a rank's lines into its log (and, for rank 0, to the terminal) on a thread.
+/// Copies a child's lines into its log (and to `echo`) on a thread; the thread returns the
+/// last line.
 fn copy_lines(
     stream: impl std::io::Read + Send + 'static,
     log: std::fs::File,
     echo: Echo,
-) -> std::thread::JoinHandle<()> {
-    std::thread::spawn(move || {
-        let _ = tee(BufReader::new(stream), log, echo);
-    })
+) -> JoinHandle<Option<String>> {
+    std::thread::spawn(move || tee(BufReader::new(stream), log, echo).ok().flatten())
 }
 
-/// Waits for every rank; on the first failure stops the others (SIGTERM, then SIGKILL after a
-/// grace period) and reports the failed rank's last lines.
-fn supervise(mut ranks: Vec<RankProcess>) -> Result<i32> {
-    let mut failed: Option<(usize, ExitStatus)> = None;
-    let mut done = vec![false; ranks.len()];
-    while failed.is_none() && done.iter().any(|d| !d) {
-        for (i, p) in ranks.iter_mut().enumerate() {
-            if done[i] {
-                continue;
-            }
-            if let Some(status) = p.child.try_wait()? {
-                done[i] = true;
-                if !status.success() {
-                    failed = Some((p.rank, status));
-                    break;
-                }
-            }
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    if failed.is_some() {
-        stop_all(&mut ranks, &done);
-    }
-    for p in &mut ranks {
-        let _ = p.child.wait();
-        for c in p.copiers.drain(..) {
-            let _ = c.join();
-        }
-    }
-    let Some((rank, status)) = failed else { return Ok(0) };
-    let p = &ranks[rank];
-    if rank != 0 {
-        // Rank 0's lines are on the terminal already; show the failed rank's end too.
-        for line in last_lines(&p.log, 5) {
-            eprintln!("[rank {rank}] {line}");
-        }
-    }
-    bail!("rank {rank} of {} failed ({status}); the others were stopped (its log: {})", ranks.len(), p.log.display())
-}
-
-fn stop_all(ranks: &mut [RankProcess], done: &[bool]) {
-    for (p, &d) in ranks.iter().zip(done) {
+fn stop_all(children: &mut [Watched], done: &[bool]) {
+    for (p, &d) in children.iter().zip(done) {
         if !d {
             // SAFETY: kill only sends a signal to a child we started and have not reaped.
             unsafe { libc::kill(p.child.id() as i32, libc::SIGTERM) };
         }
     }
     let deadline = Instant::now() + Duration::from_secs(5);
-    for p in ranks.iter_mut() {
+    for p in children.iter_mut() {
         while Instant::now() < deadline && matches!(p.child.try_wait(), Ok(None)) {
             std::thread::sleep(Duration::from_millis(20));
         }
@@ -195,7 +330,8 @@ fn stop_all(ranks: &mut [RankProcess], done: &[bool]) {
     }
 }
 
-fn last_lines(path: &Path, n: usize) -> Vec<String> {
+/// The last `n` lines of a log.
+pub fn last_lines(path: &Path, n: usize) -> Vec<String> {
     let text = std::fs::read_to_string(path).unwrap_or_default();
     let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(n)..].iter().map(|l| l.to_string()).collect()
@@ -204,15 +340,83 @@ fn last_lines(path: &Path, n: usize) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::HashMap;
+
+    fn get<'a>(env: &'a [(&str, String)], k: &str) -> Option<&'a str> {
+        env.iter().find(|(key, _)| *key == k).map(|(_, v)| v.as_str())
+    }
+
+    fn node(vars: &[(&str, &str)]) -> Result<Option<NodeRanks>> {
+        let map: HashMap<String, String> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        NodeRanks::from_lookup(&|k| map.get(k).cloned())
+    }
 
     #[test]
     fn ranks_get_torchruns_environment() {
         let env = rank_env(1, 3, 4242);
-        let get = |k: &str| env.iter().find(|(key, _)| *key == k).map(|(_, v)| v.as_str());
-        assert_eq!(get("RANK"), Some("1"));
-        assert_eq!(get("WORLD_SIZE"), Some("3"));
-        assert_eq!(get("LOCAL_RANK"), Some("1"));
-        assert_eq!(get("MASTER_PORT"), Some("4242"));
-        assert_eq!(get("MASTER_ADDR"), Some("127.0.0.1"));
+        assert_eq!(get(&env, "RANK"), Some("1"));
+        assert_eq!(get(&env, "WORLD_SIZE"), Some("3"));
+        assert_eq!(get(&env, "LOCAL_RANK"), Some("1"));
+        assert_eq!(get(&env, "LOCAL_WORLD_SIZE"), Some("3"));
+        assert_eq!(get(&env, "MASTER_PORT"), Some("4242"));
+        assert_eq!(get(&env, "MASTER_ADDR"), Some("127.0.0.1"));
+    }
+
+    #[test]
+    fn a_multi_node_nodes_ranks_are_numbered_after_the_earlier_hosts() -> Result<()> {
+        let n = node(&[
+            (NPROC_ENV, "2"),
+            (FIRST_RANK_ENV, "3"),
+            (WORLD_SIZE_ENV, "5"),
+            (MASTER_ADDR_ENV, "worker-0"),
+            (MASTER_PORT_ENV, "29500"),
+        ])?
+        .expect("a node with ranks to start");
+        assert!(n.remote);
+        let env = n.rank_env(1);
+        for (k, v) in [
+            ("RANK", "4"),
+            ("WORLD_SIZE", "5"),
+            ("LOCAL_RANK", "1"),
+            ("LOCAL_WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "worker-0"),
+            ("MASTER_PORT", "29500"),
+        ] {
+            assert_eq!(get(&env, k), Some(v), "{k}");
+        }
+        // One slot on a node of a bigger job still starts its rank: it must join the others.
+        let one = node(&[
+            (NPROC_ENV, "1"),
+            (FIRST_RANK_ENV, "1"),
+            (WORLD_SIZE_ENV, "2"),
+            (MASTER_ADDR_ENV, "h"),
+            (MASTER_PORT_ENV, "1"),
+        ])?;
+        assert_eq!(one.map(|n| n.rank_env(0)[0].1.clone()).as_deref(), Some("1"));
+        Ok(())
+    }
+
+    #[test]
+    fn who_launches_what() -> Result<()> {
+        // A rank never launches; one rank alone runs as itself; single_node picks a free port.
+        assert_eq!(node(&[(NPROC_ENV, "2"), ("RANK", "0")])?, None);
+        assert_eq!(node(&[])?, None);
+        assert_eq!(node(&[(NPROC_ENV, "1")])?, None);
+        let single = node(&[(NPROC_ENV, "3")])?.unwrap();
+        assert_eq!((single.local, single.first_rank, single.world, single.remote), (3, 0, 3, false));
+        let base = [(NPROC_ENV, "2"), (FIRST_RANK_ENV, "1"), (WORLD_SIZE_ENV, "3"), (MASTER_ADDR_ENV, "h")];
+        for (vars, want) in [
+            (vec![(NPROC_ENV, "0")], "RLHF_NPROC_PER_NODE=\"0\" is not a number of at least 1"),
+            (base.to_vec(), "RLHF_MASTER_PORT is not"),
+            ([&base[..], &[(MASTER_PORT_ENV, "0")]].concat(), "RLHF_MASTER_PORT=\"0\" is not a port number"),
+            (
+                [&base[..2], &[(WORLD_SIZE_ENV, "2"), (MASTER_ADDR_ENV, "h"), (MASTER_PORT_ENV, "9")]].concat(),
+                "ranks 1..3 do not fit a world of 2",
+            ),
+        ] {
+            let err = node(&vars).unwrap_err().to_string();
+            assert!(err.contains(want), "{vars:?}: {err}");
+        }
+        Ok(())
     }
 }

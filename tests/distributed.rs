@@ -477,14 +477,64 @@ fn train_single_node_runs_step_1_as_ranks_with_a_log_each() {
     assert!(!failed.status.success(), "{err}");
     assert!(err.contains("the others were stopped") && err.contains("rank-"), "{err}");
     assert!(err.contains("/no/such/data"), "the failing rank's own error is shown: {err}");
-    // Steps that do not train across ranks yet are refused up front.
-    let refused = Command::new(env!("CARGO_BIN_EXE_train"))
-        .args(["--step", "1", "2", "--deployment-type", "single_node", "--output-dir"])
-        .arg(dir.path().join("x"))
+}
+
+/// The whole pipeline under `train --deployment-type single_node`: steps 1, 2 and 3 each as 2
+/// ranks (fast recipes in the layout of scripts/recipes), every step's ranks logging and rank 0
+/// saving its model.
+#[test]
+fn train_single_node_runs_all_three_steps_as_ranks() {
+    let dir = tempfile::tempdir().unwrap();
+    let recipes = dir.path().join("recipes");
+    let write = |step: &str, text: &str| {
+        std::fs::create_dir_all(recipes.join(step)).unwrap();
+        std::fs::write(recipes.join(step).join("single_node.sh"), text).unwrap();
+    };
+    write(
+        "step1_sft",
+        "exec sft --model-name-or-path=\"$3\" --zero-stage=\"$2\" --output-dir=\"$1\" --data-path demo \
+         --data-split 2,6,2 --max-seq-len 48 --per-device-train-batch-size 8 --num-train-epochs 1 --dropout 0 \
+         --data-output-path \"$1.cache\"\n",
+    );
+    write(
+        "step2_reward",
+        "exec reward --model-name-or-path=\"$3\" --zero-stage=\"$2\" --output-dir=\"$1\" --data-path demo \
+         --data-split 2,6,2 --max-seq-len 48 --per-device-train-batch-size 8 --num-train-epochs 1 --dropout 0 \
+         --data-output-path \"$1.cache\"\n",
+    );
+    write(
+        "step3_ppo",
+        "exec ppo --actor-model-name-or-path=\"$3\" --critic-model-name-or-path=\"$5\" --actor-zero-stage=\"$2\" \
+         --critic-zero-stage=\"$6\" --output-dir=\"$1\" --data-path demo --data-split 90,5,5 --max-prompt-seq-len 24 \
+         --max-answer-seq-len 6 --num-train-epochs 1 --per-device-generation-batch-size 4 \
+         --per-device-training-batch-size 4 --do-sample --data-output-path \"$1.cache\"\n",
+    );
+    let out = dir.path().join("out");
+    let run = Command::new(env!("CARGO_BIN_EXE_train"))
+        .args(["--step", "1", "2", "3", "--deployment-type", "single_node", "--num-gpus", "2"])
+        .args(["--actor-zero-stage", "2", "--reward-zero-stage", "1", "--actor-model", "tiny", "--device", "cpu"])
+        .arg("--reward-model")
+        .arg("tiny")
+        .arg("--recipe-dir")
+        .arg(&recipes)
+        .arg("--output-dir")
+        .arg(&out)
+        .env("HF_HUB_OFFLINE", "1")
         .output()
         .unwrap();
-    let err = String::from_utf8_lossy(&refused.stderr);
-    assert!(!refused.status.success() && err.contains("step 2 does not train across ranks yet"), "{err}");
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(run.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&run.stderr));
+    for (step, dir, stage) in [(1, "actor", 2), (2, "reward", 1), (3, "step3", 2)] {
+        for r in 0..2 {
+            let log = std::fs::read_to_string(out.join(format!("{dir}/rank-{r}.log"))).unwrap();
+            assert!(
+                log.contains(&format!("data parallel: 2 ranks, ZeRO stage {stage}")),
+                "step {step} rank {r}: {log}"
+            );
+        }
+    }
+    assert!(out.join("actor/model.safetensors").is_file() && out.join("reward/model.safetensors").is_file());
+    assert!(out.join("step3/actor/model.safetensors").is_file());
 }
 
 /// Step 3's starting models, tiny, over GPT-2's vocabulary (written as steps 1 and 2 save them),

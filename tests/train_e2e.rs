@@ -92,9 +92,13 @@ fn unsupported_requests_are_one_clear_error_line() {
             assert!(stderr.contains(w), "{args:?}: want {w:?} in {stderr}");
         }
     };
-    // single_node trains step 1 across ranks (tests/distributed.rs); what it cannot do is refused.
-    check(&["--step", "1", "2", "--deployment-type", "single_node"], &["step 2 does not train across ranks yet"]);
-    check(&["--step", "1", "--deployment-type", "multi_node"], &["multi_node", "not available yet"]);
+    // single_node and multi_node run every step across ranks (tests/distributed.rs,
+    // tests/multi_node.rs); what they cannot do is refused.
+    check(
+        &["--step", "1", "--deployment-type", "multi_node", "--hostfile", "/no/such/hostfile"],
+        &["/no/such/hostfile"],
+    );
+    check(&["--step", "1", "--hostfile", "hosts"], &["--hostfile sets up --deployment-type multi_node"]);
     check(&["--step", "1", "--num-gpus", "2"], &["--num-gpus 2", "single_node"]);
     check(&["--step", "1", "--deployment-type", "cluster"], &["cluster", "single_gpu"]);
     check(&["--step", "4"], &["--step 4"]);

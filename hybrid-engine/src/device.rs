@@ -1,9 +1,12 @@
 //! `--device`: where a step computes. One parser for every binary:
 //!
-//! - `auto` (the default): CUDA device 0 when this build has the `cuda` feature and a GPU opens,
-//!   else the CPU (with a one-line note on stderr when a CUDA build finds no usable GPU);
+//! - `auto` (the default): this rank's CUDA device when this build has the `cuda` feature and a
+//!   GPU opens, else the CPU (with a one-line note on stderr when a CUDA build finds no usable GPU);
 //! - `cpu`;
-//! - `cuda` (= `cuda:0`) or `cuda:N`.
+//! - `cuda` (this rank's device) or `cuda:N`.
+//!
+//! "This rank's device" is `cuda:<LOCAL_RANK>` (torchrun's convention: the ranks of a node each
+//! take their own GPU; `cuda:0` for a lone process). `cuda:N` puts every rank on device N.
 //!
 //! Asking for CUDA where there is none is one line saying what to do: rebuild with
 //! `--features cuda` (a CPU-only build), or use `--device cpu` (no GPU, no driver, or no such
@@ -27,11 +30,16 @@ pub enum DeviceSpec {
 impl DeviceSpec {
     /// Parses `auto`, `cpu`, `cuda`, `cuda:N` (case-insensitive, surrounding blanks ignored).
     pub fn parse(spec: &str) -> Result<Self> {
+        Self::parse_for_rank(spec, local_rank())
+    }
+
+    /// [`Self::parse`] for the rank `local_rank` of its node (`cuda` is its device).
+    pub fn parse_for_rank(spec: &str, local_rank: usize) -> Result<Self> {
         let s = spec.trim().to_ascii_lowercase();
         match s.as_str() {
             "auto" => return Ok(Self::Auto),
             "cpu" => return Ok(Self::Cpu),
-            "cuda" => return Ok(Self::Cuda(0)),
+            "cuda" => return Ok(Self::Cuda(local_rank)),
             _ => {}
         }
         if let Some(n) = s.strip_prefix("cuda:") {
@@ -42,6 +50,12 @@ impl DeviceSpec {
         }
         bail!("--device {spec:?} is not a device: use auto, cpu, cuda or cuda:N")
     }
+}
+
+/// This process's rank on its node (torchrun's `LOCAL_RANK`; 0 without one, or for a value
+/// the process group will refuse anyway when it joins).
+fn local_rank() -> usize {
+    std::env::var("LOCAL_RANK").ok().and_then(|v| v.trim().parse().ok()).unwrap_or(0)
 }
 
 /// Whether this binary was built with the `cuda` feature.
@@ -85,12 +99,16 @@ fn auto_device() -> Device {
 
 #[cfg(feature = "cuda")]
 fn auto_device() -> Device {
+    let n = local_rank();
     match cuda_device_count() {
         Ok(0) => Device::Cpu,
-        Ok(_) => match Device::new_cuda(0) {
+        Ok(_) => match Device::new_cuda(n) {
             Ok(d) => d,
             Err(e) => {
-                eprintln!("note: --device auto: CUDA device 0 does not open ({}); running on the CPU", first_line(&e));
+                eprintln!(
+                    "note: --device auto: CUDA device {n} does not open ({}); running on the CPU",
+                    first_line(&e)
+                );
                 Device::Cpu
             }
         },
@@ -179,6 +197,10 @@ mod tests {
         assert_eq!(DeviceSpec::parse("cuda")?, DeviceSpec::Cuda(0));
         assert_eq!(DeviceSpec::parse("cuda:0")?, DeviceSpec::Cuda(0));
         assert_eq!(DeviceSpec::parse("cuda:3")?, DeviceSpec::Cuda(3));
+        // Each rank of a node takes its own GPU; an explicit number is every rank's.
+        assert_eq!(DeviceSpec::parse_for_rank("cuda", 0)?, DeviceSpec::Cuda(0));
+        assert_eq!(DeviceSpec::parse_for_rank("CUDA", 3)?, DeviceSpec::Cuda(3));
+        assert_eq!(DeviceSpec::parse_for_rank("cuda:1", 3)?, DeviceSpec::Cuda(1));
         Ok(())
     }
 

@@ -25,7 +25,8 @@ use std::sync::Mutex;
 pub const LIVE_LOG_ENV: &str = "RLHF_LIVE_LOG";
 
 /// Set by the rank launcher (`src/ranks.rs`) to the directory whose `rank-<r>.log` files it
-/// appends the ranks' output to: live files too.
+/// appends the ranks' output to, and where multi_node's launcher (`src/nodes.rs`) writes each
+/// host's `node-<host>.log`: live files too.
 pub const RANK_LOGS_ENV: &str = "RLHF_RANK_LOG_DIR";
 
 /// Test hook: `RLHF_FAILPOINT=<name>` aborts the process at the named point, to prove that an
@@ -63,9 +64,9 @@ fn live_files_in(dir: &Path) -> Vec<PathBuf> {
     }
     if std::env::var_os(RANK_LOGS_ENV).and_then(|p| std::fs::canonicalize(p).ok()).as_deref() == Some(dir.as_path()) {
         let is_rank_log = |n: &str| {
-            n.strip_prefix("rank-")
-                .and_then(|r| r.strip_suffix(".log"))
-                .is_some_and(|r| r.bytes().all(|b| b.is_ascii_digit()))
+            let rank = n.strip_prefix("rank-").and_then(|r| r.strip_suffix(".log"));
+            rank.is_some_and(|r| r.bytes().all(|b| b.is_ascii_digit()))
+                || n.strip_prefix("node-").is_some_and(|h| h.ends_with(".log"))
         };
         if let Ok(entries) = std::fs::read_dir(&dir) {
             live.extend(entries.flatten().filter(|e| is_rank_log(&e.file_name().to_string_lossy())).map(|e| e.path()));

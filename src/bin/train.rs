@@ -10,8 +10,8 @@ fn main() {
         .unwrap_or_default();
     let is_step = matches!(name.as_str(), "sft" | "reward" | "ppo");
     if is_step {
-        // A single_node recipe's step: start its ranks and supervise them.
-        match rlhf::ranks::ranks_to_spawn().and_then(|n| n.map(rlhf::ranks::spawn_local_ranks).transpose()) {
+        // A single_node or multi_node recipe's step: start the job's ranks and supervise them.
+        match launch_ranks() {
             Ok(Some(code)) => std::process::exit(code),
             Ok(None) => {}
             Err(e) => hybrid_engine::cli::exit_with(e),
@@ -28,4 +28,13 @@ fn main() {
             }
         }
     }
+}
+
+/// A multi_node job's launch (the hosts), else a node's ranks (single_node, or one host of a
+/// multi_node job); `None` when this process is to run the step itself.
+fn launch_ranks() -> anyhow::Result<Option<i32>> {
+    if let Some(plan) = rlhf::nodes::NodesPlan::from_env()? {
+        return rlhf::nodes::launch(&plan).map(Some);
+    }
+    rlhf::ranks::NodeRanks::from_env()?.map(|node| rlhf::ranks::spawn_local_ranks(&node)).transpose()
 }

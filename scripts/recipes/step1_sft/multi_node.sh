@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Step 1 (SFT) on several nodes of 8 GPUs (64 GPUs): DS-Chat's
 # training/step1_supervised_finetuning/training_scripts/opt/multi_node/run_66b.sh (and its
-# smaller siblings), with GPT-2 sizes. `train` refuses this deployment until data and
-# tensor parallelism land (the distributed issue); the values are DS-Chat's.
+# smaller siblings), with GPT-2 sizes. `train --deployment-type multi_node` runs it with the
+# hostfile's hosts in RLHF_NODES, so `sft` below starts the ranks of every host over ssh or srun
+# (src/nodes.rs), as DeepSpeed's launcher does for DS-Chat; the values are DS-Chat's.
 # Usage: multi_node.sh OUTPUT_DIR [ZERO_STAGE] [MODEL] [SIZE]
 set -euo pipefail
 OUTPUT=${1:-./output/actor}

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Step 2 (reward model) on several nodes of 8 GPUs: DS-Chat's
 # training/step2_reward_model_finetuning/training_scripts/opt/multi_node/run_350m.sh, with
-# GPT-2 sizes. `train` refuses this deployment until data and tensor parallelism land (the
-# distributed issue); the values are DS-Chat's.
+# GPT-2 sizes. `train --deployment-type multi_node` runs it with the hostfile's hosts in
+# RLHF_NODES, so `reward` below starts the hosts' ranks (src/nodes.rs). The values are DS-Chat's.
 # Usage: multi_node.sh OUTPUT_DIR [ZERO_STAGE] [MODEL] [SIZE]
 set -euo pipefail
 OUTPUT=${1:-./output/reward}

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Step 2 (reward model) on one node of 8 GPUs: DS-Chat's
 # training/step2_reward_model_finetuning/training_scripts/opt/single_node/run_350m.sh, with
-# GPT-2 sizes. `train` refuses this deployment until data and tensor parallelism land (the
-# distributed issue); the values are DS-Chat's.
+# GPT-2 sizes. `train` runs it with RLHF_NPROC_PER_NODE set, so `reward` below starts one rank
+# per GPU (src/ranks.rs). The values are DS-Chat's.
 # Usage: single_node.sh OUTPUT_DIR [ZERO_STAGE] [MODEL] [SIZE]
 set -euo pipefail
 OUTPUT=${1:-./output/reward}

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Step 3 (PPO) on several nodes of 8 GPUs: DS-Chat's
 # training/step3_rlhf_finetuning/training_scripts/opt/multi_node/run_66b.sh, with GPT-2 sizes.
-# `train` refuses this deployment until data and tensor parallelism land (the distributed issue);
-# the values are DS-Chat's.
+# `train --deployment-type multi_node` runs it with the hostfile's hosts in RLHF_NODES, so `ppo`
+# below starts the hosts' ranks (src/nodes.rs). The values are DS-Chat's.
 # Usage: multi_node.sh OUTPUT_DIR [ACTOR_ZERO_STAGE] [ACTOR_PATH] [SIZE] [CRITIC_PATH] [CRITIC_ZERO_STAGE]
 set -euo pipefail
 OUTPUT=${1:-./output/step3}

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Step 3 (PPO) on one node of 8 GPUs: DS-Chat's
 # training/step3_rlhf_finetuning/training_scripts/opt/single_node/run_1.3b.sh, with GPT-2 sizes.
-# `train` refuses this deployment until data and tensor parallelism land (the distributed issue);
-# the values are DS-Chat's.
+# `train` runs it with RLHF_NPROC_PER_NODE set, so `ppo` below starts one rank per GPU
+# (src/ranks.rs). The values are DS-Chat's.
 # Usage: single_node.sh OUTPUT_DIR [ACTOR_ZERO_STAGE] [ACTOR_PATH] [SIZE] [CRITIC_PATH] [CRITIC_ZERO_STAGE]
 set -euo pipefail
 OUTPUT=${1:-./output/step3}
