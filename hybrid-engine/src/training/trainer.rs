@@ -321,9 +321,8 @@ impl Trainer {
         }
         self.pending = 0;
         self.boundaries += 1;
-        let grad_norm = match (&gradients, &self.dp, &self.zero3) {
-            (Gradients::Shard(shard), _, Some(model)) => model.grad_norm(shard)?,
-            (Gradients::Shard(shard), Some((dp, _)), None) => zero::sharded_grad_norm(dp, shard)?,
+        let grad_norm = match (&gradients, self.group()) {
+            (Gradients::Shard(shard), Some(group)) => zero::sharded_grad_norm(group, shard)?,
             _ => global_grad_norm(gradients.tensors_mut())?,
         };
         let overflow = !grad_norm.is_finite();

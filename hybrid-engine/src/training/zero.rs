@@ -195,9 +195,9 @@ pub fn reduce_scatter_gradients(dp: &DataParallel, partition: &Partition, grads:
 }
 
 /// The global L2 norm of sharded gradients: every rank's squared norm, summed over ranks.
-pub fn sharded_grad_norm(dp: &DataParallel, shard: &Tensor) -> Result<f64> {
+pub fn sharded_grad_norm(group: &ProcessGroup, shard: &Tensor) -> Result<f64> {
     let mut sq = [crate::training::optim::global_grad_norm(std::slice::from_ref(shard))?.powi(2)];
-    dp.group.all_reduce_scalars(&mut sq, ReduceOp::Sum)?;
+    group.all_reduce_scalars(&mut sq, ReduceOp::Sum)?;
     Ok(sq[0].sqrt())
 }
 

@@ -16,7 +16,7 @@
 //! 3x the outer unit and 2x every block in all-gathers, and reduce-scatters the outer unit twice
 //! (head and embedding) and every block once.
 
-use crate::comm::{ProcessGroup, ReduceOp};
+use crate::comm::ProcessGroup;
 use crate::model::gpt2::{Block, Dropout, Gpt2, Gpt2Config, Positions};
 use crate::model::params::ParamStore;
 use crate::model::reward_model::{Heads, SCORE_WEIGHT};
@@ -340,13 +340,6 @@ impl ShardedModel {
         let [exp_avg, exp_avg_sq] = moments;
         full.set_full_moments(exp_avg, exp_avg_sq);
         Ok(full)
-    }
-
-    /// The squared L2 norm of a gradient shard summed over ranks, square-rooted: the global norm.
-    pub fn grad_norm(&self, shard: &Tensor) -> Result<f64> {
-        let mut sq = [crate::training::optim::global_grad_norm(std::slice::from_ref(shard))?.powi(2)];
-        self.group.all_reduce_scalars(&mut sq, ReduceOp::Sum)?;
-        Ok(sq[0].sqrt())
     }
 }
 
