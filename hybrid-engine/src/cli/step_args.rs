@@ -10,6 +10,10 @@ use crate::model::params::ParamStore;
 use crate::training::optim::AdamWConfig;
 use crate::training::precision::PrecisionArgs;
 use crate::training::schedule::{DecayStyle, LrSchedule};
+use crate::training::train_step::TrainedModel;
+use crate::training::trainer::Trainer;
+use crate::training::zero::DataParallel;
+use crate::training::zero3::ShardedModel;
 use anyhow::{bail, Result};
 use candle_core::{Device, Tensor};
 use clap::Args;
@@ -17,6 +21,7 @@ use lora::peft::PeftAdapter;
 use lora::LoraConfig;
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::rc::Rc;
 
 /// Where a step saves the LoRA adapter alone, inside its output directory.
 pub const ADAPTER_DIR: &str = "adapter";
@@ -148,6 +153,45 @@ impl StepArgs {
             decay_iters: total_steps,
             style: self.lr_scheduler_type,
         }
+    }
+
+    /// The model a fine-tuning step trains over `params` (`trainable`: what the optimizer
+    /// updates) and its trainer at `lr` for `steps` optimizer steps, as `dp` says: under ZeRO
+    /// stage 3 across ranks a [`ShardedModel`] that keeps this rank's shard of `params` (the
+    /// caller then drops them), else the model `whole` builds on the compute-dtype copy of
+    /// `params` (the masters themselves in fp32).
+    pub fn trained_model(
+        &self,
+        dp: DataParallel,
+        config: &Gpt2Config,
+        (params, trainable): (&ParamStore, &ParamStore),
+        (lr, steps): (f64, u64),
+        whole: impl FnOnce(&ParamStore) -> Result<TrainedModel>,
+    ) -> Result<(TrainedModel, Trainer)> {
+        let precision = self.precision.precision();
+        let (schedule, scaling) = (self.schedule(lr, steps), self.precision.loss_scaling());
+        let accumulation = self.gradient_accumulation_steps;
+        if dp.shards_parameters() {
+            let mut sharded = ShardedModel::new(dp.group.clone(), config, params, precision.dtype.dtype())?;
+            sharded.fp32_loss = precision.fp32_loss;
+            let sharded = Rc::new(sharded);
+            let trainer = Trainer::sharded(
+                sharded.clone(),
+                self.adam(),
+                schedule,
+                accumulation,
+                self.gradient_clipping,
+                precision,
+                scaling,
+            );
+            return Ok((TrainedModel::Sharded(sharded), trainer));
+        }
+        let compute = params.compute_copy(precision.dtype.dtype())?;
+        let model = whole(&compute)?;
+        let trainer = Trainer::new(trainable, self.adam(), schedule, accumulation, self.gradient_clipping)?
+            .with_precision(precision, &compute, scaling)
+            .with_data_parallel(dp);
+        Ok((model, trainer))
     }
 
     /// Opens `--device` (see [`crate::device::parse_device`]).

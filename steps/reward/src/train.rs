@@ -22,12 +22,10 @@ use hybrid_engine::model::reward_model::{add_score_head, sequence_classification
 use hybrid_engine::training::memory::MemoryPlan;
 use hybrid_engine::training::metrics::{peak_rss_mib, Metrics};
 use hybrid_engine::training::train_step::{Backward, TrainedModel};
-use hybrid_engine::training::trainer::{total_steps, StepLog, Trainer};
-use hybrid_engine::training::zero3::ShardedModel;
+use hybrid_engine::training::trainer::{total_steps, StepLog};
 use hybrid_engine::ParamStore;
 use serde::Serialize;
 use serde_json::json;
-use std::rc::Rc;
 use std::time::Instant;
 
 /// The final evaluation (accuracy, margins, length bias), saved with the reward model.
@@ -117,33 +115,13 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
     // Every rank takes its share of each global micro-batch of per-device x world pairs.
     let micro_per_epoch = data.train.len().div_ceil(world).div_ceil(t.per_device_train_batch_size);
     let steps = total_steps(micro_per_epoch, t.num_train_epochs, t.gradient_accumulation_steps);
-    let accumulation = t.gradient_accumulation_steps;
     // Forward and backward run on a copy in the compute dtype (the masters themselves in fp32),
     // or under ZeRO-3 on weights gathered in it from this rank's shard of the masters.
-    let (model, mut trainer) = if dp.shards_parameters() {
-        let mut sharded = ShardedModel::new(group.clone(), &config, &params, precision.dtype.dtype())?;
-        sharded.fp32_loss = precision.fp32_loss;
-        let sharded = Rc::new(sharded);
-        let (schedule, scaling) = (t.schedule(lr, steps), t.precision.loss_scaling());
-        let trainer = Trainer::sharded(
-            sharded.clone(),
-            t.adam(),
-            schedule,
-            accumulation,
-            t.gradient_clipping,
-            precision,
-            scaling,
-        );
-        (TrainedModel::Sharded(sharded), trainer)
-    } else {
-        let compute = params.compute_copy(precision.dtype.dtype())?;
-        let mut model = RewardModel::new(&compute, &config)?;
+    let (model, mut trainer) = t.trained_model(dp, &config, (&params, &trainable), (lr, steps), |compute| {
+        let mut model = RewardModel::new(compute, &config)?;
         model.trunk.fp32_loss = precision.fp32_loss;
-        let trainer = Trainer::new(&trainable, t.adam(), t.schedule(lr, steps), accumulation, t.gradient_clipping)?
-            .with_precision(precision, &compute, t.precision.loss_scaling())
-            .with_data_parallel(dp);
-        (TrainedModel::reward(model), trainer)
-    };
+        Ok(TrainedModel::reward(model))
+    })?;
     trainer.set_lora_learning_rate(&trainable, t.lora_learning_rate);
     // Under ZeRO stage 3 each rank keeps only its shard: the whole model goes now.
     let (params, trainable) = match &model {
