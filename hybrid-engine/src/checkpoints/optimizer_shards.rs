@@ -6,7 +6,9 @@
 //!
 //! Files: `optimizer-manifest.json` (the files, the world size that wrote them, every parameter's
 //! size) and `optimizer-rank-<r>-of-<n>.safetensors`, whose tensors are 1-D pieces named
-//! `exp_avg.<param>` / `exp_avg_sq.<param>` with `<param>` -> `start..end` in the metadata.
+//! `exp_avg.<param>` / `exp_avg_sq.<param>` and the range of the parameter they cover in
+//! `range.<param>` (two i64: start, end). Ranges are tensors rather than header metadata because
+//! safetensors writes metadata in hash order: the same state must give the same bytes.
 //! Unsharded optimizers (one rank, or ZeRO stage 0 where every rank holds the same state) are
 //! written by rank 0 alone, as one file of whole pieces.
 
@@ -16,7 +18,6 @@ use candle_core::safetensors::Load;
 use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
-use std::ops::Range;
 use std::path::Path;
 
 pub const MANIFEST: &str = "optimizer-manifest.json";
@@ -52,7 +53,7 @@ pub fn manifest(world: usize, writers: usize, names: &[String], numels: &[usize]
 /// `rank` of `world`.
 pub fn write_shard(dir: &Path, rank: usize, world: usize, optimizer: &AdamW, names: &[String]) -> Result<()> {
     let mut tensors = Vec::new();
-    let mut meta = HashMap::from([("format".to_string(), FORMAT.to_string())]);
+    let meta = HashMap::from([("format".to_string(), FORMAT.to_string())]);
     for (i, name) in names.iter().enumerate() {
         let held = optimizer.held(i);
         if held.is_empty() {
@@ -61,7 +62,8 @@ pub fn write_shard(dir: &Path, rank: usize, world: usize, optimizer: &AdamW, nam
         let (m, v) = optimizer.held_moments(i);
         tensors.push((format!("exp_avg.{name}"), Tensor::from_slice(m, m.len(), &Device::Cpu)?));
         tensors.push((format!("exp_avg_sq.{name}"), Tensor::from_slice(v, v.len(), &Device::Cpu)?));
-        meta.insert(name.clone(), format!("{}..{}", held.start, held.end));
+        let range = [held.start as i64, held.end as i64];
+        tensors.push((format!("range.{name}"), Tensor::from_slice(&range, 2, &Device::Cpu)?));
     }
     let path = dir.join(shard_file(rank, world));
     safetensors::serialize_to_file(tensors, Some(meta), &path).with_context(|| format!("writing {}", path.display()))
@@ -78,7 +80,7 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest> {
     }
     for f in &m.files {
         // A file name, never a path: a manifest must not make us read outside the checkpoint.
-        if f.contains('/') || f.contains('\\') || f.starts_with('.') {
+        if f.contains('/') || f.contains('\\') || f.starts_with('.') || f.chars().any(char::is_control) {
             bail!("{} names the file {f:?}, which is not a plain file name", path.display());
         }
     }
@@ -115,19 +117,24 @@ pub fn load_into(
         let bytes = std::fs::read(&path)
             .with_context(|| format!("cannot read {}, listed in the checkpoint's {MANIFEST}", path.display()))?;
         let corrupt = |e: &dyn std::fmt::Display| anyhow!("{} is not a valid optimizer shard ({e})", path.display());
-        let (_, metadata) = safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| corrupt(&e))?;
-        let ranges = metadata.metadata().clone().unwrap_or_default();
         let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| corrupt(&e))?;
-        for (name, range) in &ranges {
-            if name == "format" {
-                continue;
-            }
+        let mut pieces: Vec<String> =
+            st.names().iter().filter_map(|n| n.strip_prefix("range.")).map(String::from).collect();
+        pieces.sort();
+        for name in &pieces {
             let Some(&i) = index.get(name.as_str()) else {
-                return Err(corrupt(&format!("it holds {name}, which the model does not")));
+                return Err(corrupt(&format!("it holds {name:?}, which the model does not")));
             };
-            let range = parse_range(range)
-                .filter(|r| r.end <= numels[i])
-                .ok_or_else(|| corrupt(&format!("{name}'s range {range:?} is not within its {} values", numels[i])))?;
+            let bounds = st
+                .tensor(&format!("range.{name}"))
+                .map_err(|e| corrupt(&e))?
+                .load(&Device::Cpu)
+                .and_then(|t| t.to_dtype(candle_core::DType::I64)?.flatten_all()?.to_vec1::<i64>())
+                .map_err(|e| corrupt(&e))?;
+            let range = match bounds[..] {
+                [a, b] if 0 <= a && a <= b && b as usize <= numels[i] => a as usize..b as usize,
+                _ => return Err(corrupt(&format!("{name}'s range {bounds:?} is not within its {} values", numels[i]))),
+            };
             let read = |key: &str| -> Result<Vec<f32>> {
                 let view = st.tensor(&format!("{key}.{name}")).map_err(|e| corrupt(&e))?;
                 let t = view.load(&Device::Cpu).map_err(|e| corrupt(&e))?;
@@ -156,16 +163,11 @@ pub fn load_into(
     Ok(())
 }
 
-fn parse_range(s: &str) -> Option<Range<usize>> {
-    let (a, b) = s.split_once("..")?;
-    let r = a.parse().ok()?..b.parse().ok()?;
-    (r.start <= r.end).then_some(r)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::training::optim::AdamWConfig;
+    use std::ops::Range;
 
     /// An optimizer over `numels` holding `ranges`, its moments set to the global value index
     /// (first moment) and its negation (second), so any misplaced copy shows.

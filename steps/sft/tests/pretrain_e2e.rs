@@ -122,7 +122,8 @@ fn pretraining_lowers_the_loss_and_saves_a_hugging_face_checkpoint() {
         "model.safetensors",
         "tokenizer.json",
         "generation_config.json",
-        "optimizer.safetensors",
+        "optimizer-manifest.json",
+        "optimizer-rank-000-of-001.safetensors",
         "trainer_state.json",
     ] {
         assert!(ckpt.join(f).is_file(), "{f} missing from {}", ckpt.display());
@@ -188,8 +189,8 @@ fn resume_is_bit_identical_even_after_a_kill_during_a_save() {
         "final weights must be bit-identical"
     );
     assert_eq!(
-        read(straight.join("iter_0000012/optimizer.safetensors")),
-        read(broken.join("iter_0000012/optimizer.safetensors"))
+        read(straight.join("iter_0000012/optimizer-rank-000-of-001.safetensors")),
+        read(broken.join("iter_0000012/optimizer-rank-000-of-001.safetensors"))
     );
 }
 
