@@ -6,9 +6,9 @@
 //! functions of the optimizer steps, and rollout sampling and dropout are seeded by the step and
 //! update numbers, so a resumed run continues as the uninterrupted one would. Checkpoints are
 //! taken only between training phases, when no rollout is buffered and no gradient is pending.
-//! Across ranks rank 0 writes them, with the optimizers gathered whole from the ZeRO shards, and
-//! the loop position counts global rollouts: a checkpoint loads into any world size and stage
-//! that keeps the global batch sizes.
+//! Across ranks rank 0 writes them, with the optimizers (and under ZeRO-3 the weights and the
+//! EMA) gathered whole from the ZeRO shards, and the loop position counts global rollouts: a
+//! checkpoint loads into any world size and stage that keeps the global batch sizes.
 
 use crate::trainer::PpoModels;
 use anyhow::{bail, Context, Result};

@@ -383,7 +383,8 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
             if save_pending && safe_point {
                 let state =
                     checkpoint_state(args, world, step, micro, epoch, batch_index + 1, &models, &ptx_cursor, &summary);
-                if let Some(dir) = save_checkpoint(&group, &save_root, &models, &state, &tokenizer)? {
+                let gathered = GatheredWeights::of(&models)?;
+                if let Some(dir) = save_checkpoint(&group, &save_root, &models, &gathered, &state, &tokenizer)? {
                     metrics.println(&format!(" saved a step-3 checkpoint at rollout {step} to {}", dir.display()));
                 }
                 (save_pending, last_saved_step) = (false, step);
@@ -429,7 +430,8 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
             &ptx_cursor,
             &summary,
         );
-        if let Some(dir) = save_checkpoint(&group, &save_root, &models, &state, &tokenizer)? {
+        // The weights gathered for the save above: no second gather.
+        if let Some(dir) = save_checkpoint(&group, &save_root, &models, &gathered, &state, &tokenizer)? {
             println!("saved the final step-3 checkpoint (rollout {step}) to {}", dir.display());
         }
     }
@@ -455,8 +457,7 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
                 &device,
             )
         };
-        let (before, after) =
-            (evaluate(&models.reference)?, evaluate(&engine.model(final_actor, &actor_cfg)?)?);
+        let (before, after) = (evaluate(&models.reference)?, evaluate(&engine.model(final_actor, &actor_cfg)?)?);
         let task = |e: &PolicyEval| e.task_success.map_or("n/a".to_string(), |t| format!("{t:.3}"));
         println!(
             "held-out prompts ({}): reward score SFT {:.3} -> PPO {:.3}; task score SFT {} -> PPO {}",
@@ -519,6 +520,8 @@ fn generate_share(
     // has no prompt at all, cannot leave another waiting.
     let gathered_actor = models.actor.sharded().map(ShardedModel::gather_params_everywhere).transpose()?;
     let mut generation_model = engine.model(gathered_actor.as_ref().unwrap_or(&models.actor.params), &ctx.actor_cfg)?;
+    // The fp32 gathered weights are not needed once cast into the generation model.
+    drop(gathered_actor);
     let actor_forward = match &models.actor.model {
         TrainedModel::Whole { trunk, .. } => &**trunk,
         TrainedModel::Sharded(_) => {
@@ -640,18 +643,19 @@ fn ppo_epochs(
     Ok(updates)
 }
 
-/// Saves a checkpoint of the ranks' common state: every rank gathers the optimizers' shards
-/// (a collective), rank 0 writes. Returns the directory on rank 0.
+/// Saves a checkpoint of the ranks' common state, with the models' `gathered` weights: every
+/// rank gathers the optimizers' shards (a collective), rank 0 writes. Returns the directory on
+/// rank 0.
 fn save_checkpoint(
     group: &ProcessGroup,
     root: &Path,
     models: &PpoModels,
+    gathered: &GatheredWeights,
     state: &crate::checkpoint::PpoState,
     tokenizer: &Tokenizer,
 ) -> Result<Option<std::path::PathBuf>> {
     let actor_opt = models.actor.trainer.consolidated_optimizer(&models.actor.trainable)?;
     let critic_opt = models.critic.trainer.consolidated_optimizer(&models.critic.trainable)?;
-    let gathered = GatheredWeights::of(models)?;
     if !group.is_first() {
         return Ok(None);
     }
