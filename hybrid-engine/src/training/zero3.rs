@@ -468,6 +468,17 @@ mod tests {
         for (a, b) in gathered.vars.iter().zip(&params.vars) {
             assert_eq!(a.flatten_all()?.to_vec1::<f32>()?, b.flatten_all()?.to_vec1::<f32>()?);
         }
+        // The shard of the whole store is the shard itself; gathering it, or the shard-shaped
+        // values, gives the whole store back.
+        assert_eq!(sharded.shard_of(&params)?, sharded.shard_values());
+        let everywhere = sharded.gather_params_everywhere()?;
+        let from_values = sharded.gather_shard_values(&sharded.shard_values())?.expect("rank 0 of one");
+        for ((a, b), want) in everywhere.vars.iter().zip(&from_values.vars).zip(&params.vars) {
+            let want = want.flatten_all()?.to_vec1::<f32>()?;
+            assert_eq!(a.flatten_all()?.to_vec1::<f32>()?, want);
+            assert_eq!(b.flatten_all()?.to_vec1::<f32>()?, want);
+        }
+        assert!(sharded.gather_shard_values(&[0.0]).is_err(), "values of another length");
         let hidden = sharded.forward_blocks(&ids, &Positions::default())?;
         let want = model.forward_blocks(&ids, &Positions::default(), None, None)?;
         assert!((hidden - want)?.abs()?.max_all()?.to_scalar::<f32>()? < 1e-6);
