@@ -660,7 +660,9 @@ fn ppo_on_2_and_3_ranks_matches_one_rank_at_every_zero_stage() {
         let moved = moved.into_values().fold(0f64, f64::max);
         assert!(moved > 1e-3, "the {model} barely trained ({moved:.1e}): the comparison would mean nothing");
     }
-    for stage in [0u8, 1, 2] {
+    // Stage 3 shards both models at rest: generation gathers the whole actor once per rollout,
+    // the EMA is kept shard by shard, and a rank without rows runs filler forwards.
+    for stage in [0u8, 1, 2, 3] {
         let out = dir.path().join(format!("w2-s{stage}"));
         let mut a = ppo_args(dir.path(), &out, 4, 2, (stage, stage));
         a.extend(args("--save-interval 2"));
@@ -671,34 +673,55 @@ fn ppo_on_2_and_3_ranks_matches_one_rank_at_every_zero_stage() {
         }
         assert_same_ppo(&out, &single, &format!("PPO on 2 ranks, stage {stage}"));
     }
-    // The 2 ranks' stage-2 checkpoint after rollout 2 (optimizers gathered from the shards)
-    // resumes on one rank at the same global batch and ends with the one-rank run's models.
-    let ckpts = dir.path().join("w2-s2/checkpoints");
-    std::fs::write(ckpts.join("latest"), "iter_0000002\n").unwrap();
-    let resumed = dir.path().join("resumed-1");
-    let mut a = ppo_args(dir.path(), &resumed, 8, 4, (0, 0));
-    a.extend(["--load".into(), ckpts.display().to_string()]);
-    let outs = run_ranks(dir.path(), "ppo", 1, &a);
-    let log = String::from_utf8_lossy(&outs[0].stdout);
-    assert!(log.contains("resumed from") && log.contains("at rollout 2"), "{log}");
+    // The 2 ranks' stage-2 and stage-3 checkpoints after rollout 2 (optimizers gathered from
+    // the shards; at stage 3 the weights and the EMA too) resume on one rank at the same global
+    // batch and end with the one-rank run's models.
+    for stage in [2u8, 3] {
+        let ckpts = dir.path().join(format!("w2-s{stage}/checkpoints"));
+        std::fs::write(ckpts.join("latest"), "iter_0000002\n").unwrap();
+        let resumed = dir.path().join(format!("resumed-1-from-s{stage}"));
+        let mut a = ppo_args(dir.path(), &resumed, 8, 4, (0, 0));
+        a.extend(["--load".into(), ckpts.display().to_string()]);
+        let outs = run_ranks(dir.path(), "ppo", 1, &a);
+        let log = String::from_utf8_lossy(&outs[0].stdout);
+        assert!(log.contains("resumed from") && log.contains("at rollout 2"), "{log}");
+        for model in ["actor", "critic", "actor_ema"] {
+            let what = format!("2 ranks at stage {stage} resumed on 1: {model}");
+            assert_same_weights(&resumed.join(model), &single.join(model), 1e-5, 0.0, &what);
+        }
+    }
+    // And into stage 3: the optimizer state and the EMA are cut into the ranks' shards.
+    let resumed = dir.path().join("resumed-2-s3");
+    let mut a = ppo_args(dir.path(), &resumed, 4, 2, (3, 3));
+    a.extend(["--load".into(), dir.path().join("w2-s2/checkpoints").display().to_string()]);
+    let outs = run_ranks(dir.path(), "ppo", 2, &a);
+    assert!(String::from_utf8_lossy(&outs[0].stdout).contains("at rollout 2"));
     for model in ["actor", "critic", "actor_ema"] {
-        let what = format!("2 ranks resumed on 1: {model}");
+        let what = format!("a stage-2 checkpoint resumed on 2 ranks at stage 3: {model}");
         assert_same_weights(&resumed.join(model), &single.join(model), 1e-5, 0.0, &what);
     }
     // 3 ranks (uneven ZeRO shards), each model at its own stage: rollouts of 6 prompts in
-    // global micro-batches of 3, one row per rank; the last rollout has 2 prompts: rank 2 none.
+    // global micro-batches of 3, one row per rank; the last rollout has 2 prompts: rank 2 none
+    // (its sharded actor still joins every gather, generating nothing).
     let single = dir.path().join("single-6");
     run_ranks(dir.path(), "ppo", 1, &ppo_args(dir.path(), &single, 6, 3, (0, 0)));
     let out = dir.path().join("w3");
-    let mut a = ppo_args(dir.path(), &out, 2, 1, (1, 2));
+    let mut a = ppo_args(dir.path(), &out, 2, 1, (3, 2));
     a.extend(["--eval-prompts".into(), dir.path().join("prompts.jsonl").display().to_string()]);
     let outs = run_ranks(dir.path(), "ppo", 3, &a);
     let log = String::from_utf8_lossy(&outs[0].stdout);
-    assert!(log.contains("actor: data parallel: 3 ranks, ZeRO stage 1"), "{log}");
+    assert!(log.contains("actor: data parallel: 3 ranks, ZeRO stage 3"), "{log}");
     assert!(log.contains("critic: data parallel: 3 ranks, ZeRO stage 2"), "{log}");
-    assert_same_ppo(&out, &single, "PPO on 3 ranks, stages 1 and 2");
+    assert_same_ppo(&out, &single, "PPO on 3 ranks, stages 3 and 2");
     // Only rank 0 logs and evaluates the held-out prompts, after the others have ended.
     assert!(log.contains("held-out prompts (35)"), "{log}");
     let other = String::from_utf8_lossy(&outs[1].stdout);
     assert!(!other.contains(" step ") && !other.contains("held-out"), "rank 1: {other}");
+    // The critic sharded at rest over 3 ranks: rank 2, without a prompt in the last rollout,
+    // runs its rollout forward on a filler row.
+    let out = dir.path().join("w3-s1-s3");
+    let outs = run_ranks(dir.path(), "ppo", 3, &ppo_args(dir.path(), &out, 2, 1, (1, 3)));
+    let log = String::from_utf8_lossy(&outs[0].stdout);
+    assert!(log.contains("critic: data parallel: 3 ranks, ZeRO stage 3"), "{log}");
+    assert_same_ppo(&out, &single, "PPO on 3 ranks, stages 1 and 3");
 }

@@ -1,7 +1,8 @@
 //! The hybrid engine's generation mode (DS-Chat's `DeepSpeedHybridEngine`): one trained model
 //! that switches between training and fast generation. Entering generation mode (once per
-//! rollout, never per token) gathers the weights (a no-op until ZeRO-3 shards them: the seam is
-//! [`GenerationMode::gather`]), fuses LoRA into them (`W + scaling * B A`, into a copy: the
+//! rollout, never per token) gathers the weights (under ZeRO-3 the caller passes the whole
+//! weights from [`crate::training::zero3::ShardedModel::gather_params_everywhere`] and drops them
+//! after the rollout), fuses LoRA into them (`W + scaling * B A`, into a copy: the
 //! training weights and adapters are never touched, so leaving the mode restores training state
 //! exactly), turns dropout off, and generates into a KV cache preallocated for
 //! `max_prompt + max_answer` positions, kept across rollouts unless `release_inference_cache`.
@@ -37,17 +38,11 @@ impl GenerationMode {
         self
     }
 
-    /// The full, unsharded weights. Today every rank holds them whole; ZeRO-3 will all-gather
-    /// its shards here, once per rollout.
-    fn gather(params: &ParamStore) -> &ParamStore {
-        params
-    }
-
-    /// The model generation runs: the gathered weights with LoRA fused into the targeted ones
+    /// The model generation runs: the whole weights `params` with LoRA fused into the targeted ones
     /// (into new tensors: `ParamStore::merged`), detached (generation records no graph), and
     /// dropout off.
     pub fn model(&self, params: &ParamStore, config: &Gpt2Config) -> Result<Gpt2> {
-        let fused = Self::gather(params).merged()?;
+        let fused = params.merged()?;
         let weights: HashMap<String, Tensor> =
             fused.iter().map(|(n, v)| (n.to_string(), v.as_tensor().detach())).collect();
         let device = params.vars.first().map_or(Device::Cpu, |v| v.device().clone());

@@ -125,19 +125,61 @@ impl ShardedModel {
     /// Every rank must call it (each unit is all-gathered); the others drop each unit at once,
     /// so only rank 0 ever holds the whole model.
     pub fn gather_params(&self) -> Result<Option<ParamStore>> {
-        let first = self.group.is_first();
-        let mut full: Vec<Option<Tensor>> = vec![None; self.names.len()];
         let shard = self.shard.borrow();
+        self.gather_values(&shard, self.group.is_first())
+    }
+
+    /// Every parameter's values in fp32 on every rank (a collective): PPO's generation mode,
+    /// which gathers the whole actor once per rollout and drops it after (DS-Chat's hybrid
+    /// engine), so that generation itself needs no collective.
+    pub fn gather_params_everywhere(&self) -> Result<ParamStore> {
+        let shard = self.shard.borrow();
+        self.gather_values(&shard, true)?.ok_or_else(|| anyhow!("internal error: a gather kept nothing"))
+    }
+
+    /// A copy of this rank's fp32 weight shard (padding included): what a sharded actor's EMA
+    /// follows, value by value.
+    pub fn shard_values(&self) -> Vec<f32> {
+        self.shard.borrow().clone()
+    }
+
+    /// This rank's shard of `store`, a whole model with this model's parameters (an EMA resumed
+    /// from a checkpoint), laid out as the weight shard. No collective.
+    pub fn shard_of(&self, store: &ParamStore) -> Result<Vec<f32>> {
+        if store.names != self.names {
+            bail!("internal error: the store to shard does not hold the sharded model's parameters");
+        }
+        let mut out = Vec::with_capacity(self.shard_len());
         for unit in &self.units {
-            let values = &shard[unit.offset..unit.offset + unit.partition.shard_len];
-            let tensors = self.gather_unit(unit, values)?;
-            if first {
+            let tensors: Vec<Tensor> = unit.params.iter().map(|&i| store.vars[i].as_tensor().clone()).collect();
+            let flat = unit.partition.flatten(&tensors)?.to_dtype(DType::F32)?;
+            let range = unit.partition.shard(self.group.rank());
+            out.extend(flat.narrow(0, range.start, range.len())?.to_vec1::<f32>()?);
+        }
+        Ok(out)
+    }
+
+    /// The whole model whose shards are every rank's `values` (laid out as the weight shard:
+    /// the weights, or an EMA of them), on rank 0 (`None` elsewhere). Every rank must call it.
+    pub fn gather_shard_values(&self, values: &[f32]) -> Result<Option<ParamStore>> {
+        if values.len() != self.shard_len() {
+            bail!("internal error: {} values to gather, the shard holds {}", values.len(), self.shard_len());
+        }
+        self.gather_values(values, self.group.is_first())
+    }
+
+    /// Gathers each unit of the shard-shaped `values`; keeps the whole model when `keep`.
+    fn gather_values(&self, values: &[f32], keep: bool) -> Result<Option<ParamStore>> {
+        let mut full: Vec<Option<Tensor>> = vec![None; self.names.len()];
+        for unit in &self.units {
+            let tensors = self.gather_unit(unit, &values[unit.offset..unit.offset + unit.partition.shard_len])?;
+            if keep {
                 for (&i, t) in unit.params.iter().zip(tensors) {
                     full[i] = Some(t);
                 }
             }
         }
-        if !first {
+        if !keep {
             return Ok(None);
         }
         let mut store = ParamStore::default();
@@ -419,6 +461,17 @@ mod tests {
         for (a, b) in gathered.vars.iter().zip(&params.vars) {
             assert_eq!(a.flatten_all()?.to_vec1::<f32>()?, b.flatten_all()?.to_vec1::<f32>()?);
         }
+        // The shard of the whole store is the shard itself; gathering it, or the shard-shaped
+        // values, gives the whole store back.
+        assert_eq!(sharded.shard_of(&params)?, sharded.shard_values());
+        let everywhere = sharded.gather_params_everywhere()?;
+        let from_values = sharded.gather_shard_values(&sharded.shard_values())?.expect("rank 0 of one");
+        for ((a, b), want) in everywhere.vars.iter().zip(&from_values.vars).zip(&params.vars) {
+            let want = want.flatten_all()?.to_vec1::<f32>()?;
+            assert_eq!(a.flatten_all()?.to_vec1::<f32>()?, want);
+            assert_eq!(b.flatten_all()?.to_vec1::<f32>()?, want);
+        }
+        assert!(sharded.gather_shard_values(&[0.0]).is_err(), "values of another length");
         let hidden = sharded.forward_blocks(&ids, &Positions::default())?;
         let want = model.forward_blocks(&ids, &Positions::default(), None, None)?;
         assert!((hidden - want)?.abs()?.max_all()?.to_scalar::<f32>()? < 1e-6);

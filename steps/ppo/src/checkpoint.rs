@@ -6,9 +6,9 @@
 //! functions of the optimizer steps, and rollout sampling and dropout are seeded by the step and
 //! update numbers, so a resumed run continues as the uninterrupted one would. Checkpoints are
 //! taken only between training phases, when no rollout is buffered and no gradient is pending.
-//! Across ranks rank 0 writes them, with the optimizers gathered whole from the ZeRO shards, and
-//! the loop position counts global rollouts: a checkpoint loads into any world size and stage
-//! that keeps the global batch sizes.
+//! Across ranks rank 0 writes them, with the optimizers (and under ZeRO-3 the weights and the
+//! EMA) gathered whole from the ZeRO shards, and the loop position counts global rollouts: a
+//! checkpoint loads into any world size and stage that keeps the global batch sizes.
 
 use crate::trainer::PpoModels;
 use anyhow::{bail, Context, Result};
@@ -21,6 +21,7 @@ use hybrid_engine::durable::{write_dir_atomically, write_file_atomically};
 use hybrid_engine::model::reward_model::{causal_lm_config, sequence_classification_config};
 use hybrid_engine::training::optim::AdamW;
 use hybrid_engine::training::trainer::TrainerProgress;
+use hybrid_engine::ParamStore;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -66,11 +67,20 @@ pub struct PpoCheckpoint {
     pub state: PpoState,
 }
 
-/// Saves the models, the optimizers (`actor_opt`, `critic_opt`: whole, consolidated from the
-/// ranks' shards) and `state` under `root`, then points `latest` at it.
+/// The whole weights of the trained models, as saved: the models' own parameters, or under
+/// ZeRO stage 3 those gathered from the ranks' shards.
+pub struct SavedWeights<'a> {
+    pub actor: &'a ParamStore,
+    pub critic: &'a ParamStore,
+    pub ema: Option<&'a ParamStore>,
+}
+
+/// Saves the models' `weights`, the optimizers (`actor_opt`, `critic_opt`: whole, consolidated
+/// from the ranks' shards) and `state` under `root`, then points `latest` at it.
 pub fn save(
     root: &Path,
     models: &PpoModels,
+    weights: &SavedWeights,
     (actor_opt, critic_opt): (&AdamW, &AdamW),
     state: &PpoState,
     tokenizer: &Tokenizer,
@@ -85,31 +95,28 @@ pub fn save(
             tokenizer.save(&d.join("tokenizer.json"))?;
             Ok(d)
         };
-        hf_io::write_model_files(
-            &model_dir("actor")?,
-            &causal_lm_config(&models.actor.config),
-            &models.actor.params,
-            &[],
-        )?;
+        hf_io::write_model_files(&model_dir("actor")?, &causal_lm_config(&models.actor.config), weights.actor, &[])?;
         let critic_cfg = sequence_classification_config(&models.critic.config, eos);
-        hf_io::write_model_files(&model_dir("critic")?, &critic_cfg, &models.critic.params, &[])?;
-        if let Some(ema) = &models.ema {
+        hf_io::write_model_files(&model_dir("critic")?, &critic_cfg, weights.critic, &[])?;
+        if let Some(ema) = weights.ema {
             hf_io::write_model_files(&model_dir("actor_ema")?, &causal_lm_config(&models.actor.config), ema, &[])?;
         }
         // The raw parameters (LoRA adapters unmerged): what a resume restores. The HF
         // directories above hold the merged weights, for people and other tools.
-        let raw = |params: &hybrid_engine::ParamStore| -> Vec<(String, Tensor)> {
+        let raw = |params: &ParamStore| -> Vec<(String, Tensor)> {
             params.iter().map(|(n, v)| (n.to_string(), v.as_tensor().clone())).collect()
         };
-        safetensors::serialize_to_file(raw(&models.actor.params), None, &tmp.join("actor_params.safetensors"))?;
-        safetensors::serialize_to_file(raw(&models.critic.params), None, &tmp.join("critic_params.safetensors"))?;
-        if let Some(ema) = &models.ema {
+        safetensors::serialize_to_file(raw(weights.actor), None, &tmp.join("actor_params.safetensors"))?;
+        safetensors::serialize_to_file(raw(weights.critic), None, &tmp.join("critic_params.safetensors"))?;
+        if let Some(ema) = weights.ema {
             safetensors::serialize_to_file(raw(ema), None, &tmp.join("actor_ema_params.safetensors"))?;
         }
         let meta = HashMap::from([("format".to_string(), "rlhf-adamw".to_string())]);
-        let actor_opt = actor_opt.state_tensors(&models.actor.trainable)?;
+        // The optimizers cover the trainable parameters (all of them under ZeRO-3, which
+        // refuses LoRA).
+        let actor_opt = actor_opt.state_tensors(&weights.actor.trainable())?;
         safetensors::serialize_to_file(actor_opt, Some(meta.clone()), &tmp.join("actor_optimizer.safetensors"))?;
-        let critic_opt = critic_opt.state_tensors(&models.critic.trainable)?;
+        let critic_opt = critic_opt.state_tensors(&weights.critic.trainable())?;
         safetensors::serialize_to_file(critic_opt, Some(meta), &tmp.join("critic_optimizer.safetensors"))?;
         hf_io::write_json(&tmp.join(STATE), &serde_json::to_value(state)?)
     })?;

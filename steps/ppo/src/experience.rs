@@ -9,15 +9,18 @@
 //!
 //! Across data-parallel ranks each rank generates its share of the rollout's prompts; every row
 //! keeps its position in the whole rollout, which keys its sampling and places it in a global
-//! micro-batch, so the ranks together hold the rows one rank would.
+//! micro-batch, so the ranks together hold the rows one rank would. A critic sharded at rest
+//! (ZeRO stage 3) gathers its blocks as its forward runs, a collective: every rank runs it once
+//! per rollout, a rank that kept no rows on a filler row.
 
 use crate::ppo::{self, PpoConfig};
 use anyhow::Result;
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use hybrid_engine::generation::engine::GenerationMode;
 use hybrid_engine::generation::generate::{gather_log_probs, position_ids, LeftPadded, SamplingConfig};
 use hybrid_engine::model::gpt2::{Gpt2, Positions};
 use hybrid_engine::model::reward_model::RewardModel;
+use hybrid_engine::training::train_step::TrainedModel;
 use std::ops::Range;
 
 /// One rollout's record. Per-action arrays are (B, L - 1) row-major; `advantages` and
@@ -106,10 +109,11 @@ impl Experience {
 pub struct RolloutModels<'a> {
     /// The actor as generation mode sees it (LoRA fused, dropout off).
     pub actor_generation: &'a Gpt2,
-    /// The actor's training view (same weights, unfused), used without gradients here.
+    /// The actor's training view (same weights, unfused), used without gradients here; under
+    /// ZeRO stage 3 the actor generation gathered.
     pub actor: &'a Gpt2,
     pub reference: &'a Gpt2,
-    pub critic: &'a RewardModel,
+    pub critic: &'a TrainedModel,
     pub reward: &'a RewardModel,
 }
 
@@ -140,6 +144,11 @@ pub fn generate_experience(
     let keep: Vec<usize> = (0..prompts.b).filter(|&r| answer_is_learnable(&generation.tokens[r], pad)).collect();
     let counts = RolloutCounts { generated: prompts.b, dropped_short: prompts.b - keep.len() };
     if keep.is_empty() {
+        if let TrainedModel::Sharded(_) = models.critic {
+            // The other ranks' critic forwards gather the blocks with this rank's shards.
+            let filler = Tensor::zeros((1, 1), DType::U32, device)?;
+            models.critic.with_hidden(&filler, &Positions::default(), |_, _| Ok(()))?;
+        }
         return Ok((None, counts));
     }
     let longest = keep.iter().map(|&r| generation.tokens[r].len()).max().unwrap_or(0);
@@ -160,7 +169,7 @@ pub fn generate_experience(
     let forward = ForwardInputs::new(&seq, &attention_mask, b, l, device)?;
     let logprobs = forward.logprobs(models.actor)?;
     let ref_logprobs = forward.logprobs(models.reference)?;
-    let values_full = forward.values(models.critic)?; // (B, L)
+    let values_full = forward.critic_values(models.critic)?; // (B, L)
     let scores = forward.end_scores(models.reward, &seq, p, pad)?;
 
     let (start, actions) = (p - 1, l - 1);
@@ -263,6 +272,13 @@ impl ForwardInputs {
     pub fn values(&self, critic: &RewardModel) -> Result<Vec<f32>> {
         let hidden = critic.trunk.forward_blocks(&self.ids, &self.as_positions(), None, None)?;
         Ok(critic.token_scores(&hidden)?.flatten_all()?.to_vec1()?)
+    }
+
+    /// [`Self::values`] of the trained critic, whole or sharded (a collective then).
+    pub fn critic_values(&self, critic: &TrainedModel) -> Result<Vec<f32>> {
+        critic.with_hidden(&self.ids, &self.as_positions(), |heads, hidden| {
+            Ok(heads.token_scores(hidden)?.flatten_all()?.to_vec1()?)
+        })
     }
 
     /// The reward model's score of each answer: at the last token before the answer's first
@@ -418,11 +434,12 @@ mod tests {
         let mut critic_params = ParamStore::init(&cfg, 5, &dev)?;
         add_score_head(&mut critic_params, &cfg, 5, &dev)?;
         let critic = RewardModel::new(&critic_params, &cfg)?;
+        let trained_critic = TrainedModel::reward(RewardModel::new(&critic_params, &cfg)?);
         let models = RolloutModels {
             actor_generation: &actor,
             actor: &actor,
             reference: &actor,
-            critic: &critic,
+            critic: &trained_critic,
             reward: &critic,
         };
         let prompts = LeftPadded::new(&[vec![5, 6], vec![7, 8, 9]], 4, 0);

@@ -9,12 +9,17 @@
 //! ranks at their own ZeRO stages. Every loss, statistic and decision that spans the rollout is
 //! reduced over the ranks, so N ranks train as one rank would at the same global batch. Rank 0
 //! logs and saves.
+//!
+//! Under ZeRO stage 3 the actor and the critic are sharded at rest. The hybrid engine's
+//! generation mode then gathers the whole actor on every rank once per rollout, generates and
+//! scores with it, and drops it before training (DS-Chat's hybrid engine); the critic's forwards
+//! gather it block by block. The frozen reference and reward models stay whole on every rank.
 
 use crate::args::PpoArgs;
 use crate::eval::{evaluate_policy, PolicyEval};
 use crate::experience::{generate_experience, rollout_share, Experience, RolloutModels};
 use crate::ppo;
-use crate::trainer::{answer_tokens, MicroBatch, PpoModels, Trained, UpdateStats};
+use crate::trainer::{answer_tokens, Ema, MicroBatch, PpoModels, Trained, UpdateStats};
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
 use data::{PackedCorpus, Tokenizer};
@@ -29,8 +34,10 @@ use hybrid_engine::model::reward_model::{causal_lm_config, sequence_classificati
 use hybrid_engine::training::metrics::{peak_rss_mib, Metrics};
 use hybrid_engine::training::optim::AdamWConfig;
 use hybrid_engine::training::schedule::LrSchedule;
+use hybrid_engine::training::train_step::TrainedModel;
 use hybrid_engine::training::trainer::Trainer;
 use hybrid_engine::training::zero::DataParallel;
+use hybrid_engine::training::zero3::ShardedModel;
 use hybrid_engine::ParamStore;
 use serde::Serialize;
 use serde_json::json;
@@ -206,13 +213,8 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
         crate::checkpoint::restore_values(&actor_params, &ck.actor, "actor")?;
         crate::checkpoint::restore_values(&critic_params, &ck.critic, "critic")?;
     }
-    // Forward and backward run on copies in the compute dtype (the masters themselves in fp32).
     let precision = args.precision.precision();
     let dtype = precision.dtype.dtype();
-    let actor_compute = actor_params.compute_copy(dtype)?;
-    let critic_compute = critic_params.compute_copy(dtype)?;
-    let actor_model = lm_on(&actor_compute, &actor_cfg, precision.fp32_loss)?;
-    let critic_model = reward_model_on(&critic_compute, &critic_cfg, precision.fp32_loss)?;
     let ema = match (args.enable_ema, resume.as_ref().and_then(|ck| ck.ema.as_ref())) {
         (false, _) => None,
         (true, saved) => {
@@ -226,11 +228,11 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
     let mut models = PpoModels {
         actor: trained(
             args,
+            &group,
             actor_params,
-            &actor_compute,
             &actor_cfg,
-            actor_model,
             TrainedAs {
+                critic: false,
                 lr: args.actor_learning_rate,
                 lora_lr: args.actor_lora_learning_rate,
                 weight_decay: args.actor_weight_decay,
@@ -241,11 +243,11 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
         )?,
         critic: trained(
             args,
+            &group,
             critic_params,
-            &critic_compute,
             &critic_cfg,
-            critic_model,
             TrainedAs {
+                critic: true,
                 lr: args.critic_learning_rate,
                 lora_lr: args.critic_lora_learning_rate,
                 weight_decay: args.critic_weight_decay,
@@ -256,8 +258,14 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
         )?,
         reference: lm_on(&ref_params.compute_copy(dtype)?, &actor_cfg, precision.fp32_loss)?,
         reward: reward_model_on(&reward_params.compute_copy(dtype)?, &reward_cfg, precision.fp32_loss)?,
-        ema,
+        ema: None,
         align_overflow: args.align_overflow,
+    };
+    // The EMA of a ZeRO-3 actor is kept shard by shard, as its weights are.
+    models.ema = match (ema, models.actor.sharded()) {
+        (None, _) => None,
+        (Some(ema), None) => Some(Ema::Whole(ema)),
+        (Some(ema), Some(sharded)) => Some(Ema::Shard(sharded.shard_of(&ema)?)),
     };
     if let Some(ck) = &resume {
         let (a, c) = (&mut models.actor, &mut models.critic);
@@ -269,6 +277,9 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
         }
         println!("resumed from {} at rollout {}", ck.dir.display(), ck.state.step);
     }
+    // Under ZeRO stage 3 the whole masters go once the shards and optimizer state are taken.
+    models.actor.release_masters();
+    models.critic.release_masters();
     let mut engine =
         GenerationMode::new(args.max_prompt_seq_len, args.max_answer_seq_len, args.release_inference_cache)
             .with_dtype(dtype);
@@ -372,7 +383,8 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
             if save_pending && safe_point {
                 let state =
                     checkpoint_state(args, world, step, micro, epoch, batch_index + 1, &models, &ptx_cursor, &summary);
-                if let Some(dir) = save_checkpoint(&group, &save_root, &models, &state, &tokenizer)? {
+                let gathered = GatheredWeights::of(&models)?;
+                if let Some(dir) = save_checkpoint(&group, &save_root, &models, &gathered, &state, &tokenizer)? {
                     metrics.println(&format!(" saved a step-3 checkpoint at rollout {step} to {}", dir.display()));
                 }
                 (save_pending, last_saved_step) = (false, step);
@@ -385,18 +397,21 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
     metrics.finish();
 
     // The models first: the held-out evaluation below can take long, and a run stopped during
-    // it must not lose what it trained. Every rank holds the same weights: rank 0 saves them.
+    // it must not lose what it trained. Every rank holds the same weights (under ZeRO-3 every
+    // rank takes part in gathering them): rank 0 saves them.
+    let gathered = GatheredWeights::of(&models)?;
     if group.is_first() {
+        let weights = gathered.weights(&models);
         let actor_dir = args.output_dir.join("actor");
         let write_tok = |d: &Path| tokenizer.save(&d.join("tokenizer.json"));
-        save_model_dir(&actor_dir, &causal_lm_config(&actor_cfg), &models.actor.params, &write_tok)?;
+        save_model_dir(&actor_dir, &causal_lm_config(&actor_cfg), weights.actor, &write_tok)?;
         save_model_dir(
             &args.output_dir.join("critic"),
             &sequence_classification_config(&critic_cfg, eos),
-            &models.critic.params,
+            weights.critic,
             &write_tok,
         )?;
-        if let Some(ema) = &models.ema {
+        if let Some(ema) = weights.ema {
             save_model_dir(&args.output_dir.join("actor_ema"), &causal_lm_config(&actor_cfg), ema, &write_tok)?;
         }
         println!("saved the PPO actor to {} (chat --path {})", actor_dir.display(), actor_dir.display());
@@ -415,15 +430,18 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
             &ptx_cursor,
             &summary,
         );
-        if let Some(dir) = save_checkpoint(&group, &save_root, &models, &state, &tokenizer)? {
+        // The weights gathered for the save above: no second gather.
+        if let Some(dir) = save_checkpoint(&group, &save_root, &models, &gathered, &state, &tokenizer)? {
             println!("saved the final step-3 checkpoint (rollout {step}) to {}", dir.display());
         }
     }
-    // The other ranks end once rank 0 has saved; it evaluates alone, with no collective.
+    // The other ranks end once rank 0 has saved; it evaluates alone, with no collective (on the
+    // whole actor gathered for the save under ZeRO-3).
     group.barrier()?;
     if !group.is_first() {
         return Ok(summary);
     }
+    let final_actor = gathered.actor.as_ref().unwrap_or(&models.actor.params);
 
     hybrid_engine::durable::failpoint("ppo-before-eval");
     if let Some(prompts) = &eval_prompts {
@@ -439,8 +457,7 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
                 &device,
             )
         };
-        let (before, after) =
-            (evaluate(&models.reference)?, evaluate(&engine.model(&models.actor.params, &actor_cfg)?)?);
+        let (before, after) = (evaluate(&models.reference)?, evaluate(&engine.model(final_actor, &actor_cfg)?)?);
         let task = |e: &PolicyEval| e.task_success.map_or("n/a".to_string(), |t| format!("{t:.3}"));
         println!(
             "held-out prompts ({}): reward score SFT {:.3} -> PPO {:.3}; task score SFT {} -> PPO {}",
@@ -496,11 +513,27 @@ fn generate_share(
     let padded =
         LeftPadded::new(&batch, args.max_prompt_seq_len, ctx.eos).with_keys(share.iter().map(|&i| i as u64).collect());
     let sampling = sampling_config(args, ctx.eos, ctx.vocab, step);
-    // Generation mode, once per rollout: gather, fuse, dropout off.
-    let generation_model = engine.model(&models.actor.params, &ctx.actor_cfg)?;
+    // Generation mode, once per rollout: gather, fuse, dropout off. Under ZeRO stage 3 every
+    // rank gathers the whole actor here (one collective per rollout) and drops it when this
+    // function returns, before training. Each rank then generates its own rows with its full
+    // copy: generation makes no collective, so a rank whose answers all ended early, or that
+    // has no prompt at all, cannot leave another waiting.
+    let gathered_actor = models.actor.sharded().map(ShardedModel::gather_params_everywhere).transpose()?;
+    let mut generation_model = engine.model(gathered_actor.as_ref().unwrap_or(&models.actor.params), &ctx.actor_cfg)?;
+    // The fp32 gathered weights are not needed once cast into the generation model.
+    drop(gathered_actor);
+    let actor_forward = match &models.actor.model {
+        TrainedModel::Whole { trunk, .. } => &**trunk,
+        TrainedModel::Sharded(_) => {
+            // The old log-probs come from the gathered actor too; they read the logits as the
+            // training loss does (generation ignores this flag).
+            generation_model.fp32_loss = args.precision.precision().fp32_loss;
+            &generation_model
+        }
+    };
     let rollout = RolloutModels {
         actor_generation: &generation_model,
-        actor: &models.actor.model,
+        actor: actor_forward,
         reference: &models.reference,
         critic: &models.critic.model,
         reward: &models.reward,
@@ -610,12 +643,14 @@ fn ppo_epochs(
     Ok(updates)
 }
 
-/// Saves a checkpoint of the ranks' common state: every rank gathers the optimizers' shards
-/// (a collective), rank 0 writes. Returns the directory on rank 0.
+/// Saves a checkpoint of the ranks' common state, with the models' `gathered` weights: every
+/// rank gathers the optimizers' shards (a collective), rank 0 writes. Returns the directory on
+/// rank 0.
 fn save_checkpoint(
     group: &ProcessGroup,
     root: &Path,
     models: &PpoModels,
+    gathered: &GatheredWeights,
     state: &crate::checkpoint::PpoState,
     tokenizer: &Tokenizer,
 ) -> Result<Option<std::path::PathBuf>> {
@@ -624,7 +659,41 @@ fn save_checkpoint(
     if !group.is_first() {
         return Ok(None);
     }
-    crate::checkpoint::save(root, models, (&actor_opt, &critic_opt), state, tokenizer).map(Some)
+    let weights = gathered.weights(models);
+    crate::checkpoint::save(root, models, &weights, (&actor_opt, &critic_opt), state, tokenizer).map(Some)
+}
+
+/// The trained models' weights gathered from the ZeRO-3 shards, on rank 0; `None` for a model
+/// that is whole on every rank (stages 0-2), whose own parameters are read instead.
+struct GatheredWeights {
+    actor: Option<ParamStore>,
+    critic: Option<ParamStore>,
+    ema: Option<ParamStore>,
+}
+
+impl GatheredWeights {
+    /// Every rank must call it (the gathers are collectives).
+    fn of(models: &PpoModels) -> Result<Self> {
+        Ok(Self {
+            actor: models.actor.gather_for_saving()?,
+            critic: models.critic.gather_for_saving()?,
+            ema: models.ema.as_ref().map(|e| e.gather_for_saving(&models.actor)).transpose()?.flatten(),
+        })
+    }
+
+    /// Every weight to save, on rank 0.
+    fn weights<'a>(&'a self, models: &'a PpoModels) -> crate::checkpoint::SavedWeights<'a> {
+        let ema = match &models.ema {
+            Some(Ema::Whole(ema)) => Some(ema),
+            Some(Ema::Shard(_)) => self.ema.as_ref(),
+            None => None,
+        };
+        crate::checkpoint::SavedWeights {
+            actor: self.actor.as_ref().unwrap_or(&models.actor.params),
+            critic: self.critic.as_ref().unwrap_or(&models.critic.params),
+            ema,
+        }
+    }
 }
 
 /// Where the loop stands after `step` rollouts, `batches_done` of them in `epoch`: what a
@@ -661,6 +730,8 @@ fn checkpoint_state(
 
 /// How one of the trained models (actor, critic) trains.
 struct TrainedAs {
+    /// A critic (trunk and score head) rather than an actor (language model).
+    critic: bool,
     lr: f64,
     lora_lr: f64,
     weight_decay: f64,
@@ -672,22 +743,49 @@ struct TrainedAs {
 
 /// A trained model with its optimizer over what it trains (everything, or with
 /// `--only-optimize-lora` the adapters and heads), LoRA at its own learning rate, its gradients
-/// averaged over the ranks at its ZeRO stage.
-fn trained<M>(
+/// averaged over the ranks at its ZeRO stage. At stage 3 across ranks the model is sharded at
+/// rest; the caller drops the whole masters ([`Trained::release_masters`]) once it has restored
+/// any checkpointed optimizer state from them.
+fn trained(
     args: &PpoArgs,
+    group: &std::rc::Rc<ProcessGroup>,
     params: ParamStore,
-    compute: &ParamStore,
     config: &Gpt2Config,
-    model: M,
     how: TrainedAs,
-) -> Result<Trained<M>> {
+) -> Result<Trained> {
     let trainable = params.trainable();
     let adam = AdamWConfig { beta1: 0.9, beta2: 0.95, eps: args.adam_eps, weight_decay: how.weight_decay };
     let schedule = schedule(args, how.lr, how.steps);
-    let mut trainer =
-        Trainer::new(&trainable, adam, schedule, args.gradient_accumulation_steps, args.gradient_clipping)?
-            .with_precision(args.precision.precision(), compute, args.precision.loss_scaling())
-            .with_data_parallel(how.dp);
+    let precision = args.precision.precision();
+    let dtype = precision.dtype.dtype();
+    let (model, mut trainer, compute) = if how.dp.shards_parameters() {
+        let mut sharded = ShardedModel::new(group.clone(), config, &params, dtype)?;
+        sharded.fp32_loss = precision.fp32_loss;
+        let sharded = std::rc::Rc::new(sharded);
+        let trainer = Trainer::sharded(
+            sharded.clone(),
+            adam,
+            schedule,
+            args.gradient_accumulation_steps,
+            args.gradient_clipping,
+            precision,
+            args.precision.loss_scaling(),
+        );
+        (TrainedModel::Sharded(sharded), trainer, ParamStore::default())
+    } else {
+        // Forward and backward run on a copy in the compute dtype (the masters stay fp32).
+        let compute = params.compute_copy(dtype)?;
+        let model = if how.critic {
+            TrainedModel::reward(reward_model_on(&compute, config, precision.fp32_loss)?)
+        } else {
+            TrainedModel::lm(lm_on(&compute, config, precision.fp32_loss)?)
+        };
+        let trainer =
+            Trainer::new(&trainable, adam, schedule, args.gradient_accumulation_steps, args.gradient_clipping)?
+                .with_precision(precision, &compute, args.precision.loss_scaling())
+                .with_data_parallel(how.dp);
+        (model, trainer, compute.trainable())
+    };
     trainer.set_lora_learning_rate(&trainable, how.lora_lr);
     Ok(Trained {
         trainer,
@@ -696,7 +794,7 @@ fn trained<M>(
         trainable,
         model,
         checkpoint_activations: how.checkpoint_activations,
-        compute: compute.trainable(),
+        compute,
     })
 }
 

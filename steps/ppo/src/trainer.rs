@@ -6,29 +6,37 @@
 //! Across data-parallel ranks an update is one global micro-batch: each rank backpropagates its
 //! rows' masked means weighted by its share of the global micro-batch's answer tokens, so the
 //! gradient the trainers average over ranks is the one-rank gradient of the whole micro-batch.
+//!
+//! Under ZeRO stage 3 the actor and the critic are [`ShardedModel`]s: every forward and backward
+//! gathers their blocks from the ranks (collectives), so a rank with no rows in a global
+//! micro-batch still runs one, on a filler row whose loss is zero, and the EMA follows each
+//! rank's shard of the actor's weights.
 
 use crate::experience::{Experience, ForwardInputs};
 use crate::ppo::{self, PpoConfig};
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, D};
 use hybrid_engine::kernels::ops::{self, DropoutKey};
-use hybrid_engine::model::gpt2::{Dropout, Gpt2, Gpt2Config};
+use hybrid_engine::model::gpt2::{Dropout, Gpt2, Gpt2Config, Positions};
 use hybrid_engine::model::reward_model::RewardModel;
-use hybrid_engine::training::train_step::{forward_backward, lm_forward_backward, Backward};
+use hybrid_engine::training::train_step::{Backward, TrainedModel};
 use hybrid_engine::training::trainer::{micro_batch_done_pair, StepReport, Trainer};
+use hybrid_engine::training::zero3::ShardedModel;
 use hybrid_engine::ParamStore;
 use std::cell::RefCell;
 use std::ops::Range;
 
 /// A trained model: its config, parameters, the model over them and its optimizer.
-pub struct Trained<M> {
+pub struct Trained {
     pub config: Gpt2Config,
-    /// Every parameter (trunk, head, LoRA adapters).
+    /// Every parameter (trunk, head, LoRA adapters); empty under ZeRO stage 3, where the model
+    /// holds this rank's shard of them (see [`Self::release_masters`]).
     pub params: ParamStore,
     /// What the optimizer updates: `params`, or with `--only-optimize-lora` the adapters (and a
     /// critic's score head); shares storage with `params`.
     pub trainable: ParamStore,
-    pub model: M,
+    /// The whole model (the actor's LM or the critic's trunk and score head), or its shard.
+    pub model: TrainedModel,
     pub trainer: Trainer,
     pub checkpoint_activations: bool,
     /// The trainable part of the compute-dtype copy the model runs on: the parameters whose
@@ -36,13 +44,68 @@ pub struct Trained<M> {
     pub compute: ParamStore,
 }
 
+impl Trained {
+    /// The model sharded at rest (ZeRO stage 3 across ranks), if it is.
+    pub fn sharded(&self) -> Option<&ShardedModel> {
+        match &self.model {
+            TrainedModel::Sharded(model) => Some(model),
+            TrainedModel::Whole { .. } => None,
+        }
+    }
+
+    /// Under ZeRO stage 3, drops the whole fp32 masters once the shards and any resumed
+    /// optimizer state are taken from them: each rank keeps only its shard.
+    pub fn release_masters(&mut self) {
+        if self.sharded().is_some() {
+            (self.params, self.trainable, self.compute) = Default::default();
+        }
+    }
+
+    /// Every weight, for saving: `None` when the whole model is at hand in `params` (stages
+    /// 0-2) or on ranks other than 0; under stage 3 gathered on rank 0. Every rank must call it.
+    pub fn gather_for_saving(&self) -> Result<Option<ParamStore>> {
+        self.sharded().map_or(Ok(None), ShardedModel::gather_params)
+    }
+}
+
+/// The EMA of the actor's weights (DS-Chat `actor_ema`).
+pub enum Ema {
+    /// Of the whole actor.
+    Whole(ParamStore),
+    /// Of this rank's shard of a ZeRO-3 actor, laid out as [`ShardedModel::shard_values`]:
+    /// the EMA is elementwise, so the ranks' shards together are the one-rank EMA.
+    Shard(Vec<f32>),
+}
+
+impl Ema {
+    /// The whole EMA for saving, as [`Trained::gather_for_saving`]: `None` for [`Ema::Whole`]
+    /// (read it directly) and off rank 0. Every rank must call it.
+    pub fn gather_for_saving(&self, actor: &Trained) -> Result<Option<ParamStore>> {
+        match (self, actor.sharded()) {
+            (Self::Shard(values), Some(model)) => model.gather_shard_values(values),
+            _ => Ok(None),
+        }
+    }
+
+    fn update(&mut self, actor: &Trained) -> Result<()> {
+        match (self, actor.sharded()) {
+            (Self::Whole(ema), None) => update_ema(ema, &actor.params),
+            (Self::Shard(ema), Some(model)) => {
+                ppo::ema_update(ema, &model.shard_values(), EMA_BETA);
+                Ok(())
+            }
+            _ => anyhow::bail!("internal error: the EMA and the actor are not sharded alike"),
+        }
+    }
+}
+
 /// Actor, critic, the frozen reference and reward models, and the optional EMA.
 pub struct PpoModels {
-    pub actor: Trained<Gpt2>,
-    pub critic: Trained<RewardModel>,
+    pub actor: Trained,
+    pub critic: Trained,
     pub reference: Gpt2,
     pub reward: RewardModel,
-    pub ema: Option<ParamStore>,
+    pub ema: Option<Ema>,
     /// Skip both updates when either model's gradients overflowed (`--align-overflow`).
     pub align_overflow: bool,
 }
@@ -131,8 +194,8 @@ impl PpoModels {
         let local_tokens = mb.local_tokens();
         let stats = if mb.rows.is_empty() {
             // The other ranks' gradients are averaged with this rank's: it adds zeros.
-            add_zero_gradients(&mut self.actor.trainer, &self.actor.compute)?;
-            add_zero_gradients(&mut self.critic.trainer, &self.critic.compute)?;
+            add_zero_gradients(&mut self.actor, device)?;
+            add_zero_gradients(&mut self.critic, device)?;
             UpdateStats::default()
         } else {
             // The loss is a mean over the answer tokens of the whole global micro-batch, as one
@@ -149,7 +212,7 @@ impl PpoModels {
             self.align_overflow,
         )?;
         if let (Some(ema), Some(StepReport { skipped: false, .. })) = (&mut self.ema, actor_step) {
-            update_ema(ema, &self.actor.params)?;
+            ema.update(&self.actor)?;
         }
         Ok((stats, actor_step, critic_step))
     }
@@ -175,7 +238,8 @@ impl PpoModels {
         let advantages = answer_rows(exp, &exp.advantages, rows, device)?;
         let returns = answer_rows(exp, &exp.returns, rows, device)?;
         let next_tokens = inputs.ids.narrow(1, start + 1, l - 1 - start)?; // (b, A)
-                                                                           // Each rank draws its own masks (its rows differ); one rank draws one rank's masks.
+
+        // Each rank draws its own masks (its rows differ); one rank draws one rank's masks.
         let key = |salt: u64| DropoutKey { seed: seed ^ salt, step: mb.micro, micro_batch: mb.rank as u64 };
 
         // Actor: the LM head only on the answer's positions.
@@ -186,17 +250,16 @@ impl PpoModels {
             loss_scale: actor.trainer.loss_scale() * share,
         };
         let seen: RefCell<Option<(Tensor, Tensor)>> = RefCell::new(None);
-        let model = &actor.model;
-        let actor_loss = forward_backward(
-            model,
+        let actor_loss = actor.model.forward_backward(
             &inputs.ids,
             &inputs.as_positions(),
             Some(&dropout),
             how,
             actor.trainer.grads(),
-            |hidden| {
+            |heads, hidden| {
+                let lm = heads.trunk;
                 let h = hidden.narrow(1, start, l - 1 - start)?; // (b, A, C)
-                let logp_all = ops::log_softmax_last_dim(&model.loss_input(&model.lm_head(&h)?)?)?; // (b, A, V)
+                let logp_all = ops::log_softmax_last_dim(&lm.loss_input(&lm.lm_head(&h)?)?)?; // (b, A, V)
                 let logp = logp_all
                     .gather(&next_tokens.unsqueeze(D::Minus1)?.contiguous()?, D::Minus1)?
                     .squeeze(D::Minus1)?
@@ -216,16 +279,14 @@ impl PpoModels {
             checkpoint_activations: critic.checkpoint_activations,
             loss_scale: critic.trainer.loss_scale() * share,
         };
-        let rm = &critic.model;
-        let critic_loss = forward_backward(
-            &rm.trunk,
+        let critic_loss = critic.model.forward_backward(
             &inputs.ids,
             &inputs.as_positions(),
             Some(&dropout),
             how,
             critic.trainer.grads(),
-            |hidden| {
-                let values = rm.token_scores(hidden)?.narrow(1, start, l - 1 - start)?; // (b, A)
+            |heads, hidden| {
+                let values = heads.token_scores(hidden)?.narrow(1, start, l - 1 - start)?; // (b, A)
                 ppo::critic_loss(&values, &old_values, &returns, &mask, cfg)
             },
         )?;
@@ -249,10 +310,10 @@ impl PpoModels {
             checkpoint_activations: actor.checkpoint_activations,
             loss_scale: unsup_coef * actor.trainer.loss_scale(),
         };
-        let loss = lm_forward_backward(&actor.model, ids, targets, Some(&dropout), how, actor.trainer.grads())?;
+        let loss = actor.model.lm_forward_backward(ids, targets, Some(&dropout), how, actor.trainer.grads())?;
         let step = actor.trainer.micro_batch_done(&actor.trainable)?;
         if let (Some(ema), Some(StepReport { skipped: false, .. })) = (&mut self.ema, step) {
-            update_ema(ema, &self.actor.params)?;
+            ema.update(&self.actor)?;
         }
         Ok((loss, step))
     }
@@ -261,7 +322,7 @@ impl PpoModels {
     pub fn flush(&mut self) -> Result<()> {
         if let Some(StepReport { skipped: false, .. }) = self.actor.trainer.flush(&self.actor.trainable)? {
             if let Some(ema) = &mut self.ema {
-                update_ema(ema, &self.actor.params)?;
+                ema.update(&self.actor)?;
             }
         }
         self.critic.trainer.flush(&self.critic.trainable)?;
@@ -269,9 +330,28 @@ impl PpoModels {
     }
 }
 
-/// Adds a zero gradient for every parameter of `compute` (a rank with no rows in a global
+/// Adds a zero gradient for every parameter of `trained` (a rank with no rows in a global
 /// micro-batch): the trainer's step and the reductions over ranks run as on the other ranks.
-fn add_zero_gradients(trainer: &mut Trainer, compute: &ParamStore) -> Result<()> {
+/// Under ZeRO stage 3 that takes a forward and backward, whose gathers and reduce-scatters
+/// every rank makes together: on a filler row, with a loss that is exactly zero.
+fn add_zero_gradients(trained: &mut Trained, device: &Device) -> Result<()> {
+    match &trained.model {
+        TrainedModel::Whole { .. } => add_zero_whole_gradients(&mut trained.trainer, &trained.compute),
+        TrainedModel::Sharded(model) => {
+            let filler = Tensor::zeros((1, 1), DType::U32, device)?;
+            model.forward_backward(&filler, &Positions::default(), None, 1.0, |_, hidden| {
+                // Times a zero tensor, as below: the gradient reaches every block, as zeros.
+                let sum = hidden.sum_all()?.to_dtype(DType::F32)?;
+                &sum * sum.zeros_like()?
+            })?;
+            Ok(())
+        }
+    }
+}
+
+/// [`add_zero_gradients`] of a whole model, without a forward: through each parameter of
+/// `compute` directly.
+fn add_zero_whole_gradients(trainer: &mut Trainer, compute: &ParamStore) -> Result<()> {
     let mut zero: Option<Tensor> = None;
     for var in &compute.vars {
         // Times a zero tensor, not `* 0.0`: candle's backward prunes an affine by 0 from the
@@ -289,12 +369,15 @@ fn add_zero_gradients(trainer: &mut Trainer, compute: &ParamStore) -> Result<()>
     Ok(())
 }
 
-/// DS-Chat's `moving_average` with beta 0.992.
+/// DS-Chat's `moving_average` beta.
+const EMA_BETA: f32 = 0.992;
+
+/// DS-Chat's `moving_average` of a whole actor.
 fn update_ema(ema: &ParamStore, actor: &ParamStore) -> Result<()> {
     for ((_, e), (_, a)) in ema.iter().zip(actor.iter()) {
         let mut ev: Vec<f32> = e.flatten_all()?.to_vec1()?;
         let av: Vec<f32> = a.flatten_all()?.to_vec1()?;
-        ppo::ema_update(&mut ev, &av, 0.992);
+        ppo::ema_update(&mut ev, &av, EMA_BETA);
         e.set(&Tensor::from_vec(ev, e.shape(), e.device())?)?;
     }
     Ok(())
