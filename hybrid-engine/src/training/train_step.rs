@@ -28,6 +28,16 @@ pub enum TrainedModel {
 }
 
 impl TrainedModel {
+    /// Under ZeRO-3, the whole model's fp32 weights on rank 0 for saving (every rank must call
+    /// it: each unit is gathered); `None` on the other ranks and for a whole model, whose
+    /// masters the step holds.
+    pub fn gather_sharded_params(&self) -> Result<Option<crate::model::params::ParamStore>> {
+        match self {
+            Self::Sharded(model) => model.gather_params(),
+            Self::Whole { .. } => Ok(None),
+        }
+    }
+
     /// A whole language model.
     pub fn lm(trunk: Gpt2) -> Self {
         Self::Whole { trunk: Box::new(trunk), score: None }

@@ -203,10 +203,7 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
     metrics.finish();
 
     // Under ZeRO-3 every rank takes part in gathering the weights rank 0 saves.
-    let gathered = match &model {
-        TrainedModel::Sharded(sharded) => sharded.gather_params()?,
-        TrainedModel::Whole { .. } => None,
-    };
+    let gathered = model.gather_sharded_params()?;
     if !group.is_first() {
         // Rank 0 saves the model the ranks share.
         group.barrier()?;

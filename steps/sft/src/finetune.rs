@@ -192,10 +192,7 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
     // The held-out comparison is written with the model, in the same atomic save, so the
     // directory never holds a comparison of another run's model. Under ZeRO-3 every rank takes
     // part in gathering the weights.
-    let gathered = match &model {
-        TrainedModel::Sharded(sharded) => sharded.gather_params()?,
-        TrainedModel::Whole { .. } => None,
-    };
+    let gathered = model.gather_sharded_params()?;
     if !group.is_first() {
         // Rank 0 saves the model the ranks share and compares it on the prompts.
         group.barrier()?;
