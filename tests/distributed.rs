@@ -70,7 +70,12 @@ fn run_ranks(dir: &Path, step: &str, world: usize, args: &[String]) -> Vec<Outpu
 }
 
 fn weights(model_dir: &Path) -> HashMap<String, Vec<f32>> {
-    let bytes = std::fs::read(model_dir.join("model.safetensors")).unwrap();
+    weights_file(&model_dir.join("model.safetensors"))
+}
+
+/// The f32 tensors of a safetensors file.
+fn weights_file(path: &Path) -> HashMap<String, Vec<f32>> {
+    let bytes = std::fs::read(path).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     st.tensors()
         .into_iter()
@@ -88,10 +93,14 @@ fn weights(model_dir: &Path) -> HashMap<String, Vec<f32>> {
 /// noise, which Adam scales up to full-size steps of either sign. Any change in summation order
 /// moves those weights by about the learning rate; they have no effect on any output.
 fn distances(a: &Path, b: &Path) -> HashMap<String, f64> {
-    let (wa, wb) = (weights(a), weights(b));
+    tensor_distances(&weights(a), &weights(b))
+}
+
+/// [`distances`] between two sets of tensors with the same names.
+fn tensor_distances(wa: &HashMap<String, Vec<f32>>, wb: &HashMap<String, Vec<f32>>) -> HashMap<String, f64> {
     assert_eq!(wa.len(), wb.len());
     let mut out = HashMap::new();
-    for (name, x) in &wa {
+    for (name, x) in wa {
         let y = &wb[name];
         let (x, y) = if name.ends_with("attn.c_attn.bias") {
             let c = x.len() / 3;
@@ -254,14 +263,19 @@ fn pretraining_resumes_at_another_world_size_and_stage_on_the_same_trajectory() 
 /// values, so a gradient scaled wrongly (a missing average over ranks) changes the weights;
 /// clipping or Adam's usual 1e-8 would normalise the scale away.
 fn sft_args(out: &Path, per_device: usize, stage: u8) -> Vec<String> {
-    let mut a = args("--data-path demo --data-split 2,6,2 --max-seq-len 48 --learning-rate 2e-3 --num-train-epochs 1 --dropout 0 --gradient-accumulation-steps 2 --device cpu --dist-timeout 60 --log-interval 100 --adam-eps 1e-2 --gradient-clipping 0");
+    sft_args_on("2,6,2", out, per_device, stage)
+}
+
+/// [`sft_args`] with step 1's share of the demo data set by `--data-split`.
+fn sft_args_on(split: &str, out: &Path, per_device: usize, stage: u8) -> Vec<String> {
+    let mut a = args("--data-path demo --max-seq-len 48 --learning-rate 2e-3 --num-train-epochs 1 --dropout 0 --gradient-accumulation-steps 2 --device cpu --dist-timeout 60 --log-interval 100 --adam-eps 1e-2 --gradient-clipping 0");
     a.extend([
         "--per-device-train-batch-size".into(),
         per_device.to_string(),
         "--zero-stage".into(),
         stage.to_string(),
     ]);
-    a.extend(["--output-dir".into(), out.display().to_string()]);
+    a.extend(["--data-split".into(), split.into(), "--output-dir".into(), out.display().to_string()]);
     a.extend(["--data-output-path".into(), out.with_extension("cache").display().to_string()]);
     a
 }
@@ -275,6 +289,36 @@ fn sft_on_2_ranks_matches_one_rank_at_every_zero_stage() {
         let out = dir.path().join(format!("w2-s{stage}"));
         run_ranks(dir.path(), "sft", 2, &sft_args(&out, 4, stage));
         assert_same_weights(&out, &single, 1e-5, 0.0, &format!("SFT on 2 ranks, stage {stage}"));
+    }
+}
+
+/// LoRA under ZeRO stage 3 with the trunk frozen, whose units are gathered for every forward
+/// but get no gradient and no optimizer state (adapters beside a trained trunk: the PPO test).
+#[test]
+fn sft_with_lora_on_2_ranks_at_stage_3_matches_one_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let (flags, what) = ("--lora-dim 4 --lora-learning-rate 4e-3 --only-optimize-lora", "LoRA on a frozen trunk");
+        let name = what.replace(' ', "-");
+        let single = dir.path().join(format!("{name}-single"));
+        let mut a = sft_args(&single, 8, 0);
+        a.extend(args(flags));
+        run_ranks(dir.path(), "sft", 1, &a);
+        let out = dir.path().join(format!("{name}-w2-s3"));
+        let mut a = sft_args(&out, 4, 3);
+        a.extend(args(flags));
+        let outs = run_ranks(dir.path(), "sft", 2, &a);
+        let log = String::from_utf8_lossy(&outs[0].stdout);
+        assert!(log.contains("LoRA: rank 4") && log.contains("ZeRO stage 3"), "{log}");
+        assert_same_weights(&out, &single, 1e-5, 0.0, &format!("SFT with {what} on 2 ranks, stage 3"));
+        // The model directory has the adapters merged; a frozen trunk's adapters are also saved
+        // on their own (PEFT), the same tensors on both runs: the adapters, no trunk weight.
+        let adapter = |d: &Path| d.join("adapter/adapter_model.safetensors");
+        let (a, b) = (weights_file(&adapter(&out)), weights_file(&adapter(&single)));
+        assert!(a.keys().all(|n| n.contains("lora_")), "{what}: {:?}", a.keys());
+        for (name, d) in tensor_distances(&a, &b) {
+            assert!(d <= 1e-5, "{what}: adapter {name} differs by {d:.2e} relative");
+        }
     }
 }
 
@@ -724,4 +768,90 @@ fn ppo_on_2_and_3_ranks_matches_one_rank_at_every_zero_stage() {
     let log = String::from_utf8_lossy(&outs[0].stdout);
     assert!(log.contains("critic: data parallel: 3 ranks, ZeRO stage 3"), "{log}");
     assert_same_ppo(&out, &single, "PPO on 3 ranks, stages 1 and 3");
+}
+
+/// LoRA adapters beside trained weights under ZeRO stage 3 in both of step 3's models: the
+/// rollout gathers the actor with its adapters, the old log-probs read them unfused as training
+/// does, and the saved actor, critic and EMA have them merged.
+#[test]
+fn ppo_with_lora_on_2_ranks_at_stage_3_matches_one_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    ppo_setup(dir.path());
+    let lora = args("--actor-lora-dim 4 --critic-lora-dim 4 --actor-lora-learning-rate 2e-3");
+    let single = dir.path().join("single");
+    let mut a = ppo_args(dir.path(), &single, 8, 4, (0, 0));
+    a.extend(lora.clone());
+    let outs = run_ranks(dir.path(), "ppo", 1, &a);
+    assert!(String::from_utf8_lossy(&outs[0].stdout).contains("LoRA"));
+    let out = dir.path().join("w2-s3");
+    let mut a = ppo_args(dir.path(), &out, 4, 2, (3, 3));
+    a.extend(lora.clone());
+    a.extend(args("--save-interval 2"));
+    run_ranks(dir.path(), "ppo", 2, &a);
+    assert_same_ppo(&out, &single, "PPO with LoRA on 2 ranks, stage 3");
+    // Its checkpoint after rollout 2 (adapters unmerged, the optimizers' state of the trained
+    // parameters gathered from the shards) resumes on one rank on the same trajectory.
+    let ckpts = out.join("checkpoints");
+    std::fs::write(ckpts.join("latest"), "iter_0000002\n").unwrap();
+    let resumed = dir.path().join("resumed");
+    let mut a = ppo_args(dir.path(), &resumed, 8, 4, (0, 0));
+    a.extend(lora);
+    a.extend(["--load".into(), ckpts.display().to_string()]);
+    let outs = run_ranks(dir.path(), "ppo", 1, &a);
+    assert!(String::from_utf8_lossy(&outs[0].stdout).contains("at rollout 2"));
+    for model in ["actor", "critic", "actor_ema"] {
+        let what = format!("PPO with LoRA, 2 ranks at stage 3 resumed on 1: {model}");
+        assert_same_weights(&resumed.join(model), &single.join(model), 1e-5, 0.0, &what);
+    }
+}
+
+/// Each optimizer step of an SFT run: (loss, gradient norm, skipped, loss scale).
+fn sft_steps(out: &Path) -> Vec<(f64, Option<f64>, bool, Option<f64>)> {
+    let text = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    text.lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|r| r.get("step").is_some() && r.get("loss").is_some())
+        .map(|r| (r["loss"].as_f64().unwrap(), r["grad_norm"].as_f64(), r["skipped"] == true, r["loss_scale"].as_f64()))
+        .collect()
+}
+
+/// Mixed precision under ZeRO stage 3: weights gathered in the compute dtype, fp32 gradient
+/// shards, and fp16's overflow decision taken on the global gradient norm, so every rank skips
+/// the same steps. fp16 starts at a loss scale of 2^24, which overflows for the first 8 steps.
+/// The ranks compute their halves of each batch in 16 bits and sum them in fp32, the one rank
+/// sums the whole batch in its own order: measured on `sft_args`'s rows (50 steps), the losses
+/// agree within 4.2e-4 relative (bf16, 8 mantissa bits) and the gradient norms within 4.7e-3; a
+/// gradient left scaled or summed where it should be averaged would be off by orders of
+/// magnitude or 2x.
+#[test]
+fn sft_in_fp16_and_bf16_on_2_ranks_at_stage_3_matches_one_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    for (dtype, extra) in [("fp16", " --initial-scale-power 24"), ("bf16", "")] {
+        let flags = args(&format!("--dtype {dtype}{extra}"));
+        let single = dir.path().join(format!("{dtype}-single"));
+        // Half of `sft_args`'s rows.
+        let mut a = sft_args_on("1,8,1", &single, 8, 0);
+        a.extend(flags.clone());
+        run_ranks(dir.path(), "sft", 1, &a);
+        let out = dir.path().join(format!("{dtype}-w2-s3"));
+        let mut a = sft_args_on("1,8,1", &out, 4, 3);
+        a.extend(flags);
+        run_ranks(dir.path(), "sft", 2, &a);
+        let (got, want) = (sft_steps(&out), sft_steps(&single));
+        assert_eq!(got.len(), want.len(), "{dtype}: steps");
+        if dtype == "fp16" {
+            let skipped = want.iter().take_while(|s| s.2).count();
+            assert!(skipped >= 4 && want.iter().skip(skipped).any(|s| !s.2), "{dtype}: skips {want:?}");
+        }
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!((g.2, g.3), (w.2, w.3), "{dtype} step {}: skipped and loss scale", i + 1);
+            assert!((g.0 - w.0).abs() <= 2e-3 * w.0.abs(), "{dtype} step {}: loss {} vs {}", i + 1, g.0, w.0);
+            match (g.1, w.1) {
+                (Some(a), Some(b)) => {
+                    assert!((a - b).abs() <= 2e-2 * b, "{dtype} step {}: grad norm {a} vs {b}", i + 1)
+                }
+                (a, b) => assert_eq!(a.is_some(), b.is_some(), "{dtype} step {}", i + 1),
+            }
+        }
+    }
 }

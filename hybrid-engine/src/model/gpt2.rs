@@ -406,6 +406,17 @@ impl Block {
         })
     }
 
+    /// The block's Conv1D linears under their HF module names (`h.0.attn.c_attn`, ...).
+    pub fn linears_mut(&mut self) -> [(String, &mut Conv1D); 4] {
+        let i = self.index;
+        [
+            (format!("h.{i}.attn.c_attn"), &mut self.attn.c_attn),
+            (format!("h.{i}.attn.c_proj"), &mut self.attn.c_proj),
+            (format!("h.{i}.mlp.c_fc"), &mut self.mlp.c_fc),
+            (format!("h.{i}.mlp.c_proj"), &mut self.mlp.c_proj),
+        ]
+    }
+
     pub fn forward(
         &self,
         x: &Tensor,
@@ -541,14 +552,7 @@ impl Gpt2 {
     /// Every Conv1D linear under its HF module name (`h.0.attn.c_attn`, `h.0.mlp.c_proj`): where
     /// LoRA adapters attach.
     pub fn linears_mut(&mut self) -> impl Iterator<Item = (String, &mut Conv1D)> {
-        self.h.iter_mut().enumerate().flat_map(|(i, block)| {
-            [
-                (format!("h.{i}.attn.c_attn"), &mut block.attn.c_attn),
-                (format!("h.{i}.attn.c_proj"), &mut block.attn.c_proj),
-                (format!("h.{i}.mlp.c_fc"), &mut block.mlp.c_fc),
-                (format!("h.{i}.mlp.c_proj"), &mut block.mlp.c_proj),
-            ]
-        })
+        self.h.iter_mut().flat_map(Block::linears_mut)
     }
 
     /// Embeddings and all blocks, before `ln_f`: the trunk's last hidden state. (B, T, C)

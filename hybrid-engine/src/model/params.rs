@@ -9,7 +9,7 @@
 //! optimizer is given only [`ParamStore::trainable`]. A saved model always has LoRA merged
 //! ([`ParamStore::merged`]).
 
-use crate::model::gpt2::{Gpt2, Gpt2Config};
+use crate::model::gpt2::{Conv1D, Gpt2, Gpt2Config};
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::VarBuilder;
@@ -110,12 +110,7 @@ impl ParamStore {
         let tensors = self.tensors();
         let mut model = Gpt2::load(VarBuilder::from_tensors(tensors.clone(), self.dtype(), &device), cfg)?;
         if let Some(scaling) = self.lora_scaling {
-            for (module, linear) in model.linears_mut() {
-                let (a, b) = Adapter::param_names(&module);
-                if let (Some(a), Some(b)) = (tensors.get(&a), tensors.get(&b)) {
-                    linear.lora = Some(LoraLinear { a: a.clone(), b: b.clone(), scaling });
-                }
-            }
+            attach_adapters(model.linears_mut(), &tensors, scaling);
         }
         Ok(model)
     }
@@ -229,6 +224,23 @@ impl ParamStore {
         out
     }
 
+    /// Which parameters are frozen, one flag per parameter in order.
+    pub fn frozen(&self) -> &[bool] {
+        &self.frozen
+    }
+
+    /// Gives a store rebuilt from another's values (ZeRO stage 3 gathers the whole model from
+    /// its shards) that store's frozen flags and LoRA scaling, so that it merges its adapters
+    /// and names its trainable part as the original would.
+    pub fn set_layout(&mut self, frozen: &[bool], lora_scaling: Option<f64>) -> Result<()> {
+        if frozen.len() != self.names.len() {
+            bail!("internal error: {} frozen flags for {} parameters", frozen.len(), self.names.len());
+        }
+        self.frozen = frozen.to_vec();
+        self.lora_scaling = lora_scaling;
+        Ok(())
+    }
+
     /// Freezes the GPT-2 trunk (DS-Chat `only_optimize_lora_parameters`): adapters and heads (a
     /// reward model's `score.weight`, which DS-Chat's step 2 force-optimizes) keep training.
     pub fn freeze_trunk(&mut self) {
@@ -288,6 +300,21 @@ impl ParamStore {
             out.frozen.push(false);
         }
         Ok(out)
+    }
+}
+
+/// Attaches, unfused, the adapters `tensors` holds (`<module>.lora_A.weight`, `...lora_B...`)
+/// to the linears they belong to; linears without an adapter are left as they are.
+pub fn attach_adapters<'a>(
+    linears: impl IntoIterator<Item = (String, &'a mut Conv1D)>,
+    tensors: &HashMap<String, Tensor>,
+    scaling: f64,
+) {
+    for (module, linear) in linears {
+        let (a, b) = Adapter::param_names(&module);
+        if let (Some(a), Some(b)) = (tensors.get(&a), tensors.get(&b)) {
+            linear.lora = Some(LoraLinear { a: a.clone(), b: b.clone(), scaling });
+        }
     }
 }
 

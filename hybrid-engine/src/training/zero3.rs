@@ -6,7 +6,10 @@
 //! The parameters are cut into units, each gathered with one all-gather: one per transformer
 //! block, and one for everything outside the blocks (embeddings, the final LayerNorm and any
 //! head), which embedding and head share because GPT-2 ties them. Each unit is flattened and
-//! split into equal shards ([`Partition`]), so every rank holds a piece of every unit.
+//! split into equal shards ([`Partition`]), so every rank holds a piece of every unit. With LoRA
+//! and `--only-optimize-lora` a block's frozen weights form a unit of their own beside its
+//! adapters': frozen units are gathered for the forward but get no gradient, no reduce-scatter
+//! and no optimizer state, so LoRA at stage 3 moves and keeps only the adapters' gradients.
 //!
 //! candle keeps the tensors a backward pass needs inside the graph of the forward, so a
 //! gathered weight would live until backward if the graph kept it: stage 3 therefore always
@@ -18,7 +21,7 @@
 
 use crate::comm::ProcessGroup;
 use crate::model::gpt2::{Block, Dropout, Gpt2, Gpt2Config, Positions};
-use crate::model::params::ParamStore;
+use crate::model::params::{attach_adapters, ParamStore};
 use crate::model::reward_model::{Heads, SCORE_WEIGHT};
 use crate::training::optim::AdamW;
 use crate::training::zero::Partition;
@@ -36,11 +39,16 @@ const OUTER: usize = 0;
 
 /// Parameters gathered together.
 struct Unit {
+    /// What the unit belongs to: [`OUTER`], or block `i` as `i + 1`.
+    part: usize,
     /// Indices of the unit's parameters in the model's order.
     params: Vec<usize>,
     partition: Partition,
     /// Where this rank's shard of the unit starts in [`ShardedModel::shard`].
     offset: usize,
+    /// Where this rank's shard of the unit's gradient starts in the gradient shard; `None` for
+    /// a unit of frozen parameters.
+    grad_offset: Option<usize>,
 }
 
 /// A GPT-2 whose parameters are sharded over the ranks of a group (ZeRO stage 3).
@@ -49,6 +57,12 @@ pub struct ShardedModel {
     pub cfg: Gpt2Config,
     names: Vec<String>,
     shapes: Vec<Shape>,
+    /// Per parameter: frozen (`--only-optimize-lora`), or its index among the trained ones,
+    /// which is its index in the optimizer.
+    trained_index: Vec<Option<usize>>,
+    trained_names: Vec<String>,
+    frozen: Vec<bool>,
+    lora_scaling: Option<f64>,
     units: Vec<Unit>,
     /// The dtype gathered weights compute in (the masters are fp32).
     dtype: DType,
@@ -57,42 +71,58 @@ pub struct ShardedModel {
     pub fp32_loss: bool,
     /// This rank's fp32 master weights: its shard of every unit, end to end.
     shard: RefCell<Vec<f32>>,
-    /// Per unit, this rank's shard of the gradients summed over ranks and micro-batches.
+    /// Per unit, this rank's shard of the gradients summed over ranks and micro-batches (always
+    /// `None` for a frozen unit).
     grads: RefCell<Vec<Option<Tensor>>>,
 }
 
 impl ShardedModel {
     /// Keeps this rank's shard of `masters` (the whole model's fp32 weights, which the caller
     /// drops after); gathered weights compute in `dtype`.
+    /// The masters' frozen flags and LoRA adapters are kept: frozen parameters are gathered
+    /// but never trained.
     pub fn new(group: Rc<ProcessGroup>, cfg: &Gpt2Config, masters: &ParamStore, dtype: DType) -> Result<Self> {
-        if masters.lora_scaling().is_some() || masters.trainable().numel() != masters.numel() {
-            bail!(
-                "--zero-stage 3 shards every parameter and trains them all: it does not combine with LoRA or \
-                 --only-optimize-lora yet; use --zero-stage 2 with LoRA"
-            );
-        }
         let world = group.world();
         let rank = group.rank();
-        let mut members: Vec<Vec<usize>> = vec![Vec::new(); cfg.n_layer + 1];
+        let frozen = masters.frozen().to_vec();
+        // Unit 2p holds part p's trained parameters, unit 2p + 1 its frozen ones.
+        let mut members: Vec<Vec<usize>> = vec![Vec::new(); 2 * (cfg.n_layer + 1)];
         for (i, name) in masters.names.iter().enumerate() {
-            members[unit_of(name, cfg.n_layer)?].push(i);
+            members[2 * unit_of(name, cfg.n_layer)? + usize::from(frozen[i])].push(i);
         }
         let mut units = Vec::new();
         let mut shard = Vec::new();
-        for params in members {
+        let mut grad_len = 0;
+        for (k, params) in members.into_iter().enumerate().filter(|(_, p)| !p.is_empty()) {
             let tensors: Vec<Tensor> = params.iter().map(|&i| masters.vars[i].as_tensor().clone()).collect();
             let partition = Partition::new(tensors.iter().map(Tensor::elem_count).collect(), world);
             let flat = partition.flatten(&tensors)?.to_dtype(DType::F32)?;
             let range = partition.shard(rank);
             shard.extend(flat.narrow(0, range.start, range.len())?.to_vec1::<f32>()?);
-            units.push(Unit { params, partition, offset: shard.len() - range.len() });
+            let grad_offset = (k % 2 == 0).then(|| {
+                grad_len += range.len();
+                grad_len - range.len()
+            });
+            units.push(Unit { part: k / 2, params, partition, offset: shard.len() - range.len(), grad_offset });
         }
         let unit_count = units.len();
+        let mut trained_index = Vec::with_capacity(frozen.len());
+        let mut trained_names = Vec::new();
+        for (name, &frozen) in masters.names.iter().zip(&frozen) {
+            trained_index.push((!frozen).then_some(trained_names.len()));
+            if !frozen {
+                trained_names.push(name.clone());
+            }
+        }
         Ok(Self {
             group,
             cfg: cfg.clone(),
             names: masters.names.clone(),
             shapes: masters.vars.iter().map(|v| v.shape().clone()).collect(),
+            trained_index,
+            trained_names,
+            frozen,
+            lora_scaling: masters.lora_scaling(),
             units,
             dtype,
             device: masters.vars.first().map_or(Device::Cpu, |v| v.device().clone()),
@@ -111,14 +141,15 @@ impl ShardedModel {
         self.shard.borrow().len()
     }
 
-    /// The parameters' names, in the model's order.
-    pub fn names(&self) -> &[String] {
-        &self.names
+    /// The names of the parameters the optimizer trains (all but the frozen ones), in the
+    /// model's order: the optimizer's parameter `i` is `trained_names()[i]`.
+    pub fn trained_names(&self) -> &[String] {
+        &self.trained_names
     }
 
-    /// Every parameter's number of values, in the model's order.
-    pub fn numels(&self) -> Vec<usize> {
-        self.shapes.iter().map(Shape::elem_count).collect()
+    /// The number of values of each trained parameter, as [`Self::trained_names`].
+    pub fn trained_numels(&self) -> Vec<usize> {
+        self.shapes.iter().zip(&self.trained_index).filter(|(_, t)| t.is_some()).map(|(s, _)| s.elem_count()).collect()
     }
 
     /// Every parameter's values in fp32, on rank 0 (`None` elsewhere): for saving the model.
@@ -186,6 +217,7 @@ impl ShardedModel {
         for (name, t) in self.names.iter().zip(full) {
             store.push(name, &t.ok_or_else(|| anyhow!("internal error: {name} is in no unit"))?)?;
         }
+        store.set_layout(&self.frozen, self.lora_scaling)?;
         Ok(Some(store))
     }
 
@@ -198,34 +230,53 @@ impl ShardedModel {
         unit.partition.unflatten(&full, &shapes)
     }
 
-    /// Unit `u`'s weights, gathered into fresh variables in the compute dtype (gradients
-    /// computed through them land on these variables).
-    fn gather(&self, u: usize) -> Result<Gathered> {
-        let unit = &self.units[u];
-        let tensors = {
-            let shard = self.shard.borrow();
-            self.gather_unit(unit, &shard[unit.offset..unit.offset + unit.partition.shard_len])?
-        };
-        let vars: Vec<Var> =
-            tensors.iter().map(|t| Var::from_tensor(&t.to_dtype(self.dtype)?)).collect::<candle_core::Result<_>>()?;
-        let named: HashMap<String, Tensor> =
-            unit.params.iter().zip(&vars).map(|(&i, v)| (self.names[i].clone(), v.as_tensor().clone())).collect();
-        Ok(Gathered { unit: u, vars, vb: VarBuilder::from_tensors(named, self.dtype, &self.device) })
+    /// Part `part`'s weights, gathered in the compute dtype: the trained ones into fresh
+    /// variables (gradients computed through them land there), the frozen ones as constants.
+    fn gather(&self, part: usize) -> Result<Gathered> {
+        let mut trained = Vec::new();
+        let mut named = HashMap::new();
+        for (u, unit) in self.units.iter().enumerate().filter(|(_, unit)| unit.part == part) {
+            let tensors = {
+                let shard = self.shard.borrow();
+                self.gather_unit(unit, &shard[unit.offset..unit.offset + unit.partition.shard_len])?
+            };
+            let mut vars = Vec::new();
+            for (&i, t) in unit.params.iter().zip(tensors) {
+                let t = t.to_dtype(self.dtype)?;
+                let value = match unit.grad_offset {
+                    Some(_) => {
+                        let var = Var::from_tensor(&t)?;
+                        vars.push(var.clone());
+                        var.as_tensor().clone()
+                    }
+                    None => t,
+                };
+                named.insert(self.names[i].clone(), value);
+            }
+            if unit.grad_offset.is_some() {
+                trained.push((u, vars));
+            }
+        }
+        Ok(Gathered { trained, named })
     }
 
     /// Embeddings, final LayerNorm and heads, gathered: a GPT-2 without blocks, for the
     /// embedding and for the heads (its `lm_head`, `lm_loss_at`, `final_norm` work as usual).
     pub fn outer(&self) -> Result<(Gpt2, Gathered)> {
         let g = self.gather(OUTER)?;
-        let mut model = Gpt2::load(g.vb.clone(), &Gpt2Config { n_layer: 0, ..self.cfg.clone() })?;
+        let mut model = Gpt2::load(g.var_builder(self), &Gpt2Config { n_layer: 0, ..self.cfg.clone() })?;
         model.fp32_loss = self.fp32_loss;
         Ok((model, g))
     }
 
-    /// Block `i`, gathered.
+    /// Block `i`, gathered, with its LoRA adapters attached.
     fn block(&self, i: usize) -> Result<(Block, Gathered)> {
         let g = self.gather(i + 1)?;
-        Ok((Gpt2::load_block(g.vb.clone(), &self.cfg, i)?, g))
+        let mut block = Gpt2::load_block(g.var_builder(self), &self.cfg, i)?;
+        if let Some(scaling) = self.lora_scaling {
+            attach_adapters(block.linears_mut(), &g.named, scaling);
+        }
+        Ok((block, g))
     }
 
     /// The trunk's last hidden state (B, T, C) without gradients, each block gathered in turn.
@@ -292,24 +343,25 @@ impl ShardedModel {
         Ok(loss.to_dtype(DType::F32)?.to_scalar::<f32>()?)
     }
 
-    /// Adds this rank's shard of the gradients `store` holds for a gathered unit, summed over
-    /// ranks, to the unit's gradient shard. Parameters the backward did not reach count as 0.
+    /// Adds this rank's shard of the gradients `store` holds for a gathered part's trained
+    /// units, summed over ranks, to their gradient shards. Parameters the backward did not
+    /// reach count as 0.
     fn reduce_scatter_gradients(&self, g: &Gathered, store: &GradStore) -> Result<()> {
-        let unit = &self.units[g.unit];
-        let grads: Vec<Tensor> = g
-            .vars
-            .iter()
-            .map(|v| match store.get(v.as_tensor()) {
-                Some(grad) => grad.detach().to_dtype(DType::F32),
-                None => Tensor::zeros(v.shape(), DType::F32, &self.device),
-            })
-            .collect::<candle_core::Result<_>>()?;
-        let mine = self.group.reduce_scatter(&unit.partition.flatten(&grads)?)?;
-        let mut slots = self.grads.borrow_mut();
-        slots[g.unit] = Some(match slots[g.unit].take() {
-            Some(acc) => (acc + mine)?,
-            None => mine,
-        });
+        for (u, vars) in &g.trained {
+            let grads: Vec<Tensor> = vars
+                .iter()
+                .map(|v| match store.get(v.as_tensor()) {
+                    Some(grad) => grad.detach().to_dtype(DType::F32),
+                    None => Tensor::zeros(v.shape(), DType::F32, &self.device),
+                })
+                .collect::<candle_core::Result<_>>()?;
+            let mine = self.group.reduce_scatter(&self.units[*u].partition.flatten(&grads)?)?;
+            let mut slots = self.grads.borrow_mut();
+            slots[*u] = Some(match slots[*u].take() {
+                Some(acc) => (acc + mine)?,
+                None => mine,
+            });
+        }
         Ok(())
     }
 
@@ -318,32 +370,46 @@ impl ShardedModel {
         self.grads.borrow().iter().flatten().cloned().collect()
     }
 
-    /// This rank's gradient shard (summed over ranks and micro-batches), laid out as the weight
-    /// shard, and the accumulation emptied.
+    /// This rank's gradient shard (summed over ranks and micro-batches): the trained units'
+    /// shards end to end, each at its `grad_offset`; the accumulation is emptied.
     pub fn take_gradient_shard(&self) -> Result<Tensor> {
+        let mut grads = self.grads.borrow_mut();
         let parts: Vec<Tensor> = self
-            .grads
-            .borrow_mut()
-            .iter_mut()
-            .map(|g| g.take().ok_or_else(|| anyhow!("internal error: a unit received no gradient")))
+            .units
+            .iter()
+            .zip(grads.iter_mut())
+            .filter(|(unit, _)| unit.grad_offset.is_some())
+            .map(|(_, g)| g.take().ok_or_else(|| anyhow!("internal error: a unit received no gradient")))
             .collect::<Result<_>>()?;
         Ok(Tensor::cat(&parts, 0)?)
     }
 
-    /// The range of each parameter (in the model's order) whose values this rank holds.
+    /// The trained units with this rank's pieces of their parameters: (parameter index in the
+    /// model, its index in the optimizer, the piece).
+    fn trained_pieces(&self) -> impl Iterator<Item = (&Unit, usize, crate::training::zero::Piece)> + '_ {
+        let rank = self.group.rank();
+        self.units.iter().filter(|unit| unit.grad_offset.is_some()).flat_map(move |unit| {
+            unit.partition.pieces(rank).into_iter().map(move |piece| {
+                let trained = self.trained_index[unit.params[piece.param]].expect("a trained unit's parameter");
+                (unit, trained, piece)
+            })
+        })
+    }
+
+    /// The range of each trained parameter (as [`Self::trained_names`]) whose values this rank
+    /// holds.
     pub fn held_ranges(&self) -> Vec<Range<usize>> {
-        let mut ranges = vec![0..0; self.names.len()];
-        for unit in &self.units {
-            for piece in unit.partition.pieces(self.group.rank()) {
-                ranges[unit.params[piece.param]] = piece.in_param;
-            }
+        let mut ranges = vec![0..0; self.trained_names.len()];
+        for (_, trained, piece) in self.trained_pieces() {
+            ranges[trained] = piece.in_param;
         }
         ranges
     }
 
-    /// An AdamW over this rank's shard only (the moments of [`Self::held_ranges`]).
+    /// An AdamW over this rank's shard of the trained parameters only (the moments of
+    /// [`Self::held_ranges`]).
     pub fn optimizer(&self, config: crate::training::optim::AdamWConfig) -> AdamW {
-        AdamW::over_ranges(config, &self.names, self.held_ranges())
+        AdamW::over_ranges(config, &self.trained_names, self.held_ranges())
     }
 
     /// One AdamW step of this rank's weight shard with its (averaged, clipped) gradient shard.
@@ -352,11 +418,10 @@ impl ShardedModel {
         let g: Vec<f32> = grad_shard.to_dtype(DType::F32)?.to_vec1()?;
         let mut shard = self.shard.borrow_mut();
         optimizer.step += 1;
-        for unit in &self.units {
-            for piece in unit.partition.pieces(self.group.rank()) {
-                let at = unit.offset + piece.in_shard.start..unit.offset + piece.in_shard.end;
-                optimizer.update_held(unit.params[piece.param], &mut shard[at.clone()], &g[at], lr);
-            }
+        for (unit, trained, piece) in self.trained_pieces() {
+            let (at, from) = (unit.offset, unit.grad_offset.expect("a trained unit"));
+            let grad = &g[from + piece.in_shard.start..from + piece.in_shard.end];
+            optimizer.update_held(trained, &mut shard[at + piece.in_shard.start..at + piece.in_shard.end], grad, lr);
         }
         Ok(())
     }
@@ -365,16 +430,21 @@ impl ShardedModel {
     /// a checkpoint saves, so that it loads into any world size or stage.
     pub fn consolidate(&self, optimizer: &AdamW) -> Result<AdamW> {
         let rank = self.group.rank();
-        let mut moments: [Vec<Vec<f32>>; 2] = [vec![Vec::new(); self.names.len()], vec![Vec::new(); self.names.len()]];
+        let count = self.trained_names.len();
+        let mut moments: [Vec<Vec<f32>>; 2] = [vec![Vec::new(); count], vec![Vec::new(); count]];
         for (which, out) in moments.iter_mut().enumerate() {
-            for unit in &self.units {
+            for unit in self.units.iter().filter(|unit| unit.grad_offset.is_some()) {
                 let mut values = vec![0f32; unit.partition.shard_len];
                 for piece in unit.partition.pieces(rank) {
-                    let (m, v) = optimizer.held_moments(unit.params[piece.param]);
+                    let (m, v) = optimizer.held_moments(
+                        self.trained_index[unit.params[piece.param]].expect("a trained unit's parameter"),
+                    );
                     values[piece.in_shard].copy_from_slice(if which == 0 { m } else { v });
                 }
                 for (&i, t) in unit.params.iter().zip(self.gather_unit(unit, &values)?) {
-                    out[i] = t.flatten_all()?.to_vec1()?;
+                    if let Some(trained) = self.trained_index[i] {
+                        out[trained] = t.flatten_all()?.to_vec1()?;
+                    }
                 }
             }
         }
@@ -385,17 +455,22 @@ impl ShardedModel {
     }
 }
 
-/// A unit's gathered weights: alive while this is.
+/// A part's gathered weights: alive while this is.
 pub struct Gathered {
-    unit: usize,
-    vars: Vec<Var>,
-    vb: VarBuilder<'static>,
+    /// The part's trained units with their fresh variables (in the unit's parameter order).
+    trained: Vec<(usize, Vec<Var>)>,
+    /// Every gathered weight by name.
+    named: HashMap<String, Tensor>,
 }
 
 impl Gathered {
-    /// The gathered weight `name` (a head's, such as `score.weight`), if the unit holds it.
+    /// The gathered weight `name` (a head's, such as `score.weight`), if the part holds it.
     pub fn tensor(&self, name: &str) -> Option<Tensor> {
-        self.vb.contains_tensor(name).then(|| self.vb.get_unchecked(name).ok()).flatten()
+        self.named.get(name).cloned()
+    }
+
+    fn var_builder(&self, model: &ShardedModel) -> VarBuilder<'static> {
+        VarBuilder::from_tensors(self.named.clone(), model.dtype, &model.device)
     }
 }
 
@@ -475,6 +550,54 @@ mod tests {
         let hidden = sharded.forward_blocks(&ids, &Positions::default())?;
         let want = model.forward_blocks(&ids, &Positions::default(), None, None)?;
         assert!((hidden - want)?.abs()?.max_all()?.to_scalar::<f32>()? < 1e-6);
+        Ok(())
+    }
+
+    /// LoRA with a frozen trunk: the adapters (and the unfrozen head) get the whole model's
+    /// gradients, the frozen weights none: no gradient shard, no optimizer state.
+    #[test]
+    fn lora_with_a_frozen_trunk_trains_only_the_adapters() -> Result<()> {
+        let cfg = Gpt2Config { n_layer: 2, n_embd: 8, n_head: 2, n_positions: 8, vocab_size: 16, ..Gpt2Config::tiny() };
+        let mut params = ParamStore::init(&cfg, 3, &Device::Cpu)?;
+        let lora = lora::LoraConfig { dim: 2, alpha: Some(4.0), module_name: "h.".into() };
+        params.add_lora(&cfg, &lora, 5)?;
+        // B = 0 would leave A without gradient: give every B values.
+        for (name, var) in params.iter().filter(|(n, _)| n.ends_with(lora::LORA_B)) {
+            var.set(&Tensor::randn(0f32, 0.1, var.shape(), &Device::Cpu)?).map_err(|e| anyhow!("{name}: {e}"))?;
+        }
+        params.freeze_trunk();
+        let sharded = ShardedModel::new(Rc::new(ProcessGroup::single()), &cfg, &params, DType::F32)?;
+        let trainable = params.trainable();
+        assert_eq!(sharded.trained_names(), &trainable.names[..]);
+        assert!(trainable.names.iter().all(|n| lora::is_adapter_name(n)), "{:?}", trainable.names);
+
+        let ids = Tensor::new(&[[1u32, 2, 3, 4], [5, 6, 7, 8]], &Device::Cpu)?;
+        let targets = Tensor::new(&[[2u32, 3, 4, 5], [6, 7, 8, 9]], &Device::Cpu)?.flatten_all()?;
+        let loss = sharded
+            .forward_backward(&ids, &Positions::default(), None, 1.0, |w, h| w.trunk.lm_head_loss(h, &targets))?;
+        let want = params.model(&cfg)?.lm_loss(&ids, &targets.reshape((2, 4))?, None)?;
+        assert!((loss - want.to_scalar::<f32>()?).abs() < 1e-6, "the adapters take part in the forward");
+        let store = want.backward()?;
+        let grad: Vec<f32> = sharded.take_gradient_shard()?.to_vec1()?;
+        assert_eq!(grad.len(), trainable.numel(), "one rank: the gradient shard is the adapters' gradient");
+        for (unit, trained, piece) in sharded.trained_pieces() {
+            let var = &trainable.vars[trained];
+            let g: Vec<f32> = store.get(var.as_tensor()).unwrap().flatten_all()?.to_vec1()?;
+            let at = unit.grad_offset.unwrap();
+            let got = &grad[at + piece.in_shard.start..at + piece.in_shard.end];
+            assert!(g.iter().any(|v| *v != 0.0), "{}", trainable.names[trained]);
+            for (a, b) in got.iter().zip(&g[piece.in_param]) {
+                assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{}: {a} vs {b}", trainable.names[trained]);
+            }
+        }
+        let held: usize = sharded.held_ranges().iter().map(|r| r.len()).sum();
+        assert_eq!(held, trainable.numel(), "optimizer state for the adapters only");
+        // The gathered model keeps the layout: its trainable part and its merge are the original's.
+        let gathered = sharded.gather_params()?.expect("rank 0 of one");
+        assert_eq!(gathered.trainable().names, trainable.names);
+        for ((name, a), (_, b)) in gathered.merged()?.iter().zip(params.merged()?.iter()) {
+            assert_eq!(a.flatten_all()?.to_vec1::<f32>()?, b.flatten_all()?.to_vec1::<f32>()?, "{name}");
+        }
         Ok(())
     }
 }

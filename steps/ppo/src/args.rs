@@ -136,10 +136,10 @@ pub struct PpoArgs {
     /// Print decoded rollouts every this many steps (0: never).
     #[arg(long, default_value_t = 10, alias = "print_answers_interval")]
     pub print_answers_interval: u64,
-    /// The actor's ZeRO stage across ranks (0-3; 3 shards the weights at rest, without LoRA).
+    /// The actor's ZeRO stage across ranks (0-3; 3 shards the weights at rest).
     #[arg(long, default_value_t = 0, alias = "actor_zero_stage")]
     pub actor_zero_stage: u8,
-    /// The critic's ZeRO stage across ranks (0-3; 3 shards the weights at rest, without LoRA).
+    /// The critic's ZeRO stage across ranks (0-3; 3 shards the weights at rest).
     #[arg(long, default_value_t = 0, alias = "critic_zero_stage")]
     pub critic_zero_stage: u8,
     #[command(flatten)]
@@ -243,15 +243,11 @@ impl PpoArgs {
                 self.precision.dtype.name()
             );
         }
-        for (flag, stage, lora_flag, lora_dim) in [
-            ("--actor-zero-stage", self.actor_zero_stage, "--actor-lora-dim", self.actor_lora_dim),
-            ("--critic-zero-stage", self.critic_zero_stage, "--critic-lora-dim", self.critic_lora_dim),
-        ] {
+        for (flag, stage) in
+            [("--actor-zero-stage", self.actor_zero_stage), ("--critic-zero-stage", self.critic_zero_stage)]
+        {
             if stage > 3 {
                 bail!("{flag} {stage}: DeepSpeed's ZeRO stages are 0, 1, 2 and 3");
-            }
-            if stage == 3 && lora_dim > 0 {
-                bail!("{flag} 3 shards every parameter and trains them all: it does not combine with LoRA ({lora_flag} {lora_dim}); use {flag} 2 with LoRA");
             }
         }
         hybrid_engine::device::check_device(&self.device)?;

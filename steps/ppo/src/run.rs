@@ -520,14 +520,25 @@ fn generate_share(
     // has no prompt at all, cannot leave another waiting.
     let gathered_actor = models.actor.sharded().map(ShardedModel::gather_params_everywhere).transpose()?;
     let mut generation_model = engine.model(gathered_actor.as_ref().unwrap_or(&models.actor.params), &ctx.actor_cfg)?;
-    // The fp32 gathered weights are not needed once cast into the generation model.
+    // The old log-probs come from the gathered actor too, read as the training loss reads them
+    // (generation ignores `fp32_loss`). With LoRA that is with the adapters unfused: a fused
+    // weight rounds differently from the training forward's `x W + s (x A^T) B^T`.
+    let precision = args.precision.precision();
+    let unfused_actor = match &gathered_actor {
+        Some(gathered) if gathered.lora_scaling().is_some() => {
+            let mut model = gathered.compute_copy(precision.dtype.dtype())?.model(&ctx.actor_cfg)?;
+            model.fp32_loss = precision.fp32_loss;
+            Some(model)
+        }
+        _ => None,
+    };
+    // The fp32 gathered weights are not needed once cast into the models.
     drop(gathered_actor);
-    let actor_forward = match &models.actor.model {
-        TrainedModel::Whole { trunk, .. } => &**trunk,
-        TrainedModel::Sharded(_) => {
-            // The old log-probs come from the gathered actor too; they read the logits as the
-            // training loss does (generation ignores this flag).
-            generation_model.fp32_loss = args.precision.precision().fp32_loss;
+    let actor_forward = match (&models.actor.model, &unfused_actor) {
+        (TrainedModel::Whole { trunk, .. }, _) => &**trunk,
+        (TrainedModel::Sharded(_), Some(unfused)) => unfused,
+        (TrainedModel::Sharded(_), None) => {
+            generation_model.fp32_loss = precision.fp32_loss;
             &generation_model
         }
     };

@@ -237,7 +237,6 @@ fn bad_input_is_one_clear_error_line() {
     check(&["--cliprange", "0"], &["--cliprange"]);
     check(&["--max-answer-seq-len", &usize::MAX.to_string()], &["overflows", "--max-answer-seq-len"]);
     check(&["--critic-zero-stage", "4"], &["--critic-zero-stage 4", "ZeRO stages"]);
-    check(&["--actor-zero-stage", "3", "--actor-lora-dim", "4"], &["--actor-zero-stage 3", "LoRA"]);
 }
 
 #[test]

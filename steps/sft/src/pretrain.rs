@@ -370,7 +370,7 @@ fn save(
     tokenizer: &Tokenizer,
 ) -> Result<Option<std::path::PathBuf>> {
     let (gathered, names, numels) = match model {
-        TrainedModel::Sharded(sharded) => (sharded.gather_params()?, sharded.names(), sharded.numels()),
+        TrainedModel::Sharded(sharded) => (sharded.gather_params()?, sharded.trained_names(), sharded.trained_numels()),
         TrainedModel::Whole { .. } => (None, &masters.names[..], masters.vars.iter().map(|v| v.elem_count()).collect()),
     };
     let params = gathered.as_ref().or(group.is_first().then_some(masters));
