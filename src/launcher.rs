@@ -16,6 +16,7 @@ use crate::nodes::{Launcher, NodesPlan};
 use crate::ranks::{tee, Echo};
 use anyhow::{bail, Context, Result};
 use clap::Parser;
+use hybrid_engine::cli::step_args::{model_source, ModelSource, RANDOM_PREFIX};
 use hybrid_engine::generation::generate::SamplingConfig;
 use hybrid_engine::training::precision::Dtype;
 use std::io::{BufReader, Write};
@@ -36,11 +37,13 @@ pub struct TrainArgs {
     /// single_gpu, single_node or multi_node (default single_gpu, as DS-Chat).
     #[arg(long, alias = "deployment_type")]
     pub deployment_type: Option<String>,
-    /// Actor (step 1) model: preset, HF directory or hub id (default: gpt2-xl, the GPT-2
-    /// analogue of DS-Chat's OPT-1.3b; the demo uses tiny).
+    /// Actor (step 1) model: a GPT-2 size (the hub's pretrained checkpoint), HF directory, hub id,
+    /// or random:<size> for random weights (default: gpt2-xl, pretrained, the GPT-2 analogue of
+    /// DS-Chat's OPT-1.3b; the demo uses tiny, random).
     #[arg(long, alias = "actor_model")]
     pub actor_model: Option<String>,
-    /// Reward (step 2) model (default: gpt2-medium, the analogue of DS-Chat's OPT-350m).
+    /// Reward (step 2) model, as --actor-model (default: gpt2-medium, pretrained, the analogue of
+    /// DS-Chat's OPT-350m).
     #[arg(long, alias = "reward_model")]
     pub reward_model: Option<String>,
     #[arg(long, default_value_t = 0, alias = "actor_zero_stage")]
@@ -214,6 +217,12 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     }
     let actor = args.actor_model.clone().unwrap_or(default_actor);
     let reward = args.reward_model.clone().unwrap_or(default_reward);
+    // DS-Chat fine-tunes pretrained models: say which weights each step starts from.
+    for (step, what, name) in [(1, "actor", &actor), (2, "reward model", &reward)] {
+        if steps.contains(&step) {
+            println!("step {step} {what}: {}", describe_model(name)?);
+        }
+    }
     if steps.contains(&2)
         && !steps.contains(&1)
         && Path::new(&reward) == actor_dir
@@ -412,10 +421,23 @@ fn check_no_outer_job(world: usize, job: &str) -> Result<()> {
     Ok(())
 }
 
+/// Where a step's starting model comes from, for the log.
+fn describe_model(name: &str) -> Result<String> {
+    Ok(match model_source(name)? {
+        ModelSource::Random(size) => format!("{name}, random weights of size {size}"),
+        ModelSource::Files(source) if source != name => {
+            format!("{name}, the pretrained {source} (Hugging Face hub; random weights: {RANDOM_PREFIX}{name})")
+        }
+        ModelSource::Files(source) => source,
+    })
+}
+
 /// The recipe key for a model: the preset it is (`gpt2-medium`, also as
-/// `openai-community/gpt2-medium`), the preset a local directory's shape matches, or `custom`.
+/// `openai-community/gpt2-medium` or `random:gpt2-medium`), the preset a local directory's shape
+/// matches, or `custom`.
 fn model_size(model: &str) -> String {
     let base = model.rsplit('/').next().unwrap_or(model);
+    let base = base.strip_prefix(RANDOM_PREFIX).unwrap_or(base);
     if hybrid_engine::Gpt2Config::from_preset(base).is_some() && !Path::new(model).exists() {
         return base.to_string();
     }
@@ -649,5 +671,23 @@ mod path_tests {
         assert_eq!(path_with(Path::new("/out/.bin"), None).unwrap(), "/out/.bin");
         let err = path_with(Path::new("/a:b/.bin"), Some("/usr/bin".as_ref())).unwrap_err().to_string();
         assert!(err.contains("contains ':'") && err.contains("--output-dir"), "{err}");
+    }
+}
+
+#[cfg(test)]
+mod model_name_tests {
+    use super::*;
+
+    #[test]
+    fn size_names_are_described_as_pretrained_and_random_weights_as_asked_for() {
+        let line = describe_model("gpt2-xl").unwrap();
+        assert!(line.contains("pretrained openai-community/gpt2-xl") && line.contains("random:gpt2-xl"), "{line}");
+        assert_eq!(describe_model("random:gpt2").unwrap(), "random:gpt2, random weights of size gpt2");
+        assert_eq!(describe_model("tiny").unwrap(), "tiny, random weights of size tiny");
+        assert_eq!(describe_model("output/actor").unwrap(), "output/actor");
+        assert!(describe_model("random:huge").is_err());
+        // Random weights of a size run that size's recipe.
+        assert_eq!(model_size("random:gpt2-medium"), "gpt2-medium");
+        assert_eq!(model_size("openai-community/gpt2-large"), "gpt2-large");
     }
 }

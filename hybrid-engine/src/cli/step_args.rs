@@ -20,7 +20,7 @@ use clap::Args;
 use lora::peft::PeftAdapter;
 use lora::LoraConfig;
 use std::collections::HashMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::rc::Rc;
 
 /// Where a step saves the LoRA adapter alone, inside its output directory.
@@ -28,8 +28,9 @@ pub const ADAPTER_DIR: &str = "adapter";
 
 #[derive(Args, Debug, Clone)]
 pub struct StepArgs {
-    /// Starting model: a preset with random initialisation (tiny, gpt2, gpt2-medium, gpt2-large,
-    /// gpt2-xl), a Hugging Face model directory, or a hub id (gpt2, openai-community/gpt2-medium).
+    /// Starting model: a GPT-2 size (gpt2, gpt2-medium, gpt2-large, gpt2-xl: the hub's pretrained
+    /// checkpoint, openai-community/<size>), a Hugging Face model directory or hub id, or random
+    /// weights: random:<size> (also random:tiny), or tiny (the demo's size, never pretrained).
     #[arg(long, default_value = "tiny", alias = "model_name_or_path")]
     pub model_name_or_path: String,
     #[arg(long, default_value_t = 16, alias = "per_device_train_batch_size")]
@@ -285,22 +286,72 @@ pub struct StartingModel {
     pub params: ParamStore,
     /// Tensors beyond the trunk (a reward model's `score.weight`), by HF name.
     pub extra: HashMap<String, Tensor>,
-    /// The directory it was read from (`None` for a preset).
+    /// The directory it was read from (`None` for random weights).
     pub dir: Option<PathBuf>,
+    /// What it is, for the log: pretrained weights from where, or random ones of which size.
+    pub description: String,
 }
 
-/// `--model-name-or-path`: a preset is initialised from `seed` (HF's initialisation, the
-/// tokenizer's 50257-row vocabulary), anything else is read as a HF directory or hub id.
-/// `dropout` overrides the config's three dropout probabilities (DS-Chat `--dropout`).
+/// Asks for random weights of a preset size: `random:gpt2-medium`.
+pub const RANDOM_PREFIX: &str = "random:";
+
+/// Where a model name points.
+#[derive(Debug, PartialEq)]
+pub enum ModelSource {
+    /// Random weights (HF's initialisation) of a preset size.
+    Random(String),
+    /// A Hugging Face directory or hub id.
+    Files(String),
+}
+
+/// What `--model-name-or-path` (and `train --actor-model`) means, as in Hugging Face's
+/// `from_pretrained`: a GPT-2 size name is the hub's pretrained checkpoint
+/// (`gpt2-medium` -> `openai-community/gpt2-medium`) unless a directory of that name exists;
+/// random weights only when asked for, as `random:<size>`, or `tiny`, the demo's size, of which
+/// no pretrained checkpoint exists.
+pub fn model_source(name: &str) -> Result<ModelSource> {
+    let exists = Path::new(name).exists();
+    if let Some(size) = name.strip_prefix(RANDOM_PREFIX) {
+        if Gpt2Config::from_preset(size).is_none() {
+            bail!("{name:?} asks for random weights of an unknown size {size:?}: use one of {}", Gpt2Config::PRESETS);
+        }
+        return Ok(ModelSource::Random(size.to_string()));
+    }
+    if name == "tiny" && !exists {
+        return Ok(ModelSource::Random(name.to_string()));
+    }
+    match Gpt2Config::from_preset(name) {
+        Some(_) if !exists => {
+            let size = if name == "gpt2-small" { "gpt2" } else { name };
+            Ok(ModelSource::Files(format!("openai-community/{size}")))
+        }
+        _ => Ok(ModelSource::Files(name.to_string())),
+    }
+}
+
+/// `--model-name-or-path` as [`model_source`] reads it: random weights are initialised from
+/// `seed` (HF's initialisation, the tokenizer's 50257-row vocabulary), anything else is read as a
+/// HF directory or hub id. `dropout` overrides the config's three dropout probabilities (DS-Chat
+/// `--dropout`).
 pub fn starting_model(name_or_path: &str, seed: u64, dropout: Option<f64>, device: &Device) -> Result<StartingModel> {
-    let (mut config, tensors, extra, dir) = match Gpt2Config::from_preset(name_or_path) {
-        Some(config) => (config, None, HashMap::new(), None),
-        None => {
-            let dir = crate::checkpoints::hf_io::resolve_model_dir(name_or_path).map_err(|e| {
-                anyhow::anyhow!("--model-name-or-path {name_or_path:?}: {e:#} (presets: {})", Gpt2Config::PRESETS)
+    let (mut config, tensors, extra, dir, description) = match model_source(name_or_path)? {
+        ModelSource::Random(size) => {
+            let config = Gpt2Config::from_preset(&size).expect("model_source checked the size");
+            (config, None, HashMap::new(), None, format!("random weights of size {size} (seed {seed})"))
+        }
+        ModelSource::Files(source) => {
+            let dir = crate::checkpoints::hf_io::resolve_model_dir(&source).map_err(|e| {
+                anyhow::anyhow!(
+                    "--model-name-or-path {name_or_path:?}: {e:#} (or random weights: {RANDOM_PREFIX}<size>, sizes {})",
+                    Gpt2Config::PRESETS
+                )
             })?;
             let files = crate::checkpoints::hf_io::load_model_dir(&dir, device)?;
-            (files.config, Some(files.tensors), files.extra_tensors, Some(dir))
+            let description = match source == name_or_path {
+                true => format!("pretrained weights from {}", dir.display()),
+                false => format!("pretrained weights of {source} ({})", dir.display()),
+            };
+            (files.config, Some(files.tensors), files.extra_tensors, Some(dir), description)
         }
     };
     if let Some(p) = dropout {
@@ -310,7 +361,7 @@ pub fn starting_model(name_or_path: &str, seed: u64, dropout: Option<f64>, devic
         Some(t) => ParamStore::from_tensors(&config, &t, device)?,
         None => ParamStore::init(&config, seed, device)?,
     };
-    Ok(StartingModel { config, params, extra, dir })
+    Ok(StartingModel { config, params, extra, dir, description })
 }
 
 #[cfg(test)]
@@ -326,6 +377,22 @@ mod tests {
 
     fn parse(args: &[&str]) -> StepArgs {
         Cli::try_parse_from(std::iter::once("step").chain(args.iter().copied())).expect("flags parse").step
+    }
+
+    /// Size names are the hub's pretrained checkpoints, as `from_pretrained` reads them; random
+    /// weights only when asked for.
+    #[test]
+    fn size_names_mean_pretrained_weights_and_random_ones_are_explicit() {
+        let files = |s: &str| Ok::<_, anyhow::Error>(ModelSource::Files(s.into()));
+        assert_eq!(model_source("gpt2").unwrap(), files("openai-community/gpt2").unwrap());
+        assert_eq!(model_source("gpt2-small").unwrap(), files("openai-community/gpt2").unwrap());
+        assert_eq!(model_source("gpt2-xl").unwrap(), files("openai-community/gpt2-xl").unwrap());
+        assert_eq!(model_source("openai-community/gpt2-large").unwrap(), files("openai-community/gpt2-large").unwrap());
+        assert_eq!(model_source("./output/actor").unwrap(), files("./output/actor").unwrap());
+        assert_eq!(model_source("random:gpt2-medium").unwrap(), ModelSource::Random("gpt2-medium".into()));
+        assert_eq!(model_source("tiny").unwrap(), ModelSource::Random("tiny".into()));
+        let err = model_source("random:gpt5").unwrap_err().to_string();
+        assert!(err.contains("gpt5") && err.contains("gpt2-medium"), "{err}");
     }
 
     #[test]

@@ -163,9 +163,9 @@ impl AdamW {
     /// the same factor, so the adapters run at `lr(step) * lora_lr / max_lr` throughout. Weight
     /// decay stays as for any weight: DS-Chat's LoRA group carries `weight_decay`.
     pub fn set_lora_lr(&mut self, params: &ParamStore, lora_lr: f64, max_lr: f64) {
-        assert!(max_lr > 0.0, "the schedule's peak learning rate must be positive, got {max_lr}");
         for (scale, name) in self.lr_scale.iter_mut().zip(&params.names) {
             if lora::is_adapter_name(name) {
+                assert!(max_lr > 0.0, "the schedule's peak learning rate must be positive, got {max_lr}");
                 *scale = lora_lr / max_lr;
             }
         }

@@ -27,7 +27,7 @@ case "$SIZE" in
           --per-device-generation-batch-size 16 --per-device-training-batch-size 16
           --generation-batches 1 --ppo-epochs 1 --num-train-epochs 1
           --actor-learning-rate 9.65e-6 --critic-learning-rate 5e-6 --num-warmup-steps 100
-          --gradient-accumulation-steps 1 --enable-ema) ;;
+          --actor-dropout 0 --gradient-accumulation-steps 1 --enable-ema) ;;
   *) echo "no step-3 recipe for model size $SIZE" >&2; exit 2 ;;
 esac
 

@@ -140,6 +140,14 @@ pub fn kl_estimates(logp: &[f32], ref_logp: &[f32], mask: &[f32]) -> (f64, f64) 
     (k1 / n.max(1.0), k3 / n.max(1.0))
 }
 
+/// The approximate KL from the rollout policy to the current one at one sampled action, from
+/// `d = logp_new - logp_old`: `(rho - 1) - log rho` with `rho = exp(d)` (Schulman's k3 for
+/// KL(old || new), the actions sampled from the old policy): never negative, 0 only at rho = 1,
+/// and unbiased, which `d^2 / 2` is not.
+pub fn approx_kl(d: f64) -> f64 {
+    d.exp_m1() - d
+}
+
 /// `1 - Var(returns - values) / Var(returns)` over masked actions: how much of the return the
 /// critic explains (1 perfect, 0 a constant guess, negative worse).
 pub fn explained_variance(values: &[f32], returns: &[f32], mask: &[f32]) -> f64 {
@@ -289,5 +297,17 @@ mod tests {
         assert!((k3 - ((-0.5f64).exp() - 1.0 + 0.5) / 2.0).abs() < 1e-12);
         assert!((explained_variance(&[1.0, 2.0, 3.0], &[1.0, 2.0, 3.0], &[1.0; 3]) - 1.0).abs() < 1e-12);
         assert!(explained_variance(&[2.0, 2.0, 2.0], &[1.0, 2.0, 3.0], &[1.0; 3]).abs() < 1e-12);
+    }
+
+    /// rho = 2: (2 - 1) - ln 2; rho = 1/2: (1/2 - 1) + ln 2. `d^2 / 2` would give both 0.240.
+    #[test]
+    fn approx_kl_is_rho_minus_1_minus_log_rho() {
+        let ln2 = std::f64::consts::LN_2;
+        assert!((approx_kl(ln2) - (1.0 - ln2)).abs() < 1e-15);
+        assert!((approx_kl(-ln2) - (ln2 - 0.5)).abs() < 1e-15);
+        assert_eq!(approx_kl(0.0), 0.0);
+        // Small steps keep their precision (exp_m1; `exp(d) - 1 - d` loses 4 digits at 1e-6):
+        // d^2 / 2 + d^3 / 6.
+        assert!((approx_kl(1e-6) / (5e-13 + 1e-18 / 6.0) - 1.0).abs() < 1e-8);
     }
 }

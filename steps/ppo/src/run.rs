@@ -19,7 +19,7 @@ use crate::args::PpoArgs;
 use crate::eval::{evaluate_policy, PolicyEval};
 use crate::experience::{generate_experience, rollout_share, Experience, RolloutModels};
 use crate::ppo;
-use crate::trainer::{answer_tokens, Ema, MicroBatch, PpoModels, Trained, UpdateStats};
+use crate::trainer::{answer_tokens, Ema, MicroBatch, PpoModels, PtxBatch, Trained, UpdateStats};
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
 use data::{PackedCorpus, Tokenizer};
@@ -163,12 +163,12 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
     let global_micro = args.per_device_training_batch_size * world;
 
     // Optimizer steps: each rollout is sliced into micro-batches, each an actor and a critic
-    // micro-step (and a PTX actor micro-step).
+    // micro-step (PTX adds its loss to the actor's micro-step: no step of its own).
     let rollouts_per_epoch = prompts.train.len().div_ceil(global_generation);
     let micro_per_rollout = global_generation.div_ceil(global_micro);
     let micro_total = args.num_train_epochs * rollouts_per_epoch * micro_per_rollout * args.ppo_epochs;
     let critic_steps = micro_total.div_ceil(args.gradient_accumulation_steps) as u64;
-    let actor_steps = critic_steps * if unsupervised.is_some() { 2 } else { 1 };
+    let actor_steps = critic_steps;
     // LoRA: fresh adapters on the trained models (the step-1 and step-2 saves are merged).
     let (mut actor_params, mut critic_params) = (actor_params, critic_params);
     for (what, params, cfg, dim, module, lr) in [
@@ -313,6 +313,10 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
         )?;
         (summary.rollouts_reused, summary.answers_dropped_short, summary.first_reward) =
             (st.rollouts_reused, st.answers_dropped_short, st.first_reward);
+    }
+    // Once every input is checked, so that bad input stays one error line.
+    if let Some(line) = actor_dropout_warning(&actor_cfg).filter(|_| group.is_first()) {
+        eprintln!("{line}");
     }
     let save_root = args.save.clone().unwrap_or_else(|| args.output_dir.join("checkpoints"));
     let (mut save_pending, mut last_saved_step) = (false, step);
@@ -638,17 +642,21 @@ fn ppo_epochs(
                 continue;
             }
             let mb = MicroBatch { exp, rows, global_tokens: tokens[0], rank, world, micro: *micro };
-            let (stats, _, _) = models.train_rlhf(&mb, &ctx.cfg, args.seed, &ctx.device)?;
-            updates.stats.push(stats);
-            if let Some((corpus, cursor)) = ptx.as_mut() {
-                // Every rank draws the global micro-batch's blocks and trains on its slice.
-                let per_device = args.per_device_training_batch_size;
-                let idx = cursor.next_indices(ctx.global_micro);
-                let (ids, targets) = ptx_batch(corpus, &idx[rank * per_device..(rank + 1) * per_device], &ctx.device)?;
-                let key = DropoutKey { seed: args.seed, step: *micro, micro_batch: rank as u64 };
-                let (loss, _) = models.train_unsupervised(&ids, &targets, args.unsup_coef, key)?;
-                updates.ptx_losses.push(f64::from(loss));
-            }
+            let ptx_blocks = match ptx.as_mut() {
+                Some((corpus, cursor)) => {
+                    // Every rank draws the global micro-batch's blocks and trains on its slice.
+                    let per_device = args.per_device_training_batch_size;
+                    let idx = cursor.next_indices(ctx.global_micro);
+                    let (ids, targets) =
+                        ptx_batch(corpus, &idx[rank * per_device..(rank + 1) * per_device], &ctx.device)?;
+                    let key = DropoutKey { seed: args.seed, step: *micro, micro_batch: rank as u64 };
+                    Some(PtxBatch { ids, targets, coef: args.unsup_coef, key })
+                }
+                None => None,
+            };
+            let outcome = models.train_rlhf(&mb, &ctx.cfg, args.seed, ptx_blocks.as_ref(), &ctx.device)?;
+            updates.stats.push(outcome.stats);
+            updates.ptx_losses.extend(outcome.ptx_loss.map(f64::from));
         }
     }
     Ok(updates)
@@ -821,6 +829,19 @@ fn reward_model_on(params: &ParamStore, config: &Gpt2Config, fp32_loss: bool) ->
     let mut model = RewardModel::new(params, config)?;
     model.trunk.fp32_loss = fp32_loss;
     Ok(model)
+}
+
+/// A warning when the actor trains with dropout: its rollout log-probs are computed without it
+/// (generation mode), so the PPO ratio of an unchanged policy departs from 1 by dropout noise
+/// alone and clipping reacts to it. DS-Chat passes `--actor_dropout 0.0`.
+fn actor_dropout_warning(cfg: &Gpt2Config) -> Option<String> {
+    let p = cfg.resid_pdrop.max(cfg.embd_pdrop).max(cfg.attn_pdrop);
+    (p > 0.0).then(|| {
+        format!(
+            "warning: the actor trains with dropout {p} but its rollout log-probs are computed without, so the PPO ratio \
+             and clipping react to dropout noise: pass --actor-dropout 0 (as DS-Chat does)"
+        )
+    })
 }
 
 /// Rollout sampling: DS-Chat's greedy decoding, or sampling with `--do-sample` (a new seed per
@@ -1032,4 +1053,204 @@ fn print_answers(metrics: &Metrics, exp: &Experience, tok: &Tokenizer, pad: u32,
         ));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+    use hybrid_engine::model::reward_model::add_score_head;
+    use hybrid_engine::training::optim::AdamW;
+
+    fn tiny_config() -> Gpt2Config {
+        Gpt2Config {
+            n_layer: 1,
+            n_embd: 16,
+            n_head: 2,
+            n_positions: 16,
+            vocab_size: 40,
+            resid_pdrop: 0.0,
+            embd_pdrop: 0.0,
+            attn_pdrop: 0.0,
+            ..Gpt2Config::tiny()
+        }
+    }
+
+    /// Step 3's models on one rank, as `run` builds them from `flags`, over tiny random GPT-2s;
+    /// the actor trains at `actor_lr` (the CLI refuses 0), the critic at 1e-3. Also returns a
+    /// copy of the actor's starting weights.
+    fn tiny_models(flags: &str, actor_lr: f64) -> (PpoArgs, PpoModels, ParamStore) {
+        let args = PpoArgs::try_parse_from(std::iter::once("ppo").chain(flags.split_whitespace())).unwrap();
+        let (cfg, cpu) = (tiny_config(), Device::Cpu);
+        let group = std::rc::Rc::new(ProcessGroup::single());
+        let actor = ParamStore::init(&cfg, 1, &cpu).unwrap();
+        let start = actor.copy().unwrap();
+        let mut critic = ParamStore::init(&cfg, 2, &cpu).unwrap();
+        add_score_head(&mut critic, &cfg, 3, &cpu).unwrap();
+        let (reference, reward) = (lm_on(&start, &cfg, false).unwrap(), reward_model_on(&critic, &cfg, false).unwrap());
+        let how = |critic: bool, lr: f64| TrainedAs {
+            critic,
+            lr,
+            lora_lr: lr,
+            weight_decay: 0.0,
+            steps: 10,
+            checkpoint_activations: false,
+            dp: args.dist.model_data_parallel(&group, 0, "").unwrap(),
+        };
+        let models = PpoModels {
+            actor: trained(&args, &group, actor, &cfg, how(false, actor_lr)).unwrap(),
+            critic: trained(&args, &group, critic.copy().unwrap(), &cfg, how(true, 1e-3)).unwrap(),
+            reference,
+            reward,
+            ema: args.enable_ema.then(|| Ema::Whole(start.copy().unwrap())),
+            align_overflow: false,
+        };
+        (args, models, start)
+    }
+
+    /// Two rows of a 3-token prompt and a 3-token answer (the second ends early: pad 0), with
+    /// the actor's own log-probs as the rollout's and advantages of both signs.
+    fn tiny_experience(actor: &hybrid_engine::Gpt2) -> Experience {
+        let (b, l, p, pad) = (2, 6, 3, 0u32);
+        let seq = vec![5u32, 9, 13, 21, 7, 30, 2, 4, 6, 8, 11, pad];
+        let attention_mask: Vec<u32> = seq.iter().map(|&t| u32::from(t != pad)).collect();
+        let inputs = crate::experience::ForwardInputs::new(&seq, &attention_mask, b, l, &Device::Cpu).unwrap();
+        let logprobs = inputs.logprobs(actor).unwrap();
+        let mut exp = Experience::empty(p, b);
+        let actions = (l - 1) * b;
+        exp.action_mask = ppo::action_mask(&seq, pad);
+        exp.advantages = vec![1.5, -0.7, 0.4, -1.2, 0.9, 0.3];
+        exp.returns = vec![0.5, 0.2, -0.3, 0.1, 0.6, -0.4];
+        exp.values = vec![0.0; actions];
+        exp.ref_logprobs = logprobs.clone();
+        exp.rewards = vec![0.0; actions];
+        exp.scores = vec![1.0, -1.0];
+        exp.answer_lens = vec![3, 2];
+        exp.ended_with_eos = vec![false, true];
+        exp.positions = vec![0, 1];
+        Experience { seq, attention_mask, b, l, logprobs, ..exp }
+    }
+
+    fn micro_batch(exp: &Experience, micro: u64) -> MicroBatch<'_> {
+        let rows = 0..exp.b;
+        MicroBatch { exp, global_tokens: answer_tokens(exp, &rows), rows, rank: 0, world: 1, micro }
+    }
+
+    fn actor_trunk(models: &PpoModels) -> &hybrid_engine::Gpt2 {
+        match &models.actor.model {
+            TrainedModel::Whole { trunk, .. } => trunk,
+            TrainedModel::Sharded(_) => unreachable!("one rank"),
+        }
+    }
+
+    fn values(store: &ParamStore) -> Vec<f32> {
+        store.vars.iter().flat_map(|v| v.flatten_all().unwrap().to_vec1::<f32>().unwrap()).collect()
+    }
+
+    fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+        a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    }
+
+    /// The training forward reproduces the rollout's log-probs: at learning rate 0 every
+    /// update sees ratio 1 and approx KL 0; after a real step the ratio departs from 1.
+    #[test]
+    fn the_ratio_is_1_until_the_policy_moves() {
+        for (lr, moves) in [(0.0, false), (1e-2, true)] {
+            let (args, mut models, _) = tiny_models("--gradient-accumulation-steps 1", lr);
+            let exp = tiny_experience(actor_trunk(&models));
+            let first = models.train_rlhf(&micro_batch(&exp, 1), &args.ppo_config(), 7, None, &Device::Cpu).unwrap();
+            assert!(first.actor_step.is_some(), "one micro-batch per step");
+            let second = models.train_rlhf(&micro_batch(&exp, 2), &args.ppo_config(), 7, None, &Device::Cpu).unwrap();
+            for (n, stats) in [(1, first.stats), (2, second.stats)] {
+                let departed = (stats.ratio_mean - 1.0).abs() > 1e-4 && stats.approx_kl > 1e-8;
+                if n == 1 || !moves {
+                    assert!((stats.ratio_mean - 1.0).abs() < 1e-6, "lr {lr}, update {n}: {stats:?}");
+                    assert!(stats.approx_kl.abs() < 1e-12, "lr {lr}, update {n}: {stats:?}");
+                } else {
+                    assert!(departed, "lr {lr}, update {n}: {stats:?}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn actor_dropout_above_0_is_warned_about() {
+        assert_eq!(actor_dropout_warning(&tiny_config()), None);
+        let line = actor_dropout_warning(&Gpt2Config { attn_pdrop: 0.1, ..tiny_config() }).expect("a warning");
+        assert!(line.contains("dropout 0.1") && line.contains("--actor-dropout 0"), "{line}");
+    }
+
+    /// PTX adds `unsup_coef * L_LM` to the actor's PPO loss: one AdamW step on the sum's
+    /// gradient (computed here by plain autodiff on a whole model), one EMA update.
+    #[test]
+    fn ptx_makes_one_update_from_the_summed_loss() {
+        let cfg = tiny_config();
+        let ptx_ids = Tensor::new(&[[3u32, 8, 12, 19, 25], [1, 2, 3, 4, 5]], &Device::Cpu).unwrap();
+        let ptx_targets = Tensor::new(&[[8u32, 12, 19, 25, 31], [2, 3, 4, 5, 6]], &Device::Cpu).unwrap();
+        let trained_with = |coef: f64| {
+            let flags = "--gradient-accumulation-steps 1 --gradient-clipping 0 --enable-ema --adam-eps 1e-6 --num-warmup-steps 0";
+            let (args, mut models, start) = tiny_models(flags, 1e-2);
+            let exp = tiny_experience(actor_trunk(&models));
+            let key = DropoutKey { seed: 7, step: 1, micro_batch: 0 };
+            let ptx = PtxBatch { ids: ptx_ids.clone(), targets: ptx_targets.clone(), coef, key };
+            let out =
+                models.train_rlhf(&micro_batch(&exp, 1), &args.ppo_config(), 7, Some(&ptx), &Device::Cpu).unwrap();
+            assert!(out.actor_step.is_some_and(|s| !s.skipped) && out.ptx_loss.is_some());
+            assert_eq!(models.actor.trainer.optimizer.step, 1, "one optimizer step per update");
+            let ema = match &models.ema {
+                Some(Ema::Whole(ema)) => values(ema),
+                _ => unreachable!(),
+            };
+            (args, models, start, exp, ema)
+        };
+
+        let coef = 0.5;
+        let (args, models, start, exp, ema) = trained_with(coef);
+        // The reference: the summed loss on a fresh model over the starting weights.
+        let model = start.model(&cfg).unwrap();
+        let inputs =
+            crate::experience::ForwardInputs::new(&exp.seq, &exp.attention_mask, exp.b, exp.l, &Device::Cpu).unwrap();
+        let logits = model.forward(&inputs.ids, &inputs.as_positions(), None, None).unwrap();
+        let logp_all = candle_nn::ops::log_softmax(&logits, candle_core::D::Minus1).unwrap();
+        let answer = exp.start..exp.l - 1;
+        let next = inputs.ids.narrow(1, answer.start + 1, answer.len()).unwrap();
+        let logp = logp_all
+            .narrow(1, answer.start, answer.len())
+            .unwrap()
+            .contiguous()
+            .unwrap()
+            .gather(&next.unsqueeze(2).unwrap().contiguous().unwrap(), 2)
+            .unwrap()
+            .squeeze(2)
+            .unwrap();
+        let per_action = |a: &[f32]| {
+            let rows: Vec<f32> = (0..exp.b).flat_map(|r| exp.row(a, r)[answer.clone()].to_vec()).collect();
+            Tensor::from_vec(rows, (exp.b, answer.len()), &Device::Cpu).unwrap()
+        };
+        let old = per_action(&exp.logprobs);
+        let mask = per_action(&exp.action_mask);
+        let adv = Tensor::from_slice(&exp.advantages, (exp.b, answer.len()), &Device::Cpu).unwrap();
+        let ppo_loss = ppo::actor_loss(&logp, &old, &adv, &mask, &args.ppo_config()).unwrap();
+        let lm_loss = model.lm_loss(&ptx_ids, &ptx_targets, None).unwrap();
+        let loss = (ppo_loss + (lm_loss * coef).unwrap()).unwrap();
+        let grads = loss.backward().unwrap();
+        let grads: Vec<Tensor> = start.vars.iter().map(|v| grads.get(v.as_tensor()).unwrap().clone()).collect();
+        let adam = AdamWConfig { beta1: 0.9, beta2: 0.95, eps: 1e-6, weight_decay: 0.0 };
+        let mut optimizer = AdamW::new(adam, &start).unwrap();
+        let lr = models.actor.trainer.schedule.lr(1);
+        let before = values(&start);
+        optimizer.step(&start, &grads, lr).unwrap();
+        let (want, got) = (values(&start), values(&models.actor.params));
+        let moved = max_diff(&want, &before);
+        assert!(moved > 1e-3, "the step moved the weights by {moved}");
+        assert!(max_diff(&got, &want) < 1e-5, "off by {} (moved {moved})", max_diff(&got, &want));
+        // One EMA update after the one step: 0.992 start + 0.008 updated.
+        let want_ema: Vec<f32> = before.iter().zip(&got).map(|(s, a)| 0.992 * s + 0.008 * a).collect();
+        assert!(max_diff(&ema, &want_ema) < 1e-6);
+
+        // The coefficient matters: without PTX the update is another.
+        let (_, without, ..) = trained_with(0.0);
+        let differs = max_diff(&values(&without.actor.params), &got);
+        assert!(differs > 1e-4, "--unsup-coef 0 and {coef} gave updates {differs} apart");
+    }
 }

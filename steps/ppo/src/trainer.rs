@@ -1,7 +1,7 @@
 //! The four models of step 3 and one PPO update, DS-Chat `DeepSpeedPPOTrainer.train_rlhf`: on a
 //! micro-batch of an [`Experience`], the clipped actor loss and step, then the clipped critic
-//! loss and step; the optional pretraining (PTX) loss as its own actor step
-//! (`train_unsupervised`), and the EMA of the actor after each update.
+//! loss and step; the optional pretraining (PTX) loss (`train_unsupervised`) added to the actor's
+//! loss of the same update, and the EMA of the actor after each update.
 //!
 //! Across data-parallel ranks an update is one global micro-batch: each rank backpropagates its
 //! rows' masked means weighted by its share of the global micro-batch's answer tokens, so the
@@ -121,7 +121,7 @@ pub struct UpdateStats {
     pub ratio_mean: f64,
     /// Share of masked actions whose ratio left [1 - c, 1 + c].
     pub clip_fraction: f64,
-    /// `mean((logp_new - logp_old)^2) / 2` between the rollout policy and the current one.
+    /// Mean [`ppo::approx_kl`] from the rollout policy to the current one.
     pub approx_kl: f64,
     /// Mean entropy of the policy at the masked actions.
     pub entropy: f64,
@@ -181,16 +181,41 @@ fn answer_rows(exp: &Experience, data: &[f32], rows: &Range<usize>, device: &Dev
     Ok(Tensor::from_slice(&data[rows.start * width..rows.end * width], (rows.len(), width), device)?)
 }
 
+/// Pretraining blocks for the actor's update (DS-Chat `train_unsupervised`, PTX): their LM loss
+/// times `coef` (`--unsup-coef`) joins the PPO actor loss of the same update.
+pub struct PtxBatch {
+    /// (B, T) tokens of this rank's blocks and their next-token targets.
+    pub ids: Tensor,
+    pub targets: Tensor,
+    pub coef: f64,
+    pub key: DropoutKey,
+}
+
+/// What one update did on this rank.
+pub struct UpdateOutcome {
+    /// This rank's part of the measurements.
+    pub stats: UpdateStats,
+    /// The unscaled LM loss of this rank's PTX blocks.
+    pub ptx_loss: Option<f32>,
+    /// The optimizer steps the update completed (at an accumulation boundary).
+    pub actor_step: Option<StepReport>,
+    pub critic_step: Option<StepReport>,
+}
+
 impl PpoModels {
-    /// One PPO update: this rank's part of a global micro-batch `mb`. Returns its part of the
-    /// measurements and the optimizer steps it completed (actor, critic).
+    /// One PPO update: this rank's part of a global micro-batch `mb`, with `ptx` blocks when
+    /// PTX is on. The actor's loss is `L_PPO + unsup_coef * L_LM` (the spec's
+    /// `loss_actor += unsup_coef * LM loss`): both backward passes add to the same accumulation,
+    /// so they make one optimizer step and one EMA update, as DS-Chat does by doubling the
+    /// actor's gradient accumulation (`gradient_accumulation_steps_actor`).
     pub fn train_rlhf(
         &mut self,
         mb: &MicroBatch,
         cfg: &PpoConfig,
         seed: u64,
+        ptx: Option<&PtxBatch>,
         device: &Device,
-    ) -> Result<(UpdateStats, Option<StepReport>, Option<StepReport>)> {
+    ) -> Result<UpdateOutcome> {
         let local_tokens = mb.local_tokens();
         let stats = if mb.rows.is_empty() {
             // The other ranks' gradients are averaged with this rank's: it adds zeros.
@@ -204,8 +229,9 @@ impl PpoModels {
             let share = local_tokens * mb.world as f64 / mb.global_tokens;
             self.rlhf_backward(mb, cfg, seed, share, device)?
         };
+        let ptx_loss = ptx.map(|batch| self.unsupervised_backward(batch)).transpose()?;
 
-        // Both steps after both backward passes, so that --align-overflow can look at both.
+        // Both steps after all backward passes, so that --align-overflow can look at both.
         let (actor_step, critic_step) = micro_batch_done_pair(
             (&mut self.actor.trainer, &self.actor.trainable),
             (&mut self.critic.trainer, &self.critic.trainable),
@@ -214,7 +240,7 @@ impl PpoModels {
         if let (Some(ema), Some(StepReport { skipped: false, .. })) = (&mut self.ema, actor_step) {
             ema.update(&self.actor)?;
         }
-        Ok((stats, actor_step, critic_step))
+        Ok(UpdateOutcome { stats, ptx_loss, actor_step, critic_step })
     }
 
     /// The actor's and the critic's forward and backward on this rank's (non-empty) rows of
@@ -293,29 +319,17 @@ impl PpoModels {
         policy_stats(&new_logp, &old_logp, &entropy, &mask, cfg, (actor_loss, critic_loss), mb.global_tokens)
     }
 
-    /// The PTX loss on a batch of pretraining blocks, scaled by `unsup_coef`, as its own actor
-    /// micro-batch (DS-Chat `train_unsupervised`). Across ranks every rank holds as many full
-    /// blocks, so the ranks' average of their mean losses is the global mean. Returns the
-    /// unscaled LM loss of this rank's blocks.
-    pub fn train_unsupervised(
-        &mut self,
-        ids: &Tensor,
-        targets: &Tensor,
-        unsup_coef: f64,
-        key: DropoutKey,
-    ) -> Result<(f32, Option<StepReport>)> {
+    /// The PTX loss's backward, scaled by its coefficient, into the actor's accumulated
+    /// gradients. Across ranks every rank holds as many full blocks, so the ranks' average of
+    /// their mean losses is the global mean. Returns the unscaled LM loss of this rank's blocks.
+    fn unsupervised_backward(&mut self, ptx: &PtxBatch) -> Result<f32> {
         let actor = &mut self.actor;
-        let dropout = Dropout::from_config(&actor.config, DropoutKey { seed: key.seed ^ 0x9715, ..key });
+        let dropout = Dropout::from_config(&actor.config, DropoutKey { seed: ptx.key.seed ^ 0x9715, ..ptx.key });
         let how = Backward {
             checkpoint_activations: actor.checkpoint_activations,
-            loss_scale: unsup_coef * actor.trainer.loss_scale(),
+            loss_scale: ptx.coef * actor.trainer.loss_scale(),
         };
-        let loss = actor.model.lm_forward_backward(ids, targets, Some(&dropout), how, actor.trainer.grads())?;
-        let step = actor.trainer.micro_batch_done(&actor.trainable)?;
-        if let (Some(ema), Some(StepReport { skipped: false, .. })) = (&mut self.ema, step) {
-            ema.update(&self.actor)?;
-        }
-        Ok((loss, step))
+        actor.model.lm_forward_backward(&ptx.ids, &ptx.targets, Some(&dropout), how, actor.trainer.grads())
     }
 
     /// Applies what is left in the accumulators at the end of the run.
@@ -406,7 +420,7 @@ fn policy_stats(
             n += 1.0;
             ratio += r;
             clipped += f64::from(u8::from((r - 1.0).abs() > cfg.cliprange));
-            kl += 0.5 * d * d;
+            kl += ppo::approx_kl(d);
             h += f64::from(ent[i]);
         }
     }

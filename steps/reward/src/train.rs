@@ -65,6 +65,7 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
     let (rank, world) = (group.rank(), group.world());
     println!("device: {}", hybrid_engine::device::describe(&device));
     let mut start = starting_model(&t.model_name_or_path, t.seed, t.dropout, &device)?;
+    println!("starting model: {}", start.description);
     let tokenizer = match (&args.tokenizer, &start.dir) {
         (Some(p), _) => Tokenizer::from_file(p)?,
         (None, Some(dir)) => Tokenizer::from_model_dir_or_default(dir)?,
