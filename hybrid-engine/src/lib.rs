@@ -4,6 +4,8 @@
 //! - `comm`: process groups from the launcher's environment, rendezvous, collectives (CPU ring,
 //!   NCCL);
 //! - `kernels`: CPU kernels with their backward and the dispatch between them and candle's ops;
+//! - `tensor_parallel`: the TP x DP layout of the ranks and the differentiable collectives of
+//!   Megatron's tensor-parallel layers;
 //! - `model`: GPT-2, its parameters, KV cache and reward head;
 //! - `training`: optimizer, mixed precision, schedules, the training step, memory plan, metrics;
 //! - `checkpoints`: Hugging Face model directories and resumable checkpoints;
@@ -19,6 +21,7 @@ pub mod generation;
 pub mod kernels;
 pub mod model;
 pub mod runtime;
+pub mod tensor_parallel;
 pub mod training;
 
 /// LoRA's pure core and PEFT I/O, for the steps.

@@ -44,7 +44,7 @@ pub struct ProcessGroup {
     pub env: RankEnv,
     ring: TcpRing,
     #[cfg(feature = "nccl")]
-    nccl: std::cell::OnceCell<nccl::NcclComm>,
+    nccl: std::sync::OnceLock<nccl::NcclComm>,
 }
 
 impl ProcessGroup {
@@ -58,7 +58,7 @@ impl ProcessGroup {
             env,
             ring,
             #[cfg(feature = "nccl")]
-            nccl: std::cell::OnceCell::new(),
+            nccl: std::sync::OnceLock::new(),
         }
     }
 
@@ -203,4 +203,24 @@ impl ProcessGroup {
     pub fn barrier(&self) -> Result<()> {
         self.ring.barrier()
     }
+
+    /// The group of the ranks that pass the same `color` (MPI's `Comm_split`), ranked in their
+    /// order here; the rest of the environment (host, local rank) stays this process's. Every
+    /// rank of this group calls it together.
+    pub fn split(&self, color: usize) -> Result<ProcessGroup> {
+        let ring = self.ring.split(color)?;
+        let env = RankEnv { rank: ring.rank(), world: ring.world(), ..self.env.clone() };
+        Ok(Self::over(env, ring))
+    }
+}
+
+/// `world` process groups on loopback (one node), one per thread, each running `f`: multi-rank
+/// unit tests.
+#[cfg(test)]
+pub(crate) fn on_groups<T: Send>(world: usize, f: impl Fn(ProcessGroup) -> Result<T> + Sync) -> Vec<Result<T>> {
+    tcp::tests::on_ring_owned(world, |ring| {
+        let (rank, world) = (ring.rank(), ring.world());
+        let env = RankEnv { rank, world, local_rank: rank, local_world: world, ..RankEnv::single() };
+        f(ProcessGroup::over(env, ring))
+    })
 }

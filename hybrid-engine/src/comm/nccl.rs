@@ -5,20 +5,28 @@
 //!
 //! Each collective is a candle custom op whose CUDA forward calls NCCL into a fresh buffer, as
 //! candle's `llama_multiprocess` example does; the CPU forward refuses (CPU tensors go over the
-//! ring). `cudarc::nccl::Comm` is neither Send nor Sync: it lives on the thread that owns the
-//! device, which is the only thread our steps compute on.
+//! ring). `cudarc::nccl::Comm` is neither Send nor Sync; NCCL allows a communicator to be used
+//! from any thread but not from two at once, so it sits behind a mutex, which makes process
+//! groups shareable by the ops that tensor parallelism stores in candle's graph.
 
 use crate::comm::tcp::{ReduceOp, TcpRing};
 use anyhow::{anyhow, Result};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::nccl::safe::{Comm, Id, ReduceOp as NcclOp};
 use candle_core::{CpuStorage, CudaStorage, CustomOp1, Device, Layout, Shape, Tensor};
-use std::rc::Rc;
+use std::sync::Mutex;
 
 /// One NCCL communicator for the ranks of a group, on `device`'s stream.
 pub struct NcclComm {
-    comm: Rc<Comm>,
+    comm: Mutex<SendComm>,
 }
+
+/// A communicator that may move between threads: NCCL forbids concurrent use of one
+/// communicator, not use from another thread, and the mutex rules out concurrent use.
+struct SendComm(Comm);
+
+// SAFETY: see `SendComm`; every use goes through `NcclComm::comm`'s lock.
+unsafe impl Send for SendComm {}
 
 impl NcclComm {
     /// Creates the communicator collectively: every rank of `ring` calls this in the same order.
@@ -35,12 +43,13 @@ impl NcclComm {
         let id = Id::uninit(bytes.map(|b| b as core::ffi::c_char));
         let comm = Comm::from_rank(cuda.cuda_stream(), ring.rank(), ring.world(), id)
             .map_err(|e| anyhow!("NCCL could not create the communicator of rank {}: {e:?}", ring.rank()))?;
-        Ok(Self { comm: Rc::new(comm) })
+        Ok(Self { comm: Mutex::new(SendComm(comm)) })
     }
 
     fn run(&self, t: &Tensor, kind: Kind) -> Result<Tensor> {
         let t = t.flatten_all()?.contiguous()?;
-        Ok(t.apply_op1_no_bwd(&Collective { comm: self.comm.clone(), kind })?)
+        let comm = self.comm.lock().map_err(|_| anyhow!("an NCCL collective panicked earlier"))?;
+        Ok(t.apply_op1_no_bwd(&Collective { comm: &comm.0, kind })?)
     }
 
     pub fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
@@ -68,12 +77,12 @@ enum Kind {
     Broadcast(usize),
 }
 
-struct Collective {
-    comm: Rc<Comm>,
+struct Collective<'a> {
+    comm: &'a Comm,
     kind: Kind,
 }
 
-impl CustomOp1 for Collective {
+impl CustomOp1 for Collective<'_> {
     fn name(&self) -> &'static str {
         "nccl-collective"
     }

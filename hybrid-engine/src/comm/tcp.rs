@@ -291,14 +291,39 @@ impl TcpRing {
     pub fn barrier(&self) -> Result<()> {
         self.all_reduce(&mut [0f32], ReduceOp::Sum)
     }
+
+    /// The ring of the ranks that pass the same `color`, in their order here (MPI's
+    /// `Comm_split`): tensor parallelism cuts the world into TP and DP rings this way. Every
+    /// rank of this ring calls it together: each opens a listener and the ports are all-gathered
+    /// over this ring, then each new ring connects as [`Self::connect`] does.
+    pub fn split(&self, color: usize) -> Result<TcpRing> {
+        if self.world == 1 {
+            return Ok(Self::single());
+        }
+        let listener = TcpListener::bind(("0.0.0.0", 0))?;
+        // Two f64 per rank (exact for any color and port): chunk r of 2 x world values is rank r's.
+        let mut table = vec![0f64; 2 * self.world];
+        table[2 * self.rank] = color as f64;
+        table[2 * self.rank + 1] = f64::from(listener.local_addr()?.port());
+        self.all_gather(&mut table)?;
+        let members: Vec<usize> = (0..self.world).filter(|&q| table[2 * q] == color as f64).collect();
+        let addrs = members.iter().map(|&q| SocketAddr::new(self.addrs[q].ip(), table[2 * q + 1] as u16)).collect();
+        let rank = members.iter().position(|&q| q == self.rank).expect("a rank is a member of its own color");
+        Self::connect(rank, addrs, listener, self.timeout)
+    }
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// `world` rings on loopback, one per thread, each running `f`.
     pub(crate) fn on_ring<T: Send>(world: usize, f: impl Fn(&TcpRing) -> Result<T> + Sync) -> Vec<Result<T>> {
+        on_ring_owned(world, |ring| f(&ring))
+    }
+
+    /// [`on_ring`], handing each thread its ring.
+    pub(crate) fn on_ring_owned<T: Send>(world: usize, f: impl Fn(TcpRing) -> Result<T> + Sync) -> Vec<Result<T>> {
         let listeners: Vec<TcpListener> = (0..world).map(|_| TcpListener::bind("127.0.0.1:0").unwrap()).collect();
         let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
         std::thread::scope(|s| {
@@ -307,11 +332,43 @@ mod tests {
                 .enumerate()
                 .map(|(r, l)| {
                     let (addrs, f) = (addrs.clone(), &f);
-                    s.spawn(move || f(&TcpRing::connect(r, addrs, l, Duration::from_secs(5))?))
+                    s.spawn(move || f(TcpRing::connect(r, addrs, l, Duration::from_secs(5))?))
                 })
                 .collect();
             handles.into_iter().map(|h| h.join().unwrap()).collect()
         })
+    }
+
+    /// Splitting 4 ranks by `rank / 2` and by `rank % 2` gives rings of 2 whose collectives
+    /// reach exactly their members, and a second split of the world still works.
+    #[test]
+    fn split_rings_reduce_over_their_members_only() -> Result<()> {
+        let results = on_ring(4, |ring| {
+            let r = ring.rank();
+            let (tp, dp) = (ring.split(r / 2)?, ring.split(r % 2)?);
+            let mut a = [r as f32 + 1.0];
+            tp.all_reduce(&mut a, ReduceOp::Sum)?;
+            let mut b = [10.0 * (r as f32 + 1.0)];
+            dp.all_reduce(&mut b, ReduceOp::Sum)?;
+            let mut all = [1f32];
+            ring.all_reduce(&mut all, ReduceOp::Sum)?;
+            Ok((tp.rank(), tp.world(), a[0], dp.rank(), dp.world(), b[0], all[0]))
+        });
+        let want = [(0, 2, 3.0, 0, 2, 40.0), (1, 2, 3.0, 0, 2, 60.0), (0, 2, 7.0, 1, 2, 40.0), (1, 2, 7.0, 1, 2, 60.0)];
+        for (r, (res, w)) in results.into_iter().zip(want).enumerate() {
+            let (tr, tw, a, dr, dw, b, all) = res?;
+            assert_eq!((tr, tw, a, dr, dw, b, all), (w.0, w.1, w.2, w.3, w.4, w.5, 4.0), "rank {r}");
+        }
+        // A color of its own: a ring of one, whose collectives are the identity.
+        for res in on_ring(3, |ring| {
+            let solo = ring.split(ring.rank())?;
+            let mut x = [ring.rank() as f32];
+            solo.all_reduce(&mut x, ReduceOp::Sum)?;
+            Ok((solo.world(), x[0] as usize == ring.rank()))
+        }) {
+            assert_eq!(res?, (1, true));
+        }
+        Ok(())
     }
 
     fn data(rank: usize, len: usize) -> Vec<f32> {

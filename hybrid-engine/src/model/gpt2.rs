@@ -5,13 +5,20 @@
 //!
 //! Shapes: B batch, T new tokens, P cached tokens, S = P + T keys, C `n_embd`, NH `n_head`,
 //! HD = C / NH, V `vocab_size` (the embedding's real row count, Megatron padding included), L layers.
+//!
+//! Under tensor parallelism over T ranks ([`Gpt2::load_tensor_parallel`]) each block holds its
+//! rank's slice of the weights (`crate::tensor_parallel::shard`): attention runs NH / T heads and
+//! the MLP 4C / T columns, each entered through Megatron's `f` and left through its `g`.
 
+use crate::comm::ProcessGroup;
 use crate::kernels::ops::{self, DropoutKey};
+use crate::tensor_parallel::mappings::{copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region};
 use anyhow::bail;
 use candle_core::{DType, Device, Result, Tensor};
 use candle_nn::VarBuilder;
 use lora::LoraLinear;
 use serde::{Deserialize, Serialize};
+use std::sync::Arc;
 
 /// The Hugging Face `GPT2Config` fields we read; unknown fields are kept and written back.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -240,6 +247,39 @@ impl Conv1D {
             None => Ok(y),
         }
     }
+
+    /// Megatron's `RowParallelLinear`: this rank's rows of the weight on its slice of the input
+    /// (B, T, in / T), summed over `tp` (`g`), then the bias, whole, added once.
+    fn forward_row_parallel(&self, x: &Tensor, tp: &ProcessGroup) -> Result<Tensor> {
+        if self.lora.is_some() {
+            candle_core::bail!("LoRA adapters are not supported under tensor parallelism yet");
+        }
+        let (b, t, d_in) = x.dims3()?;
+        let partial = x.reshape((b * t, d_in))?.matmul(&self.weight)?.reshape((b, t, ()))?;
+        reduce_from_tensor_parallel_region(&partial, tp)?.broadcast_add(&self.bias)
+    }
+
+    /// Under tensor parallelism a column-parallel linear (`c_attn`, `c_fc`), entered through
+    /// `f`: the input is whole on every rank, its gradient the sum of the ranks' parts.
+    fn forward_column_parallel(&self, x: &Tensor, tp: Option<&Arc<ProcessGroup>>) -> Result<Tensor> {
+        match tp {
+            Some(tp) => {
+                if self.lora.is_some() {
+                    candle_core::bail!("LoRA adapters are not supported under tensor parallelism yet");
+                }
+                self.forward(&copy_to_tensor_parallel_region(x, tp)?)
+            }
+            None => self.forward(x),
+        }
+    }
+
+    /// `c_proj`: row-parallel under tensor parallelism.
+    fn forward_rows(&self, x: &Tensor, tp: Option<&Arc<ProcessGroup>>) -> Result<Tensor> {
+        match tp {
+            Some(tp) => self.forward_row_parallel(x, tp),
+            None => self.forward(x),
+        }
+    }
 }
 
 pub struct LayerNorm {
@@ -312,22 +352,26 @@ impl Gpt2Cache {
 pub struct Attention {
     c_attn: Conv1D,
     c_proj: Conv1D,
+    /// The heads this rank runs: all of them, or NH / T under tensor parallelism.
     n_head: usize,
     scale: f64,
+    tp: Option<Arc<ProcessGroup>>,
 }
 
 impl Attention {
-    fn load(vb: VarBuilder, cfg: &Gpt2Config, layer: usize) -> Result<Self> {
+    fn load(vb: VarBuilder, cfg: &Gpt2Config, layer: usize, tp: Option<&Arc<ProcessGroup>>) -> Result<Self> {
         let c = cfg.n_embd;
+        let ranks = tp.map_or(1, |tp| tp.world());
         let mut scale = if cfg.scale_attn_weights { 1.0 / (cfg.head_dim() as f64).sqrt() } else { 1.0 };
         if cfg.scale_attn_by_inverse_layer_idx {
             scale /= (layer + 1) as f64;
         }
         Ok(Self {
-            c_attn: Conv1D::load(vb.pp("c_attn"), c, 3 * c)?,
-            c_proj: Conv1D::load(vb.pp("c_proj"), c, c)?,
-            n_head: cfg.n_head,
+            c_attn: Conv1D::load(vb.pp("c_attn"), c, 3 * c / ranks)?,
+            c_proj: Conv1D::load(vb.pp("c_proj"), c / ranks, c)?,
+            n_head: cfg.n_head / ranks,
             scale,
+            tp: tp.cloned(),
         })
     }
 
@@ -340,10 +384,13 @@ impl Attention {
         cache: Option<&mut KvCache>,
         dropout: Option<(&Dropout, u64)>,
     ) -> Result<Tensor> {
-        let qkv = self.c_attn.forward(x)?; // (B, T, 3C)
+        let tp = self.tp.as_ref();
+        let qkv = self.c_attn.forward_column_parallel(x, tp)?; // (B, T, 3C), or this rank's heads'
         let y = match cache {
             None => {
-                let mask = dropout.filter(|(d, _)| d.attn > 0.0).map(|(d, layer)| d.key.mask(d.attn, layer, 0));
+                // Each rank drops its own heads' probabilities: a stream per TP rank.
+                let site = tp.map_or(0, |tp| ATTENTION_SITE_OF_TP_RANK + tp.rank() as u64);
+                let mask = dropout.filter(|(d, _)| d.attn > 0.0).map(|(d, layer)| d.key.mask(d.attn, layer, site));
                 ops::attention(&qkv, bias, self.n_head, self.scale, mask)? // (B, T, C)
             }
             Some(cache) => {
@@ -353,7 +400,7 @@ impl Attention {
                 ops::cached_attention(&q, &k, &v, bias, self.scale)? // (B, T, C)
             }
         };
-        let y = self.c_proj.forward(&y)?;
+        let y = self.c_proj.forward_rows(&y, tp)?;
         match dropout {
             Some((d, layer)) => ops::dropout(&y, d.resid, &d.key, layer, 1),
             None => Ok(y),
@@ -361,24 +408,31 @@ impl Attention {
     }
 }
 
+/// The dropout site of tensor-parallel rank r's attention probabilities is this plus r (sites 0,
+/// 1 and 2 are the one-rank attention and the two residual dropouts).
+const ATTENTION_SITE_OF_TP_RANK: u64 = 1 << 16;
+
 pub struct Mlp {
     c_fc: Conv1D,
     c_proj: Conv1D,
     exact_gelu: bool,
+    tp: Option<Arc<ProcessGroup>>,
 }
 
 impl Mlp {
-    fn load(vb: VarBuilder, cfg: &Gpt2Config) -> Result<Self> {
-        let (c, inner) = (cfg.n_embd, cfg.inner_dim());
+    fn load(vb: VarBuilder, cfg: &Gpt2Config, tp: Option<&Arc<ProcessGroup>>) -> Result<Self> {
+        let (c, inner) = (cfg.n_embd, cfg.inner_dim() / tp.map_or(1, |tp| tp.world()));
         Ok(Self {
             c_fc: Conv1D::load(vb.pp("c_fc"), c, inner)?,
             c_proj: Conv1D::load(vb.pp("c_proj"), inner, c)?,
             exact_gelu: cfg.activation_function == "gelu",
+            tp: tp.cloned(),
         })
     }
     fn forward(&self, x: &Tensor, dropout: Option<(&Dropout, u64)>) -> Result<Tensor> {
-        let h = ops::gelu(&self.c_fc.forward(x)?, self.exact_gelu)?; // (B, T, 4C)
-        let y = self.c_proj.forward(&h)?; // (B, T, C)
+        let tp = self.tp.as_ref();
+        let h = ops::gelu(&self.c_fc.forward_column_parallel(x, tp)?, self.exact_gelu)?; // (B, T, 4C [/ T])
+        let y = self.c_proj.forward_rows(&h, tp)?; // (B, T, C)
         match dropout {
             Some((d, layer)) => ops::dropout(&y, d.resid, &d.key, layer, 2),
             None => Ok(y),
@@ -395,13 +449,13 @@ pub struct Block {
 }
 
 impl Block {
-    fn load(vb: VarBuilder, cfg: &Gpt2Config, index: usize) -> Result<Self> {
+    fn load(vb: VarBuilder, cfg: &Gpt2Config, index: usize, tp: Option<&Arc<ProcessGroup>>) -> Result<Self> {
         let eps = cfg.layer_norm_epsilon;
         Ok(Self {
             ln_1: LayerNorm::load(vb.pp("ln_1"), cfg.n_embd, eps)?,
-            attn: Attention::load(vb.pp("attn"), cfg, index)?,
+            attn: Attention::load(vb.pp("attn"), cfg, index, tp)?,
             ln_2: LayerNorm::load(vb.pp("ln_2"), cfg.n_embd, eps)?,
-            mlp: Mlp::load(vb.pp("mlp"), cfg)?,
+            mlp: Mlp::load(vb.pp("mlp"), cfg, tp)?,
             index: index as u64,
         })
     }
@@ -458,11 +512,24 @@ impl Gpt2 {
     /// Builds the model from tensors named as in HF without the `transformer.` prefix
     /// (`wte.weight`, `h.0.attn.c_attn.weight`, ...).
     pub fn load(vb: VarBuilder, cfg: &Gpt2Config) -> Result<Self> {
+        Self::load_with(vb, cfg, None)
+    }
+
+    /// The model of one rank of the tensor-parallel group `tp`, from tensors named as for
+    /// [`Self::load`] holding this rank's slices (`crate::tensor_parallel::shard::shard`).
+    pub fn load_tensor_parallel(vb: VarBuilder, cfg: &Gpt2Config, tp: &Arc<ProcessGroup>) -> Result<Self> {
+        if let Err(e) = crate::tensor_parallel::shard::check_divides(cfg.n_head, cfg.inner_dim(), tp.world()) {
+            candle_core::bail!("{e}");
+        }
+        Self::load_with(vb, cfg, Some(tp))
+    }
+
+    fn load_with(vb: VarBuilder, cfg: &Gpt2Config, tp: Option<&Arc<ProcessGroup>>) -> Result<Self> {
         let c = cfg.n_embd;
         Ok(Self {
             wte: vb.get((cfg.vocab_size, c), "wte.weight")?,
             wpe: vb.get((cfg.n_positions, c), "wpe.weight")?,
-            h: (0..cfg.n_layer).map(|i| Block::load(vb.pp("h").pp(i), cfg, i)).collect::<Result<_>>()?,
+            h: (0..cfg.n_layer).map(|i| Block::load(vb.pp("h").pp(i), cfg, i, tp)).collect::<Result<_>>()?,
             ln_f: LayerNorm::load(vb.pp("ln_f"), c, cfg.layer_norm_epsilon)?,
             cfg: cfg.clone(),
             fp32_loss: false,
@@ -472,7 +539,7 @@ impl Gpt2 {
     /// Block `index` alone, from tensors named as for [`Self::load`] (`h.<index>.attn...`):
     /// ZeRO stage 3 builds each block from its gathered weights when it runs.
     pub fn load_block(vb: VarBuilder, cfg: &Gpt2Config, index: usize) -> Result<Block> {
-        Block::load(vb.pp("h").pp(index), cfg, index)
+        Block::load(vb.pp("h").pp(index), cfg, index, None)
     }
 
     /// Token plus position embeddings, with embedding dropout in training. (B, T, C)

@@ -1,0 +1,98 @@
+//! Which slice of each GPT-2 parameter a tensor-parallel rank holds: Megatron's layout on HF's
+//! names and Conv1D `(in, out)` weights. `c_attn` is split by heads (each rank the q, k and v
+//! columns of its heads, so attention needs no communication), `c_fc` by columns, both `c_proj`
+//! by rows with their biases whole (added once, after the sum); LayerNorms and embeddings are
+//! whole on every rank.
+
+use anyhow::{bail, Result};
+use candle_core::Tensor;
+
+/// How a parameter is cut over the ranks of a TP group.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Split {
+    /// The same on every rank.
+    Whole,
+    /// The last dimension holds `segments` equal blocks (q, k and v for `c_attn`), each cut
+    /// into equal consecutive pieces: rank r takes piece r of every block.
+    Columns { segments: usize },
+    /// The first dimension cut into equal consecutive pieces.
+    Rows,
+}
+
+/// The split of parameter `name` (HF names without `transformer.`).
+pub fn split_of(name: &str) -> Split {
+    if name.contains(".attn.c_attn.") {
+        Split::Columns { segments: 3 }
+    } else if name.contains(".mlp.c_fc.") {
+        Split::Columns { segments: 1 }
+    } else if name.ends_with(".c_proj.weight") {
+        Split::Rows
+    } else {
+        Split::Whole
+    }
+}
+
+/// Rank `rank`'s slice of the whole parameter `t` cut as `split` over `ranks` ranks.
+pub fn shard(t: &Tensor, split: Split, rank: usize, ranks: usize) -> Result<Tensor> {
+    Ok(match split {
+        Split::Whole => t.clone(),
+        Split::Columns { segments } => {
+            let last = t.rank() - 1;
+            let block = t.dim(last)? / segments;
+            let piece = block / ranks;
+            let parts: Vec<Tensor> = (0..segments)
+                .map(|s| t.narrow(last, s * block + rank * piece, piece))
+                .collect::<candle_core::Result<_>>()?;
+            Tensor::cat(&parts, last)?.contiguous()?
+        }
+        Split::Rows => {
+            let piece = t.dim(0)? / ranks;
+            t.narrow(0, rank * piece, piece)?.contiguous()?
+        }
+    })
+}
+
+/// Whether a GPT-2 of `n_head` heads and an MLP `inner` wide splits over `ranks` TP ranks.
+pub fn check_divides(n_head: usize, inner: usize, ranks: usize) -> Result<()> {
+    if !n_head.is_multiple_of(ranks) {
+        bail!(
+            "--tensor-model-parallel-size {ranks} does not divide the model's {n_head} attention heads: use a divisor of {n_head}"
+        );
+    }
+    if !inner.is_multiple_of(ranks) {
+        bail!("--tensor-model-parallel-size {ranks} does not divide the MLP width {inner}");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn c_attn_is_cut_by_heads_in_each_of_q_k_and_v() -> Result<()> {
+        // C = 4, two heads of 2 over 2 ranks: q = 0..4, k = 4..8, v = 8..12.
+        let bias = Tensor::arange(0f32, 12.0, &Device::Cpu)?;
+        let split = split_of("h.0.attn.c_attn.bias");
+        assert_eq!(shard(&bias, split, 0, 2)?.to_vec1::<f32>()?, [0.0, 1.0, 4.0, 5.0, 8.0, 9.0]);
+        assert_eq!(shard(&bias, split, 1, 2)?.to_vec1::<f32>()?, [2.0, 3.0, 6.0, 7.0, 10.0, 11.0]);
+        let w = Tensor::arange(0f32, 24.0, &Device::Cpu)?.reshape((2, 12))?;
+        assert_eq!(shard(&w, split_of("h.3.attn.c_attn.weight"), 1, 2)?.dims(), [2, 6]);
+        let proj = Tensor::arange(0f32, 8.0, &Device::Cpu)?.reshape((4, 2))?;
+        let rows = shard(&proj, split_of("h.0.mlp.c_proj.weight"), 1, 2)?;
+        assert_eq!(rows.to_vec2::<f32>()?, [[4.0, 5.0], [6.0, 7.0]]);
+        for whole in ["h.0.attn.c_proj.bias", "h.0.mlp.c_proj.bias", "h.0.ln_1.weight", "wte.weight", "wpe.weight"] {
+            assert_eq!(split_of(whole), Split::Whole, "{whole}");
+        }
+        assert_eq!(split_of("h.0.mlp.c_fc.bias"), Split::Columns { segments: 1 });
+        Ok(())
+    }
+
+    #[test]
+    fn heads_that_do_not_divide_are_one_line() {
+        check_divides(12, 3072, 4).unwrap();
+        let err = check_divides(12, 3072, 5).unwrap_err().to_string();
+        assert!(err.contains("12 attention heads"), "{err}");
+    }
+}
