@@ -498,7 +498,7 @@ pub struct Positions<'a> {
 const MASKED: f32 = -1e9;
 
 pub struct Gpt2 {
-    wte: Tensor, // (V, C)
+    wte: Tensor, // (V, C); under tensor parallelism this rank's rows of the padded vocabulary
     wpe: Tensor, // (n_positions, C)
     pub h: Vec<Block>,
     ln_f: LayerNorm,
@@ -506,6 +506,8 @@ pub struct Gpt2 {
     /// Losses and log-probs read fp32 logits in an fp16/bf16 model (DS-Chat
     /// `--compute_fp32_loss`); off, they are computed in the compute dtype.
     pub fp32_loss: bool,
+    /// The tensor-parallel group this rank's slices belong to.
+    tp: Option<Arc<ProcessGroup>>,
 }
 
 impl Gpt2 {
@@ -517,6 +519,8 @@ impl Gpt2 {
 
     /// The model of one rank of the tensor-parallel group `tp`, from tensors named as for
     /// [`Self::load`] holding this rank's slices (`crate::tensor_parallel::shard::shard`).
+    /// `cfg.vocab_size` stays the real vocabulary: the embedding slices hold the vocabulary padded
+    /// to 128 x T rows, and the padding takes no probability.
     pub fn load_tensor_parallel(vb: VarBuilder, cfg: &Gpt2Config, tp: &Arc<ProcessGroup>) -> Result<Self> {
         if let Err(e) = crate::tensor_parallel::shard::check_divides(cfg.n_head, cfg.inner_dim(), tp.world()) {
             candle_core::bail!("{e}");
@@ -526,13 +530,18 @@ impl Gpt2 {
 
     fn load_with(vb: VarBuilder, cfg: &Gpt2Config, tp: Option<&Arc<ProcessGroup>>) -> Result<Self> {
         let c = cfg.n_embd;
+        let vocab_rows = match tp {
+            Some(tp) => crate::tensor_parallel::vocab::padded_vocab_size(cfg.vocab_size, tp.world()) / tp.world(),
+            None => cfg.vocab_size,
+        };
         Ok(Self {
-            wte: vb.get((cfg.vocab_size, c), "wte.weight")?,
+            wte: vb.get((vocab_rows, c), "wte.weight")?,
             wpe: vb.get((cfg.n_positions, c), "wpe.weight")?,
             h: (0..cfg.n_layer).map(|i| Block::load(vb.pp("h").pp(i), cfg, i, tp)).collect::<Result<_>>()?,
             ln_f: LayerNorm::load(vb.pp("ln_f"), c, cfg.layer_norm_epsilon)?,
             cfg: cfg.clone(),
             fp32_loss: false,
+            tp: tp.cloned(),
         })
     }
 
@@ -546,7 +555,10 @@ impl Gpt2 {
     pub fn embed(&self, ids: &Tensor, pos: &Positions, past: usize, dropout: Option<&Dropout>) -> Result<Tensor> {
         let (b, t) = ids.dims2()?;
         let c = self.cfg.n_embd;
-        let tok = self.wte.index_select(&ids.flatten_all()?, 0)?.reshape((b, t, c))?;
+        let tok = match &self.tp {
+            Some(tp) => crate::tensor_parallel::vocab::vocab_parallel_embedding(ids, &self.wte, tp)?,
+            None => self.wte.index_select(&ids.flatten_all()?, 0)?.reshape((b, t, c))?,
+        };
         let pos_emb = match pos.position_ids {
             Some(p) => self.wpe.index_select(&p.flatten_all()?, 0)?.reshape((b, t, c))?,
             None => {
@@ -610,7 +622,14 @@ impl Gpt2 {
         let dims = x.dims().to_vec();
         let c = self.cfg.n_embd;
         let x = self.ln_f.forward(x)?.reshape(((), c))?; // (rows, C): one gemm for all positions
-        let logits = ops::lm_head_logits(&x, &self.wte)?; // (rows, V)
+        let logits = match &self.tp {
+            Some(tp) => {
+                use crate::tensor_parallel::vocab::{gather_vocab_parallel_logits, vocab_parallel_logits};
+                let local = vocab_parallel_logits(&x, &self.wte, self.cfg.vocab_size, tp)?;
+                gather_vocab_parallel_logits(&local, self.cfg.vocab_size, tp)?.to_dtype(x.dtype())?
+            }
+            None => ops::lm_head_logits(&x, &self.wte)?, // (rows, V)
+        };
         let mut out_dims = dims;
         *out_dims.last_mut().expect("hidden states have a last dimension") = self.cfg.vocab_size;
         logits.reshape(out_dims)
@@ -672,6 +691,10 @@ impl Gpt2 {
     /// dtype, and the loss reads them through [`Self::loss_input`].
     pub fn lm_head_loss(&self, hidden: &Tensor, targets: &Tensor) -> Result<Tensor> {
         let x = self.ln_f.forward(hidden)?.reshape(((), self.cfg.n_embd))?; // (N, C)
+        if let Some(tp) = &self.tp {
+            use crate::tensor_parallel::vocab::vocab_parallel_cross_entropy;
+            return vocab_parallel_cross_entropy(&x, &self.wte, targets, self.cfg.vocab_size, tp);
+        }
         if self.dtype() == DType::F32 {
             ops::lm_head_cross_entropy_rows(&x, &self.wte, targets)?.mean_all()
         } else {

@@ -20,9 +20,10 @@ mod tests {
     use std::collections::HashMap;
     use std::sync::Arc;
 
-    /// GPT-2 split over 2 and 4 ranks (4 heads) gives the one-rank loss, and every rank's
-    /// gradient of each parameter is its slice of the one-rank gradient: whole parameters get
-    /// the whole gradient on every rank, with no reduction. Greedy generation with the KV cache
+    /// GPT-2 split over 2 and 4 ranks (4 heads; the 24-token vocabulary padded to 128 x T rows)
+    /// gives the one-rank loss, and every rank's gradient of each parameter is its slice of the
+    /// one-rank gradient: whole parameters get the whole gradient on every rank, with no
+    /// reduction, and the padding rows none. Greedy generation with the KV cache
     /// (each rank caching its heads) gives the one-rank tokens.
     #[test]
     fn a_tensor_parallel_gpt2_gives_the_one_rank_loss_and_gradients() -> anyhow::Result<()> {

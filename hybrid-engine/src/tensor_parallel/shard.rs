@@ -17,11 +17,16 @@ pub enum Split {
     Columns { segments: usize },
     /// The first dimension cut into equal consecutive pieces.
     Rows,
+    /// The token embedding's rows, padded first with zero rows to
+    /// [`crate::tensor_parallel::vocab::padded_vocab_size`].
+    VocabRows,
 }
 
 /// The split of parameter `name` (HF names without `transformer.`).
 pub fn split_of(name: &str) -> Split {
-    if name.contains(".attn.c_attn.") {
+    if name == "wte.weight" {
+        Split::VocabRows
+    } else if name.contains(".attn.c_attn.") {
         Split::Columns { segments: 3 }
     } else if name.contains(".mlp.c_fc.") {
         Split::Columns { segments: 1 }
@@ -48,6 +53,15 @@ pub fn shard(t: &Tensor, split: Split, rank: usize, ranks: usize) -> Result<Tens
         Split::Rows => {
             let piece = t.dim(0)? / ranks;
             t.narrow(0, rank * piece, piece)?.contiguous()?
+        }
+        Split::VocabRows => {
+            let (v, c) = t.dims2()?;
+            let padded = crate::tensor_parallel::vocab::padded_vocab_size(v, ranks);
+            let t = match padded > v {
+                true => Tensor::cat(&[t.clone(), Tensor::zeros((padded - v, c), t.dtype(), t.device())?], 0)?,
+                false => t.clone(),
+            };
+            shard(&t, Split::Rows, rank, ranks)?
         }
     })
 }
@@ -82,10 +96,15 @@ mod tests {
         let proj = Tensor::arange(0f32, 8.0, &Device::Cpu)?.reshape((4, 2))?;
         let rows = shard(&proj, split_of("h.0.mlp.c_proj.weight"), 1, 2)?;
         assert_eq!(rows.to_vec2::<f32>()?, [[4.0, 5.0], [6.0, 7.0]]);
-        for whole in ["h.0.attn.c_proj.bias", "h.0.mlp.c_proj.bias", "h.0.ln_1.weight", "wte.weight", "wpe.weight"] {
+        for whole in ["h.0.attn.c_proj.bias", "h.0.mlp.c_proj.bias", "h.0.ln_1.weight", "wpe.weight"] {
             assert_eq!(split_of(whole), Split::Whole, "{whole}");
         }
         assert_eq!(split_of("h.0.mlp.c_fc.bias"), Split::Columns { segments: 1 });
+        // The embedding: 300 rows padded to 512 over 2 ranks, the second slice partly padding.
+        let wte = Tensor::ones((300, 2), candle_core::DType::F32, &Device::Cpu)?;
+        let second = shard(&wte, split_of("wte.weight"), 1, 2)?;
+        assert_eq!(second.dims(), [256, 2]);
+        assert_eq!(second.sum_all()?.to_scalar::<f32>()?, 2.0 * 44.0);
         Ok(())
     }
 

@@ -32,19 +32,45 @@ pub fn vocab_parallel_embedding(ids: &Tensor, wte_local: &Tensor, tp: &ProcessGr
     reduce_from_tensor_parallel_region(&emb.reshape(dims)?, tp)
 }
 
+/// This rank's slice (N, V / T) of the tied LM head's logits for rows `x` (N, C), whole on
+/// every rank (entered through `f`), in f32; the padding rows' logits (global index `vocab` and
+/// beyond) are pushed to -1e9, so that they take no probability, as if they did not exist.
+pub fn vocab_parallel_logits(x: &Tensor, wte_local: &Tensor, vocab: usize, tp: &Arc<ProcessGroup>) -> Result<Tensor> {
+    let rows = wte_local.dim(0)?;
+    let x = copy_to_tensor_parallel_region(x, tp)?;
+    let logits = x.matmul(&wte_local.t()?)?.to_dtype(DType::F32)?;
+    let start = tp.rank() * rows;
+    if start + rows <= vocab {
+        return Ok(logits);
+    }
+    let real = vocab.saturating_sub(start);
+    let mask: Vec<f32> = (0..rows).map(|i| if i < real { 0.0 } else { -1e9 }).collect();
+    logits.broadcast_add(&Tensor::from_vec(mask, (1, rows), logits.device())?)
+}
+
+/// Every rank's logits slices (N, V / T) put together, without the padding: (N, `vocab`). Not
+/// differentiable: for generation, which needs the whole distribution of a few rows.
+pub fn gather_vocab_parallel_logits(local: &Tensor, vocab: usize, tp: &ProcessGroup) -> Result<Tensor> {
+    let (n, rows) = local.dims2()?;
+    let all = tp.all_gather(&local.to_dtype(DType::F32)?.contiguous()?).map_err(external)?;
+    let all = all.reshape((tp.world(), n, rows))?.transpose(0, 1)?.reshape((n, tp.world() * rows))?;
+    all.narrow(1, 0, vocab)?.contiguous()
+}
+
 /// Mean cross-entropy of the tied LM head over rows `x` (N, C), whole on every rank, against
-/// `targets` (N,) u32, with this rank's embedding rows `wte_local` (V / T, C). Each rank forms
-/// its (N, V / T) logits only; the loss and every gradient equal the one-rank ones.
+/// `targets` (N,) u32, with this rank's embedding rows `wte_local` (V / T, C) of a vocabulary
+/// of `vocab` real tokens. Each rank forms its (N, V / T) logits only; the loss and every
+/// gradient equal the one-rank ones.
 pub fn vocab_parallel_cross_entropy(
     x: &Tensor,
     wte_local: &Tensor,
     targets: &Tensor,
+    vocab: usize,
     tp: &Arc<ProcessGroup>,
 ) -> Result<Tensor> {
     let rows = wte_local.dim(0)?;
-    let x = copy_to_tensor_parallel_region(x, tp)?;
-    let logits = x.matmul(&wte_local.t()?)?.to_dtype(DType::F32)?; // (N, V / T)
-                                                                   // The max over the whole vocabulary, a constant to autograd (the loss does not depend on it).
+    let logits = vocab_parallel_logits(x, wte_local, vocab, tp)?; // (N, V / T)
+                                                                  // The max over the whole vocabulary, a constant to autograd (the loss does not depend on it).
     let local_max = logits.max_keepdim(D::Minus1)?.detach(); // (N, 1)
     let max = tp.all_reduce(&local_max, ReduceOp::Max).map_err(external)?.reshape(local_max.shape())?;
     let shifted = logits.broadcast_sub(&max)?;
@@ -109,7 +135,9 @@ mod tests {
                 let h = Var::from_slice(&hidden, (6, c), &cpu)?;
                 let emb = vocab_parallel_embedding(&ids, w.as_tensor(), &tp)?;
                 let x = (emb.reshape((6, c))? + h.as_tensor())?;
-                let loss = vocab_parallel_cross_entropy(&x, w.as_tensor(), &targets, &tp)?;
+                let loss = vocab_parallel_cross_entropy(&x, w.as_tensor(), &targets, v, &tp)?;
+                let logits = vocab_parallel_logits(&x, w.as_tensor(), v, &tp)?;
+                assert_eq!(gather_vocab_parallel_logits(&logits, v, &tp)?.dims(), [6, v]);
                 let g = loss.backward()?;
                 let gw = g.get(w.as_tensor()).unwrap().clone();
                 let gh = g.get(h.as_tensor()).unwrap().clone();
