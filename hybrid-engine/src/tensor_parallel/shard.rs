@@ -4,8 +4,9 @@
 //! by rows with their biases whole (added once, after the sum); LayerNorms and embeddings are
 //! whole on every rank.
 
+use crate::comm::{ProcessGroup, ReduceOp};
 use anyhow::{bail, Result};
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 
 /// How a parameter is cut over the ranks of a TP group.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -66,6 +67,55 @@ pub fn shard(t: &Tensor, split: Split, rank: usize, ranks: usize) -> Result<Tens
     })
 }
 
+/// The whole parameter from every rank's slice (`pieces[r]` is rank r's): the inverse of
+/// [`shard`]. `rows` is the parameter's real first dimension, which drops the vocabulary padding.
+pub fn unshard(pieces: &[Tensor], split: Split, rows: usize) -> Result<Tensor> {
+    Ok(match split {
+        Split::Whole => pieces[0].clone(),
+        Split::Columns { segments } => {
+            let last = pieces[0].rank() - 1;
+            let width = pieces[0].dim(last)? / segments;
+            let mut parts = Vec::with_capacity(segments * pieces.len());
+            for s in 0..segments {
+                for piece in pieces {
+                    parts.push(piece.narrow(last, s * width, width)?);
+                }
+            }
+            Tensor::cat(&parts, last)?
+        }
+        Split::Rows => Tensor::cat(pieces, 0)?,
+        Split::VocabRows => Tensor::cat(pieces, 0)?.narrow(0, 0, rows)?.contiguous()?,
+    })
+}
+
+/// The whole parameter `name` from this rank's slice `local`, gathered from the ranks of `tp`
+/// (a collective), in f32: what a consolidated save writes. `rows` as for [`unshard`].
+pub fn gather_parameter(name: &str, local: &Tensor, rows: usize, tp: &ProcessGroup) -> Result<Tensor> {
+    let split = split_of(name);
+    if tp.world() == 1 || split == Split::Whole {
+        return Ok(local.to_dtype(DType::F32)?);
+    }
+    let all = tp.all_gather(&local.to_dtype(DType::F32)?.contiguous()?)?;
+    let n = local.elem_count();
+    let pieces: Vec<Tensor> =
+        (0..tp.world()).map(|r| all.narrow(0, r * n, n)?.reshape(local.shape())).collect::<candle_core::Result<_>>()?;
+    unshard(&pieces, split, rows)
+}
+
+/// The squared global norm of the gradients `grads` of the parameters `names`, each this rank's
+/// slice, over the TP group: sliced parameters' squares are summed over the ranks, whole ones
+/// (the same gradient on every rank) counted once. A collective; non-finite values stay so.
+pub fn grad_norm_squared(names: &[String], grads: &[Tensor], tp: &ProcessGroup) -> Result<f64> {
+    let mut share = 0f64;
+    for (name, g) in names.iter().zip(grads) {
+        let sq = f64::from(g.to_dtype(DType::F32)?.sqr()?.sum_all()?.to_scalar::<f32>()?);
+        share += if split_of(name) == Split::Whole { sq / tp.world() as f64 } else { sq };
+    }
+    let mut total = [share];
+    tp.all_reduce_scalars(&mut total, ReduceOp::Sum)?;
+    Ok(total[0])
+}
+
 /// Whether a GPT-2 of `n_head` heads and an MLP `inner` wide splits over `ranks` TP ranks.
 pub fn check_divides(n_head: usize, inner: usize, ranks: usize) -> Result<()> {
     if !n_head.is_multiple_of(ranks) {
@@ -105,6 +155,50 @@ mod tests {
         let second = shard(&wte, split_of("wte.weight"), 1, 2)?;
         assert_eq!(second.dims(), [256, 2]);
         assert_eq!(second.sum_all()?.to_scalar::<f32>()?, 2.0 * 44.0);
+        Ok(())
+    }
+
+    /// `unshard` inverts `shard` for every split, over 1 to 4 ranks; gathered over real ranks
+    /// the slices give the whole parameter, and the gradient norm counts whole parameters once.
+    #[test]
+    fn slices_put_back_together_give_the_whole_parameter() -> Result<()> {
+        let cpu = Device::Cpu;
+        let cases = [
+            ("h.0.attn.c_attn.weight", (8usize, 24usize)),
+            ("h.0.attn.c_attn.bias", (1, 24)),
+            ("h.0.mlp.c_fc.weight", (8, 32)),
+            ("h.0.mlp.c_proj.weight", (32, 8)),
+            ("h.0.ln_1.weight", (1, 8)),
+            ("wte.weight", (300, 8)),
+        ];
+        for ranks in [1, 2, 4] {
+            for (name, (r, c)) in cases {
+                let t = Tensor::arange(0f32, (r * c) as f32, &cpu)?.reshape((r, c))?;
+                let t = if r == 1 { t.squeeze(0)? } else { t };
+                let pieces: Vec<Tensor> =
+                    (0..ranks).map(|k| shard(&t, split_of(name), k, ranks)).collect::<Result<_>>()?;
+                let back = unshard(&pieces, split_of(name), t.dim(0)?)?;
+                assert_eq!(
+                    back.flatten_all()?.to_vec1::<f32>()?,
+                    t.flatten_all()?.to_vec1::<f32>()?,
+                    "{name} / {ranks}"
+                );
+            }
+        }
+        let w = Tensor::arange(0f32, 8.0 * 24.0, &cpu)?.reshape((8, 24))?;
+        let ln = Tensor::new(&[3f32, 4.0], &cpu)?;
+        let names = ["h.0.attn.c_attn.weight".to_string(), "h.0.ln_1.weight".to_string()];
+        for res in crate::comm::on_groups(2, |tp| {
+            let local = shard(&w, split_of(&names[0]), tp.rank(), 2)?;
+            let whole = gather_parameter(&names[0], &local, 8, &tp)?;
+            let norm = grad_norm_squared(&names, &[local, ln.clone()], &tp)?;
+            Ok((whole.flatten_all()?.to_vec1::<f32>()?, norm))
+        }) {
+            let (whole, norm) = res?;
+            assert_eq!(whole, w.flatten_all()?.to_vec1::<f32>()?);
+            let want = f64::from(w.sqr()?.sum_all()?.to_scalar::<f32>()?) + 25.0;
+            assert!((norm - want).abs() < 1e-6 * want, "{norm} vs {want}");
+        }
         Ok(())
     }
 
