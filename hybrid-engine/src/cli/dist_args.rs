@@ -6,7 +6,7 @@ use crate::comm::{ProcessGroup, RankEnv};
 use crate::training::zero::{DataParallel, DEFAULT_BUCKET};
 use anyhow::{bail, Result};
 use clap::Args;
-use std::rc::Rc;
+use std::sync::Arc;
 use std::time::Duration;
 
 #[derive(Args, Clone, Debug)]
@@ -28,16 +28,16 @@ pub struct DistArgs {
 impl DistArgs {
     /// Joins the job the environment describes (one rank when none does). Every rank's
     /// command line must match rank 0's: the store compares their hashes.
-    pub fn join(&self) -> Result<Rc<ProcessGroup>> {
+    pub fn join(&self) -> Result<Arc<ProcessGroup>> {
         let env = RankEnv::from_process()?;
         let flags: Vec<String> = std::env::args().skip(1).collect();
         let group = ProcessGroup::init(env, Duration::from_secs(self.dist_timeout), &flags.join("\0"))?;
-        Ok(Rc::new(group))
+        Ok(Arc::new(group))
     }
 
     /// Data parallelism over `group` at ZeRO `stage`, with a line saying what it does.
     /// Stage 3 is refused: see [`Self::data_parallel_with_stage3`].
-    pub fn data_parallel(&self, group: &Rc<ProcessGroup>, stage: u8) -> Result<DataParallel> {
+    pub fn data_parallel(&self, group: &Arc<ProcessGroup>, stage: u8) -> Result<DataParallel> {
         if stage == 3 {
             bail!(
                 "--zero-stage 3 (parameters sharded at rest) trains steps 1 and 2 and pretraining; this step shards up to \
@@ -49,17 +49,17 @@ impl DistArgs {
 
     /// [`Self::data_parallel`] for a step that trains a [`crate::training::zero3::ShardedModel`]
     /// at stage 3.
-    pub fn data_parallel_with_stage3(&self, group: &Rc<ProcessGroup>, stage: u8) -> Result<DataParallel> {
+    pub fn data_parallel_with_stage3(&self, group: &Arc<ProcessGroup>, stage: u8) -> Result<DataParallel> {
         self.data_parallel_of(group, stage, "")
     }
 
     /// [`Self::data_parallel`] for one of several models a step trains (step 3's actor and
     /// critic, each at its own stage): the line starts with `model`.
-    pub fn model_data_parallel(&self, group: &Rc<ProcessGroup>, stage: u8, model: &str) -> Result<DataParallel> {
+    pub fn model_data_parallel(&self, group: &Arc<ProcessGroup>, stage: u8, model: &str) -> Result<DataParallel> {
         self.data_parallel_of(group, stage, &format!("{model}: "))
     }
 
-    fn data_parallel_of(&self, group: &Rc<ProcessGroup>, stage: u8, prefix: &str) -> Result<DataParallel> {
+    fn data_parallel_of(&self, group: &Arc<ProcessGroup>, stage: u8, prefix: &str) -> Result<DataParallel> {
         let dp = DataParallel::new(group.clone(), stage, self.reduce_bucket_size as usize)?;
         if group.world() == 1 && stage > 0 {
             println!("{prefix}ZeRO stage {stage} with 1 process: nothing to shard, training as stage 0");

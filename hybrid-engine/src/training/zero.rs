@@ -24,7 +24,7 @@ use crate::training::optim::AdamW;
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
 use std::ops::Range;
-use std::rc::Rc;
+use std::sync::Arc;
 
 /// DeepSpeed's default `reduce_bucket_size` (values, not bytes).
 pub const DEFAULT_BUCKET: usize = 500_000_000;
@@ -32,14 +32,14 @@ pub const DEFAULT_BUCKET: usize = 500_000_000;
 /// How a model's training is spread over the ranks of a group.
 #[derive(Clone)]
 pub struct DataParallel {
-    pub group: Rc<ProcessGroup>,
+    pub group: Arc<ProcessGroup>,
     pub stage: u8,
     /// Values per all-reduce in stage 0 (DeepSpeed's `reduce_bucket_size`).
     pub bucket: usize,
 }
 
 impl DataParallel {
-    pub fn new(group: Rc<ProcessGroup>, stage: u8, bucket: usize) -> Result<Self> {
+    pub fn new(group: Arc<ProcessGroup>, stage: u8, bucket: usize) -> Result<Self> {
         if stage > 3 {
             bail!("--zero-stage {stage} does not exist: DeepSpeed's stages are 0, 1, 2 and 3");
         }

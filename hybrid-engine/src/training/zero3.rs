@@ -32,7 +32,7 @@ use candle_nn::VarBuilder;
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ops::Range;
-use std::rc::Rc;
+use std::sync::Arc;
 
 /// The unit of everything outside the blocks; block `i` is unit `i + 1`.
 const OUTER: usize = 0;
@@ -53,7 +53,7 @@ struct Unit {
 
 /// A GPT-2 whose parameters are sharded over the ranks of a group (ZeRO stage 3).
 pub struct ShardedModel {
-    group: Rc<ProcessGroup>,
+    group: Arc<ProcessGroup>,
     pub cfg: Gpt2Config,
     names: Vec<String>,
     shapes: Vec<Shape>,
@@ -81,7 +81,7 @@ impl ShardedModel {
     /// drops after); gathered weights compute in `dtype`.
     /// The masters' frozen flags and LoRA adapters are kept: frozen parameters are gathered
     /// but never trained.
-    pub fn new(group: Rc<ProcessGroup>, cfg: &Gpt2Config, masters: &ParamStore, dtype: DType) -> Result<Self> {
+    pub fn new(group: Arc<ProcessGroup>, cfg: &Gpt2Config, masters: &ParamStore, dtype: DType) -> Result<Self> {
         let world = group.world();
         let rank = group.rank();
         let frozen = masters.frozen().to_vec();
@@ -132,7 +132,7 @@ impl ShardedModel {
         })
     }
 
-    pub fn group(&self) -> &Rc<ProcessGroup> {
+    pub fn group(&self) -> &Arc<ProcessGroup> {
         &self.group
     }
 
@@ -510,7 +510,7 @@ mod tests {
     fn one_rank_matches_the_whole_model() -> Result<()> {
         let cfg = Gpt2Config { n_layer: 2, n_embd: 8, n_head: 2, n_positions: 8, vocab_size: 16, ..Gpt2Config::tiny() };
         let params = ParamStore::init(&cfg, 3, &Device::Cpu)?;
-        let group = Rc::new(ProcessGroup::single());
+        let group = Arc::new(ProcessGroup::single());
         let sharded = ShardedModel::new(group, &cfg, &params, DType::F32)?;
         let ids = Tensor::new(&[[1u32, 2, 3, 4], [5, 6, 7, 8]], &Device::Cpu)?;
         let targets = Tensor::new(&[[2u32, 3, 4, 5], [6, 7, 8, 9]], &Device::Cpu)?.flatten_all()?;
@@ -566,7 +566,7 @@ mod tests {
             var.set(&Tensor::randn(0f32, 0.1, var.shape(), &Device::Cpu)?).map_err(|e| anyhow!("{name}: {e}"))?;
         }
         params.freeze_trunk();
-        let sharded = ShardedModel::new(Rc::new(ProcessGroup::single()), &cfg, &params, DType::F32)?;
+        let sharded = ShardedModel::new(Arc::new(ProcessGroup::single()), &cfg, &params, DType::F32)?;
         let trainable = params.trainable();
         assert_eq!(sharded.trained_names(), &trainable.names[..]);
         assert!(trainable.names.iter().all(|n| lora::is_adapter_name(n)), "{:?}", trainable.names);

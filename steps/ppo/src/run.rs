@@ -767,7 +767,7 @@ struct TrainedAs {
 /// any checkpointed optimizer state from them.
 fn trained(
     args: &PpoArgs,
-    group: &std::rc::Rc<ProcessGroup>,
+    group: &std::sync::Arc<ProcessGroup>,
     params: ParamStore,
     config: &Gpt2Config,
     how: TrainedAs,
@@ -1082,7 +1082,7 @@ mod tests {
     fn tiny_models(flags: &str, actor_lr: f64) -> (PpoArgs, PpoModels, ParamStore) {
         let args = PpoArgs::try_parse_from(std::iter::once("ppo").chain(flags.split_whitespace())).unwrap();
         let (cfg, cpu) = (tiny_config(), Device::Cpu);
-        let group = std::rc::Rc::new(ProcessGroup::single());
+        let group = std::sync::Arc::new(ProcessGroup::single());
         let actor = ParamStore::init(&cfg, 1, &cpu).unwrap();
         let start = actor.copy().unwrap();
         let mut critic = ParamStore::init(&cfg, 2, &cpu).unwrap();
