@@ -115,6 +115,21 @@ impl ParamStore {
         Ok(model)
     }
 
+    /// The model of one rank of the tensor-parallel group `tp` over these parameters, which
+    /// are that rank's slices (`crate::training::tensor_parallel::shard_params`). No LoRA.
+    pub fn model_tensor_parallel(
+        &self,
+        cfg: &Gpt2Config,
+        tp: &std::sync::Arc<crate::comm::ProcessGroup>,
+    ) -> Result<Gpt2> {
+        if self.lora_scaling.is_some() {
+            bail!("LoRA adapters are not supported under tensor parallelism yet");
+        }
+        let device = self.vars.first().map_or(Device::Cpu, |v| v.device().clone());
+        let vb = VarBuilder::from_tensors(self.tensors(), self.dtype(), &device);
+        Ok(Gpt2::load_tensor_parallel(vb, cfg, tp)?)
+    }
+
     /// The dtype of the parameters: f32 for master weights, the compute dtype for a
     /// [`Self::compute_copy`].
     pub fn dtype(&self) -> DType {

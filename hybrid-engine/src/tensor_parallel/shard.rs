@@ -108,7 +108,12 @@ pub fn gather_parameter(name: &str, local: &Tensor, rows: usize, tp: &ProcessGro
 pub fn grad_norm_squared(names: &[String], grads: &[Tensor], tp: &ProcessGroup) -> Result<f64> {
     let mut share = 0f64;
     for (name, g) in names.iter().zip(grads) {
-        let sq = f64::from(g.to_dtype(DType::F32)?.sqr()?.sum_all()?.to_scalar::<f32>()?);
+        // Accumulated in f64, as the single-rank norm is: an f32 sum over a large slice rounds by
+        // more than the reassociation the layouts are compared by.
+        let sq = match crate::kernels::fused::sum_of_squares(g)? {
+            Some(s) => s,
+            None => g.to_dtype(DType::F64)?.sqr()?.sum_all()?.to_scalar::<f64>()?,
+        };
         share += if split_of(name) == Split::Whole { sq / tp.world() as f64 } else { sq };
     }
     let mut total = [share];

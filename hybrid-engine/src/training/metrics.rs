@@ -124,8 +124,16 @@ pub fn peak_rss_mib() -> Option<f64> {
 /// One rank's use of the machine over its training loop, `train_secs` long (every rank prints
 /// its own line; the record is for rank 0's metrics.jsonl): its peak memory so far and what
 /// its collectives sent and how long they took, waiting for slower ranks included.
-pub fn rank_usage(group: &crate::comm::ProcessGroup, train_secs: f64) -> (String, serde_json::Value) {
-    let (bytes, comm_secs, calls) = group.stats().snapshot();
+pub fn rank_usage(
+    group: &crate::comm::ProcessGroup,
+    subgroups: &[&crate::comm::ProcessGroup],
+    train_secs: f64,
+) -> (String, serde_json::Value) {
+    let (mut bytes, mut comm_secs, mut calls) = group.stats().snapshot();
+    for g in subgroups {
+        let (b, s, c) = g.stats().snapshot();
+        (bytes, comm_secs, calls) = (bytes + b, comm_secs + s, calls + c);
+    }
     let peak = peak_rss_mib();
     let share = 100.0 * comm_secs / train_secs.max(1e-9);
     let line = format!(
@@ -138,6 +146,34 @@ pub fn rank_usage(group: &crate::comm::ProcessGroup, train_secs: f64) -> (String
     let record = serde_json::json!({
         "event": "rank_usage", "rank": group.rank(), "world": group.world(), "peak_rss_mib": peak,
         "comm_bytes": bytes, "comm_secs": comm_secs, "comm_calls": calls, "train_secs": train_secs,
+    });
+    (line, record)
+}
+
+/// What this rank sent per iteration inside its tensor-parallel group (the activations' and
+/// their gradients' all-reduces in every layer) and its data-parallel group (the gradients),
+/// over `iterations` iterations: the two kinds of traffic Megatron's layout trades.
+pub fn parallel_traffic(
+    tp: &crate::comm::ProcessGroup,
+    dp: &crate::comm::ProcessGroup,
+    iterations: u64,
+) -> (String, serde_json::Value) {
+    let per_iteration = |g: &crate::comm::ProcessGroup| {
+        let (bytes, secs, calls) = g.stats().snapshot();
+        let n = iterations.max(1) as f64;
+        (bytes as f64 / n, secs / n, calls as f64 / n)
+    };
+    let ((tp_bytes, tp_secs, tp_calls), (dp_bytes, dp_secs, dp_calls)) = (per_iteration(tp), per_iteration(dp));
+    let mib = |b: f64| b / (1024.0 * 1024.0);
+    let line = format!(
+        "sent per iteration: tensor parallel {:.2} MiB in {tp_calls:.0} collectives ({tp_secs:.3} s), data parallel {:.2} MiB in {dp_calls:.0} collectives ({dp_secs:.3} s)",
+        mib(tp_bytes),
+        mib(dp_bytes)
+    );
+    let record = serde_json::json!({
+        "event": "parallel_traffic", "iterations": iterations,
+        "tp_bytes_per_iteration": tp_bytes, "tp_calls_per_iteration": tp_calls, "tp_secs_per_iteration": tp_secs,
+        "dp_bytes_per_iteration": dp_bytes, "dp_calls_per_iteration": dp_calls, "dp_secs_per_iteration": dp_secs,
     });
     (line, record)
 }

@@ -8,6 +8,7 @@ pub mod metrics;
 pub mod optim;
 pub mod precision;
 pub mod schedule;
+pub mod tensor_parallel;
 pub mod train_step;
 pub mod trainer;
 pub mod zero;

@@ -3,7 +3,9 @@
 //! `is_gradient_accumulation_boundary`, counted over the whole run, not per epoch), then are
 //! clipped by their global norm and applied by AdamW at the scheduled learning rate.
 
+use crate::comm::ProcessGroup;
 use crate::model::params::ParamStore;
+use crate::tensor_parallel::shard::grad_norm_squared;
 use crate::training::metrics::Metrics;
 use crate::training::optim::{clip_to_norm, global_grad_norm, AdamW, AdamWConfig, GradAccumulator};
 use crate::training::precision::{has_overflow, Dtype, LossScaler, LossScaling, Precision, ScaleUpdate};
@@ -15,6 +17,7 @@ use candle_core::Tensor;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use std::rc::Rc;
+use std::sync::Arc;
 
 /// What one optimizer step did.
 #[derive(Clone, Copy, Debug)]
@@ -84,6 +87,9 @@ pub struct Trainer {
     grad_shard: Option<Tensor>,
     /// ZeRO stage 3: the sharded model, which holds the master shard and the gradient shard.
     zero3: Option<Rc<ShardedModel>>,
+    /// Tensor parallelism: the TP group and the parameters' names (which say how each is cut),
+    /// for the global gradient norm over the ranks' slices.
+    tp: Option<(Arc<ProcessGroup>, Vec<String>)>,
 }
 
 impl Trainer {
@@ -111,6 +117,7 @@ impl Trainer {
             dp: None,
             grad_shard: None,
             zero3: None,
+            tp: None,
         })
     }
 
@@ -143,6 +150,7 @@ impl Trainer {
             dp: None,
             grad_shard: None,
             zero3: Some(model),
+            tp: None,
         }
     }
 
@@ -155,6 +163,16 @@ impl Trainer {
                 self.optimizer.keep_only(&partition.ranges(dp.group.rank()));
             }
             self.dp = Some((dp, partition));
+        }
+        self
+    }
+
+    /// Trains this rank's slices of a model split over `tp` (tensor parallelism; `params` are the
+    /// trained slices): the gradient norm that clipping and the fp16 overflow check read is the
+    /// whole model's. ZeRO stages above 0 do not combine with it yet (the callers refuse them).
+    pub fn with_tensor_parallel(mut self, tp: Arc<ProcessGroup>, params: &ParamStore) -> Self {
+        if tp.world() > 1 {
+            self.tp = Some((tp, params.names.clone()));
         }
         self
     }
@@ -321,8 +339,9 @@ impl Trainer {
         }
         self.pending = 0;
         self.boundaries += 1;
-        let grad_norm = match (&gradients, self.group()) {
-            (Gradients::Shard(shard), Some(group)) => zero::sharded_grad_norm(group, shard)?,
+        let grad_norm = match (&gradients, self.group(), &self.tp) {
+            (Gradients::Shard(shard), Some(group), _) => zero::sharded_grad_norm(group, shard)?,
+            (Gradients::Full(grads), _, Some((tp, names))) => grad_norm_squared(names, grads, tp)?.sqrt(),
             _ => global_grad_norm(gradients.tensors_mut())?,
         };
         let overflow = !grad_norm.is_finite();

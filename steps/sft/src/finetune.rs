@@ -185,7 +185,7 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
     metrics.finish();
     // Before saving, which gathers the model under ZeRO-3: what training itself used.
     if world > 1 {
-        let (line, record) = hybrid_engine::training::metrics::rank_usage(&group, train_secs);
+        let (line, record) = hybrid_engine::training::metrics::rank_usage(&group, &[], train_secs);
         println!("{line}");
         metrics.record(record)?;
     }

@@ -14,6 +14,8 @@ use hybrid_engine::kernels::ops::DropoutKey;
 use hybrid_engine::model::gpt2::{Dropout, Positions};
 use hybrid_engine::training::memory::MemoryPlan;
 use hybrid_engine::training::metrics::{peak_rss_mib, Metrics};
+use hybrid_engine::training::optim::AdamW;
+use hybrid_engine::training::tensor_parallel::{data_group, TensorParallel};
 use hybrid_engine::training::train_step::{Backward, TrainedModel};
 use hybrid_engine::training::trainer::{Trainer, TrainerProgress};
 use hybrid_engine::training::zero3::ShardedModel;
@@ -75,7 +77,18 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     let cfg = args.pretrain_config()?;
     let device = hybrid_engine::device::parse_device(&args.device)?;
     let group = args.dist.join()?;
-    let (rank, world) = (group.rank(), group.world());
+    // Tensor parallelism: the ranks of a TP group train on the same data, so the data is split
+    // over the data-parallel group (the whole world without TP).
+    let tp_size = args.tensor_model_parallel_size as usize;
+    if tp_size > 1 && args.zero_stage > 0 {
+        bail!(
+            "--tensor-model-parallel-size {tp_size} runs with --zero-stage 0 so far (ZeRO {} across the data-parallel groups is not implemented yet): use --zero-stage 0",
+            args.zero_stage
+        );
+    }
+    let tp = TensorParallel::new(&group, tp_size)?;
+    let data_group = data_group(&group, tp.as_ref());
+    let (rank, world) = (data_group.rank(), data_group.world());
     let accumulation = args.gradient_accumulation(world)?;
     println!("device: {}", hybrid_engine::device::describe(&device));
 
@@ -182,10 +195,19 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     }
     // Forward and backward run on a copy in the compute dtype (the masters themselves in fp32);
     // the trainer accumulates, unscales, checks and applies the gradients to the fp32 masters.
+    // Under tensor parallelism the masters are this rank's slices.
     let precision = args.precision.precision();
-    let dp = args.dist.data_parallel_with_stage3(&group, args.zero_stage)?;
+    let dp = args.dist.data_parallel_with_stage3(&data_group, args.zero_stage)?;
+    let whole_names = params.names.clone();
+    let params = match &tp {
+        Some(tp) => {
+            println!("{}", tp.describe());
+            tp.slice(&params, &model_cfg)?
+        }
+        None => params,
+    };
     let (model, mut trainer) = if dp.shards_parameters() {
-        let mut sharded = ShardedModel::new(group.clone(), &model_cfg, &params, precision.dtype.dtype())?;
+        let mut sharded = ShardedModel::new(data_group.clone(), &model_cfg, &params, precision.dtype.dtype())?;
         sharded.fp32_loss = precision.fp32_loss;
         let sharded = Rc::new(sharded);
         let (adam, schedule, scaling) = (cfg.adam.clone(), cfg.schedule.clone(), args.precision.loss_scaling());
@@ -194,18 +216,36 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
         (TrainedModel::Sharded(sharded), trainer)
     } else {
         let compute = params.compute_copy(precision.dtype.dtype())?;
-        let mut model = compute.model(&model_cfg)?;
+        let mut model = match &tp {
+            Some(tp) => tp.model(&compute, &model_cfg)?,
+            None => compute.model(&model_cfg)?,
+        };
         model.fp32_loss = precision.fp32_loss;
-        let trainer = Trainer::new(&params, cfg.adam.clone(), cfg.schedule.clone(), accumulation, args.clip_grad)?
+        let mut trainer = Trainer::new(&params, cfg.adam.clone(), cfg.schedule.clone(), accumulation, args.clip_grad)?
             .with_precision(precision, &compute, args.precision.loss_scaling())
             .with_data_parallel(dp);
+        if let Some(tp) = &tp {
+            trainer = trainer.with_tensor_parallel(tp.tp().clone(), &params);
+        }
         (TrainedModel::lm(model), trainer)
     };
     // A checkpoint holds the whole optimizer state, so it loads into any world size or stage:
     // each rank keeps its shard of the moments.
     if let Some(r) = &resume {
-        let numels: Vec<usize> = params.vars.iter().map(|v| v.elem_count()).collect();
-        r.optimizer.restore(&mut trainer.optimizer, &params.names, &numels)?;
+        match &tp {
+            // The checkpoint holds whole moments: restore them whole, then keep this rank's slices.
+            Some(tp) => {
+                let numels = tp.whole_numels(&params, &model_cfg);
+                let ranges = numels.iter().map(|&n| 0..n).collect();
+                let mut whole = AdamW::over_ranges(cfg.adam.clone(), &whole_names, ranges);
+                r.optimizer.restore(&mut whole, &whole_names, &numels)?;
+                tp.slice_optimizer(&whole, &params, &mut trainer.optimizer, &model_cfg)?;
+            }
+            None => {
+                let numels: Vec<usize> = params.vars.iter().map(|v| v.elem_count()).collect();
+                r.optimizer.restore(&mut trainer.optimizer, &params.names, &numels)?
+            }
+        }
         trainer.optimizer.step = r.optimizer_step;
         let progress =
             r.progress.clone().unwrap_or(TrainerProgress { boundaries: start, forced_skips: 0, scaler: None });
@@ -224,7 +264,7 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
         println!("compute dtype: {} (fp32 master weights and Adam moments)", precision.dtype.name());
     }
 
-    let mut metrics = Metrics::for_rank(rank, &args.output_dir, args.train_iters, start)?;
+    let mut metrics = Metrics::for_rank(group.rank(), &args.output_dir, args.train_iters, start)?;
     let eval_batches = data::eval_indices(&valid, args.eval_iters, args.micro_batch_size);
     let samples_per_iter = layout.global_batch();
     let tokens_per_iter = (samples_per_iter * args.seq_length) as f64;
@@ -262,7 +302,7 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
         let report = report.context("internal error: an iteration ended without an optimizer step")?;
         // The loss of the global batch: the mean over ranks (each one's is over equal blocks).
         let mut losses = [f64::from(loss)];
-        group.all_reduce_scalars(&mut losses, ReduceOp::Sum)?;
+        data_group.all_reduce_scalars(&mut losses, ReduceOp::Sum)?;
         let loss = (losses[0] / world as f64) as f32;
         let (lr, grad_norm) = (report.lr, report.grad_norm);
         interval_secs += iteration_start.elapsed().as_secs_f64();
@@ -311,7 +351,7 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
         if args.save_interval > 0 && iteration % args.save_interval == 0 {
             let state = trainer_state(iteration, args, &sampler, &cfg, &layout, &trainer);
             if let Some(dir) =
-                save(&group, &cfg.save_dir, &model_cfg, (&masters, &model), &trainer, &state, &tokenizer)?
+                save(&group, &cfg.save_dir, &model_cfg, (&masters, &model, tp.as_ref()), &trainer, &state, &tokenizer)?
             {
                 metrics.println(&format!(" saved checkpoint at iteration {iteration} to {}", dir.display()));
                 summary.checkpoint = Some(dir);
@@ -321,8 +361,16 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     }
     metrics.finish();
     // Before saving, which gathers the model under ZeRO-3: what training itself used.
-    if world > 1 {
-        let (line, record) = hybrid_engine::training::metrics::rank_usage(&group, train_secs);
+    if group.world() > 1 {
+        let subgroups: Vec<&ProcessGroup> = tp.iter().flat_map(|t| [&*t.layout.tp, &*t.layout.dp]).collect();
+        let (line, record) = hybrid_engine::training::metrics::rank_usage(&group, &subgroups, train_secs);
+        println!("{line}");
+        metrics.record(record)?;
+    }
+    if let Some(tp) = &tp {
+        let iterations = summary.iterations - start;
+        let (line, record) =
+            hybrid_engine::training::metrics::parallel_traffic(&tp.layout.tp, &tp.layout.dp, iterations);
         println!("{line}");
         metrics.record(record)?;
     }
@@ -330,7 +378,9 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     let end = summary.iterations;
     if last_saved != Some(end) {
         let state = trainer_state(end, args, &sampler, &cfg, &layout, &trainer);
-        if let Some(dir) = save(&group, &cfg.save_dir, &model_cfg, (&masters, &model), &trainer, &state, &tokenizer)? {
+        if let Some(dir) =
+            save(&group, &cfg.save_dir, &model_cfg, (&masters, &model, tp.as_ref()), &trainer, &state, &tokenizer)?
+        {
             println!(" saved checkpoint at iteration {end} to {}", dir.display());
             summary.checkpoint = Some(dir);
         }
@@ -358,24 +408,38 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
 }
 
 /// Saves a checkpoint (all ranks call this together): each rank writes the optimizer state it
-/// holds, rank 0 the model (under ZeRO-3 gathered from every rank's shard). No rank runs ahead
-/// of a checkpoint that a restart would resume from. Returns the directory on rank 0.
+/// holds, rank 0 the model (under ZeRO-3 gathered from every rank's shard, under tensor
+/// parallelism from every TP rank's slices, with the optimizer's moments: a checkpoint is
+/// always consolidated, so any layout resumes it). No rank runs ahead of a checkpoint that a
+/// restart would resume from. Returns the directory on rank 0.
 fn save(
     group: &ProcessGroup,
     save_dir: &std::path::Path,
     model_cfg: &hybrid_engine::Gpt2Config,
-    (masters, model): (&ParamStore, &TrainedModel),
+    (masters, model, tp): (&ParamStore, &TrainedModel, Option<&TensorParallel>),
     trainer: &Trainer,
     state: &TrainerState,
     tokenizer: &Tokenizer,
 ) -> Result<Option<std::path::PathBuf>> {
-    let (gathered, names, numels) = match model {
-        TrainedModel::Sharded(sharded) => (sharded.gather_params()?, sharded.trained_names(), sharded.trained_numels()),
-        TrainedModel::Whole { .. } => (None, &masters.names[..], masters.vars.iter().map(|v| v.elem_count()).collect()),
+    let mut optimizer = &trainer.optimizer;
+    let whole_optimizer: AdamW;
+    let (gathered, names, numels) = match (model, tp) {
+        (TrainedModel::Sharded(sharded), _) => {
+            (sharded.gather_params()?, sharded.trained_names(), sharded.trained_numels())
+        }
+        (TrainedModel::Whole { .. }, Some(tp)) => {
+            let whole = tp.gather(masters, model_cfg)?;
+            whole_optimizer = tp.gather_optimizer(optimizer, masters, model_cfg)?;
+            optimizer = &whole_optimizer;
+            let numels = tp.whole_numels(masters, model_cfg);
+            (Some(whole).filter(|_| group.is_first()), &masters.names[..], numels)
+        }
+        (TrainedModel::Whole { .. }, None) => {
+            (None, &masters.names[..], masters.vars.iter().map(|v| v.elem_count()).collect())
+        }
     };
     let params = gathered.as_ref().or(group.is_first().then_some(masters));
-    let shard =
-        OptimizerShard { optimizer: &trainer.optimizer, names, numels: &numels, sharded: trainer.shards_optimizer() };
+    let shard = OptimizerShard { optimizer, names, numels: &numels, sharded: trainer.shards_optimizer() };
     resume::save_checkpoint_across(group, save_dir, model_cfg, params, shard, state, &|d| {
         tokenizer.save(&d.join("tokenizer.json"))
     })

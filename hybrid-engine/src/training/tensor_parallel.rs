@@ -1,0 +1,208 @@
+//! A tensor-parallel rank's training state: its slices of the fp32 master weights and of the
+//! Adam moments, cut from whole ones (a fresh model, a checkpoint) and put back together for a
+//! save, which is always consolidated, so that any layout resumes it.
+
+use crate::comm::ProcessGroup;
+use crate::model::gpt2::{Gpt2, Gpt2Config};
+use crate::model::params::ParamStore;
+use crate::tensor_parallel::layout::ParallelLayout;
+use crate::tensor_parallel::shard::{check_divides, gather_parameter, shard, split_of, Split};
+use crate::training::optim::AdamW;
+use anyhow::{bail, Result};
+use candle_core::{Device, Tensor};
+use std::sync::Arc;
+
+/// A run whose model is split over tensor-parallel groups: this rank's groups, and how to cut
+/// the whole model (of a given config) into this rank's slices and put it back together.
+pub struct TensorParallel {
+    pub layout: ParallelLayout,
+}
+
+impl TensorParallel {
+    /// The layout of `world` in TP groups of `size` ranks (every rank calls it together), or
+    /// `None` for `size` 1. A size that does not divide the ranks or a node's ranks is one line.
+    pub fn new(world: &ProcessGroup, size: usize) -> Result<Option<Self>> {
+        if size <= 1 {
+            return Ok(None);
+        }
+        Ok(Some(Self { layout: ParallelLayout::new(world, size)? }))
+    }
+
+    pub fn size(&self) -> usize {
+        self.layout.tp.world()
+    }
+
+    /// The TP group: the ranks that split each layer with this one.
+    pub fn tp(&self) -> &Arc<ProcessGroup> {
+        &self.layout.tp
+    }
+
+    /// The log line that says how the ranks are laid out.
+    pub fn describe(&self) -> String {
+        format!("tensor parallel: {} ranks per layer, {} data-parallel groups", self.size(), self.layout.dp.world())
+    }
+
+    /// This rank's slices of the whole model `whole` of config `cfg` (fp32 masters). A model
+    /// whose heads or MLP width the TP size does not divide, or with LoRA adapters, is refused.
+    pub fn slice(&self, whole: &ParamStore, cfg: &Gpt2Config) -> Result<ParamStore> {
+        check_divides(cfg.n_head, cfg.inner_dim(), self.size())?;
+        if whole.lora_scaling().is_some() {
+            bail!("LoRA adapters do not combine with --tensor-model-parallel-size above 1 yet: use --lora-dim 0 or --tensor-model-parallel-size 1");
+        }
+        shard_params(whole, self.layout.tp.rank(), self.size())
+    }
+
+    /// The whole model from every TP rank's slices `local` (a collective over the TP group).
+    pub fn gather(&self, local: &ParamStore, cfg: &Gpt2Config) -> Result<ParamStore> {
+        gather_params(local, cfg.vocab_size, &self.layout.tp)
+    }
+
+    /// The whole optimizer from every TP rank's `local` one over the slices `params`.
+    pub fn gather_optimizer(&self, local: &AdamW, params: &ParamStore, cfg: &Gpt2Config) -> Result<AdamW> {
+        gather_optimizer(local, params, cfg.vocab_size, &self.layout.tp)
+    }
+
+    /// Fills `local`, an optimizer over this rank's slices `params`, from `whole`, one over the
+    /// whole parameters.
+    pub fn slice_optimizer(
+        &self,
+        whole: &AdamW,
+        params: &ParamStore,
+        local: &mut AdamW,
+        cfg: &Gpt2Config,
+    ) -> Result<()> {
+        shard_optimizer(whole, params, local, (self.layout.tp.rank(), self.size()), cfg.vocab_size)
+    }
+
+    /// The element counts of the whole parameters of which `local` holds this rank's slices.
+    pub fn whole_numels(&self, local: &ParamStore, cfg: &Gpt2Config) -> Vec<usize> {
+        let shapes = local.iter().map(|(name, var)| whole_shape(name, var.dims(), self.size(), cfg.vocab_size));
+        shapes.map(|s| s.iter().product()).collect()
+    }
+
+    /// This rank's model over its slices `local` (in the compute dtype).
+    pub fn model(&self, local: &ParamStore, cfg: &Gpt2Config) -> Result<Gpt2> {
+        local.model_tensor_parallel(cfg, &self.layout.tp)
+    }
+}
+
+/// The shape of the whole parameter `name` of which a rank of `ranks` holds a slice of shape
+/// `local`; `vocab` rows for the embedding (its TP padding dropped).
+pub fn whole_shape(name: &str, local: &[usize], ranks: usize, vocab: usize) -> Vec<usize> {
+    let mut shape = local.to_vec();
+    match split_of(name) {
+        Split::Whole => {}
+        Split::Columns { .. } => *shape.last_mut().expect("a sliced parameter has a dimension") *= ranks,
+        Split::Rows => shape[0] *= ranks,
+        Split::VocabRows => shape[0] = vocab,
+    }
+    shape
+}
+
+/// The group a run's data is split over: the data-parallel group under tensor parallelism, else
+/// every rank.
+pub fn data_group(world: &Arc<ProcessGroup>, tp: Option<&TensorParallel>) -> Arc<ProcessGroup> {
+    tp.map_or_else(|| world.clone(), |t| t.layout.dp.clone())
+}
+
+/// Rank `rank`'s slices of `whole`'s parameters (same names and order), as fresh fp32 masters.
+pub fn shard_params(whole: &ParamStore, rank: usize, ranks: usize) -> Result<ParamStore> {
+    let mut local = ParamStore::default();
+    for (name, var) in whole.iter() {
+        local.push(name, &shard(var.as_tensor(), split_of(name), rank, ranks)?)?;
+    }
+    Ok(local)
+}
+
+/// The whole parameters from every rank's slices `local` (a collective over `tp`), the
+/// embedding cut to `vocab` rows (the TP padding dropped).
+pub fn gather_params(local: &ParamStore, vocab: usize, tp: &ProcessGroup) -> Result<ParamStore> {
+    let mut whole = ParamStore::default();
+    for (name, var) in local.iter() {
+        whole.push(name, &gather_parameter(name, var.as_tensor(), vocab, tp)?)?;
+    }
+    Ok(whole)
+}
+
+/// The whole optimizer from every rank's `local` one over the slices `params` (a collective
+/// over `tp`): what a consolidated checkpoint saves.
+pub fn gather_optimizer(local: &AdamW, params: &ParamStore, vocab: usize, tp: &ProcessGroup) -> Result<AdamW> {
+    let (mut m, mut v) = (Vec::new(), Vec::new());
+    for (i, (name, var)) in params.iter().enumerate() {
+        let (mi, vi) = local.held_moments(i);
+        for (moments, out) in [(mi, &mut m), (vi, &mut v)] {
+            let slice = Tensor::from_slice(moments, var.shape(), &Device::Cpu)?;
+            out.push(gather_parameter(name, &slice, vocab, tp)?.flatten_all()?.to_vec1::<f32>()?);
+        }
+    }
+    let mut whole = local.clone();
+    whole.set_full_moments(m, v);
+    Ok(whole)
+}
+
+/// Puts rank `rank`'s slices of the moments of `whole` (an optimizer over the whole parameters)
+/// into `local`, one over this rank's slices `params` (of a model of `vocab` rows).
+pub fn shard_optimizer(
+    whole: &AdamW,
+    params: &ParamStore,
+    local: &mut AdamW,
+    (rank, ranks): (usize, usize),
+    vocab: usize,
+) -> Result<()> {
+    let (mut m, mut v) = (Vec::new(), Vec::new());
+    for (i, (name, var)) in params.iter().enumerate() {
+        let (mi, vi) = whole.held_moments(i);
+        let shape = whole_shape(name, var.dims(), ranks, vocab);
+        for (moments, out) in [(mi, &mut m), (vi, &mut v)] {
+            let t = Tensor::from_slice(moments, shape.as_slice(), &Device::Cpu)?;
+            out.push(shard(&t, split_of(name), rank, ranks)?.flatten_all()?.to_vec1::<f32>()?);
+        }
+    }
+    local.set_full_moments(m, v);
+    local.step = whole.step;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::comm::on_groups;
+    use crate::model::gpt2::Gpt2Config;
+    use crate::training::optim::AdamWConfig;
+
+    /// Weights and moments cut over 2 ranks and gathered back are the whole ones.
+    #[test]
+    fn sliced_weights_and_moments_gather_back_whole() -> Result<()> {
+        let cfg = Gpt2Config { n_layer: 1, n_embd: 8, n_head: 2, n_positions: 8, vocab_size: 20, ..Gpt2Config::tiny() };
+        let whole = ParamStore::init(&cfg, 5, &Device::Cpu)?;
+        let mut optimizer = AdamW::new(AdamWConfig::default(), &whole)?;
+        let fake = |p: &ParamStore| -> Vec<Vec<f32>> {
+            p.vars
+                .iter()
+                .map(|v| v.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x * 3.0).collect())
+                .collect()
+        };
+        optimizer.set_full_moments(
+            fake(&whole),
+            fake(&whole).into_iter().map(|m| m.iter().map(|x| x * x).collect()).collect(),
+        );
+        optimizer.step = 7;
+        for res in on_groups(2, |tp| {
+            let local = shard_params(&whole, tp.rank(), 2)?;
+            let mut local_opt = AdamW::new(AdamWConfig::default(), &local)?;
+            shard_optimizer(&optimizer, &local, &mut local_opt, (tp.rank(), 2), cfg.vocab_size)?;
+            let params = gather_params(&local, cfg.vocab_size, &tp)?;
+            let opt = gather_optimizer(&local_opt, &local, cfg.vocab_size, &tp)?;
+            Ok((params, opt))
+        }) {
+            let (params, opt) = res?;
+            assert_eq!(opt.step, 7);
+            for (i, ((name, a), b)) in params.iter().zip(&whole.vars).enumerate() {
+                assert_eq!(a.dims(), b.dims(), "{name}");
+                assert_eq!(a.flatten_all()?.to_vec1::<f32>()?, b.flatten_all()?.to_vec1::<f32>()?, "{name}");
+                assert_eq!(opt.held_moments(i), optimizer.held_moments(i), "{name}");
+            }
+        }
+        Ok(())
+    }
+}
