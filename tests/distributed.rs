@@ -303,6 +303,14 @@ fn bad_tensor_parallel_layouts_are_one_line_each() {
             assert_eq!(err.lines().count(), 1, "{flags}, rank {r}: one line: {err}");
         }
     }
+    // The steps that do not split their models yet refuse the flag rather than ignore it.
+    for (step, what) in [("reward", "step 2"), ("ppo", "step 3")] {
+        let a = args("--tensor-model-parallel-size 2 --device cpu");
+        let out = wait(start_rank(dir.path(), step, 0, 1, 0, &a), Duration::from_secs(60));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(&format!("not supported in {what}")), "{step}: {err}");
+        assert_eq!(err.lines().count(), 1, "{step}: one line: {err}");
+    }
 }
 
 /// A checkpoint directory holding only `out`'s checkpoint of `iteration`, as if the run had
@@ -408,6 +416,40 @@ fn sft_on_2_ranks_matches_one_rank_at_every_zero_stage() {
         let out = dir.path().join(format!("w2-s{stage}"));
         run_ranks(dir.path(), "sft", 2, &sft_args(&out, 4, stage));
         assert_same_weights(&out, &single, 1e-5, 0.0, &format!("SFT on 2 ranks, stage {stage}"));
+    }
+}
+
+/// The eval perplexities (before training, after each epoch) of a step-1 run.
+fn sft_perplexities(out: &Path) -> Vec<f64> {
+    let text = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let end: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
+    end["summary"]["perplexity"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect()
+}
+
+/// Step 1 with the tiny model's 4 heads split over 2 ranks, alone and as 2 x 2 ranks: the
+/// one-rank run's weights and perplexities, and one consolidated HF model directory.
+#[test]
+fn sft_with_tensor_parallelism_matches_one_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let single = dir.path().join("single");
+    run_ranks(dir.path(), "sft", 1, &sft_args(&single, 8, 0));
+    let expected = sft_perplexities(&single);
+    assert_eq!(expected.len(), 2);
+    for (world, per_device) in [(2, 8), (4, 4)] {
+        let out = dir.path().join(format!("tp2-w{world}"));
+        let mut a = sft_args(&out, per_device, 0);
+        a.extend(args("--tensor-model-parallel-size 2"));
+        let outs = run_ranks(dir.path(), "sft", world, &a);
+        let log = String::from_utf8_lossy(&outs[0].stdout);
+        let what = format!("SFT at TP=2 x DP={}", world / 2);
+        assert!(
+            log.contains(&format!("tensor parallel: 2 ranks per layer, {} data-parallel groups", world / 2)),
+            "{log}"
+        );
+        assert_same_weights(&out, &single, 1e-5, 0.0, &what);
+        for (a, b) in sft_perplexities(&out).iter().zip(&expected) {
+            assert!((a - b).abs() <= 1e-5 * b, "{what}: perplexity {a} vs {b}");
+        }
     }
 }
 

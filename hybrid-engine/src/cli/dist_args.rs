@@ -3,6 +3,7 @@
 //! (`comm::env`), set by our launcher, torchrun or SLURM.
 
 use crate::comm::{ProcessGroup, RankEnv};
+use crate::training::tensor_parallel::TensorParallel;
 use crate::training::zero::{DataParallel, DEFAULT_BUCKET};
 use anyhow::{bail, Result};
 use clap::Args;
@@ -23,6 +24,11 @@ pub struct DistArgs {
     /// DS-Chat's scripts.
     #[arg(long)]
     pub offload: bool,
+    /// Megatron's tensor parallelism: every layer split over this many consecutive ranks (on one
+    /// node; it must divide the attention heads), the ranks forming TP x DP groups; batch sizes
+    /// are per data-parallel rank. With ZeRO stage 0 so far; pretraining and step 1.
+    #[arg(long, default_value_t = 1, aliases = ["tensor_model_parallel_size", "tp-size", "tp_size"], value_parser = clap::value_parser!(u64).range(1..))]
+    pub tensor_model_parallel_size: u64,
 }
 
 impl DistArgs {
@@ -33,6 +39,28 @@ impl DistArgs {
         let flags: Vec<String> = std::env::args().skip(1).collect();
         let group = ProcessGroup::init(env, Duration::from_secs(self.dist_timeout), &flags.join("\0"))?;
         Ok(Arc::new(group))
+    }
+
+    /// The tensor-parallel layout of `world` (`None` without `--tensor-model-parallel-size`),
+    /// refused with ZeRO stages above 0 (`stage`), which do not combine with it yet.
+    pub fn tensor_parallel(&self, world: &ProcessGroup, stage: u8) -> Result<Option<TensorParallel>> {
+        let size = self.tensor_model_parallel_size as usize;
+        if size > 1 && stage > 0 {
+            bail!(
+                "--tensor-model-parallel-size {size} runs with --zero-stage 0 so far (ZeRO {stage} across the data-parallel groups is not implemented yet): use --zero-stage 0"
+            );
+        }
+        TensorParallel::new(world, size)
+    }
+
+    /// Refuses `--tensor-model-parallel-size` in a step that does not split its models yet.
+    pub fn refuse_tensor_parallel(&self, step: &str) -> Result<()> {
+        if self.tensor_model_parallel_size > 1 {
+            bail!(
+                "--tensor-model-parallel-size is not supported in {step} yet (pretraining and step 1 only): use --tensor-model-parallel-size 1"
+            );
+        }
+        Ok(())
     }
 
     /// Data parallelism over `group` at ZeRO `stage`, with a line saying what it does.

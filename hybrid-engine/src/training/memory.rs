@@ -61,6 +61,8 @@ pub struct ActivationShape {
     pub accumulating: bool,
     /// LoRA adapters on the blocks' linears (`--lora-dim` above 0).
     pub lora: bool,
+    /// Tensor-parallel ranks splitting each layer (1: none).
+    pub tp: usize,
 }
 
 /// What one micro-batch of B x T tokens allocates beyond the weights, their compute copy, the
@@ -100,6 +102,9 @@ pub struct ActivationShape {
 /// Computed in f64, exact for every size below 2^53 bytes, so that an absurd batch size
 /// saturates at `u64::MAX` (and is refused by [`check_plan_fits`]) instead of overflowing.
 pub fn activation_bytes(a: &ActivationShape) -> u64 {
+    if a.tp > 1 {
+        return megatron_activation_bytes(a) as u64;
+    }
     let (b, t) = (a.b as f64, a.t as f64);
     let (n, c, l) = (b * t, a.cfg.n_embd as f64, a.cfg.n_layer as f64);
     let v = if a.lm_head { a.cfg.vocab_size as f64 } else { 0.0 };
@@ -144,6 +149,24 @@ pub fn activation_bytes(a: &ActivationShape) -> u64 {
     bytes as u64
 }
 
+/// Activation memory under T-way tensor parallelism, by Megatron's formula (Korthikanti et al.
+/// 2022, "Reducing Activation Recomputation in Large Transformer Models", without sequence
+/// parallelism): per layer s b h (10 + 24/T + 5 a s / (h T)) bytes for 16-bit activations (the
+/// 10 s b h are the LayerNorms' inputs, the residual dropout masks and the inputs of the
+/// column-parallel linears, which every rank keeps whole); with full recomputation each layer
+/// keeps only its input (2 s b h) and one layer is rebuilt in backward; the cross-entropy's fp32
+/// logits add 4 s b v / T. Scaled to the compute dtype's size (f32 doubles the 16-bit terms).
+fn megatron_activation_bytes(a: &ActivationShape) -> f64 {
+    let (s, b, h) = (a.t as f64, a.b as f64, a.cfg.n_embd as f64);
+    let (heads, layers, t) = (a.cfg.n_head as f64, a.cfg.n_layer as f64, a.tp as f64);
+    let scale = a.dtype_bytes as f64 / 2.0;
+    let layer = s * b * h * (10.0 + 24.0 / t + 5.0 * heads * s / (h * t)) * scale;
+    let blocks = if a.checkpoint { layers * 2.0 * s * b * h * scale + layer } else { layers * layer };
+    let vocab = crate::tensor_parallel::vocab::padded_vocab_size(a.cfg.vocab_size, a.tp) as f64;
+    let head = if a.lm_head { 4.0 * s * b * vocab / t } else { 0.0 };
+    blocks + head
+}
+
 pub struct MemoryPlan {
     pub parameters: usize,
     pub param_bytes: u64,
@@ -155,6 +178,8 @@ pub struct MemoryPlan {
     device_is_cpu: bool,
     /// Data parallelism: (ZeRO stage, ranks); the byte counts above are per rank.
     pub zero: Option<(u8, usize)>,
+    /// Tensor parallelism: (ranks per layer, parameters held by each).
+    pub tensor_parallel: Option<(usize, usize)>,
 }
 
 impl MemoryPlan {
@@ -180,9 +205,11 @@ impl MemoryPlan {
                 trainable: parameters,
                 accumulating: false,
                 lora: false,
+                tp: 1,
             },
             device_is_cpu: true,
             zero: None,
+            tensor_parallel: None,
         }
     }
 
@@ -207,6 +234,40 @@ impl MemoryPlan {
             self.activations.checkpoint = true;
         }
         self.zero = Some((stage, world));
+        self
+    }
+
+    /// Tensor parallelism over `ranks` ranks per layer: each holds its slices of the split
+    /// parameters (the vocabulary padded to 128 x T rows) and the replicated ones whole, with
+    /// their gradients, moments and compute copy; activations by Megatron's formula (see
+    /// [`megatron_activation_bytes`]). Call after [`Self::with_parameters`] and
+    /// [`Self::with_compute_dtype`], before [`Self::with_data_parallel`].
+    pub fn with_tensor_parallel(mut self, ranks: usize) -> Self {
+        if ranks <= 1 {
+            return self;
+        }
+        use crate::tensor_parallel::shard::{split_of, Split};
+        let cfg = &self.activations.cfg;
+        let padded = crate::tensor_parallel::vocab::padded_vocab_size(cfg.vocab_size, ranks);
+        let held: usize = crate::model::params::parameter_shapes(cfg)
+            .iter()
+            .map(|(name, shape)| match split_of(name) {
+                Split::Whole => shape.iter().product(),
+                Split::VocabRows => padded * shape[1] / ranks,
+                _ => shape.iter().product::<usize>() / ranks,
+            })
+            .sum();
+        // Whatever is not in the GPT-2 inventory (a score head) stays whole.
+        let held = held + self.parameters.saturating_sub(parameter_count(cfg));
+        let per_param = |bytes: u64| bytes / self.parameters.max(1) as u64 * held as u64;
+        (self.param_bytes, self.grad_bytes, self.adam_bytes, self.compute_copy_bytes) = (
+            per_param(self.param_bytes),
+            per_param(self.grad_bytes),
+            per_param(self.adam_bytes),
+            per_param(self.compute_copy_bytes),
+        );
+        self.activations.tp = ranks;
+        self.tensor_parallel = Some((ranks, held));
         self
     }
 
@@ -290,6 +351,13 @@ impl MemoryPlan {
             ),
             None => String::new(),
         };
+        let per_rank = match self.tensor_parallel {
+            Some((ranks, held)) => format!(
+                "{per_rank}tensor parallel over {ranks} ranks: {:.2}M parameters per rank, activations by Megatron's formula\n",
+                held as f64 / 1e6
+            ),
+            None => per_rank,
+        };
         format!(
             "{per_rank}parameters: {:.2}M\nallocating {:.1} MiB for parameters (f32)\nallocating {:.1} MiB for gradients\nallocating {:.1} MiB for AdamW m and v\n{}estimated {:.1} MiB for activations per micro-batch\nestimated total {:.1} MiB",
             self.parameters as f64 / 1e6,
@@ -341,6 +409,7 @@ mod tests {
                 trainable: plan.parameters,
                 accumulating: true,
                 lora: false,
+                tp: 1,
             };
             let (full, ckpt) = (activation_bytes(&shape(false)), activation_bytes(&shape(true)));
             assert!(
@@ -362,6 +431,16 @@ mod tests {
         );
         let scored = MemoryPlan::new(&cfg, 2, 64, false).with_score_head();
         assert!(scored.activation_bytes() < plan.activation_bytes(), "a score head keeps no logits");
+        let split = MemoryPlan::new(&cfg, 2, 64, false).with_tensor_parallel(2);
+        let (_, held) = split.tensor_parallel.unwrap();
+        // tiny: C = 128, 4 layers, 256 positions; the vocabulary 50257 padded to 50432 rows.
+        let (c, l) = (128, 4);
+        let whole = 256 * c + l * (4 * c + 2 * c) + 2 * c; // wpe, LayerNorms, c_proj biases, ln_f
+        let sliced = 50432 * c + l * (c * 3 * c + 3 * c + c * c + c * 4 * c + 4 * c + 4 * c * c);
+        assert_eq!(held, whole + sliced / 2);
+        assert_eq!(split.param_bytes, 4 * held as u64);
+        let four = MemoryPlan::new(&cfg, 2, 64, false).with_tensor_parallel(4);
+        assert!(four.activation_bytes() < split.activation_bytes(), "more ranks split more of each layer");
         let accumulating = MemoryPlan::new(&cfg, 2, 64, false).with_gradient_accumulation(2);
         assert_eq!(
             accumulating.activation_bytes() - plan.activation_bytes(),

@@ -166,7 +166,7 @@ pub fn parallel_traffic(
     let ((tp_bytes, tp_secs, tp_calls), (dp_bytes, dp_secs, dp_calls)) = (per_iteration(tp), per_iteration(dp));
     let mib = |b: f64| b / (1024.0 * 1024.0);
     let line = format!(
-        "sent per iteration: tensor parallel {:.2} MiB in {tp_calls:.0} collectives ({tp_secs:.3} s), data parallel {:.2} MiB in {dp_calls:.0} collectives ({dp_secs:.3} s)",
+        "sent per training step: tensor parallel {:.2} MiB in {tp_calls:.0} collectives ({tp_secs:.3} s), data parallel {:.2} MiB in {dp_calls:.0} collectives ({dp_secs:.3} s)",
         mib(tp_bytes),
         mib(dp_bytes)
     );

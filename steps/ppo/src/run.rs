@@ -105,6 +105,7 @@ fn schedule(args: &PpoArgs, lr: f64, total: u64) -> LrSchedule {
 pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
     args.validate()?;
     let device = hybrid_engine::device::parse_device(&args.device)?;
+    args.dist.refuse_tensor_parallel("step 3 (ppo)")?;
     let group = args.dist.join()?;
     let (rank, world) = (group.rank(), group.world());
     println!("device: {}", hybrid_engine::device::describe(&device));

@@ -61,6 +61,7 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
     t.validate(lr)?;
     args.data.refuse_sft_only_data("the reward model's step 2")?;
     let device = t.device()?;
+    t.dist.refuse_tensor_parallel("step 2 (reward)")?;
     let group = t.dist.join()?;
     let (rank, world) = (group.rank(), group.world());
     println!("device: {}", hybrid_engine::device::describe(&device));

@@ -12,12 +12,13 @@ use data::batch::{rank_micro_batches, sft_batch, SftBatch};
 use data::phases::SftSample;
 use data::Tokenizer;
 use hybrid_engine::cli::step_args::starting_model;
-use hybrid_engine::comm::ReduceOp;
+use hybrid_engine::comm::{ProcessGroup, ReduceOp};
 use hybrid_engine::kernels::ops::DropoutKey;
 use hybrid_engine::model::gpt2::{Dropout, Positions};
 use hybrid_engine::model::reward_model::causal_lm_config;
 use hybrid_engine::training::memory::MemoryPlan;
 use hybrid_engine::training::metrics::{peak_rss_mib, Metrics};
+use hybrid_engine::training::tensor_parallel::data_group;
 use hybrid_engine::training::train_step::{Backward, TrainedModel};
 use hybrid_engine::training::trainer::{total_steps, StepLog, Trainer};
 use hybrid_engine::ParamStore;
@@ -45,7 +46,11 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
     t.validate(lr)?;
     let device = t.device()?;
     let group = t.dist.join()?;
-    let (rank, world) = (group.rank(), group.world());
+    // Under tensor parallelism the ranks of a TP group train on the same rows: the data is split
+    // over the data-parallel group (every rank without TP).
+    let tp = t.dist.tensor_parallel(&group, t.zero_stage)?;
+    let data_group = data_group(&group, tp.as_ref());
+    let (rank, world) = (data_group.rank(), data_group.world());
     println!("device: {}", hybrid_engine::device::describe(&device));
     let mut start = starting_model(&t.model_name_or_path, t.seed, t.dropout, &device)?;
     println!("starting model: {}", start.description);
@@ -60,11 +65,21 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
     let data_cfg = args.data.config(t.seed, t.max_seq_len, t.max_seq_len, args.train_on_prompt)?;
     let data = data::phases::sft_data(&data_cfg, &tokenizer)?;
     println!("{}", data.summary);
-    let dp = t.dist.data_parallel_with_stage3(&group, t.zero_stage)?;
+    let dp = t.dist.data_parallel_with_stage3(&data_group, t.zero_stage)?;
     if let Some(line) = t.apply_lora(&mut start.params, &config)? {
         println!("{line}");
     }
     let params = std::mem::take(&mut start.params);
+    // prompt_eval (rank 0) compares with the starting weights, which training overwrites in place.
+    let baseline_weights = (args.eval_prompts.is_some() && group.is_first()).then(|| params.copy()).transpose()?;
+    // Tensor parallelism: this rank trains its slices of the weights.
+    let params = match &tp {
+        Some(tp) => {
+            println!("{}", tp.describe());
+            tp.slice(&params, &config)?
+        }
+        None => params,
+    };
     // What the optimizer updates: everything, or with --only-optimize-lora the adapters alone.
     let trainable = params.trainable();
     println!(
@@ -75,13 +90,12 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
             .with_lora(t.lora().is_some())
             .with_compute_dtype(t.precision.dtype.dtype())
             .on_device(&device)
+            .with_tensor_parallel(tp.as_ref().map_or(1, |t| t.size()))
             .with_data_parallel(dp.stage, world)
             .report()
     );
     // Forward and backward run on a copy in the compute dtype (the masters themselves in fp32).
     let precision = t.precision.precision();
-    // prompt_eval (rank 0) compares with the starting weights, which training overwrites in place.
-    let baseline_weights = (args.eval_prompts.is_some() && group.is_first()).then(|| params.copy()).transpose()?;
     // Read now, so a bad prompts file fails before training rather than after it.
     let prompts =
         args.eval_prompts.as_ref().map(|spec| data::prompts::read_prompts(spec, args.num_eval_prompts)).transpose()?;
@@ -89,17 +103,23 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
     let micro_per_epoch = data.train.len().div_ceil(world).div_ceil(t.per_device_train_batch_size);
     let steps = total_steps(micro_per_epoch, t.num_train_epochs, t.gradient_accumulation_steps);
     let (model, mut trainer) = t.trained_model(dp, &config, (&params, &trainable), (lr, steps), |compute| {
-        let mut model = compute.model(&config)?;
+        let mut model = match &tp {
+            Some(tp) => tp.model(compute, &config)?,
+            None => compute.model(&config)?,
+        };
         model.fp32_loss = precision.fp32_loss;
         Ok(TrainedModel::lm(model))
     })?;
+    if let Some(tp) = &tp {
+        trainer = trainer.with_tensor_parallel(tp.tp().clone(), &trainable);
+    }
     trainer.set_lora_learning_rate(&trainable, t.lora_learning_rate);
     // Under ZeRO stage 3 each rank keeps only its shard: the whole model goes now.
     let (params, trainable) = match &model {
         TrainedModel::Whole { .. } => (params, trainable),
         TrainedModel::Sharded(_) => (ParamStore::default(), ParamStore::default()),
     };
-    let mut metrics = Metrics::for_rank(rank, &args.output_dir, steps, 0)?;
+    let mut metrics = Metrics::for_rank(group.rank(), &args.output_dir, steps, 0)?;
     let eos = tokenizer.eos_id();
 
     let mut summary = SftSummary {
@@ -124,7 +144,7 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
             &device,
         )?;
         let mut totals = [sum, tokens as f64];
-        group.all_reduce_scalars(&mut totals, ReduceOp::Sum)?;
+        data_group.all_reduce_scalars(&mut totals, ReduceOp::Sum)?;
         let loss = totals[0] / totals[1].max(1.0);
         let ppl = loss.exp();
         metrics.println(&format!(
@@ -158,14 +178,14 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
             // rank holding all of it would compute: each rank's mean weighs by its share of them.
             let local_tokens = batch.loss_rows.len() as f64;
             let mut tokens = [local_tokens];
-            group.all_reduce_scalars(&mut tokens, ReduceOp::Sum)?;
+            data_group.all_reduce_scalars(&mut tokens, ReduceOp::Sum)?;
             let share = local_tokens * world as f64 / tokens[0].max(1.0);
             let how =
                 Backward { checkpoint_activations: t.gradient_checkpointing, loss_scale: trainer.loss_scale() * share };
             let loss = sft_forward_backward(&model, &batch, Some(&dropout), how, &mut trainer, &device)?;
             // The logged loss is the global micro-batch's.
             let mut sums = [f64::from(loss) * local_tokens];
-            group.all_reduce_scalars(&mut sums, ReduceOp::Sum)?;
+            data_group.all_reduce_scalars(&mut sums, ReduceOp::Sum)?;
             let loss = (sums[0] / tokens[0].max(1.0)) as f32;
             let stepped = trainer.micro_batch_done(&trainable)?;
             train_secs += started.elapsed().as_secs_f64();
@@ -184,8 +204,15 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
     }
     metrics.finish();
     // Before saving, which gathers the model under ZeRO-3: what training itself used.
-    if world > 1 {
-        let (line, record) = hybrid_engine::training::metrics::rank_usage(&group, &[], train_secs);
+    if group.world() > 1 {
+        let subgroups: Vec<&ProcessGroup> = tp.iter().flat_map(|t| [&*t.layout.tp, &*t.layout.dp]).collect();
+        let (line, record) = hybrid_engine::training::metrics::rank_usage(&group, &subgroups, train_secs);
+        println!("{line}");
+        metrics.record(record)?;
+    }
+    if let Some(tp) = &tp {
+        let (line, record) =
+            hybrid_engine::training::metrics::parallel_traffic(&tp.layout.tp, &tp.layout.dp, summary.steps);
         println!("{line}");
         metrics.record(record)?;
     }
@@ -193,7 +220,10 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
     // The held-out comparison is written with the model, in the same atomic save, so the
     // directory never holds a comparison of another run's model. Under ZeRO-3 every rank takes
     // part in gathering the weights.
-    let gathered = model.gather_sharded_params()?;
+    let gathered = match &tp {
+        Some(tp) => Some(tp.gather(&params, &config)?).filter(|_| group.is_first()),
+        None => model.gather_sharded_params()?,
+    };
     if !group.is_first() {
         // Rank 0 saves the model the ranks share and compares it on the prompts.
         group.barrier()?;
@@ -204,9 +234,9 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
         (Some(prompts), Some(weights)) => {
             let baseline = weights.model(&config)?;
             let rebuilt;
-            let tuned = match &model {
-                TrainedModel::Whole { trunk, .. } => &**trunk,
-                TrainedModel::Sharded(_) => {
+            let tuned = match (&model, &tp) {
+                (TrainedModel::Whole { trunk, .. }, None) => &**trunk,
+                _ => {
                     rebuilt = params.model(&config)?;
                     &rebuilt
                 }

@@ -79,14 +79,7 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     let group = args.dist.join()?;
     // Tensor parallelism: the ranks of a TP group train on the same data, so the data is split
     // over the data-parallel group (the whole world without TP).
-    let tp_size = args.tensor_model_parallel_size as usize;
-    if tp_size > 1 && args.zero_stage > 0 {
-        bail!(
-            "--tensor-model-parallel-size {tp_size} runs with --zero-stage 0 so far (ZeRO {} across the data-parallel groups is not implemented yet): use --zero-stage 0",
-            args.zero_stage
-        );
-    }
-    let tp = TensorParallel::new(&group, tp_size)?;
+    let tp = args.dist.tensor_parallel(&group, args.zero_stage)?;
     let data_group = data_group(&group, tp.as_ref());
     let (rank, world) = (data_group.rank(), data_group.world());
     let accumulation = args.gradient_accumulation(world)?;
@@ -135,6 +128,7 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
         .with_gradient_accumulation(accumulation)
         .with_compute_dtype(args.precision.dtype.dtype())
         .on_device(&device)
+        .with_tensor_parallel(tp.as_ref().map_or(1, |t| t.size()))
         .with_data_parallel(args.zero_stage, world);
     hybrid_engine::training::memory::check_plan_fits(&plan, &device)?;
     // What a checkpoint restores beyond the weights: the optimizer state, its step (fewer than

@@ -146,11 +146,6 @@ pub struct PretrainArgs {
     /// the global batch is micro-batch x ranks x accumulation, as Megatron's.
     #[arg(long, default_value_t = 0, alias = "zero_stage")]
     pub zero_stage: u8,
-    /// Megatron's tensor parallelism: every layer split over this many consecutive ranks (on one
-    /// node; it must divide the attention heads), the ranks of the world forming TP x DP
-    /// (--micro-batch-size is per data-parallel rank). With ZeRO stage 0 so far.
-    #[arg(long, default_value_t = 1, aliases = ["tensor_model_parallel_size", "tp-size", "tp_size"], value_parser = clap::value_parser!(u64).range(1..))]
-    pub tensor_model_parallel_size: u64,
     #[command(flatten)]
     pub dist: hybrid_engine::cli::dist_args::DistArgs,
 }
