@@ -407,15 +407,19 @@ fn sft_args_on(split: &str, out: &Path, per_device: usize, stage: u8) -> Vec<Str
     a
 }
 
+/// Global micro-batches of 8 rows on 2 ranks and of 6 on 3 (uneven ZeRO shards), at every stage.
 #[test]
-fn sft_on_2_ranks_matches_one_rank_at_every_zero_stage() {
+fn sft_on_2_and_3_ranks_matches_one_rank_at_every_zero_stage() {
     let dir = tempfile::tempdir().unwrap();
-    let single = dir.path().join("single");
-    run_ranks(dir.path(), "sft", 1, &sft_args(&single, 8, 0));
-    for stage in [0u8, 1, 2, 3] {
-        let out = dir.path().join(format!("w2-s{stage}"));
-        run_ranks(dir.path(), "sft", 2, &sft_args(&out, 4, stage));
-        assert_same_weights(&out, &single, 1e-5, 0.0, &format!("SFT on 2 ranks, stage {stage}"));
+    for (world, per_device) in [(2, 4), (3, 2)] {
+        let rows = world * per_device;
+        let single = dir.path().join(format!("single-{rows}"));
+        run_ranks(dir.path(), "sft", 1, &sft_args(&single, rows, 0));
+        for stage in [0u8, 1, 2, 3] {
+            let out = dir.path().join(format!("w{world}-s{stage}"));
+            run_ranks(dir.path(), "sft", world, &sft_args(&out, per_device, stage));
+            assert_same_weights(&out, &single, 1e-5, 0.0, &format!("SFT on {world} ranks, stage {stage}"));
+        }
     }
 }
 

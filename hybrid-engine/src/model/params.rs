@@ -54,6 +54,18 @@ impl ParamStore {
     /// weights and embeddings, zero biases, unit LayerNorm gains, and the residual projections
     /// (`c_proj`) scaled by 1/sqrt(2 * n_layer) (GPT-2 paper, section 2.3).
     pub fn init(cfg: &Gpt2Config, seed: u64, device: &Device) -> Result<Self> {
+        Self::init_each(cfg, seed, device, |_, t| Ok(t))
+    }
+
+    /// [`Self::init`], keeping of each tensor what `keep` makes of it as soon as it is drawn (a
+    /// tensor-parallel rank's slice: the whole model never exists at once). The same draws
+    /// whatever is kept, so every rank's slices are those of the one-rank model.
+    pub fn init_each(
+        cfg: &Gpt2Config,
+        seed: u64,
+        device: &Device,
+        mut keep: impl FnMut(&str, Tensor) -> Result<Tensor>,
+    ) -> Result<Self> {
         check_weights_fit(cfg, device)?;
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let std = cfg.initializer_range;
@@ -71,7 +83,7 @@ impl ParamStore {
                 let s = if name.ends_with("c_proj.weight") { proj_std } else { std };
                 (0..n).map(|_| (normal(&mut rng) * s) as f32).collect()
             };
-            store.push(&name, &Tensor::from_vec(values, shape, device)?)?;
+            store.push(&name, &keep(&name, Tensor::from_vec(values, shape, device)?)?)?;
         }
         Ok(store)
     }

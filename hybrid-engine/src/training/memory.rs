@@ -156,6 +156,11 @@ pub fn activation_bytes(a: &ActivationShape) -> u64 {
 /// column-parallel linears, which every rank keeps whole); with full recomputation each layer
 /// keeps only its input (2 s b h) and one layer is rebuilt in backward; the cross-entropy's fp32
 /// logits add 4 s b v / T. Scaled to the compute dtype's size (f32 doubles the 16-bit terms).
+/// Beyond Megatron's count, which is of activations alone: backward forms this rank's fp32
+/// gradients (its trainable parameters) before they are added to the accumulated ones, and the
+/// embedding slice's gradient twice more (from the lookup and from the tied head, then their
+/// sum). Measured on gpt2-medium at T = 2 and 4 (BENCHMARKS.md): without these terms the plan
+/// fell short of the measured peak by 680 and 340 MiB.
 fn megatron_activation_bytes(a: &ActivationShape) -> f64 {
     let (s, b, h) = (a.t as f64, a.b as f64, a.cfg.n_embd as f64);
     let (heads, layers, t) = (a.cfg.n_head as f64, a.cfg.n_layer as f64, a.tp as f64);
@@ -164,7 +169,8 @@ fn megatron_activation_bytes(a: &ActivationShape) -> f64 {
     let blocks = if a.checkpoint { layers * 2.0 * s * b * h * scale + layer } else { layers * layer };
     let vocab = crate::tensor_parallel::vocab::padded_vocab_size(a.cfg.vocab_size, a.tp) as f64;
     let head = if a.lm_head { 4.0 * s * b * vocab / t } else { 0.0 };
-    blocks + head
+    let embedding_grad = if a.trainable == a.parameters { 4.0 * vocab / t * h } else { 0.0 };
+    blocks + head + 4.0 * a.trainable as f64 + 2.0 * embedding_grad
 }
 
 pub struct MemoryPlan {
@@ -267,6 +273,8 @@ impl MemoryPlan {
             per_param(self.compute_copy_bytes),
         );
         self.activations.tp = ranks;
+        let frozen = self.activations.parameters - self.activations.trainable;
+        (self.activations.parameters, self.activations.trainable) = (held, held.saturating_sub(frozen));
         self.tensor_parallel = Some((ranks, held));
         self
     }

@@ -42,24 +42,52 @@ impl TensorParallel {
         format!("tensor parallel: {} ranks per layer, {} data-parallel groups", self.size(), self.layout.dp.world())
     }
 
-    /// This rank's slices of the whole model `whole` of config `cfg` (fp32 masters). A model
-    /// whose heads or MLP width the TP size does not divide, or with LoRA adapters, is refused.
-    pub fn slice(&self, whole: &ParamStore, cfg: &Gpt2Config) -> Result<ParamStore> {
-        check_divides(cfg.n_head, cfg.inner_dim(), self.size())?;
+    /// This rank's slices of the whole model `whole` of config `cfg` (fp32 masters), each whole
+    /// tensor freed once cut. A model whose heads or MLP width the TP size does not divide, or
+    /// with LoRA adapters, is refused.
+    pub fn slice(&self, whole: ParamStore, cfg: &Gpt2Config) -> Result<ParamStore> {
+        self.check_model(cfg)?;
         if whole.lora_scaling().is_some() {
             bail!("LoRA adapters do not combine with --tensor-model-parallel-size above 1 yet: use --lora-dim 0 or --tensor-model-parallel-size 1");
         }
-        shard_params(whole, self.layout.tp.rank(), self.size())
+        let (rank, ranks) = (self.layout.tp.rank(), self.size());
+        let mut local = ParamStore::default();
+        for (name, var) in whole.names.into_iter().zip(whole.vars) {
+            let piece = shard(var.as_tensor(), split_of(&name), rank, ranks)?;
+            drop(var);
+            local.push(&name, &piece)?;
+        }
+        Ok(local)
     }
 
-    /// The whole model from every TP rank's slices `local` (a collective over the TP group).
-    pub fn gather(&self, local: &ParamStore, cfg: &Gpt2Config) -> Result<ParamStore> {
-        gather_params(local, cfg.vocab_size, &self.layout.tp)
+    /// This rank's slices of a freshly initialised model (`ParamStore::init`'s weights), drawn
+    /// tensor by tensor: a rank never holds more than its slices and one whole tensor.
+    pub fn init(&self, cfg: &Gpt2Config, seed: u64, device: &Device) -> Result<ParamStore> {
+        self.check_model(cfg)?;
+        let (rank, ranks) = (self.layout.tp.rank(), self.size());
+        ParamStore::init_each(cfg, seed, device, |name, t| shard(&t, split_of(name), rank, ranks))
     }
 
-    /// The whole optimizer from every TP rank's `local` one over the slices `params`.
-    pub fn gather_optimizer(&self, local: &AdamW, params: &ParamStore, cfg: &Gpt2Config) -> Result<AdamW> {
-        gather_optimizer(local, params, cfg.vocab_size, &self.layout.tp)
+    fn check_model(&self, cfg: &Gpt2Config) -> Result<()> {
+        check_divides(cfg.n_head, cfg.inner_dim(), self.size())
+    }
+
+    /// For a consolidated save by rank 0: on the ranks of its TP group (the first data-parallel
+    /// rank), a collective that gives TP rank 0 the whole model from every rank's slices `local`
+    /// (`None` on the others); the other TP groups hold the same slices and skip it.
+    pub fn gather(&self, local: &ParamStore, cfg: &Gpt2Config) -> Result<Option<ParamStore>> {
+        match self.layout.dp.rank() {
+            0 => gather_params(local, cfg.vocab_size, &self.layout.tp),
+            _ => Ok(None),
+        }
+    }
+
+    /// [`Self::gather`] for the optimizer over the slices `params`.
+    pub fn gather_optimizer(&self, local: &AdamW, params: &ParamStore, cfg: &Gpt2Config) -> Result<Option<AdamW>> {
+        match self.layout.dp.rank() {
+            0 => gather_optimizer(local, params, cfg.vocab_size, &self.layout.tp),
+            _ => Ok(None),
+        }
     }
 
     /// Fills `local`, an optimizer over this rank's slices `params`, from `whole`, one over the
@@ -115,29 +143,40 @@ pub fn shard_params(whole: &ParamStore, rank: usize, ranks: usize) -> Result<Par
 }
 
 /// The whole parameters from every rank's slices `local` (a collective over `tp`), the
-/// embedding cut to `vocab` rows (the TP padding dropped).
-pub fn gather_params(local: &ParamStore, vocab: usize, tp: &ProcessGroup) -> Result<ParamStore> {
+/// embedding cut to `vocab` rows (the TP padding dropped), kept by TP rank 0 only (`None` on the
+/// others, which drop each tensor as soon as it is gathered).
+pub fn gather_params(local: &ParamStore, vocab: usize, tp: &ProcessGroup) -> Result<Option<ParamStore>> {
     let mut whole = ParamStore::default();
     for (name, var) in local.iter() {
-        whole.push(name, &gather_parameter(name, var.as_tensor(), vocab, tp)?)?;
+        let t = gather_parameter(name, var.as_tensor(), vocab, tp)?;
+        if tp.rank() == 0 {
+            whole.push(name, &t)?;
+        }
     }
-    Ok(whole)
+    Ok((tp.rank() == 0).then_some(whole))
 }
 
 /// The whole optimizer from every rank's `local` one over the slices `params` (a collective
-/// over `tp`): what a consolidated checkpoint saves.
-pub fn gather_optimizer(local: &AdamW, params: &ParamStore, vocab: usize, tp: &ProcessGroup) -> Result<AdamW> {
+/// over `tp`): what a consolidated checkpoint saves. Kept by TP rank 0 only, as [`gather_params`].
+pub fn gather_optimizer(local: &AdamW, params: &ParamStore, vocab: usize, tp: &ProcessGroup) -> Result<Option<AdamW>> {
+    let keep = tp.rank() == 0;
     let (mut m, mut v) = (Vec::new(), Vec::new());
     for (i, (name, var)) in params.iter().enumerate() {
         let (mi, vi) = local.held_moments(i);
         for (moments, out) in [(mi, &mut m), (vi, &mut v)] {
             let slice = Tensor::from_slice(moments, var.shape(), &Device::Cpu)?;
-            out.push(gather_parameter(name, &slice, vocab, tp)?.flatten_all()?.to_vec1::<f32>()?);
+            let gathered = gather_parameter(name, &slice, vocab, tp)?;
+            if keep {
+                out.push(gathered.flatten_all()?.to_vec1::<f32>()?);
+            }
         }
+    }
+    if !keep {
+        return Ok(None);
     }
     let mut whole = local.clone();
     whole.set_full_moments(m, v);
-    Ok(whole)
+    Ok(Some(whole))
 }
 
 /// Puts rank `rank`'s slices of the moments of `whole` (an optimizer over the whole parameters)
@@ -170,7 +209,7 @@ mod tests {
     use crate::model::gpt2::Gpt2Config;
     use crate::training::optim::AdamWConfig;
 
-    /// Weights and moments cut over 2 ranks and gathered back are the whole ones.
+    /// Weights and moments cut over 2 ranks and gathered back (by rank 0) are the whole ones.
     #[test]
     fn sliced_weights_and_moments_gather_back_whole() -> Result<()> {
         let cfg = Gpt2Config { n_layer: 1, n_embd: 8, n_head: 2, n_positions: 8, vocab_size: 20, ..Gpt2Config::tiny() };
@@ -195,7 +234,7 @@ mod tests {
             let opt = gather_optimizer(&local_opt, &local, cfg.vocab_size, &tp)?;
             Ok((params, opt))
         }) {
-            let (params, opt) = res?;
+            let (Some(params), Some(opt)) = res? else { continue };
             assert_eq!(opt.step, 7);
             for (i, ((name, a), b)) in params.iter().zip(&whole.vars).enumerate() {
                 assert_eq!(a.dims(), b.dims(), "{name}");

@@ -76,7 +76,7 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
     let params = match &tp {
         Some(tp) => {
             println!("{}", tp.describe());
-            tp.slice(&params, &config)?
+            tp.slice(params, &config)?
         }
         None => params,
     };
@@ -221,7 +221,7 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
     // directory never holds a comparison of another run's model. Under ZeRO-3 every rank takes
     // part in gathering the weights.
     let gathered = match &tp {
-        Some(tp) => Some(tp.gather(&params, &config)?).filter(|_| group.is_first()),
+        Some(tp) => tp.gather(&params, &config)?.filter(|_| group.is_first()),
         None => model.gather_sharded_params()?,
     };
     if !group.is_first() {

@@ -80,6 +80,9 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     // Tensor parallelism: the ranks of a TP group train on the same data, so the data is split
     // over the data-parallel group (the whole world without TP).
     let tp = args.dist.tensor_parallel(&group, args.zero_stage)?;
+    if let Some(tp) = &tp {
+        println!("{}", tp.describe());
+    }
     let data_group = data_group(&group, tp.as_ref());
     let (rank, world) = (data_group.rank(), data_group.world());
     let accumulation = args.gradient_accumulation(world)?;
@@ -140,7 +143,11 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     }
     let (params, start, cursor, resume) = match &args.load {
         None => {
-            let params = ParamStore::init(&model_cfg, args.seed, &device)?;
+            // Under tensor parallelism each rank draws the same weights but keeps its slices.
+            let params = match &tp {
+                Some(tp) => tp.init(&model_cfg, args.seed, &device)?,
+                None => ParamStore::init(&model_cfg, args.seed, &device)?,
+            };
             (params, 0, SamplerCursor::default(), None)
         }
         Some(root) => {
@@ -175,6 +182,11 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
                 (model_cfg.resid_pdrop, model_cfg.embd_pdrop, model_cfg.attn_pdrop) = (p, p, p);
             }
             let params = ParamStore::from_tensors(&model_cfg, &ck.model.tensors, &device)?;
+            // Checkpoints are consolidated: under tensor parallelism each rank keeps its slices.
+            let params = match &tp {
+                Some(tp) => tp.slice(params, &model_cfg)?,
+                None => params,
+            };
             println!("resumed from {} at iteration {}", ck.model.dir.display(), ck.state.iteration);
             let resume = Resume { optimizer: ck.optimizer, optimizer_step, progress };
             (params, ck.state.iteration, cursor, Some(resume))
@@ -192,14 +204,6 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     // Under tensor parallelism the masters are this rank's slices.
     let precision = args.precision.precision();
     let dp = args.dist.data_parallel_with_stage3(&data_group, args.zero_stage)?;
-    let whole_names = params.names.clone();
-    let params = match &tp {
-        Some(tp) => {
-            println!("{}", tp.describe());
-            tp.slice(&params, &model_cfg)?
-        }
-        None => params,
-    };
     let (model, mut trainer) = if dp.shards_parameters() {
         let mut sharded = ShardedModel::new(data_group.clone(), &model_cfg, &params, precision.dtype.dtype())?;
         sharded.fp32_loss = precision.fp32_loss;
@@ -231,8 +235,8 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
             Some(tp) => {
                 let numels = tp.whole_numels(&params, &model_cfg);
                 let ranges = numels.iter().map(|&n| 0..n).collect();
-                let mut whole = AdamW::over_ranges(cfg.adam.clone(), &whole_names, ranges);
-                r.optimizer.restore(&mut whole, &whole_names, &numels)?;
+                let mut whole = AdamW::over_ranges(cfg.adam.clone(), &params.names, ranges);
+                r.optimizer.restore(&mut whole, &params.names, &numels)?;
                 tp.slice_optimizer(&whole, &params, &mut trainer.optimizer, &model_cfg)?;
             }
             None => {
@@ -355,7 +359,11 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     }
     metrics.finish();
     // Before saving, which gathers the model under ZeRO-3: what training itself used.
-    if group.world() > 1 {
+    if group.world() == 1 {
+        if let Some(p) = peak_rss_mib() {
+            println!("peak memory in training (RSS): {p:.1} MiB");
+        }
+    } else {
         let subgroups: Vec<&ProcessGroup> = tp.iter().flat_map(|t| [&*t.layout.tp, &*t.layout.dp]).collect();
         let (line, record) = hybrid_engine::training::metrics::rank_usage(&group, &subgroups, train_secs);
         println!("{line}");
@@ -422,11 +430,14 @@ fn save(
             (sharded.gather_params()?, sharded.trained_names(), sharded.trained_numels())
         }
         (TrainedModel::Whole { .. }, Some(tp)) => {
+            // Only rank 0 writes the model and (unsharded) optimizer state: its TP group gathers.
             let whole = tp.gather(masters, model_cfg)?;
-            whole_optimizer = tp.gather_optimizer(optimizer, masters, model_cfg)?;
-            optimizer = &whole_optimizer;
+            if let Some(gathered) = tp.gather_optimizer(optimizer, masters, model_cfg)? {
+                whole_optimizer = gathered;
+                optimizer = &whole_optimizer;
+            }
             let numels = tp.whole_numels(masters, model_cfg);
-            (Some(whole).filter(|_| group.is_first()), &masters.names[..], numels)
+            (whole.filter(|_| group.is_first()), &masters.names[..], numels)
         }
         (TrainedModel::Whole { .. }, None) => {
             (None, &masters.names[..], masters.vars.iter().map(|v| v.elem_count()).collect())
