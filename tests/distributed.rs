@@ -303,14 +303,12 @@ fn bad_tensor_parallel_layouts_are_one_line_each() {
             assert_eq!(err.lines().count(), 1, "{flags}, rank {r}: one line: {err}");
         }
     }
-    // The steps that do not split their models yet refuse the flag rather than ignore it.
-    for (step, what) in [("reward", "step 2"), ("ppo", "step 3")] {
-        let a = args("--tensor-model-parallel-size 2 --device cpu");
-        let out = wait(start_rank(dir.path(), step, 0, 1, 0, &a), Duration::from_secs(60));
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success() && err.contains(&format!("not supported in {what}")), "{step}: {err}");
-        assert_eq!(err.lines().count(), 1, "{step}: one line: {err}");
-    }
+    // Step 3 does not split its models yet: it refuses the flag rather than ignore it.
+    let a = args("--tensor-model-parallel-size 2 --device cpu");
+    let out = wait(start_rank(dir.path(), "ppo", 0, 1, 0, &a), Duration::from_secs(60));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("not supported in step 3"), "{err}");
+    assert_eq!(err.lines().count(), 1, "one line: {err}");
 }
 
 /// A checkpoint directory holding only `out`'s checkpoint of `iteration`, as if the run had
@@ -555,7 +553,7 @@ fn assert_same_eval(a: &serde_json::Value, b: &serde_json::Value, tol: f64, what
 }
 
 #[test]
-fn reward_model_on_2_and_3_ranks_matches_one_rank() {
+fn reward_model_on_2_and_3_ranks_and_under_tensor_parallelism_matches_one_rank() {
     let dir = tempfile::tempdir().unwrap();
     let start = reward_start(dir.path());
     let single = dir.path().join("single");
@@ -574,6 +572,24 @@ fn reward_model_on_2_and_3_ranks_matches_one_rank() {
         assert_same_weights(&out, &single, 1e-5, 0.0, &what);
         // Rank 0 reports the evaluation of all the eval pairs, not of its share: before training
         // the weights are the same; after it they differ by the reassociation of sums.
+        let many = reward_eval(&out);
+        assert_same_eval(&many["before_training"], &one["before_training"], 1e-6, &what);
+        assert_same_eval(&many["final"], &one["final"], 1e-5, &what);
+    }
+    // Tensor parallelism (the tiny trunk's 4 heads over 2 ranks, the score head whole on each):
+    // TP=2 alone and as 2 data-parallel groups.
+    for (world, per_device) in [(2, 12), (4, 6)] {
+        let out = dir.path().join(format!("tp2-w{world}"));
+        let mut a = reward_args(&start, &out, per_device, 0);
+        a.extend(args("--tensor-model-parallel-size 2"));
+        let outs = run_ranks(dir.path(), "reward", world, &a);
+        let what = format!("reward model at TP=2 x DP={}", world / 2);
+        let log = String::from_utf8_lossy(&outs[0].stdout);
+        assert!(
+            log.contains(&format!("tensor parallel: 2 ranks per layer, {} data-parallel groups", world / 2)),
+            "{log}"
+        );
+        assert_same_weights(&out, &single, 1e-5, 0.0, &what);
         let many = reward_eval(&out);
         assert_same_eval(&many["before_training"], &one["before_training"], 1e-6, &what);
         assert_same_eval(&many["final"], &one["final"], 1e-5, &what);

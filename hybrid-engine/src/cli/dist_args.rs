@@ -26,7 +26,7 @@ pub struct DistArgs {
     pub offload: bool,
     /// Megatron's tensor parallelism: every layer split over this many consecutive ranks (on one
     /// node; it must divide the attention heads), the ranks forming TP x DP groups; batch sizes
-    /// are per data-parallel rank. With ZeRO stage 0 so far; pretraining and step 1.
+    /// are per data-parallel rank. With ZeRO stage 0 so far; pretraining and steps 1 and 2.
     #[arg(long, default_value_t = 1, aliases = ["tensor_model_parallel_size", "tp-size", "tp_size"], value_parser = clap::value_parser!(u64).range(1..))]
     pub tensor_model_parallel_size: u64,
 }
@@ -57,7 +57,7 @@ impl DistArgs {
     pub fn refuse_tensor_parallel(&self, step: &str) -> Result<()> {
         if self.tensor_model_parallel_size > 1 {
             bail!(
-                "--tensor-model-parallel-size is not supported in {step} yet (pretraining and step 1 only): use --tensor-model-parallel-size 1"
+                "--tensor-model-parallel-size is not supported in {step} yet (pretraining and steps 1 and 2 only): use --tensor-model-parallel-size 1"
             );
         }
         Ok(())

@@ -25,13 +25,19 @@ pub struct RewardModel {
 impl RewardModel {
     /// The model over `params`, which must hold `score.weight` of shape (1, C).
     pub fn new(params: &ParamStore, cfg: &Gpt2Config) -> Result<Self> {
+        Self::from_trunk(params.model(cfg)?, params, cfg)
+    }
+
+    /// The model of `trunk` (over `params`, or this rank's slices of them under tensor
+    /// parallelism) with the score head in `params`, which every TP rank holds whole.
+    pub fn from_trunk(trunk: Gpt2, params: &ParamStore, cfg: &Gpt2Config) -> Result<Self> {
         let Some(score) = params.get(SCORE_WEIGHT) else {
             bail!("internal error: the reward model's parameters lack {SCORE_WEIGHT}");
         };
         if score.dims() != [1, cfg.n_embd] {
             bail!("{SCORE_WEIGHT} has shape {:?}; a reward model needs (1, {})", score.dims(), cfg.n_embd);
         }
-        Ok(Self { trunk: params.model(cfg)?, score: score.as_tensor().clone() })
+        Ok(Self { trunk, score: score.as_tensor().clone() })
     }
 
     /// Scores of every token from the trunk's last hidden state (B, T, C) -> (B, T), in f32

@@ -21,6 +21,7 @@ use hybrid_engine::model::gpt2::{Dropout, Positions};
 use hybrid_engine::model::reward_model::{add_score_head, sequence_classification_config, RewardModel, SCORE_WEIGHT};
 use hybrid_engine::training::memory::MemoryPlan;
 use hybrid_engine::training::metrics::{peak_rss_mib, Metrics};
+use hybrid_engine::training::tensor_parallel::data_group;
 use hybrid_engine::training::train_step::{Backward, TrainedModel};
 use hybrid_engine::training::trainer::{total_steps, StepLog};
 use hybrid_engine::ParamStore;
@@ -61,9 +62,12 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
     t.validate(lr)?;
     args.data.refuse_sft_only_data("the reward model's step 2")?;
     let device = t.device()?;
-    t.dist.refuse_tensor_parallel("step 2 (reward)")?;
     let group = t.dist.join()?;
-    let (rank, world) = (group.rank(), group.world());
+    // Under tensor parallelism the ranks of a TP group train on the same pairs: the data is split
+    // over the data-parallel group (every rank without TP).
+    let tp = t.dist.tensor_parallel(&group, t.zero_stage)?;
+    let data_group = data_group(&group, tp.as_ref());
+    let (rank, world) = (data_group.rank(), data_group.world());
     println!("device: {}", hybrid_engine::device::describe(&device));
     let mut start = starting_model(&t.model_name_or_path, t.seed, t.dropout, &device)?;
     println!("starting model: {}", start.description);
@@ -92,6 +96,14 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
         println!("{line}");
     }
     let params = std::mem::take(&mut start.params);
+    // Tensor parallelism: this rank trains its slices of the trunk and the whole score head.
+    let params = match &tp {
+        Some(tp) => {
+            println!("{}", tp.describe());
+            tp.slice(params, &config)?
+        }
+        None => params,
+    };
     // What the optimizer updates: everything, or with --only-optimize-lora the adapters and head.
     let trainable = params.trainable();
     let precision = t.precision.precision();
@@ -99,7 +111,7 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
     let data_cfg = args.data.config(t.seed, t.max_seq_len, t.max_seq_len, false)?;
     let data = data::phases::reward_data(&data_cfg, &tokenizer)?;
     println!("{}", data.summary);
-    let dp = t.dist.data_parallel_with_stage3(&group, t.zero_stage)?;
+    let dp = t.dist.data_parallel_with_stage3(&data_group, t.zero_stage)?;
     // A batch of B pairs runs 2B sequences.
     println!(
         "{}",
@@ -110,6 +122,7 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
             .with_compute_dtype(t.precision.dtype.dtype())
             .on_device(&device)
             .with_score_head()
+            .with_tensor_parallel(tp.as_ref().map_or(1, |t| t.size()))
             .with_data_parallel(dp.stage, world)
             .report()
     );
@@ -120,24 +133,31 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
     // Forward and backward run on a copy in the compute dtype (the masters themselves in fp32),
     // or under ZeRO-3 on weights gathered in it from this rank's shard of the masters.
     let (model, mut trainer) = t.trained_model(dp, &config, (&params, &trainable), (lr, steps), |compute| {
-        let mut model = RewardModel::new(compute, &config)?;
+        let trunk = match &tp {
+            Some(tp) => tp.model(compute, &config)?,
+            None => compute.model(&config)?,
+        };
+        let mut model = RewardModel::from_trunk(trunk, compute, &config)?;
         model.trunk.fp32_loss = precision.fp32_loss;
         Ok(TrainedModel::reward(model))
     })?;
+    if let Some(tp) = &tp {
+        trainer = trainer.with_tensor_parallel(tp.tp().clone(), &trainable);
+    }
     trainer.set_lora_learning_rate(&trainable, t.lora_learning_rate);
     // Under ZeRO stage 3 each rank keeps only its shard: the whole model goes now.
     let (params, trainable) = match &model {
         TrainedModel::Whole { .. } => (params, trainable),
         TrainedModel::Sharded(_) => (ParamStore::default(), ParamStore::default()),
     };
-    let mut metrics = Metrics::for_rank(rank, &args.output_dir, steps, 0)?;
+    let mut metrics = Metrics::for_rank(group.rank(), &args.output_dir, steps, 0)?;
     let mut summary = RewardSummary { steps: 0, evals: Vec::new(), output_dir: args.output_dir.clone() };
 
     let report_eval = |metrics: &mut Metrics, epoch: usize, summary: &mut RewardSummary| -> Result<()> {
         if data.eval.is_empty() {
             return Ok(());
         }
-        let e = evaluate(&model, &data.eval, t.per_device_eval_batch_size, eos, &device, &group)?;
+        let e = evaluate(&model, &data.eval, t.per_device_eval_batch_size, eos, &device, &data_group)?;
         metrics.println(&format!(
             "***** Evaluating reward, Epoch {epoch}/{} *****\nchosen_last_scores (higher is better) : {:.4}, rejected_last_scores (lower is better) : {:.4}, acc (higher is better) : {:.4}",
             t.num_train_epochs, e.chosen_mean_score, e.rejected_mean_score, e.accuracy
@@ -169,7 +189,7 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
             // holding all of it would compute: each rank's mean weighs by its share of them.
             let local_pairs = batch.pairs as f64;
             let mut global_pairs = [local_pairs];
-            group.all_reduce_scalars(&mut global_pairs, ReduceOp::Sum)?;
+            data_group.all_reduce_scalars(&mut global_pairs, ReduceOp::Sum)?;
             let share = local_pairs * world as f64 / global_pairs[0].max(1.0);
             let how =
                 Backward { checkpoint_activations: t.gradient_checkpointing, loss_scale: trainer.loss_scale() * share };
@@ -186,7 +206,7 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
             // The logged loss is the global micro-batch's: every rank then agrees on whether it
             // is finite, and a rank that stopped alone would leave the others waiting.
             let mut sums = [f64::from(value) * local_pairs];
-            group.all_reduce_scalars(&mut sums, ReduceOp::Sum)?;
+            data_group.all_reduce_scalars(&mut sums, ReduceOp::Sum)?;
             let value = (sums[0] / global_pairs[0].max(1.0)) as f32;
             let stepped = trainer.micro_batch_done(&trainable)?;
             log.micro_batch(value, batch.pairs * world, started.elapsed().as_secs_f64(), epoch)?;
@@ -205,7 +225,10 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
     metrics.finish();
 
     // Under ZeRO-3 every rank takes part in gathering the weights rank 0 saves.
-    let gathered = model.gather_sharded_params()?;
+    let gathered = match &tp {
+        Some(tp) => tp.gather(&params, &config)?.filter(|_| group.is_first()),
+        None => model.gather_sharded_params()?,
+    };
     if !group.is_first() {
         // Rank 0 saves the model the ranks share.
         group.barrier()?;
