@@ -50,6 +50,12 @@ pub struct TrainArgs {
     pub actor_zero_stage: u8,
     #[arg(long, default_value_t = 0, alias = "reward_zero_stage")]
     pub reward_zero_stage: u8,
+    /// Megatron's tensor parallelism in steps 1 and 2: each layer split over this many
+    /// consecutive ranks of a node, the rest data parallel (single_node or multi_node; it must
+    /// divide the ranks per node and the attention heads). Steps 1 and 2 get it as
+    /// RLHF_TENSOR_MODEL_PARALLEL_SIZE, the default of their --tensor-model-parallel-size.
+    #[arg(long, default_value_t = 1, aliases = ["tensor_model_parallel_size", "tp-size", "tp_size"], value_parser = clap::value_parser!(u64).range(1..))]
+    pub tensor_model_parallel_size: u64,
     #[arg(long, default_value = "output", alias = "output_dir")]
     pub output_dir: PathBuf,
     /// single_node: ranks (processes) per step (DeepSpeed's --num_gpus). Default: every visible
@@ -99,13 +105,14 @@ pub struct TrainArgs {
 
 /// The flags that choose the RLHF pipeline's steps, models and recipes: --pretrain-demo has no
 /// use for them, so it refuses them rather than drop them silently.
-const PIPELINE_ONLY_FLAGS: [&str; 14] = [
+const PIPELINE_ONLY_FLAGS: [&str; 15] = [
     "step",
     "deployment_type",
     "actor_model",
     "reward_model",
     "actor_zero_stage",
     "reward_zero_stage",
+    "tensor_model_parallel_size",
     "recipe_dir",
     "num_gpus",
     "hostfile",
@@ -179,6 +186,13 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     ];
     if let (Some((flag, _)), false) = (multi_node_flags.iter().find(|(_, given)| *given), deployment == "multi_node") {
         bail!("{flag} sets up --deployment-type multi_node: add it, or drop {flag}");
+    }
+    let tp = args.tensor_model_parallel_size;
+    if tp > 1 && deployment == "single_gpu" {
+        bail!("--tensor-model-parallel-size {tp} splits each layer over {tp} ranks: add --deployment-type single_node (or multi_node)");
+    }
+    if tp > 1 && steps.contains(&3) {
+        bail!("--tensor-model-parallel-size {tp} splits the models of steps 1 and 2; step 3 does not split its models yet: run --step 1 2 with it and --step 3 without");
     }
     if let (Some(n), "single_gpu") = (args.num_gpus, deployment.as_str()) {
         bail!("--num-gpus {n} sets the ranks of --deployment-type single_node (per host with multi_node): add one, or drop --num-gpus");
@@ -295,7 +309,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         let script = recipe(args.recipe_dir.as_deref(), plan.recipe_dir, &deployment)?;
         println!("---=== Running Step {} ===---", plan.number);
         let t0 = Instant::now();
-        run_recipe(&script, plan, &bin_dir, &args.device, args.dtype, &ranks)?;
+        run_recipe(&script, plan, &bin_dir, (&args.device, args.dtype, tp), &ranks)?;
         println!("---=== Finished Step {} in {} ===---", plan.number, duration(t0.elapsed().as_secs()));
     }
     println!("---=== Finished Steps {steps:?} in {} ===---", duration(started.elapsed().as_secs()));
@@ -454,9 +468,16 @@ fn model_size(model: &str) -> String {
 }
 
 /// Runs one step's recipe with bash, its output copied to the terminal and to training.log;
-/// `device` (`--device`) and `dtype` (`--dtype`) reach the step binaries as the defaults of their
-/// --device and --dtype, `ranks` as the variables src/ranks.rs and src/nodes.rs read.
-fn run_recipe(script: &str, plan: &StepPlan, bin_dir: &Path, device: &str, dtype: Dtype, ranks: &Ranks) -> Result<()> {
+/// `device` (`--device`), `dtype` (`--dtype`) and `tp` (`--tensor-model-parallel-size`) reach the
+/// step binaries as the defaults of their flags, `ranks` as the variables src/ranks.rs and
+/// src/nodes.rs read.
+fn run_recipe(
+    script: &str,
+    plan: &StepPlan,
+    bin_dir: &Path,
+    (device, dtype, tp): (&str, Dtype, u64),
+    ranks: &Ranks,
+) -> Result<()> {
     std::fs::create_dir_all(&plan.output).with_context(|| format!("cannot create {}", plan.output.display()))?;
     let log_path = plan.output.join("training.log");
     let mut log = std::fs::File::create(&log_path).with_context(|| format!("cannot create {}", log_path.display()))?;
@@ -491,6 +512,7 @@ fn run_recipe(script: &str, plan: &StepPlan, bin_dir: &Path, device: &str, dtype
         .env(hybrid_engine::durable::LIVE_LOG_ENV, &log_path)
         .env(hybrid_engine::device::DEVICE_ENV, device)
         .env(hybrid_engine::training::precision::DTYPE_ENV, dtype.name())
+        .env(hybrid_engine::cli::dist_args::TP_SIZE_ENV, tp.to_string())
         // The step binary starts its ranks itself (crate::ranks, crate::nodes), logging into its output.
         .env(crate::ranks::RANK_LOG_DIR_ENV, &plan.output)
         .stdout(Stdio::piped())

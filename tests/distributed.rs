@@ -682,6 +682,35 @@ fn train_single_node_runs_step_1_as_ranks_with_a_log_each() {
         assert!(log.contains("data parallel: 2 ranks"), "rank {r}: {log}");
     }
     assert!(out.join("actor/model.safetensors").is_file());
+    // --tensor-model-parallel-size reaches the steps: the 2 ranks form one TP group.
+    let tp_out = dir.path().join("tp");
+    let train = |extra: &[&str], out: &Path| {
+        Command::new(env!("CARGO_BIN_EXE_train"))
+            .args(extra)
+            .arg("--recipe-dir")
+            .arg(dir.path().join("recipes"))
+            .arg("--output-dir")
+            .arg(out)
+            .args(["--actor-model", "tiny", "--device", "cpu"])
+            .output()
+            .unwrap()
+    };
+    let run = train(&["--step", "1", "--deployment-type", "single_node", "--num-gpus", "2", "--tp-size", "2"], &tp_out);
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(run.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&run.stderr));
+    assert!(stdout.contains("tensor parallel: 2 ranks per layer, 1 data-parallel groups"), "{stdout}");
+    assert!(tp_out.join("actor/model.safetensors").is_file());
+    // Layouts it cannot run are one line before anything starts.
+    for (extra, want) in [
+        (&["--step", "1", "--tp-size", "2"][..], "add --deployment-type single_node"),
+        (&["--step", "1", "2", "3", "--deployment-type", "single_node", "--tp-size", "2"][..], "step 3 does not split"),
+    ] {
+        let refused = dir.path().join("refused");
+        let run = train(extra, &refused);
+        let err = String::from_utf8_lossy(&run.stderr);
+        assert!(!run.status.success() && err.contains(want) && err.lines().count() == 1, "{extra:?}: {err}");
+        assert!(!refused.exists(), "{extra:?}: a refused run writes nothing");
+    }
     // A rank that fails stops the step: one line naming the rank and its log.
     let bad = dir.path().join("bad/step1_sft");
     std::fs::create_dir_all(&bad).unwrap();

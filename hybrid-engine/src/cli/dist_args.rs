@@ -10,6 +10,10 @@ use clap::Args;
 use std::sync::Arc;
 use std::time::Duration;
 
+/// The environment variable `train --tensor-model-parallel-size` sets for the steps: the default
+/// of their `--tensor-model-parallel-size`.
+pub const TP_SIZE_ENV: &str = "RLHF_TENSOR_MODEL_PARALLEL_SIZE";
+
 #[derive(Args, Clone, Debug)]
 pub struct DistArgs {
     /// Seconds to wait for another rank, at the rendezvous and in every collective; a rank that
@@ -27,7 +31,7 @@ pub struct DistArgs {
     /// Megatron's tensor parallelism: every layer split over this many consecutive ranks (on one
     /// node; it must divide the attention heads), the ranks forming TP x DP groups; batch sizes
     /// are per data-parallel rank. With ZeRO stage 0 so far; pretraining and steps 1 and 2.
-    #[arg(long, default_value_t = 1, aliases = ["tensor_model_parallel_size", "tp-size", "tp_size"], value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, default_value_t = 1, env = TP_SIZE_ENV, aliases = ["tensor_model_parallel_size", "tp-size", "tp_size"], value_parser = clap::value_parser!(u64).range(1..))]
     pub tensor_model_parallel_size: u64,
 }
 
