@@ -7,13 +7,16 @@
 //! exactly), turns dropout off, and generates into a KV cache preallocated for
 //! `max_prompt + max_answer` positions, kept across rollouts unless `release_inference_cache`.
 
+use crate::comm::ProcessGroup;
 use crate::generation::generate::{generate_with_cache, Generation, LeftPadded, SamplingConfig};
 use crate::model::gpt2::{Gpt2, Gpt2Cache, Gpt2Config};
 use crate::model::params::ParamStore;
+use crate::tensor_parallel::shard::{check_divides, shard, split_of};
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use std::collections::HashMap;
+use std::sync::Arc;
 
 /// The generation side of the engine.
 pub struct GenerationMode {
@@ -48,6 +51,28 @@ impl GenerationMode {
         let device = params.vars.first().map_or(Device::Cpu, |v| v.device().clone());
         let config = Gpt2Config { resid_pdrop: 0.0, embd_pdrop: 0.0, attn_pdrop: 0.0, ..config.clone() };
         Ok(Gpt2::load(VarBuilder::from_tensors(weights, self.dtype, &device), &config)?)
+    }
+
+    /// [`Self::model`] laid out over the tensor-parallel group `tp` (DS-Chat's
+    /// `--inference_tp_size`): this rank's slices of the fused weights, split by heads, MLP
+    /// columns and vocabulary rows as training under tensor parallelism splits them. Every rank
+    /// of `tp` generates the same rows together and ends with the same tokens.
+    pub fn model_tensor_parallel(
+        &self,
+        params: &ParamStore,
+        config: &Gpt2Config,
+        tp: &Arc<ProcessGroup>,
+    ) -> Result<Gpt2> {
+        check_divides(config.n_head, config.inner_dim(), tp.world())?;
+        let fused = params.merged()?;
+        let mut weights = HashMap::new();
+        for (name, var) in fused.iter() {
+            let slice = shard(&var.as_tensor().detach(), split_of(name), tp.rank(), tp.world())?;
+            weights.insert(name.to_string(), slice);
+        }
+        let device = params.vars.first().map_or(Device::Cpu, |v| v.device().clone());
+        let config = Gpt2Config { resid_pdrop: 0.0, embd_pdrop: 0.0, attn_pdrop: 0.0, ..config.clone() };
+        Ok(Gpt2::load_tensor_parallel(VarBuilder::from_tensors(weights, self.dtype, &device), &config, tp)?)
     }
 
     /// One rollout's generation with `model` (from [`Self::model`]).

@@ -133,6 +133,12 @@ pub struct PpoArgs {
     /// Free the generation KV cache after every rollout instead of keeping it for the next.
     #[arg(long, alias = "release_inference_cache")]
     pub release_inference_cache: bool,
+    /// DS-Chat's hybrid engine inference tensor parallelism: for each rollout the actor is laid
+    /// out over groups of this many consecutive ranks (of a node), each group generating the
+    /// rows of all its ranks together with the weights split by heads, then handing each rank
+    /// its own rows; training keeps its own layout.
+    #[arg(long, default_value_t = 1, alias = "inference_tp_size", value_parser = clap::value_parser!(u64).range(1..))]
+    pub inference_tp_size: u64,
     /// Print decoded rollouts every this many steps (0: never).
     #[arg(long, default_value_t = 10, alias = "print_answers_interval")]
     pub print_answers_interval: u64,

@@ -16,8 +16,7 @@
 use crate::ppo::{self, PpoConfig};
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
-use hybrid_engine::generation::engine::GenerationMode;
-use hybrid_engine::generation::generate::{gather_log_probs, position_ids, LeftPadded, SamplingConfig};
+use hybrid_engine::generation::generate::{gather_log_probs, position_ids, Generation, LeftPadded, SamplingConfig};
 use hybrid_engine::model::gpt2::{Gpt2, Positions};
 use hybrid_engine::model::reward_model::RewardModel;
 use hybrid_engine::training::train_step::TrainedModel;
@@ -107,8 +106,6 @@ impl Experience {
 
 /// The models a rollout reads.
 pub struct RolloutModels<'a> {
-    /// The actor as generation mode sees it (LoRA fused, dropout off).
-    pub actor_generation: &'a Gpt2,
     /// The actor's training view (same weights, unfused), used without gradients here; under
     /// ZeRO stage 3 the actor generation gathered.
     pub actor: &'a Gpt2,
@@ -125,21 +122,22 @@ pub struct RolloutCounts {
     pub dropped_short: usize,
 }
 
-/// Generates answers for `prompts` and scores them; `None` when every answer was too short to
+/// Generates answers for `prompts` with `generate` (the hybrid engine's generation mode: this
+/// rank alone, or its inference tensor-parallel group) and scores them; `None` when every answer was too short to
 /// learn from (the caller then reuses the previous experience, DS-Chat's `last_generated_experience`).
 /// Each prompt's key ([`LeftPadded::keys`]) is its position in the rollout of `rollout_size`
 /// prompts (this rank's share of which `prompts` are).
 pub fn generate_experience(
     models: &RolloutModels,
-    engine: &mut GenerationMode,
+    generate: impl FnOnce(&LeftPadded) -> Result<Generation>,
     prompts: &LeftPadded,
     rollout_size: usize,
     sampling: &SamplingConfig,
     cfg: &PpoConfig,
     device: &Device,
 ) -> Result<(Option<Experience>, RolloutCounts)> {
+    let generation = generate(prompts)?;
     let pad = sampling.pad_token_id;
-    let generation = engine.generate(models.actor_generation, prompts, sampling, device)?;
     let p = prompts.p;
     let keep: Vec<usize> = (0..prompts.b).filter(|&r| answer_is_learnable(&generation.tokens[r], pad)).collect();
     let counts = RolloutCounts { generated: prompts.b, dropped_short: prompts.b - keep.len() };
@@ -298,6 +296,7 @@ impl ForwardInputs {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use hybrid_engine::generation::engine::GenerationMode;
     use hybrid_engine::generation::generate::generate_left_padded;
     use hybrid_engine::model::gpt2::Gpt2Config;
     use hybrid_engine::model::reward_model::add_score_head;
@@ -435,20 +434,22 @@ mod tests {
         add_score_head(&mut critic_params, &cfg, 5, &dev)?;
         let critic = RewardModel::new(&critic_params, &cfg)?;
         let trained_critic = TrainedModel::reward(RewardModel::new(&critic_params, &cfg)?);
-        let models = RolloutModels {
-            actor_generation: &actor,
-            actor: &actor,
-            reference: &actor,
-            critic: &trained_critic,
-            reward: &critic,
-        };
+        let models = RolloutModels { actor: &actor, reference: &actor, critic: &trained_critic, reward: &critic };
         let prompts = LeftPadded::new(&[vec![5, 6], vec![7, 8, 9]], 4, 0);
         // Sampling over a random model: answers of 6 tokens (no EOS among ids 1..64 by chance
         // only if EOS is never drawn; we let EOS be id 63 and check consistency either way).
         let sampling = SamplingConfig { temperature: Some(1.0), seed: 1, ..SamplingConfig::greedy(6, Some(63), 0, 64) };
         let cfg_ppo = PpoConfig { lam: 1.0, ..PpoConfig::default() };
         let mut engine = GenerationMode::new(4, 6, false);
-        let (exp, counts) = generate_experience(&models, &mut engine, &prompts, 2, &sampling, &cfg_ppo, &dev)?;
+        let (exp, counts) = generate_experience(
+            &models,
+            |p| engine.generate(&actor, p, &sampling, &dev),
+            &prompts,
+            2,
+            &sampling,
+            &cfg_ppo,
+            &dev,
+        )?;
         let exp = exp.expect("random answers are longer than one token");
         assert_eq!(counts.generated, 2);
         assert_eq!(exp.b + counts.dropped_short, 2);
