@@ -215,9 +215,9 @@ fn assert_same_curve(a: &[f64], b: &[f64], first: usize, limit: f64, what: &str)
     }
 }
 
-/// Megatron's layout: TP=2 and TP=2 x DP=2 end with the one-rank run's weights and losses; the
-/// consolidated checkpoint of TP=2 resumes at TP=1 x DP=2 and at TP=1 x DP=1 on the
-/// uninterrupted trajectory. The vocabulary (50257) is padded to 256 rows under TP=2, so the
+/// Megatron's layout: TP=2 and TP=2 x DP=2 (ZeRO stages 0-2 across the DP groups) end with the
+/// one-rank run's weights and losses; the consolidated checkpoint of TP=2 resumes at TP=1 x DP=2
+/// and at TP=1 x DP=1, and the one-rank checkpoint at TP=2 x DP=2, on the uninterrupted trajectory. The vocabulary (50257) is padded to 256 rows under TP=2, so the
 /// saved embedding also checks that the padding is cut off again.
 #[test]
 fn pretraining_with_tensor_parallelism_matches_one_rank_and_resumes_in_any_layout() {
@@ -240,14 +240,15 @@ fn pretraining_with_tensor_parallelism_matches_one_rank_and_resumes_in_any_layou
     let noise = distances(&latest(&control), &latest(&single)).into_values().fold(0f64, f64::max);
     let limit = 1e-5f64.max(2.0 * noise);
     eprintln!("control noise {noise:.2e}");
-    for (world, micro) in [(2, 6), (4, 3)] {
-        let out = dir.path().join(format!("tp2-w{world}"));
-        let outs =
-            run_ranks(dir.path(), "sft", world, &with(pretrain_args(&out, micro, 0), "--save-interval 3 --tp-size 2"));
+    // ZeRO stages 1 and 2 shard each TP rank's slices across its data-parallel group.
+    for (world, micro, stage) in [(2, 6, 0), (4, 3, 0), (4, 3, 1), (4, 3, 2)] {
+        let out = dir.path().join(format!("tp2-w{world}-s{stage}"));
+        let flags = "--save-interval 3 --tp-size 2";
+        let outs = run_ranks(dir.path(), "sft", world, &with(pretrain_args(&out, micro, stage), flags));
         let log = String::from_utf8_lossy(&outs[0].stdout);
         let dp = world / 2;
         assert!(log.contains(&format!("tensor parallel: 2 ranks per layer, {dp} data-parallel groups")), "{log}");
-        let what = format!("TP=2 x DP={dp}");
+        let what = format!("TP=2 x DP={dp} at ZeRO stage {stage}");
         // Only rank 0 writes metrics; the loss is the data-parallel mean, counted once per TP group.
         assert_same_curve(&per_iteration(&out, "lm_loss"), &expected, 0, 1e-5, &format!("{what} loss"));
         // The norm that clipping reads counts every replicated parameter once, every slice once.
@@ -256,7 +257,7 @@ fn pretraining_with_tensor_parallelism_matches_one_rank_and_resumes_in_any_layou
         assert_same_weights(&latest(&out), &latest(&single), limit, noise, &what);
     }
     // Resharding: the TP=2 checkpoint of iteration 3 continues at TP=1 on 2 ranks and on 1.
-    let from_tp = stopped_at(&dir.path().join("tp2-w2"), 3, &dir.path().join("from-tp2"));
+    let from_tp = stopped_at(&dir.path().join("tp2-w2-s0"), 3, &dir.path().join("from-tp2"));
     for world in [2, 1] {
         let resumed = dir.path().join(format!("tp2-to-w{world}"));
         let mut a = pretrain_args(&resumed, 6 / world, 0);
@@ -267,6 +268,16 @@ fn pretraining_with_tensor_parallelism_matches_one_rank_and_resumes_in_any_layou
         assert_same_weights(&latest(&resumed), &latest(&single), limit, noise, &what);
         assert_same_curve(&per_iteration(&resumed, "lm_loss"), &expected, 3, 1e-5, &format!("{what} loss"));
     }
+    // And the other way: the one-rank checkpoint continues at TP=2 x DP=2 with ZeRO stage 2 (each
+    // rank cuts its slices of the weights, then its data-parallel shard of their moments).
+    let from_one = stopped_at(&single, 3, &dir.path().join("from-one"));
+    let resumed = dir.path().join("one-to-tp2-w4-s2");
+    let mut a = with(pretrain_args(&resumed, 3, 2), "--tp-size 2 --load");
+    a.push(from_one.display().to_string());
+    run_ranks(dir.path(), "sft", 4, &a);
+    let what = "TP=1 -> TP=2 x DP=2 at stage 2";
+    assert_same_weights(&latest(&resumed), &latest(&single), limit, noise, what);
+    assert_same_curve(&per_iteration(&resumed, "lm_loss"), &expected, 3, 1e-5, &format!("{what} loss"));
 }
 
 /// Every rank of a bad layout fails with one line saying what to change.
@@ -283,7 +294,7 @@ fn bad_tensor_parallel_layouts_are_one_line_each() {
         (1, 1, "--tp-size 2", "does not divide the 1 ranks"),
         (2, 2, "--tp-size 2 --num-attention-heads 1", "does not divide the model's 1 attention heads"),
         (2, 1, "--tp-size 2", "across nodes (1 ranks per node)"),
-        (2, 2, "--tp-size 2 --zero-stage 1", "runs with --zero-stage 0"),
+        (2, 2, "--tp-size 2 --zero-stage 3", "runs with --zero-stage 0, 1 or 2"),
     ];
     for &(world, per_node, flags, want) in cases {
         let port = free_port();

@@ -30,7 +30,7 @@ pub struct DistArgs {
     pub offload: bool,
     /// Megatron's tensor parallelism: every layer split over this many consecutive ranks (on one
     /// node; it must divide the attention heads), the ranks forming TP x DP groups; batch sizes
-    /// are per data-parallel rank. With ZeRO stage 0 so far; pretraining and steps 1 and 2.
+    /// are per data-parallel rank. With ZeRO stages 0-2; pretraining and steps 1 and 2.
     #[arg(long, default_value_t = 1, env = TP_SIZE_ENV, aliases = ["tensor_model_parallel_size", "tp-size", "tp_size"], value_parser = clap::value_parser!(u64).range(1..))]
     pub tensor_model_parallel_size: u64,
 }
@@ -46,12 +46,13 @@ impl DistArgs {
     }
 
     /// The tensor-parallel layout of `world` (`None` without `--tensor-model-parallel-size`),
-    /// refused with ZeRO stages above 0 (`stage`), which do not combine with it yet.
+    /// refused with ZeRO stage 3 (`stage`), which does not combine with it yet; stages 1 and 2
+    /// shard across the data-parallel groups.
     pub fn tensor_parallel(&self, world: &ProcessGroup, stage: u8) -> Result<Option<TensorParallel>> {
         let size = self.tensor_model_parallel_size as usize;
-        if size > 1 && stage > 0 {
+        if size > 1 && stage > 2 {
             bail!(
-                "--tensor-model-parallel-size {size} runs with --zero-stage 0 so far (ZeRO {stage} across the data-parallel groups is not implemented yet): use --zero-stage 0"
+                "--tensor-model-parallel-size {size} runs with --zero-stage 0, 1 or 2 so far (ZeRO stage 3 across the data-parallel groups is not implemented yet): use --zero-stage 2"
             );
         }
         TensorParallel::new(world, size)

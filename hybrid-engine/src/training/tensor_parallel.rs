@@ -180,7 +180,8 @@ pub fn gather_optimizer(local: &AdamW, params: &ParamStore, vocab: usize, tp: &P
 }
 
 /// Puts rank `rank`'s slices of the moments of `whole` (an optimizer over the whole parameters)
-/// into `local`, one over this rank's slices `params` (of a model of `vocab` rows).
+/// into `local`, one over this rank's slices `params` (of a model of `vocab` rows), where it holds
+/// them (all of each slice, or under ZeRO 1/2 its data-parallel shard).
 pub fn shard_optimizer(
     whole: &AdamW,
     params: &ParamStore,
@@ -188,16 +189,16 @@ pub fn shard_optimizer(
     (rank, ranks): (usize, usize),
     vocab: usize,
 ) -> Result<()> {
-    let (mut m, mut v) = (Vec::new(), Vec::new());
     for (i, (name, var)) in params.iter().enumerate() {
         let (mi, vi) = whole.held_moments(i);
         let shape = whole_shape(name, var.dims(), ranks, vocab);
-        for (moments, out) in [(mi, &mut m), (vi, &mut v)] {
+        let slice = |moments: &[f32]| -> Result<Vec<f32>> {
             let t = Tensor::from_slice(moments, shape.as_slice(), &Device::Cpu)?;
-            out.push(shard(&t, split_of(name), rank, ranks)?.flatten_all()?.to_vec1::<f32>()?);
-        }
+            Ok(shard(&t, split_of(name), rank, ranks)?.flatten_all()?.to_vec1::<f32>()?)
+        };
+        let (m, v) = (slice(mi)?, slice(vi)?);
+        local.fill_held(i, 0..m.len(), &m, &v);
     }
-    local.set_full_moments(m, v);
     local.step = whole.step;
     Ok(())
 }

@@ -169,7 +169,8 @@ impl Trainer {
 
     /// Trains this rank's slices of a model split over `tp` (tensor parallelism; `params` are the
     /// trained slices): the gradient norm that clipping and the fp16 overflow check read is the
-    /// whole model's. ZeRO stages above 0 do not combine with it yet (the callers refuse them).
+    /// whole model's. With ZeRO stages 1 and 2 across the data-parallel group (stage 3 does not
+    /// combine with it yet: the callers refuse it).
     pub fn with_tensor_parallel(mut self, tp: Arc<ProcessGroup>, params: &ParamStore) -> Self {
         if tp.world() > 1 {
             self.tp = Some((tp, params.names.clone()));
@@ -340,6 +341,10 @@ impl Trainer {
         self.pending = 0;
         self.boundaries += 1;
         let grad_norm = match (&gradients, self.group(), &self.tp) {
+            (Gradients::Shard(shard), Some(group), Some((tp, names))) => {
+                let partition = &self.dp.as_ref().expect("shards come from data parallelism").1;
+                zero::sharded_grad_norm_tensor_parallel(group, tp, (names, partition), shard)?
+            }
             (Gradients::Shard(shard), Some(group), _) => zero::sharded_grad_norm(group, shard)?,
             (Gradients::Full(grads), _, Some((tp, names))) => grad_norm_squared(names, grads, tp)?.sqrt(),
             _ => global_grad_norm(gradients.tensors_mut())?,

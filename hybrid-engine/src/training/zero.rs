@@ -201,6 +201,27 @@ pub fn sharded_grad_norm(group: &ProcessGroup, shard: &Tensor) -> Result<f64> {
     Ok(sq[0].sqrt())
 }
 
+/// [`sharded_grad_norm`] under tensor parallelism: the shard is this data-parallel rank's piece
+/// of the gradients of this TP rank's slices `names`; squares are summed over the data-parallel
+/// shards, then over the TP ranks, each replicated (whole) parameter counted once.
+pub fn sharded_grad_norm_tensor_parallel(
+    dp: &ProcessGroup,
+    tp: &ProcessGroup,
+    (names, partition): (&[String], &Partition),
+    shard: &Tensor,
+) -> Result<f64> {
+    use crate::tensor_parallel::shard::{split_of, Split};
+    let values = shard.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    let mut sq = [0f64];
+    for piece in partition.pieces(dp.rank()) {
+        let s: f64 = values[piece.in_shard].iter().map(|&x| f64::from(x) * f64::from(x)).sum();
+        sq[0] += if split_of(&names[piece.param]) == Split::Whole { s / tp.world() as f64 } else { s };
+    }
+    dp.all_reduce_scalars(&mut sq, ReduceOp::Sum)?;
+    tp.all_reduce_scalars(&mut sq, ReduceOp::Sum)?;
+    Ok(sq[0].sqrt())
+}
+
 /// Writes the all-gathered shards of updated weights back into every parameter.
 pub fn all_gather_parameters(
     dp: &DataParallel,

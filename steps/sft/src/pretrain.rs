@@ -430,9 +430,11 @@ fn save(
             (sharded.gather_params()?, sharded.trained_names(), sharded.trained_numels())
         }
         (TrainedModel::Whole { .. }, Some(tp)) => {
-            // Only rank 0 writes the model and (unsharded) optimizer state: its TP group gathers.
+            // Only rank 0 writes the model and the optimizer state: its TP group gathers them,
+            // the latter first put together from the data-parallel shards under ZeRO 1/2.
             let whole = tp.gather(masters, model_cfg)?;
-            if let Some(gathered) = tp.gather_optimizer(optimizer, masters, model_cfg)? {
+            let local = trainer.consolidated_optimizer(masters)?;
+            if let Some(gathered) = tp.gather_optimizer(&local, masters, model_cfg)? {
                 whole_optimizer = gathered;
                 optimizer = &whole_optimizer;
             }
@@ -444,7 +446,9 @@ fn save(
         }
     };
     let params = gathered.as_ref().or(group.is_first().then_some(masters));
-    let shard = OptimizerShard { optimizer, names, numels: &numels, sharded: trainer.shards_optimizer() };
+    // Under tensor parallelism rank 0 holds the consolidated optimizer.
+    let sharded = trainer.shards_optimizer() && tp.is_none();
+    let shard = OptimizerShard { optimizer, names, numels: &numels, sharded };
     resume::save_checkpoint_across(group, save_dir, model_cfg, params, shard, state, &|d| {
         tokenizer.save(&d.join("tokenizer.json"))
     })
