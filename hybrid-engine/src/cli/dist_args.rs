@@ -14,6 +14,10 @@ use std::time::Duration;
 /// of their `--tensor-model-parallel-size`.
 pub const TP_SIZE_ENV: &str = "RLHF_TENSOR_MODEL_PARALLEL_SIZE";
 
+/// The environment variable `train --inference-tp-size` sets for step 3: the default of its
+/// `--inference-tp-size`.
+pub const INFERENCE_TP_SIZE_ENV: &str = "RLHF_INFERENCE_TP_SIZE";
+
 #[derive(Args, Clone, Debug)]
 pub struct DistArgs {
     /// Seconds to wait for another rank, at the rendezvous and in every collective; a rank that

@@ -137,7 +137,7 @@ pub struct PpoArgs {
     /// out over groups of this many consecutive ranks (of a node), each group generating the
     /// rows of all its ranks together with the weights split by heads, then handing each rank
     /// its own rows; training keeps its own layout.
-    #[arg(long, default_value_t = 1, alias = "inference_tp_size", value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, default_value_t = 1, alias = "inference_tp_size", env = hybrid_engine::cli::dist_args::INFERENCE_TP_SIZE_ENV, value_parser = clap::value_parser!(u64).range(1..))]
     pub inference_tp_size: u64,
     /// Print decoded rollouts every this many steps (0: never).
     #[arg(long, default_value_t = 10, alias = "print_answers_interval")]
