@@ -66,7 +66,7 @@ impl DistArgs {
     pub fn refuse_tensor_parallel(&self, step: &str) -> Result<()> {
         if self.tensor_model_parallel_size > 1 {
             bail!(
-                "--tensor-model-parallel-size is not supported in {step} yet (pretraining and steps 1 and 2 only): use --tensor-model-parallel-size 1"
+                "--tensor-model-parallel-size is not supported in {step} yet (pretraining and steps 1 and 2 only; step 3 generates under tensor parallelism with --inference-tp-size): use --tensor-model-parallel-size 1"
             );
         }
         Ok(())

@@ -12,7 +12,7 @@ use crate::training::precision::{has_overflow, Dtype, LossScaler, LossScaling, P
 use crate::training::schedule::LrSchedule;
 use crate::training::zero::{self, DataParallel, Partition};
 use crate::training::zero3::ShardedModel;
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use candle_core::Tensor;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -342,7 +342,8 @@ impl Trainer {
         self.boundaries += 1;
         let grad_norm = match (&gradients, self.group(), &self.tp) {
             (Gradients::Shard(shard), Some(group), Some((tp, names))) => {
-                let partition = &self.dp.as_ref().expect("shards come from data parallelism").1;
+                let (_, partition) =
+                    self.dp.as_ref().context("internal error: gradient shards without data parallelism")?;
                 zero::sharded_grad_norm_tensor_parallel(group, tp, (names, partition), shard)?
             }
             (Gradients::Shard(shard), Some(group), _) => zero::sharded_grad_norm(group, shard)?,

@@ -433,8 +433,15 @@ fn save(
             // Only rank 0 writes the model and the optimizer state: its TP group gathers them,
             // the latter first put together from the data-parallel shards under ZeRO 1/2.
             let whole = tp.gather(masters, model_cfg)?;
-            let local = trainer.consolidated_optimizer(masters)?;
-            if let Some(gathered) = tp.gather_optimizer(&local, masters, model_cfg)? {
+            let consolidated;
+            let local = match trainer.shards_optimizer() {
+                true => {
+                    consolidated = trainer.consolidated_optimizer(masters)?;
+                    &consolidated
+                }
+                false => &trainer.optimizer,
+            };
+            if let Some(gathered) = tp.gather_optimizer(local, masters, model_cfg)? {
                 whole_optimizer = gathered;
                 optimizer = &whole_optimizer;
             }
