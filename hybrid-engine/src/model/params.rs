@@ -128,7 +128,7 @@ impl ParamStore {
     }
 
     /// The model of one rank of the tensor-parallel group `tp` over these parameters, which
-    /// are that rank's slices (`crate::training::tensor_parallel::shard_params`). No LoRA.
+    /// are that rank's slices (`crate::training::tensor_parallel::TensorParallel::slice`). No LoRA.
     pub fn model_tensor_parallel(
         &self,
         cfg: &Gpt2Config,

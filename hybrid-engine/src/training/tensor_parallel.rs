@@ -133,15 +133,6 @@ pub fn data_group(world: &Arc<ProcessGroup>, tp: Option<&TensorParallel>) -> Arc
     tp.map_or_else(|| world.clone(), |t| t.layout.dp.clone())
 }
 
-/// Rank `rank`'s slices of `whole`'s parameters (same names and order), as fresh fp32 masters.
-pub fn shard_params(whole: &ParamStore, rank: usize, ranks: usize) -> Result<ParamStore> {
-    let mut local = ParamStore::default();
-    for (name, var) in whole.iter() {
-        local.push(name, &shard(var.as_tensor(), split_of(name), rank, ranks)?)?;
-    }
-    Ok(local)
-}
-
 /// The whole parameters from every rank's slices `local` (a collective over `tp`), the
 /// embedding cut to `vocab` rows (the TP padding dropped), kept by TP rank 0 only (`None` on the
 /// others, which drop each tensor as soon as it is gathered).
@@ -228,7 +219,10 @@ mod tests {
         );
         optimizer.step = 7;
         for res in on_groups(2, |tp| {
-            let local = shard_params(&whole, tp.rank(), 2)?;
+            let mut local = ParamStore::default();
+            for (name, var) in whole.iter() {
+                local.push(name, &shard(var.as_tensor(), split_of(name), tp.rank(), 2)?)?;
+            }
             let mut local_opt = AdamW::new(AdamWConfig::default(), &local)?;
             shard_optimizer(&optimizer, &local, &mut local_opt, (tp.rank(), 2), cfg.vocab_size)?;
             let params = gather_params(&local, cfg.vocab_size, &tp)?;
