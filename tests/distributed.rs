@@ -161,26 +161,37 @@ fn latest(out: &Path) -> PathBuf {
     out.join(name.trim())
 }
 
+/// `a` with the words of `extra` appended.
+fn with(mut a: Vec<String>, extra: &str) -> Vec<String> {
+    a.extend(args(extra));
+    a
+}
+
+/// The limit a parallel pretraining run is held to against the one-rank run `single`
+/// (`pretrain_args` with micro-batches of 6), with the noise it allows for: 1e-5, or twice what
+/// reassociation alone moves a tensor if that is more. The control is one rank taking each
+/// iteration's 12 blocks as 4 micro-batches of 3 instead of 2 of 6 (the same mean gradient,
+/// summed in another order). Both use --adam-eps 1e-4: with 1e-8, Adam turns the rounding noise
+/// of near-zero gradients into full-size steps of either sign (measured: 1.6e-5 between two
+/// orders of summation in one process), which says nothing about the reductions under test.
+fn reassociation_limit(dir: &Path, single: &Path) -> (f64, f64) {
+    let control = dir.join("control");
+    let mut a = pretrain_args(&control, 3, 0);
+    let acc = a.iter().position(|x| x == "--gradient-accumulation-steps").unwrap();
+    a[acc + 1] = "4".into();
+    run_ranks(dir, "sft", 1, &a);
+    let noise = distances(&latest(&control), &latest(single)).into_values().fold(0f64, f64::max);
+    eprintln!("control noise {noise:.2e}");
+    (1e-5f64.max(2.0 * noise), noise)
+}
+
 #[test]
 fn pretraining_on_2_and_3_ranks_matches_one_rank_at_every_zero_stage() {
     let dir = tempfile::tempdir().unwrap();
     // Global batch 6 blocks per micro-step: 1 x 6, 2 x 3, 3 x 2.
     let single = dir.path().join("single");
     run_ranks(dir.path(), "sft", 1, &pretrain_args(&single, 6, 0));
-    // The control: one rank, each iteration's 12 blocks as 4 micro-batches of 3 instead of 2
-    // of 6 (the same mean gradient, summed in another order).
-    let control = dir.path().join("control");
-    let mut args = pretrain_args(&control, 3, 0);
-    let acc = args.iter().position(|a| a == "--gradient-accumulation-steps").unwrap();
-    args[acc + 1] = "4".into();
-    run_ranks(dir.path(), "sft", 1, &args);
-    // The limit is 1e-5, or twice what reassociation alone moves a tensor if that is more.
-    // Both runs use --adam-eps 1e-4: with 1e-8, Adam turns the rounding noise of near-zero
-    // gradients into full-size steps of either sign (measured: 1.6e-5 between two orders of
-    // summation in one process), which says nothing about the reductions under test.
-    let noise = distances(&latest(&control), &latest(&single)).into_values().fold(0f64, f64::max);
-    let limit = 1e-5f64.max(2.0 * noise);
-    eprintln!("control noise {noise:.2e}");
+    let (limit, noise) = reassociation_limit(dir.path(), &single);
     for world in [2, 3] {
         for stage in [0u8, 1, 2, 3] {
             let out = dir.path().join(format!("w{world}-s{stage}"));
@@ -217,29 +228,18 @@ fn assert_same_curve(a: &[f64], b: &[f64], first: usize, limit: f64, what: &str)
 
 /// Megatron's layout: TP=2 and TP=2 x DP=2 (ZeRO stages 0-2 across the DP groups) end with the
 /// one-rank run's weights and losses; the consolidated checkpoint of TP=2 resumes at TP=1 x DP=2
-/// and at TP=1 x DP=1, and the one-rank checkpoint at TP=2 x DP=2, on the uninterrupted trajectory. The vocabulary (50257) is padded to 256 rows under TP=2, so the
-/// saved embedding also checks that the padding is cut off again.
+/// and at TP=1 x DP=1, and the one-rank checkpoint at TP=2 x DP=2, on the uninterrupted
+/// trajectory. The embedding's 50304 rows are padded to 50432 (a multiple of 128 x 2) under
+/// TP=2, so the saved embedding also checks that the padding is cut off again.
 #[test]
 fn pretraining_with_tensor_parallelism_matches_one_rank_and_resumes_in_any_layout() {
     let dir = tempfile::tempdir().unwrap();
-    let with = |mut a: Vec<String>, extra: &str| {
-        a.extend(args(extra));
-        a
-    };
     let single = dir.path().join("single");
     run_ranks(dir.path(), "sft", 1, &with(pretrain_args(&single, 6, 0), "--save-interval 3"));
     let (expected, expected_norms) = (per_iteration(&single, "lm_loss"), per_iteration(&single, "grad_norm"));
     assert_eq!(expected.len(), 6);
-    // As in the data-parallel test: the limit is 1e-5, or twice what reassociation alone moves a
-    // tensor if that is more (a row-parallel layer sums partial products in another order).
-    let control = dir.path().join("control");
-    let mut a = pretrain_args(&control, 3, 0);
-    let acc = a.iter().position(|x| x == "--gradient-accumulation-steps").unwrap();
-    a[acc + 1] = "4".into();
-    run_ranks(dir.path(), "sft", 1, &a);
-    let noise = distances(&latest(&control), &latest(&single)).into_values().fold(0f64, f64::max);
-    let limit = 1e-5f64.max(2.0 * noise);
-    eprintln!("control noise {noise:.2e}");
+    // A row-parallel layer sums partial products in another order: reassociation again.
+    let (limit, noise) = reassociation_limit(dir.path(), &single);
     // ZeRO stages 1 and 2 shard each TP rank's slices across its data-parallel group.
     for (world, micro, stage) in [(2, 6, 0), (4, 3, 0), (4, 3, 1), (4, 3, 2)] {
         let out = dir.path().join(format!("tp2-w{world}-s{stage}"));
@@ -350,10 +350,6 @@ fn stopped_at(out: &Path, iteration: u64, root: &Path) -> PathBuf {
 #[test]
 fn pretraining_resumes_at_another_world_size_and_stage_on_the_same_trajectory() {
     let dir = tempfile::tempdir().unwrap();
-    let with = |mut a: Vec<String>, extra: &str| {
-        a.extend(args(extra));
-        a
-    };
     // One rank, 6 iterations, a checkpoint every 3: the trajectory to continue.
     let single = dir.path().join("single");
     run_ranks(dir.path(), "sft", 1, &with(pretrain_args(&single, 6, 0), "--save-interval 3"));

@@ -216,6 +216,15 @@ pub fn attention_reference(
 }
 
 /// Mean token cross-entropy of `logits` (N, V) against `targets` (N,) u32.
+/// `sum(t^2)` in f64, what gradient norms add up: the fused kernel reads contiguous f32 on the CPU
+/// in place (no squared copy); anything else is squared and summed by candle, then widened.
+pub fn sum_of_squares(t: &Tensor) -> Result<f64> {
+    match crate::kernels::fused::sum_of_squares(t)? {
+        Some(s) => Ok(s),
+        None => t.sqr()?.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>(),
+    }
+}
+
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     cross_entropy_rows(logits, targets)?.mean_all()
 }

@@ -248,17 +248,6 @@ impl Conv1D {
         }
     }
 
-    /// Megatron's `RowParallelLinear`: this rank's rows of the weight on its slice of the input
-    /// (B, T, in / T), summed over `tp` (`g`), then the bias, whole, added once.
-    fn forward_row_parallel(&self, x: &Tensor, tp: &ProcessGroup) -> Result<Tensor> {
-        if self.lora.is_some() {
-            candle_core::bail!("LoRA adapters are not supported under tensor parallelism yet");
-        }
-        let (b, t, d_in) = x.dims3()?;
-        let partial = x.reshape((b * t, d_in))?.matmul(&self.weight)?.reshape((b, t, ()))?;
-        reduce_from_tensor_parallel_region(&partial, tp)?.broadcast_add(&self.bias)
-    }
-
     /// Under tensor parallelism a column-parallel linear (`c_attn`, `c_fc`), entered through
     /// `f`: the input is whole on every rank, its gradient the sum of the ranks' parts.
     fn forward_column_parallel(&self, x: &Tensor, tp: Option<&Arc<ProcessGroup>>) -> Result<Tensor> {
@@ -273,12 +262,17 @@ impl Conv1D {
         }
     }
 
-    /// `c_proj`: row-parallel under tensor parallelism.
+    /// `c_proj`. Under tensor parallelism Megatron's `RowParallelLinear`: this rank's rows of the
+    /// weight on its slice of the input (B, T, in / T), summed over `tp` (`g`), then the bias,
+    /// whole, added once.
     fn forward_rows(&self, x: &Tensor, tp: Option<&Arc<ProcessGroup>>) -> Result<Tensor> {
-        match tp {
-            Some(tp) => self.forward_row_parallel(x, tp),
-            None => self.forward(x),
+        let Some(tp) = tp else { return self.forward(x) };
+        if self.lora.is_some() {
+            candle_core::bail!("LoRA adapters are not supported under tensor parallelism yet");
         }
+        let (b, t, d_in) = x.dims3()?;
+        let partial = x.reshape((b * t, d_in))?.matmul(&self.weight)?.reshape((b, t, ()))?;
+        reduce_from_tensor_parallel_region(&partial, tp)?.broadcast_add(&self.bias)
     }
 }
 

@@ -108,17 +108,47 @@ pub fn gather_parameter(name: &str, local: &Tensor, rows: usize, tp: &ProcessGro
 pub fn grad_norm_squared(names: &[String], grads: &[Tensor], tp: &ProcessGroup) -> Result<f64> {
     let mut share = 0f64;
     for (name, g) in names.iter().zip(grads) {
-        // Accumulated in f64, as the single-rank norm is: an f32 sum over a large slice rounds by
-        // more than the reassociation the layouts are compared by.
-        let sq = match crate::kernels::fused::sum_of_squares(g)? {
-            Some(s) => s,
-            None => g.to_dtype(DType::F64)?.sqr()?.sum_all()?.to_scalar::<f64>()?,
-        };
-        share += if split_of(name) == Split::Whole { sq / tp.world() as f64 } else { sq };
+        share += norm_share(name, crate::kernels::ops::sum_of_squares(g)?, tp.world());
     }
     let mut total = [share];
     tp.all_reduce_scalars(&mut total, ReduceOp::Sum)?;
     Ok(total[0])
+}
+
+/// What `sum_of_squares`, one TP rank's squared gradient of parameter `name`, adds to the squared
+/// norm summed over the `ranks` ranks: a slice all of it, a whole (replicated) parameter, whose
+/// gradient every rank holds alike, its share, so that it counts once.
+pub fn norm_share(name: &str, sum_of_squares: f64, ranks: usize) -> f64 {
+    match split_of(name) {
+        Split::Whole => sum_of_squares / ranks as f64,
+        _ => sum_of_squares,
+    }
+}
+
+/// The shape of rank's slice of a whole parameter `name` of shape `whole` over `ranks` ranks
+/// (the embedding's rows padded first), as [`shard`] cuts it.
+pub fn local_shape(name: &str, whole: &[usize], ranks: usize) -> Vec<usize> {
+    let mut shape = whole.to_vec();
+    match split_of(name) {
+        Split::Whole => {}
+        Split::Columns { .. } => *shape.last_mut().expect("a sliced parameter has a dimension") /= ranks,
+        Split::Rows => shape[0] /= ranks,
+        Split::VocabRows => shape[0] = crate::tensor_parallel::vocab::padded_vocab_size(shape[0], ranks) / ranks,
+    }
+    shape
+}
+
+/// The inverse of [`local_shape`]: the whole parameter's shape from a slice of shape `local`,
+/// `vocab` rows for the embedding (its padding dropped).
+pub fn whole_shape(name: &str, local: &[usize], ranks: usize, vocab: usize) -> Vec<usize> {
+    let mut shape = local.to_vec();
+    match split_of(name) {
+        Split::Whole => {}
+        Split::Columns { .. } => *shape.last_mut().expect("a sliced parameter has a dimension") *= ranks,
+        Split::Rows => shape[0] *= ranks,
+        Split::VocabRows => shape[0] = vocab,
+    }
+    shape
 }
 
 /// Whether a GPT-2 of `n_head` heads and an MLP `inner` wide splits over `ranks` TP ranks.

@@ -252,15 +252,11 @@ impl MemoryPlan {
         if ranks <= 1 {
             return self;
         }
-        use crate::tensor_parallel::shard::{split_of, Split};
         let cfg = &self.activations.cfg;
-        let padded = crate::tensor_parallel::vocab::padded_vocab_size(cfg.vocab_size, ranks);
         let held: usize = crate::model::params::parameter_shapes(cfg)
             .iter()
-            .map(|(name, shape)| match split_of(name) {
-                Split::Whole => shape.iter().product(),
-                Split::VocabRows => padded * shape[1] / ranks,
-                _ => shape.iter().product::<usize>() / ranks,
+            .map(|(name, shape)| {
+                crate::tensor_parallel::shard::local_shape(name, shape, ranks).iter().product::<usize>()
             })
             .sum();
         // Whatever is not in the GPT-2 inventory (a score head) stays whole.

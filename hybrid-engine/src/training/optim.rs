@@ -324,10 +324,7 @@ impl GradAccumulator {
 pub fn global_grad_norm(grads: &[Tensor]) -> Result<f64> {
     let mut sum = 0f64;
     for g in grads {
-        sum += match crate::kernels::fused::sum_of_squares(g)? {
-            Some(s) => s, // CPU f32: one pass, no squared copy
-            None => g.sqr()?.sum_all()?.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?,
-        };
+        sum += crate::kernels::ops::sum_of_squares(g)?;
     }
     Ok(sum.sqrt())
 }

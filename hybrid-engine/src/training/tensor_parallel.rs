@@ -6,7 +6,7 @@ use crate::comm::ProcessGroup;
 use crate::model::gpt2::{Gpt2, Gpt2Config};
 use crate::model::params::ParamStore;
 use crate::tensor_parallel::layout::ParallelLayout;
-use crate::tensor_parallel::shard::{check_divides, gather_parameter, shard, split_of, Split};
+use crate::tensor_parallel::shard::{check_divides, gather_parameter, shard, split_of, whole_shape};
 use crate::training::optim::AdamW;
 use anyhow::{bail, Result};
 use candle_core::{Device, Tensor};
@@ -112,19 +112,6 @@ impl TensorParallel {
     pub fn model(&self, local: &ParamStore, cfg: &Gpt2Config) -> Result<Gpt2> {
         local.model_tensor_parallel(cfg, &self.layout.tp)
     }
-}
-
-/// The shape of the whole parameter `name` of which a rank of `ranks` holds a slice of shape
-/// `local`; `vocab` rows for the embedding (its TP padding dropped).
-pub fn whole_shape(name: &str, local: &[usize], ranks: usize, vocab: usize) -> Vec<usize> {
-    let mut shape = local.to_vec();
-    match split_of(name) {
-        Split::Whole => {}
-        Split::Columns { .. } => *shape.last_mut().expect("a sliced parameter has a dimension") *= ranks,
-        Split::Rows => shape[0] *= ranks,
-        Split::VocabRows => shape[0] = vocab,
-    }
-    shape
 }
 
 /// The group a run's data is split over: the data-parallel group under tensor parallelism, else

@@ -210,12 +210,11 @@ pub fn sharded_grad_norm_tensor_parallel(
     (names, partition): (&[String], &Partition),
     shard: &Tensor,
 ) -> Result<f64> {
-    use crate::tensor_parallel::shard::{split_of, Split};
-    let values = shard.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
     let mut sq = [0f64];
     for piece in partition.pieces(dp.rank()) {
-        let s: f64 = values[piece.in_shard].iter().map(|&x| f64::from(x) * f64::from(x)).sum();
-        sq[0] += if split_of(&names[piece.param]) == Split::Whole { s / tp.world() as f64 } else { s };
+        let values = shard.narrow(0, piece.in_shard.start, piece.in_shard.len())?;
+        let s = crate::kernels::ops::sum_of_squares(&values)?;
+        sq[0] += crate::tensor_parallel::shard::norm_share(&names[piece.param], s, tp.world());
     }
     dp.all_reduce_scalars(&mut sq, ReduceOp::Sum)?;
     tp.all_reduce_scalars(&mut sq, ReduceOp::Sum)?;
