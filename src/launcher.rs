@@ -50,9 +50,9 @@ pub struct TrainArgs {
     pub actor_zero_stage: u8,
     #[arg(long, default_value_t = 0, alias = "reward_zero_stage")]
     pub reward_zero_stage: u8,
-    /// Megatron's tensor parallelism in steps 1 and 2: each layer split over this many
+    /// Megatron's tensor parallelism in every step: each layer split over this many
     /// consecutive ranks of a node, the rest data parallel (single_node or multi_node; it must
-    /// divide the ranks per node and the attention heads). Steps 1 and 2 get it as
+    /// divide the ranks per node and the attention heads). The steps get it as
     /// RLHF_TENSOR_MODEL_PARALLEL_SIZE, the default of their --tensor-model-parallel-size.
     #[arg(long, default_value_t = 1, aliases = ["tensor_model_parallel_size", "tp-size", "tp_size"], value_parser = clap::value_parser!(u64).range(1..))]
     pub tensor_model_parallel_size: u64,
@@ -197,10 +197,10 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     if tp > 1 && deployment == "single_gpu" {
         bail!("--tensor-model-parallel-size {tp} splits each layer over {tp} ranks: add --deployment-type single_node (or multi_node)");
     }
-    if tp > 1 && steps.contains(&3) {
-        bail!("--tensor-model-parallel-size {tp} splits the models of steps 1 and 2; step 3 does not split its models yet: run --step 1 2 with it and --step 3 without");
-    }
     let inference_tp = args.inference_tp_size;
+    if tp > 1 && inference_tp > 1 {
+        bail!("--inference-tp-size re-lays a TP=1 actor out for step 3's generation; with --tensor-model-parallel-size {tp} the actor already generates split over its TP group: drop --inference-tp-size");
+    }
     if inference_tp > 1 && deployment == "single_gpu" {
         bail!("--inference-tp-size {inference_tp} generates with groups of {inference_tp} ranks: add --deployment-type single_node (or multi_node)");
     }

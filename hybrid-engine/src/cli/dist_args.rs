@@ -34,7 +34,7 @@ pub struct DistArgs {
     pub offload: bool,
     /// Megatron's tensor parallelism: every layer split over this many consecutive ranks (on one
     /// node; it must divide the attention heads), the ranks forming TP x DP groups; batch sizes
-    /// are per data-parallel rank. With ZeRO stages 0-2; pretraining and steps 1 and 2.
+    /// are per data-parallel rank. With ZeRO stages 0-2; pretraining and all three steps.
     #[arg(long, default_value_t = 1, env = TP_SIZE_ENV, aliases = ["tensor_model_parallel_size", "tp-size", "tp_size"], value_parser = clap::value_parser!(u64).range(1..))]
     pub tensor_model_parallel_size: u64,
 }
@@ -60,16 +60,6 @@ impl DistArgs {
             );
         }
         TensorParallel::new(world, size)
-    }
-
-    /// Refuses `--tensor-model-parallel-size` in a step that does not split its models yet.
-    pub fn refuse_tensor_parallel(&self, step: &str) -> Result<()> {
-        if self.tensor_model_parallel_size > 1 {
-            bail!(
-                "--tensor-model-parallel-size is not supported in {step} yet (pretraining and steps 1 and 2 only; step 3 generates under tensor parallelism with --inference-tp-size): use --tensor-model-parallel-size 1"
-            );
-        }
-        Ok(())
     }
 
     /// Data parallelism over `group` at ZeRO `stage`, with a line saying what it does.

@@ -70,7 +70,23 @@ impl GenerationMode {
             let slice = shard(&var.as_tensor().detach(), split_of(name), tp.rank(), tp.world())?;
             weights.insert(name.to_string(), slice);
         }
-        let device = params.vars.first().map_or(Device::Cpu, |v| v.device().clone());
+        self.load_tensor_parallel(weights, config, tp)
+    }
+
+    /// [`Self::model_tensor_parallel`] of a model trained under tensor parallelism: `slices` are
+    /// already this rank's (`crate::training::tensor_parallel::TensorParallel::slice`).
+    pub fn model_of_slices(&self, slices: &ParamStore, config: &Gpt2Config, tp: &Arc<ProcessGroup>) -> Result<Gpt2> {
+        let weights = slices.iter().map(|(n, v)| (n.to_string(), v.as_tensor().detach())).collect();
+        self.load_tensor_parallel(weights, config, tp)
+    }
+
+    fn load_tensor_parallel(
+        &self,
+        weights: HashMap<String, Tensor>,
+        config: &Gpt2Config,
+        tp: &Arc<ProcessGroup>,
+    ) -> Result<Gpt2> {
+        let device = weights.values().next().map_or(Device::Cpu, |t| t.device().clone());
         let config = Gpt2Config { resid_pdrop: 0.0, embd_pdrop: 0.0, attn_pdrop: 0.0, ..config.clone() };
         Ok(Gpt2::load_tensor_parallel(VarBuilder::from_tensors(weights, self.dtype, &device), &config, tp)?)
     }

@@ -14,7 +14,7 @@ use crate::comm::ProcessGroup;
 use crate::kernels::ops::{self, DropoutKey};
 use crate::tensor_parallel::mappings::{copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region};
 use anyhow::bail;
-use candle_core::{DType, Device, Result, Tensor};
+use candle_core::{DType, Device, Result, Tensor, D};
 use candle_nn::VarBuilder;
 use lora::LoraLinear;
 use serde::{Deserialize, Serialize};
@@ -694,6 +694,47 @@ impl Gpt2 {
         } else {
             ops::cross_entropy(&self.loss_input(&x.matmul(&self.wte.t()?)?)?, targets)
         }
+    }
+
+    /// The log-probability (f32, differentiable) of each next token `next` (B, T) u32 after
+    /// hidden states before `ln_f` (B, T, C), and with `with_entropy` the entropy of each
+    /// position's distribution (f32, detached): what PPO's losses and diagnostics read. Under
+    /// tensor parallelism from the vocabulary slices, without the full logits on any rank.
+    pub fn next_token_log_probs(
+        &self,
+        hidden: &Tensor,
+        next: &Tensor,
+        with_entropy: bool,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let (b, t) = next.dims2()?;
+        if let Some(tp) = &self.tp {
+            let x = self.ln_f.forward(hidden)?.reshape(((), self.cfg.n_embd))?; // (B T, C)
+            let out = crate::tensor_parallel::vocab::vocab_parallel_log_probs(
+                &x,
+                &self.wte,
+                &next.flatten_all()?,
+                self.cfg.vocab_size,
+                tp,
+                with_entropy,
+            )?;
+            let entropy = out.entropy.map(|e| e.reshape((b, t))).transpose()?;
+            return Ok((out.log_probs.reshape((b, t))?, entropy));
+        }
+        let logp_all = ops::log_softmax_last_dim(&self.loss_input(&self.lm_head(hidden)?)?)?; // (B, T, V)
+        let logp = logp_all.gather(&next.unsqueeze(D::Minus1)?.contiguous()?, D::Minus1)?.squeeze(D::Minus1)?;
+        let entropy = match with_entropy {
+            false => None,
+            true => {
+                let detached = logp_all.detach().to_dtype(DType::F32)?;
+                Some((detached.exp()? * &detached)?.sum(D::Minus1)?.neg()?)
+            }
+        };
+        Ok((logp.to_dtype(DType::F32)?, entropy))
+    }
+
+    /// Whether this model is one rank's slices of a tensor-parallel model.
+    pub fn is_tensor_parallel(&self) -> bool {
+        self.tp.is_some()
     }
 
     /// Mean cross-entropy over selected positions only: `rows` (N,) u32 indexes the flattened

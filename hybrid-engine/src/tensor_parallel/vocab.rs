@@ -68,9 +68,32 @@ pub fn vocab_parallel_cross_entropy(
     vocab: usize,
     tp: &Arc<ProcessGroup>,
 ) -> Result<Tensor> {
+    vocab_parallel_log_probs(x, wte_local, targets, vocab, tp, false)?.log_probs.neg()?.mean_all()
+}
+
+/// What [`vocab_parallel_log_probs`] gives for N rows.
+pub struct TokenLogProbs {
+    /// log p(target) of each row, f32 and differentiable. (N,)
+    pub log_probs: Tensor,
+    /// The entropy of each row's distribution, f32 and detached (a diagnostic). (N,)
+    pub entropy: Option<Tensor>,
+}
+
+/// The tied LM head's log-probability of each row's target, as [`vocab_parallel_cross_entropy`]
+/// computes it (rows `x` (N, C) whole on every rank, `targets` (N,) u32, this rank's embedding
+/// rows `wte_local`), and with `with_entropy` each row's entropy, from one more reduction of
+/// two numbers per row. No rank forms the full logits.
+pub fn vocab_parallel_log_probs(
+    x: &Tensor,
+    wte_local: &Tensor,
+    targets: &Tensor,
+    vocab: usize,
+    tp: &Arc<ProcessGroup>,
+    with_entropy: bool,
+) -> Result<TokenLogProbs> {
     let rows = wte_local.dim(0)?;
     let logits = vocab_parallel_logits(x, wte_local, vocab, tp)?; // (N, V / T)
-                                                                  // The max over the whole vocabulary, a constant to autograd (the loss does not depend on it).
+                                                                  // The max over the whole vocabulary, a constant to autograd (log p does not depend on it).
     let local_max = logits.max_keepdim(D::Minus1)?.detach(); // (N, 1)
     let max = tp.all_reduce(&local_max, ReduceOp::Max).map_err(external)?.reshape(local_max.shape())?;
     let shifted = logits.broadcast_sub(&max)?;
@@ -83,7 +106,20 @@ pub fn vocab_parallel_cross_entropy(
     let picked = shifted.gather(&index.unsqueeze(1)?, D::Minus1)?; // (N, 1)
     let picked = picked.broadcast_mul(&inside.to_dtype(DType::F32)?.unsqueeze(1)?)?;
     let target = reduce_from_tensor_parallel_region(&picked, tp)?;
-    (sum_exp.log()? - target)?.mean_all()
+    let log_probs = (target - sum_exp.log()?)?.squeeze(1)?;
+    // H = log S - sum_i e^z_i z_i / S over the shifted logits z (the padding's e^z is 0).
+    let entropy = match with_entropy {
+        false => None,
+        true => {
+            let z = shifted.detach();
+            let e = z.exp()?;
+            let local = Tensor::cat(&[e.sum_keepdim(D::Minus1)?, (&e * &z)?.sum_keepdim(D::Minus1)?], 1)?; // (N, 2)
+            let sums = tp.all_reduce(&local.contiguous()?, ReduceOp::Sum).map_err(external)?.reshape(local.shape())?;
+            let (s, ez) = (sums.narrow(1, 0, 1)?, sums.narrow(1, 1, 1)?);
+            Some((s.log()? - (ez / &s)?)?.squeeze(1)?)
+        }
+    };
+    Ok(TokenLogProbs { log_probs, entropy })
 }
 
 fn external(e: anyhow::Error) -> candle_core::Error {
@@ -153,6 +189,44 @@ mod tests {
                 assert!(close(&gh, &want_gh)? < 1e-6, "{ranks} ranks, rank {rank}: hidden gradient");
                 let want = shard(&want_gw, Split::Rows, rank, ranks)?;
                 assert!(close(&gw, &want)? < 1e-6, "{ranks} ranks, rank {rank}: embedding gradient");
+            }
+        }
+        Ok(())
+    }
+    /// Over 2 and 4 ranks (V = 13, padded): each row's log-probability of its target and its
+    /// entropy are the one-rank log-softmax's, and so is the gradient of a weighted sum of the
+    /// log-probs with respect to the rows.
+    #[test]
+    fn vocab_parallel_log_probs_and_entropy_match_one_rank() -> anyhow::Result<()> {
+        let cpu = Device::Cpu;
+        let (v, c, n) = (13usize, 4usize, 5usize);
+        let wte: Vec<f32> = (0..v * c).map(|i| ((i * 29 % 17) as f32 - 8.0) * 0.15).collect();
+        let hidden: Vec<f32> = (0..n * c).map(|i| ((i * 7 % 11) as f32 - 5.0) * 0.3).collect();
+        let targets = Tensor::new(&[12u32, 0, 6, 7, 12], &cpu)?;
+        let weights = Tensor::new(&[1.0f32, -0.5, 2.0, 0.25, -1.5], &cpu)?;
+        let h = Var::from_slice(&hidden, (n, c), &cpu)?;
+        let w = Tensor::from_slice(&wte, (v, c), &cpu)?;
+        let logp_all = candle_nn::ops::log_softmax(&h.as_tensor().matmul(&w.t()?)?, D::Minus1)?;
+        let want_logp = logp_all.gather(&targets.unsqueeze(1)?, 1)?.squeeze(1)?;
+        let want_entropy = (logp_all.exp()? * &logp_all)?.sum(1)?.neg()?;
+        let want_grad = (&want_logp * &weights)?.sum_all()?.backward()?.get(h.as_tensor()).unwrap().clone();
+        for ranks in [2, 4] {
+            let results = on_groups(ranks, |group| {
+                let tp = Arc::new(group);
+                let w = shard(&Tensor::from_slice(&wte, (v, c), &cpu)?, Split::VocabRows, tp.rank(), ranks)?;
+                let h = Var::from_slice(&hidden, (n, c), &cpu)?;
+                let out = vocab_parallel_log_probs(h.as_tensor(), &w, &targets, v, &tp, true)?;
+                let grad = (&out.log_probs * &weights)?.sum_all()?.backward()?.get(h.as_tensor()).unwrap().clone();
+                Ok((out.log_probs, out.entropy.unwrap(), grad))
+            });
+            for (rank, res) in results.into_iter().enumerate() {
+                let (logp, entropy, grad) = res?;
+                let close = |a: &Tensor, b: &Tensor| -> anyhow::Result<f32> {
+                    Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?)
+                };
+                assert!(close(&logp, &want_logp)? < 1e-6, "{ranks} ranks, rank {rank}: log-probs");
+                assert!(close(&entropy, &want_entropy)? < 1e-5, "{ranks} ranks, rank {rank}: entropy");
+                assert!(close(&grad, &want_grad)? < 1e-6, "{ranks} ranks, rank {rank}: gradient");
             }
         }
         Ok(())

@@ -10,6 +10,7 @@ use crate::tensor_parallel::shard::{check_divides, gather_parameter, shard, spli
 use crate::training::optim::AdamW;
 use anyhow::{bail, Result};
 use candle_core::{Device, Tensor};
+use std::collections::HashMap;
 use std::sync::Arc;
 
 /// A run whose model is split over tensor-parallel groups: this rank's groups, and how to cut
@@ -100,6 +101,22 @@ impl TensorParallel {
         cfg: &Gpt2Config,
     ) -> Result<()> {
         shard_optimizer(whole, params, local, (self.layout.tp.rank(), self.size()), cfg.vocab_size)
+    }
+
+    /// This rank's slices of saved whole optimizer state (`AdamW::state_tensors`, named
+    /// `exp_avg.<parameter>` and `exp_avg_sq.<parameter>`): each moment cut as its parameter is.
+    pub fn slice_optimizer_tensors(&self, whole: &HashMap<String, Tensor>) -> Result<HashMap<String, Tensor>> {
+        let (rank, ranks) = (self.layout.tp.rank(), self.size());
+        let mut local = HashMap::with_capacity(whole.len());
+        for (key, t) in whole {
+            let Some((_, name)) = key.split_once('.') else {
+                bail!(
+                    "optimizer state {key:?} is not named <moment>.<parameter>: the checkpoint is not this program's"
+                );
+            };
+            local.insert(key.clone(), shard(t, split_of(name), rank, ranks)?);
+        }
+        Ok(local)
     }
 
     /// The element counts of the whole parameters of which `local` holds this rank's slices.

@@ -262,8 +262,16 @@ impl ForwardInputs {
 
     /// Log-prob of each action's token under `model`: (B, L - 1) row-major.
     pub fn logprobs(&self, model: &Gpt2) -> Result<Vec<f32>> {
-        let logits = model.forward(&self.ids, &self.as_positions(), None, None)?; // (B, L, V)
-        Ok(gather_log_probs(&model.loss_input(&logits)?, &self.ids)?.flatten_all()?.to_vec1()?)
+        if !model.is_tensor_parallel() {
+            let logits = model.forward(&self.ids, &self.as_positions(), None, None)?; // (B, L, V)
+            return Ok(gather_log_probs(&model.loss_input(&logits)?, &self.ids)?.flatten_all()?.to_vec1()?);
+        }
+        // Under tensor parallelism from the vocabulary slices: the full logits exist nowhere.
+        let hidden = model.forward_blocks(&self.ids, &self.as_positions(), None, None)?; // (B, L, C)
+        let actions = self.l - 1;
+        let next = self.ids.narrow(1, 1, actions)?;
+        let (logp, _) = model.next_token_log_probs(&hidden.narrow(1, 0, actions)?, &next, false)?;
+        Ok(logp.flatten_all()?.to_vec1()?)
     }
 
     /// Per-token values of a critic: (B, L) row-major.

@@ -14,6 +14,13 @@
 //! generation mode then gathers the whole actor on every rank once per rollout, generates and
 //! scores with it, and drops it before training (DS-Chat's hybrid engine); the critic's forwards
 //! gather it block by block. The frozen reference and reward models stay whole on every rank.
+//!
+//! Under tensor parallelism (`--tensor-model-parallel-size T`, world = T x D) all four models
+//! are split over each TP group of T consecutive ranks (Megatron's layout), which holds the
+//! same rows: a rollout's prompts and the PPO micro-batches are split over the D data-parallel
+//! groups, generation runs on the training slices in lockstep in each TP group, log-probs come
+//! from the vocabulary slices, and the gradients are averaged over the data-parallel group.
+//! Saves and checkpoints are consolidated (rank 0's TP group gathers them).
 
 use crate::args::PpoArgs;
 use crate::eval::{evaluate_policy, PolicyEval};
@@ -34,8 +41,9 @@ use hybrid_engine::model::reward_model::{causal_lm_config, sequence_classificati
 use hybrid_engine::tensor_parallel::layout::ParallelLayout;
 use hybrid_engine::tensor_parallel::shard::check_divides;
 use hybrid_engine::training::metrics::{peak_rss_mib, Metrics};
-use hybrid_engine::training::optim::AdamWConfig;
+use hybrid_engine::training::optim::{AdamW, AdamWConfig};
 use hybrid_engine::training::schedule::LrSchedule;
+use hybrid_engine::training::tensor_parallel::{data_group, TensorParallel};
 use hybrid_engine::training::train_step::TrainedModel;
 use hybrid_engine::training::trainer::Trainer;
 use hybrid_engine::training::zero::DataParallel;
@@ -108,9 +116,12 @@ fn schedule(args: &PpoArgs, lr: f64, total: u64) -> LrSchedule {
 pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
     args.validate()?;
     let device = hybrid_engine::device::parse_device(&args.device)?;
-    args.dist.refuse_tensor_parallel("step 3 (ppo)")?;
     let group = args.dist.join()?;
-    let (rank, world) = (group.rank(), group.world());
+    // Under tensor parallelism the ranks of a TP group hold the same rows: the rollouts and
+    // the micro-batches are split over the data-parallel group (every rank without TP).
+    let tp = tensor_parallel(args, &group)?;
+    let data = data_group(&group, tp.as_ref());
+    let (rank, world) = (group.rank(), data.world());
     println!("device: {}", hybrid_engine::device::describe(&device));
     let cfg = args.ppo_config();
 
@@ -174,8 +185,8 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
             Some(corpus)
         }
     };
-    let actor_dp = args.dist.model_data_parallel(&group, args.actor_zero_stage, "actor")?;
-    let critic_dp = args.dist.model_data_parallel(&group, args.critic_zero_stage, "critic")?;
+    let actor_dp = args.dist.model_data_parallel(&data, args.actor_zero_stage, "actor")?;
+    let critic_dp = args.dist.model_data_parallel(&data, args.critic_zero_stage, "critic")?;
     // The global batches: a rollout's prompts and a PPO micro-batch's rows over all ranks.
     let global_generation = args.per_device_generation_batch_size * world;
     let global_micro = args.per_device_training_batch_size * world;
@@ -243,10 +254,25 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
             Some(ema)
         }
     };
+    // Tensor parallelism: each rank keeps its slices of the four models (and of the EMA).
+    let (actor_params, critic_params, ref_params, reward_params, ema) = match &tp {
+        None => (actor_params, critic_params, ref_params, reward_params, ema),
+        Some(tp) => {
+            println!("{}", tp.describe());
+            (
+                tp.slice(actor_params, &actor_cfg)?,
+                tp.slice(critic_params, &critic_cfg)?,
+                tp.slice(ref_params, &actor_cfg)?,
+                tp.slice(reward_params, &reward_cfg)?,
+                ema.map(|ema| tp.slice(ema, &actor_cfg)).transpose()?,
+            )
+        }
+    };
     let mut models = PpoModels {
         actor: trained(
             args,
-            &group,
+            &data,
+            tp.as_ref(),
             actor_params,
             &actor_cfg,
             TrainedAs {
@@ -261,7 +287,8 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
         )?,
         critic: trained(
             args,
-            &group,
+            &data,
+            tp.as_ref(),
             critic_params,
             &critic_cfg,
             TrainedAs {
@@ -274,8 +301,8 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
                 dp: critic_dp,
             },
         )?,
-        reference: lm_on(&ref_params.compute_copy(dtype)?, &actor_cfg, precision.fp32_loss)?,
-        reward: reward_model_on(&reward_params.compute_copy(dtype)?, &reward_cfg, precision.fp32_loss)?,
+        reference: lm_on(&ref_params.compute_copy(dtype)?, &actor_cfg, precision.fp32_loss, tp.as_ref())?,
+        reward: reward_model_on(&reward_params.compute_copy(dtype)?, &reward_cfg, precision.fp32_loss, tp.as_ref())?,
         ema: None,
         align_overflow: args.align_overflow,
     };
@@ -287,8 +314,13 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
     };
     if let Some(ck) = &resume {
         let (a, c) = (&mut models.actor, &mut models.critic);
-        a.trainer.optimizer.load_state(&a.trainable, ck.state.actor_steps, &ck.actor_optimizer)?;
-        c.trainer.optimizer.load_state(&c.trainable, ck.state.critic_steps, &ck.critic_optimizer)?;
+        // The checkpoint holds whole moments: under TP each rank takes its slices of them.
+        let slices = |whole| tp.as_ref().map_or(Ok(None), |tp| tp.slice_optimizer_tensors(whole).map(Some));
+        let (actor_opt, critic_opt) = (slices(&ck.actor_optimizer)?, slices(&ck.critic_optimizer)?);
+        let actor_opt = actor_opt.as_ref().unwrap_or(&ck.actor_optimizer);
+        let critic_opt = critic_opt.as_ref().unwrap_or(&ck.critic_optimizer);
+        a.trainer.optimizer.load_state(&a.trainable, ck.state.actor_steps, actor_opt)?;
+        c.trainer.optimizer.load_state(&c.trainable, ck.state.critic_steps, critic_opt)?;
         if let (Some(ap), Some(cp)) = (&ck.state.actor_progress, &ck.state.critic_progress) {
             a.trainer.restore_progress(ap)?;
             c.trainer.restore_progress(cp)?;
@@ -342,7 +374,8 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
     let ctx = Ctx {
         args,
         cfg,
-        group: &group,
+        group: &data,
+        tp: tp.as_ref(),
         device: device.clone(),
         actor_cfg: actor_cfg.clone(),
         eos,
@@ -372,7 +405,7 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
                 },
             };
             let generation_secs = rollout_started.elapsed().as_secs_f64();
-            let rollout_stats = rollout_stats(&experience, &group)?;
+            let rollout_stats = rollout_stats(&experience, &data)?;
             if args.print_answers_interval > 0 && (step - 1) % args.print_answers_interval == 0 {
                 print_answers(&metrics, &experience, &tokenizer, eos, 2)?;
             }
@@ -389,7 +422,7 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
                 updates = ppo_epochs(&ctx, &mut models, &buffer, step, &mut micro, ptx)?;
                 buffer.clear();
             }
-            let means = updates.global_means(&group)?;
+            let means = updates.global_means(&data)?;
             let train_secs = train_started.elapsed().as_secs_f64();
             summary.steps = step;
             let safe_point =
@@ -406,8 +439,10 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
             if save_pending && safe_point {
                 let state =
                     checkpoint_state(args, world, step, micro, epoch, batch_index + 1, &models, &ptx_cursor, &summary);
-                let gathered = GatheredWeights::of(&models)?;
-                if let Some(dir) = save_checkpoint(&group, &save_root, &models, &gathered, &state, &tokenizer)? {
+                let gathered = GatheredWeights::of(&models, tp.as_ref())?;
+                if let Some(dir) =
+                    save_checkpoint(&group, &save_root, &models, &gathered, &state, &tokenizer, tp.as_ref())?
+                {
                     metrics.println(&format!(" saved a step-3 checkpoint at rollout {step} to {}", dir.display()));
                 }
                 (save_pending, last_saved_step) = (false, step);
@@ -422,7 +457,7 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
     // The models first: the held-out evaluation below can take long, and a run stopped during
     // it must not lose what it trained. Every rank holds the same weights (under ZeRO-3 every
     // rank takes part in gathering them): rank 0 saves them.
-    let gathered = GatheredWeights::of(&models)?;
+    let gathered = GatheredWeights::of(&models, tp.as_ref())?;
     if group.is_first() {
         let weights = gathered.weights(&models);
         let actor_dir = args.output_dir.join("actor");
@@ -454,7 +489,7 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
             &summary,
         );
         // The weights gathered for the save above: no second gather.
-        if let Some(dir) = save_checkpoint(&group, &save_root, &models, &gathered, &state, &tokenizer)? {
+        if let Some(dir) = save_checkpoint(&group, &save_root, &models, &gathered, &state, &tokenizer, tp.as_ref())? {
             println!("saved the final step-3 checkpoint (rollout {step}) to {}", dir.display());
         }
     }
@@ -468,10 +503,32 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
 
     hybrid_engine::durable::failpoint("ppo-before-eval");
     if let Some(prompts) = &eval_prompts {
+        // Under tensor parallelism the frozen models are slices: rank 0 reads them whole again.
+        let whole_frozen = match &tp {
+            None => None,
+            Some(_) => {
+                let (_, reference, _) =
+                    read_model(&args.actor_model_name_or_path, "--actor-model-name-or-path", Some(0.0), &device)?;
+                let (_, reward) = read_reward_model(
+                    &args.critic_model_name_or_path,
+                    "--critic-model-name-or-path",
+                    Some(0.0),
+                    &device,
+                )?;
+                Some((
+                    lm_on(&reference.compute_copy(dtype)?, &actor_cfg, precision.fp32_loss, None)?,
+                    reward_model_on(&reward.compute_copy(dtype)?, &reward_cfg, precision.fp32_loss, None)?,
+                ))
+            }
+        };
+        let (reference, reward) = match &whole_frozen {
+            Some((reference, reward)) => (reference, reward),
+            None => (&models.reference, &models.reward),
+        };
         let evaluate = |actor: &hybrid_engine::Gpt2| {
             evaluate_policy(
                 actor,
-                &models.reward,
+                reward,
                 &tokenizer,
                 prompts,
                 args.max_prompt_seq_len,
@@ -480,7 +537,7 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
                 &device,
             )
         };
-        let (before, after) = (evaluate(&models.reference)?, evaluate(&engine.model(final_actor, &actor_cfg)?)?);
+        let (before, after) = (evaluate(reference)?, evaluate(&engine.model(final_actor, &actor_cfg)?)?);
         let task = |e: &PolicyEval| e.task_success.map_or("n/a".to_string(), |t| format!("{t:.3}"));
         println!(
             "held-out prompts ({}): reward score SFT {:.3} -> PPO {:.3}; task score SFT {} -> PPO {}",
@@ -503,7 +560,11 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
 struct Ctx<'a> {
     args: &'a PpoArgs,
     cfg: crate::PpoConfig,
+    /// The ranks the rollouts and micro-batches are split over: every rank, or under tensor
+    /// parallelism the data-parallel group.
     group: &'a ProcessGroup,
+    /// `--tensor-model-parallel-size`: the models are this rank's slices.
+    tp: Option<&'a TensorParallel>,
     device: Device,
     actor_cfg: Gpt2Config,
     eos: u32,
@@ -559,11 +620,12 @@ fn generate_share(
         }
         _ => None,
     };
-    let split_actor = ctx
-        .inference_tp
-        .as_ref()
-        .map(|tp| engine.model_tensor_parallel(whole_actor, &ctx.actor_cfg, tp))
-        .transpose()?;
+    // Trained under tensor parallelism, the actor generates from its own slices.
+    let split_actor = match (ctx.tp, &ctx.inference_tp) {
+        (Some(tp), _) => Some(engine.model_of_slices(whole_actor, &ctx.actor_cfg, tp.tp())?),
+        (None, Some(tp)) => Some(engine.model_tensor_parallel(whole_actor, &ctx.actor_cfg, tp)?),
+        (None, None) => None,
+    };
     // The whole generation model: to generate with, or under ZeRO-3 (without LoRA) as the
     // actor's forward for the old log-probs.
     let needs_whole = split_actor.is_none() || (gathered_actor.is_some() && unfused_actor.is_none());
@@ -587,6 +649,8 @@ fn generate_share(
     };
     let generate = |padded: &LeftPadded| match (&split_actor, &ctx.inference_tp, &whole_model) {
         (Some(split), Some(tp), _) => generate_with_group(ctx, engine, split, tp, prompts, &sampling),
+        // Under training TP every rank of the TP group holds the same rows.
+        (Some(split), None, _) => engine.generate(split, padded, &sampling, &ctx.device),
         (_, _, Some(whole)) => engine.generate(whole, padded, &sampling, &ctx.device),
         _ => bail!("internal error: no actor to generate with"),
     };
@@ -741,18 +805,29 @@ fn save_checkpoint(
     gathered: &GatheredWeights,
     state: &crate::checkpoint::PpoState,
     tokenizer: &Tokenizer,
+    tp: Option<&TensorParallel>,
 ) -> Result<Option<std::path::PathBuf>> {
-    let actor_opt = models.actor.trainer.consolidated_optimizer(&models.actor.trainable)?;
-    let critic_opt = models.critic.trainer.consolidated_optimizer(&models.critic.trainable)?;
+    let whole_optimizer = |trained: &Trained| -> Result<Option<AdamW>> {
+        let consolidated = trained.trainer.consolidated_optimizer(&trained.trainable)?;
+        match tp {
+            None => Ok(Some(consolidated)),
+            Some(tp) => tp.gather_optimizer(&consolidated, &trained.trainable, &trained.config),
+        }
+    };
+    let (actor_opt, critic_opt) = (whole_optimizer(&models.actor)?, whole_optimizer(&models.critic)?);
     if !group.is_first() {
         return Ok(None);
     }
+    let (Some(actor_opt), Some(critic_opt)) = (actor_opt, critic_opt) else {
+        bail!("internal error: rank 0 lacks the gathered optimizer state");
+    };
     let weights = gathered.weights(models);
     crate::checkpoint::save(root, models, &weights, (&actor_opt, &critic_opt), state, tokenizer).map(Some)
 }
 
-/// The trained models' weights gathered from the ZeRO-3 shards, on rank 0; `None` for a model
-/// that is whole on every rank (stages 0-2), whose own parameters are read instead.
+/// The trained models' weights gathered from the ZeRO-3 shards or the TP slices, on rank 0;
+/// `None` for a model that is whole on every rank (stages 0-2 without TP), whose own
+/// parameters are read instead.
 struct GatheredWeights {
     actor: Option<ParamStore>,
     critic: Option<ParamStore>,
@@ -761,7 +836,18 @@ struct GatheredWeights {
 
 impl GatheredWeights {
     /// Every rank must call it (the gathers are collectives).
-    fn of(models: &PpoModels) -> Result<Self> {
+    fn of(models: &PpoModels, tp: Option<&TensorParallel>) -> Result<Self> {
+        if let Some(tp) = tp {
+            let (actor, critic) = (&models.actor, &models.critic);
+            return Ok(Self {
+                actor: tp.gather(&actor.params, &actor.config)?,
+                critic: tp.gather(&critic.params, &critic.config)?,
+                ema: match &models.ema {
+                    Some(Ema::Whole(ema)) => tp.gather(ema, &actor.config)?,
+                    _ => None,
+                },
+            });
+        }
         Ok(Self {
             actor: models.actor.gather_for_saving()?,
             critic: models.critic.gather_for_saving()?,
@@ -772,7 +858,7 @@ impl GatheredWeights {
     /// Every weight to save, on rank 0.
     fn weights<'a>(&'a self, models: &'a PpoModels) -> crate::checkpoint::SavedWeights<'a> {
         let ema = match &models.ema {
-            Some(Ema::Whole(ema)) => Some(ema),
+            Some(Ema::Whole(ema)) => self.ema.as_ref().or(Some(ema)),
             Some(Ema::Shard(_)) => self.ema.as_ref(),
             None => None,
         };
@@ -837,6 +923,7 @@ struct TrainedAs {
 fn trained(
     args: &PpoArgs,
     group: &std::sync::Arc<ProcessGroup>,
+    tp: Option<&TensorParallel>,
     params: ParamStore,
     config: &Gpt2Config,
     how: TrainedAs,
@@ -864,14 +951,17 @@ fn trained(
         // Forward and backward run on a copy in the compute dtype (the masters stay fp32).
         let compute = params.compute_copy(dtype)?;
         let model = if how.critic {
-            TrainedModel::reward(reward_model_on(&compute, config, precision.fp32_loss)?)
+            TrainedModel::reward(reward_model_on(&compute, config, precision.fp32_loss, tp)?)
         } else {
-            TrainedModel::lm(lm_on(&compute, config, precision.fp32_loss)?)
+            TrainedModel::lm(lm_on(&compute, config, precision.fp32_loss, tp)?)
         };
-        let trainer =
+        let mut trainer =
             Trainer::new(&trainable, adam, schedule, args.gradient_accumulation_steps, args.gradient_clipping)?
                 .with_precision(precision, &compute, args.precision.loss_scaling())
                 .with_data_parallel(how.dp);
+        if let Some(tp) = tp {
+            trainer = trainer.with_tensor_parallel(tp.tp().clone(), &trainable);
+        }
         (model, trainer, compute.trainable())
     };
     trainer.set_lora_learning_rate(&trainable, how.lora_lr);
@@ -886,18 +976,49 @@ fn trained(
     })
 }
 
-/// A language model over `params` (the actor, or the frozen reference) in their dtype.
-fn lm_on(params: &ParamStore, config: &Gpt2Config, fp32_loss: bool) -> Result<hybrid_engine::Gpt2> {
-    let mut model = params.model(config)?;
+/// A language model over `params` (the actor, or the frozen reference) in their dtype: the whole
+/// model, or under `tp` this rank's slices.
+fn lm_on(
+    params: &ParamStore,
+    config: &Gpt2Config,
+    fp32_loss: bool,
+    tp: Option<&TensorParallel>,
+) -> Result<hybrid_engine::Gpt2> {
+    let mut model = match tp {
+        Some(tp) => tp.model(params, config)?,
+        None => params.model(config)?,
+    };
     model.fp32_loss = fp32_loss;
     Ok(model)
 }
 
-/// A reward model over `params` (the critic, or the frozen reward model) in their dtype.
-fn reward_model_on(params: &ParamStore, config: &Gpt2Config, fp32_loss: bool) -> Result<RewardModel> {
-    let mut model = RewardModel::new(params, config)?;
-    model.trunk.fp32_loss = fp32_loss;
-    Ok(model)
+/// A reward model over `params` (the critic, or the frozen reward model) in their dtype, as
+/// [`lm_on`]; the score head is whole on every rank.
+fn reward_model_on(
+    params: &ParamStore,
+    config: &Gpt2Config,
+    fp32_loss: bool,
+    tp: Option<&TensorParallel>,
+) -> Result<RewardModel> {
+    let trunk = lm_on(params, config, fp32_loss, tp)?;
+    RewardModel::from_trunk(trunk, params, config)
+}
+
+/// `--tensor-model-parallel-size`: the TP layout of the ranks, or `None` without TP. Every
+/// rank calls it together. ZeRO stage 3 and LoRA do not combine with it yet, and
+/// `--inference-tp-size` has nothing to do under it (one line each).
+fn tensor_parallel(args: &PpoArgs, group: &ProcessGroup) -> Result<Option<TensorParallel>> {
+    let size = args.dist.tensor_model_parallel_size;
+    if size > 1 && args.inference_tp_size > 1 {
+        bail!("--inference-tp-size re-lays a TP=1 actor out for generation, but under --tensor-model-parallel-size {size} the actor already generates split over its TP group: drop --inference-tp-size");
+    }
+    if size > 1 && (args.actor_zero_stage == 3 || args.critic_zero_stage == 3) {
+        bail!("--tensor-model-parallel-size {size} runs with --actor-zero-stage and --critic-zero-stage 0, 1 or 2 so far (ZeRO stage 3 across the data-parallel groups is not implemented yet): use stage 2");
+    }
+    if size > 1 && (args.actor_lora_dim > 0 || args.critic_lora_dim > 0) {
+        bail!("LoRA adapters do not combine with --tensor-model-parallel-size above 1 yet: use --actor-lora-dim 0 --critic-lora-dim 0 or --tensor-model-parallel-size 1");
+    }
+    args.dist.tensor_parallel(group, 0)
 }
 
 /// A warning when the actor trains with dropout: its rollout log-probs are computed without it
@@ -1156,7 +1277,8 @@ mod tests {
         let start = actor.copy().unwrap();
         let mut critic = ParamStore::init(&cfg, 2, &cpu).unwrap();
         add_score_head(&mut critic, &cfg, 3, &cpu).unwrap();
-        let (reference, reward) = (lm_on(&start, &cfg, false).unwrap(), reward_model_on(&critic, &cfg, false).unwrap());
+        let (reference, reward) =
+            (lm_on(&start, &cfg, false, None).unwrap(), reward_model_on(&critic, &cfg, false, None).unwrap());
         let how = |critic: bool, lr: f64| TrainedAs {
             critic,
             lr,
@@ -1167,8 +1289,8 @@ mod tests {
             dp: args.dist.model_data_parallel(&group, 0, "").unwrap(),
         };
         let models = PpoModels {
-            actor: trained(&args, &group, actor, &cfg, how(false, actor_lr)).unwrap(),
-            critic: trained(&args, &group, critic.copy().unwrap(), &cfg, how(true, 1e-3)).unwrap(),
+            actor: trained(&args, &group, None, actor, &cfg, how(false, actor_lr)).unwrap(),
+            critic: trained(&args, &group, None, critic.copy().unwrap(), &cfg, how(true, 1e-3)).unwrap(),
             reference,
             reward,
             ema: args.enable_ema.then(|| Ema::Whole(start.copy().unwrap())),

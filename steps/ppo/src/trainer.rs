@@ -15,8 +15,8 @@
 use crate::experience::{Experience, ForwardInputs};
 use crate::ppo::{self, PpoConfig};
 use anyhow::Result;
-use candle_core::{DType, Device, Tensor, D};
-use hybrid_engine::kernels::ops::{self, DropoutKey};
+use candle_core::{DType, Device, Tensor};
+use hybrid_engine::kernels::ops::DropoutKey;
 use hybrid_engine::model::gpt2::{Dropout, Gpt2, Gpt2Config, Positions};
 use hybrid_engine::model::reward_model::RewardModel;
 use hybrid_engine::training::train_step::{Backward, TrainedModel};
@@ -285,13 +285,8 @@ impl PpoModels {
             |heads, hidden| {
                 let lm = heads.trunk;
                 let h = hidden.narrow(1, start, l - 1 - start)?; // (b, A, C)
-                let logp_all = ops::log_softmax_last_dim(&lm.loss_input(&lm.lm_head(&h)?)?)?; // (b, A, V)
-                let logp = logp_all
-                    .gather(&next_tokens.unsqueeze(D::Minus1)?.contiguous()?, D::Minus1)?
-                    .squeeze(D::Minus1)?
-                    .to_dtype(DType::F32)?;
-                let detached = logp_all.detach().to_dtype(DType::F32)?;
-                let entropy = (detached.exp()? * &detached)?.sum(D::Minus1)?.neg()?; // (b, A)
+                let (logp, entropy) = lm.next_token_log_probs(&h, &next_tokens, true)?; // (b, A) each
+                let entropy = entropy.expect("asked for");
                 *seen.borrow_mut() = Some((logp.detach(), entropy));
                 ppo::actor_loss(&logp, &old_logp, &advantages, &mask, cfg)
             },
