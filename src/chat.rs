@@ -1,7 +1,10 @@
 //! `chat --path DIR`: an interactive multi-turn chat with a model directory in DS-Chat's
 //! `Human:`/`Assistant:` format (`clear` forgets the history, `quit` exits), or with `--prompt`
 //! a one-shot completion of the text given verbatim that prints only the completion (scripts).
+//! With `--tensor-model-parallel-size T` the model is split over T ranks that this process
+//! starts (`crate::inference_ranks`); it stays the one that reads and prints.
 
+use crate::inference_ranks::InferenceRanks;
 use anyhow::{bail, Context, Result};
 use candle_core::Device;
 use clap::Parser;
@@ -10,6 +13,7 @@ use hybrid_engine::checkpoints::hf_io::{load_model_dir, resolve_model_dir};
 use hybrid_engine::generation::generate::{generate, SamplingConfig};
 use hybrid_engine::{Gpt2, ParamStore};
 use std::io::{BufRead, Write};
+use std::time::Duration;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -45,7 +49,14 @@ pub struct ChatArgs {
     /// cuda or cuda:N.
     #[arg(long, default_value = "auto", env = hybrid_engine::device::DEVICE_ENV)]
     pub device: String,
+    /// Split the model over this many ranks (Megatron's layout; it must divide the attention
+    /// heads), started by this command, or by a launcher that sets RANK and WORLD_SIZE.
+    #[arg(long, default_value_t = 1, aliases = ["tensor_model_parallel_size", "tp-size", "tp_size"], value_parser = clap::value_parser!(u64).range(1..))]
+    pub tensor_model_parallel_size: u64,
 }
+
+/// How long a rank of a split model waits for the next prompt: a person may pause for hours.
+const IDLE_LIMIT: Duration = Duration::from_secs(7 * 24 * 3600);
 
 /// A loaded model with its tokenizer, ready to complete token sequences.
 pub struct ChatModel {
@@ -55,23 +66,28 @@ pub struct ChatModel {
 }
 
 impl ChatModel {
-    /// Loads a model directory, checkpoint root or hub id onto `device`.
-    pub fn load(path: &str, device: &Device) -> Result<Self> {
+    /// Loads a model directory, checkpoint root or hub id onto `device`: the whole model, or
+    /// with `tp_size` above 1 this rank's slices of it, joining the ranks it is split over.
+    pub fn load(path: &str, device: &Device, tp_size: usize) -> Result<(Self, Option<InferenceRanks>)> {
         let dir = resolve_model_dir(path)?;
         let device = device.clone();
         let files = load_model_dir(&dir, &device)?;
         let params = ParamStore::from_tensors(&files.config, &files.tensors, &device)?;
-        let model = params.model(&files.config)?;
         let tokenizer = Tokenizer::from_model_dir_or_default(&dir)?;
-        if tokenizer.vocab_size() > model.cfg.vocab_size {
+        if tokenizer.vocab_size() > files.config.vocab_size {
             bail!(
                 "{}: tokenizer.json has {} tokens but the model only {}: the directory's tokenizer does not belong to this model",
                 dir.display(),
                 tokenizer.vocab_size(),
-                model.cfg.vocab_size
+                files.config.vocab_size
             );
         }
-        Ok(Self { model, tokenizer, device })
+        let ranks = InferenceRanks::join(tp_size, &files.config, IDLE_LIMIT)?;
+        let model = match &ranks {
+            Some(ranks) => ranks.model(params, &files.config)?,
+            None => params.model(&files.config)?,
+        };
+        Ok((Self { model, tokenizer, device }, ranks))
     }
 
     /// Completes `prompt_ids`; returns the new ids without the final EOS.
@@ -90,7 +106,7 @@ pub fn run(args: &ChatArgs) -> Result<()> {
         bail!("--max-new-tokens must be at least 1");
     }
     let device = hybrid_engine::device::parse_device(&args.device)?;
-    let chat = ChatModel::load(&args.path, &device)?;
+    let (chat, ranks) = ChatModel::load(&args.path, &device, args.tensor_model_parallel_size as usize)?;
     let eos = chat.tokenizer.eos_id();
     let sampling = SamplingConfig {
         max_new_tokens: args.max_new_tokens,
@@ -102,13 +118,26 @@ pub fn run(args: &ChatArgs) -> Result<()> {
         vocab_limit: chat.tokenizer.vocab_size(),
         seed: args.seed,
     };
-    match &args.prompt {
-        Some(text) => one_shot(&chat, text, args, &sampling),
-        None => interactive(&chat, &sampling),
+    match (&args.prompt, ranks) {
+        (Some(text), ranks) => {
+            // Every rank completes the same text in lockstep; rank 0 prints.
+            let text = one_shot(&chat, text, args, &sampling)?;
+            if ranks.as_ref().is_none_or(InferenceRanks::is_first) {
+                println!("{text}");
+            }
+            ranks.map_or(Ok(()), InferenceRanks::finish)
+        }
+        (None, None) => interactive(&chat, &sampling, None),
+        (None, Some(ranks)) if ranks.is_first() => {
+            interactive(&chat, &sampling, Some(&ranks))?;
+            ranks.finish()
+        }
+        (None, Some(ranks)) => follow(&chat, &sampling, &ranks),
     }
 }
 
-fn one_shot(chat: &ChatModel, text: &str, args: &ChatArgs, sampling: &SamplingConfig) -> Result<()> {
+/// The completion of `text`.
+fn one_shot(chat: &ChatModel, text: &str, args: &ChatArgs, sampling: &SamplingConfig) -> Result<String> {
     let text = if args.chat_format { chat_turn(text) } else { text.to_string() };
     let ids = chat.tokenizer.encode(&text)?;
     if ids.is_empty() {
@@ -119,9 +148,7 @@ fn one_shot(chat: &ChatModel, text: &str, args: &ChatArgs, sampling: &SamplingCo
         bail!("--prompt has {} tokens but the model's context is {n_pos}: shorten it", ids.len());
     }
     let out = chat.complete(&ids, sampling)?;
-    print!("{}", chat.tokenizer.decode(&out)?);
-    println!();
-    Ok(())
+    chat.tokenizer.decode(&out)
 }
 
 /// DS-Chat's prompt format for one human turn.
@@ -129,8 +156,12 @@ pub fn chat_turn(text: &str) -> String {
     format!("\n\nHuman: {text}\n\nAssistant:")
 }
 
-fn interactive(chat: &ChatModel, sampling: &SamplingConfig) -> Result<()> {
-    println!("Chatting with the model. Type `clear` to start over, `quit` to exit.");
+/// The terminal session; with `ranks`, each prompt is sent to the other ranks before it is
+/// completed, and the end of the session too.
+fn interactive(chat: &ChatModel, sampling: &SamplingConfig, ranks: Option<&InferenceRanks>) -> Result<()> {
+    let end = || ranks.map_or(Ok(None), |r| r.share_prompt(None)).map(|_| ());
+    let split = ranks.map_or(String::new(), |r| format!(" (split over {} ranks)", r.size()));
+    println!("Chatting with the model{split}. Type `clear` to start over, `quit` to exit.");
     let stdin = std::io::stdin();
     let mut history = String::new();
     let n_pos = chat.model.cfg.n_positions;
@@ -141,12 +172,12 @@ fn interactive(chat: &ChatModel, sampling: &SamplingConfig) -> Result<()> {
         let mut line = String::new();
         if stdin.lock().read_line(&mut line).context("reading from stdin")? == 0 {
             println!();
-            return Ok(());
+            return end();
         }
         let input = line.trim();
         match input {
             "" => continue,
-            "quit" | "exit" => return Ok(()),
+            "quit" | "exit" => return end(),
             "clear" => {
                 history.clear();
                 println!("[history cleared]");
@@ -159,6 +190,9 @@ fn interactive(chat: &ChatModel, sampling: &SamplingConfig) -> Result<()> {
         if ids.len() > keep {
             ids.drain(..ids.len() - keep); // keep the most recent turns that fit the context
         }
+        if let Some(ranks) = ranks {
+            ranks.share_prompt(Some(&ids))?;
+        }
         let out = chat.complete(&ids, sampling)?;
         let answer = chat.tokenizer.decode(&out)?;
         // A model that keeps writing the dialogue on its own is cut at its next "Human:" turn.
@@ -166,4 +200,13 @@ fn interactive(chat: &ChatModel, sampling: &SamplingConfig) -> Result<()> {
         println!("Assistant:{answer}");
         history.push_str(&answer);
     }
+}
+
+/// A rank other than 0 of a split model: completes rank 0's prompts with it until the session
+/// ends.
+fn follow(chat: &ChatModel, sampling: &SamplingConfig, ranks: &InferenceRanks) -> Result<()> {
+    while let Some(ids) = ranks.share_prompt(None)? {
+        chat.complete(&ids, sampling)?;
+    }
+    Ok(())
 }

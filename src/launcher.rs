@@ -632,7 +632,7 @@ fn pretrain_demo(args: &TrainArgs) -> Result<()> {
         println!("validation perplexity {ppl:.1}");
     }
     let device = hybrid_engine::device::parse_device(&args.device)?;
-    let chat = crate::chat::ChatModel::load(&out.display().to_string(), &device)?;
+    let (chat, _) = crate::chat::ChatModel::load(&out.display().to_string(), &device, 1)?;
     let prompt = "ROMEO:";
     let eos = chat.tokenizer.eos_id();
     let sampling = SamplingConfig {

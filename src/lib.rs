@@ -1,8 +1,10 @@
-//! The user-facing binaries' logic: `chat` (talk to a trained model) and the `train` launcher.
+//! The user-facing binaries' logic: `chat` (talk to a trained model), `prompt_eval` and the
+//! `train` launcher.
 //! Each binary's `main` only parses flags, calls `run` and maps errors to exit code 2.
 
 pub mod chat;
 pub mod hostfile;
+pub mod inference_ranks;
 pub mod launcher;
 pub mod nodes;
 pub mod ranks;

@@ -1,4 +1,5 @@
-//! End-to-end tests of the `chat` binary on a model pretrained in-process.
+//! End-to-end tests of the `chat` and `prompt_eval` binaries on a model pretrained in-process,
+//! whole and split over 2 ranks.
 
 use clap::Parser;
 use std::io::Write;
@@ -39,15 +40,37 @@ fn model_root() -> &'static Path {
 }
 
 fn chat(args: &[&str], stdin: &str) -> Output {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_chat"))
+    run(env!("CARGO_BIN_EXE_chat"), args, stdin)
+}
+
+/// Runs `binary` with `stdin`, killed after two minutes: no test waits forever.
+fn run(binary: &str, args: &[&str], stdin: &str) -> Output {
+    let mut child = Command::new(binary)
         .args(args)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .expect("spawn chat");
+        .expect("spawn the binary");
     child.stdin.take().unwrap().write_all(stdin.as_bytes()).unwrap();
-    child.wait_with_output().unwrap()
+    let pid = child.id();
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = done.clone();
+    let watchdog = std::thread::spawn(move || {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+        while !flag.load(std::sync::atomic::Ordering::Relaxed) {
+            if std::time::Instant::now() > deadline {
+                // SAFETY: kill sends a signal to our own child.
+                unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+    });
+    let out = child.wait_with_output().unwrap();
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    watchdog.join().unwrap();
+    out
 }
 
 fn stdout(o: &Output) -> String {
@@ -71,7 +94,7 @@ fn one_shot_prompt_prints_the_greedy_completion_of_the_model() {
     let out = stdout(&chat(&args, ""));
 
     // The same completion computed through the library, independently of the binary.
-    let model = rlhf::chat::ChatModel::load(root, &candle_core::Device::Cpu).unwrap();
+    let (model, _) = rlhf::chat::ChatModel::load(root, &candle_core::Device::Cpu, 1).unwrap();
     let eos = model.tokenizer.eos_id();
     let sampling =
         hybrid_engine::generation::generate::SamplingConfig::greedy(8, Some(eos), eos, model.tokenizer.vocab_size());
@@ -100,4 +123,47 @@ fn a_bad_model_path_is_a_one_line_error() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(err.lines().count(), 1, "{err}");
     assert!(err.contains("/no/such/model"), "{err}");
+}
+
+/// `--tensor-model-parallel-size 2`: the command starts a second rank and the two generate every
+/// answer in lockstep from their slices of the model; what it prints is what one process prints
+/// (greedy and sampled one-shot completions, an interactive session, prompt_eval's comparison),
+/// and the second rank ends with it. A split the model cannot take is one line.
+#[test]
+fn chat_and_prompt_eval_split_over_2_ranks_print_what_one_process_prints() {
+    let root = model_root().to_str().unwrap();
+    let both = |args: &[&str], stdin: &str| {
+        let split: Vec<&str> = args.iter().copied().chain(["--tensor-model-parallel-size", "2"]).collect();
+        (stdout(&chat(args, stdin)), stdout(&chat(&split, stdin)))
+    };
+    for decoding in [&["--greedy"][..], &["--seed", "3", "--temperature", "1.0"]] {
+        let args: Vec<&str> =
+            ["--path", root, "--prompt", "ROMEO:", "--max-new-tokens", "16"].iter().chain(decoding).copied().collect();
+        let (whole, split) = both(&args, "");
+        assert!(whole.trim().len() > 4, "{whole:?}");
+        assert_eq!(split, whole, "{decoding:?}");
+    }
+    let (whole, split) =
+        both(&["--path", root, "--greedy", "--max-new-tokens", "8"], "Hello there\nclear\nHow are you?\nquit\n");
+    assert_eq!(whole.matches("Assistant:").count(), 2, "{whole}");
+    let banner = "Chatting with the model (split over 2 ranks).";
+    assert_eq!(split.replace(banner, "Chatting with the model."), whole, "{split}");
+
+    let eval = |extra: &[&str]| {
+        let args: Vec<&str> = ["--model-name-or-path-baseline", root, "--model-name-or-path-finetune", root]
+            .iter()
+            .chain(["--num-prompts", "3", "--max-new-tokens", "8", "--device", "cpu"].iter())
+            .chain(extra)
+            .copied()
+            .collect();
+        run(env!("CARGO_BIN_EXE_prompt_eval"), &args, "")
+    };
+    let whole = stdout(&eval(&[]));
+    assert_eq!(whole.matches("==========finetuned=======").count(), 3, "{whole}");
+    assert_eq!(stdout(&eval(&["--tp-size", "2"])), whole);
+
+    let bad = chat(&["--path", root, "--prompt", "hi", "--tp-size", "3"], "");
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(!bad.status.success() && err.contains("does not divide the model's 2 attention heads"), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
 }

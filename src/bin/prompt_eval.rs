@@ -1,0 +1,76 @@
+//! `prompt_eval`: DS-Chat's `prompt_eval.py`, greedy answers of a baseline and a fine-tuned model
+//! to the same prompts, side by side. With `--tensor-model-parallel-size T` both models are
+//! split over T ranks this command starts (`rlhf::inference_ranks`); rank 0 prints.
+
+use anyhow::Result;
+use clap::Parser;
+
+#[derive(Parser, Debug)]
+#[command(name = "prompt_eval", about = "Compare greedy answers of a baseline and a fine-tuned model")]
+struct Args {
+    /// Baseline model: HF directory, checkpoint root or hub id.
+    #[arg(long, alias = "model_name_or_path_baseline")]
+    model_name_or_path_baseline: String,
+    /// Fine-tuned model: HF directory, checkpoint root or hub id.
+    #[arg(long, alias = "model_name_or_path_finetune")]
+    model_name_or_path_finetune: String,
+    /// A jsonl with a `prompt` field, a text file with one prompt per line, or `demo`.
+    #[arg(long, default_value = "demo")]
+    prompts: String,
+    #[arg(long, default_value_t = 8, alias = "num_prompts")]
+    num_prompts: usize,
+    #[arg(long, default_value_t = 32, alias = "max_new_tokens")]
+    max_new_tokens: usize,
+    /// auto (CUDA device 0 when built with --features cuda and a GPU opens, else the CPU), cpu,
+    /// cuda or cuda:N.
+    #[arg(long, default_value = "auto", env = hybrid_engine::device::DEVICE_ENV)]
+    device: String,
+    /// Split both models over this many ranks (Megatron's layout; it must divide the attention
+    /// heads), started by this command, or by a launcher that sets RANK and WORLD_SIZE.
+    #[arg(long, default_value_t = 1, aliases = ["tensor_model_parallel_size", "tp-size", "tp_size"], value_parser = clap::value_parser!(u64).range(1..))]
+    tensor_model_parallel_size: u64,
+    /// Seconds a rank waits for another (rendezvous and every collective).
+    #[arg(long, default_value_t = 300, alias = "dist_timeout", value_parser = clap::value_parser!(u64).range(1..))]
+    dist_timeout: u64,
+}
+
+fn run(args: &Args) -> Result<()> {
+    let device = hybrid_engine::device::parse_device(&args.device)?;
+    let read = |name: &str| -> Result<(hybrid_engine::ParamStore, hybrid_engine::Gpt2Config, std::path::PathBuf)> {
+        let dir = hybrid_engine::checkpoints::hf_io::resolve_model_dir(name)?;
+        let files = hybrid_engine::checkpoints::hf_io::load_model_dir(&dir, &device)?;
+        let params = hybrid_engine::ParamStore::from_tensors(&files.config, &files.tensors, &device)?;
+        Ok((params, files.config, dir))
+    };
+    let (baseline, baseline_cfg, _) = read(&args.model_name_or_path_baseline)?;
+    let (finetuned, finetuned_cfg, dir) = read(&args.model_name_or_path_finetune)?;
+    let tok = data::Tokenizer::from_model_dir_or_default(&dir)?;
+    let prompts = data::prompts::read_prompts(&args.prompts, args.num_prompts)?;
+    // Each split must fit both models: the joining checks the one with fewer heads too.
+    let size = args.tensor_model_parallel_size as usize;
+    if size > 1 {
+        hybrid_engine::tensor_parallel::shard::check_divides(baseline_cfg.n_head, baseline_cfg.inner_dim(), size)?;
+    }
+    let timeout = std::time::Duration::from_secs(args.dist_timeout);
+    let ranks = rlhf::inference_ranks::InferenceRanks::join(size, &finetuned_cfg, timeout)?;
+    let model = |params, cfg: &hybrid_engine::Gpt2Config| match &ranks {
+        Some(ranks) => ranks.model(params, cfg),
+        None => params.model(cfg),
+    };
+    let (baseline, finetuned) = (model(baseline, &baseline_cfg)?, model(finetuned, &finetuned_cfg)?);
+    let comparisons = sft::prompt_eval::compare(&baseline, &finetuned, &tok, &prompts, args.max_new_tokens, &device)?;
+    match ranks {
+        Some(ranks) if !ranks.is_first() => Ok(()),
+        ranks => {
+            print!("{}", sft::prompt_eval::render(&comparisons));
+            ranks.map_or(Ok(()), rlhf::inference_ranks::InferenceRanks::finish)
+        }
+    }
+}
+
+fn main() {
+    let args: Args = hybrid_engine::cli::parse_or_exit();
+    if let Err(e) = run(&args) {
+        hybrid_engine::cli::exit_with(e);
+    }
+}
