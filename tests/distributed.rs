@@ -226,10 +226,10 @@ fn assert_same_curve(a: &[f64], b: &[f64], first: usize, limit: f64, what: &str)
     }
 }
 
-/// Megatron's layout: TP=2 and TP=2 x DP=2 (ZeRO stages 0-2 across the DP groups) end with the
+/// Megatron's layout: TP=2 and TP=2 x DP=2 (ZeRO stages 0-3 across the DP groups) end with the
 /// one-rank run's weights and losses; the consolidated checkpoint of TP=2 resumes at TP=1 x DP=2
-/// and at TP=1 x DP=1, and the one-rank checkpoint at TP=2 x DP=2, on the uninterrupted
-/// trajectory. The embedding's 50304 rows are padded to 50432 (a multiple of 128 x 2) under
+/// and at TP=1 x DP=1, that of TP=2 x DP=2 at stage 3 on one rank, and the one-rank checkpoint at
+/// TP=2 x DP=2 at stages 2 and 3, on the uninterrupted trajectory. The embedding's 50304 rows are padded to 50432 (a multiple of 128 x 2) under
 /// TP=2, so the saved embedding also checks that the padding is cut off again.
 #[test]
 fn pretraining_with_tensor_parallelism_matches_one_rank_and_resumes_in_any_layout() {
@@ -240,8 +240,8 @@ fn pretraining_with_tensor_parallelism_matches_one_rank_and_resumes_in_any_layou
     assert_eq!(expected.len(), 6);
     // A row-parallel layer sums partial products in another order: reassociation again.
     let (limit, noise) = reassociation_limit(dir.path(), &single);
-    // ZeRO stages 1 and 2 shard each TP rank's slices across its data-parallel group.
-    for (world, micro, stage) in [(2, 6, 0), (4, 3, 0), (4, 3, 1), (4, 3, 2)] {
+    // ZeRO stages 1-3 shard each TP rank's slices across its data-parallel group.
+    for (world, micro, stage) in [(2, 6, 0), (4, 3, 0), (4, 3, 1), (4, 3, 2), (4, 3, 3)] {
         let out = dir.path().join(format!("tp2-w{world}-s{stage}"));
         let flags = "--save-interval 3 --tp-size 2";
         let outs = run_ranks(dir.path(), "sft", world, &with(pretrain_args(&out, micro, stage), flags));
@@ -268,28 +268,32 @@ fn pretraining_with_tensor_parallelism_matches_one_rank_and_resumes_in_any_layou
         let scales = per_iteration(&split, "loss_scale");
         assert_eq!(scales, per_iteration(&one, "loss_scale"), "{what}: the same loss scales (and skipped steps)");
     }
-    // Resharding: the TP=2 checkpoint of iteration 3 continues at TP=1 on 2 ranks and on 1.
-    let from_tp = stopped_at(&dir.path().join("tp2-w2-s0"), 3, &dir.path().join("from-tp2"));
-    for world in [2, 1] {
-        let resumed = dir.path().join(format!("tp2-to-w{world}"));
+    // Resharding: the TP=2 checkpoint of iteration 3 continues at TP=1 on 2 ranks and on 1, and
+    // that of TP=2 x DP=2 at stage 3 on 1.
+    for (from, world) in [("tp2-w2-s0", 2), ("tp2-w2-s0", 1), ("tp2-w4-s3", 1)] {
+        let from_tp = stopped_at(&dir.path().join(from), 3, &dir.path().join(format!("from-{from}-{world}")));
+        let resumed = dir.path().join(format!("{from}-to-w{world}"));
         let mut a = pretrain_args(&resumed, 6 / world, 0);
         a.extend(["--load".into(), from_tp.display().to_string()]);
         let out = run_ranks(dir.path(), "sft", world, &a);
         assert!(String::from_utf8_lossy(&out[0].stdout).contains("resumed from"), "the run must resume");
-        let what = format!("TP=2 -> TP=1 x DP={world}");
+        let what = format!("{from} -> TP=1 x DP={world}");
         assert_same_weights(&latest(&resumed), &latest(&single), limit, noise, &what);
         assert_same_curve(&per_iteration(&resumed, "lm_loss"), &expected, 3, 1e-5, &format!("{what} loss"));
     }
-    // And the other way: the one-rank checkpoint continues at TP=2 x DP=2 with ZeRO stage 2 (each
-    // rank cuts its slices of the weights, then its data-parallel shard of their moments).
+    // And the other way: the one-rank checkpoint continues at TP=2 x DP=2 with ZeRO stages 2 and
+    // 3 (each rank cuts its slices of the weights, then its data-parallel shard of their moments,
+    // at stage 3 of the weights too).
     let from_one = stopped_at(&single, 3, &dir.path().join("from-one"));
-    let resumed = dir.path().join("one-to-tp2-w4-s2");
-    let mut a = with(pretrain_args(&resumed, 3, 2), "--tp-size 2 --load");
-    a.push(from_one.display().to_string());
-    run_ranks(dir.path(), "sft", 4, &a);
-    let what = "TP=1 -> TP=2 x DP=2 at stage 2";
-    assert_same_weights(&latest(&resumed), &latest(&single), limit, noise, what);
-    assert_same_curve(&per_iteration(&resumed, "lm_loss"), &expected, 3, 1e-5, &format!("{what} loss"));
+    for stage in [2u8, 3] {
+        let resumed = dir.path().join(format!("one-to-tp2-w4-s{stage}"));
+        let mut a = with(pretrain_args(&resumed, 3, stage), "--tp-size 2 --load");
+        a.push(from_one.display().to_string());
+        run_ranks(dir.path(), "sft", 4, &a);
+        let what = format!("TP=1 -> TP=2 x DP=2 at stage {stage}");
+        assert_same_weights(&latest(&resumed), &latest(&single), limit, noise, &what);
+        assert_same_curve(&per_iteration(&resumed, "lm_loss"), &expected, 3, 1e-5, &format!("{what} loss"));
+    }
 }
 
 /// Every rank of a bad layout fails with one line saying what to change.
@@ -306,7 +310,6 @@ fn bad_tensor_parallel_layouts_are_one_line_each() {
         (1, 1, "--tp-size 2", "does not divide the 1 ranks"),
         (2, 2, "--tp-size 2 --num-attention-heads 1", "does not divide the model's 1 attention heads"),
         (2, 1, "--tp-size 2", "across nodes (1 ranks per node)"),
-        (2, 2, "--tp-size 2 --zero-stage 3", "runs with --zero-stage 0, 1 or 2"),
     ];
     for &(world, per_node, flags, want) in cases {
         let port = free_port();
@@ -328,7 +331,6 @@ fn bad_tensor_parallel_layouts_are_one_line_each() {
     }
     // Step 3's combinations it cannot run, refused before any model is read.
     for (flags, want) in [
-        ("--tp-size 2 --critic-zero-stage 3", "runs with --actor-zero-stage and --critic-zero-stage 0, 1 or 2"),
         ("--tp-size 2 --actor-lora-dim 4", "LoRA adapters do not combine with --tensor-model-parallel-size"),
         ("--tp-size 2 --inference-tp-size 2", "drop --inference-tp-size"),
     ] {
@@ -453,8 +455,9 @@ fn sft_perplexities(out: &Path) -> Vec<f64> {
     end["summary"]["perplexity"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect()
 }
 
-/// Step 1 with the tiny model's 4 heads split over 2 ranks, alone and as 2 x 2 ranks: the
-/// one-rank run's weights and perplexities, and one consolidated HF model directory.
+/// Step 1 with the tiny model's 4 heads split over 2 ranks, alone and as 2 x 2 ranks (ZeRO 0,
+/// and 3: each TP rank's slices sharded over its data-parallel group): the one-rank run's
+/// weights and perplexities, and one consolidated HF model directory.
 #[test]
 fn sft_with_tensor_parallelism_matches_one_rank() {
     let dir = tempfile::tempdir().unwrap();
@@ -462,13 +465,13 @@ fn sft_with_tensor_parallelism_matches_one_rank() {
     run_ranks(dir.path(), "sft", 1, &sft_args(&single, 8, 0));
     let expected = sft_perplexities(&single);
     assert_eq!(expected.len(), 2);
-    for (world, per_device) in [(2, 8), (4, 4)] {
-        let out = dir.path().join(format!("tp2-w{world}"));
-        let mut a = sft_args(&out, per_device, 0);
+    for (world, per_device, stage) in [(2, 8, 0), (4, 4, 0), (4, 4, 3)] {
+        let out = dir.path().join(format!("tp2-w{world}-s{stage}"));
+        let mut a = sft_args(&out, per_device, stage);
         a.extend(args("--tensor-model-parallel-size 2"));
         let outs = run_ranks(dir.path(), "sft", world, &a);
         let log = String::from_utf8_lossy(&outs[0].stdout);
-        let what = format!("SFT at TP=2 x DP={}", world / 2);
+        let what = format!("SFT at TP=2 x DP={} at ZeRO stage {stage}", world / 2);
         assert!(
             log.contains(&format!("tensor parallel: 2 ranks per layer, {} data-parallel groups", world / 2)),
             "{log}"
@@ -602,13 +605,13 @@ fn reward_model_on_2_and_3_ranks_and_under_tensor_parallelism_matches_one_rank()
         assert_same_eval(&many["final"], &one["final"], 1e-5, &what);
     }
     // Tensor parallelism (the tiny trunk's 4 heads over 2 ranks, the score head whole on each):
-    // TP=2 alone and as 2 data-parallel groups.
-    for (world, per_device) in [(2, 12), (4, 6)] {
-        let out = dir.path().join(format!("tp2-w{world}"));
-        let mut a = reward_args(&start, &out, per_device, 0);
+    // TP=2 alone and as 2 data-parallel groups (ZeRO 0 and 3).
+    for (world, per_device, stage) in [(2, 12, 0), (4, 6, 0), (4, 6, 3)] {
+        let out = dir.path().join(format!("tp2-w{world}-s{stage}"));
+        let mut a = reward_args(&start, &out, per_device, stage);
         a.extend(args("--tensor-model-parallel-size 2"));
         let outs = run_ranks(dir.path(), "reward", world, &a);
-        let what = format!("reward model at TP=2 x DP={}", world / 2);
+        let what = format!("reward model at TP=2 x DP={} at ZeRO stage {stage}", world / 2);
         let log = String::from_utf8_lossy(&outs[0].stdout);
         assert!(
             log.contains(&format!("tensor parallel: 2 ranks per layer, {} data-parallel groups", world / 2)),
@@ -957,8 +960,8 @@ fn ppo_with_inference_tensor_parallelism_gives_the_rollouts_of_one_rank() {
 /// Step 3 under tensor parallelism: all four models split over TP groups of 2 (the critic's and
 /// the reward model's score heads whole), rollouts generated from the training slices in
 /// lockstep, log-probs and entropies from the vocabulary slices. TP=2 on 2 ranks and TP=2 x DP=2
-/// on 4 ranks (ZeRO 2 and 1 across the data-parallel groups) end with the one-rank run's actor,
-/// critic and EMA; the TP=2 checkpoint (consolidated) resumes on one rank and on 2
+/// on 4 ranks (ZeRO 2 and 1, and 3 and 3, across the data-parallel groups) end with the one-rank
+/// run's actor, critic and EMA; the consolidated checkpoints resume on one rank and on 2
 /// data-parallel ranks on the same trajectory.
 #[test]
 fn ppo_with_tensor_parallelism_matches_one_rank() {
@@ -974,27 +977,35 @@ fn ppo_with_tensor_parallelism_matches_one_rank() {
     assert!(log.contains("tensor parallel: 2 ranks per layer, 1 data-parallel groups"), "{log}");
     assert_same_ppo(&tp2, &single, "PPO at TP=2");
     // Per-device batch sizes count rows per data-parallel group: 4 and 2 each, as 2 DP ranks.
-    let tp2dp2 = dir.path().join("tp2-dp2");
-    let mut a = ppo_args(dir.path(), &tp2dp2, 4, 2, (2, 1));
-    a.extend(args("--tp-size 2"));
-    a.extend(["--eval-prompts".into(), dir.path().join("prompts.jsonl").display().to_string()]);
-    let outs = run_ranks(dir.path(), "ppo", 4, &a);
-    let log = String::from_utf8_lossy(&outs[0].stdout);
-    assert!(log.contains("tensor parallel: 2 ranks per layer, 2 data-parallel groups"), "{log}");
-    assert!(log.contains("actor: data parallel: 2 ranks, ZeRO stage 2"), "{log}");
-    assert!(log.contains("held-out prompts (35)"), "{log}");
-    assert_same_ppo(&tp2dp2, &single, "PPO at TP=2 x DP=2, ZeRO stages 2 and 1");
-    // Resharding: the TP=2 checkpoint after rollout 2 on one rank and on 2 DP ranks.
-    let ckpts = tp2.join("checkpoints");
-    std::fs::write(ckpts.join("latest"), "iter_0000002\n").unwrap();
-    for (world, generation, training) in [(1, 8, 4), (2, 4, 2)] {
-        let resumed = dir.path().join(format!("resumed-{world}"));
+    // At stage 3 each TP rank's slices are sharded over its data-parallel group: the rollout
+    // gathers the actor's slices, the EMA follows the shards.
+    for stages in [(2u8, 1u8), (3, 3)] {
+        let tp2dp2 = dir.path().join(format!("tp2-dp2-s{}", stages.0));
+        let mut a = ppo_args(dir.path(), &tp2dp2, 4, 2, stages);
+        a.extend(args("--tp-size 2 --save-interval 2"));
+        a.extend(["--eval-prompts".into(), dir.path().join("prompts.jsonl").display().to_string()]);
+        let outs = run_ranks(dir.path(), "ppo", 4, &a);
+        let log = String::from_utf8_lossy(&outs[0].stdout);
+        assert!(log.contains("tensor parallel: 2 ranks per layer, 2 data-parallel groups"), "{log}");
+        assert!(log.contains(&format!("actor: data parallel: 2 ranks, ZeRO stage {}", stages.0)), "{log}");
+        assert!(log.contains("held-out prompts (35)"), "{log}");
+        assert_same_ppo(&tp2dp2, &single, &format!("PPO at TP=2 x DP=2, ZeRO stages {stages:?}"));
+    }
+    // Resharding: the TP=2 checkpoint after rollout 2 on one rank and on 2 DP ranks, and that
+    // of TP=2 x DP=2 at stage 3 on one rank.
+    for (from, world, generation, training) in
+        [(&tp2, 1, 8, 4), (&tp2, 2, 4, 2), (&dir.path().join("tp2-dp2-s3"), 1, 8, 4)]
+    {
+        let ckpts = from.join("checkpoints");
+        std::fs::write(ckpts.join("latest"), "iter_0000002\n").unwrap();
+        let name = from.file_name().unwrap().to_str().unwrap();
+        let resumed = dir.path().join(format!("resumed-{world}-from-{name}"));
         let mut a = ppo_args(dir.path(), &resumed, generation, training, (0, 0));
         a.extend(["--load".into(), ckpts.display().to_string()]);
         let outs = run_ranks(dir.path(), "ppo", world, &a);
         assert!(String::from_utf8_lossy(&outs[0].stdout).contains("at rollout 2"));
         for model in ["actor", "critic", "actor_ema"] {
-            let what = format!("TP=2 checkpoint resumed on {world} data-parallel ranks: {model}");
+            let what = format!("{name} checkpoint resumed on {world} data-parallel ranks: {model}");
             assert_same_weights(&resumed.join(model), &single.join(model), 1e-5, 0.0, &what);
         }
     }

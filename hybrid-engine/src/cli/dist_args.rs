@@ -49,17 +49,10 @@ impl DistArgs {
         Ok(Arc::new(group))
     }
 
-    /// The tensor-parallel layout of `world` (`None` without `--tensor-model-parallel-size`),
-    /// refused with ZeRO stage 3 (`stage`), which does not combine with it yet; stages 1 and 2
-    /// shard across the data-parallel groups.
-    pub fn tensor_parallel(&self, world: &ProcessGroup, stage: u8) -> Result<Option<TensorParallel>> {
-        let size = self.tensor_model_parallel_size as usize;
-        if size > 1 && stage > 2 {
-            bail!(
-                "--tensor-model-parallel-size {size} runs with --zero-stage 0, 1 or 2 so far (ZeRO stage 3 across the data-parallel groups is not implemented yet): use --zero-stage 2"
-            );
-        }
-        TensorParallel::new(world, size)
+    /// The tensor-parallel layout of `world` (`None` without `--tensor-model-parallel-size`);
+    /// every ZeRO stage shards across its data-parallel groups.
+    pub fn tensor_parallel(&self, world: &ProcessGroup) -> Result<Option<TensorParallel>> {
+        TensorParallel::new(world, self.tensor_model_parallel_size as usize)
     }
 
     /// Data parallelism over `group` at ZeRO `stage`, with a line saying what it does.

@@ -10,6 +10,7 @@ use crate::model::params::ParamStore;
 use crate::training::optim::AdamWConfig;
 use crate::training::precision::PrecisionArgs;
 use crate::training::schedule::{DecayStyle, LrSchedule};
+use crate::training::tensor_parallel::TensorParallel;
 use crate::training::train_step::TrainedModel;
 use crate::training::trainer::Trainer;
 use crate::training::zero::DataParallel;
@@ -160,20 +161,25 @@ impl StepArgs {
     /// updates) and its trainer at `lr` for `steps` optimizer steps, as `dp` says: under ZeRO
     /// stage 3 across ranks a [`ShardedModel`] that keeps this rank's shard of `params` (the
     /// caller then drops them), else the model `whole` builds on the compute-dtype copy of
-    /// `params` (the masters themselves in fp32).
+    /// `params` (the masters themselves in fp32). Under tensor parallelism (`tp`) `params` are
+    /// this rank's slices, and the trainer's gradient norm is the whole model's.
     pub fn trained_model(
         &self,
         dp: DataParallel,
         config: &Gpt2Config,
         (params, trainable): (&ParamStore, &ParamStore),
         (lr, steps): (f64, u64),
+        tp: Option<&TensorParallel>,
         whole: impl FnOnce(&ParamStore) -> Result<TrainedModel>,
     ) -> Result<(TrainedModel, Trainer)> {
         let precision = self.precision.precision();
         let (schedule, scaling) = (self.schedule(lr, steps), self.precision.loss_scaling());
         let accumulation = self.gradient_accumulation_steps;
-        if dp.shards_parameters() {
+        let (model, trainer) = if dp.shards_parameters() {
             let mut sharded = ShardedModel::new(dp.group.clone(), config, params, precision.dtype.dtype())?;
+            if let Some(tp) = tp {
+                sharded = sharded.with_tensor_parallel(tp.tp().clone());
+            }
             sharded.fp32_loss = precision.fp32_loss;
             let sharded = Rc::new(sharded);
             let trainer = Trainer::sharded(
@@ -185,14 +191,19 @@ impl StepArgs {
                 precision,
                 scaling,
             );
-            return Ok((TrainedModel::Sharded(sharded), trainer));
+            (TrainedModel::Sharded(sharded), trainer)
+        } else {
+            let compute = params.compute_copy(precision.dtype.dtype())?;
+            let model = whole(&compute)?;
+            let trainer = Trainer::new(trainable, self.adam(), schedule, accumulation, self.gradient_clipping)?
+                .with_precision(precision, &compute, scaling)
+                .with_data_parallel(dp);
+            (model, trainer)
+        };
+        match tp {
+            Some(tp) => Ok((model, trainer.with_tensor_parallel(tp.tp().clone(), trainable))),
+            None => Ok((model, trainer)),
         }
-        let compute = params.compute_copy(precision.dtype.dtype())?;
-        let model = whole(&compute)?;
-        let trainer = Trainer::new(trainable, self.adam(), schedule, accumulation, self.gradient_clipping)?
-            .with_precision(precision, &compute, scaling)
-            .with_data_parallel(dp);
-        Ok((model, trainer))
     }
 
     /// Opens `--device` (see [`crate::device::parse_device`]).

@@ -539,10 +539,11 @@ impl Gpt2 {
         })
     }
 
-    /// Block `index` alone, from tensors named as for [`Self::load`] (`h.<index>.attn...`):
-    /// ZeRO stage 3 builds each block from its gathered weights when it runs.
-    pub fn load_block(vb: VarBuilder, cfg: &Gpt2Config, index: usize) -> Result<Block> {
-        Block::load(vb.pp("h").pp(index), cfg, index, None)
+    /// Block `index` alone, from tensors named as for [`Self::load`] (`h.<index>.attn...`), or
+    /// from this rank's slices of them under `tp`: ZeRO stage 3 builds each block from its
+    /// gathered weights when it runs.
+    pub fn load_block(vb: VarBuilder, cfg: &Gpt2Config, index: usize, tp: Option<&Arc<ProcessGroup>>) -> Result<Block> {
+        Block::load(vb.pp("h").pp(index), cfg, index, tp)
     }
 
     /// Token plus position embeddings, with embedding dropout in training. (B, T, C)

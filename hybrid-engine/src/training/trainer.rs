@@ -169,8 +169,8 @@ impl Trainer {
 
     /// Trains this rank's slices of a model split over `tp` (tensor parallelism; `params` are the
     /// trained slices): the gradient norm that clipping and the fp16 overflow check read is the
-    /// whole model's. With ZeRO stages 1 and 2 across the data-parallel group (stage 3 does not
-    /// combine with it yet: the callers refuse it).
+    /// whole model's. With any ZeRO stage across the data-parallel group (at stage 3 the
+    /// [`ShardedModel`] is built with [`ShardedModel::with_tensor_parallel`] and computes it).
     pub fn with_tensor_parallel(mut self, tp: Arc<ProcessGroup>, params: &ParamStore) -> Self {
         if tp.world() > 1 {
             self.tp = Some((tp, params.names.clone()));
@@ -341,6 +341,9 @@ impl Trainer {
         self.pending = 0;
         self.boundaries += 1;
         let grad_norm = match (&gradients, self.group(), &self.tp) {
+            (Gradients::Shard(shard), _, _) if self.zero3.is_some() => {
+                self.zero3.as_ref().expect("checked").grad_norm(shard)?
+            }
             (Gradients::Shard(shard), Some(group), Some((tp, names))) => {
                 let (_, partition) =
                     self.dp.as_ref().context("internal error: gradient shards without data parallelism")?;

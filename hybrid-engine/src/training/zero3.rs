@@ -18,6 +18,10 @@
 //! reduce-scattering its gradient as soon as its backward is done. One micro-batch moves
 //! 3x the outer unit and 2x every block in all-gathers, and reduce-scatters the outer unit twice
 //! (head and embedding) and every block once.
+//!
+//! Under tensor parallelism the model sharded is this TP rank's slices (the group is then the
+//! data-parallel group): the gathered units build the TP rank's layers, and the gradient norm
+//! adds the TP ranks' shares ([`crate::tensor_parallel::shard::norm_share`]).
 
 use crate::comm::ProcessGroup;
 use crate::model::gpt2::{Block, Dropout, Gpt2, Gpt2Config, Positions};
@@ -69,6 +73,8 @@ pub struct ShardedModel {
     device: Device,
     /// Losses read fp32 logits (DS-Chat `--compute_fp32_loss`), as [`Gpt2::fp32_loss`].
     pub fp32_loss: bool,
+    /// The tensor-parallel group the sharded slices belong to.
+    tp: Option<Arc<ProcessGroup>>,
     /// This rank's fp32 master weights: its shard of every unit, end to end.
     shard: RefCell<Vec<f32>>,
     /// Per unit, this rank's shard of the gradients summed over ranks and micro-batches (always
@@ -127,9 +133,35 @@ impl ShardedModel {
             dtype,
             device: masters.vars.first().map_or(Device::Cpu, |v| v.device().clone()),
             fp32_loss: false,
+            tp: None,
             shard: RefCell::new(shard),
             grads: RefCell::new(vec![None; unit_count]),
         })
+    }
+
+    /// The model sharded is this rank's slices of a model split over `tp` (tensor parallelism):
+    /// its layers are built as `tp`'s.
+    pub fn with_tensor_parallel(mut self, tp: Arc<ProcessGroup>) -> Self {
+        self.tp = (tp.world() > 1).then_some(tp);
+        self
+    }
+
+    /// The global norm of the gradients whose (averaged) shard on this rank is `shard`: over
+    /// the data-parallel ranks, and under tensor parallelism over the TP ranks' slices too, each
+    /// replicated parameter counted once. Every rank calls it.
+    pub fn grad_norm(&self, shard: &Tensor) -> Result<f64> {
+        let Some(tp) = &self.tp else {
+            return crate::training::zero::sharded_grad_norm(&self.group, shard);
+        };
+        let mut sq = [0f64];
+        for (unit, _, piece) in self.trained_pieces() {
+            let from = unit.grad_offset.expect("a trained unit") + piece.in_shard.start;
+            let s = crate::kernels::ops::sum_of_squares(&shard.narrow(0, from, piece.in_shard.len())?)?;
+            sq[0] += crate::tensor_parallel::shard::norm_share(&self.names[unit.params[piece.param]], s, tp.world());
+        }
+        self.group.all_reduce_scalars(&mut sq, crate::comm::ReduceOp::Sum)?;
+        tp.all_reduce_scalars(&mut sq, crate::comm::ReduceOp::Sum)?;
+        Ok(sq[0].sqrt())
     }
 
     pub fn group(&self) -> &Arc<ProcessGroup> {
@@ -264,7 +296,11 @@ impl ShardedModel {
     /// embedding and for the heads (its `lm_head`, `lm_loss_at`, `final_norm` work as usual).
     pub fn outer(&self) -> Result<(Gpt2, Gathered)> {
         let g = self.gather(OUTER)?;
-        let mut model = Gpt2::load(g.var_builder(self), &Gpt2Config { n_layer: 0, ..self.cfg.clone() })?;
+        let cfg = Gpt2Config { n_layer: 0, ..self.cfg.clone() };
+        let mut model = match &self.tp {
+            Some(tp) => Gpt2::load_tensor_parallel(g.var_builder(self), &cfg, tp)?,
+            None => Gpt2::load(g.var_builder(self), &cfg)?,
+        };
         model.fp32_loss = self.fp32_loss;
         Ok((model, g))
     }
@@ -272,7 +308,7 @@ impl ShardedModel {
     /// Block `i`, gathered, with its LoRA adapters attached.
     fn block(&self, i: usize) -> Result<(Block, Gathered)> {
         let g = self.gather(i + 1)?;
-        let mut block = Gpt2::load_block(g.var_builder(self), &self.cfg, i)?;
+        let mut block = Gpt2::load_block(g.var_builder(self), &self.cfg, i, self.tp.as_ref())?;
         if let Some(scaling) = self.lora_scaling {
             attach_adapters(block.linears_mut(), &g.named, scaling);
         }

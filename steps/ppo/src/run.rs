@@ -621,25 +621,32 @@ fn generate_share(
         _ => None,
     };
     // Trained under tensor parallelism, the actor generates from its own slices.
-    let split_actor = match (ctx.tp, &ctx.inference_tp) {
+    let mut split_actor = match (ctx.tp, &ctx.inference_tp) {
         (Some(tp), _) => Some(engine.model_of_slices(whole_actor, &ctx.actor_cfg, tp.tp())?),
         (None, Some(tp)) => Some(engine.model_tensor_parallel(whole_actor, &ctx.actor_cfg, tp)?),
         (None, None) => None,
     };
     // The whole generation model: to generate with, or under ZeRO-3 (without LoRA) as the
     // actor's forward for the old log-probs.
-    let needs_whole = split_actor.is_none() || (gathered_actor.is_some() && unfused_actor.is_none());
+    let needs_whole =
+        split_actor.is_none() || (gathered_actor.is_some() && unfused_actor.is_none() && ctx.tp.is_none());
     let mut whole_model = needs_whole.then(|| engine.model(whole_actor, &ctx.actor_cfg)).transpose()?;
     // The fp32 gathered weights are not needed once cast into the models.
     drop(gathered_actor);
-    if let (TrainedModel::Sharded(_), None, Some(m)) = (&models.actor.model, &unfused_actor, &mut whole_model) {
+    // Under ZeRO-3 and TP the split generation model is the forward too.
+    let forward_model = match ctx.tp {
+        Some(_) => split_actor.as_mut(),
+        None => whole_model.as_mut(),
+    };
+    if let (TrainedModel::Sharded(_), None, Some(m)) = (&models.actor.model, &unfused_actor, forward_model) {
         m.fp32_loss = precision.fp32_loss;
     }
-    let actor_forward = match (&models.actor.model, &unfused_actor, &whole_model) {
-        (TrainedModel::Whole { trunk, .. }, _, _) => &**trunk,
-        (TrainedModel::Sharded(_), Some(unfused), _) => unfused,
-        (TrainedModel::Sharded(_), None, Some(whole)) => whole,
-        (TrainedModel::Sharded(_), None, None) => bail!("internal error: no actor for the old log-probs"),
+    let actor_forward = match (&models.actor.model, &unfused_actor, &whole_model, &split_actor) {
+        (TrainedModel::Whole { trunk, .. }, ..) => &**trunk,
+        (TrainedModel::Sharded(_), Some(unfused), ..) => unfused,
+        (TrainedModel::Sharded(_), None, Some(whole), _) => whole,
+        (TrainedModel::Sharded(_), None, None, Some(split)) => split,
+        (TrainedModel::Sharded(_), None, None, None) => bail!("internal error: no actor for the old log-probs"),
     };
     let rollout = RolloutModels {
         actor: actor_forward,
@@ -807,14 +814,17 @@ fn save_checkpoint(
     tokenizer: &Tokenizer,
     tp: Option<&TensorParallel>,
 ) -> Result<Option<std::path::PathBuf>> {
-    let whole_optimizer = |trained: &Trained| -> Result<Option<AdamW>> {
+    let whole_optimizer = |trained: &Trained, slices: &Option<ParamStore>| -> Result<Option<AdamW>> {
         let consolidated = trained.trainer.consolidated_optimizer(&trained.trainable)?;
         match tp {
             None => Ok(Some(consolidated)),
-            Some(tp) => tp.gather_optimizer(&consolidated, &trained.trainable, &trained.config),
+            Some(tp) => {
+                tp.gather_optimizer(&consolidated, slices.as_ref().unwrap_or(&trained.trainable), &trained.config)
+            }
         }
     };
-    let (actor_opt, critic_opt) = (whole_optimizer(&models.actor)?, whole_optimizer(&models.critic)?);
+    let actor_opt = whole_optimizer(&models.actor, &gathered.slices.0)?;
+    let critic_opt = whole_optimizer(&models.critic, &gathered.slices.1)?;
     if !group.is_first() {
         return Ok(None);
     }
@@ -832,6 +842,9 @@ struct GatheredWeights {
     actor: Option<ParamStore>,
     critic: Option<ParamStore>,
     ema: Option<ParamStore>,
+    /// Under TP and ZeRO-3, on the first data-parallel rank of each TP rank: the actor's and
+    /// the critic's slices put together from the shards (what their optimizers' TP gather reads).
+    slices: (Option<ParamStore>, Option<ParamStore>),
 }
 
 impl GatheredWeights {
@@ -839,19 +852,30 @@ impl GatheredWeights {
     fn of(models: &PpoModels, tp: Option<&TensorParallel>) -> Result<Self> {
         if let Some(tp) = tp {
             let (actor, critic) = (&models.actor, &models.critic);
+            // Under ZeRO-3 each TP rank's slices first, from its data-parallel shards.
+            let slices = (actor.model.gather_sharded_params()?, critic.model.gather_sharded_params()?);
+            let ema_slices = match &models.ema {
+                Some(ema) => ema.gather_for_saving(actor)?,
+                None => None,
+            };
+            let ema = match &models.ema {
+                Some(Ema::Whole(ema)) => Some(ema),
+                Some(Ema::Shard(_)) => ema_slices.as_ref(),
+                None => None,
+            };
             return Ok(Self {
-                actor: tp.gather(&actor.params, &actor.config)?,
-                critic: tp.gather(&critic.params, &critic.config)?,
-                ema: match &models.ema {
-                    Some(Ema::Whole(ema)) => tp.gather(ema, &actor.config)?,
-                    _ => None,
-                },
+                actor: tp.gather(slices.0.as_ref().unwrap_or(&actor.params), &actor.config)?,
+                critic: tp.gather(slices.1.as_ref().unwrap_or(&critic.params), &critic.config)?,
+                // (A ZeRO-3 EMA is at hand on the first data-parallel rank, whose TP group gathers.)
+                ema: ema.map(|ema| tp.gather(ema, &actor.config)).transpose()?.flatten(),
+                slices,
             });
         }
         Ok(Self {
             actor: models.actor.gather_for_saving()?,
             critic: models.critic.gather_for_saving()?,
             ema: models.ema.as_ref().map(|e| e.gather_for_saving(&models.actor)).transpose()?.flatten(),
+            slices: (None, None),
         })
     }
 
@@ -935,6 +959,9 @@ fn trained(
     let dtype = precision.dtype.dtype();
     let (model, mut trainer, compute) = if how.dp.shards_parameters() {
         let mut sharded = ShardedModel::new(group.clone(), config, &params, dtype)?;
+        if let Some(tp) = tp {
+            sharded = sharded.with_tensor_parallel(tp.tp().clone());
+        }
         sharded.fp32_loss = precision.fp32_loss;
         let sharded = std::rc::Rc::new(sharded);
         let trainer = Trainer::sharded(
@@ -955,15 +982,16 @@ fn trained(
         } else {
             TrainedModel::lm(lm_on(&compute, config, precision.fp32_loss, tp)?)
         };
-        let mut trainer =
+        let trainer =
             Trainer::new(&trainable, adam, schedule, args.gradient_accumulation_steps, args.gradient_clipping)?
                 .with_precision(precision, &compute, args.precision.loss_scaling())
                 .with_data_parallel(how.dp);
-        if let Some(tp) = tp {
-            trainer = trainer.with_tensor_parallel(tp.tp().clone(), &trainable);
-        }
         (model, trainer, compute.trainable())
     };
+    // Under tensor parallelism the gradient norm is the whole model's.
+    if let Some(tp) = tp {
+        trainer = trainer.with_tensor_parallel(tp.tp().clone(), &trainable);
+    }
     trainer.set_lora_learning_rate(&trainable, how.lora_lr);
     Ok(Trained {
         trainer,
@@ -1005,20 +1033,17 @@ fn reward_model_on(
 }
 
 /// `--tensor-model-parallel-size`: the TP layout of the ranks, or `None` without TP. Every
-/// rank calls it together. ZeRO stage 3 and LoRA do not combine with it yet, and
-/// `--inference-tp-size` has nothing to do under it (one line each).
+/// rank calls it together. LoRA does not combine with it yet, and `--inference-tp-size` has
+/// nothing to do under it (one line each).
 fn tensor_parallel(args: &PpoArgs, group: &ProcessGroup) -> Result<Option<TensorParallel>> {
     let size = args.dist.tensor_model_parallel_size;
     if size > 1 && args.inference_tp_size > 1 {
         bail!("--inference-tp-size re-lays a TP=1 actor out for generation, but under --tensor-model-parallel-size {size} the actor already generates split over its TP group: drop --inference-tp-size");
     }
-    if size > 1 && (args.actor_zero_stage == 3 || args.critic_zero_stage == 3) {
-        bail!("--tensor-model-parallel-size {size} runs with --actor-zero-stage and --critic-zero-stage 0, 1 or 2 so far (ZeRO stage 3 across the data-parallel groups is not implemented yet): use stage 2");
-    }
     if size > 1 && (args.actor_lora_dim > 0 || args.critic_lora_dim > 0) {
         bail!("LoRA adapters do not combine with --tensor-model-parallel-size above 1 yet: use --actor-lora-dim 0 --critic-lora-dim 0 or --tensor-model-parallel-size 1");
     }
-    args.dist.tensor_parallel(group, 0)
+    args.dist.tensor_parallel(group)
 }
 
 /// A warning when the actor trains with dropout: its rollout log-probs are computed without it

@@ -21,7 +21,7 @@ use hybrid_engine::model::gpt2::{Dropout, Positions};
 use hybrid_engine::model::reward_model::{add_score_head, sequence_classification_config, RewardModel, SCORE_WEIGHT};
 use hybrid_engine::training::memory::MemoryPlan;
 use hybrid_engine::training::metrics::{peak_rss_mib, Metrics};
-use hybrid_engine::training::tensor_parallel::data_group;
+use hybrid_engine::training::tensor_parallel::{data_group, gather_for_saving};
 use hybrid_engine::training::train_step::{Backward, TrainedModel};
 use hybrid_engine::training::trainer::{total_steps, StepLog};
 use hybrid_engine::ParamStore;
@@ -65,7 +65,7 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
     let group = t.dist.join()?;
     // Under tensor parallelism the ranks of a TP group train on the same pairs: the data is split
     // over the data-parallel group (every rank without TP).
-    let tp = t.dist.tensor_parallel(&group, t.zero_stage)?;
+    let tp = t.dist.tensor_parallel(&group)?;
     let data_group = data_group(&group, tp.as_ref());
     let (rank, world) = (data_group.rank(), data_group.world());
     println!("device: {}", hybrid_engine::device::describe(&device));
@@ -132,18 +132,16 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
     let steps = total_steps(micro_per_epoch, t.num_train_epochs, t.gradient_accumulation_steps);
     // Forward and backward run on a copy in the compute dtype (the masters themselves in fp32),
     // or under ZeRO-3 on weights gathered in it from this rank's shard of the masters.
-    let (model, mut trainer) = t.trained_model(dp, &config, (&params, &trainable), (lr, steps), |compute| {
-        let trunk = match &tp {
-            Some(tp) => tp.model(compute, &config)?,
-            None => compute.model(&config)?,
-        };
-        let mut model = RewardModel::from_trunk(trunk, compute, &config)?;
-        model.trunk.fp32_loss = precision.fp32_loss;
-        Ok(TrainedModel::reward(model))
-    })?;
-    if let Some(tp) = &tp {
-        trainer = trainer.with_tensor_parallel(tp.tp().clone(), &trainable);
-    }
+    let (model, mut trainer) =
+        t.trained_model(dp, &config, (&params, &trainable), (lr, steps), tp.as_ref(), |compute| {
+            let trunk = match &tp {
+                Some(tp) => tp.model(compute, &config)?,
+                None => compute.model(&config)?,
+            };
+            let mut model = RewardModel::from_trunk(trunk, compute, &config)?;
+            model.trunk.fp32_loss = precision.fp32_loss;
+            Ok(TrainedModel::reward(model))
+        })?;
     trainer.set_lora_learning_rate(&trainable, t.lora_learning_rate);
     // Under ZeRO stage 3 each rank keeps only its shard: the whole model goes now.
     let (params, trainable) = match &model {
@@ -225,10 +223,7 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
     metrics.finish();
 
     // Under ZeRO-3 every rank takes part in gathering the weights rank 0 saves.
-    let gathered = match &tp {
-        Some(tp) => tp.gather(&params, &config)?.filter(|_| group.is_first()),
-        None => model.gather_sharded_params()?,
-    };
+    let gathered = gather_for_saving(&model, &params, tp.as_ref(), &config)?;
     if !group.is_first() {
         // Rank 0 saves the model the ranks share.
         group.barrier()?;

@@ -18,7 +18,7 @@ use hybrid_engine::model::gpt2::{Dropout, Positions};
 use hybrid_engine::model::reward_model::causal_lm_config;
 use hybrid_engine::training::memory::MemoryPlan;
 use hybrid_engine::training::metrics::{peak_rss_mib, Metrics};
-use hybrid_engine::training::tensor_parallel::data_group;
+use hybrid_engine::training::tensor_parallel::{data_group, gather_for_saving};
 use hybrid_engine::training::train_step::{Backward, TrainedModel};
 use hybrid_engine::training::trainer::{total_steps, StepLog, Trainer};
 use hybrid_engine::ParamStore;
@@ -48,7 +48,7 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
     let group = t.dist.join()?;
     // Under tensor parallelism the ranks of a TP group train on the same rows: the data is split
     // over the data-parallel group (every rank without TP).
-    let tp = t.dist.tensor_parallel(&group, t.zero_stage)?;
+    let tp = t.dist.tensor_parallel(&group)?;
     let data_group = data_group(&group, tp.as_ref());
     let (rank, world) = (data_group.rank(), data_group.world());
     println!("device: {}", hybrid_engine::device::describe(&device));
@@ -102,17 +102,15 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
     // Every rank takes its share of each global micro-batch of per-device x world rows.
     let micro_per_epoch = data.train.len().div_ceil(world).div_ceil(t.per_device_train_batch_size);
     let steps = total_steps(micro_per_epoch, t.num_train_epochs, t.gradient_accumulation_steps);
-    let (model, mut trainer) = t.trained_model(dp, &config, (&params, &trainable), (lr, steps), |compute| {
-        let mut model = match &tp {
-            Some(tp) => tp.model(compute, &config)?,
-            None => compute.model(&config)?,
-        };
-        model.fp32_loss = precision.fp32_loss;
-        Ok(TrainedModel::lm(model))
-    })?;
-    if let Some(tp) = &tp {
-        trainer = trainer.with_tensor_parallel(tp.tp().clone(), &trainable);
-    }
+    let (model, mut trainer) =
+        t.trained_model(dp, &config, (&params, &trainable), (lr, steps), tp.as_ref(), |compute| {
+            let mut model = match &tp {
+                Some(tp) => tp.model(compute, &config)?,
+                None => compute.model(&config)?,
+            };
+            model.fp32_loss = precision.fp32_loss;
+            Ok(TrainedModel::lm(model))
+        })?;
     trainer.set_lora_learning_rate(&trainable, t.lora_learning_rate);
     // Under ZeRO stage 3 each rank keeps only its shard: the whole model goes now.
     let (params, trainable) = match &model {
@@ -220,10 +218,7 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
     // The held-out comparison is written with the model, in the same atomic save, so the
     // directory never holds a comparison of another run's model. Under ZeRO-3 every rank takes
     // part in gathering the weights.
-    let gathered = match &tp {
-        Some(tp) => tp.gather(&params, &config)?.filter(|_| group.is_first()),
-        None => model.gather_sharded_params()?,
-    };
+    let gathered = gather_for_saving(&model, &params, tp.as_ref(), &config)?;
     if !group.is_first() {
         // Rank 0 saves the model the ranks share and compares it on the prompts.
         group.barrier()?;

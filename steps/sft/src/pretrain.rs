@@ -79,7 +79,7 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     let group = args.dist.join()?;
     // Tensor parallelism: the ranks of a TP group train on the same data, so the data is split
     // over the data-parallel group (the whole world without TP).
-    let tp = args.dist.tensor_parallel(&group, args.zero_stage)?;
+    let tp = args.dist.tensor_parallel(&group)?;
     if let Some(tp) = &tp {
         println!("{}", tp.describe());
     }
@@ -206,6 +206,9 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     let dp = args.dist.data_parallel_with_stage3(&data_group, args.zero_stage)?;
     let (model, mut trainer) = if dp.shards_parameters() {
         let mut sharded = ShardedModel::new(data_group.clone(), &model_cfg, &params, precision.dtype.dtype())?;
+        if let Some(tp) = &tp {
+            sharded = sharded.with_tensor_parallel(tp.tp().clone());
+        }
         sharded.fp32_loss = precision.fp32_loss;
         let sharded = Rc::new(sharded);
         let (adam, schedule, scaling) = (cfg.adam.clone(), cfg.schedule.clone(), args.precision.loss_scaling());
@@ -425,13 +428,20 @@ fn save(
 ) -> Result<Option<std::path::PathBuf>> {
     let mut optimizer = &trainer.optimizer;
     let whole_optimizer: AdamW;
+    let slices;
     let (gathered, names, numels) = match (model, tp) {
-        (TrainedModel::Sharded(sharded), _) => {
+        (TrainedModel::Sharded(sharded), None) => {
             (sharded.gather_params()?, sharded.trained_names(), sharded.trained_numels())
         }
-        (TrainedModel::Whole { .. }, Some(tp)) => {
+        (model, Some(tp)) => {
             // Only rank 0 writes the model and the optimizer state: its TP group gathers them,
-            // the latter first put together from the data-parallel shards under ZeRO 1/2.
+            // the slices first put together from the data-parallel shards under ZeRO 1-3
+            // (the first data-parallel rank of each TP rank holds them).
+            slices = match model {
+                TrainedModel::Sharded(sharded) => sharded.gather_params()?,
+                TrainedModel::Whole { .. } => None,
+            };
+            let masters = slices.as_ref().unwrap_or(masters);
             let whole = tp.gather(masters, model_cfg)?;
             let consolidated;
             let local = match trainer.shards_optimizer() {
