@@ -329,17 +329,12 @@ fn bad_tensor_parallel_layouts_are_one_line_each() {
             assert_eq!(err.lines().count(), 1, "{flags}, rank {r}: one line: {err}");
         }
     }
-    // Step 3's combinations it cannot run, refused before any model is read.
-    for (flags, want) in [
-        ("--tp-size 2 --actor-lora-dim 4", "LoRA adapters do not combine with --tensor-model-parallel-size"),
-        ("--tp-size 2 --inference-tp-size 2", "drop --inference-tp-size"),
-    ] {
-        let a = args(&format!("{flags} --device cpu"));
-        let out = wait(start_rank(dir.path(), "ppo", 0, 1, 0, &a), Duration::from_secs(60));
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success() && err.contains(want), "{flags}: {err}");
-        assert_eq!(err.lines().count(), 1, "{flags}: one line: {err}");
-    }
+    // Step 3: --inference-tp-size has nothing to re-lay out under TP, refused before any work.
+    let a = args("--tp-size 2 --inference-tp-size 2 --device cpu");
+    let out = wait(start_rank(dir.path(), "ppo", 0, 1, 0, &a), Duration::from_secs(60));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("drop --inference-tp-size"), "{err}");
+    assert_eq!(err.lines().count(), 1, "one line: {err}");
 }
 
 /// A checkpoint directory holding only `out`'s checkpoint of `iteration`, as if the run had
@@ -484,24 +479,25 @@ fn sft_with_tensor_parallelism_matches_one_rank() {
 }
 
 /// LoRA under ZeRO stage 3 with the trunk frozen, whose units are gathered for every forward
-/// but get no gradient and no optimizer state (adapters beside a trained trunk: the PPO test).
+/// but get no gradient and no optimizer state (adapters beside a trained trunk: the PPO test);
+/// and under tensor parallelism, each adapter cut as its linear (TP=2, and TP=2 x DP=2 at stage 3).
 #[test]
-fn sft_with_lora_on_2_ranks_at_stage_3_matches_one_rank() {
+fn sft_with_lora_at_stage_3_and_under_tensor_parallelism_matches_one_rank() {
     let dir = tempfile::tempdir().unwrap();
-    {
-        let (flags, what) = ("--lora-dim 4 --lora-learning-rate 4e-3 --only-optimize-lora", "LoRA on a frozen trunk");
-        let name = what.replace(' ', "-");
-        let single = dir.path().join(format!("{name}-single"));
-        let mut a = sft_args(&single, 8, 0);
-        a.extend(args(flags));
-        run_ranks(dir.path(), "sft", 1, &a);
-        let out = dir.path().join(format!("{name}-w2-s3"));
-        let mut a = sft_args(&out, 4, 3);
-        a.extend(args(flags));
-        let outs = run_ranks(dir.path(), "sft", 2, &a);
+    let (flags, what) = ("--lora-dim 4 --lora-learning-rate 4e-3 --only-optimize-lora", "LoRA on a frozen trunk");
+    let single = dir.path().join("single");
+    let mut a = sft_args(&single, 8, 0);
+    a.extend(args(flags));
+    run_ranks(dir.path(), "sft", 1, &a);
+    for (world, per_device, stage, tp) in [(2, 4, 3u8, 1), (2, 8, 0, 2), (4, 4, 3, 2)] {
+        let out = dir.path().join(format!("w{world}-s{stage}-tp{tp}"));
+        let mut a = sft_args(&out, per_device, stage);
+        a.extend(args(&format!("{flags} --tp-size {tp}")));
+        let outs = run_ranks(dir.path(), "sft", world, &a);
         let log = String::from_utf8_lossy(&outs[0].stdout);
-        assert!(log.contains("LoRA: rank 4") && log.contains("ZeRO stage 3"), "{log}");
-        assert_same_weights(&out, &single, 1e-5, 0.0, &format!("SFT with {what} on 2 ranks, stage 3"));
+        assert!(log.contains("LoRA: rank 4"), "{log}");
+        let what = format!("SFT with {what} on {world} ranks, stage {stage}, TP={tp}");
+        assert_same_weights(&out, &single, 1e-5, 0.0, &what);
         // The model directory has the adapters merged; a frozen trunk's adapters are also saved
         // on their own (PEFT), the same tensors on both runs: the adapters, no trunk weight.
         let adapter = |d: &Path| d.join("adapter/adapter_model.safetensors");
@@ -1095,9 +1091,10 @@ fn ppo_on_2_and_3_ranks_matches_one_rank_at_every_zero_stage() {
 
 /// LoRA adapters beside trained weights under ZeRO stage 3 in both of step 3's models: the
 /// rollout gathers the actor with its adapters, the old log-probs read them unfused as training
-/// does, and the saved actor, critic and EMA have them merged.
+/// does, and the saved actor, critic and EMA have them merged; and under tensor parallelism
+/// (TP=2, and TP=2 x DP=2 at stage 3).
 #[test]
-fn ppo_with_lora_on_2_ranks_at_stage_3_matches_one_rank() {
+fn ppo_with_lora_at_stage_3_and_under_tensor_parallelism_matches_one_rank() {
     let dir = tempfile::tempdir().unwrap();
     ppo_setup(dir.path());
     let lora = args("--actor-lora-dim 4 --critic-lora-dim 4 --actor-lora-learning-rate 2e-3");
@@ -1112,6 +1109,15 @@ fn ppo_with_lora_on_2_ranks_at_stage_3_matches_one_rank() {
     a.extend(args("--save-interval 2"));
     run_ranks(dir.path(), "ppo", 2, &a);
     assert_same_ppo(&out, &single, "PPO with LoRA on 2 ranks, stage 3");
+    // Under tensor parallelism each adapter is cut as its linear; rollouts fuse the slices.
+    for (world, generation, training, stage) in [(2, 8, 4, 0u8), (4, 4, 2, 3)] {
+        let out = dir.path().join(format!("tp2-w{world}-s{stage}"));
+        let mut a = ppo_args(dir.path(), &out, generation, training, (stage, stage));
+        a.extend(lora.clone());
+        a.extend(args("--tp-size 2"));
+        run_ranks(dir.path(), "ppo", world, &a);
+        assert_same_ppo(&out, &single, &format!("PPO with LoRA at TP=2 on {world} ranks, stage {stage}"));
+    }
     // Its checkpoint after rollout 2 (adapters unmerged, the optimizers' state of the trained
     // parameters gathered from the shards) resumes on one rank on the same trajectory.
     let ckpts = out.join("checkpoints");

@@ -74,9 +74,11 @@ impl GenerationMode {
     }
 
     /// [`Self::model_tensor_parallel`] of a model trained under tensor parallelism: `slices` are
-    /// already this rank's (`crate::training::tensor_parallel::TensorParallel::slice`).
+    /// already this rank's (`crate::training::tensor_parallel::TensorParallel::slice`). Fusing
+    /// LoRA into slices gives the slices of the fused weights (`A` or `B` is cut as its linear).
     pub fn model_of_slices(&self, slices: &ParamStore, config: &Gpt2Config, tp: &Arc<ProcessGroup>) -> Result<Gpt2> {
-        let weights = slices.iter().map(|(n, v)| (n.to_string(), v.as_tensor().detach())).collect();
+        let fused = slices.merged()?;
+        let weights = fused.iter().map(|(n, v)| (n.to_string(), v.as_tensor().detach())).collect();
         self.load_tensor_parallel(weights, config, tp)
     }
 

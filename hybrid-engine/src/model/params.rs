@@ -128,18 +128,21 @@ impl ParamStore {
     }
 
     /// The model of one rank of the tensor-parallel group `tp` over these parameters, which
-    /// are that rank's slices (`crate::training::tensor_parallel::TensorParallel::slice`). No LoRA.
+    /// are that rank's slices (`crate::training::tensor_parallel::TensorParallel::slice`), with
+    /// their LoRA adapters' slices attached unfused.
     pub fn model_tensor_parallel(
         &self,
         cfg: &Gpt2Config,
         tp: &std::sync::Arc<crate::comm::ProcessGroup>,
     ) -> Result<Gpt2> {
-        if self.lora_scaling.is_some() {
-            bail!("LoRA adapters are not supported under tensor parallelism yet");
-        }
         let device = self.vars.first().map_or(Device::Cpu, |v| v.device().clone());
-        let vb = VarBuilder::from_tensors(self.tensors(), self.dtype(), &device);
-        Ok(Gpt2::load_tensor_parallel(vb, cfg, tp)?)
+        let tensors = self.tensors();
+        let mut model =
+            Gpt2::load_tensor_parallel(VarBuilder::from_tensors(tensors.clone(), self.dtype(), &device), cfg, tp)?;
+        if let Some(scaling) = self.lora_scaling {
+            attach_adapters(model.linears_mut(), &tensors, scaling);
+        }
+        Ok(model)
     }
 
     /// The dtype of the parameters: f32 for master weights, the compute dtype for a

@@ -110,4 +110,84 @@ mod tests {
         }
         Ok(())
     }
+    /// LoRA on all four linears of every block, each adapter cut as its linear: over 2 and 4
+    /// ranks the loss is the one-rank loss and every rank's gradient of each parameter, the
+    /// adapters' included, is its slice of the one-rank gradient; the slices' adapters fused into
+    /// their weights give the slices of the fused weights (what generation runs on).
+    #[test]
+    fn lora_under_tensor_parallelism_gives_the_one_rank_loss_and_gradients() -> anyhow::Result<()> {
+        let cfg = Gpt2Config {
+            n_layer: 1,
+            n_embd: 16,
+            n_head: 4,
+            n_positions: 8,
+            vocab_size: 24,
+            resid_pdrop: 0.0,
+            embd_pdrop: 0.0,
+            attn_pdrop: 0.0,
+            ..Gpt2Config::tiny()
+        };
+        let cpu = Device::Cpu;
+        let mut params = ParamStore::init(&cfg, 3, &cpu)?;
+        let lora = lora::LoraConfig { dim: 4, alpha: Some(8.0), module_name: "h.".into() };
+        assert_eq!(params.add_lora(&cfg, &lora, 5)?.len(), 4);
+        // B starts at zero (PEFT's init): give it values, so that A gets a gradient too.
+        for (i, (name, var)) in params.iter().enumerate() {
+            if name.ends_with(lora::LORA_B) {
+                var.set(&(Tensor::randn(0f32, 0.3, var.shape(), &cpu)? + i as f64 * 1e-3)?)?;
+            }
+        }
+        let ids = Tensor::new(&[[1u32, 2, 3, 4, 5], [6, 7, 8, 9, 10]], &cpu)?;
+        let targets = Tensor::new(&[[2u32, 3, 4, 5, 6], [7, 8, 9, 10, 11]], &cpu)?;
+        let want = params.model(&cfg)?.lm_loss(&ids, &targets, None)?;
+        let grads = want.backward()?;
+        let want = want.to_scalar::<f32>()?;
+        let fused = params.merged()?;
+        for ranks in [2, 4] {
+            let results = on_groups(ranks, |group| {
+                let tp = Arc::new(group);
+                let mut slices = ParamStore::default();
+                for (name, v) in params.iter() {
+                    slices.push(name, &shard(v, split_of(name), tp.rank(), ranks)?)?;
+                }
+                slices.set_layout(params.frozen(), params.lora_scaling())?;
+                let loss = slices.model_tensor_parallel(&cfg, &tp)?.lm_loss(&ids, &targets, None)?;
+                let store = loss.backward()?;
+                let grads: Vec<(String, Vec<f32>)> = slices
+                    .iter()
+                    .map(|(n, v)| Ok((n.to_string(), store.get(v.as_tensor()).unwrap().flatten_all()?.to_vec1()?)))
+                    .collect::<anyhow::Result<_>>()?;
+                let merged: Vec<(String, Vec<f32>)> = slices
+                    .merged()?
+                    .iter()
+                    .map(|(n, v)| Ok((n.to_string(), v.flatten_all()?.to_vec1()?)))
+                    .collect::<anyhow::Result<_>>()?;
+                Ok((loss.to_scalar::<f32>()?, grads, merged))
+            });
+            for (rank, res) in results.into_iter().enumerate() {
+                let (loss, got, merged) = res?;
+                assert!((loss - want).abs() < 1e-5, "{ranks} ranks, rank {rank}: loss {loss} vs {want}");
+                let adapters = got.iter().filter(|(n, _)| lora::is_adapter_name(n)).count();
+                assert_eq!(adapters, 8, "every adapter's A and B");
+                for (name, g) in got {
+                    let full = grads.get(params.get(&name).unwrap().as_tensor()).unwrap();
+                    let w: Vec<f32> = shard(full, split_of(&name), rank, ranks)?.flatten_all()?.to_vec1()?;
+                    let scale = full.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+                    assert!(scale > 1e-6, "{name}: the one-rank gradient is zero, the check would say nothing");
+                    let diff = g.iter().zip(&w).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+                    assert!(
+                        diff <= 1e-5 * scale,
+                        "{ranks} ranks, rank {rank}: {name} off by {diff:e} (scale {scale:e})"
+                    );
+                }
+                for (name, v) in merged {
+                    let w = shard(fused.get(&name).unwrap().as_tensor(), split_of(&name), rank, ranks)?;
+                    let diff =
+                        v.iter().zip(w.flatten_all()?.to_vec1::<f32>()?).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+                    assert!(diff < 1e-6, "{ranks} ranks, rank {rank}: fused {name} off by {diff:e}");
+                }
+            }
+        }
+        Ok(())
+    }
 }

@@ -2,7 +2,9 @@
 //! names and Conv1D `(in, out)` weights. `c_attn` is split by heads (each rank the q, k and v
 //! columns of its heads, so attention needs no communication), `c_fc` by columns, both `c_proj`
 //! by rows with their biases whole (added once, after the sum); LayerNorms and embeddings are
-//! whole on every rank.
+//! whole on every rank. A LoRA adapter is cut as its linear: `B` (out, r) by the rows of a
+//! column-parallel linear's outputs, `A` (r, in) by the columns of a row-parallel one's inputs,
+//! the other factor whole.
 
 use crate::comm::{ProcessGroup, ReduceOp};
 use anyhow::{bail, Result};
@@ -16,8 +18,8 @@ pub enum Split {
     /// The last dimension holds `segments` equal blocks (q, k and v for `c_attn`), each cut
     /// into equal consecutive pieces: rank r takes piece r of every block.
     Columns { segments: usize },
-    /// The first dimension cut into equal consecutive pieces.
-    Rows,
+    /// The same cut of the first dimension (`c_proj`'s weights, a LoRA `B` of `c_attn` or `c_fc`).
+    Rows { segments: usize },
     /// The token embedding's rows, padded first with zero rows to
     /// [`crate::tensor_parallel::vocab::padded_vocab_size`].
     VocabRows,
@@ -25,6 +27,20 @@ pub enum Split {
 
 /// The split of parameter `name` (HF names without `transformer.`).
 pub fn split_of(name: &str) -> Split {
+    // LoRA's A (r, in) and B (out, r) of the linear `module`.
+    if let Some(module) = name.strip_suffix(".lora_A.weight") {
+        return match module.ends_with(".c_proj") {
+            true => Split::Columns { segments: 1 },
+            false => Split::Whole,
+        };
+    }
+    if let Some(module) = name.strip_suffix(".lora_B.weight") {
+        return match module {
+            m if m.ends_with(".attn.c_attn") => Split::Rows { segments: 3 },
+            m if m.ends_with(".mlp.c_fc") => Split::Rows { segments: 1 },
+            _ => Split::Whole,
+        };
+    }
     if name == "wte.weight" {
         Split::VocabRows
     } else if name.contains(".attn.c_attn.") {
@@ -32,7 +48,7 @@ pub fn split_of(name: &str) -> Split {
     } else if name.contains(".mlp.c_fc.") {
         Split::Columns { segments: 1 }
     } else if name.ends_with(".c_proj.weight") {
-        Split::Rows
+        Split::Rows { segments: 1 }
     } else {
         Split::Whole
     }
@@ -42,19 +58,8 @@ pub fn split_of(name: &str) -> Split {
 pub fn shard(t: &Tensor, split: Split, rank: usize, ranks: usize) -> Result<Tensor> {
     Ok(match split {
         Split::Whole => t.clone(),
-        Split::Columns { segments } => {
-            let last = t.rank() - 1;
-            let block = t.dim(last)? / segments;
-            let piece = block / ranks;
-            let parts: Vec<Tensor> = (0..segments)
-                .map(|s| t.narrow(last, s * block + rank * piece, piece))
-                .collect::<candle_core::Result<_>>()?;
-            Tensor::cat(&parts, last)?.contiguous()?
-        }
-        Split::Rows => {
-            let piece = t.dim(0)? / ranks;
-            t.narrow(0, rank * piece, piece)?.contiguous()?
-        }
+        Split::Columns { segments } => cut(t, t.rank() - 1, segments, rank, ranks)?,
+        Split::Rows { segments } => cut(t, 0, segments, rank, ranks)?,
         Split::VocabRows => {
             let (v, c) = t.dims2()?;
             let padded = crate::tensor_parallel::vocab::padded_vocab_size(v, ranks);
@@ -62,9 +67,30 @@ pub fn shard(t: &Tensor, split: Split, rank: usize, ranks: usize) -> Result<Tens
                 true => Tensor::cat(&[t.clone(), Tensor::zeros((padded - v, c), t.dtype(), t.device())?], 0)?,
                 false => t.clone(),
             };
-            shard(&t, Split::Rows, rank, ranks)?
+            shard(&t, Split::Rows { segments: 1 }, rank, ranks)?
         }
     })
+}
+
+/// Rank `rank`'s piece of every one of the `segments` equal blocks of dimension `dim` of `t`.
+fn cut(t: &Tensor, dim: usize, segments: usize, rank: usize, ranks: usize) -> Result<Tensor> {
+    let block = t.dim(dim)? / segments;
+    let piece = block / ranks;
+    let parts: Vec<Tensor> =
+        (0..segments).map(|s| t.narrow(dim, s * block + rank * piece, piece)).collect::<candle_core::Result<_>>()?;
+    Ok(Tensor::cat(&parts, dim)?.contiguous()?)
+}
+
+/// The inverse of [`cut`]: every rank's pieces of dimension `dim` put back block by block.
+fn join(pieces: &[Tensor], dim: usize, segments: usize) -> Result<Tensor> {
+    let width = pieces[0].dim(dim)? / segments;
+    let mut parts = Vec::with_capacity(segments * pieces.len());
+    for s in 0..segments {
+        for piece in pieces {
+            parts.push(piece.narrow(dim, s * width, width)?);
+        }
+    }
+    Ok(Tensor::cat(&parts, dim)?)
 }
 
 /// The whole parameter from every rank's slice (`pieces[r]` is rank r's): the inverse of
@@ -72,18 +98,8 @@ pub fn shard(t: &Tensor, split: Split, rank: usize, ranks: usize) -> Result<Tens
 pub fn unshard(pieces: &[Tensor], split: Split, rows: usize) -> Result<Tensor> {
     Ok(match split {
         Split::Whole => pieces[0].clone(),
-        Split::Columns { segments } => {
-            let last = pieces[0].rank() - 1;
-            let width = pieces[0].dim(last)? / segments;
-            let mut parts = Vec::with_capacity(segments * pieces.len());
-            for s in 0..segments {
-                for piece in pieces {
-                    parts.push(piece.narrow(last, s * width, width)?);
-                }
-            }
-            Tensor::cat(&parts, last)?
-        }
-        Split::Rows => Tensor::cat(pieces, 0)?,
+        Split::Columns { segments } => join(pieces, pieces[0].rank() - 1, segments)?,
+        Split::Rows { segments } => join(pieces, 0, segments)?,
         Split::VocabRows => Tensor::cat(pieces, 0)?.narrow(0, 0, rows)?.contiguous()?,
     })
 }
@@ -132,7 +148,7 @@ pub fn local_shape(name: &str, whole: &[usize], ranks: usize) -> Vec<usize> {
     match split_of(name) {
         Split::Whole => {}
         Split::Columns { .. } => *shape.last_mut().expect("a sliced parameter has a dimension") /= ranks,
-        Split::Rows => shape[0] /= ranks,
+        Split::Rows { .. } => shape[0] /= ranks,
         Split::VocabRows => shape[0] = crate::tensor_parallel::vocab::padded_vocab_size(shape[0], ranks) / ranks,
     }
     shape
@@ -145,7 +161,7 @@ pub fn whole_shape(name: &str, local: &[usize], ranks: usize, vocab: usize) -> V
     match split_of(name) {
         Split::Whole => {}
         Split::Columns { .. } => *shape.last_mut().expect("a sliced parameter has a dimension") *= ranks,
-        Split::Rows => shape[0] *= ranks,
+        Split::Rows { .. } => shape[0] *= ranks,
         Split::VocabRows => shape[0] = vocab,
     }
     shape
@@ -185,6 +201,14 @@ mod tests {
             assert_eq!(split_of(whole), Split::Whole, "{whole}");
         }
         assert_eq!(split_of("h.0.mlp.c_fc.bias"), Split::Columns { segments: 1 });
+        // LoRA: B of c_attn (3C, r) by heads in each of q, k and v; A of c_proj (r, in) by inputs.
+        let b = Tensor::arange(0f32, 12.0, &Device::Cpu)?.reshape((12, 1))?;
+        let mine = shard(&b, split_of("h.0.attn.c_attn.lora_B.weight"), 1, 2)?;
+        assert_eq!(mine.flatten_all()?.to_vec1::<f32>()?, [2.0, 3.0, 6.0, 7.0, 10.0, 11.0]);
+        assert_eq!(split_of("h.0.mlp.c_proj.lora_A.weight"), Split::Columns { segments: 1 });
+        for whole in ["h.0.attn.c_attn.lora_A.weight", "h.0.mlp.c_fc.lora_A.weight", "h.0.attn.c_proj.lora_B.weight"] {
+            assert_eq!(split_of(whole), Split::Whole, "{whole}");
+        }
         // The embedding: 300 rows padded to 512 over 2 ranks, the second slice partly padding.
         let wte = Tensor::ones((300, 2), candle_core::DType::F32, &Device::Cpu)?;
         let second = shard(&wte, split_of("wte.weight"), 1, 2)?;
@@ -205,6 +229,9 @@ mod tests {
             ("h.0.mlp.c_proj.weight", (32, 8)),
             ("h.0.ln_1.weight", (1, 8)),
             ("wte.weight", (300, 8)),
+            ("h.0.attn.c_attn.lora_B.weight", (24, 4)),
+            ("h.0.mlp.c_fc.lora_B.weight", (32, 4)),
+            ("h.0.mlp.c_proj.lora_A.weight", (4, 32)),
         ];
         for ranks in [1, 2, 4] {
             for (name, (r, c)) in cases {

@@ -167,7 +167,7 @@ mod tests {
             let results = on_groups(ranks, |group| {
                 let tp = Arc::new(group);
                 let whole = Tensor::from_slice(&wte, (v, c), &cpu)?;
-                let w = Var::from_tensor(&shard(&whole, Split::Rows, tp.rank(), ranks)?)?;
+                let w = Var::from_tensor(&shard(&whole, Split::Rows { segments: 1 }, tp.rank(), ranks)?)?;
                 let h = Var::from_slice(&hidden, (6, c), &cpu)?;
                 let emb = vocab_parallel_embedding(&ids, w.as_tensor(), &tp)?;
                 let x = (emb.reshape((6, c))? + h.as_tensor())?;
@@ -187,7 +187,7 @@ mod tests {
                 assert!(close(&emb, &want_emb)? < 1e-6, "{ranks} ranks, rank {rank}: embedding");
                 assert!((loss - want_loss.to_scalar::<f32>()?).abs() < 1e-5, "{ranks} ranks, rank {rank}: loss");
                 assert!(close(&gh, &want_gh)? < 1e-6, "{ranks} ranks, rank {rank}: hidden gradient");
-                let want = shard(&want_gw, Split::Rows, rank, ranks)?;
+                let want = shard(&want_gw, Split::Rows { segments: 1 }, rank, ranks)?;
                 assert!(close(&gw, &want)? < 1e-6, "{ranks} ranks, rank {rank}: embedding gradient");
             }
         }

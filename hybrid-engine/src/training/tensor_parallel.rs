@@ -44,21 +44,20 @@ impl TensorParallel {
         format!("tensor parallel: {} ranks per layer, {} data-parallel groups", self.size(), self.layout.dp.world())
     }
 
-    /// This rank's slices of the whole model `whole` of config `cfg` (fp32 masters), each whole
-    /// tensor freed once cut. A model whose heads or MLP width the TP size does not divide, or
-    /// with LoRA adapters, is refused.
+    /// This rank's slices of the whole model `whole` of config `cfg` (fp32 masters; LoRA
+    /// adapters cut as their linears, frozen flags kept), each whole tensor freed once cut. A
+    /// model whose heads or MLP width the TP size does not divide is refused.
     pub fn slice(&self, whole: ParamStore, cfg: &Gpt2Config) -> Result<ParamStore> {
         self.check_model(cfg)?;
-        if whole.lora_scaling().is_some() {
-            bail!("LoRA adapters do not combine with --tensor-model-parallel-size above 1 yet: use --lora-dim 0 or --tensor-model-parallel-size 1");
-        }
         let (rank, ranks) = (self.layout.tp.rank(), self.size());
+        let (frozen, lora_scaling) = (whole.frozen().to_vec(), whole.lora_scaling());
         let mut local = ParamStore::default();
         for (name, var) in whole.names.into_iter().zip(whole.vars) {
             let piece = shard(var.as_tensor(), split_of(&name), rank, ranks)?;
             drop(var);
             local.push(&name, &piece)?;
         }
+        local.set_layout(&frozen, lora_scaling)?;
         Ok(local)
     }
 
@@ -167,7 +166,11 @@ pub fn gather_params(local: &ParamStore, vocab: usize, tp: &ProcessGroup) -> Res
             whole.push(name, &t)?;
         }
     }
-    Ok((tp.rank() == 0).then_some(whole))
+    if tp.rank() != 0 {
+        return Ok(None);
+    }
+    whole.set_layout(local.frozen(), local.lora_scaling())?;
+    Ok(Some(whole))
 }
 
 /// The whole optimizer from every rank's `local` one over the slices `params` (a collective

@@ -614,7 +614,11 @@ fn generate_share(
     let precision = args.precision.precision();
     let unfused_actor = match &gathered_actor {
         Some(gathered) if gathered.lora_scaling().is_some() => {
-            let mut model = gathered.compute_copy(precision.dtype.dtype())?.model(&ctx.actor_cfg)?;
+            let compute = gathered.compute_copy(precision.dtype.dtype())?;
+            let mut model = match ctx.tp {
+                Some(tp) => compute.model_tensor_parallel(&ctx.actor_cfg, tp.tp())?,
+                None => compute.model(&ctx.actor_cfg)?,
+            };
             model.fp32_loss = precision.fp32_loss;
             Some(model)
         }
@@ -1033,15 +1037,11 @@ fn reward_model_on(
 }
 
 /// `--tensor-model-parallel-size`: the TP layout of the ranks, or `None` without TP. Every
-/// rank calls it together. LoRA does not combine with it yet, and `--inference-tp-size` has
-/// nothing to do under it (one line each).
+/// rank calls it together. `--inference-tp-size` has nothing to do under it (one line).
 fn tensor_parallel(args: &PpoArgs, group: &ProcessGroup) -> Result<Option<TensorParallel>> {
     let size = args.dist.tensor_model_parallel_size;
     if size > 1 && args.inference_tp_size > 1 {
         bail!("--inference-tp-size re-lays a TP=1 actor out for generation, but under --tensor-model-parallel-size {size} the actor already generates split over its TP group: drop --inference-tp-size");
-    }
-    if size > 1 && (args.actor_lora_dim > 0 || args.critic_lora_dim > 0) {
-        bail!("LoRA adapters do not combine with --tensor-model-parallel-size above 1 yet: use --actor-lora-dim 0 --critic-lora-dim 0 or --tensor-model-parallel-size 1");
     }
     args.dist.tensor_parallel(group)
 }
