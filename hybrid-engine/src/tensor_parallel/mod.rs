@@ -20,15 +20,10 @@ mod tests {
     use std::collections::HashMap;
     use std::sync::Arc;
 
-    /// GPT-2 split over 2 and 4 ranks (4 heads; the 24-token vocabulary padded to 128 x T rows)
-    /// gives the one-rank loss, and every rank's gradient of each parameter is its slice of the
-    /// one-rank gradient (itself checked against finite differences): whole parameters get the
-    /// whole gradient on every rank, with no reduction, and the padding rows none. Greedy generation with the KV cache
-    /// (each rank caching its heads) gives the one-rank tokens.
-    #[test]
-    fn a_tensor_parallel_gpt2_gives_the_one_rank_loss_and_gradients() -> anyhow::Result<()> {
-        let cfg = Gpt2Config {
-            n_layer: 2,
+    /// `n_layer` blocks of 4 heads, a vocabulary of 24 tokens, no dropout.
+    fn small(n_layer: usize) -> Gpt2Config {
+        Gpt2Config {
+            n_layer,
             n_embd: 16,
             n_head: 4,
             n_positions: 8,
@@ -37,7 +32,17 @@ mod tests {
             embd_pdrop: 0.0,
             attn_pdrop: 0.0,
             ..Gpt2Config::tiny()
-        };
+        }
+    }
+
+    /// GPT-2 split over 2 and 4 ranks (4 heads; the 24-token vocabulary padded to 128 x T rows)
+    /// gives the one-rank loss, and every rank's gradient of each parameter is its slice of the
+    /// one-rank gradient (itself checked against finite differences): whole parameters get the
+    /// whole gradient on every rank, with no reduction, and the padding rows none. Greedy generation with the KV cache
+    /// (each rank caching its heads) gives the one-rank tokens.
+    #[test]
+    fn a_tensor_parallel_gpt2_gives_the_one_rank_loss_and_gradients() -> anyhow::Result<()> {
+        let cfg = small(2);
         let cpu = Device::Cpu;
         let params = ParamStore::init(&cfg, 3, &cpu)?;
         let ids = Tensor::new(&[[1u32, 2, 3, 4, 5], [6, 7, 8, 9, 10]], &cpu)?;
@@ -116,17 +121,7 @@ mod tests {
     /// their weights give the slices of the fused weights (what generation runs on).
     #[test]
     fn lora_under_tensor_parallelism_gives_the_one_rank_loss_and_gradients() -> anyhow::Result<()> {
-        let cfg = Gpt2Config {
-            n_layer: 1,
-            n_embd: 16,
-            n_head: 4,
-            n_positions: 8,
-            vocab_size: 24,
-            resid_pdrop: 0.0,
-            embd_pdrop: 0.0,
-            attn_pdrop: 0.0,
-            ..Gpt2Config::tiny()
-        };
+        let cfg = small(1);
         let cpu = Device::Cpu;
         let mut params = ParamStore::init(&cfg, 3, &cpu)?;
         let lora = lora::LoraConfig { dim: 4, alpha: Some(8.0), module_name: "h.".into() };
