@@ -115,6 +115,19 @@ pub struct PpoArgs {
     pub top_p: f64,
     #[arg(long, default_value_t = 0.1, alias = "kl_ctl", value_parser = cli::non_negative())]
     pub kl_ctl: f64,
+    /// Adapt the KL coefficient (starting at --kl-ctl) after every rollout so that the KL to the
+    /// reference, summed over an answer's tokens, stays near this many nats (Ziegler et al.;
+    /// OpenRLHF's --kl_target, TRL's adaptive controller).
+    #[arg(long, alias = "kl_target", value_parser = cli::positive())]
+    pub kl_target: Option<f64>,
+    /// The adaptive controller's horizon in answers: a rollout of n answers moves the
+    /// coefficient by at most 20% of n / horizon.
+    #[arg(long, default_value_t = 10000.0, alias = "kl_horizon", value_parser = cli::positive(), requires = "kl_target")]
+    pub kl_horizon: f64,
+    /// Stop a training phase's PPO epochs early once an optimizer step's approximate KL between
+    /// the rollout policy and the updated one exceeds this (OpenRLHF/TRL's target_kl).
+    #[arg(long, alias = "target_kl", value_parser = cli::positive())]
+    pub target_kl: Option<f64>,
     #[arg(long, default_value_t = 5.0, alias = "clip_reward_value", value_parser = cli::positive())]
     pub clip_reward_value: f64,
     #[arg(long, default_value_t = 0.2, value_parser = cli::positive())]
@@ -198,6 +211,7 @@ impl PpoArgs {
             "precision": [self.precision.dtype.name().to_string(), self.precision.compute_fp32_loss.to_string(), self.precision.loss_scaling().window.to_string(), self.precision.loss_scaling().initial_scale_power.to_string(), self.align_overflow.to_string()],
             "optimizer": [self.adam_eps, self.gradient_clipping],
             "ema": self.enable_ema, "ptx": [self.unsupervised_dataset_name.clone().unwrap_or_default(), self.unsup_coef.to_string()],
+            "kl": [format!("{:?}", self.kl_target), self.kl_horizon.to_string(), format!("{:?}", self.target_kl)],
         })
     }
 

@@ -47,6 +47,9 @@ pub struct PpoState {
     pub rollouts_reused: u64,
     pub answers_dropped_short: u64,
     pub first_reward: Option<f64>,
+    /// The KL coefficient the next rollout uses (`--kl-target` adapts it).
+    #[serde(default)]
+    pub kl_ctl: Option<f64>,
     /// Accumulation boundaries, skipped steps and the fp16 loss scale of each model.
     #[serde(default)]
     pub actor_progress: Option<TrainerProgress>,

@@ -148,6 +148,16 @@ pub fn approx_kl(d: f64) -> f64 {
     d.exp_m1() - d
 }
 
+/// Ziegler et al.'s adaptive KL controller (TRL's `AdaptiveKLController`): the coefficient
+/// `beta` after a rollout of `n` answers whose KL to the reference (summed over each answer's
+/// tokens, mean over the answers) was `kl`: `beta * (1 + e * n / horizon)` with
+/// `e = clip(kl / target - 1, -0.2, 0.2)`, so it grows while the policy drifts past `target` and
+/// shrinks while it stays closer.
+pub fn adaptive_kl_coefficient(beta: f64, kl: f64, target: f64, n: f64, horizon: f64) -> f64 {
+    let e = (kl / target - 1.0).clamp(-0.2, 0.2);
+    beta * (1.0 + e * n / horizon)
+}
+
 /// `1 - Var(returns - values) / Var(returns)` over masked actions: how much of the return the
 /// critic explains (1 perfect, 0 a constant guess, negative worse).
 pub fn explained_variance(values: &[f32], returns: &[f32], mask: &[f32]) -> f64 {
@@ -300,6 +310,17 @@ mod tests {
     }
 
     /// rho = 2: (2 - 1) - ln 2; rho = 1/2: (1/2 - 1) + ln 2. `d^2 / 2` would give both 0.240.
+    /// Hand-computed: KL 12 against a target of 6 is clipped to +20%, KL 5.4 gives -10%; a
+    /// rollout of 64 answers over a horizon of 10000 applies 0.0064 of it.
+    #[test]
+    fn the_adaptive_kl_coefficient_moves_toward_the_target() {
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-12;
+        assert!(close(adaptive_kl_coefficient(0.1, 12.0, 6.0, 64.0, 10000.0), 0.100128));
+        assert!(close(adaptive_kl_coefficient(0.1, 5.4, 6.0, 64.0, 10000.0), 0.099936));
+        assert!(close(adaptive_kl_coefficient(0.1, 6.0, 6.0, 64.0, 10000.0), 0.1));
+        assert!(close(adaptive_kl_coefficient(0.1, 0.0, 6.0, 64.0, 10000.0), 0.099872));
+    }
+
     #[test]
     fn approx_kl_is_rho_minus_1_minus_log_rho() {
         let ln2 = std::f64::consts::LN_2;

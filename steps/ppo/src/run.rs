@@ -355,9 +355,12 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
     let ptx_range = 0..unsupervised.as_ref().map_or(0, PackedCorpus::num_blocks);
     let mut ptx_cursor = data::BlockSampler::new(ptx_range.clone(), args.seed);
     let (mut first_epoch, mut skip_batches) = (1, 0);
+    // The KL coefficient of the next rollout's rewards: --kl-ctl, adapted with --kl-target.
+    let mut kl_ctl = args.kl_ctl;
     if let Some(ck) = &resume {
         let st = &ck.state;
         (micro, step, first_epoch, skip_batches) = (st.micro, st.step, st.epoch, st.batches_done);
+        kl_ctl = st.kl_ctl.unwrap_or(kl_ctl);
         ptx_cursor = data::BlockSampler::with_cursor(ptx_range.clone(), args.seed, st.ptx_cursor).context(
             "cannot resume: the --unsupervised-dataset-name corpus differs from the run that saved the checkpoint (use the same, or start anew without --load)",
         )?;
@@ -390,7 +393,8 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
             step += 1;
             let rollout_started = Instant::now();
             let rollout: Vec<&[u32]> = chunk.iter().map(|&i| prompts.train[i].ids.as_slice()).collect();
-            let (experience, totals) = generate_share(&ctx, &models, &mut engine, &rollout, step)?;
+            let cfg = crate::PpoConfig { kl_ctl, ..ctx.cfg.clone() };
+            let (experience, totals) = generate_share(&ctx, &models, &mut engine, &rollout, step, &cfg)?;
             summary.answers_dropped_short += totals.dropped_short as u64;
             let experience = match experience {
                 Some(e) => e,
@@ -406,6 +410,14 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
             };
             let generation_secs = rollout_started.elapsed().as_secs_f64();
             let rollout_stats = rollout_stats(&experience, &data)?;
+            let rollout_kl_ctl = kl_ctl;
+            if let Some(target) = args.kl_target {
+                let kl = rollout_stats["kl_ref_sequence"].as_f64().unwrap_or(f64::NAN);
+                let rows = rollout_stats["rows"].as_f64().unwrap_or(0.0);
+                if kl.is_finite() {
+                    kl_ctl = ppo::adaptive_kl_coefficient(kl_ctl, kl, target, rows, args.kl_horizon);
+                }
+            }
             if args.print_answers_interval > 0 && (step - 1) % args.print_answers_interval == 0 {
                 print_answers(&metrics, &experience, &tokenizer, eos, 2)?;
             }
@@ -437,8 +449,8 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
             }
             save_pending |= at_interval;
             if save_pending && safe_point {
-                let state =
-                    checkpoint_state(args, world, step, micro, epoch, batch_index + 1, &models, &ptx_cursor, &summary);
+                let at = Position { step, micro, epoch, batches_done: batch_index + 1, kl_ctl };
+                let state = checkpoint_state(args, world, at, &models, &ptx_cursor, &summary);
                 let gathered = GatheredWeights::of(&models, tp.as_ref())?;
                 if let Some(dir) =
                     save_checkpoint(&group, &save_root, &models, &gathered, &state, &tokenizer, tp.as_ref())?
@@ -448,7 +460,9 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
                 (save_pending, last_saved_step) = (false, step);
             }
             let times = (generation_secs, train_secs);
-            log_step(&mut metrics, epoch, step, total_rollouts, &rollout_stats, &means, times, &models)?;
+            let rollout =
+                RolloutReport { stats: &rollout_stats, kl_ctl: rollout_kl_ctl, adaptive: args.kl_target.is_some() };
+            log_step(&mut metrics, epoch, step, total_rollouts, &rollout, &means, times, &models)?;
         }
     }
     models.flush()?;
@@ -477,17 +491,8 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
     // The end of the run is always resumable: a checkpoint of the final state (its models are
     // the ones just saved), unless the last interval already wrote it.
     if step != last_saved_step {
-        let state = checkpoint_state(
-            args,
-            world,
-            step,
-            micro,
-            args.num_train_epochs,
-            batches_per_epoch,
-            &models,
-            &ptx_cursor,
-            &summary,
-        );
+        let at = Position { step, micro, epoch: args.num_train_epochs, batches_done: batches_per_epoch, kl_ctl };
+        let state = checkpoint_state(args, world, at, &models, &ptx_cursor, &summary);
         // The weights gathered for the save above: no second gather.
         if let Some(dir) = save_checkpoint(&group, &save_root, &models, &gathered, &state, &tokenizer, tp.as_ref())? {
             println!("saved the final step-3 checkpoint (rollout {step}) to {}", dir.display());
@@ -592,6 +597,7 @@ fn generate_share(
     engine: &mut GenerationMode,
     prompts: &[&[u32]],
     step: u64,
+    cfg: &crate::PpoConfig,
 ) -> Result<(Option<Experience>, RolloutTotals)> {
     let (args, group) = (ctx.args, ctx.group);
     let share = rollout_share(prompts.len(), ctx.global_micro, group.rank(), group.world());
@@ -666,7 +672,7 @@ fn generate_share(
         _ => bail!("internal error: no actor to generate with"),
     };
     let (experience, counts) =
-        generate_experience(&rollout, generate, &padded, prompts.len(), &sampling, &ctx.cfg, &ctx.device)?;
+        generate_experience(&rollout, generate, &padded, prompts.len(), &sampling, cfg, &ctx.device)?;
     let kept = experience.as_ref().map_or(0, |e| e.b);
     let mut totals = [kept as f64, counts.dropped_short as f64, counts.generated as f64];
     group.all_reduce_scalars(&mut totals, ReduceOp::Sum)?;
@@ -717,36 +723,51 @@ struct Updates {
     stats: Vec<UpdateStats>,
     /// This rank's PTX loss of each update.
     ptx_losses: Vec<f64>,
+    /// With `--target-kl`: the micro-batches gone through and planned, when the phase stopped
+    /// early.
+    stopped_early: Option<(usize, usize)>,
 }
 
 /// Means over a training phase's updates of the global micro-batches' measurements.
 struct UpdateMeans {
     stats: UpdateStats,
+    /// Over the updates after the phase's first, whose ratio is 1 by construction: where the
+    /// policy has moved and clipping can act. `None` with fewer than two updates.
+    later: Option<UpdateStats>,
     ptx_loss: Option<f64>,
+    stopped_early: Option<(usize, usize)>,
 }
 
 impl Updates {
     /// The means over the phase's updates, each update's values reduced over the ranks (every
     /// rank ran the same updates). NaN when the phase had none (rollouts are being collected).
     fn global_means(&self, group: &ProcessGroup) -> Result<UpdateMeans> {
-        let mut sums = [0f64; 7];
-        for u in &self.stats {
-            for (s, v) in sums.iter_mut().zip(u.to_array()) {
-                *s += v;
+        // All updates' sums, the PTX loss, then the sums of the updates after the first.
+        let mut sums = [0f64; 13];
+        for (i, u) in self.stats.iter().enumerate() {
+            for (k, v) in u.to_array().into_iter().enumerate() {
+                sums[k] += v;
+                if i > 0 {
+                    sums[7 + k] += v;
+                }
             }
         }
         // Every rank holds as many PTX blocks: the global loss is the ranks' mean.
         sums[6] = self.ptx_losses.iter().sum::<f64>() / group.world() as f64;
         group.all_reduce_scalars(&mut sums, ReduceOp::Sum)?;
+        let means = |from: usize, n: usize| {
+            let mut stats = [0f64; 6];
+            for (m, s) in stats.iter_mut().zip(&sums[from..from + 6]) {
+                *m = if n == 0 { f64::NAN } else { s / n as f64 };
+            }
+            UpdateStats::from_array(stats)
+        };
         let n = self.stats.len();
-        let mean = |x: f64| if n == 0 { f64::NAN } else { x / n as f64 };
-        let mut stats = [0f64; 6];
-        for (m, s) in stats.iter_mut().zip(sums) {
-            *m = mean(s);
-        }
         Ok(UpdateMeans {
-            stats: UpdateStats::from_array(stats),
+            stats: means(0, n),
+            later: (n > 1).then(|| means(7, n - 1)),
             ptx_loss: (!self.ptx_losses.is_empty()).then(|| sums[6] / self.ptx_losses.len() as f64),
+            stopped_early: self.stopped_early,
         })
     }
 }
@@ -765,7 +786,10 @@ fn ppo_epochs(
     let (args, group) = (ctx.args, ctx.group);
     let (rank, world) = (group.rank(), group.world());
     let mut updates = Updates::default();
-    for ppo_epoch in 0..args.ppo_epochs {
+    // --target-kl: this rank's shares of the approximate KL of the updates since the last step.
+    let mut step_kl: Vec<f64> = Vec::new();
+    let mut visited = 0;
+    'epochs: for ppo_epoch in 0..args.ppo_epochs {
         // Global micro-batches, counted from the rollouts' sizes: the same on every rank,
         // whatever rows each dropped.
         let slices: Vec<(usize, usize)> = buffer
@@ -779,6 +803,7 @@ fn ppo_epochs(
             let exp = &buffer[e];
             let rows = exp.micro_batch_rows(k, ctx.global_micro);
             *micro += 1;
+            visited += 1;
             let mut tokens = [answer_tokens(exp, &rows)];
             group.all_reduce_scalars(&mut tokens, ReduceOp::Sum)?;
             if tokens[0] == 0.0 {
@@ -801,6 +826,20 @@ fn ppo_epochs(
             let outcome = models.train_rlhf(&mb, &ctx.cfg, args.seed, ptx_blocks.as_ref(), &ctx.device)?;
             updates.stats.push(outcome.stats);
             updates.ptx_losses.extend(outcome.ptx_loss.map(f64::from));
+            // At an optimizer step, the mean over its micro-batches of their global approx KL.
+            if let Some(limit) = args.target_kl {
+                step_kl.push(outcome.stats.approx_kl);
+                if outcome.actor_step.is_some() {
+                    let n = step_kl.len() as f64;
+                    let mut kl = [step_kl.drain(..).sum::<f64>()];
+                    group.all_reduce_scalars(&mut kl, ReduceOp::Sum)?;
+                    let planned = args.ppo_epochs * slices.len();
+                    if kl[0] / n > limit && visited < planned {
+                        updates.stopped_early = Some((visited, planned));
+                        break 'epochs;
+                    }
+                }
+            }
         }
     }
     Ok(updates)
@@ -898,26 +937,33 @@ impl GatheredWeights {
     }
 }
 
-/// Where the loop stands after `step` rollouts, `batches_done` of them in `epoch`: what a
-/// checkpoint needs to resume.
-#[allow(clippy::too_many_arguments)]
-fn checkpoint_state(
-    args: &PpoArgs,
-    world: usize,
+/// Where the loop stands: `step` rollouts and `micro` updates done, `batches_done` prompt
+/// batches of `epoch`, and the KL coefficient of the next rollout.
+struct Position {
     step: u64,
     micro: u64,
     epoch: usize,
     batches_done: usize,
+    kl_ctl: f64,
+}
+
+/// What a checkpoint needs to resume from `at`.
+fn checkpoint_state(
+    args: &PpoArgs,
+    world: usize,
+    at: Position,
     models: &PpoModels,
     ptx_cursor: &data::BlockSampler,
     summary: &PpoSummary,
 ) -> crate::checkpoint::PpoState {
+    let Position { step, micro, epoch, batches_done, kl_ctl } = at;
     crate::checkpoint::PpoState {
         format_version: crate::checkpoint::PPO_FORMAT_VERSION,
         step,
         micro,
         epoch,
         batches_done,
+        kl_ctl: Some(kl_ctl),
         actor_steps: models.actor.trainer.optimizer.step,
         critic_steps: models.critic.trainer.optimizer.step,
         ptx_cursor: ptx_cursor.cursor(),
@@ -1096,6 +1142,8 @@ struct RolloutSums {
     reward_sq: f64,
     kl_k1: f64,
     kl_k3: f64,
+    /// Per answer, the KL to the reference summed over its tokens (k1).
+    kl_sequence: f64,
     answer_len: f64,
     eos: f64,
     /// Over the unmasked answer actions: their count, the returns and the critic's errors.
@@ -1120,6 +1168,7 @@ impl RolloutSums {
                 mask,
             );
             (s.kl_k1, s.kl_k3) = (s.kl_k1 + k1, s.kl_k3 + k3);
+            s.kl_sequence += k1 * mask.iter().map(|&m| f64::from(m)).sum::<f64>();
             s.answer_len += exp.answer_lens[r] as f64;
             s.eos += f64::from(u8::from(exp.ended_with_eos[r]));
             let values = &exp.row(&exp.values, r)[exp.start..];
@@ -1135,13 +1184,14 @@ impl RolloutSums {
         s
     }
 
-    fn to_array(self) -> [f64; 12] {
+    fn to_array(self) -> [f64; 13] {
         [
             self.rows,
             self.reward,
             self.reward_sq,
             self.kl_k1,
             self.kl_k3,
+            self.kl_sequence,
             self.answer_len,
             self.eos,
             self.actions,
@@ -1152,9 +1202,10 @@ impl RolloutSums {
         ]
     }
 
-    fn from_array(a: [f64; 12]) -> Self {
-        let [rows, reward, reward_sq, kl_k1, kl_k3, answer_len, eos, actions, ret, ret_sq, err, err_sq] = a;
-        Self { rows, reward, reward_sq, kl_k1, kl_k3, answer_len, eos, actions, ret, ret_sq, err, err_sq }
+    fn from_array(a: [f64; 13]) -> Self {
+        let [rows, reward, reward_sq, kl_k1, kl_k3, kl_sequence, answer_len, eos, actions, ret, ret_sq, err, err_sq] =
+            a;
+        Self { rows, reward, reward_sq, kl_k1, kl_k3, kl_sequence, answer_len, eos, actions, ret, ret_sq, err, err_sq }
     }
 
     /// The sums over every rank's rows.
@@ -1180,6 +1231,7 @@ fn rollout_stats(exp: &Experience, group: &ProcessGroup) -> Result<serde_json::V
         "reward_mean": s.reward / n,
         "reward_std": variance(s.rows, s.reward, s.reward_sq).sqrt(),
         "kl_ref_k1": s.kl_k1 / n,
+        "kl_ref_sequence": s.kl_sequence / n,
         "kl_ref_k3": s.kl_k3 / n,
         "explained_variance": 1.0 - variance(s.actions, s.err, s.err_sq) / variance(s.actions, s.ret, s.ret_sq),
         "answer_len_mean": s.answer_len / n,
@@ -1188,27 +1240,43 @@ fn rollout_stats(exp: &Experience, group: &ProcessGroup) -> Result<serde_json::V
     }))
 }
 
+/// A rollout's statistics for the log, with the KL coefficient its rewards used.
+struct RolloutReport<'a> {
+    stats: &'a serde_json::Value,
+    kl_ctl: f64,
+    /// `--kl-target` adapts the coefficient: the log line shows it.
+    adaptive: bool,
+}
+
 #[allow(clippy::too_many_arguments)]
 fn log_step(
     metrics: &mut Metrics,
     epoch: usize,
     step: u64,
     total: u64,
-    rollout: &serde_json::Value,
+    rollout: &RolloutReport,
     updates: &UpdateMeans,
     (generation_secs, train_secs): (f64, f64),
     models: &PpoModels,
 ) -> Result<()> {
-    let u = &updates.stats;
+    let (u, stats) = (&updates.stats, rollout.stats);
+    // The ratio and the clip fraction the log line shows: over the updates after the phase's
+    // first (whose ratio is 1 by construction) when there are some.
+    let shown = updates.later.unwrap_or(*u);
     let record = json!({
         "step": step,
         "epoch": epoch,
-        "rollout": rollout,
+        "rollout": stats,
+        "kl_ctl": rollout.kl_ctl,
         "actor_loss": u.actor_loss,
         "critic_loss": u.critic_loss,
         "ratio_mean": u.ratio_mean,
         "clip_fraction": u.clip_fraction,
         "approx_kl": u.approx_kl,
+        "ratio_mean_after_first": updates.later.map(|l| l.ratio_mean),
+        "clip_fraction_after_first": updates.later.map(|l| l.clip_fraction),
+        "approx_kl_after_first": updates.later.map(|l| l.approx_kl),
+        "updates_stopped_early": updates.stopped_early.map(|(done, planned)| json!({"done": done, "planned": planned})),
         "entropy": u.entropy,
         "ptx_loss": updates.ptx_loss,
         "actor_lr": models.actor.trainer.schedule.lr(models.actor.trainer.optimizer.step.max(1)),
@@ -1231,24 +1299,31 @@ fn log_step(
         ),
         _ => String::new(),
     };
+    let kl_ctl = if rollout.adaptive { format!(" (kl_ctl {:.4})", rollout.kl_ctl) } else { String::new() };
+    let stopped = match updates.stopped_early {
+        Some((done, planned)) => format!(" | stopped at target KL after {done}/{planned} updates"),
+        None => String::new(),
+    };
+    let value = |v: &serde_json::Value, key: &str| v[key].as_f64().unwrap_or(f64::NAN);
     metrics.println(&format!(
-        " step {step:>5}/{total} | epoch {epoch} | reward {:.3} (std {:.3}) | kl_ref {:.4} | actor loss {:.4} | critic loss {:.4} | ratio {:.3} | clip {:.3} | entropy {:.3} | expl var {:.3} | answer len {:.1} | eos {:.2} | gen {:.1}s train {:.1}s |{scaling}",
-        rollout["reward_mean"].as_f64().unwrap_or(f64::NAN),
-        rollout["reward_std"].as_f64().unwrap_or(f64::NAN),
-        rollout["kl_ref_k3"].as_f64().unwrap_or(f64::NAN),
-        record["actor_loss"].as_f64().unwrap_or(f64::NAN),
-        record["critic_loss"].as_f64().unwrap_or(f64::NAN),
-        record["ratio_mean"].as_f64().unwrap_or(f64::NAN),
-        record["clip_fraction"].as_f64().unwrap_or(f64::NAN),
-        record["entropy"].as_f64().unwrap_or(f64::NAN),
-        rollout["explained_variance"].as_f64().unwrap_or(f64::NAN),
-        rollout["answer_len_mean"].as_f64().unwrap_or(f64::NAN),
-        rollout["eos_share"].as_f64().unwrap_or(f64::NAN),
+        " step {step:>5}/{total} | epoch {epoch} | reward {:.3} (std {:.3}) | kl_ref {:.4}{kl_ctl} | actor loss {:.4} | critic loss {:.4} | ratio {:.3} | clip {:.3} | approx kl {:.2e} | entropy {:.3} | expl var {:.3} | answer len {:.1} | eos {:.2} | gen {:.1}s train {:.1}s{stopped} |{scaling}",
+        value(stats, "reward_mean"),
+        value(stats, "reward_std"),
+        value(stats, "kl_ref_k3"),
+        u.actor_loss,
+        u.critic_loss,
+        shown.ratio_mean,
+        shown.clip_fraction,
+        shown.approx_kl,
+        u.entropy,
+        value(stats, "explained_variance"),
+        value(stats, "answer_len_mean"),
+        value(stats, "eos_share"),
         generation_secs,
         train_secs,
     ));
     metrics.record(record)?;
-    metrics.advance(format!("reward {:.3}", rollout["reward_mean"].as_f64().unwrap_or(f64::NAN)));
+    metrics.advance(format!("reward {:.3}", value(stats, "reward_mean")));
     Ok(())
 }
 

@@ -258,3 +258,58 @@ fn a_resume_over_a_changed_ptx_corpus_is_one_clear_error_line() {
     assert_eq!(stderr.lines().count(), 1, "one line, got:\n{stderr}");
     assert!(stderr.contains("--unsupervised-dataset-name") && stderr.contains("now makes"), "{stderr}");
 }
+
+/// Several minibatches and PPO epochs per rollout make PPO's mechanics visible: after the
+/// phase's first update the ratio departs from 1 and clipping acts. `--kl-target` adapts the KL
+/// coefficient after every rollout as the controller's formula says, `--target-kl` stops a
+/// phase's epochs once a step's approximate KL passes it; both survive a resume exactly.
+#[test]
+fn adaptive_kl_and_target_kl_take_effect_and_resume_exactly() {
+    let flags = [
+        "--ppo-epochs",
+        "3",
+        "--per-device-training-batch-size",
+        "2",
+        "--kl-target",
+        "0.5",
+        "--kl-horizon",
+        "100",
+        "--target-kl",
+        "2e-3",
+        // A random tiny actor's ratios move by about 1% per update: a narrow clip range acts.
+        "--cliprange",
+        "0.01",
+    ];
+    let (dir, full) = resume_is_exact(&flags);
+    assert!(full.contains("(kl_ctl "), "the adaptive coefficient is logged:\n{full}");
+    let metrics = std::fs::read_to_string(dir.path().join("full/metrics.jsonl")).unwrap();
+    let steps: Vec<serde_json::Value> = metrics
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|r| r.get("rollout").is_some())
+        .collect();
+    assert_eq!(steps.len(), 7);
+    // Each rollout's coefficient is the previous one moved by the controller.
+    assert_eq!(steps[0]["kl_ctl"].as_f64(), Some(0.1));
+    for pair in steps.windows(2) {
+        let (before, after) = (&pair[0], &pair[1]);
+        let kl = before["rollout"]["kl_ref_sequence"].as_f64().unwrap();
+        let rows = before["rollout"]["rows"].as_f64().unwrap();
+        let want = ppo::ppo::adaptive_kl_coefficient(before["kl_ctl"].as_f64().unwrap(), kl, 0.5, rows, 100.0);
+        let got = after["kl_ctl"].as_f64().unwrap();
+        assert!((got - want).abs() < 1e-12, "{got} vs {want}: {before}");
+    }
+    let last = steps.last().unwrap()["kl_ctl"].as_f64().unwrap();
+    assert!((last - 0.1).abs() > 1e-3, "the coefficient moved: {last}");
+    // Clipping acts after the first update, and the target KL stops some phases early.
+    let later_clip = steps.iter().filter_map(|s| s["clip_fraction_after_first"].as_f64()).fold(0f64, f64::max);
+    assert!(later_clip > 0.0, "{metrics}");
+    let stopped: Vec<&serde_json::Value> = steps.iter().filter(|s| !s["updates_stopped_early"].is_null()).collect();
+    assert!(!stopped.is_empty(), "no phase stopped at the target KL:\n{metrics}");
+    for s in &stopped {
+        let (done, planned) = (&s["updates_stopped_early"]["done"], &s["updates_stopped_early"]["planned"]);
+        assert!(done.as_u64().unwrap() < planned.as_u64().unwrap(), "{s}");
+        assert!(s["approx_kl_after_first"].as_f64().unwrap() > 0.0, "{s}");
+    }
+    assert!(full.contains("stopped at target KL after "), "{full}");
+}
