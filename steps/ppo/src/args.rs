@@ -2,7 +2,7 @@
 //! (snake_case accepted), the PPO constants DS-Chat hard-codes (as flags with its values), and
 //! sampling for rollouts (DS-Chat generates greedily; `--do-sample` samples).
 
-use crate::ppo::PpoConfig;
+use crate::ppo::{Algorithm, PpoConfig};
 use anyhow::{bail, Result};
 use clap::Parser;
 use data::args::DataArgs;
@@ -113,6 +113,18 @@ pub struct PpoArgs {
     pub top_k: usize,
     #[arg(long, default_value_t = 1.0, alias = "top_p", value_parser = cli::top_p(), requires = "do_sample")]
     pub top_p: f64,
+    /// How a rollout's answers become advantages: `ppo` (DS-Chat: a critic, GAE, the KL to the
+    /// reference as a per-token reward penalty), `grpo` (no critic: each answer's score
+    /// normalised within its prompt's group; the KL a k3 loss term) or `rloo` (no critic: each
+    /// answer's KL-penalised reward less the mean of its group's others).
+    #[arg(long, value_enum, default_value_t = Algorithm::Ppo)]
+    pub algorithm: Algorithm,
+    /// Answers sampled per prompt in a rollout (GRPO and RLOO compare them; at least 2 there).
+    /// A rollout is --per-device-generation-batch-size prompts per rank times this.
+    #[arg(long, default_value_t = 1, alias = "num_samples_per_prompt")]
+    pub num_samples_per_prompt: usize,
+    /// The weight of the KL to the reference: PPO's and RLOO's reward penalty per token,
+    /// GRPO's loss term (its beta).
     #[arg(long, default_value_t = 0.1, alias = "kl_ctl", value_parser = cli::non_negative())]
     pub kl_ctl: f64,
     /// Adapt the KL coefficient (starting at --kl-ctl) after every rollout so that the KL to the
@@ -201,7 +213,7 @@ impl PpoArgs {
         serde_json::json!({
             "data_path": self.data.data_path, "data_split": self.data.data_split, "seed": self.seed,
             "actor": self.actor_model_name_or_path, "critic": self.critic_model_name_or_path,
-            "batch": [self.per_device_generation_batch_size * world, self.per_device_training_batch_size * world, self.generation_batches, self.ppo_epochs, self.gradient_accumulation_steps],
+            "batch": [self.per_device_generation_batch_size * world, self.per_device_training_batch_size * world, self.generation_batches, self.ppo_epochs, self.gradient_accumulation_steps, self.num_samples_per_prompt],
             "lengths": [self.max_prompt_seq_len, self.max_answer_seq_len],
             "lr": [self.actor_learning_rate, self.critic_learning_rate, self.actor_weight_decay, self.critic_weight_decay],
             "schedule": [format!("{:?}", self.lr_scheduler_type), self.num_warmup_steps.to_string(), self.num_train_epochs.to_string()],
@@ -228,6 +240,7 @@ impl PpoArgs {
             cliprange_value: self.cliprange_value,
             gamma: self.gamma,
             lam: self.lam,
+            algorithm: self.algorithm,
         }
     }
 
@@ -243,6 +256,7 @@ impl PpoArgs {
             ("--max-answer-seq-len", self.max_answer_seq_len),
             ("--num-train-epochs", self.num_train_epochs),
             ("--gradient-accumulation-steps", self.gradient_accumulation_steps),
+            ("--num-samples-per-prompt", self.num_samples_per_prompt),
         ];
         for (flag, v) in positive {
             if v == 0 {
@@ -255,6 +269,7 @@ impl PpoArgs {
         if self.only_optimize_lora && self.actor_lora_dim == 0 && self.critic_lora_dim == 0 {
             bail!("--only-optimize-lora trains only LoRA adapters, but --actor-lora-dim and --critic-lora-dim are 0: add e.g. --actor-lora-dim 8");
         }
+        self.refuse_critic_flags_without_a_critic()?;
         self.precision.validate()?;
         self.data.refuse_sft_only_data("PPO's step 3")?;
         if self.align_overflow && self.precision.dtype != Dtype::Fp16 {
@@ -271,6 +286,37 @@ impl PpoArgs {
             }
         }
         hybrid_engine::device::check_device(&self.device)?;
+        Ok(())
+    }
+
+    /// GRPO and RLOO compare answers to the same prompt and train no critic: they need two
+    /// answers per prompt, and the critic's flags (and GAE's) would have no effect.
+    fn refuse_critic_flags_without_a_critic(&self) -> Result<()> {
+        let name = self.algorithm.name();
+        if self.algorithm.has_critic() {
+            return Ok(());
+        }
+        if self.num_samples_per_prompt < 2 {
+            bail!(
+                "--algorithm {name} compares answers to the same prompt: add --num-samples-per-prompt 4 (at least 2)"
+            );
+        }
+        let defaults = PpoArgs::parse_from(["ppo"]);
+        let critic_only = [
+            ("--critic-learning-rate", self.critic_learning_rate != defaults.critic_learning_rate),
+            ("--critic-weight-decay", self.critic_weight_decay != defaults.critic_weight_decay),
+            ("--critic-dropout", self.critic_dropout.is_some()),
+            ("--critic-gradient-checkpointing", self.critic_gradient_checkpointing),
+            ("--critic-lora-dim", self.critic_lora_dim != 0),
+            ("--critic-zero-stage", self.critic_zero_stage != 0),
+            ("--cliprange-value", self.cliprange_value != defaults.cliprange_value),
+            ("--gamma", self.gamma != defaults.gamma),
+            ("--lam", self.lam != defaults.lam),
+            ("--align-overflow", self.align_overflow),
+        ];
+        if let Some((flag, _)) = critic_only.iter().find(|(_, given)| *given) {
+            bail!("{flag} sets the critic or its GAE, and --algorithm {name} trains no critic: drop {flag} (or use --algorithm ppo)");
+        }
         Ok(())
     }
 }

@@ -1,5 +1,5 @@
 //! Resumable step 3 (DS-Chat cannot resume PPO): a checkpoint holds the trained models as HF
-//! directories (`actor/`, `critic/`, `actor_ema/`, LoRA merged) and as raw parameters (LoRA
+//! directories (`actor/`, `critic/` (PPO only), `actor_ema/`, LoRA merged) and as raw parameters (LoRA
 //! unmerged: what a resume restores), both optimizers' moments and step counts,
 //! and the loop's position (epoch, prompt batch, rollout and update counters, PTX cursor), under
 //! `<save>/iter_NNNNNNN/` with `<save>/latest`, written atomically. The schedules are pure
@@ -63,10 +63,11 @@ pub struct PpoState {
 pub struct PpoCheckpoint {
     pub dir: PathBuf,
     pub actor: HashMap<String, Tensor>,
-    pub critic: HashMap<String, Tensor>,
+    /// PPO's critic (GRPO and RLOO train none).
+    pub critic: Option<HashMap<String, Tensor>>,
     pub ema: Option<HashMap<String, Tensor>>,
     pub actor_optimizer: HashMap<String, Tensor>,
-    pub critic_optimizer: HashMap<String, Tensor>,
+    pub critic_optimizer: Option<HashMap<String, Tensor>>,
     pub state: PpoState,
 }
 
@@ -74,7 +75,7 @@ pub struct PpoCheckpoint {
 /// ZeRO stage 3 those gathered from the ranks' shards.
 pub struct SavedWeights<'a> {
     pub actor: &'a ParamStore,
-    pub critic: &'a ParamStore,
+    pub critic: Option<&'a ParamStore>,
     pub ema: Option<&'a ParamStore>,
 }
 
@@ -84,7 +85,7 @@ pub fn save(
     root: &Path,
     models: &PpoModels,
     weights: &SavedWeights,
-    (actor_opt, critic_opt): (&AdamW, &AdamW),
+    (actor_opt, critic_opt): (&AdamW, Option<&AdamW>),
     state: &PpoState,
     tokenizer: &Tokenizer,
 ) -> Result<PathBuf> {
@@ -99,8 +100,10 @@ pub fn save(
             Ok(d)
         };
         hf_io::write_model_files(&model_dir("actor")?, &causal_lm_config(&models.actor.config), weights.actor, &[])?;
-        let critic_cfg = sequence_classification_config(&models.critic.config, eos);
-        hf_io::write_model_files(&model_dir("critic")?, &critic_cfg, weights.critic, &[])?;
+        if let (Some(critic), Some(weights)) = (&models.critic, weights.critic) {
+            let critic_cfg = sequence_classification_config(&critic.config, eos);
+            hf_io::write_model_files(&model_dir("critic")?, &critic_cfg, weights, &[])?;
+        }
         if let Some(ema) = weights.ema {
             hf_io::write_model_files(&model_dir("actor_ema")?, &causal_lm_config(&models.actor.config), ema, &[])?;
         }
@@ -110,7 +113,9 @@ pub fn save(
             params.iter().map(|(n, v)| (n.to_string(), v.as_tensor().clone())).collect()
         };
         safetensors::serialize_to_file(raw(weights.actor), None, &tmp.join("actor_params.safetensors"))?;
-        safetensors::serialize_to_file(raw(weights.critic), None, &tmp.join("critic_params.safetensors"))?;
+        if let Some(critic) = weights.critic {
+            safetensors::serialize_to_file(raw(critic), None, &tmp.join("critic_params.safetensors"))?;
+        }
         if let Some(ema) = weights.ema {
             safetensors::serialize_to_file(raw(ema), None, &tmp.join("actor_ema_params.safetensors"))?;
         }
@@ -119,8 +124,10 @@ pub fn save(
         // refuses LoRA).
         let actor_opt = actor_opt.state_tensors(&weights.actor.trainable())?;
         safetensors::serialize_to_file(actor_opt, Some(meta.clone()), &tmp.join("actor_optimizer.safetensors"))?;
-        let critic_opt = critic_opt.state_tensors(&weights.critic.trainable())?;
-        safetensors::serialize_to_file(critic_opt, Some(meta), &tmp.join("critic_optimizer.safetensors"))?;
+        if let (Some(critic_opt), Some(critic)) = (critic_opt, weights.critic) {
+            let critic_opt = critic_opt.state_tensors(&critic.trainable())?;
+            safetensors::serialize_to_file(critic_opt, Some(meta), &tmp.join("critic_optimizer.safetensors"))?;
+        }
         hf_io::write_json(&tmp.join(STATE), &serde_json::to_value(state)?)
     })?;
     write_file_atomically(&root.join(LATEST), format!("{name}\n").as_bytes())?;
@@ -164,13 +171,15 @@ pub fn load(root: &Path, device: &Device) -> Result<PpoCheckpoint> {
         );
     }
     let raw = |file: &str| hf_io::read_safetensors(&dir.join(file), device);
-    let ema_file = dir.join("actor_ema_params.safetensors");
+    // The optional files: the EMA, and the critic that only PPO trains (the run fingerprint
+    // tells which algorithm saved the checkpoint).
+    let optional = |file: &str| if dir.join(file).is_file() { raw(file).map(Some) } else { Ok(None) };
     Ok(PpoCheckpoint {
         actor: raw("actor_params.safetensors")?,
-        critic: raw("critic_params.safetensors")?,
-        ema: if ema_file.is_file() { Some(raw("actor_ema_params.safetensors")?) } else { None },
-        actor_optimizer: hf_io::read_safetensors(&dir.join("actor_optimizer.safetensors"), device)?,
-        critic_optimizer: hf_io::read_safetensors(&dir.join("critic_optimizer.safetensors"), device)?,
+        critic: optional("critic_params.safetensors")?,
+        ema: optional("actor_ema_params.safetensors")?,
+        actor_optimizer: raw("actor_optimizer.safetensors")?,
+        critic_optimizer: optional("critic_optimizer.safetensors")?,
         state,
         dir,
     })

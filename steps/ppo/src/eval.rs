@@ -1,6 +1,7 @@
-//! How good a policy is on held-out prompts: its greedy answers, their mean reward-model score,
-//! and, on the demo task, the rule-based task score (`data::demo::score_answer`). This is how the
-//! pipeline shows that PPO improved on the SFT actor.
+//! How good a policy is on held-out prompts: its greedy answers, their mean reward-model score
+//! and length, on the demo task the rule-based task score (`data::demo::score_answer`), and how
+//! far it moved from the SFT model: its KL to the reference, estimated on sampled answers. This
+//! is how the pipeline shows that RLHF improved on the SFT actor, and at what distance.
 
 use crate::experience::ForwardInputs;
 use anyhow::Result;
@@ -19,14 +20,25 @@ pub struct PolicyEval {
     pub reward_mean: f64,
     /// Share of answers the demo scorer accepts (None when no prompt is a demo prompt).
     pub task_success: Option<f64>,
+    /// Mean tokens of the greedy answers (EOS included).
+    pub answer_len_mean: f64,
+    /// KL(policy || reference) per answer, in nats: the mean over [`KL_SAMPLES`] answers
+    /// sampled per prompt (temperature 1) of their summed `log pi - log pi_ref`, an unbiased
+    /// estimate of the sequence-level KL.
+    pub kl_to_reference: f64,
     pub answers: Vec<String>,
 }
 
+/// Answers sampled per prompt for the KL estimate.
+pub const KL_SAMPLES: usize = 4;
+
 /// Greedy answers (up to `max_answer` tokens) to `prompts`, left-padded to `max_prompt`, scored
-/// by `reward` and, where the prompt is a demo prompt, by the demo scorer.
+/// by `reward` and, where the prompt is a demo prompt, by the demo scorer; and the KL of the
+/// actor to `reference` on sampled answers.
 #[allow(clippy::too_many_arguments)]
 pub fn evaluate_policy(
     actor: &Gpt2,
+    reference: &Gpt2,
     reward: &RewardModel,
     tok: &Tokenizer,
     prompts: &[String],
@@ -37,8 +49,9 @@ pub fn evaluate_policy(
 ) -> Result<PolicyEval> {
     let eos = tok.eos_id();
     let sampling = SamplingConfig::greedy(max_answer, Some(eos), eos, tok.vocab_size().min(actor.cfg.vocab_size));
-    let (mut scores, mut answers) = (Vec::new(), Vec::new());
-    for chunk in prompts.chunks(batch_size) {
+    let (mut scores, mut answers, mut lengths) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut kl_sum, mut kl_answers) = (0f64, 0usize);
+    for (c, chunk) in prompts.chunks(batch_size).enumerate() {
         let ids: Vec<Vec<u32>> = chunk.iter().map(|p| tok.encode(p)).collect::<Result<_>>()?;
         let ids: Vec<Vec<u32>> = ids
             .into_iter()
@@ -52,6 +65,20 @@ pub fn evaluate_policy(
             .collect();
         let padded = LeftPadded::new(&ids, max_prompt, eos);
         let generation = generate_left_padded(actor, &padded, &sampling, device)?;
+        lengths.extend(generation.tokens.iter().map(Vec::len));
+        // The KL: each prompt's sampled answers, keyed by their position among all prompts.
+        let repeated: Vec<Vec<u32>> = ids.iter().flat_map(|v| std::iter::repeat_n(v.clone(), KL_SAMPLES)).collect();
+        let first = (c * batch_size * KL_SAMPLES) as u64;
+        let keys = (first..first + repeated.len() as u64).collect();
+        let sampled = LeftPadded::new(&repeated, max_prompt, eos).with_keys(keys);
+        let temperature = SamplingConfig { temperature: Some(1.0), seed: 0x6b1, ..sampling.clone() };
+        let samples = generate_left_padded(actor, &sampled, &temperature, device)?;
+        for (r, answer) in samples.tokens.iter().enumerate() {
+            let prompt = &sampled.ids[r * max_prompt..(r + 1) * max_prompt];
+            let mask = &sampled.mask[r * max_prompt..(r + 1) * max_prompt];
+            kl_sum += sequence_log_ratio(actor, reference, prompt, mask, answer, device)?;
+            kl_answers += 1;
+        }
         let longest = generation.tokens.iter().map(Vec::len).max().unwrap_or(0).max(1);
         let l = max_prompt + longest;
         let (mut seq, mut mask) = (Vec::new(), Vec::new());
@@ -75,6 +102,29 @@ pub fn evaluate_policy(
         prompts: prompts.len(),
         reward_mean: scores.iter().map(|&s| f64::from(s)).sum::<f64>() / scores.len().max(1) as f64,
         task_success: (known > 0).then(|| data::demo::task_success_rate(&pairs)),
+        answer_len_mean: lengths.iter().sum::<usize>() as f64 / lengths.len().max(1) as f64,
+        kl_to_reference: kl_sum / kl_answers.max(1) as f64,
         answers,
     })
+}
+
+/// `log pi(answer) - log pi_ref(answer)` after one left-padded `prompt` (with its `mask`).
+fn sequence_log_ratio(
+    actor: &Gpt2,
+    reference: &Gpt2,
+    prompt: &[u32],
+    mask: &[u32],
+    answer: &[u32],
+    device: &Device,
+) -> Result<f64> {
+    if answer.is_empty() {
+        return Ok(0.0);
+    }
+    let seq: Vec<u32> = prompt.iter().chain(answer).copied().collect();
+    let full_mask: Vec<u32> = mask.iter().copied().chain(std::iter::repeat_n(1, answer.len())).collect();
+    let inputs = ForwardInputs::new(&seq, &full_mask, 1, seq.len(), device)?;
+    let (policy, reference) = (inputs.logprobs(actor)?, inputs.logprobs(reference)?);
+    // Action t emits token t + 1: the answer's tokens are emitted by actions P - 1 onwards.
+    let start = prompt.len() - 1;
+    Ok(policy[start..].iter().zip(&reference[start..]).map(|(a, b)| f64::from(a - b)).sum())
 }

@@ -13,7 +13,7 @@
 //! (ZeRO stage 3) gathers its blocks as its forward runs, a collective: every rank runs it once
 //! per rollout, a rank that kept no rows on a filler row.
 
-use crate::ppo::{self, PpoConfig};
+use crate::ppo::{self, Algorithm, PpoConfig};
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use hybrid_engine::generation::generate::{gather_log_probs, position_ids, Generation, LeftPadded, SamplingConfig};
@@ -110,7 +110,8 @@ pub struct RolloutModels<'a> {
     /// ZeRO stage 3 the actor generation gathered.
     pub actor: &'a Gpt2,
     pub reference: &'a Gpt2,
-    pub critic: &'a TrainedModel,
+    /// PPO's critic; GRPO and RLOO have none.
+    pub critic: Option<&'a TrainedModel>,
     pub reward: &'a RewardModel,
 }
 
@@ -142,10 +143,10 @@ pub fn generate_experience(
     let keep: Vec<usize> = (0..prompts.b).filter(|&r| answer_is_learnable(&generation.tokens[r], pad)).collect();
     let counts = RolloutCounts { generated: prompts.b, dropped_short: prompts.b - keep.len() };
     if keep.is_empty() {
-        if let TrainedModel::Sharded(_) = models.critic {
+        if let Some(critic @ TrainedModel::Sharded(_)) = models.critic {
             // The other ranks' critic forwards gather the blocks with this rank's shards.
             let filler = Tensor::zeros((1, 1), DType::U32, device)?;
-            models.critic.with_hidden(&filler, &Positions::default(), |_, _| Ok(()))?;
+            critic.with_hidden(&filler, &Positions::default(), |_, _| Ok(()))?;
         }
         return Ok((None, counts));
     }
@@ -167,7 +168,11 @@ pub fn generate_experience(
     let forward = ForwardInputs::new(&seq, &attention_mask, b, l, device)?;
     let logprobs = forward.logprobs(models.actor)?;
     let ref_logprobs = forward.logprobs(models.reference)?;
-    let values_full = forward.critic_values(models.critic)?; // (B, L)
+    // (B, L); without a critic zeros, which leave GAE's place to the group advantages.
+    let values_full = match models.critic {
+        Some(critic) => forward.critic_values(critic)?,
+        None => vec![0.0; b * l],
+    };
     let scores = forward.end_scores(models.reward, &seq, p, pad)?;
 
     let (start, actions) = (p - 1, l - 1);
@@ -184,7 +189,11 @@ pub fn generate_experience(
             *x = 0.0;
         }
         let r = ppo::compute_rewards(lp, rp, scores[i], end, cfg);
-        let (a, g) = ppo::gae_advantages(&r, &v, start, cfg);
+        // GRPO and RLOO: placeholders until the whole group is scored (set_group_advantages).
+        let (a, g) = match cfg.algorithm {
+            Algorithm::Ppo => ppo::gae_advantages(&r, &v, start, cfg),
+            Algorithm::Grpo | Algorithm::Rloo => (vec![0.0; actions - start], vec![0.0; actions - start]),
+        };
         values.extend(v);
         rewards.extend(r);
         action_mask.extend(mask);
@@ -214,6 +223,41 @@ pub fn generate_experience(
         rollout_size,
     };
     Ok((Some(experience), counts))
+}
+
+/// The reward each row of `exp` brings to its group: GRPO's clipped score, RLOO's score less
+/// its summed KL penalty ([`ppo::sequence_reward`]).
+pub fn group_rewards(exp: &Experience, cfg: &PpoConfig) -> Vec<f64> {
+    let rloo = cfg.algorithm == Algorithm::Rloo;
+    (0..exp.b)
+        .map(|r| {
+            let [logp, ref_logp, mask] =
+                [&exp.logprobs, &exp.ref_logprobs, &exp.action_mask].map(|a| &exp.row(a, r)[exp.start..]);
+            let cfg = PpoConfig { kl_ctl: if rloo { cfg.kl_ctl } else { 0.0 }, ..cfg.clone() };
+            ppo::sequence_reward(exp.scores[r], logp, ref_logp, mask, &cfg)
+        })
+        .collect()
+}
+
+/// GRPO's or RLOO's advantages of `exp`'s rows from every row of the rollout:
+/// `by_position[p]` is the [`group_rewards`] value of the row at rollout position `p` (on any
+/// rank), `None` when it was dropped; the rows of a prompt's group are the `k` consecutive
+/// positions of its answers. Each row's advantage goes on every answer action (the loss masks
+/// the padding); the returns stay zero (no critic).
+pub fn set_group_advantages(exp: &mut Experience, by_position: &[Option<f64>], k: usize, algorithm: Algorithm) {
+    let width = exp.actions() - exp.start;
+    for r in 0..exp.b {
+        let position = exp.positions[r];
+        let first = position / k * k;
+        let group = &by_position[first..(first + k).min(by_position.len())];
+        let advantages = match algorithm {
+            Algorithm::Grpo => ppo::group_normalized_advantages(group),
+            Algorithm::Rloo => ppo::leave_one_out_advantages(group),
+            Algorithm::Ppo => unreachable!("PPO's advantages come from GAE"),
+        };
+        let a = advantages[position - first].expect("a kept row has a reward") as f32;
+        exp.advantages[r * width..(r + 1) * width].fill(a);
+    }
 }
 
 /// The positions of a rollout of `n` prompts that `rank` of `world` ranks generates: in each
@@ -442,7 +486,7 @@ mod tests {
         add_score_head(&mut critic_params, &cfg, 5, &dev)?;
         let critic = RewardModel::new(&critic_params, &cfg)?;
         let trained_critic = TrainedModel::reward(RewardModel::new(&critic_params, &cfg)?);
-        let models = RolloutModels { actor: &actor, reference: &actor, critic: &trained_critic, reward: &critic };
+        let models = RolloutModels { actor: &actor, reference: &actor, critic: Some(&trained_critic), reward: &critic };
         let prompts = LeftPadded::new(&[vec![5, 6], vec![7, 8, 9]], 4, 0);
         // Sampling over a random model: answers of 6 tokens (no EOS among ids 1..64 by chance
         // only if EOS is never drawn; we let EOS be id 63 and check consistency either way).

@@ -21,11 +21,22 @@ pub struct PpoConfig {
     pub cliprange_value: f64,
     pub gamma: f64,
     pub lam: f64,
+    /// How answers become advantages (`--algorithm`); PPO when absent (older checkpoints).
+    #[serde(default)]
+    pub algorithm: Algorithm,
 }
 
 impl Default for PpoConfig {
     fn default() -> Self {
-        Self { kl_ctl: 0.1, clip_reward_value: 5.0, cliprange: 0.2, cliprange_value: 0.2, gamma: 1.0, lam: 0.95 }
+        Self {
+            kl_ctl: 0.1,
+            clip_reward_value: 5.0,
+            cliprange: 0.2,
+            cliprange_value: 0.2,
+            gamma: 1.0,
+            lam: 0.95,
+            algorithm: Algorithm::Ppo,
+        }
     }
 }
 
@@ -156,6 +167,81 @@ pub fn approx_kl(d: f64) -> f64 {
 pub fn adaptive_kl_coefficient(beta: f64, kl: f64, target: f64, n: f64, horizon: f64) -> f64 {
     let e = (kl / target - 1.0).clamp(-0.2, 0.2);
     beta * (1.0 + e * n / horizon)
+}
+
+/// Step 3's algorithm (`--algorithm`): how a rollout's answers become advantages.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Algorithm {
+    /// DS-Chat's PPO: per-token KL penalty in the reward, a critic, GAE.
+    #[default]
+    Ppo,
+    /// DeepSeekMath's GRPO: no critic; each answer's score normalised within its prompt's group
+    /// ([`group_normalized_advantages`]) on every token; the KL to the reference a loss term
+    /// (k3, [`k3_kl_loss`]) instead of a reward penalty.
+    Grpo,
+    /// Ahmadian et al.'s RLOO: no critic; each answer's sequence reward (score minus the KL
+    /// penalty summed over its tokens) less the mean of the other answers to its prompt
+    /// ([`leave_one_out_advantages`]) on every token.
+    Rloo,
+}
+
+impl Algorithm {
+    /// PPO trains a critic; GRPO and RLOO have none.
+    pub fn has_critic(self) -> bool {
+        self == Algorithm::Ppo
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Algorithm::Ppo => "ppo",
+            Algorithm::Grpo => "grpo",
+            Algorithm::Rloo => "rloo",
+        }
+    }
+}
+
+/// GRPO's advantage of each answer of one prompt's group: `(r - mean) / (std + 1e-4)` over the
+/// answers kept (`None`: dropped), std the sample standard deviation (TRL's GRPOTrainer; torch's
+/// default, unbiased). A group of one kept answer, or of equal scores, gives 0: nothing to
+/// compare it with.
+pub fn group_normalized_advantages(rewards: &[Option<f64>]) -> Vec<Option<f64>> {
+    let kept: Vec<f64> = rewards.iter().flatten().copied().collect();
+    let n = kept.len() as f64;
+    if kept.len() < 2 {
+        return rewards.iter().map(|r| r.map(|_| 0.0)).collect();
+    }
+    let mean = kept.iter().sum::<f64>() / n;
+    let std = (kept.iter().map(|r| (r - mean).powi(2)).sum::<f64>() / (n - 1.0)).sqrt();
+    rewards.iter().map(|r| r.map(|r| (r - mean) / (std + 1e-4))).collect()
+}
+
+/// RLOO's advantage of each answer of one prompt's group: `r_i - mean_{j != i} r_j` over the
+/// answers kept (`None`: dropped), which is `k / (k - 1) * (r_i - mean)`. A lone kept answer
+/// has no baseline and gets 0.
+pub fn leave_one_out_advantages(rewards: &[Option<f64>]) -> Vec<Option<f64>> {
+    let kept: Vec<f64> = rewards.iter().flatten().copied().collect();
+    let (k, sum) = (kept.len() as f64, kept.iter().sum::<f64>());
+    rewards.iter().map(|r| r.map(|r| if kept.len() < 2 { 0.0 } else { r - (sum - r) / (k - 1.0) })).collect()
+}
+
+/// RLOO's reward of a whole answer: its clipped score minus `kl_ctl` times the KL to the
+/// reference summed over its tokens (k1, `logp - ref_logp` at the sampled tokens, as TRL's
+/// RLOOTrainer).
+pub fn sequence_reward(score: f32, logp: &[f32], ref_logp: &[f32], mask: &[f32], cfg: &PpoConfig) -> f64 {
+    let kl: f64 =
+        logp.iter().zip(ref_logp).zip(mask).filter(|(_, &m)| m > 0.0).map(|((a, b), _)| f64::from(a - b)).sum();
+    f64::from(score).clamp(-cfg.clip_reward_value, cfg.clip_reward_value) - cfg.kl_ctl * kl
+}
+
+/// GRPO's KL term: the k3 estimator of KL(policy || reference) at the sampled tokens,
+/// `exp(ref - logp) - (ref - logp) - 1`, unbiased and never negative (Schulman), as a masked
+/// mean over the answer tokens: `sum(k3 * mask) / sum(mask)`. All (B, N); differentiable in
+/// `logp`.
+pub fn k3_kl_loss(logp: &Tensor, ref_logp: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    let d = ((ref_logp - logp)? * mask)?;
+    let k3 = ((d.exp()? - &d)? - 1.0)?;
+    (k3 * mask)?.sum_all()? / mask.sum_all()?.to_scalar::<f32>()? as f64
 }
 
 /// `1 - Var(returns - values) / Var(returns)` over masked actions: how much of the return the
@@ -330,5 +416,51 @@ mod tests {
         // Small steps keep their precision (exp_m1; `exp(d) - 1 - d` loses 4 digits at 1e-6):
         // d^2 / 2 + d^3 / 6.
         assert!((approx_kl(1e-6) / (5e-13 + 1e-18 / 6.0) - 1.0).abs() < 1e-8);
+    }
+
+    /// A group of 4 answers, one dropped: mean 2, sample std sqrt(((1-2)^2 + 0 + 1) / 2) = 1.
+    #[test]
+    fn group_normalized_advantages_hand_computed() {
+        let adv = group_normalized_advantages(&[Some(1.0), None, Some(2.0), Some(3.0)]);
+        let want = [Some(-1.0 / 1.0001), None, Some(0.0), Some(1.0 / 1.0001)];
+        for (a, w) in adv.iter().zip(want) {
+            assert_eq!(a.is_some(), w.is_some());
+            assert!((a.unwrap_or(0.0) - w.unwrap_or(0.0)).abs() < 1e-12, "{adv:?}");
+        }
+        // Equal scores and lone answers teach nothing.
+        assert_eq!(group_normalized_advantages(&[Some(4.0), Some(4.0)]), [Some(0.0), Some(0.0)]);
+        assert_eq!(group_normalized_advantages(&[Some(4.0), None]), [Some(0.0), None]);
+    }
+
+    /// Rewards 1, 2, 6: baselines (2 + 6) / 2 = 4, (1 + 6) / 2 = 3.5, (1 + 2) / 2 = 1.5.
+    #[test]
+    fn leave_one_out_advantages_hand_computed() {
+        let adv = leave_one_out_advantages(&[Some(1.0), Some(2.0), None, Some(6.0)]);
+        assert_eq!(adv, [Some(-3.0), Some(-1.5), None, Some(4.5)]);
+        assert_eq!(leave_one_out_advantages(&[None, Some(3.0)]), [None, Some(0.0)]);
+    }
+
+    /// Score 7 clipped to 5; KL over the two unmasked tokens (0.5 - 0.2) + (-1 + 1.5) = 0.8.
+    #[test]
+    fn sequence_reward_is_the_clipped_score_minus_the_summed_kl() {
+        let cfg = PpoConfig::default();
+        let r = sequence_reward(7.0, &[0.5, -1.0, 9.0], &[0.2, -1.5, 0.0], &[1.0, 1.0, 0.0], &cfg);
+        assert!((r - (5.0 - 0.1 * 0.8)).abs() < 1e-6, "{r}");
+    }
+
+    /// d = ref - logp = -0.5 and 1: k3 = e^-0.5 + 0.5 - 1 and e - 2; the masked one ignored.
+    /// Its gradient in logp is 1 - exp(ref - logp) per token over the token count.
+    #[test]
+    fn k3_kl_loss_hand_computed_with_its_gradient() -> candle_core::Result<()> {
+        let dev = Device::Cpu;
+        let logp = Var::new(&[[-1.0f32, -2.0, 0.0]], &dev)?;
+        let refp = Tensor::new(&[[-1.5f32, -1.0, 7.0]], &dev)?;
+        let mask = Tensor::new(&[[1.0f32, 1.0, 0.0]], &dev)?;
+        let loss = k3_kl_loss(logp.as_tensor(), &refp, &mask)?;
+        let want = (((-0.5f64).exp() - 0.5) + (1f64.exp() - 2.0)) / 2.0;
+        assert!((f64::from(loss.to_scalar::<f32>()?) - want).abs() < 1e-6);
+        let g = loss.backward()?.get(logp.as_tensor()).expect("gradient").to_vec2::<f32>()?;
+        close(&g[0], &[(1.0 - (-0.5f32).exp()) / 2.0, (1.0 - 1f32.exp()) / 2.0, 0.0]);
+        Ok(())
     }
 }

@@ -24,7 +24,9 @@
 
 use crate::args::PpoArgs;
 use crate::eval::{evaluate_policy, PolicyEval};
-use crate::experience::{generate_experience, rollout_share, Experience, RolloutModels};
+use crate::experience::{
+    generate_experience, group_rewards, rollout_share, set_group_advantages, Experience, RolloutModels,
+};
 use crate::ppo;
 use crate::trainer::{answer_tokens, Ema, MicroBatch, PpoModels, PtxBatch, Trained, UpdateStats};
 use anyhow::{bail, Context, Result};
@@ -71,7 +73,7 @@ pub struct PpoSummary {
 }
 
 /// A model directory's config and tensors (trunk and heads), with a dropout override.
-fn read_model(
+pub fn read_model(
     name: &str,
     flag: &str,
     dropout: Option<f64>,
@@ -88,7 +90,7 @@ fn read_model(
 }
 
 /// A reward-model directory's trunk and score head.
-fn read_reward_model(
+pub fn read_reward_model(
     name: &str,
     flag: &str,
     dropout: Option<f64>,
@@ -132,16 +134,23 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
     let eos = tokenizer.eos_id();
     let (_, ref_params, _) =
         read_model(&args.actor_model_name_or_path, "--actor-model-name-or-path", Some(0.0), &device)?;
-    let (critic_cfg, critic_params) = read_reward_model(
-        &args.critic_model_name_or_path,
-        "--critic-model-name-or-path",
-        args.critic_dropout,
-        &device,
-    )?;
+    // GRPO and RLOO train no critic: only PPO reads one.
+    let critic = args
+        .algorithm
+        .has_critic()
+        .then(|| {
+            read_reward_model(
+                &args.critic_model_name_or_path,
+                "--critic-model-name-or-path",
+                args.critic_dropout,
+                &device,
+            )
+        })
+        .transpose()?;
     let (reward_cfg, reward_params) =
         read_reward_model(&args.critic_model_name_or_path, "--critic-model-name-or-path", Some(0.0), &device)?;
     let context = args.max_prompt_seq_len + args.max_answer_seq_len;
-    for (what, c) in [("actor", &actor_cfg), ("critic", &critic_cfg)] {
+    for (what, c) in [("actor", &actor_cfg), ("reward model", &reward_cfg)] {
         if context > c.n_positions {
             bail!("--max-prompt-seq-len + --max-answer-seq-len = {context} exceeds the {what}'s context of {} positions: lower them", c.n_positions);
         }
@@ -191,33 +200,36 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
     let global_generation = args.per_device_generation_batch_size * world;
     let global_micro = args.per_device_training_batch_size * world;
 
-    // Optimizer steps: each rollout is sliced into micro-batches, each an actor and a critic
-    // micro-step (PTX adds its loss to the actor's micro-step: no step of its own).
+    // Optimizer steps: each rollout (its prompts' answers) is sliced into micro-batches, each an
+    // actor and a critic micro-step (PTX adds its loss to the actor's micro-step: no step of
+    // its own).
+    let samples = args.num_samples_per_prompt;
     let rollouts_per_epoch = prompts.train.len().div_ceil(global_generation);
-    let micro_per_rollout = global_generation.div_ceil(global_micro);
+    let micro_per_rollout = (global_generation * samples).div_ceil(global_micro);
     let micro_total = args.num_train_epochs * rollouts_per_epoch * micro_per_rollout * args.ppo_epochs;
     let critic_steps = micro_total.div_ceil(args.gradient_accumulation_steps) as u64;
     let actor_steps = critic_steps;
     // LoRA: fresh adapters on the trained models (the step-1 and step-2 saves are merged).
-    let (mut actor_params, mut critic_params) = (actor_params, critic_params);
-    for (what, params, cfg, dim, module, lr) in [
-        (
-            "actor",
-            &mut actor_params,
-            &actor_cfg,
-            args.actor_lora_dim,
-            &args.actor_lora_module_name,
-            args.actor_lora_learning_rate,
-        ),
-        (
+    let (mut actor_params, mut critic) = (actor_params, critic);
+    let mut lora_targets = vec![(
+        "actor",
+        &mut actor_params,
+        &actor_cfg,
+        args.actor_lora_dim,
+        &args.actor_lora_module_name,
+        args.actor_lora_learning_rate,
+    )];
+    if let Some((critic_cfg, critic_params)) = &mut critic {
+        lora_targets.push((
             "critic",
-            &mut critic_params,
-            &critic_cfg,
+            critic_params,
+            critic_cfg,
             args.critic_lora_dim,
             &args.critic_lora_module_name,
             args.critic_lora_learning_rate,
-        ),
-    ] {
+        ));
+    }
+    for (what, params, cfg, dim, module, lr) in lora_targets {
         if let Some(lora) = PpoArgs::lora(dim, module) {
             let targets = params.add_lora(cfg, &lora, args.seed)?;
             println!(
@@ -240,7 +252,9 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
             );
         }
         crate::checkpoint::restore_values(&actor_params, &ck.actor, "actor")?;
-        crate::checkpoint::restore_values(&critic_params, &ck.critic, "critic")?;
+        if let (Some((_, params)), Some(saved)) = (&critic, &ck.critic) {
+            crate::checkpoint::restore_values(params, saved, "critic")?;
+        }
     }
     let precision = args.precision.precision();
     let dtype = precision.dtype.dtype();
@@ -255,13 +269,13 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
         }
     };
     // Tensor parallelism: each rank keeps its slices of the four models (and of the EMA).
-    let (actor_params, critic_params, ref_params, reward_params, ema) = match &tp {
-        None => (actor_params, critic_params, ref_params, reward_params, ema),
+    let (actor_params, critic, ref_params, reward_params, ema) = match &tp {
+        None => (actor_params, critic, ref_params, reward_params, ema),
         Some(tp) => {
             println!("{}", tp.describe());
             (
                 tp.slice(actor_params, &actor_cfg)?,
-                tp.slice(critic_params, &critic_cfg)?,
+                critic.map(|(cfg, params)| tp.slice(params, &cfg).map(|p| (cfg, p))).transpose()?,
                 tp.slice(ref_params, &actor_cfg)?,
                 tp.slice(reward_params, &reward_cfg)?,
                 ema.map(|ema| tp.slice(ema, &actor_cfg)).transpose()?,
@@ -285,22 +299,26 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
                 dp: actor_dp,
             },
         )?,
-        critic: trained(
-            args,
-            &data,
-            tp.as_ref(),
-            critic_params,
-            &critic_cfg,
-            TrainedAs {
-                critic: true,
-                lr: args.critic_learning_rate,
-                lora_lr: args.critic_lora_learning_rate,
-                weight_decay: args.critic_weight_decay,
-                steps: critic_steps,
-                checkpoint_activations: args.critic_gradient_checkpointing,
-                dp: critic_dp,
-            },
-        )?,
+        critic: critic
+            .map(|(critic_cfg, critic_params)| {
+                trained(
+                    args,
+                    &data,
+                    tp.as_ref(),
+                    critic_params,
+                    &critic_cfg,
+                    TrainedAs {
+                        critic: true,
+                        lr: args.critic_learning_rate,
+                        lora_lr: args.critic_lora_learning_rate,
+                        weight_decay: args.critic_weight_decay,
+                        steps: critic_steps,
+                        checkpoint_activations: args.critic_gradient_checkpointing,
+                        dp: critic_dp,
+                    },
+                )
+            })
+            .transpose()?,
         reference: lm_on(&ref_params.compute_copy(dtype)?, &actor_cfg, precision.fp32_loss, tp.as_ref())?,
         reward: reward_model_on(&reward_params.compute_copy(dtype)?, &reward_cfg, precision.fp32_loss, tp.as_ref())?,
         ema: None,
@@ -313,23 +331,30 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
         (Some(ema), Some(sharded)) => Some(Ema::Shard(sharded.shard_of(&ema)?)),
     };
     if let Some(ck) = &resume {
-        let (a, c) = (&mut models.actor, &mut models.critic);
         // The checkpoint holds whole moments: under TP each rank takes its slices of them.
         let slices = |whole| tp.as_ref().map_or(Ok(None), |tp| tp.slice_optimizer_tensors(whole).map(Some));
-        let (actor_opt, critic_opt) = (slices(&ck.actor_optimizer)?, slices(&ck.critic_optimizer)?);
-        let actor_opt = actor_opt.as_ref().unwrap_or(&ck.actor_optimizer);
-        let critic_opt = critic_opt.as_ref().unwrap_or(&ck.critic_optimizer);
-        a.trainer.optimizer.load_state(&a.trainable, ck.state.actor_steps, actor_opt)?;
-        c.trainer.optimizer.load_state(&c.trainable, ck.state.critic_steps, critic_opt)?;
-        if let (Some(ap), Some(cp)) = (&ck.state.actor_progress, &ck.state.critic_progress) {
-            a.trainer.restore_progress(ap)?;
-            c.trainer.restore_progress(cp)?;
+        let restore = |model: &mut Trained, whole, steps, progress: &Option<_>| -> Result<()> {
+            let sliced = slices(whole)?;
+            model.trainer.optimizer.load_state(&model.trainable, steps, sliced.as_ref().unwrap_or(whole))?;
+            if let Some(progress) = progress {
+                model.trainer.restore_progress(progress)?;
+            }
+            Ok(())
+        };
+        let st = &ck.state;
+        restore(&mut models.actor, &ck.actor_optimizer, st.actor_steps, &st.actor_progress)?;
+        match (&mut models.critic, &ck.critic_optimizer) {
+            (Some(critic), Some(saved)) => restore(critic, saved, st.critic_steps, &st.critic_progress)?,
+            (None, None) => {}
+            _ => bail!("--load {}: the checkpoint's critic does not match --algorithm {}: resume with the flags it was saved with", ck.dir.display(), args.algorithm.name()),
         }
         println!("resumed from {} at rollout {}", ck.dir.display(), ck.state.step);
     }
     // Under ZeRO stage 3 the whole masters go once the shards and optimizer state are taken.
     models.actor.release_masters();
-    models.critic.release_masters();
+    if let Some(critic) = &mut models.critic {
+        critic.release_masters();
+    }
     let mut engine =
         GenerationMode::new(args.max_prompt_seq_len, args.max_answer_seq_len, args.release_inference_cache)
             .with_dtype(dtype);
@@ -392,9 +417,14 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
         for (batch_index, chunk) in order.chunks(global_generation).enumerate().skip(skip) {
             step += 1;
             let rollout_started = Instant::now();
-            let rollout: Vec<&[u32]> = chunk.iter().map(|&i| prompts.train[i].ids.as_slice()).collect();
+            // Each prompt --num-samples-per-prompt times in a row: a group of consecutive positions.
+            let rollout: Vec<&[u32]> =
+                chunk.iter().flat_map(|&i| std::iter::repeat_n(prompts.train[i].ids.as_slice(), samples)).collect();
             let cfg = crate::PpoConfig { kl_ctl, ..ctx.cfg.clone() };
-            let (experience, totals) = generate_share(&ctx, &models, &mut engine, &rollout, step, &cfg)?;
+            let (mut experience, totals) = generate_share(&ctx, &models, &mut engine, &rollout, step, &cfg)?;
+            if let (Some(exp), false) = (&mut experience, cfg.algorithm.has_critic()) {
+                critic_free_advantages(exp, &data, samples, &cfg)?;
+            }
             summary.answers_dropped_short += totals.dropped_short as u64;
             let experience = match experience {
                 Some(e) => e,
@@ -431,14 +461,15 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
             let mut updates = Updates::default();
             if buffer.len() == args.generation_batches {
                 let ptx = unsupervised.as_ref().map(|corpus| (corpus, &mut ptx_cursor));
-                updates = ppo_epochs(&ctx, &mut models, &buffer, step, &mut micro, ptx)?;
+                updates = ppo_epochs(&ctx, &mut models, &buffer, step, &mut micro, ptx, &cfg)?;
                 buffer.clear();
             }
             let means = updates.global_means(&data)?;
             let train_secs = train_started.elapsed().as_secs_f64();
             summary.steps = step;
-            let safe_point =
-                buffer.is_empty() && models.actor.trainer.at_boundary() && models.critic.trainer.at_boundary();
+            let safe_point = buffer.is_empty()
+                && models.actor.trainer.at_boundary()
+                && models.critic.as_ref().is_none_or(|c| c.trainer.at_boundary());
             // A checkpoint needs a safe point (no rollout buffered, no gradient pending); an
             // interval that falls elsewhere is moved to the next safe point, and the log says so.
             let at_interval = args.save_interval > 0 && step % args.save_interval == 0;
@@ -477,12 +508,10 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
         let actor_dir = args.output_dir.join("actor");
         let write_tok = |d: &Path| tokenizer.save(&d.join("tokenizer.json"));
         save_model_dir(&actor_dir, &causal_lm_config(&actor_cfg), weights.actor, &write_tok)?;
-        save_model_dir(
-            &args.output_dir.join("critic"),
-            &sequence_classification_config(&critic_cfg, eos),
-            weights.critic,
-            &write_tok,
-        )?;
+        if let (Some(critic), Some(weights)) = (&models.critic, weights.critic) {
+            let config = sequence_classification_config(&critic.config, eos);
+            save_model_dir(&args.output_dir.join("critic"), &config, weights, &write_tok)?;
+        }
         if let Some(ema) = weights.ema {
             save_model_dir(&args.output_dir.join("actor_ema"), &causal_lm_config(&actor_cfg), ema, &write_tok)?;
         }
@@ -533,6 +562,7 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
         let evaluate = |actor: &hybrid_engine::Gpt2| {
             evaluate_policy(
                 actor,
+                reference,
                 reward,
                 &tokenizer,
                 prompts,
@@ -544,13 +574,17 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
         };
         let (before, after) = (evaluate(reference)?, evaluate(&engine.model(final_actor, &actor_cfg)?)?);
         let task = |e: &PolicyEval| e.task_success.map_or("n/a".to_string(), |t| format!("{t:.3}"));
+        let name = args.algorithm.name().to_uppercase();
         println!(
-            "held-out prompts ({}): reward score SFT {:.3} -> PPO {:.3}; task score SFT {} -> PPO {}",
+            "held-out prompts ({}): reward score SFT {:.3} -> {name} {:.3}; task score SFT {} -> {name} {}; answer length {:.1} -> {:.1} tokens; KL to SFT {:.3} nats",
             prompts.len(),
             before.reward_mean,
             after.reward_mean,
             task(&before),
-            task(&after)
+            task(&after),
+            before.answer_len_mean,
+            after.answer_len_mean,
+            after.kl_to_reference,
         );
         metrics.record(json!({"event": "eval", "sft": before, "ppo": after}))?;
         (summary.sft_eval, summary.ppo_eval) = (Some(before), Some(after));
@@ -661,7 +695,7 @@ fn generate_share(
     let rollout = RolloutModels {
         actor: actor_forward,
         reference: &models.reference,
-        critic: &models.critic.model,
+        critic: models.critic.as_ref().map(|c| &c.model),
         reward: &models.reward,
     };
     let generate = |padded: &LeftPadded| match (&split_actor, &ctx.inference_tp, &whole_model) {
@@ -715,6 +749,27 @@ fn generate_with_group(
         tokens: all.tokens[offset..offset + mine].to_vec(),
         logprobs: all.logprobs[offset..offset + mine].to_vec(),
     })
+}
+
+/// GRPO's and RLOO's advantages of this rank's rows of a rollout whose prompts came
+/// `samples` times each: every rank's [`group_rewards`] put at their rollout positions and
+/// summed over the data-parallel group (a rank that kept no rows adds zeros), so that each
+/// rank sees the whole group of each of its rows.
+fn critic_free_advantages(
+    exp: &mut Experience,
+    group: &ProcessGroup,
+    samples: usize,
+    cfg: &crate::PpoConfig,
+) -> Result<()> {
+    // Per position: the reward, and 1 where a rank kept the row.
+    let mut by_position = vec![0f64; 2 * exp.rollout_size];
+    for (&position, reward) in exp.positions.iter().zip(group_rewards(exp, cfg)) {
+        (by_position[2 * position], by_position[2 * position + 1]) = (reward, 1.0);
+    }
+    group.all_reduce_scalars(&mut by_position, ReduceOp::Sum)?;
+    let rewards: Vec<Option<f64>> = by_position.chunks(2).map(|p| (p[1] > 0.0).then_some(p[0])).collect();
+    set_group_advantages(exp, &rewards, samples, cfg.algorithm);
+    Ok(())
 }
 
 /// What a training phase measured on this rank (its parts of the global means).
@@ -774,7 +829,8 @@ impl Updates {
 
 /// The PPO epochs over the buffered rollouts: each pass shuffles their global micro-batches (one
 /// seeded order, the same on every rank) and runs one update per micro-batch, each followed by a
-/// PTX update when `ptx` gives a corpus and its sampler.
+/// PTX update when `ptx` gives a corpus and its sampler. `cfg` holds the KL coefficient of the
+/// last rollout (GRPO's loss term reads it).
 fn ppo_epochs(
     ctx: &Ctx,
     models: &mut PpoModels,
@@ -782,6 +838,7 @@ fn ppo_epochs(
     step: u64,
     micro: &mut u64,
     mut ptx: Option<(&PackedCorpus, &mut data::BlockSampler)>,
+    cfg: &crate::PpoConfig,
 ) -> Result<Updates> {
     let (args, group) = (ctx.args, ctx.group);
     let (rank, world) = (group.rank(), group.world());
@@ -823,7 +880,7 @@ fn ppo_epochs(
                 }
                 None => None,
             };
-            let outcome = models.train_rlhf(&mb, &ctx.cfg, args.seed, ptx_blocks.as_ref(), &ctx.device)?;
+            let outcome = models.train_rlhf(&mb, cfg, args.seed, ptx_blocks.as_ref(), &ctx.device)?;
             updates.stats.push(outcome.stats);
             updates.ptx_losses.extend(outcome.ptx_loss.map(f64::from));
             // At an optimizer step, the mean over its micro-batches of their global approx KL.
@@ -867,15 +924,15 @@ fn save_checkpoint(
         }
     };
     let actor_opt = whole_optimizer(&models.actor, &gathered.slices.0)?;
-    let critic_opt = whole_optimizer(&models.critic, &gathered.slices.1)?;
+    let critic_opt = models.critic.as_ref().map(|c| whole_optimizer(c, &gathered.slices.1)).transpose()?;
     if !group.is_first() {
         return Ok(None);
     }
-    let (Some(actor_opt), Some(critic_opt)) = (actor_opt, critic_opt) else {
+    let (Some(actor_opt), Some(critic_opt)) = (actor_opt, critic_opt.map_or(Some(None), |o| o.map(Some))) else {
         bail!("internal error: rank 0 lacks the gathered optimizer state");
     };
     let weights = gathered.weights(models);
-    crate::checkpoint::save(root, models, &weights, (&actor_opt, &critic_opt), state, tokenizer).map(Some)
+    crate::checkpoint::save(root, models, &weights, (&actor_opt, critic_opt.as_ref()), state, tokenizer).map(Some)
 }
 
 /// The trained models' weights gathered from the ZeRO-3 shards or the TP slices, on rank 0;
@@ -894,9 +951,10 @@ impl GatheredWeights {
     /// Every rank must call it (the gathers are collectives).
     fn of(models: &PpoModels, tp: Option<&TensorParallel>) -> Result<Self> {
         if let Some(tp) = tp {
-            let (actor, critic) = (&models.actor, &models.critic);
+            let (actor, critic) = (&models.actor, models.critic.as_ref());
             // Under ZeRO-3 each TP rank's slices first, from its data-parallel shards.
-            let slices = (actor.model.gather_sharded_params()?, critic.model.gather_sharded_params()?);
+            let critic_slices = critic.map(|c| c.model.gather_sharded_params()).transpose()?.flatten();
+            let slices = (actor.model.gather_sharded_params()?, critic_slices);
             let ema_slices = match &models.ema {
                 Some(ema) => ema.gather_for_saving(actor)?,
                 None => None,
@@ -908,7 +966,10 @@ impl GatheredWeights {
             };
             return Ok(Self {
                 actor: tp.gather(slices.0.as_ref().unwrap_or(&actor.params), &actor.config)?,
-                critic: tp.gather(slices.1.as_ref().unwrap_or(&critic.params), &critic.config)?,
+                critic: match critic {
+                    Some(critic) => tp.gather(slices.1.as_ref().unwrap_or(&critic.params), &critic.config)?,
+                    None => None,
+                },
                 // (A ZeRO-3 EMA is at hand on the first data-parallel rank, whose TP group gathers.)
                 ema: ema.map(|ema| tp.gather(ema, &actor.config)).transpose()?.flatten(),
                 slices,
@@ -916,7 +977,7 @@ impl GatheredWeights {
         }
         Ok(Self {
             actor: models.actor.gather_for_saving()?,
-            critic: models.critic.gather_for_saving()?,
+            critic: models.critic.as_ref().map(Trained::gather_for_saving).transpose()?.flatten(),
             ema: models.ema.as_ref().map(|e| e.gather_for_saving(&models.actor)).transpose()?.flatten(),
             slices: (None, None),
         })
@@ -931,7 +992,7 @@ impl GatheredWeights {
         };
         crate::checkpoint::SavedWeights {
             actor: self.actor.as_ref().unwrap_or(&models.actor.params),
-            critic: self.critic.as_ref().unwrap_or(&models.critic.params),
+            critic: models.critic.as_ref().map(|c| self.critic.as_ref().unwrap_or(&c.params)),
             ema,
         }
     }
@@ -965,13 +1026,13 @@ fn checkpoint_state(
         batches_done,
         kl_ctl: Some(kl_ctl),
         actor_steps: models.actor.trainer.optimizer.step,
-        critic_steps: models.critic.trainer.optimizer.step,
+        critic_steps: models.critic.as_ref().map_or(0, |c| c.trainer.optimizer.step),
         ptx_cursor: ptx_cursor.cursor(),
         rollouts_reused: summary.rollouts_reused,
         answers_dropped_short: summary.answers_dropped_short,
         first_reward: summary.first_reward,
         actor_progress: Some(models.actor.trainer.progress()),
-        critic_progress: Some(models.critic.trainer.progress()),
+        critic_progress: models.critic.as_ref().map(|c| c.trainer.progress()),
         run: args.run_fingerprint(world),
     }
 }
@@ -1146,6 +1207,9 @@ struct RolloutSums {
     kl_sequence: f64,
     answer_len: f64,
     eos: f64,
+    /// Per answer, the mean advantage over its tokens: their sum and sum of squares.
+    adv: f64,
+    adv_sq: f64,
     /// Over the unmasked answer actions: their count, the returns and the critic's errors.
     actions: f64,
     ret: f64,
@@ -1173,6 +1237,10 @@ impl RolloutSums {
             s.eos += f64::from(u8::from(exp.ended_with_eos[r]));
             let values = &exp.row(&exp.values, r)[exp.start..];
             let returns = &exp.returns[r * width..(r + 1) * width];
+            let advantages = &exp.advantages[r * width..(r + 1) * width];
+            let tokens = mask.iter().map(|&m| f64::from(m)).sum::<f64>();
+            let adv = mask.iter().zip(advantages).map(|(&m, &a)| f64::from(m * a)).sum::<f64>() / tokens.max(1.0);
+            (s.adv, s.adv_sq) = (s.adv + adv, s.adv_sq + adv * adv);
             for ((&m, &v), &g) in mask.iter().zip(values).zip(returns) {
                 if m > 0.0 {
                     let (g, e) = (f64::from(g), f64::from(g - v));
@@ -1184,7 +1252,7 @@ impl RolloutSums {
         s
     }
 
-    fn to_array(self) -> [f64; 13] {
+    fn to_array(self) -> [f64; 15] {
         [
             self.rows,
             self.reward,
@@ -1194,6 +1262,8 @@ impl RolloutSums {
             self.kl_sequence,
             self.answer_len,
             self.eos,
+            self.adv,
+            self.adv_sq,
             self.actions,
             self.ret,
             self.ret_sq,
@@ -1202,10 +1272,26 @@ impl RolloutSums {
         ]
     }
 
-    fn from_array(a: [f64; 13]) -> Self {
-        let [rows, reward, reward_sq, kl_k1, kl_k3, kl_sequence, answer_len, eos, actions, ret, ret_sq, err, err_sq] =
+    fn from_array(a: [f64; 15]) -> Self {
+        let [rows, reward, reward_sq, kl_k1, kl_k3, kl_sequence, answer_len, eos, adv, adv_sq, actions, ret, ret_sq, err, err_sq] =
             a;
-        Self { rows, reward, reward_sq, kl_k1, kl_k3, kl_sequence, answer_len, eos, actions, ret, ret_sq, err, err_sq }
+        Self {
+            rows,
+            reward,
+            reward_sq,
+            kl_k1,
+            kl_k3,
+            kl_sequence,
+            answer_len,
+            eos,
+            adv,
+            adv_sq,
+            actions,
+            ret,
+            ret_sq,
+            err,
+            err_sq,
+        }
     }
 
     /// The sums over every rank's rows.
@@ -1235,6 +1321,8 @@ fn rollout_stats(exp: &Experience, group: &ProcessGroup) -> Result<serde_json::V
         "kl_ref_k3": s.kl_k3 / n,
         "explained_variance": 1.0 - variance(s.actions, s.err, s.err_sq) / variance(s.actions, s.ret, s.ret_sq),
         "answer_len_mean": s.answer_len / n,
+        "advantage_mean": s.adv / n,
+        "advantage_std": variance(s.rows, s.adv, s.adv_sq).sqrt(),
         "eos_share": s.eos / n,
         "rows": s.rows,
     }))
@@ -1259,7 +1347,7 @@ fn log_step(
     (generation_secs, train_secs): (f64, f64),
     models: &PpoModels,
 ) -> Result<()> {
-    let (u, stats) = (&updates.stats, rollout.stats);
+    let (u, stats, critic) = (&updates.stats, rollout.stats, models.critic.as_ref());
     // The ratio and the clip fraction the log line shows: over the updates after the phase's
     // first (whose ratio is 1 by construction) when there are some.
     let shown = updates.later.unwrap_or(*u);
@@ -1269,7 +1357,7 @@ fn log_step(
         "rollout": stats,
         "kl_ctl": rollout.kl_ctl,
         "actor_loss": u.actor_loss,
-        "critic_loss": u.critic_loss,
+        "critic_loss": critic.map(|_| u.critic_loss),
         "ratio_mean": u.ratio_mean,
         "clip_fraction": u.clip_fraction,
         "approx_kl": u.approx_kl,
@@ -1280,23 +1368,21 @@ fn log_step(
         "entropy": u.entropy,
         "ptx_loss": updates.ptx_loss,
         "actor_lr": models.actor.trainer.schedule.lr(models.actor.trainer.optimizer.step.max(1)),
-        "critic_lr": models.critic.trainer.schedule.lr(models.critic.trainer.optimizer.step.max(1)),
+        "critic_lr": critic.map(|c| c.trainer.schedule.lr(c.trainer.optimizer.step.max(1))),
         "actor_loss_scale": models.actor.trainer.dynamic_loss_scale(),
-        "critic_loss_scale": models.critic.trainer.dynamic_loss_scale(),
+        "critic_loss_scale": critic.map(|c| c.trainer.dynamic_loss_scale()),
         "actor_skipped_steps": models.actor.trainer.skipped_steps(),
-        "critic_skipped_steps": models.critic.trainer.skipped_steps(),
+        "critic_skipped_steps": critic.map(|c| c.trainer.skipped_steps()),
         "generation_secs": generation_secs,
         "training_secs": train_secs,
     });
     // fp16 runs also show each model's loss scale and skipped updates.
-    let scaling = match (&models.actor.trainer.scaler, &models.critic.trainer.scaler) {
-        (Some(a), Some(c)) => format!(
-            " loss scale {}/{} | skipped {}/{} |",
-            a.scale,
-            c.scale,
-            models.actor.trainer.skipped_steps(),
-            models.critic.trainer.skipped_steps()
-        ),
+    let actor = &models.actor.trainer;
+    let scaling = match (&actor.scaler, critic.map(|c| (&c.trainer.scaler, c.trainer.skipped_steps()))) {
+        (Some(a), Some((Some(c), skipped))) => {
+            format!(" loss scale {}/{} | skipped {}/{skipped} |", a.scale, c.scale, actor.skipped_steps())
+        }
+        (Some(a), None) => format!(" loss scale {} | skipped {} |", a.scale, actor.skipped_steps()),
         _ => String::new(),
     };
     let kl_ctl = if rollout.adaptive { format!(" (kl_ctl {:.4})", rollout.kl_ctl) } else { String::new() };
@@ -1305,18 +1391,20 @@ fn log_step(
         None => String::new(),
     };
     let value = |v: &serde_json::Value, key: &str| v[key].as_f64().unwrap_or(f64::NAN);
+    // The critic's loss and how much of the return it explains, when there is one.
+    let critic_loss = critic
+        .map(|_| format!(" | critic loss {:.4} | expl var {:.3}", u.critic_loss, value(stats, "explained_variance")));
     metrics.println(&format!(
-        " step {step:>5}/{total} | epoch {epoch} | reward {:.3} (std {:.3}) | kl_ref {:.4}{kl_ctl} | actor loss {:.4} | critic loss {:.4} | ratio {:.3} | clip {:.3} | approx kl {:.2e} | entropy {:.3} | expl var {:.3} | answer len {:.1} | eos {:.2} | gen {:.1}s train {:.1}s{stopped} |{scaling}",
+        " step {step:>5}/{total} | epoch {epoch} | reward {:.3} (std {:.3}) | kl_ref {:.4}{kl_ctl} | actor loss {:.4}{} | ratio {:.3} | clip {:.3} | approx kl {:.2e} | entropy {:.3} | answer len {:.1} | eos {:.2} | gen {:.1}s train {:.1}s{stopped} |{scaling}",
         value(stats, "reward_mean"),
         value(stats, "reward_std"),
         value(stats, "kl_ref_k3"),
         u.actor_loss,
-        u.critic_loss,
+        critic_loss.unwrap_or_default(),
         shown.ratio_mean,
         shown.clip_fraction,
         shown.approx_kl,
         u.entropy,
-        value(stats, "explained_variance"),
         value(stats, "answer_len_mean"),
         value(stats, "eos_share"),
         generation_secs,
@@ -1390,7 +1478,7 @@ mod tests {
         };
         let models = PpoModels {
             actor: trained(&args, &group, None, actor, &cfg, how(false, actor_lr)).unwrap(),
-            critic: trained(&args, &group, None, critic.copy().unwrap(), &cfg, how(true, 1e-3)).unwrap(),
+            critic: Some(trained(&args, &group, None, critic.copy().unwrap(), &cfg, how(true, 1e-3)).unwrap()),
             reference,
             reward,
             ema: args.enable_ema.then(|| Ema::Whole(start.copy().unwrap())),

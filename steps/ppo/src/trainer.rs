@@ -13,7 +13,7 @@
 //! rank's shard of the actor's weights.
 
 use crate::experience::{Experience, ForwardInputs};
-use crate::ppo::{self, PpoConfig};
+use crate::ppo::{self, Algorithm, PpoConfig};
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use hybrid_engine::kernels::ops::DropoutKey;
@@ -102,7 +102,8 @@ impl Ema {
 /// Actor, critic, the frozen reference and reward models, and the optional EMA.
 pub struct PpoModels {
     pub actor: Trained,
-    pub critic: Trained,
+    /// PPO's critic; GRPO and RLOO have none.
+    pub critic: Option<Trained>,
     pub reference: Gpt2,
     pub reward: RewardModel,
     pub ema: Option<Ema>,
@@ -220,7 +221,9 @@ impl PpoModels {
         let stats = if mb.rows.is_empty() {
             // The other ranks' gradients are averaged with this rank's: it adds zeros.
             add_zero_gradients(&mut self.actor, device)?;
-            add_zero_gradients(&mut self.critic, device)?;
+            if let Some(critic) = &mut self.critic {
+                add_zero_gradients(critic, device)?;
+            }
             UpdateStats::default()
         } else {
             // The loss is a mean over the answer tokens of the whole global micro-batch, as one
@@ -232,11 +235,14 @@ impl PpoModels {
         let ptx_loss = ptx.map(|batch| self.unsupervised_backward(batch)).transpose()?;
 
         // Both steps after all backward passes, so that --align-overflow can look at both.
-        let (actor_step, critic_step) = micro_batch_done_pair(
-            (&mut self.actor.trainer, &self.actor.trainable),
-            (&mut self.critic.trainer, &self.critic.trainable),
-            self.align_overflow,
-        )?;
+        let (actor_step, critic_step) = match &mut self.critic {
+            Some(critic) => micro_batch_done_pair(
+                (&mut self.actor.trainer, &self.actor.trainable),
+                (&mut critic.trainer, &critic.trainable),
+                self.align_overflow,
+            )?,
+            None => (self.actor.trainer.micro_batch_done(&self.actor.trainable)?, None),
+        };
         if let (Some(ema), Some(StepReport { skipped: false, .. })) = (&mut self.ema, actor_step) {
             ema.update(&self.actor)?;
         }
@@ -259,10 +265,12 @@ impl PpoModels {
         let mask_tokens = &exp.attention_mask[rows.start * l..rows.end * l];
         let inputs = ForwardInputs::new(seq, mask_tokens, b, l, device)?;
         let old_logp = answer_slice(exp, &exp.logprobs, rows, device)?;
-        let old_values = answer_slice(exp, &exp.values, rows, device)?;
         let mask = answer_slice(exp, &exp.action_mask, rows, device)?;
         let advantages = answer_rows(exp, &exp.advantages, rows, device)?;
-        let returns = answer_rows(exp, &exp.returns, rows, device)?;
+        // GRPO's KL to the reference is a loss term: its log-probs at the sampled tokens.
+        let grpo_ref_logp = (cfg.algorithm == Algorithm::Grpo)
+            .then(|| answer_slice(exp, &exp.ref_logprobs, rows, device))
+            .transpose()?;
         let next_tokens = inputs.ids.narrow(1, start + 1, l - 1 - start)?; // (b, A)
 
         // Each rank draws its own masks (its rows differ); one rank draws one rank's masks.
@@ -288,19 +296,44 @@ impl PpoModels {
                 let (logp, entropy) = lm.next_token_log_probs(&h, &next_tokens, true)?; // (b, A) each
                 let entropy = entropy.expect("asked for");
                 *seen.borrow_mut() = Some((logp.detach(), entropy));
-                ppo::actor_loss(&logp, &old_logp, &advantages, &mask, cfg)
+                let loss = ppo::actor_loss(&logp, &old_logp, &advantages, &mask, cfg)?;
+                match &grpo_ref_logp {
+                    Some(ref_logp) => loss + (ppo::k3_kl_loss(&logp, ref_logp, &mask)? * cfg.kl_ctl)?,
+                    None => Ok(loss),
+                }
             },
         )?;
         let (new_logp, entropy) = seen.into_inner().expect("the actor head ran");
+        let critic_loss = match &mut self.critic {
+            Some(critic) => Self::critic_backward(critic, mb, &inputs, cfg, seed, share, device)?,
+            None => 0.0,
+        };
+        policy_stats(&new_logp, &old_logp, &entropy, &mask, cfg, (actor_loss, critic_loss), mb.global_tokens)
+    }
 
-        // Critic.
-        let critic = &mut self.critic;
+    /// The critic's forward and backward on this rank's rows of `mb` (their tokens `inputs`),
+    /// its loss scaled by `share`; returns the loss.
+    fn critic_backward(
+        critic: &mut Trained,
+        mb: &MicroBatch,
+        inputs: &ForwardInputs,
+        cfg: &PpoConfig,
+        seed: u64,
+        share: f64,
+        device: &Device,
+    ) -> Result<f32> {
+        let (exp, rows) = (mb.exp, &mb.rows);
+        let (l, start) = (exp.l, exp.start);
+        let old_values = answer_slice(exp, &exp.values, rows, device)?;
+        let mask = answer_slice(exp, &exp.action_mask, rows, device)?;
+        let returns = answer_rows(exp, &exp.returns, rows, device)?;
+        let key = |salt: u64| DropoutKey { seed: seed ^ salt, step: mb.micro, micro_batch: mb.rank as u64 };
         let dropout = Dropout::from_config(&critic.config, key(0xc417));
         let how = Backward {
             checkpoint_activations: critic.checkpoint_activations,
             loss_scale: critic.trainer.loss_scale() * share,
         };
-        let critic_loss = critic.model.forward_backward(
+        critic.model.forward_backward(
             &inputs.ids,
             &inputs.as_positions(),
             Some(&dropout),
@@ -310,8 +343,7 @@ impl PpoModels {
                 let values = heads.token_scores(hidden)?.narrow(1, start, l - 1 - start)?; // (b, A)
                 ppo::critic_loss(&values, &old_values, &returns, &mask, cfg)
             },
-        )?;
-        policy_stats(&new_logp, &old_logp, &entropy, &mask, cfg, (actor_loss, critic_loss), mb.global_tokens)
+        )
     }
 
     /// The PTX loss's backward, scaled by its coefficient, into the actor's accumulated
@@ -334,7 +366,9 @@ impl PpoModels {
                 ema.update(&self.actor)?;
             }
         }
-        self.critic.trainer.flush(&self.critic.trainable)?;
+        if let Some(critic) = &mut self.critic {
+            critic.trainer.flush(&critic.trainable)?;
+        }
         Ok(())
     }
 }

@@ -55,8 +55,6 @@ fn ppo_with_env(dir: &Path, out: &str, extra: &[&str], env: &[(&str, &str)]) -> 
         "4",
         "--actor-learning-rate",
         "1e-3",
-        "--critic-learning-rate",
-        "1e-3",
         "--num-warmup-steps",
         "2",
         "--do-sample",
@@ -73,8 +71,17 @@ fn ppo_with_env(dir: &Path, out: &str, extra: &[&str], env: &[(&str, &str)]) -> 
     .iter()
     .map(|s| s.to_string())
     .collect();
+    // GRPO and RLOO refuse the critic's flags.
+    if !critic_free(extra) {
+        args.extend(["--critic-learning-rate".to_string(), "1e-3".to_string()]);
+    }
     args.extend(extra.iter().map(|s| s.to_string()));
     Command::new(env!("CARGO_BIN_EXE_ppo")).args(&args).envs(env.iter().copied()).output().expect("spawn ppo")
+}
+
+/// `extra` picks GRPO or RLOO, which train no critic.
+fn critic_free(extra: &[&str]) -> bool {
+    extra.windows(2).any(|w| w[0] == "--algorithm" && w[1] != "ppo")
 }
 
 fn ok(out: &Output) -> String {
@@ -137,14 +144,24 @@ fn resume_is_exact(extra: &[&str]) -> (tempfile::TempDir, String) {
     assert!(full.contains("saved the final step-3 checkpoint (rollout 7)"), "{full}");
     let final_checkpoint = dir.path().join("full/checkpoints/iter_0000007");
     assert!(final_checkpoint.join("actor/model.safetensors").is_file(), "{full}");
-    for line in ["reward", "kl_ref", "clip", "entropy", "expl var", "--- answer:"] {
+    // GRPO and RLOO train no critic: none is logged, saved or checkpointed.
+    let critic_free = critic_free(extra);
+    let mut lines = vec!["reward", "kl_ref", "clip", "entropy", "--- answer:"];
+    if !critic_free {
+        lines.push("expl var");
+    }
+    for line in lines {
         assert!(full.contains(line), "missing {line:?} in the log:\n{full}");
+    }
+    if critic_free {
+        assert!(!full.contains("critic loss") && !full.contains("expl var"), "{full}");
+        assert!(!dir.path().join("full/critic").exists() && !final_checkpoint.join("critic").exists());
+        assert!(!final_checkpoint.join("critic_optimizer.safetensors").exists());
     }
     let metrics = std::fs::read_to_string(dir.path().join("full/metrics.jsonl")).unwrap();
     let step: serde_json::Value = serde_json::from_str(metrics.lines().next().unwrap()).unwrap();
     let keys = [
         "actor_loss",
-        "critic_loss",
         "ratio_mean",
         "clip_fraction",
         "approx_kl",
@@ -168,7 +185,8 @@ fn resume_is_exact(extra: &[&str]) -> (tempfile::TempDir, String) {
     let resumed = ok(&ppo(dir.path(), "resumed", &[&["--load", ckpts.to_str().unwrap()], extra].concat()));
     assert!(resumed.contains("resumed from") && resumed.contains("at rollout 2"), "{resumed}");
     assert!(!resumed.contains("step     2/7 |"), "rollouts 1 and 2 are not redone:\n{resumed}");
-    for model in ["actor", "critic", "actor_ema"] {
+    let models: &[&str] = if critic_free { &["actor", "actor_ema"] } else { &["actor", "critic", "actor_ema"] };
+    for model in models {
         let a = std::fs::read(dir.path().join("full").join(model).join("model.safetensors")).unwrap();
         let b = std::fs::read(dir.path().join("resumed").join(model).join("model.safetensors")).unwrap();
         assert!(a == b, "{model}: the resumed run's weights differ from the uninterrupted run's");
@@ -181,11 +199,16 @@ fn resume_is_exact(extra: &[&str]) -> (tempfile::TempDir, String) {
     .unwrap();
     let at_resume: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(ckpts.join("iter_0000002/ppo_state.json")).unwrap()).unwrap();
-    for steps in ["actor_steps", "critic_steps"] {
+    let trained: &[(&str, &str)] = if critic_free {
+        &[("actor_steps", "actor/model.safetensors")]
+    } else {
+        &[("actor_steps", "actor/model.safetensors"), ("critic_steps", "critic/model.safetensors")]
+    };
+    for (steps, _) in trained {
         let (end, start) = (state[steps].as_u64().unwrap(), at_resume[steps].as_u64().unwrap());
         assert!(end > start, "{steps}: {start} at the resume point, {end} at the end: no update was applied");
     }
-    for (model, file) in [("actor", "actor/model.safetensors"), ("critic", "critic/model.safetensors")] {
+    for (model, file) in trained {
         let end = std::fs::read(dir.path().join("resumed").join(file)).unwrap();
         let resume_point = std::fs::read(ckpts.join("iter_0000002").join(file)).unwrap();
         assert!(end != resume_point, "{model}: the weights did not move after the resume point");
@@ -237,6 +260,37 @@ fn bad_input_is_one_clear_error_line() {
     check(&["--cliprange", "0"], &["--cliprange"]);
     check(&["--max-answer-seq-len", &usize::MAX.to_string()], &["overflows", "--max-answer-seq-len"]);
     check(&["--critic-zero-stage", "4"], &["--critic-zero-stage 4", "ZeRO stages"]);
+    check(&["--algorithm", "grpo"], &["--num-samples-per-prompt"]);
+    check(&["--algorithm", "rloo", "--num-samples-per-prompt", "0"], &["--num-samples-per-prompt must be at least 1"]);
+    let critic_flag = ["--algorithm", "rloo", "--num-samples-per-prompt", "2", "--critic-lora-dim", "4"];
+    check(&critic_flag, &["--critic-lora-dim", "trains no critic"]);
+    check(&["--algorithm", "grpo", "--num-samples-per-prompt", "2", "--lam", "0.9"], &["--lam", "no critic"]);
+}
+
+/// GRPO and RLOO: four answers per prompt (a rollout of 8 prompts is 32 rows), no critic read,
+/// trained, logged or saved, and a resumed run ends exactly where the uninterrupted one does.
+/// Each group's advantages sum to zero (GRPO's are normalised deviations, RLOO's leave-one-out
+/// differences), so the rollout's mean advantage is zero, and they are not all zero.
+#[test]
+fn grpo_and_rloo_train_without_a_critic_and_resume_exactly() {
+    for algorithm in ["grpo", "rloo"] {
+        let flags = ["--algorithm", algorithm, "--num-samples-per-prompt", "4", "--ppo-epochs", "2"];
+        let (dir, full) = resume_is_exact(&flags);
+        let metrics = std::fs::read_to_string(dir.path().join("full/metrics.jsonl")).unwrap();
+        let steps: Vec<serde_json::Value> = metrics
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .filter(|r| r.get("rollout").is_some())
+            .collect();
+        assert_eq!(steps.len(), 7, "{full}");
+        for step in &steps {
+            let rollout = &step["rollout"];
+            assert!(rollout["rows"].as_f64().unwrap() > 8.0, "{algorithm}: 4 answers per prompt: {rollout}");
+            let (mean, std) = (rollout["advantage_mean"].as_f64().unwrap(), rollout["advantage_std"].as_f64().unwrap());
+            assert!(mean.abs() < 1e-5 && std > 0.0, "{algorithm}: advantages sum to 0 per group: {rollout}");
+            assert!(step["critic_loss"].is_null(), "{algorithm}: {step}");
+        }
+    }
 }
 
 #[test]

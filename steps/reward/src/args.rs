@@ -2,6 +2,7 @@
 //! kebab-case (snake_case accepted), plus `--loss last-token`, the common alternative to
 //! DS-Chat's loss over the divergent span.
 
+use anyhow::{bail, Result};
 use clap::{Parser, ValueEnum};
 use data::args::DataArgs;
 use hybrid_engine::cli::step_args::StepArgs;
@@ -21,6 +22,29 @@ pub enum PairLoss {
     LastToken,
 }
 
+/// What step 2 trains.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
+pub enum Step2Algorithm {
+    /// DS-Chat: a reward model (a score head on a GPT-2 trunk) for step 3.
+    #[default]
+    #[value(name = "reward-model", alias = "reward_model", alias = "rm")]
+    RewardModel,
+    /// DPO: the step-1 actor itself, on the pairs against its frozen copy (no step 3 needed).
+    Dpo,
+}
+
+/// DPO's loss on the policy's and the reference's log-ratio difference `h`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum DpoLoss {
+    /// `-log sigmoid(beta h)` (Rafailov et al.; TRL's default).
+    Sigmoid,
+    /// `(h - 1 / (2 beta))^2` on per-token mean log-probs (Azar et al.'s IPO, as TRL).
+    Ipo,
+}
+
+/// DPO's default beta (TRL's).
+pub const DEFAULT_BETA: f64 = 0.1;
+
 #[derive(Parser, Debug, Clone)]
 #[command(
     args_override_self = true,
@@ -32,9 +56,19 @@ pub struct RewardArgs {
     pub data: DataArgs,
     #[command(flatten)]
     pub train: StepArgs,
+    /// What to train: `reward-model` (DS-Chat's step 2) or `dpo` (the step-1 actor directly on
+    /// the pairs, against its frozen copy: the alternative to steps 2 and 3).
+    #[arg(long, value_enum, default_value = "reward-model")]
+    pub algorithm: Step2Algorithm,
     /// Pairwise loss: ds-chat (over the divergent span) or last-token.
     #[arg(long, value_enum, default_value = "ds-chat")]
     pub loss: PairLoss,
+    /// DPO's beta: how far from the reference the policy may move (default 0.1).
+    #[arg(long, value_parser = hybrid_engine::cli::positive())]
+    pub beta: Option<f64>,
+    /// DPO's loss: sigmoid (default) or ipo.
+    #[arg(long, value_enum, alias = "dpo_loss")]
+    pub dpo_loss: Option<DpoLoss>,
     /// Where the reward model (a HF GPT2ForSequenceClassification directory), metrics.jsonl and
     /// reward_eval.json go.
     #[arg(long, default_value = "output/reward", alias = "output_dir")]
@@ -42,4 +76,23 @@ pub struct RewardArgs {
     /// tokenizer.json (default: the starting model's, else the embedded GPT-2 tokenizer).
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
+}
+
+impl RewardArgs {
+    /// Refuses the flags of the other algorithm: each would have no effect.
+    pub fn refuse_other_algorithms_flags(&self) -> Result<()> {
+        match self.algorithm {
+            Step2Algorithm::RewardModel => {
+                if self.beta.is_some() || self.dpo_loss.is_some() {
+                    bail!("--beta and --dpo-loss set DPO, and step 2 trains a reward model: add --algorithm dpo or drop them");
+                }
+            }
+            Step2Algorithm::Dpo => {
+                if self.loss != PairLoss::DsChat {
+                    bail!("--loss sets the reward model's pairwise loss, and --algorithm dpo trains the actor: use --dpo-loss sigmoid|ipo instead");
+                }
+            }
+        }
+        Ok(())
+    }
 }

@@ -1,7 +1,9 @@
 //! Step 2 of the pipeline: the reward model (DS-Chat `step2_reward_model_finetuning`): a GPT-2
-//! trunk with a scalar score head, trained on chosen/rejected pairs with DS-Chat's pairwise loss.
+//! trunk with a scalar score head, trained on chosen/rejected pairs with DS-Chat's pairwise loss;
+//! or, with `--algorithm dpo`, DPO of the step-1 actor on the same pairs.
 
 pub mod args;
+pub mod dpo;
 pub mod fixture;
 pub mod loss;
 pub mod train;
@@ -11,7 +13,11 @@ pub use args::RewardArgs;
 /// `reward` with the process arguments. Exits 2 on any error.
 pub fn main_with_args() {
     let args: RewardArgs = hybrid_engine::cli::parse_or_exit();
-    if let Err(e) = train::run(&args) {
+    let result = args.refuse_other_algorithms_flags().and_then(|()| match args.algorithm {
+        args::Step2Algorithm::RewardModel => train::run(&args).map(drop),
+        args::Step2Algorithm::Dpo => dpo::run(&args).map(drop),
+    });
+    if let Err(e) = result {
         hybrid_engine::cli::exit_with(e);
     }
 }
