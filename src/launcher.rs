@@ -61,6 +61,16 @@ pub struct TrainArgs {
     /// RLHF_INFERENCE_TP_SIZE, the default of its --inference-tp-size.
     #[arg(long, default_value_t = 1, alias = "inference_tp_size", value_parser = clap::value_parser!(u64).range(1..))]
     pub inference_tp_size: u64,
+    /// How the actor learns from the preferences: ppo (DS-Chat: reward model, then PPO with a
+    /// critic), grpo or rloo (reward model, then step 3 without a critic; step 3 gets it as
+    /// RLHF_ALGORITHM) or dpo (step 2 trains the actor itself on the pairs, into
+    /// <output>/dpo; there is no step 3).
+    #[arg(long, value_enum, default_value_t = PipelineAlgorithm::Ppo)]
+    pub algorithm: PipelineAlgorithm,
+    /// The seed of every step (initialisation, data order, dropout, sampling; DS-Chat's
+    /// recipes use 1234). The steps get it as RLHF_SEED.
+    #[arg(long, default_value_t = 1234)]
+    pub seed: u64,
     #[arg(long, default_value = "output", alias = "output_dir")]
     pub output_dir: PathBuf,
     /// single_node: ranks (processes) per step (DeepSpeed's --num_gpus). Default: every visible
@@ -108,10 +118,37 @@ pub struct TrainArgs {
     pub dtype: Dtype,
 }
 
+/// `train --algorithm`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum PipelineAlgorithm {
+    Ppo,
+    Grpo,
+    Rloo,
+    Dpo,
+}
+
+impl PipelineAlgorithm {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Ppo => "ppo",
+            Self::Grpo => "grpo",
+            Self::Rloo => "rloo",
+            Self::Dpo => "dpo",
+        }
+    }
+}
+
+/// The recipes read `train --algorithm` from this variable.
+pub const ALGORITHM_ENV: &str = "RLHF_ALGORITHM";
+/// The recipes read `train --seed` from this variable.
+pub const SEED_ENV: &str = "RLHF_SEED";
+
 /// The flags that choose the RLHF pipeline's steps, models and recipes: --pretrain-demo has no
 /// use for them, so it refuses them rather than drop them silently.
-const PIPELINE_ONLY_FLAGS: [&str; 16] = [
+const PIPELINE_ONLY_FLAGS: [&str; 18] = [
     "step",
+    "algorithm",
+    "seed",
     "deployment_type",
     "actor_model",
     "reward_model",
@@ -150,6 +187,9 @@ const RECIPES: &[(&str, &str, &str)] = &[
     ("step3_ppo", "single_gpu", include_str!("../scripts/recipes/step3_ppo/single_gpu.sh")),
     ("step3_ppo", "single_node", include_str!("../scripts/recipes/step3_ppo/single_node.sh")),
     ("step3_ppo", "multi_node", include_str!("../scripts/recipes/step3_ppo/multi_node.sh")),
+    ("step2_dpo", "single_gpu", include_str!("../scripts/recipes/step2_dpo/single_gpu.sh")),
+    ("step2_dpo", "single_node", include_str!("../scripts/recipes/step2_dpo/single_node.sh")),
+    ("step2_dpo", "multi_node", include_str!("../scripts/recipes/step2_dpo/multi_node.sh")),
 ];
 
 const DEPLOYMENTS: [&str; 3] = ["single_gpu", "single_node", "multi_node"];
@@ -174,7 +214,22 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         && args.deployment_type.is_none()
         && args.actor_model.is_none()
         && args.reward_model.is_none();
-    let steps: Vec<u32> = if args.step.is_empty() { vec![1, 2, 3] } else { args.step.clone() };
+    // DPO replaces steps 2 and 3: its step 2 trains the actor.
+    let dpo = args.algorithm == PipelineAlgorithm::Dpo;
+    let steps: Vec<u32> = match (args.step.is_empty(), dpo) {
+        (true, false) => vec![1, 2, 3],
+        (true, true) => vec![1, 2],
+        (false, _) => args.step.clone(),
+    };
+    if dpo && steps.contains(&3) {
+        bail!(
+            "--algorithm dpo trains the actor in step 2 (into {}) and has no step 3: drop 3 from --step",
+            args.output_dir.join("dpo").display()
+        );
+    }
+    if dpo && args.reward_model.is_some() {
+        bail!("--algorithm dpo trains no reward model (its step 2 starts from the step-1 actor): drop --reward-model");
+    }
     let deployment = args.deployment_type.clone().unwrap_or_else(|| "single_gpu".into());
     if !DEPLOYMENTS.contains(&deployment.as_str()) {
         bail!("--deployment-type {deployment:?} is not one of single_gpu, single_node, multi_node");
@@ -227,8 +282,8 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     // The demo's reward model starts from the step-1 actor (InstructGPT initialises its reward
     // model from the SFT model): a random 7M-parameter trunk learns the pairs too slowly.
     let actor_dir = args.output_dir.join("actor");
-    let (default_actor, default_reward) = if demo {
-        ("tiny".to_string(), actor_dir.display().to_string())
+    let (default_actor, default_reward) = if demo || dpo {
+        (if demo { "tiny".to_string() } else { "gpt2-xl".into() }, actor_dir.display().to_string())
     } else {
         ("gpt2-xl".into(), "gpt2-medium".into())
     };
@@ -270,6 +325,14 @@ pub fn run(args: &TrainArgs) -> Result<()> {
                 model: actor.clone(),
                 zero_stage: args.actor_zero_stage,
                 output: args.output_dir.join("actor"),
+                critic: None,
+            },
+            2 if dpo => StepPlan {
+                number: 2,
+                recipe_dir: "step2_dpo",
+                model: actor_dir.display().to_string(),
+                zero_stage: args.actor_zero_stage,
+                output: args.output_dir.join("dpo"),
                 critic: None,
             },
             2 => StepPlan {
@@ -322,13 +385,24 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         let script = recipe(args.recipe_dir.as_deref(), plan.recipe_dir, &deployment)?;
         println!("---=== Running Step {} ===---", plan.number);
         let t0 = Instant::now();
-        run_recipe(&script, plan, &bin_dir, (&args.device, args.dtype, (tp, inference_tp)), &ranks)?;
+        let setting = StepSetting {
+            device: &args.device,
+            dtype: args.dtype,
+            tp,
+            inference_tp,
+            algorithm: args.algorithm,
+            seed: args.seed,
+        };
+        run_recipe(&script, plan, &bin_dir, setting, &ranks)?;
         println!("---=== Finished Step {} in {} ===---", plan.number, duration(t0.elapsed().as_secs()));
     }
     println!("---=== Finished Steps {steps:?} in {} ===---", duration(started.elapsed().as_secs()));
-    print_summary(&args.output_dir, &steps)?;
-    let chat_with =
-        if steps.contains(&3) { args.output_dir.join("step3/actor") } else { args.output_dir.join("actor") };
+    print_summary(&args.output_dir, &steps, args.algorithm, demo)?;
+    let chat_with = match (steps.contains(&3), dpo && steps.contains(&2)) {
+        (true, _) => args.output_dir.join("step3/actor"),
+        (false, true) => args.output_dir.join("dpo"),
+        (false, false) => args.output_dir.join("actor"),
+    };
     if steps.iter().any(|s| *s == 1 || *s == 3) {
         println!("Chat with the actor: chat --path {}", chat_with.display());
     }
@@ -480,17 +554,23 @@ fn model_size(model: &str) -> String {
     "custom".to_string()
 }
 
+/// What every step of a run gets from `train`'s flags, as the defaults of its own.
+#[derive(Clone, Copy)]
+struct StepSetting<'a> {
+    device: &'a str,
+    dtype: Dtype,
+    tp: u64,
+    inference_tp: u64,
+    algorithm: PipelineAlgorithm,
+    seed: u64,
+}
+
 /// Runs one step's recipe with bash, its output copied to the terminal and to training.log;
 /// `device` (`--device`), `dtype` (`--dtype`) and the TP sizes (`--tensor-model-parallel-size`,
 /// `--inference-tp-size`) reach the step binaries as the defaults of their flags, `ranks` as the variables src/ranks.rs and
 /// src/nodes.rs read.
-fn run_recipe(
-    script: &str,
-    plan: &StepPlan,
-    bin_dir: &Path,
-    (device, dtype, (tp, inference_tp)): (&str, Dtype, (u64, u64)),
-    ranks: &Ranks,
-) -> Result<()> {
+fn run_recipe(script: &str, plan: &StepPlan, bin_dir: &Path, setting: StepSetting, ranks: &Ranks) -> Result<()> {
+    let StepSetting { device, dtype, tp, inference_tp, algorithm, seed } = setting;
     std::fs::create_dir_all(&plan.output).with_context(|| format!("cannot create {}", plan.output.display()))?;
     let log_path = plan.output.join("training.log");
     let mut log = std::fs::File::create(&log_path).with_context(|| format!("cannot create {}", log_path.display()))?;
@@ -527,6 +607,8 @@ fn run_recipe(
         .env(hybrid_engine::training::precision::DTYPE_ENV, dtype.name())
         .env(hybrid_engine::cli::dist_args::TP_SIZE_ENV, tp.to_string())
         .env(hybrid_engine::cli::dist_args::INFERENCE_TP_SIZE_ENV, inference_tp.to_string())
+        .env(ALGORITHM_ENV, algorithm.name())
+        .env(SEED_ENV, seed.to_string())
         // The step binary starts its ranks itself (crate::ranks, crate::nodes), logging into its output.
         .env(crate::ranks::RANK_LOG_DIR_ENV, &plan.output)
         .stdout(Stdio::piped())
@@ -564,7 +646,7 @@ fn path_with(bin_dir: &Path, path: Option<&std::ffi::OsStr>) -> Result<std::ffi:
 }
 
 /// What each finished step achieved, read from its output directory.
-fn print_summary(output: &Path, steps: &[u32]) -> Result<()> {
+fn print_summary(output: &Path, steps: &[u32], algorithm: PipelineAlgorithm, demo: bool) -> Result<()> {
     println!("---=== Summary ===---");
     if steps.contains(&1) {
         let end = last_record(&output.join("actor/metrics.jsonl"))?;
@@ -572,7 +654,20 @@ fn print_summary(output: &Path, steps: &[u32]) -> Result<()> {
             end["summary"]["perplexity"].as_array().map_or(vec![], |a| a.iter().filter_map(|v| v.as_f64()).collect());
         println!("step 1 (SFT): eval perplexity {}", sft::finetune::describe_perplexity(&ppl));
     }
-    if steps.contains(&2) {
+    if steps.contains(&2) && algorithm == PipelineAlgorithm::Dpo {
+        let end = last_record(&output.join("dpo/metrics.jsonl"))?;
+        let evals = end["summary"]["evals"].as_array().cloned().unwrap_or_default();
+        let f = |e: Option<&serde_json::Value>, k: &str| e.and_then(|e| e[k].as_f64()).unwrap_or(f64::NAN);
+        println!(
+            "step 2 (DPO): eval pairs' implicit-reward accuracy {:.3} -> {:.3}, margin {:.3}",
+            f(evals.first(), "reward_accuracy"),
+            f(evals.last(), "reward_accuracy"),
+            f(evals.last(), "reward_margin"),
+        );
+        if demo {
+            held_out_comparison(output)?;
+        }
+    } else if steps.contains(&2) {
         let path = output.join("reward/reward_eval.json");
         let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
         let v: serde_json::Value =
@@ -589,8 +684,9 @@ fn print_summary(output: &Path, steps: &[u32]) -> Result<()> {
     if steps.contains(&3) {
         let end = last_record(&output.join("step3/metrics.jsonl"))?;
         let s = &end["summary"];
+        let name = algorithm.name().to_uppercase();
         println!(
-            "step 3 (PPO): rollout reward {:.3} (first step) -> {:.3} (last step)",
+            "step 3 ({name}): rollout reward {:.3} (first step) -> {:.3} (last step)",
             s["first_reward"].as_f64().unwrap_or(f64::NAN),
             s["last_reward"].as_f64().unwrap_or(f64::NAN)
         );
@@ -599,7 +695,7 @@ fn print_summary(output: &Path, steps: &[u32]) -> Result<()> {
                 e.get("task_success").and_then(|t| t.as_f64()).map_or("n/a".into(), |t| format!("{t:.3}"))
             };
             println!(
-                "held-out prompts ({}): reward-model score SFT actor {:.3} -> PPO actor {:.3}; task score SFT {} -> PPO {}",
+                "held-out prompts ({}): reward-model score SFT actor {:.3} -> {name} actor {:.3}; task score SFT {} -> {name} {}",
                 sft.get("prompts").and_then(|p| p.as_u64()).unwrap_or(0),
                 sft.get("reward_mean").and_then(|v| v.as_f64()).unwrap_or(f64::NAN),
                 ppo.get("reward_mean").and_then(|v| v.as_f64()).unwrap_or(f64::NAN),
@@ -608,6 +704,32 @@ fn print_summary(output: &Path, steps: &[u32]) -> Result<()> {
             );
         }
     }
+    Ok(())
+}
+
+/// DPO's held-out comparison (step 3 makes PPO's): the SFT and the DPO actor's greedy answers
+/// to the demo's held-out prompts, by task score, length and KL to the SFT model. There is no
+/// reward model to score them.
+fn held_out_comparison(output: &Path) -> Result<()> {
+    let device = hybrid_engine::device::parse_device("cpu")?;
+    let read = |dir: &Path| ppo::run::read_model(&dir.display().to_string(), "the DPO comparison", Some(0.0), &device);
+    let (sft_cfg, sft, files) = read(&output.join("actor"))?;
+    let (dpo_cfg, dpo, _) = read(&output.join("dpo"))?;
+    let tok = data::Tokenizer::from_model_dir_or_default(&files.dir)?;
+    let prompts = data::prompts::read_prompts("demo", usize::MAX)?;
+    let (sft, dpo) = (sft.model(&sft_cfg)?, dpo.model(&dpo_cfg)?);
+    let eval = |actor| ppo::eval::evaluate_policy(actor, &sft, None, &tok, &prompts, 24, 16, 16, &device);
+    let (before, after) = (eval(&sft)?, eval(&dpo)?);
+    let task = |e: &ppo::eval::PolicyEval| e.task_success.map_or("n/a".into(), |t| format!("{t:.3}"));
+    println!(
+        "held-out prompts ({}): task score SFT {} -> DPO {}; answer length {:.1} -> {:.1} tokens; KL to SFT {:.3} nats",
+        prompts.len(),
+        task(&before),
+        task(&after),
+        before.answer_len_mean,
+        after.answer_len_mean,
+        after.kl_to_reference
+    );
     Ok(())
 }
 

@@ -9,6 +9,11 @@ use std::process::Command;
 /// Runs `recipe` with a stand-in for the step binary that prints each argument it gets on a
 /// line of its own, and returns those arguments.
 fn recipe_argv(recipe: &str, step_binary: &str, args: &[&str]) -> Vec<String> {
+    recipe_argv_with(recipe, step_binary, args, &[])
+}
+
+/// [`recipe_argv`] with `env` set for the recipe.
+fn recipe_argv_with(recipe: &str, step_binary: &str, args: &[&str], env: &[(&str, &str)]) -> Vec<String> {
     let dir = tempfile::tempdir().unwrap();
     let fake = dir.path().join(step_binary);
     std::fs::write(&fake, "#!/usr/bin/env bash\nprintf '%s\\n' \"$@\"\n").unwrap();
@@ -18,7 +23,7 @@ fn recipe_argv(recipe: &str, step_binary: &str, args: &[&str]) -> Vec<String> {
     )
     .unwrap();
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/recipes").join(recipe);
-    let out = Command::new("bash").arg(script).args(args).env("PATH", path).output().unwrap();
+    let out = Command::new("bash").arg(script).args(args).env("PATH", path).envs(env.iter().copied()).output().unwrap();
     assert!(out.status.success(), "{recipe}: {}", String::from_utf8_lossy(&out.stderr));
     String::from_utf8(out.stdout).unwrap().lines().map(str::to_string).collect()
 }
@@ -45,5 +50,40 @@ fn paths_that_look_like_flags_reach_the_steps_intact() {
         assert!(argv.contains(&format!("--output-dir={output}")), "{recipe}: {argv:?}");
         assert!(argv.contains(&"--actor-model-name-or-path=-actor".to_string()), "{recipe}: {argv:?}");
         assert!(argv.contains(&"--critic-model-name-or-path=-critic dir".to_string()), "{recipe}: {argv:?}");
+    }
+}
+
+/// `train --algorithm` reaches step 3's recipes as RLHF_ALGORITHM: for every deployment and
+/// model size, PPO gets the critic's flags, GRPO and RLOO get their answers per prompt and none
+/// of the critic's flags (which `ppo` refuses without a critic): the step accepts what the
+/// recipe gives it. DPO's step-2 recipes give `reward` a DPO run it accepts.
+#[test]
+fn every_algorithm_gets_arguments_its_step_accepts() {
+    for deployment in ["single_gpu", "single_node", "multi_node"] {
+        let recipe = format!("step3_ppo/{deployment}.sh");
+        for size in ["tiny", "gpt2-xl"] {
+            for algorithm in ["ppo", "grpo", "rloo"] {
+                let args = ["out/step3", "2", "out/actor", size, "out/reward", "2"];
+                let argv = recipe_argv_with(&recipe, "ppo", &args, &[("RLHF_ALGORITHM", algorithm)]);
+                let parsed = ppo::PpoArgs::try_parse_from(std::iter::once("ppo".to_string()).chain(argv.clone()))
+                    .unwrap_or_else(|e| panic!("{recipe} {size} {algorithm}: {e}"));
+                parsed.validate().unwrap_or_else(|e| panic!("{recipe} {size} {algorithm}: {e:#}"));
+                assert_eq!(parsed.algorithm.name(), algorithm, "{recipe} {size}: {argv:?}");
+                let critic = argv.iter().any(|a| a.starts_with("--critic-learning-rate"));
+                assert_eq!(critic, algorithm == "ppo", "{recipe} {size} {algorithm}: {argv:?}");
+                if algorithm != "ppo" {
+                    assert!(parsed.num_samples_per_prompt >= 2, "{recipe} {size} {algorithm}: {argv:?}");
+                }
+            }
+        }
+        let recipe = format!("step2_dpo/{deployment}.sh");
+        for size in ["tiny", "gpt2-xl"] {
+            let argv = recipe_argv(&recipe, "reward", &["out/dpo", "0", "out/actor", size]);
+            let parsed = reward::RewardArgs::try_parse_from(std::iter::once("reward".to_string()).chain(argv.clone()))
+                .unwrap_or_else(|e| panic!("{recipe} {size}: {e}"));
+            assert_eq!(parsed.algorithm, reward::args::Step2Algorithm::Dpo, "{recipe}: {argv:?}");
+            parsed.refuse_other_algorithms_flags().unwrap();
+            assert!(argv.contains(&"--model-name-or-path=out/actor".to_string()), "{recipe}: {argv:?}");
+        }
     }
 }

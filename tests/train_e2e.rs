@@ -110,5 +110,10 @@ fn unsupported_requests_are_one_clear_error_line() {
     check(&["--step", "3", "--actor-model", "gpt2"], &["--actor-model", "step 1 is not run", "drop --actor-model"]);
     check(&["--step", "2", "3", "--actor-model", "gpt2"], &["--actor-model", "--step 1"]);
     check(&["--step", "1", "3", "--reward-model", "gpt2"], &["--reward-model", "step 2 is not run"]);
+    // DPO replaces steps 2 and 3: it has no step 3 and trains no reward model.
+    check(&["--algorithm", "dpo", "--step", "1", "3"], &["--algorithm dpo", "no step 3"]);
+    check(&["--algorithm", "dpo", "--step", "1", "2", "--reward-model", "gpt2"], &["--reward-model"]);
+    check(&["--algorithm", "dpo", "--step", "2"], &["step 2 starts from the step-1 actor", "train --step 1"]);
+    check(&["--algorithm", "sac"], &["sac"]);
     assert!(!Path::new(out).join("actor").exists(), "a refused run creates no step output");
 }

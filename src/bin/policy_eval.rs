@@ -57,7 +57,7 @@ fn run(args: &Args) -> Result<()> {
         evaluate_policy(
             actor,
             &reference,
-            &reward,
+            Some(&reward),
             &tok,
             &prompts,
             args.max_prompt_seq_len,
@@ -76,7 +76,8 @@ fn run(args: &Args) -> Result<()> {
     println!("|---|---|---|---|---|");
     for (name, e) in &rows {
         let task = e.task_success.map_or("n/a".to_string(), |t| format!("{t:.3}"));
-        println!("| {name} | {:.3} | {task} | {:.3} | {:.1} |", e.reward_mean, e.kl_to_reference, e.answer_len_mean);
+        let score = e.reward_mean.unwrap_or(f64::NAN);
+        println!("| {name} | {score:.3} | {task} | {:.3} | {:.1} |", e.kl_to_reference, e.answer_len_mean);
     }
     if let Some(path) = &args.json {
         let json: serde_json::Map<String, serde_json::Value> =

@@ -24,5 +24,5 @@ case "$SIZE" in
   *) echo "no step-1 recipe for model size $SIZE" >&2; exit 2 ;;
 esac
 
-exec sft --model-name-or-path="$MODEL" --zero-stage="$ZERO_STAGE" --seed 1234 \
+exec sft --model-name-or-path="$MODEL" --zero-stage="$ZERO_STAGE" --seed "${RLHF_SEED:-1234}" \
   --data-output-path="$DATA_CACHE" --output-dir="$OUTPUT" "${ARGS[@]}"

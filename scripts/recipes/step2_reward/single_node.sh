@@ -23,5 +23,5 @@ case "$SIZE" in
   *) echo "no step-2 recipe for model size $SIZE" >&2; exit 2 ;;
 esac
 
-exec reward --model-name-or-path="$MODEL" --zero-stage="$ZERO_STAGE" --seed 1234 \
+exec reward --model-name-or-path="$MODEL" --zero-stage="$ZERO_STAGE" --seed "${RLHF_SEED:-1234}" \
   --data-output-path="$DATA_CACHE" --output-dir="$OUTPUT" "${ARGS[@]}"

@@ -12,22 +12,34 @@ SIZE=${4:-gpt2-xl}
 CRITIC=${5:-./output/reward}
 CRITIC_ZERO_STAGE=${6:-2}
 DATA_CACHE="$(dirname -- "$OUTPUT")/data_files"
+# `train --algorithm` sets it: ppo (DS-Chat, with a critic), grpo or rloo (no critic).
+ALGORITHM=${RLHF_ALGORITHM:-ppo}
 
 case "$SIZE" in
   tiny) ARGS=(--data-path demo --data-split 2,6,2 --max-prompt-seq-len 24 --max-answer-seq-len 16
-              --num-train-epochs 3 --actor-learning-rate 2e-4 --critic-learning-rate 5e-4
-              --num-warmup-steps 10 --do-sample --top-k 5 --eval-prompts demo) ;;
+              --num-train-epochs 3 --actor-learning-rate 2e-4
+              --num-warmup-steps 10 --do-sample --top-k 5 --eval-prompts demo)
+    CRITIC_ARGS=(--critic-learning-rate 5e-4) ;;
   gpt2|gpt2-medium|gpt2-large|gpt2-xl|custom)
     ARGS=(--data-path Dahoas/rm-static Dahoas/full-hh-rlhf Dahoas/synthetic-instruct-gptj-pairwise
           yitingxie/rlhf-reward-datasets --data-split 2,4,4 --max-prompt-seq-len 256 --max-answer-seq-len 256
           --per-device-generation-batch-size 4 --per-device-training-batch-size 4
           --generation-batches 1 --ppo-epochs 1 --num-train-epochs 1
-          --actor-learning-rate 9.65e-6 --critic-learning-rate 5e-6 --actor-weight-decay 0.1 --critic-weight-decay 0.1
-          --actor-gradient-checkpointing --critic-gradient-checkpointing --actor-dropout 0 --num-warmup-steps 100
-          --gradient-accumulation-steps 1 --enable-ema) ;;
+          --actor-learning-rate 9.65e-6 --actor-weight-decay 0.1
+          --actor-gradient-checkpointing --actor-dropout 0 --num-warmup-steps 100
+          --gradient-accumulation-steps 1 --enable-ema)
+    CRITIC_ARGS=(--critic-learning-rate 5e-6 --critic-weight-decay 0.1 --critic-gradient-checkpointing) ;;
   *) echo "no step-3 recipe for model size $SIZE" >&2; exit 2 ;;
 esac
 
+case "$ALGORITHM" in
+  ppo) ARGS+=(--critic-zero-stage="$CRITIC_ZERO_STAGE" "${CRITIC_ARGS[@]}") ;;
+  # No critic: each prompt answered 4 times, the answers compared with each other.
+  grpo|rloo) ARGS+=(--algorithm "$ALGORITHM" --num-samples-per-prompt 4) ;;
+  *) echo "no step-3 recipe for algorithm $ALGORITHM (ppo, grpo, rloo)" >&2; exit 2 ;;
+esac
+
+# The critic's path also names the reward model, which every algorithm reads.
 exec ppo --actor-model-name-or-path="$ACTOR" --critic-model-name-or-path="$CRITIC" \
-  --actor-zero-stage="$ACTOR_ZERO_STAGE" --critic-zero-stage="$CRITIC_ZERO_STAGE" --seed 1234 \
+  --actor-zero-stage="$ACTOR_ZERO_STAGE" --seed "${RLHF_SEED:-1234}" \
   --data-output-path="$DATA_CACHE" --output-dir="$OUTPUT" "${ARGS[@]}"

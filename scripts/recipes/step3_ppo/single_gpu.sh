@@ -11,6 +11,8 @@ SIZE=${4:-gpt2-xl}
 CRITIC=${5:-./output/reward}
 CRITIC_ZERO_STAGE=${6:-0}
 DATA_CACHE="$(dirname -- "$OUTPUT")/data_files"
+# `train --algorithm` sets it: ppo (DS-Chat, with a critic), grpo or rloo (no critic).
+ALGORITHM=${RLHF_ALGORITHM:-ppo}
 
 case "$SIZE" in
   tiny)
@@ -19,18 +21,28 @@ case "$SIZE" in
     ARGS=(--data-path demo --data-split 2,6,2 --max-prompt-seq-len 24 --max-answer-seq-len 16
           --per-device-generation-batch-size 16 --per-device-training-batch-size 16
           --generation-batches 1 --ppo-epochs 1 --num-train-epochs 3
-          --actor-learning-rate 2e-4 --critic-learning-rate 5e-4 --num-warmup-steps 10
-          --do-sample --top-k 5 --print-answers-interval 25 --eval-prompts demo) ;;
+          --actor-learning-rate 2e-4 --num-warmup-steps 10
+          --do-sample --top-k 5 --print-answers-interval 25 --eval-prompts demo)
+    CRITIC_ARGS=(--critic-learning-rate 5e-4) ;;
   gpt2|gpt2-medium|gpt2-large|gpt2-xl|custom)
     # DS-Chat single GPU (its --actor-lora-dim 128 and --only-optimize-lora arrive with LoRA).
     ARGS=(--data-path Dahoas/rm-static --data-split 2,4,4 --max-prompt-seq-len 256 --max-answer-seq-len 256
           --per-device-generation-batch-size 16 --per-device-training-batch-size 16
           --generation-batches 1 --ppo-epochs 1 --num-train-epochs 1
-          --actor-learning-rate 9.65e-6 --critic-learning-rate 5e-6 --num-warmup-steps 100
-          --actor-dropout 0 --gradient-accumulation-steps 1 --enable-ema) ;;
+          --actor-learning-rate 9.65e-6 --num-warmup-steps 100
+          --actor-dropout 0 --gradient-accumulation-steps 1 --enable-ema)
+    CRITIC_ARGS=(--critic-learning-rate 5e-6) ;;
   *) echo "no step-3 recipe for model size $SIZE" >&2; exit 2 ;;
 esac
 
+case "$ALGORITHM" in
+  ppo) ARGS+=(--critic-zero-stage="$CRITIC_ZERO_STAGE" "${CRITIC_ARGS[@]}") ;;
+  # No critic: each prompt answered 4 times, the answers compared with each other.
+  grpo|rloo) ARGS+=(--algorithm "$ALGORITHM" --num-samples-per-prompt 4) ;;
+  *) echo "no step-3 recipe for algorithm $ALGORITHM (ppo, grpo, rloo)" >&2; exit 2 ;;
+esac
+
+# The critic's path also names the reward model, which every algorithm reads.
 exec ppo --actor-model-name-or-path="$ACTOR" --critic-model-name-or-path="$CRITIC" \
-  --actor-zero-stage="$ACTOR_ZERO_STAGE" --critic-zero-stage="$CRITIC_ZERO_STAGE" --seed 1234 \
+  --actor-zero-stage="$ACTOR_ZERO_STAGE" --seed "${RLHF_SEED:-1234}" \
   --data-output-path="$DATA_CACHE" --output-dir="$OUTPUT" "${ARGS[@]}"

@@ -142,6 +142,11 @@ pub struct PpoArgs {
     pub target_kl: Option<f64>,
     #[arg(long, default_value_t = 5.0, alias = "clip_reward_value", value_parser = cli::positive())]
     pub clip_reward_value: f64,
+    /// Normalise the reward model's scores by their running mean and standard deviation over
+    /// the rollouts so far (OpenRLHF's --normalize_reward) before the rewards are formed (and
+    /// clipped at --clip-reward-value).
+    #[arg(long, alias = "normalize_reward")]
+    pub normalize_reward: bool,
     #[arg(long, default_value_t = 0.2, value_parser = cli::positive())]
     pub cliprange: f64,
     #[arg(long, default_value_t = 0.2, alias = "cliprange_value", value_parser = cli::positive())]
@@ -224,6 +229,7 @@ impl PpoArgs {
             "optimizer": [self.adam_eps, self.gradient_clipping],
             "ema": self.enable_ema, "ptx": [self.unsupervised_dataset_name.clone().unwrap_or_default(), self.unsup_coef.to_string()],
             "kl": [format!("{:?}", self.kl_target), self.kl_horizon.to_string(), format!("{:?}", self.target_kl)],
+            "normalize_reward": self.normalize_reward,
         })
     }
 

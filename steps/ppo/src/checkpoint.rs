@@ -50,6 +50,9 @@ pub struct PpoState {
     /// The KL coefficient the next rollout uses (`--kl-target` adapts it).
     #[serde(default)]
     pub kl_ctl: Option<f64>,
+    /// `--normalize-reward`: the scores' running moments so far.
+    #[serde(default)]
+    pub reward_moments: Option<crate::ppo::RunningMoments>,
     /// Accumulation boundaries, skipped steps and the fp16 loss scale of each model.
     #[serde(default)]
     pub actor_progress: Option<TrainerProgress>,

@@ -16,8 +16,8 @@ use serde::Serialize;
 #[derive(Clone, Debug, Serialize)]
 pub struct PolicyEval {
     pub prompts: usize,
-    /// Mean reward-model score of the answers.
-    pub reward_mean: f64,
+    /// Mean reward-model score of the answers (none without a reward model: DPO).
+    pub reward_mean: Option<f64>,
     /// Share of answers the demo scorer accepts (None when no prompt is a demo prompt).
     pub task_success: Option<f64>,
     /// Mean tokens of the greedy answers (EOS included).
@@ -33,13 +33,13 @@ pub struct PolicyEval {
 pub const KL_SAMPLES: usize = 4;
 
 /// Greedy answers (up to `max_answer` tokens) to `prompts`, left-padded to `max_prompt`, scored
-/// by `reward` and, where the prompt is a demo prompt, by the demo scorer; and the KL of the
+/// by `reward` (when given) and, where the prompt is a demo prompt, by the demo scorer; and the KL of the
 /// actor to `reference` on sampled answers.
 #[allow(clippy::too_many_arguments)]
 pub fn evaluate_policy(
     actor: &Gpt2,
     reference: &Gpt2,
-    reward: &RewardModel,
+    reward: Option<&RewardModel>,
     tok: &Tokenizer,
     prompts: &[String],
     max_prompt: usize,
@@ -90,8 +90,10 @@ pub fn evaluate_policy(
                 answer.iter().map(|&t| u32::from(t != eos)).chain(std::iter::repeat_n(0, longest - answer.len())),
             );
         }
-        let inputs = ForwardInputs::new(&seq, &mask, chunk.len(), l, device)?;
-        scores.extend(inputs.end_scores(reward, &seq, max_prompt, eos)?);
+        if let Some(reward) = reward {
+            let inputs = ForwardInputs::new(&seq, &mask, chunk.len(), l, device)?;
+            scores.extend(inputs.end_scores(reward, &seq, max_prompt, eos)?);
+        }
         for answer in &generation.tokens {
             answers.push(tok.decode(answer.strip_suffix(&[eos]).unwrap_or(answer))?);
         }
@@ -100,7 +102,7 @@ pub fn evaluate_policy(
     let known = pairs.iter().filter(|(p, a)| data::demo::score_answer(p, a).is_some()).count();
     Ok(PolicyEval {
         prompts: prompts.len(),
-        reward_mean: scores.iter().map(|&s| f64::from(s)).sum::<f64>() / scores.len().max(1) as f64,
+        reward_mean: reward.map(|_| scores.iter().map(|&s| f64::from(s)).sum::<f64>() / scores.len().max(1) as f64),
         task_success: (known > 0).then(|| data::demo::task_success_rate(&pairs)),
         answer_len_mean: lengths.iter().sum::<usize>() as f64 / lengths.len().max(1) as f64,
         kl_to_reference: kl_sum / kl_answers.max(1) as f64,

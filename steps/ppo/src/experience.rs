@@ -46,6 +46,9 @@ pub struct Experience {
     pub returns: Vec<f32>,
     /// The reward model's score of each answer (before clipping).
     pub scores: Vec<f32>,
+    /// The score each row's reward is formed from: `scores`, or with `--normalize-reward`
+    /// normalised by the running moments.
+    pub reward_scores: Vec<f32>,
     /// Answer tokens per row (EOS included when produced) and whether it ended with EOS.
     pub answer_lens: Vec<usize>,
     pub ended_with_eos: Vec<bool>,
@@ -73,6 +76,7 @@ impl Experience {
             advantages: vec![],
             returns: vec![],
             scores: vec![],
+            reward_scores: vec![],
             answer_lens: vec![],
             ended_with_eos: vec![],
             positions: vec![],
@@ -127,7 +131,10 @@ pub struct RolloutCounts {
 /// rank alone, or its inference tensor-parallel group) and scores them; `None` when every answer was too short to
 /// learn from (the caller then reuses the previous experience, DS-Chat's `last_generated_experience`).
 /// Each prompt's key ([`LeftPadded::keys`]) is its position in the rollout of `rollout_size`
-/// prompts (this rank's share of which `prompts` are).
+/// prompts (this rank's share of which `prompts` are). `normalize` turns the kept rows' scores
+/// into the scores their rewards use; every rank calls it once (it may be a collective), with
+/// no scores when it kept no row.
+#[allow(clippy::too_many_arguments)]
 pub fn generate_experience(
     models: &RolloutModels,
     generate: impl FnOnce(&LeftPadded) -> Result<Generation>,
@@ -135,6 +142,7 @@ pub fn generate_experience(
     rollout_size: usize,
     sampling: &SamplingConfig,
     cfg: &PpoConfig,
+    normalize: &mut dyn FnMut(&[f32]) -> Result<Vec<f32>>,
     device: &Device,
 ) -> Result<(Option<Experience>, RolloutCounts)> {
     let generation = generate(prompts)?;
@@ -143,6 +151,7 @@ pub fn generate_experience(
     let keep: Vec<usize> = (0..prompts.b).filter(|&r| answer_is_learnable(&generation.tokens[r], pad)).collect();
     let counts = RolloutCounts { generated: prompts.b, dropped_short: prompts.b - keep.len() };
     if keep.is_empty() {
+        normalize(&[])?;
         if let Some(critic @ TrainedModel::Sharded(_)) = models.critic {
             // The other ranks' critic forwards gather the blocks with this rank's shards.
             let filler = Tensor::zeros((1, 1), DType::U32, device)?;
@@ -174,6 +183,7 @@ pub fn generate_experience(
         None => vec![0.0; b * l],
     };
     let scores = forward.end_scores(models.reward, &seq, p, pad)?;
+    let reward_scores = normalize(&scores)?;
 
     let (start, actions) = (p - 1, l - 1);
     let (mut values, mut rewards, mut action_mask) = (Vec::new(), Vec::new(), Vec::new());
@@ -188,7 +198,7 @@ pub fn generate_experience(
         for x in v.iter_mut().skip(end) {
             *x = 0.0;
         }
-        let r = ppo::compute_rewards(lp, rp, scores[i], end, cfg);
+        let r = ppo::compute_rewards(lp, rp, reward_scores[i], end, cfg);
         // GRPO and RLOO: placeholders until the whole group is scored (set_group_advantages).
         let (a, g) = match cfg.algorithm {
             Algorithm::Ppo => ppo::gae_advantages(&r, &v, start, cfg),
@@ -217,6 +227,7 @@ pub fn generate_experience(
         advantages,
         returns,
         scores,
+        reward_scores,
         answer_lens,
         ended_with_eos,
         positions,
@@ -234,7 +245,7 @@ pub fn group_rewards(exp: &Experience, cfg: &PpoConfig) -> Vec<f64> {
             let [logp, ref_logp, mask] =
                 [&exp.logprobs, &exp.ref_logprobs, &exp.action_mask].map(|a| &exp.row(a, r)[exp.start..]);
             let cfg = PpoConfig { kl_ctl: if rloo { cfg.kl_ctl } else { 0.0 }, ..cfg.clone() };
-            ppo::sequence_reward(exp.scores[r], logp, ref_logp, mask, &cfg)
+            ppo::sequence_reward(exp.reward_scores[r], logp, ref_logp, mask, &cfg)
         })
         .collect()
 }
@@ -500,6 +511,7 @@ mod tests {
             2,
             &sampling,
             &cfg_ppo,
+            &mut |scores| Ok(scores.to_vec()),
             &dev,
         )?;
         let exp = exp.expect("random answers are longer than one token");

@@ -244,6 +244,39 @@ pub fn k3_kl_loss(logp: &Tensor, ref_logp: &Tensor, mask: &Tensor) -> Result<Ten
     (k3 * mask)?.sum_all()? / mask.sum_all()?.to_scalar::<f32>()? as f64
 }
 
+/// Running mean and variance of the reward model's scores over every rollout so far
+/// (OpenRLHF's `--normalize_reward` with its running moments): `--normalize-reward` turns each
+/// score into `(score - mean) / std` before rewards are formed, so that the reward's scale, and
+/// what `--clip-reward-value` cuts, do not depend on how the reward model happened to be
+/// scaled.
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct RunningMoments {
+    pub count: f64,
+    pub mean: f64,
+    /// Population variance.
+    pub var: f64,
+}
+
+impl RunningMoments {
+    /// Merges a batch of `n` values with sum `sum` and sum of squares `sum_sq` (Chan et al.'s
+    /// parallel update: the result is the moments of everything seen, in any batching).
+    pub fn update(&mut self, n: f64, sum: f64, sum_sq: f64) {
+        if n == 0.0 {
+            return;
+        }
+        let batch_mean = sum / n;
+        let batch_var = (sum_sq / n - batch_mean * batch_mean).max(0.0);
+        let total = self.count + n;
+        let delta = batch_mean - self.mean;
+        let m2 = self.var * self.count + batch_var * n + delta * delta * self.count * n / total;
+        (self.count, self.mean, self.var) = (total, self.mean + delta * n / total, m2 / total);
+    }
+
+    pub fn normalize(&self, x: f64) -> f64 {
+        (x - self.mean) / (self.var.sqrt() + 1e-8)
+    }
+}
+
 /// `1 - Var(returns - values) / Var(returns)` over masked actions: how much of the return the
 /// critic explains (1 perfect, 0 a constant guess, negative worse).
 pub fn explained_variance(values: &[f32], returns: &[f32], mask: &[f32]) -> f64 {
@@ -462,5 +495,18 @@ mod tests {
         let g = loss.backward()?.get(logp.as_tensor()).expect("gradient").to_vec2::<f32>()?;
         close(&g[0], &[(1.0 - (-0.5f32).exp()) / 2.0, (1.0 - 1f32.exp()) / 2.0, 0.0]);
         Ok(())
+    }
+
+    /// [1, 2, 3] then [4, 5]: the moments of 1..=5, mean 3 and population variance 2.
+    #[test]
+    fn running_moments_merge_batches_exactly() {
+        let mut m = RunningMoments::default();
+        m.update(3.0, 6.0, 14.0);
+        assert!((m.mean - 2.0).abs() < 1e-12 && (m.var - 2.0 / 3.0).abs() < 1e-12, "{m:?}");
+        m.update(2.0, 9.0, 41.0);
+        m.update(0.0, 0.0, 0.0);
+        assert_eq!(m.count, 5.0);
+        assert!((m.mean - 3.0).abs() < 1e-12 && (m.var - 2.0).abs() < 1e-12, "{m:?}");
+        assert!((m.normalize(3.0 + 2f64.sqrt()) - 1.0).abs() < 1e-7);
     }
 }

@@ -382,10 +382,15 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
     let (mut first_epoch, mut skip_batches) = (1, 0);
     // The KL coefficient of the next rollout's rewards: --kl-ctl, adapted with --kl-target.
     let mut kl_ctl = args.kl_ctl;
+    // --normalize-reward: the running moments of the scores.
+    let mut reward_moments = args.normalize_reward.then(ppo::RunningMoments::default);
     if let Some(ck) = &resume {
         let st = &ck.state;
         (micro, step, first_epoch, skip_batches) = (st.micro, st.step, st.epoch, st.batches_done);
         kl_ctl = st.kl_ctl.unwrap_or(kl_ctl);
+        if reward_moments.is_some() {
+            reward_moments = Some(st.reward_moments.unwrap_or_default());
+        }
         ptx_cursor = data::BlockSampler::with_cursor(ptx_range.clone(), args.seed, st.ptx_cursor).context(
             "cannot resume: the --unsupervised-dataset-name corpus differs from the run that saved the checkpoint (use the same, or start anew without --load)",
         )?;
@@ -421,7 +426,8 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
             let rollout: Vec<&[u32]> =
                 chunk.iter().flat_map(|&i| std::iter::repeat_n(prompts.train[i].ids.as_slice(), samples)).collect();
             let cfg = crate::PpoConfig { kl_ctl, ..ctx.cfg.clone() };
-            let (mut experience, totals) = generate_share(&ctx, &models, &mut engine, &rollout, step, &cfg)?;
+            let (mut experience, totals) =
+                generate_share(&ctx, &models, &mut engine, &rollout, step, &cfg, &mut reward_moments)?;
             if let (Some(exp), false) = (&mut experience, cfg.algorithm.has_critic()) {
                 critic_free_advantages(exp, &data, samples, &cfg)?;
             }
@@ -480,7 +486,7 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
             }
             save_pending |= at_interval;
             if save_pending && safe_point {
-                let at = Position { step, micro, epoch, batches_done: batch_index + 1, kl_ctl };
+                let at = Position { step, micro, epoch, batches_done: batch_index + 1, kl_ctl, reward_moments };
                 let state = checkpoint_state(args, world, at, &models, &ptx_cursor, &summary);
                 let gathered = GatheredWeights::of(&models, tp.as_ref())?;
                 if let Some(dir) =
@@ -520,7 +526,14 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
     // The end of the run is always resumable: a checkpoint of the final state (its models are
     // the ones just saved), unless the last interval already wrote it.
     if step != last_saved_step {
-        let at = Position { step, micro, epoch: args.num_train_epochs, batches_done: batches_per_epoch, kl_ctl };
+        let at = Position {
+            step,
+            micro,
+            epoch: args.num_train_epochs,
+            batches_done: batches_per_epoch,
+            kl_ctl,
+            reward_moments,
+        };
         let state = checkpoint_state(args, world, at, &models, &ptx_cursor, &summary);
         // The weights gathered for the save above: no second gather.
         if let Some(dir) = save_checkpoint(&group, &save_root, &models, &gathered, &state, &tokenizer, tp.as_ref())? {
@@ -563,7 +576,7 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
             evaluate_policy(
                 actor,
                 reference,
-                reward,
+                Some(reward),
                 &tokenizer,
                 prompts,
                 args.max_prompt_seq_len,
@@ -578,8 +591,8 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
         println!(
             "held-out prompts ({}): reward score SFT {:.3} -> {name} {:.3}; task score SFT {} -> {name} {}; answer length {:.1} -> {:.1} tokens; KL to SFT {:.3} nats",
             prompts.len(),
-            before.reward_mean,
-            after.reward_mean,
+            before.reward_mean.unwrap_or(f64::NAN),
+            after.reward_mean.unwrap_or(f64::NAN),
             task(&before),
             task(&after),
             before.answer_len_mean,
@@ -632,6 +645,7 @@ fn generate_share(
     prompts: &[&[u32]],
     step: u64,
     cfg: &crate::PpoConfig,
+    reward_moments: &mut Option<ppo::RunningMoments>,
 ) -> Result<(Option<Experience>, RolloutTotals)> {
     let (args, group) = (ctx.args, ctx.group);
     let share = rollout_share(prompts.len(), ctx.global_micro, group.rank(), group.world());
@@ -705,8 +719,19 @@ fn generate_share(
         (_, _, Some(whole)) => engine.generate(whole, padded, &sampling, &ctx.device),
         _ => bail!("internal error: no actor to generate with"),
     };
+    // --normalize-reward: the running moments take this rollout's scores over every rank first.
+    let mut normalize = |scores: &[f32]| -> Result<Vec<f32>> {
+        let Some(moments) = reward_moments.as_mut() else { return Ok(scores.to_vec()) };
+        let mut batch = [scores.len() as f64, 0.0, 0.0];
+        for &x in scores {
+            (batch[1], batch[2]) = (batch[1] + f64::from(x), batch[2] + f64::from(x) * f64::from(x));
+        }
+        group.all_reduce_scalars(&mut batch, ReduceOp::Sum)?;
+        moments.update(batch[0], batch[1], batch[2]);
+        Ok(scores.iter().map(|&x| moments.normalize(f64::from(x)) as f32).collect())
+    };
     let (experience, counts) =
-        generate_experience(&rollout, generate, &padded, prompts.len(), &sampling, cfg, &ctx.device)?;
+        generate_experience(&rollout, generate, &padded, prompts.len(), &sampling, cfg, &mut normalize, &ctx.device)?;
     let kept = experience.as_ref().map_or(0, |e| e.b);
     let mut totals = [kept as f64, counts.dropped_short as f64, counts.generated as f64];
     group.all_reduce_scalars(&mut totals, ReduceOp::Sum)?;
@@ -1006,6 +1031,7 @@ struct Position {
     epoch: usize,
     batches_done: usize,
     kl_ctl: f64,
+    reward_moments: Option<ppo::RunningMoments>,
 }
 
 /// What a checkpoint needs to resume from `at`.
@@ -1017,7 +1043,7 @@ fn checkpoint_state(
     ptx_cursor: &data::BlockSampler,
     summary: &PpoSummary,
 ) -> crate::checkpoint::PpoState {
-    let Position { step, micro, epoch, batches_done, kl_ctl } = at;
+    let Position { step, micro, epoch, batches_done, kl_ctl, reward_moments } = at;
     crate::checkpoint::PpoState {
         format_version: crate::checkpoint::PPO_FORMAT_VERSION,
         step,
@@ -1025,6 +1051,7 @@ fn checkpoint_state(
         epoch,
         batches_done,
         kl_ctl: Some(kl_ctl),
+        reward_moments,
         actor_steps: models.actor.trainer.optimizer.step,
         critic_steps: models.critic.as_ref().map_or(0, |c| c.trainer.optimizer.step),
         ptx_cursor: ptx_cursor.cursor(),
@@ -1504,6 +1531,7 @@ mod tests {
         exp.ref_logprobs = logprobs.clone();
         exp.rewards = vec![0.0; actions];
         exp.scores = vec![1.0, -1.0];
+        exp.reward_scores = exp.scores.clone();
         exp.answer_lens = vec![3, 2];
         exp.ended_with_eos = vec![false, true];
         exp.positions = vec![0, 1];

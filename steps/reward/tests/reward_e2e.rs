@@ -230,7 +230,7 @@ fn dpo_trains_the_actor_on_the_pairs_against_its_frozen_copy() {
     assert!(f(after, "reward_accuracy") > 0.6 && f(after, "reward_margin") > 0.0, "{before} -> {after}");
     assert!(f(after, "loss") < f(before, "loss"), "{before} -> {after}");
     let files = hybrid_engine::checkpoints::hf_io::load_model_dir(&out, &candle_core::Device::Cpu).unwrap();
-    assert!(files.extra_tensors.get("score.weight").is_none());
+    assert!(!files.extra_tensors.contains_key("score.weight"));
     let config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
     assert_eq!(config["architectures"][0], "GPT2LMHeadModel");

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The demo's algorithms side by side (issue 15): for each seed, steps 1 and 2 once, then step 3
+# as PPO, GRPO and RLOO on the same SFT actor and reward model, and DPO (step 2 --algorithm dpo)
+# on the same SFT actor; every actor scored by `policy_eval` on the held-out prompts (reward-model
+# score, task score, KL to the SFT model, answer length), then mean and spread over the seeds.
+# Usage: scripts/compare-algorithms.sh [OUT_DIR] [SEED...]   (default: compare-out, seeds 1 2 3)
+# Needs `cargo build --release` first; python3 for the table.
+set -euo pipefail
+OUT=${1:-compare-out}
+shift || true
+if [ $# -gt 0 ]; then SEEDS=("$@"); else SEEDS=(1 2 3); fi
+BIN="$(cd "$(dirname -- "$0")/.." && pwd)/target/release"
+mkdir -p "$OUT"
+secs() { local t0=$1; echo $(( $(date +%s) - t0 )); }
+for seed in "${SEEDS[@]}"; do
+  dir="$OUT/seed-$seed"
+  times="$dir/times.txt"
+  mkdir -p "$dir"; : > "$times"
+  t0=$(date +%s); "$BIN/train" --seed "$seed" --step 1 2 --actor-model tiny --reward-model "$dir/actor" --output-dir "$dir" > "$dir/steps12.log" 2>&1
+  echo "sft+rm $(secs "$t0")" >> "$times"
+  for alg in ppo grpo rloo; do
+    t0=$(date +%s)
+    "$BIN/train" --seed "$seed" --step 3 --algorithm "$alg" --output-dir "$dir" > "$dir/step3-$alg.log" 2>&1
+    rm -rf "$dir/step3-$alg"; mv "$dir/step3" "$dir/step3-$alg"
+    echo "$alg $(secs "$t0")" >> "$times"
+  done
+  t0=$(date +%s); "$BIN/train" --seed "$seed" --step 2 --algorithm dpo --output-dir "$dir" > "$dir/dpo.log" 2>&1
+  echo "dpo $(secs "$t0")" >> "$times"
+  "$BIN/policy_eval" --reference "$dir/actor" --reward-model "$dir/reward" \
+    --actor ppo="$dir/step3-ppo/actor" --actor grpo="$dir/step3-grpo/actor" \
+    --actor rloo="$dir/step3-rloo/actor" --actor dpo="$dir/dpo" --json "$dir/eval.json" | tee "$dir/eval.md"
+done
+python3 - "$OUT" "${SEEDS[@]}" <<'PY'
+import json, statistics, sys
+out, seeds = sys.argv[1], sys.argv[2:]
+evals = {s: json.load(open(f"{out}/seed-{s}/eval.json")) for s in seeds}
+times = {s: dict(l.split() for l in open(f"{out}/seed-{s}/times.txt")) for s in seeds}
+def cell(values, fmt="{:.3f}"):
+    values = [v for v in values if v is not None]
+    if not values:
+        return "n/a"
+    m = statistics.mean(values)
+    spread = (max(values) - min(values)) / 2
+    return (fmt + " ± " + fmt).format(m, spread)
+print(f"| actor | reward-model score | task score | task score per seed | KL to SFT (nats) | answer length | wall time (s) |")
+print("|---|---|---|---|---|---|---|")
+for name in ["sft", "ppo", "grpo", "rloo", "dpo"]:
+    rows = [evals[s][name] for s in seeds]
+    task = [r["task_success"] for r in rows]
+    wall = [float(times[s].get(name if name != "sft" else "sft+rm", "nan")) for s in seeds]
+    print(f"| {name} | {cell([r['reward_mean'] for r in rows])} | {cell(task)} | "
+          f"{' / '.join(f'{t:.3f}' for t in task)} | {cell([r['kl_to_reference'] for r in rows])} | "
+          f"{cell([r['answer_len_mean'] for r in rows], '{:.1f}')} | {cell(wall, '{:.0f}')} |")
+PY
