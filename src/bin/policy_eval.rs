@@ -30,6 +30,10 @@ struct Args {
     max_answer_seq_len: usize,
     #[arg(long, default_value_t = 16, alias = "batch_size")]
     batch_size: usize,
+    /// Also probe the reward model on the demo task: every city of the table in every answer
+    /// template of each held-out prompt, scored (how many wrong cities beat the capital).
+    #[arg(long, alias = "probe_demo_reward_model")]
+    probe_demo_reward_model: bool,
     /// Also write the evaluations (answers included) here as JSON.
     #[arg(long)]
     json: Option<std::path::PathBuf>,
@@ -78,6 +82,13 @@ fn run(args: &Args) -> Result<()> {
         let task = e.task_success.map_or("n/a".to_string(), |t| format!("{t:.3}"));
         let score = e.reward_mean.unwrap_or(f64::NAN);
         println!("| {name} | {score:.3} | {task} | {:.3} | {:.1} |", e.kl_to_reference, e.answer_len_mean);
+    }
+    if args.probe_demo_reward_model {
+        let p = ppo::eval::probe_demo_reward_model(&reward, &tok, args.max_prompt_seq_len, &device)?;
+        println!(
+            "reward model on the demo task: the capital scores above every other of the {} cities in {:.3} of {} (prompt, template) probes; on average {:.2} wrong cities score above it",
+            p.cities, p.capital_first, p.probes, p.wrong_above_capital
+        );
     }
     if let Some(path) = &args.json {
         let json: serde_json::Map<String, serde_json::Value> =

@@ -130,3 +130,64 @@ fn sequence_log_ratio(
     let start = prompt.len() - 1;
     Ok(policy[start..].iter().zip(&reference[start..]).map(|(a, b)| f64::from(a - b)).sum())
 }
+
+/// How exploitable a reward model is on the demo task: for each held-out prompt and each answer
+/// template, every city of the table put in the template and scored. A reward model that knows
+/// the task scores the capital first; PPO finds every wrong city it scores higher.
+#[derive(Clone, Debug, Serialize)]
+pub struct RewardProbe {
+    /// (held-out prompt, answer template) combinations probed.
+    pub probes: usize,
+    /// Share of them whose capital answer scores above every wrong city's.
+    pub capital_first: f64,
+    /// Mean number of wrong cities scored above the capital (of the table's others).
+    pub wrong_above_capital: f64,
+    pub cities: usize,
+}
+
+/// [`RewardProbe`] of `reward` on the demo's held-out prompts.
+pub fn probe_demo_reward_model(
+    reward: &RewardModel,
+    tok: &Tokenizer,
+    max_prompt: usize,
+    device: &Device,
+) -> Result<RewardProbe> {
+    use data::demo::{heldout_prompts, render_answer, ANSWER_TEMPLATES, COUNTRIES};
+    let eos = tok.eos_id();
+    let cities: Vec<&str> = COUNTRIES.iter().flat_map(|c| std::iter::once(c.capital).chain(c.mistake)).collect();
+    let (mut probes, mut first, mut above) = (0usize, 0usize, 0usize);
+    for held in heldout_prompts()? {
+        let country = COUNTRIES.iter().find(|c| c.name == held.country).expect("held-out countries are in the table");
+        let mut prompt = tok.encode(&held.prompt)?;
+        if prompt.len() > max_prompt {
+            prompt.drain(..prompt.len() - max_prompt);
+        }
+        let padded = LeftPadded::new(std::slice::from_ref(&prompt), max_prompt, eos);
+        for template in 0..ANSWER_TEMPLATES.len() {
+            let answers: Vec<Vec<u32>> =
+                cities.iter().map(|city| tok.encode(&render_answer(country, template, city))).collect::<Result<_>>()?;
+            let longest = answers.iter().map(Vec::len).max().unwrap_or(0) + 1;
+            let l = max_prompt + longest;
+            let (mut seq, mut mask) = (Vec::new(), Vec::new());
+            for answer in &answers {
+                seq.extend_from_slice(&padded.ids);
+                seq.extend(answer.iter().copied().chain(std::iter::repeat_n(eos, longest - answer.len())));
+                mask.extend_from_slice(&padded.mask);
+                mask.extend(std::iter::repeat_n(1, answer.len()).chain(std::iter::repeat_n(0, longest - answer.len())));
+            }
+            let inputs = ForwardInputs::new(&seq, &mask, answers.len(), l, device)?;
+            let scores = inputs.end_scores(reward, &seq, max_prompt, eos)?;
+            let capital = cities.iter().position(|&c| c == country.capital).expect("the capital is a city");
+            let higher = scores.iter().enumerate().filter(|&(i, &s)| i != capital && s >= scores[capital]).count();
+            probes += 1;
+            first += usize::from(higher == 0);
+            above += higher;
+        }
+    }
+    Ok(RewardProbe {
+        probes,
+        capital_first: first as f64 / probes.max(1) as f64,
+        wrong_above_capital: above as f64 / probes.max(1) as f64,
+        cities: cities.len(),
+    })
+}

@@ -268,13 +268,18 @@ fn bad_input_is_one_clear_error_line() {
 }
 
 /// GRPO and RLOO: four answers per prompt (a rollout of 8 prompts is 32 rows), no critic read,
-/// trained, logged or saved, and a resumed run ends exactly where the uninterrupted one does.
+/// trained, logged or saved, and a resumed run ends exactly where the uninterrupted one does
+/// (RLOO with --normalize-reward, whose running moments are part of the state).
 /// Each group's advantages sum to zero (GRPO's are normalised deviations, RLOO's leave-one-out
 /// differences), so the rollout's mean advantage is zero, and they are not all zero.
 #[test]
 fn grpo_and_rloo_train_without_a_critic_and_resume_exactly() {
     for algorithm in ["grpo", "rloo"] {
-        let flags = ["--algorithm", algorithm, "--num-samples-per-prompt", "4", "--ppo-epochs", "2"];
+        let mut flags = vec!["--algorithm", algorithm, "--num-samples-per-prompt", "4", "--ppo-epochs", "2"];
+        // RLOO's rewards from normalised scores: the running moments must survive the resume.
+        if algorithm == "rloo" {
+            flags.push("--normalize-reward");
+        }
         let (dir, full) = resume_is_exact(&flags);
         let metrics = std::fs::read_to_string(dir.path().join("full/metrics.jsonl")).unwrap();
         let steps: Vec<serde_json::Value> = metrics
