@@ -43,17 +43,18 @@ fn the_demo_lowers_perplexity_trains_an_accurate_reward_model_and_ppo_beats_sft(
     let acc = report["final"]["accuracy"].as_f64().unwrap();
     assert!(acc >= 0.9, "reward accuracy {acc}: {report}");
 
-    // Step 3: on the held-out prompts the PPO actor beats the SFT actor on the rule-based task
-    // score, and the reward model's score does not fall beyond noise. Measured: with the
-    // composed ops 3.99 -> 4.62 and 0.672 -> 0.741; with the fused kernels, whose rounding
-    // trains another reward model of the same 0.946 accuracy, 3.539 -> 3.534 and 0.672 -> 0.707.
+    // Step 3: on the held-out prompts PPO raises the reward model's score and the rule-based
+    // task score. Measured with this recipe (docs/RLHF-INVESTIGATION.md): 5.436 -> 6.629 and
+    // 0.707 -> 0.879 (+10 of 58 prompts). The margins asserted, +0.5 and +0.10 (6 prompts),
+    // fail for a policy that does not learn (+0) or learns the wrong way (an advantage of the
+    // wrong sign lowers both), and for the earlier recipe (clipped raw scores: +0.05 task).
     let metrics = std::fs::read_to_string(out.join("step3/metrics.jsonl")).unwrap();
     let end: serde_json::Value = serde_json::from_str(metrics.lines().last().unwrap()).unwrap();
     let (sft, ppo) = (&end["summary"]["sft_eval"], &end["summary"]["ppo_eval"]);
     let reward = |e: &serde_json::Value| e["reward_mean"].as_f64().unwrap();
     let task = |e: &serde_json::Value| e["task_success"].as_f64().unwrap();
-    assert!(reward(ppo) >= reward(sft) - 0.05, "reward-model score SFT {} -> PPO {}", reward(sft), reward(ppo));
-    assert!(task(ppo) >= task(sft) + 0.03, "task score SFT {} -> PPO {}", task(sft), task(ppo));
+    assert!(reward(ppo) >= reward(sft) + 0.5, "reward-model score SFT {} -> PPO {}", reward(sft), reward(ppo));
+    assert!(task(ppo) >= task(sft) + 0.10, "task score SFT {} -> PPO {}", task(sft), task(ppo));
     for dir in ["step3/actor", "step3/critic"] {
         assert!(out.join(dir).join("model.safetensors").is_file(), "{dir} was not saved");
     }

@@ -14,10 +14,12 @@ case "$SIZE" in
   tiny)
     # The demo: pairs of the embedded capitals data; `train` starts the reward model from the
     # step-1 actor (InstructGPT's choice; a random 7M-parameter trunk learns the pairs too slowly
-    # for a CPU demo). Split 2,6,2: 2400 training pairs.
+    # for a CPU demo). Split 2,6,2: 2400 training pairs. 8 epochs at 1e-3 (not 4 at 2e-3): the
+    # reward model then ranks the capital first among all 64 cities in 83% of the held-out probes
+    # instead of 60%, and PPO has less to exploit (docs/RLHF-INVESTIGATION.md).
     ARGS=(--data-path demo --data-split 2,6,2 --max-seq-len 48
           --per-device-train-batch-size 16 --per-device-eval-batch-size 32
-          --learning-rate 2e-3 --weight-decay 0.1 --num-train-epochs 4 --num-warmup-steps 50
+          --learning-rate 1e-3 --weight-decay 0.1 --num-train-epochs 8 --num-warmup-steps 50
           --lr-scheduler-type cosine --dropout 0 --gradient-accumulation-steps 1 --log-interval 50) ;;
   gpt2|gpt2-medium|gpt2-large|gpt2-xl|custom)
     ARGS=(--data-path Dahoas/rm-static --data-split 2,4,4 --max-seq-len 512

@@ -16,13 +16,18 @@ ALGORITHM=${RLHF_ALGORITHM:-ppo}
 
 case "$SIZE" in
   tiny)
-    # The demo: the embedded capitals prompts; sampled rollouts (top-k 5) so that PPO can find
-    # the answers the SFT actor gets wrong greedily; learning rates for a 7M-parameter model.
+    # The demo: the embedded capitals prompts; sampled rollouts (top-k 2: the SFT actor's two
+    # likeliest tokens, which on a confusable country are the capital and the classic mistake;
+    # a wider sample finds the reward model's outliers), the scores normalised by their running
+    # moments (the demo's reward model scores right answers above --clip-reward-value 5, where
+    # clipping erased what separates them), KL coefficient 0.3; learning rates for a
+    # 7M-parameter model; two PPO epochs, so that the second pass over a rollout shows PPO's
+    # ratio and clipping at work. docs/RLHF-INVESTIGATION.md measures each choice.
     ARGS=(--data-path demo --data-split 2,6,2 --max-prompt-seq-len 24 --max-answer-seq-len 16
           --per-device-generation-batch-size 16 --per-device-training-batch-size 16
-          --generation-batches 1 --ppo-epochs 1 --num-train-epochs 3
-          --actor-learning-rate 2e-4 --num-warmup-steps 10
-          --do-sample --top-k 5 --print-answers-interval 25 --eval-prompts demo)
+          --generation-batches 1 --ppo-epochs 2 --num-train-epochs 3
+          --actor-learning-rate 2e-4 --num-warmup-steps 10 --kl-ctl 0.3 --normalize-reward
+          --do-sample --top-k 2 --print-answers-interval 25 --eval-prompts demo)
     CRITIC_ARGS=(--critic-learning-rate 5e-4) ;;
   gpt2|gpt2-medium|gpt2-large|gpt2-xl|custom)
     # DS-Chat single GPU (its --actor-lora-dim 128 and --only-optimize-lora arrive with LoRA).
@@ -38,7 +43,9 @@ esac
 case "$ALGORITHM" in
   ppo) ARGS+=(--critic-zero-stage="$CRITIC_ZERO_STAGE" "${CRITIC_ARGS[@]}") ;;
   # No critic: each prompt answered 4 times, the answers compared with each other.
-  grpo|rloo) ARGS+=(--algorithm "$ALGORITHM" --num-samples-per-prompt 4) ;;
+  grpo|rloo) ARGS+=(--algorithm "$ALGORITHM" --num-samples-per-prompt 4)
+    # The demo: one pass of 4 answers per prompt (3200 answers, PPO's three passes 2400).
+    if [ "$SIZE" = tiny ]; then ARGS+=(--num-train-epochs 1); fi ;;
   *) echo "no step-3 recipe for algorithm $ALGORITHM (ppo, grpo, rloo)" >&2; exit 2 ;;
 esac
 

@@ -17,8 +17,8 @@ ALGORITHM=${RLHF_ALGORITHM:-ppo}
 
 case "$SIZE" in
   tiny) ARGS=(--data-path demo --data-split 2,6,2 --max-prompt-seq-len 24 --max-answer-seq-len 16
-              --num-train-epochs 3 --actor-learning-rate 2e-4
-              --num-warmup-steps 10 --do-sample --top-k 5 --eval-prompts demo)
+              --num-train-epochs 3 --ppo-epochs 2 --actor-learning-rate 2e-4
+              --num-warmup-steps 10 --kl-ctl 0.3 --normalize-reward --do-sample --top-k 2 --eval-prompts demo)
     CRITIC_ARGS=(--critic-learning-rate 5e-4) ;;
   gpt2|gpt2-medium|gpt2-large|gpt2-xl|custom)
     ARGS=(--data-path Dahoas/rm-static Dahoas/full-hh-rlhf Dahoas/synthetic-instruct-gptj-pairwise
@@ -35,7 +35,9 @@ esac
 case "$ALGORITHM" in
   ppo) ARGS+=(--critic-zero-stage="$CRITIC_ZERO_STAGE" "${CRITIC_ARGS[@]}") ;;
   # No critic: each prompt answered 4 times, the answers compared with each other.
-  grpo|rloo) ARGS+=(--algorithm "$ALGORITHM" --num-samples-per-prompt 4) ;;
+  grpo|rloo) ARGS+=(--algorithm "$ALGORITHM" --num-samples-per-prompt 4)
+    # The demo: one pass of 4 answers per prompt (3200 answers, PPO's three passes 2400).
+    if [ "$SIZE" = tiny ]; then ARGS+=(--num-train-epochs 1); fi ;;
   *) echo "no step-3 recipe for algorithm $ALGORITHM (ppo, grpo, rloo)" >&2; exit 2 ;;
 esac
 
