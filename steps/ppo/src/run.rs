@@ -3,6 +3,10 @@
 //! passes of PPO updates over their micro-batches; log the diagnostics users need each step;
 //! save `step3/{actor,critic,actor_ema}` as HF directories.
 //!
+//! `--algorithm grpo|rloo` runs the same loop without a critic: each prompt comes
+//! `--num-samples-per-prompt` times in a rollout, and once every rank has scored its rows the
+//! group advantages are formed from all the ranks' rewards (`critic_free_advantages`).
+//!
 //! Across N data-parallel ranks (DS-Chat under deepspeed) every rank holds the four models; a
 //! rollout is `--per-device-generation-batch-size` x N prompts of one seeded order, each rank
 //! generating and scoring its share; the actor's and the critic's gradients are averaged over the
