@@ -230,6 +230,13 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     if dpo && args.reward_model.is_some() {
         bail!("--algorithm dpo trains no reward model (its step 2 starts from the step-1 actor): drop --reward-model");
     }
+    // The reward model's ZeRO stage is also the critic's, which GRPO and RLOO do not have.
+    if args.algorithm != PipelineAlgorithm::Ppo && args.reward_zero_stage != 0 && (dpo || !steps.contains(&2)) {
+        bail!(
+            "--reward-zero-stage shards the reward model and PPO's critic, and --algorithm {} trains neither here: drop it",
+            args.algorithm.name()
+        );
+    }
     let deployment = args.deployment_type.clone().unwrap_or_else(|| "single_gpu".into());
     if !DEPLOYMENTS.contains(&deployment.as_str()) {
         bail!("--deployment-type {deployment:?} is not one of single_gpu, single_node, multi_node");

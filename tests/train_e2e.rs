@@ -116,5 +116,7 @@ fn unsupported_requests_are_one_clear_error_line() {
     check(&["--algorithm", "dpo", "--step", "1", "2", "--reward-model", "gpt2"], &["--reward-model"]);
     check(&["--algorithm", "dpo", "--step", "2"], &["step 2 starts from the step-1 actor", "train --step 1"]);
     check(&["--algorithm", "sac"], &["sac"]);
+    check(&["--algorithm", "dpo", "--reward-zero-stage", "2"], &["--reward-zero-stage", "dpo"]);
+    check(&["--algorithm", "grpo", "--step", "3", "--reward-zero-stage", "2"], &["--reward-zero-stage", "grpo"]);
     assert!(!Path::new(out).join("actor").exists(), "a refused run creates no step output");
 }
