@@ -496,6 +496,9 @@ fn sft_with_lora_at_stage_3_and_under_tensor_parallelism_matches_one_rank() {
         let outs = run_ranks(dir.path(), "sft", world, &a);
         let log = String::from_utf8_lossy(&outs[0].stdout);
         assert!(log.contains("LoRA: rank 4"), "{log}");
+        if stage == 3 {
+            assert!(log.contains("ZeRO stage 3"), "{log}");
+        }
         let what = format!("SFT with {what} on {world} ranks, stage {stage}, TP={tp}");
         assert_same_weights(&out, &single, 1e-5, 0.0, &what);
         // The model directory has the adapters merged; a frozen trunk's adapters are also saved

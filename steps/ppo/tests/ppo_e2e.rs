@@ -79,6 +79,16 @@ fn ppo_with_env(dir: &Path, out: &str, extra: &[&str], env: &[(&str, &str)]) -> 
     Command::new(env!("CARGO_BIN_EXE_ppo")).args(&args).envs(env.iter().copied()).output().expect("spawn ppo")
 }
 
+/// The per-rollout records of a run's metrics.jsonl.
+fn rollout_records(out: &Path) -> Vec<serde_json::Value> {
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    metrics
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|r| r.get("rollout").is_some())
+        .collect()
+}
+
 /// `extra` picks GRPO or RLOO, which train no critic.
 fn critic_free(extra: &[&str]) -> bool {
     extra.windows(2).any(|w| w[0] == "--algorithm" && w[1] != "ppo")
@@ -281,12 +291,7 @@ fn grpo_and_rloo_train_without_a_critic_and_resume_exactly() {
             flags.push("--normalize-reward");
         }
         let (dir, full) = resume_is_exact(&flags);
-        let metrics = std::fs::read_to_string(dir.path().join("full/metrics.jsonl")).unwrap();
-        let steps: Vec<serde_json::Value> = metrics
-            .lines()
-            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-            .filter(|r| r.get("rollout").is_some())
-            .collect();
+        let steps = rollout_records(&dir.path().join("full"));
         assert_eq!(steps.len(), 7, "{full}");
         for step in &steps {
             let rollout = &step["rollout"];
@@ -341,12 +346,7 @@ fn adaptive_kl_and_target_kl_take_effect_and_resume_exactly() {
     ];
     let (dir, full) = resume_is_exact(&flags);
     assert!(full.contains("(kl_ctl "), "the adaptive coefficient is logged:\n{full}");
-    let metrics = std::fs::read_to_string(dir.path().join("full/metrics.jsonl")).unwrap();
-    let steps: Vec<serde_json::Value> = metrics
-        .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-        .filter(|r| r.get("rollout").is_some())
-        .collect();
+    let steps = rollout_records(&dir.path().join("full"));
     assert_eq!(steps.len(), 7);
     // Each rollout's coefficient is the previous one moved by the controller.
     assert_eq!(steps[0]["kl_ctl"].as_f64(), Some(0.1));
@@ -362,9 +362,9 @@ fn adaptive_kl_and_target_kl_take_effect_and_resume_exactly() {
     assert!((last - 0.1).abs() > 1e-3, "the coefficient moved: {last}");
     // Clipping acts after the first update, and the target KL stops some phases early.
     let later_clip = steps.iter().filter_map(|s| s["clip_fraction_after_first"].as_f64()).fold(0f64, f64::max);
-    assert!(later_clip > 0.0, "{metrics}");
+    assert!(later_clip > 0.0, "{steps:?}");
     let stopped: Vec<&serde_json::Value> = steps.iter().filter(|s| !s["updates_stopped_early"].is_null()).collect();
-    assert!(!stopped.is_empty(), "no phase stopped at the target KL:\n{metrics}");
+    assert!(!stopped.is_empty(), "no phase stopped at the target KL:\n{steps:?}");
     for s in &stopped {
         let (done, planned) = (&s["updates_stopped_early"]["done"], &s["updates_stopped_early"]["planned"]);
         assert!(done.as_u64().unwrap() < planned.as_u64().unwrap(), "{s}");

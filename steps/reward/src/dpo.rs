@@ -12,11 +12,10 @@
 
 use crate::args::{DpoLoss, RewardArgs, DEFAULT_BETA};
 use crate::loss::neg_log_sigmoid;
-use anyhow::{bail, Result};
+use anyhow::Result;
 use candle_core::{Device, Tensor};
 use data::batch::{pair_batch, rank_micro_batches};
 use data::phases::PairSample;
-use data::Tokenizer;
 use hybrid_engine::cli::step_args::starting_model;
 use hybrid_engine::comm::{ProcessGroup, ReduceOp};
 use hybrid_engine::kernels::ops::DropoutKey;
@@ -206,22 +205,9 @@ pub fn run(args: &RewardArgs) -> Result<DpoSummary> {
     println!("device: {}", hybrid_engine::device::describe(&device));
     let mut start = starting_model(&t.model_name_or_path, t.seed, t.dropout, &device)?;
     println!("starting model (policy and frozen reference): {}", start.description);
-    let tokenizer = match (&args.tokenizer, &start.dir) {
-        (Some(p), _) => Tokenizer::from_file(p)?,
-        (None, Some(dir)) => Tokenizer::from_model_dir_or_default(dir)?,
-        (None, None) => Tokenizer::gpt2_default()?,
-    };
+    let tokenizer = crate::train::step2_tokenizer(args, &start)?;
     let eos = tokenizer.eos_id();
     let config = start.config.clone();
-    if tokenizer.vocab_size() > config.vocab_size || t.max_seq_len > config.n_positions {
-        bail!(
-            "the model (vocabulary {}, context {}) cannot hold the tokenizer's {} tokens or --max-seq-len {}: pass a matching --tokenizer or a lower --max-seq-len",
-            config.vocab_size,
-            config.n_positions,
-            tokenizer.vocab_size(),
-            t.max_seq_len
-        );
-    }
     // The reference: the starting weights, frozen, dropout off, in the compute dtype.
     let precision = t.precision.precision();
     let reference_params = start.params.copy()?;

@@ -14,7 +14,7 @@ use candle_core::{Device, Tensor};
 use data::batch::{pair_batch, rank_micro_batches, PairBatch};
 use data::phases::PairSample;
 use data::Tokenizer;
-use hybrid_engine::cli::step_args::starting_model;
+use hybrid_engine::cli::step_args::{starting_model, StartingModel};
 use hybrid_engine::comm::{ProcessGroup, ReduceOp};
 use hybrid_engine::kernels::ops::DropoutKey;
 use hybrid_engine::model::gpt2::{Dropout, Positions};
@@ -71,22 +71,9 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
     println!("device: {}", hybrid_engine::device::describe(&device));
     let mut start = starting_model(&t.model_name_or_path, t.seed, t.dropout, &device)?;
     println!("starting model: {}", start.description);
-    let tokenizer = match (&args.tokenizer, &start.dir) {
-        (Some(p), _) => Tokenizer::from_file(p)?,
-        (None, Some(dir)) => Tokenizer::from_model_dir_or_default(dir)?,
-        (None, None) => Tokenizer::gpt2_default()?,
-    };
+    let tokenizer = step2_tokenizer(args, &start)?;
     let eos = tokenizer.eos_id();
     let config = sequence_classification_config(&start.config, eos);
-    if tokenizer.vocab_size() > config.vocab_size || t.max_seq_len > config.n_positions {
-        anyhow::bail!(
-            "the model (vocabulary {}, context {}) cannot hold the tokenizer's {} tokens or --max-seq-len {}: pass a matching --tokenizer or a lower --max-seq-len",
-            config.vocab_size,
-            config.n_positions,
-            tokenizer.vocab_size(),
-            t.max_seq_len
-        );
-    }
     // A reward model directory continues with its head; anything else gets a fresh one.
     match start.extra.get(SCORE_WEIGHT) {
         Some(w) if w.dims() == [1, config.n_embd] => start.params.push(SCORE_WEIGHT, w)?,
@@ -250,6 +237,27 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
     metrics.record(json!({"event": "end", "summary": summary, "peak_rss_mib": peak}))?;
     group.barrier()?;
     Ok(summary)
+}
+
+/// Step 2's tokenizer (`--tokenizer`, else the starting model's, else GPT-2's), checked against
+/// the starting model: its vocabulary and context must hold the tokens and `--max-seq-len`.
+pub fn step2_tokenizer(args: &RewardArgs, start: &StartingModel) -> Result<Tokenizer> {
+    let tokenizer = match (&args.tokenizer, &start.dir) {
+        (Some(p), _) => Tokenizer::from_file(p)?,
+        (None, Some(dir)) => Tokenizer::from_model_dir_or_default(dir)?,
+        (None, None) => Tokenizer::gpt2_default()?,
+    };
+    let (config, max_seq_len) = (&start.config, args.train.max_seq_len);
+    if tokenizer.vocab_size() > config.vocab_size || max_seq_len > config.n_positions {
+        anyhow::bail!(
+            "the model (vocabulary {}, context {}) cannot hold the tokenizer's {} tokens or --max-seq-len {}: pass a matching --tokenizer or a lower --max-seq-len",
+            config.vocab_size,
+            config.n_positions,
+            tokenizer.vocab_size(),
+            max_seq_len
+        );
+    }
+    Ok(tokenizer)
 }
 
 fn batch_ids(batch: &PairBatch, device: &Device) -> Result<Tensor> {
