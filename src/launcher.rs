@@ -71,6 +71,10 @@ pub struct TrainArgs {
     /// recipes use 1234). The steps get it as RLHF_SEED.
     #[arg(long, default_value_t = 1234)]
     pub seed: u64,
+    /// Every step writes TensorBoard event files into <output>/tensorboard/<step's directory>
+    /// (`tensorboard --logdir output/tensorboard`); the steps get it as RLHF_ENABLE_TENSORBOARD.
+    #[arg(long, alias = "enable_tensorboard")]
+    pub enable_tensorboard: bool,
     #[arg(long, default_value = "output", alias = "output_dir")]
     pub output_dir: PathBuf,
     /// single_node: ranks (processes) per step (DeepSpeed's --num_gpus). Default: every visible
@@ -399,6 +403,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
             inference_tp,
             algorithm: args.algorithm,
             seed: args.seed,
+            tensorboard: args.enable_tensorboard,
         };
         run_recipe(&script, plan, &bin_dir, setting, &ranks)?;
         println!("---=== Finished Step {} in {} ===---", plan.number, duration(t0.elapsed().as_secs()));
@@ -410,6 +415,9 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         (false, true) => args.output_dir.join("dpo"),
         (false, false) => args.output_dir.join("actor"),
     };
+    if args.enable_tensorboard {
+        println!("TensorBoard: tensorboard --logdir {}", args.output_dir.join("tensorboard").display());
+    }
     if steps.iter().any(|s| *s == 1 || *s == 3) {
         println!("Chat with the actor: chat --path {}", chat_with.display());
     }
@@ -570,6 +578,7 @@ struct StepSetting<'a> {
     inference_tp: u64,
     algorithm: PipelineAlgorithm,
     seed: u64,
+    tensorboard: bool,
 }
 
 /// Runs one step's recipe with bash, its output copied to the terminal and to training.log;
@@ -577,7 +586,7 @@ struct StepSetting<'a> {
 /// `--inference-tp-size`) reach the step binaries as the defaults of their flags, `ranks` as the variables src/ranks.rs and
 /// src/nodes.rs read.
 fn run_recipe(script: &str, plan: &StepPlan, bin_dir: &Path, setting: StepSetting, ranks: &Ranks) -> Result<()> {
-    let StepSetting { device, dtype, tp, inference_tp, algorithm, seed } = setting;
+    let StepSetting { device, dtype, tp, inference_tp, algorithm, seed, tensorboard } = setting;
     std::fs::create_dir_all(&plan.output).with_context(|| format!("cannot create {}", plan.output.display()))?;
     let log_path = plan.output.join("training.log");
     let mut log = std::fs::File::create(&log_path).with_context(|| format!("cannot create {}", log_path.display()))?;
@@ -593,6 +602,10 @@ fn run_recipe(script: &str, plan: &StepPlan, bin_dir: &Path, setting: StepSettin
     ] {
         cmd.env_remove(k);
     }
+    match tensorboard {
+        true => cmd.env(hybrid_engine::cli::log_args::ENABLE_TENSORBOARD_ENV, "1"),
+        false => cmd.env_remove(hybrid_engine::cli::log_args::ENABLE_TENSORBOARD_ENV),
+    };
     match ranks {
         Ranks::One => cmd.env(crate::ranks::NPROC_ENV, "1"),
         Ranks::Local(n) => cmd.env(crate::ranks::NPROC_ENV, n.to_string()),
@@ -784,30 +797,35 @@ fn pretrain_demo(args: &TrainArgs) -> Result<()> {
 /// The demo's `sft --from-scratch` flags: `iters` iterations of tiny into `out`, on the
 /// launcher's --device and in its --dtype.
 fn pretrain_demo_args(args: &TrainArgs, out: &Path, iters: u64) -> sft::pretrain_args::PretrainArgs {
-    sft::pretrain_args::PretrainArgs::parse_from([
-        "sft".to_string(),
-        "--from-scratch".into(),
-        "--model".into(),
-        "tiny".into(),
-        "--micro-batch-size".into(),
-        "4".into(),
-        "--train-iters".into(),
-        iters.to_string(),
-        "--lr-warmup-iters".into(),
-        (iters / 10).to_string(),
-        "--eval-interval".into(),
-        (iters / 4).to_string(),
-        "--eval-iters".into(),
-        "8".into(),
-        "--save-interval".into(),
-        (iters / 2).to_string(),
-        "--output-dir".into(),
-        out.display().to_string(),
-        "--device".into(),
-        args.device.clone(),
-        "--dtype".into(),
-        args.dtype.name().into(),
-    ])
+    let tensorboard = args.enable_tensorboard.then(|| "--enable-tensorboard".to_string());
+    sft::pretrain_args::PretrainArgs::parse_from(
+        [
+            "sft".to_string(),
+            "--from-scratch".into(),
+            "--model".into(),
+            "tiny".into(),
+            "--micro-batch-size".into(),
+            "4".into(),
+            "--train-iters".into(),
+            iters.to_string(),
+            "--lr-warmup-iters".into(),
+            (iters / 10).to_string(),
+            "--eval-interval".into(),
+            (iters / 4).to_string(),
+            "--eval-iters".into(),
+            "8".into(),
+            "--save-interval".into(),
+            (iters / 2).to_string(),
+            "--output-dir".into(),
+            out.display().to_string(),
+            "--device".into(),
+            args.device.clone(),
+            "--dtype".into(),
+            args.dtype.name().into(),
+        ]
+        .into_iter()
+        .chain(tensorboard),
+    )
 }
 
 #[cfg(test)]

@@ -195,7 +195,9 @@ fn pretraining_on_2_and_3_ranks_matches_one_rank_at_every_zero_stage() {
     for world in [2, 3] {
         for stage in [0u8, 1, 2, 3] {
             let out = dir.path().join(format!("w{world}-s{stage}"));
-            let outs = run_ranks(dir.path(), "sft", world, &pretrain_args(&out, 6 / world, stage));
+            let tb = dir.path().join(format!("tb-w{world}-s{stage}"));
+            let a = with(pretrain_args(&out, 6 / world, stage), &format!("--tensorboard-dir {}", tb.display()));
+            let outs = run_ranks(dir.path(), "sft", world, &a);
             let log = String::from_utf8_lossy(&outs[0].stdout);
             assert!(log.contains(&format!("data parallel: {world} ranks, ZeRO stage {stage}")), "{log}");
             assert_same_weights(
@@ -205,8 +207,9 @@ fn pretraining_on_2_and_3_ranks_matches_one_rank_at_every_zero_stage() {
                 noise,
                 &format!("{world} ranks, stage {stage}"),
             );
-            // Only rank 0 writes metrics and models.
+            // Only rank 0 writes metrics, TensorBoard events and models.
             assert!(out.join("metrics.jsonl").is_file());
+            assert_eq!(std::fs::read_dir(&tb).unwrap().count(), 1, "one event file, from rank 0");
         }
     }
 }

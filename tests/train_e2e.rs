@@ -14,12 +14,13 @@ fn json(path: &Path) -> serde_json::Value {
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
-/// The demo itself, as `train` runs it with no arguments (here into a temporary directory).
+/// The demo itself, as `train` runs it with no arguments (here into a temporary directory, and
+/// with --enable-tensorboard, which adds event files and changes nothing else).
 #[test]
 fn the_demo_lowers_perplexity_trains_an_accurate_reward_model_and_ppo_beats_sft() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("output");
-    let run = train(&["--output-dir", out.to_str().unwrap()]);
+    let run = train(&["--output-dir", out.to_str().unwrap(), "--enable-tensorboard"]);
     let stdout = String::from_utf8_lossy(&run.stdout).to_string();
     assert!(run.status.success(), "demo failed:\n{stdout}\n{}", String::from_utf8_lossy(&run.stderr));
     for line in [
@@ -59,6 +60,23 @@ fn the_demo_lowers_perplexity_trains_an_accurate_reward_model_and_ppo_beats_sft(
         assert!(out.join(dir).join("model.safetensors").is_file(), "{dir} was not saved");
     }
     assert!(stdout.contains("held-out prompts (58)"), "{stdout}");
+
+    // --enable-tensorboard reached every step: one event file each in output/tensorboard, with
+    // every metric its metrics.jsonl holds (step 3 also under DS-Chat's `reward`).
+    use hybrid_engine::telemetry::tensorboard::{read_scalars, scalars_of_records, DS_CHAT_STEP3_TAGS};
+    for (step, aliases) in [("actor", &[][..]), ("reward", &[]), ("step3", DS_CHAT_STEP3_TAGS)] {
+        let files: Vec<_> =
+            std::fs::read_dir(out.join("tensorboard").join(step)).unwrap().map(|e| e.unwrap().path()).collect();
+        assert_eq!(files.len(), 1, "{step}: {files:?}");
+        let records = hybrid_engine::training::metrics::read_records(&out.join(step).join("metrics.jsonl")).unwrap();
+        let scalars = read_scalars(&files[0]).unwrap();
+        assert!(
+            scalars == scalars_of_records(&records, aliases, 0),
+            "{step}: the event file differs from metrics.jsonl"
+        );
+        assert!(scalars.len() > 100, "{step}: {} scalars", scalars.len());
+    }
+    assert!(stdout.contains("TensorBoard: tensorboard --logdir"), "{stdout}");
 
     // Each step's log holds its output; the models are HF directories the next tools read.
     let log = std::fs::read_to_string(out.join("actor/training.log")).unwrap();

@@ -28,3 +28,5 @@ pub mod training;
 pub use lora;
 pub use model::gpt2::{Gpt2, Gpt2Config};
 pub use model::params::ParamStore;
+/// TensorBoard event files, for the steps.
+pub use telemetry;

@@ -149,4 +149,5 @@ mod tests {
     }
 }
 pub mod dist_args;
+pub mod log_args;
 pub mod step_args;

@@ -75,6 +75,8 @@ pub struct StepArgs {
     pub zero_stage: u8,
     #[command(flatten)]
     pub dist: crate::cli::dist_args::DistArgs,
+    #[command(flatten)]
+    pub log: crate::cli::log_args::LogArgs,
     /// Print a log line every this many optimizer steps.
     #[arg(long, default_value_t = 10, alias = "log_interval")]
     pub log_interval: u64,

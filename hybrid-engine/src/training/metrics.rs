@@ -1,6 +1,7 @@
 //! Training telemetry: every metric appended as one JSON object per line to `metrics.jsonl`
-//! (so a crashed run keeps what it logged), a Megatron-style text line per log interval, a
-//! progress bar only when stderr is a terminal, and the process's peak memory.
+//! (so a crashed run keeps what it logged) and, with `--enable-tensorboard`, as scalars to a
+//! TensorBoard event file; a Megatron-style text line per log interval, a progress bar only when
+//! stderr is a terminal, and the process's peak memory.
 //!
 //! Each line is written with a single `write` on a file opened for appending, so a crash leaves at
 //! worst a torn last line, never two records interleaved; [`read_records`] skips such a line.
@@ -9,6 +10,7 @@ use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
+use telemetry::tensorboard::{EventWriter, RecordScalars};
 
 pub const METRICS_FILE: &str = "metrics.jsonl";
 
@@ -17,6 +19,13 @@ pub struct Metrics {
     /// `None` on the ranks other than 0: they log nothing (rank 0 logs for the group).
     file: Option<std::fs::File>,
     bar: Option<ProgressBar>,
+    tensorboard: Option<Tensorboard>,
+}
+
+/// The event file every record also goes to, and the steps of the records.
+struct Tensorboard {
+    writer: EventWriter,
+    scalars: RecordScalars,
 }
 
 impl Metrics {
@@ -44,7 +53,7 @@ impl Metrics {
             );
             bar
         });
-        Ok(Self { path, file: Some(file), bar })
+        Ok(Self { path, file: Some(file), bar, tensorboard: None })
     }
 
     /// [`Self::open`] on rank 0; on the other ranks a log that records and prints nothing.
@@ -52,14 +61,37 @@ impl Metrics {
         if rank == 0 {
             Self::open(dir, total, done)
         } else {
-            Ok(Self { path: dir.join(METRICS_FILE), file: None, bar: None })
+            Ok(Self { path: dir.join(METRICS_FILE), file: None, bar: None, tensorboard: None })
         }
     }
 
+    /// Also writes every record to a new TensorBoard event file in `dir` (when `Some`; rank 0
+    /// only), as scalars under the record's keys and the `aliases` other systems use for them
+    /// (`telemetry::tensorboard::MEGATRON_TAGS`, ...), with the command line as text. A resumed
+    /// run continues at `done` (the x axis is the step, or pretraining's iteration).
+    pub fn with_tensorboard(
+        mut self,
+        dir: Option<&Path>,
+        aliases: &'static [(&'static str, &'static str, f64)],
+        done: u64,
+    ) -> Result<Self> {
+        let (Some(dir), Some(_)) = (dir, &self.file) else { return Ok(self) };
+        let mut writer = EventWriter::create(dir)?;
+        let command: Vec<String> = std::env::args().collect();
+        writer.text(done as i64, "flags", &format!("```\n{}\n```", command.join(" ")))?;
+        self.println(&format!("TensorBoard: {}", writer.path().display()));
+        self.tensorboard = Some(Tensorboard { writer, scalars: RecordScalars::new(aliases, done as i64) });
+        Ok(self)
+    }
     /// Appends one record, as one line in one write.
     pub fn record(&mut self, value: serde_json::Value) -> Result<()> {
         let Some(file) = &mut self.file else { return Ok(()) };
-        file.write_all(format!("{value}\n").as_bytes()).with_context(|| format!("writing {}", self.path.display()))
+        file.write_all(format!("{value}\n").as_bytes()).with_context(|| format!("writing {}", self.path.display()))?;
+        if let Some(tb) = &mut self.tensorboard {
+            let (step, scalars) = tb.scalars.of(&value);
+            tb.writer.scalars(step, &scalars)?;
+        }
+        Ok(())
     }
 
     /// Prints a log line to stdout without tearing the progress bar.

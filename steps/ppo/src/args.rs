@@ -180,6 +180,8 @@ pub struct PpoArgs {
     pub critic_zero_stage: u8,
     #[command(flatten)]
     pub dist: DistArgs,
+    #[command(flatten)]
+    pub log: hybrid_engine::cli::log_args::LogArgs,
     /// AdamW's epsilon for both models (DeepSpeed's default 1e-8).
     #[arg(long, default_value_t = 1e-8, alias = "adam_eps", value_parser = cli::positive())]
     pub adam_eps: f64,

@@ -364,8 +364,13 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
             .with_dtype(dtype);
 
     let total_rollouts = (args.num_train_epochs * rollouts_per_epoch) as u64;
-    let mut metrics =
-        Metrics::for_rank(rank, &args.output_dir, total_rollouts, resume.as_ref().map_or(0, |ck| ck.state.step))?;
+    let done = resume.as_ref().map_or(0, |ck| ck.state.step);
+    let tensorboard = args.log.tensorboard_dir(&args.output_dir);
+    let mut metrics = Metrics::for_rank(rank, &args.output_dir, total_rollouts, done)?.with_tensorboard(
+        tensorboard.as_deref(),
+        hybrid_engine::telemetry::tensorboard::DS_CHAT_STEP3_TAGS,
+        done,
+    )?;
     let eval_prompts =
         args.eval_prompts.as_deref().map(|spec| data::prompts::read_prompts(spec, usize::MAX)).transpose()?;
     let mut summary = PpoSummary {

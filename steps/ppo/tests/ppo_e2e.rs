@@ -146,7 +146,7 @@ fn fp16_with_aligned_overflow_logs_its_loss_scale_and_resumes_exactly() {
 fn resume_is_exact(extra: &[&str]) -> (tempfile::TempDir, String) {
     let dir = tempfile::tempdir().unwrap();
     setup(dir.path());
-    let full = ok(&ppo(dir.path(), "full", &[&["--save-interval", "2"], extra].concat()));
+    let full = ok(&ppo(dir.path(), "full", &[&["--save-interval", "2", "--enable-tensorboard"], extra].concat()));
     // 54 training prompts in batches of 8: 7 rollouts; checkpoints after rollouts 2, 4 and 6.
     assert!(full.contains("step     7/7"), "{full}");
     assert!(full.contains("saved a step-3 checkpoint at rollout 2"), "{full}");
@@ -188,6 +188,21 @@ fn resume_is_exact(extra: &[&str]) -> (tempfile::TempDir, String) {
     for key in keys {
         assert!(step["rollout"].get(key).is_some(), "metrics.jsonl lacks rollout.{key}: {step}");
     }
+
+    // --enable-tensorboard: beside the output directory, every metric of every rollout at its
+    // step, and DS-Chat's `reward` tag.
+    use hybrid_engine::telemetry::tensorboard::{read_scalars, scalars_of_records, DS_CHAT_STEP3_TAGS};
+    let tb: Vec<_> =
+        std::fs::read_dir(dir.path().join("tensorboard/full")).unwrap().map(|e| e.unwrap().path()).collect();
+    assert_eq!(tb.len(), 1, "one event file: {tb:?}");
+    let records = hybrid_engine::training::metrics::read_records(&dir.path().join("full/metrics.jsonl")).unwrap();
+    let scalars = read_scalars(&tb[0]).unwrap();
+    assert!(
+        scalars == scalars_of_records(&records, DS_CHAT_STEP3_TAGS, 0),
+        "the event file holds what metrics.jsonl holds"
+    );
+    let reward: Vec<i64> = scalars.iter().filter(|(_, tag, _)| tag == "reward").map(|(step, _, _)| *step).collect();
+    assert_eq!(reward, (1..=7).collect::<Vec<i64>>());
 
     // Resume from the checkpoint after rollout 2 (as if the run had died during rollout 3).
     let ckpts = dir.path().join("full/checkpoints");

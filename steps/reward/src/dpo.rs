@@ -250,7 +250,12 @@ pub fn run(args: &RewardArgs) -> Result<DpoSummary> {
         TrainedModel::Whole { .. } => (params, trainable),
         TrainedModel::Sharded(_) => (ParamStore::default(), ParamStore::default()),
     };
-    let mut metrics = Metrics::for_rank(group.rank(), &args.output_dir, steps, 0)?;
+    let tensorboard = args.train.log.tensorboard_dir(&args.output_dir);
+    let mut metrics = Metrics::for_rank(group.rank(), &args.output_dir, steps, 0)?.with_tensorboard(
+        tensorboard.as_deref(),
+        &[],
+        0,
+    )?;
     let mut summary = DpoSummary { steps: 0, evals: Vec::new(), output_dir: args.output_dir.clone() };
 
     // The eval pairs: each rank its share, every rank as many forwards (a ZeRO-3 forward is a

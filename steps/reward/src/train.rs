@@ -135,7 +135,12 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
         TrainedModel::Whole { .. } => (params, trainable),
         TrainedModel::Sharded(_) => (ParamStore::default(), ParamStore::default()),
     };
-    let mut metrics = Metrics::for_rank(group.rank(), &args.output_dir, steps, 0)?;
+    let tensorboard = args.train.log.tensorboard_dir(&args.output_dir);
+    let mut metrics = Metrics::for_rank(group.rank(), &args.output_dir, steps, 0)?.with_tensorboard(
+        tensorboard.as_deref(),
+        &[],
+        0,
+    )?;
     let mut summary = RewardSummary { steps: 0, evals: Vec::new(), output_dir: args.output_dir.clone() };
 
     let report_eval = |metrics: &mut Metrics, epoch: usize, summary: &mut RewardSummary| -> Result<()> {

@@ -117,7 +117,12 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
         TrainedModel::Whole { .. } => (params, trainable),
         TrainedModel::Sharded(_) => (ParamStore::default(), ParamStore::default()),
     };
-    let mut metrics = Metrics::for_rank(group.rank(), &args.output_dir, steps, 0)?;
+    let tensorboard = args.train.log.tensorboard_dir(&args.output_dir);
+    let mut metrics = Metrics::for_rank(group.rank(), &args.output_dir, steps, 0)?.with_tensorboard(
+        tensorboard.as_deref(),
+        &[],
+        0,
+    )?;
     let eos = tokenizer.eos_id();
 
     let mut summary = SftSummary {

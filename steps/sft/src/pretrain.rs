@@ -265,7 +265,12 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
         println!("compute dtype: {} (fp32 master weights and Adam moments)", precision.dtype.name());
     }
 
-    let mut metrics = Metrics::for_rank(group.rank(), &args.output_dir, args.train_iters, start)?;
+    let tensorboard = args.log.tensorboard_dir(&args.output_dir);
+    let mut metrics = Metrics::for_rank(group.rank(), &args.output_dir, args.train_iters, start)?.with_tensorboard(
+        tensorboard.as_deref(),
+        hybrid_engine::telemetry::tensorboard::MEGATRON_TAGS,
+        start,
+    )?;
     let eval_batches = data::eval_indices(&valid, args.eval_iters, args.micro_batch_size);
     let samples_per_iter = layout.global_batch();
     let tokens_per_iter = (samples_per_iter * args.seq_length) as f64;

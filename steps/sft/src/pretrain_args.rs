@@ -148,6 +148,8 @@ pub struct PretrainArgs {
     pub zero_stage: u8,
     #[command(flatten)]
     pub dist: hybrid_engine::cli::dist_args::DistArgs,
+    #[command(flatten)]
+    pub log: hybrid_engine::cli::log_args::LogArgs,
 }
 
 /// Validated pretraining settings.

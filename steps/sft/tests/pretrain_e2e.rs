@@ -88,6 +88,7 @@ fn read(p: PathBuf) -> Vec<u8> {
 fn pretraining_lowers_the_loss_and_saves_a_hugging_face_checkpoint() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("run");
+    let tb = tmp.path().join("tb");
     let o = out.to_str().unwrap();
     let stdout = ok(&sft(
         &args(
@@ -103,6 +104,8 @@ fn pretraining_lowers_the_loss_and_saves_a_hugging_face_checkpoint() {
                 "30",
                 "--output-dir",
                 o,
+                "--tensorboard-dir",
+                tb.to_str().unwrap(),
             ],
         ),
         &[],
@@ -137,6 +140,27 @@ fn pretraining_lowers_the_loss_and_saves_a_hugging_face_checkpoint() {
             .unwrap();
     let ppl = end["summary"]["valid_ppl"].as_f64().unwrap();
     assert!(ppl < first.exp() / 10.0, "validation perplexity {ppl} should be far below the start's {}", first.exp());
+
+    // --tensorboard-dir (Megatron's spelling): one event file with every metric of
+    // metrics.jsonl at its iteration, under our names and Megatron's.
+    use hybrid_engine::telemetry::tensorboard::{read_scalars, scalars_of_records, MEGATRON_TAGS};
+    let files: Vec<PathBuf> = std::fs::read_dir(&tb).unwrap().map(|e| e.unwrap().path()).collect();
+    assert_eq!(files.len(), 1, "{files:?}");
+    let records = hybrid_engine::training::metrics::read_records(&out.join("metrics.jsonl")).unwrap();
+    let scalars = read_scalars(&files[0]).unwrap();
+    let want = scalars_of_records(&records, MEGATRON_TAGS, 0);
+    let first_difference = scalars.iter().zip(&want).find(|(a, b)| a != b);
+    assert!(
+        first_difference.is_none() && scalars.len() == want.len(),
+        "{first_difference:?}, {} vs {} scalars",
+        scalars.len(),
+        want.len()
+    );
+    let lm_loss: Vec<(i64, f32)> =
+        scalars.iter().filter(|(_, t, _)| t == "lm loss").map(|(s, _, x)| (*s, *x)).collect();
+    assert_eq!(lm_loss.len(), 60);
+    assert_eq!(lm_loss[59], (60, l[&60] as f32));
+    assert!(scalars.iter().any(|(s, t, _)| *s == 30 && t == "lm loss validation"), "{scalars:?}");
 }
 
 #[test]

@@ -1,0 +1,376 @@
+//! TensorBoard event files: the `Event`/`Summary` protocol buffers of TensorBoard's
+//! `tensorboard/compat/proto/{event,summary,tensor,tensor_shape}.proto` (only the fields we
+//! write), framed as TFRecords in `events.out.tfevents.<time>.<host>.<pid>.<n>`.
+//!
+//! A run's metrics become scalars: [`scalars_of_record`] turns each `metrics.jsonl` record into
+//! `(tag, value)` pairs under our own names, plus the names DS-Chat and Megatron give the same
+//! quantities, so dashboards built for them work unchanged.
+
+use crate::tfrecord;
+use anyhow::{Context, Result};
+use prost::Message;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+/// `tensorboard.Event`: one timestamped entry of an event file.
+#[derive(Clone, PartialEq, Message)]
+pub struct Event {
+    #[prost(double, tag = "1")]
+    pub wall_time: f64,
+    #[prost(int64, tag = "2")]
+    pub step: i64,
+    #[prost(oneof = "What", tags = "3, 5")]
+    pub what: Option<What>,
+}
+
+#[derive(Clone, PartialEq, prost::Oneof)]
+pub enum What {
+    /// The first event of every file: "brain.Event:2".
+    #[prost(string, tag = "3")]
+    FileVersion(String),
+    #[prost(message, tag = "5")]
+    Summary(Summary),
+}
+
+/// `tensorboard.Summary`: the values of one step.
+#[derive(Clone, PartialEq, Message)]
+pub struct Summary {
+    #[prost(message, repeated, tag = "1")]
+    pub value: Vec<SummaryValue>,
+}
+
+/// `tensorboard.Summary.Value`.
+#[derive(Clone, PartialEq, Message)]
+pub struct SummaryValue {
+    #[prost(string, tag = "1")]
+    pub tag: String,
+    #[prost(message, optional, tag = "9")]
+    pub metadata: Option<SummaryMetadata>,
+    #[prost(oneof = "Value", tags = "2, 8")]
+    pub value: Option<Value>,
+}
+
+#[derive(Clone, PartialEq, prost::Oneof)]
+pub enum Value {
+    /// A scalar, which TensorBoard files under its scalars plugin.
+    #[prost(float, tag = "2")]
+    SimpleValue(f32),
+    #[prost(message, tag = "8")]
+    Tensor(TensorProto),
+}
+
+/// `tensorboard.SummaryMetadata`: which plugin shows the value.
+#[derive(Clone, PartialEq, Message)]
+pub struct SummaryMetadata {
+    #[prost(message, optional, tag = "1")]
+    pub plugin_data: Option<PluginData>,
+    #[prost(string, tag = "2")]
+    pub display_name: String,
+    #[prost(string, tag = "3")]
+    pub summary_description: String,
+}
+
+/// `tensorboard.SummaryMetadata.PluginData`.
+#[derive(Clone, PartialEq, Message)]
+pub struct PluginData {
+    #[prost(string, tag = "1")]
+    pub plugin_name: String,
+    #[prost(bytes = "vec", tag = "2")]
+    pub content: Vec<u8>,
+}
+
+/// `tensorboard.TensorProto`, as the text plugin reads it: a string tensor.
+#[derive(Clone, PartialEq, Message)]
+pub struct TensorProto {
+    /// `tensorboard.DataType`; [`DT_STRING`] here.
+    #[prost(int32, tag = "1")]
+    pub dtype: i32,
+    #[prost(message, optional, tag = "2")]
+    pub tensor_shape: Option<TensorShapeProto>,
+    #[prost(bytes = "vec", repeated, tag = "8")]
+    pub string_val: Vec<Vec<u8>>,
+}
+
+/// `tensorboard.TensorShapeProto`: no dimensions is a scalar.
+#[derive(Clone, PartialEq, Message)]
+pub struct TensorShapeProto {
+    #[prost(message, repeated, tag = "2")]
+    pub dim: Vec<Dim>,
+}
+
+#[derive(Clone, PartialEq, Message)]
+pub struct Dim {
+    #[prost(int64, tag = "1")]
+    pub size: i64,
+}
+
+pub const DT_STRING: i32 = 7;
+pub const FILE_VERSION: &str = "brain.Event:2";
+
+/// Appends events to a new event file in a directory. Each event is one `write` of one framed
+/// record, so the file is readable at every moment and a crash loses at most the last event.
+pub struct EventWriter {
+    path: PathBuf,
+    file: std::fs::File,
+}
+
+impl EventWriter {
+    /// Creates `dir` and a new event file in it, named as TensorFlow names them (TensorBoard
+    /// reads every file whose name contains "tfevents"; a resumed run adds a file beside the
+    /// earlier ones and TensorBoard shows them as one run).
+    pub fn create(dir: &Path) -> Result<Self> {
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("cannot create TensorBoard directory {}", dir.display()))?;
+        let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        let host = hostname();
+        let pid = std::process::id();
+        let (path, file) = (0u32..)
+            .map(|n| dir.join(format!("events.out.tfevents.{secs:010}.{host}.{pid}.{n}")))
+            .find_map(|path| {
+                let file = std::fs::OpenOptions::new().write(true).create_new(true).open(&path);
+                match file {
+                    Ok(file) => Some(Ok((path, file))),
+                    Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => None,
+                    Err(e) => Some(Err(e).with_context(|| format!("cannot create {}", path.display()))),
+                }
+            })
+            .expect("an unused file name")?;
+        let mut writer = Self { path, file };
+        writer.write(&Event { wall_time: now(), step: 0, what: Some(What::FileVersion(FILE_VERSION.into())) })?;
+        Ok(writer)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn write(&mut self, event: &Event) -> Result<()> {
+        self.file
+            .write_all(&tfrecord::frame(&event.encode_to_vec()))
+            .with_context(|| format!("writing {}", self.path.display()))
+    }
+
+    /// One event holding every scalar of a step (TensorBoard stores them as float32).
+    pub fn scalars(&mut self, step: i64, scalars: &[(String, f64)]) -> Result<()> {
+        if scalars.is_empty() {
+            return Ok(());
+        }
+        let value = scalars
+            .iter()
+            .map(|(tag, v)| SummaryValue {
+                tag: tag.clone(),
+                metadata: None,
+                value: Some(Value::SimpleValue(*v as f32)),
+            })
+            .collect();
+        self.write(&Event { wall_time: now(), step, what: Some(What::Summary(Summary { value })) })
+    }
+
+    /// Markdown under `tag` in TensorBoard's text tab (the run's flags, for instance).
+    pub fn text(&mut self, step: i64, tag: &str, markdown: &str) -> Result<()> {
+        let metadata = SummaryMetadata {
+            plugin_data: Some(PluginData { plugin_name: "text".into(), content: Vec::new() }),
+            ..Default::default()
+        };
+        let tensor = TensorProto {
+            dtype: DT_STRING,
+            tensor_shape: Some(TensorShapeProto::default()),
+            string_val: vec![markdown.as_bytes().to_vec()],
+        };
+        let value =
+            vec![SummaryValue { tag: tag.into(), metadata: Some(metadata), value: Some(Value::Tensor(tensor)) }];
+        self.write(&Event { wall_time: now(), step, what: Some(What::Summary(Summary { value })) })
+    }
+}
+
+fn now() -> f64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
+}
+
+fn hostname() -> String {
+    let name = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_default();
+    let name: String = name.trim().chars().filter(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_')).collect();
+    if name.is_empty() {
+        "localhost".into()
+    } else {
+        name
+    }
+}
+
+/// The events of an event file, every checksum verified; a last event cut short by a crash is
+/// left out.
+pub fn read_events(path: &Path) -> Result<Vec<Event>> {
+    let records = tfrecord::read_file(path)?;
+    records
+        .records
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            Event::decode(r.as_slice()).with_context(|| format!("{}: event {i} is not an Event", path.display()))
+        })
+        .collect()
+}
+
+/// The scalars of an event file as `(step, tag, value)`, in file order.
+pub fn read_scalars(path: &Path) -> Result<Vec<(i64, String, f32)>> {
+    let mut out = Vec::new();
+    for event in read_events(path)? {
+        if let Some(What::Summary(summary)) = event.what {
+            for v in summary.value {
+                if let Some(Value::SimpleValue(x)) = v.value {
+                    out.push((event.step, v.tag, x));
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The names other systems give our metrics, which we write beside ours: `(our key, their tag,
+/// factor)`. Megatron's `training_log` and `evaluate_and_print_results` for pretraining (its
+/// iteration time is in seconds); DS-Chat's step 3 `main.py` (`reward` is the rollout's mean).
+pub const MEGATRON_TAGS: &[(&str, &str, f64)] = &[
+    ("lm_loss", "lm loss", 1.0),
+    ("lr", "learning-rate", 1.0),
+    ("loss_scale", "loss-scale", 1.0),
+    ("grad_norm", "grad-norm", 1.0),
+    ("ms_per_iteration", "iteration-time", 1e-3),
+    ("valid_loss", "lm loss validation", 1.0),
+    ("valid_ppl", "lm loss validation ppl", 1.0),
+];
+pub const DS_CHAT_STEP3_TAGS: &[(&str, &str, f64)] = &[("rollout/reward_mean", "reward", 1.0)];
+
+/// The step a record belongs to (`step`, or pretraining's `iteration`), if it names one.
+pub fn step_of(record: &serde_json::Value) -> Option<i64> {
+    ["step", "iteration"].iter().find_map(|k| record.get(*k)?.as_i64())
+}
+
+/// Follows a run's records to give each its step: its own (`step`, or pretraining's
+/// `iteration`), else the last one seen (an evaluation record belongs to the step it follows).
+pub struct RecordScalars {
+    pub aliases: &'static [(&'static str, &'static str, f64)],
+    pub last_step: i64,
+}
+
+impl RecordScalars {
+    /// A run's records from step `start` on (0, or where a resumed run continues).
+    pub fn new(aliases: &'static [(&'static str, &'static str, f64)], start: i64) -> Self {
+        Self { aliases, last_step: start }
+    }
+
+    /// The step of `record` and its scalars ([`scalars_of_record`]).
+    pub fn of(&mut self, record: &serde_json::Value) -> (i64, Vec<(String, f64)>) {
+        self.last_step = step_of(record).unwrap_or(self.last_step);
+        (self.last_step, scalars_of_record(record, self.aliases))
+    }
+}
+
+/// The scalars a run's event file holds for its `metrics.jsonl` records, as [`read_scalars`]
+/// gives them back: what a test compares an event file with.
+pub fn scalars_of_records(
+    records: &[serde_json::Value],
+    aliases: &'static [(&'static str, &'static str, f64)],
+    start: i64,
+) -> Vec<(i64, String, f32)> {
+    let mut steps = RecordScalars::new(aliases, start);
+    let mut out = Vec::new();
+    for record in records {
+        let (step, scalars) = steps.of(record);
+        out.extend(scalars.into_iter().map(|(tag, x)| (step, tag, x as f32)));
+    }
+    out
+}
+
+/// Every number of a `metrics.jsonl` record as a scalar, nested objects joined with `/`
+/// (`rollout/reward_mean`, `eval/accuracy`); true/false as 1/0; strings, nulls and lists left
+/// out; the step itself left out. Then the `aliases` of the keys present.
+pub fn scalars_of_record(record: &serde_json::Value, aliases: &[(&str, &str, f64)]) -> Vec<(String, f64)> {
+    fn walk(prefix: &str, value: &serde_json::Value, out: &mut Vec<(String, f64)>) {
+        match value {
+            serde_json::Value::Number(n) => out.extend(n.as_f64().map(|x| (prefix.to_string(), x))),
+            serde_json::Value::Bool(b) => out.push((prefix.to_string(), f64::from(u8::from(*b)))),
+            serde_json::Value::Object(map) => {
+                for (k, v) in map {
+                    let key = if prefix.is_empty() { k.clone() } else { format!("{prefix}/{k}") };
+                    walk(&key, v, out);
+                }
+            }
+            _ => {}
+        }
+    }
+    let mut out = Vec::new();
+    if let serde_json::Value::Object(map) = record {
+        for (k, v) in map.iter().filter(|(k, _)| !matches!(k.as_str(), "step" | "iteration")) {
+            walk(k, v, &mut out);
+        }
+    }
+    let aliased: Vec<(String, f64)> = aliases
+        .iter()
+        .filter_map(|(key, tag, factor)| {
+            let (_, x) = out.iter().find(|(k, _)| k == key)?;
+            Some((tag.to_string(), x * factor))
+        })
+        .collect();
+    out.extend(aliased);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn records_become_scalars_under_our_names_and_theirs() {
+        let record = json!({"iteration": 7, "lm_loss": 2.5, "lr": 1e-3, "skipped": false,
+            "ms_per_iteration": 250.0, "note": "text", "list": [1, 2], "none": null,
+            "rollout": {"reward_mean": 1.5, "kl": {"k3": 0.25}}});
+        assert_eq!(step_of(&record), Some(7));
+        let mut got = scalars_of_record(&record, MEGATRON_TAGS);
+        got.sort_by(|a, b| a.0.cmp(&b.0));
+        let want = [
+            ("iteration-time", 0.25),
+            ("learning-rate", 1e-3),
+            ("lm loss", 2.5),
+            ("lm_loss", 2.5),
+            ("lr", 1e-3),
+            ("ms_per_iteration", 250.0),
+            ("rollout/kl/k3", 0.25),
+            ("rollout/reward_mean", 1.5),
+            ("skipped", 0.0),
+        ];
+        assert_eq!(got, want.map(|(k, v)| (k.to_string(), v)));
+        let step3 = scalars_of_record(&json!({"step": 3, "rollout": {"reward_mean": 4.0}}), DS_CHAT_STEP3_TAGS);
+        assert_eq!(step3, vec![("rollout/reward_mean".into(), 4.0), ("reward".into(), 4.0)]);
+        assert_eq!(step_of(&json!({"epoch": 1, "eval_loss": 2.0})), None);
+    }
+
+    #[test]
+    fn an_event_file_reads_back_with_its_scalars_and_text() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut w = EventWriter::create(dir.path()).unwrap();
+        w.scalars(1, &[("loss".into(), 2.0), ("lr".into(), 1e-3)]).unwrap();
+        w.scalars(2, &[("loss".into(), 1.5)]).unwrap();
+        w.text(0, "flags", "`--lr 1e-3`").unwrap();
+        let name = w.path().file_name().unwrap().to_string_lossy().to_string();
+        assert!(name.starts_with("events.out.tfevents.") && name.ends_with(&format!(".{}.0", std::process::id())));
+        // A second writer in the same second gets its own file.
+        let second = EventWriter::create(dir.path()).unwrap();
+        assert_ne!(second.path(), w.path());
+
+        let events = read_events(w.path()).unwrap();
+        assert_eq!(events[0].what, Some(What::FileVersion(FILE_VERSION.into())));
+        assert_eq!(
+            read_scalars(w.path()).unwrap(),
+            vec![(1, "loss".into(), 2.0), (1, "lr".into(), 1e-3), (2, "loss".into(), 1.5)]
+        );
+        let Some(What::Summary(text)) = &events[3].what else { panic!("a summary: {:?}", events[3]) };
+        let v = &text.value[0];
+        assert_eq!(v.metadata.as_ref().unwrap().plugin_data.as_ref().unwrap().plugin_name, "text");
+        let Some(Value::Tensor(t)) = &v.value else { panic!("a tensor") };
+        assert_eq!((t.dtype, t.string_val.clone()), (DT_STRING, vec![b"`--lr 1e-3`".to_vec()]));
+    }
+}
