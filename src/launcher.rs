@@ -724,6 +724,19 @@ fn print_summary(output: &Path, steps: &[u32], algorithm: PipelineAlgorithm, dem
             );
         }
     }
+    // Each step drew its curves beside its metrics.jsonl (`train plot` redraws them).
+    let step_dirs =
+        [(1, "actor"), (2, if algorithm == PipelineAlgorithm::Dpo { "dpo" } else { "reward" }), (3, "step3")];
+    let curves: Vec<String> = step_dirs
+        .iter()
+        .filter(|(step, _)| steps.contains(step))
+        .map(|(_, dir)| output.join(dir).join(hybrid_engine::telemetry::plots::CURVES_FILE))
+        .filter(|p| p.is_file())
+        .map(|p| p.display().to_string())
+        .collect();
+    if !curves.is_empty() {
+        println!("training curves: {}", curves.join(", "));
+    }
     Ok(())
 }
 

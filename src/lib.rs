@@ -7,4 +7,5 @@ pub mod hostfile;
 pub mod inference_ranks;
 pub mod launcher;
 pub mod nodes;
+pub mod plot;
 pub mod ranks;

@@ -78,6 +78,37 @@ fn the_demo_lowers_perplexity_trains_an_accurate_reward_model_and_ppo_beats_sft(
     }
     assert!(stdout.contains("TensorBoard: tensorboard --logdir"), "{stdout}");
 
+    // Each step drew its curves beside its metrics.jsonl: PNGs of 2 panels per row, 640 x 400
+    // each (step 1: loss, perplexity, learning rate, throughput; step 2: + accuracy and margin;
+    // step 3: reward, KL, clip fraction, entropy, answer length, losses, learning rates; the
+    // loss scale only in fp16). The summary names them, and `train plot` redraws the same.
+    let png_size = |path: &Path| {
+        let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        assert!(
+            bytes.starts_with(b"\x89PNG\r\n\x1a\n") && &bytes[12..16] == b"IHDR",
+            "{} is not a PNG",
+            path.display()
+        );
+        assert!(bytes.len() > 20_000, "{}: {} bytes, a blank canvas?", path.display(), bytes.len());
+        let be = |at: usize| u32::from_be_bytes(bytes[at..at + 4].try_into().unwrap());
+        (be(16), be(20))
+    };
+    let expected = [("actor", (1280, 800)), ("reward", (1280, 1200)), ("step3", (1280, 1600))];
+    for (step, size) in expected {
+        assert_eq!(png_size(&out.join(step).join("curves.png")), size, "{step}");
+    }
+    assert!(stdout.contains("training curves: ") && stdout.contains("step3/curves.png"), "{stdout}");
+    for (step, _) in expected {
+        std::fs::remove_file(out.join(step).join("curves.png")).unwrap();
+    }
+    let replot = train(&["plot", out.to_str().unwrap()]);
+    let replot_out = String::from_utf8_lossy(&replot.stdout).to_string();
+    assert!(replot.status.success(), "train plot: {replot_out}{}", String::from_utf8_lossy(&replot.stderr));
+    for (step, size) in expected {
+        assert_eq!(png_size(&out.join(step).join("curves.png")), size, "{step} redrawn");
+    }
+    assert!(replot_out.contains("Reward, KL to the reference, Clip fraction"), "{replot_out}");
+
     // Each step's log holds its output; the models are HF directories the next tools read.
     let log = std::fs::read_to_string(out.join("actor/training.log")).unwrap();
     assert!(log.contains("Evaluating perplexity") && log.contains("saved the fine-tuned model"), "{log}");

@@ -1,5 +1,6 @@
 //! `train`: see `rlhf::launcher`. The same executable is also `sft`, `reward` and `ppo` when invoked under
 //! those names (the launcher links them into `<output>/.bin`), so the whole pipeline is one binary.
+//! `train plot DIR` redraws a run's training curves (`rlhf::plot`).
 
 fn main() {
     hybrid_engine::runtime::init();
@@ -21,6 +22,12 @@ fn main() {
         "sft" => sft::main_with_args(),
         "reward" => reward::main_with_args(),
         "ppo" => ppo::main_with_args(),
+        _ if std::env::args_os().nth(1).is_some_and(|a| a == "plot") => {
+            let args: rlhf::plot::PlotArgs = hybrid_engine::cli::parse_from_or_exit(std::env::args_os().skip(1));
+            if let Err(e) = rlhf::plot::main(&args) {
+                hybrid_engine::cli::exit_with(e);
+            }
+        }
         _ => {
             let args: rlhf::launcher::TrainArgs = hybrid_engine::cli::parse_or_exit();
             if let Err(e) = rlhf::launcher::run(&args) {

@@ -2,7 +2,9 @@
 //!
 //! - `tfrecord`: the TFRecord framing (length, data, masked CRC-32C) of event files;
 //! - `tensorboard`: TensorBoard's Event/Summary messages, an event-file writer and reader, and the
-//!   mapping from a metrics record to scalars.
+//!   mapping from a metrics record to scalars;
+//! - `plots`: the same scalars as a PNG grid of training curves.
 
+pub mod plots;
 pub mod tensorboard;
 pub mod tfrecord;

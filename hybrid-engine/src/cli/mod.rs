@@ -9,7 +9,12 @@ use std::ops::Bound::{self, Excluded, Included, Unbounded};
 
 /// Parses the process arguments, or prints one error line (or the help) and exits.
 pub fn parse_or_exit<T: Parser>() -> T {
-    match T::try_parse() {
+    parse_from_or_exit(std::env::args_os())
+}
+
+/// [`parse_or_exit`] of `args` (the first is the program's name, as in the process arguments).
+pub fn parse_from_or_exit<T: Parser, I: Into<std::ffi::OsString> + Clone>(args: impl IntoIterator<Item = I>) -> T {
+    match T::try_parse_from(args) {
         Ok(args) => args,
         Err(e) => {
             use clap::error::ErrorKind::{DisplayHelp, DisplayHelpOnMissingArgumentOrSubcommand, DisplayVersion};

@@ -1,6 +1,6 @@
 //! Training telemetry: every metric appended as one JSON object per line to `metrics.jsonl`
 //! (so a crashed run keeps what it logged) and, with `--enable-tensorboard`, as scalars to a
-//! TensorBoard event file; a Megatron-style text line per log interval, a progress bar only when
+//! TensorBoard event file; the run's curves as a PNG at its end; a Megatron-style text line per log interval, a progress bar only when
 //! stderr is a terminal, and the process's peak memory.
 //!
 //! Each line is written with a single `write` on a file opened for appending, so a crash leaves at
@@ -10,6 +10,7 @@ use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
+use telemetry::plots::{plot_records, CURVES_FILE};
 use telemetry::tensorboard::{EventWriter, RecordScalars};
 
 pub const METRICS_FILE: &str = "metrics.jsonl";
@@ -90,6 +91,27 @@ impl Metrics {
         if let Some(tb) = &mut self.tensorboard {
             let (step, scalars) = tb.scalars.of(&value);
             tb.writer.scalars(step, &scalars)?;
+        }
+        Ok(())
+    }
+
+    /// Appends the run's last record, then draws its curves ([`CURVES_FILE`] beside
+    /// metrics.jsonl) from every record the file holds, a resumed run's earlier ones included. A
+    /// drawing failure is a warning: the run itself has succeeded.
+    pub fn end(&mut self, value: serde_json::Value) -> Result<()> {
+        self.record(value)?;
+        if self.file.is_none() {
+            return Ok(());
+        }
+        let out = self.path.with_file_name(CURVES_FILE);
+        match read_records(&self.path).and_then(|records| plot_records(&records, &out)) {
+            Ok(Some(plotted)) => {
+                // A model saved into this directory later replaces it: the curves go along.
+                crate::durable::mark_live(&out);
+                self.println(&format!("training curves: {} ({})", out.display(), plotted.panels.join(", ")));
+            }
+            Ok(None) => {}
+            Err(e) => eprintln!("warning: could not draw the training curves: {e:#}"),
         }
         Ok(())
     }

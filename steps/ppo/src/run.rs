@@ -613,7 +613,7 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
     }
 
     let peak = peak_rss_mib();
-    metrics.record(json!({"event": "end", "summary": summary, "peak_rss_mib": peak}))?;
+    metrics.end(json!({"event": "end", "summary": summary, "peak_rss_mib": peak}))?;
     Ok(summary)
 }
 

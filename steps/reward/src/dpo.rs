@@ -370,7 +370,7 @@ pub fn run(args: &RewardArgs) -> Result<DpoSummary> {
     })?;
     println!("chat with it: chat --path {}", args.output_dir.display());
     let peak = peak_rss_mib();
-    metrics.record(json!({"event": "end", "summary": summary, "peak_rss_mib": peak}))?;
+    metrics.end(json!({"event": "end", "summary": summary, "peak_rss_mib": peak}))?;
     group.barrier()?;
     Ok(summary)
 }

@@ -261,7 +261,7 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
     if let Some(p) = peak {
         println!("peak memory (RSS): {p:.1} MiB");
     }
-    metrics.record(json!({"event": "end", "summary": summary, "peak_rss_mib": peak}))?;
+    metrics.end(json!({"event": "end", "summary": summary, "peak_rss_mib": peak}))?;
     group.barrier()?;
     Ok(summary)
 }

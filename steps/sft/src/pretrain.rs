@@ -412,7 +412,7 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     if let Some(p) = peak {
         println!("peak memory (RSS): {p:.1} MiB");
     }
-    metrics.record(json!({"event": "end", "summary": summary, "peak_rss_mib": peak}))?;
+    metrics.end(json!({"event": "end", "summary": summary, "peak_rss_mib": peak}))?;
     group.barrier()?;
     Ok(summary)
 }

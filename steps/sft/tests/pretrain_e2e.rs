@@ -161,6 +161,9 @@ fn pretraining_lowers_the_loss_and_saves_a_hugging_face_checkpoint() {
     assert_eq!(lm_loss.len(), 60);
     assert_eq!(lm_loss[59], (60, l[&60] as f32));
     assert!(scalars.iter().any(|(s, t, _)| *s == 30 && t == "lm loss validation"), "{scalars:?}");
+    // And the curves, beside metrics.jsonl (the loss scale of an fp32 run is not drawn).
+    assert!(stdout.contains("training curves: ") && stdout.contains("LM loss, Learning rate, Throughput"), "{stdout}");
+    assert!(out.join("curves.png").is_file());
 }
 
 #[test]
