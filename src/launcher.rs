@@ -392,6 +392,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         (None, None) => Ranks::One,
     };
     let started = Instant::now();
+    let mut step_runs = Vec::new();
     for plan in &plans {
         let script = recipe(args.recipe_dir.as_deref(), plan.recipe_dir, &deployment)?;
         println!("---=== Running Step {} ===---", plan.number);
@@ -406,10 +407,13 @@ pub fn run(args: &TrainArgs) -> Result<()> {
             tensorboard: args.enable_tensorboard,
         };
         run_recipe(&script, plan, &bin_dir, setting, &ranks)?;
-        println!("---=== Finished Step {} in {} ===---", plan.number, duration(t0.elapsed().as_secs()));
+        let secs = t0.elapsed().as_secs();
+        println!("---=== Finished Step {} in {} ===---", plan.number, duration(secs));
+        let name = step_name(plan.number, args.algorithm);
+        step_runs.push(crate::report::StepRun { number: plan.number, name, dir: plan.output.clone(), secs });
     }
     println!("---=== Finished Steps {steps:?} in {} ===---", duration(started.elapsed().as_secs()));
-    print_summary(&args.output_dir, &steps, args.algorithm, demo)?;
+    let summary = print_summary(&args.output_dir, &steps, args.algorithm, demo)?;
     let chat_with = match (steps.contains(&3), dpo && steps.contains(&2)) {
         (true, _) => args.output_dir.join("step3/actor"),
         (false, true) => args.output_dir.join("dpo"),
@@ -418,10 +422,23 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     if args.enable_tensorboard {
         println!("TensorBoard: tensorboard --logdir {}", args.output_dir.join("tensorboard").display());
     }
+    let command: Vec<String> = std::env::args().collect();
+    let report = crate::report::write_report(&args.output_dir, &command, &summary, &step_runs)?;
+    println!("run report: {}", report.display());
     if steps.iter().any(|s| *s == 1 || *s == 3) {
         println!("Chat with the actor: chat --path {}", chat_with.display());
     }
     Ok(())
+}
+
+/// What a step is called in the summary and the report.
+fn step_name(number: u32, algorithm: PipelineAlgorithm) -> String {
+    match (number, algorithm) {
+        (1, _) => "SFT".into(),
+        (2, PipelineAlgorithm::Dpo) => "DPO".into(),
+        (2, _) => "reward model".into(),
+        (_, algorithm) => algorithm.name().to_uppercase(),
+    }
 }
 
 /// "1min 23s" (DS-Chat's e2e_rlhf.py duration format).
@@ -603,7 +620,7 @@ fn run_recipe(script: &str, plan: &StepPlan, bin_dir: &Path, setting: StepSettin
         cmd.env_remove(k);
     }
     match tensorboard {
-        true => cmd.env(hybrid_engine::cli::log_args::ENABLE_TENSORBOARD_ENV, "1"),
+        true => cmd.env(hybrid_engine::cli::log_args::ENABLE_TENSORBOARD_ENV, "true"),
         false => cmd.env_remove(hybrid_engine::cli::log_args::ENABLE_TENSORBOARD_ENV),
     };
     match ranks {
@@ -666,24 +683,30 @@ fn path_with(bin_dir: &Path, path: Option<&std::ffi::OsStr>) -> Result<std::ffi:
 }
 
 /// What each finished step achieved, read from its output directory.
-fn print_summary(output: &Path, steps: &[u32], algorithm: PipelineAlgorithm, demo: bool) -> Result<()> {
-    println!("---=== Summary ===---");
+/// Prints the run's summary; returns its lines (for the report).
+fn print_summary(output: &Path, steps: &[u32], algorithm: PipelineAlgorithm, demo: bool) -> Result<Vec<String>> {
+    let mut lines = Vec::new();
+    let mut say = |line: String| {
+        println!("{line}");
+        lines.push(line);
+    };
+    say("---=== Summary ===---".into());
     if steps.contains(&1) {
         let end = last_record(&output.join("actor/metrics.jsonl"))?;
         let ppl: Vec<f64> =
             end["summary"]["perplexity"].as_array().map_or(vec![], |a| a.iter().filter_map(|v| v.as_f64()).collect());
-        println!("step 1 (SFT): eval perplexity {}", sft::finetune::describe_perplexity(&ppl));
+        say(format!("step 1 (SFT): eval perplexity {}", sft::finetune::describe_perplexity(&ppl)));
     }
     if steps.contains(&2) && algorithm == PipelineAlgorithm::Dpo {
         let end = last_record(&output.join("dpo/metrics.jsonl"))?;
         let evals = end["summary"]["evals"].as_array().cloned().unwrap_or_default();
         let f = |e: Option<&serde_json::Value>, k: &str| e.and_then(|e| e[k].as_f64()).unwrap_or(f64::NAN);
-        println!(
+        say(format!(
             "step 2 (DPO): eval pairs' implicit-reward accuracy {:.3} -> {:.3}, margin {:.3}",
             f(evals.first(), "reward_accuracy"),
             f(evals.last(), "reward_accuracy"),
             f(evals.last(), "reward_margin"),
-        );
+        ));
         if demo {
             held_out_comparison(output)?;
         }
@@ -693,35 +716,35 @@ fn print_summary(output: &Path, steps: &[u32], algorithm: PipelineAlgorithm, dem
         let v: serde_json::Value =
             serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))?;
         let acc = |k: &str| v[k]["accuracy"].as_f64().map_or("n/a".into(), |a| format!("{a:.3}"));
-        println!(
+        say(format!(
             "step 2 (reward): eval accuracy {} -> {}, mean chosen score {:.3}, mean rejected score {:.3}",
             acc("before_training"),
             acc("final"),
             v["final"]["chosen_mean_score"].as_f64().unwrap_or(f64::NAN),
             v["final"]["rejected_mean_score"].as_f64().unwrap_or(f64::NAN),
-        );
+        ));
     }
     if steps.contains(&3) {
         let end = last_record(&output.join("step3/metrics.jsonl"))?;
         let s = &end["summary"];
         let name = algorithm.name().to_uppercase();
-        println!(
+        say(format!(
             "step 3 ({name}): rollout reward {:.3} (first step) -> {:.3} (last step)",
             s["first_reward"].as_f64().unwrap_or(f64::NAN),
             s["last_reward"].as_f64().unwrap_or(f64::NAN)
-        );
+        ));
         if let (Some(sft), Some(ppo)) = (s["sft_eval"].as_object(), s["ppo_eval"].as_object()) {
             let task = |e: &serde_json::Map<String, serde_json::Value>| {
                 e.get("task_success").and_then(|t| t.as_f64()).map_or("n/a".into(), |t| format!("{t:.3}"))
             };
-            println!(
+            say(format!(
                 "held-out prompts ({}): reward-model score SFT actor {:.3} -> {name} actor {:.3}; task score SFT {} -> {name} {}",
                 sft.get("prompts").and_then(|p| p.as_u64()).unwrap_or(0),
                 sft.get("reward_mean").and_then(|v| v.as_f64()).unwrap_or(f64::NAN),
                 ppo.get("reward_mean").and_then(|v| v.as_f64()).unwrap_or(f64::NAN),
                 task(sft),
                 task(ppo)
-            );
+            ));
         }
     }
     // Each step drew its curves beside its metrics.jsonl (`train plot` redraws them).
@@ -735,9 +758,9 @@ fn print_summary(output: &Path, steps: &[u32], algorithm: PipelineAlgorithm, dem
         .map(|p| p.display().to_string())
         .collect();
     if !curves.is_empty() {
-        println!("training curves: {}", curves.join(", "));
+        say(format!("training curves: {}", curves.join(", ")));
     }
-    Ok(())
+    Ok(lines)
 }
 
 /// DPO's held-out comparison (step 3 makes PPO's): the SFT and the DPO actor's greedy answers

@@ -9,3 +9,4 @@ pub mod launcher;
 pub mod nodes;
 pub mod plot;
 pub mod ranks;
+pub mod report;

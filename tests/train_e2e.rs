@@ -109,6 +109,27 @@ fn the_demo_lowers_perplexity_trains_an_accurate_reward_model_and_ppo_beats_sft(
     }
     assert!(replot_out.contains("Reward, KL to the reference, Clip fraction"), "{replot_out}");
 
+    // The run report: one file with the summary, each step's flags and curves (embedded), and
+    // the 58 held-out prompts with both actors' answers, marked by the task scorer.
+    let report = std::fs::read_to_string(out.join("report.md")).unwrap();
+    assert!(stdout.contains("run report: ") && report.starts_with("# RLHF run report"), "{stdout}");
+    assert!(report.contains("task score SFT") && report.contains("| 3 (PPO) |"), "{report}");
+    assert_eq!(report.matches("](data:image/png;base64,").count(), 3, "three steps' curves");
+    for step in ["Step 1 (SFT):", "Step 2 (reward model):", "Step 3 (PPO):"] {
+        let flags = report.split(step).nth(1).unwrap_or_else(|| panic!("{step} flags missing"));
+        assert!(flags.trim_start().starts_with("```\n") && flags.contains("--data-path demo"), "{step}");
+    }
+    let rows: Vec<&str> =
+        report.lines().filter(|l| l.starts_with("| ") && (l.contains(" | ✓ ") || l.contains(" | ✗ "))).collect();
+    assert_eq!(rows.len(), 58, "{report}");
+    let correct = |column: usize| rows.iter().filter(|r| r.split(" | ").nth(column).unwrap().starts_with('✓')).count();
+    let (sft_task, ppo_task) = (task(sft), task(ppo));
+    assert_eq!(
+        (correct(2) as f64 / 58.0, correct(3) as f64 / 58.0),
+        (sft_task, ppo_task),
+        "the marks are the task scores"
+    );
+
     // Each step's log holds its output; the models are HF directories the next tools read.
     let log = std::fs::read_to_string(out.join("actor/training.log")).unwrap();
     assert!(log.contains("Evaluating perplexity") && log.contains("saved the fine-tuned model"), "{log}");

@@ -12,7 +12,7 @@ pub const ENABLE_TENSORBOARD_ENV: &str = "RLHF_ENABLE_TENSORBOARD";
 pub struct LogArgs {
     /// Write TensorBoard event files: every metric of metrics.jsonl as a scalar, the command line
     /// as text (rank 0 only).
-    #[arg(long, alias = "enable_tensorboard", env = ENABLE_TENSORBOARD_ENV)]
+    #[arg(long, alias = "enable_tensorboard", env = ENABLE_TENSORBOARD_ENV, value_parser = clap::builder::FalseyValueParser::new())]
     pub enable_tensorboard: bool,
     /// The event files' directory (implies --enable-tensorboard; default: tensorboard/<name of
     /// the output directory> beside the output directory, so `tensorboard --logdir

@@ -14,6 +14,8 @@ use telemetry::plots::{plot_records, CURVES_FILE};
 use telemetry::tensorboard::{EventWriter, RecordScalars};
 
 pub const METRICS_FILE: &str = "metrics.jsonl";
+/// How a run's log line with its command line starts (rank 0 prints it when the log opens).
+pub const COMMAND_PREFIX: &str = "command: ";
 
 pub struct Metrics {
     path: PathBuf,
@@ -46,6 +48,9 @@ impl Metrics {
             file.set_len(0).with_context(|| format!("cannot start {} afresh", path.display()))?;
         }
         crate::durable::mark_live(&path);
+        // The run's flags, in its log (the run report of `train` quotes them).
+        let command: Vec<String> = std::env::args().collect();
+        println!("{COMMAND_PREFIX}{}", command.join(" "));
         let bar = std::io::stderr().is_terminal().then(|| {
             let bar = ProgressBar::new(total).with_position(done);
             bar.set_style(

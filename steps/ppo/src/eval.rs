@@ -26,6 +26,8 @@ pub struct PolicyEval {
     /// sampled per prompt (temperature 1) of their summed `log pi - log pi_ref`, an unbiased
     /// estimate of the sequence-level KL.
     pub kl_to_reference: f64,
+    /// The prompts, in order; `answers` are the greedy answers to them.
+    pub prompt_texts: Vec<String>,
     pub answers: Vec<String>,
 }
 
@@ -106,6 +108,7 @@ pub fn evaluate_policy(
         task_success: (known > 0).then(|| data::demo::task_success_rate(&pairs)),
         answer_len_mean: lengths.iter().sum::<usize>() as f64 / lengths.len().max(1) as f64,
         kl_to_reference: kl_sum / kl_answers.max(1) as f64,
+        prompt_texts: prompts.to_vec(),
         answers,
     })
 }

@@ -161,6 +161,14 @@ fn pretraining_lowers_the_loss_and_saves_a_hugging_face_checkpoint() {
     assert_eq!(lm_loss.len(), 60);
     assert_eq!(lm_loss[59], (60, l[&60] as f32));
     assert!(scalars.iter().any(|(s, t, _)| *s == 30 && t == "lm loss validation"), "{scalars:?}");
+    // RLHF_ENABLE_TENSORBOARD (how `train --enable-tensorboard` reaches the steps) turns it on
+    // at the default place, tensorboard/<name> beside the output directory; 0 or false is off.
+    for (value, on) in [("1", true), ("true", true), ("0", false), ("false", false)] {
+        let run = tmp.path().join(format!("env-{value}"));
+        let short = ["--train-iters", "2", "--eval-iters", "1", "--output-dir", run.to_str().unwrap()];
+        ok(&sft(&args(SMALL, &short), &[("RLHF_ENABLE_TENSORBOARD", value)]));
+        assert_eq!(tmp.path().join(format!("tensorboard/env-{value}")).is_dir(), on, "RLHF_ENABLE_TENSORBOARD={value}");
+    }
     // And the curves, beside metrics.jsonl (the loss scale of an fp32 run is not drawn).
     assert!(stdout.contains("training curves: ") && stdout.contains("LM loss, Learning rate, Throughput"), "{stdout}");
     assert!(out.join("curves.png").is_file());
