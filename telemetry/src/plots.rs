@@ -78,7 +78,9 @@ const PANELS: &[Panel] = &[
     ),
     panel("Entropy", "nats per token", &[("entropy", "actor")]),
     panel("Answer length", "tokens", &[("rollout/answer_len_mean", "rollout mean")]),
-    panel("Actor and critic loss", "loss", &[("actor_loss", "actor"), ("critic_loss", "critic")]),
+    panel("Actor loss", "loss", &[("actor_loss", "")]),
+    // (GRPO and RLOO have no critic, hence no panel.)
+    panel("Critic loss", "loss", &[("critic_loss", "")]),
     // Every run.
     exact("Learning rate", "learning rate", &[("lr", ""), ("actor_lr", "actor"), ("critic_lr", "critic")]),
     Panel {
@@ -292,14 +294,15 @@ mod tests {
             "Clip fraction",
             "Entropy",
             "Answer length",
-            "Actor and critic loss",
+            "Actor loss",
+            "Critic loss",
             "Learning rate",
             "Loss scale",
         ];
         assert_eq!(plotted.panels, want);
         let bytes = std::fs::read(&out).unwrap();
-        assert_eq!(png_size(&bytes), (2 * PANEL_WIDTH, 4 * PANEL_HEIGHT));
-        assert_eq!(plotted.size, (2 * PANEL_WIDTH, 4 * PANEL_HEIGHT));
+        assert_eq!(png_size(&bytes), (2 * PANEL_WIDTH, 5 * PANEL_HEIGHT));
+        assert_eq!(plotted.size, (2 * PANEL_WIDTH, 5 * PANEL_HEIGHT));
         // Not a blank canvas: drawn lines and text make many distinct bytes after compression.
         assert!(bytes.len() > 20_000, "{} bytes", bytes.len());
     }
