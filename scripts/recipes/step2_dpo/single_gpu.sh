@@ -12,11 +12,13 @@ DATA_CACHE="$(dirname -- "$OUTPUT")/data_files"
 
 case "$SIZE" in
   tiny)
-    # The demo: the embedded capitals pairs (2400 training pairs); a learning rate for a
-    # 7M-parameter model.
+    # The demo: the embedded capitals pairs (2400 training pairs), two epochs at a learning
+    # rate for a 7M-parameter model; beta 2: the easy (mistake, wrong city) pairs saturate the
+    # sigmoid within a few nats and the (capital, mistake) pairs take over (beta 0.1 raised the
+    # mistake; docs/RLHF-INVESTIGATION.md, section 8).
     ARGS=(--data-path demo --data-split 2,6,2 --max-seq-len 48
           --per-device-train-batch-size 16 --per-device-eval-batch-size 32
-          --learning-rate 2e-4 --num-train-epochs 1 --num-warmup-steps 10
+          --learning-rate 1e-4 --num-train-epochs 2 --num-warmup-steps 10 --beta 2.0
           --lr-scheduler-type cosine --dropout 0 --log-interval 50) ;;
   gpt2|gpt2-medium|gpt2-large|gpt2-xl|custom)
     ARGS=(--data-path Dahoas/rm-static --data-split 2,4,4 --max-seq-len 512
