@@ -1,7 +1,7 @@
 //! Training telemetry: every metric appended as one JSON object per line to `metrics.jsonl`
 //! (so a crashed run keeps what it logged) and, with `--enable-tensorboard`, as scalars to a
-//! TensorBoard event file; the run's curves as a PNG at its end; a Megatron-style text line per log interval, a progress bar only when
-//! stderr is a terminal, and the process's peak memory.
+//! TensorBoard event file; the run's curves as a PNG at its end; a Megatron-style text line per
+//! log interval, a progress bar only when stderr is a terminal, and the process's peak memory.
 //!
 //! Each line is written with a single `write` on a file opened for appending, so a crash leaves at
 //! worst a torn last line, never two records interleaved; [`read_records`] skips such a line.
@@ -89,6 +89,7 @@ impl Metrics {
         self.tensorboard = Some(Tensorboard { writer, scalars: RecordScalars::new(aliases, done as i64) });
         Ok(self)
     }
+
     /// Appends one record, as one line in one write.
     pub fn record(&mut self, value: serde_json::Value) -> Result<()> {
         let Some(file) = &mut self.file else { return Ok(()) };
