@@ -28,7 +28,8 @@ use std::time::Instant;
 #[command(
     args_override_self = true,
     name = "train",
-    about = "Run the RLHF pipeline, each step as its own process (with no arguments: the embedded CPU demo)"
+    about = "Run the RLHF pipeline, each step as its own process (with no arguments: the embedded CPU demo)",
+    after_help = "`train plot DIR` redraws the training curves (curves.png) of a step's output directory or of every step in a train output directory."
 )]
 pub struct TrainArgs {
     /// Steps to run (1: SFT, 2: reward model, 3: PPO).

@@ -23,7 +23,8 @@ fn main() {
         "reward" => reward::main_with_args(),
         "ppo" => ppo::main_with_args(),
         _ if std::env::args_os().nth(1).is_some_and(|a| a == "plot") => {
-            let args: rlhf::plot::PlotArgs = hybrid_engine::cli::parse_from_or_exit(std::env::args_os().skip(1));
+            let argv = std::iter::once("train plot".into()).chain(std::env::args_os().skip(2));
+            let args: rlhf::plot::PlotArgs = hybrid_engine::cli::parse_from_or_exit(argv);
             if let Err(e) = rlhf::plot::main(&args) {
                 hybrid_engine::cli::exit_with(e);
             }
