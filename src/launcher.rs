@@ -409,11 +409,11 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         };
         run_recipe(&script, plan, &bin_dir, setting, &ranks)?;
         let secs = t0.elapsed().as_secs();
-        println!("---=== Finished Step {} in {} ===---", plan.number, duration(secs));
+        println!("---=== Finished Step {} in {} ===---", plan.number, crate::report::duration(secs));
         let name = step_name(plan.number, args.algorithm);
         step_runs.push(crate::report::StepRun { number: plan.number, name, dir: plan.output.clone(), secs });
     }
-    println!("---=== Finished Steps {steps:?} in {} ===---", duration(started.elapsed().as_secs()));
+    println!("---=== Finished Steps {steps:?} in {} ===---", crate::report::duration(started.elapsed().as_secs()));
     let summary = print_summary(&args.output_dir, &steps, args.algorithm, demo)?;
     let chat_with = match (steps.contains(&3), dpo && steps.contains(&2)) {
         (true, _) => args.output_dir.join("step3/actor"),
@@ -440,11 +440,6 @@ fn step_name(number: u32, algorithm: PipelineAlgorithm) -> String {
         (2, _) => "reward model".into(),
         (_, algorithm) => algorithm.name().to_uppercase(),
     }
-}
-
-/// "1min 23s" (DS-Chat's e2e_rlhf.py duration format).
-fn duration(secs: u64) -> String {
-    format!("{}min {}s", secs / 60, secs % 60)
 }
 
 /// `<output>/.bin` with `sft` and `reward` linked to this executable, which dispatches on its

@@ -26,7 +26,7 @@ pub fn write_report(output: &Path, command: &[String], summary: &[String], steps
     let total: u64 = steps.iter().map(|s| s.secs).sum();
     let _ = writeln!(md, "# RLHF run report\n");
     let _ = writeln!(md, "`{}`  ", command.join(" "));
-    let _ = writeln!(md, "finished {} UTC, {} in all\n", utc_now(), minutes(total));
+    let _ = writeln!(md, "finished {} UTC, {} in all\n", utc_now(), duration(total));
 
     let _ = writeln!(md, "## Summary\n");
     for line in summary.iter().filter(|l| !l.starts_with("---")) {
@@ -34,7 +34,7 @@ pub fn write_report(output: &Path, command: &[String], summary: &[String], steps
     }
     let _ = writeln!(md, "\n| step | output | time |\n|---|---|---|");
     for s in steps {
-        let _ = writeln!(md, "| {} ({}) | `{}` | {} |", s.number, s.name, s.dir.display(), minutes(s.secs));
+        let _ = writeln!(md, "| {} ({}) | `{}` | {} |", s.number, s.name, s.dir.display(), duration(s.secs));
     }
 
     let _ = writeln!(md, "\n## Training curves\n");
@@ -112,7 +112,8 @@ fn cell(text: &str) -> String {
     text.split_whitespace().collect::<Vec<_>>().join(" ").replace('|', "\\|")
 }
 
-fn minutes(secs: u64) -> String {
+/// "1min 23s" (DS-Chat's e2e_rlhf.py duration format), as the launcher prints step times.
+pub fn duration(secs: u64) -> String {
     format!("{}min {}s", secs / 60, secs % 60)
 }
 

@@ -49,8 +49,7 @@ impl Metrics {
         }
         crate::durable::mark_live(&path);
         // The run's flags, in its log (the run report of `train` quotes them).
-        let command: Vec<String> = std::env::args().collect();
-        println!("{COMMAND_PREFIX}{}", command.join(" "));
+        println!("{COMMAND_PREFIX}{}", command_line());
         let bar = std::io::stderr().is_terminal().then(|| {
             let bar = ProgressBar::new(total).with_position(done);
             bar.set_style(
@@ -83,8 +82,7 @@ impl Metrics {
     ) -> Result<Self> {
         let (Some(dir), Some(_)) = (dir, &self.file) else { return Ok(self) };
         let mut writer = EventWriter::create(dir)?;
-        let command: Vec<String> = std::env::args().collect();
-        writer.text(done as i64, "flags", &format!("```\n{}\n```", command.join(" ")))?;
+        writer.text(done as i64, "flags", &format!("```\n{}\n```", command_line()))?;
         self.println(&format!("TensorBoard: {}", writer.path().display()));
         self.tensorboard = Some(Tensorboard { writer, scalars: RecordScalars::new(aliases, done as i64) });
         Ok(self)
@@ -145,6 +143,11 @@ impl Metrics {
             bar.finish_and_clear();
         }
     }
+}
+
+/// This process's arguments, as one line.
+fn command_line() -> String {
+    std::env::args().collect::<Vec<_>>().join(" ")
 }
 
 /// The records of a `metrics.jsonl`. A last line that is not valid JSON and has no newline is
