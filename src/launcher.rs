@@ -29,7 +29,7 @@ use std::time::Instant;
     args_override_self = true,
     name = "train",
     about = "Run the RLHF pipeline, each step as its own process (with no arguments: the embedded CPU demo)",
-    after_help = "`train plot DIR` redraws the training curves (curves.png) of a step's output directory or of every step in a train output directory."
+    after_help = "`train plot DIR` redraws the training curves (curves.png) of a step's output directory or of every step in a train output directory. `train wandb-sync DIR` uploads the wandb runs kept on disk (WANDB_MODE=offline, or rows an unreachable service missed)."
 )]
 pub struct TrainArgs {
     /// Steps to run (1: SFT, 2: reward model, 3: PPO).
@@ -76,6 +76,24 @@ pub struct TrainArgs {
     /// (`tensorboard --logdir output/tensorboard`); the steps get it as RLHF_ENABLE_TENSORBOARD.
     #[arg(long, alias = "enable_tensorboard")]
     pub enable_tensorboard: bool,
+    /// Every step streams its metrics to wandb, one wandb run per step (the steps get it as
+    /// RLHF_ENABLE_WANDB; wandb's own variables, WANDB_API_KEY, WANDB_MODE, ..., reach them as
+    /// they are). Runs kept on disk are uploaded later with `train wandb-sync output/wandb`.
+    #[arg(long, alias = "enable_wandb")]
+    pub enable_wandb: bool,
+    /// The wandb project of every step (implies --enable-wandb; the steps get it as WANDB_PROJECT).
+    #[arg(long, alias = "wandb_project")]
+    pub wandb_project: Option<String>,
+    /// The wandb entity of every step (the steps get it as WANDB_ENTITY).
+    #[arg(long, alias = "wandb_entity")]
+    pub wandb_entity: Option<String>,
+    /// The steps' runs are named <this>-actor, <this>-reward, <this>-step3 and grouped under it
+    /// (unless --wandb-group names the group).
+    #[arg(long, alias = "wandb_run_name")]
+    pub wandb_run_name: Option<String>,
+    /// The wandb group of the steps' runs (the steps get it as WANDB_RUN_GROUP).
+    #[arg(long, alias = "wandb_group")]
+    pub wandb_group: Option<String>,
     #[arg(long, default_value = "output", alias = "output_dir")]
     pub output_dir: PathBuf,
     /// single_node: ranks (processes) per step (DeepSpeed's --num_gpus). Default: every visible
@@ -212,6 +230,7 @@ struct StepPlan {
 
 pub fn run(args: &TrainArgs) -> Result<()> {
     hybrid_engine::device::check_device(&args.device)?;
+    let wandb = WandbPass::of(args)?;
     if args.pretrain_demo {
         return pretrain_demo(args);
     }
@@ -406,6 +425,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
             algorithm: args.algorithm,
             seed: args.seed,
             tensorboard: args.enable_tensorboard,
+            wandb: wandb.as_ref(),
         };
         run_recipe(&script, plan, &bin_dir, setting, &ranks)?;
         let secs = t0.elapsed().as_secs();
@@ -422,6 +442,12 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     };
     if args.enable_tensorboard {
         println!("TensorBoard: tensorboard --logdir {}", args.output_dir.join("tensorboard").display());
+    }
+    if wandb.is_some() {
+        println!(
+            "wandb: each step's rows are kept in {} (upload what the service missed: train wandb-sync {0})",
+            args.output_dir.join("wandb").display()
+        );
     }
     let command: Vec<String> = std::env::args().collect();
     let report = crate::report::write_report(&args.output_dir, &command, &summary, &step_runs)?;
@@ -592,6 +618,77 @@ struct StepSetting<'a> {
     algorithm: PipelineAlgorithm,
     seed: u64,
     tensorboard: bool,
+    wandb: Option<&'a WandbPass>,
+}
+
+/// `train`'s wandb flags, passed to every step as wandb's environment variables.
+#[derive(Debug)]
+struct WandbPass {
+    project: Option<String>,
+    entity: Option<String>,
+    run_name: Option<String>,
+    group: Option<String>,
+}
+
+impl WandbPass {
+    /// `None` when wandb is off. Checks what every step would (the key, WANDB_MODE) before
+    /// the first step starts.
+    fn of(args: &TrainArgs) -> Result<Option<Self>> {
+        if !args.enable_wandb && args.wandb_project.is_none() {
+            hybrid_engine::telemetry::wandb::refuse_flags_when_off(&[
+                ("--wandb-entity", args.wandb_entity.is_some()),
+                ("--wandb-run-name", args.wandb_run_name.is_some()),
+                ("--wandb-group", args.wandb_group.is_some()),
+            ])?;
+            return Ok(None);
+        }
+        if std::env::var_os("WANDB_RUN_ID").is_some_and(|v| !v.is_empty()) {
+            bail!("WANDB_RUN_ID names one wandb run, and train makes one per step: unset it (a resumed step continues its own run)");
+        }
+        let flags =
+            hybrid_engine::telemetry::wandb::Flags { project: args.wandb_project.clone(), ..Default::default() };
+        let home = std::env::var_os("HOME").map(PathBuf::from);
+        hybrid_engine::telemetry::wandb::Settings::resolve(
+            &flags,
+            &args.output_dir,
+            |n| std::env::var(n).ok(),
+            home.as_deref(),
+        )?;
+        Ok(Some(Self {
+            project: args.wandb_project.clone(),
+            entity: args.wandb_entity.clone(),
+            run_name: args.wandb_run_name.clone(),
+            group: args.wandb_group.clone().or_else(|| args.wandb_run_name.clone()),
+        }))
+    }
+
+    /// The variables of the step writing to `output`.
+    fn env(&self, output: &Path) -> Vec<(&'static str, String)> {
+        let mut env = vec![(hybrid_engine::cli::log_args::ENABLE_WANDB_ENV, "true".to_string())];
+        env.extend(self.project.clone().map(|p| ("WANDB_PROJECT", p)));
+        env.extend(self.entity.clone().map(|e| ("WANDB_ENTITY", e)));
+        env.extend(self.group.clone().map(|g| ("WANDB_RUN_GROUP", g)));
+        if let (Some(name), Some(dir)) = (&self.run_name, output.file_name()) {
+            env.push(("WANDB_NAME", format!("{name}-{}", dir.to_string_lossy())));
+        }
+        env
+    }
+
+    /// The same settings as flags (the pretraining demo runs in this process).
+    fn flags(&self) -> Vec<String> {
+        let mut flags = vec!["--enable-wandb".to_string()];
+        for (flag, value) in [
+            ("--wandb-project", &self.project),
+            ("--wandb-entity", &self.entity),
+            ("--wandb-run-name", &self.run_name),
+            ("--wandb-group", &self.group),
+        ] {
+            if let Some(v) = value {
+                flags.extend([flag.to_string(), v.clone()]);
+            }
+        }
+        flags
+    }
 }
 
 /// Runs one step's recipe with bash, its output copied to the terminal and to training.log;
@@ -599,7 +696,7 @@ struct StepSetting<'a> {
 /// `--inference-tp-size`) reach the step binaries as the defaults of their flags, `ranks` as the variables src/ranks.rs and
 /// src/nodes.rs read.
 fn run_recipe(script: &str, plan: &StepPlan, bin_dir: &Path, setting: StepSetting, ranks: &Ranks) -> Result<()> {
-    let StepSetting { device, dtype, tp, inference_tp, algorithm, seed, tensorboard } = setting;
+    let StepSetting { device, dtype, tp, inference_tp, algorithm, seed, tensorboard, wandb } = setting;
     std::fs::create_dir_all(&plan.output).with_context(|| format!("cannot create {}", plan.output.display()))?;
     let log_path = plan.output.join("training.log");
     let mut log = std::fs::File::create(&log_path).with_context(|| format!("cannot create {}", log_path.display()))?;
@@ -618,6 +715,10 @@ fn run_recipe(script: &str, plan: &StepPlan, bin_dir: &Path, setting: StepSettin
     match tensorboard {
         true => cmd.env(hybrid_engine::cli::log_args::ENABLE_TENSORBOARD_ENV, "true"),
         false => cmd.env_remove(hybrid_engine::cli::log_args::ENABLE_TENSORBOARD_ENV),
+    };
+    match wandb {
+        Some(wandb) => cmd.envs(wandb.env(&plan.output)),
+        None => cmd.env_remove(hybrid_engine::cli::log_args::ENABLE_WANDB_ENV),
     };
     match ranks {
         Ranks::One => cmd.env(crate::ranks::NPROC_ENV, "1"),
@@ -830,6 +931,8 @@ fn pretrain_demo(args: &TrainArgs) -> Result<()> {
 /// launcher's --device and in its --dtype.
 fn pretrain_demo_args(args: &TrainArgs, out: &Path, iters: u64) -> sft::pretrain_args::PretrainArgs {
     let tensorboard = args.enable_tensorboard.then(|| "--enable-tensorboard".to_string());
+    // `run` has checked the wandb flags.
+    let wandb = WandbPass::of(args).ok().flatten().map_or_else(Vec::new, |w| w.flags());
     sft::pretrain_args::PretrainArgs::parse_from(
         [
             "sft".to_string(),
@@ -856,7 +959,8 @@ fn pretrain_demo_args(args: &TrainArgs, out: &Path, iters: u64) -> sft::pretrain
             args.dtype.name().into(),
         ]
         .into_iter()
-        .chain(tensorboard),
+        .chain(tensorboard)
+        .chain(wandb),
     )
 }
 

@@ -10,3 +10,4 @@ pub mod nodes;
 pub mod plot;
 pub mod ranks;
 pub mod report;
+pub mod wandb_sync;

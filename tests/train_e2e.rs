@@ -6,7 +6,16 @@ use std::path::Path;
 use std::process::{Command, Output};
 
 fn train(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_train")).args(args).output().expect("spawn train")
+    train_env(args, &[])
+}
+
+/// `train` with these variables, and none of the machine user's wandb settings.
+fn train_env(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_train"));
+    for (k, _) in std::env::vars().filter(|(k, _)| k.starts_with("WANDB_") || k == "RLHF_ENABLE_WANDB") {
+        cmd.env_remove(k);
+    }
+    cmd.args(args).envs(env.iter().copied()).output().expect("spawn train")
 }
 
 fn json(path: &Path) -> serde_json::Value {
@@ -14,15 +23,25 @@ fn json(path: &Path) -> serde_json::Value {
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
-/// The demo itself, as `train` runs it with no arguments (here into a temporary directory, and
-/// with --enable-tensorboard, which adds event files and changes nothing else).
+/// The demo itself, as `train` runs it with no arguments (here into a temporary directory, with
+/// --enable-tensorboard and offline --enable-wandb, which add event files and wandb rows and
+/// change nothing else).
 #[test]
 fn the_demo_lowers_perplexity_trains_an_accurate_reward_model_and_ppo_beats_sft() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("output");
-    let run = train(&["--output-dir", out.to_str().unwrap(), "--enable-tensorboard"]);
+    let home = dir.path().to_str().unwrap();
+    let run = train_env(
+        &["--output-dir", out.to_str().unwrap(), "--enable-tensorboard", "--enable-wandb", "--wandb-run-name", "demo"],
+        &[("WANDB_MODE", "offline"), ("HOME", home)],
+    );
     let stdout = String::from_utf8_lossy(&run.stdout).to_string();
     assert!(run.status.success(), "demo failed:\n{stdout}\n{}", String::from_utf8_lossy(&run.stderr));
+    // Piped output gets log lines, never bar drawing (carriage returns, escape sequences).
+    let stderr = String::from_utf8_lossy(&run.stderr).to_string();
+    for (name, text) in [("stdout", &stdout), ("stderr", &stderr)] {
+        assert!(!text.contains('\r') && !text.contains('\x1b'), "progress drawn into piped {name}");
+    }
     for line in [
         "---=== Running Step 1 ===---",
         "---=== Finished Step 1 in",
@@ -77,6 +96,41 @@ fn the_demo_lowers_perplexity_trains_an_accurate_reward_model_and_ppo_beats_sft(
         assert!(scalars.len() > 100, "{step}: {} scalars", scalars.len());
     }
     assert!(stdout.contains("TensorBoard: tensorboard --logdir"), "{stdout}");
+
+    // --enable-wandb reached every step too: one wandb run each, named after the train run and
+    // grouped under it, finished, holding the same scalars (a wandb row's keys are in name
+    // order, so both sides are sorted). Without a key, `train wandb-sync` is one error line.
+    let sorted = |mut v: Vec<(i64, String, f32)>| {
+        v.sort_by(|a, b| (a.0, &a.1).cmp(&(b.0, &b.1)).then(a.2.total_cmp(&b.2)));
+        v
+    };
+    for (step, aliases) in [("actor", &[][..]), ("reward", &[]), ("step3", DS_CHAT_STEP3_TAGS)] {
+        let wandb = out.join("wandb").join(step);
+        let run_dir = wandb.join(std::fs::read_to_string(wandb.join("latest-run")).unwrap().trim());
+        let record = json(&run_dir.join("run.json"));
+        assert_eq!(record["display_name"], format!("demo-{step}").as_str());
+        assert_eq!((record["group"].as_str(), record["exit_code"].as_i64()), (Some("demo"), Some(0)), "{record}");
+        let mut rows = Vec::new();
+        for line in std::fs::read_to_string(run_dir.join("history.jsonl")).unwrap().lines() {
+            let row: serde_json::Map<String, serde_json::Value> = serde_json::from_str(line).unwrap();
+            let at = row["_step"].as_i64().unwrap();
+            rows.extend(
+                row.iter()
+                    .filter(|(k, _)| !k.starts_with('_'))
+                    .map(|(k, v)| (at, k.clone(), v.as_f64().unwrap() as f32)),
+            );
+        }
+        let records = hybrid_engine::training::metrics::read_records(&out.join(step).join("metrics.jsonl")).unwrap();
+        assert!(
+            sorted(rows) == sorted(scalars_of_records(&records, aliases, 0)),
+            "{step}: wandb rows differ from metrics.jsonl"
+        );
+    }
+    assert!(stdout.contains("wandb: each step's rows are kept in"), "{stdout}");
+    let sync = train_env(&["wandb-sync", out.join("wandb").to_str().unwrap()], &[("HOME", home)]);
+    let stderr = String::from_utf8_lossy(&sync.stderr).to_string();
+    assert_eq!((sync.status.code(), stderr.lines().count()), (Some(2), 1), "{stderr}");
+    assert!(stderr.contains("WANDB_API_KEY"), "{stderr}");
 
     // Each step drew its curves beside its metrics.jsonl: PNGs of 2 panels per row, 640 x 400
     // each (step 1: loss, perplexity, learning rate, throughput; step 2: + accuracy and margin;
@@ -188,5 +242,22 @@ fn unsupported_requests_are_one_clear_error_line() {
     check(&["--algorithm", "sac"], &["sac"]);
     check(&["--algorithm", "dpo", "--reward-zero-stage", "2"], &["--reward-zero-stage", "dpo"]);
     check(&["--algorithm", "grpo", "--step", "3", "--reward-zero-stage", "2"], &["--reward-zero-stage", "grpo"]);
+    // wandb: a setting without wandb on; no key; one run id for three runs.
+    check(&["--wandb-group", "g"], &["--wandb-group", "--enable-wandb"]);
+    let home = dir.path().to_str().unwrap();
+    let refused = |args: &[&str], env: &[(&str, &str)], want: &[&str]| {
+        let run = train_env(&[&["--output-dir", out][..], args].concat(), &[&[("HOME", home)][..], env].concat());
+        let stderr = String::from_utf8_lossy(&run.stderr).to_string();
+        assert_eq!((run.status.code(), stderr.lines().count()), (Some(2), 1), "{args:?}: {stderr}");
+        for w in want {
+            assert!(stderr.contains(w), "{args:?}: want {w:?} in {stderr}");
+        }
+    };
+    refused(&["--enable-wandb"], &[], &["WANDB_API_KEY"]);
+    refused(
+        &["--wandb-project", "p"],
+        &[("WANDB_MODE", "offline"), ("WANDB_RUN_ID", "abc")],
+        &["WANDB_RUN_ID", "unset it"],
+    );
     assert!(!Path::new(out).join("actor").exists(), "a refused run creates no step output");
 }

@@ -263,7 +263,13 @@ fn download_snapshot(
             .join(Repo::with_revision(id.to_string(), RepoType::Dataset, revision.into()).folder_name());
         let cached_commit = std::fs::read_to_string(repo_dir.join("refs").join(revision)).unwrap_or_default();
         let reuse = cached_commit.trim() == info.sha;
+        let cache = access.cache.repo(Repo::with_revision(id.to_string(), RepoType::Dataset, revision.into()));
         let fetch = |file: &String| -> Result<PathBuf> {
+            // On a terminal hf-hub draws a bar; a log gets a line.
+            let cached = reuse && cache.get(file).is_some();
+            if !access.progress && !cached {
+                println!("downloading {file} of hub dataset {id} from {endpoint}");
+            }
             let got = if reuse { repo.get(file) } else { repo.download(file) };
             got.map_err(|e| {
                 anyhow!(

@@ -92,14 +92,22 @@ impl Tokenizer {
         Ok(encoding.get_ids().to_vec())
     }
 
-    /// Token ids of each text, encoded in parallel by HF tokenizers.
+    /// Token ids of each text, encoded in parallel by HF tokenizers, a chunk at a time so that
+    /// a long corpus shows its progress.
     pub fn encode_batch(&self, texts: &[String]) -> Result<Vec<Vec<u32>>> {
-        let inputs: Vec<&str> = texts.iter().map(String::as_str).collect();
-        let encodings = self
-            .inner
-            .encode_batch(inputs, false)
-            .map_err(|e| anyhow!("tokenizing a batch of {} texts failed: {e}", texts.len()))?;
-        Ok(encodings.iter().map(|e| e.get_ids().to_vec()).collect())
+        const CHUNK: usize = 4096;
+        let mut progress = telemetry::progress::Phase::start("tokenizing", "texts", texts.len() as u64);
+        let mut ids = Vec::with_capacity(texts.len());
+        for chunk in texts.chunks(CHUNK) {
+            let inputs: Vec<&str> = chunk.iter().map(String::as_str).collect();
+            let encodings = self
+                .inner
+                .encode_batch(inputs, false)
+                .map_err(|e| anyhow!("tokenizing a batch of {} texts failed: {e}", chunk.len()))?;
+            ids.extend(encodings.iter().map(|e| e.get_ids().to_vec()));
+            progress.inc(chunk.len() as u64);
+        }
+        Ok(ids)
     }
 
     /// Text of `ids`, keeping special tokens so that `decode(encode(s)) == s`.

@@ -1,6 +1,7 @@
 //! `train`: see `rlhf::launcher`. The same executable is also `sft`, `reward` and `ppo` when invoked under
 //! those names (the launcher links them into `<output>/.bin`), so the whole pipeline is one binary.
-//! `train plot DIR` redraws a run's training curves (`rlhf::plot`).
+//! `train plot DIR` redraws a run's training curves (`rlhf::plot`); `train wandb-sync DIR` uploads
+//! the wandb runs kept on disk (`rlhf::wandb_sync`).
 
 fn main() {
     hybrid_engine::runtime::init();
@@ -26,6 +27,13 @@ fn main() {
             let argv = std::iter::once("train plot".into()).chain(std::env::args_os().skip(2));
             let args: rlhf::plot::PlotArgs = hybrid_engine::cli::parse_from_or_exit(argv);
             if let Err(e) = rlhf::plot::main(&args) {
+                hybrid_engine::cli::exit_with(e);
+            }
+        }
+        _ if std::env::args_os().nth(1).is_some_and(|a| a == "wandb-sync") => {
+            let argv = std::iter::once("train wandb-sync".into()).chain(std::env::args_os().skip(2));
+            let args: rlhf::wandb_sync::WandbSyncArgs = hybrid_engine::cli::parse_from_or_exit(argv);
+            if let Err(e) = rlhf::wandb_sync::main(&args) {
                 hybrid_engine::cli::exit_with(e);
             }
         }

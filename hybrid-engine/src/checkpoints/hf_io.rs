@@ -128,10 +128,15 @@ fn hub_snapshot(id: &str) -> Result<PathBuf> {
     if offline {
         bail!("{hint}, and HF_HUB_OFFLINE is set: download it while online or pass a local directory");
     }
+    let on_terminal = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let api = hf_hub::api::sync::ApiBuilder::from_cache(cache.clone())
-        .with_progress(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_progress(on_terminal)
         .build()
         .map_err(|e| anyhow!("{hint}, and the hub client failed to start: {e}"))?;
+    // On a terminal hf-hub draws a bar per file; a log gets a line.
+    if !on_terminal {
+        println!("downloading model {id} from the Hugging Face hub into {}", cache.path().display());
+    }
     let repo = api.model(id.to_string());
     let config = repo.get(CONFIG).map_err(|e| {
         anyhow!("{hint}, and downloading it failed ({e}): check the id and your network, or pass a local directory")

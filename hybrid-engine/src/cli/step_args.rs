@@ -130,6 +130,7 @@ impl StepArgs {
             bail!("--zero-stage {} does not exist: use 0, 1, 2 or 3", self.zero_stage);
         }
         self.precision.validate()?;
+        self.log.validate()?;
         if let Some(lora) = self.lora() {
             lora.validate()?;
         } else if self.only_optimize_lora {

@@ -1,17 +1,19 @@
 //! Training telemetry: every metric appended as one JSON object per line to `metrics.jsonl`
 //! (so a crashed run keeps what it logged) and, with `--enable-tensorboard`, as scalars to a
-//! TensorBoard event file; the run's curves as a PNG at its end; a Megatron-style text line per
+//! TensorBoard event file, with `--enable-wandb` as a wandb history row; the run's curves as a
+//! PNG at its end; a Megatron-style text line per
 //! log interval, a progress bar only when stderr is a terminal, and the process's peak memory.
 //!
 //! Each line is written with a single `write` on a file opened for appending, so a crash leaves at
 //! worst a torn last line, never two records interleaved; [`read_records`] skips such a line.
 
 use anyhow::{Context, Result};
-use indicatif::{ProgressBar, ProgressStyle};
-use std::io::{IsTerminal, Write};
+use indicatif::ProgressBar;
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use telemetry::plots::{plot_records, CURVES_FILE};
 use telemetry::tensorboard::{EventWriter, RecordScalars};
+use telemetry::wandb::{Settings as WandbSettings, WandbRun};
 
 pub const METRICS_FILE: &str = "metrics.jsonl";
 /// How a run's log line with its command line starts (rank 0 prints it when the log opens).
@@ -22,13 +24,18 @@ pub struct Metrics {
     /// `None` on the ranks other than 0: they log nothing (rank 0 logs for the group).
     file: Option<std::fs::File>,
     bar: Option<ProgressBar>,
-    tensorboard: Option<Tensorboard>,
+    /// The scalars and step of each record, for the sinks below (`None` without any).
+    scalars: Option<RecordScalars>,
+    tensorboard: Option<EventWriter>,
+    wandb: Option<WandbRun>,
 }
 
-/// The event file every record also goes to, and the steps of the records.
-struct Tensorboard {
-    writer: EventWriter,
-    scalars: RecordScalars,
+/// Where a run's records go besides metrics.jsonl (the `LogArgs` flags resolved).
+#[derive(Default)]
+pub struct Sinks {
+    /// The TensorBoard event files' directory.
+    pub tensorboard: Option<PathBuf>,
+    pub wandb: Option<WandbSettings>,
 }
 
 impl Metrics {
@@ -50,15 +57,12 @@ impl Metrics {
         crate::durable::mark_live(&path);
         // The run's flags, in its log (the run report of `train` quotes them).
         println!("{COMMAND_PREFIX}{}", command_line());
-        let bar = std::io::stderr().is_terminal().then(|| {
-            let bar = ProgressBar::new(total).with_position(done);
-            bar.set_style(
-                ProgressStyle::with_template("{bar:40} {pos}/{len} iters [{elapsed_precise} < {eta_precise}] {msg}")
-                    .expect("valid template"),
-            );
-            bar
-        });
-        Ok(Self { path, file: Some(file), bar, tensorboard: None })
+        let bar = telemetry::progress::bar(
+            total,
+            done,
+            "{bar:40} {pos}/{len} iters [{elapsed_precise} < {eta_precise}] {msg}",
+        );
+        Ok(Self { path, file: Some(file), bar, scalars: None, tensorboard: None, wandb: None })
     }
 
     /// [`Self::open`] on rank 0; on the other ranks a log that records and prints nothing.
@@ -66,25 +70,47 @@ impl Metrics {
         if rank == 0 {
             Self::open(dir, total, done)
         } else {
-            Ok(Self { path: dir.join(METRICS_FILE), file: None, bar: None, tensorboard: None })
+            Ok(Self {
+                path: dir.join(METRICS_FILE),
+                file: None,
+                bar: None,
+                scalars: None,
+                tensorboard: None,
+                wandb: None,
+            })
         }
     }
 
-    /// Also writes every record to a new TensorBoard event file in `dir` (when `Some`; rank 0
-    /// only), as scalars under the record's keys and the `aliases` other systems use for them
-    /// (`telemetry::tensorboard::MEGATRON_TAGS`, ...), with the command line as text. A resumed
-    /// run continues at `done` (the x axis is the step, or pretraining's iteration).
-    pub fn with_tensorboard(
+    /// Also sends every record to the `sinks` (rank 0 only): a new TensorBoard event file in
+    /// its directory, with the command line as text; a wandb run (a resumed run, `done > 0`,
+    /// continues the wandb run of its first attempt), with the command line as its config. Both
+    /// get the record's scalars under its keys and the `aliases` other systems use for them
+    /// (`telemetry::tensorboard::MEGATRON_TAGS`, ...), at the record's step (or pretraining's
+    /// iteration); a resumed run continues at `done`.
+    pub fn with_sinks(
         mut self,
-        dir: Option<&Path>,
+        sinks: Sinks,
         aliases: &'static [(&'static str, &'static str, f64)],
         done: u64,
     ) -> Result<Self> {
-        let (Some(dir), Some(_)) = (dir, &self.file) else { return Ok(self) };
-        let mut writer = EventWriter::create(dir)?;
-        writer.text(done as i64, "flags", &format!("```\n{}\n```", command_line()))?;
-        self.println(&format!("TensorBoard: {}", writer.path().display()));
-        self.tensorboard = Some(Tensorboard { writer, scalars: RecordScalars::new(aliases, done as i64) });
+        if self.file.is_none() || (sinks.tensorboard.is_none() && sinks.wandb.is_none()) {
+            return Ok(self);
+        }
+        if let Some(dir) = &sinks.tensorboard {
+            let mut writer = EventWriter::create(dir)?;
+            writer.text(done as i64, "flags", &format!("```\n{}\n```", command_line()))?;
+            self.println(&format!("TensorBoard: {}", writer.path().display()));
+            self.tensorboard = Some(writer);
+        }
+        if let Some(settings) = &sinks.wandb {
+            let args: Vec<String> = std::env::args().collect();
+            let config = telemetry::wandb::config_of_args(&args);
+            let policy = telemetry::wandb::policy_from_env()?;
+            // The upload thread's messages, above the progress bars.
+            let say: telemetry::wandb::stream::Say = std::sync::Arc::new(telemetry::progress::eprintln);
+            self.wandb = WandbRun::start(settings, done > 0, config, policy, say)?;
+        }
+        self.scalars = Some(RecordScalars::new(aliases, done as i64));
         Ok(self)
     }
 
@@ -92,18 +118,26 @@ impl Metrics {
     pub fn record(&mut self, value: serde_json::Value) -> Result<()> {
         let Some(file) = &mut self.file else { return Ok(()) };
         file.write_all(format!("{value}\n").as_bytes()).with_context(|| format!("writing {}", self.path.display()))?;
-        if let Some(tb) = &mut self.tensorboard {
-            let (step, scalars) = tb.scalars.of(&value);
-            tb.writer.scalars(step, &scalars)?;
+        let Some(steps) = &mut self.scalars else { return Ok(()) };
+        let (step, scalars) = steps.of(&value);
+        if let Some(writer) = &mut self.tensorboard {
+            writer.scalars(step, &scalars)?;
+        }
+        if let Some(wandb) = &mut self.wandb {
+            wandb.log(step, &scalars)?;
         }
         Ok(())
     }
 
-    /// Appends the run's last record, then draws its curves ([`CURVES_FILE`] beside
+    /// Appends the run's last record, finishes the wandb run (exit code 0; a `Metrics` dropped
+    /// without `end` marks it failed), then draws its curves ([`CURVES_FILE`] beside
     /// metrics.jsonl) from every record the file holds, a resumed run's earlier ones included. A
     /// drawing failure is a warning: the run itself has succeeded.
     pub fn end(&mut self, value: serde_json::Value) -> Result<()> {
         self.record(value)?;
+        if let Some(wandb) = &mut self.wandb {
+            wandb.finish(0)?;
+        }
         if self.file.is_none() {
             return Ok(());
         }
@@ -125,10 +159,7 @@ impl Metrics {
         if self.file.is_none() {
             return;
         }
-        match &self.bar {
-            Some(bar) => bar.suspend(|| println!("{line}")),
-            None => println!("{line}"),
-        }
+        telemetry::progress::println(line);
     }
 
     pub fn advance(&self, message: String) {
@@ -140,7 +171,7 @@ impl Metrics {
 
     pub fn finish(&self) {
         if let Some(bar) = &self.bar {
-            bar.finish_and_clear();
+            telemetry::progress::remove(bar);
         }
     }
 }

@@ -279,6 +279,7 @@ impl PpoArgs {
         }
         self.refuse_critic_flags_without_a_critic()?;
         self.precision.validate()?;
+        self.log.validate()?;
         self.data.refuse_sft_only_data("PPO's step 3")?;
         if self.align_overflow && self.precision.dtype != Dtype::Fp16 {
             bail!(

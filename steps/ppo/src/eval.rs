@@ -53,7 +53,13 @@ pub fn evaluate_policy(
     let sampling = SamplingConfig::greedy(max_answer, Some(eos), eos, tok.vocab_size().min(actor.cfg.vocab_size));
     let (mut scores, mut answers, mut lengths) = (Vec::new(), Vec::new(), Vec::new());
     let (mut kl_sum, mut kl_answers) = (0f64, 0usize);
+    let mut progress = hybrid_engine::telemetry::progress::Phase::start(
+        "answering the held-out prompts",
+        "prompts",
+        prompts.len() as u64,
+    );
     for (c, chunk) in prompts.chunks(batch_size).enumerate() {
+        progress.inc(chunk.len() as u64);
         let ids: Vec<Vec<u32>> = chunk.iter().map(|p| tok.encode(p)).collect::<Result<_>>()?;
         let ids: Vec<Vec<u32>> = ids
             .into_iter()

@@ -365,9 +365,8 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
 
     let total_rollouts = (args.num_train_epochs * rollouts_per_epoch) as u64;
     let done = resume.as_ref().map_or(0, |ck| ck.state.step);
-    let tensorboard = args.log.tensorboard_dir(&args.output_dir);
-    let mut metrics = Metrics::for_rank(rank, &args.output_dir, total_rollouts, done)?.with_tensorboard(
-        tensorboard.as_deref(),
+    let mut metrics = Metrics::for_rank(rank, &args.output_dir, total_rollouts, done)?.with_sinks(
+        args.log.sinks(&args.output_dir)?,
         hybrid_engine::telemetry::tensorboard::DS_CHAT_STEP3_TAGS,
         done,
     )?;

@@ -250,9 +250,8 @@ pub fn run(args: &RewardArgs) -> Result<DpoSummary> {
         TrainedModel::Whole { .. } => (params, trainable),
         TrainedModel::Sharded(_) => (ParamStore::default(), ParamStore::default()),
     };
-    let tensorboard = args.train.log.tensorboard_dir(&args.output_dir);
-    let mut metrics = Metrics::for_rank(group.rank(), &args.output_dir, steps, 0)?.with_tensorboard(
-        tensorboard.as_deref(),
+    let mut metrics = Metrics::for_rank(group.rank(), &args.output_dir, steps, 0)?.with_sinks(
+        args.train.log.sinks(&args.output_dir)?,
         &[],
         0,
     )?;
@@ -266,7 +265,9 @@ pub fn run(args: &RewardArgs) -> Result<DpoSummary> {
         let forwards = data.eval.len().div_ceil(world).div_ceil(t.per_device_eval_batch_size);
         let chunks: Vec<&[&PairSample]> = share.chunks(t.per_device_eval_batch_size).collect();
         let mut sums = DpoSums::default();
+        let mut progress = hybrid_engine::telemetry::progress::Phase::start("evaluating", "batches", forwards as u64);
         for k in 0..forwards {
+            progress.inc(1);
             let (chunk, real) = match chunks.get(k) {
                 Some(c) => (*c, true),
                 None => (std::slice::from_ref(&filler), false),

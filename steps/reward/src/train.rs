@@ -135,9 +135,8 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
         TrainedModel::Whole { .. } => (params, trainable),
         TrainedModel::Sharded(_) => (ParamStore::default(), ParamStore::default()),
     };
-    let tensorboard = args.train.log.tensorboard_dir(&args.output_dir);
-    let mut metrics = Metrics::for_rank(group.rank(), &args.output_dir, steps, 0)?.with_tensorboard(
-        tensorboard.as_deref(),
+    let mut metrics = Metrics::for_rank(group.rank(), &args.output_dir, steps, 0)?.with_sinks(
+        args.train.log.sinks(&args.output_dir)?,
         &[],
         0,
     )?;
@@ -295,7 +294,9 @@ pub fn pair_scores(
         TrainedModel::Sharded(_) => chunks.len().max(batches),
         TrainedModel::Whole { .. } => chunks.len(),
     };
+    let mut progress = hybrid_engine::telemetry::progress::Phase::start("scoring pairs", "batches", forwards as u64);
     for k in 0..forwards {
+        progress.inc(1);
         let Some(&chunk) = chunks.get(k) else {
             let filler = pair_batch(&[filler], pad);
             model.with_hidden(&batch_ids(&filler, device)?, &Positions::default(), |_, _| Ok(()))?;

@@ -117,9 +117,8 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
         TrainedModel::Whole { .. } => (params, trainable),
         TrainedModel::Sharded(_) => (ParamStore::default(), ParamStore::default()),
     };
-    let tensorboard = args.train.log.tensorboard_dir(&args.output_dir);
-    let mut metrics = Metrics::for_rank(group.rank(), &args.output_dir, steps, 0)?.with_tensorboard(
-        tensorboard.as_deref(),
+    let mut metrics = Metrics::for_rank(group.rank(), &args.output_dir, steps, 0)?.with_sinks(
+        args.train.log.sinks(&args.output_dir)?,
         &[],
         0,
     )?;
@@ -310,7 +309,10 @@ pub fn eval_loss_sum(
         TrainedModel::Whole { .. } => chunks.len(),
     };
     let (mut total, mut tokens) = (0f64, 0usize);
+    let mut progress =
+        hybrid_engine::telemetry::progress::Phase::start("evaluating perplexity", "batches", forwards as u64);
     for k in 0..forwards {
+        progress.inc(1);
         let (refs, counted) = match chunks.get(k) {
             Some(c) => (c.clone(), true),
             None => (vec![filler], false),

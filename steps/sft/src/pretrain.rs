@@ -265,9 +265,8 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
         println!("compute dtype: {} (fp32 master weights and Adam moments)", precision.dtype.name());
     }
 
-    let tensorboard = args.log.tensorboard_dir(&args.output_dir);
-    let mut metrics = Metrics::for_rank(group.rank(), &args.output_dir, args.train_iters, start)?.with_tensorboard(
-        tensorboard.as_deref(),
+    let mut metrics = Metrics::for_rank(group.rank(), &args.output_dir, args.train_iters, start)?.with_sinks(
+        args.log.sinks(&args.output_dir)?,
         hybrid_engine::telemetry::tensorboard::MEGATRON_TAGS,
         start,
     )?;
@@ -492,7 +491,9 @@ fn batch(corpus: &PackedCorpus, idx: &[usize], device: &Device) -> Result<(Tenso
 /// Mean LM loss over the given batches, dropout off.
 fn evaluate(model: &TrainedModel, corpus: &PackedCorpus, batches: &[Vec<usize>], device: &Device) -> Result<f64> {
     let mut total = 0f64;
+    let mut progress = hybrid_engine::telemetry::progress::Phase::start("evaluating", "batches", batches.len() as u64);
     for idx in batches {
+        progress.inc(1);
         let (x, y) = batch(corpus, idx, device)?;
         let targets = y.flatten_all()?;
         let loss = model.with_hidden(&x, &Positions::default(), |w, hidden| {

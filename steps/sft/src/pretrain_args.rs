@@ -183,6 +183,7 @@ impl PretrainArgs {
         }
         hybrid_engine::device::check_device(&self.device)?;
         self.precision.validate()?;
+        self.log.validate()?;
         let positive = [
             ("--seq-length", self.seq_length),
             ("--micro-batch-size", self.micro_batch_size),

@@ -30,6 +30,10 @@ const SMALL: &[&str] = &[
 fn sft(args: &[&str], extra_env: &[(&str, &str)]) -> Output {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_sft"));
     cmd.args(args).env_remove("RLHF_FAILPOINT");
+    // No wandb settings of the machine's user leak into a test.
+    for (k, _) in std::env::vars().filter(|(k, _)| k.starts_with("WANDB_") || k == "RLHF_ENABLE_WANDB") {
+        cmd.env_remove(k);
+    }
     for (k, v) in extra_env {
         cmd.env(k, v);
     }
@@ -357,6 +361,95 @@ fn bad_input_is_one_clear_error_line() {
 
     let e = run(&["--micro-batch-size", "0"]);
     assert!(e.contains("--micro-batch-size"), "{e}");
+
+    // wandb: a setting without wandb on, no key, an unknown mode.
+    let e = run(&["--wandb-entity", "team"]);
+    assert!(e.contains("--wandb-entity") && e.contains("--enable-wandb"), "{e}");
+    let home = [("HOME", dir.to_str().unwrap())];
+    let e = error_line(&sft(&args(SMALL, &["--train-iters", "2", "--output-dir", o, "--enable-wandb"]), &home));
+    assert!(e.contains("WANDB_API_KEY") && e.contains("WANDB_MODE=offline"), "{e}");
+    let e = error_line(&sft(
+        &args(SMALL, &["--train-iters", "2", "--output-dir", o, "--wandb-project", "p"]),
+        &[("WANDB_MODE", "quiet")],
+    ));
+    assert!(e.contains("WANDB_MODE") && e.contains("online, offline or disabled"), "{e}");
+}
+
+/// Scalars in (step, name, value) order: a wandb row is a JSON object, its keys in name order.
+fn sorted(mut scalars: Vec<(i64, String, f32)>) -> Vec<(i64, String, f32)> {
+    scalars.sort_by(|a, b| (a.0, &a.1).cmp(&(b.0, &b.1)).then(a.2.total_cmp(&b.2)));
+    scalars
+}
+
+/// The wandb rows of a run's directory: (step, name, value) of every scalar but wandb's own,
+/// sorted.
+fn wandb_rows(wandb_dir: &Path) -> (serde_json::Value, Vec<(i64, String, f32)>) {
+    let latest = std::fs::read_to_string(wandb_dir.join("latest-run")).expect("latest-run");
+    let run = wandb_dir.join(latest.trim());
+    let record: Value = serde_json::from_str(&std::fs::read_to_string(run.join("run.json")).unwrap()).unwrap();
+    let mut rows = Vec::new();
+    for line in std::fs::read_to_string(run.join("history.jsonl")).unwrap().lines() {
+        let row: serde_json::Map<String, Value> = serde_json::from_str(line).unwrap();
+        let step = row["_step"].as_i64().unwrap();
+        rows.extend(
+            row.iter().filter(|(k, _)| !k.starts_with('_')).map(|(k, v)| (step, k.clone(), v.as_f64().unwrap() as f32)),
+        );
+    }
+    (record, sorted(rows))
+}
+
+/// `--wandb-project` in offline mode: every scalar of metrics.jsonl as a wandb row at its
+/// iteration (with Megatron's names, as TensorBoard), the flags as the config, the exit code; a
+/// resumed run continues the same wandb run. With the service unreachable the run succeeds,
+/// warns once and keeps every row.
+#[test]
+fn wandb_rows_are_the_metrics_and_a_resumed_run_continues_its_wandb_run() {
+    use hybrid_engine::telemetry::tensorboard::{scalars_of_records, MEGATRON_TAGS};
+    let tmp = tempfile::tempdir().unwrap();
+    let home = tmp.path().to_str().unwrap();
+    let out = tmp.path().join("run");
+    let o = out.to_str().unwrap();
+    let common = args(SMALL, &["--lr-decay-iters", "8", "--save-interval", "4", "--eval-interval", "4"]);
+    let offline = [("WANDB_MODE", "offline"), ("HOME", home)];
+    let wandb_dir = tmp.path().join("wandb/run");
+
+    // Four iterations, then resumed to eight.
+    let first_run =
+        sft(&args(&common, &["--train-iters", "4", "--output-dir", o, "--wandb-project", "proj"]), &offline);
+    ok(&first_run);
+    let stderr = String::from_utf8_lossy(&first_run.stderr);
+    assert!(stderr.contains("wandb: offline") && stderr.contains("train wandb-sync"), "{stderr}");
+    let (first, _) = wandb_rows(&wandb_dir);
+    assert_eq!(first["exit_code"], Value::from(0));
+    let resumed = ["--train-iters", "8", "--load", o, "--output-dir", o, "--wandb-project", "proj"];
+    let stdout = ok(&sft(&args(&common, &resumed), &offline));
+    assert!(stdout.contains("resumed from"), "{stdout}");
+    let (record, rows) = wandb_rows(&wandb_dir);
+    assert_eq!(record["id"], first["id"], "the resumed run continues the wandb run of its first attempt");
+    assert_eq!((record["project"].as_str(), record["display_name"].as_str()), (Some("proj"), Some("run")));
+    assert_eq!(record["exit_code"], Value::from(0));
+    assert_eq!(record["config"]["train_iters"]["value"], Value::from(8));
+    // Both attempts' rows, as metrics.jsonl holds them.
+    let records = hybrid_engine::training::metrics::read_records(&out.join("metrics.jsonl")).unwrap();
+    assert_eq!(rows, sorted(scalars_of_records(&records, MEGATRON_TAGS, 0)));
+    assert!(rows.iter().any(|(s, t, _)| *s == 8 && t == "lm loss"), "{rows:?}");
+
+    // The service unreachable: the run succeeds, warns once, keeps every row.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let url = format!("http://127.0.0.1:{port}");
+    let down = tmp.path().join("down");
+    let run = sft(
+        &args(&common, &["--train-iters", "4", "--output-dir", down.to_str().unwrap(), "--enable-wandb"]),
+        &[("WANDB_BASE_URL", &url), ("WANDB_API_KEY", "k"), ("HOME", home)],
+    );
+    ok(&run);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert_eq!(stderr.matches("warning: wandb: cannot reach").count(), 1, "{stderr}");
+    assert!(stderr.contains("train wandb-sync"), "{stderr}");
+    let (record, rows) = wandb_rows(&tmp.path().join("wandb/down"));
+    let records = hybrid_engine::training::metrics::read_records(&down.join("metrics.jsonl")).unwrap();
+    assert_eq!(rows, sorted(scalars_of_records(&records, MEGATRON_TAGS, 0)));
+    assert_eq!(record["exit_code"], Value::from(0));
 }
 
 #[test]
