@@ -92,16 +92,19 @@ impl NodeRanks {
         Ok((world > 1).then_some(node))
     }
 
-    /// torchrun's environment for this node's local rank `local_rank`.
+    /// torchrun's environment for this node's local rank `local_rank`, and its share of the
+    /// machine's cores as its thread count (unless the user chose one).
     pub fn rank_env(&self, local_rank: usize) -> Vec<(&'static str, String)> {
-        vec![
+        let mut env = vec![
             ("RANK", (self.first_rank + local_rank).to_string()),
             ("WORLD_SIZE", self.world.to_string()),
             ("LOCAL_RANK", local_rank.to_string()),
             ("LOCAL_WORLD_SIZE", self.local.to_string()),
             ("MASTER_ADDR", self.master_addr.clone()),
             ("MASTER_PORT", self.master_port.to_string()),
-        ]
+        ];
+        env.extend(hybrid_engine::runtime::threads_per_rank(self.local).map(|n| ("RAYON_NUM_THREADS", n.to_string())));
+        env
     }
 }
 
@@ -360,6 +363,12 @@ mod tests {
         assert_eq!(get(&env, "LOCAL_WORLD_SIZE"), Some("3"));
         assert_eq!(get(&env, "MASTER_PORT"), Some("4242"));
         assert_eq!(get(&env, "MASTER_ADDR"), Some("127.0.0.1"));
+        // Three ranks share the cores (unless the user set a thread count, which they keep).
+        let threads = hybrid_engine::runtime::threads_per_rank(3);
+        assert_eq!(get(&env, "RAYON_NUM_THREADS"), threads.map(|n| n.to_string()).as_deref());
+        if let Some(n) = threads {
+            assert_eq!(n, (hybrid_engine::runtime::threads() / 3).max(1));
+        }
     }
 
     #[test]
