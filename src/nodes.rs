@@ -104,10 +104,11 @@ pub fn launch(plan: &NodesPlan) -> Result<i32> {
 }
 
 /// Variables every node gets from this host, by prefix: the steps' own (`RLHF_DEVICE`,
-/// `RLHF_DTYPE`, the live logs), the Hugging Face cache and offline switches, NCCL's, candle's
-/// and Rust's. A name holding `TOKEN` stays here: on the command line it would show in the
-/// remote host's process list; the nodes read their own token file.
-const FORWARDED_PREFIXES: [&str; 6] = ["RLHF_", "HF_", "NCCL_", "CANDLE_", "RAYON_", "RUST_"];
+/// `RLHF_DTYPE`, the live logs), the Hugging Face cache and offline switches, NCCL's, candle's,
+/// Rust's and wandb's. A name holding `TOKEN` or `KEY` stays here: on the command line it would
+/// show in the remote host's process list; the nodes read their own token file (and `wandb
+/// login`'s ~/.netrc).
+const FORWARDED_PREFIXES: [&str; 7] = ["RLHF_", "HF_", "NCCL_", "CANDLE_", "RAYON_", "RUST_", "WANDB_"];
 
 /// The variables of `env` a node gets, sorted by name, without those that say what this
 /// process is (the plan, the per-node ones set by [`node_command`]).
@@ -126,7 +127,7 @@ fn forwarded_env(env: impl Iterator<Item = (OsString, OsString)>) -> Vec<(String
         .filter(|(k, _)| FORWARDED_PREFIXES.iter().any(|p| k.starts_with(p)))
         // The name goes unquoted before `=`: only a shell variable name may.
         .filter(|(k, _)| k.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_'))
-        .filter(|(k, _)| !k.contains("TOKEN") && !own.contains(&k.as_str()))
+        .filter(|(k, _)| !k.contains("TOKEN") && !k.contains("KEY") && !own.contains(&k.as_str()))
         .collect();
     vars.sort();
     vars
@@ -478,10 +479,12 @@ mod tests {
             ("RLHF_RANK_LOG_DIR", "x"),
             ("HOME", "/home/me"),
             ("PATH", "/bin"),
+            ("WANDB_PROJECT", "p"),
+            ("WANDB_API_KEY", "secret"),
         ]
         .map(|(k, v)| (OsString::from(k), OsString::from(v)));
         let got: Vec<String> = forwarded_env(env.into_iter()).into_iter().map(|(k, _)| k).collect();
-        assert_eq!(got, ["HF_HUB_OFFLINE", "NCCL_DEBUG", "RLHF_DEVICE", "RLHF_DTYPE"]);
+        assert_eq!(got, ["HF_HUB_OFFLINE", "NCCL_DEBUG", "RLHF_DEVICE", "RLHF_DTYPE", "WANDB_PROJECT"]);
     }
 
     #[test]

@@ -103,7 +103,13 @@ impl NodeRanks {
             ("MASTER_ADDR", self.master_addr.clone()),
             ("MASTER_PORT", self.master_port.to_string()),
         ];
-        env.extend(hybrid_engine::runtime::threads_per_rank(self.local).map(|n| ("RAYON_NUM_THREADS", n.to_string())));
+        if let Some(n) = hybrid_engine::runtime::threads_per_rank(self.local) {
+            // Not "1": the rank keeps this count (runtime::init).
+            env.extend([
+                ("RAYON_NUM_THREADS", n.to_string()),
+                (hybrid_engine::runtime::THREADS_DETECTED_ENV, "0".into()),
+            ]);
+        }
         env
     }
 }

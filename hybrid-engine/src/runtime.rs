@@ -29,8 +29,12 @@ pub fn init() {
     retain_freed_memory();
     // Called at the start of main, before other threads exist to read the environment.
     if !threads_chosen_by_user() {
+        // A count an earlier process of ours detected (for its machine, and for itself alone) is
+        // detected again here.
+        std::env::remove_var("RAYON_NUM_THREADS");
         let threads = candle_core::utils::get_num_threads();
         std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
+        std::env::set_var(THREADS_DETECTED_ENV, "1");
     }
     if std::env::var_os("CANDLE_BARRIER_POOL_SPIN_LIMIT").is_none() {
         std::env::set_var("CANDLE_BARRIER_POOL_SPIN_LIMIT", "2000");
@@ -97,13 +101,24 @@ fn panic_if_asked_by_a_test() {
     }
 }
 
-/// Whether the user chose candle's thread count (RAYON_NUM_THREADS or CANDLE_NUM_THREADS set
-/// before [`init`] sets one), read once.
+/// "1" beside a RAYON_NUM_THREADS that [`init`] detected rather than the user set: a process
+/// that inherits both (a step started by `train`, the ranks' launcher, a host over ssh) detects
+/// again instead of keeping a count meant for another process or machine.
+pub const THREADS_DETECTED_ENV: &str = "RLHF_THREADS_DETECTED";
+
+/// Whether the user chose candle's thread count (RAYON_NUM_THREADS or CANDLE_NUM_THREADS set,
+/// and not by an earlier [`init`]), read once, before [`init`] sets one.
 pub fn threads_chosen_by_user() -> bool {
     static CHOSEN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *CHOSEN.get_or_init(|| {
-        std::env::var_os("RAYON_NUM_THREADS").is_some() || std::env::var_os("CANDLE_NUM_THREADS").is_some()
+        let var = |name| std::env::var(name).ok();
+        user_set_threads(var("RAYON_NUM_THREADS"), var("CANDLE_NUM_THREADS"), var(THREADS_DETECTED_ENV))
     })
+}
+
+/// [`threads_chosen_by_user`] of these variables' values.
+fn user_set_threads(rayon: Option<String>, candle: Option<String>, detected: Option<String>) -> bool {
+    candle.is_some() || (rayon.is_some() && detected.as_deref() != Some("1"))
 }
 
 /// The thread count of each of `local_ranks` ranks sharing this machine: its cores divided
@@ -158,6 +173,16 @@ pub fn machine_memory_bytes() -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_thread_count_is_the_users_unless_an_earlier_process_of_ours_detected_it() {
+        let some = |v: &str| Some(v.to_string());
+        assert!(!user_set_threads(None, None, None));
+        assert!(user_set_threads(some("4"), None, None), "the user's RAYON_NUM_THREADS");
+        assert!(user_set_threads(None, some("4"), None), "the user's CANDLE_NUM_THREADS");
+        assert!(!user_set_threads(some("2"), None, some("1")), "inherited from our own detection");
+        assert!(user_set_threads(some("1"), None, some("0")), "a rank's share, set by its launcher");
+    }
 
     #[test]
     fn panic_messages_become_one_line_and_backtraces_follow_rust_backtrace() {

@@ -1,8 +1,8 @@
 //! Training telemetry: every metric appended as one JSON object per line to `metrics.jsonl`
 //! (so a crashed run keeps what it logged) and, with `--enable-tensorboard`, as scalars to a
 //! TensorBoard event file, with `--enable-wandb` as a wandb history row; the run's curves as a
-//! PNG at its end; a Megatron-style text line per
-//! log interval, a progress bar only when stderr is a terminal, and the process's peak memory.
+//! PNG at its end; a Megatron-style text line per log interval, a progress bar only when stderr
+//! is a terminal, and the process's peak memory.
 //!
 //! Each line is written with a single `write` on a file opened for appending, so a crash leaves at
 //! worst a torn last line, never two records interleaved; [`read_records`] skips such a line.
@@ -62,7 +62,11 @@ impl Metrics {
             done,
             "{bar:40} {pos}/{len} iters [{elapsed_precise} < {eta_precise}] {msg}",
         );
-        Ok(Self { path, file: Some(file), bar, scalars: None, tensorboard: None, wandb: None })
+        Ok(Self::without_sinks(path, Some(file), bar))
+    }
+
+    fn without_sinks(path: PathBuf, file: Option<std::fs::File>, bar: Option<ProgressBar>) -> Self {
+        Self { path, file, bar, scalars: None, tensorboard: None, wandb: None }
     }
 
     /// [`Self::open`] on rank 0; on the other ranks a log that records and prints nothing.
@@ -70,14 +74,7 @@ impl Metrics {
         if rank == 0 {
             Self::open(dir, total, done)
         } else {
-            Ok(Self {
-                path: dir.join(METRICS_FILE),
-                file: None,
-                bar: None,
-                scalars: None,
-                tensorboard: None,
-                wandb: None,
-            })
+            Ok(Self::without_sinks(dir.join(METRICS_FILE), None, None))
         }
     }
 

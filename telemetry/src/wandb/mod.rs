@@ -236,8 +236,8 @@ pub struct WandbRun {
 
 impl WandbRun {
     /// Starts the run of `settings` (`None` when WANDB_MODE=disabled) with `config`. A resumed
-    /// training run (`resume`) continues the newest run directory's wandb run (and so the same
-    /// wandb run, its history appended to); otherwise a new run begins in a new directory.
+    /// training run (`resume`) continues the wandb run of the newest run directory, appending to
+    /// its history; otherwise a new run begins in a new directory.
     pub fn start(
         settings: &Settings,
         resume: bool,
@@ -288,7 +288,7 @@ impl WandbRun {
                 ));
                 Some(Uploader::spawn(stream, policy.clone(), say.clone()))
             }
-            _ => {
+            Mode::Offline | Mode::Disabled => {
                 say(&format!(
                     "wandb: offline; the rows are kept in {} (upload them with: train wandb-sync {0})",
                     run.dir.display()

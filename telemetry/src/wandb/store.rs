@@ -121,7 +121,7 @@ pub fn read_history(path: &Path, from: usize) -> Result<Vec<String>> {
 }
 
 /// Writes `path` through a temporary file and a rename.
-fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
+pub(crate) fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
     let tmp = path.with_extension("tmp");
     let mut file = std::fs::File::create(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
     file.write_all(bytes).and_then(|()| file.sync_all()).with_context(|| format!("writing {}", tmp.display()))?;

@@ -9,8 +9,7 @@
 //! however long the service is away.
 
 use super::api::{backoff, complete_body, file_stream_body, Api, ApiError, Bucket, RunInfo};
-use super::store::read_history;
-use anyhow::Context;
+use super::store::{read_history, write_atomically};
 use serde_json::Value;
 use std::path::PathBuf;
 use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender};
@@ -110,9 +109,7 @@ impl Stream {
             })?,
             Err(_) => {
                 let offset = bucket.history_line_count;
-                std::fs::write(&self.offset_file, offset.to_string())
-                    .with_context(|| format!("cannot write {}", self.offset_file.display()))
-                    .map_err(local)?;
+                write_atomically(&self.offset_file, offset.to_string().as_bytes()).map_err(local)?;
                 offset
             }
         };
