@@ -268,7 +268,7 @@ fn download_snapshot(
             // On a terminal hf-hub draws a bar; a log gets a line.
             let cached = reuse && cache.get(file).is_some();
             if !access.progress && !cached {
-                println!("downloading {file} of hub dataset {id} from {endpoint}");
+                eprintln!("downloading {file} of hub dataset {id} from {endpoint}");
             }
             let got = if reuse { repo.get(file) } else { repo.download(file) };
             got.map_err(|e| {

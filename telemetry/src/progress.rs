@@ -1,7 +1,7 @@
 //! The progress of a long phase (tokenizing, evaluation, generation, training): on a terminal
-//! an indicatif bar with its ETA; otherwise plain log lines, a status line every
-//! [`LOG_EVERY`] and one at the end of a phase that took a while, so piped output and log files
-//! get no bar drawing. Every bar joins one `MultiProgress`: a phase inside the training loop (an
+//! an indicatif bar with its ETA; otherwise plain log lines on stderr (as tqdm's; stdout may be
+//! a tool's data, `policy_eval`'s table), a status line every [`LOG_EVERY`] and one at the end
+//! of a phase that took a while, so piped output and log files get no bar drawing. Every bar joins one `MultiProgress`: a phase inside the training loop (an
 //! evaluation) stacks its bar under the training bar instead of drawing over it.
 
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
@@ -72,7 +72,7 @@ impl Phase {
             Some(bar) => bar.inc(n),
             None if self.last_log.elapsed() >= LOG_EVERY => {
                 self.last_log = Instant::now();
-                println!("{}", status_line(&self.label, self.unit, self.done, self.total, self.started.elapsed()));
+                eprintln!("{}", status_line(&self.label, self.unit, self.done, self.total, self.started.elapsed()));
             }
             None => {}
         }
@@ -85,7 +85,7 @@ impl Drop for Phase {
         match self.bar.take() {
             Some(bar) => remove(&bar),
             None if self.started.elapsed() >= LOG_IF_LONGER => {
-                println!("{}", end_line(&self.label, self.unit, self.done, self.started.elapsed()))
+                eprintln!("{}", end_line(&self.label, self.unit, self.done, self.started.elapsed()))
             }
             None => {}
         }

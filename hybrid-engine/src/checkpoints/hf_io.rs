@@ -135,7 +135,7 @@ fn hub_snapshot(id: &str) -> Result<PathBuf> {
         .map_err(|e| anyhow!("{hint}, and the hub client failed to start: {e}"))?;
     // On a terminal hf-hub draws a bar per file; a log gets a line.
     if !on_terminal {
-        println!("downloading model {id} from the Hugging Face hub into {}", cache.path().display());
+        eprintln!("downloading model {id} from the Hugging Face hub into {}", cache.path().display());
     }
     let repo = api.model(id.to_string());
     let config = repo.get(CONFIG).map_err(|e| {
