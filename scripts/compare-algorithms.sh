@@ -28,7 +28,8 @@ for seed in "${SEEDS[@]}"; do
   echo "dpo $(secs "$t0")" >> "$times"
   "$BIN/policy_eval" --reference "$dir/actor" --reward-model "$dir/reward" \
     --actor ppo="$dir/step3-ppo/actor" --actor grpo="$dir/step3-grpo/actor" \
-    --actor rloo="$dir/step3-rloo/actor" --actor dpo="$dir/dpo" --json "$dir/eval.json" | tee "$dir/eval.md"
+    --actor rloo="$dir/step3-rloo/actor" --actor dpo="$dir/dpo" --json "$dir/eval.json" \
+    --probe-demo-reward-model | tee "$dir/eval.md"
 done
 python3 - "$OUT" "${SEEDS[@]}" <<'PY'
 import json, statistics, sys

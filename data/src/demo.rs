@@ -40,6 +40,11 @@ pub const P_CORRECT_OVER_MISTAKE: f64 = 0.3;
 /// Probability that the rejected answer is the chosen answer spoiled in form (rambling,
 /// repeated city, no final period) rather than a different city: teaches the reward model format.
 pub const P_MALFORMED_REJECTED: f64 = 0.1;
+/// Probability that a wrong-city rejection is replaced by an off-topic one: a true statement
+/// about another country ("The capital of Kenya is Nairobi." to a question about Myanmar). A
+/// reward model that never saw one scores it like a right answer, and step 3 learned to give it
+/// (docs/RLHF-INVESTIGATION.md, section 10).
+pub const P_OFF_TOPIC_REJECTED: f64 = 0.15;
 /// Probability that the rejected answer uses an independently drawn answer template; otherwise
 /// it uses the chosen one's, so the pair differs only in the city.
 pub const P_OTHER_REJECTED_TEMPLATE: f64 = 0.25;
@@ -237,6 +242,10 @@ fn fill(template: &str, country: &Country, city: &str) -> String {
 const STREAM_HELDOUT: u64 = 0;
 const STREAM_TRAIN: u64 = 1;
 const STREAM_EVAL: u64 = 2;
+/// The off-topic rejections of the train and eval rows draw from streams of their own, so that
+/// adding them changed no prompt and no chosen answer: the SFT data stayed as it was.
+const STREAM_TRAIN_OFF_TOPIC: u64 = 3;
+const STREAM_EVAL_OFF_TOPIC: u64 = 4;
 
 /// ChaCha8 keyed by `seed` and `stream` side by side (as `pretrain::epoch_order`), with the
 /// integer and coin draws written out so the data cannot change with a rand upgrade.
@@ -301,9 +310,11 @@ fn heldout_combinations(seed: u64) -> Vec<Vec<bool>> {
 }
 
 /// `rows` preference rows drawn from `stream`: a country uniformly, one of its training
-/// question templates uniformly, an answer template uniformly, then the pair kinds.
-fn pair_rows(held: &[Vec<bool>], seed: u64, stream: u64, rows: usize) -> String {
+/// question templates uniformly, an answer template uniformly, then the pair kinds; then, from
+/// `off_topic_stream`, whether the rejected answer is replaced by an off-topic one.
+fn pair_rows(held: &[Vec<bool>], seed: u64, (stream, off_topic_stream): (u64, u64), rows: usize) -> String {
     let mut draws = Draws::new(seed, stream);
+    let mut off_topic = Draws::new(seed, off_topic_stream);
     let mut out = String::new();
     for _ in 0..rows {
         let ci = draws.below(COUNTRIES.len());
@@ -318,7 +329,8 @@ fn pair_rows(held: &[Vec<bool>], seed: u64, stream: u64, rows: usize) -> String 
         let chosen_template = draws.below(ANSWER_TEMPLATES.len());
         let chosen_city = city_of(&mut draws, ci, chosen_kind);
         let chosen = render_answer(country, chosen_template, chosen_city);
-        let rejected = if draws.chance(P_MALFORMED_REJECTED) {
+        let malformed = draws.chance(P_MALFORMED_REJECTED);
+        let rejected = if malformed {
             render_malformed(country, draws.below(MALFORMED_TEMPLATES.len()), chosen_city)
         } else {
             let template = if draws.chance(P_OTHER_REJECTED_TEMPLATE) {
@@ -327,6 +339,15 @@ fn pair_rows(held: &[Vec<bool>], seed: u64, stream: u64, rows: usize) -> String 
                 chosen_template
             };
             render_answer(country, template, city_of(&mut draws, ci, rejected_kind))
+        };
+        // Only a wrong city gives way to an off-topic answer: the (capital, mistake) pairs and
+        // the spoiled answers are the reward model's only lessons of their kind.
+        let rejected = if !malformed && rejected_kind == Kind::Wrong && off_topic.chance(P_OFF_TOPIC_REJECTED) {
+            // One of the two answer templates that name the country, about another one.
+            let other = other_country(&mut off_topic, ci);
+            render_answer(other, off_topic.below(2), other.capital)
+        } else {
+            rejected
         };
         push_json_line(&mut out, &PairRow { prompt: &prompt, chosen: &chosen, rejected: &rejected });
     }
@@ -340,11 +361,14 @@ fn city_of(draws: &mut Draws, ci: usize, kind: Kind) -> &'static str {
     match kind {
         Kind::Correct => country.capital,
         Kind::Mistake => country.mistake.expect("only confusable countries have a mistake answer"),
-        Kind::Wrong => {
-            let other = draws.below(COUNTRIES.len() - 1);
-            COUNTRIES[if other >= ci { other + 1 } else { other }].capital
-        }
+        Kind::Wrong => other_country(draws, ci).capital,
     }
+}
+
+/// A country of the table other than `ci`, uniformly.
+fn other_country(draws: &mut Draws, ci: usize) -> &'static Country {
+    let other = draws.below(COUNTRIES.len() - 1);
+    &COUNTRIES[if other >= ci { other + 1 } else { other }]
 }
 
 fn push_json_line<T: Serialize>(out: &mut String, row: &T) {
@@ -371,8 +395,8 @@ pub fn generate(seed: u64) -> DemoFiles {
         }
     }
     DemoFiles {
-        train: pair_rows(&held, seed, STREAM_TRAIN, TRAIN_ROWS),
-        eval: pair_rows(&held, seed, STREAM_EVAL, EVAL_ROWS),
+        train: pair_rows(&held, seed, (STREAM_TRAIN, STREAM_TRAIN_OFF_TOPIC), TRAIN_ROWS),
+        eval: pair_rows(&held, seed, (STREAM_EVAL, STREAM_EVAL_OFF_TOPIC), EVAL_ROWS),
         heldout_prompts,
     }
 }
@@ -595,6 +619,29 @@ mod tests {
         }
         // Phase-1 answers leave room for improvement.
         assert!(correct < TRAIN_ROWS * 9 / 10, "{correct} of {TRAIN_ROWS} chosen answers are correct");
+    }
+
+    #[test]
+    fn demo_off_topic_rejections_are_true_answers_about_another_country() {
+        let files = generate(DEFAULT_SEED);
+        let rows = rows(&files.train);
+        let mut off_topic = 0;
+        for row in &rows {
+            let asked = score_answer(&row.prompt, &row.chosen).unwrap();
+            let about_another = COUNTRIES
+                .iter()
+                .any(|c| c.name != asked.country && (0..2).any(|t| render_answer(c, t, c.capital) == row.rejected));
+            if about_another {
+                off_topic += 1;
+                // It replaced a wrong city: never the mistake of a (capital, mistake) pair.
+                let confusable = COUNTRIES.iter().any(|c| c.name == asked.country && c.confusable());
+                assert!(!confusable || asked.named_mistake, "{:?} lost its mistake: {:?}", row.prompt, row.rejected);
+            }
+        }
+        // Wrong-city rejections are 0.9 * 0.9 of the rows (all regular countries' pairs and 70% of
+        // the confusable ones', less the spoiled): 4000 * 0.81 * 0.15 = 486 expected, standard
+        // deviation 21; the committed draw has 510.
+        assert!((420..550).contains(&off_topic), "{off_topic} off-topic rejections of {}", rows.len());
     }
 
     #[test]

@@ -151,6 +151,12 @@ pub struct RewardProbe {
     pub capital_first: f64,
     /// Mean number of wrong cities scored above the capital (of the table's others).
     pub wrong_above_capital: f64,
+    /// Share of the held-out prompts whose best-scored answer names the capital, of every city
+    /// in every template and every true answer about another country ("The capital of Kenya is
+    /// Nairobi."): the answer a policy that maximises this reward model ends up giving. A reward
+    /// model may rank the cities right within each template and still prefer a template in
+    /// which it judges the city worse, or an off-topic answer.
+    pub best_answer_correct: f64,
     pub cities: usize,
 }
 
@@ -161,10 +167,11 @@ pub fn probe_demo_reward_model(
     max_prompt: usize,
     device: &Device,
 ) -> Result<RewardProbe> {
-    use data::demo::{heldout_prompts, render_answer, ANSWER_TEMPLATES, COUNTRIES};
+    use data::demo::{heldout_prompts, render_answer, score_answer, ANSWER_TEMPLATES, COUNTRIES};
     let eos = tok.eos_id();
     let cities: Vec<&str> = COUNTRIES.iter().flat_map(|c| std::iter::once(c.capital).chain(c.mistake)).collect();
     let (mut probes, mut first, mut above) = (0usize, 0usize, 0usize);
+    let (mut prompts, mut best_correct) = (0usize, 0usize);
     for held in heldout_prompts()? {
         let country = COUNTRIES.iter().find(|c| c.name == held.country).expect("held-out countries are in the table");
         let mut prompt = tok.encode(&held.prompt)?;
@@ -172,11 +179,9 @@ pub fn probe_demo_reward_model(
             prompt.drain(..prompt.len() - max_prompt);
         }
         let padded = LeftPadded::new(std::slice::from_ref(&prompt), max_prompt, eos);
-        for template in 0..ANSWER_TEMPLATES.len() {
-            let answers: Vec<Vec<u32>> =
-                cities.iter().map(|city| tok.encode(&render_answer(country, template, city))).collect::<Result<_>>()?;
+        let score_answers = |texts: &[String]| -> Result<Vec<f32>> {
+            let answers: Vec<Vec<u32>> = texts.iter().map(|t| tok.encode(t)).collect::<Result<_>>()?;
             let longest = answers.iter().map(Vec::len).max().unwrap_or(0) + 1;
-            let l = max_prompt + longest;
             let (mut seq, mut mask) = (Vec::new(), Vec::new());
             for answer in &answers {
                 seq.extend_from_slice(&padded.ids);
@@ -184,19 +189,43 @@ pub fn probe_demo_reward_model(
                 mask.extend_from_slice(&padded.mask);
                 mask.extend(std::iter::repeat_n(1, answer.len()).chain(std::iter::repeat_n(0, longest - answer.len())));
             }
-            let inputs = ForwardInputs::new(&seq, &mask, answers.len(), l, device)?;
-            let scores = inputs.end_scores(reward, &seq, max_prompt, eos)?;
-            let capital = cities.iter().position(|&c| c == country.capital).expect("the capital is a city");
+            let inputs = ForwardInputs::new(&seq, &mask, answers.len(), max_prompt + longest, device)?;
+            inputs.end_scores(reward, &seq, max_prompt, eos)
+        };
+        // (score, names the capital) of the best answer so far.
+        let mut best = (f32::NEG_INFINITY, false);
+        let mut keep_best = |texts: &[String], scores: &[f32]| {
+            for (text, &score) in texts.iter().zip(scores) {
+                if score > best.0 {
+                    best = (score, score_answer(&held.prompt, text).is_some_and(|s| s.correct));
+                }
+            }
+        };
+        let capital = cities.iter().position(|&c| c == country.capital).expect("the capital is a city");
+        for template in 0..ANSWER_TEMPLATES.len() {
+            let texts: Vec<String> = cities.iter().map(|city| render_answer(country, template, city)).collect();
+            let scores = score_answers(&texts)?;
             let higher = scores.iter().enumerate().filter(|&(i, &s)| i != capital && s >= scores[capital]).count();
             probes += 1;
             first += usize::from(higher == 0);
             above += higher;
+            keep_best(&texts, &scores);
         }
+        // The two templates that name the country, about each other country.
+        let off_topic: Vec<String> = COUNTRIES
+            .iter()
+            .filter(|c| c.name != country.name)
+            .flat_map(|c| (0..2).map(move |t| render_answer(c, t, c.capital)))
+            .collect();
+        keep_best(&off_topic, &score_answers(&off_topic)?);
+        prompts += 1;
+        best_correct += usize::from(best.1);
     }
     Ok(RewardProbe {
         probes,
         capital_first: first as f64 / probes.max(1) as f64,
         wrong_above_capital: above as f64 / probes.max(1) as f64,
+        best_answer_correct: best_correct as f64 / prompts.max(1) as f64,
         cities: cities.len(),
     })
 }
