@@ -74,6 +74,15 @@ fn every_algorithm_gets_arguments_its_step_accepts() {
                 if algorithm != "ppo" {
                     assert!(parsed.num_samples_per_prompt >= 2, "{recipe} {size} {algorithm}: {argv:?}");
                 }
+                if size == "tiny" {
+                    // The demo's passes over the prompts (docs/RLHF-INVESTIGATION.md, section 10).
+                    let passes = match algorithm {
+                        "ppo" => 3,
+                        "grpo" => 1,
+                        _ => 2,
+                    };
+                    assert_eq!(parsed.num_train_epochs, passes, "{recipe} {algorithm}: {argv:?}");
+                }
             }
         }
         let recipe = format!("step2_dpo/{deployment}.sh");
