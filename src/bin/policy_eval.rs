@@ -86,7 +86,7 @@ fn run(args: &Args) -> Result<()> {
     if args.probe_demo_reward_model {
         let p = ppo::eval::probe_demo_reward_model(&reward, &tok, args.max_prompt_seq_len, &device)?;
         println!(
-            "reward model on the demo task: the capital scores above every other of the {} cities in {:.3} of {} (prompt, template) probes; on average {:.2} wrong cities score above it; its best-scored answer of all cities and templates names the capital for {:.3} of the prompts",
+            "reward model on the demo task: the capital scores above every other of the {} cities in {:.3} of {} (prompt, template) probes; on average {:.2} wrong cities score above it; its best-scored answer (any city in any template, or a true answer about another country) names the capital for {:.3} of the prompts",
             p.cities, p.capital_first, p.probes, p.wrong_above_capital, p.best_answer_correct
         );
     }
