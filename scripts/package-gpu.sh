@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the CUDA binaries on this (GPU-less) machine and packs them for a GPU machine that has no
-# Rust toolchain: `train` (also `sft`, `reward`, `ppo` by name), `chat` and the benchmark `bench`,
-# stripped, with `run-gpu.sh`, the benchmark scripts (scripts/bench/) and the CUDA runtime they
+# Rust toolchain: `train` (also `sft`, `reward`, `ppo` by name), `chat`, the benchmark `bench` and
+# the CUDA-against-CPU checks `gpu_check`, stripped, with `run-gpu.sh`, `gpu-check.sh` (every GPU
+# check in one command), the benchmark scripts (scripts/bench/) and the CUDA runtime they
 # link (lib/libcudart.so.13, 0.7 MiB), in one xz-compressed tarball (under 64 MiB).
 #
 # Usage: scripts/package-gpu.sh [OUT_DIR]     (default: dist/)
@@ -10,6 +11,7 @@
 #
 # On the GPU machine:
 #   tar xJf rlhf-gpu-*.tar.xz && cd rlhf-gpu && ./run-gpu.sh train --device cuda ...
+#   ./gpu-check.sh /tmp/gpu-check [CPU_REFERENCE_DIR]                # every GPU check, PASS/FAIL
 #   ./run-gpu.sh bench-table --device cuda --out BENCHMARKS-gpu.md   # the GPU table vs PyTorch
 # The binaries need the NVIDIA driver (libcuda.so.1) and the CUDA 13 libraries libcublas.so.13,
 # libcublasLt.so.13 and libcurand.so.10 (from a CUDA 13 toolkit or the PyPI nvidia-* wheels a
@@ -24,7 +26,7 @@ target=${CARGO_TARGET_DIR:-$root/target}
 # shellcheck source=cuda-build-env.sh
 source "$root/scripts/cuda-build-env.sh" "$root"
 (cd "$root" && cargo build --release --features "$features" --bin train --bin chat)
-(cd "$root" && cargo build --release -p hybrid-engine --features "$features" --example bench)
+(cd "$root" && cargo build --release -p hybrid-engine --features "$features" --example bench --example gpu_check)
 
 version=$(git -C "$root" describe --always --dirty 2>/dev/null || echo unknown)
 name=rlhf-gpu
@@ -34,7 +36,10 @@ mkdir -p "$stage/$name/lib" "$stage/$name/scripts/bench" "$out"
 for bin in train chat; do
   strip -o "$stage/$name/$bin" "$target/release/$bin"
 done
-strip -o "$stage/$name/bench" "$target/release/examples/bench"
+for ex in bench gpu_check; do
+  strip -o "$stage/$name/$ex" "$target/release/examples/$ex"
+done
+cp "$root/scripts/gpu-check.sh" "$stage/$name/"
 cp "$root/scripts/bench/run.sh" "$root/scripts/bench/hf_bench.py" "$stage/$name/scripts/bench/"
 cp -L "$CUDA_HOME/lib/libcudart.so.13" "$stage/$name/lib/"
 cat > "$stage/$name/run-gpu.sh" <<'EOF'
@@ -46,7 +51,7 @@ cat > "$stage/$name/run-gpu.sh" <<'EOF'
 # against the PyTorch on this machine and appends the table to BENCHMARKS.md here (or --out FILE).
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-bin=${1:?usage: run-gpu.sh train|chat|sft|reward|ppo|bench|bench-table [FLAGS...]}; shift
+bin=${1:?usage: run-gpu.sh train|chat|sft|reward|ppo|bench|gpu_check|bench-table [FLAGS...]}; shift
 dirs=()
 for d in ${CUDA_HOME:+"$CUDA_HOME/lib64" "$CUDA_HOME/lib"} /usr/local/cuda/lib64 /usr/local/cuda-13*/lib64 "$here/lib"; do
   [ -d "$d" ] && dirs+=("$d")
@@ -67,10 +72,10 @@ done
 ld=$(printf '%s\n' "${dirs[@]}" | awk 'NF && !seen[$0]++' | paste -sd: -)
 export LD_LIBRARY_PATH=${ld}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 case "$bin" in
-  train|chat|bench) exec "$here/$bin" "$@" ;;
+  train|chat|bench|gpu_check) exec "$here/$bin" "$@" ;;
   sft|reward|ppo) exec -a "$bin" "$here/train" "$@" ;;
   bench-table) BENCH_BIN="$here/bench" exec "$here/scripts/bench/run.sh" "$@" ;;
-  *) echo "run-gpu.sh: unknown binary $bin (train, chat, sft, reward, ppo, bench, bench-table)" >&2; exit 2 ;;
+  *) echo "run-gpu.sh: unknown binary $bin (train, chat, sft, reward, ppo, bench, gpu_check, bench-table)" >&2; exit 2 ;;
 esac
 EOF
 chmod +x "$stage/$name/run-gpu.sh"

@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# Every GPU check of the CUDA path in one command, on a GPU machine without a Rust toolchain:
+# run it from the unpacked package of scripts/package-gpu.sh (which packs this script).
+#
+#   1. gpu_check: fp32 logits, loss and every gradient of the same gpt2 weights on CUDA against
+#      the CPU (1e-4), bf16/fp16 logits, greedy generation with the KV cache, NCCL at one rank;
+#   2. pretraining gpt2 from scratch for 50 iterations in fp32, fp16 and bf16 on CUDA (the
+#      embedded Shakespeare, micro-batch 4 x 128 tokens): each loss curve against the CPU's fp32
+#      curve in REFERENCE_DIR/pretrain-fp32/metrics.jsonl when given (the CPU run of the same
+#      command: `sft ... --device cpu`), else against the CUDA fp32 curve;
+#   3. the three-step demo (`train --device cuda`), then gpu_check on its SFT actor and `chat`
+#      on its step-3 actor.
+# Each stage has a time limit; a failing stage does not stop the later ones. The logs, metrics
+# and summaries (no weights) go to WORK_DIR; a line per stage and PASS/FAIL at the end.
+#
+# Usage: gpu-check.sh WORK_DIR [REFERENCE_DIR]    (STAGES="check pretrain demo" to choose)
+set -uo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+work=${1:?usage: gpu-check.sh WORK_DIR [REFERENCE_DIR]}
+ref=${2:-}
+stages=${STAGES:-check pretrain demo}
+mkdir -p "$work"
+summary=$work/summary.txt
+: >"$summary"
+failed=0
+bin=$here/run-gpu.sh
+
+# stage LABEL LIMIT_S COMMAND...: runs COMMAND with its output in WORK_DIR/LABEL.log.
+stage() {
+  local label=$1 limit=$2 start rc line
+  shift 2
+  start=$(date +%s%N)
+  timeout "$limit" "$@" >"$work/$label.log" 2>&1
+  rc=$?
+  line=$(printf '%-24s exit %3d  %6d ms' "$label" "$rc" $((($(date +%s%N) - start) / 1000000)))
+  echo "$line" | tee -a "$summary"
+  [ "$rc" = 0 ] || { failed=1; tail -5 "$work/$label.log" | sed 's/^/    /'; }
+  return "$rc"
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$summary"
+cat "$here/VERSION" | tee -a "$summary"
+
+if [[ " $stages " == *" check "* ]]; then
+  stage gpu_check-gpt2 90 "$bin" gpu_check --model gpt2 --device cuda
+  grep -E '^(PASS|FAIL)' "$work/gpu_check-gpt2.log" | cut -c1-200
+fi
+
+if [[ " $stages " == *" pretrain "* ]]; then
+  for dtype in fp32 fp16 bf16; do
+    stage "pretrain-$dtype" 90 "$bin" sft --from-scratch --model gpt2 --seq-length 128 --micro-batch-size 4 \
+      --train-iters 50 --eval-interval 50 --eval-iters 2 --log-interval 1 --dtype "$dtype" \
+      --output-dir "$work/pretrain-$dtype" --device cuda
+  done
+  # Loss curves against the reference: the largest |difference| over the 50 iterations.
+  python3 - "$work" "${ref:-$work}" <<'PY' | tee -a "$summary"
+import json, os, sys
+work, ref = sys.argv[1], sys.argv[2]
+def curve(d):
+    p = os.path.join(d, "metrics.jsonl")
+    if not os.path.exists(p):
+        return {}
+    rows = [json.loads(l) for l in open(p) if l.strip()]
+    return {r["iteration"]: r["lm_loss"] for r in rows if "lm_loss" in r}
+base = curve(os.path.join(ref, "pretrain-fp32"))
+which = "cpu fp32" if ref != work else "cuda fp32"
+for dtype in ("fp32", "fp16", "bf16"):
+    c = curve(os.path.join(work, f"pretrain-{dtype}"))
+    common = sorted(set(c) & set(base))
+    if not common:
+        print(f"loss curve {dtype}: no curve to compare")
+        continue
+    d = max(abs(c[i] - base[i]) for i in common)
+    last = common[-1]
+    print(f"loss curve cuda {dtype} vs {which}: {len(common)} iterations, max |diff| {d:.4f}, "
+          f"iteration {last}: {c[last]:.4f} vs {base[last]:.4f}")
+PY
+fi
+
+if [[ " $stages " == *" demo "* ]]; then
+  stage demo 240 "$bin" train --device cuda --output-dir "$work/demo"
+  if [ -d "$work/demo/actor" ]; then
+    stage gpu_check-sft-actor 60 "$bin" gpu_check --path "$work/demo/actor" --device cuda
+    grep -E '^(PASS|FAIL)' "$work/gpu_check-sft-actor.log" | cut -c1-200
+  fi
+  actor=$work/demo/step3/actor
+  [ -d "$actor" ] || actor=$work/demo/actor
+  if [ -d "$actor" ]; then
+    stage chat 60 "$bin" chat --path "$actor" --device cuda --chat-format --prompt "What is the capital of France?" --greedy --max-new-tokens 12
+    cat "$work/chat.log" | tee -a "$summary"
+  fi
+fi
+
+find "$work" -name '*.safetensors' -delete
+if [ "$failed" = 0 ]; then echo "gpu-check: PASS" | tee -a "$summary"; else echo "gpu-check: FAIL" | tee -a "$summary"; fi
+exit "$failed"
