@@ -22,13 +22,18 @@
 //! `{"impl":"rust-candle","mode":"train","model":"gpt2","batch":4,"seq":128,...}`.
 //!
 //! Every mode takes `--device cpu|cuda|cuda:N|auto` (default cpu); on a GPU each timed region
-//! ends with a device synchronisation, and the JSON carries `"device"`.
+//! ends with a device synchronisation, and the JSON carries `"device"` and `gpu_used_mib`: the
+//! most device memory in use (the driver's total - free, sampled after each phase; the CUDA
+//! context included), comparable with `hf_bench.py`'s same field. `train` and `generate` take
+//! `--dtype fp32|bf16` (default fp32): bf16 trains as `--dtype bf16` does (bf16 compute copy of
+//! fp32 masters, fp32 gradients and AdamW, the copy refreshed after each update, inside the
+//! timed AdamW phase) and generates with bf16 weights.
 //!
 //! Run: `cargo run --release -p hybrid-engine --example bench -- train --model tiny --batch 8
 //! --seq 128 --steps 5 --warmup 2`.
 
 use anyhow::{bail, Context, Result};
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use hybrid_engine::generation::generate::{generate, SamplingConfig};
 use hybrid_engine::kernels::ops::DropoutKey;
 use hybrid_engine::model::gpt2::{Dropout, GPT2_EOS, GPT2_VOCAB};
@@ -40,9 +45,9 @@ use rand_chacha::ChaCha8Rng;
 use std::time::Instant;
 
 const USAGE: &str = "usage:
-  bench train --model tiny|gpt2|gpt2-medium --batch B --seq T --steps N --warmup W [--checkpoint-activations]
-  bench generate --model tiny|gpt2|gpt2-medium --batch B --prompt-len P --new-tokens N --warmup W --reps R
-  bench peak --size N --reps R
+  bench train --model tiny|gpt2|gpt2-medium --batch B --seq T --steps N --warmup W [--checkpoint-activations] [--dtype fp32|bf16]
+  bench generate --model tiny|gpt2|gpt2-medium --batch B --prompt-len P --new-tokens N --warmup W --reps R [--dtype fp32|bf16]
+  bench peak --size N --reps R [--dtype fp32|bf16]
 every mode also takes --device cpu|cuda|cuda:N|auto (default cpu)";
 
 /// Megatron's `--make-vocab-size-divisible-by` default: 50257 -> 50304.
@@ -57,6 +62,7 @@ struct TrainArgs {
     steps: usize,
     warmup: usize,
     checkpoint_activations: bool,
+    dtype: DType,
 }
 
 struct GenerateArgs {
@@ -66,11 +72,13 @@ struct GenerateArgs {
     new_tokens: usize,
     warmup: usize,
     reps: usize,
+    dtype: DType,
 }
 
 struct PeakArgs {
     size: usize,
     reps: usize,
+    dtype: DType,
 }
 
 enum Mode {
@@ -121,6 +129,11 @@ fn parse_args(args: &[String]) -> Result<(Mode, String)> {
         }
     }
     let device = values.remove("device").unwrap_or_else(|| "cpu".into());
+    let dtype = match values.remove("dtype").as_deref() {
+        None | Some("fp32") => DType::F32,
+        Some("bf16") => DType::BF16,
+        Some(d) => bail!("--dtype {d:?}: use fp32 or bf16"),
+    };
     let parsed = match mode.as_str() {
         "train" => Mode::Train(TrainArgs {
             model: take(&mut values, "model")?,
@@ -129,6 +142,7 @@ fn parse_args(args: &[String]) -> Result<(Mode, String)> {
             steps: num(&mut values, "steps")?,
             warmup: num(&mut values, "warmup")?,
             checkpoint_activations,
+            dtype,
         }),
         "generate" => Mode::Generate(GenerateArgs {
             model: take(&mut values, "model")?,
@@ -137,8 +151,9 @@ fn parse_args(args: &[String]) -> Result<(Mode, String)> {
             new_tokens: num(&mut values, "new-tokens")?,
             warmup: num(&mut values, "warmup")?,
             reps: num(&mut values, "reps")?,
+            dtype,
         }),
-        "peak" => Mode::Peak(PeakArgs { size: num(&mut values, "size")?, reps: num(&mut values, "reps")? }),
+        "peak" => Mode::Peak(PeakArgs { size: num(&mut values, "size")?, reps: num(&mut values, "reps")?, dtype }),
         m => bail!("unknown mode {m:?}: use train, generate or peak\n{USAGE}"),
     };
     if let Some(flag) = values.keys().next() {
@@ -193,6 +208,32 @@ fn train_flops_per_token(cfg: &Gpt2Config, seq: usize) -> f64 {
     6.0 * n as f64 + 12.0 * (cfg.n_layer * cfg.n_head * cfg.head_dim() * seq) as f64
 }
 
+fn dtype_name(dtype: DType) -> &'static str {
+    if dtype == DType::BF16 {
+        "bf16"
+    } else {
+        "fp32"
+    }
+}
+
+/// The most device memory seen in use, in MiB (the driver's total - free); 0 on the CPU.
+#[derive(Default)]
+struct GpuMemory {
+    max_mib: f64,
+}
+
+impl GpuMemory {
+    fn sample(&mut self, device: &Device) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if device.is_cuda() {
+            let (free, total) = candle_core::cuda_backend::cudarc::driver::result::mem_get_info()?;
+            self.max_mib = self.max_mib.max((total - free) as f64 / 1048576.0);
+        }
+        let _ = device;
+        Ok(())
+    }
+}
+
 fn median(xs: &[f64]) -> f64 {
     let mut v = xs.to_vec();
     v.sort_by(f64::total_cmp);
@@ -212,9 +253,12 @@ fn bench_train(a: &TrainArgs, device: &Device) -> Result<serde_json::Value> {
     if a.seq > cfg.n_positions {
         bail!("--seq {} exceeds {}'s context of {} tokens", a.seq, a.model, cfg.n_positions);
     }
+    // fp32 masters; in bf16 the model runs on a bf16 copy, as the trainer's --dtype bf16.
     let params = ParamStore::init(&cfg, SEED, device)?;
-    let model = params.model(&cfg)?;
+    let compute = params.compute_copy(a.dtype)?;
+    let model = compute.model(&cfg)?;
     let mut opt = AdamW::new(AdamWConfig::default(), &params)?;
+    let mut memory = GpuMemory::default();
     let mut rng = ChaCha8Rng::seed_from_u64(SEED);
 
     // Per measured step: (total, forward+backward, clip, AdamW) seconds, and CPU seconds.
@@ -232,7 +276,7 @@ fn bench_train(a: &TrainArgs, device: &Device) -> Result<serde_json::Value> {
 
         device.synchronize()?;
         let (start, cpu_start) = (Instant::now(), cpu_seconds());
-        let mut acc = GradAccumulator::new(&params);
+        let mut acc = GradAccumulator::new(&compute);
         loss = hybrid_engine::training::train_step::lm_forward_backward(
             &model,
             &ids,
@@ -247,12 +291,15 @@ fn bench_train(a: &TrainArgs, device: &Device) -> Result<serde_json::Value> {
         let mut grads = acc.finish()?;
         device.synchronize()?;
         let backward_done = Instant::now();
+        memory.sample(device)?;
         clip_grad_norm(&mut grads, 1.0)?;
         device.synchronize()?;
         let clip_done = Instant::now();
         opt.step(&params, &grads, LR)?;
+        compute.refresh_from(&params)?;
         device.synchronize()?;
         let end = Instant::now();
+        memory.sample(device)?;
         if step >= a.warmup {
             cpu_times.push(cpu_seconds() - cpu_start);
             times.push((end - start).as_secs_f64());
@@ -269,6 +316,7 @@ fn bench_train(a: &TrainArgs, device: &Device) -> Result<serde_json::Value> {
         "batch": a.batch,
         "seq": a.seq,
         "checkpoint_activations": a.checkpoint_activations,
+        "dtype": dtype_name(a.dtype),
         "vocab_size": cfg.vocab_size,
         "params": hybrid_engine::model::params::parameter_count(&cfg),
         "flops_per_token": train_flops_per_token(&cfg, a.seq),
@@ -285,6 +333,7 @@ fn bench_train(a: &TrainArgs, device: &Device) -> Result<serde_json::Value> {
         "cpu_ms_per_step": median(&cpu_times) * 1e3,
         "last_loss": loss,
         "peak_rss_mib": peak_rss_mib(),
+        "gpu_used_mib": memory.max_mib,
     }))
 }
 
@@ -302,8 +351,9 @@ fn bench_generate(a: &GenerateArgs, device: &Device) -> Result<serde_json::Value
             cfg.n_positions
         );
     }
-    let params = ParamStore::init(&cfg, SEED, device)?;
+    let params = ParamStore::init(&cfg, SEED, device)?.compute_copy(a.dtype)?;
     let model = params.model(&cfg)?;
+    let mut memory = GpuMemory::default();
     let prompts = random_ids(&mut ChaCha8Rng::seed_from_u64(SEED), a.batch, a.prompt_len);
     // eos None: no row stops early, so every call makes exactly B * N tokens.
     let sampling = SamplingConfig::greedy(a.new_tokens, None, GPT2_EOS, GPT2_VOCAB);
@@ -314,6 +364,7 @@ fn bench_generate(a: &GenerateArgs, device: &Device) -> Result<serde_json::Value
         let out = generate(&model, &prompts, &sampling, device)?;
         device.synchronize()?;
         let secs = start.elapsed().as_secs_f64();
+        memory.sample(device)?;
         let made: usize = out.iter().map(Vec::len).sum();
         assert_eq!(made, a.batch * a.new_tokens, "generation stopped early");
         if rep >= a.warmup {
@@ -328,6 +379,7 @@ fn bench_generate(a: &GenerateArgs, device: &Device) -> Result<serde_json::Value
         "batch": a.batch,
         "prompt_len": a.prompt_len,
         "new_tokens": a.new_tokens,
+        "dtype": dtype_name(a.dtype),
         "vocab_size": cfg.vocab_size,
         "threads": candle_core::utils::get_num_threads(),
         "warmup": a.warmup,
@@ -336,18 +388,20 @@ fn bench_generate(a: &GenerateArgs, device: &Device) -> Result<serde_json::Value
         "ms_per_call": call_s * 1e3,
         "ms_per_token_step": call_s * 1e3 / a.new_tokens as f64,
         "peak_rss_mib": peak_rss_mib(),
+        "gpu_used_mib": memory.max_mib,
     }))
 }
 
-/// The machine's measured f32 matmul peak: an (N, N) x (N, N) product R times after one warmup,
+/// The machine's measured matmul peak (f32, or bf16 with `--dtype bf16`): an (N, N) x (N, N)
+/// product R times after one warmup,
 /// 2 N^3 FLOPs each; reports the best and the median rate.
 fn bench_peak(a: &PeakArgs, device: &Device) -> Result<serde_json::Value> {
     if a.reps == 0 || a.size == 0 {
         bail!("--size and --reps must be positive");
     }
     let n = a.size;
-    let x = Tensor::randn(0f32, 1.0, (n, n), device)?;
-    let y = Tensor::randn(0f32, 1.0, (n, n), device)?;
+    let x = Tensor::randn(0f32, 1.0, (n, n), device)?.to_dtype(a.dtype)?;
+    let y = Tensor::randn(0f32, 1.0, (n, n), device)?.to_dtype(a.dtype)?;
     let mut times = Vec::with_capacity(a.reps);
     for rep in 0..a.reps + 1 {
         device.synchronize()?;
@@ -366,6 +420,7 @@ fn bench_peak(a: &PeakArgs, device: &Device) -> Result<serde_json::Value> {
         "impl": "rust-candle",
         "mode": "peak",
         "size": n,
+        "dtype": dtype_name(a.dtype),
         "reps": a.reps,
         "threads": candle_core::utils::get_num_threads(),
         "gflops_best": flops / best / 1e9,

@@ -22,6 +22,15 @@ Rust side is, and ``torch.set_num_threads`` = the cores this process may use.
 * ``peak --size N --reps R``: the f32 matmul rate of ``torch.matmul`` on (N, N) x (N, N), best
   and median of R after one warmup, in GFLOP/s.
 
+GPU options (defaults: the CPU comparison's eager float32): ``--dtype bf16`` trains under
+``torch.autocast(bfloat16)`` on float32 weights (PyTorch's mixed precision; the Rust side's bf16
+copy of fp32 masters is DeepSpeed's) and generates with bfloat16 weights; ``--attn sdpa`` uses
+``scaled_dot_product_attention`` (flash/memory-efficient kernels); ``--fused-adamw`` the fused
+CUDA AdamW; ``--compile`` wraps the model in ``torch.compile`` (compilation happens in the warmup
+steps, outside the timing). ``impl`` names the variant (``hf-pytorch-sdpa-bf16-fused-compile``).
+On a GPU, ``gpu_used_mib`` is the most device memory in use (the driver's total - free, sampled
+after each phase, as ``bench.rs``), beside PyTorch's own ``peak_gpu_mib``.
+
 Training reports ``flops_per_token`` (6N + 12LHQT, N all parameters but the position embedding,
 as ``bench.rs``), for MFU. Peak RSS is ``getrusage(RUSAGE_SELF).ru_maxrss``: run one
 configuration per process.
@@ -39,6 +48,7 @@ import transformers
 from transformers import GPT2Config, GPT2LMHeadModel
 
 DEVICE = torch.device("cpu")  # set from --device in main()
+GPU_USED_MIB = 0.0  # the most device memory seen in use (sample_gpu_memory)
 
 GPT2_VOCAB = 50257
 EOS = 50256
@@ -65,10 +75,31 @@ def build_model(name):
         bos_token_id=EOS,
         eos_token_id=EOS,
         pad_token_id=EOS,
-        attn_implementation="eager",
+        attn_implementation=ATTN,
     )
     torch.manual_seed(SEED)
     return GPT2LMHeadModel(config).to(torch.float32).to(DEVICE)
+
+
+ATTN = "eager"  # set from --attn in main()
+
+
+def impl_name(a):
+    parts = ["hf-pytorch", a.attn]
+    if a.dtype == "bf16":
+        parts.append("bf16")
+    if getattr(a, "fused_adamw", False):
+        parts.append("fused")
+    if getattr(a, "compile", False):
+        parts.append("compile")
+    return "-".join(parts)
+
+
+def sample_gpu_memory():
+    global GPU_USED_MIB
+    if DEVICE.type == "cuda":
+        free, total = torch.cuda.mem_get_info(DEVICE)
+        GPU_USED_MIB = max(GPU_USED_MIB, (total - free) / 2**20)
 
 
 def sync():
@@ -105,8 +136,10 @@ def bench_train(a):
         {"params": [p for n, p in named if not no_weight_decay(n)], "weight_decay": 0.01},
         {"params": [p for n, p in named if no_weight_decay(n)], "weight_decay": 0.0},
     ]
-    opt = torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.999), eps=1e-8, fused=False)
+    opt = torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.999), eps=1e-8, fused=a.fused_adamw)
     params = [p for _, p in named]
+    forward = torch.compile(model) if a.compile else model
+    autocast = torch.autocast(DEVICE.type, dtype=torch.bfloat16, enabled=a.dtype == "bf16")
     gen = torch.Generator().manual_seed(SEED)
 
     times, phases, loss = [], ([], [], []), float("nan")  # phases: fwd+bwd, clip, AdamW
@@ -115,16 +148,19 @@ def bench_train(a):
         sync()
         start = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        out = model(input_ids=ids, labels=ids, use_cache=False)
+        with autocast:
+            out = forward(input_ids=ids, labels=ids, use_cache=False)
         out.loss.backward()
         sync()
         backward_done = time.perf_counter()
+        sample_gpu_memory()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         sync()
         clip_done = time.perf_counter()
         opt.step()
         sync()
         end = time.perf_counter()
+        sample_gpu_memory()
         loss = out.loss.item()
         if step >= a.warmup:
             times.append(end - start)
@@ -133,12 +169,13 @@ def bench_train(a):
             phases[2].append(end - clip_done)
     step_s = statistics.median(times)
     return {
-        "impl": "hf-pytorch-eager",
+        "impl": impl_name(a),
         "mode": "train",
         "model": a.model,
         "batch": a.batch,
         "seq": a.seq,
         "checkpoint_activations": a.checkpoint_activations,
+        "dtype": a.dtype,
         "vocab_size": PADDED_VOCAB,
         "params": model.num_parameters(),
         "flops_per_token": train_flops_per_token(model, a.seq),
@@ -167,7 +204,9 @@ def train_flops_per_token(model, seq):
 
 def bench_peak(a):
     torch.manual_seed(SEED)
-    x, y = torch.randn(a.size, a.size, device=DEVICE), torch.randn(a.size, a.size, device=DEVICE)
+    dt = torch.bfloat16 if a.dtype == "bf16" else torch.float32
+    x = torch.randn(a.size, a.size, device=DEVICE).to(dt)
+    y = torch.randn(a.size, a.size, device=DEVICE).to(dt)
     times = []
     for rep in range(a.reps + 1):
         sync()
@@ -178,9 +217,10 @@ def bench_peak(a):
             times.append(time.perf_counter() - start)
     flops = 2.0 * a.size**3
     return {
-        "impl": "hf-pytorch-eager",
+        "impl": "hf-pytorch",
         "mode": "peak",
         "size": a.size,
+        "dtype": a.dtype,
         "reps": a.reps,
         "threads": torch.get_num_threads(),
         "gflops_best": flops / min(times) / 1e9,
@@ -192,6 +232,8 @@ def bench_generate(a):
     model = build_model(a.model)
     if a.prompt_len + a.new_tokens > model.config.n_positions:
         raise SystemExit("--prompt-len + --new-tokens exceeds the model's context")
+    if a.dtype == "bf16":
+        model = model.to(torch.bfloat16)
     model.eval()
     gen = torch.Generator().manual_seed(SEED)
     ids = random_ids(gen, a.batch, a.prompt_len)  # (B, P), all the same length: no padding
@@ -211,17 +253,19 @@ def bench_generate(a):
             )
             sync()
             secs = time.perf_counter() - start
+            sample_gpu_memory()
             assert out.shape == (a.batch, a.prompt_len + a.new_tokens), out.shape
             if rep >= a.warmup:
                 times.append(secs)
     call_s = statistics.median(times)
     return {
-        "impl": "hf-pytorch-eager",
+        "impl": impl_name(a),
         "mode": "generate",
         "model": a.model,
         "batch": a.batch,
         "prompt_len": a.prompt_len,
         "new_tokens": a.new_tokens,
+        "dtype": a.dtype,
         "vocab_size": PADDED_VOCAB,
         "threads": torch.get_num_threads(),
         "warmup": a.warmup,
@@ -234,7 +278,7 @@ def bench_generate(a):
 
 
 def main():
-    global DEVICE
+    global DEVICE, ATTN
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="mode", required=True)
     t = sub.add_parser("train")
@@ -242,6 +286,8 @@ def main():
     pk = sub.add_parser("peak")
     for s in (t, g, pk):
         s.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
+        s.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+        s.add_argument("--attn", default="eager", choices=["eager", "sdpa"])
     pk.add_argument("--size", type=int, required=True)
     pk.add_argument("--reps", type=int, required=True)
     for s in (t, g):
@@ -251,11 +297,13 @@ def main():
     t.add_argument("--seq", type=int, required=True)
     t.add_argument("--steps", type=int, required=True)
     t.add_argument("--checkpoint-activations", action="store_true")
+    t.add_argument("--fused-adamw", action="store_true")
+    t.add_argument("--compile", action="store_true")
     g.add_argument("--prompt-len", type=int, required=True)
     g.add_argument("--new-tokens", type=int, required=True)
     g.add_argument("--reps", type=int, required=True)
     a = p.parse_args()
-    DEVICE = torch.device(a.device)
+    DEVICE, ATTN = torch.device(a.device), a.attn
     if DEVICE.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"error: --device {a.device}: this PyTorch sees no CUDA GPU")
 
@@ -265,6 +313,7 @@ def main():
     result["device"] = str(DEVICE) if DEVICE.type == "cpu" else f"cuda:{DEVICE.index or 0}"
     if DEVICE.type == "cuda":
         result["peak_gpu_mib"] = torch.cuda.max_memory_allocated(DEVICE) / 2**20
+        result["gpu_used_mib"] = GPU_USED_MIB
     print(json.dumps(result), flush=True)
 
 
