@@ -7,17 +7,26 @@
 //! - `logits-bf16`, `logits-fp16`: the model in half precision on CUDA against fp32 on the CPU
 //!   (max |diff| <= 5% of the largest logit: rounding, not a wrong kernel);
 //! - `generate`: greedy generation with the KV cache, the same tokens on both devices;
+//! - `train-step`: one step of the training path (dropout at the model's rates, backward, clip to
+//!   norm 1.0, AdamW) from the same weights on each device: the gradient norms agree to 1e-4 and
+//!   the updates (new - old weights) to 1e-3 of their norm (AdamW's first step divides each
+//!   gradient by its own size, so elements near zero amplify rounding: a norm, not a max);
 //! - `nccl`: a one-rank NCCL communicator's all-reduce, reduce-scatter, all-gather and broadcast
 //!   on a CUDA tensor (the identity at world size 1: NCCL loads, and its calls go through).
 //!
 //! Usage: `gpu_check [--model tiny|gpt2|gpt2-medium | --path MODEL_DIR] [--device cuda:N] [--seq T]`
-//! (default: a random-init gpt2, cuda:0, T = 128).
+//! (default: a random-init gpt2, cuda:0, T = 128). With `--device cpu` the second side runs the
+//! composed reference ops that CUDA runs (`kernels::ops::with_reference_ops`) against the fused
+//! CPU kernels: the same checks, without a GPU.
 
 use anyhow::{anyhow, bail, Result};
 use candle_core::{DType, Device, Tensor};
 use hybrid_engine::checkpoints::hf_io::{load_model_dir, resolve_model_dir};
 use hybrid_engine::generation::generate::{generate, SamplingConfig};
-use hybrid_engine::model::gpt2::Positions;
+use hybrid_engine::kernels::ops::{with_reference_ops, DropoutKey};
+use hybrid_engine::model::gpt2::{Dropout, Positions};
+use hybrid_engine::training::optim::{clip_grad_norm, AdamW, AdamWConfig, GradAccumulator};
+use hybrid_engine::training::train_step::{lm_forward_backward, Backward};
 use hybrid_engine::{Gpt2Config, ParamStore};
 
 struct Args {
@@ -51,6 +60,16 @@ fn max_diff(a: &Tensor, b: &Tensor) -> Result<(f32, f32)> {
     Ok((diff, b.abs()?.max(0)?.to_scalar::<f32>()?))
 }
 
+/// Runs the second side's `f`: on CUDA as it is; on the CPU (no GPU at hand) with the composed
+/// reference ops that CUDA runs in place of the fused CPU kernels.
+fn second<R>(cpu_only: bool, f: impl FnOnce() -> Result<R>) -> Result<R> {
+    if cpu_only {
+        with_reference_ops(f)
+    } else {
+        f()
+    }
+}
+
 /// Prints one check's line; returns whether it passed.
 fn report(name: &str, pass: bool, detail: String) -> bool {
     println!("{} {name}: {detail}", if pass { "PASS" } else { "FAIL" });
@@ -73,11 +92,8 @@ fn main() -> Result<()> {
         }
     };
     let what = args.path.clone().unwrap_or_else(|| format!("random-init {}", args.model));
-    println!(
-        "gpu_check: {what}, {} parameters, {} against cpu",
-        cfg.checked_parameter_count().unwrap_or(0),
-        args.device
-    );
+    let second_side = if cuda.is_cpu() { "the reference ops on the cpu".to_string() } else { args.device.clone() };
+    println!("gpu_check: {what}, {} parameters, {second_side} against cpu", cfg.checked_parameter_count().unwrap_or(0));
     let on_cpu = ParamStore::from_tensors(&cfg, &tensors, &cpu)?;
     let on_gpu = ParamStore::from_tensors(&cfg, &tensors, &cuda)?;
     let (m_cpu, m_gpu) = (on_cpu.model(&cfg)?, on_gpu.model(&cfg)?);
@@ -92,7 +108,8 @@ fn main() -> Result<()> {
     let mut ok = true;
 
     let logits_cpu = m_cpu.forward(&ids_cpu, &Positions::default(), None, None)?;
-    let logits_gpu = m_gpu.forward(&ids_gpu, &Positions::default(), None, None)?;
+    let cpu_only = cuda.is_cpu();
+    let logits_gpu = second(cpu_only, || Ok(m_gpu.forward(&ids_gpu, &Positions::default(), None, None)?))?;
     let (d, scale) = max_diff(&logits_gpu, &logits_cpu)?;
     ok &= report(
         "logits",
@@ -101,8 +118,12 @@ fn main() -> Result<()> {
     );
 
     let loss_cpu = m_cpu.lm_loss(&ids_cpu, &targets_cpu, None)?;
-    let loss_gpu = m_gpu.lm_loss(&ids_gpu, &targets_gpu, None)?;
-    let (g_cpu, g_gpu) = (loss_cpu.backward()?, loss_gpu.backward()?);
+    let g_cpu = loss_cpu.backward()?;
+    let (loss_gpu, g_gpu) = second(cpu_only, || {
+        let l = m_gpu.lm_loss(&ids_gpu, &targets_gpu, None)?;
+        let g = l.backward()?;
+        Ok((l, g))
+    })?;
     let (l_cpu, l_gpu) = (loss_cpu.to_scalar::<f32>()?, loss_gpu.to_device(&cpu)?.to_scalar::<f32>()?);
     let (mut worst, mut worst_name, mut missing) = (0f32, String::new(), vec![]);
     for ((name, v_cpu), (_, v_gpu)) in on_cpu.iter().zip(on_gpu.iter()) {
@@ -121,7 +142,7 @@ fn main() -> Result<()> {
         "grads",
         loss_ok && worst <= 1e-4 && missing.is_empty(),
         format!(
-            "loss cpu {l_cpu:.6} cuda {l_gpu:.6}; worst gradient {worst_name}: max |diff| / max |grad| {worst:.3e}; \
+            "loss cpu {l_cpu:.6} second side {l_gpu:.6}; worst gradient {worst_name}: max |diff| / max |grad| {worst:.3e}; \
              {} of {} parameters without a gradient {missing:?}",
             missing.len(),
             on_cpu.names.len()
@@ -141,11 +162,35 @@ fn main() -> Result<()> {
 
     let prompts: Vec<Vec<u32>> = vec![(1..9).collect(), (100..104).collect()];
     let greedy = SamplingConfig::greedy(24, None, 0, cfg.vocab_size);
-    let (tok_cpu, tok_gpu) = (generate(&m_cpu, &prompts, &greedy, &cpu)?, generate(&m_gpu, &prompts, &greedy, &cuda)?);
+    let tok_cpu = generate(&m_cpu, &prompts, &greedy, &cpu)?;
+    let tok_gpu = second(cpu_only, || generate(&m_gpu, &prompts, &greedy, &cuda))?;
     ok &= report(
         "generate",
         tok_cpu == tok_gpu,
-        format!("greedy, 2 prompts x 24 tokens: cpu {tok_cpu:?} cuda {tok_gpu:?}"),
+        format!("greedy, 2 prompts x 24 tokens: cpu {tok_cpu:?} second side {tok_gpu:?}"),
+    );
+
+    let dropout = Dropout::from_config(&cfg, DropoutKey { seed: 1234, step: 0, micro_batch: 0 });
+    let (norm_cpu, new_cpu) = train_step(&on_cpu, &cfg, &ids_cpu, &targets_cpu, &dropout)?;
+    let (norm_gpu, new_gpu) = second(cpu_only, || train_step(&on_gpu, &cfg, &ids_gpu, &targets_gpu, &dropout))?;
+    let (mut diff2, mut update2) = (0f64, 0f64);
+    for (((_, old), (_, c)), (_, g)) in on_cpu.iter().zip(new_cpu.iter()).zip(new_gpu.iter()) {
+        let old = old.as_tensor();
+        let u_cpu = (c.as_tensor() - old)?;
+        let u_gpu = (g.as_tensor().to_device(&cpu)? - old)?;
+        diff2 += f64::from((&u_gpu - &u_cpu)?.sqr()?.sum_all()?.to_scalar::<f32>()?);
+        update2 += f64::from(u_cpu.sqr()?.sum_all()?.to_scalar::<f32>()?);
+    }
+    let rel = (diff2 / update2.max(f64::MIN_POSITIVE)).sqrt();
+    let norm_rel = (norm_cpu - norm_gpu).abs() / norm_cpu.max(f64::MIN_POSITIVE);
+    ok &= report(
+        "train-step",
+        norm_rel <= 1e-4 && rel <= 1e-3,
+        format!(
+            "dropout (embd {}, attn {}, resid {}); gradient norm cpu {norm_cpu:.6} second side {norm_gpu:.6}; \
+             |update diff| / |update| {rel:.3e}",
+            cfg.embd_pdrop, cfg.attn_pdrop, cfg.resid_pdrop
+        ),
     );
 
     ok &= nccl_check(&cuda)?;
@@ -154,6 +199,26 @@ fn main() -> Result<()> {
     }
     println!("gpu_check: all passed");
     Ok(())
+}
+
+/// One training step on a copy of `params` (on their device): forward with `dropout`, backward,
+/// clip to norm 1.0, AdamW at lr 1e-3. Returns the gradient norm before clipping and the weights.
+fn train_step(
+    params: &ParamStore,
+    cfg: &Gpt2Config,
+    ids: &Tensor,
+    targets: &Tensor,
+    dropout: &Dropout,
+) -> Result<(f64, ParamStore)> {
+    let params = params.copy()?;
+    let model = params.model(cfg)?;
+    let mut acc = GradAccumulator::new(&params);
+    let how = Backward { checkpoint_activations: false, loss_scale: 1.0 };
+    lm_forward_backward(&model, ids, targets, Some(dropout), how, &mut acc)?;
+    let mut grads = acc.finish()?;
+    let norm = clip_grad_norm(&mut grads, 1.0)?;
+    AdamW::new(AdamWConfig::default(), &params)?.step(&params, &grads, 1e-3)?;
+    Ok((norm, params))
 }
 
 #[cfg(feature = "nccl")]
