@@ -2,7 +2,7 @@
 //! (snake_case accepted), the PPO constants DS-Chat hard-codes (as flags with its values), and
 //! sampling for rollouts (DS-Chat generates greedily; `--do-sample` samples).
 
-use crate::ppo::{Algorithm, PpoConfig};
+use crate::ppo::{Algorithm, PpoConfig, RewardScaling};
 use anyhow::{bail, Result};
 use clap::Parser;
 use data::args::DataArgs;
@@ -123,6 +123,11 @@ pub struct PpoArgs {
     /// A rollout is --per-device-generation-batch-size prompts per rank times this.
     #[arg(long, default_value_t = 1, alias = "num_samples_per_prompt")]
     pub num_samples_per_prompt: usize,
+    /// What GRPO divides each answer's score less its group's mean by (TRL's `scale_rewards`):
+    /// `group` (the group's standard deviation, DeepSeekMath), `batch` (the standard deviation
+    /// of the whole rollout's scores) or `none` (Dr. GRPO: advantages in reward units).
+    #[arg(long, value_enum, default_value_t = RewardScaling::Group, alias = "scale_rewards")]
+    pub scale_rewards: RewardScaling,
     /// The weight of the KL to the reference: PPO's and RLOO's reward penalty per token,
     /// GRPO's loss term (its beta).
     #[arg(long, default_value_t = 0.1, alias = "kl_ctl", value_parser = cli::non_negative())]
@@ -249,6 +254,7 @@ impl PpoArgs {
             gamma: self.gamma,
             lam: self.lam,
             algorithm: self.algorithm,
+            scale_rewards: self.scale_rewards,
         }
     }
 
@@ -276,6 +282,12 @@ impl PpoArgs {
         }
         if self.only_optimize_lora && self.actor_lora_dim == 0 && self.critic_lora_dim == 0 {
             bail!("--only-optimize-lora trains only LoRA adapters, but --actor-lora-dim and --critic-lora-dim are 0: add e.g. --actor-lora-dim 8");
+        }
+        if self.scale_rewards != RewardScaling::Group && self.algorithm != Algorithm::Grpo {
+            bail!(
+                "--scale-rewards scales GRPO's group advantages, and the algorithm is {}: drop it (or use --algorithm grpo)",
+                self.algorithm.name()
+            );
         }
         self.refuse_critic_flags_without_a_critic()?;
         self.precision.validate()?;

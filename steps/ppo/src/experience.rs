@@ -255,14 +255,15 @@ pub fn group_rewards(exp: &Experience, cfg: &PpoConfig) -> Vec<f64> {
 /// rank), `None` when it was dropped; the rows of a prompt's group are the `k` consecutive
 /// positions of its answers. Each row's advantage goes on every answer action (the loss masks
 /// the padding); the returns stay zero (no critic).
-pub fn set_group_advantages(exp: &mut Experience, by_position: &[Option<f64>], k: usize, algorithm: Algorithm) {
+pub fn set_group_advantages(exp: &mut Experience, by_position: &[Option<f64>], k: usize, cfg: &PpoConfig) {
     let width = exp.actions() - exp.start;
+    let batch_std = ppo::batch_std(by_position);
     for r in 0..exp.b {
         let position = exp.positions[r];
         let first = position / k * k;
         let group = &by_position[first..(first + k).min(by_position.len())];
-        let advantages = match algorithm {
-            Algorithm::Grpo => ppo::group_normalized_advantages(group),
+        let advantages = match cfg.algorithm {
+            Algorithm::Grpo => ppo::group_advantages(group, cfg.scale_rewards, batch_std),
             Algorithm::Rloo => ppo::leave_one_out_advantages(group),
             Algorithm::Ppo => unreachable!("PPO's advantages come from GAE"),
         };

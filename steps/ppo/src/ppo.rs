@@ -24,6 +24,9 @@ pub struct PpoConfig {
     /// How answers become advantages (`--algorithm`); PPO when absent (older checkpoints).
     #[serde(default)]
     pub algorithm: Algorithm,
+    /// How GRPO scales its centred scores (`--scale-rewards`); by the group's std when absent.
+    #[serde(default)]
+    pub scale_rewards: RewardScaling,
 }
 
 impl Default for PpoConfig {
@@ -36,6 +39,7 @@ impl Default for PpoConfig {
             gamma: 1.0,
             lam: 0.95,
             algorithm: Algorithm::Ppo,
+            scale_rewards: RewardScaling::Group,
         }
     }
 }
@@ -201,19 +205,61 @@ impl Algorithm {
     }
 }
 
-/// GRPO's advantage of each answer of one prompt's group: `(r - mean) / (std + 1e-4)` over the
-/// answers kept (`None`: dropped), std the sample standard deviation (TRL's GRPOTrainer; torch's
-/// default, unbiased). A group of one kept answer, or of equal scores, gives 0: nothing to
-/// compare it with.
-pub fn group_normalized_advantages(rewards: &[Option<f64>]) -> Vec<Option<f64>> {
+/// What GRPO divides a group's centred scores by (`--scale-rewards`, TRL's `scale_rewards`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RewardScaling {
+    /// DeepSeekMath's GRPO: the group's standard deviation. Every group weighs the same, also
+    /// one whose answers differ only by a hair of score.
+    #[default]
+    Group,
+    /// The standard deviation of all the rollout's scores (TRL's `batch`): one scale for every
+    /// group, so a group whose answers score alike moves the policy little.
+    Batch,
+    /// None (Liu et al.'s Dr. GRPO): advantages in the reward model's units.
+    None,
+}
+
+/// The sample standard deviation (torch's default, unbiased) of at least two values.
+fn sample_std(values: &[f64]) -> f64 {
+    let n = values.len() as f64;
+    let mean = values.iter().sum::<f64>() / n;
+    (values.iter().map(|r| (r - mean).powi(2)).sum::<f64>() / (n - 1.0)).sqrt()
+}
+
+/// The standard deviation of every kept score of a rollout: [`RewardScaling::Batch`]'s scale
+/// (0 for fewer than two).
+pub fn batch_std(rewards: &[Option<f64>]) -> f64 {
     let kept: Vec<f64> = rewards.iter().flatten().copied().collect();
-    let n = kept.len() as f64;
+    if kept.len() < 2 {
+        0.0
+    } else {
+        sample_std(&kept)
+    }
+}
+
+/// GRPO's advantage of each answer of one prompt's group: `(r - mean) / (scale + 1e-4)` over
+/// the answers kept (`None`: dropped), the scale the group's sample standard deviation
+/// ([`RewardScaling::Group`], TRL's GRPOTrainer), `batch_std` ([`RewardScaling::Batch`]), or
+/// none (`r - mean`, [`RewardScaling::None`]). A group of one kept answer, or of equal scores,
+/// gives 0: nothing to compare it with.
+pub fn group_advantages(rewards: &[Option<f64>], scaling: RewardScaling, batch_std: f64) -> Vec<Option<f64>> {
+    let kept: Vec<f64> = rewards.iter().flatten().copied().collect();
     if kept.len() < 2 {
         return rewards.iter().map(|r| r.map(|_| 0.0)).collect();
     }
-    let mean = kept.iter().sum::<f64>() / n;
-    let std = (kept.iter().map(|r| (r - mean).powi(2)).sum::<f64>() / (n - 1.0)).sqrt();
-    rewards.iter().map(|r| r.map(|r| (r - mean) / (std + 1e-4))).collect()
+    let mean = kept.iter().sum::<f64>() / kept.len() as f64;
+    let scale = match scaling {
+        RewardScaling::Group => sample_std(&kept) + 1e-4,
+        RewardScaling::Batch => batch_std + 1e-4,
+        RewardScaling::None => 1.0,
+    };
+    rewards.iter().map(|r| r.map(|r| (r - mean) / scale)).collect()
+}
+
+/// [`group_advantages`] scaled by the group's standard deviation (DeepSeekMath's GRPO).
+pub fn group_normalized_advantages(rewards: &[Option<f64>]) -> Vec<Option<f64>> {
+    group_advantages(rewards, RewardScaling::Group, 0.0)
 }
 
 /// RLOO's advantage of each answer of one prompt's group: `r_i - mean_{j != i} r_j` over the
@@ -463,6 +509,25 @@ mod tests {
         // Equal scores and lone answers teach nothing.
         assert_eq!(group_normalized_advantages(&[Some(4.0), Some(4.0)]), [Some(0.0), Some(0.0)]);
         assert_eq!(group_normalized_advantages(&[Some(4.0), None]), [Some(0.0), None]);
+    }
+
+    /// Scores 1, 2, 6 (mean 3): Dr. GRPO leaves -2, -1, 3; batch scaling divides by the given
+    /// rollout's std; the rollout [1, 2, 6, 4, 4] has mean 3.4 and sample variance
+    /// (5.76 + 1.96 + 6.76 + 0.36 + 0.36) / 4 = 3.8.
+    #[test]
+    fn group_advantages_unscaled_and_batch_scaled_hand_computed() {
+        let group = [Some(1.0), Some(2.0), None, Some(6.0)];
+        assert_eq!(group_advantages(&group, RewardScaling::None, 0.0), [Some(-2.0), Some(-1.0), None, Some(3.0)]);
+        let std = batch_std(&[Some(1.0), Some(2.0), Some(6.0), None, Some(4.0), Some(4.0)]);
+        assert!((std - 3.8f64.sqrt()).abs() < 1e-12, "{std}");
+        let adv = group_advantages(&group, RewardScaling::Batch, std);
+        for (a, w) in adv.iter().zip([Some(-2.0), Some(-1.0), None, Some(3.0)]) {
+            assert_eq!(a.is_some(), w.is_some());
+            assert!((a.unwrap_or(0.0) - w.unwrap_or(0.0) / (3.8f64.sqrt() + 1e-4)).abs() < 1e-12, "{adv:?}");
+        }
+        // Lone answers still teach nothing, whatever the scale.
+        assert_eq!(group_advantages(&[Some(4.0), None], RewardScaling::None, 1.0), [Some(0.0), None]);
+        assert_eq!(batch_std(&[Some(4.0), None]), 0.0);
     }
 
     /// Rewards 1, 2, 6: baselines (2 + 6) / 2 = 4, (1 + 6) / 2 = 3.5, (1 + 2) / 2 = 1.5.

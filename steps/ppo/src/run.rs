@@ -801,7 +801,7 @@ fn critic_free_advantages(
     }
     group.all_reduce_scalars(&mut by_position, ReduceOp::Sum)?;
     let rewards: Vec<Option<f64>> = by_position.chunks(2).map(|p| (p[1] > 0.0).then_some(p[0])).collect();
-    set_group_advantages(exp, &rewards, samples, cfg.algorithm);
+    set_group_advantages(exp, &rewards, samples, cfg);
     Ok(())
 }
 

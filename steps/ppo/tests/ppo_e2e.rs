@@ -290,17 +290,26 @@ fn bad_input_is_one_clear_error_line() {
     let critic_flag = ["--algorithm", "rloo", "--num-samples-per-prompt", "2", "--critic-lora-dim", "4"];
     check(&critic_flag, &["--critic-lora-dim", "trains no critic"]);
     check(&["--algorithm", "grpo", "--num-samples-per-prompt", "2", "--lam", "0.9"], &["--lam", "no critic"]);
+    let scaled_rloo = ["--algorithm", "rloo", "--num-samples-per-prompt", "2", "--scale-rewards", "none"];
+    check(&scaled_rloo, &["--scale-rewards", "rloo"]);
+    check(&["--scale-rewards", "batch"], &["--scale-rewards", "ppo"]);
 }
 
 /// GRPO and RLOO: four answers per prompt (a rollout of 8 prompts is 32 rows), no critic read,
 /// trained, logged or saved, and a resumed run ends exactly where the uninterrupted one does
 /// (RLOO with --normalize-reward, whose running moments are part of the state).
-/// Each group's advantages sum to zero (GRPO's are normalised deviations, RLOO's leave-one-out
-/// differences), so the rollout's mean advantage is zero, and they are not all zero.
+/// Each group's advantages sum to zero (GRPO's are normalised deviations, Dr. GRPO's
+/// (`--scale-rewards none`) plain ones, RLOO's leave-one-out differences), so the rollout's mean
+/// advantage is zero, and they are not all zero.
 #[test]
 fn grpo_and_rloo_train_without_a_critic_and_resume_exactly() {
-    for algorithm in ["grpo", "rloo"] {
+    let mut first_std = std::collections::HashMap::new();
+    for algorithm in ["grpo", "rloo", "grpo-unscaled"] {
         let mut flags = vec!["--algorithm", algorithm, "--num-samples-per-prompt", "4", "--ppo-epochs", "2"];
+        // Dr. GRPO: the deviations unscaled, still summing to zero per group.
+        if algorithm == "grpo-unscaled" {
+            flags.splice(0..2, ["--algorithm", "grpo", "--scale-rewards", "none"]);
+        }
         // RLOO's rewards from normalised scores: the running moments must survive the resume.
         if algorithm == "rloo" {
             flags.push("--normalize-reward");
@@ -315,7 +324,10 @@ fn grpo_and_rloo_train_without_a_critic_and_resume_exactly() {
             assert!(mean.abs() < 1e-5 && std > 0.0, "{algorithm}: advantages sum to 0 per group: {rollout}");
             assert!(step["critic_loss"].is_null(), "{algorithm}: {step}");
         }
+        first_std.insert(algorithm, steps[0]["rollout"]["advantage_std"].as_f64().unwrap());
     }
+    // The same first rollout (same seed), scaled by each group's std or not at all.
+    assert_ne!(first_std["grpo"], first_std["grpo-unscaled"], "--scale-rewards none took no effect");
 }
 
 #[test]
