@@ -257,6 +257,25 @@ pub fn group_advantages(rewards: &[Option<f64>], scaling: RewardScaling, batch_s
     rewards.iter().map(|r| r.map(|r| (r - mean) / scale)).collect()
 }
 
+/// Of the groups of `k` consecutive answers with at least two kept, the share whose kept answers
+/// all scored the same (0 when there is no such group): a group baseline gives them all a zero
+/// advantage.
+pub fn share_of_groups_without_spread(rewards: &[Option<f64>], k: usize) -> f64 {
+    let (mut groups, mut flat) = (0usize, 0usize);
+    for group in rewards.chunks(k.max(1)) {
+        let kept: Vec<f64> = group.iter().flatten().copied().collect();
+        if kept.len() >= 2 {
+            groups += 1;
+            flat += usize::from(kept.iter().all(|&r| r == kept[0]));
+        }
+    }
+    if groups == 0 {
+        0.0
+    } else {
+        flat as f64 / groups as f64
+    }
+}
+
 /// [`group_advantages`] scaled by the group's standard deviation (DeepSeekMath's GRPO).
 pub fn group_normalized_advantages(rewards: &[Option<f64>]) -> Vec<Option<f64>> {
     group_advantages(rewards, RewardScaling::Group, 0.0)
@@ -528,6 +547,14 @@ mod tests {
         // Lone answers still teach nothing, whatever the scale.
         assert_eq!(group_advantages(&[Some(4.0), None], RewardScaling::None, 1.0), [Some(0.0), None]);
         assert_eq!(batch_std(&[Some(4.0), None]), 0.0);
+    }
+
+    /// Groups of 2: [1, 1] flat, [1, 2] not, [3, None] too small to count, [5, 5] flat.
+    #[test]
+    fn share_of_groups_without_spread_counts_groups_of_two_kept_or_more() {
+        let rewards = [Some(1.0), Some(1.0), Some(1.0), Some(2.0), Some(3.0), None, Some(5.0), Some(5.0)];
+        assert!((share_of_groups_without_spread(&rewards, 2) - 2.0 / 3.0).abs() < 1e-12);
+        assert_eq!(share_of_groups_without_spread(&[Some(1.0), None], 2), 0.0);
     }
 
     /// Rewards 1, 2, 6: baselines (2 + 6) / 2 = 4, (1 + 6) / 2 = 3.5, (1 + 2) / 2 = 1.5.

@@ -436,8 +436,9 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
             let cfg = crate::PpoConfig { kl_ctl, ..ctx.cfg.clone() };
             let (mut experience, totals) =
                 generate_share(&ctx, &models, &mut engine, &rollout, step, &cfg, &mut reward_moments)?;
+            let mut groups_zero_std = None;
             if let (Some(exp), false) = (&mut experience, cfg.algorithm.has_critic()) {
-                critic_free_advantages(exp, &data, samples, &cfg)?;
+                groups_zero_std = Some(critic_free_advantages(exp, &data, samples, &cfg)?);
             }
             summary.answers_dropped_short += totals.dropped_short as u64;
             let experience = match experience {
@@ -453,7 +454,10 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
                 },
             };
             let generation_secs = rollout_started.elapsed().as_secs_f64();
-            let rollout_stats = rollout_stats(&experience, &data)?;
+            let mut rollout_stats = rollout_stats(&experience, &data)?;
+            if let Some(share) = groups_zero_std {
+                rollout_stats["groups_zero_std"] = json!(share);
+            }
             let rollout_kl_ctl = kl_ctl;
             if let Some(target) = args.kl_target {
                 let kl = rollout_stats["kl_ref_sequence"].as_f64().unwrap_or(f64::NAN);
@@ -787,13 +791,15 @@ fn generate_with_group(
 /// GRPO's and RLOO's advantages of this rank's rows of a rollout whose prompts came
 /// `samples` times each: every rank's [`group_rewards`] put at their rollout positions and
 /// summed over the data-parallel group (a rank that kept no rows adds zeros), so that each
-/// rank sees the whole group of each of its rows.
+/// rank sees the whole group of each of its rows. Returns the share of the rollout's groups (of
+/// two kept answers or more) whose answers all scored the same: they teach nothing (TRL's
+/// `frac_reward_zero_std`).
 fn critic_free_advantages(
     exp: &mut Experience,
     group: &ProcessGroup,
     samples: usize,
     cfg: &crate::PpoConfig,
-) -> Result<()> {
+) -> Result<f64> {
     // Per position: the reward, and 1 where a rank kept the row.
     let mut by_position = vec![0f64; 2 * exp.rollout_size];
     for (&position, reward) in exp.positions.iter().zip(group_rewards(exp, cfg)) {
@@ -802,7 +808,7 @@ fn critic_free_advantages(
     group.all_reduce_scalars(&mut by_position, ReduceOp::Sum)?;
     let rewards: Vec<Option<f64>> = by_position.chunks(2).map(|p| (p[1] > 0.0).then_some(p[0])).collect();
     set_group_advantages(exp, &rewards, samples, cfg);
-    Ok(())
+    Ok(ppo::share_of_groups_without_spread(&rewards, samples))
 }
 
 /// What a training phase measured on this rank (its parts of the global means).

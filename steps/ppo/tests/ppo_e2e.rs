@@ -323,6 +323,8 @@ fn grpo_and_rloo_train_without_a_critic_and_resume_exactly() {
             let (mean, std) = (rollout["advantage_mean"].as_f64().unwrap(), rollout["advantage_std"].as_f64().unwrap());
             assert!(mean.abs() < 1e-5 && std > 0.0, "{algorithm}: advantages sum to 0 per group: {rollout}");
             assert!(step["critic_loss"].is_null(), "{algorithm}: {step}");
+            let flat = rollout["groups_zero_std"].as_f64().unwrap();
+            assert!((0.0..=1.0).contains(&flat), "{algorithm}: share of groups without spread: {rollout}");
         }
         first_std.insert(algorithm, steps[0]["rollout"]["advantage_std"].as_f64().unwrap());
     }
