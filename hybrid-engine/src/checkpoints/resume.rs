@@ -202,7 +202,7 @@ impl OptimizerState {
                         Ok(t.flatten_all()?.to_dtype(candle_core::DType::F32)?.to_vec1()?)
                     };
                     let (m, v) = (read("exp_avg")?, read("exp_avg_sq")?);
-                    optimizer.fill_held(i, 0..n, &m, &v);
+                    optimizer.fill_held(i, 0..n, &m, &v)?;
                 }
                 Ok(())
             }

@@ -8,6 +8,7 @@ use crate::model::params::ParamStore;
 use anyhow::{bail, Result};
 use candle_core::{backprop::GradStore, CpuStorage, DType, InplaceOp2, Layout, Tensor, Var};
 use serde::{Deserialize, Serialize};
+use std::borrow::Cow;
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ops::Range;
@@ -32,16 +33,24 @@ pub fn no_weight_decay(name: &str) -> bool {
     name.ends_with(".bias") || name.starts_with("ln_") || name.contains(".ln_")
 }
 
+/// A parameter's first and second moments, borrowed from the host buffers or read from its device.
+pub type Moments<'a> = (Cow<'a, [f32]>, Cow<'a, [f32]>);
+
 /// The optimizer's checkpointable state: the step count and both moments per parameter, kept
 /// as plain f32 buffers updated in place by one fused pass per parameter. Under ZeRO stages 1
 /// and 2 a rank holds the moments of only its shard: `held[i]` is the range of parameter `i`'s
 /// flattened values whose moments are here (all of them without sharding).
+///
+/// A parameter that is not f32 on the CPU (a GPU's) is updated on its device by candle ops with
+/// its moments kept there (`on_device[i]`, then the truth; the host buffers are refreshed from
+/// it when read), so a step moves no parameter, gradient or moment across the bus.
 #[derive(Clone)]
 pub struct AdamW {
     pub config: AdamWConfig,
     pub step: u64,
     exp_avg: Vec<Vec<f32>>,
     exp_avg_sq: Vec<Vec<f32>>,
+    on_device: Vec<Option<[Tensor; 2]>>,
     held: Vec<Range<usize>>,
     decay: Vec<bool>,
     /// Each parameter's learning rate relative to the scheduled one (1 but for LoRA adapters).
@@ -99,6 +108,7 @@ impl AdamW {
             step: 0,
             exp_avg: zeros(),
             exp_avg_sq: zeros(),
+            on_device: vec![None; held.len()],
             decay: names.iter().map(|n| !no_weight_decay(n)).collect(),
             lr_scale: vec![1.0; names.len()],
             held,
@@ -110,6 +120,7 @@ impl AdamW {
     pub fn keep_only(&mut self, ranges: &[Range<usize>]) {
         assert_eq!(ranges.len(), self.held.len(), "one range per parameter");
         for (i, r) in ranges.iter().enumerate() {
+            assert!(self.on_device[i].is_none(), "ZeRO shards the optimizer before its first step");
             let held = &self.held[i];
             assert!(r.start >= held.start && r.end <= held.end, "range {r:?} outside the held {held:?}");
             let local = r.start - held.start..r.end - held.start;
@@ -119,33 +130,48 @@ impl AdamW {
         }
     }
 
+    /// Makes the host buffers of parameter `i` the truth again: copies its on-device moments
+    /// back (if any) and drops them (the next device step uploads the host buffers).
+    fn pull_to_host(&mut self, i: usize) -> Result<()> {
+        if let Some([m, v]) = self.on_device[i].take() {
+            self.exp_avg[i] = m.flatten_all()?.to_vec1()?;
+            self.exp_avg_sq[i] = v.flatten_all()?.to_vec1()?;
+        }
+        Ok(())
+    }
+
     /// The range of parameter `i` whose moments this optimizer holds.
     pub fn held(&self, i: usize) -> Range<usize> {
         self.held[i].clone()
     }
 
-    /// Parameter `i`'s held moments (first, second).
-    pub fn held_moments(&self, i: usize) -> (&[f32], &[f32]) {
-        (&self.exp_avg[i], &self.exp_avg_sq[i])
+    /// Parameter `i`'s held moments (first, second): read from its device when they live there.
+    pub fn held_moments(&self, i: usize) -> Result<Moments<'_>> {
+        Ok(match &self.on_device[i] {
+            Some([m, v]) => (Cow::Owned(m.flatten_all()?.to_vec1()?), Cow::Owned(v.flatten_all()?.to_vec1()?)),
+            None => (Cow::Borrowed(&self.exp_avg[i]), Cow::Borrowed(&self.exp_avg_sq[i])),
+        })
     }
 
     /// Copies the moments of `range` of parameter `i` (`m` and `v`, one value per index of
     /// `range`) where they overlap the held range; returns how many values were copied.
-    pub fn fill_held(&mut self, i: usize, range: Range<usize>, m: &[f32], v: &[f32]) -> usize {
+    pub fn fill_held(&mut self, i: usize, range: Range<usize>, m: &[f32], v: &[f32]) -> Result<usize> {
         let held = self.held[i].clone();
         let (lo, hi) = (range.start.max(held.start), range.end.min(held.end));
         if lo >= hi {
-            return 0;
+            return Ok(0);
         }
+        self.pull_to_host(i)?;
         let (src, dst) = (lo - range.start..hi - range.start, lo - held.start..hi - held.start);
         self.exp_avg[i][dst.clone()].copy_from_slice(&m[src.clone()]);
         self.exp_avg_sq[i][dst].copy_from_slice(&v[src]);
-        hi - lo
+        Ok(hi - lo)
     }
 
     /// Replaces every moment with full ones (consolidating a sharded optimizer).
     pub fn set_full_moments(&mut self, exp_avg: Vec<Vec<f32>>, exp_avg_sq: Vec<Vec<f32>>) {
         self.held = exp_avg.iter().map(|m| 0..m.len()).collect();
+        self.on_device = vec![None; exp_avg.len()];
         (self.exp_avg, self.exp_avg_sq) = (exp_avg, exp_avg_sq);
     }
 
@@ -182,16 +208,23 @@ impl AdamW {
         for (i, (var, g)) in params.vars.iter().zip(grads).enumerate() {
             let wd = if self.decay[i] { self.config.weight_decay } else { 0.0 };
             let lr = lr * self.lr_scale[i];
-            let (m, v) = (&mut self.exp_avg[i], &mut self.exp_avg_sq[i]);
-            if in_place_f32_cpu(var.as_tensor(), g) {
+            if in_place_f32_cpu(var.as_tensor(), g) && !crate::kernels::ops::reference_ops() {
                 // The parameter's own storage, updated in place: no copies in or out.
+                let (m, v) = (&mut self.exp_avg[i], &mut self.exp_avg_sq[i]);
                 let op = InPlaceAdamW { moments: RefCell::new((m, v)), lr, wd, step: self.step, config: &self.config };
                 var.as_tensor().inplace_op2(g, &op)?;
             } else {
-                let mut p: Vec<f32> = var.flatten_all()?.to_vec1()?;
-                let g: Vec<f32> = g.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1()?;
-                adamw_update(&mut p, &g, m, v, lr, wd, self.step, &self.config);
-                var.set(&Tensor::from_vec(p, var.shape(), var.device())?)?;
+                // On the parameter's device, moments and all (uploaded from the host once).
+                let [m, v] = match self.on_device[i].take() {
+                    Some(moments) => moments,
+                    None => [
+                        Tensor::from_slice(&self.exp_avg[i], var.shape(), var.device())?,
+                        Tensor::from_slice(&self.exp_avg_sq[i], var.shape(), var.device())?,
+                    ],
+                };
+                let (p, m, v) = adamw_update_tensors(var.as_tensor(), g, &m, &v, lr, wd, self.step, &self.config)?;
+                var.set(&p)?;
+                self.on_device[i] = Some([m, v]);
             }
         }
         Ok(())
@@ -205,8 +238,9 @@ impl AdamW {
         let mut out = Vec::new();
         for (i, (name, var)) in params.iter().enumerate() {
             let dev = &candle_core::Device::Cpu;
-            out.push((format!("exp_avg.{name}"), Tensor::from_slice(&self.exp_avg[i], var.shape(), dev)?));
-            out.push((format!("exp_avg_sq.{name}"), Tensor::from_slice(&self.exp_avg_sq[i], var.shape(), dev)?));
+            let (m, v) = self.held_moments(i)?;
+            out.push((format!("exp_avg.{name}"), Tensor::from_slice(&m, var.shape(), dev)?));
+            out.push((format!("exp_avg_sq.{name}"), Tensor::from_slice(&v, var.shape(), dev)?));
         }
         Ok(out)
     }
@@ -227,10 +261,40 @@ impl AdamW {
                 *slot =
                     t.to_dtype(candle_core::DType::F32)?.flatten_all()?.narrow(0, held.start, held.len())?.to_vec1()?;
             }
+            // The loaded host buffers are the truth; the next device step uploads them.
+            self.on_device[i] = None;
         }
         self.step = step;
         Ok(())
     }
+}
+
+/// [`adamw_update`] composed of candle ops on the parameter's device, in the same f32
+/// arithmetic operation by operation (each product, quotient and sum rounded as there, so it is
+/// bit-identical on the CPU): returns the new parameter and moments.
+#[allow(clippy::too_many_arguments)]
+fn adamw_update_tensors(
+    p: &Tensor,
+    g: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
+    lr: f64,
+    wd: f64,
+    step: u64,
+    c: &AdamWConfig,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let (b1, b2) = (c.beta1 as f32, c.beta2 as f32);
+    let step_size = (lr / (1.0 - c.beta1.powi(step as i32))) as f32;
+    let bc2_sqrt = (1.0 - c.beta2.powi(step as i32)).sqrt() as f32;
+    let (decay, eps) = ((1.0 - lr * wd) as f32, c.eps as f32);
+    let g = g.to_dtype(DType::F32)?;
+    // `x * k + 0`: one rounded product, as `k * x` in adamw_update.
+    let times = |t: &Tensor, k: f32| t.affine(f64::from(k), 0.0);
+    let m = (times(m, b1)? + times(&g, 1.0 - b1)?)?;
+    let v = (times(v, b2)? + times(&g, 1.0 - b2)?.mul(&g)?)?;
+    let denom = v.sqrt()?.broadcast_div(&Tensor::new(bc2_sqrt, p.device())?)?.affine(1.0, f64::from(eps))?;
+    let p = (times(p, decay)? - times(&m, step_size)?.div(&denom)?)?;
+    Ok((p, m, v))
 }
 
 /// Whether AdamW can update `p` in place from `g`: both contiguous f32 on the CPU.
@@ -323,8 +387,18 @@ impl GradAccumulator {
 /// The L2 norm of all gradients together.
 pub fn global_grad_norm(grads: &[Tensor]) -> Result<f64> {
     let mut sum = 0f64;
-    for g in grads {
-        sum += crate::kernels::ops::sum_of_squares(g)?;
+    if !grads.is_empty() && grads.iter().all(|g| !g.device().is_cpu()) {
+        // On a GPU each tensor's sum of squares (the same value as `ops::sum_of_squares` gives)
+        // stays there until all are done: one copy to the host, not one wait per tensor.
+        let sums: Vec<Tensor> =
+            grads.iter().map(|g| g.sqr()?.sum_all()?.to_dtype(DType::F64)).collect::<candle_core::Result<_>>()?;
+        for s in Tensor::stack(&sums, 0)?.to_vec1::<f64>()? {
+            sum += s;
+        }
+    } else {
+        for g in grads {
+            sum += crate::kernels::ops::sum_of_squares(g)?;
+        }
     }
     Ok(sum.sqrt())
 }
@@ -420,6 +494,45 @@ mod tests {
             assert!((got - want).abs() < 1e-8, "moved {got}, want {want}");
         }
         Ok(())
+    }
+
+    /// The device path (candle ops, moments kept as tensors: a GPU's), run on the CPU with the
+    /// reference ops, against the fused in-place kernel: three steps, the saved state, a reload
+    /// and one more step, all bit for bit.
+    #[test]
+    fn adamw_on_the_parameters_device_is_the_fused_update_bit_for_bit() -> Result<()> {
+        let cfg = Gpt2Config { n_layer: 1, n_embd: 8, n_head: 2, n_positions: 4, vocab_size: 11, ..Gpt2Config::tiny() };
+        let (fused, device) = (ParamStore::init(&cfg, 3, &Device::Cpu)?, ParamStore::init(&cfg, 3, &Device::Cpu)?);
+        let c = AdamWConfig { weight_decay: 0.1, ..AdamWConfig::default() };
+        let (mut fused_opt, mut device_opt) = (AdamW::new(c.clone(), &fused)?, AdamW::new(c.clone(), &device)?);
+        let grads_at = |step: usize| -> Result<Vec<Tensor>> {
+            fused.vars.iter().map(|v| Ok((v.as_tensor().sin()? * (step as f64 - 1.3))?)).collect()
+        };
+        let same = |a: &ParamStore, b: &ParamStore| -> Result<()> {
+            for ((name, x), (_, y)) in a.iter().zip(b.iter()) {
+                assert_eq!(x.flatten_all()?.to_vec1::<f32>()?, y.flatten_all()?.to_vec1::<f32>()?, "{name}");
+            }
+            Ok(())
+        };
+        for step in 0..3 {
+            let grads = grads_at(step)?;
+            fused_opt.step(&fused, &grads, 1e-2)?;
+            crate::kernels::ops::with_reference_ops(|| device_opt.step(&device, &grads, 1e-2))?;
+            same(&fused, &device)?;
+        }
+        assert!(device_opt.on_device.iter().all(Option::is_some), "the moments stay on the parameters' device");
+        let (saved_fused, saved_device) = (fused_opt.state_tensors(&fused)?, device_opt.state_tensors(&device)?);
+        for ((k, a), (l, b)) in saved_fused.iter().zip(&saved_device) {
+            assert_eq!(k, l);
+            assert_eq!(a.flatten_all()?.to_vec1::<f32>()?, b.flatten_all()?.to_vec1::<f32>()?, "{k}");
+        }
+        // Reloaded, the host buffers are uploaded again by the next step.
+        let mut reloaded = AdamW::new(c, &device)?;
+        reloaded.load_state(&device, device_opt.step, &saved_device.into_iter().collect())?;
+        let grads = grads_at(3)?;
+        fused_opt.step(&fused, &grads, 1e-2)?;
+        crate::kernels::ops::with_reference_ops(|| reloaded.step(&device, &grads, 1e-2))?;
+        same(&fused, &device)
     }
 
     #[test]

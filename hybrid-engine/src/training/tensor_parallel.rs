@@ -179,9 +179,9 @@ pub fn gather_optimizer(local: &AdamW, params: &ParamStore, vocab: usize, tp: &P
     let keep = tp.rank() == 0;
     let (mut m, mut v) = (Vec::new(), Vec::new());
     for (i, (name, var)) in params.iter().enumerate() {
-        let (mi, vi) = local.held_moments(i);
+        let (mi, vi) = local.held_moments(i)?;
         for (moments, out) in [(mi, &mut m), (vi, &mut v)] {
-            let slice = Tensor::from_slice(moments, var.shape(), &Device::Cpu)?;
+            let slice = Tensor::from_slice(&moments, var.shape(), &Device::Cpu)?;
             let gathered = gather_parameter(name, &slice, vocab, tp)?;
             if keep {
                 out.push(gathered.flatten_all()?.to_vec1::<f32>()?);
@@ -207,14 +207,14 @@ pub fn shard_optimizer(
     vocab: usize,
 ) -> Result<()> {
     for (i, (name, var)) in params.iter().enumerate() {
-        let (mi, vi) = whole.held_moments(i);
+        let (mi, vi) = whole.held_moments(i)?;
         let shape = whole_shape(name, var.dims(), ranks, vocab);
         let slice = |moments: &[f32]| -> Result<Vec<f32>> {
             let t = Tensor::from_slice(moments, shape.as_slice(), &Device::Cpu)?;
             Ok(shard(&t, split_of(name), rank, ranks)?.flatten_all()?.to_vec1::<f32>()?)
         };
-        let (m, v) = (slice(mi)?, slice(vi)?);
-        local.fill_held(i, 0..m.len(), &m, &v);
+        let (m, v) = (slice(&mi)?, slice(&vi)?);
+        local.fill_held(i, 0..m.len(), &m, &v)?;
     }
     local.step = whole.step;
     Ok(())
@@ -260,7 +260,7 @@ mod tests {
             for (i, ((name, a), b)) in params.iter().zip(&whole.vars).enumerate() {
                 assert_eq!(a.dims(), b.dims(), "{name}");
                 assert_eq!(a.flatten_all()?.to_vec1::<f32>()?, b.flatten_all()?.to_vec1::<f32>()?, "{name}");
-                assert_eq!(opt.held_moments(i), optimizer.held_moments(i), "{name}");
+                assert_eq!(opt.held_moments(i)?, optimizer.held_moments(i)?, "{name}");
             }
         }
         Ok(())

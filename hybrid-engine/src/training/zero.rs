@@ -274,8 +274,8 @@ pub fn consolidate(dp: &DataParallel, partition: &Partition, optimizer: &AdamW, 
     for which in 0..2 {
         let mut shard = vec![0f32; partition.shard_len];
         for piece in partition.pieces(rank) {
-            let (m, v) = optimizer.held_moments(piece.param);
-            shard[piece.in_shard].copy_from_slice(if which == 0 { m } else { v });
+            let (m, v) = optimizer.held_moments(piece.param)?;
+            shard[piece.in_shard].copy_from_slice(if which == 0 { &m } else { &v });
         }
         let all = dp.group.all_gather(&Tensor::from_vec(shard, partition.shard_len, &Device::Cpu)?)?;
         let shapes: Vec<&candle_core::Shape> = params.vars.iter().map(|v| v.shape()).collect();

@@ -474,8 +474,8 @@ impl ShardedModel {
                 for piece in unit.partition.pieces(rank) {
                     let (m, v) = optimizer.held_moments(
                         self.trained_index[unit.params[piece.param]].expect("a trained unit's parameter"),
-                    );
-                    values[piece.in_shard].copy_from_slice(if which == 0 { m } else { v });
+                    )?;
+                    values[piece.in_shard].copy_from_slice(if which == 0 { &m } else { &v });
                 }
                 for (&i, t) in unit.params.iter().zip(self.gather_unit(unit, &values)?) {
                     if let Some(trained) = self.trained_index[i] {
