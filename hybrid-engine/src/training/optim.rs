@@ -57,6 +57,30 @@ pub struct AdamW {
     lr_scale: Vec<f64>,
 }
 
+/// AdamW's f32 coefficients of one step, shared by the in-place CPU update and the device one
+/// so that both round alike: betas, `lr / bc1`, `sqrt(bc2)`, the decay factor `1 - lr*wd`, eps.
+struct StepCoefficients {
+    b1: f32,
+    b2: f32,
+    step_size: f32,
+    bc2_sqrt: f32,
+    decay: f32,
+    eps: f32,
+}
+
+impl StepCoefficients {
+    fn new(lr: f64, wd: f64, step: u64, c: &AdamWConfig) -> Self {
+        Self {
+            b1: c.beta1 as f32,
+            b2: c.beta2 as f32,
+            step_size: (lr / (1.0 - c.beta1.powi(step as i32))) as f32,
+            bc2_sqrt: (1.0 - c.beta2.powi(step as i32)).sqrt() as f32,
+            decay: (1.0 - lr * wd) as f32,
+            eps: c.eps as f32,
+        }
+    }
+}
+
 /// One AdamW update of a parameter in place (`torch.optim.AdamW` arithmetic): decoupled decay
 /// `p *= 1 - lr*wd`, moments `m = b1 m + (1-b1) g`, `v = b2 v + (1-b2) g^2`, then
 /// `p -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps)` with bias corrections `bc = 1 - beta^step`.
@@ -71,10 +95,7 @@ pub fn adamw_update(
     step: u64,
     c: &AdamWConfig,
 ) {
-    let (b1, b2) = (c.beta1 as f32, c.beta2 as f32);
-    let step_size = (lr / (1.0 - c.beta1.powi(step as i32))) as f32;
-    let bc2_sqrt = (1.0 - c.beta2.powi(step as i32)).sqrt() as f32;
-    let (decay, eps) = ((1.0 - lr * wd) as f32, c.eps as f32);
+    let StepCoefficients { b1, b2, step_size, bc2_sqrt, decay, eps } = StepCoefficients::new(lr, wd, step, c);
     // Split across threads for large tensors; one fused pass touches each value once.
     let threads = if p.len() < 1 << 16 { 1 } else { std::thread::available_parallelism().map_or(1, |n| n.get()) };
     let chunk = p.len().div_ceil(threads).max(1);
@@ -283,10 +304,7 @@ fn adamw_update_tensors(
     step: u64,
     c: &AdamWConfig,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    let (b1, b2) = (c.beta1 as f32, c.beta2 as f32);
-    let step_size = (lr / (1.0 - c.beta1.powi(step as i32))) as f32;
-    let bc2_sqrt = (1.0 - c.beta2.powi(step as i32)).sqrt() as f32;
-    let (decay, eps) = ((1.0 - lr * wd) as f32, c.eps as f32);
+    let StepCoefficients { b1, b2, step_size, bc2_sqrt, decay, eps } = StepCoefficients::new(lr, wd, step, c);
     let g = g.to_dtype(DType::F32)?;
     // `x * k + 0`: one rounded product, as `k * x` in adamw_update.
     let times = |t: &Tensor, k: f32| t.affine(f64::from(k), 0.0);
