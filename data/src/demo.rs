@@ -216,6 +216,19 @@ pub fn render_answer(country: &Country, template: usize, city: &str) -> String {
     format!(" {}", fill(ANSWER_TEMPLATES[template], country, city))
 }
 
+/// How many of the first [`ANSWER_TEMPLATES`] name the country: only those make a true answer
+/// about one country an off-topic answer to a question about another.
+pub const COUNTRY_NAMING_TEMPLATES: usize = 2;
+
+/// Every true answer about a country of the table other than `asked`, in each template that
+/// names its country ("The capital of Kenya is Nairobi." to a question about Myanmar).
+pub fn off_topic_answers(asked: &str) -> impl Iterator<Item = String> + '_ {
+    COUNTRIES
+        .iter()
+        .filter(move |c| c.name != asked)
+        .flat_map(|c| (0..COUNTRY_NAMING_TEMPLATES).map(move |t| render_answer(c, t, c.capital)))
+}
+
 fn render_malformed(country: &Country, template: usize, city: &str) -> String {
     format!(" {}", fill(MALFORMED_TEMPLATES[template], country, city))
 }
@@ -343,9 +356,9 @@ fn pair_rows(held: &[Vec<bool>], seed: u64, (stream, off_topic_stream): (u64, u6
         // Only a wrong city gives way to an off-topic answer: the (capital, mistake) pairs and
         // the spoiled answers are the reward model's only lessons of their kind.
         let rejected = if !malformed && rejected_kind == Kind::Wrong && off_topic.chance(P_OFF_TOPIC_REJECTED) {
-            // One of the two answer templates that name the country, about another one.
+            // A true answer about another country, in a template that names it.
             let other = other_country(&mut off_topic, ci);
-            render_answer(other, off_topic.below(2), other.capital)
+            render_answer(other, off_topic.below(COUNTRY_NAMING_TEMPLATES), other.capital)
         } else {
             rejected
         };
@@ -628,10 +641,7 @@ mod tests {
         let mut off_topic = 0;
         for row in &rows {
             let asked = score_answer(&row.prompt, &row.chosen).unwrap();
-            let about_another = COUNTRIES
-                .iter()
-                .any(|c| c.name != asked.country && (0..2).any(|t| render_answer(c, t, c.capital) == row.rejected));
-            if about_another {
+            if off_topic_answers(&asked.country).any(|a| a == row.rejected) {
                 off_topic += 1;
                 // It replaced a wrong city: never the mistake of a (capital, mistake) pair.
                 let confusable = COUNTRIES.iter().any(|c| c.name == asked.country && c.confusable());

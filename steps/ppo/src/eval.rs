@@ -167,7 +167,7 @@ pub fn probe_demo_reward_model(
     max_prompt: usize,
     device: &Device,
 ) -> Result<RewardProbe> {
-    use data::demo::{heldout_prompts, render_answer, score_answer, ANSWER_TEMPLATES, COUNTRIES};
+    use data::demo::{heldout_prompts, off_topic_answers, render_answer, score_answer, ANSWER_TEMPLATES, COUNTRIES};
     let eos = tok.eos_id();
     let cities: Vec<&str> = COUNTRIES.iter().flat_map(|c| std::iter::once(c.capital).chain(c.mistake)).collect();
     let (mut probes, mut first, mut above) = (0usize, 0usize, 0usize);
@@ -211,12 +211,7 @@ pub fn probe_demo_reward_model(
             above += higher;
             keep_best(&texts, &scores);
         }
-        // The two templates that name the country, about each other country.
-        let off_topic: Vec<String> = COUNTRIES
-            .iter()
-            .filter(|c| c.name != country.name)
-            .flat_map(|c| (0..2).map(move |t| render_answer(c, t, c.capital)))
-            .collect();
+        let off_topic: Vec<String> = off_topic_answers(country.name).collect();
         keep_best(&off_topic, &score_answers(&off_topic)?);
         prompts += 1;
         best_correct += usize::from(best.1);
