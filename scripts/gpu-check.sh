@@ -2,6 +2,8 @@
 # Every GPU check of the CUDA path in one command, on a GPU machine without a Rust toolchain:
 # run it from the unpacked package of scripts/package-gpu.sh (which packs this script).
 #
+#   0. unit-tests: the engine library's unit tests built with the CUDA feature, among them the
+#      CUDA kernels' own tests against the CPU (kernels::cuda::tests, which need the GPU);
 #   1. gpu_check: fp32 logits, loss and every gradient of the same gpt2 weights on CUDA against
 #      the CPU (1e-4), bf16/fp16 logits, greedy generation with the KV cache, NCCL at one rank;
 #   2. pretraining gpt2 from scratch for 50 iterations in fp32, fp16 and bf16 on CUDA (the
@@ -13,12 +15,12 @@
 # Each stage has a time limit; a failing stage does not stop the later ones. The logs, metrics
 # and summaries (no weights) go to WORK_DIR; a line per stage and PASS/FAIL at the end.
 #
-# Usage: gpu-check.sh WORK_DIR [REFERENCE_DIR]    (STAGES="check pretrain demo" to choose)
+# Usage: gpu-check.sh WORK_DIR [REFERENCE_DIR]    (STAGES="unit check pretrain demo" to choose)
 set -uo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 work=${1:?usage: gpu-check.sh WORK_DIR [REFERENCE_DIR]}
 ref=${2:-}
-stages=${STAGES:-check pretrain demo}
+stages=${STAGES:-unit check pretrain demo}
 mkdir -p "$work"
 summary=$work/summary.txt
 : >"$summary"
@@ -40,6 +42,13 @@ stage() {
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$summary"
 cat "$here/VERSION" | tee -a "$summary"
+
+if [[ " $stages " == *" unit "* ]]; then
+  # --test-threads 1: the GPU tests would share one device; the CPU ones take seconds anyway.
+  stage unit-tests 120 "$bin" unit-tests --test-threads 1
+  grep -E '^test (kernels::cuda|.*FAILED)|^test result' "$work/unit-tests.log" | tee -a "$summary"
+  ! grep -q 'no GPU, the CUDA kernel test' "$work/unit-tests.log" || { echo "unit-tests: the CUDA tests saw no GPU" | tee -a "$summary"; failed=1; }
+fi
 
 if [[ " $stages " == *" check "* ]]; then
   stage gpu_check-gpt2 90 "$bin" gpu_check --model gpt2 --device cuda

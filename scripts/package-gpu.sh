@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the CUDA binaries on this (GPU-less) machine and packs them for a GPU machine that has no
-# Rust toolchain: `train` (also `sft`, `reward`, `ppo` by name), `chat`, the benchmark `bench` and
-# the CUDA-against-CPU checks `gpu_check`, stripped, with `run-gpu.sh`, `gpu-check.sh` (every GPU
+# Rust toolchain: `train` (also `sft`, `reward`, `ppo` by name), `chat`, the benchmark `bench`,
+# the CUDA-against-CPU checks `gpu_check` and the engine library's unit tests `unit-tests` (with
+# the CUDA kernels' tests, which need a GPU), stripped, with `run-gpu.sh`, `gpu-check.sh` (every GPU
 # check in one command), the benchmark scripts (scripts/bench/) and the CUDA runtime they
 # link (lib/libcudart.so.13, 0.7 MiB), in one xz-compressed tarball (under 64 MiB).
 #
@@ -28,6 +29,9 @@ target=${CARGO_TARGET_DIR:-$root/target}
 source "$root/scripts/cuda-build-env.sh" "$root"
 (cd "$root" && cargo build --release --features "$features" --bin train --bin chat)
 (cd "$root" && cargo build --release -p hybrid-engine --features "$features" --example bench --example gpu_check)
+# The unit-test executable's path, from cargo's JSON messages.
+unit_tests=$(cd "$root" && cargo test --release -p hybrid-engine --features "$features" --lib --no-run --message-format json \
+  | python3 -c 'import json,sys; print([m["executable"] for m in map(json.loads, sys.stdin) if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["lib"]][-1])')
 
 version=$(git -C "$root" describe --always --dirty 2>/dev/null || echo unknown)
 name=rlhf-gpu
@@ -40,6 +44,7 @@ done
 for ex in bench gpu_check; do
   strip -o "$stage/$name/$ex" "$target/release/examples/$ex"
 done
+strip -o "$stage/$name/unit-tests" "$unit_tests"
 cp "$root/scripts/gpu-check.sh" "$stage/$name/"
 cp "$root/scripts/bench/run.sh" "$root/scripts/bench/hf_bench.py" "$root/scripts/bench/gpu_table.py" "$stage/$name/scripts/bench/"
 cp -L "$CUDA_HOME/lib/libcudart.so.13" "$stage/$name/lib/"
@@ -54,7 +59,7 @@ cat > "$stage/$name/run-gpu.sh" <<'EOF'
 # fused AdamW, torch.compile on the PyTorch side).
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-bin=${1:?usage: run-gpu.sh train|chat|sft|reward|ppo|bench|gpu_check|bench-table|bench-gpu [FLAGS...]}; shift
+bin=${1:?usage: run-gpu.sh train|chat|sft|reward|ppo|bench|gpu_check|unit-tests|bench-table|bench-gpu [FLAGS...]}; shift
 dirs=()
 for d in ${CUDA_HOME:+"$CUDA_HOME/lib64" "$CUDA_HOME/lib"} /usr/local/cuda/lib64 /usr/local/cuda-13*/lib64 "$here/lib"; do
   [ -d "$d" ] && dirs+=("$d")
@@ -75,11 +80,11 @@ done
 ld=$(printf '%s\n' "${dirs[@]}" | awk 'NF && !seen[$0]++' | paste -sd: -)
 export LD_LIBRARY_PATH=${ld}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 case "$bin" in
-  train|chat|bench|gpu_check) exec "$here/$bin" "$@" ;;
+  train|chat|bench|gpu_check|unit-tests) exec "$here/$bin" "$@" ;;
   sft|reward|ppo) exec -a "$bin" "$here/train" "$@" ;;
   bench-table) BENCH_BIN="$here/bench" exec "$here/scripts/bench/run.sh" "$@" ;;
   bench-gpu) exec python3 "$here/scripts/bench/gpu_table.py" --bench "$here/bench" "$@" ;;
-  *) echo "run-gpu.sh: unknown binary $bin (train, chat, sft, reward, ppo, bench, gpu_check, bench-table, bench-gpu)" >&2; exit 2 ;;
+  *) echo "run-gpu.sh: unknown binary $bin (train, chat, sft, reward, ppo, bench, gpu_check, unit-tests, bench-table, bench-gpu)" >&2; exit 2 ;;
 esac
 EOF
 chmod +x "$stage/$name/run-gpu.sh"

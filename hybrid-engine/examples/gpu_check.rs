@@ -6,6 +6,9 @@
 //!   gradient's largest value; a parameter without a gradient fails);
 //! - `logits-bf16`, `logits-fp16`: the model in half precision on CUDA against fp32 on the CPU
 //!   (max |diff| <= 5% of the largest logit: rounding, not a wrong kernel);
+//! - `dropout-f32`, `dropout-bf16`, `dropout-fp16`: the dropout kernel (its mask drawn on the
+//!   device) against the CPU's factors, drawn on the host and multiplied in that dtype: equal bit
+//!   for bit;
 //! - `generate`: greedy generation with the KV cache, the same tokens on both devices;
 //! - `train-step`: one step of the training path (dropout at the model's rates, backward, clip to
 //!   norm 1.0, AdamW) from the same weights on each device: the gradient norms agree to 1e-4 and
@@ -23,7 +26,7 @@ use anyhow::{anyhow, bail, Result};
 use candle_core::{DType, Device, Tensor};
 use hybrid_engine::checkpoints::hf_io::{load_model_dir, resolve_model_dir};
 use hybrid_engine::generation::generate::{generate, SamplingConfig};
-use hybrid_engine::kernels::ops::{with_reference_ops, DropoutKey};
+use hybrid_engine::kernels::ops::{dropout, dropout_reference, with_reference_ops, DropoutKey};
 use hybrid_engine::model::gpt2::{Dropout, Positions};
 use hybrid_engine::training::optim::{clip_grad_norm, AdamW, AdamWConfig, GradAccumulator};
 use hybrid_engine::training::train_step::{lm_forward_backward, Backward};
@@ -160,6 +163,8 @@ fn main() -> Result<()> {
         );
     }
 
+    ok &= dropout_check(&cuda, cpu_only)?;
+
     let prompts: Vec<Vec<u32>> = vec![(1..9).collect(), (100..104).collect()];
     let greedy = SamplingConfig::greedy(24, None, 0, cfg.vocab_size);
     let tok_cpu = generate(&m_cpu, &prompts, &greedy, &cpu)?;
@@ -199,6 +204,24 @@ fn main() -> Result<()> {
     }
     println!("gpu_check: all passed");
     Ok(())
+}
+
+/// Dropout at p = 0.1 of a (3, 1000, 257) tensor in each dtype: the second side's `ops::dropout`
+/// (the CUDA kernel on a GPU) equals the host-drawn reference on the CPU, element for element.
+fn dropout_check(device: &Device, cpu_only: bool) -> Result<bool> {
+    let key = DropoutKey { seed: 1234, step: 7, micro_batch: 1 };
+    let x = Tensor::randn(0f32, 1f32, (3, 1000, 257), &Device::Cpu)?;
+    let mut ok = true;
+    for (label, dtype) in [("dropout-f32", DType::F32), ("dropout-bf16", DType::BF16), ("dropout-fp16", DType::F16)] {
+        let x = x.to_dtype(dtype)?;
+        let want = dropout_reference(&x, key.mask(0.1, 3, 2))?;
+        let got = second(cpu_only, || Ok(dropout(&x.to_device(device)?, 0.1, &key, 3, 2)?))?;
+        let (d, _) = max_diff(&got, &want)?;
+        let kept = want.to_dtype(DType::F32)?.ne(0f32)?.to_dtype(DType::F32)?.mean_all()?.to_scalar::<f32>()?;
+        ok &=
+            report(label, d == 0.0 && (kept - 0.9).abs() < 0.01, format!("max |diff| {d:e}; kept {kept:.4} (p = 0.1)"));
+    }
+    Ok(ok)
 }
 
 /// One training step on a copy of `params` (on their device): forward with `dropout`, backward,

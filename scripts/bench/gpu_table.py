@@ -18,6 +18,9 @@ memory as soon as they are dropped, so ours is what stays between steps (weights
 AdamW moments), below our peak.
 
 Usage: gpu_table.py --bench PATH [--device cuda] [--out FILE] [--raw FILE] [--smoke] [--from-raw FILE]
+                    [--only TEXT ...] [--skip-compile]
+  --only TEXT: only the rows whose label contains TEXT (repeatable); --skip-compile: no
+  torch.compile variant (its compilation takes about a minute of a short device lease).
   --from-raw FILE: no runs; the table from the JSON lines a run cut off short left in its --raw
   file (rows it did not reach are marked as not run).
   (scripts/package-gpu.sh packs it; on the GPU machine `run-gpu.sh bench-gpu [--out FILE]`.)
@@ -128,6 +131,8 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="tiny rows only (checks the script)")
     ap.add_argument("--timeout", type=int, default=150, help="seconds per process")
     ap.add_argument("--from-raw", default="", help="make the table from a --raw file instead of running")
+    ap.add_argument("--only", action="append", default=[], help="only rows whose label contains this (repeatable)")
+    ap.add_argument("--skip-compile", action="store_true", help="leave out the torch.compile variants")
     a = ap.parse_args()
     global RECORDED
     if a.from_raw:
@@ -143,7 +148,9 @@ def main():
         if a.raw and RECORDED is None:
             with open(a.raw, "a") as f:
                 f.write(json.dumps({"cmd": ["machine"], "result": machine}) + "\n")
-    rows = SMOKE_ROWS if a.smoke else ROWS
+    rows = [(label, args, [v for v in variants if not (a.skip_compile and "--compile" in v[1])])
+            for label, args, variants in (SMOKE_ROWS if a.smoke else ROWS)
+            if not a.only or any(o in label for o in a.only)]
     started = time.time()
 
     peaks = {}

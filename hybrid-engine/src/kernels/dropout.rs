@@ -53,6 +53,12 @@ impl DropoutMask {
         crate::kernels::rowops::dropout(self.seed, self.threshold, self.scale, start as u64, x, out)
     }
 
+    /// The site's seed, the drop threshold on a draw's high 32 bits and the keep scale: what a
+    /// GPU kernel needs to draw the same factors.
+    pub fn parts(&self) -> (u64, u32, f32) {
+        (self.seed, self.threshold, self.scale)
+    }
+
     /// `x[j] *= factor(start + j)`.
     pub fn apply_in_place(&self, start: usize, x: &mut [f32]) {
         crate::kernels::rowops::dropout_in_place(self.seed, self.threshold, self.scale, start as u64, x)

@@ -16,7 +16,8 @@
 //! * the tied LM head with the cross-entropy: the (N, V) logits never become a tensor, and
 //!   backward turns them into their gradient in place; cross-entropy on given logits too.
 //!
-//! The kernels take f32 tensors on the CPU. The dispatchers in `ops.rs` use them there and fall
+//! The kernels take f32 tensors on the CPU; dropout and the masked softmax also run on a GPU
+//! (their `cuda_fwd`, kernels in `cuda.rs`). The dispatchers in `ops.rs` use them there and fall
 //! back to the composed reference (also in `ops.rs`) for other dtypes and devices; the tests
 //! below check values and gradients against those references and against finite differences.
 
@@ -385,6 +386,17 @@ impl CustomOp2 for MaskedSoftmax {
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((crate::kernels::cuda::masked_softmax(s1, l1, s2, l2, self.scale)?, l1.shape().clone()))
+    }
+
     fn bwd(
         &self,
         _att: &Tensor,
@@ -412,10 +424,21 @@ impl CustomOp2 for MaskedSoftmaxGrad {
         });
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((crate::kernels::cuda::masked_softmax_grad(s1, l1, s2, l2, self.scale)?, l1.shape().clone()))
+    }
 }
 
-/// `softmax(att * scale + bias)` for f32 `att` (B, NH, T, S) and a constant f32 `bias`
-/// (B or 1, 1, T, S) on the CPU.
+/// `softmax(att * scale + bias)` for `att` (B, NH, T, S) and a constant f32 `bias`
+/// (B or 1, 1, T, S): f32 on the CPU, or f32/bf16/f16 `att` on a GPU (`kernels::cuda`).
 pub fn masked_softmax(att: &Tensor, scale: f64, bias: &Tensor) -> Result<Tensor> {
     att.contiguous()?.apply_op2(&bias.contiguous()?, MaskedSoftmax { scale: scale as f32 })
 }
@@ -836,13 +859,18 @@ impl CustomOp1 for Dropout {
         Ok((CpuStorage::F32(self.apply(x)), l.shape().clone()))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((crate::kernels::cuda::dropout(s, l, self.mask)?, l.shape().clone()))
+    }
+
     fn bwd(&self, _x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         // The same mask times the gradient: dropout is linear in x.
         Ok(Some(grad.contiguous()?.apply_op1_no_bwd(&Dropout { mask: self.mask })?))
     }
 }
 
-/// Dropout of f32 `x` on the CPU with `mask`.
+/// Dropout of `x` with `mask`: f32 on the CPU, or f32/bf16/f16 on a GPU (`kernels::cuda`).
 pub fn dropout(x: &Tensor, mask: DropoutMask) -> Result<Tensor> {
     x.contiguous()?.apply_op1(Dropout { mask })
 }

@@ -33,6 +33,20 @@ pub(crate) fn reference_ops() -> bool {
     REFERENCE_OPS.get() || *ENV.get_or_init(|| std::env::var("HYBRID_ENGINE_REFERENCE_OPS").is_ok_and(|v| v == "1"))
 }
 
+/// Whether the CUDA kernels (`kernels::cuda`) apply: a CUDA build, every tensor on a GPU in f32,
+/// bf16 or f16, and not in reference mode.
+fn on_cuda(tensors: &[&Tensor]) -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        !reference_ops() && tensors.iter().all(|t| t.device().is_cuda() && crate::kernels::cuda::is_float(t.dtype()))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = tensors;
+        false
+    }
+}
+
 /// Whether the fused CPU kernels apply: every tensor f32 on the CPU, and not in reference mode.
 fn fused(tensors: &[&Tensor]) -> bool {
     !reference_ops() && tensors.iter().all(|t| t.device().is_cpu() && t.dtype() == DType::F32)
@@ -92,7 +106,9 @@ pub fn layer_norm_reference(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64
 /// `softmax(att * scale + bias)` over the last dimension: the attention probabilities from raw
 /// scores `att` (B, NH, T, S) and the additive mask `bias` (B or 1, 1, T, S), a constant.
 pub fn masked_softmax(att: &Tensor, scale: f64, bias: &Tensor) -> Result<Tensor> {
-    if fused(&[att, bias]) && !bias.track_op() && bias.rank() == 4 {
+    let constant_mask = !bias.track_op() && bias.rank() == 4;
+    let on_gpu = on_cuda(&[att, bias]) && bias.dtype() == DType::F32;
+    if (fused(&[att, bias]) || on_gpu) && constant_mask {
         crate::kernels::fused::masked_softmax(att, scale, bias)
     } else {
         masked_softmax_reference(att, scale, bias)
@@ -198,7 +214,8 @@ pub fn attention(
     }
 }
 
-/// [`attention`] composed of candle ops (and [`masked_softmax`], [`dropout`]'s reference).
+/// [`attention`] composed of candle ops, the masked softmax and the dropout those of
+/// [`masked_softmax`] and [`dropout`] (the CUDA kernels on a GPU, else their references).
 pub fn attention_reference(
     qkv: &Tensor,
     bias: &Tensor,
@@ -207,9 +224,9 @@ pub fn attention_reference(
     dropout: Option<DropoutMask>,
 ) -> Result<Tensor> {
     let (q, k, v) = split_heads(qkv, n_head)?;
-    let att = masked_softmax_reference(&q.matmul(&k.t()?)?, scale, bias)?; // (B, NH, T, T)
+    let att = masked_softmax(&q.matmul(&k.t()?)?, scale, bias)?; // (B, NH, T, T)
     let att = match dropout {
-        Some(mask) => dropout_reference(&att, mask)?,
+        Some(mask) => apply_dropout(&att, mask)?,
         None => att,
     };
     merge_heads(&att.matmul(&v)?)
@@ -273,8 +290,13 @@ pub fn dropout(x: &Tensor, p: f64, key: &DropoutKey, layer: u64, site: u64) -> R
     if p <= 0.0 {
         return Ok(x.clone());
     }
-    let mask = key.mask(p, layer, site);
-    if fused(&[x]) {
+    apply_dropout(x, key.mask(p, layer, site))
+}
+
+/// `x` times `mask`'s factors: the fused kernel on the CPU (f32) and on a GPU, where the mask is
+/// drawn on the device; the composed reference otherwise.
+fn apply_dropout(x: &Tensor, mask: DropoutMask) -> Result<Tensor> {
+    if fused(&[x]) || on_cuda(&[x]) {
         crate::kernels::fused::dropout(x, mask)
     } else {
         dropout_reference(x, mask)
@@ -282,8 +304,8 @@ pub fn dropout(x: &Tensor, p: f64, key: &DropoutKey, layer: u64, site: u64) -> R
 }
 
 /// [`dropout`] composed of candle ops: the mask as a tensor, multiplied in. The factors are drawn
-/// on the host (off the CPU, a GPU's dropout comes here), on every core: the attention
-/// probabilities of gpt2 at B8 T1024 are 1.2G factors a step, which one thread drew in seconds.
+/// on the host, on every core (a GPU without the CUDA kernel, or in reference mode, comes here:
+/// the attention probabilities of gpt2 at B8 T1024 are 1.2G factors a step).
 pub fn dropout_reference(x: &Tensor, mask: DropoutMask) -> Result<Tensor> {
     let factors = crate::kernels::parallel::for_chunks(x.elem_count(), |range, out| {
         for (o, i) in out.iter_mut().zip(range) {

@@ -1,0 +1,40 @@
+// Dropout on the GPU, drawing the very mask the CPU draws (src/kernels/dropout.rs and
+// rowops::dropout_factor): element i of a site seeded `seed` is kept, times `scale`, when the high
+// half of SplitMix64's i-th output is at least `threshold`. Counter-based: a thread computes its
+// elements' draws from their indices, so nothing crosses the bus and a GPU run, its resumption
+// and a CPU run drop the same elements.
+//
+// The scale is rounded to the tensor's dtype first, as a factor tensor of that dtype holds it;
+// the product of two bf16 or f16 values is exact in f32, so rounding it once gives the dtype's
+// own multiplication by that factor tensor, bit for bit.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+__device__ __forceinline__ uint64_t splitmix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+__device__ __forceinline__ float dropout_factor(uint64_t seed, uint32_t threshold, float scale, uint64_t i) {
+  const uint64_t golden_gamma = 0x9E3779B97F4A7C15ull;
+  uint32_t draw = (uint32_t)(splitmix64(seed + (i + 1) * golden_gamma) >> 32);
+  return draw >= threshold ? scale : 0.0f;
+}
+
+// y[j] = x[j] * factor(j) over n contiguous elements, grid-stride.
+#define DROPOUT(NAME, T, TO_F32, FROM_F32)                                                      \
+  extern "C" __global__ void NAME(const T *x, T *y, uint64_t n, uint64_t seed, uint32_t threshold, \
+                                  float scale) {                                                \
+    const float s = TO_F32(FROM_F32(scale));                                                    \
+    for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < n;                   \
+         i += (uint64_t)blockDim.x * gridDim.x) {                                               \
+      y[i] = FROM_F32(TO_F32(x[i]) * dropout_factor(seed, threshold, s, i));                    \
+    }                                                                                           \
+  }
+
+#define IDENTITY(v) (v)
+DROPOUT(dropout_f32, float, IDENTITY, IDENTITY)
+DROPOUT(dropout_bf16, __nv_bfloat16, __bfloat162float, __float2bfloat16_rn)
+DROPOUT(dropout_f16, __half, __half2float, __float2half_rn)
