@@ -13,6 +13,11 @@
 //! * `generate --model M --batch B --prompt-len P --new-tokens N --warmup W --reps R`: greedy
 //!   generation with the KV cache (prefill included), EOS disabled so every row makes exactly N
 //!   tokens. Reports the median over R calls: `tokens_per_s` = B*N / call time.
+//! * `ops --model M --batch B --seq T --reps R`: where a training step's time goes: each kind of
+//!   op of the model (embeddings, LayerNorm, the four linears, the attention core, GELU, the
+//!   residual dropout, the LM head with the cross-entropy) alone at the step's shapes, forward
+//!   and forward+backward (median of R after one warmup, the device synchronised around each),
+//!   with how many times a step runs it and the sum over the step (`step_ms_from_ops`).
 //! * `peak --size N --reps R`: the f32 matmul rate of candle (gemm) on (N, N) x (N, N), the
 //!   machine's measured peak for MFU.
 //!
@@ -47,6 +52,7 @@ use std::time::Instant;
 const USAGE: &str = "usage:
   bench train --model tiny|gpt2|gpt2-medium --batch B --seq T --steps N --warmup W [--checkpoint-activations] [--dtype fp32|bf16]
   bench generate --model tiny|gpt2|gpt2-medium --batch B --prompt-len P --new-tokens N --warmup W --reps R [--dtype fp32|bf16]
+  bench ops --model tiny|gpt2|gpt2-medium --batch B --seq T --reps R [--dtype fp32|bf16]
   bench peak --size N --reps R [--dtype fp32|bf16]
 every mode also takes --device cpu|cuda|cuda:N|auto (default cpu)";
 
@@ -81,7 +87,16 @@ struct PeakArgs {
     dtype: DType,
 }
 
+struct OpsArgs {
+    model: String,
+    batch: usize,
+    seq: usize,
+    reps: usize,
+    dtype: DType,
+}
+
 enum Mode {
+    Ops(OpsArgs),
     Train(TrainArgs),
     Generate(GenerateArgs),
     Peak(PeakArgs),
@@ -102,6 +117,7 @@ fn run(mode: Mode, device: &str) -> Result<()> {
         Mode::Train(a) => bench_train(&a, &device)?,
         Mode::Generate(a) => bench_generate(&a, &device)?,
         Mode::Peak(a) => bench_peak(&a, &device)?,
+        Mode::Ops(a) => bench_ops(&a, &device)?,
     };
     line["device"] = hybrid_engine::device::describe(&device).into();
     println!("{line}");
@@ -154,7 +170,14 @@ fn parse_args(args: &[String]) -> Result<(Mode, String)> {
             dtype,
         }),
         "peak" => Mode::Peak(PeakArgs { size: num(&mut values, "size")?, reps: num(&mut values, "reps")?, dtype }),
-        m => bail!("unknown mode {m:?}: use train, generate or peak\n{USAGE}"),
+        "ops" => Mode::Ops(OpsArgs {
+            model: take(&mut values, "model")?,
+            batch: num(&mut values, "batch")?,
+            seq: num(&mut values, "seq")?,
+            reps: num(&mut values, "reps")?,
+            dtype,
+        }),
+        m => bail!("unknown mode {m:?}: use train, generate, ops or peak\n{USAGE}"),
     };
     if let Some(flag) = values.keys().next() {
         bail!("unknown flag --{flag} for mode {mode}\n{USAGE}");
@@ -389,6 +412,128 @@ fn bench_generate(a: &GenerateArgs, device: &Device) -> Result<serde_json::Value
         "ms_per_token_step": call_s * 1e3 / a.new_tokens as f64,
         "peak_rss_mib": peak_rss_mib(),
         "gpu_used_mib": memory.max_mib,
+    }))
+}
+
+/// The median milliseconds of `f` (after one warmup call), the device synchronised around each
+/// call; with `backward`, `f`'s output summed and back-propagated inside the timed region.
+fn time_ms(device: &Device, reps: usize, backward: bool, f: &dyn Fn() -> Result<Tensor>) -> Result<f64> {
+    let mut times = Vec::with_capacity(reps);
+    for rep in 0..reps + 1 {
+        device.synchronize()?;
+        let start = Instant::now();
+        let out = f()?;
+        if backward {
+            drop(out.sum_all()?.backward()?);
+        }
+        device.synchronize()?;
+        drop(out);
+        if rep > 0 {
+            times.push(start.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+    Ok(median(&times))
+}
+
+/// `bench ops`: each kind of op of a training step alone at the step's shapes (see the module
+/// documentation), so that the step's time can be attributed.
+fn bench_ops(a: &OpsArgs, device: &Device) -> Result<serde_json::Value> {
+    use candle_core::Var;
+    use hybrid_engine::kernels::ops;
+    use hybrid_engine::model::gpt2::MASKED;
+    if a.reps == 0 {
+        bail!("--reps must be positive");
+    }
+    let cfg = model_config(&a.model)?;
+    let (b, t, c, l, v) = (a.batch, a.seq, cfg.n_embd, cfg.n_layer, cfg.vocab_size);
+    if t > cfg.n_positions {
+        bail!("--seq {t} is longer than the model's {} positions", cfg.n_positions);
+    }
+    let var = |shape: &[usize], std: f32| -> Result<Var> {
+        Ok(Var::from_tensor(&Tensor::randn(0f32, std, shape, device)?.to_dtype(a.dtype)?)?)
+    };
+    let key = DropoutKey { seed: SEED, step: 0, micro_batch: 0 };
+    let mut rng = ChaCha8Rng::seed_from_u64(SEED);
+    let ids = Tensor::new(random_ids(&mut rng, b, t), device)?;
+    let targets = ids.flatten_all()?;
+    let causal: Vec<f32> = (0..t * t).map(|i| if i % t > i / t { MASKED } else { 0.0 }).collect();
+    let bias = Tensor::from_vec(causal, (1, 1, t, t), device)?;
+    let (wte, wpe) = (var(&[v, c], 0.02)?, var(&[cfg.n_positions, c], 0.01)?);
+    let x = var(&[b, t, c], 1.0)?;
+    let (ln_w, ln_b) = (var(&[c], 1.0)?, var(&[c], 0.1)?);
+    let qkv = var(&[b, t, 3 * c], 1.0)?;
+    let h = var(&[b, t, 4 * c], 1.0)?;
+    let linear = |d_in: usize, d_out: usize| -> Result<(Var, Var, Var)> {
+        Ok((var(&[b, t, d_in], 1.0)?, var(&[d_in, d_out], 0.02)?, var(&[d_out], 0.02)?))
+    };
+    let (attn_in, attn_proj, fc, mlp_proj) = (linear(c, 3 * c)?, linear(c, c)?, linear(c, 4 * c)?, linear(4 * c, c)?);
+    let scale = 1.0 / ((c / cfg.n_head) as f64).sqrt();
+    let p = 0.1;
+    type Op<'a> = (&'static str, usize, Box<dyn Fn() -> Result<Tensor> + 'a>);
+    let run_linear = |(x, w, bias): &(Var, Var, Var)| ops::linear(x.as_tensor(), w.as_tensor(), bias.as_tensor());
+    let kinds: Vec<Op> = vec![
+        (
+            "embeddings",
+            1,
+            Box::new(|| {
+                let tok = wte.as_tensor().index_select(&ids.flatten_all()?, 0)?.reshape((b, t, c))?;
+                let pos = wpe.as_tensor().index_select(&Tensor::arange(0u32, t as u32, device)?, 0)?;
+                Ok(ops::dropout(&tok.broadcast_add(&pos)?, p, &key, u64::MAX, 0)?)
+            }),
+        ),
+        (
+            "layer_norm",
+            2 * l + 1,
+            Box::new(|| Ok(ops::layer_norm(x.as_tensor(), ln_w.as_tensor(), ln_b.as_tensor(), 1e-5)?)),
+        ),
+        ("linear c_attn", l, Box::new(|| Ok(run_linear(&attn_in)?))),
+        (
+            "attention core",
+            l,
+            Box::new(|| Ok(ops::attention(qkv.as_tensor(), &bias, cfg.n_head, scale, Some(key.mask(p, 0, 1)))?)),
+        ),
+        ("linear attn c_proj", l, Box::new(|| Ok(run_linear(&attn_proj)?))),
+        (
+            "residual dropout and add",
+            2 * l,
+            Box::new(|| Ok((ops::dropout(x.as_tensor(), p, &key, 0, 2)? + x.as_tensor())?)),
+        ),
+        ("linear c_fc", l, Box::new(|| Ok(run_linear(&fc)?))),
+        ("gelu", l, Box::new(|| Ok(ops::gelu(h.as_tensor(), false)?))),
+        ("linear mlp c_proj", l, Box::new(|| Ok(run_linear(&mlp_proj)?))),
+        (
+            "lm head and cross-entropy",
+            1,
+            Box::new(|| {
+                let rows = x.as_tensor().reshape((b * t, c))?;
+                Ok(ops::lm_head_cross_entropy_rows(&rows, wte.as_tensor(), &targets)?.mean_all()?)
+            }),
+        ),
+    ];
+    let mut report = serde_json::Map::new();
+    let (mut step_fwd, mut step_fwd_bwd) = (0.0, 0.0);
+    for (name, count, f) in &kinds {
+        let fwd = time_ms(device, a.reps, false, f.as_ref())?;
+        let fwd_bwd = time_ms(device, a.reps, true, f.as_ref())?;
+        step_fwd += fwd * *count as f64;
+        step_fwd_bwd += fwd_bwd * *count as f64;
+        report.insert(
+            name.to_string(),
+            serde_json::json!({"ms_forward": fwd, "ms_forward_backward": fwd_bwd, "per_step": count,
+                               "step_ms": fwd_bwd * *count as f64}),
+        );
+    }
+    Ok(serde_json::json!({
+        "impl": "rust-candle",
+        "mode": "ops",
+        "model": a.model,
+        "batch": b,
+        "seq": t,
+        "dtype": dtype_name(a.dtype),
+        "reps": a.reps,
+        "ops": report,
+        "step_ms_forward_from_ops": step_fwd,
+        "step_ms_from_ops": step_fwd_bwd,
     }))
 }
 

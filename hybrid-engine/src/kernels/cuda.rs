@@ -85,11 +85,11 @@ pub fn dropout(x: &CudaStorage, layout: &Layout, mask: DropoutMask) -> Result<Cu
         // SAFETY: the kernel writes all n elements.
         let out = unsafe { dev.alloc::<Elem>(n)? };
         let func = dev.get_or_load_custom_func(&format!("dropout_{suffix}"), "rlhf_dropout", ptx::DROPOUT)?;
-        let mut b = func.builder();
+        let mut launch = func.builder();
         let n = n as u64;
-        b.arg(src).arg(&out).arg(&n).arg(&seed).arg(&threshold).arg(&scale);
+        launch.arg(src).arg(&out).arg(&n).arg(&seed).arg(&threshold).arg(&scale);
         // SAFETY: the arguments match the kernel's signature.
-        unsafe { b.launch(elementwise(n as usize)) }.w().map(|_| out)
+        unsafe { launch.launch(elementwise(n as usize)) }.w().map(|_| out)
     }))
 }
 
@@ -121,11 +121,11 @@ pub fn masked_softmax(
         let out = unsafe { dev.alloc::<Elem>(src.len())? };
         let func =
             dev.get_or_load_custom_func(&format!("masked_softmax_{suffix}"), "rlhf_softmax", ptx::MASKED_SOFTMAX)?;
-        let mut b = func.builder();
+        let mut launch = func.builder();
         let (rows64, s, nh, t) = (rows as u64, s as u32, nh as u32, t as u32);
-        b.arg(src).arg(&bias).arg(&out).arg(&rows64).arg(&s).arg(&nh).arg(&t).arg(&bias_batches).arg(&scale);
+        launch.arg(src).arg(&bias).arg(&out).arg(&rows64).arg(&s).arg(&nh).arg(&t).arg(&bias_batches).arg(&scale);
         // SAFETY: the arguments match the kernel's signature.
-        unsafe { b.launch(warp_per_row(rows)) }.w().map(|_| out)
+        unsafe { launch.launch(warp_per_row(rows)) }.w().map(|_| out)
     }))
 }
 
@@ -147,11 +147,117 @@ pub fn masked_softmax_grad(
         let out = unsafe { dev.alloc::<Elem>(src.len())? };
         let func =
             dev.get_or_load_custom_func(&format!("masked_softmax_grad_{suffix}"), "rlhf_softmax", ptx::MASKED_SOFTMAX)?;
-        let mut b = func.builder();
+        let mut launch = func.builder();
         let (rows64, s) = (rows as u64, s as u32);
-        b.arg(src).arg(&dy).arg(&out).arg(&rows64).arg(&s).arg(&scale);
+        launch.arg(src).arg(&dy).arg(&out).arg(&rows64).arg(&s).arg(&scale);
         // SAFETY: the arguments match the kernel's signature.
-        unsafe { b.launch(warp_per_row(rows)) }.w().map(|_| out)
+        unsafe { launch.launch(warp_per_row(rows)) }.w().map(|_| out)
+    }))
+}
+
+/// `(x - mean) * rstd * w + b` over the last dimension of contiguous x (.., C), w and b (C,) of
+/// x's dtype (cuda/layer_norm.cu), in f32 inside.
+pub fn layer_norm(
+    (x, lx): (&CudaStorage, &Layout),
+    (w, lw): (&CudaStorage, &Layout),
+    (b, lb): (&CudaStorage, &Layout),
+    eps: f32,
+) -> Result<CudaStorage> {
+    let c = lw.shape().elem_count();
+    Ok(for_float_dtype!(x, lx, "layer norm", |src: Elem, suffix| {
+        let dev = x.device();
+        let (w, b) =
+            (same_dtype::<Elem>(w, lw, "the layer norm weight")?, same_dtype::<Elem>(b, lb, "the layer norm bias")?);
+        let rows = src.len() / c;
+        // SAFETY: the kernel writes every row.
+        let out = unsafe { dev.alloc::<Elem>(src.len())? };
+        let func = dev.get_or_load_custom_func(&format!("layer_norm_{suffix}"), "rlhf_layer_norm", ptx::LAYER_NORM)?;
+        let mut launch = func.builder();
+        let (rows64, c32) = (rows as u64, c as u32);
+        launch.arg(src).arg(&w).arg(&b).arg(&out).arg(&rows64).arg(&c32).arg(&eps);
+        // SAFETY: the arguments match the kernel's signature.
+        unsafe { launch.launch(warp_per_row(rows)) }.w().map(|_| out)
+    }))
+}
+
+/// Blocks (one warp each) of LayerNorm's backward: each adds the dw, db of its rows in order.
+const LAYER_NORM_GRAD_BLOCKS: usize = 1024;
+
+/// LayerNorm's backward for (x, w, dy): one (N + 2, C) tensor of x's dtype holding dx (N rows),
+/// then dw and db, summed over the rows in f32 in a fixed order (deterministic).
+pub fn layer_norm_grad(
+    (x, lx): (&CudaStorage, &Layout),
+    (w, lw): (&CudaStorage, &Layout),
+    (dy, ldy): (&CudaStorage, &Layout),
+    eps: f32,
+) -> Result<CudaStorage> {
+    let c = lw.shape().elem_count();
+    Ok(for_float_dtype!(x, lx, "layer norm backward", |src: Elem, suffix| {
+        let dev = x.device();
+        let w = same_dtype::<Elem>(w, lw, "the layer norm weight")?;
+        let dy = same_dtype::<Elem>(dy, ldy, "the layer norm output gradient")?;
+        let rows = src.len() / c;
+        let blocks = rows.clamp(1, LAYER_NORM_GRAD_BLOCKS);
+        // SAFETY: the kernels write every row of dx, every partial sum and then dw and db.
+        let mut out = unsafe { dev.alloc::<Elem>((rows + 2) * c)? };
+        let partial = unsafe { dev.alloc::<f32>(blocks * 2 * c)? };
+        let grad =
+            dev.get_or_load_custom_func(&format!("layer_norm_grad_{suffix}"), "rlhf_layer_norm", ptx::LAYER_NORM)?;
+        let mut launch = grad.builder();
+        let (rows64, c32) = (rows as u64, c as u32);
+        launch.arg(src).arg(&w).arg(&dy).arg(&out).arg(&partial).arg(&rows64).arg(&c32).arg(&eps);
+        let cfg = LaunchConfig {
+            grid_dim: (blocks as u32, 1, 1),
+            block_dim: (32, 1, 1),
+            shared_mem_bytes: (2 * c * std::mem::size_of::<f32>()) as u32,
+        };
+        // SAFETY: the arguments match the kernel's signature; shared memory holds 2C floats.
+        unsafe { launch.launch(cfg) }.w()?;
+        let sums = dev.get_or_load_custom_func(&format!("column_sums_{suffix}"), "rlhf_layer_norm", ptx::LAYER_NORM)?;
+        let mut dw_db = out.slice_mut(rows * c..);
+        let mut launch = sums.builder();
+        let (blocks32, width) = (blocks as u32, 2 * c as u32);
+        launch.arg(&partial).arg(&mut dw_db).arg(&blocks32).arg(&width);
+        // SAFETY: the arguments match the kernel's signature.
+        unsafe { launch.launch(elementwise_unstrided(2 * c)) }.w()?;
+        Ok::<_, candle_core::Error>(out)
+    }))
+}
+
+/// One thread per element, no stride loop (kernels that return past the end).
+fn elementwise_unstrided(n: usize) -> LaunchConfig {
+    let blocks = (n as u32).div_ceil(BLOCK).max(1);
+    LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 }
+}
+
+/// GPT-2's `gelu_new` of contiguous h (cuda/gelu.cu), in f32 inside.
+pub fn gelu(h: &CudaStorage, lh: &Layout) -> Result<CudaStorage> {
+    Ok(for_float_dtype!(h, lh, "gelu", |src: Elem, suffix| {
+        let dev = h.device();
+        // SAFETY: the kernel writes all n elements.
+        let out = unsafe { dev.alloc::<Elem>(src.len())? };
+        let func = dev.get_or_load_custom_func(&format!("gelu_{suffix}"), "rlhf_gelu", ptx::GELU)?;
+        let mut launch = func.builder();
+        let n = src.len() as u64;
+        launch.arg(src).arg(&out).arg(&n);
+        // SAFETY: the arguments match the kernel's signature.
+        unsafe { launch.launch(elementwise(src.len())) }.w().map(|_| out)
+    }))
+}
+
+/// `dy * gelu_new'(h)` for contiguous h and dy of one dtype.
+pub fn gelu_grad(h: &CudaStorage, lh: &Layout, dy: &CudaStorage, ldy: &Layout) -> Result<CudaStorage> {
+    Ok(for_float_dtype!(h, lh, "gelu backward", |src: Elem, suffix| {
+        let dev = h.device();
+        let dy = same_dtype::<Elem>(dy, ldy, "the gelu output gradient")?;
+        // SAFETY: the kernel writes all n elements.
+        let out = unsafe { dev.alloc::<Elem>(src.len())? };
+        let func = dev.get_or_load_custom_func(&format!("gelu_grad_{suffix}"), "rlhf_gelu", ptx::GELU)?;
+        let mut launch = func.builder();
+        let n = src.len() as u64;
+        launch.arg(src).arg(&dy).arg(&out).arg(&n);
+        // SAFETY: the arguments match the kernel's signature.
+        unsafe { launch.launch(elementwise(src.len())) }.w().map(|_| out)
     }))
 }
 
@@ -159,7 +265,10 @@ pub fn masked_softmax_grad(
 /// package); without one they pass after saying so on stderr.
 #[cfg(test)]
 mod tests {
-    use crate::kernels::ops::{dropout, dropout_reference, masked_softmax, masked_softmax_reference, DropoutKey};
+    use crate::kernels::ops::{
+        dropout, dropout_reference, gelu, gelu_reference, layer_norm, layer_norm_reference, masked_softmax,
+        masked_softmax_reference, DropoutKey,
+    };
     use candle_core::{DType, Device, Result, Tensor, Var};
 
     fn gpu() -> Option<Device> {
@@ -233,6 +342,70 @@ mod tests {
                 let tol = if dtype == DType::BF16 { 4e-3 } else { 5e-4 };
                 assert!(max_diff(&got, &want)? <= tol, "{dtype:?} {}", max_diff(&got, &want)?);
             }
+        }
+        Ok(())
+    }
+
+    /// `f` of the inputs and its gradients with respect to each (the loss: the output times
+    /// fixed weights, summed), on `device`.
+    fn value_and_grads(
+        inputs: &[&Tensor],
+        device: &Device,
+        f: impl Fn(&[Tensor]) -> Result<Tensor>,
+    ) -> Result<(Tensor, Vec<Tensor>)> {
+        let vars = inputs.iter().map(|t| Var::from_tensor(&t.to_device(device)?)).collect::<Result<Vec<_>>>()?;
+        let y = f(&vars.iter().map(|v| v.as_tensor().clone()).collect::<Vec<_>>())?;
+        // The same weights in [-1, 1) on both devices, a function of the element's index.
+        let fixed: Vec<f32> = (0..y.elem_count()).map(|i| (i * 7919 % 1000) as f32 / 500.0 - 1.0).collect();
+        let weights = Tensor::from_vec(fixed, y.shape(), &Device::Cpu)?.to_dtype(y.dtype())?.to_device(device)?;
+        let grads = y.mul(&weights)?.sum_all()?.backward()?;
+        let g = vars.iter().map(|v| grads.get(v.as_tensor()).expect("every input has a gradient").clone()).collect();
+        Ok((y, g))
+    }
+
+    #[test]
+    fn layer_norm_and_its_gradients_match_the_cpu_and_are_deterministic() -> Result<()> {
+        let Some(gpu) = gpu() else { return Ok(()) };
+        // 2100 rows: more rows than backward blocks; C = 200 is not a multiple of 32.
+        let x = Tensor::randn(0f32, 1f32, (3, 700, 200), &Device::Cpu)?.affine(2.0, 0.5)?;
+        let w = Tensor::randn(1f32, 0.2, 200, &Device::Cpu)?;
+        let b = Tensor::randn(0f32, 0.2, 200, &Device::Cpu)?;
+        let ln = |t: &[Tensor]| layer_norm(&t[0], &t[1], &t[2], 1e-5);
+        let (y_cpu, g_cpu) = value_and_grads(&[&x, &w, &b], &Device::Cpu, ln)?;
+        let (y_gpu, g_gpu) = value_and_grads(&[&x, &w, &b], &gpu, ln)?;
+        assert!(max_diff(&y_gpu, &y_cpu)? < 1e-5, "output {}", max_diff(&y_gpu, &y_cpu)?);
+        for (name, gc, gg) in [("dx", &g_cpu[0], &g_gpu[0]), ("dw", &g_cpu[1], &g_gpu[1]), ("db", &g_cpu[2], &g_gpu[2])]
+        {
+            let scale = gc.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+            assert!(max_diff(gg, gc)? <= 1e-5 * scale.max(1.0), "{name}: {} (largest {scale})", max_diff(gg, gc)?);
+        }
+        let (_, again) = value_and_grads(&[&x, &w, &b], &gpu, ln)?;
+        assert_eq!(max_diff(&again[1], &g_gpu[1])?, 0.0, "dw differs between two runs");
+        // Half precision against the composed reference in that dtype (which rounds more often).
+        for dtype in [DType::BF16, DType::F16] {
+            let (xh, wh, bh) = (x.to_dtype(dtype)?, w.to_dtype(dtype)?, b.to_dtype(dtype)?);
+            let want = layer_norm_reference(&xh, &wh, &bh, 1e-5)?;
+            let got = layer_norm(&xh.to_device(&gpu)?, &wh.to_device(&gpu)?, &bh.to_device(&gpu)?, 1e-5)?;
+            let tol = if dtype == DType::BF16 { 0.1 } else { 0.01 };
+            assert!(max_diff(&got, &want)? <= tol, "{dtype:?} {}", max_diff(&got, &want)?);
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn gelu_and_its_gradient_match_the_cpu() -> Result<()> {
+        let Some(gpu) = gpu() else { return Ok(()) };
+        let h = (Tensor::randn(0f32, 1f32, (7, 1001), &Device::Cpu)? * 3.0)?;
+        let f = |t: &[Tensor]| gelu(&t[0], false);
+        let (y_cpu, g_cpu) = value_and_grads(&[&h], &Device::Cpu, f)?;
+        let (y_gpu, g_gpu) = value_and_grads(&[&h], &gpu, f)?;
+        assert!(max_diff(&y_gpu, &y_cpu)? < 1e-5, "output {}", max_diff(&y_gpu, &y_cpu)?);
+        assert!(max_diff(&g_gpu[0], &g_cpu[0])? < 1e-5, "gradient {}", max_diff(&g_gpu[0], &g_cpu[0])?);
+        for dtype in [DType::BF16, DType::F16] {
+            let want = gelu_reference(&h.to_dtype(dtype)?, false)?;
+            let got = gelu(&h.to_dtype(dtype)?.to_device(&gpu)?, false)?;
+            let tol = if dtype == DType::BF16 { 0.07 } else { 0.01 };
+            assert!(max_diff(&got, &want)? <= tol, "{dtype:?} {}", max_diff(&got, &want)?);
         }
         Ok(())
     }

@@ -16,8 +16,8 @@
 //! * the tied LM head with the cross-entropy: the (N, V) logits never become a tensor, and
 //!   backward turns them into their gradient in place; cross-entropy on given logits too.
 //!
-//! The kernels take f32 tensors on the CPU; dropout and the masked softmax also run on a GPU
-//! (their `cuda_fwd`, kernels in `cuda.rs`). The dispatchers in `ops.rs` use them there and fall
+//! The kernels take f32 tensors on the CPU; dropout, the masked softmax, LayerNorm and GELU also
+//! run on a GPU in f32, bf16 or f16 (their `cuda_fwd`, kernels in `cuda.rs`). The dispatchers in `ops.rs` use them there and fall
 //! back to the composed reference (also in `ops.rs`) for other dtypes and devices; the tests
 //! below check values and gradients against those references and against finite differences.
 
@@ -297,6 +297,20 @@ impl CustomOp3 for LayerNorm {
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let out = crate::kernels::cuda::layer_norm((s1, l1), (s2, l2), (s3, l3), self.eps)?;
+        Ok((out, l1.shape().clone()))
+    }
+
     fn bwd(
         &self,
         x: &Tensor,
@@ -348,9 +362,26 @@ impl CustomOp3 for LayerNormGrad {
         out.extend_from_slice(&sums);
         Ok((CpuStorage::F32(out), Shape::from((n + 2, c))))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let c = l2.shape().elem_count();
+        let n = l1.shape().elem_count() / c;
+        let out = crate::kernels::cuda::layer_norm_grad((s1, l1), (s2, l2), (s3, l3), self.eps)?;
+        Ok((out, Shape::from((n + 2, c))))
+    }
 }
 
-/// LayerNorm of f32 `x` (.., C) with f32 `weight` and `bias` (C,) on the CPU.
+/// LayerNorm of `x` (.., C) with `weight` and `bias` (C,) of its dtype: f32 on the CPU, or
+/// f32/bf16/f16 on a GPU (`kernels::cuda`).
 pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
     x.contiguous()?.apply_op3(&weight.contiguous()?, &bias.contiguous()?, LayerNorm { eps: eps as f32 })
 }
@@ -463,6 +494,11 @@ impl CustomOp1 for Gelu {
         Ok((CpuStorage::F32(out), l.shape().clone()))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((crate::kernels::cuda::gelu(s, l)?, l.shape().clone()))
+    }
+
     fn bwd(&self, h: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         Ok(Some(h.apply_op2_no_bwd(&grad.contiguous()?, &GeluGrad)?))
     }
@@ -479,9 +515,20 @@ impl CustomOp2 for GeluGrad {
         let out = for_chunks(h.len(), |range, o| rowops::gelu_grad(&h[range.clone()], &dy[range], o));
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((crate::kernels::cuda::gelu_grad(s1, l1, s2, l2)?, l1.shape().clone()))
+    }
 }
 
-/// `gelu_new(h)` (GPT-2's tanh approximation) of f32 `h` on the CPU.
+/// `gelu_new(h)` (GPT-2's tanh approximation) of `h`: f32 on the CPU, or f32/bf16/f16 on a GPU.
 pub fn gelu(h: &Tensor) -> Result<Tensor> {
     h.contiguous()?.apply_op1(Gelu)
 }

@@ -85,7 +85,8 @@ fn upcast(x: &Tensor) -> Result<Tensor> {
 
 /// LayerNorm over the last dimension, biased variance as in `torch.nn.LayerNorm`.
 pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
-    if fused(&[x, weight, bias]) {
+    let one_dtype = weight.dtype() == x.dtype() && bias.dtype() == x.dtype();
+    if fused(&[x, weight, bias]) || (on_cuda(&[x, weight, bias]) && one_dtype) {
         crate::kernels::fused::layer_norm(x, weight, bias, eps)
     } else {
         layer_norm_reference(x, weight, bias, eps)
@@ -124,7 +125,7 @@ pub fn masked_softmax_reference(att: &Tensor, scale: f64, bias: &Tensor) -> Resu
 
 /// GELU: GPT-2's tanh approximation (`gelu_new`), or with `exact` the erf form (`gelu`).
 pub fn gelu(h: &Tensor, exact: bool) -> Result<Tensor> {
-    if !exact && fused(&[h]) {
+    if !exact && (fused(&[h]) || on_cuda(&[h])) {
         crate::kernels::fused::gelu(h)
     } else {
         gelu_reference(h, exact)

@@ -492,7 +492,7 @@ pub struct Positions<'a> {
 
 /// The mask value: large enough that exp() underflows to 0, finite so fully masked (padding)
 /// rows stay finite instead of NaN.
-const MASKED: f32 = -1e9;
+pub const MASKED: f32 = -1e9;
 
 pub struct Gpt2 {
     wte: Tensor, // (V, C); under tensor parallelism this rank's rows of the padded vocabulary
