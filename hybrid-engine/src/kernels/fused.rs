@@ -16,8 +16,9 @@
 //! * the tied LM head with the cross-entropy: the (N, V) logits never become a tensor, and
 //!   backward turns them into their gradient in place; cross-entropy on given logits too.
 //!
-//! The kernels take f32 tensors on the CPU; dropout, the masked softmax, LayerNorm and GELU also
-//! run on a GPU in f32, bf16 or f16 (their `cuda_fwd`, kernels in `cuda.rs`). The dispatchers in `ops.rs` use them there and fall
+//! The kernels take f32 tensors on the CPU; dropout, the masked softmax, LayerNorm, GELU and the
+//! cross-entropy on given logits also run on a GPU in f32, bf16 or f16 (their `cuda_fwd`,
+//! kernels in `cuda.rs`). The dispatchers in `ops.rs` use them there and fall
 //! back to the composed reference (also in `ops.rs`) for other dtypes and devices; the tests
 //! below check values and gradients against those references and against finite differences.
 
@@ -56,6 +57,18 @@ impl CustomOp2 for CrossEntropyRows {
             o[0] = rowops::log_sum_exp(row) - row[targets[r] as usize];
         });
         Ok((CpuStorage::F32(out), Shape::from(n)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let n = l1.shape().dims2()?.0;
+        Ok((crate::kernels::cuda::cross_entropy_rows((s1, l1), (s2, l2))?, Shape::from(n)))
     }
 
     fn bwd(
@@ -97,9 +110,24 @@ impl CustomOp3 for CrossEntropyRowsGrad {
         });
         Ok((CpuStorage::F32(out), Shape::from((n, v))))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let out = crate::kernels::cuda::cross_entropy_rows_grad((s1, l1), (s2, l2), (s3, l3))?;
+        Ok((out, l1.shape().clone()))
+    }
 }
 
-/// Per-row cross-entropy of f32 `logits` (N, V) against u32 `targets` (N,) on the CPU. (N,)
+/// Per-row cross-entropy of `logits` (N, V) against u32 `targets` (N,): f32 logits on the CPU,
+/// f32/bf16/f16 on a GPU (read in their dtype, computed in f32). (N,) f32
 pub fn cross_entropy_rows(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     logits.contiguous()?.apply_op2(&targets.contiguous()?, CrossEntropyRows)
 }

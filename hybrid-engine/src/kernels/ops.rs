@@ -263,16 +263,18 @@ pub fn lm_head_cross_entropy_rows_reference(x: &Tensor, wte: &Tensor, targets: &
     cross_entropy_rows(&x.matmul(&wte.t()?)?, targets)
 }
 
-/// Per-row cross-entropy: (N, V), (N,) -> (N,) f32, fused on the CPU. Half-precision logits get
+/// Per-row cross-entropy: (N, V), (N,) -> (N,) f32, fused on the CPU and on a GPU. Half-precision logits get
 /// PyTorch's half-precision loss: accumulated in f32, the losses (and so their gradients)
 /// rounded to the logits' dtype. Cast the logits to f32 first for an fp32 loss
 /// (`--compute-fp32-loss`).
 pub fn cross_entropy_rows(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
-    let logits32 = logits.to_dtype(DType::F32)?;
-    let rows = if logits.device().is_cpu() && !reference_ops() {
-        crate::kernels::fused::cross_entropy_rows(&logits32, &targets.to_dtype(DType::U32)?)?
+    let rows = if on_cuda(&[logits]) {
+        // The kernel reads the logits in their dtype and sums in f32: no f32 copy of (N, V).
+        crate::kernels::fused::cross_entropy_rows(logits, &targets.to_dtype(DType::U32)?)?
+    } else if logits.device().is_cpu() && !reference_ops() {
+        crate::kernels::fused::cross_entropy_rows(&logits.to_dtype(DType::F32)?, &targets.to_dtype(DType::U32)?)?
     } else {
-        cross_entropy_rows_reference(&logits32, targets)?
+        cross_entropy_rows_reference(&logits.to_dtype(DType::F32)?, targets)?
     };
     rows.to_dtype(logits.dtype())?.to_dtype(DType::F32)
 }
