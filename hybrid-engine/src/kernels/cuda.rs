@@ -1,6 +1,7 @@
 //! The engine's own CUDA kernels (`hybrid-engine/cuda/*.cu`, compiled to PTX by `build.rs`),
 //! launched on candle's stream as the `cuda_fwd` of the custom ops in `fused.rs`. Each computes
-//! what its CPU kernel computes, and `examples/gpu_check.rs` compares the two on a GPU.
+//! what its CPU kernel computes: the tests at the end compare the two on a GPU (the package's
+//! `unit-tests`, run by `scripts/gpu-check.sh`), as `examples/gpu_check.rs` does for a model.
 
 use crate::kernels::dropout::DropoutMask;
 use candle_core::backend::BackendStorage;
@@ -70,7 +71,8 @@ fn f32_view<'a>(storage: &'a CudaStorage, layout: &Layout, what: &str) -> Result
     }
 }
 
-/// The same contiguous view of a second operand of `first`'s dtype (the kernels take one dtype).
+/// The contiguous view of an operand that must have the first operand's element type `T` (each
+/// kernel takes one dtype).
 fn same_dtype<'a, T: CudaDType>(storage: &'a CudaStorage, layout: &Layout, what: &str) -> Result<CudaView<'a, T>> {
     let Some((start, end)) = layout.contiguous_offsets() else {
         candle_core::bail!("{what} on CUDA takes a contiguous tensor");
