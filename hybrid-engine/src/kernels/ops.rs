@@ -215,8 +215,9 @@ pub fn attention(
     }
 }
 
-/// [`attention`] composed of candle ops, the masked softmax and the dropout those of
-/// [`masked_softmax`] and [`dropout`] (the CUDA kernels on a GPU, else their references).
+/// [`attention`] composed of candle ops. On a GPU its masked softmax and dropout are the CUDA
+/// kernels; elsewhere their composed references, so that the CPU's fused attention is tested
+/// against an independent composition.
 pub fn attention_reference(
     qkv: &Tensor,
     bias: &Tensor,
@@ -225,9 +226,14 @@ pub fn attention_reference(
     dropout: Option<DropoutMask>,
 ) -> Result<Tensor> {
     let (q, k, v) = split_heads(qkv, n_head)?;
-    let att = masked_softmax(&q.matmul(&k.t()?)?, scale, bias)?; // (B, NH, T, T)
+    let scores = q.matmul(&k.t()?)?; // (B, NH, T, T)
+    let att = match on_cuda(&[&scores, bias]) {
+        true => masked_softmax(&scores, scale, bias)?,
+        false => masked_softmax_reference(&scores, scale, bias)?,
+    };
     let att = match dropout {
-        Some(mask) => apply_dropout(&att, mask)?,
+        Some(mask) if on_cuda(&[&att]) => apply_dropout(&att, mask)?,
+        Some(mask) => dropout_reference(&att, mask)?,
         None => att,
     };
     merge_heads(&att.matmul(&v)?)
@@ -263,9 +269,9 @@ pub fn lm_head_cross_entropy_rows_reference(x: &Tensor, wte: &Tensor, targets: &
     cross_entropy_rows(&x.matmul(&wte.t()?)?, targets)
 }
 
-/// Per-row cross-entropy: (N, V), (N,) -> (N,) f32, fused on the CPU and on a GPU. Half-precision logits get
-/// PyTorch's half-precision loss: accumulated in f32, the losses (and so their gradients)
-/// rounded to the logits' dtype. Cast the logits to f32 first for an fp32 loss
+/// Per-row cross-entropy: (N, V), (N,) -> (N,) f32, fused on the CPU and on a GPU.
+/// Half-precision logits get PyTorch's half-precision loss: accumulated in f32, the losses (and
+/// so their gradients) rounded to the logits' dtype. Cast the logits to f32 first for an fp32 loss
 /// (`--compute-fp32-loss`).
 pub fn cross_entropy_rows(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     let rows = if on_cuda(&[logits]) {
