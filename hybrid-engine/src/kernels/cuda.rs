@@ -63,17 +63,9 @@ pub fn is_float(dtype: DType) -> bool {
     matches!(dtype, DType::F32 | DType::BF16 | DType::F16)
 }
 
-/// The contiguous f32 elements of `storage` under `layout`.
-fn f32_view<'a>(storage: &'a CudaStorage, layout: &Layout, what: &str) -> Result<CudaView<'a, f32>> {
-    match (&storage.slice, layout.contiguous_offsets()) {
-        (CudaStorageSlice::F32(x), Some((start, end))) => Ok(x.slice(start..end)),
-        _ => candle_core::bail!("{what} on CUDA must be contiguous f32"),
-    }
-}
-
-/// The contiguous view of an operand that must have the first operand's element type `T` (each
-/// kernel takes one dtype).
-fn same_dtype<'a, T: CudaDType>(storage: &'a CudaStorage, layout: &Layout, what: &str) -> Result<CudaView<'a, T>> {
+/// The contiguous elements of an operand as a view of element type `T` (an error if it is not
+/// contiguous or not of that dtype: each kernel takes its operands in one dtype).
+fn view<'a, T: CudaDType>(storage: &'a CudaStorage, layout: &Layout, what: &str) -> Result<CudaView<'a, T>> {
     let Some((start, end)) = layout.contiguous_offsets() else {
         candle_core::bail!("{what} on CUDA takes a contiguous tensor");
     };
@@ -118,7 +110,7 @@ pub fn masked_softmax(
 ) -> Result<CudaStorage> {
     let (_, nh, t, s) = la.shape().dims4()?;
     let bias_batches = lb.shape().dims4()?.0 as u32;
-    let bias = f32_view(bias, lb, "the attention bias")?;
+    let bias = view::<f32>(bias, lb, "the attention bias")?;
     Ok(for_float_dtype!(att, la, "masked softmax", |src: Elem, suffix| {
         let dev = att.device();
         let rows = src.len() / s;
@@ -146,7 +138,7 @@ pub fn masked_softmax_grad(
     let s = ly.shape().dims().last().copied().unwrap_or(1);
     Ok(for_float_dtype!(y, ly, "masked softmax backward", |src: Elem, suffix| {
         let dev = y.device();
-        let dy = same_dtype::<Elem>(dy, ldy, "the softmax's output gradient")?;
+        let dy = view::<Elem>(dy, ldy, "the softmax's output gradient")?;
         let rows = src.len() / s;
         // SAFETY: the kernel writes every row.
         let out = unsafe { dev.alloc::<Elem>(src.len())? };
@@ -171,8 +163,7 @@ pub fn layer_norm(
     let c = lw.shape().elem_count();
     Ok(for_float_dtype!(x, lx, "layer norm", |src: Elem, suffix| {
         let dev = x.device();
-        let (w, b) =
-            (same_dtype::<Elem>(w, lw, "the layer norm weight")?, same_dtype::<Elem>(b, lb, "the layer norm bias")?);
+        let (w, b) = (view::<Elem>(w, lw, "the layer norm weight")?, view::<Elem>(b, lb, "the layer norm bias")?);
         let rows = src.len() / c;
         // SAFETY: the kernel writes every row.
         let out = unsafe { dev.alloc::<Elem>(src.len())? };
@@ -199,8 +190,8 @@ pub fn layer_norm_grad(
     let c = lw.shape().elem_count();
     Ok(for_float_dtype!(x, lx, "layer norm backward", |src: Elem, suffix| {
         let dev = x.device();
-        let w = same_dtype::<Elem>(w, lw, "the layer norm weight")?;
-        let dy = same_dtype::<Elem>(dy, ldy, "the layer norm output gradient")?;
+        let w = view::<Elem>(w, lw, "the layer norm weight")?;
+        let dy = view::<Elem>(dy, ldy, "the layer norm output gradient")?;
         let rows = src.len() / c;
         let blocks = rows.clamp(1, LAYER_NORM_GRAD_BLOCKS);
         // SAFETY: the kernels write every row of dx, every partial sum and then dw and db.
@@ -254,7 +245,7 @@ pub fn gelu(h: &CudaStorage, lh: &Layout) -> Result<CudaStorage> {
 pub fn gelu_grad(h: &CudaStorage, lh: &Layout, dy: &CudaStorage, ldy: &Layout) -> Result<CudaStorage> {
     Ok(for_float_dtype!(h, lh, "gelu backward", |src: Elem, suffix| {
         let dev = h.device();
-        let dy = same_dtype::<Elem>(dy, ldy, "the gelu output gradient")?;
+        let dy = view::<Elem>(dy, ldy, "the gelu output gradient")?;
         // SAFETY: the kernel writes all n elements.
         let out = unsafe { dev.alloc::<Elem>(src.len())? };
         let func = dev.get_or_load_custom_func(&format!("gelu_grad_{suffix}"), "rlhf_gelu", ptx::GELU)?;
@@ -264,14 +255,6 @@ pub fn gelu_grad(h: &CudaStorage, lh: &Layout, dy: &CudaStorage, ldy: &Layout) -
         // SAFETY: the arguments match the kernel's signature.
         unsafe { launch.launch(elementwise(src.len())) }.w().map(|_| out)
     }))
-}
-
-/// The contiguous u32 elements of `storage` under `layout`.
-fn u32_view<'a>(storage: &'a CudaStorage, layout: &Layout, what: &str) -> Result<CudaView<'a, u32>> {
-    match (&storage.slice, layout.contiguous_offsets()) {
-        (CudaStorageSlice::U32(x), Some((start, end))) => Ok(x.slice(start..end)),
-        _ => candle_core::bail!("{what} on CUDA must be contiguous u32"),
-    }
 }
 
 /// Threads per row of the cross-entropy kernels (cuda/cross_entropy.cu: one block per row).
@@ -289,7 +272,7 @@ pub fn cross_entropy_rows(
     (targets, lt): (&CudaStorage, &Layout),
 ) -> Result<CudaStorage> {
     let (n, v) = ll.shape().dims2()?;
-    let targets = u32_view(targets, lt, "the targets")?;
+    let targets = view::<u32>(targets, lt, "the targets")?;
     Ok(for_float_dtype!(logits, ll, "cross-entropy", |src: Elem, suffix| {
         let dev = logits.device();
         // SAFETY: the kernel writes every row's loss.
@@ -312,8 +295,8 @@ pub fn cross_entropy_rows_grad(
     (loss_grad, lg): (&CudaStorage, &Layout),
 ) -> Result<CudaStorage> {
     let (n, v) = ll.shape().dims2()?;
-    let targets = u32_view(targets, lt, "the targets")?;
-    let loss_grad = f32_view(loss_grad, lg, "the loss and gradient")?;
+    let targets = view::<u32>(targets, lt, "the targets")?;
+    let loss_grad = view::<f32>(loss_grad, lg, "the loss and gradient")?;
     Ok(for_float_dtype!(logits, ll, "cross-entropy backward", |src: Elem, suffix| {
         let dev = logits.device();
         // SAFETY: the kernel writes every element.
