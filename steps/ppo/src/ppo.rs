@@ -299,13 +299,21 @@ pub fn sequence_reward(score: f32, logp: &[f32], ref_logp: &[f32], mask: &[f32],
     f64::from(score).clamp(-cfg.clip_reward_value, cfg.clip_reward_value) - cfg.kl_ctl * kl
 }
 
+/// The most one token adds to [`k3_kl_loss`] (verl's `low_var_kl`): k3 grows as `exp(ref -
+/// logp)`, so a single token the policy has made far less likely than the reference does would
+/// otherwise own the whole update (measured on the demo: one token at `ref - logp` = 10.6 nats
+/// turned a GRPO update's loss from about 0.05 into 137, its gradient about 40000 where a
+/// token's policy-gradient weight is of order 1; docs/RLHF-INVESTIGATION.md, section 12).
+pub const K3_MAX: f64 = 10.0;
+
 /// GRPO's KL term: the k3 estimator of KL(policy || reference) at the sampled tokens,
-/// `exp(ref - logp) - (ref - logp) - 1`, unbiased and never negative (Schulman), as a masked
-/// mean over the answer tokens: `sum(k3 * mask) / sum(mask)`. All (B, N); differentiable in
-/// `logp`.
+/// `exp(ref - logp) - (ref - logp) - 1`, unbiased and never negative (Schulman), each token's
+/// capped at [`K3_MAX`] (where it adds no gradient), as a masked mean over the answer tokens:
+/// `sum(k3 * mask) / sum(mask)`. All (B, N); differentiable in `logp`.
 pub fn k3_kl_loss(logp: &Tensor, ref_logp: &Tensor, mask: &Tensor) -> Result<Tensor> {
-    let d = ((ref_logp - logp)? * mask)?;
-    let k3 = ((d.exp()? - &d)? - 1.0)?;
+    // exp of at most 20 cannot overflow f32; past about 2.6 nats the cap applies anyway.
+    let d = ((ref_logp - logp)? * mask)?.minimum(20.0)?;
+    let k3 = ((d.exp()? - &d)? - 1.0)?.minimum(K3_MAX)?;
     (k3 * mask)?.sum_all()? / mask.sum_all()?.to_scalar::<f32>()? as f64
 }
 
@@ -573,19 +581,20 @@ mod tests {
         assert!((r - (5.0 - 0.1 * 0.8)).abs() < 1e-6, "{r}");
     }
 
-    /// d = ref - logp = -0.5 and 1: k3 = e^-0.5 + 0.5 - 1 and e - 2; the masked one ignored.
-    /// Its gradient in logp is 1 - exp(ref - logp) per token over the token count.
+    /// d = ref - logp = -0.5, 1 and 3: k3 = e^-0.5 + 0.5 - 1, e - 2 and e^3 - 4 = 16.09, the
+    /// last capped at 10; the masked one ignored. The gradient in logp is 1 - exp(ref - logp)
+    /// per token over the token count, 0 for the capped token.
     #[test]
-    fn k3_kl_loss_hand_computed_with_its_gradient() -> candle_core::Result<()> {
+    fn k3_kl_loss_hand_computed_with_its_gradient_and_cap() -> candle_core::Result<()> {
         let dev = Device::Cpu;
-        let logp = Var::new(&[[-1.0f32, -2.0, 0.0]], &dev)?;
-        let refp = Tensor::new(&[[-1.5f32, -1.0, 7.0]], &dev)?;
-        let mask = Tensor::new(&[[1.0f32, 1.0, 0.0]], &dev)?;
+        let logp = Var::new(&[[-1.0f32, -2.0, -5.0, 0.0]], &dev)?;
+        let refp = Tensor::new(&[[-1.5f32, -1.0, -2.0, 70.0]], &dev)?;
+        let mask = Tensor::new(&[[1.0f32, 1.0, 1.0, 0.0]], &dev)?;
         let loss = k3_kl_loss(logp.as_tensor(), &refp, &mask)?;
-        let want = (((-0.5f64).exp() - 0.5) + (1f64.exp() - 2.0)) / 2.0;
+        let want = (((-0.5f64).exp() - 0.5) + (1f64.exp() - 2.0) + K3_MAX) / 3.0;
         assert!((f64::from(loss.to_scalar::<f32>()?) - want).abs() < 1e-6);
         let g = loss.backward()?.get(logp.as_tensor()).expect("gradient").to_vec2::<f32>()?;
-        close(&g[0], &[(1.0 - (-0.5f32).exp()) / 2.0, (1.0 - 1f32.exp()) / 2.0, 0.0]);
+        close(&g[0], &[(1.0 - (-0.5f32).exp()) / 3.0, (1.0 - 1f32.exp()) / 3.0, 0.0, 0.0]);
         Ok(())
     }
 
