@@ -5,7 +5,7 @@
 
 use crate::kernels::dropout::DropoutMask;
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{CudaView, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, CudaStorageSlice, WrapErr};
 use candle_core::{CudaStorage, DType, Layout, Result};
 
@@ -312,6 +312,47 @@ pub fn cross_entropy_rows_grad(
         // SAFETY: the arguments match the kernel's signature.
         unsafe { launch.launch(block_per_row(n)) }.w().map(|_| out)
     }))
+}
+
+/// The contiguous f32 elements of an operand updated in place.
+fn view_mut<'a>(storage: &'a mut CudaStorage, layout: &Layout, what: &str) -> Result<CudaViewMut<'a, f32>> {
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        candle_core::bail!("{what} on CUDA takes a contiguous tensor");
+    };
+    Ok(storage.as_cuda_slice_mut::<f32>()?.slice_mut(start..end))
+}
+
+/// One pass of AdamW in place (cuda/adamw.cu): kernel `adamw_{pass}_f32` updates `out` from
+/// `input` with four f32 coefficients, for a parameter of n values: the `moments` pass updates
+/// m then v (2n) from the gradient (n) with `[b1, 1 - b1, b2, 1 - b2]`, the `param` pass the
+/// parameter (n) from the moments (2n) with `[decay, step_size, bc2_sqrt, eps]`, each rounded to
+/// f32 as the CPU rounds it.
+pub fn adamw_pass(
+    pass: &str,
+    (out, lo): (&mut CudaStorage, &Layout),
+    (input, li): (&CudaStorage, &Layout),
+    coefficients: [f32; 4],
+) -> Result<()> {
+    let dev = out.device().clone();
+    let input = view::<f32>(input, li, "AdamW's input")?;
+    let mut out = view_mut(out, lo, "AdamW's output")?;
+    let n = out.len().min(input.len());
+    if out.len().max(input.len()) != 2 * n {
+        candle_core::bail!(
+            "AdamW on CUDA: {} values from {}, one of them should be twice the other",
+            out.len(),
+            input.len()
+        );
+    }
+    let func = dev.get_or_load_custom_func(&format!("adamw_{pass}_f32"), "rlhf_adamw", ptx::ADAMW)?;
+    let mut launch = func.builder();
+    let n64 = n as u64;
+    launch.arg(&mut out).arg(&input).arg(&n64);
+    for k in &coefficients {
+        launch.arg(k);
+    }
+    // SAFETY: the arguments match the kernel's signature; it touches n values and 2n moments.
+    unsafe { launch.launch(elementwise(n)) }.w().map(|_| ())
 }
 
 /// These run on a GPU (the CUDA build's unit tests, which `scripts/gpu-check.sh` runs from the

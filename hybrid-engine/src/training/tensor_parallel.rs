@@ -191,9 +191,7 @@ pub fn gather_optimizer(local: &AdamW, params: &ParamStore, vocab: usize, tp: &P
     if !keep {
         return Ok(None);
     }
-    let mut whole = local.clone();
-    whole.set_full_moments(m, v);
-    Ok(Some(whole))
+    Ok(Some(local.with_full_moments(m, v)))
 }
 
 /// Puts rank `rank`'s slices of the moments of `whole` (an optimizer over the whole parameters)

@@ -190,7 +190,7 @@ impl Trainer {
         match (&self.dp, &self.zero3) {
             (_, Some(model)) => model.consolidate(&self.optimizer),
             (Some((dp, partition)), None) => zero::consolidate(dp, partition, &self.optimizer, params),
-            (None, None) => Ok(self.optimizer.clone()),
+            (None, None) => self.optimizer.try_clone(),
         }
     }
 

@@ -265,9 +265,8 @@ pub fn sharded_adamw_step(
 /// result is the same everywhere): what a checkpoint saves, so that it loads into any world
 /// size or stage.
 pub fn consolidate(dp: &DataParallel, partition: &Partition, optimizer: &AdamW, params: &ParamStore) -> Result<AdamW> {
-    let mut full = optimizer.clone();
     if !dp.shards_optimizer() {
-        return Ok(full);
+        return optimizer.try_clone();
     }
     let rank = dp.group.rank();
     let mut moments = Vec::new();
@@ -287,8 +286,7 @@ pub fn consolidate(dp: &DataParallel, partition: &Partition, optimizer: &AdamW, 
         moments.push(per_param);
     }
     let exp_avg_sq = moments.pop().unwrap();
-    full.set_full_moments(moments.pop().unwrap(), exp_avg_sq);
-    Ok(full)
+    Ok(optimizer.with_full_moments(moments.pop().unwrap(), exp_avg_sq))
 }
 
 #[cfg(test)]

@@ -484,10 +484,8 @@ impl ShardedModel {
                 }
             }
         }
-        let mut full = optimizer.clone();
         let [exp_avg, exp_avg_sq] = moments;
-        full.set_full_moments(exp_avg, exp_avg_sq);
-        Ok(full)
+        Ok(optimizer.with_full_moments(exp_avg, exp_avg_sq))
     }
 }
 
