@@ -393,44 +393,59 @@ fn in_place_f32_cpu(p: &Tensor, g: &Tensor) -> bool {
 /// cuda/adamw.cu (two launches a parameter instead of a dozen candle ops and their temporaries);
 /// on the CPU the same arithmetic, so that the path is tested there against the fused update.
 fn adamw_update_in_place(p: &Tensor, g: &Tensor, mv: &Tensor, k: &StepCoefficients) -> Result<()> {
-    mv.inplace_op2(g, &InPlaceMoments(k))?;
-    p.inplace_op2(mv, &InPlaceParam(k))?;
+    mv.inplace_op2(g, &InPlacePass::Moments(k))?;
+    p.inplace_op2(mv, &InPlacePass::Param(k))?;
     Ok(())
 }
 
-/// The contiguous f32 values of an in-place op's operand.
-fn f32_values<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> candle_core::Result<&'a [f32]> {
+/// The contiguous f32 values of an in-place AdamW operand.
+fn f32_values<'a>(s: &'a CpuStorage, l: &Layout) -> candle_core::Result<&'a [f32]> {
     match (s, l.contiguous_offsets()) {
         (CpuStorage::F32(x), Some((a, b))) => Ok(&x[a..b]),
-        _ => candle_core::bail!("in-place AdamW needs contiguous f32 {what}"),
+        _ => candle_core::bail!("in-place AdamW takes contiguous f32 tensors"),
     }
 }
 
 /// [`f32_values`], mutable.
-fn f32_values_mut<'a>(s: &'a mut CpuStorage, l: &Layout, what: &str) -> candle_core::Result<&'a mut [f32]> {
+fn f32_values_mut<'a>(s: &'a mut CpuStorage, l: &Layout) -> candle_core::Result<&'a mut [f32]> {
     match (s, l.contiguous_offsets()) {
         (CpuStorage::F32(x), Some((a, b))) => Ok(&mut x[a..b]),
-        _ => candle_core::bail!("in-place AdamW needs contiguous f32 {what}"),
+        _ => candle_core::bail!("in-place AdamW takes contiguous f32 tensors"),
     }
 }
 
-/// The moments pass of [`adamw_update_in_place`]: on `mv` (m then v), from the gradient.
-struct InPlaceMoments<'a>(&'a StepCoefficients);
+/// One pass of [`adamw_update_in_place`], updating its first operand from its second: the
+/// moments (m then v) from the gradient, or the parameter from the new moments.
+#[derive(Clone, Copy)]
+enum InPlacePass<'a> {
+    Moments(&'a StepCoefficients),
+    Param(&'a StepCoefficients),
+}
 
-impl InplaceOp2 for InPlaceMoments<'_> {
+impl InplaceOp2 for InPlacePass<'_> {
     fn name(&self) -> &'static str {
-        "adamw-moments"
+        match self {
+            Self::Moments(_) => "adamw-moments",
+            Self::Param(_) => "adamw-param",
+        }
     }
 
-    fn cpu_fwd(&self, mv: &mut CpuStorage, lmv: &Layout, g: &CpuStorage, lg: &Layout) -> candle_core::Result<()> {
-        let g = f32_values(g, lg, "gradients")?;
-        let mv = f32_values_mut(mv, lmv, "moments")?;
-        if mv.len() != 2 * g.len() {
-            candle_core::bail!("in-place AdamW: {} moments for {} gradients", mv.len(), g.len());
-        }
-        let (m, v) = mv.split_at_mut(g.len());
-        for ((m, v), &g) in m.iter_mut().zip(v.iter_mut()).zip(g) {
-            self.0.update_moments(m, v, g);
+    fn cpu_fwd(&self, out: &mut CpuStorage, lo: &Layout, input: &CpuStorage, li: &Layout) -> candle_core::Result<()> {
+        let (out, input) = (f32_values_mut(out, lo)?, f32_values(input, li)?);
+        match *self {
+            Self::Moments(k) if out.len() == 2 * input.len() => {
+                let (m, v) = out.split_at_mut(input.len());
+                for ((m, v), &g) in m.iter_mut().zip(v.iter_mut()).zip(input) {
+                    k.update_moments(m, v, g);
+                }
+            }
+            Self::Param(k) if input.len() == 2 * out.len() => {
+                let (m, v) = input.split_at(out.len());
+                for ((p, &m), &v) in out.iter_mut().zip(m).zip(v) {
+                    *p = k.updated_param(*p, m, v);
+                }
+            }
+            _ => candle_core::bail!("{}: {} values from {}", self.name(), out.len(), input.len()),
         }
         Ok(())
     }
@@ -438,47 +453,16 @@ impl InplaceOp2 for InPlaceMoments<'_> {
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
         &self,
-        mv: &mut candle_core::CudaStorage,
-        lmv: &Layout,
-        g: &candle_core::CudaStorage,
-        lg: &Layout,
+        out: &mut candle_core::CudaStorage,
+        lo: &Layout,
+        input: &candle_core::CudaStorage,
+        li: &Layout,
     ) -> candle_core::Result<()> {
-        let k = self.0;
-        crate::kernels::cuda::adamw_pass("moments", (mv, lmv), (g, lg), [k.b1, 1.0 - k.b1, k.b2, 1.0 - k.b2])
-    }
-}
-
-/// The parameter pass of [`adamw_update_in_place`]: on the parameter, from the new moments.
-struct InPlaceParam<'a>(&'a StepCoefficients);
-
-impl InplaceOp2 for InPlaceParam<'_> {
-    fn name(&self) -> &'static str {
-        "adamw-param"
-    }
-
-    fn cpu_fwd(&self, p: &mut CpuStorage, lp: &Layout, mv: &CpuStorage, lmv: &Layout) -> candle_core::Result<()> {
-        let p = f32_values_mut(p, lp, "parameters")?;
-        let mv = f32_values(mv, lmv, "moments")?;
-        if mv.len() != 2 * p.len() {
-            candle_core::bail!("in-place AdamW: {} moments for {} parameters", mv.len(), p.len());
-        }
-        let (m, v) = mv.split_at(p.len());
-        for ((p, &m), &v) in p.iter_mut().zip(m).zip(v) {
-            *p = self.0.updated_param(*p, m, v);
-        }
-        Ok(())
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        p: &mut candle_core::CudaStorage,
-        lp: &Layout,
-        mv: &candle_core::CudaStorage,
-        lmv: &Layout,
-    ) -> candle_core::Result<()> {
-        let k = self.0;
-        crate::kernels::cuda::adamw_pass("param", (p, lp), (mv, lmv), [k.decay, k.step_size, k.bc2_sqrt, k.eps])
+        let (pass, coefficients) = match *self {
+            Self::Moments(k) => ("moments", [k.b1, 1.0 - k.b1, k.b2, 1.0 - k.b2]),
+            Self::Param(k) => ("param", [k.decay, k.step_size, k.bc2_sqrt, k.eps]),
+        };
+        crate::kernels::cuda::adamw_pass(pass, (out, lo), (input, li), coefficients)
     }
 }
 
@@ -497,14 +481,9 @@ impl InplaceOp2 for InPlaceAdamW<'_> {
     }
 
     fn cpu_fwd(&self, p: &mut CpuStorage, lp: &Layout, g: &CpuStorage, lg: &Layout) -> candle_core::Result<()> {
-        let (CpuStorage::F32(p), CpuStorage::F32(g)) = (p, g) else {
-            candle_core::bail!("in-place AdamW needs f32 parameters and gradients");
-        };
-        let (Some((p0, p1)), Some((g0, g1))) = (lp.contiguous_offsets(), lg.contiguous_offsets()) else {
-            candle_core::bail!("in-place AdamW needs contiguous parameters and gradients");
-        };
+        let (p, g) = (f32_values_mut(p, lp)?, f32_values(g, lg)?);
         let (m, v) = &mut *self.moments.borrow_mut();
-        adamw_update(&mut p[p0..p1], &g[g0..g1], m, v, self.lr, self.wd, self.step, self.config);
+        adamw_update(p, g, m, v, self.lr, self.wd, self.step, self.config);
         Ok(())
     }
 }
