@@ -81,6 +81,7 @@ fn all_float_flags() -> Vec<FloatFlag> {
         flag("ppo", &[], "--kl-ctl", "-0.1", "0", NON_NEGATIVE),
         flag("ppo", &[], "--clip-reward-value", "0", "5", POSITIVE),
         flag("ppo", &[], "--cliprange", "0", "0.2", POSITIVE),
+        flag("ppo", &[], "--cliprange-high", "0", "0.28", POSITIVE),
         flag("ppo", &[], "--cliprange-value", "-0.2", "0.2", POSITIVE),
         flag("ppo", &[], "--gamma", "1.01", "1", UNIT),
         flag("ppo", &[], "--lam", "-0.5", "0", UNIT),

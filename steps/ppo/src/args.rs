@@ -154,6 +154,10 @@ pub struct PpoArgs {
     pub normalize_reward: bool,
     #[arg(long, default_value_t = 0.2, value_parser = cli::positive())]
     pub cliprange: f64,
+    /// DAPO's clip-higher (TRL's epsilon_high, verl's clip_ratio_high): the ratio's upper clip
+    /// becomes 1 + this instead of 1 + --cliprange (DAPO: 0.28 with --cliprange 0.2).
+    #[arg(long, alias = "cliprange_high", value_parser = cli::positive())]
+    pub cliprange_high: Option<f64>,
     #[arg(long, default_value_t = 0.2, alias = "cliprange_value", value_parser = cli::positive())]
     pub cliprange_value: f64,
     #[arg(long, default_value_t = 1.0, value_parser = cli::unit_interval())]
@@ -250,6 +254,7 @@ impl PpoArgs {
             kl_ctl: self.kl_ctl,
             clip_reward_value: self.clip_reward_value,
             cliprange: self.cliprange,
+            cliprange_high: self.cliprange_high,
             cliprange_value: self.cliprange_value,
             gamma: self.gamma,
             lam: self.lam,

@@ -15,8 +15,13 @@ pub struct PpoConfig {
     pub kl_ctl: f64,
     /// The reward model's score is clipped to +-this.
     pub clip_reward_value: f64,
-    /// Policy ratio clip.
+    /// Policy ratio clip: the ratio is kept within [1 - cliprange, 1 + cliprange].
     pub cliprange: f64,
+    /// DAPO's clip-higher: the upper bound becomes 1 + this (absent: 1 + cliprange), so that an
+    /// unlikely token with a positive advantage can grow further in one update. Not written when
+    /// absent, so that the checkpoints of earlier versions resume with the same flags.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cliprange_high: Option<f64>,
     /// Value clip around the old values.
     pub cliprange_value: f64,
     pub gamma: f64,
@@ -29,12 +34,20 @@ pub struct PpoConfig {
     pub scale_rewards: RewardScaling,
 }
 
+impl PpoConfig {
+    /// The policy ratio's clip range, [1 - cliprange, 1 + (cliprange_high or cliprange)].
+    pub fn ratio_bounds(&self) -> (f64, f64) {
+        (1.0 - self.cliprange, 1.0 + self.cliprange_high.unwrap_or(self.cliprange))
+    }
+}
+
 impl Default for PpoConfig {
     fn default() -> Self {
         Self {
             kl_ctl: 0.1,
             clip_reward_value: 5.0,
             cliprange: 0.2,
+            cliprange_high: None,
             cliprange_value: 0.2,
             gamma: 1.0,
             lam: 0.95,
@@ -100,7 +113,8 @@ pub fn gae_advantages(rewards: &[f32], values: &[f32], start: usize, cfg: &PpoCo
 }
 
 /// The clipped policy loss: `ratio = exp((logp - old) * mask)`,
-/// `sum(max(-A ratio, -A clip(ratio, 1 - c, 1 + c)) * mask) / sum(mask)`. All (B, N).
+/// `sum(max(-A ratio, -A clip(ratio, lo, hi)) * mask) / sum(mask)` with
+/// `(lo, hi)` = [`PpoConfig::ratio_bounds`]. All (B, N).
 pub fn actor_loss(
     logp: &Tensor,
     old_logp: &Tensor,
@@ -109,7 +123,8 @@ pub fn actor_loss(
     cfg: &PpoConfig,
 ) -> Result<Tensor> {
     let ratio = ((logp - old_logp)? * mask)?.exp()?;
-    let clipped = ratio.clamp(1.0 - cfg.cliprange, 1.0 + cfg.cliprange)?;
+    let (lo, hi) = cfg.ratio_bounds();
+    let clipped = ratio.clamp(lo, hi)?;
     let neg_adv = advantages.neg()?;
     let loss = (&neg_adv * &ratio)?.maximum(&(&neg_adv * &clipped)?)?;
     (loss * mask)?.sum_all()? / mask.sum_all()?.to_scalar::<f32>()? as f64
@@ -366,7 +381,7 @@ pub fn explained_variance(values: &[f32], returns: &[f32], mask: &[f32]) -> f64 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::{Device, Var};
+    use candle_core::{DType, Device, Var};
 
     const PAD: u32 = 0;
 
@@ -462,6 +477,31 @@ mod tests {
         )?;
         let g = loss.backward()?.get(logp.as_tensor()).expect("gradient").to_vec2::<f32>()?;
         close(&g[0], &[-2.0 * 0.1f32.exp() / 2.0, -1.0 / 2.0]);
+        Ok(())
+    }
+
+    #[test]
+    fn clip_higher_raises_only_the_upper_bound() -> candle_core::Result<()> {
+        let dev = Device::Cpu;
+        let cfg = PpoConfig { cliprange_high: Some(0.28), ..PpoConfig::default() };
+        assert_eq!(cfg.ratio_bounds(), (0.8, 1.28));
+        // Ratios e^0.2 = 1.2214 (A = +1: inside [0.8, 1.28], unclipped, gradient -A ratio / 3),
+        // e^0.4 = 1.4918 (A = +1: clipped to 1.28, no gradient) and e^-0.4 = 0.6703 (A = -1:
+        // clipped to 0.8 as without clip-higher, no gradient).
+        let logp = Var::new(&[[0.2f32, 0.4, -0.4]], &dev)?;
+        let old = Tensor::zeros((1, 3), DType::F32, &dev)?;
+        let adv = Tensor::new(&[[1.0f32, 1.0, -1.0]], &dev)?;
+        let mask = Tensor::ones((1, 3), DType::F32, &dev)?;
+        let loss = actor_loss(logp.as_tensor(), &old, &adv, &mask, &cfg)?;
+        // max(-1.2214, -1.2214) + max(-1.4918, -1.28) + max(0.6703, 0.8) = -1.2214 - 1.28 + 0.8.
+        let want = (-0.2f32.exp() - 1.28 + 0.8) / 3.0;
+        let got: f32 = loss.to_scalar()?;
+        assert!((got - want).abs() < 1e-6, "{got} vs {want}");
+        let g = loss.backward()?.get(logp.as_tensor()).expect("gradient").to_vec2::<f32>()?;
+        close(&g[0], &[-0.2f32.exp() / 3.0, 0.0, 0.0]);
+        // The symmetric clip (the default) clips the first ratio at 1.2 too.
+        let sym: f32 = actor_loss(logp.as_tensor(), &old, &adv, &mask, &PpoConfig::default())?.to_scalar()?;
+        assert!((sym - (-1.2 - 1.2 + 0.8) / 3.0).abs() < 1e-6, "{sym}");
         Ok(())
     }
 

@@ -441,6 +441,7 @@ fn policy_stats(
     let old: Vec<f32> = old.flatten_all()?.to_vec1()?;
     let ent: Vec<f32> = entropy.flatten_all()?.to_vec1()?;
     let mask: Vec<f32> = mask.flatten_all()?.to_vec1()?;
+    let (lo, hi) = cfg.ratio_bounds();
     let (mut n, mut ratio, mut clipped, mut kl, mut h) = (0f64, 0f64, 0f64, 0f64, 0f64);
     for i in 0..mask.len() {
         if mask[i] > 0.0 {
@@ -448,7 +449,7 @@ fn policy_stats(
             let r = d.exp();
             n += 1.0;
             ratio += r;
-            clipped += f64::from(u8::from((r - 1.0).abs() > cfg.cliprange));
+            clipped += f64::from(u8::from(r < lo || r > hi));
             kl += ppo::approx_kl(d);
             h += f64::from(ent[i]);
         }
