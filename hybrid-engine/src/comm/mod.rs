@@ -119,10 +119,8 @@ impl ProcessGroup {
 
     /// Runs a ring collective on a host copy of `t` (f32), for CPU tensors.
     fn on_host(&self, t: &Tensor, len: usize, f: impl FnOnce(&mut Vec<f32>) -> Result<()>) -> Result<Tensor> {
-        if t.device().is_cuda() {
-            bail!("collectives on CUDA tensors need the NCCL build (--features nccl)");
-        }
-        let mut v: Vec<f32> = t.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?;
+        let mut v = Vec::with_capacity(t.elem_count());
+        extend_host_f32(&mut v, t)?;
         f(&mut v)?;
         v.truncate(len);
         Ok(Tensor::from_vec(v, len, t.device())?)
@@ -154,15 +152,43 @@ impl ProcessGroup {
         if let Some(c) = self.nccl_for(t)? {
             return c.reduce_scatter(t);
         }
-        let r = self.rank();
-        let t = t.flatten_all()?;
-        let full = self.on_host(&t, n, |v| self.ring.reduce_scatter(v, ReduceOp::Sum).map(|_| ()))?;
-        Ok(full.narrow(0, r * n / w, n / w)?.contiguous()?)
+        self.reduce_scatter_on_host(std::slice::from_ref(t), n)
+    }
+
+    /// [`Self::reduce_scatter`] of `parts` laid end to end and zero-padded to `len` values
+    /// ([`concat_padded`]). CPU tensors are read in place into the ring's buffer, not first
+    /// concatenated: ZeRO's gradients are copied once on their way to the ring, not twice.
+    pub fn reduce_scatter_parts(&self, parts: &[Tensor], len: usize) -> Result<Tensor> {
+        let on_cpu = parts.iter().all(|t| t.device().is_cpu());
+        if !on_cpu || self.world() == 1 {
+            return self.reduce_scatter(&concat_padded(parts, len)?);
+        }
+        if !len.is_multiple_of(self.world()) {
+            bail!(
+                "reduce-scatter of {len} values over {} ranks: pad the buffer to a multiple of the world size",
+                self.world()
+            );
+        }
+        self.reduce_scatter_on_host(parts, len)
+    }
+
+    /// The ring reduce-scatter of CPU `parts`, end to end and zero-padded to `len`.
+    fn reduce_scatter_on_host(&self, parts: &[Tensor], len: usize) -> Result<Tensor> {
+        let mut v = Vec::with_capacity(len);
+        for t in parts {
+            extend_host_f32(&mut v, t)?;
+        }
+        if v.len() > len {
+            bail!("internal error: {} values to reduce-scatter into {len}", v.len());
+        }
+        v.resize(len, 0.0);
+        let mine = self.ring.reduce_scatter(&mut v, ReduceOp::Sum)?;
+        Ok(Tensor::from_slice(&v[mine.clone()], mine.len(), &candle_core::Device::Cpu)?)
     }
 
     /// Every rank's `t` (flattened, same length on every rank) concatenated in rank order.
     pub fn all_gather(&self, t: &Tensor) -> Result<Tensor> {
-        let (n, w, r) = (t.elem_count(), self.world(), self.rank());
+        let (n, w) = (t.elem_count(), self.world());
         if w == 1 {
             return Ok(t.flatten_all()?);
         }
@@ -170,11 +196,38 @@ impl ProcessGroup {
         if let Some(c) = self.nccl_for(t)? {
             return c.all_gather(t);
         }
-        let mine: Vec<f32> = t.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?;
-        let mut all = vec![0f32; n * w];
-        all[r * n..(r + 1) * n].copy_from_slice(&mine);
-        self.ring.all_gather(&mut all)?;
+        let all = self.all_gather_on_host(n, |all| extend_host_f32(all, t))?;
         Ok(Tensor::from_vec(all, n * w, t.device())?)
+    }
+
+    /// [`Self::all_gather`] of this rank's `mine`, the result on `device`. On the CPU `mine` is
+    /// copied once, straight into its slot of the ring's buffer (ZeRO-3 gathers a unit's
+    /// weights from the shard so at every forward and backward).
+    pub fn all_gather_slice(&self, mine: &[f32], device: &candle_core::Device) -> Result<Tensor> {
+        let (n, w) = (mine.len(), self.world());
+        if w == 1 || !device.is_cpu() {
+            return self.all_gather(&Tensor::from_slice(mine, n, device)?);
+        }
+        let all = self.all_gather_on_host(n, |all| {
+            all.extend_from_slice(mine);
+            Ok(())
+        })?;
+        Ok(Tensor::from_vec(all, n * w, device)?)
+    }
+
+    /// The ring all-gather of `n` values a rank, this rank's appended to the buffer by `fill`
+    /// in their slot.
+    fn all_gather_on_host(&self, n: usize, fill: impl FnOnce(&mut Vec<f32>) -> Result<()>) -> Result<Vec<f32>> {
+        let (w, r) = (self.world(), self.rank());
+        let mut all = Vec::with_capacity(n * w);
+        all.resize(r * n, 0.0);
+        fill(&mut all)?;
+        if all.len() != (r + 1) * n {
+            bail!("internal error: this rank gave {} values to all-gather, not {n}", all.len() - r * n);
+        }
+        all.resize(n * w, 0.0);
+        self.ring.all_gather(&mut all)?;
+        Ok(all)
     }
 
     /// Rank `root`'s `t` (flattened) on every rank.
@@ -214,6 +267,39 @@ impl ProcessGroup {
     }
 }
 
+/// `parts` flattened, laid end to end and zero-padded to `len` values (f32 padding).
+pub fn concat_padded(parts: &[Tensor], len: usize) -> Result<Tensor> {
+    let device = parts.first().map_or(candle_core::Device::Cpu, |t| t.device().clone());
+    let mut flat: Vec<Tensor> = parts.iter().map(|t| t.flatten_all()).collect::<candle_core::Result<_>>()?;
+    let n: usize = flat.iter().map(Tensor::elem_count).sum();
+    if n > len {
+        bail!("internal error: {n} values to pad to {len}");
+    }
+    if len > n {
+        flat.push(Tensor::zeros(len - n, DType::F32, &device)?);
+    }
+    Ok(Tensor::cat(&flat, 0)?)
+}
+
+/// Appends `t`'s values as f32 to `out`: read in place when `t` is a contiguous f32 CPU tensor
+/// (one copy), converted otherwise. CUDA tensors are refused: they go through NCCL.
+fn extend_host_f32(out: &mut Vec<f32>, t: &Tensor) -> Result<()> {
+    if t.device().is_cuda() {
+        bail!("collectives on CUDA tensors need the NCCL build (--features nccl)");
+    }
+    {
+        let (storage, layout) = t.storage_and_layout();
+        if let (candle_core::Storage::Cpu(candle_core::CpuStorage::F32(data)), Some((a, b))) =
+            (&*storage, layout.contiguous_offsets())
+        {
+            out.extend_from_slice(&data[a..b]);
+            return Ok(());
+        }
+    }
+    out.extend(t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?);
+    Ok(())
+}
+
 /// `world` process groups on loopback (one node), one per thread, each running `f`: multi-rank
 /// unit tests.
 #[cfg(test)]
@@ -223,4 +309,56 @@ pub(crate) fn on_groups<T: Send>(world: usize, f: impl Fn(ProcessGroup) -> Resul
         let env = RankEnv { rank, world, local_rank: rank, local_world: world, ..RankEnv::single() };
         f(ProcessGroup::over(env, ring))
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// The in-place host paths give what the plain collectives give on the concatenation: parts
+    /// contiguous, transposed (copied) and a slice at an offset, padding, 2 and 3 ranks.
+    #[test]
+    fn reduce_scatter_parts_and_all_gather_slice_equal_the_plain_collectives() {
+        for world in [2, 3] {
+            let results = on_groups(world, |group| {
+                let r = group.rank() as f32;
+                let dev = Device::Cpu;
+                let a = Tensor::arange(0f32, 6., &dev)?.affine(1.0, f64::from(r))?.reshape((2, 3))?;
+                let b = Tensor::arange(0f32, 6., &dev)?.affine(f64::from(r + 1.0), 0.0)?.reshape((3, 2))?.t()?;
+                let c = Tensor::new(&[9f32, 1.5, -2.0], &dev)?.affine(1.0, f64::from(r))?.narrow(0, 1, 2)?;
+                let len = 15usize.next_multiple_of(group.world());
+                let parts = [a, b, c];
+                let got = group.reduce_scatter_parts(&parts, len)?.to_vec1::<f32>()?;
+                let want = group.reduce_scatter(&concat_padded(&parts, len)?)?.to_vec1::<f32>()?;
+                // By hand: rank q's values are a + q, the transpose's [0, 2, 4, 1, 3, 5] (q + 1),
+                // [1.5, -2] + q, then zeros; this rank keeps its chunk of their sum over ranks.
+                let per_rank = |q: f32| -> Vec<f32> {
+                    let a = (0..6).map(|i| i as f32 + q);
+                    let b = [0f32, 2., 4., 1., 3., 5.].map(|x| x * (q + 1.0));
+                    let c = [1.5f32 + q, -2.0 + q];
+                    let mut v: Vec<f32> = a.chain(b).chain(c).collect();
+                    v.resize(len, 0.0);
+                    v
+                };
+                let sum: Vec<f32> = (0..group.world())
+                    .map(|q| per_rank(q as f32))
+                    .reduce(|x, y| x.iter().zip(&y).map(|(a, b)| a + b).collect())
+                    .unwrap_or_default();
+                let chunk = len / group.world();
+                let expected = &sum[group.rank() * chunk..(group.rank() + 1) * chunk];
+                anyhow::ensure!(got == want && got == expected, "reduce-scatter: {got:?} vs {want:?} vs {expected:?}");
+                let mine: Vec<f32> = (0..4).map(|i| r * 10.0 + i as f32).collect();
+                let got = group.all_gather_slice(&mine, &dev)?.to_vec1::<f32>()?;
+                let want = group.all_gather(&Tensor::new(mine.as_slice(), &dev)?)?.to_vec1::<f32>()?;
+                let expected: Vec<f32> =
+                    (0..group.world()).flat_map(|q| (0..4).map(move |i| q as f32 * 10.0 + i as f32)).collect();
+                anyhow::ensure!(got == want && got == expected, "all-gather: {got:?} vs {want:?}");
+                Ok(())
+            });
+            for res in results {
+                res.unwrap();
+            }
+        }
+    }
 }

@@ -69,7 +69,9 @@ impl TensorParallel {
         ParamStore::init_each(cfg, seed, device, |name, t| shard(&t, split_of(name), rank, ranks))
     }
 
-    fn check_model(&self, cfg: &Gpt2Config) -> Result<()> {
+    /// Whether `cfg` splits over this TP group: callers check it before any other work, so that
+    /// a bad layout is refused before the data is read.
+    pub fn check_model(&self, cfg: &Gpt2Config) -> Result<()> {
         check_divides(cfg.n_head, cfg.inner_dim(), self.size())
     }
 

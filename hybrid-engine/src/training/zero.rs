@@ -139,13 +139,7 @@ impl Partition {
 
     /// The tensors laid end to end and padded with zeros to [`Self::padded`] values (f32).
     pub fn flatten(&self, tensors: &[Tensor]) -> Result<Tensor> {
-        let device = tensors.first().map_or(Device::Cpu, |t| t.device().clone());
-        let mut parts: Vec<Tensor> = tensors.iter().map(|t| t.flatten_all()).collect::<candle_core::Result<_>>()?;
-        let pad = self.padded() - self.total();
-        if pad > 0 {
-            parts.push(Tensor::zeros(pad, candle_core::DType::F32, &device)?);
-        }
-        Ok(Tensor::cat(&parts, 0)?)
+        crate::comm::concat_padded(tensors, self.padded())
     }
 
     /// Cuts a flat tensor back into tensors of `shapes` (the inverse of [`Self::flatten`]).
@@ -191,7 +185,7 @@ pub fn all_reduce_gradients(dp: &DataParallel, grads: &mut [Tensor]) -> Result<(
 
 /// Stages 1 and 2: this rank's shard of the summed gradients (not yet averaged).
 pub fn reduce_scatter_gradients(dp: &DataParallel, partition: &Partition, grads: &[Tensor]) -> Result<Tensor> {
-    dp.group.reduce_scatter(&partition.flatten(grads)?)
+    dp.group.reduce_scatter_parts(grads, partition.padded())
 }
 
 /// The global L2 norm of sharded gradients: every rank's squared norm, summed over ranks.

@@ -41,6 +41,14 @@ use std::sync::Arc;
 /// The unit of everything outside the blocks; block `i` is unit `i + 1`.
 const OUTER: usize = 0;
 
+/// What a gathered part is for: a forward whose output needs no gradient (the first pass of
+/// the recomputation, or inference), or the pass whose backward follows.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Pass {
+    Forward,
+    Backward,
+}
+
 /// Parameters gathered together.
 struct Unit {
     /// What the unit belongs to: [`OUTER`], or block `i` as `i + 1`.
@@ -256,15 +264,16 @@ impl ShardedModel {
     /// A unit's parameters from every rank's `values` (this rank's shard of some per-value
     /// quantity of the unit: weights or moments), full and in fp32 on the compute device.
     fn gather_unit(&self, unit: &Unit, values: &[f32]) -> Result<Vec<Tensor>> {
-        let mine = Tensor::from_slice(values, values.len(), &self.device)?;
-        let full = self.group.all_gather(&mine)?;
+        let full = self.group.all_gather_slice(values, &self.device)?;
         let shapes: Vec<&Shape> = unit.params.iter().map(|&i| &self.shapes[i]).collect();
         unit.partition.unflatten(&full, &shapes)
     }
 
-    /// Part `part`'s weights, gathered in the compute dtype: the trained ones into fresh
-    /// variables (gradients computed through them land there), the frozen ones as constants.
-    fn gather(&self, part: usize) -> Result<Gathered> {
+    /// Part `part`'s weights, gathered in the compute dtype. With `Pass::Backward` the trained
+    /// ones go into fresh variables (gradients computed through them land there: a copy each);
+    /// the frozen ones, and all of them for a forward without gradients, are constants (views
+    /// of the gathered buffer).
+    fn gather(&self, part: usize, pass: Pass) -> Result<Gathered> {
         let mut trained = Vec::new();
         let mut named = HashMap::new();
         for (u, unit) in self.units.iter().enumerate().filter(|(_, unit)| unit.part == part) {
@@ -272,20 +281,20 @@ impl ShardedModel {
                 let shard = self.shard.borrow();
                 self.gather_unit(unit, &shard[unit.offset..unit.offset + unit.partition.shard_len])?
             };
+            let with_grad = unit.grad_offset.is_some() && pass == Pass::Backward;
             let mut vars = Vec::new();
             for (&i, t) in unit.params.iter().zip(tensors) {
                 let t = t.to_dtype(self.dtype)?;
-                let value = match unit.grad_offset {
-                    Some(_) => {
-                        let var = Var::from_tensor(&t)?;
-                        vars.push(var.clone());
-                        var.as_tensor().clone()
-                    }
-                    None => t,
+                let value = if with_grad {
+                    let var = Var::from_tensor(&t)?;
+                    vars.push(var.clone());
+                    var.as_tensor().clone()
+                } else {
+                    t
                 };
                 named.insert(self.names[i].clone(), value);
             }
-            if unit.grad_offset.is_some() {
+            if with_grad {
                 trained.push((u, vars));
             }
         }
@@ -295,7 +304,12 @@ impl ShardedModel {
     /// Embeddings, final LayerNorm and heads, gathered: a GPT-2 without blocks, for the
     /// embedding and for the heads (its `lm_head`, `lm_loss_at`, `final_norm` work as usual).
     pub fn outer(&self) -> Result<(Gpt2, Gathered)> {
-        let g = self.gather(OUTER)?;
+        self.outer_for(Pass::Backward)
+    }
+
+    /// [`Self::outer`] for `pass`.
+    fn outer_for(&self, pass: Pass) -> Result<(Gpt2, Gathered)> {
+        let g = self.gather(OUTER, pass)?;
         let cfg = Gpt2Config { n_layer: 0, ..self.cfg.clone() };
         let mut model = match &self.tp {
             Some(tp) => Gpt2::load_tensor_parallel(g.var_builder(self), &cfg, tp)?,
@@ -306,8 +320,8 @@ impl ShardedModel {
     }
 
     /// Block `i`, gathered, with its LoRA adapters attached.
-    fn block(&self, i: usize) -> Result<(Block, Gathered)> {
-        let g = self.gather(i + 1)?;
+    fn block(&self, i: usize, pass: Pass) -> Result<(Block, Gathered)> {
+        let g = self.gather(i + 1, pass)?;
         let mut block = Gpt2::load_block(g.var_builder(self), &self.cfg, i, self.tp.as_ref())?;
         if let Some(scaling) = self.lora_scaling {
             attach_adapters(block.linears_mut(), &g.named, scaling);
@@ -318,12 +332,12 @@ impl ShardedModel {
     /// The trunk's last hidden state (B, T, C) without gradients, each block gathered in turn.
     pub fn forward_blocks(&self, ids: &Tensor, pos: &Positions) -> Result<Tensor> {
         let (b, t) = ids.dims2()?;
-        let (outer, _) = self.outer()?;
+        let (outer, _) = self.outer_for(Pass::Forward)?;
         let bias = outer.attention_bias(b, t, 0, pos, ids.device())?;
         let mut x = outer.embed(ids, pos, 0, None)?;
         drop(outer);
         for i in 0..self.cfg.n_layer {
-            x = self.block(i)?.0.forward(&x, &bias, None, None)?.detach();
+            x = self.block(i, Pass::Forward)?.0.forward(&x, &bias, None, None)?.detach();
         }
         Ok(x)
     }
@@ -343,14 +357,14 @@ impl ShardedModel {
     ) -> Result<f32> {
         let (b, t) = ids.dims2()?;
         // Forward, keeping only each block's input.
-        let (outer, _) = self.outer()?;
+        let (outer, _) = self.outer_for(Pass::Forward)?;
         let bias = outer.attention_bias(b, t, 0, pos, ids.device())?;
         let mut x = outer.embed(ids, pos, 0, dropout)?.detach();
         drop(outer);
         let mut inputs = Vec::with_capacity(self.cfg.n_layer);
         for i in 0..self.cfg.n_layer {
             inputs.push(x.clone());
-            x = self.block(i)?.0.forward(&x, &bias, None, dropout)?.detach();
+            x = self.block(i, Pass::Forward)?.0.forward(&x, &bias, None, dropout)?.detach();
         }
 
         // The head, with the last hidden state as a leaf so its gradient comes back.
@@ -364,7 +378,7 @@ impl ShardedModel {
         drop((store, outer, gathered, score));
 
         for (i, input) in inputs.iter().enumerate().rev() {
-            let (block, gathered) = self.block(i)?;
+            let (block, gathered) = self.block(i, Pass::Backward)?;
             let input = Var::from_tensor(input)?;
             let out = block.forward(input.as_tensor(), &bias, None, dropout)?;
             let store = out.mul(&grad)?.sum_all()?.backward()?;
@@ -391,7 +405,7 @@ impl ShardedModel {
                     None => Tensor::zeros(v.shape(), DType::F32, &self.device),
                 })
                 .collect::<candle_core::Result<_>>()?;
-            let mine = self.group.reduce_scatter(&self.units[*u].partition.flatten(&grads)?)?;
+            let mine = self.group.reduce_scatter_parts(&grads, self.units[*u].partition.padded())?;
             let mut slots = self.grads.borrow_mut();
             slots[*u] = Some(match slots[*u].take() {
                 Some(acc) => (acc + mine)?,

@@ -81,6 +81,8 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     // over the data-parallel group (the whole world without TP).
     let tp = args.dist.tensor_parallel(&group)?;
     if let Some(tp) = &tp {
+        // Refused before the corpus is tokenized (a checkpoint to resume has this shape too).
+        tp.check_model(&cfg.model)?;
         println!("{}", tp.describe());
     }
     let data_group = data_group(&group, tp.as_ref());
