@@ -18,6 +18,16 @@ pub(crate) fn contiguous_f32<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> R
     }
 }
 
+/// [`contiguous_f32`], mutable: an in-place op's output.
+pub(crate) fn contiguous_f32_mut<'a>(s: &'a mut CpuStorage, l: &Layout, what: &str) -> Result<&'a mut [f32]> {
+    let (start, end) =
+        l.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg(format!("{what} must be contiguous")))?;
+    match s {
+        CpuStorage::F32(v) => Ok(&mut v[start..end]),
+        _ => candle_core::bail!("{what} must be f32"),
+    }
+}
+
 pub(crate) fn contiguous_u32<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [u32]> {
     let (start, end) =
         l.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg(format!("{what} must be contiguous")))?;

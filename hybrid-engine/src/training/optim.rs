@@ -4,6 +4,7 @@
 //! clipping by the global gradient norm. Moments are f32 whatever the compute dtype (candle's
 //! AdamW in f16 diverges: g^2 underflows).
 
+use crate::kernels::parallel::{contiguous_f32, contiguous_f32_mut};
 use crate::model::params::ParamStore;
 use anyhow::{bail, Result};
 use candle_core::{backprop::GradStore, CpuStorage, DType, InplaceOp2, Layout, Tensor, Var};
@@ -398,21 +399,8 @@ fn adamw_update_in_place(p: &Tensor, g: &Tensor, mv: &Tensor, k: &StepCoefficien
     Ok(())
 }
 
-/// The contiguous f32 values of an in-place AdamW operand.
-fn f32_values<'a>(s: &'a CpuStorage, l: &Layout) -> candle_core::Result<&'a [f32]> {
-    match (s, l.contiguous_offsets()) {
-        (CpuStorage::F32(x), Some((a, b))) => Ok(&x[a..b]),
-        _ => candle_core::bail!("in-place AdamW takes contiguous f32 tensors"),
-    }
-}
-
-/// [`f32_values`], mutable.
-fn f32_values_mut<'a>(s: &'a mut CpuStorage, l: &Layout) -> candle_core::Result<&'a mut [f32]> {
-    match (s, l.contiguous_offsets()) {
-        (CpuStorage::F32(x), Some((a, b))) => Ok(&mut x[a..b]),
-        _ => candle_core::bail!("in-place AdamW takes contiguous f32 tensors"),
-    }
-}
+/// What the in-place ops' errors call their operands.
+const OPERAND: &str = "an in-place AdamW operand";
 
 /// One pass of [`adamw_update_in_place`], updating its first operand from its second: the
 /// moments (m then v) from the gradient, or the parameter from the new moments.
@@ -431,7 +419,7 @@ impl InplaceOp2 for InPlacePass<'_> {
     }
 
     fn cpu_fwd(&self, out: &mut CpuStorage, lo: &Layout, input: &CpuStorage, li: &Layout) -> candle_core::Result<()> {
-        let (out, input) = (f32_values_mut(out, lo)?, f32_values(input, li)?);
+        let (out, input) = (contiguous_f32_mut(out, lo, OPERAND)?, contiguous_f32(input, li, OPERAND)?);
         match *self {
             Self::Moments(k) if out.len() == 2 * input.len() => {
                 let (m, v) = out.split_at_mut(input.len());
@@ -481,7 +469,7 @@ impl InplaceOp2 for InPlaceAdamW<'_> {
     }
 
     fn cpu_fwd(&self, p: &mut CpuStorage, lp: &Layout, g: &CpuStorage, lg: &Layout) -> candle_core::Result<()> {
-        let (p, g) = (f32_values_mut(p, lp)?, f32_values(g, lg)?);
+        let (p, g) = (contiguous_f32_mut(p, lp, OPERAND)?, contiguous_f32(g, lg, OPERAND)?);
         let (m, v) = &mut *self.moments.borrow_mut();
         adamw_update(p, g, m, v, self.lr, self.wd, self.step, self.config);
         Ok(())
