@@ -13,9 +13,12 @@ fn main() {
 #[cfg(feature = "cuda")]
 fn compile_cuda_kernels() {
     let out_dir = std::path::PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
-    let ptx =
-        cudaforge::KernelBuilder::new().source_dir("cuda").arg("-std=c++17").arg("-O3").build_ptx().unwrap_or_else(
-            |e| panic!("compiling hybrid-engine/cuda/*.cu to PTX (see scripts/cuda-build-env.sh): {e}"),
-        );
+    let ptx = cudaforge::KernelBuilder::new()
+        .source_dir("cuda")
+        .watch(["cuda/common.cuh"])
+        .arg("-std=c++17")
+        .arg("-O3")
+        .build_ptx()
+        .unwrap_or_else(|e| panic!("compiling hybrid-engine/cuda/*.cu to PTX (see scripts/cuda-build-env.sh): {e}"));
     ptx.write(out_dir.join("ptx.rs")).expect("writing the PTX constants");
 }

@@ -11,17 +11,7 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
-__device__ __forceinline__ uint64_t splitmix64(uint64_t z) {
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
-__device__ __forceinline__ float dropout_factor(uint64_t seed, uint32_t threshold, float scale, uint64_t i) {
-  const uint64_t golden_gamma = 0x9E3779B97F4A7C15ull;
-  uint32_t draw = (uint32_t)(splitmix64(seed + (i + 1) * golden_gamma) >> 32);
-  return draw >= threshold ? scale : 0.0f;
-}
+#include "common.cuh"
 
 // y[j] = x[j] * factor(j) over n contiguous elements, grid-stride.
 #define DROPOUT(NAME, T, TO_F32, FROM_F32)                                                      \

@@ -12,10 +12,7 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
-__device__ __forceinline__ float warp_sum(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
-  return v;
-}
+#include "common.cuh"
 
 #define ROWS_PER_BLOCK 4
 

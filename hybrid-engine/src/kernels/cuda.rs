@@ -355,13 +355,197 @@ pub fn adamw_pass(
     unsafe { launch.launch(elementwise(n)) }.w().map(|_| ())
 }
 
+/// Blocks of the sum-of-squares kernel at most; each sums a grid-stride slice of the tensor.
+const SUM_BLOCKS: usize = 512;
+
+/// The sum of squares of contiguous f32, bf16 or f16 `x` in f64 (cuda/sum_of_squares.cu): one
+/// value, summed per block and then over the blocks in order, so every run gives the same bits.
+pub fn sum_of_squares(x: &CudaStorage, l: &Layout) -> Result<CudaStorage> {
+    Ok(for_float_dtype!(x, l, "sum of squares", |src: Elem, suffix| {
+        let dev = x.device();
+        let n = src.len();
+        let blocks = n.div_ceil(BLOCK as usize * 4).clamp(1, SUM_BLOCKS);
+        // SAFETY: each block writes its partial sum, then the second kernel the one value.
+        let partial = unsafe { dev.alloc::<f64>(blocks)? };
+        let out = unsafe { dev.alloc::<f64>(1)? };
+        let func = dev.get_or_load_custom_func(
+            &format!("sum_of_squares_{suffix}"),
+            "rlhf_sum_of_squares",
+            ptx::SUM_OF_SQUARES,
+        )?;
+        let mut launch = func.builder();
+        let n64 = n as u64;
+        launch.arg(src).arg(&n64).arg(&partial);
+        let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: the arguments match the kernel's signature.
+        unsafe { launch.launch(cfg) }.w()?;
+        let sum = dev.get_or_load_custom_func("sum_partials_f64", "rlhf_sum_of_squares", ptx::SUM_OF_SQUARES)?;
+        let mut launch = sum.builder();
+        let blocks32 = blocks as u32;
+        launch.arg(&partial).arg(&blocks32).arg(&out);
+        let one = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: the arguments match the kernel's signature.
+        unsafe { launch.launch(one) }.w().map(|_| out)
+    }))
+}
+
+/// The dropout arguments of the attention kernels: the site's seed, threshold and keep scale, and
+/// whether to drop at all.
+fn dropout_args(mask: Option<DropoutMask>) -> (u64, u32, f32, u32) {
+    match mask {
+        Some(mask) => {
+            let (seed, threshold, scale) = mask.parts();
+            (seed, threshold, scale, 1)
+        }
+        None => (0, 0, 1.0, 0),
+    }
+}
+
+/// The attention kernels' head dimension (cuda/flash_attention.cu; every GPT-2 size has 64).
+pub const ATTENTION_HEAD_DIM: usize = 64;
+/// Rows of a block of the attention kernels.
+const ATTENTION_TILE: usize = 64;
+
+/// Shapes of an attention call on the GPU: (B, T, NH, bias batches), checked against the kernels.
+fn attention_dims(lq: &Layout, lb: &Layout, n_head: usize) -> Result<(usize, usize, usize, usize)> {
+    let (b, t, c3) = lq.shape().dims3()?;
+    let (bias_batches, _, bt, bs) = lb.shape().dims4()?;
+    if c3 != 3 * n_head * ATTENTION_HEAD_DIM || bt != t || bs != t || (bias_batches != 1 && bias_batches != b) {
+        candle_core::bail!(
+            "flash attention on CUDA: qkv {:?} and bias {:?} do not fit {n_head} heads of {ATTENTION_HEAD_DIM}",
+            lq.dims(),
+            lb.dims()
+        );
+    }
+    Ok((b, t, n_head, bias_batches))
+}
+
+/// A block of four warps per 64 rows of each (batch, head) pair.
+fn attention_grid(b: usize, t: usize, n_head: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (t.div_ceil(ATTENTION_TILE) as u32, (b * n_head) as u32, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn half_precision_only(storage: &CudaStorage, what: &str) -> Result<()> {
+    match storage.dtype() {
+        DType::BF16 | DType::F16 => Ok(()),
+        d => candle_core::bail!("{what} on CUDA takes bf16 or f16, not {d:?}"),
+    }
+}
+
+/// Whether a half-precision operand starts on a 16-byte boundary, as the attention kernels'
+/// vector loads need (a fresh tensor does; a view into one may not).
+pub fn aligned_for_attention(layout: &Layout) -> bool {
+    layout.start_offset().is_multiple_of(8)
+}
+
+fn check_aligned(layouts: &[&Layout]) -> Result<()> {
+    if !layouts.iter().all(|l| aligned_for_attention(l)) {
+        candle_core::bail!("flash attention on CUDA: an operand does not start on a 16-byte boundary");
+    }
+    Ok(())
+}
+
+/// Flash-style attention (cuda/flash_attention.cu): from qkv (B, T, 3C) in bf16 or f16 and the
+/// additive mask (B or 1, 1, T, T) f32, `dropout(softmax(q k^T * scale + bias)) v` per head,
+/// (B, T, C), without the (B, NH, T, T) probabilities in memory.
+pub fn attention(
+    (qkv, lq): (&CudaStorage, &Layout),
+    (bias, lb): (&CudaStorage, &Layout),
+    n_head: usize,
+    scale: f32,
+    dropout: Option<DropoutMask>,
+) -> Result<CudaStorage> {
+    half_precision_only(qkv, "flash attention")?;
+    check_aligned(&[lq])?;
+    let (b, t, nh, bias_batches) = attention_dims(lq, lb, n_head)?;
+    let bias = view::<f32>(bias, lb, "the attention bias")?;
+    let (seed, threshold, keep, on) = dropout_args(dropout);
+    Ok(for_float_dtype!(qkv, lq, "flash attention", |src: Elem, suffix| {
+        let dev = qkv.device();
+        // SAFETY: the kernel writes every row of every head.
+        let y = unsafe { dev.alloc::<Elem>(b * t * nh * ATTENTION_HEAD_DIM)? };
+        let func = dev.get_or_load_custom_func(
+            &format!("attention_forward_{suffix}"),
+            "rlhf_flash_attention",
+            ptx::FLASH_ATTENTION,
+        )?;
+        let mut launch = func.builder();
+        let (t32, nh32, bb32) = (t as u32, nh as u32, bias_batches as u32);
+        launch.arg(src).arg(&bias).arg(&y).arg(&t32).arg(&nh32).arg(&bb32).arg(&scale);
+        launch.arg(&seed).arg(&threshold).arg(&keep).arg(&on);
+        // SAFETY: the arguments match the kernel's signature.
+        unsafe { launch.launch(attention_grid(b, t, nh)) }.w().map(|_| y)
+    }))
+}
+
+/// The gradient of [`attention`] with respect to qkv, (B, T, 3C), from its output y (B, T, C), the
+/// output gradient dy (B, T, C), the mask and the mask transposed in its last two dimensions
+/// (what the key-tile kernel reads along the queries). Deterministic: every element is summed by
+/// one thread in a fixed order.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_grad(
+    (qkv, lq): (&CudaStorage, &Layout),
+    (bias, lb): (&CudaStorage, &Layout),
+    (bias_t, lbt): (&CudaStorage, &Layout),
+    (y, ly): (&CudaStorage, &Layout),
+    (dy, ldy): (&CudaStorage, &Layout),
+    n_head: usize,
+    scale: f32,
+    dropout: Option<DropoutMask>,
+) -> Result<CudaStorage> {
+    half_precision_only(qkv, "flash attention backward")?;
+    check_aligned(&[lq, ly, ldy])?;
+    let (b, t, nh, bias_batches) = attention_dims(lq, lb, n_head)?;
+    if lbt.dims() != lb.dims() {
+        candle_core::bail!("flash attention backward: transposed bias {:?}, bias {:?}", lbt.dims(), lb.dims());
+    }
+    let bias = view::<f32>(bias, lb, "the attention bias")?;
+    let bias_t = view::<f32>(bias_t, lbt, "the transposed attention bias")?;
+    let (seed, threshold, keep, on) = dropout_args(dropout);
+    Ok(for_float_dtype!(qkv, lq, "flash attention backward", |src: Elem, suffix| {
+        let dev = qkv.device();
+        let y = view::<Elem>(y, ly, "the attention output")?;
+        let dy = view::<Elem>(dy, ldy, "the attention output gradient")?;
+        // SAFETY: the dq kernel writes the q part of every row and the statistics of every
+        // (batch, head, query); the dk/dv kernel the k and v parts.
+        let dqkv = unsafe { dev.alloc::<Elem>(src.len())? };
+        let stats = unsafe { dev.alloc::<f32>(3 * b * nh * t)? };
+        let (t32, nh32, bb32) = (t as u32, nh as u32, bias_batches as u32);
+        let dq = dev.get_or_load_custom_func(
+            &format!("attention_backward_dq_{suffix}"),
+            "rlhf_flash_attention",
+            ptx::FLASH_ATTENTION,
+        )?;
+        let mut launch = dq.builder();
+        launch.arg(src).arg(&bias).arg(&y).arg(&dy).arg(&dqkv).arg(&stats);
+        launch.arg(&t32).arg(&nh32).arg(&bb32).arg(&scale).arg(&seed).arg(&threshold).arg(&keep).arg(&on);
+        // SAFETY: the arguments match the kernel's signature.
+        unsafe { launch.launch(attention_grid(b, t, nh)) }.w()?;
+        let dkv = dev.get_or_load_custom_func(
+            &format!("attention_backward_dkv_{suffix}"),
+            "rlhf_flash_attention",
+            ptx::FLASH_ATTENTION,
+        )?;
+        let mut launch = dkv.builder();
+        launch.arg(src).arg(&bias_t).arg(&dy).arg(&stats).arg(&dqkv);
+        launch.arg(&t32).arg(&nh32).arg(&bb32).arg(&scale).arg(&seed).arg(&threshold).arg(&keep).arg(&on);
+        // SAFETY: the arguments match the kernel's signature; the stats were written above, on
+        // the same stream.
+        unsafe { launch.launch(attention_grid(b, t, nh)) }.w().map(|_| dqkv)
+    }))
+}
+
 /// These run on a GPU (the CUDA build's unit tests, which `scripts/gpu-check.sh` runs from the
 /// package); without one they pass after saying so on stderr.
 #[cfg(test)]
 mod tests {
     use crate::kernels::ops::{
-        cross_entropy_rows, cross_entropy_rows_reference, dropout, dropout_reference, gelu, gelu_reference, layer_norm,
-        layer_norm_reference, masked_softmax, masked_softmax_reference, DropoutKey,
+        attention, attention_reference, cross_entropy_rows, cross_entropy_rows_reference, dropout, dropout_reference,
+        gelu, gelu_reference, layer_norm, layer_norm_reference, masked_softmax, masked_softmax_reference, DropoutKey,
     };
     use candle_core::{DType, Device, Result, Tensor, Var};
 
@@ -529,6 +713,84 @@ mod tests {
             let scale = want.abs()?.max(0)?.to_scalar::<f32>()?;
             let tol = if dtype == DType::BF16 { 8e-3 } else { 1e-3 } * scale;
             assert!(max_diff(&got, &want)? <= tol, "{dtype:?} {}", max_diff(&got, &want)?);
+        }
+        Ok(())
+    }
+
+    /// The largest |value| of a tensor, as f32.
+    fn largest(t: &Tensor) -> Result<f32> {
+        t.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()
+    }
+
+    #[test]
+    fn flash_attention_and_its_gradient_match_the_cpu_and_are_deterministic() -> Result<()> {
+        let Some(gpu) = gpu() else { return Ok(()) };
+        // Two heads of 64; T = 100 is one full tile of 64 and a partial one. The per-batch mask
+        // pads batch row 1 on the left by 5, so its first 5 queries see no key at all (a softmax
+        // over masked scores only: uniform over the T keys).
+        let (b, nh, t) = (2, 2, 100);
+        let c = nh * super::ATTENTION_HEAD_DIM;
+        let qkv = Tensor::randn(0f32, 1f32, (b, t, 3 * c), &Device::Cpu)?;
+        let mut per_batch = vec![0f32; b * t * t];
+        for (i, m) in per_batch.iter_mut().enumerate() {
+            let (batch, row, col) = (i / (t * t), i / t % t, i % t);
+            if col > row || (batch == 1 && col < 5) {
+                *m = -1e9;
+            }
+        }
+        let per_batch = Tensor::from_vec(per_batch, (b, 1, t, t), &Device::Cpu)?;
+        let causal = per_batch.narrow(0, 0, 1)?.contiguous()?;
+        let key = DropoutKey { seed: 11, step: 2, micro_batch: 0 };
+        let scale = 0.125;
+        for (bias, drop) in
+            [(&per_batch, None), (&causal, Some(key.mask(0.1, 0, 0))), (&per_batch, Some(key.mask(0.1, 3, 0)))]
+        {
+            for dtype in [DType::BF16, DType::F16] {
+                // The same half-precision inputs on both sides: the CPU's fused f32 kernel is the
+                // reference.
+                let half = qkv.to_dtype(dtype)?;
+                let f = |x: &[Tensor]| {
+                    let bias = bias.to_device(x[0].device())?;
+                    attention(&x[0], &bias, nh, scale, drop)
+                };
+                let (y_cpu, g_cpu) = value_and_grads(&[&half.to_dtype(DType::F32)?], &Device::Cpu, f)?;
+                let (y_gpu, g_gpu) = value_and_grads(&[&half], &gpu, f)?;
+                // Half precision rounds the probabilities and the score gradients once each.
+                let tol = if dtype == DType::BF16 { 2e-2 } else { 4e-3 };
+                let (dy, dg) = (max_diff(&y_gpu, &y_cpu)?, max_diff(&g_gpu[0], &g_cpu[0])?);
+                eprintln!(
+                    "flash attention {dtype:?} dropout {}: y {dy:.2e} of {:.2e}, dqkv {dg:.2e} of {:.2e}",
+                    drop.is_some(),
+                    largest(&y_cpu)?,
+                    largest(&g_cpu[0])?
+                );
+                assert!(dy <= tol * largest(&y_cpu)?, "{dtype:?} output {dy}");
+                assert!(dg <= tol * largest(&g_cpu[0])?, "{dtype:?} gradient {dg}");
+                // The composed ops on the GPU (the path before the kernels) agree as well.
+                let composed = attention_reference(&half.to_device(&gpu)?, &bias.to_device(&gpu)?, nh, scale, drop)?;
+                assert!(max_diff(&composed, &y_cpu)? <= tol * largest(&y_cpu)?, "{dtype:?} composed");
+                let (_, again) = value_and_grads(&[&half], &gpu, f)?;
+                assert_eq!(max_diff(&again[0], &g_gpu[0])?, 0.0, "the gradient differs between two runs");
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn sum_of_squares_matches_the_cpu_in_f64_and_is_deterministic() -> Result<()> {
+        let Some(gpu) = gpu() else { return Ok(()) };
+        // 3 x 333 333 values: more than the kernel's blocks cover in one stride, with a tail.
+        let x = (Tensor::randn(0f32, 1f32, (3, 333_333), &Device::Cpu)? * 0.01)?;
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let x = x.to_dtype(dtype)?;
+            let want: f64 = x.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?.iter().map(|v| v * v).sum();
+            let on_gpu = x.to_device(&gpu)?;
+            let sum = |t: &Tensor| -> Result<f64> {
+                crate::kernels::fused::sum_of_squares_on_device(t)?.expect("a GPU tensor").to_scalar::<f64>()
+            };
+            let got = sum(&on_gpu)?;
+            assert!((got - want).abs() <= 1e-12 * want, "{dtype:?}: {got} against {want}");
+            assert_eq!(sum(&on_gpu)?.to_bits(), got.to_bits(), "{dtype:?}: differs between two runs");
         }
         Ok(())
     }

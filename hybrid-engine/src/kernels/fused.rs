@@ -679,18 +679,24 @@ pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
 /// heads in place through strides (no split or merge copies). Nothing (B, NH, T, T) is kept:
 /// backward recomputes the probabilities (one more q k^T gemm, small beside the projections),
 /// and the dropout mask is regenerated from its key. Dropout's element indices are those of
-/// the (B, NH, T, T) probabilities, so the mask equals the composed reference's.
+/// the (B, NH, T, T) probabilities, so the mask equals the composed reference's. On a GPU, for
+/// bf16 and f16 with heads of 64, the flash-style kernels of `kernels::cuda` compute the same.
 struct Attention {
     n_head: usize,
     scale: f32,
     dropout: Option<DropoutMask>,
 }
 
-/// Gradient of [`Attention`] for (qkv, bias, dy): dqkv (B, T, 3C).
+/// Gradient of [`Attention`] for (qkv, bias, dy): dqkv (B, T, 3C). The GPU kernels also read the
+/// forward's output `y` and the mask transposed in its last two dimensions, `bias_t`.
 struct AttentionGrad {
     n_head: usize,
     scale: f32,
     dropout: Option<DropoutMask>,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    y: Tensor,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    bias_t: Option<Tensor>,
 }
 
 /// Shapes of one attention call and where a (batch, head) pair's matrices live.
@@ -795,9 +801,33 @@ impl CustomOp2 for Attention {
         Ok((CpuStorage::F32(out), Shape::from((batch, t, c))))
     }
 
-    fn bwd(&self, qkv: &Tensor, bias: &Tensor, _y: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let op = AttentionGrad { n_head: self.n_head, scale: self.scale, dropout: self.dropout };
-        Ok((Some(qkv.apply_op3_no_bwd(bias, &grad.contiguous()?, &op)?), None))
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let y = crate::kernels::cuda::attention((s1, l1), (s2, l2), self.n_head, self.scale, self.dropout)?;
+        let (b, t, c3) = l1.shape().dims3()?;
+        Ok((y, Shape::from((b, t, c3 / 3))))
+    }
+
+    fn bwd(&self, qkv: &Tensor, bias: &Tensor, y: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let mut grad = grad.contiguous()?;
+        let bias_t = match qkv.device().is_cuda() {
+            true => {
+                // The kernels' vector loads want dy on a 16-byte boundary.
+                if !grad.layout().start_offset().is_multiple_of(8) {
+                    grad = grad.copy()?;
+                }
+                Some(bias.transpose(2, 3)?.contiguous()?)
+            }
+            false => None,
+        };
+        let op = AttentionGrad { n_head: self.n_head, scale: self.scale, dropout: self.dropout, y: y.clone(), bias_t };
+        Ok((Some(qkv.apply_op3_no_bwd(bias, &grad, &op)?), None))
     }
 }
 
@@ -896,10 +926,42 @@ impl CustomOp3 for AttentionGrad {
         unsafe { out.set_len(qkv.len()) };
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::Storage;
+        let Some(bias_t) = &self.bias_t else {
+            candle_core::bail!("attention backward on CUDA needs the transposed bias");
+        };
+        let (y, ly) = self.y.storage_and_layout();
+        let (bias_t, lbt) = bias_t.storage_and_layout();
+        let (Storage::Cuda(y), Storage::Cuda(bias_t)) = (&*y, &*bias_t) else {
+            candle_core::bail!("attention backward on CUDA: the output and the bias must be on the GPU");
+        };
+        let dqkv = crate::kernels::cuda::attention_grad(
+            (s1, l1),
+            (s2, l2),
+            (bias_t, lbt),
+            (y, ly),
+            (s3, l3),
+            self.n_head,
+            self.scale,
+            self.dropout,
+        )?;
+        Ok((dqkv, l1.shape().clone()))
+    }
 }
 
-/// Self-attention's core for f32 `qkv` (B, T, 3C) and a constant f32 mask `bias` (B or 1, 1,
-/// T, T) on the CPU: (B, T, C). See [`Attention`].
+/// Self-attention's core for `qkv` (B, T, 3C) and a constant f32 mask `bias` (B or 1, 1, T, T):
+/// (B, T, C), f32 on the CPU or bf16/f16 with heads of 64 on a GPU. See [`Attention`].
 pub fn attention(
     qkv: &Tensor,
     bias: &Tensor,
@@ -977,6 +1039,37 @@ pub fn sum_of_squares(t: &Tensor) -> Result<Option<f64>> {
     });
     // Summed in chunk order: the result does not depend on the threads.
     Ok(Some(partial.into_inner().expect("partial sums lock").iter().sum()))
+}
+
+/// [`sum_of_squares`] on a GPU (cuda/sum_of_squares.cu), left there as an f64 scalar so that many
+/// tensors' sums reach the host in one copy.
+#[cfg(feature = "cuda")]
+struct SumOfSquares;
+
+#[cfg(feature = "cuda")]
+impl CustomOp1 for SumOfSquares {
+    fn name(&self) -> &'static str {
+        "sum-of-squares"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        candle_core::bail!("the sum-of-squares op runs on a GPU; on the CPU `sum_of_squares` reads in place")
+    }
+
+    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((crate::kernels::cuda::sum_of_squares(s, l)?, Shape::from(())))
+    }
+}
+
+/// The sum of squares of an f32, bf16 or f16 tensor on a GPU, as an f64 scalar tensor there, in
+/// a fixed order (`None` for other tensors).
+pub fn sum_of_squares_on_device(t: &Tensor) -> Result<Option<Tensor>> {
+    #[cfg(feature = "cuda")]
+    if t.device().is_cuda() && crate::kernels::cuda::is_float(t.dtype()) {
+        return Ok(Some(t.contiguous()?.apply_op1_no_bwd(&SumOfSquares)?));
+    }
+    let _ = t;
+    Ok(None)
 }
 
 #[cfg(test)]

@@ -208,10 +208,32 @@ pub fn attention(
     scale: f64,
     dropout: Option<DropoutMask>,
 ) -> Result<Tensor> {
-    if fused(&[qkv, bias]) && !bias.track_op() && bias.rank() == 4 {
+    if (fused(&[qkv, bias]) || flash_attention_on_cuda(qkv, bias, n_head)) && !bias.track_op() && bias.rank() == 4 {
         crate::kernels::fused::attention(qkv, bias, n_head, scale, dropout)
     } else {
         attention_reference(qkv, bias, n_head, scale, dropout)
+    }
+}
+
+/// Whether [`attention`] runs the flash-style CUDA kernels: on a GPU in bf16 or f16 with heads of
+/// 64 and an f32 mask (f32 on a GPU stays on the composed ops, which match the CPU to 1e-5).
+/// `HYBRID_ENGINE_FLASH_ATTENTION=0` keeps the composed ops (benchmarks measure what it buys).
+fn flash_attention_on_cuda(qkv: &Tensor, bias: &Tensor, n_head: usize) -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let off = *OFF.get_or_init(|| std::env::var("HYBRID_ENGINE_FLASH_ATTENTION").is_ok_and(|v| v == "0"));
+        let head_dim = qkv.dims().last().map(|c3| c3 / 3 / n_head.max(1));
+        !off && on_cuda(&[qkv, bias])
+            && crate::kernels::cuda::aligned_for_attention(qkv.layout())
+            && matches!(qkv.dtype(), DType::BF16 | DType::F16)
+            && bias.dtype() == DType::F32
+            && head_dim == Some(crate::kernels::cuda::ATTENTION_HEAD_DIM)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (qkv, bias, n_head);
+        false
     }
 }
 

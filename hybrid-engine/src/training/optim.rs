@@ -534,10 +534,15 @@ impl GradAccumulator {
 pub fn global_grad_norm(grads: &[Tensor]) -> Result<f64> {
     let mut sum = 0f64;
     if !grads.is_empty() && grads.iter().all(|g| !g.device().is_cpu()) {
-        // On a GPU each tensor's sum of squares (the same value as `ops::sum_of_squares` gives)
+        // On a GPU each tensor's sum of squares (in f64, as `ops::sum_of_squares` on the CPU)
         // stays there until all are done: one copy to the host, not one wait per tensor.
-        let sums: Vec<Tensor> =
-            grads.iter().map(|g| g.sqr()?.sum_all()?.to_dtype(DType::F64)).collect::<candle_core::Result<_>>()?;
+        let sums: Vec<Tensor> = grads
+            .iter()
+            .map(|g| match crate::kernels::fused::sum_of_squares_on_device(g)? {
+                Some(s) => Ok(s),
+                None => g.sqr()?.sum_all()?.to_dtype(DType::F64),
+            })
+            .collect::<candle_core::Result<_>>()?;
         for s in Tensor::stack(&sums, 0)?.to_vec1::<f64>()? {
             sum += s;
         }
@@ -733,8 +738,10 @@ mod tests {
         };
         same(&cpu, &on_gpu)?;
         for step in 0..3 {
-            cpu_opt.step(&cpu, &grads_at(step, &Device::Cpu)?, 1e-2)?;
-            gpu_opt.step(&on_gpu, &grads_at(step, &gpu)?, 1e-2)?;
+            // Both from the parameters before the step (the CPU's step changes them).
+            let (g_cpu, g_gpu) = (grads_at(step, &Device::Cpu)?, grads_at(step, &gpu)?);
+            cpu_opt.step(&cpu, &g_cpu, 1e-2)?;
+            gpu_opt.step(&on_gpu, &g_gpu, 1e-2)?;
             same(&cpu, &on_gpu)?;
         }
         let (saved_cpu, saved_gpu) = (cpu_opt.state_tensors(&cpu)?, gpu_opt.state_tensors(&on_gpu)?);
@@ -743,8 +750,9 @@ mod tests {
         }
         let mut reloaded = AdamW::new(c, &on_gpu)?;
         reloaded.load_state(&on_gpu, gpu_opt.step, &saved_gpu.into_iter().collect())?;
-        cpu_opt.step(&cpu, &grads_at(3, &Device::Cpu)?, 1e-2)?;
-        reloaded.step(&on_gpu, &grads_at(3, &gpu)?, 1e-2)?;
+        let (g_cpu, g_gpu) = (grads_at(3, &Device::Cpu)?, grads_at(3, &gpu)?);
+        cpu_opt.step(&cpu, &g_cpu, 1e-2)?;
+        reloaded.step(&on_gpu, &g_gpu, 1e-2)?;
         same(&cpu, &on_gpu)
     }
 
