@@ -26,3 +26,14 @@ __device__ __forceinline__ float dropout_factor(uint64_t seed, uint32_t threshol
   uint32_t draw = (uint32_t)(splitmix64(seed + (i + 1) * golden_gamma) >> 32);
   return draw >= threshold ? scale : 0.0f;
 }
+
+// out[j] = the sum over blocks of partial[block][j] (f32, (blocks, width)), in block order: the
+// second pass of a deterministic column sum.
+#define COLUMN_SUMS(NAME, T, FROM_F32)                                                                \
+  extern "C" __global__ void NAME(const float *partial, T *out, uint32_t blocks, uint32_t width) {    \
+    const uint32_t j = blockIdx.x * blockDim.x + threadIdx.x;                                         \
+    if (j >= width) return;                                                                           \
+    float s = 0.0f;                                                                                   \
+    for (uint32_t k = 0; k < blocks; ++k) s += partial[(uint64_t)k * width + j];                      \
+    out[j] = FROM_F32(s);                                                                             \
+  }

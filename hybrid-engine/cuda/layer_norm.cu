@@ -76,16 +76,6 @@ __device__ __forceinline__ void row_stats(const T *x, uint32_t c, float eps, F t
     for (uint32_t j = lane; j < 2 * c; j += 32) partial[blockIdx.x * 2ull * c + j] = sums[j];         \
   }
 
-// out[j] = sum over blocks of partial[block][j], in block order, for the 2C columns.
-#define COLUMN_SUMS(NAME, T, FROM_F32)                                                                \
-  extern "C" __global__ void NAME(const float *partial, T *out, uint32_t blocks, uint32_t width) {    \
-    const uint32_t j = blockIdx.x * blockDim.x + threadIdx.x;                                         \
-    if (j >= width) return;                                                                           \
-    float s = 0.0f;                                                                                   \
-    for (uint32_t k = 0; k < blocks; ++k) s += partial[(uint64_t)k * width + j];                      \
-    out[j] = FROM_F32(s);                                                                             \
-  }
-
 #define IDENTITY(v) (v)
 LAYER_NORM(layer_norm_f32, float, IDENTITY, IDENTITY)
 LAYER_NORM(layer_norm_bf16, __nv_bfloat16, __bfloat162float, __float2bfloat16_rn)

@@ -355,6 +355,75 @@ pub fn adamw_pass(
     unsafe { launch.launch(elementwise(n)) }.w().map(|_| ())
 }
 
+/// `x W + b` for contiguous x (.., in), W (in, out), b (out,) of one dtype: cuBLAS's gemm (candle's
+/// own matmul on the storages), then the bias added to each row by one kernel (cuda/linear.cu):
+/// (N, out), N the rows of x.
+pub fn linear(
+    (x, lx): (&CudaStorage, &Layout),
+    (w, lw): (&CudaStorage, &Layout),
+    (b, lb): (&CudaStorage, &Layout),
+) -> Result<CudaStorage> {
+    let (d_in, d_out) = lw.shape().dims2()?;
+    let rows = lx.shape().elem_count() / d_in.max(1);
+    if lx.dims().last() != Some(&d_in) || lb.shape().elem_count() != d_out || !lx.is_contiguous() {
+        candle_core::bail!("linear on CUDA: input {:?}, weight {:?}, bias {:?}", lx.dims(), lw.dims(), lb.dims());
+    }
+    let x_rows = Layout::contiguous_with_offset((rows, d_in), lx.start_offset());
+    let xw = x.matmul(w, (1, rows, d_out, d_in), &x_rows, lw)?;
+    let lxw = Layout::contiguous((rows, d_out));
+    Ok(for_float_dtype!(&xw, &lxw, "linear bias", |src: Elem, suffix| {
+        let dev = xw.device();
+        let b = view::<Elem>(b, lb, "the linear bias")?;
+        // SAFETY: the kernel writes every element.
+        let out = unsafe { dev.alloc::<Elem>(src.len())? };
+        let func = dev.get_or_load_custom_func(&format!("add_bias_rows_{suffix}"), "rlhf_linear", ptx::LINEAR)?;
+        let mut launch = func.builder();
+        let (n, w32) = (rows as u64, d_out as u32);
+        launch.arg(src).arg(&b).arg(&out).arg(&n).arg(&w32);
+        let cfg = LaunchConfig {
+            grid_dim: ((d_out as u32).div_ceil(BLOCK).max(1), rows.clamp(1, 65535) as u32, 1),
+            block_dim: (BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the arguments match the kernel's signature.
+        unsafe { launch.launch(cfg) }.w().map(|_| out)
+    }))
+}
+
+/// Rows a block of the column-sum kernel adds at least, and chunks of rows at most.
+const COLUMN_SUM_ROWS: usize = 64;
+const COLUMN_SUM_CHUNKS: usize = 256;
+
+/// The column sums of contiguous g (N, W) in f32, rounded to g's dtype (cuda/linear.cu): the
+/// linear's bias gradient. Deterministic: chunks of rows summed per column, then the chunks in
+/// order.
+pub fn column_sums(g: &CudaStorage, lg: &Layout) -> Result<CudaStorage> {
+    let (n, w) = lg.shape().dims2()?;
+    Ok(for_float_dtype!(g, lg, "column sums", |src: Elem, suffix| {
+        let dev = g.device();
+        let chunks = n.div_ceil(COLUMN_SUM_ROWS).clamp(1, COLUMN_SUM_CHUNKS);
+        let rows_per_chunk = n.div_ceil(chunks).max(1) as u64;
+        // SAFETY: every (chunk, column) partial is written, then every column's sum.
+        let partial = unsafe { dev.alloc::<f32>(chunks * w)? };
+        let out = unsafe { dev.alloc::<Elem>(w)? };
+        let (n64, w32, chunks32) = (n as u64, w as u32, chunks as u32);
+        let columns = (w as u32).div_ceil(BLOCK).max(1);
+        let sums = dev.get_or_load_custom_func(&format!("column_sums_partial_{suffix}"), "rlhf_linear", ptx::LINEAR)?;
+        let mut launch = sums.builder();
+        launch.arg(src).arg(&partial).arg(&n64).arg(&w32).arg(&rows_per_chunk);
+        let cfg = LaunchConfig { grid_dim: (columns, chunks32, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: the arguments match the kernel's signature.
+        unsafe { launch.launch(cfg) }.w()?;
+        let finish =
+            dev.get_or_load_custom_func(&format!("column_sums_finish_{suffix}"), "rlhf_linear", ptx::LINEAR)?;
+        let mut launch = finish.builder();
+        launch.arg(&partial).arg(&out).arg(&chunks32).arg(&w32);
+        let cfg = LaunchConfig { grid_dim: (columns, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: the arguments match the kernel's signature.
+        unsafe { launch.launch(cfg) }.w().map(|_| out)
+    }))
+}
+
 /// Blocks of the sum-of-squares kernel at most; each sums a grid-stride slice of the tensor.
 const SUM_BLOCKS: usize = 512;
 
@@ -791,6 +860,41 @@ mod tests {
             let got = sum(&on_gpu)?;
             assert!((got - want).abs() <= 1e-12 * want, "{dtype:?}: {got} against {want}");
             assert_eq!(sum(&on_gpu)?.to_bits(), got.to_bits(), "{dtype:?}: differs between two runs");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn linear_and_its_gradients_match_the_cpu_and_the_bias_gradient_is_deterministic() -> Result<()> {
+        let Some(gpu) = gpu() else { return Ok(()) };
+        // (2, 150, 96) rows into 200 columns: 300 rows span 5 chunks of the column sums, 200
+        // columns a partial block.
+        let x = Tensor::randn(0f32, 1f32, (2, 150, 96), &Device::Cpu)?;
+        let w = (Tensor::randn(0f32, 1f32, (96, 200), &Device::Cpu)? * 0.1)?;
+        let b = Tensor::randn(0f32, 1f32, 200, &Device::Cpu)?;
+        let f = |t: &[Tensor]| crate::kernels::ops::linear(&t[0], &t[1], &t[2]);
+        let (y_cpu, g_cpu) = value_and_grads(&[&x, &w, &b], &Device::Cpu, f)?;
+        let (y_gpu, g_gpu) = value_and_grads(&[&x, &w, &b], &gpu, f)?;
+        // cuBLAS's f32 gemm (TF32 off) against the CPU's: sums of 96 or 300 products.
+        assert!(max_diff(&y_gpu, &y_cpu)? <= 1e-4 * largest(&y_cpu)?, "output {}", max_diff(&y_gpu, &y_cpu)?);
+        for (name, gc, gg) in [("dx", &g_cpu[0], &g_gpu[0]), ("dw", &g_cpu[1], &g_gpu[1]), ("db", &g_cpu[2], &g_gpu[2])]
+        {
+            assert!(max_diff(gg, gc)? <= 1e-4 * largest(gc)?, "{name}: {}", max_diff(gg, gc)?);
+        }
+        let (_, again) = value_and_grads(&[&x, &w, &b], &gpu, f)?;
+        assert_eq!(max_diff(&again[2], &g_gpu[2])?, 0.0, "db differs between two runs");
+        // Half precision against the composed reference in that dtype.
+        for dtype in [DType::BF16, DType::F16] {
+            let (xh, wh, bh) = (x.to_dtype(dtype)?, w.to_dtype(dtype)?, b.to_dtype(dtype)?);
+            let want = crate::kernels::ops::linear_reference(
+                &xh.to_device(&gpu)?,
+                &wh.to_device(&gpu)?,
+                &bh.to_device(&gpu)?,
+            )?;
+            let (got, grads) = value_and_grads(&[&xh, &wh, &bh], &gpu, f)?;
+            assert!(max_diff(&got, &want)? <= 1e-2 * largest(&want)?, "{dtype:?} output {}", max_diff(&got, &want)?);
+            let db_want = g_cpu[2].to_dtype(dtype)?;
+            assert!(max_diff(&grads[2], &db_want)? <= 2e-2 * largest(&db_want)?, "{dtype:?} db");
         }
         Ok(())
     }

@@ -565,7 +565,9 @@ pub fn gelu(h: &Tensor) -> Result<Tensor> {
 // Linear (HF Conv1D)
 
 /// `x W + b` for x (.., in), W (in, out) (Hugging Face's Conv1D layout), b (out,): one gemm
-/// accumulating into rows that start as the bias. Backward: dx = dy W^T, dW = x^T dy (both
+/// accumulating into rows that start as the bias (on a GPU: the gemm, then the bias added by one
+/// kernel). One node in the graph, where the composed ops make four (two reshapes, the gemm, the
+/// broadcast add), each of which candle's backward adds into a zeros tensor. Backward: dx = dy W^T, dW = x^T dy (both
 /// skipped for inputs that need no gradient, e.g. frozen weights), db = column sums of dy.
 struct Linear;
 
@@ -618,6 +620,21 @@ impl CustomOp3 for Linear {
         Ok((CpuStorage::F32(out), Shape::from(dims)))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let mut dims = l1.shape().dims().to_vec();
+        *dims.last_mut().expect("linear input has a last dimension") = l2.shape().dims2()?.1;
+        Ok((crate::kernels::cuda::linear((s1, l1), (s2, l2), (s3, l3))?, Shape::from(dims)))
+    }
+
     fn bwd(
         &self,
         x: &Tensor,
@@ -660,9 +677,16 @@ impl CustomOp1 for ColumnSums {
         });
         Ok((CpuStorage::F32(sums), Shape::from(w)))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        let w = l.shape().dims2()?.1;
+        Ok((crate::kernels::cuda::column_sums(s, l)?, Shape::from(w)))
+    }
 }
 
-/// `x W + b` for f32 `x` (.., in), `w` (in, out), `b` (out,) on the CPU.
+/// `x W + b` for `x` (.., in), `w` (in, out), `b` (out,): f32 on the CPU, or one dtype (f32,
+/// bf16, f16) on a GPU (cuBLAS's gemm and `kernels::cuda`'s bias kernels).
 pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
     x.contiguous()?.apply_op3(&w.contiguous()?, &b.contiguous()?, Linear)
 }

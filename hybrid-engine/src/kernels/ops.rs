@@ -143,7 +143,8 @@ pub fn gelu_reference(h: &Tensor, exact: bool) -> Result<Tensor> {
 
 /// `x W + b` for `x` (.., in), `w` (in, out) (Hugging Face's Conv1D layout), `b` (out,).
 pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
-    if fused(&[x, w, b]) {
+    let one_dtype = w.dtype() == x.dtype() && b.dtype() == x.dtype();
+    if fused(&[x, w, b]) || (on_cuda(&[x, w, b]) && one_dtype) {
         crate::kernels::fused::linear(x, w, b)
     } else {
         linear_reference(x, w, b)
