@@ -13,10 +13,17 @@
 #      command: `sft ... --device cpu`), else against the CUDA fp32 curve;
 #   3. the three-step demo (`train --device cuda`), then gpu_check on its SFT actor and `chat`
 #      on its step-3 actor.
+# Two measuring stages run only when named in STAGES:
+#   bench: gpt2 B8 T1024 bf16 training with the flash attention and with the composed one
+#      (HYBRID_ENGINE_FLASH_ATTENTION=0), `bench ops`, and the PyTorch comparison rows of
+#      scripts/bench/gpu_table.py (gpt2 and gpt2-medium training, generation at batch 32);
+#   profile: every kernel of one such training step timed by Nsight Compute (ncu), summed per
+#      kernel (WORK_DIR/ncu.csv, the largest in the summary).
 # Each stage has a time limit; a failing stage does not stop the later ones. The logs, metrics
 # and summaries (no weights) go to WORK_DIR; a line per stage and PASS/FAIL at the end.
 #
-# Usage: gpu-check.sh WORK_DIR [REFERENCE_DIR]    (STAGES="unit check pretrain demo" to choose)
+# Usage: gpu-check.sh WORK_DIR [REFERENCE_DIR]    (STAGES="unit check pretrain demo" to choose;
+#        STAGES="unit check bench profile" for a short lease that measures)
 set -uo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 work=${1:?usage: gpu-check.sh WORK_DIR [REFERENCE_DIR]}
@@ -99,6 +106,40 @@ if [[ " $stages " == *" demo "* ]]; then
     stage chat 60 "$bin" chat --path "$actor" --device cuda --chat-format --prompt "What is the capital of France?" --greedy --max-new-tokens 12
     cat "$work/chat.log" | tee -a "$summary"
   fi
+fi
+
+train_args=(train --model gpt2 --batch 8 --seq 1024 --dtype bf16 --device cuda)
+if [[ " $stages " == *" bench "* ]]; then
+  for attention in flash composed; do
+    on=1; [ "$attention" = composed ] && on=0
+    stage "bench-$attention" 90 env HYBRID_ENGINE_FLASH_ATTENTION=$on "$bin" bench "${train_args[@]}" --steps 5 --warmup 2
+    python3 -c 'import json,sys; r=json.loads(open(sys.argv[1]).read().strip().splitlines()[-1]); print("  %s: %.0f tokens/s, ms forward+backward / clip / AdamW %.0f / %.0f / %.0f" % (sys.argv[2], r["tokens_per_s"], r["ms_forward_backward"], r["ms_clip"], r["ms_adamw"]))' \
+      "$work/bench-$attention.log" "$attention attention" 2>/dev/null | tee -a "$summary"
+  done
+  stage bench-ops 90 "$bin" bench ops --model gpt2 --batch 8 --seq 1024 --reps 3 --dtype bf16 --device cuda
+  stage bench-pytorch 360 "$bin" bench-gpu --timeout 90 --only "train gpt2 B8 T1024 bf16" --only "train gpt2-medium B8" \
+    --only "generate gpt2 B32 P16+128 bf16" --skip-compile --out "$work/bench.md" --raw "$work/bench-raw.jsonl"
+  grep -E '^\| (train|generate)' "$work/bench.md" | tee -a "$summary"
+fi
+
+if [[ " $stages " == *" profile "* ]]; then
+  stage profile 240 ncu --target-processes all --clock-control none --cache-control none \
+    --metrics gpu__time_duration.sum --csv --log-file "$work/ncu.csv" "$bin" bench "${train_args[@]}" --steps 1 --warmup 0
+  python3 - "$work/ncu.csv" <<'PY' | tee -a "$summary"
+import collections, csv, sys
+lines = [l for l in open(sys.argv[1]) if l.startswith('"')]
+rows = csv.reader(lines)
+head = next(rows)
+name, value = head.index("Kernel Name"), head.index("Metric Value")
+total = collections.defaultdict(lambda: [0, 0.0])
+for r in rows:
+    k = "cuBLAS gemm" if r[name].startswith(("nvjet", "sm90_xmma", "cutlass")) else r[name].split("(")[0][:48]
+    total[k][0] += 1
+    total[k][1] += float(r[value].replace(",", "")) / 1e6  # ns -> ms
+print(f"kernels of one step: {sum(v for _, v in total.values()):.1f} ms in {sum(n for n, _ in total.values())} launches")
+for k, (n, ms) in sorted(total.items(), key=lambda kv: -kv[1][1])[:15]:
+    print(f"  {ms:8.2f} ms {n:5d}  {k}")
+PY
 fi
 
 find "$work" -name '*.safetensors' -delete
