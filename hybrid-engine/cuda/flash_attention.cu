@@ -222,6 +222,21 @@ __device__ __forceinline__ bool block_statistics(float &m, float &l, const RowA<
   return !unmasked_row;
 }
 
+// Reads the warp's mask entries of key tile j0 into b, then, unless `skip` and no entry of the
+// tile is live for the block, stages the tile's keys and values: returns whether it did. Its
+// first barrier also guards the tiles the block read in the previous iteration.
+template <typename T>
+__device__ __forceinline__ bool stage_key_tile(float (&b)[WROWS][2], T *k_tile, T *v_tile, const T *qkv,
+                                               const float *bias_rows, const Head &hd, uint32_t i0, uint32_t j0,
+                                               bool skip) {
+  const bool live = __syncthreads_or(read_bias(b, bias_rows, hd, i0, j0));
+  if (skip && !live) return false;
+  load_tile(k_tile, qkv, hd, 3 * hd.c(), 1, j0);
+  load_tile(v_tile, qkv, hd, 3 * hd.c(), 2, j0);
+  __syncthreads();
+  return true;
+}
+
 // y (B, T, C). Grid (ceil(T / 64), B * NH), 128 threads.
 template <typename T>
 __device__ __forceinline__ void attention_forward(const T *qkv, const float *bias, T *y, uint32_t t, uint32_t nh,
@@ -250,11 +265,7 @@ __device__ __forceinline__ void attention_forward(const T *qkv, const float *bia
   for (int n = 0; n < HD / 16; ++n) wmma::fill_fragment(out[n], 0.0f);
   for (uint32_t j0 = 0; j0 < t; j0 += TILE) {
     float b[WROWS][2];
-    const bool live = __syncthreads_or(read_bias(b, bias_rows, hd, i0, j0));
-    if (skip && !live) continue;
-    load_tile(k_tile, qkv, hd, 3 * hd.c(), 1, j0);
-    load_tile(v_tile, qkv, hd, 3 * hd.c(), 2, j0);
-    __syncthreads();
+    if (!stage_key_tile(b, k_tile, v_tile, qkv, bias_rows, hd, i0, j0, skip)) continue;
     times_transposed(scores, q, k_tile);
     __syncwarp();
 #pragma unroll
@@ -326,11 +337,7 @@ __device__ __forceinline__ void attention_backward_dq(const T *qkv, const float 
   for (int n = 0; n < HD / 16; ++n) wmma::fill_fragment(dq[n], 0.0f);
   for (uint32_t j0 = 0; j0 < t; j0 += TILE) {
     float b[WROWS][2];
-    const bool live = __syncthreads_or(read_bias(b, bias_rows, hd, i0, j0));
-    if (skip && !live) continue;
-    load_tile(k_tile, qkv, hd, 3 * hd.c(), 1, j0);
-    load_tile(v_tile, qkv, hd, 3 * hd.c(), 2, j0);
-    __syncthreads();
+    if (!stage_key_tile(b, k_tile, v_tile, qkv, bias_rows, hd, i0, j0, skip)) continue;
     // dy v^T, read into registers, then q k^T in the same scratch.
     times_transposed(scores, g, v_tile);
     __syncwarp();

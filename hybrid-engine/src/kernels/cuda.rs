@@ -635,6 +635,27 @@ mod tests {
         (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()
     }
 
+    /// The attention masks the tests use: per batch row (B, 1, T, T), causal with batch row 1
+    /// padded on the left by 5 (its first 5 queries see no key at all), and the broadcast causal
+    /// mask (1, 1, T, T).
+    fn causal_masks(b: usize, t: usize) -> Result<(Tensor, Tensor)> {
+        let mut per_batch = vec![0f32; b * t * t];
+        for (i, m) in per_batch.iter_mut().enumerate() {
+            let (batch, row, col) = (i / (t * t), i / t % t, i % t);
+            if col > row || (batch == 1 && col < 5) {
+                *m = -1e9;
+            }
+        }
+        let per_batch = Tensor::from_vec(per_batch, (b, 1, t, t), &Device::Cpu)?;
+        let causal = per_batch.narrow(0, 0, 1)?.contiguous()?;
+        Ok((per_batch, causal))
+    }
+
+    /// The largest |value| of a tensor, as f32.
+    fn largest(t: &Tensor) -> Result<f32> {
+        t.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()
+    }
+
     #[test]
     fn dropout_draws_the_cpu_mask_in_every_dtype_and_its_backward_is_the_same_mask() -> Result<()> {
         let Some(gpu) = gpu() else { return Ok(()) };
@@ -662,15 +683,7 @@ mod tests {
         // broadcast causal mask (1, 1, T, S); S = 70 spans three warp strides.
         let (b, nh, t) = (2, 3, 70);
         let att = (Tensor::randn(0f32, 1f32, (b, nh, t, t), &Device::Cpu)? * 3.0)?;
-        let mut per_batch = vec![0f32; b * t * t];
-        for (i, m) in per_batch.iter_mut().enumerate() {
-            let (batch, row, col) = (i / (t * t), i / t % t, i % t);
-            if col > row || (batch == 1 && col < 5) {
-                *m = -1e9;
-            }
-        }
-        let per_batch = Tensor::from_vec(per_batch, (b, 1, t, t), &Device::Cpu)?;
-        let causal = per_batch.narrow(0, 0, 1)?.contiguous()?;
+        let (per_batch, causal) = causal_masks(b, t)?;
         let dy = Tensor::randn(0f32, 1f32, att.shape(), &Device::Cpu)?;
         for bias in [&per_batch, &causal] {
             let v_cpu = Var::from_tensor(&att)?;
@@ -723,7 +736,7 @@ mod tests {
         assert!(max_diff(&y_gpu, &y_cpu)? < 1e-5, "output {}", max_diff(&y_gpu, &y_cpu)?);
         for (name, gc, gg) in [("dx", &g_cpu[0], &g_gpu[0]), ("dw", &g_cpu[1], &g_gpu[1]), ("db", &g_cpu[2], &g_gpu[2])]
         {
-            let scale = gc.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+            let scale = largest(gc)?;
             assert!(max_diff(gg, gc)? <= 1e-5 * scale.max(1.0), "{name}: {} (largest {scale})", max_diff(gg, gc)?);
         }
         let (_, again) = value_and_grads(&[&x, &w, &b], &gpu, ln)?;
@@ -786,11 +799,6 @@ mod tests {
         Ok(())
     }
 
-    /// The largest |value| of a tensor, as f32.
-    fn largest(t: &Tensor) -> Result<f32> {
-        t.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()
-    }
-
     #[test]
     fn flash_attention_and_its_gradient_match_the_cpu_and_are_deterministic() -> Result<()> {
         let Some(gpu) = gpu() else { return Ok(()) };
@@ -800,15 +808,7 @@ mod tests {
         let (b, nh, t) = (2, 2, 100);
         let c = nh * super::ATTENTION_HEAD_DIM;
         let qkv = Tensor::randn(0f32, 1f32, (b, t, 3 * c), &Device::Cpu)?;
-        let mut per_batch = vec![0f32; b * t * t];
-        for (i, m) in per_batch.iter_mut().enumerate() {
-            let (batch, row, col) = (i / (t * t), i / t % t, i % t);
-            if col > row || (batch == 1 && col < 5) {
-                *m = -1e9;
-            }
-        }
-        let per_batch = Tensor::from_vec(per_batch, (b, 1, t, t), &Device::Cpu)?;
-        let causal = per_batch.narrow(0, 0, 1)?.contiguous()?;
+        let (per_batch, causal) = causal_masks(b, t)?;
         let key = DropoutKey { seed: 11, step: 2, micro_batch: 0 };
         let scale = 0.125;
         for (bias, drop) in
