@@ -15,7 +15,8 @@
 #      on its step-3 actor.
 # Two measuring stages run only when named in STAGES:
 #   bench: gpt2 B8 T1024 bf16 training with the flash attention and with the composed one
-#      (HYBRID_ENGINE_FLASH_ATTENTION=0), `bench ops`, and the PyTorch comparison rows of
+#      (HYBRID_ENGINE_FLASH_ATTENTION=0) and with candle's upstream backward
+#      (CANDLE_UPSTREAM_BACKWARD=1), `bench ops`, and the PyTorch comparison rows of
 #      scripts/bench/gpu_table.py (gpt2 and gpt2-medium training, generation at batch 32);
 #   profile: every kernel of one such training step timed by Nsight Compute (ncu), summed per
 #      kernel (WORK_DIR/ncu.csv, the largest in the summary).
@@ -110,11 +111,16 @@ fi
 
 train_args=(train --model gpt2 --batch 8 --seq 1024 --dtype bf16 --device cuda)
 if [[ " $stages " == *" bench "* ]]; then
-  for attention in flash composed; do
-    on=1; [ "$attention" = composed ] && on=0
-    stage "bench-$attention" 90 env HYBRID_ENGINE_FLASH_ATTENTION=$on "$bin" bench "${train_args[@]}" --steps 5 --warmup 2
+  # The build as it is; with the composed attention; with candle's upstream backward
+  # (third_party/README.md: every first gradient added to zeros).
+  for variant in default composed-attention upstream-backward; do
+    flash=1 upstream=0
+    [ "$variant" = composed-attention ] && flash=0
+    [ "$variant" = upstream-backward ] && upstream=1
+    stage "bench-$variant" 90 env HYBRID_ENGINE_FLASH_ATTENTION=$flash CANDLE_UPSTREAM_BACKWARD=$upstream \
+      "$bin" bench "${train_args[@]}" --steps 5 --warmup 2
     python3 -c 'import json,sys; r=json.loads(open(sys.argv[1]).read().strip().splitlines()[-1]); print("  %s: %.0f tokens/s, ms forward+backward / clip / AdamW %.0f / %.0f / %.0f" % (sys.argv[2], r["tokens_per_s"], r["ms_forward_backward"], r["ms_clip"], r["ms_adamw"]))' \
-      "$work/bench-$attention.log" "$attention attention" 2>/dev/null | tee -a "$summary"
+      "$work/bench-$variant.log" "$variant" 2>/dev/null | tee -a "$summary"
   done
   stage bench-ops 90 "$bin" bench ops --model gpt2 --batch 8 --seq 1024 --reps 3 --dtype bf16 --device cuda
   stage bench-pytorch 360 "$bin" bench-gpu --timeout 90 --only "train gpt2 B8 T1024 bf16" --only "train gpt2-medium B8" \
