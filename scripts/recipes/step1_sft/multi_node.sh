@@ -14,7 +14,7 @@ DATA_CACHE="$(dirname -- "$OUTPUT")/data_files"
 
 case "$SIZE" in
   tiny) ARGS=(--data-path demo --data-split 2,6,2 --max-seq-len 48 --per-device-train-batch-size 16 --learning-rate 2e-3
-              --num-train-epochs 10 --num-warmup-steps 20 --dropout 0) ;;
+              --num-train-epochs 15 --num-warmup-steps 20 --dropout 0) ;;
   gpt2|gpt2-medium|gpt2-large|gpt2-xl|custom)
     ARGS=(--data-path Dahoas/rm-static Dahoas/full-hh-rlhf Dahoas/synthetic-instruct-gptj-pairwise
           yitingxie/rlhf-reward-datasets --data-split 2,4,4 --max-seq-len 512
