@@ -7,10 +7,11 @@
 // A block takes 64 rows (queries in forward and dq, keys in dk/dv), each of its four warps 16 of
 // them, and walks the other side in tiles of 64, staged in shared memory with zeros past T.
 // Forward makes two passes over the keys: the row max and sum first, then the normalised
-// probabilities times v, so the output needs no rescaling as the max moves. Backward recomputes
-// the probabilities from the row statistics; dq is one kernel over query tiles (it also writes the
-// statistics), dk and dv one over key tiles, so every sum has one writer and a fixed order: the
-// gradients are deterministic, without atomics.
+// probabilities times v, so the output needs no rescaling as the max moves; it keeps the row
+// statistics (max and 1 / sum per query) for backward. Backward recomputes the probabilities from
+// them; dq is one kernel over query tiles (it also writes each row's D = dy . y), dk and dv one
+// over key tiles, so every sum has one writer and a fixed order: the gradients are deterministic,
+// without atomics.
 //
 // Dropout draws the CPU's mask (dropout.cu's counter hash) at the element's index in the
 // (B, NH, T, T) probabilities. Masked entries (bias -1e9) contribute exp(-1e9 - max) = 0, and a
@@ -237,10 +238,11 @@ __device__ __forceinline__ bool stage_key_tile(float (&b)[WROWS][2], T *k_tile, 
   return true;
 }
 
-// y (B, T, C). Grid (ceil(T / 64), B * NH), 128 threads.
+// y (B, T, C), and per query row (B * NH * T each, in `stats`) the row max and 1 / row sum.
+// Grid (ceil(T / 64), B * NH), 128 threads.
 template <typename T>
-__device__ __forceinline__ void attention_forward(const T *qkv, const float *bias, T *y, uint32_t t, uint32_t nh,
-                                                  uint32_t bias_batches, float scale, Dropout drop) {
+__device__ __forceinline__ void attention_forward(const T *qkv, const float *bias, T *y, float *stats, uint32_t t,
+                                                  uint32_t nh, uint32_t bias_batches, float scale, Dropout drop) {
   __shared__ __align__(128) T k_tile[TILE * LDT];
   __shared__ __align__(128) T v_tile[TILE * LDT];
   __shared__ __align__(128) float scores_all[WARPS][WROWS * LDS];
@@ -259,6 +261,10 @@ __device__ __forceinline__ void attention_forward(const T *qkv, const float *bia
   float m, l;
   const bool skip = block_statistics(m, l, q, qkv, bias_rows, hd, i0, scale, k_tile, scores);
   const float inv_l = 1.0f / l;
+  if (lane < WROWS && i0 + lane < t) {
+    const uint64_t rows = (uint64_t)gridDim.y * t, row = hd.bh() * t + i0 + lane;
+    stats[row] = m, stats[rows + row] = inv_l;
+  }
 
   Acc out[HD / 16];
 #pragma unroll
@@ -286,13 +292,130 @@ __device__ __forceinline__ void attention_forward(const T *qkv, const float *bia
   store_rows(y, hd, hd.c(), 0, i0, out, scores);
 }
 
-// dq of the q part of dqkv (B, T, 3C), and per query row (B * NH * T each, in `stats`): the row
-// max, 1 / row sum and D = dy . y (the softmax backward's row term; with dropout it is still the
-// sum over keys of the kept probability times dy . v). Grid (ceil(T / 64), B * NH), 128 threads.
+// The online forward needs to know which row of its 16 x 16 tile each element of a thread's f32
+// accumulator fragment holds, to rescale the rows: on sm_80 and later element e of lane `lane` is
+// row lane / 4 + 8 * ((e / 2) % 2), column (lane % 4) * 2 + e % 2 + 8 * (e / 4) (the layout of
+// mma.m16n8k16, twice). wmma leaves the layout unspecified, so accumulator_layout_probe checks it
+// on the device, and the two-pass forward runs where it does not hold.
+__device__ __forceinline__ uint32_t acc_row(uint32_t lane, int e) { return lane / 4 + 8 * ((e / 2) % 2); }
+__device__ __forceinline__ uint32_t acc_col(uint32_t lane, int e) { return (lane % 4) * 2 + e % 2 + 8 * (e / 4); }
+
+// *ok = whether the layout above holds (one warp).
+extern "C" __global__ void accumulator_layout_probe(uint32_t *ok) {
+  __shared__ __align__(128) float tile[16 * 16];
+  const uint32_t lane = threadIdx.x % 32;
+  for (uint32_t k = lane; k < 16 * 16; k += 32) tile[k] = (float)k;
+  __syncwarp();
+  Acc a;
+  wmma::load_matrix_sync(a, tile, 16, wmma::mem_row_major);
+  bool good = a.num_elements == 8;
+  for (int e = 0; e < a.num_elements && e < 8; ++e) good &= a.x[e] == (float)(acc_row(lane, e) * 16 + acc_col(lane, e));
+  good = __all_sync(0xffffffff, good);
+  if (lane == 0) *ok = good;
+}
+
+// One pass over the key tiles with a running row max m and sum l (FlashAttention-2's loop): the
+// unnormalised exp(logit - m) times v accumulate in `out`, rescaled by exp(m_old - m_new) as a
+// row's max moves; the caller divides by l. Skips the tiles masked for every row of the block when
+// `skip`. Leaves row r's m and l in lane r (lanes past 16: 0 and 1), as row_statistics does.
+template <typename T>
+__device__ __forceinline__ void online_pass(Acc (&out)[HD / 16], float &m_out, float &l_out, const RowA<T> (&q)[HD / 16],
+                                            const T *qkv, const float *bias_rows, const Head &hd, uint32_t i0,
+                                            float scale, Dropout drop, T *k_tile, T *v_tile, float *scores, T *probs,
+                                            bool skip) {
+  const uint32_t lane = threadIdx.x % 32;
+  // Row r's running max and sum live in lane r (registers are what limits this kernel).
+  float m_lane = -INFINITY, l_lane = 0.0f;
+#pragma unroll
+  for (int n = 0; n < HD / 16; ++n) wmma::fill_fragment(out[n], 0.0f);
+  for (uint32_t j0 = 0; j0 < hd.t; j0 += TILE) {
+    float b[WROWS][2];
+    if (!stage_key_tile(b, k_tile, v_tile, qkv, bias_rows, hd, i0, j0, skip)) continue;
+    times_transposed(scores, q, k_tile);
+    __syncwarp();
+    float corr_lo = 1.0f, corr_hi = 1.0f;  // the rescale factors of this lane's accumulator rows
+#pragma unroll
+    for (int r = 0; r < WROWS; ++r) {
+      const uint32_t i = i0 + r;
+      const float x0 = scores[r * LDS + lane] * scale + b[r][0];
+      const float x1 = scores[r * LDS + lane + 32] * scale + b[r][1];
+      const float m_old = __shfl_sync(0xffffffff, m_lane, r);
+      const float mr = fmaxf(m_old, warp_max(fmaxf(x0, x1)));
+      const float corr = expf(m_old - mr);  // 0 on the first tile (m = -inf), where out is 0
+      float p[2] = {expf(x0 - mr), expf(x1 - mr)};
+      const float sum = warp_sum(p[0] + p[1]);
+      if (lane == r) l_lane = l_lane * corr + sum, m_lane = mr;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const uint32_t jj = lane + 32 * half, j = j0 + jj;
+        if (i < hd.t && j < hd.t) p[half] *= drop.factor((hd.bh() * hd.t + i) * hd.t + j);
+        probs[r * LDT + jj] = Conv<T>::from(p[half]);
+      }
+      if (r == lane / 4) corr_lo = corr;
+      if (r == lane / 4 + 8) corr_hi = corr;
+    }
+    __syncwarp();
+#pragma unroll
+    for (int n = 0; n < HD / 16; ++n)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) out[n].x[e] *= (e / 2) % 2 ? corr_hi : corr_lo;
+    accumulate(out, probs, v_tile);
+  }
+  m_out = lane < WROWS ? m_lane : 0.0f, l_out = lane < WROWS ? l_lane : 1.0f;
+}
+
+// attention_forward in one pass over the keys (online_pass), where accumulator_layout_probe holds:
+// the same y up to rounding (the probabilities times v are rounded before, not after, the division
+// by the row sum) and the statistics of the same definition. A block with a row that has no live
+// key makes a second pass without skipping, as block_statistics does.
+template <typename T>
+__device__ __forceinline__ void attention_forward_online(const T *qkv, const float *bias, T *y, float *stats,
+                                                         uint32_t t, uint32_t nh, uint32_t bias_batches, float scale,
+                                                         Dropout drop) {
+  __shared__ __align__(128) T k_tile[TILE * LDT];
+  __shared__ __align__(128) T v_tile[TILE * LDT];
+  __shared__ __align__(128) float scores_all[WARPS][WROWS * LDS];
+  __shared__ __align__(128) T probs_all[WARPS][WROWS * LDT];
+  const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const Head hd{t, nh, blockIdx.y / nh, blockIdx.y % nh};
+  const uint32_t q0 = blockIdx.x * TILE, i0 = q0 + warp * WROWS;
+  const float *bias_rows = bias + (bias_batches == 1 ? 0 : (uint64_t)hd.b * t * t);
+  float *scores = scores_all[warp];
+  T *probs = probs_all[warp];
+
+  load_tile(k_tile, qkv, hd, 3 * hd.c(), 0, q0);  // the queries, staged in k_tile
+  __syncthreads();
+  RowA<T> q[HD / 16];
+  load_rows(q, k_tile);
+  Acc out[HD / 16];
+  float m, l;
+  for (int pass = 0; pass < 2; ++pass) {  // one inlined copy of the loop: registers
+    online_pass(out, m, l, q, qkv, bias_rows, hd, i0, scale, drop, k_tile, v_tile, scores, probs, pass == 0);
+    if (!__syncthreads_or(lane < WROWS && i0 + lane < t && m <= MASKED_BELOW)) break;
+  }
+  const float inv_l = 1.0f / l;
+  if (lane < WROWS && i0 + lane < t) {
+    const uint64_t rows = (uint64_t)gridDim.y * t, row = hd.bh() * t + i0 + lane;
+    stats[row] = m, stats[rows + row] = inv_l;
+  }
+  const float inv_lo = __shfl_sync(0xffffffff, inv_l, lane / 4), inv_hi = __shfl_sync(0xffffffff, inv_l, lane / 4 + 8);
+#pragma unroll
+  for (int n = 0; n < HD / 16; ++n)
+#pragma unroll
+    for (int e = 0; e < 8; ++e) out[n].x[e] *= (e / 2) % 2 ? inv_hi : inv_lo;
+  store_rows(y, hd, hd.c(), 0, i0, out, scores);
+}
+
+// dq of the q part of dqkv (B, T, 3C) from the forward's row statistics `stats`, and per query row
+// (B * NH * T, in `dsum`) D = dy . y (the softmax backward's row term; with dropout it is still
+// the sum over keys of the kept probability times dy . v). Masked tiles are skipped as forward
+// skipped them: unless a row of the block has no live key (its max at the mask).
+// Grid (ceil(T / 64), B * NH), 128 threads.
 template <typename T>
 __device__ __forceinline__ void attention_backward_dq(const T *qkv, const float *bias, const T *y, const T *dy,
-                                                      T *dqkv, float *stats, uint32_t t, uint32_t nh,
-                                                      uint32_t bias_batches, float scale, Dropout drop) {
+                                                      T *dqkv, const float *stats, float *dsum_out, uint32_t t,
+                                                      uint32_t nh, uint32_t bias_batches, float scale,
+                                                      Dropout drop) {
   __shared__ __align__(128) T k_tile[TILE * LDT];
   __shared__ __align__(128) T v_tile[TILE * LDT];
   __shared__ __align__(128) float scores_all[WARPS][WROWS * LDS];
@@ -311,9 +434,13 @@ __device__ __forceinline__ void attention_backward_dq(const T *qkv, const float 
   RowA<T> q[HD / 16], g[HD / 16];
   load_rows(q, k_tile);
   load_rows(g, v_tile);
-  float m, l;
-  const bool skip = block_statistics(m, l, q, qkv, bias_rows, hd, i0, scale, k_tile, scores);
-  const float inv_l = 1.0f / l;
+  // Lane r holds row r's statistics, as block_statistics leaves them.
+  float m = 0.0f, inv_l = 0.0f;
+  if (lane < WROWS && i0 + lane < t) {
+    const uint64_t row = hd.bh() * t + i0 + lane;
+    m = stats[row], inv_l = stats[rows + row];
+  }
+  const bool skip = !__syncthreads_or(lane < WROWS && i0 + lane < t && m <= MASKED_BELOW);
   float dsum = 0.0f;
 #pragma unroll
   for (int r = 0; r < WROWS; ++r) {
@@ -327,10 +454,7 @@ __device__ __forceinline__ void attention_backward_dq(const T *qkv, const float 
     v = warp_sum(v);
     if (lane == r) dsum = v;
   }
-  if (lane < WROWS && i0 + lane < t) {
-    const uint64_t row = hd.bh() * t + i0 + lane;
-    stats[row] = m, stats[rows + row] = inv_l, stats[2 * rows + row] = dsum;
-  }
+  if (lane < WROWS && i0 + lane < t) dsum_out[hd.bh() * t + i0 + lane] = dsum;
 
   Acc dq[HD / 16];
 #pragma unroll
@@ -369,14 +493,15 @@ __device__ __forceinline__ void attention_backward_dq(const T *qkv, const float 
   store_rows(dqkv, hd, 3 * hd.c(), 0, i0, dq, scores);
 }
 
-// dk and dv of the k and v parts of dqkv, from the statistics the dq kernel wrote and the
-// transposed mask bias_t (B or 1, 1, T, T): bias_t[j][i] = bias[i][j], read along the queries.
+// dk and dv of the k and v parts of dqkv, from the forward's statistics, the D the dq kernel wrote
+// and the transposed mask bias_t (B or 1, 1, T, T): bias_t[j][i] = bias[i][j], read along the queries.
 // A query tile is skipped when every entry of it for the block's keys is masked and each of its
 // rows has a live key (a row max above the mask). Grid (ceil(T / 64), B * NH), 128 threads.
 template <typename T>
 __device__ __forceinline__ void attention_backward_dkv(const T *qkv, const float *bias_t, const T *dy,
-                                                       const float *stats, T *dqkv, uint32_t t, uint32_t nh,
-                                                       uint32_t bias_batches, float scale, Dropout drop) {
+                                                       const float *stats, const float *dsum, T *dqkv, uint32_t t,
+                                                       uint32_t nh, uint32_t bias_batches, float scale,
+                                                       Dropout drop) {
   __shared__ __align__(128) T q_tile[TILE * LDT];
   __shared__ __align__(128) T g_tile[TILE * LDT];
   __shared__ __align__(128) float scores_all[WARPS][WROWS * LDS];
@@ -390,7 +515,7 @@ __device__ __forceinline__ void attention_backward_dkv(const T *qkv, const float
   // The warp's dscores go over its own scores once those are in registers.
   T *dscores = reinterpret_cast<T *>(scores);
   const uint64_t rows = (uint64_t)gridDim.y * t;
-  const float *row_max = stats, *row_inv_sum = stats + rows, *row_dsum = stats + 2 * rows;
+  const float *row_max = stats, *row_inv_sum = stats + rows, *row_dsum = dsum;
 
   load_tile(q_tile, qkv, hd, 3 * hd.c(), 1, k0);  // the keys and values, staged
   load_tile(g_tile, qkv, hd, 3 * hd.c(), 2, k0);
@@ -462,20 +587,29 @@ __device__ __forceinline__ void attention_backward_dkv(const T *qkv, const float
 
 #define FLASH_ATTENTION(SUFFIX, T)                                                                                \
   extern "C" __global__ void __launch_bounds__(WARPS * 32) attention_forward_##SUFFIX(                          \
-      const T *qkv, const float *bias, T *y, uint32_t t, uint32_t nh, uint32_t bias_batches, float scale,        \
-      uint64_t seed, uint32_t threshold, float keep_scale, uint32_t dropout) {                                   \
-    attention_forward<T>(qkv, bias, y, t, nh, bias_batches, scale, Dropout{seed, threshold, keep_scale, dropout}); \
+      const T *qkv, const float *bias, T *y, float *stats, uint32_t t, uint32_t nh, uint32_t bias_batches,       \
+      float scale, uint64_t seed, uint32_t threshold, float keep_scale, uint32_t dropout) {                      \
+    attention_forward<T>(qkv, bias, y, stats, t, nh, bias_batches, scale,                                        \
+                         Dropout{seed, threshold, keep_scale, dropout});                                         \
+  }                                                                                                              \
+  extern "C" __global__ void __launch_bounds__(WARPS * 32) attention_forward_online_##SUFFIX(                   \
+      const T *qkv, const float *bias, T *y, float *stats, uint32_t t, uint32_t nh, uint32_t bias_batches,       \
+      float scale, uint64_t seed, uint32_t threshold, float keep_scale, uint32_t dropout) {                      \
+    attention_forward_online<T>(qkv, bias, y, stats, t, nh, bias_batches, scale,                                 \
+                                Dropout{seed, threshold, keep_scale, dropout});                                  \
   }                                                                                                              \
   extern "C" __global__ void __launch_bounds__(WARPS * 32) attention_backward_dq_##SUFFIX(                      \
-      const T *qkv, const float *bias, const T *y, const T *dy, T *dqkv, float *stats, uint32_t t, uint32_t nh,  \
-      uint32_t bias_batches, float scale, uint64_t seed, uint32_t threshold, float keep_scale, uint32_t dropout) { \
-    attention_backward_dq<T>(qkv, bias, y, dy, dqkv, stats, t, nh, bias_batches, scale,                          \
+      const T *qkv, const float *bias, const T *y, const T *dy, T *dqkv, const float *stats, float *dsum,         \
+      uint32_t t, uint32_t nh, uint32_t bias_batches, float scale, uint64_t seed, uint32_t threshold,            \
+      float keep_scale, uint32_t dropout) {                                                                      \
+    attention_backward_dq<T>(qkv, bias, y, dy, dqkv, stats, dsum, t, nh, bias_batches, scale,                    \
                              Dropout{seed, threshold, keep_scale, dropout});                                     \
   }                                                                                                              \
   extern "C" __global__ void __launch_bounds__(WARPS * 32) attention_backward_dkv_##SUFFIX(                     \
-      const T *qkv, const float *bias_t, const T *dy, const float *stats, T *dqkv, uint32_t t, uint32_t nh,      \
-      uint32_t bias_batches, float scale, uint64_t seed, uint32_t threshold, float keep_scale, uint32_t dropout) { \
-    attention_backward_dkv<T>(qkv, bias_t, dy, stats, dqkv, t, nh, bias_batches, scale,                          \
+      const T *qkv, const float *bias_t, const T *dy, const float *stats, const float *dsum, T *dqkv,            \
+      uint32_t t, uint32_t nh, uint32_t bias_batches, float scale, uint64_t seed, uint32_t threshold,            \
+      float keep_scale, uint32_t dropout) {                                                                      \
+    attention_backward_dkv<T>(qkv, bias_t, dy, stats, dsum, dqkv, t, nh, bias_batches, scale,                    \
                               Dropout{seed, threshold, keep_scale, dropout});                                    \
   }
 

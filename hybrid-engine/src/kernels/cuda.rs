@@ -390,6 +390,42 @@ pub fn linear(
     }))
 }
 
+/// The embedding table's gradient (cuda/embedding.cu): dw (vocab, C) in dy's dtype from contiguous
+/// dy (N, C) and the ids grouped by row on the host (`groups`: the G rows, the G + 1 starts of
+/// their positions, the N positions; fused.rs's `group_ids`), each row's sum in f32 in the order
+/// of the positions, zeros for the rows of absent ids. Deterministic.
+pub fn embedding_grad(
+    (dy, ldy): (&CudaStorage, &Layout),
+    groups: &[u32],
+    n_groups: usize,
+    vocab: usize,
+) -> Result<CudaStorage> {
+    let (n, c) = ldy.shape().dims2()?;
+    if groups.len() != 2 * n_groups + 1 + n {
+        candle_core::bail!(
+            "embedding gradient on CUDA: {} group entries for {n_groups} groups of {n} ids",
+            groups.len()
+        );
+    }
+    Ok(for_float_dtype!(dy, ldy, "embedding gradient", |src: Elem, suffix| {
+        let dev = dy.device();
+        let dw = dev.alloc_zeros::<Elem>(vocab * c)?;
+        if n_groups > 0 {
+            let groups = dev.clone_htod(groups)?;
+            let func =
+                dev.get_or_load_custom_func(&format!("embedding_grad_{suffix}"), "rlhf_embedding", ptx::EMBEDDING)?;
+            let mut launch = func.builder();
+            let (g32, c32) = (n_groups as u32, c as u32);
+            launch.arg(src).arg(&groups).arg(&g32).arg(&dw).arg(&c32);
+            let cfg = LaunchConfig { grid_dim: (g32, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 };
+            // SAFETY: the arguments match the kernel's signature; the groups' rows are below vocab
+            // and their positions below N (fused.rs's group_ids checks both).
+            unsafe { launch.launch(cfg) }.w()?;
+        }
+        Ok::<_, candle_core::Error>(dw)
+    }))
+}
+
 /// Rows a block of the column-sum kernel adds at least, and chunks of rows at most.
 const COLUMN_SUM_ROWS: usize = 64;
 const COLUMN_SUM_CHUNKS: usize = 256;
@@ -518,49 +554,77 @@ fn check_aligned(layouts: &[&Layout]) -> Result<()> {
     Ok(())
 }
 
+/// Whether the attention forward runs in one pass over the keys (cuda/flash_attention.cu's
+/// `attention_forward_online_*`): where the device's tensor-core accumulators have the layout that
+/// kernel assumes (`accumulator_layout_probe`, asked once per process), unless
+/// `HYBRID_ENGINE_ONLINE_SOFTMAX=0` asks for the two-pass forward.
+pub fn online_attention_forward(dev: &candle_core::CudaDevice) -> Result<bool> {
+    static ONLINE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if let Some(&online) = ONLINE.get() {
+        return Ok(online);
+    }
+    let online = if std::env::var("HYBRID_ENGINE_ONLINE_SOFTMAX").is_ok_and(|v| v == "0") {
+        false
+    } else {
+        let ok = dev.alloc_zeros::<u32>(1)?;
+        let probe =
+            dev.get_or_load_custom_func("accumulator_layout_probe", "rlhf_flash_attention", ptx::FLASH_ATTENTION)?;
+        let mut launch = probe.builder();
+        launch.arg(&ok);
+        let warp = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (32, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: the argument matches the kernel's signature; it writes one value.
+        unsafe { launch.launch(warp) }.w()?;
+        dev.clone_dtoh(&ok)?[0] == 1
+    };
+    Ok(*ONLINE.get_or_init(|| online))
+}
+
 /// Flash-style attention (cuda/flash_attention.cu): from qkv (B, T, 3C) in bf16 or f16 and the
 /// additive mask (B or 1, 1, T, T) f32, `dropout(softmax(q k^T * scale + bias)) v` per head,
-/// (B, T, C), without the (B, NH, T, T) probabilities in memory.
+/// (B, T, C), without the (B, NH, T, T) probabilities in memory; and the softmax's row statistics
+/// for [`attention_grad`] (f32: the B * NH * T row maxima, then as many 1 / row sums).
 pub fn attention(
     (qkv, lq): (&CudaStorage, &Layout),
     (bias, lb): (&CudaStorage, &Layout),
     n_head: usize,
     scale: f32,
     dropout: Option<DropoutMask>,
-) -> Result<CudaStorage> {
+) -> Result<(CudaStorage, CudaStorage)> {
     half_precision_only(qkv, "flash attention")?;
     check_aligned(&[lq])?;
     let (b, t, nh, bias_batches) = attention_dims(lq, lb, n_head)?;
     let bias = view::<f32>(bias, lb, "the attention bias")?;
     let (seed, threshold, keep, on) = dropout_args(dropout);
-    Ok(for_float_dtype!(qkv, lq, "flash attention", |src: Elem, suffix| {
-        let dev = qkv.device();
+    let dev = qkv.device();
+    let forward = if online_attention_forward(dev)? { "attention_forward_online" } else { "attention_forward" };
+    // SAFETY: the kernel writes the statistics of every (batch, head, query).
+    let stats = unsafe { dev.alloc::<f32>(2 * b * nh * t)? };
+    let y = for_float_dtype!(qkv, lq, "flash attention", |src: Elem, suffix| {
         // SAFETY: the kernel writes every row of every head.
         let y = unsafe { dev.alloc::<Elem>(b * t * nh * ATTENTION_HEAD_DIM)? };
-        let func = dev.get_or_load_custom_func(
-            &format!("attention_forward_{suffix}"),
-            "rlhf_flash_attention",
-            ptx::FLASH_ATTENTION,
-        )?;
+        let func =
+            dev.get_or_load_custom_func(&format!("{forward}_{suffix}"), "rlhf_flash_attention", ptx::FLASH_ATTENTION)?;
         let mut launch = func.builder();
         let (t32, nh32, bb32) = (t as u32, nh as u32, bias_batches as u32);
-        launch.arg(src).arg(&bias).arg(&y).arg(&t32).arg(&nh32).arg(&bb32).arg(&scale);
+        launch.arg(src).arg(&bias).arg(&y).arg(&stats).arg(&t32).arg(&nh32).arg(&bb32).arg(&scale);
         launch.arg(&seed).arg(&threshold).arg(&keep).arg(&on);
         // SAFETY: the arguments match the kernel's signature.
         unsafe { launch.launch(attention_grid(b, t, nh)) }.w().map(|_| y)
-    }))
+    });
+    Ok((y, CudaStorage::wrap_cuda_slice(stats, dev.clone())))
 }
 
-/// The gradient of [`attention`] with respect to qkv, (B, T, 3C), from its output y (B, T, C), the
-/// output gradient dy (B, T, C), the mask and the mask transposed in its last two dimensions
-/// (what the key-tile kernel reads along the queries). Deterministic: every element is summed by
-/// one thread in a fixed order.
+/// The gradient of [`attention`] with respect to qkv, (B, T, 3C), from its output y (B, T, C) and
+/// row statistics, the output gradient dy (B, T, C), the mask and the mask transposed in its last
+/// two dimensions (what the key-tile kernel reads along the queries). Deterministic: every element
+/// is summed by one thread in a fixed order.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_grad(
     (qkv, lq): (&CudaStorage, &Layout),
     (bias, lb): (&CudaStorage, &Layout),
     (bias_t, lbt): (&CudaStorage, &Layout),
     (y, ly): (&CudaStorage, &Layout),
+    stats: &CudaStorage,
     (dy, ldy): (&CudaStorage, &Layout),
     n_head: usize,
     scale: f32,
@@ -574,15 +638,19 @@ pub fn attention_grad(
     }
     let bias = view::<f32>(bias, lb, "the attention bias")?;
     let bias_t = view::<f32>(bias_t, lbt, "the transposed attention bias")?;
+    if <f32 as CudaDType>::as_cuda_slice(stats)?.len() != 2 * b * nh * t {
+        candle_core::bail!("flash attention backward: the forward's statistics are not of this call's shape");
+    }
+    let stats = view::<f32>(stats, &Layout::contiguous(2 * b * nh * t), "the attention statistics")?;
     let (seed, threshold, keep, on) = dropout_args(dropout);
     Ok(for_float_dtype!(qkv, lq, "flash attention backward", |src: Elem, suffix| {
         let dev = qkv.device();
         let y = view::<Elem>(y, ly, "the attention output")?;
         let dy = view::<Elem>(dy, ldy, "the attention output gradient")?;
-        // SAFETY: the dq kernel writes the q part of every row and the statistics of every
-        // (batch, head, query); the dk/dv kernel the k and v parts.
+        // SAFETY: the dq kernel writes the q part of every row and D of every (batch, head,
+        // query); the dk/dv kernel the k and v parts.
         let dqkv = unsafe { dev.alloc::<Elem>(src.len())? };
-        let stats = unsafe { dev.alloc::<f32>(3 * b * nh * t)? };
+        let dsum = unsafe { dev.alloc::<f32>(b * nh * t)? };
         let (t32, nh32, bb32) = (t as u32, nh as u32, bias_batches as u32);
         let dq = dev.get_or_load_custom_func(
             &format!("attention_backward_dq_{suffix}"),
@@ -590,7 +658,7 @@ pub fn attention_grad(
             ptx::FLASH_ATTENTION,
         )?;
         let mut launch = dq.builder();
-        launch.arg(src).arg(&bias).arg(&y).arg(&dy).arg(&dqkv).arg(&stats);
+        launch.arg(src).arg(&bias).arg(&y).arg(&dy).arg(&dqkv).arg(&stats).arg(&dsum);
         launch.arg(&t32).arg(&nh32).arg(&bb32).arg(&scale).arg(&seed).arg(&threshold).arg(&keep).arg(&on);
         // SAFETY: the arguments match the kernel's signature.
         unsafe { launch.launch(attention_grid(b, t, nh)) }.w()?;
@@ -600,10 +668,10 @@ pub fn attention_grad(
             ptx::FLASH_ATTENTION,
         )?;
         let mut launch = dkv.builder();
-        launch.arg(src).arg(&bias_t).arg(&dy).arg(&stats).arg(&dqkv);
+        launch.arg(src).arg(&bias_t).arg(&dy).arg(&stats).arg(&dsum).arg(&dqkv);
         launch.arg(&t32).arg(&nh32).arg(&bb32).arg(&scale).arg(&seed).arg(&threshold).arg(&keep).arg(&on);
-        // SAFETY: the arguments match the kernel's signature; the stats were written above, on
-        // the same stream.
+        // SAFETY: the arguments match the kernel's signature; D was written above, on the same
+        // stream.
         unsafe { launch.launch(attention_grid(b, t, nh)) }.w().map(|_| dqkv)
     }))
 }
@@ -802,18 +870,26 @@ mod tests {
     #[test]
     fn flash_attention_and_its_gradient_match_the_cpu_and_are_deterministic() -> Result<()> {
         let Some(gpu) = gpu() else { return Ok(()) };
-        // Two heads of 64; T = 100 is one full tile of 64 and a partial one. The per-batch mask
-        // pads batch row 1 on the left by 5, so its first 5 queries see no key at all (a softmax
-        // over masked scores only: uniform over the T keys).
-        let (b, nh, t) = (2, 2, 100);
+        // Two heads of 64; T = 100 is one full tile of 64 and a partial one, T = 300 five tiles
+        // (the one-pass forward rescales its rows as their max moves). The per-batch mask pads
+        // batch row 1 on the left by 5, so its first 5 queries see no key at all (a softmax over
+        // masked scores only: uniform over the T keys).
+        eprintln!("one-pass attention forward: {}", super::online_attention_forward(gpu.as_cuda_device()?)?);
+        let nh = 2;
         let c = nh * super::ATTENTION_HEAD_DIM;
-        let qkv = Tensor::randn(0f32, 1f32, (b, t, 3 * c), &Device::Cpu)?;
-        let (per_batch, causal) = causal_masks(b, t)?;
         let key = DropoutKey { seed: 11, step: 2, micro_batch: 0 };
         let scale = 0.125;
-        for (bias, drop) in
-            [(&per_batch, None), (&causal, Some(key.mask(0.1, 0, 0))), (&per_batch, Some(key.mask(0.1, 3, 0)))]
-        {
+        let cases = [(2, 100), (2, 300)].into_iter().map(|(b, t)| -> Result<_> {
+            let qkv = Tensor::randn(0f32, 1f32, (b, t, 3 * c), &Device::Cpu)?;
+            let (per_batch, causal) = causal_masks(b, t)?;
+            Ok([
+                (qkv.clone(), per_batch.clone(), None),
+                (qkv.clone(), causal, Some(key.mask(0.1, 0, 0))),
+                (qkv, per_batch, Some(key.mask(0.1, 3, 0))),
+            ])
+        });
+        for (qkv, bias, drop) in cases.collect::<Result<Vec<_>>>()?.into_iter().flatten() {
+            let bias = &bias;
             for dtype in [DType::BF16, DType::F16] {
                 // The same half-precision inputs on both sides: the CPU's fused f32 kernel is the
                 // reference.
@@ -846,6 +922,20 @@ mod tests {
     }
 
     #[test]
+    fn tensor_core_accumulators_have_the_layout_of_the_one_pass_attention_forward() -> Result<()> {
+        let Some(gpu) = gpu() else { return Ok(()) };
+        // Unless HYBRID_ENGINE_ONLINE_SOFTMAX=0: then the two-pass forward is the one tested.
+        if std::env::var("HYBRID_ENGINE_ONLINE_SOFTMAX").is_ok_and(|v| v == "0") {
+            return Ok(());
+        }
+        assert!(
+            super::online_attention_forward(gpu.as_cuda_device()?)?,
+            "accumulator_layout_probe failed: this GPU runs the two-pass attention forward"
+        );
+        Ok(())
+    }
+
+    #[test]
     fn sum_of_squares_matches_the_cpu_in_f64_and_is_deterministic() -> Result<()> {
         let Some(gpu) = gpu() else { return Ok(()) };
         // 3 x 333 333 values: more than the kernel's blocks cover in one stride, with a tail.
@@ -860,6 +950,28 @@ mod tests {
             let got = sum(&on_gpu)?;
             assert!((got - want).abs() <= 1e-12 * want, "{dtype:?}: {got} against {want}");
             assert_eq!(sum(&on_gpu)?.to_bits(), got.to_bits(), "{dtype:?}: differs between two runs");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn embedding_gradient_is_the_cpu_sum_per_row_bit_for_bit() -> Result<()> {
+        let Some(gpu) = gpu() else { return Ok(()) };
+        // 3000 ids over 467 of 500 rows (the rest absent), many repeated; 300 columns stride
+        // past a block of 256 threads.
+        let table = Tensor::randn(0f32, 1f32, (500, 300), &Device::Cpu)?;
+        let ids = Tensor::new((0..3000u32).map(|i| (i * i * 13 + 7) % 467).collect::<Vec<_>>(), &Device::Cpu)?;
+        let f = |t: &[Tensor]| crate::kernels::ops::embedding(&t[0], &ids.to_device(t[0].device())?);
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let table = table.to_dtype(dtype)?;
+            let (y, g) = value_and_grads(&[&table], &gpu, f)?;
+            assert_eq!(max_diff(&y, &table.index_select(&ids, 0)?)?, 0.0, "{dtype:?} rows");
+            // value_and_grads' output weights in this dtype, added per row in f32 in the order of
+            // the positions by candle's CPU index_add, rounded once.
+            let fixed: Vec<f32> = (0..y.elem_count()).map(|i| (i * 7919 % 1000) as f32 / 500.0 - 1.0).collect();
+            let dy = Tensor::from_vec(fixed, y.shape(), &Device::Cpu)?.to_dtype(dtype)?.to_dtype(DType::F32)?;
+            let want = Tensor::zeros((500, 300), DType::F32, &Device::Cpu)?.index_add(&ids, &dy, 0)?.to_dtype(dtype)?;
+            assert_eq!(max_diff(&g[0], &want)?, 0.0, "{dtype:?} gradient");
         }
         Ok(())
     }

@@ -141,6 +141,17 @@ pub fn gelu_reference(h: &Tensor, exact: bool) -> Result<Tensor> {
     }
 }
 
+/// Rows `ids` (N,) u32 of the table `weight` (V, C): (N, C). On a GPU the fused op, whose
+/// backward sums each row's gradient in one block (candle's `index_add` there is one thread a
+/// column over every id); elsewhere candle's `index_select`, which adds in the same order.
+pub fn embedding(weight: &Tensor, ids: &Tensor) -> Result<Tensor> {
+    if on_cuda(&[weight]) && ids.dtype() == DType::U32 {
+        crate::kernels::fused::embedding(weight, ids)
+    } else {
+        weight.index_select(ids, 0)
+    }
+}
+
 /// `x W + b` for `x` (.., in), `w` (in, out) (Hugging Face's Conv1D layout), `b` (out,).
 pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
     let one_dtype = w.dtype() == x.dtype() && b.dtype() == x.dtype();

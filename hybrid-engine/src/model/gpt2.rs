@@ -555,13 +555,13 @@ impl Gpt2 {
         let c = self.cfg.n_embd;
         let tok = match &self.tp {
             Some(tp) => crate::tensor_parallel::vocab::vocab_parallel_embedding(ids, &self.wte, tp)?,
-            None => self.wte.index_select(&ids.flatten_all()?, 0)?.reshape((b, t, c))?,
+            None => ops::embedding(&self.wte, &ids.flatten_all()?)?.reshape((b, t, c))?,
         };
         let pos_emb = match pos.position_ids {
-            Some(p) => self.wpe.index_select(&p.flatten_all()?, 0)?.reshape((b, t, c))?,
+            Some(p) => ops::embedding(&self.wpe, &p.flatten_all()?)?.reshape((b, t, c))?,
             None => {
                 let p = Tensor::arange(past as u32, (past + t) as u32, ids.device())?;
-                self.wpe.index_select(&p, 0)?.unsqueeze(0)? // (1, T, C)
+                ops::embedding(&self.wpe, &p)?.unsqueeze(0)? // (1, T, C)
             }
         };
         let x = tok.broadcast_add(&pos_emb)?;
