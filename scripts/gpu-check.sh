@@ -5,7 +5,8 @@
 #   0. unit-tests: the engine library's unit tests built with the CUDA feature, among them the
 #      CUDA kernels' own tests against the CPU (kernels::cuda::tests and AdamW's
 #      training::optim::tests::adamw_cuda_*, which need the GPU), and the attention kernels' test
-#      again with the two-pass forward (HYBRID_ENGINE_ONLINE_SOFTMAX=0);
+#      again with the two-pass forward (HYBRID_ENGINE_ONLINE_SOFTMAX=0) and with the kernels
+#      compiled for other blocks an SM (HYBRID_ENGINE_ATTENTION_BLOCKS=compiler, most);
 #   1. gpu_check: fp32 logits, loss and every gradient of the same gpt2 weights on CUDA against
 #      the CPU (1e-4), bf16/fp16 logits, greedy generation with the KV cache, NCCL at one rank;
 #   2. pretraining gpt2 from scratch for 50 iterations in fp32, fp16 and bf16 on CUDA (the
@@ -16,14 +17,17 @@
 #      on its step-3 actor.
 # Two measuring stages run only when named in STAGES:
 #   bench: gpt2 B8 T1024 bf16 training as built, with the two-pass attention forward
-#      (HYBRID_ENGINE_ONLINE_SOFTMAX=0) and with the composed attention
+#      (HYBRID_ENGINE_ONLINE_SOFTMAX=0), with the attention kernels for other blocks an SM
+#      (HYBRID_ENGINE_ATTENTION_BLOCKS=compiler, most) and with the composed attention
 #      (HYBRID_ENGINE_FLASH_ATTENTION=0), `bench ops`, and the PyTorch comparison rows of
 #      scripts/bench/gpu_table.py (gpt2 and gpt2-medium training, generation at batch 32; BENCH_ROWS
-#      to choose: the --only arguments of gpu_table.py, one row per line);
+#      to choose: the --only arguments of gpu_table.py, one row per line, or "none"; BENCH_VARIANTS
+#      to choose among "default two-pass-forward compiler-blocks most-blocks composed-attention");
 #   profile: every kernel of one such training step timed by Nsight Compute (ncu), summed per
 #      kernel (WORK_DIR/ncu.csv, the largest in the summary), and the first launch of each
 #      attention kernel in detail (WORK_DIR/profile-attention_*.log, the main lines in
-#      attention-ncu.txt: throughput, occupancy, issue slots).
+#      attention-ncu.txt: throughput, occupancy, issue slots; ATTENTION_DETAIL= to skip, or the
+#      kernels to profile).
 # Each stage has a time limit; a failing stage does not stop the later ones. The logs, metrics
 # and summaries (no weights) go to WORK_DIR; a line per stage and PASS/FAIL at the end.
 #
@@ -61,8 +65,11 @@ if [[ " $stages " == *" unit "* ]]; then
   stage unit-tests 120 "$bin" unit-tests --test-threads 1
   grep -E '^test (kernels::cuda|training::optim::tests::adamw_cuda|.*FAILED)|^test result|^one-pass' "$work/unit-tests.log" | tee -a "$summary"
   ! grep -q 'no GPU, the CUDA kernel test' "$work/unit-tests.log" || { echo "unit-tests: the CUDA tests saw no GPU" | tee -a "$summary"; failed=1; }
-  stage unit-tests-two-pass 60 env HYBRID_ENGINE_ONLINE_SOFTMAX=0 "$bin" unit-tests kernels::cuda::tests::flash_attention --test-threads 1 --nocapture
-  grep -E '^(test |one-pass|flash attention)|^test result' "$work/unit-tests-two-pass.log" | tee -a "$summary"
+  for variant in HYBRID_ENGINE_ONLINE_SOFTMAX=0 HYBRID_ENGINE_ATTENTION_BLOCKS=compiler HYBRID_ENGINE_ATTENTION_BLOCKS=most; do
+    label=unit-tests-attention-${variant#HYBRID_ENGINE_}
+    stage "$label" 60 env "$variant" "$bin" unit-tests kernels::cuda::tests::flash_attention --test-threads 1 --nocapture
+    grep -E '^(test |one-pass)|^test result' "$work/$label.log" | tee -a "$summary"
+  done
 fi
 
 if [[ " $stages " == *" check "* ]]; then
@@ -118,21 +125,25 @@ fi
 train_args=(train --model gpt2 --batch 8 --seq 1024 --dtype bf16 --device cuda)
 if [[ " $stages " == *" bench "* ]]; then
   # The build as it is; with the two-pass attention forward; with the composed attention.
-  for variant in default two-pass-forward composed-attention; do
-    flash=1 online=1
+  for variant in ${BENCH_VARIANTS:-default two-pass-forward compiler-blocks most-blocks composed-attention}; do
+    flash=1 online=1 blocks=more
     [ "$variant" = composed-attention ] && flash=0
     [ "$variant" = two-pass-forward ] && online=0
-    stage "bench-$variant" 90 env HYBRID_ENGINE_FLASH_ATTENTION=$flash HYBRID_ENGINE_ONLINE_SOFTMAX=$online \
+    [ "$variant" = compiler-blocks ] && blocks=compiler
+    [ "$variant" = most-blocks ] && blocks=most
+    stage "bench-$variant" 90 env HYBRID_ENGINE_FLASH_ATTENTION=$flash HYBRID_ENGINE_ONLINE_SOFTMAX=$online HYBRID_ENGINE_ATTENTION_BLOCKS=$blocks \
       "$bin" bench "${train_args[@]}" --steps 5 --warmup 2
     python3 -c 'import json,sys; r=json.loads(open(sys.argv[1]).read().strip().splitlines()[-1]); print("  %s: %.0f tokens/s, ms forward+backward / clip / AdamW %.0f / %.0f / %.0f" % (sys.argv[2], r["tokens_per_s"], r["ms_forward_backward"], r["ms_clip"], r["ms_adamw"]))' \
       "$work/bench-$variant.log" "$variant" 2>/dev/null | tee -a "$summary"
   done
   stage bench-ops 90 "$bin" bench ops --model gpt2 --batch 8 --seq 1024 --reps 3 --dtype bf16 --device cuda
   rows=${BENCH_ROWS:-$'train gpt2 B8 T1024 bf16\ntrain gpt2-medium B8\ngenerate gpt2 B32 P16+128 bf16'}
-  only=()
-  while IFS= read -r row; do [ -n "$row" ] && only+=(--only "$row"); done <<<"$rows"
-  stage bench-pytorch 360 "$bin" bench-gpu --timeout 90 "${only[@]}" --skip-compile --out "$work/bench.md" --raw "$work/bench-raw.jsonl"
-  grep -E '^\| (train|generate)' "$work/bench.md" | tee -a "$summary"
+  if [ "$rows" != none ]; then
+    only=()
+    while IFS= read -r row; do [ -n "$row" ] && only+=(--only "$row"); done <<<"$rows"
+    stage bench-pytorch 360 "$bin" bench-gpu --timeout 90 "${only[@]}" --skip-compile --out "$work/bench.md" --raw "$work/bench-raw.jsonl"
+    grep -E '^\| (train|generate)' "$work/bench.md" | tee -a "$summary"
+  fi
 fi
 
 if [[ " $stages " == *" profile "* ]]; then
@@ -153,7 +164,7 @@ print(f"kernels of one step: {sum(v for _, v in total.values()):.1f} ms in {sum(
 for k, (n, ms) in sorted(total.items(), key=lambda kv: -kv[1][1])[:15]:
     print(f"  {ms:8.2f} ms {n:5d}  {k}")
 PY
-  for kernel in attention_forward attention_backward_dq attention_backward_dkv; do
+  for kernel in ${ATTENTION_DETAIL-attention_forward attention_backward_dq attention_backward_dkv}; do
     stage "profile-$kernel" 90 ncu --target-processes all -k "regex:^${kernel}_" --launch-count 1 --set detailed \
       "$bin" bench "${train_args[@]}" --steps 1 --warmup 0
     grep -E '^  [a-z_]+attention|Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit Registers|Issue Slots Busy|No Eligible|Executed Ipc Active' \

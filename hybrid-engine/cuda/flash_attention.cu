@@ -39,6 +39,25 @@ using namespace nvcuda;
 // skipped (the causal mask's upper half); a block with a row that has no live entry at all skips
 // nothing, so that row stays uniform over its T keys.
 #define MASKED_BELOW -5e8f
+// Blocks of a kernel an SM must hold at least (__launch_bounds__' second argument, which caps the
+// registers ptxas may give a thread). Unset, ptxas is free (forward 168 registers, 3 blocks; dq
+// 210, 2; dk/dv 254, 2): flash_attention_more_blocks.cu and _most_blocks.cu include this file
+// with values set; the host chooses among the three (HYBRID_ENGINE_ATTENTION_BLOCKS).
+#ifdef FORWARD_MIN_BLOCKS
+#define FORWARD_BOUNDS __launch_bounds__(WARPS * 32, FORWARD_MIN_BLOCKS)
+#else
+#define FORWARD_BOUNDS __launch_bounds__(WARPS * 32)
+#endif
+#ifdef DQ_MIN_BLOCKS
+#define DQ_BOUNDS __launch_bounds__(WARPS * 32, DQ_MIN_BLOCKS)
+#else
+#define DQ_BOUNDS __launch_bounds__(WARPS * 32)
+#endif
+#ifdef DKV_MIN_BLOCKS
+#define DKV_BOUNDS __launch_bounds__(WARPS * 32, DKV_MIN_BLOCKS)
+#else
+#define DKV_BOUNDS __launch_bounds__(WARPS * 32)
+#endif
 
 template <typename T> struct Conv;
 template <> struct Conv<__nv_bfloat16> {
@@ -586,31 +605,31 @@ __device__ __forceinline__ void attention_backward_dkv(const T *qkv, const float
 }
 
 #define FLASH_ATTENTION(SUFFIX, T)                                                                                \
-  extern "C" __global__ void __launch_bounds__(WARPS * 32) attention_forward_##SUFFIX(                          \
-      const T *qkv, const float *bias, T *y, float *stats, uint32_t t, uint32_t nh, uint32_t bias_batches,       \
-      float scale, uint64_t seed, uint32_t threshold, float keep_scale, uint32_t dropout) {                      \
-    attention_forward<T>(qkv, bias, y, stats, t, nh, bias_batches, scale,                                        \
-                         Dropout{seed, threshold, keep_scale, dropout});                                         \
-  }                                                                                                              \
-  extern "C" __global__ void __launch_bounds__(WARPS * 32) attention_forward_online_##SUFFIX(                   \
-      const T *qkv, const float *bias, T *y, float *stats, uint32_t t, uint32_t nh, uint32_t bias_batches,       \
-      float scale, uint64_t seed, uint32_t threshold, float keep_scale, uint32_t dropout) {                      \
-    attention_forward_online<T>(qkv, bias, y, stats, t, nh, bias_batches, scale,                                 \
-                                Dropout{seed, threshold, keep_scale, dropout});                                  \
-  }                                                                                                              \
-  extern "C" __global__ void __launch_bounds__(WARPS * 32) attention_backward_dq_##SUFFIX(                      \
+  extern "C" __global__ void FORWARD_BOUNDS attention_forward_##SUFFIX(                                           \
+      const T *qkv, const float *bias, T *y, float *stats, uint32_t t, uint32_t nh, uint32_t bias_batches,        \
+      float scale, uint64_t seed, uint32_t threshold, float keep_scale, uint32_t dropout) {                       \
+    attention_forward<T>(qkv, bias, y, stats, t, nh, bias_batches, scale,                                         \
+                         Dropout{seed, threshold, keep_scale, dropout});                                          \
+  }                                                                                                               \
+  extern "C" __global__ void FORWARD_BOUNDS attention_forward_online_##SUFFIX(                                    \
+      const T *qkv, const float *bias, T *y, float *stats, uint32_t t, uint32_t nh, uint32_t bias_batches,        \
+      float scale, uint64_t seed, uint32_t threshold, float keep_scale, uint32_t dropout) {                       \
+    attention_forward_online<T>(qkv, bias, y, stats, t, nh, bias_batches, scale,                                  \
+                                Dropout{seed, threshold, keep_scale, dropout});                                   \
+  }                                                                                                               \
+  extern "C" __global__ void DQ_BOUNDS attention_backward_dq_##SUFFIX(                                            \
       const T *qkv, const float *bias, const T *y, const T *dy, T *dqkv, const float *stats, float *dsum,         \
-      uint32_t t, uint32_t nh, uint32_t bias_batches, float scale, uint64_t seed, uint32_t threshold,            \
-      float keep_scale, uint32_t dropout) {                                                                      \
-    attention_backward_dq<T>(qkv, bias, y, dy, dqkv, stats, dsum, t, nh, bias_batches, scale,                    \
-                             Dropout{seed, threshold, keep_scale, dropout});                                     \
-  }                                                                                                              \
-  extern "C" __global__ void __launch_bounds__(WARPS * 32) attention_backward_dkv_##SUFFIX(                     \
-      const T *qkv, const float *bias_t, const T *dy, const float *stats, const float *dsum, T *dqkv,            \
-      uint32_t t, uint32_t nh, uint32_t bias_batches, float scale, uint64_t seed, uint32_t threshold,            \
-      float keep_scale, uint32_t dropout) {                                                                      \
-    attention_backward_dkv<T>(qkv, bias_t, dy, stats, dsum, dqkv, t, nh, bias_batches, scale,                    \
-                              Dropout{seed, threshold, keep_scale, dropout});                                    \
+      uint32_t t, uint32_t nh, uint32_t bias_batches, float scale, uint64_t seed, uint32_t threshold,             \
+      float keep_scale, uint32_t dropout) {                                                                       \
+    attention_backward_dq<T>(qkv, bias, y, dy, dqkv, stats, dsum, t, nh, bias_batches, scale,                     \
+                             Dropout{seed, threshold, keep_scale, dropout});                                      \
+  }                                                                                                               \
+  extern "C" __global__ void DKV_BOUNDS attention_backward_dkv_##SUFFIX(                                          \
+      const T *qkv, const float *bias_t, const T *dy, const float *stats, const float *dsum, T *dqkv,             \
+      uint32_t t, uint32_t nh, uint32_t bias_batches, float scale, uint64_t seed, uint32_t threshold,             \
+      float keep_scale, uint32_t dropout) {                                                                       \
+    attention_backward_dkv<T>(qkv, bias_t, dy, stats, dsum, dqkv, t, nh, bias_batches, scale,                     \
+                              Dropout{seed, threshold, keep_scale, dropout});                                     \
   }
 
 FLASH_ATTENTION(bf16, __nv_bfloat16)

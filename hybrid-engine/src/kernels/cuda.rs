@@ -554,6 +554,47 @@ fn check_aligned(layouts: &[&Layout]) -> Result<()> {
     Ok(())
 }
 
+/// The attention kernels' module: cuda/flash_attention.cu compiled for the blocks an SM
+/// `HYBRID_ENGINE_ATTENTION_BLOCKS` names: `compiler` (ptxas's choice of registers), `more` (the
+/// default: forward 4, dq 3, dk/dv 2; flash_attention_more_blocks.cu) or `most` (dk/dv 3 too).
+fn attention_module() -> Result<(&'static str, &'static str)> {
+    static MODULE: std::sync::OnceLock<std::result::Result<(&'static str, &'static str), String>> =
+        std::sync::OnceLock::new();
+    let module = MODULE.get_or_init(|| match std::env::var("HYBRID_ENGINE_ATTENTION_BLOCKS").as_deref() {
+        Ok("compiler") => Ok(("rlhf_flash_attention", ptx::FLASH_ATTENTION)),
+        Ok("more") | Err(_) => Ok(("rlhf_flash_attention_more_blocks", ptx::FLASH_ATTENTION_MORE_BLOCKS)),
+        Ok("most") => Ok(("rlhf_flash_attention_most_blocks", ptx::FLASH_ATTENTION_MOST_BLOCKS)),
+        Ok(other) => Err(format!("HYBRID_ENGINE_ATTENTION_BLOCKS={other}: use compiler, more or most")),
+    });
+    module.clone().map_err(candle_core::Error::Msg)
+}
+
+/// Attention kernel `$name` of [`attention_module`], preferring shared memory to L1 (each block
+/// takes 45 KiB of it; the kernels read little through L1), so that the blocks its registers allow
+/// fit an SM. (A macro: candle does not export the type of its loaded functions.)
+macro_rules! attention_kernel {
+    ($dev:expr, $name:expr) => {{
+        use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
+        let (module, ptx) = attention_module()?;
+        let func = $dev.get_or_load_custom_func($name, module, ptx)?;
+        func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100).w()?;
+        func
+    }};
+}
+
+/// Blocks an SM holds of each attention kernel for `dtype` (bf16 or f16), as the driver computes
+/// it: (forward, dq, dk/dv).
+pub fn attention_blocks_per_sm(dev: &candle_core::CudaDevice, dtype: DType) -> Result<(u32, u32, u32)> {
+    let suffix = if dtype == DType::F16 { "f16" } else { "bf16" };
+    let forward = if online_attention_forward(dev)? { "attention_forward_online" } else { "attention_forward" };
+    let blocks = |name: &str| -> Result<u32> {
+        attention_kernel!(dev, &format!("{name}_{suffix}"))
+            .occupancy_max_active_blocks_per_multiprocessor(128, 0, None)
+            .w()
+    };
+    Ok((blocks(forward)?, blocks("attention_backward_dq")?, blocks("attention_backward_dkv")?))
+}
+
 /// Whether the attention forward runs in one pass over the keys (cuda/flash_attention.cu's
 /// `attention_forward_online_*`): where the device's tensor-core accumulators have the layout that
 /// kernel assumes (`accumulator_layout_probe`, asked once per process), unless
@@ -567,8 +608,7 @@ pub fn online_attention_forward(dev: &candle_core::CudaDevice) -> Result<bool> {
         false
     } else {
         let ok = dev.alloc_zeros::<u32>(1)?;
-        let probe =
-            dev.get_or_load_custom_func("accumulator_layout_probe", "rlhf_flash_attention", ptx::FLASH_ATTENTION)?;
+        let probe = attention_kernel!(dev, "accumulator_layout_probe");
         let mut launch = probe.builder();
         launch.arg(&ok);
         let warp = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (32, 1, 1), shared_mem_bytes: 0 };
@@ -602,8 +642,7 @@ pub fn attention(
     let y = for_float_dtype!(qkv, lq, "flash attention", |src: Elem, suffix| {
         // SAFETY: the kernel writes every row of every head.
         let y = unsafe { dev.alloc::<Elem>(b * t * nh * ATTENTION_HEAD_DIM)? };
-        let func =
-            dev.get_or_load_custom_func(&format!("{forward}_{suffix}"), "rlhf_flash_attention", ptx::FLASH_ATTENTION)?;
+        let func = attention_kernel!(dev, &format!("{forward}_{suffix}"));
         let mut launch = func.builder();
         let (t32, nh32, bb32) = (t as u32, nh as u32, bias_batches as u32);
         launch.arg(src).arg(&bias).arg(&y).arg(&stats).arg(&t32).arg(&nh32).arg(&bb32).arg(&scale);
@@ -652,21 +691,13 @@ pub fn attention_grad(
         let dqkv = unsafe { dev.alloc::<Elem>(src.len())? };
         let dsum = unsafe { dev.alloc::<f32>(b * nh * t)? };
         let (t32, nh32, bb32) = (t as u32, nh as u32, bias_batches as u32);
-        let dq = dev.get_or_load_custom_func(
-            &format!("attention_backward_dq_{suffix}"),
-            "rlhf_flash_attention",
-            ptx::FLASH_ATTENTION,
-        )?;
+        let dq = attention_kernel!(dev, &format!("attention_backward_dq_{suffix}"));
         let mut launch = dq.builder();
         launch.arg(src).arg(&bias).arg(&y).arg(&dy).arg(&dqkv).arg(&stats).arg(&dsum);
         launch.arg(&t32).arg(&nh32).arg(&bb32).arg(&scale).arg(&seed).arg(&threshold).arg(&keep).arg(&on);
         // SAFETY: the arguments match the kernel's signature.
         unsafe { launch.launch(attention_grid(b, t, nh)) }.w()?;
-        let dkv = dev.get_or_load_custom_func(
-            &format!("attention_backward_dkv_{suffix}"),
-            "rlhf_flash_attention",
-            ptx::FLASH_ATTENTION,
-        )?;
+        let dkv = attention_kernel!(dev, &format!("attention_backward_dkv_{suffix}"));
         let mut launch = dkv.builder();
         launch.arg(src).arg(&bias_t).arg(&dy).arg(&stats).arg(&dsum).arg(&dqkv);
         launch.arg(&t32).arg(&nh32).arg(&bb32).arg(&scale).arg(&seed).arg(&threshold).arg(&keep).arg(&on);
@@ -874,7 +905,12 @@ mod tests {
         // (the one-pass forward rescales its rows as their max moves). The per-batch mask pads
         // batch row 1 on the left by 5, so its first 5 queries see no key at all (a softmax over
         // masked scores only: uniform over the T keys).
-        eprintln!("one-pass attention forward: {}", super::online_attention_forward(gpu.as_cuda_device()?)?);
+        let dev = gpu.as_cuda_device()?;
+        eprintln!(
+            "one-pass attention forward: {}; blocks an SM (forward, dq, dk/dv): {:?}",
+            super::online_attention_forward(dev)?,
+            super::attention_blocks_per_sm(dev, DType::BF16)?
+        );
         let nh = 2;
         let c = nh * super::ATTENTION_HEAD_DIM;
         let key = DropoutKey { seed: 11, step: 2, micro_batch: 0 };
