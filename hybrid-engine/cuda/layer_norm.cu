@@ -5,9 +5,10 @@
 // db = sum_rows dy. x, dy: (N, C) contiguous; w, b: (C,), all of one dtype.
 //
 // One warp per row. The backward's column sums are deterministic (a resumed GPU run must add in
-// the same order): each block is one warp that owns its columns' partial sums in shared memory
-// (lane j the columns j, j + 32, ...: no two threads write one), writes them to its row of a
-// (blocks, 2C) f32 scratch, and a second kernel adds the blocks in order for each column.
+// the same order): each warp owns its columns' partial sums in shared memory (lane j the columns
+// j, j + 32, ...: no two threads write one) over a fixed set of rows, a block adds its warps' sums
+// in warp order into its row of a (blocks, 2C) f32 scratch, and a second kernel adds the blocks in
+// order for each column.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
@@ -46,14 +47,17 @@ __device__ __forceinline__ void row_stats(const T *x, uint32_t c, float eps, F t
   }
 
 // dx rows into dx; this block's dw (first C) and db (last C) partial sums into partial[block].
-// One warp per block; shared memory holds 2C floats.
+// Warp k of block b takes rows b * W + k, then W * gridDim.x further, W = blockDim.x / 32; shared
+// memory holds 2C floats a warp.
 #define LAYER_NORM_GRAD(NAME, T, TO_F32, FROM_F32)                                                    \
   extern "C" __global__ void NAME(const T *x, const T *w, const T *dy, T *dx, float *partial,         \
                                   uint64_t rows, uint32_t c, float eps) {                             \
-    extern __shared__ float sums[];                                                                   \
-    const uint32_t lane = threadIdx.x;                                                                \
+    extern __shared__ float shared_sums[];                                                            \
+    const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;         \
+    float *sums = shared_sums + warp * 2 * c;                                                         \
     for (uint32_t j = lane; j < 2 * c; j += 32) sums[j] = 0.0f;                                       \
-    for (uint64_t r = blockIdx.x; r < rows; r += gridDim.x) {                                         \
+    const uint64_t stride = (uint64_t)gridDim.x * warps;                                              \
+    for (uint64_t r = (uint64_t)blockIdx.x * warps + warp; r < rows; r += stride) {                   \
       const T *xr = x + r * c, *dyr = dy + r * c;                                                     \
       float mean, rstd;                                                                               \
       row_stats(xr, c, eps, [](T v) { return TO_F32(v); }, &mean, &rstd);                             \
@@ -73,7 +77,12 @@ __device__ __forceinline__ void row_stats(const T *x, uint32_t c, float eps, F t
         dxr[j] = FROM_F32(rstd * (TO_F32(dyr[j]) * TO_F32(w[j]) - mean_gw - xhat * mean_gw_xhat));    \
       }                                                                                               \
     }                                                                                                 \
-    for (uint32_t j = lane; j < 2 * c; j += 32) partial[blockIdx.x * 2ull * c + j] = sums[j];         \
+    __syncthreads();                                                                                  \
+    for (uint32_t j = threadIdx.x; j < 2 * c; j += blockDim.x) {                                      \
+      float s = 0.0f;                                                                                 \
+      for (uint32_t k = 0; k < warps; ++k) s += shared_sums[k * 2 * c + j];                           \
+      partial[blockIdx.x * 2ull * c + j] = s;                                                         \
+    }                                                                                                 \
   }
 
 #define IDENTITY(v) (v)

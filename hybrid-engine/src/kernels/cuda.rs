@@ -176,8 +176,11 @@ pub fn layer_norm(
     }))
 }
 
-/// Blocks (one warp each) of LayerNorm's backward: each adds the dw, db of its rows in order.
+/// Blocks of LayerNorm's backward: each adds the dw, db of its warps' rows in order.
 const LAYER_NORM_GRAD_BLOCKS: usize = 1024;
+/// Warps of a block of LayerNorm's backward at most; fewer where their 2C f32 sums each would not
+/// fit the 48 KiB of shared memory a block gets without asking (C over 1536).
+const LAYER_NORM_GRAD_WARPS: usize = 4;
 
 /// LayerNorm's backward for (x, w, dy): one (N + 2, C) tensor of x's dtype holding dx (N rows),
 /// then dw and db, summed over the rows in f32 in a fixed order (deterministic).
@@ -193,7 +196,8 @@ pub fn layer_norm_grad(
         let w = view::<Elem>(w, lw, "the layer norm weight")?;
         let dy = view::<Elem>(dy, ldy, "the layer norm output gradient")?;
         let rows = src.len() / c;
-        let blocks = rows.clamp(1, LAYER_NORM_GRAD_BLOCKS);
+        let warps = (48 * 1024 / (2 * c.max(1) * std::mem::size_of::<f32>())).clamp(1, LAYER_NORM_GRAD_WARPS);
+        let blocks = rows.div_ceil(warps).clamp(1, LAYER_NORM_GRAD_BLOCKS);
         // SAFETY: the kernels write every row of dx, every partial sum and then dw and db.
         let mut out = unsafe { dev.alloc::<Elem>((rows + 2) * c)? };
         let partial = unsafe { dev.alloc::<f32>(blocks * 2 * c)? };
@@ -204,10 +208,10 @@ pub fn layer_norm_grad(
         launch.arg(src).arg(&w).arg(&dy).arg(&out).arg(&partial).arg(&rows64).arg(&c32).arg(&eps);
         let cfg = LaunchConfig {
             grid_dim: (blocks as u32, 1, 1),
-            block_dim: (32, 1, 1),
-            shared_mem_bytes: (2 * c * std::mem::size_of::<f32>()) as u32,
+            block_dim: (32 * warps as u32, 1, 1),
+            shared_mem_bytes: (warps * 2 * c * std::mem::size_of::<f32>()) as u32,
         };
-        // SAFETY: the arguments match the kernel's signature; shared memory holds 2C floats.
+        // SAFETY: the arguments match the kernel's signature; shared memory holds 2C floats a warp.
         unsafe { launch.launch(cfg) }.w()?;
         let sums = dev.get_or_load_custom_func(&format!("column_sums_{suffix}"), "rlhf_layer_norm", ptx::LAYER_NORM)?;
         let mut dw_db = out.slice_mut(rows * c..);
@@ -353,6 +357,35 @@ pub fn adamw_pass(
     }
     // SAFETY: the arguments match the kernel's signature; it touches n values and 2n moments.
     unsafe { launch.launch(elementwise(n)) }.w().map(|_| ())
+}
+
+/// Casts contiguous f32 `src` into the existing storage of contiguous bf16 or f16 `dst` of the same
+/// length (cuda/cast.cu), rounding to nearest even.
+pub fn cast_into((dst, ld): (&mut CudaStorage, &Layout), (src, ls): (&CudaStorage, &Layout)) -> Result<()> {
+    let src = view::<f32>(src, ls, "the cast's source")?;
+    let Some((start, end)) = ld.contiguous_offsets() else {
+        candle_core::bail!("cast into a tensor on CUDA takes a contiguous tensor");
+    };
+    if end - start != src.len() {
+        candle_core::bail!("cast into a tensor on CUDA: {} values from {}", end - start, src.len());
+    }
+    let dev = dst.device().clone();
+    let n = src.len() as u64;
+    macro_rules! launch {
+        ($slice:expr, $suffix:literal) => {{
+            let mut out = $slice.slice_mut(start..end);
+            let func = dev.get_or_load_custom_func(concat!("cast_into_", $suffix), "rlhf_cast", ptx::CAST)?;
+            let mut launch = func.builder();
+            launch.arg(&mut out).arg(&src).arg(&n);
+            // SAFETY: the arguments match the kernel's signature; it writes n values of out.
+            unsafe { launch.launch(elementwise(n as usize)) }.w().map(|_| ())
+        }};
+    }
+    match &mut dst.slice {
+        CudaStorageSlice::BF16(x) => launch!(x, "bf16"),
+        CudaStorageSlice::F16(x) => launch!(x, "f16"),
+        _ => candle_core::bail!("cast into a tensor on CUDA takes a bf16 or f16 destination, not {:?}", dst.dtype()),
+    }
 }
 
 /// `x W + b` for contiguous x (.., in), W (in, out), b (out,) of one dtype: cuBLAS's gemm (candle's
@@ -986,6 +1019,22 @@ mod tests {
             let got = sum(&on_gpu)?;
             assert!((got - want).abs() <= 1e-12 * want, "{dtype:?}: {got} against {want}");
             assert_eq!(sum(&on_gpu)?.to_bits(), got.to_bits(), "{dtype:?}: differs between two runs");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn cast_into_a_variable_is_the_cpu_cast_bit_for_bit() -> Result<()> {
+        let Some(gpu) = gpu() else { return Ok(()) };
+        let values = crate::kernels::fused::tests::cast_probe_values();
+        let src = Tensor::new(values, &Device::Cpu)?;
+        for dtype in [DType::BF16, DType::F16] {
+            let dst = Var::from_tensor(&Tensor::zeros(src.shape(), dtype, &gpu)?)?;
+            crate::kernels::ops::cast_into(&dst, &src.to_device(&gpu)?)?;
+            let got = dst.as_tensor().to_device(&Device::Cpu)?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+            let want = src.to_dtype(dtype)?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "{dtype:?}");
         }
         Ok(())
     }

@@ -1191,6 +1191,56 @@ pub fn dropout(x: &Tensor, mask: DropoutMask) -> Result<Tensor> {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Cast into
+
+/// Writes an f32 tensor, cast, into the storage of a tensor of the same length: mixed precision's
+/// compute copy refreshed from the fp32 masters without a temporary (one kernel on a GPU, where
+/// `Var::set(&master.to_dtype(..))` is a cast and a copy). Rounds to nearest even, as `to_dtype`.
+struct CastInto;
+
+impl candle_core::InplaceOp2 for CastInto {
+    fn name(&self) -> &'static str {
+        "cast-into"
+    }
+
+    fn cpu_fwd(&self, dst: &mut CpuStorage, ld: &Layout, src: &CpuStorage, ls: &Layout) -> Result<()> {
+        let src = contiguous_f32(src, ls, "the cast's source")?;
+        let Some((start, end)) = ld.contiguous_offsets() else {
+            candle_core::bail!("cast into a tensor takes a contiguous tensor");
+        };
+        if end - start != src.len() {
+            candle_core::bail!("cast into a tensor: {} values from {}", end - start, src.len());
+        }
+        match dst {
+            CpuStorage::F32(d) => d[start..end].copy_from_slice(src),
+            CpuStorage::BF16(d) => d[start..end].iter_mut().zip(src).for_each(|(d, &s)| *d = half::bf16::from_f32(s)),
+            CpuStorage::F16(d) => d[start..end].iter_mut().zip(src).for_each(|(d, &s)| *d = half::f16::from_f32(s)),
+            _ => candle_core::bail!("cast into a tensor takes an f32, bf16 or f16 destination"),
+        }
+        Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        dst: &mut candle_core::CudaStorage,
+        ld: &Layout,
+        src: &candle_core::CudaStorage,
+        ls: &Layout,
+    ) -> Result<()> {
+        crate::kernels::cuda::cast_into((dst, ld), (src, ls))
+    }
+}
+
+/// `dst` (contiguous, f32, bf16 or f16) set to contiguous f32 `src` of the same shape, cast.
+pub fn cast_into(dst: &Tensor, src: &Tensor) -> Result<()> {
+    if dst.shape() != src.shape() || !dst.is_contiguous() || !src.is_contiguous() {
+        candle_core::bail!("cast into a tensor: {:?} from {:?}, both contiguous", dst.dims(), src.dims());
+    }
+    dst.inplace_op2(src, &CastInto)
+}
+
+// ---------------------------------------------------------------------------------------------
 // Gradient norm
 
 /// The sum of squares of a contiguous f32 CPU tensor, read in place and accumulated in f64
@@ -1251,7 +1301,7 @@ pub fn sum_of_squares_on_device(t: &Tensor) -> Result<Option<Tensor>> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::kernels::ops;
     use candle_core::{DType, Device, Var};
@@ -1445,6 +1495,30 @@ mod tests {
         assert_eq!(g.flatten_all()?.to_vec1::<f32>()?, g_ref.flatten_all()?.to_vec1::<f32>()?);
         let absent = g.get(49)?.abs()?.sum_all()?.to_scalar::<f32>()?;
         assert_eq!(absent, 0.0, "row 49 has no id: its gradient is zero");
+        Ok(())
+    }
+
+    /// f32 values that round differently in bf16 and f16: ties, subnormals, overflow, infinities.
+    pub(crate) fn cast_probe_values() -> Vec<f32> {
+        let mut v: Vec<f32> = (0..997).map(|i| ((i * 7919) % 2000) as f32 / 7.0 - 140.0).collect();
+        v.extend([1.0 + 1.0 / 256.0, 1.0 + 3.0 / 256.0, 1.0 + 1.0 / 2048.0, 1e-40, -3e-8, 70000.0, 3.4e38]);
+        v.extend([f32::INFINITY, f32::NEG_INFINITY, 0.0, -0.0]);
+        v
+    }
+
+    #[test]
+    fn cast_into_a_variable_is_to_dtype_bit_for_bit() -> Result<()> {
+        let src = Tensor::new(cast_probe_values(), &dev())?;
+        for dtype in [DType::BF16, DType::F16, DType::F32] {
+            let dst = Var::from_tensor(&Tensor::zeros(src.shape(), dtype, &dev())?)?;
+            ops::cast_into(&dst, &src)?;
+            let (got, want) = (dst.as_tensor().to_dtype(DType::F32)?, src.to_dtype(dtype)?.to_dtype(DType::F32)?);
+            let bits =
+                |t: &Tensor| -> Result<Vec<u32>> { Ok(t.to_vec1::<f32>()?.iter().map(|v| v.to_bits()).collect()) };
+            assert_eq!(bits(&got)?, bits(&want)?, "{dtype:?}");
+        }
+        let err = cast_into(&Tensor::zeros(3, DType::BF16, &dev())?, &src).unwrap_err().to_string();
+        assert!(err.contains("cast into a tensor"), "{err}");
         Ok(())
     }
 

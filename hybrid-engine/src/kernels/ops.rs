@@ -141,6 +141,16 @@ pub fn gelu_reference(h: &Tensor, exact: bool) -> Result<Tensor> {
     }
 }
 
+/// Sets the variable `dst` to `src` cast to `dst`'s dtype: in place from a contiguous f32 `src`
+/// of the same shape (the fused op: one kernel on a GPU, no temporary), else by `Var::set`.
+pub fn cast_into(dst: &candle_core::Var, src: &Tensor) -> Result<()> {
+    if src.dtype() == DType::F32 && dst.is_contiguous() && src.is_contiguous() && dst.shape() == src.shape() {
+        crate::kernels::fused::cast_into(dst.as_tensor(), src)
+    } else {
+        dst.set(&src.to_dtype(dst.dtype())?)
+    }
+}
+
 /// Rows `ids` (N,) u32 of the table `weight` (V, C): (N, C). On a GPU the fused op, whose
 /// backward sums each row's gradient in one block (candle's `index_add` there is one thread a
 /// column over every id); elsewhere candle's `index_select`, which adds in the same order.

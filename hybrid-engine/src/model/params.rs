@@ -171,7 +171,7 @@ impl ParamStore {
         }
         for (c, m) in self.vars.iter().zip(&master.vars) {
             if c.as_tensor().id() != m.as_tensor().id() {
-                c.set(&m.as_tensor().to_dtype(c.dtype())?)?;
+                crate::kernels::ops::cast_into(c, m.as_tensor())?;
             }
         }
         Ok(())
