@@ -14,11 +14,13 @@
 //! * GELU (`gelu_new`), dropout (the mask regenerated from its counter-based key in backward),
 //!   the masked softmax on its own (generation over the KV cache);
 //! * the tied LM head with the cross-entropy: the (N, V) logits never become a tensor, and
-//!   backward turns them into their gradient in place; cross-entropy on given logits too.
+//!   backward turns them into their gradient in place; cross-entropy on given logits too;
+//! * the embedding lookup, for its backward on a GPU (one block per distinct id), and the
+//!   in-place cast that refreshes mixed precision's compute copy from the fp32 masters.
 //!
-//! The kernels take f32 tensors on the CPU; dropout, the masked softmax, LayerNorm, GELU and the
-//! cross-entropy on given logits also run on a GPU in f32, bf16 or f16 (their `cuda_fwd`,
-//! kernels in `cuda.rs`). The dispatchers in `ops.rs` use them there and fall
+//! The kernels take f32 tensors on the CPU; dropout, the masked softmax, LayerNorm, GELU, the
+//! linear, the embedding's gradient and the cross-entropy on given logits also run on a GPU in
+//! f32, bf16 or f16, the attention in bf16 or f16 (their `cuda_fwd`, kernels in `cuda.rs`). The dispatchers in `ops.rs` use them there and fall
 //! back to the composed reference (also in `ops.rs`) for other dtypes and devices; the tests
 //! below check values and gradients against those references and against finite differences.
 
