@@ -124,7 +124,8 @@ fi
 
 train_args=(train --model gpt2 --batch 8 --seq 1024 --dtype bf16 --device cuda)
 if [[ " $stages " == *" bench "* ]]; then
-  # The build as it is; with the two-pass attention forward; with the composed attention.
+  # The build as it is; with the two-pass attention forward; with the attention kernels compiled
+  # for other blocks an SM; with the composed attention.
   for variant in ${BENCH_VARIANTS:-default two-pass-forward compiler-blocks most-blocks composed-attention}; do
     flash=1 online=1 blocks=more
     [ "$variant" = composed-attention ] && flash=0
