@@ -69,6 +69,10 @@ pub struct RewardArgs {
     /// DPO's loss: sigmoid (default) or ipo.
     #[arg(long, value_enum, alias = "dpo_loss")]
     pub dpo_loss: Option<DpoLoss>,
+    /// RPO's weight (TRL's `rpo_alpha`, Pang et al.): DPO's loss plus this times the chosen
+    /// answers' negative log-likelihood per token (default 0: DPO alone).
+    #[arg(long, value_parser = hybrid_engine::cli::non_negative(), alias = "rpo_alpha")]
+    pub rpo_alpha: Option<f64>,
     /// Where the reward model (a HF GPT2ForSequenceClassification directory), metrics.jsonl and
     /// reward_eval.json go.
     #[arg(long, default_value = "output/reward", alias = "output_dir")]
@@ -83,8 +87,8 @@ impl RewardArgs {
     pub fn refuse_other_algorithms_flags(&self) -> Result<()> {
         match self.algorithm {
             Step2Algorithm::RewardModel => {
-                if self.beta.is_some() || self.dpo_loss.is_some() {
-                    bail!("--beta and --dpo-loss set DPO, and step 2 trains a reward model: add --algorithm dpo or drop them");
+                if self.beta.is_some() || self.dpo_loss.is_some() || self.rpo_alpha.is_some() {
+                    bail!("--beta, --dpo-loss and --rpo-alpha set DPO, and step 2 trains a reward model: add --algorithm dpo or drop them");
                 }
             }
             Step2Algorithm::Dpo => {

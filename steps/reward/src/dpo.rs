@@ -6,6 +6,8 @@
 //! `h = (s_c - s_c_ref) - (s_r - s_r_ref)`; the sigmoid loss is `-log sigmoid(beta h)`, IPO's
 //! (Azar et al.) `(h - 1 / (2 beta))^2` on per-token mean log-probs; the implicit rewards
 //! `beta (s - s_ref)` of the chosen and rejected answers give the logged accuracy and margin.
+//! With `--rpo-alpha a` (TRL's `rpo_alpha`, RPO) the loss adds `a` times the chosen answers'
+//! negative log-likelihood per token of the micro-batch.
 //!
 //! Data-parallel and ZeRO-sharded as step 2's reward model (the same `StepArgs`), the reference
 //! whole on every rank (or its tensor-parallel slices).
@@ -73,6 +75,15 @@ pub fn dpo_loss(policy: &Tensor, reference: &Tensor, beta: f64, loss: DpoLoss) -
         DpoLoss::Sigmoid => neg_log_sigmoid(&(h * beta)?)?.mean_all(),
         DpoLoss::Ipo => (h - 1.0 / (2.0 * beta))?.sqr()?.mean_all(),
     }
+}
+
+/// RPO's term: the chosen answers' (the first B rows') negative log-likelihood per answer token,
+/// from the token log-probs `logp` (2B, T - 1) and the answer `mask`.
+pub fn chosen_nll(logp: &Tensor, mask: &Tensor) -> candle_core::Result<Tensor> {
+    let b = logp.dim(0)? / 2;
+    let mask = mask.narrow(0, 0, b)?;
+    let tokens = mask.sum_all()?.to_scalar::<f32>()?.max(1.0);
+    (logp.narrow(0, 0, b)? * &mask)?.sum_all()? / f64::from(-tokens)
 }
 
 /// Sums over pairs of what TRL logs: the implicit rewards `beta (pi - ref)` of the chosen and
@@ -179,8 +190,20 @@ impl PairInputs {
 
     /// Each row's answer log-probability under `lm` from its hidden states (2B, T, C).
     fn sequence_log_probs(&self, lm: &Gpt2, hidden: &Tensor, loss: DpoLoss) -> candle_core::Result<Tensor> {
+        Ok(self.log_probs_and_nll(lm, hidden, loss, false)?.0)
+    }
+
+    /// [`Self::sequence_log_probs`], and with `nll` RPO's [`chosen_nll`] from the same log-probs.
+    fn log_probs_and_nll(
+        &self,
+        lm: &Gpt2,
+        hidden: &Tensor,
+        loss: DpoLoss,
+        nll: bool,
+    ) -> candle_core::Result<(Tensor, Option<Tensor>)> {
         let (logp, _) = lm.next_token_log_probs(&hidden.narrow(1, 0, self.t - 1)?, &self.next, false)?;
-        sequence_log_probs(&logp, &self.mask, loss)
+        let nll = if nll { Some(chosen_nll(&logp, &self.mask)?) } else { None };
+        Ok((sequence_log_probs(&logp, &self.mask, loss)?, nll))
     }
 
     /// The frozen reference's sequence log-probs, no gradient.
@@ -197,6 +220,7 @@ pub fn run(args: &RewardArgs) -> Result<DpoSummary> {
     t.validate(lr)?;
     args.data.refuse_sft_only_data("DPO's step 2")?;
     let (beta, loss_kind) = (args.beta.unwrap_or(DEFAULT_BETA), args.dpo_loss.unwrap_or(DpoLoss::Sigmoid));
+    let rpo_alpha = args.rpo_alpha.unwrap_or(0.0);
     let device = t.device()?;
     let group = t.dist.join()?;
     let tp = t.dist.tensor_parallel(&group)?;
@@ -237,7 +261,10 @@ pub fn run(args: &RewardArgs) -> Result<DpoSummary> {
     let data_cfg = args.data.config(t.seed, t.max_seq_len, t.max_seq_len, false)?;
     let data = data::phases::reward_data(&data_cfg, &tokenizer)?;
     println!("{}", data.summary);
-    println!("DPO: {:?} loss, beta {beta}, learning rate {lr:e}", loss_kind);
+    match rpo_alpha > 0.0 {
+        true => println!("DPO: {:?} loss, beta {beta}, learning rate {lr:e}, RPO alpha {rpo_alpha}", loss_kind),
+        false => println!("DPO: {:?} loss, beta {beta}, learning rate {lr:e}", loss_kind),
+    }
     let dp = t.dist.data_parallel_with_stage3(&data_group, t.zero_stage)?;
     let micro_per_epoch = data.train.len().div_ceil(world).div_ceil(t.per_device_train_batch_size);
     let steps = total_steps(micro_per_epoch, t.num_train_epochs, t.gradient_accumulation_steps);
@@ -326,9 +353,13 @@ pub fn run(args: &RewardArgs) -> Result<DpoSummary> {
                 how,
                 trainer.grads(),
                 |heads, hidden| {
-                    let policy = inputs.sequence_log_probs(heads.trunk, hidden, loss_kind)?;
+                    let (policy, nll) = inputs.log_probs_and_nll(heads.trunk, hidden, loss_kind, rpo_alpha > 0.0)?;
                     *seen.borrow_mut() = Some(policy.detach());
-                    dpo_loss(&policy, &ref_logp, beta, loss_kind)
+                    let loss = dpo_loss(&policy, &ref_logp, beta, loss_kind)?;
+                    match nll {
+                        Some(nll) => loss + (nll * rpo_alpha)?,
+                        None => Ok(loss),
+                    }
                 },
             )?;
             let policy = seen.into_inner().expect("the policy head ran");
@@ -414,6 +445,19 @@ mod tests {
         assert!((g[0] + 0.1 * sig).abs() < 1e-6 && (g[1] - 0.1 * sig).abs() < 1e-6, "{g:?}");
         let ipo: f32 = dpo_loss(policy.as_tensor(), &reference, 0.1, DpoLoss::Ipo)?.to_scalar()?;
         assert!((ipo - 9.0).abs() < 1e-5, "{ipo}");
+        Ok(())
+    }
+
+    /// RPO's term: two pairs, chosen rows 0 and 1 with 2 and 1 answer tokens; the rejected rows
+    /// do not count. -(-1 - 2 - 4) / 3 tokens = 7/3.
+    #[test]
+    fn rpo_nll_is_the_chosen_answers_mean_token_nll() -> candle_core::Result<()> {
+        let dev = Device::Cpu;
+        let logp =
+            Tensor::new(&[[-9.0f32, -1.0, -2.0], [-9.0, -4.0, -9.0], [-5.0, -5.0, -5.0], [-6.0, -6.0, -6.0]], &dev)?;
+        let mask = Tensor::new(&[[0.0f32, 1.0, 1.0], [0.0, 1.0, 0.0], [1.0, 1.0, 1.0], [0.0, 1.0, 1.0]], &dev)?;
+        let nll = chosen_nll(&logp, &mask)?.to_scalar::<f32>()?;
+        assert!((nll - 7.0 / 3.0).abs() < 1e-6, "{nll}");
         Ok(())
     }
 

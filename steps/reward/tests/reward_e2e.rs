@@ -94,6 +94,8 @@ fn bad_input_is_one_clear_error_line() {
     check(&["--data-path", "demo", "--beta", "0.5"], &["--beta", "--algorithm dpo"]);
     check(&["--data-path", "demo", "--algorithm", "dpo", "--loss", "last-token"], &["--loss", "--dpo-loss"]);
     check(&["--data-path", "demo", "--algorithm", "dpo", "--beta", "0"], &["--beta"]);
+    check(&["--data-path", "demo", "--rpo-alpha", "1"], &["--rpo-alpha", "--algorithm dpo"]);
+    check(&["--data-path", "demo", "--algorithm", "dpo", "--rpo-alpha=-1"], &["--rpo-alpha"]);
 }
 
 /// `--only-optimize-lora` in step 2: the adapters and the score head train (DS-Chat forces its
