@@ -4,9 +4,7 @@
 #
 #   0. unit-tests: the engine library's unit tests built with the CUDA feature, among them the
 #      CUDA kernels' own tests against the CPU (kernels::cuda::tests and AdamW's
-#      training::optim::tests::adamw_cuda_*, which need the GPU), and the attention kernels' test
-#      again with the two-pass forward (HYBRID_ENGINE_ONLINE_SOFTMAX=0) and with the kernels
-#      compiled for other blocks an SM (HYBRID_ENGINE_ATTENTION_BLOCKS=compiler, most);
+#      training::optim::tests::adamw_cuda_*, which need the GPU);
 #   1. gpu_check: fp32 logits, loss and every gradient of the same gpt2 weights on CUDA against
 #      the CPU (1e-4), bf16/fp16 logits, greedy generation with the KV cache, NCCL at one rank;
 #   2. pretraining gpt2 from scratch for 50 iterations in fp32, fp16 and bf16 on CUDA (the
@@ -16,13 +14,11 @@
 #   3. the three-step demo (`train --device cuda`), then gpu_check on its SFT actor and `chat`
 #      on its step-3 actor.
 # Two measuring stages run only when named in STAGES:
-#   bench: gpt2 B8 T1024 bf16 training as built, with the two-pass attention forward
-#      (HYBRID_ENGINE_ONLINE_SOFTMAX=0), with the attention kernels for other blocks an SM
-#      (HYBRID_ENGINE_ATTENTION_BLOCKS=compiler, most) and with the composed attention
+#   bench: gpt2 B8 T1024 bf16 training as built and with the composed attention
 #      (HYBRID_ENGINE_FLASH_ATTENTION=0), `bench ops`, and the PyTorch comparison rows of
 #      scripts/bench/gpu_table.py (gpt2 and gpt2-medium training, generation at batch 32; BENCH_ROWS
 #      to choose: the --only arguments of gpu_table.py, one row per line, or "none"; BENCH_VARIANTS
-#      to choose among "default two-pass-forward compiler-blocks most-blocks composed-attention");
+#      to choose among "default composed-attention");
 #   profile: every kernel of one such training step timed by Nsight Compute (ncu), summed per
 #      kernel (WORK_DIR/ncu.csv, the largest in the summary), and the first launch of each
 #      attention kernel in detail (WORK_DIR/profile-attention_*.log, the main lines in
@@ -63,13 +59,8 @@ cat "$here/VERSION" | tee -a "$summary"
 if [[ " $stages " == *" unit "* ]]; then
   # --test-threads 1: the GPU tests would share one device; the CPU ones take seconds anyway.
   stage unit-tests 120 "$bin" unit-tests --test-threads 1
-  grep -E '^test (kernels::cuda|training::optim::tests::adamw_cuda|.*FAILED)|^test result|^one-pass' "$work/unit-tests.log" | tee -a "$summary"
+  grep -E '^test (kernels::cuda|training::optim::tests::adamw_cuda|.*FAILED)|^test result' "$work/unit-tests.log" | tee -a "$summary"
   ! grep -q 'no GPU, the CUDA kernel test' "$work/unit-tests.log" || { echo "unit-tests: the CUDA tests saw no GPU" | tee -a "$summary"; failed=1; }
-  for variant in HYBRID_ENGINE_ONLINE_SOFTMAX=0 HYBRID_ENGINE_ATTENTION_BLOCKS=compiler HYBRID_ENGINE_ATTENTION_BLOCKS=most; do
-    label=unit-tests-attention-${variant#HYBRID_ENGINE_}
-    stage "$label" 60 env "$variant" "$bin" unit-tests kernels::cuda::tests::flash_attention --test-threads 1 --nocapture
-    grep -E '^(test |one-pass)|^test result' "$work/$label.log" | tee -a "$summary"
-  done
 fi
 
 if [[ " $stages " == *" check "* ]]; then
@@ -124,15 +115,11 @@ fi
 
 train_args=(train --model gpt2 --batch 8 --seq 1024 --dtype bf16 --device cuda)
 if [[ " $stages " == *" bench "* ]]; then
-  # The build as it is; with the two-pass attention forward; with the attention kernels compiled
-  # for other blocks an SM; with the composed attention.
-  for variant in ${BENCH_VARIANTS:-default two-pass-forward compiler-blocks most-blocks composed-attention}; do
-    flash=1 online=1 blocks=more
+  # The build as it is; with the composed attention.
+  for variant in ${BENCH_VARIANTS:-default composed-attention}; do
+    flash=1
     [ "$variant" = composed-attention ] && flash=0
-    [ "$variant" = two-pass-forward ] && online=0
-    [ "$variant" = compiler-blocks ] && blocks=compiler
-    [ "$variant" = most-blocks ] && blocks=most
-    stage "bench-$variant" 90 env HYBRID_ENGINE_FLASH_ATTENTION=$flash HYBRID_ENGINE_ONLINE_SOFTMAX=$online HYBRID_ENGINE_ATTENTION_BLOCKS=$blocks \
+    stage "bench-$variant" 90 env HYBRID_ENGINE_FLASH_ATTENTION=$flash \
       "$bin" bench "${train_args[@]}" --steps 5 --warmup 2
     python3 -c 'import json,sys; r=json.loads(open(sys.argv[1]).read().strip().splitlines()[-1]); print("  %s: %.0f tokens/s, ms forward+backward / clip / AdamW %.0f / %.0f / %.0f" % (sys.argv[2], r["tokens_per_s"], r["ms_forward_backward"], r["ms_clip"], r["ms_adamw"]))' \
       "$work/bench-$variant.log" "$variant" 2>/dev/null | tee -a "$summary"

@@ -587,29 +587,13 @@ fn check_aligned(layouts: &[&Layout]) -> Result<()> {
     Ok(())
 }
 
-/// The attention kernels' module: cuda/flash_attention.cu compiled for the blocks an SM
-/// `HYBRID_ENGINE_ATTENTION_BLOCKS` names: `compiler` (ptxas's choice of registers), `more` (the
-/// default: forward 4, dq 3, dk/dv 2; flash_attention_more_blocks.cu) or `most` (dk/dv 3 too).
-fn attention_module() -> Result<(&'static str, &'static str)> {
-    static MODULE: std::sync::OnceLock<std::result::Result<(&'static str, &'static str), String>> =
-        std::sync::OnceLock::new();
-    let module = MODULE.get_or_init(|| match std::env::var("HYBRID_ENGINE_ATTENTION_BLOCKS").as_deref() {
-        Ok("compiler") => Ok(("rlhf_flash_attention", ptx::FLASH_ATTENTION)),
-        Ok("more") | Err(_) => Ok(("rlhf_flash_attention_more_blocks", ptx::FLASH_ATTENTION_MORE_BLOCKS)),
-        Ok("most") => Ok(("rlhf_flash_attention_most_blocks", ptx::FLASH_ATTENTION_MOST_BLOCKS)),
-        Ok(other) => Err(format!("HYBRID_ENGINE_ATTENTION_BLOCKS={other}: use compiler, more or most")),
-    });
-    module.clone().map_err(candle_core::Error::Msg)
-}
-
-/// Attention kernel `$name` of [`attention_module`], preferring shared memory to L1 (each block
-/// takes 45 KiB of it; the kernels read little through L1), so that the blocks its registers allow
+/// Attention kernel `$name` (cuda/flash_attention.cu), preferring shared memory to L1 (a block
+/// takes 36 KiB of it; the kernels read little through L1), so that the blocks its registers allow
 /// fit an SM. (A macro: candle does not export the type of its loaded functions.)
 macro_rules! attention_kernel {
     ($dev:expr, $name:expr) => {{
         use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
-        let (module, ptx) = attention_module()?;
-        let func = $dev.get_or_load_custom_func($name, module, ptx)?;
+        let func = $dev.get_or_load_custom_func($name, "rlhf_flash_attention", ptx::FLASH_ATTENTION)?;
         func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100).w()?;
         func
     }};
@@ -619,40 +603,46 @@ macro_rules! attention_kernel {
 /// it: (forward, dq, dk/dv).
 pub fn attention_blocks_per_sm(dev: &candle_core::CudaDevice, dtype: DType) -> Result<(u32, u32, u32)> {
     let suffix = if dtype == DType::F16 { "f16" } else { "bf16" };
-    let forward = if online_attention_forward(dev)? { "attention_forward_online" } else { "attention_forward" };
     let blocks = |name: &str| -> Result<u32> {
         attention_kernel!(dev, &format!("{name}_{suffix}"))
             .occupancy_max_active_blocks_per_multiprocessor(128, 0, None)
             .w()
     };
-    Ok((blocks(forward)?, blocks("attention_backward_dq")?, blocks("attention_backward_dkv")?))
+    Ok((blocks("attention_forward")?, blocks("attention_backward_dq")?, blocks("attention_backward_dkv")?))
 }
 
-/// Whether the attention forward runs in one pass over the keys (cuda/flash_attention.cu's
-/// `attention_forward_online_*`): where the device's tensor-core accumulators have the layout that
-/// kernel assumes (`accumulator_layout_probe`, asked once per process), unless
-/// `HYBRID_ENGINE_ONLINE_SOFTMAX=0` asks for the two-pass forward.
-pub fn online_attention_forward(dev: &candle_core::CudaDevice) -> Result<bool> {
-    static ONLINE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    if let Some(&online) = ONLINE.get() {
-        return Ok(online);
-    }
-    let online = if std::env::var("HYBRID_ENGINE_ONLINE_SOFTMAX").is_ok_and(|v| v == "0") {
-        false
-    } else {
-        let ok = dev.alloc_zeros::<u32>(1)?;
-        let probe = attention_kernel!(dev, "accumulator_layout_probe");
-        let mut launch = probe.builder();
-        launch.arg(&ok);
-        let warp = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (32, 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: the argument matches the kernel's signature; it writes one value.
-        unsafe { launch.launch(warp) }.w()?;
-        dev.clone_dtoh(&ok)?[0] == 1
-    };
-    Ok(*ONLINE.get_or_init(|| online))
+/// Which (query tile, key tile) pairs of the mask the attention kernels walk, per bias batch (u8,
+/// (bias batches, tiles, tiles)): 0 where every entry is masked, 2 where every entry is 0 (not
+/// read), else 1; a query tile with a row that has no live key at all is walked whole
+/// (cuda/flash_attention.cu's `attention_tile_liveness` and `attention_dead_rows`).
+fn attention_tile_liveness(
+    dev: &candle_core::CudaDevice,
+    bias: &CudaView<'_, f32>,
+    bias_batches: usize,
+    t: usize,
+) -> Result<candle_core::cuda_backend::cudarc::driver::CudaSlice<u8>> {
+    let tiles = t.div_ceil(ATTENTION_TILE);
+    let (tiles32, bb32, t32) = (tiles as u32, bias_batches as u32, t as u32);
+    // SAFETY: the first kernel writes every entry.
+    let live = unsafe { dev.alloc::<u8>(bias_batches * tiles * tiles)? };
+    let row_live = dev.alloc_zeros::<u32>(bias_batches * t)?;
+    let func = attention_kernel!(dev, "attention_tile_liveness");
+    let mut launch = func.builder();
+    launch.arg(bias).arg(&live).arg(&row_live).arg(&t32);
+    let config = LaunchConfig { grid_dim: (tiles32, tiles32, bb32), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: the arguments match the kernel's signature.
+    unsafe { launch.launch(config) }.w()?;
+    let func = attention_kernel!(dev, "attention_dead_rows");
+    let mut launch = func.builder();
+    launch.arg(&live).arg(&row_live).arg(&t32);
+    let config =
+        LaunchConfig { grid_dim: (tiles32, bb32, 1), block_dim: (ATTENTION_TILE as u32, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: the arguments match the kernel's signature; the same stream orders it after the first.
+    unsafe { launch.launch(config) }.w()?;
+    Ok(live)
 }
 
-/// Flash-style attention (cuda/flash_attention.cu): from qkv (B, T, 3C) in bf16 or f16 and the
+/// Flash attention (cuda/flash_attention.cu): from qkv (B, T, 3C) in bf16 or f16 and the
 /// additive mask (B or 1, 1, T, T) f32, `dropout(softmax(q k^T * scale + bias)) v` per head,
 /// (B, T, C), without the (B, NH, T, T) probabilities in memory; and the softmax's row statistics
 /// for [`attention_grad`] (f32: the B * NH * T row maxima, then as many 1 / row sums).
@@ -669,16 +659,16 @@ pub fn attention(
     let bias = view::<f32>(bias, lb, "the attention bias")?;
     let (seed, threshold, keep, on) = dropout_args(dropout);
     let dev = qkv.device();
-    let forward = if online_attention_forward(dev)? { "attention_forward_online" } else { "attention_forward" };
+    let live = attention_tile_liveness(dev, &bias, bias_batches, t)?;
     // SAFETY: the kernel writes the statistics of every (batch, head, query).
     let stats = unsafe { dev.alloc::<f32>(2 * b * nh * t)? };
     let y = for_float_dtype!(qkv, lq, "flash attention", |src: Elem, suffix| {
         // SAFETY: the kernel writes every row of every head.
         let y = unsafe { dev.alloc::<Elem>(b * t * nh * ATTENTION_HEAD_DIM)? };
-        let func = attention_kernel!(dev, &format!("{forward}_{suffix}"));
+        let func = attention_kernel!(dev, &format!("attention_forward_{suffix}"));
         let mut launch = func.builder();
         let (t32, nh32, bb32) = (t as u32, nh as u32, bias_batches as u32);
-        launch.arg(src).arg(&bias).arg(&y).arg(&stats).arg(&t32).arg(&nh32).arg(&bb32).arg(&scale);
+        launch.arg(src).arg(&bias).arg(&live).arg(&y).arg(&stats).arg(&t32).arg(&nh32).arg(&bb32).arg(&scale);
         launch.arg(&seed).arg(&threshold).arg(&keep).arg(&on);
         // SAFETY: the arguments match the kernel's signature.
         unsafe { launch.launch(attention_grid(b, t, nh)) }.w().map(|_| y)
@@ -715,8 +705,9 @@ pub fn attention_grad(
     }
     let stats = view::<f32>(stats, &Layout::contiguous(2 * b * nh * t), "the attention statistics")?;
     let (seed, threshold, keep, on) = dropout_args(dropout);
+    let dev = qkv.device();
+    let live = attention_tile_liveness(dev, &bias, bias_batches, t)?;
     Ok(for_float_dtype!(qkv, lq, "flash attention backward", |src: Elem, suffix| {
-        let dev = qkv.device();
         let y = view::<Elem>(y, ly, "the attention output")?;
         let dy = view::<Elem>(dy, ldy, "the attention output gradient")?;
         // SAFETY: the dq kernel writes the q part of every row and D of every (batch, head,
@@ -726,13 +717,13 @@ pub fn attention_grad(
         let (t32, nh32, bb32) = (t as u32, nh as u32, bias_batches as u32);
         let dq = attention_kernel!(dev, &format!("attention_backward_dq_{suffix}"));
         let mut launch = dq.builder();
-        launch.arg(src).arg(&bias).arg(&y).arg(&dy).arg(&dqkv).arg(&stats).arg(&dsum);
+        launch.arg(src).arg(&bias).arg(&live).arg(&y).arg(&dy).arg(&dqkv).arg(&stats).arg(&dsum);
         launch.arg(&t32).arg(&nh32).arg(&bb32).arg(&scale).arg(&seed).arg(&threshold).arg(&keep).arg(&on);
         // SAFETY: the arguments match the kernel's signature.
         unsafe { launch.launch(attention_grid(b, t, nh)) }.w()?;
         let dkv = attention_kernel!(dev, &format!("attention_backward_dkv_{suffix}"));
         let mut launch = dkv.builder();
-        launch.arg(src).arg(&bias_t).arg(&dy).arg(&stats).arg(&dsum).arg(&dqkv);
+        launch.arg(src).arg(&bias_t).arg(&live).arg(&dy).arg(&stats).arg(&dsum).arg(&dqkv);
         launch.arg(&t32).arg(&nh32).arg(&bb32).arg(&scale).arg(&seed).arg(&threshold).arg(&keep).arg(&on);
         // SAFETY: the arguments match the kernel's signature; D was written above, on the same
         // stream.
@@ -940,8 +931,7 @@ mod tests {
         // masked scores only: uniform over the T keys).
         let dev = gpu.as_cuda_device()?;
         eprintln!(
-            "one-pass attention forward: {}; blocks an SM (forward, dq, dk/dv): {:?}",
-            super::online_attention_forward(dev)?,
+            "attention kernels' blocks an SM (forward, dq, dk/dv): {:?}",
             super::attention_blocks_per_sm(dev, DType::BF16)?
         );
         let nh = 2;
@@ -990,17 +980,52 @@ mod tests {
         Ok(())
     }
 
-    #[test]
-    fn tensor_core_accumulators_have_the_layout_of_the_one_pass_attention_forward() -> Result<()> {
-        let Some(gpu) = gpu() else { return Ok(()) };
-        // Unless HYBRID_ENGINE_ONLINE_SOFTMAX=0: then the two-pass forward is the one tested.
-        if std::env::var("HYBRID_ENGINE_ONLINE_SOFTMAX").is_ok_and(|v| v == "0") {
-            return Ok(());
+    /// attention_tile_liveness's map computed plainly: per (bias batch, query tile, key tile), 0
+    /// where every entry is masked, 2 where every entry is 0, else 1; a query tile with a row that
+    /// has no live key at all has no 0.
+    fn tile_liveness_reference(bias: &[f32], batches: usize, t: usize) -> Vec<u8> {
+        let tiles = t.div_ceil(64);
+        let at = |b: usize, i: usize, j: usize| bias[(b * t + i) * t + j];
+        let mut map = vec![0u8; batches * tiles * tiles];
+        for b in 0..batches {
+            for qt in 0..tiles {
+                let rows = qt * 64..(qt * 64 + 64).min(t);
+                let dead_row = rows.clone().any(|i| (0..t).all(|j| at(b, i, j) <= -5e8));
+                for kt in 0..tiles {
+                    let cols = kt * 64..(kt * 64 + 64).min(t);
+                    let entries: Vec<f32> = rows.clone().flat_map(|i| cols.clone().map(move |j| at(b, i, j))).collect();
+                    let live = entries.iter().any(|&v| v > -5e8);
+                    let plain = entries.iter().all(|&v| v == 0.0);
+                    map[(b * tiles + qt) * tiles + kt] = match (live, plain) {
+                        (true, true) => 2,
+                        (true, false) => 1,
+                        (false, _) => dead_row as u8,
+                    };
+                }
+            }
         }
-        assert!(
-            super::online_attention_forward(gpu.as_cuda_device()?)?,
-            "accumulator_layout_probe failed: this GPU runs the two-pass attention forward"
-        );
+        map
+    }
+
+    #[test]
+    fn attention_tile_liveness_marks_masked_plain_and_dead_row_tiles() -> Result<()> {
+        let Some(gpu) = gpu() else { return Ok(()) };
+        let dev = gpu.as_cuda_device()?;
+        for t in [100, 300] {
+            let (per_batch, _) = causal_masks(2, t)?;
+            let on_gpu = per_batch.to_device(&gpu)?;
+            let (storage, layout) = on_gpu.storage_and_layout();
+            let candle_core::Storage::Cuda(storage) = &*storage else { candle_core::bail!("not on the GPU") };
+            let bias = super::view::<f32>(storage, layout, "the attention bias")?;
+            let got = dev.clone_dtoh(&super::attention_tile_liveness(dev, &bias, 2, t)?)?;
+            let want = tile_liveness_reference(&per_batch.flatten_all()?.to_vec1::<f32>()?, 2, t);
+            assert_eq!(got, want, "T = {t}");
+            // By hand: batch 0's causal mask: the diagonal tile 1, below it 2, above it 0; batch
+            // 1's first 5 queries see no key, so its first query tile walks every key tile.
+            let tiles = t.div_ceil(64);
+            assert_eq!((got[0], got[1], got[tiles]), (1, 0, 2), "T = {t}");
+            assert!(got[tiles * tiles..tiles * tiles + tiles].iter().all(|&v| v == 1), "T = {t}");
+        }
         Ok(())
     }
 
