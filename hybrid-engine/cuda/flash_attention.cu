@@ -1,8 +1,9 @@
 // Flash attention with every product in registers (FlashAttention-2's design), what fused.rs's
 // Attention computes on the CPU, on the tensor cores' mma.sync m16n8k16 (sm_80 and later): the
-// scores, probabilities and their gradients never go through shared memory. Per (batch, head), y = dropout(softmax(q k^T * scale + bias)) v
-// from c_attn's output qkv (B, T, 3C) and the additive mask bias (B or 1, 1, T, T) f32; bf16 or
-// f16 operands, f32 accumulation and softmax, head dimension 64.
+// scores, probabilities and their gradients never go through shared memory. Per (batch, head),
+// y = dropout(softmax(q k^T * scale + bias)) v from c_attn's output qkv (B, T, 3C) and the
+// additive mask bias (B or 1, 1, T, T) f32; bf16 or f16 operands, f32 accumulation and softmax,
+// head dimension 64.
 //
 // A block takes 64 rows (queries in forward and dq, keys in dk/dv), each of its four warps 16 of
 // them, and walks the tiles of 64 of the other side that `attention_tile_liveness` marked live,
@@ -160,7 +161,8 @@ __device__ __forceinline__ void load_tile_async(T *dst, const T *src, const Head
 template <typename T> __device__ __forceinline__ void load_left(uint32_t (&a)[HD / 16][4], const T *tile) {
   const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 #pragma unroll
-  for (int ks = 0; ks < HD / 16; ++ks) ldmatrix_x4(a[ks], tile + (warp * 16 + lane % 16) * LDT + ks * 16 + lane / 16 * 8);
+  for (int ks = 0; ks < HD / 16; ++ks)
+    ldmatrix_x4(a[ks], tile + (warp * 16 + lane % 16) * LDT + ks * 16 + lane / 16 * 8);
 }
 
 // The accumulators of n-tiles, zeroed.
@@ -191,8 +193,8 @@ __device__ __forceinline__ void times_rows_transposed(float (&s)[NT][4], const u
 // acc (16 x 64) += p (16 x 16 KS, accumulator layout) times rows [k0, k0 + 16 KS) of `tile`: p's
 // columns are the tile's rows (P v, dS k, P^T dy, dS^T q).
 template <typename T, int KS>
-__device__ __forceinline__ void accumulate_times_rows(float (&acc)[HD / 8][4], const float (&p)[2 * KS][4], const T *tile,
-                                                      uint32_t k0) {
+__device__ __forceinline__ void accumulate_times_rows(float (&acc)[HD / 8][4], const float (&p)[2 * KS][4],
+                                                      const T *tile, uint32_t k0) {
   const uint32_t lane = threadIdx.x % 32;
 #pragma unroll
   for (int ks = 0; ks < KS; ++ks) {
@@ -249,8 +251,9 @@ __device__ __forceinline__ uint32_t next_live(const uint8_t *live, uint32_t stri
 // Starts copying key tile `next`'s keys and values into buffer `buf` (none past the last tile) and
 // closes the copy group. The caller's previous barrier ended every read of that buffer.
 template <typename T>
-__device__ __forceinline__ void prefetch_key_tile(T (&k_tiles)[2][TILE * LDT], T (&v_tiles)[2][TILE * LDT], uint32_t buf,
-                                                  uint32_t next, uint32_t tiles, const T *qkv, const Head &hd) {
+__device__ __forceinline__ void prefetch_key_tile(T (&k_tiles)[2][TILE * LDT], T (&v_tiles)[2][TILE * LDT],
+                                                  uint32_t buf, uint32_t next, uint32_t tiles, const T *qkv,
+                                                  const Head &hd) {
   if (next < tiles) {
     load_tile_async(k_tiles[buf], qkv, hd, 3 * hd.c(), 1, next * TILE);
     load_tile_async(v_tiles[buf], qkv, hd, 3 * hd.c(), 2, next * TILE);
