@@ -29,7 +29,10 @@
 //! Every mode takes `--device cpu|cuda|cuda:N|auto` (default cpu); on a GPU each timed region
 //! ends with a device synchronisation, and the JSON carries `"device"` and `gpu_used_mib`: the
 //! most device memory in use (the driver's total - free, sampled after each phase; the CUDA
-//! context included), comparable with `hf_bench.py`'s same field. `train` and `generate` take
+//! context included), comparable with `hf_bench.py`'s same field; `train` adds
+//! `gpu_pool_peak_mib`, the device memory pool's high-water mark over the measured steps (every
+//! tensor at the step's peak, without the context), beside `plan_mib`, what the trainers' memory
+//! plan predicts for the same step (`training::memory`). `train` and `generate` take
 //! `--dtype fp32|bf16` (default fp32): bf16 trains as `--dtype bf16` does (bf16 compute copy of
 //! fp32 masters, fp32 gradients and AdamW, the copy refreshed after each update, inside the
 //! timed AdamW phase) and generates with bf16 weights.
@@ -42,6 +45,7 @@ use candle_core::{DType, Device, Tensor};
 use hybrid_engine::generation::generate::{generate, SamplingConfig};
 use hybrid_engine::kernels::ops::DropoutKey;
 use hybrid_engine::model::gpt2::{Dropout, GPT2_EOS, GPT2_VOCAB};
+use hybrid_engine::training::memory::MemoryPlan;
 use hybrid_engine::training::metrics::peak_rss_mib;
 use hybrid_engine::training::optim::{clip_grad_norm, AdamW, AdamWConfig, GradAccumulator};
 use hybrid_engine::{Gpt2Config, ParamStore};
@@ -257,6 +261,32 @@ impl GpuMemory {
     }
 }
 
+/// The device's default memory pool's high-water mark of bytes in use, in MiB, reset to what is in
+/// use now when `reset`: every tensor at its peak, without the CUDA context or cuBLAS's workspace
+/// (cudarc allocates with cuMemAllocAsync from that pool where the device has memory pools). None
+/// on the CPU or where nothing came from the pool.
+fn pool_peak_mib(device: &Device, reset: bool) -> Result<Option<f64>> {
+    #[cfg(feature = "cuda")]
+    if device.is_cuda() {
+        use candle_core::cuda_backend::cudarc::driver::sys;
+        let attribute = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH;
+        let (mut dev, mut pool, mut bytes) = (0, std::ptr::null_mut(), 0u64);
+        // SAFETY: candle made this thread's context current; each call writes its out-parameter,
+        // and the attribute is a u64 (the driver API's documentation).
+        unsafe {
+            sys::cuCtxGetDevice(&mut dev).result()?;
+            sys::cuDeviceGetDefaultMemPool(&mut pool, dev).result()?;
+            if reset {
+                sys::cuMemPoolSetAttribute(pool, attribute, (&mut bytes as *mut u64).cast()).result()?;
+            }
+            sys::cuMemPoolGetAttribute(pool, attribute, (&mut bytes as *mut u64).cast()).result()?;
+        }
+        return Ok((bytes > 0).then_some(bytes as f64 / 1048576.0));
+    }
+    let _ = (device, reset);
+    Ok(None)
+}
+
 fn median(xs: &[f64]) -> f64 {
     let mut v = xs.to_vec();
     v.sort_by(f64::total_cmp);
@@ -290,6 +320,10 @@ fn bench_train(a: &TrainArgs, device: &Device) -> Result<serde_json::Value> {
     let mut phases: [Vec<f64>; 3] = Default::default();
     let mut loss = f32::NAN;
     for step in 0..a.warmup + a.steps {
+        if step == a.warmup {
+            device.synchronize()?;
+            pool_peak_mib(device, true)?;
+        }
         // Fresh ids each step, made outside the timed region. (B, T+1) -> inputs and targets.
         let rows = random_ids(&mut rng, a.batch, a.seq + 1);
         let all = Tensor::new(rows, device)?; // (B, T+1)
@@ -332,6 +366,10 @@ fn bench_train(a: &TrainArgs, device: &Device) -> Result<serde_json::Value> {
         }
     }
     let step_s = median(&times);
+    // What the trainers' memory plan predicts for this step (parameters, gradients, AdamW, the
+    // compute copy, one micro-batch's activations), beside the pool's measured peak.
+    let plan =
+        MemoryPlan::new(&cfg, a.batch, a.seq, a.checkpoint_activations).with_compute_dtype(a.dtype).on_device(device);
     Ok(serde_json::json!({
         "impl": "rust-candle",
         "mode": "train",
@@ -357,6 +395,9 @@ fn bench_train(a: &TrainArgs, device: &Device) -> Result<serde_json::Value> {
         "last_loss": loss,
         "peak_rss_mib": peak_rss_mib(),
         "gpu_used_mib": memory.max_mib,
+        "gpu_pool_peak_mib": pool_peak_mib(device, false)?,
+        "plan_mib": plan.total() as f64 / 1048576.0,
+        "plan_activations_mib": plan.activation_bytes() as f64 / 1048576.0,
     }))
 }
 
