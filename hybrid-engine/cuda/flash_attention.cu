@@ -275,6 +275,23 @@ __device__ __forceinline__ void read_mask(float (&s)[TILE / 8][4], const float *
     }
 }
 
+// Where a block of the forward or dq kernel works: its (batch, head), its 64 queries from q0 and
+// its warp's 16 from i0, its bias batch's mask rows and its query tile's row of the tile map.
+struct QueryBlock {
+  Head hd;
+  uint32_t tiles, q0, i0;
+  const float *bias_rows;
+  const uint8_t *live_row;
+  __device__ __forceinline__ QueryBlock(const float *bias, const uint8_t *live, uint32_t t, uint32_t nh,
+                                        uint32_t bias_batches)
+      : hd{t, nh, blockIdx.y / nh, blockIdx.y % nh}, tiles((t + TILE - 1) / TILE), q0(blockIdx.x * TILE),
+        i0(q0 + threadIdx.x / 32 * 16) {
+    const uint32_t bb = bias_batches == 1 ? 0 : hd.b;
+    bias_rows = bias + (uint64_t)bb * t * t;
+    live_row = live + ((uint64_t)bb * tiles + blockIdx.x) * tiles;
+  }
+};
+
 // y (B, T, C), and per query row (B * NH * T each, in `stats`) the row max and 1 / row sum.
 // Grid (ceil(T / 64), B * NH), 128 threads.
 template <typename T>
@@ -283,16 +300,13 @@ __device__ __forceinline__ void attention_forward(const T *qkv, const float *bia
                                                   float scale, Dropout drop) {
   __shared__ __align__(128) T k_tiles[2][TILE * LDT];
   __shared__ __align__(128) T v_tiles[2][TILE * LDT];
-  const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4 * 2;
-  const Head hd{t, nh, blockIdx.y / nh, blockIdx.y % nh};
-  const uint32_t tiles = (t + TILE - 1) / TILE, q0 = blockIdx.x * TILE, i0 = q0 + warp * 16;
-  const uint32_t bb = bias_batches == 1 ? 0 : hd.b;
-  const float *bias_rows = bias + (uint64_t)bb * t * t;
-  const uint8_t *live_row = live + ((uint64_t)bb * tiles + blockIdx.x) * tiles;
+  const uint32_t lane = threadIdx.x % 32, g = lane / 4, c = lane % 4 * 2;
+  const QueryBlock qb(bias, live, t, nh, bias_batches);
+  const Head hd = qb.hd;
 
-  load_tile_async(k_tiles[1], qkv, hd, 3 * hd.c(), 0, q0);  // the queries, staged in buffer 1
-  uint32_t kt = next_live(live_row, 1, -1, tiles);
-  prefetch_key_tile(k_tiles, v_tiles, 0, kt, tiles, qkv, hd);
+  load_tile_async(k_tiles[1], qkv, hd, 3 * hd.c(), 0, qb.q0);  // the queries, staged in buffer 1
+  uint32_t kt = next_live(qb.live_row, 1, -1, qb.tiles);
+  prefetch_key_tile(k_tiles, v_tiles, 0, kt, qb.tiles, qkv, hd);
   copy_wait<0>();
   __syncthreads();
   uint32_t q[HD / 16][4];
@@ -302,11 +316,11 @@ __device__ __forceinline__ void attention_forward(const T *qkv, const float *bia
   float out[HD / 8][4];
   zero(out);
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // rows g and g + 8 (l: this thread's columns)
-  for (uint32_t buf = 0; kt < tiles; buf ^= 1) {
-    const uint32_t next = next_live(live_row, 1, kt, tiles), j0 = kt * TILE;
-    prefetch_key_tile(k_tiles, v_tiles, buf ^ 1, next, tiles, qkv, hd);
+  for (uint32_t buf = 0; kt < qb.tiles; buf ^= 1) {
+    const uint32_t next = next_live(qb.live_row, 1, kt, qb.tiles), j0 = kt * TILE;
+    prefetch_key_tile(k_tiles, v_tiles, buf ^ 1, next, qb.tiles, qkv, hd);
     float s[TILE / 8][4];
-    read_mask(s, bias_rows, live_row[kt] == 2, i0, j0, t);  // while the tiles arrive
+    read_mask(s, qb.bias_rows, qb.live_row[kt] == 2, qb.i0, j0, t);  // while the tiles arrive
     copy_wait<1>();
     __syncthreads();
     float logits[TILE / 8][4];
@@ -324,7 +338,7 @@ __device__ __forceinline__ void attention_forward(const T *qkv, const float *bia
       corr[half] = expf(m[half] - mx);  // 0 on the first tile (m = -inf), where out is 0
       m[half] = mx;
       float sum = 0.0f;
-      const uint32_t i = i0 + g + 8 * half;
+      const uint32_t i = qb.i0 + g + 8 * half;
 #pragma unroll
       for (int nt = 0; nt < TILE / 8; ++nt)
 #pragma unroll
@@ -352,13 +366,13 @@ __device__ __forceinline__ void attention_forward(const T *qkv, const float *bia
     l[half] += __shfl_xor_sync(0xffffffff, l[half], 1);
     l[half] += __shfl_xor_sync(0xffffffff, l[half], 2);
     inv[half] = 1.0f / l[half];
-    const uint32_t i = i0 + g + 8 * half;
+    const uint32_t i = qb.i0 + g + 8 * half;
     if (lane % 4 == 0 && i < t) {
       const uint64_t rows = (uint64_t)gridDim.y * t, row = hd.bh() * t + i;
       stats[row] = m[half], stats[rows + row] = inv[half];
     }
   }
-  store_rows(y, hd, hd.c(), 0, i0, out, inv[0], inv[1]);
+  store_rows(y, hd, hd.c(), 0, qb.i0, out, inv[0], inv[1]);
 }
 
 // dq of the q part of dqkv (B, T, 3C) from the forward's row statistics `stats`, and per query row
@@ -372,23 +386,20 @@ __device__ __forceinline__ void attention_backward_dq(const T *qkv, const float 
                                                       Dropout drop) {
   __shared__ __align__(128) T k_tiles[2][TILE * LDT];
   __shared__ __align__(128) T v_tiles[2][TILE * LDT];
-  const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4 * 2;
-  const Head hd{t, nh, blockIdx.y / nh, blockIdx.y % nh};
-  const uint32_t tiles = (t + TILE - 1) / TILE, q0 = blockIdx.x * TILE, i0 = q0 + warp * 16;
-  const uint32_t bb = bias_batches == 1 ? 0 : hd.b;
-  const float *bias_rows = bias + (uint64_t)bb * t * t;
-  const uint8_t *live_row = live + ((uint64_t)bb * tiles + blockIdx.x) * tiles;
+  const uint32_t lane = threadIdx.x % 32, g = lane / 4, c = lane % 4 * 2;
+  const QueryBlock qb(bias, live, t, nh, bias_batches);
+  const Head hd = qb.hd;
   const uint64_t rows = (uint64_t)gridDim.y * t;
 
-  load_tile_async(k_tiles[1], qkv, hd, 3 * hd.c(), 0, q0);  // the queries and dy, staged in buffers 1
-  load_tile_async(v_tiles[1], dy, hd, hd.c(), 0, q0);
-  uint32_t kt = next_live(live_row, 1, -1, tiles);
-  prefetch_key_tile(k_tiles, v_tiles, 0, kt, tiles, qkv, hd);
+  load_tile_async(k_tiles[1], qkv, hd, 3 * hd.c(), 0, qb.q0);  // the queries and dy, staged in buffers 1
+  load_tile_async(v_tiles[1], dy, hd, hd.c(), 0, qb.q0);
+  uint32_t kt = next_live(qb.live_row, 1, -1, qb.tiles);
+  prefetch_key_tile(k_tiles, v_tiles, 0, kt, qb.tiles, qkv, hd);
   // D of the warp's 16 rows (the whole warp reads one row at a time), then each thread's two rows.
   float dsum = 0.0f;
 #pragma unroll
   for (int r = 0; r < 16; ++r) {
-    const uint32_t i = i0 + r;
+    const uint32_t i = qb.i0 + r;
     float v = 0.0f;
     if (i < t) {
       const uint64_t at = hd.at(i, hd.c(), 0);
@@ -398,11 +409,11 @@ __device__ __forceinline__ void attention_backward_dq(const T *qkv, const float 
     v = warp_sum(v);
     if (lane == r) dsum = v;
   }
-  if (lane < 16 && i0 + lane < t) dsum_out[hd.bh() * t + i0 + lane] = dsum;
+  if (lane < 16 && qb.i0 + lane < t) dsum_out[hd.bh() * t + qb.i0 + lane] = dsum;
   float mr[2], inv[2], dr[2];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const uint32_t i = i0 + g + 8 * half;
+    const uint32_t i = qb.i0 + g + 8 * half;
     dr[half] = __shfl_sync(0xffffffff, dsum, g + 8 * half);
     mr[half] = i < t ? stats[hd.bh() * t + i] : 0.0f;
     inv[half] = i < t ? stats[rows + hd.bh() * t + i] : 0.0f;
@@ -416,11 +427,11 @@ __device__ __forceinline__ void attention_backward_dq(const T *qkv, const float 
 
   float dq[HD / 8][4];
   zero(dq);
-  for (uint32_t buf = 0; kt < tiles; buf ^= 1) {
-    const uint32_t next = next_live(live_row, 1, kt, tiles), j0 = kt * TILE;
-    prefetch_key_tile(k_tiles, v_tiles, buf ^ 1, next, tiles, qkv, hd);
+  for (uint32_t buf = 0; kt < qb.tiles; buf ^= 1) {
+    const uint32_t next = next_live(qb.live_row, 1, kt, qb.tiles), j0 = kt * TILE;
+    prefetch_key_tile(k_tiles, v_tiles, buf ^ 1, next, qb.tiles, qkv, hd);
     float s[TILE / 8][4];
-    read_mask(s, bias_rows, live_row[kt] == 2, i0, j0, t);  // while the tiles arrive
+    read_mask(s, qb.bias_rows, qb.live_row[kt] == 2, qb.i0, j0, t);  // while the tiles arrive
     copy_wait<1>();
     __syncthreads();
     {
@@ -431,7 +442,7 @@ __device__ __forceinline__ void attention_backward_dq(const T *qkv, const float 
       for (int nt = 0; nt < TILE / 8; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const uint32_t i = i0 + g + 8 * (e / 2), j = j0 + nt * 8 + c + e % 2;
+          const uint32_t i = qb.i0 + g + 8 * (e / 2), j = j0 + nt * 8 + c + e % 2;
           float ds = 0.0f;
           if (i < t && j < t) {
             const float p = expf(logits[nt][e] * scale + s[nt][e] - mr[e / 2]) * inv[e / 2];
@@ -446,7 +457,7 @@ __device__ __forceinline__ void attention_backward_dq(const T *qkv, const float 
     kt = next;
   }
   copy_wait<0>();
-  store_rows(dqkv, hd, 3 * hd.c(), 0, i0, dq, 1.0f, 1.0f);
+  store_rows(dqkv, hd, 3 * hd.c(), 0, qb.i0, dq, 1.0f, 1.0f);
 }
 
 // dk and dv of the k and v parts of dqkv, from the forward's statistics, the D the dq kernel wrote
