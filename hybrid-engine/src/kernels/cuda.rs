@@ -642,17 +642,24 @@ fn attention_tile_liveness(
     Ok(live)
 }
 
+/// What [`attention`] keeps for [`attention_grad`]: the softmax's row statistics (f32: the
+/// B * NH * T row maxima, then as many 1 / row sums) and the mask's tile map, so that backward
+/// reads the one and does not make the other again.
+pub struct AttentionSaved {
+    stats: CudaStorage,
+    live: candle_core::cuda_backend::cudarc::driver::CudaSlice<u8>,
+}
+
 /// Flash attention (cuda/flash_attention.cu): from qkv (B, T, 3C) in bf16 or f16 and the
 /// additive mask (B or 1, 1, T, T) f32, `dropout(softmax(q k^T * scale + bias)) v` per head,
-/// (B, T, C), without the (B, NH, T, T) probabilities in memory; and the softmax's row statistics
-/// for [`attention_grad`] (f32: the B * NH * T row maxima, then as many 1 / row sums).
+/// (B, T, C), without the (B, NH, T, T) probabilities in memory; and what backward needs of it.
 pub fn attention(
     (qkv, lq): (&CudaStorage, &Layout),
     (bias, lb): (&CudaStorage, &Layout),
     n_head: usize,
     scale: f32,
     dropout: Option<DropoutMask>,
-) -> Result<(CudaStorage, CudaStorage)> {
+) -> Result<(CudaStorage, AttentionSaved)> {
     half_precision_only(qkv, "flash attention")?;
     check_aligned(&[lq])?;
     let (b, t, nh, bias_batches) = attention_dims(lq, lb, n_head)?;
@@ -673,11 +680,11 @@ pub fn attention(
         // SAFETY: the arguments match the kernel's signature.
         unsafe { launch.launch(attention_grid(b, t, nh)) }.w().map(|_| y)
     });
-    Ok((y, CudaStorage::wrap_cuda_slice(stats, dev.clone())))
+    Ok((y, AttentionSaved { stats: CudaStorage::wrap_cuda_slice(stats, dev.clone()), live }))
 }
 
 /// The gradient of [`attention`] with respect to qkv, (B, T, 3C), from its output y (B, T, C) and
-/// row statistics, the output gradient dy (B, T, C), the mask and the mask transposed in its last
+/// what it saved, the output gradient dy (B, T, C), the mask and the mask transposed in its last
 /// two dimensions (what the key-tile kernel reads along the queries). Deterministic: every element
 /// is summed by one thread in a fixed order.
 #[allow(clippy::too_many_arguments)]
@@ -686,7 +693,7 @@ pub fn attention_grad(
     (bias, lb): (&CudaStorage, &Layout),
     (bias_t, lbt): (&CudaStorage, &Layout),
     (y, ly): (&CudaStorage, &Layout),
-    stats: &CudaStorage,
+    saved: &AttentionSaved,
     (dy, ldy): (&CudaStorage, &Layout),
     n_head: usize,
     scale: f32,
@@ -700,13 +707,16 @@ pub fn attention_grad(
     }
     let bias = view::<f32>(bias, lb, "the attention bias")?;
     let bias_t = view::<f32>(bias_t, lbt, "the transposed attention bias")?;
-    if <f32 as CudaDType>::as_cuda_slice(stats)?.len() != 2 * b * nh * t {
-        candle_core::bail!("flash attention backward: the forward's statistics are not of this call's shape");
+    let tiles = t.div_ceil(ATTENTION_TILE);
+    if <f32 as CudaDType>::as_cuda_slice(&saved.stats)?.len() != 2 * b * nh * t
+        || saved.live.len() != bias_batches * tiles * tiles
+    {
+        candle_core::bail!("flash attention backward: what the forward saved is not of this call's shape");
     }
-    let stats = view::<f32>(stats, &Layout::contiguous(2 * b * nh * t), "the attention statistics")?;
+    let stats = view::<f32>(&saved.stats, &Layout::contiguous(2 * b * nh * t), "the attention statistics")?;
+    let live = &saved.live;
     let (seed, threshold, keep, on) = dropout_args(dropout);
     let dev = qkv.device();
-    let live = attention_tile_liveness(dev, &bias, bias_batches, t)?;
     Ok(for_float_dtype!(qkv, lq, "flash attention backward", |src: Elem, suffix| {
         let y = view::<Elem>(y, ly, "the attention output")?;
         let dy = view::<Elem>(dy, ldy, "the attention output gradient")?;
@@ -717,13 +727,13 @@ pub fn attention_grad(
         let (t32, nh32, bb32) = (t as u32, nh as u32, bias_batches as u32);
         let dq = attention_kernel!(dev, &format!("attention_backward_dq_{suffix}"));
         let mut launch = dq.builder();
-        launch.arg(src).arg(&bias).arg(&live).arg(&y).arg(&dy).arg(&dqkv).arg(&stats).arg(&dsum);
+        launch.arg(src).arg(&bias).arg(live).arg(&y).arg(&dy).arg(&dqkv).arg(&stats).arg(&dsum);
         launch.arg(&t32).arg(&nh32).arg(&bb32).arg(&scale).arg(&seed).arg(&threshold).arg(&keep).arg(&on);
         // SAFETY: the arguments match the kernel's signature.
         unsafe { launch.launch(attention_grid(b, t, nh)) }.w()?;
         let dkv = attention_kernel!(dev, &format!("attention_backward_dkv_{suffix}"));
         let mut launch = dkv.builder();
-        launch.arg(src).arg(&bias_t).arg(&live).arg(&dy).arg(&stats).arg(&dsum).arg(&dqkv);
+        launch.arg(src).arg(&bias_t).arg(live).arg(&dy).arg(&stats).arg(&dsum).arg(&dqkv);
         launch.arg(&t32).arg(&nh32).arg(&bb32).arg(&scale).arg(&seed).arg(&threshold).arg(&keep).arg(&on);
         // SAFETY: the arguments match the kernel's signature; D was written above, on the same
         // stream.

@@ -832,19 +832,20 @@ pub fn embedding(weight: &Tensor, ids: &Tensor) -> Result<Tensor> {
 /// and the dropout mask is regenerated from its key. Dropout's element indices are those of
 /// the (B, NH, T, T) probabilities, so the mask equals the composed reference's. On a GPU, for
 /// bf16 and f16 with heads of 64, the flash-style kernels of `kernels::cuda` compute the same;
-/// their forward leaves the softmax's row statistics here for backward, which then skips the
-/// pass over the keys that would recompute them.
+/// their forward leaves the softmax's row statistics and the mask's tile map here for backward,
+/// which then skips the pass over the keys that would recompute the one and the kernels that
+/// would remake the other.
 struct Attention {
     n_head: usize,
     scale: f32,
     dropout: Option<DropoutMask>,
     #[cfg(feature = "cuda")]
-    stats: std::sync::Mutex<Option<std::sync::Arc<candle_core::CudaStorage>>>,
+    saved: std::sync::Mutex<Option<std::sync::Arc<crate::kernels::cuda::AttentionSaved>>>,
 }
 
 /// Gradient of [`Attention`] for (qkv, bias, dy): dqkv (B, T, 3C). The GPU kernels also read the
-/// forward's output `y` and row statistics `stats`, and the mask transposed in its last two
-/// dimensions, `bias_t`.
+/// forward's output `y` and what it saved (the row statistics and the mask's tile map), and the
+/// mask transposed in its last two dimensions, `bias_t`.
 struct AttentionGrad {
     n_head: usize,
     scale: f32,
@@ -852,7 +853,7 @@ struct AttentionGrad {
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     y: Tensor,
     #[cfg(feature = "cuda")]
-    stats: Option<std::sync::Arc<candle_core::CudaStorage>>,
+    saved: Option<std::sync::Arc<crate::kernels::cuda::AttentionSaved>>,
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     bias_t: Option<Tensor>,
 }
@@ -967,9 +968,9 @@ impl CustomOp2 for Attention {
         s2: &candle_core::CudaStorage,
         l2: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let (y, stats) = crate::kernels::cuda::attention((s1, l1), (s2, l2), self.n_head, self.scale, self.dropout)?;
-        *self.stats.lock().map_err(|_| candle_core::Error::Msg("attention statistics lock poisoned".into()))? =
-            Some(std::sync::Arc::new(stats));
+        let (y, saved) = crate::kernels::cuda::attention((s1, l1), (s2, l2), self.n_head, self.scale, self.dropout)?;
+        *self.saved.lock().map_err(|_| candle_core::Error::Msg("attention statistics lock poisoned".into()))? =
+            Some(std::sync::Arc::new(saved));
         let (b, t, c3) = l1.shape().dims3()?;
         Ok((y, Shape::from((b, t, c3 / 3))))
     }
@@ -992,8 +993,8 @@ impl CustomOp2 for Attention {
             dropout: self.dropout,
             y: y.clone(),
             #[cfg(feature = "cuda")]
-            stats: self
-                .stats
+            saved: self
+                .saved
                 .lock()
                 .map_err(|_| candle_core::Error::Msg("attention statistics lock poisoned".into()))?
                 .clone(),
@@ -1110,7 +1111,7 @@ impl CustomOp3 for AttentionGrad {
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         use candle_core::Storage;
-        let (Some(bias_t), Some(stats)) = (&self.bias_t, &self.stats) else {
+        let (Some(bias_t), Some(saved)) = (&self.bias_t, &self.saved) else {
             candle_core::bail!("attention backward on CUDA needs the transposed bias and the forward's statistics");
         };
         let (y, ly) = self.y.storage_and_layout();
@@ -1123,7 +1124,7 @@ impl CustomOp3 for AttentionGrad {
             (s2, l2),
             (bias_t, lbt),
             (y, ly),
-            stats,
+            saved,
             (s3, l3),
             self.n_head,
             self.scale,
@@ -1147,7 +1148,7 @@ pub fn attention(
         scale: scale as f32,
         dropout,
         #[cfg(feature = "cuda")]
-        stats: Default::default(),
+        saved: Default::default(),
     };
     qkv.contiguous()?.apply_op2(&bias.contiguous()?, op)
 }
