@@ -15,7 +15,7 @@ fn compile_cuda_kernels() {
     let out_dir = std::path::PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
     let ptx = cudaforge::KernelBuilder::new()
         .source_dir("cuda")
-        .watch(["cuda/common.cuh"]) // included by the kernels
+        .watch(["cuda/common.cuh", "cuda/multi_tensor.cuh"]) // included by the kernels
         .arg("-std=c++17")
         .arg("-O3")
         .build_ptx()

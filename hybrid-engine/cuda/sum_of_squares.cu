@@ -1,10 +1,11 @@
-// The sum of squares of a tensor in f64, what a gradient norm adds up (the CPU's sum_of_squares
-// also squares and sums in f64): each block sums a grid-stride slice of the tensor, then one block
-// adds the blocks' sums in block order. The grid depends only on the length, so the result is the
-// same on every run.
+// The sum of squares of tensors in f64, what a gradient norm adds up (the CPU's sum_of_squares
+// also squares and sums in f64), in one launch for all of them: each block sums a chunk, then one
+// block adds the chunks' sums in chunk order. The result is the same on every run.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
+
+#include "multi_tensor.cuh"
 
 __device__ __forceinline__ double warp_sum_f64(double v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
@@ -26,22 +27,23 @@ __device__ __forceinline__ double block_sum_f64(double v) {
   return v;
 }
 
-#define SUM_OF_SQUARES(NAME, T, TO_F32)                                                           \
-  extern "C" __global__ void NAME(const T *x, uint64_t n, double *partial) {                      \
-    double acc = 0.0;                                                                             \
-    for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < n;                     \
-         i += (uint64_t)blockDim.x * gridDim.x) {                                                 \
-      const double v = TO_F32(x[i]);                                                              \
-      acc += v * v;                                                                               \
-    }                                                                                             \
-    acc = block_sum_f64(acc);                                                                     \
-    if (threadIdx.x == 0) partial[blockIdx.x] = acc;                                              \
-  }
-
-#define IDENTITY(v) (v)
-SUM_OF_SQUARES(sum_of_squares_f32, float, IDENTITY)
-SUM_OF_SQUARES(sum_of_squares_bf16, __nv_bfloat16, __bfloat162float)
-SUM_OF_SQUARES(sum_of_squares_f16, __half, __half2float)
+// partial[c] = the sum of squares of chunk c of the table's tensors (multi_tensor.cuh), one block
+// a chunk: the grid, and so the order of every sum, depends only on the tensors' lengths.
+extern "C" __global__ void sum_of_squares_multi_tensor(const TensorSlot *slots, uint32_t count, uint32_t chunk,
+                                                       double *partial) {
+  const TensorSlot &s = slot_of_chunk(slots, count, blockIdx.x);
+  const ChunkRange r = chunk_range(s, chunk);
+  double acc = 0.0;
+  with_float_type(s.grad_dtype, [&](auto typed) {
+    const auto *x = reinterpret_cast<decltype(typed)>(s.grad);
+    for (uint64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) {
+      const double v = to_f32(x[i]);
+      acc += v * v;
+    }
+  });
+  acc = block_sum_f64(acc);
+  if (threadIdx.x == 0) partial[blockIdx.x] = acc;
+}
 
 // out[0] = the sum of partial[0..blocks), one block, each thread a strided share, then in order.
 extern "C" __global__ void sum_partials_f64(const double *partial, uint32_t blocks, double *out) {

@@ -5,9 +5,10 @@
 //!
 //! * `train --model M --batch B --seq T --steps N --warmup W [--checkpoint-activations]`: full
 //!   training steps on random token ids (forward with dropout on, as in torch train mode;
-//!   backward; clip to global norm 1.0; AdamW update). Reports the median over N steps after W
-//!   warmup steps: `tokens_per_s` = B*T / step time; `ms_forward_backward`, `ms_clip` and
-//!   `ms_adamw` are the medians of the step's three phases.
+//!   backward; clip to global norm 1.0; AdamW update, by `optim::clip_and_step` as the trainers:
+//!   on a GPU the fused step). Reports the median over N steps after W warmup steps:
+//!   `tokens_per_s` = B*T / step time; `ms_forward_backward` and `ms_optimizer` (the norm, the
+//!   clipping, AdamW and the compute copy's refresh) are the medians of the step's two phases.
 //!   `flops_per_token` is the model FLOPs per trained token (6N + 12LHQT, see
 //!   `train_flops_per_token`), for MFU; `cpu_ms_per_step` the process's CPU time per step.
 //! * `generate --model M --batch B --prompt-len P --new-tokens N --warmup W --reps R`: greedy
@@ -47,7 +48,7 @@ use hybrid_engine::kernels::ops::DropoutKey;
 use hybrid_engine::model::gpt2::{Dropout, GPT2_EOS, GPT2_VOCAB};
 use hybrid_engine::training::memory::MemoryPlan;
 use hybrid_engine::training::metrics::peak_rss_mib;
-use hybrid_engine::training::optim::{clip_grad_norm, AdamW, AdamWConfig, GradAccumulator};
+use hybrid_engine::training::optim::{clip_and_step, AdamW, AdamWConfig, GradAccumulator};
 use hybrid_engine::{Gpt2Config, ParamStore};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -314,10 +315,10 @@ fn bench_train(a: &TrainArgs, device: &Device) -> Result<serde_json::Value> {
     let mut memory = GpuMemory::default();
     let mut rng = ChaCha8Rng::seed_from_u64(SEED);
 
-    // Per measured step: (total, forward+backward, clip, AdamW) seconds, and CPU seconds.
+    // Per measured step: total, forward+backward and optimizer seconds, and CPU seconds.
     let mut times = Vec::with_capacity(a.steps);
     let mut cpu_times = Vec::with_capacity(a.steps);
-    let mut phases: [Vec<f64>; 3] = Default::default();
+    let mut phases: [Vec<f64>; 2] = Default::default();
     let mut loss = f32::NAN;
     for step in 0..a.warmup + a.steps {
         if step == a.warmup {
@@ -345,15 +346,11 @@ fn bench_train(a: &TrainArgs, device: &Device) -> Result<serde_json::Value> {
             },
             &mut acc,
         )?;
-        let mut grads = acc.finish()?;
+        let grads = acc.finish_in_compute_dtype()?;
         device.synchronize()?;
         let backward_done = Instant::now();
         memory.sample(device)?;
-        clip_grad_norm(&mut grads, 1.0)?;
-        device.synchronize()?;
-        let clip_done = Instant::now();
-        opt.step(&params, &grads, LR)?;
-        compute.refresh_from(&params)?;
+        clip_and_step(&mut opt, &params, &compute, grads, LR, 1.0)?;
         device.synchronize()?;
         let end = Instant::now();
         memory.sample(device)?;
@@ -361,8 +358,7 @@ fn bench_train(a: &TrainArgs, device: &Device) -> Result<serde_json::Value> {
             cpu_times.push(cpu_seconds() - cpu_start);
             times.push((end - start).as_secs_f64());
             phases[0].push((backward_done - start).as_secs_f64());
-            phases[1].push((clip_done - backward_done).as_secs_f64());
-            phases[2].push((end - clip_done).as_secs_f64());
+            phases[1].push((end - backward_done).as_secs_f64());
         }
     }
     let step_s = median(&times);
@@ -389,8 +385,7 @@ fn bench_train(a: &TrainArgs, device: &Device) -> Result<serde_json::Value> {
         "ms_per_step_min": times.iter().copied().fold(f64::INFINITY, f64::min) * 1e3,
         "ms_per_step_max": times.iter().copied().fold(0.0, f64::max) * 1e3,
         "ms_forward_backward": median(&phases[0]) * 1e3,
-        "ms_clip": median(&phases[1]) * 1e3,
-        "ms_adamw": median(&phases[2]) * 1e3,
+        "ms_optimizer": median(&phases[1]) * 1e3,
         "cpu_ms_per_step": median(&cpu_times) * 1e3,
         "last_loss": loss,
         "peak_rss_mib": peak_rss_mib(),

@@ -28,7 +28,7 @@ use hybrid_engine::checkpoints::hf_io::{load_model_dir, resolve_model_dir};
 use hybrid_engine::generation::generate::{generate, SamplingConfig};
 use hybrid_engine::kernels::ops::{dropout, dropout_reference, with_reference_ops, DropoutKey};
 use hybrid_engine::model::gpt2::{Dropout, Positions};
-use hybrid_engine::training::optim::{clip_grad_norm, AdamW, AdamWConfig, GradAccumulator};
+use hybrid_engine::training::optim::{clip_and_step, AdamW, AdamWConfig, GradAccumulator};
 use hybrid_engine::training::train_step::{lm_forward_backward, Backward};
 use hybrid_engine::{Gpt2Config, ParamStore};
 
@@ -238,9 +238,10 @@ fn train_step(
     let mut acc = GradAccumulator::new(&params);
     let how = Backward { checkpoint_activations: false, loss_scale: 1.0 };
     lm_forward_backward(&model, ids, targets, Some(dropout), how, &mut acc)?;
-    let mut grads = acc.finish()?;
-    let norm = clip_grad_norm(&mut grads, 1.0)?;
-    AdamW::new(AdamWConfig::default(), &params)?.step(&params, &grads, 1e-3)?;
+    let grads = acc.finish_in_compute_dtype()?;
+    // On a GPU the fused optimizer step (one launch), on the CPU one parameter at a time.
+    let mut opt = AdamW::new(AdamWConfig::default(), &params)?;
+    let norm = clip_and_step(&mut opt, &params, &params, grads, 1e-3, 1.0)?;
     Ok((norm, params))
 }
 

@@ -102,7 +102,7 @@ fn auto_device() -> Device {
     let n = local_rank();
     match cuda_device_count() {
         Ok(0) => Device::Cpu,
-        Ok(_) => match Device::new_cuda(n) {
+        Ok(_) => match new_cuda(n) {
             Ok(d) => d,
             Err(e) => {
                 eprintln!(
@@ -158,10 +158,26 @@ fn check_cuda(spec: &str, n: usize) -> Result<()> {
 
 #[cfg(feature = "cuda")]
 fn open_cuda(spec: &str, n: usize) -> Result<Device> {
-    match Device::new_cuda(n) {
+    match new_cuda(n) {
         Ok(d) => Ok(d),
         Err(e) => bail!("--device {spec}: CUDA device {n} does not open ({}); use --device cpu", first_line(&e)),
     }
+}
+
+/// CUDA device `n` as candle opens it, without cudarc's event tracking. cudarc gives every
+/// allocation two CUDA events (created with it, destroyed with it) for ordering work across
+/// streams, and records them only when the context runs several streams; candle runs all of a
+/// device's work on one stream, so the events are never recorded, and making and destroying them
+/// is host time on each of the thousands of allocations of a training step.
+#[cfg(feature = "cuda")]
+fn new_cuda(n: usize) -> candle_core::Result<Device> {
+    let device = Device::new_cuda(n)?;
+    if let Device::Cuda(cuda) = &device {
+        // SAFETY: nothing allocated on this device yet; candle and this crate create no second
+        // stream on it (cudarc would then order work across streams by these events).
+        unsafe { cuda.disable_event_tracking() };
+    }
+    Ok(device)
 }
 
 /// The number of CUDA devices the driver sees (initialising the driver first).

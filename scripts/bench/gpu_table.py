@@ -197,7 +197,7 @@ def main():
     for label, _, _, ours, hfs in results:
         if label.startswith("train"):
             def ph(x):
-                return "failed" if "failed" in x else f"{x['ms_forward_backward']:.0f} / {x['ms_clip']:.0f} / {x['ms_adamw']:.0f}"
+                return "failed" if "failed" in x else f"{x['ms_forward_backward']:.0f} / {x['ms_optimizer']:.0f}"
             phases.append(f"- {label}: ours {ph(ours)}; " + "; ".join(f"{n} {ph(h)}" for n, h in hfs))
     failures = [f"- {label}, {who}: {r['failed']}" for label, _, _, ours, hfs in results
                 for who, r in [("ours", ours)] + hfs if "failed" in r]

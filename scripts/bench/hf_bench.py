@@ -12,7 +12,8 @@ Rust side is, and ``torch.set_num_threads`` = the cores this process may use.
   ours), on fresh random ids each step. ``--checkpoint-activations`` calls
   ``gradient_checkpointing_enable()`` (``activation_checkpointing_enable`` in transformers 5).
   Median over N steps after W warmup steps; ``tokens_per_s`` = B*T / step time; the medians of
-  the phases are ``ms_forward_backward``, ``ms_clip``, ``ms_adamw``. ``labels=ids`` scores T-1
+  the phases are ``ms_forward_backward``, ``ms_clip``, ``ms_adamw`` and ``ms_optimizer`` (the
+  last two together, as the Rust bench reports its fused optimizer step). ``labels=ids`` scores T-1
   positions where ours scores T (same B*T tokens through the model).
 * ``generate --model M --batch B --prompt-len P --new-tokens N --warmup W --reps R``:
   ``model.generate(do_sample=False, max_new_tokens=N, min_new_tokens=N, use_cache=True)`` in
@@ -189,6 +190,7 @@ def bench_train(a):
         "ms_forward_backward": statistics.median(phases[0]) * 1e3,
         "ms_clip": statistics.median(phases[1]) * 1e3,
         "ms_adamw": statistics.median(phases[2]) * 1e3,
+        "ms_optimizer": statistics.median([c + a for c, a in zip(phases[1], phases[2])]) * 1e3,
         "last_loss": loss,
         "peak_rss_mib": peak_rss_mib(),
     }

@@ -124,13 +124,13 @@ for label, r in rows.items():
     print(f"| {label} | {fmt(ours, 'tokens_per_s', '.1f')} | {fmt(hf, 'tokens_per_s', '.1f')} | {ratio} | "
           f"{mfu(ours)} | {mfu(hf)} | {fmt(ours, 'peak_rss_mib', '.0f')} | {fmt(hf, 'peak_rss_mib', '.0f')} |")
 print()
-print("Training step phases, medians in ms (forward+backward / clip / AdamW):")
+print("Training step phases, medians in ms (forward+backward / optimizer: norm, clip, AdamW):")
 print()
 for label, r in rows.items():
     ours, hf = r["ours"], r["hf"]
     if label.startswith("train") and not (ours.get("failed") or hf.get("failed")):
         def ph(x):
-            return f"{x['ms_forward_backward']:.0f} / {x['ms_clip']:.0f} / {x['ms_adamw']:.0f}"
+            return f"{x['ms_forward_backward']:.0f} / {x['ms_optimizer']:.0f}"
         print(f"- {label}: ours {ph(ours)}, HF {ph(hf)}")
 print()
 print("Arguments of each row (given to both `bench` and `hf_bench.py`):")

@@ -5,9 +5,11 @@
 
 use crate::kernels::dropout::DropoutMask;
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, CudaView, CudaViewMut, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+};
 use candle_core::cuda_backend::{CudaDType, CudaStorageSlice, WrapErr};
-use candle_core::{CudaStorage, DType, Layout, Result};
+use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Tensor};
 
 mod ptx {
     include!(concat!(env!("OUT_DIR"), "/ptx.rs"));
@@ -493,38 +495,203 @@ pub fn column_sums(g: &CudaStorage, lg: &Layout) -> Result<CudaStorage> {
     }))
 }
 
-/// Blocks of the sum-of-squares kernel at most; each sums a grid-stride slice of the tensor.
-const SUM_BLOCKS: usize = 512;
+/// Values a block of the multi-tensor kernels takes (cuda/multi_tensor.cuh): 64 a thread.
+const MULTI_TENSOR_CHUNK: u32 = 64 * BLOCK;
 
-/// The sum of squares of contiguous f32, bf16 or f16 `x` in f64 (cuda/sum_of_squares.cu): one
-/// value, summed per block and then over the blocks in order, so every run gives the same bits.
-pub fn sum_of_squares(x: &CudaStorage, l: &Layout) -> Result<CudaStorage> {
-    Ok(for_float_dtype!(x, l, "sum of squares", |src: Elem, suffix| {
-        let dev = x.device();
-        let n = src.len();
-        let blocks = n.div_ceil(BLOCK as usize * 4).clamp(1, SUM_BLOCKS);
-        // SAFETY: each block writes its partial sum, then the second kernel the one value.
-        let partial = unsafe { dev.alloc::<f64>(blocks)? };
-        let out = unsafe { dev.alloc::<f64>(1)? };
-        let func = dev.get_or_load_custom_func(
-            &format!("sum_of_squares_{suffix}"),
-            "rlhf_sum_of_squares",
-            ptx::SUM_OF_SQUARES,
-        )?;
-        let mut launch = func.builder();
-        let n64 = n as u64;
-        launch.arg(src).arg(&n64).arg(&partial);
-        let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: the arguments match the kernel's signature.
-        unsafe { launch.launch(cfg) }.w()?;
-        let sum = dev.get_or_load_custom_func("sum_partials_f64", "rlhf_sum_of_squares", ptx::SUM_OF_SQUARES)?;
-        let mut launch = sum.builder();
-        let blocks32 = blocks as u32;
-        launch.arg(&partial).arg(&blocks32).arg(&out);
-        let one = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: the arguments match the kernel's signature.
-        unsafe { launch.launch(one) }.w().map(|_| out)
-    }))
+/// A row of cuda/multi_tensor.cuh's table, field for field: one tensor of a multi-tensor launch.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct TensorSlot {
+    param: u64,
+    grad: u64,
+    moments: u64,
+    copy: u64,
+    n: u64,
+    first_chunk: u32,
+    grad_dtype: u32,
+    copy_dtype: u32,
+    decay: f32,
+    step_size: f32,
+    unused: u32,
+}
+
+// SAFETY: plain data of a fixed layout (the kernels' struct), valid for any bits.
+unsafe impl DeviceRepr for TensorSlot {}
+
+/// multi_tensor.cuh's code for a slot without a compute copy.
+const NO_COPY: u32 = 3;
+
+/// The device address of contiguous `t`'s first value and its dtype's code in
+/// cuda/multi_tensor.cuh (f32 0, bf16 1, f16 2). The address stays valid while `t` lives.
+fn address(t: &Tensor, what: &str) -> Result<(u64, u32)> {
+    let (storage, layout) = t.storage_and_layout();
+    let candle_core::Storage::Cuda(storage) = &*storage else {
+        candle_core::bail!("{what}: a multi-tensor kernel takes tensors on a CUDA device");
+    };
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        candle_core::bail!("{what}: a multi-tensor kernel takes contiguous tensors");
+    };
+    let stream = storage.device().cuda_stream();
+    macro_rules! address_of {
+        ($slice:expr, $code:expr) => {{
+            let view = $slice.slice(start..end);
+            let (address, _sync) = view.device_ptr(&stream);
+            (address, $code)
+        }};
+    }
+    Ok(match &storage.slice {
+        CudaStorageSlice::F32(x) => address_of!(x, 0),
+        CudaStorageSlice::BF16(x) => address_of!(x, 1),
+        CudaStorageSlice::F16(x) => address_of!(x, 2),
+        _ => candle_core::bail!("{what}: a multi-tensor kernel takes f32, bf16 or f16, not {:?}", t.dtype()),
+    })
+}
+
+/// The CUDA device all of `tensors` are on (an error if they are not on one).
+fn common_device(tensors: &[&Tensor]) -> Result<CudaDevice> {
+    let Some(first) = tensors.first() else { candle_core::bail!("a multi-tensor kernel takes at least one tensor") };
+    let candle_core::Device::Cuda(dev) = first.device() else {
+        candle_core::bail!("a multi-tensor kernel takes tensors on a CUDA device");
+    };
+    if tensors.iter().any(|t| !t.device().same_device(first.device())) {
+        candle_core::bail!("a multi-tensor kernel takes tensors on one device");
+    }
+    Ok(dev.clone())
+}
+
+/// Numbers the chunks of `slots` (their `first_chunk`, in order) and uploads the table: the
+/// table on the device, its length and the chunks in all (one block each). Slots must hold at
+/// least one value.
+fn upload_table(dev: &CudaDevice, slots: &mut [TensorSlot]) -> Result<(CudaSlice<TensorSlot>, u32, u32)> {
+    let mut chunks = 0u64;
+    for slot in slots.iter_mut() {
+        slot.first_chunk = u32::try_from(chunks).map_err(|_| candle_core::Error::Msg("too many chunks".into()))?;
+        chunks += slot.n.div_ceil(u64::from(MULTI_TENSOR_CHUNK));
+    }
+    let too_many = |_| candle_core::Error::Msg(format!("a multi-tensor launch of {chunks} chunks"));
+    let (count, chunks) = (u32::try_from(slots.len()).map_err(too_many)?, u32::try_from(chunks).map_err(too_many)?);
+    Ok((dev.clone_htod(&*slots)?, count, chunks))
+}
+
+/// The sum of squares of `tensors` (contiguous f32, bf16 or f16, on one GPU) in f64, what a
+/// gradient norm adds up (cuda/sum_of_squares.cu): every tensor in one launch, each chunk summed
+/// by a block and the chunks' sums added in order by a second kernel, so every run gives the
+/// same bits; the one value is then copied to the host.
+pub fn sum_of_squares(tensors: &[&Tensor]) -> Result<f64> {
+    let dev = common_device(tensors)?;
+    let mut slots = Vec::with_capacity(tensors.len());
+    for t in tensors.iter().filter(|t| t.elem_count() > 0) {
+        let (grad, grad_dtype) = address(t, "sum of squares")?;
+        slots.push(TensorSlot { grad, grad_dtype, n: t.elem_count() as u64, ..Default::default() });
+    }
+    if slots.is_empty() {
+        return Ok(0.0);
+    }
+    let (table, count, chunks) = upload_table(&dev, &mut slots)?;
+    // SAFETY: each block writes its chunk's sum, then the second kernel the one value.
+    let partial = unsafe { dev.alloc::<f64>(chunks as usize)? };
+    let out = unsafe { dev.alloc::<f64>(1)? };
+    let module = ("rlhf_sum_of_squares", ptx::SUM_OF_SQUARES);
+    let func = dev.get_or_load_custom_func("sum_of_squares_multi_tensor", module.0, module.1)?;
+    let mut launch = func.builder();
+    launch.arg(&table).arg(&count).arg(&MULTI_TENSOR_CHUNK).arg(&partial);
+    let per_chunk = LaunchConfig { grid_dim: (chunks, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: the arguments match the kernel's signature; the table's slots hold the tensors.
+    unsafe { launch.launch(per_chunk) }.w()?;
+    let sum = dev.get_or_load_custom_func("sum_partials_f64", module.0, module.1)?;
+    let mut launch = sum.builder();
+    launch.arg(&partial).arg(&chunks).arg(&out);
+    let one = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: the arguments match the kernel's signature.
+    unsafe { launch.launch(one) }.w()?;
+    Ok(dev.clone_dtoh(&out)?[0])
+}
+
+/// One parameter's part in [`adamw_multi_tensor`]: the f32 master updated in place, its gradient
+/// (f32, bf16 or f16), its moments (m then v, 2n f32 values) and, in mixed precision, the
+/// compute copy to write (bf16 or f16), with the parameter's own AdamW coefficients.
+pub struct AdamWTensor<'a> {
+    pub param: &'a Tensor,
+    pub grad: &'a Tensor,
+    pub moments: &'a Tensor,
+    pub copy: Option<&'a Tensor>,
+    /// `1 - lr wd` and `lr / (1 - b1^step)` for this parameter, rounded to f32.
+    pub decay: f32,
+    pub step_size: f32,
+}
+
+/// AdamW's coefficients every parameter of a step shares (cuda/adamw.cu's `AdamWShared`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct AdamWShared {
+    /// What every gradient value is multiplied by first (1: unchanged).
+    pub grad_scale: f32,
+    pub b1: f32,
+    pub one_minus_b1: f32,
+    pub b2: f32,
+    pub one_minus_b2: f32,
+    pub bc2_sqrt: f32,
+    pub eps: f32,
+}
+
+// SAFETY: plain f32s in the kernel's layout, passed by value.
+unsafe impl DeviceRepr for AdamWShared {}
+
+/// AdamW on every parameter of a step in one launch (cuda/adamw.cu's `adamw_multi_tensor`): the
+/// gradients read in their dtype and scaled, the moments and the masters updated in place, the
+/// compute copies written.
+pub fn adamw_multi_tensor(tensors: &[AdamWTensor], shared: AdamWShared) -> Result<()> {
+    let dev = common_device(&tensors.iter().map(|t| t.param).collect::<Vec<_>>())?;
+    let mut slots = Vec::with_capacity(tensors.len());
+    for t in tensors.iter().filter(|t| t.param.elem_count() > 0) {
+        let n = t.param.elem_count();
+        let (param, param_dtype) = address(t.param, "AdamW's parameter")?;
+        let (moments, moments_dtype) = address(t.moments, "AdamW's moments")?;
+        let (grad, grad_dtype) = address(t.grad, "AdamW's gradient")?;
+        let (copy, copy_dtype) = match t.copy {
+            Some(c) => address(c, "AdamW's compute copy")?,
+            None => (0, NO_COPY),
+        };
+        let lengths_agree =
+            t.grad.elem_count() == n && t.moments.elem_count() == 2 * n && t.copy.is_none_or(|c| c.elem_count() == n);
+        if param_dtype != 0 || moments_dtype != 0 || copy_dtype == 0 || !lengths_agree {
+            candle_core::bail!(
+                "AdamW on CUDA: an f32 parameter of n values, its gradient (n), f32 moments (2n) and a bf16/f16 copy (n), got {:?} {:?}, {:?} {:?}, {:?} {:?}",
+                t.param.dtype(),
+                t.param.dims(),
+                t.moments.dtype(),
+                t.moments.dims(),
+                t.grad.dtype(),
+                t.grad.dims()
+            );
+        }
+        let n = n as u64;
+        slots.push(TensorSlot {
+            param,
+            grad,
+            moments,
+            copy,
+            n,
+            grad_dtype,
+            copy_dtype,
+            decay: t.decay,
+            step_size: t.step_size,
+            ..Default::default()
+        });
+    }
+    if slots.is_empty() {
+        return Ok(());
+    }
+    let (table, count, chunks) = upload_table(&dev, &mut slots)?;
+    let func = dev.get_or_load_custom_func("adamw_multi_tensor", "rlhf_adamw", ptx::ADAMW)?;
+    let mut launch = func.builder();
+    launch.arg(&table).arg(&count).arg(&MULTI_TENSOR_CHUNK).arg(&shared);
+    let per_chunk = LaunchConfig { grid_dim: (chunks, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: the arguments match the kernel's signature; every address in the table is of a
+    // tensor the caller holds, of the length and dtype its slot says (checked above). The kernel
+    // writes the parameters, moments and copies that the caller's tensors own, in place, as
+    // candle's in-place ops do.
+    unsafe { launch.launch(per_chunk) }.w().map(|_| ())
 }
 
 /// The dropout arguments of the attention kernels: the site's seed, threshold and keep scale, and
@@ -1042,19 +1209,44 @@ mod tests {
     #[test]
     fn sum_of_squares_matches_the_cpu_in_f64_and_is_deterministic() -> Result<()> {
         let Some(gpu) = gpu() else { return Ok(()) };
-        // 3 x 333 333 values: more than the kernel's blocks cover in one stride, with a tail.
+        let exact = |ts: &[Tensor]| -> Result<f64> {
+            let mut sum = 0.0;
+            for t in ts {
+                sum += t.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?.iter().map(|v| v * v).sum::<f64>();
+            }
+            Ok(sum)
+        };
+        let sum = |ts: &[Tensor]| -> Result<f64> {
+            Ok(crate::kernels::fused::sum_of_squares_on_device(ts)?.expect("tensors on a GPU"))
+        };
+        // One tensor of 3 x 333 333 values (61 chunks, the last partial), in each dtype.
         let x = (Tensor::randn(0f32, 1f32, (3, 333_333), &Device::Cpu)? * 0.01)?;
         for dtype in [DType::F32, DType::BF16, DType::F16] {
             let x = x.to_dtype(dtype)?;
-            let want: f64 = x.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?.iter().map(|v| v * v).sum();
-            let on_gpu = x.to_device(&gpu)?;
-            let sum = |t: &Tensor| -> Result<f64> {
-                crate::kernels::fused::sum_of_squares_on_device(t)?.expect("a GPU tensor").to_scalar::<f64>()
-            };
+            let (want, on_gpu) = (exact(std::slice::from_ref(&x))?, [x.to_device(&gpu)?]);
             let got = sum(&on_gpu)?;
             assert!((got - want).abs() <= 1e-12 * want, "{dtype:?}: {got} against {want}");
             assert_eq!(sum(&on_gpu)?.to_bits(), got.to_bits(), "{dtype:?}: differs between two runs");
         }
+        // Many tensors in one launch: the three dtypes mixed, an empty one, one value, exactly a
+        // chunk and a chunk and one.
+        let chunk = super::MULTI_TENSOR_CHUNK as usize;
+        let many: Vec<Tensor> = [
+            (0, DType::F32),
+            (1, DType::BF16),
+            (chunk, DType::F16),
+            (chunk + 1, DType::F32),
+            (777, DType::BF16),
+            (3 * chunk - 5, DType::F32),
+        ]
+        .iter()
+        .map(|&(n, dtype)| (Tensor::randn(0f32, 1f32, n, &Device::Cpu)? + 0.5)?.to_dtype(dtype))
+        .collect::<Result<_>>()?;
+        let want = exact(&many)?;
+        let on_gpu: Vec<Tensor> = many.iter().map(|t| t.to_device(&gpu)).collect::<Result<_>>()?;
+        let got = sum(&on_gpu)?;
+        assert!((got - want).abs() <= 1e-12 * want, "many tensors: {got} against {want}");
+        assert_eq!(sum(&on_gpu)?.to_bits(), got.to_bits(), "many tensors: differs between two runs");
         Ok(())
     }
 

@@ -1272,34 +1272,17 @@ pub fn sum_of_squares(t: &Tensor) -> Result<Option<f64>> {
     Ok(Some(partial.into_inner().expect("partial sums lock").iter().sum()))
 }
 
-/// [`sum_of_squares`] on a GPU (cuda/sum_of_squares.cu), left there as an f64 scalar so that many
-/// tensors' sums reach the host in one copy.
-#[cfg(feature = "cuda")]
-struct SumOfSquares;
-
-#[cfg(feature = "cuda")]
-impl CustomOp1 for SumOfSquares {
-    fn name(&self) -> &'static str {
-        "sum-of-squares"
-    }
-
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
-        candle_core::bail!("the sum-of-squares op runs on a GPU; on the CPU `sum_of_squares` reads in place")
-    }
-
-    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
-        Ok((crate::kernels::cuda::sum_of_squares(s, l)?, Shape::from(())))
-    }
-}
-
-/// The sum of squares of an f32, bf16 or f16 tensor on a GPU, as an f64 scalar tensor there, in
-/// a fixed order (`None` for other tensors).
-pub fn sum_of_squares_on_device(t: &Tensor) -> Result<Option<Tensor>> {
+/// The sum of squares of every tensor of `tensors` together, in f64, when all are f32, bf16 or
+/// f16 on one GPU: one launch for all (cuda/sum_of_squares.cu) in a fixed order, and one copy of
+/// the result to the host (`None` for other tensors: the caller sums them another way).
+pub fn sum_of_squares_on_device(tensors: &[Tensor]) -> Result<Option<f64>> {
     #[cfg(feature = "cuda")]
-    if t.device().is_cuda() && crate::kernels::cuda::is_float(t.dtype()) {
-        return Ok(Some(t.contiguous()?.apply_op1_no_bwd(&SumOfSquares)?));
+    if !tensors.is_empty() && tensors.iter().all(|t| t.device().is_cuda() && crate::kernels::cuda::is_float(t.dtype()))
+    {
+        let contiguous: Vec<Tensor> = tensors.iter().map(Tensor::contiguous).collect::<Result<_>>()?;
+        return crate::kernels::cuda::sum_of_squares(&contiguous.iter().collect::<Vec<_>>()).map(Some);
     }
-    let _ = t;
+    let _ = tensors;
     Ok(None)
 }
 

@@ -288,13 +288,7 @@ impl AdamW {
                 var.as_tensor().inplace_op2(g, &op)?;
             } else {
                 // On the parameter's device, moments and all (uploaded from the host once).
-                let mv = match self.on_device[i].take() {
-                    Some(mv) => mv,
-                    None => {
-                        let both = [self.exp_avg[i].as_slice(), &self.exp_avg_sq[i]].concat();
-                        Tensor::from_vec(both, 2 * var.elem_count(), var.device())?
-                    }
-                };
+                let mv = self.take_device_moments(i, var.device())?;
                 let k = StepCoefficients::new(lr, wd, self.step, &self.config);
                 let mv = if in_place_f32(var.as_tensor(), g) && !crate::kernels::ops::reference_ops() {
                     adamw_update_in_place(var.as_tensor(), g, &mv, &k)?;
@@ -310,6 +304,116 @@ impl AdamW {
             }
         }
         Ok(())
+    }
+
+    /// Parameter `i`'s moments on `device`, m then v in one f32 tensor: kept there since the last
+    /// step, else uploaded from the host buffers.
+    fn take_device_moments(&mut self, i: usize, device: &candle_core::Device) -> Result<Tensor> {
+        Ok(match self.on_device[i].take() {
+            Some(mv) => mv,
+            None => {
+                let both = [self.exp_avg[i].as_slice(), &self.exp_avg_sq[i]].concat();
+                let n = both.len();
+                Tensor::from_vec(both, n, device)?
+            }
+        })
+    }
+
+    /// Whether [`Self::step_fused`] takes this step: every master an f32 parameter on one CUDA
+    /// device, every gradient f32, bf16 or f16 there, each compute-copy weight the master itself
+    /// or a bf16/f16 tensor there, all contiguous, and the optimizer whole (not a ZeRO shard).
+    pub fn fuses(&self, params: &ParamStore, grads: &[Tensor], compute: &ParamStore) -> bool {
+        if !cfg!(feature = "cuda") || crate::kernels::ops::reference_ops() {
+            return false;
+        }
+        let Some(first) = params.vars.first() else { return false };
+        let on_gpu = |t: &Tensor| t.device().is_cuda() && t.device().same_device(first.device()) && t.is_contiguous();
+        let half = |t: &Tensor| matches!(t.dtype(), DType::BF16 | DType::F16);
+        grads.len() == params.vars.len()
+            && compute.vars.len() == params.vars.len()
+            && params.vars.iter().zip(&self.held).all(|(v, h)| h.start == 0 && h.end == v.elem_count())
+            && params.vars.iter().zip(grads).zip(&compute.vars).all(|((p, g), c)| {
+                on_gpu(p)
+                    && p.dtype() == DType::F32
+                    && on_gpu(g)
+                    && (g.dtype() == DType::F32 || half(g))
+                    && g.elem_count() == p.elem_count()
+                    && (c.as_tensor().id() == p.as_tensor().id()
+                        || (on_gpu(c) && half(c) && c.elem_count() == p.elem_count()))
+            })
+    }
+
+    /// [`Self::step`] on a GPU in one launch for the whole model, with the work around it fused
+    /// in (cuda/adamw.cu's `adamw_multi_tensor`): each gradient read in its own dtype and
+    /// multiplied by `grad_scale` (the clipping coefficient, the accumulation and loss-scale
+    /// correction), and each updated master rounded into its weight in `compute` where that is a
+    /// bf16/f16 copy (what [`ParamStore::refresh_from`] does after [`Self::step`]). With
+    /// `grad_scale` 1 the same bits as [`Self::step`] then `refresh_from`. Call only where
+    /// [`Self::fuses`] says it takes the step.
+    pub fn step_fused(
+        &mut self,
+        params: &ParamStore,
+        grads: &[Tensor],
+        lr: f64,
+        grad_scale: f64,
+        compute: &ParamStore,
+    ) -> Result<()> {
+        if !self.fuses(params, grads, compute) {
+            bail!("internal error: the fused AdamW step was called where it does not apply");
+        }
+        self.step += 1;
+        let device = params.vars[0].device().clone();
+        let moments: Vec<Tensor> =
+            (0..params.vars.len()).map(|i| self.take_device_moments(i, &device)).collect::<Result<_>>()?;
+        let updated = self.launch_fused(params, grads, &moments, lr, grad_scale, compute);
+        // Kept on the device whether or not the launch went: they are the moments' truth.
+        self.on_device = moments.into_iter().map(Some).collect();
+        updated
+    }
+
+    #[cfg(feature = "cuda")]
+    fn launch_fused(
+        &self,
+        params: &ParamStore,
+        grads: &[Tensor],
+        moments: &[Tensor],
+        lr: f64,
+        grad_scale: f64,
+        compute: &ParamStore,
+    ) -> Result<()> {
+        use crate::kernels::cuda::{adamw_multi_tensor, AdamWShared, AdamWTensor};
+        // The coefficients rounded to f32 as the per-parameter update rounds them.
+        let shared = StepCoefficients::new(lr, 0.0, self.step, &self.config);
+        let tensors: Vec<AdamWTensor> = (0..params.vars.len())
+            .map(|i| {
+                let wd = if self.decay[i] { self.config.weight_decay } else { 0.0 };
+                let k = StepCoefficients::new(lr * self.lr_scale[i], wd, self.step, &self.config);
+                let (param, copy) = (params.vars[i].as_tensor(), compute.vars[i].as_tensor());
+                AdamWTensor {
+                    param,
+                    grad: &grads[i],
+                    moments: &moments[i],
+                    copy: (copy.id() != param.id()).then_some(copy),
+                    decay: k.decay,
+                    step_size: k.step_size,
+                }
+            })
+            .collect();
+        let shared = AdamWShared {
+            grad_scale: grad_scale as f32,
+            b1: shared.b1,
+            one_minus_b1: 1.0 - shared.b1,
+            b2: shared.b2,
+            one_minus_b2: 1.0 - shared.b2,
+            bc2_sqrt: shared.bc2_sqrt,
+            eps: shared.eps,
+        };
+        Ok(adamw_multi_tensor(&tensors, shared)?)
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn launch_fused(&self, _: &ParamStore, _: &[Tensor], _: &[Tensor], _: f64, _: f64, _: &ParamStore) -> Result<()> {
+        bail!("internal error: the fused AdamW step runs on CUDA, and this build has none")
     }
 
     /// Moments keyed `exp_avg.<param>` / `exp_avg_sq.<param>` for a checkpoint.
@@ -476,8 +580,12 @@ impl InplaceOp2 for InPlaceAdamW<'_> {
     }
 }
 
-/// Sums gradients over micro-batches, one fp32 slot per parameter of the store the model was
-/// built from (in mixed precision, the compute-dtype copy: its gradients are upcast here).
+/// Sums gradients over micro-batches, one slot per parameter of the store the model was built
+/// from (in mixed precision, the compute-dtype copy). A slot holds the first micro-batch's
+/// gradient as backward made it (bf16/f16 in mixed precision: no copy, no cast) and the sum in
+/// f32 from the second on. [`Self::finish`] hands out f32 (a bf16/f16 value is exact in f32, so
+/// upcasting at the end is upcasting at once); [`Self::finish_in_compute_dtype`] hands them out
+/// as held, for the GPU's fused optimizer step, which reads them in their dtype.
 pub struct GradAccumulator {
     vars: Vec<Var>,
     names: Vec<String>,
@@ -500,9 +608,9 @@ impl GradAccumulator {
             if let Some(g) = store.get(var.as_tensor()) {
                 // candle does not detach the gradients of variables: a kept gradient would
                 // hold the graph of its computation (the step's activations) alive.
-                let g = g.detach().to_dtype(DType::F32)?;
+                let g = g.detach();
                 *slot = Some(match slot.take() {
-                    Some(acc) => (acc + g)?,
+                    Some(acc) => (acc.to_dtype(DType::F32)? + g.to_dtype(DType::F32)?)?,
                     None => g,
                 });
             }
@@ -510,8 +618,14 @@ impl GradAccumulator {
         Ok(())
     }
 
-    /// The summed gradients; a parameter that got none is an error in our code, not the user's.
+    /// The summed gradients in f32; a parameter that got none is an error in our code, not the
+    /// user's.
     pub fn finish(self) -> Result<Vec<Tensor>> {
+        self.finish_in_compute_dtype()?.iter().map(|g| Ok(g.to_dtype(DType::F32)?)).collect()
+    }
+
+    /// The summed gradients as held: the compute dtype after one micro-batch, else f32.
+    pub fn finish_in_compute_dtype(self) -> Result<Vec<Tensor>> {
         self.grads
             .into_iter()
             .zip(&self.names)
@@ -519,9 +633,9 @@ impl GradAccumulator {
             .collect()
     }
 
-    /// The gradients summed so far (parameters without one yet left out).
-    pub fn partial(&self) -> Vec<Tensor> {
-        self.grads.iter().flatten().cloned().collect()
+    /// The gradients summed so far in f32 (parameters without one yet left out).
+    pub fn partial(&self) -> Result<Vec<Tensor>> {
+        self.grads.iter().flatten().map(|g| Ok(g.to_dtype(DType::F32)?)).collect()
     }
 
     /// A fresh, empty accumulator over the same parameters.
@@ -530,28 +644,42 @@ impl GradAccumulator {
     }
 }
 
-/// The L2 norm of all gradients together.
+/// The L2 norm of all gradients together. On a GPU the sums of squares of all of them are one
+/// launch and one copy to the host (`fused::sum_of_squares_on_device`), in f64 as on the CPU.
 pub fn global_grad_norm(grads: &[Tensor]) -> Result<f64> {
+    if let Some(sum) = crate::kernels::fused::sum_of_squares_on_device(grads)? {
+        return Ok(sum.sqrt());
+    }
     let mut sum = 0f64;
-    if !grads.is_empty() && grads.iter().all(|g| !g.device().is_cpu()) {
-        // On a GPU each tensor's sum of squares (in f64, as `ops::sum_of_squares` on the CPU)
-        // stays there until all are done: one copy to the host, not one wait per tensor.
-        let sums: Vec<Tensor> = grads
-            .iter()
-            .map(|g| match crate::kernels::fused::sum_of_squares_on_device(g)? {
-                Some(s) => Ok(s),
-                None => g.sqr()?.sum_all()?.to_dtype(DType::F64),
-            })
-            .collect::<candle_core::Result<_>>()?;
-        for s in Tensor::stack(&sums, 0)?.to_vec1::<f64>()? {
-            sum += s;
-        }
-    } else {
-        for g in grads {
-            sum += crate::kernels::ops::sum_of_squares(g)?;
-        }
+    for g in grads {
+        sum += crate::kernels::ops::sum_of_squares(g)?;
     }
     Ok(sum.sqrt())
+}
+
+/// One optimizer step of a single process on whole gradients (as [`GradAccumulator`] hands
+/// them out, in any float dtype): their global norm, clipping to `max_norm`, AdamW at `lr`, and
+/// the compute copy refreshed from the masters. On a GPU two launches for the norm and one for
+/// the rest ([`AdamW::step_fused`]); elsewhere on f32 gradients, one parameter at a time.
+/// Returns the norm before clipping.
+pub fn clip_and_step(
+    opt: &mut AdamW,
+    params: &ParamStore,
+    compute: &ParamStore,
+    grads: Vec<Tensor>,
+    lr: f64,
+    max_norm: f64,
+) -> Result<f64> {
+    if opt.fuses(params, &grads, compute) {
+        let norm = global_grad_norm(&grads)?;
+        opt.step_fused(params, &grads, lr, clip_coefficient(norm, max_norm), compute)?;
+        return Ok(norm);
+    }
+    let mut grads: Vec<Tensor> = grads.iter().map(|g| g.to_dtype(DType::F32)).collect::<candle_core::Result<_>>()?;
+    let norm = clip_grad_norm(&mut grads, max_norm)?;
+    opt.step(params, &grads, lr)?;
+    compute.refresh_from(params)?;
+    Ok(norm)
 }
 
 /// Scales gradients so their global norm is at most `max_norm` (Megatron `clip_grad_norm`:
@@ -564,15 +692,23 @@ pub fn clip_grad_norm(grads: &mut [Tensor], max_norm: f64) -> Result<f64> {
 
 /// [`clip_grad_norm`] with the global `norm` already computed.
 pub fn clip_to_norm(grads: &mut [Tensor], norm: f64, max_norm: f64) -> Result<()> {
-    if max_norm > 0.0 {
-        let coeff = max_norm / (norm + 1e-6);
-        if coeff < 1.0 {
-            for g in grads.iter_mut() {
-                *g = (&*g * coeff)?;
-            }
+    let coeff = clip_coefficient(norm, max_norm);
+    if coeff < 1.0 {
+        for g in grads.iter_mut() {
+            *g = (&*g * coeff)?;
         }
     }
     Ok(())
+}
+
+/// What clipping to `max_norm` multiplies gradients of global norm `norm` by (Megatron's
+/// `max_norm / (norm + 1e-6)`, only when below 1; 1 without clipping, `max_norm` 0).
+pub fn clip_coefficient(norm: f64, max_norm: f64) -> f64 {
+    if max_norm > 0.0 {
+        (max_norm / (norm + 1e-6)).min(1.0)
+    } else {
+        1.0
+    }
 }
 
 #[cfg(test)]
@@ -754,6 +890,93 @@ mod tests {
         cpu_opt.step(&cpu, &g_cpu, 1e-2)?;
         reloaded.step(&on_gpu, &g_gpu, 1e-2)?;
         same(&cpu, &on_gpu)
+    }
+
+    /// The fused GPU step (one launch for the model) against the per-parameter CPU update of the
+    /// gradients scaled alike and the compute copy cast after it, bit for bit: gradients in f32,
+    /// bf16 and f16, copies in bf16 and f16 or none (fp32), three steps at two scales, with a
+    /// tensor of more than one chunk (wte, 600 x 32 values) and weight decay on some.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn fused_gpu_step_is_the_per_parameter_update_then_the_cast_bit_for_bit() -> Result<()> {
+        let Ok(gpu) = Device::new_cuda(0) else { return Ok(()) };
+        let cfg =
+            Gpt2Config { n_layer: 1, n_embd: 32, n_head: 2, n_positions: 8, vocab_size: 600, ..Gpt2Config::tiny() };
+        let c = AdamWConfig { weight_decay: 0.1, ..AdamWConfig::default() };
+        let bits = |t: &Tensor| -> Result<Vec<u32>> {
+            Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?.iter().map(|v| v.to_bits()).collect())
+        };
+        for grad_dtype in [DType::F32, DType::BF16, DType::F16] {
+            for copy_dtype in [DType::F32, DType::BF16, DType::F16] {
+                let cpu = ParamStore::init(&cfg, 3, &Device::Cpu)?;
+                let on_gpu = ParamStore::init(&cfg, 3, &gpu)?;
+                let compute = on_gpu.compute_copy(copy_dtype)?;
+                let (mut cpu_opt, mut gpu_opt) = (AdamW::new(c.clone(), &cpu)?, AdamW::new(c.clone(), &on_gpu)?);
+                for (step, scale) in [(0usize, 0.37f64), (1, 1.0), (2, 2.5)] {
+                    // Gradients of the parameters before the step, in the dtype backward makes.
+                    let grads: Vec<Tensor> = cpu
+                        .vars
+                        .iter()
+                        .map(|v| Ok((v.as_tensor().sin()? * (step as f64 - 1.3))?.to_dtype(grad_dtype)?))
+                        .collect::<Result<_>>()?;
+                    let scaled: Vec<Tensor> = grads
+                        .iter()
+                        .map(|g| Ok((g.to_dtype(DType::F32)? * f64::from(scale as f32))?))
+                        .collect::<Result<_>>()?;
+                    cpu_opt.step(&cpu, &scaled, 1e-2)?;
+                    let on_device: Vec<Tensor> =
+                        grads.iter().map(|g| g.to_device(&gpu)).collect::<candle_core::Result<_>>()?;
+                    assert!(gpu_opt.fuses(&on_gpu, &on_device, &compute));
+                    gpu_opt.step_fused(&on_gpu, &on_device, 1e-2, scale, &compute)?;
+                    let what = format!("gradients {grad_dtype:?}, copy {copy_dtype:?}, step {step}");
+                    for (((name, want), (_, got)), copy) in cpu.iter().zip(on_gpu.iter()).zip(&compute.vars) {
+                        assert_eq!(bits(want)?, bits(got)?, "{name}, {what}");
+                        assert_eq!(
+                            bits(&want.to_dtype(copy_dtype)?)?,
+                            bits(copy.as_tensor())?,
+                            "{name}'s copy, {what}"
+                        );
+                    }
+                }
+                for ((k, a), (_, b)) in cpu_opt.state_tensors(&cpu)?.iter().zip(&gpu_opt.state_tensors(&on_gpu)?) {
+                    assert_eq!(bits(a)?, bits(b)?, "{k}");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The first micro-batch's gradients are held as backward made them (bf16 here), handed out
+    /// as such by `finish_in_compute_dtype` and exactly upcast by `finish`; a second micro-batch
+    /// sums in f32.
+    #[test]
+    fn accumulator_holds_one_micro_batch_in_its_dtype_and_sums_in_f32() -> Result<()> {
+        let store = ParamStore::init(&Gpt2Config::tiny(), 1, &Device::Cpu)?.compute_copy(DType::BF16)?;
+        // The gradient of the sum of every weight / 3: 1/3 rounded to bf16, each value.
+        let backward = || -> Result<GradStore> {
+            let mut loss = Tensor::zeros((), DType::BF16, &Device::Cpu)?;
+            for v in &store.vars {
+                loss = (loss + v.as_tensor().affine(1.0 / 3.0, 0.0)?.sum_all()?)?;
+            }
+            Ok(loss.backward()?)
+        };
+        let third = half::bf16::from_f64(1.0 / 3.0).to_f32();
+        let values = |t: &Tensor| -> Result<Vec<f32>> { Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?) };
+        let mut one = GradAccumulator::new(&store);
+        one.add(&backward()?)?;
+        assert!(one.partial()?.iter().all(|g| g.dtype() == DType::F32));
+        for g in one.finish_in_compute_dtype()? {
+            assert_eq!(g.dtype(), DType::BF16);
+            assert!(values(&g)?.iter().all(|&v| v == third));
+        }
+        let mut two = GradAccumulator::new(&store);
+        two.add(&backward()?)?;
+        two.add(&backward()?)?;
+        for g in two.finish()? {
+            assert_eq!(g.dtype(), DType::F32);
+            assert!(values(&g)?.iter().all(|&v| v == 2.0 * third));
+        }
+        Ok(())
     }
 
     #[test]

@@ -7,13 +7,13 @@ use crate::comm::ProcessGroup;
 use crate::model::params::ParamStore;
 use crate::tensor_parallel::shard::grad_norm_squared;
 use crate::training::metrics::Metrics;
-use crate::training::optim::{clip_to_norm, global_grad_norm, AdamW, AdamWConfig, GradAccumulator};
+use crate::training::optim::{clip_coefficient, clip_to_norm, global_grad_norm, AdamW, AdamWConfig, GradAccumulator};
 use crate::training::precision::{has_overflow, Dtype, LossScaler, LossScaling, Precision, ScaleUpdate};
 use crate::training::schedule::LrSchedule;
 use crate::training::zero::{self, DataParallel, Partition};
 use crate::training::zero3::ShardedModel;
 use anyhow::{bail, Context, Result};
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use std::rc::Rc;
@@ -256,7 +256,7 @@ impl Trainer {
     /// Whether the gradients accumulated so far hold an inf or a NaN (what the next step would
     /// find; `--align-overflow` asks both PPO models before either steps).
     pub fn pending_overflow(&self) -> Result<bool> {
-        let mut grads = self.acc.partial();
+        let mut grads = self.acc.partial()?;
         grads.extend(self.grad_shard.clone());
         if let Some(model) = &self.zero3 {
             grads.extend(model.partial_gradients());
@@ -333,9 +333,19 @@ impl Trainer {
             // Shards hold sums over ranks: the mean is over ranks too.
             fix /= self.group().map_or(1, |g| g.world()) as f64;
         }
-        if fix != 1.0 {
+        // On a GPU the optimizer step is one launch that reads each gradient as backward made
+        // it and applies `fix` and the clipping as it goes; the rest works on f32 gradients with
+        // `fix` applied here.
+        let fused = match &gradients {
+            Gradients::Full(grads) => self.tp.is_none() && self.optimizer.fuses(params, grads, &self.compute),
+            Gradients::Shard(_) => false,
+        };
+        if !fused {
             for g in gradients.tensors_mut() {
-                *g = (&*g * fix)?;
+                *g = g.to_dtype(DType::F32)?;
+                if fix != 1.0 {
+                    *g = (&*g * fix)?;
+                }
             }
         }
         self.pending = 0;
@@ -351,6 +361,8 @@ impl Trainer {
             }
             (Gradients::Shard(shard), Some(group), _) => zero::sharded_grad_norm(group, shard)?,
             (Gradients::Full(grads), _, Some((tp, names))) => grad_norm_squared(names, grads, tp)?.sqrt(),
+            // `fix` is positive: the norm of the corrected gradients.
+            _ if fused => fix * global_grad_norm(gradients.tensors_mut())?,
             _ => global_grad_norm(gradients.tensors_mut())?,
         };
         let overflow = !grad_norm.is_finite();
@@ -370,7 +382,10 @@ impl Trainer {
         // A skipped step leaves the weights, the moments and the schedule where they were, as
         // DeepSpeed does on overflow.
         let lr = self.schedule.lr(self.optimizer.step + 1);
-        if !skipped {
+        if !skipped && fused {
+            let scale = fix * clip_coefficient(grad_norm, self.clip);
+            self.optimizer.step_fused(params, gradients.tensors_mut(), lr, scale, &self.compute)?;
+        } else if !skipped {
             clip_to_norm(gradients.tensors_mut(), grad_norm, self.clip)?;
             match (&gradients, &self.dp, &self.zero3) {
                 (Gradients::Shard(shard), _, Some(model)) => model.adamw_step(&mut self.optimizer, shard, lr)?,
@@ -403,7 +418,8 @@ impl Trainer {
         let fresh = self.acc.emptied();
         let acc = std::mem::replace(&mut self.acc, fresh);
         match &self.dp {
-            None => Ok(Gradients::Full(acc.finish()?)),
+            // As held (bf16/f16 after one micro-batch in mixed precision): `step` decides.
+            None => Ok(Gradients::Full(acc.finish_in_compute_dtype()?)),
             Some((dp, _)) if dp.stage == 0 => {
                 let mut grads = acc.finish()?;
                 zero::all_reduce_gradients(dp, &mut grads)?;
