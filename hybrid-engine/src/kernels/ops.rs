@@ -237,26 +237,38 @@ pub fn attention(
     }
 }
 
-/// Whether [`attention`] runs the flash-style CUDA kernels: on a GPU in bf16 or f16 with heads of
-/// 64 and an f32 mask (f32 on a GPU stays on the composed ops, which match the CPU to 1e-5).
-/// `HYBRID_ENGINE_FLASH_ATTENTION=0` keeps the composed ops (benchmarks measure what it buys).
+/// Whether [`attention`] runs the flash-style CUDA kernels: on a GPU with an f32 mask, aligned
+/// operands and [`flash_attention_takes`] the dtype and head size.
 fn flash_attention_on_cuda(qkv: &Tensor, bias: &Tensor, n_head: usize) -> bool {
     #[cfg(feature = "cuda")]
     {
-        static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let off = *OFF.get_or_init(|| std::env::var("HYBRID_ENGINE_FLASH_ATTENTION").is_ok_and(|v| v == "0"));
         let head_dim = qkv.dims().last().map(|c3| c3 / 3 / n_head.max(1));
-        !off && on_cuda(&[qkv, bias])
+        on_cuda(&[qkv, bias])
             && crate::kernels::cuda::aligned_for_attention(qkv.layout())
-            && matches!(qkv.dtype(), DType::BF16 | DType::F16)
             && bias.dtype() == DType::F32
-            && head_dim == Some(crate::kernels::cuda::ATTENTION_HEAD_DIM)
+            && head_dim.is_some_and(|hd| flash_attention_takes(qkv.dtype(), hd))
     }
     #[cfg(not(feature = "cuda"))]
     {
         let _ = (qkv, bias, n_head);
         false
     }
+}
+
+/// The head size the flash attention kernels are built for (`cuda::ATTENTION_HEAD_DIM`, which a
+/// build without CUDA lacks: the memory plan needs the rule there too).
+const FLASH_ATTENTION_HEAD_DIM: usize = 64;
+#[cfg(feature = "cuda")]
+const _: () = assert!(FLASH_ATTENTION_HEAD_DIM == crate::kernels::cuda::ATTENTION_HEAD_DIM);
+
+/// Whether a GPU's [`attention`] in `dtype` with heads of `head_dim` takes the flash kernels: bf16
+/// or f16 with heads of 64 (f32 on a GPU stays on the composed ops, which match the CPU to 1e-5),
+/// unless `HYBRID_ENGINE_FLASH_ATTENTION=0` keeps the composed ops (benchmarks measure what it
+/// buys). The memory plan asks it too: the two keep very different tensors for backward.
+pub(crate) fn flash_attention_takes(dtype: DType, head_dim: usize) -> bool {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let off = *OFF.get_or_init(|| std::env::var("HYBRID_ENGINE_FLASH_ATTENTION").is_ok_and(|v| v == "0"));
+    !off && matches!(dtype, DType::BF16 | DType::F16) && head_dim == FLASH_ATTENTION_HEAD_DIM
 }
 
 /// [`attention`] composed of candle ops. On a GPU its masked softmax and dropout are the CUDA
