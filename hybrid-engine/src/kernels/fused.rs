@@ -1154,6 +1154,107 @@ pub fn attention(
 }
 
 // ---------------------------------------------------------------------------------------------
+// Decoding step on a GPU (cuda/decode_attention.cu)
+
+/// Writes the new tokens' keys and values of c_attn's output into a KV cache buffer in place.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // read by cuda_fwd
+struct KvCacheAppend {
+    n_head: usize,
+    start: usize,
+}
+
+impl candle_core::InplaceOp2 for KvCacheAppend {
+    fn name(&self) -> &'static str {
+        "kv-cache-append"
+    }
+
+    fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<()> {
+        candle_core::bail!("the KV cache's one-launch append runs on a GPU; the CPU appends the split heads")
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        kv: &mut candle_core::CudaStorage,
+        lkv: &Layout,
+        qkv: &candle_core::CudaStorage,
+        lq: &Layout,
+    ) -> Result<()> {
+        crate::kernels::cuda::kv_cache_append((kv, lkv), (qkv, lq), self.n_head, self.start)
+    }
+}
+
+/// Writes the keys and values of `qkv` (B, T, 3C) into `kv` (2, B, NH, capacity, HD), keys then
+/// values, at positions [start, start + T): one launch on a GPU.
+pub fn kv_cache_append(kv: &Tensor, qkv: &Tensor, n_head: usize, start: usize) -> Result<()> {
+    kv.inplace_op2(&qkv.contiguous()?, &KvCacheAppend { n_head, start })
+}
+
+/// Attention of the new tokens' queries over a KV cache buffer, from c_attn's output.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // read by cuda_fwd
+struct DecodeAttention {
+    n_head: usize,
+    start: usize,
+    scale: f32,
+}
+
+impl CustomOp3 for DecodeAttention {
+    fn name(&self) -> &'static str {
+        "decode-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        candle_core::bail!("decode attention from qkv runs on a GPU; the CPU runs decode::cached_attention")
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        qkv: &candle_core::CudaStorage,
+        lq: &Layout,
+        kv: &candle_core::CudaStorage,
+        lkv: &Layout,
+        bias: &candle_core::CudaStorage,
+        lb: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let y = crate::kernels::cuda::decode_attention(
+            (qkv, lq),
+            (kv, lkv),
+            (bias, lb),
+            self.n_head,
+            self.start,
+            self.scale,
+        )?;
+        let (b, t, c3) = lq.shape().dims3()?;
+        Ok((y, Shape::from((b, t, c3 / 3))))
+    }
+}
+
+/// `softmax(q k^T * scale + bias) v` per head for the new tokens' queries in `qkv` (B, T, 3C)
+/// over the first start + T positions of `kv` (2, B, NH, capacity, HD), where
+/// [`kv_cache_append`] has put their own keys and values; bias (B or 1, 1, T, start + T) f32:
+/// (B, T, C). No gradient (generation).
+pub fn decode_attention(
+    qkv: &Tensor,
+    kv: &Tensor,
+    start: usize,
+    bias: &Tensor,
+    n_head: usize,
+    scale: f64,
+) -> Result<Tensor> {
+    let op = DecodeAttention { n_head, start, scale: scale as f32 };
+    qkv.contiguous()?.apply_op3_no_bwd(kv, &bias.contiguous()?, &op)
+}
+
+// ---------------------------------------------------------------------------------------------
 // Dropout
 
 /// Inverted dropout: keeps element i, scaled by 1/(1-p), where `keep(i)` of the mask holds.

@@ -209,6 +209,36 @@ pub fn cached_attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale
     }
 }
 
+/// Whether a decoding step's attention runs from c_attn's output straight into and over the KV
+/// cache in two launches ([`crate::kernels::fused::decode_attention`]): on a GPU, heads of 32 to
+/// 128 values (a multiple of 32), an f32 mask of rank 4. Elsewhere the cache takes the split
+/// heads and [`cached_attention`] runs.
+pub fn decode_attention_on_cuda(qkv: &Tensor, bias: &Tensor, n_head: usize) -> bool {
+    let head_dim = qkv.dims().last().map_or(0, |c3| c3 / 3 / n_head.max(1));
+    on_cuda(&[qkv, bias])
+        && bias.dtype() == DType::F32
+        && bias.rank() == 4
+        && head_dim.is_multiple_of(32)
+        && (32..=128).contains(&head_dim)
+}
+
+/// See [`crate::kernels::fused::kv_cache_append`].
+pub fn kv_cache_append(kv: &Tensor, qkv: &Tensor, n_head: usize, start: usize) -> Result<()> {
+    crate::kernels::fused::kv_cache_append(kv, qkv, n_head, start)
+}
+
+/// See [`crate::kernels::fused::decode_attention`].
+pub fn decode_attention(
+    qkv: &Tensor,
+    kv: &Tensor,
+    start: usize,
+    bias: &Tensor,
+    n_head: usize,
+    scale: f64,
+) -> Result<Tensor> {
+    crate::kernels::fused::decode_attention(qkv, kv, start, bias, n_head, scale)
+}
+
 /// The tied LM head `x wte^T`: (N, C), (V, C) -> (N, V). For the few rows of a decoding step
 /// on the CPU, [`crate::kernels::decode::lm_head`] (1.4-3.5x the matmul's speed there); the plain
 /// matmul otherwise.

@@ -390,6 +390,12 @@ impl Attention {
                 let mask = dropout.filter(|(d, _)| d.attn > 0.0).map(|(d, layer)| d.key.mask(d.attn, layer, site));
                 ops::attention(&qkv, bias, self.n_head, self.scale, mask)? // (B, T, C)
             }
+            Some(cache) if ops::decode_attention_on_cuda(&qkv, bias, self.n_head) => {
+                // Generation on a GPU: into the cache and over it in two launches.
+                let (kv, start) = cache.append_qkv(&qkv, self.n_head)?;
+                ops::decode_attention(&qkv, &kv, start, bias, self.n_head, self.scale)?
+                // (B, T, C)
+            }
             Some(cache) => {
                 // Generation: the new tokens' keys and values join the cached ones (no dropout).
                 let (q, k, v) = ops::split_heads(&qkv, self.n_head)?; // (B, NH, T, HD)

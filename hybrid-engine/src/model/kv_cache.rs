@@ -5,19 +5,19 @@
 //!
 //! Shapes: B rows, NH heads, S cached positions (at most `capacity`), HD head size.
 
-use candle_core::{Result, Tensor};
+use candle_core::{DType, Device, IndexOp, Result, Tensor};
 
 pub struct KvCache {
     capacity: usize,
-    /// (B, NH, capacity, HD) each, allocated on the first append.
-    buffers: Option<(Tensor, Tensor)>,
+    /// (2, B, NH, capacity, HD): the keys, then the values; allocated on the first append.
+    buffer: Option<Tensor>,
     len: usize,
 }
 
 impl KvCache {
     /// A cache for up to `capacity` positions (nothing is allocated until the first append).
     pub fn new(capacity: usize) -> Self {
-        Self { capacity, buffers: None, len: 0 }
+        Self { capacity, buffer: None, len: 0 }
     }
 
     /// Positions it can hold.
@@ -38,17 +38,22 @@ impl KvCache {
     /// Frees the buffers (`--release-inference-cache`).
     pub fn release(&mut self) {
         self.len = 0;
-        self.buffers = None;
+        self.buffer = None;
     }
 
     /// Bytes held by the buffers.
     pub fn allocated_bytes(&self) -> usize {
-        self.buffers.as_ref().map_or(0, |(k, _)| 2 * k.elem_count() * k.dtype().size_in_bytes())
+        self.buffer.as_ref().map_or(0, |kv| kv.elem_count() * kv.dtype().size_in_bytes())
     }
 
-    /// Appends `k`, `v` (B, NH, T, HD) and returns every cached position: (B, NH, S + T, HD).
-    pub fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
-        let (b, nh, t, hd) = k.dims4()?;
+    /// The buffer, with room for `t` more positions of B rows, NH heads of HD values: allocated
+    /// for the full capacity on first use or for another shape (which forgets what was cached).
+    fn room_for(
+        &mut self,
+        (b, nh, t, hd): (usize, usize, usize, usize),
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Tensor> {
         if self.len + t > self.capacity {
             candle_core::bail!(
                 "KV cache overflow: {} cached + {t} new positions exceed its capacity {}",
@@ -56,21 +61,40 @@ impl KvCache {
                 self.capacity
             );
         }
-        let fits = self
-            .buffers
-            .as_ref()
-            .is_some_and(|(kb, _)| kb.dims() == [b, nh, self.capacity, hd] && kb.dtype() == k.dtype());
-        if !fits {
-            // First use, or another batch shape: (re)allocate for the full capacity once.
-            let zeros = Tensor::zeros((b, nh, self.capacity, hd), k.dtype(), k.device())?;
-            self.buffers = Some((zeros.clone(), zeros.copy()?));
-            self.len = 0;
+        let shape = [2, b, nh, self.capacity, hd];
+        match &self.buffer {
+            Some(kv) if kv.dims() == shape && kv.dtype() == dtype => Ok(kv.clone()),
+            _ => {
+                let kv = Tensor::zeros(&shape, dtype, device)?;
+                self.buffer = Some(kv.clone());
+                self.len = 0;
+                Ok(kv)
+            }
         }
-        let (kb, vb) = self.buffers.as_ref().expect("allocated above");
-        kb.slice_set(&k.contiguous()?, 2, self.len)?;
-        vb.slice_set(&v.contiguous()?, 2, self.len)?;
+    }
+
+    /// Appends `k`, `v` (B, NH, T, HD) and returns every cached position: (B, NH, S + T, HD).
+    pub fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        let (b, nh, t, hd) = k.dims4()?;
+        let kv = self.room_for((b, nh, t, hd), k.dtype(), k.device())?;
+        let (keys, values) = (kv.i(0)?, kv.i(1)?);
+        keys.slice_set(&k.contiguous()?, 2, self.len)?;
+        values.slice_set(&v.contiguous()?, 2, self.len)?;
         self.len += t;
-        Ok((kb.narrow(2, 0, self.len)?, vb.narrow(2, 0, self.len)?))
+        Ok((keys.narrow(2, 0, self.len)?, values.narrow(2, 0, self.len)?))
+    }
+
+    /// Appends the new tokens' keys and values straight from c_attn's output `qkv` (B, T, 3C) of
+    /// `n_head` heads, in one launch on a GPU (`ops::kv_cache_append`); returns the whole buffer
+    /// (2, B, NH, capacity, HD) and the positions cached before these tokens, what
+    /// `ops::decode_attention` takes.
+    pub fn append_qkv(&mut self, qkv: &Tensor, n_head: usize) -> Result<(Tensor, usize)> {
+        let (b, t, c3) = qkv.dims3()?;
+        let kv = self.room_for((b, n_head, t, c3 / 3 / n_head), qkv.dtype(), qkv.device())?;
+        let start = self.len;
+        crate::kernels::ops::kv_cache_append(&kv, qkv, n_head, start)?;
+        self.len += t;
+        Ok((kv, start))
     }
 }
 

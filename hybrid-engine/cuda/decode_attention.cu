@@ -1,0 +1,73 @@
+// Attention of generation's new tokens over the KV cache, straight from c_attn's output: what
+// ops::split_heads, KvCache::append, ops::cached_attention's two products and softmax and
+// ops::merge_heads do in nine launches a layer, in two. A decoding step is a few rows a layer,
+// so its time on a GPU is launches, not arithmetic.
+//
+// qkv: (B, T, 3C) the new tokens' queries, keys and values, C = NH * HD; kv: the layer's cache
+// (2, B, NH, CAP, HD), keys then values, positions [0, start) already cached; the new tokens go
+// to [start, start + T). bias: (B or 1, 1, T, S) f32 with S = start + T, 0 where a key is
+// visible, gpt2.rs's MASKED (-1e9) where not. y: (B, T, C). The softmax runs in f32 with the
+// running maximum and sum (FlashAttention's online softmax), and the products accumulate in f32.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#include "common.cuh"
+
+#define HALF_TYPES(X) X(f32, float, IDENTITY, IDENTITY) X(bf16, __nv_bfloat16, __bfloat162float, __float2bfloat16_rn) X(f16, __half, __half2float, __float2half_rn)
+#define IDENTITY(v) (v)
+
+// kv[which][b][h][start + t][d] = qkv[b][t][(1 + which) C + h HD + d], for which 0 (keys) and 1.
+#define KV_CACHE_APPEND(SUFFIX, T, TO_F32, FROM_F32)                                               \
+  extern "C" __global__ void kv_cache_append_##SUFFIX(const T *qkv, T *kv, uint32_t b, uint32_t t, \
+                                                      uint32_t nh, uint32_t hd, uint32_t cap,       \
+                                                      uint32_t start) {                            \
+    const uint64_t c = (uint64_t)nh * hd, n = 2ull * b * t * c;                                    \
+    for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < n;                      \
+         i += (uint64_t)blockDim.x * gridDim.x) {                                                  \
+      const uint64_t ch = i % c, row = i / c; /* row: (which, b, t) */                             \
+      const uint64_t ti = row % t, bi = (row / t) % b, which = row / ((uint64_t)t * b);            \
+      const uint64_t h = ch / hd, d = ch % hd;                                                     \
+      kv[(((which * b + bi) * nh + h) * cap + start + ti) * hd + d] =                              \
+          qkv[(bi * t + ti) * 3 * c + (1 + which) * c + ch];                                       \
+    }                                                                                              \
+  }
+
+// One warp a query row (b, h, t); each lane holds HD / 32 of the head's dimensions (at most 4:
+// HD a multiple of 32 up to 128) of the query and of the output, and every key costs one warp
+// sum of the lanes' partial dot products.
+#define DECODE_ATTENTION(SUFFIX, T, TO_F32, FROM_F32)                                              \
+  extern "C" __global__ void decode_attention_##SUFFIX(                                             \
+      const T *qkv, const T *kv, const float *bias, T *y, uint32_t b, uint32_t t, uint32_t nh,     \
+      uint32_t hd, uint32_t cap, uint32_t s, uint32_t bias_batches, float scale) {                 \
+    const uint64_t row = blockIdx.x * (uint64_t)(blockDim.x / 32) + threadIdx.x / 32;              \
+    const uint32_t lane = threadIdx.x % 32, per_lane = hd / 32;                                    \
+    if (row >= (uint64_t)b * nh * t) return;                                                       \
+    const uint64_t ti = row % t, h = (row / t) % nh, bi = row / ((uint64_t)t * nh);                \
+    const uint64_t c = (uint64_t)nh * hd;                                                          \
+    const T *q = qkv + (bi * t + ti) * 3 * c + h * hd;                                             \
+    const T *keys = kv + (bi * nh + h) * cap * hd;                                                 \
+    const T *values = kv + ((1ull * b + bi) * nh + h) * cap * hd;                                  \
+    const float *mask = bias + ((bias_batches == 1 ? 0 : bi) * t + ti) * s;                        \
+    float qd[4] = {0.0f, 0.0f, 0.0f, 0.0f}, acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};                     \
+    _Pragma("unroll") for (uint32_t e = 0; e < 4; e++) if (e < per_lane) qd[e] = TO_F32(q[lane + 32 * e]); \
+    float m = -INFINITY, l = 0.0f;                                                                 \
+    for (uint32_t j = 0; j < s; j++) {                                                             \
+      float dot = 0.0f;                                                                            \
+      _Pragma("unroll") for (uint32_t e = 0; e < 4; e++)                                           \
+        if (e < per_lane) dot += qd[e] * TO_F32(keys[j * hd + lane + 32 * e]);                     \
+      const float score = warp_sum(dot) * scale + mask[j];                                         \
+      const float m_new = fmaxf(m, score);                                                         \
+      const float correction = expf(m - m_new), p = expf(score - m_new);                           \
+      l = l * correction + p;                                                                      \
+      _Pragma("unroll") for (uint32_t e = 0; e < 4; e++)                                           \
+        if (e < per_lane) acc[e] = acc[e] * correction + p * TO_F32(values[j * hd + lane + 32 * e]); \
+      m = m_new;                                                                                   \
+    }                                                                                              \
+    T *out = y + (bi * t + ti) * c + h * hd;                                                       \
+    _Pragma("unroll") for (uint32_t e = 0; e < 4; e++)                                             \
+      if (e < per_lane) out[lane + 32 * e] = FROM_F32(acc[e] / l);                                 \
+  }
+
+HALF_TYPES(KV_CACHE_APPEND)
+HALF_TYPES(DECODE_ATTENTION)
