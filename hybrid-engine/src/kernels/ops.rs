@@ -222,22 +222,7 @@ pub fn decode_attention_on_cuda(qkv: &Tensor, bias: &Tensor, n_head: usize) -> b
         && (32..=128).contains(&head_dim)
 }
 
-/// See [`crate::kernels::fused::kv_cache_append`].
-pub fn kv_cache_append(kv: &Tensor, qkv: &Tensor, n_head: usize, start: usize) -> Result<()> {
-    crate::kernels::fused::kv_cache_append(kv, qkv, n_head, start)
-}
-
-/// See [`crate::kernels::fused::decode_attention`].
-pub fn decode_attention(
-    qkv: &Tensor,
-    kv: &Tensor,
-    start: usize,
-    bias: &Tensor,
-    n_head: usize,
-    scale: f64,
-) -> Result<Tensor> {
-    crate::kernels::fused::decode_attention(qkv, kv, start, bias, n_head, scale)
-}
+pub use crate::kernels::fused::{decode_attention, kv_cache_append};
 
 /// The tied LM head `x wte^T`: (N, C), (V, C) -> (N, V). For the few rows of a decoding step
 /// on the CPU, [`crate::kernels::decode::lm_head`] (1.4-3.5x the matmul's speed there); the plain
