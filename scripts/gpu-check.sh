@@ -4,7 +4,7 @@
 #
 #   0. unit-tests: the engine library's unit tests built with the CUDA feature, among them the
 #      CUDA kernels' own tests against the CPU (kernels::cuda::tests and AdamW's
-#      training::optim::tests::adamw_cuda_*, which need the GPU);
+#      training::optim::tests::adamw_cuda_* and fused_gpu_step_*, which need the GPU);
 #   1. gpu_check: fp32 logits, loss and every gradient of the same gpt2 weights on CUDA against
 #      the CPU (1e-4), bf16/fp16 logits, greedy generation with the KV cache, NCCL at one rank;
 #   2. pretraining gpt2 from scratch for 50 iterations in fp32, fp16 and bf16 on CUDA (the

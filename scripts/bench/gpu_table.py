@@ -225,7 +225,7 @@ def main():
         "",
         *table,
         "",
-        "Training step phases, medians in ms (forward+backward / clip / AdamW):",
+        "Training step phases, medians in ms (forward+backward / optimizer: norm, clip, AdamW):",
         "",
         *phases,
         "",
