@@ -14,7 +14,7 @@
 
 #include "common.cuh"
 
-#define HALF_TYPES(X) X(f32, float, IDENTITY, IDENTITY) X(bf16, __nv_bfloat16, __bfloat162float, __float2bfloat16_rn) X(f16, __half, __half2float, __float2half_rn)
+#define FLOAT_TYPES(X) X(f32, float, IDENTITY, IDENTITY) X(bf16, __nv_bfloat16, __bfloat162float, __float2bfloat16_rn) X(f16, __half, __half2float, __float2half_rn)
 #define IDENTITY(v) (v)
 
 // kv[which][b][h][start + t][d] = qkv[b][t][(1 + which) C + h HD + d], for which 0 (keys) and 1.
@@ -69,5 +69,5 @@
       if (e < per_lane) out[lane + 32 * e] = FROM_F32(acc[e] / l);                                 \
   }
 
-HALF_TYPES(KV_CACHE_APPEND)
-HALF_TYPES(DECODE_ATTENTION)
+FLOAT_TYPES(KV_CACHE_APPEND)
+FLOAT_TYPES(DECODE_ATTENTION)
