@@ -928,7 +928,7 @@ fn attention_tile_liveness(
 /// reads the one and does not make the other again.
 pub struct AttentionSaved {
     stats: CudaStorage,
-    live: candle_core::cuda_backend::cudarc::driver::CudaSlice<u8>,
+    live: CudaSlice<u8>,
 }
 
 /// Flash attention (cuda/flash_attention.cu): from qkv (B, T, 3C) in bf16 or f16 and the

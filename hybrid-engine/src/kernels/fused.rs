@@ -969,7 +969,10 @@ impl CustomOp2 for Attention {
         l2: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let (y, saved) = crate::kernels::cuda::attention((s1, l1), (s2, l2), self.n_head, self.scale, self.dropout)?;
-        *self.saved.lock().map_err(|_| candle_core::Error::Msg("attention statistics lock poisoned".into()))? =
+        *self
+            .saved
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("the attention's saved state lock poisoned".into()))? =
             Some(std::sync::Arc::new(saved));
         let (b, t, c3) = l1.shape().dims3()?;
         Ok((y, Shape::from((b, t, c3 / 3))))
@@ -996,7 +999,7 @@ impl CustomOp2 for Attention {
             saved: self
                 .saved
                 .lock()
-                .map_err(|_| candle_core::Error::Msg("attention statistics lock poisoned".into()))?
+                .map_err(|_| candle_core::Error::Msg("the attention's saved state lock poisoned".into()))?
                 .clone(),
             bias_t,
         };
