@@ -123,9 +123,31 @@ fn count(key: &str, value: &str, min: usize) -> Result<usize> {
         .ok_or_else(|| anyhow!("{key}={value:?} is not a number of at least {min}"))
 }
 
-/// A free TCP port for the rendezvous (bound and released: another process could take it in
-/// between, in which case rank 0 fails saying the port is in use).
+/// A free TCP port for the rendezvous, below the kernel's ephemeral range.
+///
+/// A port found by binding port 0 is an ephemeral one, and is released before rank 0 binds it
+/// again: in between, any process's `bind(0)` or outgoing connection (the ranks' own peer
+/// listeners among them) may be handed the same port, and rank 0 then fails with "address in
+/// use". Below the ephemeral range the kernel hands out nothing on its own; a random candidate
+/// there that binds now is taken only by someone choosing that very number.
 pub fn free_port() -> Result<u16> {
+    use rand::Rng;
+    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    // Clear of the registered services below 10000 and of the launcher's default, 29500.
+    let candidates = 10000..ephemeral_low.max(10001);
+    let mut rng = rand::rng();
+    for _ in 0..64 {
+        let port = rng.random_range(candidates.clone());
+        if port != hybrid_engine::comm::env::DEFAULT_MASTER_PORT
+            && std::net::TcpListener::bind(("0.0.0.0", port)).is_ok()
+        {
+            return Ok(port);
+        }
+    }
+    // Everything tried is taken (or the range is tiny): an ephemeral port, as a last resort.
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
@@ -408,6 +430,24 @@ mod tests {
             (MASTER_PORT_ENV, "1"),
         ])?;
         assert_eq!(one.map(|n| n.rank_env(0)[0].1.clone()).as_deref(), Some("1"));
+        Ok(())
+    }
+
+    #[test]
+    fn the_rendezvous_port_is_one_the_kernel_never_hands_out_on_its_own() -> Result<()> {
+        // The ephemeral range is where every bind(0) and outgoing connection lands (the ranks'
+        // peer listeners, other jobs' clients): a port from there can be taken between the
+        // launcher's choice and rank 0's bind. Ours is below it, and rank 0 can bind it.
+        let low: u16 = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")?
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse().ok())
+            .expect("the ephemeral range's low end");
+        for _ in 0..16 {
+            let port = free_port()?;
+            assert!((10000..low).contains(&port) && port != 29500, "port {port}");
+            std::net::TcpListener::bind(("0.0.0.0", port))?;
+        }
         Ok(())
     }
 
