@@ -7,6 +7,7 @@
 //! named by the row's key ([`LeftPadded::with_keys`]), so a row's answer does not depend on which
 //! rows share its batch: a rollout cut across data-parallel ranks samples what one rank would.
 
+use crate::kernels::ops;
 use crate::model::gpt2::{Gpt2, Gpt2Cache, Positions};
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor, D};
@@ -240,17 +241,13 @@ pub fn generate_with_cache(
 
         // The LM head on the last position only (the prompt's other positions need no logits).
         let last = hidden.narrow(1, hidden.dim(1)? - 1, 1)?.squeeze(1)?; // (B, C)
-        let last = model.lm_head(&last)?.to_dtype(DType::F32)?; // (B, V)
-        let v = last.dim(1)?;
-        let logits: Vec<f32> = last.flatten_all()?.to_vec1()?;
-        let lse = crate::kernels::decode::log_sum_exp_rows(&logits, v);
+        let picks = next_tokens(&model.lm_head(&last)?, cfg, &done, &mut rngs)?;
         let mut step = Vec::with_capacity(b);
-        for (r, row) in logits.chunks_exact(v).enumerate() {
-            let tok = if done[r] { cfg.pad_token_id } else { sample_token(row, cfg, &mut rngs[r]) };
+        for (r, (tok, logprob)) in picks.into_iter().enumerate() {
+            let tok = if done[r] { cfg.pad_token_id } else { tok };
             if !done[r] {
                 out[r].push(tok);
-                // log softmax(logits)[token], the exponentials summed in f64.
-                logprobs[r].push((f64::from(row[tok as usize]) - lse[r]) as f32);
+                logprobs[r].push(logprob);
                 done[r] = cfg.eos_token_id == Some(tok);
             }
             step.push(tok);
@@ -266,6 +263,32 @@ pub fn generate_with_cache(
         next_pos.iter_mut().for_each(|x| *x += 1);
     }
     Ok(Generation { tokens: out, logprobs })
+}
+
+/// Each row's next token and its log-probability `log softmax(logits)[token]` (the exponentials
+/// summed in f64) from the last position's logits (B, V). Greedy decoding picks on the logits'
+/// device ([`ops::greedy_pick`]); sampling brings the rows to the host and draws from the
+/// streams of the rows not `done` (a finished row's entry is unused and its stream not advanced).
+fn next_tokens(
+    logits: &Tensor,
+    cfg: &SamplingConfig,
+    done: &[bool],
+    rngs: &mut [ChaCha8Rng],
+) -> Result<Vec<(u32, f32)>> {
+    if cfg.is_greedy() {
+        let (tokens, logprobs) = ops::greedy_pick(logits, cfg.vocab_limit)?;
+        return Ok(tokens.into_iter().zip(logprobs).collect());
+    }
+    let v = logits.dim(1)?;
+    let logits: Vec<f32> = logits.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+    let lse = crate::kernels::decode::log_sum_exp_rows(&logits, v);
+    let rows = logits.chunks_exact(v).zip(lse).zip(done.iter().zip(rngs));
+    Ok(rows
+        .map(|((row, lse), (&done, rng))| {
+            let token = if done { 0 } else { sample_token(row, cfg, rng) };
+            (token, (f64::from(row[token as usize]) - lse) as f32)
+        })
+        .collect())
 }
 
 /// Log-probabilities of `ids[t+1]` under `logits[t]`: (B, T, V), (B, T) -> (B, T-1) f32,

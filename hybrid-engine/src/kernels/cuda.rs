@@ -263,11 +263,12 @@ pub fn gelu_grad(h: &CudaStorage, lh: &Layout, dy: &CudaStorage, ldy: &Layout) -
     }))
 }
 
-/// Threads per row of the cross-entropy kernels (cuda/cross_entropy.cu: one block per row).
-const CROSS_ENTROPY_THREADS: u32 = 256;
+/// Threads of the kernels that take a block a row (cuda/cross_entropy.cu, cuda/greedy_pick.cu:
+/// their THREADS).
+const BLOCK_PER_ROW_THREADS: u32 = 256;
 
 fn block_per_row(rows: usize) -> LaunchConfig {
-    LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (CROSS_ENTROPY_THREADS, 1, 1), shared_mem_bytes: 0 }
+    LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (BLOCK_PER_ROW_THREADS, 1, 1), shared_mem_bytes: 0 }
 }
 
 /// Per-row `logsumexp(x) - x[target]` of contiguous logits (N, V) in f32, bf16 or f16 against
@@ -290,6 +291,28 @@ pub fn cross_entropy_rows(
         launch.arg(src).arg(&targets).arg(&loss).arg(&v32);
         // SAFETY: the arguments match the kernel's signature.
         unsafe { launch.launch(block_per_row(n)) }.w().map(|_| loss)
+    }))
+}
+
+/// Greedy decoding's choice per row of contiguous logits (B, V) in f32, bf16 or f16: the first id
+/// below `limit` (1 to V) with the row's largest logit and its log-probability under the row,
+/// as (B, 2) f32 (cuda/greedy_pick.cu, one block a row).
+pub fn greedy_pick((logits, ll): (&CudaStorage, &Layout), limit: usize) -> Result<CudaStorage> {
+    let (b, v) = ll.shape().dims2()?;
+    if limit == 0 || limit > v || v >= 1 << 24 {
+        candle_core::bail!("greedy pick on CUDA: ids below {limit} of a vocabulary of {v} (under 2^24)");
+    }
+    let (v32, limit32) = (v as u32, limit as u32);
+    Ok(for_float_dtype!(logits, ll, "greedy pick", |src: Elem, suffix| {
+        let dev = logits.device();
+        // SAFETY: the kernel writes both values of every row.
+        let out = unsafe { dev.alloc::<f32>(2 * b)? };
+        let func =
+            dev.get_or_load_custom_func(&format!("greedy_pick_{suffix}"), "rlhf_greedy_pick", ptx::GREEDY_PICK)?;
+        let mut launch = func.builder();
+        launch.arg(src).arg(&out).arg(&v32).arg(&limit32);
+        // SAFETY: the arguments match the kernel's signature; it reads the B rows of V values.
+        unsafe { launch.launch(block_per_row(b)) }.w().map(|_| out)
     }))
 }
 
@@ -1028,7 +1051,8 @@ pub fn attention_grad(
 mod tests {
     use crate::kernels::ops::{
         attention, attention_reference, cross_entropy_rows, cross_entropy_rows_reference, dropout, dropout_reference,
-        gelu, gelu_reference, layer_norm, layer_norm_reference, masked_softmax, masked_softmax_reference, DropoutKey,
+        gelu, gelu_reference, greedy_pick, layer_norm, layer_norm_reference, masked_softmax, masked_softmax_reference,
+        DropoutKey,
     };
     use candle_core::{DType, Device, Result, Tensor, Var};
 
@@ -1209,6 +1233,29 @@ mod tests {
             let scale = want.abs()?.max(0)?.to_scalar::<f32>()?;
             let tol = if dtype == DType::BF16 { 8e-3 } else { 1e-3 } * scale;
             assert!(max_diff(&got, &want)? <= tol, "{dtype:?} {}", max_diff(&got, &want)?);
+        }
+        Ok(())
+    }
+
+    /// Greedy decoding's pick on the GPU against the CPU's on the same values (37 rows of 5003, the
+    /// last 13 ids beyond the limit): the same token in every row, where several ids share the
+    /// largest value too (the first, as the CPU's argmax) and where a larger value lies beyond
+    /// the limit (never taken); bf16 and f16 read as they are, the CPU reading f32 copies of
+    /// the same values. Log-probabilities: both sum the exponentials in f64, which differ by
+    /// an f32 ulp or so (1e-6 of a log-probability of about -20).
+    #[test]
+    fn greedy_pick_matches_the_cpu_on_ties_and_the_vocabulary_limit() -> Result<()> {
+        let Some(gpu) = gpu() else { return Ok(()) };
+        let (b, v, limit) = (37, 5003, 4990);
+        let logits = crate::kernels::fused::tests::logits_for_greedy_pick(b, v, limit)?;
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let x = logits.to_dtype(dtype)?;
+            let (want_tokens, want_logprobs) = greedy_pick(&x, limit)?;
+            let (tokens, logprobs) = greedy_pick(&x.to_device(&gpu)?, limit)?;
+            assert_eq!(tokens, want_tokens, "{dtype:?}");
+            for (r, (got, want)) in logprobs.iter().zip(&want_logprobs).enumerate() {
+                assert!((got - want).abs() < 2e-5, "{dtype:?} row {r}: {got} vs {want}");
+            }
         }
         Ok(())
     }

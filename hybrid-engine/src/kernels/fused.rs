@@ -1258,6 +1258,55 @@ pub fn decode_attention(
 }
 
 // ---------------------------------------------------------------------------------------------
+// Greedy decoding's choice (cuda/greedy_pick.cu)
+
+/// Per row of logits (B, V): the token greedy decoding takes and its log-probability, (B, 2) f32.
+struct GreedyPick {
+    /// Ids from here on (Megatron's vocabulary padding) are never chosen; 1 to V.
+    limit: usize,
+}
+
+impl CustomOp1 for GreedyPick {
+    fn name(&self) -> &'static str {
+        "greedy-pick"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (b, v) = l.shape().dims2()?;
+        let logits = contiguous_f32(s, l, "logits")?;
+        let lse = crate::kernels::decode::log_sum_exp_rows(logits, v);
+        let mut out = Vec::with_capacity(2 * b);
+        for (row, lse) in logits.chunks_exact(v).zip(lse) {
+            let token = rowops::argmax(&row[..self.limit]);
+            out.extend([token as f32, (f64::from(row[token]) - lse) as f32]);
+        }
+        Ok((CpuStorage::F32(out), Shape::from((b, 2))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        let b = l.shape().dims2()?.0;
+        Ok((crate::kernels::cuda::greedy_pick((s, l), self.limit)?, Shape::from((b, 2))))
+    }
+}
+
+/// Greedy decoding's next token for each row of `logits` (B, V): the first id below
+/// `vocab_limit` with the row's largest logit; and its log-probability under the whole row,
+/// `x[token] - logsumexp(x)` with the exponentials summed in f64. On a GPU one launch, and two
+/// numbers a row come to the host instead of the row's V logits.
+pub fn greedy_pick(logits: &Tensor, vocab_limit: usize) -> Result<(Vec<u32>, Vec<f32>)> {
+    let (_, v) = logits.dims2()?;
+    if v == 0 || v >= 1 << 24 {
+        candle_core::bail!("greedy pick over a vocabulary of {v} ids: 1 to 2^24 (the ids travel as exact f32)");
+    }
+    // The CPU kernel reads f32; the GPU's reads the logits in their own dtype.
+    let logits = if logits.device().is_cpu() { logits.to_dtype(candle_core::DType::F32)? } else { logits.clone() };
+    let op = GreedyPick { limit: vocab_limit.clamp(1, v) };
+    let picks = logits.contiguous()?.apply_op1_no_bwd(&op)?.to_vec2::<f32>()?;
+    Ok(picks.into_iter().map(|row| (row[0] as u32, row[1])).unzip())
+}
+
+// ---------------------------------------------------------------------------------------------
 // Dropout
 
 /// Inverted dropout: keeps element i, scaled by 1/(1-p), where `keep(i)` of the mask holds.
@@ -1727,5 +1776,49 @@ pub(crate) mod tests {
         let f = |t: &[Tensor]| dropout(&t[0], mask);
         compare(std::slice::from_ref(&x), f, |t| ops::dropout_reference(&t[0], mask), 0.0, 0.0)?;
         finite_differences(&[x], 0, f, 1e-3)
+    }
+
+    /// Logits (B, V) for greedy decoding's pick, seeded normals times 4 with, in every third row
+    /// from row 0, the largest value at three ids (first 17 + r, so ties span a GPU block's
+    /// threads and strides), and in every third row from row 1 a larger one at an id at or above
+    /// `limit` (the vocabulary's padding).
+    pub(crate) fn logits_for_greedy_pick(b: usize, v: usize, limit: usize) -> Result<Tensor> {
+        let mut rows = (randn(0f32, 1.0, (b, v), &Device::Cpu)? * 4.0)?.to_vec2::<f32>()?;
+        for (r, row) in rows.iter_mut().enumerate() {
+            match r % 3 {
+                0 => [17 + r, 300 + r, limit - 1].iter().for_each(|&j| row[j] = 30.0),
+                1 => row[limit + r % (v - limit)] = 50.0,
+                _ => {}
+            }
+        }
+        Tensor::new(rows, &Device::Cpu)
+    }
+
+    #[test]
+    fn greedy_pick_takes_the_first_largest_logit_below_the_limit_and_its_log_probability() -> Result<()> {
+        let (b, v, limit) = (7, 1003, 990);
+        let logits = logits_for_greedy_pick(b, v, limit)?;
+        for dtype in [DType::F32, DType::BF16] {
+            let x = logits.to_dtype(dtype)?;
+            let (tokens, logprobs) = greedy_pick(&x, limit)?;
+            let rows = x.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+            for (r, row) in rows.iter().enumerate() {
+                // Written out: the first id of the largest value below the limit, and
+                // x[token] - (max + ln sum exp(x - max)) over the whole row in f64.
+                let best = row[..limit].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let token = row.iter().position(|&x| x == best).unwrap();
+                assert_eq!(tokens[r] as usize, token, "{dtype:?} row {r}");
+                if r % 3 == 0 {
+                    assert_eq!(token, 17 + r, "{dtype:?} row {r}: the first of the tied ids");
+                }
+                let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+                let lse = max + row.iter().map(|&x| (x as f64 - max).exp()).sum::<f64>().ln();
+                let want = row[token] as f64 - lse;
+                assert!((logprobs[r] as f64 - want).abs() < 1e-5, "{dtype:?} row {r}: {} vs {want}", logprobs[r]);
+            }
+        }
+        // A limit of 0 takes id 0, as generation's sampler did.
+        assert_eq!(greedy_pick(&logits, 0)?.0, vec![0; b]);
+        Ok(())
     }
 }

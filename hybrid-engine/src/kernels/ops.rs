@@ -224,6 +224,10 @@ pub fn decode_attention_on_cuda(qkv: &Tensor, bias: &Tensor, n_head: usize) -> b
 
 pub use crate::kernels::fused::{decode_attention, kv_cache_append};
 
+/// Greedy decoding's token and log-probability per row of logits, on either device (on a GPU in
+/// one launch, two numbers a row to the host).
+pub use crate::kernels::fused::greedy_pick;
+
 /// The tied LM head `x wte^T`: (N, C), (V, C) -> (N, V). For the few rows of a decoding step
 /// on the CPU, [`crate::kernels::decode::lm_head`] (1.4-3.5x the matmul's speed there); the plain
 /// matmul otherwise.
