@@ -235,7 +235,7 @@ pub fn generate_with_cache(
     let mut logprobs: Vec<Vec<f32>> = vec![Vec::new(); b];
     let mut done = vec![false; b];
     for _ in 0..max_new {
-        let mask_t = Tensor::new(mask.clone(), device)?; // (B, S)
+        let mask_t = Tensor::new(mask.clone(), &Device::Cpu)?; // (B, S), read on the host
         let positions = Positions { position_ids: Some(&pos_t), attention_mask: Some(&mask_t) };
         let hidden = model.forward_blocks(&input, &positions, Some(&mut *cache), None)?; // (B, T, C)
 

@@ -492,7 +492,9 @@ impl Block {
 pub struct Positions<'a> {
     /// (B, T) u32 position ids; default `P..P+T` for every row.
     pub position_ids: Option<&'a Tensor>,
-    /// (B, S) with 1 for real tokens and 0 for padding, over cached and new tokens alike.
+    /// (B, S) with 1 for real tokens and 0 for padding, over cached and new tokens alike. Read
+    /// on the host, where the additive bias is built: on a GPU keep it a CPU tensor (one copy
+    /// of the bias to the device, instead of the mask there and back first).
     pub attention_mask: Option<&'a Tensor>,
 }
 

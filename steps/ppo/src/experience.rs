@@ -303,7 +303,7 @@ impl ForwardInputs {
     pub fn new(seq: &[u32], mask: &[u32], b: usize, l: usize, device: &Device) -> Result<Self> {
         Ok(Self {
             ids: Tensor::from_slice(seq, (b, l), device)?,
-            mask: Tensor::from_slice(mask, (b, l), device)?,
+            mask: Tensor::from_slice(mask, (b, l), &Device::Cpu)?, // read on the host (Positions)
             positions: Tensor::from_vec(position_ids(mask, b, l), (b, l), device)?,
             b,
             l,
