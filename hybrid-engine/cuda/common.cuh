@@ -1,4 +1,5 @@
-// Device helpers the kernels of this directory share: warp reductions and the dropout draw.
+// Device helpers the kernels of this directory share: warp reductions, LayerNorm's row
+// statistics, GPT-2's GELU and the dropout draw.
 #pragma once
 #include <stdint.h>
 
@@ -10,6 +11,31 @@ __device__ __forceinline__ float warp_max(float v) {
 __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
   return v;
+}
+
+// The mean and 1/sqrt(var + eps) of row x (C elements) across the warp, in two passes.
+template <typename T, typename F>
+__device__ __forceinline__ void row_stats(const T *x, uint32_t c, float eps, F to_f32, float *mean, float *rstd) {
+  const uint32_t lane = threadIdx.x % 32;
+  float s = 0.0f;
+  for (uint32_t j = lane; j < c; j += 32) s += to_f32(x[j]);
+  const float m = warp_sum(s) / c;
+  float v = 0.0f;
+  for (uint32_t j = lane; j < c; j += 32) {
+    const float d = to_f32(x[j]) - m;
+    v += d * d;
+  }
+  *mean = m;
+  *rstd = rsqrtf(warp_sum(v) / c + eps);
+}
+
+#define GELU_K0 0.7978846f  // sqrt(2 / pi)
+#define GELU_K1 0.044715f
+
+// GPT-2's GELU (`gelu_new`, the tanh approximation), in f32.
+__device__ __forceinline__ float gelu_new(float u) {
+  const float t = tanhf(GELU_K0 * u * (1.0f + GELU_K1 * u * u));
+  return 0.5f * u * (1.0f + t);
 }
 
 __device__ __forceinline__ uint64_t splitmix64(uint64_t z) {

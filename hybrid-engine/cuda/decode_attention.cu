@@ -3,7 +3,9 @@
 // ops::merge_heads do in nine launches a layer, in two. A decoding step is a few rows a layer,
 // so its time on a GPU is launches, not arithmetic.
 //
-// qkv: (B, T, 3C) the new tokens' queries, keys and values, C = NH * HD; kv: the layer's cache
+// qkv: (B, T, 3C) the new tokens' queries, keys and values, C = NH * HD; qkv_bias: null, or
+// c_attn's bias (3C) when qkv is the gemm's output without it, added here as linear.cu adds it
+// (in f32, rounded to T: the same values, one launch fewer). kv: the layer's cache
 // (2, B, NH, CAP, HD), keys then values, positions [0, start) already cached; the new tokens go
 // to [start, start + T). bias: (B or 1, 1, T, S) f32 with S = start + T, 0 where a key is
 // visible, gpt2.rs's MASKED (-1e9) where not. y: (B, T, C). The softmax runs in f32 with the
@@ -16,12 +18,14 @@
 
 #define FLOAT_TYPES(X) X(f32, float, IDENTITY, IDENTITY) X(bf16, __nv_bfloat16, __bfloat162float, __float2bfloat16_rn) X(f16, __half, __half2float, __float2half_rn)
 #define IDENTITY(v) (v)
+// c_attn's output element i, channel ch of 3C, with its bias if that is given separately.
+#define QKV(i, ch, TO_F32, FROM_F32) (qkv_bias ? FROM_F32(TO_F32(qkv[i]) + TO_F32(qkv_bias[ch])) : qkv[i])
 
 // kv[which][b][h][start + t][d] = qkv[b][t][(1 + which) C + h HD + d], for which 0 (keys) and 1.
 #define KV_CACHE_APPEND(SUFFIX, T, TO_F32, FROM_F32)                                               \
-  extern "C" __global__ void kv_cache_append_##SUFFIX(const T *qkv, T *kv, uint32_t b, uint32_t t, \
-                                                      uint32_t nh, uint32_t hd, uint32_t cap,       \
-                                                      uint32_t start) {                            \
+  extern "C" __global__ void kv_cache_append_##SUFFIX(const T *qkv, const T *qkv_bias, T *kv,      \
+                                                      uint32_t b, uint32_t t, uint32_t nh,          \
+                                                      uint32_t hd, uint32_t cap, uint32_t start) {  \
     const uint64_t c = (uint64_t)nh * hd, n = 2ull * b * t * c;                                    \
     for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < n;                      \
          i += (uint64_t)blockDim.x * gridDim.x) {                                                  \
@@ -29,7 +33,7 @@
       const uint64_t ti = row % t, bi = (row / t) % b, which = row / ((uint64_t)t * b);            \
       const uint64_t h = ch / hd, d = ch % hd;                                                     \
       kv[(((which * b + bi) * nh + h) * cap + start + ti) * hd + d] =                              \
-          qkv[(bi * t + ti) * 3 * c + (1 + which) * c + ch];                                       \
+          QKV((bi * t + ti) * 3 * c + (1 + which) * c + ch, (1 + which) * c + ch, TO_F32, FROM_F32); \
     }                                                                                              \
   }
 
@@ -38,19 +42,21 @@
 // sum of the lanes' partial dot products.
 #define DECODE_ATTENTION(SUFFIX, T, TO_F32, FROM_F32)                                              \
   extern "C" __global__ void decode_attention_##SUFFIX(                                             \
-      const T *qkv, const T *kv, const float *bias, T *y, uint32_t b, uint32_t t, uint32_t nh,     \
-      uint32_t hd, uint32_t cap, uint32_t s, uint32_t bias_batches, float scale) {                 \
+      const T *qkv, const T *qkv_bias, const T *kv, const float *bias, T *y, uint32_t b,          \
+      uint32_t t, uint32_t nh, uint32_t hd, uint32_t cap, uint32_t s, uint32_t bias_batches,        \
+      float scale) {                                                                               \
     const uint64_t row = blockIdx.x * (uint64_t)(blockDim.x / 32) + threadIdx.x / 32;              \
     const uint32_t lane = threadIdx.x % 32, per_lane = hd / 32;                                    \
     if (row >= (uint64_t)b * nh * t) return;                                                       \
     const uint64_t ti = row % t, h = (row / t) % nh, bi = row / ((uint64_t)t * nh);                \
     const uint64_t c = (uint64_t)nh * hd;                                                          \
-    const T *q = qkv + (bi * t + ti) * 3 * c + h * hd;                                             \
+    const uint64_t q0 = (bi * t + ti) * 3 * c + h * hd;                                            \
     const T *keys = kv + (bi * nh + h) * cap * hd;                                                 \
     const T *values = kv + ((1ull * b + bi) * nh + h) * cap * hd;                                  \
     const float *mask = bias + ((bias_batches == 1 ? 0 : bi) * t + ti) * s;                        \
     float qd[4] = {0.0f, 0.0f, 0.0f, 0.0f}, acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};                     \
-    _Pragma("unroll") for (uint32_t e = 0; e < 4; e++) if (e < per_lane) qd[e] = TO_F32(q[lane + 32 * e]); \
+    _Pragma("unroll") for (uint32_t e = 0; e < 4; e++)                                             \
+      if (e < per_lane) qd[e] = TO_F32(QKV(q0 + lane + 32 * e, h * hd + lane + 32 * e, TO_F32, FROM_F32)); \
     float m = -INFINITY, l = 0.0f;                                                                 \
     for (uint32_t j = 0; j < s; j++) {                                                             \
       float dot = 0.0f;                                                                            \

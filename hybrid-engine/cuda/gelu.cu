@@ -4,16 +4,13 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
-#define GELU_K0 0.7978846f  // sqrt(2 / pi)
-#define GELU_K1 0.044715f
+#include "common.cuh"
 
 #define GELU(NAME, T, TO_F32, FROM_F32)                                                          \
   extern "C" __global__ void NAME(const T *h, T *y, uint64_t n) {                                 \
     for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < n;                     \
          i += (uint64_t)blockDim.x * gridDim.x) {                                                 \
-      const float u = TO_F32(h[i]);                                                               \
-      const float t = tanhf(GELU_K0 * u * (1.0f + GELU_K1 * u * u));                              \
-      y[i] = FROM_F32(0.5f * u * (1.0f + t));                                                     \
+      y[i] = FROM_F32(gelu_new(TO_F32(h[i])));                                                    \
     }                                                                                             \
   }
 

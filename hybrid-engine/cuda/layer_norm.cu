@@ -17,22 +17,6 @@
 
 #define ROWS_PER_BLOCK 4
 
-// The mean and 1/sqrt(var + eps) of row x (C elements) across the warp, in two passes.
-template <typename T, typename F>
-__device__ __forceinline__ void row_stats(const T *x, uint32_t c, float eps, F to_f32, float *mean, float *rstd) {
-  const uint32_t lane = threadIdx.x % 32;
-  float s = 0.0f;
-  for (uint32_t j = lane; j < c; j += 32) s += to_f32(x[j]);
-  const float m = warp_sum(s) / c;
-  float v = 0.0f;
-  for (uint32_t j = lane; j < c; j += 32) {
-    const float d = to_f32(x[j]) - m;
-    v += d * d;
-  }
-  *mean = m;
-  *rstd = rsqrtf(warp_sum(v) / c + eps);
-}
-
 #define LAYER_NORM(NAME, T, TO_F32, FROM_F32)                                                        \
   extern "C" __global__ void NAME(const T *x, const T *w, const T *b, T *y, uint64_t rows, uint32_t c, \
                                   float eps) {                                                       \

@@ -751,11 +751,28 @@ impl DecodeShape {
     }
 }
 
+/// A null pointer, for a kernel's optional operand.
+const NULL: u64 = 0;
+
+/// c_attn's bias (3C) as the decoding kernels' optional operand: checked against qkv's width.
+fn qkv_bias_view<'a, T: CudaDType>(
+    bias: Option<(&'a CudaStorage, &Layout)>,
+    lq: &Layout,
+) -> Result<Option<CudaView<'a, T>>> {
+    let Some((bias, lb)) = bias else { return Ok(None) };
+    if lb.shape().elem_count() != lq.dims().last().copied().unwrap_or(0) {
+        candle_core::bail!("decode attention on CUDA: a bias {:?} for qkv {:?}", lb.dims(), lq.dims());
+    }
+    view::<T>(bias, lb, "c_attn's bias").map(Some)
+}
+
 /// Writes the new tokens' keys and values of qkv (B, T, 3C) into the KV cache buffer `kv`
-/// (2, B, NH, capacity, HD) at positions [start, start + T), in place (one launch).
+/// (2, B, NH, capacity, HD) at positions [start, start + T), in place (one launch); with
+/// `qkv_bias`, c_attn's bias (3C) is added to them first (qkv is then the gemm's output alone).
 pub fn kv_cache_append(
     (kv, lkv): (&mut CudaStorage, &Layout),
     (qkv, lq): (&CudaStorage, &Layout),
+    qkv_bias: Option<(&CudaStorage, &Layout)>,
     n_head: usize,
     start: usize,
 ) -> Result<()> {
@@ -766,6 +783,7 @@ pub fn kv_cache_append(
     macro_rules! launch {
         ($elem:ty, $suffix:literal) => {{
             let src = view::<$elem>(qkv, lq, "the decoding step's qkv")?;
+            let bias = qkv_bias_view::<$elem>(qkv_bias, lq)?;
             let Some((from, to)) = lkv.contiguous_offsets() else {
                 candle_core::bail!("the KV cache on CUDA must be contiguous");
             };
@@ -773,7 +791,12 @@ pub fn kv_cache_append(
             let module = ("rlhf_decode_attention", ptx::DECODE_ATTENTION);
             let func = dev.get_or_load_custom_func(concat!("kv_cache_append_", $suffix), module.0, module.1)?;
             let mut launch = func.builder();
-            launch.arg(&src).arg(&mut dst).arg(&b).arg(&t).arg(&nh).arg(&hd).arg(&cap).arg(&start);
+            launch.arg(&src);
+            match &bias {
+                Some(bias) => launch.arg(bias),
+                None => launch.arg(&NULL),
+            };
+            launch.arg(&mut dst).arg(&b).arg(&t).arg(&nh).arg(&hd).arg(&cap).arg(&start);
             // SAFETY: the arguments match the kernel's signature; it writes 2 B T C values of
             // the buffer, at positions the shape check keeps below its capacity.
             unsafe { launch.launch(elementwise(n)) }.w().map(|_| ())
@@ -790,8 +813,10 @@ pub fn kv_cache_append(
 /// Attention of the new tokens' queries in qkv (B, T, 3C) over the first start + T positions of
 /// the KV cache buffer `kv` (2, B, NH, capacity, HD), with the additive mask `bias` (B or 1, 1,
 /// T, start + T) f32: (B, T, C), heads side by side (cuda/decode_attention.cu, one warp a row).
+/// With `qkv_bias`, c_attn's bias (3C) is added to the queries first.
 pub fn decode_attention(
     (qkv, lq): (&CudaStorage, &Layout),
+    qkv_bias: Option<(&CudaStorage, &Layout)>,
     (kv, lkv): (&CudaStorage, &Layout),
     (bias, lb): (&CudaStorage, &Layout),
     n_head: usize,
@@ -816,6 +841,7 @@ pub fn decode_attention(
     Ok(for_float_dtype!(qkv, lq, "decode attention", |src: Elem, suffix| {
         let dev = qkv.device();
         let cache = view::<Elem>(kv, lkv, "the KV cache")?;
+        let qkv_bias = qkv_bias_view::<Elem>(qkv_bias, lq)?;
         // SAFETY: the kernel writes every head of every row.
         let y = unsafe { dev.alloc::<Elem>(shape.b * shape.t * shape.n_head * shape.head_dim)? };
         let func = dev.get_or_load_custom_func(
@@ -824,10 +850,79 @@ pub fn decode_attention(
             ptx::DECODE_ATTENTION,
         )?;
         let mut launch = func.builder();
-        launch.arg(src).arg(&cache).arg(&bias).arg(&y);
+        launch.arg(src);
+        match &qkv_bias {
+            Some(qkv_bias) => launch.arg(qkv_bias),
+            None => launch.arg(&NULL),
+        };
+        launch.arg(&cache).arg(&bias).arg(&y);
         launch.arg(&b).arg(&t).arg(&nh).arg(&hd).arg(&cap).arg(&s32).arg(&bb32).arg(&scale);
         // SAFETY: the arguments match the kernel's signature; it reads the first s positions.
         unsafe { launch.launch(warp_per_row(rows)) }.w().map(|_| y)
+    }))
+}
+
+/// A decoding step's epilogue after c_proj's gemm (cuda/decode_layer.cu, one warp a row): from
+/// y and the residual x (N, C) contiguous and c_proj's bias, the next LayerNorm's weight and
+/// bias ([b, w, beta], each (C,)), all of one dtype: (2, N, C), the new residual x + (y + b)
+/// then its LayerNorm.
+pub fn bias_residual_layer_norm(
+    (y, ly): (&CudaStorage, &Layout),
+    (x, lx): (&CudaStorage, &Layout),
+    [b, w, beta]: [(&CudaStorage, &Layout); 3],
+    eps: f32,
+) -> Result<CudaStorage> {
+    let c = ly.dims().last().copied().unwrap_or(0);
+    let rows = ly.shape().elem_count() / c.max(1);
+    let vectors_fit = [b, w, beta].iter().all(|(_, l)| l.shape().elem_count() == c);
+    if c == 0 || lx.dims() != ly.dims() || !vectors_fit {
+        candle_core::bail!(
+            "bias, residual and LayerNorm on CUDA: y {:?}, x {:?}, vectors of {c}",
+            ly.dims(),
+            lx.dims()
+        );
+    }
+    Ok(for_float_dtype!(y, ly, "bias, residual and LayerNorm", |src: Elem, suffix| {
+        let dev = y.device();
+        let x = view::<Elem>(x, lx, "the residual")?;
+        let [b, w, beta] = [(b, "c_proj's bias"), (w, "the LayerNorm's weight"), (beta, "the LayerNorm's bias")]
+            .map(|((s, l), what)| view::<Elem>(s, l, what));
+        let (b, w, beta) = (b?, w?, beta?);
+        // SAFETY: the kernel writes both halves of every row.
+        let out = unsafe { dev.alloc::<Elem>(2 * rows * c)? };
+        let func = dev.get_or_load_custom_func(
+            &format!("bias_residual_layer_norm_{suffix}"),
+            "rlhf_decode_layer",
+            ptx::DECODE_LAYER,
+        )?;
+        let mut launch = func.builder();
+        let (rows64, c32) = (rows as u64, c as u32);
+        launch.arg(src).arg(&b).arg(&x).arg(&w).arg(&beta).arg(&out).arg(&rows64).arg(&c32).arg(&eps);
+        // SAFETY: the arguments match the kernel's signature.
+        unsafe { launch.launch(warp_per_row(rows)) }.w().map(|_| out)
+    }))
+}
+
+/// `gelu_new(y + b)` for c_fc's gemm output y (N, W) without its bias b (W,), both contiguous and
+/// of one dtype (cuda/decode_layer.cu).
+pub fn bias_gelu((y, ly): (&CudaStorage, &Layout), (b, lb): (&CudaStorage, &Layout)) -> Result<CudaStorage> {
+    let width = ly.dims().last().copied().unwrap_or(0);
+    if width == 0 || lb.shape().elem_count() != width {
+        candle_core::bail!("bias and GELU on CUDA: y {:?}, bias {:?}", ly.dims(), lb.dims());
+    }
+    Ok(for_float_dtype!(y, ly, "bias and GELU", |src: Elem, suffix| {
+        let dev = y.device();
+        let b = view::<Elem>(b, lb, "c_fc's bias")?;
+        let n = src.len();
+        // SAFETY: the kernel writes all n elements.
+        let out = unsafe { dev.alloc::<Elem>(n)? };
+        let func =
+            dev.get_or_load_custom_func(&format!("bias_gelu_{suffix}"), "rlhf_decode_layer", ptx::DECODE_LAYER)?;
+        let mut launch = func.builder();
+        let (n64, w32) = (n as u64, width as u32);
+        launch.arg(src).arg(&b).arg(&out).arg(&n64).arg(&w32);
+        // SAFETY: the arguments match the kernel's signature.
+        unsafe { launch.launch(elementwise(n)) }.w().map(|_| out)
     }))
 }
 
@@ -1416,6 +1511,8 @@ mod tests {
     /// (KvCache::append_qkv, ops::decode_attention) against the CPU's split heads, cache and
     /// cached attention in f32. The cache holds the same values; the output agrees to 1e-5 of
     /// the largest value in f32, 2e-2 in bf16 and 4e-3 in f16 (the attention test's bounds).
+    /// Given c_attn's gemm output and bias apart, the two launches make the same cache and the
+    /// same output, bit for bit, as from the biased qkv that the linear's bias add rounds.
     #[test]
     fn decode_attention_from_qkv_matches_the_cpu_cache_and_cached_attention() -> Result<()> {
         use crate::model::gpt2::MASKED;
@@ -1426,6 +1523,7 @@ mod tests {
             let c = n_head * head_dim;
             for (dtype, bound) in [(DType::F32, 1e-5f32), (DType::BF16, 2e-2), (DType::F16, 4e-3)] {
                 let (mut on_cpu, mut on_gpu) = (KvCache::new(capacity), KvCache::new(capacity));
+                let mut bias_apart = KvCache::new(capacity);
                 let mut start = 0;
                 for t in [7usize, 1, 1, 1] {
                     let s = start + t;
@@ -1437,7 +1535,11 @@ mod tests {
                         }
                     }
                     let bias = Tensor::from_vec(bias, (b, 1, t, s), &Device::Cpu)?;
-                    let qkv = Tensor::randn(0f32, 1f32, (b, t, 3 * c), &Device::Cpu)?.to_dtype(dtype)?;
+                    // qkv = y + qkv_bias as the linear's bias add makes it: in f32, rounded once.
+                    let y = Tensor::randn(0f32, 1f32, (b, t, 3 * c), &Device::Cpu)?.to_dtype(dtype)?;
+                    let qkv_bias = Tensor::randn(0f32, 0.5f32, 3 * c, &Device::Cpu)?.to_dtype(dtype)?;
+                    let exact_sum = y.to_dtype(DType::F32)?.broadcast_add(&qkv_bias.to_dtype(DType::F32)?)?;
+                    let qkv = exact_sum.to_dtype(dtype)?;
                     let exact = qkv.to_dtype(DType::F32)?;
                     let (q, k, v) = crate::kernels::ops::split_heads(&exact, n_head)?;
                     let (k, v) = on_cpu.append(&k, &v)?;
@@ -1445,10 +1547,24 @@ mod tests {
                     let want = crate::kernels::ops::cached_attention(&q, &k, &v, &bias, scale)?;
                     let (qkv, bias) = (qkv.to_device(&gpu)?, bias.to_device(&gpu)?);
                     assert!(crate::kernels::ops::decode_attention_on_cuda(&qkv, &bias, n_head));
-                    let (kv, cached) = on_gpu.append_qkv(&qkv, n_head)?;
+                    let (kv, cached) = on_gpu.append_qkv(&qkv, None, n_head)?;
                     assert_eq!(cached, start);
-                    let got = crate::kernels::ops::decode_attention(&qkv, &kv, start, &bias, n_head, scale)?;
+                    let got = crate::kernels::ops::decode_attention(&qkv, None, &kv, start, &bias, n_head, scale)?;
                     let what = format!("{dtype:?}, {n_head} heads of {head_dim}, {t} tokens after {start}");
+                    let (y, qkv_bias) = (y.to_device(&gpu)?, qkv_bias.to_device(&gpu)?);
+                    let (kv_apart, _) = bias_apart.append_qkv(&y, Some(&qkv_bias), n_head)?;
+                    let got_apart = crate::kernels::ops::decode_attention(
+                        &y,
+                        Some(&qkv_bias),
+                        &kv_apart,
+                        start,
+                        &bias,
+                        n_head,
+                        scale,
+                    )?;
+                    let written = |kv: &Tensor| kv.narrow(3, 0, s);
+                    assert_eq!(max_diff(&written(&kv_apart)?, &written(&kv)?)?, 0.0, "the cache, bias apart, {what}");
+                    assert_eq!(max_diff(&got_apart, &got)?, 0.0, "the output from the bias apart, {what}");
                     let cache = kv.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.narrow(3, 0, s)?;
                     assert_eq!(max_diff(&cache.get(0)?, &k)?, 0.0, "keys, {what}");
                     assert_eq!(max_diff(&cache.get(1)?, &v)?, 0.0, "values, {what}");
@@ -1457,6 +1573,55 @@ mod tests {
                     let diff = max_diff(&got, &want)?;
                     assert!(diff <= bound * largest(&want)?, "{what}: max |diff| {diff}");
                     start = s;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A decoding step's fused blocks (gpt2.rs's Block::forward_decoding_on_cuda, nine launches
+    /// a layer) against the same blocks one op a launch (Block::forward, on the GPU's kernels
+    /// too), on a 3-layer GPT-2 with heads of 64 and of 32: a prefill of 5 tokens with row 0
+    /// left-padded by 2, then 4 steps, in f32, bf16 and f16. The fused kernels round each
+    /// intermediate where the unfused ops store it, so the hidden states (and so the caches
+    /// the later steps read) are the same bit for bit.
+    #[test]
+    fn fused_decoding_blocks_are_the_unfused_blocks_bit_for_bit() -> anyhow::Result<()> {
+        use crate::model::gpt2::{Gpt2, Gpt2Cache, Positions};
+        let Some(gpu) = gpu() else { return Ok(()) };
+        let (b, p) = (3usize, 5usize);
+        for n_head in [2usize, 4] {
+            let cfg =
+                crate::Gpt2Config { n_layer: 3, n_head, vocab_size: 500, n_positions: 32, ..crate::Gpt2Config::tiny() };
+            let params = crate::ParamStore::init(&cfg, 11, &Device::Cpu)?;
+            for dtype in [DType::F32, DType::BF16, DType::F16] {
+                let on_gpu = params.tensors().into_iter().map(|(k, v)| Ok((k, v.to_dtype(dtype)?.to_device(&gpu)?)));
+                let weights = on_gpu.collect::<Result<std::collections::HashMap<_, _>>>()?;
+                let model = Gpt2::load(candle_nn::VarBuilder::from_tensors(weights, dtype, &gpu), &cfg)?;
+                let mut mask: Vec<Vec<u32>> =
+                    (0..b).map(|r| (0..p).map(|j| u32::from(r != 0 || j >= 2)).collect()).collect();
+                let positions = crate::generation::generate::position_ids(&mask.concat(), b, p);
+                let mut ids = Tensor::from_vec((0..b * p).map(|i| (i * 37 % 500) as u32).collect(), (b, p), &gpu)?;
+                let mut pos = Tensor::from_vec(positions, (b, p), &gpu)?;
+                let mut next_pos: Vec<u32> = mask.iter().map(|m| m.iter().sum()).collect();
+                let (mut fused_cache, mut plain_cache) = (Gpt2Cache::new(&cfg, 16), Gpt2Cache::new(&cfg, 16));
+                for step in 0..5 {
+                    let mask_t = Tensor::new(mask.clone(), &Device::Cpu)?;
+                    let positions = Positions { position_ids: Some(&pos), attention_mask: Some(&mask_t) };
+                    let (t, past) = (ids.dim(1)?, plain_cache.len());
+                    let bias = model.attention_bias(b, t, past, &positions, &gpu)?;
+                    let mut plain = model.embed(&ids, &positions, past, None)?;
+                    assert!(model.decodes_fused_on_cuda(&plain, &bias, None), "the fused path applies");
+                    let fused = model.forward_blocks(&ids, &positions, Some(&mut fused_cache), None)?;
+                    for (block, layer) in model.h.iter().zip(plain_cache.layers.iter_mut()) {
+                        plain = block.forward(&plain, &bias, Some(layer), None)?;
+                    }
+                    let diff = max_diff(&fused, &plain)?;
+                    assert_eq!(diff, 0.0, "{dtype:?}, {n_head} heads, step {step}: hidden states differ by {diff}");
+                    ids = Tensor::from_vec(vec![(step * 7 + 1) as u32; b], (b, 1), &gpu)?;
+                    pos = Tensor::from_vec(next_pos.clone(), (b, 1), &gpu)?;
+                    next_pos.iter_mut().for_each(|x| *x += 1);
+                    mask.iter_mut().for_each(|m| m.push(1));
                 }
             }
         }

@@ -1164,6 +1164,8 @@ pub fn attention(
 struct KvCacheAppend {
     n_head: usize,
     start: usize,
+    /// c_attn's bias, when the output is the gemm's alone.
+    qkv_bias: Option<Tensor>,
 }
 
 impl candle_core::InplaceOp2 for KvCacheAppend {
@@ -1183,14 +1185,42 @@ impl candle_core::InplaceOp2 for KvCacheAppend {
         qkv: &candle_core::CudaStorage,
         lq: &Layout,
     ) -> Result<()> {
-        crate::kernels::cuda::kv_cache_append((kv, lkv), (qkv, lq), self.n_head, self.start)
+        with_cuda_operands(&self.qkv_bias.iter().collect::<Vec<_>>(), |bias| {
+            crate::kernels::cuda::kv_cache_append((kv, lkv), (qkv, lq), bias.first().copied(), self.n_head, self.start)
+        })
     }
 }
 
+/// Runs `f` with the CUDA storages and layouts of `tensors`, operands an op holds beside its
+/// arguments (candle's custom ops take at most three), read-locked meanwhile.
+#[cfg(feature = "cuda")]
+fn with_cuda_operands<R>(
+    tensors: &[&Tensor],
+    f: impl FnOnce(&[(&candle_core::CudaStorage, &Layout)]) -> Result<R>,
+) -> Result<R> {
+    let locked: Vec<_> = tensors.iter().map(|t| t.storage_and_layout()).collect();
+    let operands = locked
+        .iter()
+        .map(|(storage, layout)| match &**storage {
+            candle_core::Storage::Cuda(s) => Ok((s, *layout)),
+            _ => candle_core::bail!("an operand of a CUDA op is not on the GPU"),
+        })
+        .collect::<Result<Vec<_>>>()?;
+    f(&operands)
+}
+
 /// Writes the keys and values of `qkv` (B, T, 3C) into `kv` (2, B, NH, capacity, HD), keys then
-/// values, at positions [start, start + T): one launch on a GPU.
-pub fn kv_cache_append(kv: &Tensor, qkv: &Tensor, n_head: usize, start: usize) -> Result<()> {
-    kv.inplace_op2(&qkv.contiguous()?, &KvCacheAppend { n_head, start })
+/// values, at positions [start, start + T): one launch on a GPU. With `qkv_bias` (3C), c_attn's
+/// bias is added to them first (`qkv` is then the gemm's output alone).
+pub fn kv_cache_append(
+    kv: &Tensor,
+    qkv: &Tensor,
+    qkv_bias: Option<&Tensor>,
+    n_head: usize,
+    start: usize,
+) -> Result<()> {
+    let qkv_bias = qkv_bias.map(Tensor::contiguous).transpose()?;
+    kv.inplace_op2(&qkv.contiguous()?, &KvCacheAppend { n_head, start, qkv_bias })
 }
 
 /// Attention of the new tokens' queries over a KV cache buffer, from c_attn's output.
@@ -1199,6 +1229,8 @@ struct DecodeAttention {
     n_head: usize,
     start: usize,
     scale: f32,
+    /// c_attn's bias, when the output is the gemm's alone.
+    qkv_bias: Option<Tensor>,
 }
 
 impl CustomOp3 for DecodeAttention {
@@ -1228,14 +1260,10 @@ impl CustomOp3 for DecodeAttention {
         bias: &candle_core::CudaStorage,
         lb: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let y = crate::kernels::cuda::decode_attention(
-            (qkv, lq),
-            (kv, lkv),
-            (bias, lb),
-            self.n_head,
-            self.start,
-            self.scale,
-        )?;
+        let y = with_cuda_operands(&self.qkv_bias.iter().collect::<Vec<_>>(), |qkv_bias| {
+            let (qkv_bias, n_head, start, scale) = (qkv_bias.first().copied(), self.n_head, self.start, self.scale);
+            crate::kernels::cuda::decode_attention((qkv, lq), qkv_bias, (kv, lkv), (bias, lb), n_head, start, scale)
+        })?;
         let (b, t, c3) = lq.shape().dims3()?;
         Ok((y, Shape::from((b, t, c3 / 3))))
     }
@@ -1244,17 +1272,102 @@ impl CustomOp3 for DecodeAttention {
 /// `softmax(q k^T * scale + bias) v` per head for the new tokens' queries in `qkv` (B, T, 3C)
 /// over the first start + T positions of `kv` (2, B, NH, capacity, HD), where
 /// [`kv_cache_append`] has put their own keys and values; bias (B or 1, 1, T, start + T) f32:
-/// (B, T, C). No gradient (generation).
+/// (B, T, C). With `qkv_bias` (3C), c_attn's bias is added to the queries first. No gradient
+/// (generation).
 pub fn decode_attention(
     qkv: &Tensor,
+    qkv_bias: Option<&Tensor>,
     kv: &Tensor,
     start: usize,
     bias: &Tensor,
     n_head: usize,
     scale: f64,
 ) -> Result<Tensor> {
-    let op = DecodeAttention { n_head, start, scale: scale as f32 };
+    let qkv_bias = qkv_bias.map(Tensor::contiguous).transpose()?;
+    let op = DecodeAttention { n_head, start, scale: scale as f32, qkv_bias };
     qkv.contiguous()?.apply_op3_no_bwd(kv, &bias.contiguous()?, &op)
+}
+
+/// A decoding step's epilogue after c_proj: the new residual and the next LayerNorm of it.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // read by cuda_fwd
+struct BiasResidualLayerNorm {
+    /// c_proj's bias, the LayerNorm's weight and bias.
+    vectors: [Tensor; 3],
+    eps: f32,
+}
+
+impl CustomOp2 for BiasResidualLayerNorm {
+    fn name(&self) -> &'static str {
+        "bias-residual-layer-norm"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        candle_core::bail!("the decoding step's fused epilogues run on a GPU")
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        y: &candle_core::CudaStorage,
+        ly: &Layout,
+        x: &candle_core::CudaStorage,
+        lx: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let [b, w, beta] = &self.vectors;
+        let out = with_cuda_operands(&[b, w, beta], |v| {
+            crate::kernels::cuda::bias_residual_layer_norm((y, ly), (x, lx), [v[0], v[1], v[2]], self.eps)
+        })?;
+        let mut dims = vec![2];
+        dims.extend_from_slice(ly.dims());
+        Ok((out, Shape::from(dims)))
+    }
+}
+
+/// After c_proj's gemm `y` (.., C) without its bias `b`, on the residual stream `x` of y's shape:
+/// the new residual `x + (y + b)` and its LayerNorm with `w`, `beta` (`eps`), in one launch on a
+/// GPU, rounded as the bias add, the add and the LayerNorm kernels round. No gradient
+/// (generation).
+pub fn bias_residual_layer_norm(
+    y: &Tensor,
+    b: &Tensor,
+    x: &Tensor,
+    [w, beta]: [&Tensor; 2],
+    eps: f64,
+) -> Result<(Tensor, Tensor)> {
+    let vectors = [b.contiguous()?, w.contiguous()?, beta.contiguous()?];
+    let op = BiasResidualLayerNorm { vectors, eps: eps as f32 };
+    let both = y.contiguous()?.apply_op2_no_bwd(&x.contiguous()?, &op)?;
+    Ok((both.get(0)?, both.get(1)?))
+}
+
+/// `gelu_new(y + b)` after c_fc's gemm.
+struct BiasGelu;
+
+impl CustomOp2 for BiasGelu {
+    fn name(&self) -> &'static str {
+        "bias-gelu"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        candle_core::bail!("the decoding step's fused epilogues run on a GPU")
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        y: &candle_core::CudaStorage,
+        ly: &Layout,
+        b: &candle_core::CudaStorage,
+        lb: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((crate::kernels::cuda::bias_gelu((y, ly), (b, lb))?, ly.shape().clone()))
+    }
+}
+
+/// `gelu_new(y + b)` for c_fc's gemm output `y` (.., W) without its bias `b` (W): one launch on a
+/// GPU, rounded as the bias add and the GELU kernels round. No gradient (generation).
+pub fn bias_gelu(y: &Tensor, b: &Tensor) -> Result<Tensor> {
+    y.contiguous()?.apply_op2_no_bwd(&b.contiguous()?, &BiasGelu)
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -215,14 +215,26 @@ pub fn cached_attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale
 /// heads and [`cached_attention`] runs.
 pub fn decode_attention_on_cuda(qkv: &Tensor, bias: &Tensor, n_head: usize) -> bool {
     let head_dim = qkv.dims().last().map_or(0, |c3| c3 / 3 / n_head.max(1));
-    on_cuda(&[qkv, bias])
+    decoding_kernels_take(qkv, bias, head_dim)
+}
+
+/// Whether a decoding step's blocks run fused on a GPU (`gpt2.rs`'s
+/// `Block::forward_decoding_on_cuda`: the biases added inside the cache append, the attention,
+/// [`bias_residual_layer_norm`] and [`bias_gelu`]), for hidden states `x`, the step's mask
+/// `bias` and heads of `head_dim` values: what [`decode_attention_on_cuda`] asks.
+pub fn fused_decoding_on_cuda(x: &Tensor, bias: &Tensor, head_dim: usize) -> bool {
+    decoding_kernels_take(x, bias, head_dim)
+}
+
+fn decoding_kernels_take(x: &Tensor, bias: &Tensor, head_dim: usize) -> bool {
+    on_cuda(&[x, bias])
         && bias.dtype() == DType::F32
         && bias.rank() == 4
         && head_dim.is_multiple_of(32)
         && (32..=128).contains(&head_dim)
 }
 
-pub use crate::kernels::fused::{decode_attention, kv_cache_append};
+pub use crate::kernels::fused::{bias_gelu, bias_residual_layer_norm, decode_attention, kv_cache_append};
 
 /// Greedy decoding's token and log-probability per row of logits, on either device (on a GPU in
 /// one launch, two numbers a row to the host).

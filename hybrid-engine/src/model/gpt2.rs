@@ -248,6 +248,15 @@ impl Conv1D {
         }
     }
 
+    /// `x W` without the bias, (.., in) -> (.., out): for a decoding step's fused epilogues,
+    /// which add it.
+    fn gemm(&self, x: &Tensor) -> Result<Tensor> {
+        let mut dims = x.dims().to_vec();
+        let d_in = *dims.last().expect("linear input has a last dimension");
+        *dims.last_mut().expect("linear input has a last dimension") = self.weight.dim(1)?;
+        x.reshape(((), d_in))?.matmul(&self.weight)?.reshape(dims)
+    }
+
     /// Under tensor parallelism a column-parallel linear (`c_attn`, `c_fc`), entered through
     /// `f`: the input is whole on every rank, its gradient the sum of the ranks' parts. A LoRA
     /// adapter's `A` is whole and its `B` holds this rank's output rows: the rank-r bottleneck
@@ -291,6 +300,12 @@ impl LayerNorm {
     }
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         ops::layer_norm(x, &self.weight, &self.bias, self.eps)
+    }
+
+    /// The new residual `x + (y + b)` and this LayerNorm of it, in one launch (a decoding step
+    /// on a GPU).
+    fn after_bias_and_residual(&self, y: &Tensor, b: &Tensor, x: &Tensor) -> Result<(Tensor, Tensor)> {
+        ops::bias_residual_layer_norm(y, b, x, [&self.weight, &self.bias], self.eps)
     }
 }
 
@@ -392,8 +407,8 @@ impl Attention {
             }
             Some(cache) if ops::decode_attention_on_cuda(&qkv, bias, self.n_head) => {
                 // Generation on a GPU: into the cache and over it in two launches.
-                let (kv, start) = cache.append_qkv(&qkv, self.n_head)?;
-                ops::decode_attention(&qkv, &kv, start, bias, self.n_head, self.scale)?
+                let (kv, start) = cache.append_qkv(&qkv, None, self.n_head)?;
+                ops::decode_attention(&qkv, None, &kv, start, bias, self.n_head, self.scale)?
                 // (B, T, C)
             }
             Some(cache) => {
@@ -472,6 +487,37 @@ impl Block {
             (format!("h.{i}.mlp.c_fc"), &mut self.mlp.c_fc),
             (format!("h.{i}.mlp.c_proj"), &mut self.mlp.c_proj),
         ]
+    }
+
+    /// A decoding step's block on a GPU in nine launches instead of fifteen, from the residual
+    /// stream `x` and `h = ln_1(x)`, which the previous block's last launch made: c_attn's bias
+    /// is added inside the cache append and the attention, c_fc's inside the GELU, and c_proj's
+    /// inside the launch that adds to the residual and makes the next LayerNorm (`next_ln`: the
+    /// next block's ln_1, or ln_f). The values of [`Self::forward`] on a GPU, each rounded where
+    /// that rounds it (tested). Returns the new residual stream and `next_ln` of it.
+    fn forward_decoding_on_cuda(
+        &self,
+        x: &Tensor,
+        h: &Tensor,
+        bias: &Tensor,
+        cache: &mut KvCache,
+        next_ln: &LayerNorm,
+    ) -> Result<(Tensor, Tensor)> {
+        let (attn, mlp) = (&self.attn, &self.mlp);
+        let qkv = attn.c_attn.gemm(h)?; // (B, T, 3C), without the bias
+        let qkv_bias = Some(&attn.c_attn.bias);
+        let (kv, start) = cache.append_qkv(&qkv, qkv_bias, attn.n_head)?;
+        let y = ops::decode_attention(&qkv, qkv_bias, &kv, start, bias, attn.n_head, attn.scale)?; // (B, T, C)
+        let (x, h) = self.ln_2.after_bias_and_residual(&attn.c_proj.gemm(&y)?, &attn.c_proj.bias, x)?;
+        let g = ops::bias_gelu(&mlp.c_fc.gemm(&h)?, &mlp.c_fc.bias)?; // (B, T, 4C)
+        next_ln.after_bias_and_residual(&mlp.c_proj.gemm(&g)?, &mlp.c_proj.bias, &x)
+    }
+
+    /// Whether [`Self::forward_decoding_on_cuda`] computes this block: GPT-2's tanh GELU and no
+    /// unfused LoRA adapter.
+    fn fuses_decoding(&self) -> bool {
+        let linears = [&self.attn.c_attn, &self.attn.c_proj, &self.mlp.c_fc, &self.mlp.c_proj];
+        !self.mlp.exact_gelu && linears.iter().all(|l| l.lora.is_none())
     }
 
     pub fn forward(
@@ -666,9 +712,36 @@ impl Gpt2 {
         }
         let bias = self.attention_bias(b, t, past, pos, ids.device())?;
         let mut x = self.embed(ids, pos, past, dropout)?;
+        if let Some(cache) = cache.as_deref_mut().filter(|_| self.decodes_fused_on_cuda(&x, &bias, dropout)) {
+            return self.forward_blocks_decoding_on_cuda(x, &bias, cache);
+        }
         for (i, block) in self.h.iter().enumerate() {
             let layer_cache = cache.as_mut().map(|c| &mut c.layers[i]);
             x = block.forward(&x, &bias, layer_cache, dropout)?;
+        }
+        Ok(x)
+    }
+
+    /// Whether a decoding step's blocks take [`Block::forward_decoding_on_cuda`]: on a GPU (the
+    /// decoding kernels' dtypes, heads and mask), without dropout, tensor parallelism, the exact
+    /// GELU or unfused LoRA adapters.
+    pub(crate) fn decodes_fused_on_cuda(&self, x: &Tensor, bias: &Tensor, dropout: Option<&Dropout>) -> bool {
+        dropout.is_none()
+            && self.tp.is_none()
+            && ops::fused_decoding_on_cuda(x, bias, self.cfg.head_dim())
+            && self.h.iter().all(Block::fuses_decoding)
+    }
+
+    /// The blocks of a decoding step on a GPU ([`Block::forward_decoding_on_cuda`]), on the
+    /// embeddings `x`: the last block's residual stream, as [`Self::forward_blocks`] returns it
+    /// (its last launch also makes ln_f of it, which `lm_head` makes again).
+    fn forward_blocks_decoding_on_cuda(&self, x: Tensor, bias: &Tensor, cache: &mut Gpt2Cache) -> Result<Tensor> {
+        let Some(first) = self.h.first() else { return Ok(x) };
+        let h = first.ln_1.forward(&x)?;
+        let (mut x, mut h) = (x, h);
+        for (i, (block, layer_cache)) in self.h.iter().zip(cache.layers.iter_mut()).enumerate() {
+            let next_ln = self.h.get(i + 1).map_or(&self.ln_f, |next| &next.ln_1);
+            (x, h) = block.forward_decoding_on_cuda(&x, &h, bias, layer_cache, next_ln)?;
         }
         Ok(x)
     }

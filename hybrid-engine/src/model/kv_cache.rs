@@ -85,14 +85,14 @@ impl KvCache {
     }
 
     /// Appends the new tokens' keys and values straight from c_attn's output `qkv` (B, T, 3C) of
-    /// `n_head` heads, in one launch on a GPU (`ops::kv_cache_append`); returns the whole buffer
-    /// (2, B, NH, capacity, HD) and the positions cached before these tokens, what
-    /// `ops::decode_attention` takes.
-    pub fn append_qkv(&mut self, qkv: &Tensor, n_head: usize) -> Result<(Tensor, usize)> {
+    /// `n_head` heads, or its gemm's output and its bias `qkv_bias` (3C), in one launch on a GPU
+    /// (`ops::kv_cache_append`); returns the whole buffer (2, B, NH, capacity, HD) and the
+    /// positions cached before these tokens, what `ops::decode_attention` takes.
+    pub fn append_qkv(&mut self, qkv: &Tensor, qkv_bias: Option<&Tensor>, n_head: usize) -> Result<(Tensor, usize)> {
         let (b, t, c3) = qkv.dims3()?;
         let kv = self.room_for((b, n_head, t, c3 / 3 / n_head), qkv.dtype(), qkv.device())?;
         let start = self.len;
-        crate::kernels::ops::kv_cache_append(&kv, qkv, n_head, start)?;
+        crate::kernels::ops::kv_cache_append(&kv, qkv, qkv_bias, n_head, start)?;
         self.len += t;
         Ok((kv, start))
     }
