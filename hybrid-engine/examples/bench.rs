@@ -13,7 +13,9 @@
 //!   `train_flops_per_token`), for MFU; `cpu_ms_per_step` the process's CPU time per step.
 //! * `generate --model M --batch B --prompt-len P --new-tokens N --warmup W --reps R`: greedy
 //!   generation with the KV cache (prefill included), EOS disabled so every row makes exactly N
-//!   tokens. Reports the median over R calls: `tokens_per_s` = B*N / call time.
+//!   tokens. Reports the median over R calls: `tokens_per_s` = B*N / call time, and
+//!   `cpu_ms_per_token_step` the process's CPU time per token step (near `ms_per_token_step`:
+//!   the host's work, not the GPU's, sets the pace).
 //! * `ops --model M --batch B --seq T --reps R`: where a training step's time goes: each kind of
 //!   op of the model (embeddings, LayerNorm, the four linears, the attention core, GELU, the
 //!   residual dropout, the LM head with the cross-entropy) alone at the step's shapes, forward
@@ -417,17 +419,19 @@ fn bench_generate(a: &GenerateArgs, device: &Device) -> Result<serde_json::Value
     // eos None: no row stops early, so every call makes exactly B * N tokens.
     let sampling = SamplingConfig::greedy(a.new_tokens, None, GPT2_EOS, GPT2_VOCAB);
 
-    let mut times = Vec::with_capacity(a.reps);
+    let (mut times, mut cpu_times) = (Vec::with_capacity(a.reps), Vec::with_capacity(a.reps));
     for rep in 0..a.warmup + a.reps {
-        let start = Instant::now();
+        let (start, cpu_start) = (Instant::now(), cpu_seconds());
         let out = generate(&model, &prompts, &sampling, device)?;
         device.synchronize()?;
         let secs = start.elapsed().as_secs_f64();
+        let cpu_secs = cpu_seconds() - cpu_start;
         memory.sample(device)?;
         let made: usize = out.iter().map(Vec::len).sum();
         assert_eq!(made, a.batch * a.new_tokens, "generation stopped early");
         if rep >= a.warmup {
             times.push(secs);
+            cpu_times.push(cpu_secs);
         }
     }
     let call_s = median(&times);
@@ -446,6 +450,7 @@ fn bench_generate(a: &GenerateArgs, device: &Device) -> Result<serde_json::Value
         "tokens_per_s": (a.batch * a.new_tokens) as f64 / call_s,
         "ms_per_call": call_s * 1e3,
         "ms_per_token_step": call_s * 1e3 / a.new_tokens as f64,
+        "cpu_ms_per_token_step": median(&cpu_times) * 1e3 / a.new_tokens as f64,
         "peak_rss_mib": peak_rss_mib(),
         "gpu_used_mib": memory.max_mib,
     }))
