@@ -903,6 +903,48 @@ pub fn bias_residual_layer_norm(
     }))
 }
 
+/// A decoding step's embeddings and the first LayerNorm (cuda/decode_layer.cu, one warp a row):
+/// for u32 ids and positions (N,) and [wte (V, C), wpe (n_positions, C), w, beta (C,)] of one
+/// dtype, all contiguous: (2, N, C), wte[id] + wpe[position] then ln_1 of it (rows of NaN for an
+/// id or position outside its table).
+pub fn embed_layer_norm(
+    (ids, li): (&CudaStorage, &Layout),
+    (positions, lp): (&CudaStorage, &Layout),
+    [wte, wpe, w, beta]: [(&CudaStorage, &Layout); 4],
+    eps: f32,
+) -> Result<CudaStorage> {
+    let rows = li.shape().elem_count();
+    let ((vocab, c), (n_positions, c2)) = (wte.1.shape().dims2()?, wpe.1.shape().dims2()?);
+    let vectors_fit = w.1.shape().elem_count() == c && beta.1.shape().elem_count() == c;
+    if lp.shape().elem_count() != rows || c2 != c || !vectors_fit {
+        candle_core::bail!(
+            "embeddings and LayerNorm on CUDA: {rows} ids, {} positions, tables {:?} and {:?}",
+            lp.shape().elem_count(),
+            wte.1.dims(),
+            wpe.1.dims()
+        );
+    }
+    let ids = view::<u32>(ids, li, "the token ids")?;
+    let positions = view::<u32>(positions, lp, "the positions")?;
+    Ok(for_float_dtype!(wte.0, wte.1, "embeddings and LayerNorm", |table: Elem, suffix| {
+        let dev = wte.0.device();
+        let [wpe, w, beta] =
+            [(wpe, "wpe"), (w, "ln_1's weight"), (beta, "ln_1's bias")].map(|((s, l), what)| view::<Elem>(s, l, what));
+        let (wpe, w, beta) = (wpe?, w?, beta?);
+        // SAFETY: the kernel writes both halves of every row.
+        let out = unsafe { dev.alloc::<Elem>(2 * rows * c)? };
+        let func =
+            dev.get_or_load_custom_func(&format!("embed_layer_norm_{suffix}"), "rlhf_decode_layer", ptx::DECODE_LAYER)?;
+        let mut launch = func.builder();
+        let (rows64, c32, vocab32, n_pos32) = (rows as u64, c as u32, vocab as u32, n_positions as u32);
+        launch.arg(&ids).arg(&positions).arg(table).arg(&wpe).arg(&w).arg(&beta).arg(&out);
+        launch.arg(&rows64).arg(&c32).arg(&vocab32).arg(&n_pos32).arg(&eps);
+        // SAFETY: the arguments match the kernel's signature; it reads table rows below the
+        // sizes it is given.
+        unsafe { launch.launch(warp_per_row(rows)) }.w().map(|_| out)
+    }))
+}
+
 /// `gelu_new(y + b)` for c_fc's gemm output y (N, W) without its bias b (W,), both contiguous and
 /// of one dtype (cuda/decode_layer.cu).
 pub fn bias_gelu((y, ly): (&CudaStorage, &Layout), (b, lb): (&CudaStorage, &Layout)) -> Result<CudaStorage> {
@@ -1610,8 +1652,8 @@ mod tests {
                     let positions = Positions { position_ids: Some(&pos), attention_mask: Some(&mask_t) };
                     let (t, past) = (ids.dim(1)?, plain_cache.len());
                     let bias = model.attention_bias(b, t, past, &positions, &gpu)?;
+                    assert!(model.decodes_fused_on_cuda(&bias, None), "the fused path applies");
                     let mut plain = model.embed(&ids, &positions, past, None)?;
-                    assert!(model.decodes_fused_on_cuda(&plain, &bias, None), "the fused path applies");
                     let fused = model.forward_blocks(&ids, &positions, Some(&mut fused_cache), None)?;
                     for (block, layer) in model.h.iter().zip(plain_cache.layers.iter_mut()) {
                         plain = block.forward(&plain, &bias, Some(layer), None)?;

@@ -1340,6 +1340,58 @@ pub fn bias_residual_layer_norm(
     Ok((both.get(0)?, both.get(1)?))
 }
 
+/// A decoding step's embeddings and the first block's ln_1 of them.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // read by cuda_fwd
+struct EmbedLayerNorm {
+    /// wte, wpe, ln_1's weight and bias.
+    tables: [Tensor; 4],
+    eps: f32,
+}
+
+impl CustomOp2 for EmbedLayerNorm {
+    fn name(&self) -> &'static str {
+        "embed-layer-norm"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        candle_core::bail!("the decoding step's fused epilogues run on a GPU")
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        ids: &candle_core::CudaStorage,
+        li: &Layout,
+        positions: &candle_core::CudaStorage,
+        lp: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let [wte, wpe, w, beta] = &self.tables;
+        let out = with_cuda_operands(&[wte, wpe, w, beta], |t| {
+            crate::kernels::cuda::embed_layer_norm((ids, li), (positions, lp), [t[0], t[1], t[2], t[3]], self.eps)
+        })?;
+        let mut dims = vec![2];
+        dims.extend_from_slice(li.dims());
+        dims.push(wte.dim(1)?);
+        Ok((out, Shape::from(dims)))
+    }
+}
+
+/// The embeddings `wte[ids] + wpe[positions]` of u32 `ids` and `positions` (B, T), and their
+/// LayerNorm with `w`, `beta` (`eps`): ((B, T, C), (B, T, C)) in one launch on a GPU, rounded as
+/// the lookups, the add and the LayerNorm kernel round. No gradient (generation).
+pub fn embed_layer_norm(
+    ids: &Tensor,
+    positions: &Tensor,
+    [wte, wpe]: [&Tensor; 2],
+    [w, beta]: [&Tensor; 2],
+    eps: f64,
+) -> Result<(Tensor, Tensor)> {
+    let tables = [wte.contiguous()?, wpe.contiguous()?, w.contiguous()?, beta.contiguous()?];
+    let op = EmbedLayerNorm { tables, eps: eps as f32 };
+    let both = ids.contiguous()?.apply_op2_no_bwd(&positions.contiguous()?, &op)?;
+    Ok((both.get(0)?, both.get(1)?))
+}
+
 /// `gelu_new(y + b)` after c_fc's gemm.
 struct BiasGelu;
 

@@ -220,8 +220,8 @@ pub fn decode_attention_on_cuda(qkv: &Tensor, bias: &Tensor, n_head: usize) -> b
 
 /// Whether a decoding step's blocks run fused on a GPU (`gpt2.rs`'s
 /// `Block::forward_decoding_on_cuda`: the biases added inside the cache append, the attention,
-/// [`bias_residual_layer_norm`] and [`bias_gelu`]), for hidden states `x`, the step's mask
-/// `bias` and heads of `head_dim` values: what [`decode_attention_on_cuda`] asks.
+/// [`bias_residual_layer_norm`] and [`bias_gelu`]; [`embed_layer_norm`] first), for weights `x`,
+/// the step's mask `bias` and heads of `head_dim` values: what [`decode_attention_on_cuda`] asks.
 pub fn fused_decoding_on_cuda(x: &Tensor, bias: &Tensor, head_dim: usize) -> bool {
     decoding_kernels_take(x, bias, head_dim)
 }
@@ -234,7 +234,9 @@ fn decoding_kernels_take(x: &Tensor, bias: &Tensor, head_dim: usize) -> bool {
         && (32..=128).contains(&head_dim)
 }
 
-pub use crate::kernels::fused::{bias_gelu, bias_residual_layer_norm, decode_attention, kv_cache_append};
+pub use crate::kernels::fused::{
+    bias_gelu, bias_residual_layer_norm, decode_attention, embed_layer_norm, kv_cache_append,
+};
 
 /// Greedy decoding's token and log-probability per row of logits, on either device (on a GPU in
 /// one launch, two numbers a row to the host).

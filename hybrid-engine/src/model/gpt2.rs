@@ -711,10 +711,10 @@ impl Gpt2 {
             );
         }
         let bias = self.attention_bias(b, t, past, pos, ids.device())?;
-        let mut x = self.embed(ids, pos, past, dropout)?;
-        if let Some(cache) = cache.as_deref_mut().filter(|_| self.decodes_fused_on_cuda(&x, &bias, dropout)) {
-            return self.forward_blocks_decoding_on_cuda(x, &bias, cache);
+        if let Some(cache) = cache.as_deref_mut().filter(|_| self.decodes_fused_on_cuda(&bias, dropout)) {
+            return self.forward_blocks_decoding_on_cuda(ids, pos, past, &bias, cache);
         }
+        let mut x = self.embed(ids, pos, past, dropout)?;
         for (i, block) in self.h.iter().enumerate() {
             let layer_cache = cache.as_mut().map(|c| &mut c.layers[i]);
             x = block.forward(&x, &bias, layer_cache, dropout)?;
@@ -725,20 +725,37 @@ impl Gpt2 {
     /// Whether a decoding step's blocks take [`Block::forward_decoding_on_cuda`]: on a GPU (the
     /// decoding kernels' dtypes, heads and mask), without dropout, tensor parallelism, the exact
     /// GELU or unfused LoRA adapters.
-    pub(crate) fn decodes_fused_on_cuda(&self, x: &Tensor, bias: &Tensor, dropout: Option<&Dropout>) -> bool {
+    pub(crate) fn decodes_fused_on_cuda(&self, bias: &Tensor, dropout: Option<&Dropout>) -> bool {
         dropout.is_none()
             && self.tp.is_none()
-            && ops::fused_decoding_on_cuda(x, bias, self.cfg.head_dim())
+            && ops::fused_decoding_on_cuda(&self.wte, bias, self.cfg.head_dim())
             && self.h.iter().all(Block::fuses_decoding)
     }
 
-    /// The blocks of a decoding step on a GPU ([`Block::forward_decoding_on_cuda`]), on the
-    /// embeddings `x`: the last block's residual stream, as [`Self::forward_blocks`] returns it
-    /// (its last launch also makes ln_f of it, which `lm_head` makes again).
-    fn forward_blocks_decoding_on_cuda(&self, x: Tensor, bias: &Tensor, cache: &mut Gpt2Cache) -> Result<Tensor> {
-        let Some(first) = self.h.first() else { return Ok(x) };
-        let h = first.ln_1.forward(&x)?;
-        let (mut x, mut h) = (x, h);
+    /// The blocks of a decoding step on a GPU ([`Block::forward_decoding_on_cuda`]), after the
+    /// embeddings and ln_1 in one launch when the position ids are given: the last block's
+    /// residual stream, as [`Self::forward_blocks`] returns it (its last launch also makes ln_f
+    /// of it, which `lm_head` makes again).
+    fn forward_blocks_decoding_on_cuda(
+        &self,
+        ids: &Tensor,
+        pos: &Positions,
+        past: usize,
+        bias: &Tensor,
+        cache: &mut Gpt2Cache,
+    ) -> Result<Tensor> {
+        let Some(first) = self.h.first() else { return self.embed(ids, pos, past, None) };
+        let (mut x, mut h) = match pos.position_ids {
+            Some(positions) if ids.dtype() == DType::U32 && positions.dtype() == DType::U32 => {
+                let ln_1 = [&first.ln_1.weight, &first.ln_1.bias];
+                ops::embed_layer_norm(ids, positions, [&self.wte, &self.wpe], ln_1, first.ln_1.eps)?
+            }
+            _ => {
+                let x = self.embed(ids, pos, past, None)?;
+                let h = first.ln_1.forward(&x)?;
+                (x, h)
+            }
+        };
         for (i, (block, layer_cache)) in self.h.iter().zip(cache.layers.iter_mut()).enumerate() {
             let next_ln = self.h.get(i + 1).map_or(&self.ln_f, |next| &next.ln_1);
             (x, h) = block.forward_decoding_on_cuda(&x, &h, bias, layer_cache, next_ln)?;
