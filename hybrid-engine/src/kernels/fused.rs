@@ -1288,17 +1288,19 @@ pub fn decode_attention(
     qkv.contiguous()?.apply_op3_no_bwd(kv, &bias.contiguous()?, &op)
 }
 
-/// A decoding step's epilogue after c_proj: the new residual and the next LayerNorm of it.
+/// A decoding step's launch that makes a new residual stream and a LayerNorm of it: (2, .., C).
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // read by cuda_fwd
-struct BiasResidualLayerNorm {
-    /// c_proj's bias, the LayerNorm's weight and bias.
-    vectors: [Tensor; 3],
-    eps: f32,
+enum ResidualThenLayerNorm {
+    /// After c_proj's gemm y, on the residual stream x: c_proj's bias and the LayerNorm's weight
+    /// and bias.
+    AfterBias([Tensor; 3], f32),
+    /// From u32 ids and positions: wte, wpe and ln_1's weight and bias.
+    Embeddings([Tensor; 4], f32),
 }
 
-impl CustomOp2 for BiasResidualLayerNorm {
+impl CustomOp2 for ResidualThenLayerNorm {
     fn name(&self) -> &'static str {
-        "bias-residual-layer-norm"
+        "residual-then-layer-norm"
     }
 
     fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
@@ -1308,18 +1310,35 @@ impl CustomOp2 for BiasResidualLayerNorm {
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
         &self,
-        y: &candle_core::CudaStorage,
-        ly: &Layout,
-        x: &candle_core::CudaStorage,
-        lx: &Layout,
+        a: &candle_core::CudaStorage,
+        la: &Layout,
+        b: &candle_core::CudaStorage,
+        lb: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let [b, w, beta] = &self.vectors;
-        let out = with_cuda_operands(&[b, w, beta], |v| {
-            crate::kernels::cuda::bias_residual_layer_norm((y, ly), (x, lx), [v[0], v[1], v[2]], self.eps)
-        })?;
-        let mut dims = vec![2];
-        dims.extend_from_slice(ly.dims());
-        Ok((out, Shape::from(dims)))
+        use crate::kernels::cuda;
+        let (out, rows) = match self {
+            Self::AfterBias([bias, w, beta], eps) => {
+                let out = with_cuda_operands(&[bias, w, beta], |v| {
+                    cuda::bias_residual_layer_norm((a, la), (b, lb), [v[0], v[1], v[2]], *eps)
+                })?;
+                (out, la.dims().to_vec())
+            }
+            Self::Embeddings([wte, wpe, w, beta], eps) => {
+                let out = with_cuda_operands(&[wte, wpe, w, beta], |t| {
+                    cuda::embed_layer_norm((a, la), (b, lb), [t[0], t[1], t[2], t[3]], *eps)
+                })?;
+                (out, [la.dims(), &[wte.dim(1)?]].concat())
+            }
+        };
+        Ok((out, Shape::from([&[2], &rows[..]].concat())))
+    }
+}
+
+impl ResidualThenLayerNorm {
+    /// (the new residual stream, its LayerNorm) from the op's two arguments.
+    fn apply(self, a: &Tensor, b: &Tensor) -> Result<(Tensor, Tensor)> {
+        let both = a.contiguous()?.apply_op2_no_bwd(&b.contiguous()?, &self)?;
+        Ok((both.get(0)?, both.get(1)?))
     }
 }
 
@@ -1335,45 +1354,7 @@ pub fn bias_residual_layer_norm(
     eps: f64,
 ) -> Result<(Tensor, Tensor)> {
     let vectors = [b.contiguous()?, w.contiguous()?, beta.contiguous()?];
-    let op = BiasResidualLayerNorm { vectors, eps: eps as f32 };
-    let both = y.contiguous()?.apply_op2_no_bwd(&x.contiguous()?, &op)?;
-    Ok((both.get(0)?, both.get(1)?))
-}
-
-/// A decoding step's embeddings and the first block's ln_1 of them.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // read by cuda_fwd
-struct EmbedLayerNorm {
-    /// wte, wpe, ln_1's weight and bias.
-    tables: [Tensor; 4],
-    eps: f32,
-}
-
-impl CustomOp2 for EmbedLayerNorm {
-    fn name(&self) -> &'static str {
-        "embed-layer-norm"
-    }
-
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
-        candle_core::bail!("the decoding step's fused epilogues run on a GPU")
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        ids: &candle_core::CudaStorage,
-        li: &Layout,
-        positions: &candle_core::CudaStorage,
-        lp: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let [wte, wpe, w, beta] = &self.tables;
-        let out = with_cuda_operands(&[wte, wpe, w, beta], |t| {
-            crate::kernels::cuda::embed_layer_norm((ids, li), (positions, lp), [t[0], t[1], t[2], t[3]], self.eps)
-        })?;
-        let mut dims = vec![2];
-        dims.extend_from_slice(li.dims());
-        dims.push(wte.dim(1)?);
-        Ok((out, Shape::from(dims)))
-    }
+    ResidualThenLayerNorm::AfterBias(vectors, eps as f32).apply(y, x)
 }
 
 /// The embeddings `wte[ids] + wpe[positions]` of u32 `ids` and `positions` (B, T), and their
@@ -1387,9 +1368,7 @@ pub fn embed_layer_norm(
     eps: f64,
 ) -> Result<(Tensor, Tensor)> {
     let tables = [wte.contiguous()?, wpe.contiguous()?, w.contiguous()?, beta.contiguous()?];
-    let op = EmbedLayerNorm { tables, eps: eps as f32 };
-    let both = ids.contiguous()?.apply_op2_no_bwd(&positions.contiguous()?, &op)?;
-    Ok((both.get(0)?, both.get(1)?))
+    ResidualThenLayerNorm::Embeddings(tables, eps as f32).apply(ids, positions)
 }
 
 /// `gelu_new(y + b)` after c_fc's gemm.
