@@ -221,9 +221,13 @@ pub fn decode_attention_on_cuda(qkv: &Tensor, bias: &Tensor, n_head: usize) -> b
 /// Whether a decoding step's blocks run fused on a GPU (`gpt2.rs`'s
 /// `Block::forward_decoding_on_cuda`: the biases added inside the cache append, the attention,
 /// [`bias_residual_layer_norm`] and [`bias_gelu`]; [`embed_layer_norm`] first), for weights `x`,
-/// the step's mask `bias` and heads of `head_dim` values: what [`decode_attention_on_cuda`] asks.
+/// the step's mask `bias` and heads of `head_dim` values: what [`decode_attention_on_cuda`] asks,
+/// unless `HYBRID_ENGINE_FUSED_DECODING=0` keeps one op a launch (benchmarks measure what the
+/// fusion buys).
 pub fn fused_decoding_on_cuda(x: &Tensor, bias: &Tensor, head_dim: usize) -> bool {
-    decoding_kernels_take(x, bias, head_dim)
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let off = *OFF.get_or_init(|| std::env::var("HYBRID_ENGINE_FUSED_DECODING").is_ok_and(|v| v == "0"));
+    !off && decoding_kernels_take(x, bias, head_dim)
 }
 
 fn decoding_kernels_take(x: &Tensor, bias: &Tensor, head_dim: usize) -> bool {
