@@ -711,8 +711,8 @@ impl GradStore {
     /// as it is, not added to a tensor of zeros (upstream's `or_insert` + `add`): that saves a
     /// fill and a full-size add on every edge of the graph. A strided view, or one starting
     /// inside its buffer, is copied first so that it does not hold the larger buffer until its
-    /// tensor's turn; a variable gets a fresh tensor of its own as before, since callers may
-    /// read or update its gradient in place.
+    /// tensor's turn; a variable gets a copy of its own, since callers may read or update its
+    /// gradient in place.
     fn accumulate(&mut self, tensor: &Tensor, grad: &Tensor) -> Result<()> {
         match self.0.entry(tensor.id()) {
             Entry::Occupied(mut entry) => {
@@ -720,17 +720,17 @@ impl GradStore {
                 *entry.get_mut() = sum;
             }
             Entry::Vacant(entry) => {
-                let fresh = upstream_backward()
-                    || tensor.is_variable()
-                    || grad.dims() != tensor.dims()
-                    || grad.dtype() != tensor.dtype();
-                let grad = if fresh {
+                let upstream =
+                    upstream_backward() || grad.dims() != tensor.dims() || grad.dtype() != tensor.dtype();
+                let grad = if upstream {
                     // Upstream's arithmetic, and its shape and dtype errors.
                     tensor.zeros_like()?.add(grad)?
-                } else if grad.is_contiguous() && grad.layout().start_offset() == 0 {
-                    grad.clone()
-                } else {
+                } else if tensor.is_variable() || !grad.is_contiguous() || grad.layout().start_offset() != 0 {
+                    // A copy of exactly the view's elements: one pass where upstream's zeros and
+                    // add made two (the same values, but that 0 + (-0) is +0).
                     grad.force_contiguous()?
+                } else {
+                    grad.clone()
                 };
                 entry.insert(grad);
             }
