@@ -174,10 +174,15 @@ pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
 
 /// [`linear`] composed of candle ops: one (rows, in) x (in, out) gemm, then the bias.
 pub fn linear_reference(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
+    gemm_rows(x, w)?.broadcast_add(b)
+}
+
+/// `x W` for `x` (.., in) and `w` (in, out) as one (rows, in) x (in, out) gemm: (.., out).
+pub fn gemm_rows(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     let mut dims = x.dims().to_vec();
-    let d_in = *dims.last().expect("linear input has a last dimension");
-    *dims.last_mut().expect("linear input has a last dimension") = w.dim(1)?;
-    x.reshape(((), d_in))?.matmul(w)?.broadcast_add(b)?.reshape(dims)
+    let Some(last) = dims.last_mut() else { candle_core::bail!("a linear's input has no last dimension") };
+    let d_in = std::mem::replace(last, w.dim(1)?);
+    x.reshape(((), d_in))?.matmul(w)?.reshape(dims)
 }
 
 /// Splits `c_attn`'s output (B, T, 3C) into q, k, v, each (B, NH, T, HD) and contiguous (the

@@ -251,10 +251,7 @@ impl Conv1D {
     /// `x W` without the bias, (.., in) -> (.., out): for a decoding step's fused epilogues,
     /// which add it.
     fn gemm(&self, x: &Tensor) -> Result<Tensor> {
-        let mut dims = x.dims().to_vec();
-        let d_in = *dims.last().expect("linear input has a last dimension");
-        *dims.last_mut().expect("linear input has a last dimension") = self.weight.dim(1)?;
-        x.reshape(((), d_in))?.matmul(&self.weight)?.reshape(dims)
+        ops::gemm_rows(x, &self.weight)
     }
 
     /// Under tensor parallelism a column-parallel linear (`c_attn`, `c_fc`), entered through
