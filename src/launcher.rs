@@ -735,8 +735,6 @@ fn run_recipe(script: &str, plan: &StepPlan, bin_dir: &Path, setting: StepSettin
         .arg(model_size(&plan.model))
         .args(plan.critic.iter().flat_map(|(dir, zero)| [dir.display().to_string(), zero.to_string()]))
         .env("PATH", path)
-        // The step's model save replaces this directory; the log must survive it.
-        .env(hybrid_engine::durable::LIVE_LOG_ENV, &log_path)
         .env(hybrid_engine::device::DEVICE_ENV, device)
         .env(hybrid_engine::training::precision::DTYPE_ENV, dtype.name())
         .env(hybrid_engine::cli::dist_args::TP_SIZE_ENV, tp.to_string())

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 /// multi_node).
 pub const NPROC_ENV: &str = "RLHF_NPROC_PER_NODE";
 /// Where the rank logs go (the step's output directory).
-pub const RANK_LOG_DIR_ENV: &str = hybrid_engine::durable::RANK_LOGS_ENV;
+pub const RANK_LOG_DIR_ENV: &str = "RLHF_RANK_LOG_DIR";
 /// multi_node, per node: the global rank of this node's first rank.
 pub const FIRST_RANK_ENV: &str = "RLHF_FIRST_RANK";
 /// multi_node, per node: the ranks of the whole job.

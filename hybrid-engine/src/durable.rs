@@ -11,23 +11,21 @@
 //! runs that recovery first, so a killed process's leftovers never outlive the next run.
 //!
 //! On any error the temporary directory is removed (a full disk must not leave gigabytes of
-//! `.tmp-*` behind). The new directory holds exactly what the save wrote, plus the live logs this
-//! process tree is appending to ([`mark_live`], [`LIVE_LOG_ENV`]), which are carried over as hard
-//! links so the writers keep writing into the directory in place; nothing else of the old
-//! directory survives.
+//! `.tmp-*` behind). A save replaces only what saves wrote: each one lists the names it wrote in
+//! [`SAVED_NAMES_FILE`], and everything else in the old directory (the user's `training.log`, the
+//! TensorBoard event files, `metrics.jsonl`, a note) is carried into the new one as hard links
+//! before the swap, so a writer appending to such a file keeps writing into the directory in place
+//! and a crash at any point loses none of it. A save's own files of an earlier save that this one
+//! does not write (a stale report) are gone afterwards.
 
 use anyhow::{Context, Result};
+use std::collections::HashSet;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 
-/// Set by the launcher to the log file it appends a step's output to (`<output>/<model>/training.log`):
-/// a live file that a save of that directory must keep.
-pub const LIVE_LOG_ENV: &str = "RLHF_LIVE_LOG";
-
-/// Set by the rank launcher (`src/ranks.rs`) to the directory whose `rank-<r>.log` files it
-/// appends the ranks' output to, and where multi_node's launcher (`src/nodes.rs`) writes each
-/// host's `node-<host>.log`: live files too.
-pub const RANK_LOGS_ENV: &str = "RLHF_RANK_LOG_DIR";
+/// The hidden file in a directory saved by [`write_dir_atomically`] that lists, as a JSON array,
+/// the names the save wrote: what the next save of that directory may drop. Without it (a
+/// directory this program never saved into) the next save keeps every name it does not write.
+pub const SAVED_NAMES_FILE: &str = ".saved-names.json";
 
 /// Test hook: `RLHF_FAILPOINT=<name>` aborts the process at the named point, to prove that an
 /// interrupted save damages nothing. Points: `checkpoint-before-rename` (the new directory is
@@ -45,35 +43,58 @@ pub fn failpoint(name: &str) {
 /// even where `RENAME_EXCHANGE` works, so tests reach the fallback's crash window.
 const NO_EXCHANGE_ENV: &str = "RLHF_TEST_NO_EXCHANGE";
 
-static LIVE_FILES: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
-
-/// Declares `path` a file this process keeps appending to (a step's `metrics.jsonl`): when the
-/// directory holding it is replaced, the file is carried into the new directory.
-pub fn mark_live(path: &Path) {
-    if let Ok(p) = std::fs::canonicalize(path) {
-        LIVE_FILES.lock().unwrap_or_else(|e| e.into_inner()).push(p);
-    }
+/// The names an earlier save of `dir` wrote (empty when it has no readable list: then nothing
+/// in it counts as ours). The list is untrusted input: only plain names are taken from it.
+fn names_saved_before(dir: &Path) -> HashSet<String> {
+    let Ok(text) = std::fs::read_to_string(dir.join(SAVED_NAMES_FILE)) else { return HashSet::new() };
+    let names: Vec<String> = serde_json::from_str(&text).unwrap_or_default();
+    names.into_iter().filter(|n| Path::new(n).file_name().is_some_and(|f| f == n.as_str())).collect()
 }
 
-/// The live files inside `dir`: those marked by this process and the launcher's log.
-fn live_files_in(dir: &Path) -> Vec<PathBuf> {
-    let Ok(dir) = std::fs::canonicalize(dir) else { return Vec::new() };
-    let mut live: Vec<PathBuf> = LIVE_FILES.lock().unwrap_or_else(|e| e.into_inner()).clone();
-    if let Some(log) = std::env::var_os(LIVE_LOG_ENV).and_then(|p| std::fs::canonicalize(p).ok()) {
-        live.push(log);
-    }
-    if std::env::var_os(RANK_LOGS_ENV).and_then(|p| std::fs::canonicalize(p).ok()).as_deref() == Some(dir.as_path()) {
-        let is_rank_log = |n: &str| {
-            let rank = n.strip_prefix("rank-").and_then(|r| r.strip_suffix(".log"));
-            rank.is_some_and(|r| r.bytes().all(|b| b.is_ascii_digit()))
-                || n.strip_prefix("node-").is_some_and(|h| h.ends_with(".log"))
-        };
-        if let Ok(entries) = std::fs::read_dir(&dir) {
-            live.extend(entries.flatten().filter(|e| is_rank_log(&e.file_name().to_string_lossy())).map(|e| e.path()));
+/// Hard-links everything in the existing `final_dir` that no save wrote and the new directory
+/// `new` does not hold into `new` (directories recreated, their contents linked), then lists the
+/// names the save wrote in `new`'s [`SAVED_NAMES_FILE`].
+fn carry_what_saves_did_not_write(final_dir: &Path, new: &Path) -> Result<()> {
+    let mut written: Vec<String> = std::fs::read_dir(new)
+        .with_context(|| format!("cannot list {}", new.display()))?
+        .map(|e| Ok(e?.file_name().to_string_lossy().to_string()))
+        .collect::<std::io::Result<_>>()?;
+    written.sort();
+    if final_dir.is_dir() {
+        let ours = names_saved_before(final_dir);
+        for entry in std::fs::read_dir(final_dir).with_context(|| format!("cannot list {}", final_dir.display()))? {
+            let entry = entry?;
+            let name = entry.file_name().to_string_lossy().to_string();
+            if name == SAVED_NAMES_FILE || ours.contains(&name) || written.contains(&name) {
+                continue;
+            }
+            link_tree(&entry.path(), &new.join(&name)).with_context(|| {
+                format!(
+                    "cannot keep {} (not written by a save) in the new {}; nothing was replaced: \
+                     save into a directory of its own on a filesystem with hard links",
+                    entry.path().display(),
+                    final_dir.display()
+                )
+            })?;
         }
     }
-    live.retain(|p| p.parent() == Some(dir.as_path()));
-    live
+    std::fs::write(new.join(SAVED_NAMES_FILE), serde_json::to_vec(&written)?)
+        .with_context(|| format!("cannot write {}", new.join(SAVED_NAMES_FILE).display()))
+}
+
+/// `to` becomes a hard link of `from`, or for a directory a new directory of links to its tree.
+fn link_tree(from: &Path, to: &Path) -> std::io::Result<()> {
+    if std::fs::symlink_metadata(from)?.is_dir() {
+        std::fs::create_dir(to)?;
+        for entry in std::fs::read_dir(from)? {
+            let entry = entry?;
+            link_tree(&entry.path(), &to.join(entry.file_name()))?;
+        }
+        Ok(())
+    } else {
+        // A symbolic link is linked itself, not what it points to (linkat without AT_SYMLINK_FOLLOW).
+        std::fs::hard_link(from, to)
+    }
 }
 
 fn parent_of(path: &Path) -> &Path {
@@ -116,9 +137,10 @@ fn remove_any(path: &Path) {
     };
 }
 
-/// Builds `final_dir` by calling `fill` on a temporary sibling, then puts it in place atomically,
-/// replacing a previous directory of that name only once the new one is complete and synced.
-/// On error nothing is left behind and the previous directory is untouched.
+/// Builds `final_dir` by calling `fill` on a temporary sibling, carries over what no save wrote
+/// in the previous directory of that name, then puts it in place atomically, replacing the
+/// previous one only once the new one is complete and synced. On error nothing is left behind
+/// and the previous directory is untouched.
 pub fn write_dir_atomically(final_dir: &Path, fill: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
     let parent = parent_of(final_dir);
     std::fs::create_dir_all(parent).with_context(|| format!("cannot create {}", parent.display()))?;
@@ -127,13 +149,7 @@ pub fn write_dir_atomically(final_dir: &Path, fill: impl FnOnce(&Path) -> Result
     remove_any(&tmp.path);
     std::fs::create_dir(&tmp.path).with_context(|| format!("cannot create {}", tmp.path.display()))?;
     fill(&tmp.path)?;
-    for live in live_files_in(final_dir) {
-        let target = tmp.path.join(live.file_name().expect("a file inside a directory has a name"));
-        if !target.exists() && std::fs::hard_link(&live, &target).is_err() {
-            std::fs::copy(&live, &target)
-                .with_context(|| format!("cannot carry the live log {} into the new directory", live.display()))?;
-        }
-    }
+    carry_what_saves_did_not_write(final_dir, &tmp.path)?;
     sync_tree(&tmp.path)?;
     failpoint("checkpoint-before-rename");
     replace_dir(&tmp.path, final_dir)?;
@@ -280,9 +296,11 @@ pub fn sync_path(path: &Path) -> Result<()> {
 pub fn sync_tree(dir: &Path) -> Result<()> {
     for entry in std::fs::read_dir(dir).with_context(|| format!("cannot list {}", dir.display()))? {
         let entry = entry?;
-        if entry.file_type()?.is_dir() {
+        let kind = entry.file_type()?;
+        if kind.is_dir() {
             sync_tree(&entry.path())?;
-        } else {
+        } else if !kind.is_symlink() {
+            // A symbolic link is synced with its directory (and may point nowhere).
             sync_path(&entry.path())?;
         }
     }
@@ -314,9 +332,53 @@ mod tests {
         let dir = root.path().join("model");
         write_dir_atomically(&dir, |d| write(d, &[("weights", "old"), ("reward_eval.json", "stale")]))?;
         write_dir_atomically(&dir, |d| write(d, &[("weights", "new")]))?;
-        assert_eq!(names(&dir), ["weights"], "nothing of the earlier save is carried over");
+        assert_eq!(names(&dir), [SAVED_NAMES_FILE, "weights"], "nothing the earlier save wrote is carried over");
         assert_eq!(std::fs::read_to_string(dir.join("weights"))?, "new");
+        assert_eq!(std::fs::read_to_string(dir.join(SAVED_NAMES_FILE))?, r#"["weights"]"#);
         assert_eq!(names(root.path()), ["model"], "no temporary or old directory is left");
+        Ok(())
+    }
+
+    #[test]
+    fn files_no_save_wrote_survive_every_save_and_keep_receiving_writes() -> Result<()> {
+        use std::io::Write;
+        let root = tempfile::tempdir()?;
+        // DS-Chat's scripts: `--output_dir $OUT --tensorboard_path $OUT &> $OUT/training.log`,
+        // a directory this program has never saved into.
+        let dir = root.path().join("out");
+        std::fs::create_dir_all(dir.join("tb/run"))?;
+        let log_path = dir.join("training.log");
+        let mut log = std::fs::OpenOptions::new().create(true).append(true).open(&log_path)?;
+        writeln!(log, "before")?;
+        write(&dir, &[("notes.txt", "mine"), ("weights", "a user's file of a name the save writes")])?;
+        write(&dir.join("tb/run"), &[("events.out.tfevents.1", "e")])?;
+        std::os::unix::fs::symlink("/nonexistent/target", dir.join("dangling"))?;
+        for round in ["1", "2"] {
+            write_dir_atomically(&dir, |d| write(d, &[("weights", round)]))?;
+            writeln!(log, "after save {round}")?;
+        }
+        assert_eq!(std::fs::read_to_string(&log_path)?, "before\nafter save 1\nafter save 2\n");
+        assert_eq!(names(&dir), [SAVED_NAMES_FILE, "dangling", "notes.txt", "tb", "training.log", "weights"]);
+        assert_eq!(std::fs::read_to_string(dir.join("weights"))?, "2", "a name the save writes is the save's");
+        assert_eq!(std::fs::read_to_string(dir.join("notes.txt"))?, "mine");
+        assert_eq!(std::fs::read_to_string(dir.join("tb/run/events.out.tfevents.1"))?, "e");
+        assert_eq!(std::fs::read_link(dir.join("dangling"))?, Path::new("/nonexistent/target"));
+        assert_eq!(names(root.path()), ["out"]);
+        Ok(())
+    }
+
+    #[test]
+    fn an_unreadable_list_of_saved_names_keeps_everything() -> Result<()> {
+        let root = tempfile::tempdir()?;
+        let dir = root.path().join("model");
+        std::fs::create_dir(&dir)?;
+        write(&dir, &[(SAVED_NAMES_FILE, "{not json"), ("report.json", "r")])?;
+        write_dir_atomically(&dir, |d| write(d, &[("weights", "1")]))?;
+        assert_eq!(names(&dir), [SAVED_NAMES_FILE, "report.json", "weights"]);
+        // A list naming paths outside the directory gives them no meaning.
+        write(&dir, &[(SAVED_NAMES_FILE, r#"["../model", "/etc", "report.json/..", "weights"]"#)])?;
+        write_dir_atomically(&dir, |d| write(d, &[("weights", "2")]))?;
+        assert_eq!(names(&dir), [SAVED_NAMES_FILE, "report.json", "weights"]);
         Ok(())
     }
 
@@ -337,23 +399,6 @@ mod tests {
         let fresh = root.path().join("fresh");
         assert!(write_dir_atomically(&fresh, |_| bail!("disk full")).is_err());
         assert_eq!(names(root.path()), ["model"]);
-        Ok(())
-    }
-
-    #[test]
-    fn live_logs_are_carried_over_and_keep_receiving_writes() -> Result<()> {
-        use std::io::Write;
-        let root = tempfile::tempdir()?;
-        let dir = root.path().join("actor");
-        write_dir_atomically(&dir, |d| write(d, &[("weights", "1")]))?;
-        let log_path = dir.join("metrics.jsonl");
-        let mut log = std::fs::OpenOptions::new().create(true).append(true).open(&log_path)?;
-        mark_live(&log_path);
-        writeln!(log, "before")?;
-        write_dir_atomically(&dir, |d| write(d, &[("weights", "2")]))?;
-        writeln!(log, "after")?;
-        assert_eq!(std::fs::read_to_string(&log_path)?, "before\nafter\n");
-        assert_eq!(names(&dir), ["metrics.jsonl", "weights"]);
         Ok(())
     }
 

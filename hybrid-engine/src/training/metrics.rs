@@ -41,8 +41,8 @@ pub struct Sinks {
 impl Metrics {
     /// Opens `<dir>/metrics.jsonl`: a run that starts from the beginning (`done == 0`) starts a
     /// fresh file, a resumed run appends to the one it continues. `total` sizes the progress
-    /// bar; `done` is where it starts. The file is marked live ([`crate::durable::mark_live`]),
-    /// so saving the model into `dir` keeps it.
+    /// bar; `done` is where it starts. Saving the model into `dir` keeps it (no save wrote it:
+    /// [`crate::durable`]).
     pub fn open(dir: &Path, total: u64, done: u64) -> Result<Self> {
         std::fs::create_dir_all(dir).with_context(|| format!("cannot create output directory {}", dir.display()))?;
         let path = dir.join(METRICS_FILE);
@@ -54,7 +54,6 @@ impl Metrics {
         if done == 0 {
             file.set_len(0).with_context(|| format!("cannot start {} afresh", path.display()))?;
         }
-        crate::durable::mark_live(&path);
         // The run's flags, in its log (the run report of `train` quotes them).
         println!("{COMMAND_PREFIX}{}", command_line());
         let bar = telemetry::progress::bar(
@@ -141,8 +140,6 @@ impl Metrics {
         let out = self.path.with_file_name(CURVES_FILE);
         match read_records(&self.path).and_then(|records| plot_records(&records, &out)) {
             Ok(Some(plotted)) => {
-                // A model saved into this directory later replaces it: the curves go along.
-                crate::durable::mark_live(&out);
                 self.println(&format!("training curves: {} ({})", out.display(), plotted.panels.join(", ")));
             }
             Ok(None) => {}
