@@ -15,6 +15,7 @@
 #   ./gpu-check.sh /tmp/gpu-check [CPU_REFERENCE_DIR]                # every GPU check, PASS/FAIL
 #   ./run-gpu.sh bench-table --device cuda --out BENCHMARKS-gpu.md   # the CPU table's rows on the GPU
 #   ./run-gpu.sh bench-gpu --out BENCHMARKS-gpu.md                    # the GPU-sized table vs PyTorch
+#   ./run-gpu.sh bench-ppo --work /tmp/ppo-bench                      # step 3 end to end vs PyTorch
 # The binaries need the NVIDIA driver (libcuda.so.1) and the CUDA 13 libraries libcublas.so.13,
 # libcublasLt.so.13 and libcurand.so.10 (from a CUDA 13 toolkit or the PyPI nvidia-* wheels a
 # CUDA 13 PyTorch installs; cuBLAS alone is far over 64 MiB, so they are not packed); run-gpu.sh
@@ -46,7 +47,8 @@ for ex in bench gpu_check; do
 done
 strip -o "$stage/$name/unit-tests" "$unit_tests"
 cp "$root/scripts/gpu-check.sh" "$stage/$name/"
-cp "$root/scripts/bench/run.sh" "$root/scripts/bench/hf_bench.py" "$root/scripts/bench/gpu_table.py" "$stage/$name/scripts/bench/"
+cp "$root/scripts/bench/run.sh" "$root/scripts/bench/hf_bench.py" "$root/scripts/bench/gpu_table.py" \
+  "$root/scripts/bench/ppo_step3.py" "$root/assets/gpt2-tokenizer/tokenizer.json" "$stage/$name/scripts/bench/"
 cp -L "$CUDA_HOME/lib/libcudart.so.13" "$stage/$name/lib/"
 cat > "$stage/$name/run-gpu.sh" <<'EOF'
 #!/usr/bin/env bash
@@ -56,10 +58,11 @@ cat > "$stage/$name/run-gpu.sh" <<'EOF'
 # `run-gpu.sh bench-table --device cuda` runs scripts/bench/run.sh with the packaged `bench`
 # against the PyTorch on this machine and appends the table to BENCHMARKS.md here (or --out FILE);
 # `run-gpu.sh bench-gpu [--out FILE]` the GPU-sized table (scripts/bench/gpu_table.py: bf16, SDPA,
-# fused AdamW, torch.compile on the PyTorch side).
+# fused AdamW, torch.compile on the PyTorch side); `run-gpu.sh bench-ppo --work DIR` step 3 end to
+# end against a PyTorch loop of the same stages (scripts/bench/ppo_step3.py).
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-bin=${1:?usage: run-gpu.sh train|chat|sft|reward|ppo|bench|gpu_check|unit-tests|bench-table|bench-gpu [FLAGS...]}; shift
+bin=${1:?usage: run-gpu.sh train|chat|sft|reward|ppo|bench|gpu_check|unit-tests|bench-table|bench-gpu|bench-ppo [FLAGS...]}; shift
 dirs=()
 for d in ${CUDA_HOME:+"$CUDA_HOME/lib64" "$CUDA_HOME/lib"} /usr/local/cuda/lib64 /usr/local/cuda-13*/lib64 "$here/lib"; do
   [ -d "$d" ] && dirs+=("$d")
@@ -84,7 +87,8 @@ case "$bin" in
   sft|reward|ppo) exec -a "$bin" "$here/train" "$@" ;;
   bench-table) BENCH_BIN="$here/bench" exec "$here/scripts/bench/run.sh" "$@" ;;
   bench-gpu) exec python3 "$here/scripts/bench/gpu_table.py" --bench "$here/bench" "$@" ;;
-  *) echo "run-gpu.sh: unknown binary $bin (train, chat, sft, reward, ppo, bench, gpu_check, unit-tests, bench-table, bench-gpu)" >&2; exit 2 ;;
+  bench-ppo) exec python3 "$here/scripts/bench/ppo_step3.py" --ppo "$here/run-gpu.sh ppo" --tokenizer "$here/scripts/bench/tokenizer.json" "$@" ;;
+  *) echo "run-gpu.sh: unknown binary $bin (train, chat, sft, reward, ppo, bench, gpu_check, unit-tests, bench-table, bench-gpu, bench-ppo)" >&2; exit 2 ;;
 esac
 EOF
 chmod +x "$stage/$name/run-gpu.sh"

@@ -203,6 +203,10 @@ pub struct PpoArgs {
     /// Checkpoint root (default: <output-dir>/checkpoints).
     #[arg(long)]
     pub save: Option<PathBuf>,
+    /// Skip the resumable checkpoint a run otherwise ends with (about 9x the actor's size: four
+    /// models, the AdamW moments); the trained actor and critic are saved either way.
+    #[arg(long, alias = "no_final_checkpoint")]
+    pub no_final_checkpoint: bool,
     /// Resume from the checkpoint root's `latest` checkpoint (same flags as the saved run).
     #[arg(long)]
     pub load: Option<PathBuf>,

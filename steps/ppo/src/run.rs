@@ -508,7 +508,7 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
                 }
                 (save_pending, last_saved_step) = (false, step);
             }
-            let times = (generation_secs, train_secs);
+            let times = PhaseSecs { generate: totals.generate_secs, rollout: generation_secs, train: train_secs };
             let rollout =
                 RolloutReport { stats: &rollout_stats, kl_ctl: rollout_kl_ctl, adaptive: args.kl_target.is_some() };
             log_step(&mut metrics, epoch, step, total_rollouts, &rollout, &means, times, &models)?;
@@ -535,9 +535,9 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
         }
         println!("saved the PPO actor to {} (chat --path {})", actor_dir.display(), actor_dir.display());
     }
-    // The end of the run is always resumable: a checkpoint of the final state (its models are
-    // the ones just saved), unless the last interval already wrote it.
-    if step != last_saved_step {
+    // The end of the run is resumable: a checkpoint of the final state (its models are the ones
+    // just saved), unless the last interval already wrote it or --no-final-checkpoint.
+    if step != last_saved_step && !args.no_final_checkpoint {
         let at = Position {
             step,
             micro,
@@ -549,7 +549,11 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
         let state = checkpoint_state(args, world, at, &models, &ptx_cursor, &summary);
         // The weights gathered for the save above: no second gather.
         if let Some(dir) = save_checkpoint(&group, &save_root, &models, &gathered, &state, &tokenizer, tp.as_ref())? {
-            println!("saved the final step-3 checkpoint (rollout {step}) to {}", dir.display());
+            let size = directory_bytes(&dir) as f64 / (1u64 << 30) as f64;
+            println!(
+                "saved the final step-3 checkpoint (rollout {step}, {size:.2} GiB) to {} (--no-final-checkpoint skips it)",
+                dir.display()
+            );
         }
     }
     // The other ranks end once rank 0 has saved; it evaluates alone, with no collective (on the
@@ -644,6 +648,9 @@ struct Ctx<'a> {
 struct RolloutTotals {
     generated: usize,
     dropped_short: usize,
+    /// This rank's seconds in the actor's generation (the rest of the rollout is the experience:
+    /// log-probs, values, scores, advantages).
+    generate_secs: f64,
 }
 
 /// Generation and scoring of this rank's share of the rollout `prompts` (the whole rollout, in
@@ -724,7 +731,7 @@ fn generate_share(
         critic: models.critic.as_ref().map(|c| &c.model),
         reward: &models.reward,
     };
-    let generate = |padded: &LeftPadded| match (&split_actor, &ctx.inference_tp, &whole_model) {
+    let mut generate = |padded: &LeftPadded| match (&split_actor, &ctx.inference_tp, &whole_model) {
         (Some(split), Some(tp), _) => generate_with_group(ctx, engine, split, tp, prompts, &sampling),
         // Under training TP every rank of the TP group holds the same rows.
         (Some(split), None, _) => engine.generate(split, padded, &sampling, &ctx.device),
@@ -742,12 +749,27 @@ fn generate_share(
         moments.update(batch[0], batch[1], batch[2]);
         Ok(scores.iter().map(|&x| moments.normalize(f64::from(x)) as f32).collect())
     };
-    let (experience, counts) =
-        generate_experience(&rollout, generate, &padded, prompts.len(), &sampling, cfg, &mut normalize, &ctx.device)?;
+    let mut generate_secs = 0.0;
+    let timed_generate = |padded: &LeftPadded| {
+        let started = Instant::now();
+        let generation = generate(padded);
+        generate_secs = started.elapsed().as_secs_f64();
+        generation
+    };
+    let (experience, counts) = generate_experience(
+        &rollout,
+        timed_generate,
+        &padded,
+        prompts.len(),
+        &sampling,
+        cfg,
+        &mut normalize,
+        &ctx.device,
+    )?;
     let kept = experience.as_ref().map_or(0, |e| e.b);
     let mut totals = [kept as f64, counts.dropped_short as f64, counts.generated as f64];
     group.all_reduce_scalars(&mut totals, ReduceOp::Sum)?;
-    let totals_rows = RolloutTotals { generated: totals[2] as usize, dropped_short: totals[1] as usize };
+    let totals_rows = RolloutTotals { generated: totals[2] as usize, dropped_short: totals[1] as usize, generate_secs };
     // Reusing the previous rollout is the ranks' common decision: each reuses its own share.
     let experience = match experience {
         None if totals[0] > 0.0 => Some(Experience::empty(args.max_prompt_seq_len, prompts.len())),
@@ -1377,6 +1399,26 @@ struct RolloutReport<'a> {
     adaptive: bool,
 }
 
+/// The bytes of the files under `dir` (what a checkpoint costs on disk).
+fn directory_bytes(dir: &Path) -> u64 {
+    let Ok(entries) = std::fs::read_dir(dir) else { return 0 };
+    entries
+        .flatten()
+        .map(|e| match e.file_type() {
+            Ok(t) if t.is_dir() => directory_bytes(&e.path()),
+            _ => e.metadata().map_or(0, |m| m.len()),
+        })
+        .sum()
+}
+
+/// A PPO step's seconds on this rank: the rollout (`generate`, then the experience) and training.
+#[derive(Clone, Copy)]
+struct PhaseSecs {
+    generate: f64,
+    rollout: f64,
+    train: f64,
+}
+
 #[allow(clippy::too_many_arguments)]
 fn log_step(
     metrics: &mut Metrics,
@@ -1385,7 +1427,7 @@ fn log_step(
     total: u64,
     rollout: &RolloutReport,
     updates: &UpdateMeans,
-    (generation_secs, train_secs): (f64, f64),
+    times: PhaseSecs,
     models: &PpoModels,
 ) -> Result<()> {
     let (u, stats, critic) = (&updates.stats, rollout.stats, models.critic.as_ref());
@@ -1414,8 +1456,10 @@ fn log_step(
         "critic_loss_scale": critic.map(|c| c.trainer.dynamic_loss_scale()),
         "actor_skipped_steps": models.actor.trainer.skipped_steps(),
         "critic_skipped_steps": critic.map(|c| c.trainer.skipped_steps()),
-        "generation_secs": generation_secs,
-        "training_secs": train_secs,
+        "generation_secs": times.rollout,
+        "generate_secs": times.generate,
+        "experience_secs": times.rollout - times.generate,
+        "training_secs": times.train,
     });
     // fp16 runs also show each model's loss scale and skipped updates.
     let actor = &models.actor.trainer;
@@ -1436,7 +1480,7 @@ fn log_step(
     let critic_loss = critic
         .map(|_| format!(" | critic loss {:.4} | expl var {:.3}", u.critic_loss, value(stats, "explained_variance")));
     metrics.println(&format!(
-        " step {step:>5}/{total} | epoch {epoch} | reward {:.3} (std {:.3}) | kl_ref {:.4}{kl_ctl} | actor loss {:.4}{} | ratio {:.3} | clip {:.3} | approx kl {:.2e} | entropy {:.3} | answer len {:.1} | eos {:.2} | gen {:.1}s train {:.1}s{stopped} |{scaling}",
+        " step {step:>5}/{total} | epoch {epoch} | reward {:.3} (std {:.3}) | kl_ref {:.4}{kl_ctl} | actor loss {:.4}{} | ratio {:.3} | clip {:.3} | approx kl {:.2e} | entropy {:.3} | answer len {:.1} | eos {:.2} | generate {:.1}s experience {:.1}s train {:.1}s{stopped} |{scaling}",
         value(stats, "reward_mean"),
         value(stats, "reward_std"),
         value(stats, "kl_ref_k3"),
@@ -1448,8 +1492,9 @@ fn log_step(
         u.entropy,
         value(stats, "answer_len_mean"),
         value(stats, "eos_share"),
-        generation_secs,
-        train_secs,
+        times.generate,
+        times.rollout - times.generate,
+        times.train,
     ));
     metrics.record(record)?;
     metrics.advance(format!("reward {:.3}", value(stats, "reward_mean")));

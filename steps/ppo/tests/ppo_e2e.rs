@@ -178,6 +178,8 @@ fn resume_is_exact(extra: &[&str]) -> (tempfile::TempDir, String) {
         "entropy",
         "ptx_loss",
         "generation_secs",
+        "generate_secs",
+        "experience_secs",
         "training_secs",
     ];
     for key in keys {
