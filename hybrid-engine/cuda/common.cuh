@@ -13,6 +13,11 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+__device__ __forceinline__ double warp_sum_f64(double v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+  return v;
+}
+
 // The mean and 1/sqrt(var + eps) of row x (C elements) across the warp, in two passes.
 template <typename T, typename F>
 __device__ __forceinline__ void row_stats(const T *x, uint32_t c, float eps, F to_f32, float *mean, float *rstd) {

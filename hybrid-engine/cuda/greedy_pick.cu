@@ -26,11 +26,6 @@ __device__ __forceinline__ void merge_pick(float &best, uint32_t &at, float best
   }
 }
 
-__device__ __forceinline__ double warp_sum_f64(double v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
-  return v;
-}
-
 #define GREEDY_PICK(SUFFIX, T, TO_F32)                                                                       \
   extern "C" __global__ void greedy_pick_##SUFFIX(const T *logits, float *out, uint32_t v, uint32_t limit) { \
     __shared__ float best_of_warp[WARPS], max_of_warp[WARPS];                                                \

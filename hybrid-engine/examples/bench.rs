@@ -12,8 +12,8 @@
 //!   `flops_per_token` is the model FLOPs per trained token (6N + 12LHQT, see
 //!   `train_flops_per_token`), for MFU; `cpu_ms_per_step` the process's CPU time per step.
 //! * `generate --model M --batch B --prompt-len P --new-tokens N --warmup W --reps R`: greedy
-//!   generation with the KV cache (prefill included), EOS disabled so every row makes exactly N
-//!   tokens. Reports the median over R calls: `tokens_per_s` = B*N / call time, and
+//!   generation with the KV cache (prefill included), or sampled with `--temperature T [--top-k K]
+//!   [--top-p P]`, EOS disabled so every row makes exactly N tokens. Reports the median over R calls: `tokens_per_s` = B*N / call time, and
 //!   `cpu_ms_per_token_step` the process's CPU time per token step (near `ms_per_token_step`:
 //!   the host's work, not the GPU's, sets the pace).
 //! * `ops --model M --batch B --seq T --reps R`: where a training step's time goes: each kind of
@@ -59,6 +59,7 @@ use std::time::Instant;
 const USAGE: &str = "usage:
   bench train --model tiny|gpt2|gpt2-medium --batch B --seq T --steps N --warmup W [--checkpoint-activations] [--dtype fp32|bf16]
   bench generate --model tiny|gpt2|gpt2-medium --batch B --prompt-len P --new-tokens N --warmup W --reps R [--dtype fp32|bf16]
+                 [--temperature T [--top-k K] [--top-p P]]
   bench ops --model tiny|gpt2|gpt2-medium --batch B --seq T --reps R [--dtype fp32|bf16]
   bench peak --size N --reps R [--dtype fp32|bf16]
 every mode also takes --device cpu|cuda|cuda:N|auto (default cpu)";
@@ -86,6 +87,8 @@ struct GenerateArgs {
     warmup: usize,
     reps: usize,
     dtype: DType,
+    /// Sampling instead of greedy decoding: (temperature, top-k, top-p).
+    sampling: Option<(f64, Option<usize>, Option<f64>)>,
 }
 
 struct PeakArgs {
@@ -175,6 +178,14 @@ fn parse_args(args: &[String]) -> Result<(Mode, String)> {
             warmup: num(&mut values, "warmup")?,
             reps: num(&mut values, "reps")?,
             dtype,
+            sampling: match values.remove("temperature") {
+                None => None,
+                Some(t) => Some((
+                    t.parse().with_context(|| format!("--temperature {t:?}: a number"))?,
+                    values.remove("top-k").map(|k| k.parse()).transpose().context("--top-k: a whole number")?,
+                    values.remove("top-p").map(|p| p.parse()).transpose().context("--top-p: a number")?,
+                )),
+            },
         }),
         "peak" => Mode::Peak(PeakArgs { size: num(&mut values, "size")?, reps: num(&mut values, "reps")?, dtype }),
         "ops" => Mode::Ops(OpsArgs {
@@ -417,7 +428,11 @@ fn bench_generate(a: &GenerateArgs, device: &Device) -> Result<serde_json::Value
     let mut memory = GpuMemory::default();
     let prompts = random_ids(&mut ChaCha8Rng::seed_from_u64(SEED), a.batch, a.prompt_len);
     // eos None: no row stops early, so every call makes exactly B * N tokens.
-    let sampling = SamplingConfig::greedy(a.new_tokens, None, GPT2_EOS, GPT2_VOCAB);
+    let greedy = SamplingConfig::greedy(a.new_tokens, None, GPT2_EOS, GPT2_VOCAB);
+    let sampling = match a.sampling {
+        None => greedy,
+        Some((t, top_k, top_p)) => SamplingConfig { temperature: Some(t), top_k, top_p, seed: SEED, ..greedy },
+    };
 
     let (mut times, mut cpu_times) = (Vec::with_capacity(a.reps), Vec::with_capacity(a.reps));
     for rep in 0..a.warmup + a.reps {
@@ -443,6 +458,7 @@ fn bench_generate(a: &GenerateArgs, device: &Device) -> Result<serde_json::Value
         "prompt_len": a.prompt_len,
         "new_tokens": a.new_tokens,
         "dtype": dtype_name(a.dtype),
+        "sampling": a.sampling.map(|(t, k, p)| serde_json::json!({"temperature": t, "top_k": k, "top_p": p})),
         "vocab_size": cfg.vocab_size,
         "threads": candle_core::utils::get_num_threads(),
         "warmup": a.warmup,

@@ -10,6 +10,7 @@
 //!   device) against the CPU's factors, drawn on the host and multiplied in that dtype: equal bit
 //!   for bit;
 //! - `generate`: greedy generation with the KV cache, the same tokens on both devices;
+//! - `generate-sampled`: the same with temperature, top-k and top-p sampling and one seed;
 //! - `train-step`: one step of the training path (dropout at the model's rates, backward, clip to
 //!   norm 1.0, AdamW) from the same weights on each device: the gradient norms agree to 1e-4 and
 //!   the updates (new - old weights) to 1e-3 of their norm (AdamW's first step divides each
@@ -173,6 +174,18 @@ fn main() -> Result<()> {
         "generate",
         tok_cpu == tok_gpu,
         format!("greedy, 2 prompts x 24 tokens: cpu {tok_cpu:?} second side {tok_gpu:?}"),
+    );
+    // Sampling draws on the host and picks on the device: the CPU's tokens for the same seed
+    // (fp32 logits agree to rounding, which moves a token only for a draw within rounding of a
+    // boundary).
+    let sampled =
+        SamplingConfig { temperature: Some(0.9), top_k: Some(50), top_p: Some(0.9), seed: 7, ..greedy.clone() };
+    let tok_cpu = generate(&m_cpu, &prompts, &sampled, &cpu)?;
+    let tok_gpu = second(cpu_only, || generate(&m_gpu, &prompts, &sampled, &cuda))?;
+    ok &= report(
+        "generate-sampled",
+        tok_cpu == tok_gpu,
+        format!("temperature 0.9, top-k 50, top-p 0.9, seed 7: cpu {tok_cpu:?} second side {tok_gpu:?}"),
     );
 
     let dropout = Dropout::from_config(&cfg, DropoutKey { seed: 1234, step: 0, micro_batch: 0 });

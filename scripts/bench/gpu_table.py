@@ -55,6 +55,8 @@ ROWS = [
      [SDPA_GEN]),
     ("generate gpt2 B32 P16+128 bf16", "generate --model gpt2 --batch 32 --prompt-len 16 --new-tokens 128 --warmup 1 --reps 3 --dtype bf16",
      [SDPA_GEN]),
+    ("generate gpt2 B32 P16+128 bf16 sampled", "generate --model gpt2 --batch 32 --prompt-len 16 --new-tokens 128 --warmup 1 --reps 3 --dtype bf16 --temperature 1.0 --top-k 50 --top-p 0.9",
+     [SDPA_GEN]),
     ("generate gpt2 B32 P16+128 fp32", "generate --model gpt2 --batch 32 --prompt-len 16 --new-tokens 128 --warmup 1 --reps 3 --dtype fp32",
      [EAGER, SDPA_GEN]),
     ("generate gpt2-medium B32 P16+128 bf16", "generate --model gpt2-medium --batch 32 --prompt-len 16 --new-tokens 128 --warmup 1 --reps 2 --dtype bf16",

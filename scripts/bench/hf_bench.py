@@ -241,13 +241,16 @@ def bench_generate(a):
     ids = random_ids(gen, a.batch, a.prompt_len)  # (B, P), all the same length: no padding
     mask = torch.ones_like(ids)
     times = []
+    sampling = {"do_sample": False}
+    if a.temperature is not None:  # HF's defaults otherwise: no top-k, no top-p
+        sampling = {"do_sample": True, "temperature": a.temperature, "top_k": a.top_k or 0, "top_p": a.top_p or 1.0}
     with torch.inference_mode():
         for rep in range(a.warmup + a.reps):
             start = time.perf_counter()
             out = model.generate(
                 input_ids=ids,
                 attention_mask=mask,
-                do_sample=False,
+                **sampling,
                 max_new_tokens=a.new_tokens,
                 min_new_tokens=a.new_tokens,  # EOS suppressed: exactly N tokens per row
                 use_cache=True,
@@ -304,6 +307,9 @@ def main():
     g.add_argument("--prompt-len", type=int, required=True)
     g.add_argument("--new-tokens", type=int, required=True)
     g.add_argument("--reps", type=int, required=True)
+    g.add_argument("--temperature", type=float, help="sample (default: greedy)")
+    g.add_argument("--top-k", type=int)
+    g.add_argument("--top-p", type=float)
     a = p.parse_args()
     DEVICE, ATTN = torch.device(a.device), a.attn
     if DEVICE.type == "cuda" and not torch.cuda.is_available():

@@ -47,6 +47,16 @@ impl SamplingConfig {
     fn is_greedy(&self) -> bool {
         self.temperature.is_none_or(|t| t <= 0.0)
     }
+
+    /// What the sampler takes, or `None` for greedy decoding.
+    fn sampling_params(&self) -> Option<ops::SamplingParams> {
+        (!self.is_greedy()).then(|| ops::SamplingParams {
+            vocab_limit: self.vocab_limit,
+            temperature: self.temperature.unwrap_or(1.0),
+            top_k: self.top_k,
+            top_p: self.top_p,
+        })
+    }
 }
 
 /// The random stream of the row keyed `key`: ChaCha8 seeded by `seed`, stream `key`. Key 0 is
@@ -57,57 +67,13 @@ pub fn row_rng(seed: u64, key: u64) -> ChaCha8Rng {
     rng
 }
 
-/// Picks the next token from one row of logits.
+/// Picks the next token from one row of logits: greedy, or [`ops::sample_with_draw`] with the
+/// stream's next uniform draw.
 pub fn sample_token(logits: &[f32], cfg: &SamplingConfig, rng: &mut ChaCha8Rng) -> u32 {
-    let limit = cfg.vocab_limit.min(logits.len());
-    let logits = &logits[..limit];
-    if cfg.is_greedy() {
-        return crate::kernels::rowops::argmax(logits) as u32;
+    match cfg.sampling_params() {
+        None => crate::kernels::rowops::argmax(&logits[..cfg.vocab_limit.min(logits.len())]) as u32,
+        Some(params) => ops::sample_with_draw(logits, &params, rng.random::<f64>()),
     }
-    let t = cfg.temperature.unwrap_or(1.0);
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let weight = |i: usize| ((logits[i] as f64 - max) / t).exp();
-    let top_k = cfg.top_k.filter(|&k| k > 0 && k < limit);
-    let top_p = cfg.top_p.filter(|&p| p < 1.0);
-    let mut candidates: Vec<usize> = (0..limit).collect();
-    if top_k.is_some() || top_p.is_some() {
-        // Descending logits, ties in vocabulary order: a total order, so the top k are one set
-        // however they are found. Selecting them is O(V); sorting the vocabulary for each token
-        // was a tenth of a CPU PPO step's time at top-k 2.
-        let by_logit = |a: &usize, b: &usize| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b));
-        if let Some(k) = top_k {
-            candidates.select_nth_unstable_by(k - 1, by_logit);
-            candidates.truncate(k);
-        }
-        if let Some(top_p) = top_p {
-            candidates.sort_unstable_by(by_logit);
-            // Keep the smallest prefix whose mass (among the top k) reaches top_p, at least one.
-            let total: f64 = candidates.iter().map(|&i| weight(i)).sum();
-            let mut cum = 0.0;
-            let keep = candidates.iter().take_while(|&&i| {
-                let before = cum;
-                cum += weight(i) / total;
-                before < top_p
-            });
-            let n = keep.count().max(1);
-            candidates.truncate(n);
-        }
-        // The draw walks the candidates in vocabulary order, not by logit: in the sorted order two
-        // nearly equal logits swap places on a rounding difference, and the draw would then pick
-        // another token although no probability moved beyond rounding (a flat distribution has
-        // thousands of such pairs). This way a token changes only when the draw falls within
-        // rounding of a boundary.
-        candidates.sort_unstable();
-    }
-    let weights: Vec<f64> = candidates.iter().map(|&i| weight(i)).collect();
-    let mut u: f64 = rng.random::<f64>() * weights.iter().sum::<f64>();
-    for (i, w) in candidates.iter().zip(&weights) {
-        if u < *w {
-            return *i as u32;
-        }
-        u -= w;
-    }
-    *candidates.last().expect("at least one candidate") as u32
 }
 
 /// Generates up to `cfg.max_new_tokens` tokens after each prompt. Returns the new tokens of
@@ -266,29 +232,25 @@ pub fn generate_with_cache(
 }
 
 /// Each row's next token and its log-probability `log softmax(logits)[token]` (the exponentials
-/// summed in f64) from the last position's logits (B, V). Greedy decoding picks on the logits'
-/// device ([`ops::greedy_pick`]); sampling brings the rows to the host and draws from the
-/// streams of the rows not `done` (a finished row's entry is unused and its stream not advanced).
+/// summed in f64) from the last position's logits (B, V), picked on the logits' device: greedy
+/// ([`ops::greedy_pick`]) or sampled ([`ops::sample_pick`]) with one uniform draw from the stream
+/// of each row not `done` (a finished row's entry is unused and its stream not advanced), so the
+/// GPU samples the CPU's tokens and only two numbers a row come to the host.
 fn next_tokens(
     logits: &Tensor,
     cfg: &SamplingConfig,
     done: &[bool],
     rngs: &mut [ChaCha8Rng],
 ) -> Result<Vec<(u32, f32)>> {
-    if cfg.is_greedy() {
-        let (tokens, logprobs) = ops::greedy_pick(logits, cfg.vocab_limit)?;
-        return Ok(tokens.into_iter().zip(logprobs).collect());
-    }
-    let v = logits.dim(1)?;
-    let logits: Vec<f32> = logits.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
-    let lse = crate::kernels::decode::log_sum_exp_rows(&logits, v);
-    let rows = logits.chunks_exact(v).zip(lse).zip(done.iter().zip(rngs));
-    Ok(rows
-        .map(|((row, lse), (&done, rng))| {
-            let token = if done { 0 } else { sample_token(row, cfg, rng) };
-            (token, (f64::from(row[token as usize]) - lse) as f32)
-        })
-        .collect())
+    let (tokens, logprobs) = match cfg.sampling_params() {
+        None => ops::greedy_pick(logits, cfg.vocab_limit)?,
+        Some(params) => {
+            let draws: Vec<f64> =
+                done.iter().zip(rngs).map(|(&done, rng)| if done { 0.0 } else { rng.random::<f64>() }).collect();
+            ops::sample_pick(logits, &draws, &params)?
+        }
+    };
+    Ok(tokens.into_iter().zip(logprobs).collect())
 }
 
 /// Log-probabilities of `ids[t+1]` under `logits[t]`: (B, T, V), (B, T) -> (B, T-1) f32,

@@ -316,6 +316,40 @@ pub fn greedy_pick((logits, ll): (&CudaStorage, &Layout), limit: usize) -> Resul
     }))
 }
 
+/// Sampling's choice per row of contiguous logits (B, V) in f32, bf16 or f16 with the row's
+/// uniform draw in `draws` (B,) f64: the token `kernels::sample_pick::sample_with_draw` picks for
+/// ids below `limit` at temperature `t`, with `top_k` and `top_p` (None: all), and its
+/// log-probability under the row, as (B, 2) f32 (cuda/sample_pick.cu, one block a row).
+pub fn sample_pick(
+    (logits, ll): (&CudaStorage, &Layout),
+    (draws, ld): (&CudaStorage, &Layout),
+    (limit, t, top_k, top_p): (usize, f64, Option<usize>, Option<f64>),
+) -> Result<CudaStorage> {
+    let (b, v) = ll.shape().dims2()?;
+    if limit == 0 || limit > v || v >= 1 << 24 {
+        candle_core::bail!("sampling on CUDA: ids below {limit} of a vocabulary of {v} (under 2^24)");
+    }
+    let draws = view::<f64>(draws, ld, "the draws")?;
+    if draws.len() != b {
+        candle_core::bail!("sampling on CUDA: {b} rows and {} draws", draws.len());
+    }
+    // The kernel's "none": a top-k of 0, a top-p of 1.
+    let top_k = top_k.filter(|&k| k < limit).unwrap_or(0) as u32;
+    let top_p = top_p.filter(|&p| p < 1.0).unwrap_or(1.0);
+    let (v32, limit32) = (v as u32, limit as u32);
+    Ok(for_float_dtype!(logits, ll, "sampling", |src: Elem, suffix| {
+        let dev = logits.device();
+        // SAFETY: the kernel writes both values of every row.
+        let out = unsafe { dev.alloc::<f32>(2 * b)? };
+        let func =
+            dev.get_or_load_custom_func(&format!("sample_pick_{suffix}"), "rlhf_sample_pick", ptx::SAMPLE_PICK)?;
+        let mut launch = func.builder();
+        launch.arg(src).arg(&draws).arg(&out).arg(&v32).arg(&limit32).arg(&t).arg(&top_k).arg(&top_p);
+        // SAFETY: the arguments match the kernel's signature; it reads the B rows of V values.
+        unsafe { launch.launch(block_per_row(b)) }.w().map(|_| out)
+    }))
+}
+
 /// The gradient of [`cross_entropy_rows`] for (logits, targets, (loss, grad) per row as (N, 2)
 /// f32): `(softmax(x) - onehot(target)) * grad`, (N, V) in the logits' dtype.
 pub fn cross_entropy_rows_grad(
@@ -1392,6 +1426,30 @@ mod tests {
             assert_eq!(tokens, want_tokens, "{dtype:?}");
             for (r, (got, want)) in logprobs.iter().zip(&want_logprobs).enumerate() {
                 assert!((got - want).abs() < 2e-5, "{dtype:?} row {r}: {got} vs {want}");
+            }
+        }
+        Ok(())
+    }
+
+    /// Sampling's pick on the GPU against the CPU's on the same values and draws (37 rows of
+    /// 5003 on a grid of 1/8, so many ids tie; the last 13 ids beyond the limit): the same token
+    /// in every row for temperature alone, top-k, top-p, both, and the greedy settings, in f32,
+    /// bf16 and f16 (the CPU reading f32 copies of the same values); log-probabilities as
+    /// greedy_pick's.
+    #[test]
+    fn sample_pick_matches_the_cpu_for_every_setting_and_dtype() -> Result<()> {
+        use crate::kernels::sample_pick::{sample_pick, tests::sampling_cases};
+        let Some(gpu) = gpu() else { return Ok(()) };
+        let (logits, draws, settings) = sampling_cases(37, 5003);
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let x = logits.to_dtype(dtype)?;
+            for params in &settings {
+                let (want_tokens, want_logprobs) = sample_pick(&x, &draws, params)?;
+                let (tokens, logprobs) = sample_pick(&x.to_device(&gpu)?, &draws, params)?;
+                assert_eq!(tokens, want_tokens, "{dtype:?} {params:?}");
+                for (r, (got, want)) in logprobs.iter().zip(&want_logprobs).enumerate() {
+                    assert!((got - want).abs() < 2e-5, "{dtype:?} {params:?} row {r}: {got} vs {want}");
+                }
             }
         }
         Ok(())

@@ -251,6 +251,10 @@ pub use crate::kernels::fused::{
 /// one launch, two numbers a row to the host).
 pub use crate::kernels::fused::greedy_pick;
 
+/// Sampling's token and log-probability per row of logits for the row's uniform draw, on either
+/// device (the same token on both; on a GPU one launch, two numbers a row to the host).
+pub use crate::kernels::sample_pick::{sample_pick, sample_with_draw, SamplingParams};
+
 /// The tied LM head `x wte^T`: (N, C), (V, C) -> (N, V). For the few rows of a decoding step
 /// on the CPU, [`crate::kernels::decode::lm_head`] (1.4-3.5x the matmul's speed there); the plain
 /// matmul otherwise.

@@ -1,0 +1,215 @@
+//! Sampling's choice of the next token, on either device: temperature, then top-k, then top-p
+//! (transformers' order), and a draw among what is left. The uniform draw of each row comes from
+//! the caller (generation's per-row streams, on the host), so the GPU kernel (cuda/sample_pick.cu)
+//! picks the token the CPU picks for the same logits and draw, and only two numbers a row come
+//! back to the host instead of the row's V logits.
+
+use crate::kernels::parallel::contiguous_f32;
+use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
+
+/// How a row is sampled (generation's `SamplingConfig` less what the decoding loop keeps).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SamplingParams {
+    /// Ids from here on (Megatron's vocabulary padding) are never chosen; 1 to V.
+    pub vocab_limit: usize,
+    /// Divides the logits (above 0).
+    pub temperature: f64,
+    /// Keep the k most likely ids (None, 0 or at least the limit: all).
+    pub top_k: Option<usize>,
+    /// Then the fewest most likely ids whose probability reaches this (None or 1 and above: all).
+    pub top_p: Option<f64>,
+}
+
+/// The token sampled from one row of logits for the uniform draw `u` in [0, 1).
+///
+/// The weights are `exp((x - max) / t)` in f64. Top-k keeps the first k ids in the order
+/// "logit descending, id ascending" (a total order, so the set is one however it is found); top-p
+/// then the shortest prefix of that order whose share of the weight reaches top_p (at least one
+/// id). The draw walks the kept ids in id order, not by logit: in the sorted order two nearly
+/// equal logits swap places on a rounding difference, and the draw would then pick another token
+/// although no probability moved beyond rounding (a flat distribution has thousands of such
+/// pairs). This way a token changes only when the draw falls within rounding of a boundary.
+pub fn sample_with_draw(logits: &[f32], params: &SamplingParams, u: f64) -> u32 {
+    let limit = params.vocab_limit.min(logits.len());
+    let logits = &logits[..limit];
+    let t = params.temperature;
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let weight = |i: usize| ((logits[i] as f64 - max) / t).exp();
+    let top_k = params.top_k.filter(|&k| k > 0 && k < limit);
+    let top_p = params.top_p.filter(|&p| p < 1.0);
+    let mut candidates: Vec<usize> = (0..limit).collect();
+    if top_k.is_some() || top_p.is_some() {
+        // Selecting the top k is O(V); sorting the vocabulary for each token was a tenth of a
+        // CPU PPO step's time at top-k 2.
+        let by_logit = |a: &usize, b: &usize| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b));
+        if let Some(k) = top_k {
+            candidates.select_nth_unstable_by(k - 1, by_logit);
+            candidates.truncate(k);
+        }
+        if let Some(top_p) = top_p {
+            candidates.sort_unstable_by(by_logit);
+            let total: f64 = candidates.iter().map(|&i| weight(i)).sum();
+            let mut cum = 0.0;
+            let keep = candidates.iter().take_while(|&&i| {
+                let before = cum;
+                cum += weight(i) / total;
+                before < top_p
+            });
+            let n = keep.count().max(1);
+            candidates.truncate(n);
+        }
+        candidates.sort_unstable();
+    }
+    let weights: Vec<f64> = candidates.iter().map(|&i| weight(i)).collect();
+    let mut u = u * weights.iter().sum::<f64>();
+    for (i, w) in candidates.iter().zip(&weights) {
+        if u < *w {
+            return *i as u32;
+        }
+        u -= w;
+    }
+    *candidates.last().expect("at least one candidate") as u32
+}
+
+/// Per row of logits (B, V) and its draw (B,) f64: the sampled token and its log-probability,
+/// (B, 2) f32.
+struct SamplePick {
+    params: SamplingParams,
+}
+
+impl CustomOp2 for SamplePick {
+    fn name(&self) -> &'static str {
+        "sample-pick"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (b, v) = l1.shape().dims2()?;
+        let logits = contiguous_f32(s1, l1, "logits")?;
+        let draws = match (s2, l2.contiguous_offsets()) {
+            (CpuStorage::F64(d), Some((start, end))) => &d[start..end],
+            _ => candle_core::bail!("the draws must be contiguous f64"),
+        };
+        let lse = crate::kernels::decode::log_sum_exp_rows(logits, v);
+        let mut out = Vec::with_capacity(2 * b);
+        for ((row, lse), &u) in logits.chunks_exact(v).zip(lse).zip(draws) {
+            let token = sample_with_draw(row, &self.params, u);
+            out.extend([token as f32, (f64::from(row[token as usize]) - lse) as f32]);
+        }
+        Ok((CpuStorage::F32(out), Shape::from((b, 2))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        logits: &candle_core::CudaStorage,
+        ll: &Layout,
+        draws: &candle_core::CudaStorage,
+        ld: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let b = ll.shape().dims2()?.0;
+        let p = &self.params;
+        let settings = (p.vocab_limit, p.temperature, p.top_k, p.top_p);
+        Ok((crate::kernels::cuda::sample_pick((logits, ll), (draws, ld), settings)?, Shape::from((b, 2))))
+    }
+}
+
+/// Sampling's next token for each row of `logits` (B, V) with the row's uniform draw in
+/// `draws` ([`sample_with_draw`]), and its log-probability under the whole row (before
+/// temperature, top-k or top-p), `x[token] - logsumexp(x)` with the exponentials summed in f64.
+/// On a GPU one launch, and two numbers a row come to the host.
+pub fn sample_pick(logits: &Tensor, draws: &[f64], params: &SamplingParams) -> Result<(Vec<u32>, Vec<f32>)> {
+    let (b, v) = logits.dims2()?;
+    if v == 0 || v >= 1 << 24 {
+        candle_core::bail!("sampling over a vocabulary of {v} ids: 1 to 2^24 (the ids travel as exact f32)");
+    }
+    if draws.len() != b {
+        candle_core::bail!("sampling {b} rows with {} draws", draws.len());
+    }
+    if params.temperature.is_nan() || params.temperature <= 0.0 {
+        candle_core::bail!(
+            "sampling at temperature {}: it must be above 0 (greedy decoding is greedy_pick)",
+            params.temperature
+        );
+    }
+    // The CPU kernel reads f32; the GPU's reads the logits in their own dtype.
+    let logits = if logits.device().is_cpu() { logits.to_dtype(candle_core::DType::F32)? } else { logits.clone() };
+    let draws = Tensor::from_slice(draws, b, logits.device())?;
+    let op = SamplePick { params: SamplingParams { vocab_limit: params.vocab_limit.clamp(1, v), ..*params } };
+    let picks = logits.contiguous()?.apply_op2_no_bwd(&draws, &op)?.to_vec2::<f32>()?;
+    Ok(picks.into_iter().map(|row| (row[0] as u32, row[1])).unzip())
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::kernels::rowops;
+    use candle_core::Device;
+    use rand::{Rng, SeedableRng};
+
+    /// Logits (B, V) on a coarse grid (multiples of 1/8 up to about ±10, exact in bf16 and f16,
+    /// so every dtype holds the same values and many ids tie), draws and sampling settings for
+    /// comparing the CPU and GPU pickers: temperature alone, top-k, top-p, both, a top-k of 1 and
+    /// a tiny top-p (greedy), each row with its own draw (0 and nearly 1 among them).
+    pub(crate) fn sampling_cases(b: usize, v: usize) -> (Tensor, Vec<f64>, Vec<SamplingParams>) {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(17);
+        let rows: Vec<f32> = (0..b * v).map(|_| (rng.random::<f32>() * 160.0 - 80.0).round() / 8.0).collect();
+        let mut draws: Vec<f64> = (0..b).map(|_| rng.random()).collect();
+        draws[0] = 0.0;
+        draws[1] = 1.0 - f64::EPSILON;
+        let limit = v - 13;
+        let p = |temperature, top_k, top_p| SamplingParams { vocab_limit: limit, temperature, top_k, top_p };
+        let params = vec![
+            p(1.0, None, None),
+            p(0.7, Some(50), None),
+            p(1.3, None, Some(0.9137)),
+            p(1.0, Some(400), Some(0.7731)),
+            p(1.0, Some(1), None),
+            p(0.5, None, Some(1e-6)),
+            p(2.0, Some(limit + 5), Some(1.0)),
+        ];
+        (Tensor::from_vec(rows, (b, v), &Device::Cpu).unwrap(), draws, params)
+    }
+
+    #[test]
+    fn the_op_samples_each_row_with_its_draw_and_gives_the_log_probability() -> Result<()> {
+        let (b, v) = (9, 503);
+        let (logits, draws, params) = sampling_cases(b, v);
+        let rows = logits.to_vec2::<f32>()?;
+        for p in &params {
+            let (tokens, logprobs) = sample_pick(&logits, &draws, p)?;
+            for (r, row) in rows.iter().enumerate() {
+                assert_eq!(tokens[r], sample_with_draw(row, p, draws[r]), "{p:?} row {r}");
+                assert!((tokens[r] as usize) < p.vocab_limit, "{p:?} row {r}: an id beyond the limit");
+                let lse = rowops::log_sum_exp_f64(row);
+                assert!((logprobs[r] as f64 - (row[tokens[r] as usize] as f64 - lse)).abs() < 1e-5);
+            }
+        }
+        // Greedy settings take the largest logit (the first of its ids).
+        for p in &params[4..6] {
+            let (tokens, _) = sample_pick(&logits, &draws, p)?;
+            for (r, row) in rows.iter().enumerate() {
+                assert_eq!(tokens[r] as usize, rowops::argmax(&row[..p.vocab_limit]), "{p:?} row {r}");
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn a_draw_picks_in_proportion_to_the_weights_left() {
+        // Weights 1, 2, 4, 8 (logits ln of them): top-k 3 keeps ids 1, 2, 3 with 2/14, 4/14, 8/14;
+        // the draw walks them in id order.
+        let logits: Vec<f32> = [1f32, 2.0, 4.0, 8.0].iter().map(|w| w.ln()).collect();
+        let p = SamplingParams { vocab_limit: 4, temperature: 1.0, top_k: Some(3), top_p: None };
+        let edges = [(0.0, 1), (2.0 / 14.0 - 1e-9, 1), (2.0 / 14.0 + 1e-9, 2), (6.0 / 14.0 + 1e-9, 3), (0.999, 3)];
+        for (u, want) in edges {
+            assert_eq!(sample_with_draw(&logits, &p, u), want, "u {u}");
+        }
+        // Top-p 0.5 of the four (shares 8/15, 4/15, ...): id 3 alone reaches it.
+        let p = SamplingParams { top_k: None, top_p: Some(0.5), ..p };
+        assert_eq!(sample_with_draw(&logits, &p, 0.0), 3);
+        // Top-p 0.6: ids 3 and 2 (8/15 < 0.6), drawn in id order: 4/12 for id 2 first.
+        let p = SamplingParams { top_p: Some(0.6), ..p };
+        assert_eq!(sample_with_draw(&logits, &p, 0.3), 2);
+        assert_eq!(sample_with_draw(&logits, &p, 0.34), 3);
+    }
+}
