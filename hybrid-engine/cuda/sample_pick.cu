@@ -51,6 +51,25 @@ struct Scratch {
   double above, target;
 };
 
+// For each lane whose `bin` is below 256: one more in count[bin] and `w` more in mass[bin] (with
+// `mass`). One shared-memory atomic per distinct bin of the warp: most of a row's logits share the
+// high bits of their keys, and atomics on one address from every lane would run one at a time.
+// Every lane of the warp calls it.
+__device__ __forceinline__ void add_to_bins(uint32_t bin, double w, uint32_t *count, double *mass) {
+  const unsigned peers = __match_any_sync(0xffffffff, bin);
+  double sum = 0.0;
+  if (mass != nullptr) {
+    for (int src = 0; src < 32; ++src) {
+      const double other = __shfl_sync(0xffffffff, w, src);
+      if ((peers >> src) & 1) sum += other;
+    }
+  }
+  if ((int)(threadIdx.x % 32) == __ffs(peers) - 1 && bin < 256) {
+    atomicAdd(&count[bin], (uint32_t)__popc(peers));
+    if (mass != nullptr) atomicAdd(&mass[bin], sum);
+  }
+}
+
 // The ids [lo, hi) of this thread's contiguous stretch of [0, limit).
 __device__ __forceinline__ void stretch(uint32_t limit, uint32_t *lo, uint32_t *hi) {
   const uint32_t chunk = (limit + THREADS - 1) / THREADS;
@@ -83,9 +102,11 @@ __device__ void select_by_count(const T *x, uint32_t limit, uint32_t rank, Scrat
   for (int shift = 24; shift >= 0; shift -= 8) {
     for (int i = threadIdx.x; i < 256; i += THREADS) s.count[i] = 0;
     __syncthreads();
-    for (uint32_t j = threadIdx.x; j < limit; j += THREADS) {
-      const uint32_t k = order_key(to_f32(x[j]));
-      if ((k & high) == prefix) atomicAdd(&s.count[(k >> shift) & 255], 1u);
+    // Whole warps a round (add_to_bins needs every lane): ids past the limit add nothing.
+    for (uint32_t base = threadIdx.x - threadIdx.x % 32; base < limit; base += THREADS) {
+      const uint32_t j = base + threadIdx.x % 32;
+      const uint32_t k = j < limit ? order_key(to_f32(x[j])) : 0;
+      add_to_bins(j < limit && (k & high) == prefix ? (k >> shift) & 255 : 256, 0.0, s.count, nullptr);
     }
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -142,13 +163,12 @@ __device__ void select_by_weight(const T *x, uint32_t limit, double target, doub
       s.mass[i] = 0.0;
     }
     __syncthreads();
-    for (uint32_t j = threadIdx.x; j < limit; j += THREADS) {
-      const float xj = to_f32(x[j]);
+    for (uint32_t base = threadIdx.x - threadIdx.x % 32; base < limit; base += THREADS) {
+      const uint32_t j = base + threadIdx.x % 32;
+      const float xj = j < limit ? to_f32(x[j]) : 0.0f;
       const uint32_t k = order_key(xj);
-      if ((k & high) == prefix && at_or_before(k, j, set_key, set_id)) {
-        atomicAdd(&s.count[(k >> shift) & 255], 1u);
-        atomicAdd(&s.mass[(k >> shift) & 255], exp(((double)xj - m) / t));
-      }
+      const bool in = j < limit && (k & high) == prefix && at_or_before(k, j, set_key, set_id);
+      add_to_bins(in ? (k >> shift) & 255 : 256, in ? exp(((double)xj - m) / t) : 0.0, s.count, s.mass);
     }
     __syncthreads();
     if (threadIdx.x == 0) {

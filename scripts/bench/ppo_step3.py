@@ -32,10 +32,6 @@ import sys
 import threading
 import time
 
-import torch
-import torch.nn.functional as F
-from transformers import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel
-
 EOS = 50256
 VOCAB = 50257
 SEED = 1234
@@ -47,17 +43,24 @@ ACTOR_LR, CRITIC_LR = 9.65e-6, 5e-6
 
 
 def config(size):
+    from transformers import GPT2Config
+
     n_layer, n_embd, n_head = PRESETS[size]
+    # No dropout (DS-Chat's step 3 turns the actor's off; the critic's too, here on both sides).
     return GPT2Config(vocab_size=VOCAB, n_positions=1024, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
-                      bos_token_id=EOS, eos_token_id=EOS, pad_token_id=EOS)
+                      bos_token_id=EOS, eos_token_id=EOS, pad_token_id=EOS,
+                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0)
 
 
 def write_models(a):
     """Random actor (LM) and reward model (one score) as Hugging Face directories, once."""
+    if all(os.path.exists(os.path.join(a.work, name, "model.safetensors")) for name in ("actor", "reward")):
+        return
+    import torch
+    from transformers import GPT2ForSequenceClassification, GPT2LMHeadModel
+
     for name, size, cls in (("actor", a.actor, GPT2LMHeadModel), ("reward", a.critic, GPT2ForSequenceClassification)):
         d = os.path.join(a.work, name)
-        if os.path.exists(os.path.join(d, "model.safetensors")):
-            continue
         torch.manual_seed(SEED)
         cfg = config(size)
         if cls is GPT2ForSequenceClassification:
@@ -71,7 +74,8 @@ def write_prompts(a):
     path = os.path.join(a.work, "prompts.jsonl")
     topics = ["rivers", "bread", "violins", "glaciers", "chess", "tides", "bees", "lighthouses"]
     with open(path, "w") as f:
-        for i in range(a.batch * a.steps):
+        # Ours holds a tenth of them out for evaluation: enough for `steps` full rollouts.
+        for i in range(a.batch * a.steps * 10 // 9 + a.batch):
             prompt = f"\n\nHuman: Tell me about {topics[i % len(topics)]}, and why item {i} matters to them.\n\nAssistant:"
             f.write(json.dumps({"prompt": prompt, "chosen": " Yes.", "rejected": " No."}) + "\n")
     return path
@@ -109,7 +113,8 @@ def run_ours(a, prompts):
         "--critic-model-name-or-path", os.path.join(a.work, "reward"),
         "--per-device-generation-batch-size", str(a.batch), "--per-device-training-batch-size", str(a.batch),
         "--max-prompt-seq-len", str(a.prompt_len), "--max-answer-seq-len", str(a.answer_len),
-        "--num-train-epochs", "1", "--device", "cuda", "--dtype", "bf16", "--no-final-checkpoint",
+        "--actor-dropout", "0", "--critic-dropout", "0",
+        "--num-train-epochs", "1", "--device", a.device, "--dtype", a.dtype, "--no-final-checkpoint",
         "--output-dir", out,
     ]
     t0 = time.perf_counter()
@@ -120,7 +125,8 @@ def run_ours(a, prompts):
     if proc.returncode != 0:
         raise SystemExit(f"our ppo failed with exit {proc.returncode}")
     rows = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl")) if l.strip()]
-    steps = [r for r in rows if "generate_secs" in r]
+    # Full rollouts only (the epoch's last may be partial).
+    steps = [r for r in rows if "generate_secs" in r and r["rollout"]["rows"] == a.batch][: a.steps]
     return {
         "impl": "ours",
         "steps": [{"generate": r["generate_secs"], "experience": r["experience_secs"], "train": r["training_secs"],
@@ -132,6 +138,9 @@ def run_ours(a, prompts):
 
 def logprobs_of(logits, seq):
     """log p(seq[:, t+1] | seq[:, :t+1]) for every t, in f32."""
+    import torch
+    import torch.nn.functional as F
+
     return torch.gather(F.log_softmax(logits[:, :-1].float(), dim=-1), 2, seq[:, 1:, None]).squeeze(2)
 
 
@@ -141,11 +150,13 @@ def values_of(critic, seq, mask, pos):
 
 
 def run_reference(a, prompts):
+    import torch
     from tokenizers import Tokenizer
+    from transformers import GPT2ForSequenceClassification, GPT2LMHeadModel
 
     dev = torch.device("cuda")
     tok = Tokenizer.from_file(a.tokenizer)
-    texts = [json.loads(l)["prompt"] for l in open(prompts)]
+    texts = [json.loads(l)["prompt"] for l in open(prompts)][: a.batch * a.steps]
     ids = [tok.encode(t).ids[-a.prompt_len:] for t in texts]
     load = lambda cls, name: cls.from_pretrained(os.path.join(a.work, name), attn_implementation="sdpa").to(dev)
     actor, critic = load(GPT2LMHeadModel, "actor"), load(GPT2ForSequenceClassification, "reward")
@@ -252,6 +263,8 @@ def main():
     p.add_argument("--answer-len", type=int, default=256)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--only", choices=["ours", "reference"])
+    p.add_argument("--device", default="cuda", help="our side's (cpu: try the script without a GPU, --only ours)")
+    p.add_argument("--dtype", default="bf16", help="our side's")
     p.add_argument("--out", help="append the JSON results here")
     a = p.parse_args()
     os.makedirs(a.work, exist_ok=True)
@@ -262,7 +275,7 @@ def main():
         results.append(run_ours(a, prompts))
     if a.only != "ours":
         results.append(run_reference(a, prompts))
-    label = f"PPO step {a.actor} actor + {a.critic} critic B{a.batch} P{a.prompt_len}+{a.answer_len} bf16"
+    label = f"PPO step {a.actor} actor + {a.critic} critic B{a.batch} P{a.prompt_len}+{a.answer_len} {a.dtype}"
     print(f"| Configuration | impl | s/step | generate | experience | train | answer len | GPU MiB |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for r in results:
