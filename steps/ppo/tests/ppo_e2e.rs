@@ -90,6 +90,12 @@ fn rollout_records(out: &Path) -> Vec<serde_json::Value> {
 }
 
 /// `extra` picks GRPO or RLOO, which train no critic.
+/// The bytes of the files under `dir`.
+fn directory_bytes(dir: &Path) -> u64 {
+    let sizes = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path());
+    sizes.map(|p| if p.is_dir() { directory_bytes(&p) } else { p.metadata().unwrap().len() }).sum()
+}
+
 fn critic_free(extra: &[&str]) -> bool {
     extra.windows(2).any(|w| w[0] == "--algorithm" && w[1] != "ppo")
 }
@@ -103,6 +109,18 @@ fn ok(out: &Output) -> String {
 #[test]
 fn a_resumed_run_ends_with_the_uninterrupted_runs_weights() {
     resume_is_exact(&[]);
+}
+
+/// `--no-final-checkpoint`: the trained models are saved, no resumable checkpoint is written.
+#[test]
+fn no_final_checkpoint_saves_the_models_and_no_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    setup(dir.path());
+    let log = ok(&ppo(dir.path(), "out", &["--no-final-checkpoint"]));
+    assert!(log.contains("step     7/7") && !log.contains("final step-3 checkpoint"), "{log}");
+    let out = dir.path().join("out");
+    assert!(out.join("actor/model.safetensors").is_file() && out.join("critic/model.safetensors").is_file());
+    assert!(!out.join("checkpoints").exists(), "no checkpoint was asked for");
 }
 
 #[test]
@@ -150,10 +168,16 @@ fn resume_is_exact(extra: &[&str]) -> (tempfile::TempDir, String) {
     // 54 training prompts in batches of 8: 7 rollouts; checkpoints after rollouts 2, 4 and 6.
     assert!(full.contains("step     7/7"), "{full}");
     assert!(full.contains("saved a step-3 checkpoint at rollout 2"), "{full}");
-    // The end of a run is always resumable.
-    assert!(full.contains("saved the final step-3 checkpoint (rollout 7)"), "{full}");
+    // The end of a run is resumable, the checkpoint's size logged.
     let final_checkpoint = dir.path().join("full/checkpoints/iter_0000007");
     assert!(final_checkpoint.join("actor/model.safetensors").is_file(), "{full}");
+    let logged = full
+        .split_once("saved the final step-3 checkpoint (rollout 7, ")
+        .and_then(|(_, rest)| rest.split_once(" GiB) to "))
+        .map(|(size, _)| size.parse::<f64>().unwrap())
+        .unwrap_or_else(|| panic!("no final checkpoint with its size in the log:\n{full}"));
+    let gib = directory_bytes(&final_checkpoint) as f64 / (1u64 << 30) as f64;
+    assert!((logged - gib).abs() <= 0.005, "logged {logged} GiB, the directory holds {gib:.4}");
     // GRPO and RLOO train no critic: none is logged, saved or checkpointed.
     let critic_free = critic_free(extra);
     let mut lines = vec!["reward", "kl_ref", "clip", "entropy", "--- answer:"];
