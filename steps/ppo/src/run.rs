@@ -454,14 +454,10 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
                 },
             };
             let generation_secs = rollout_started.elapsed().as_secs_f64();
-            let mut rollout_stats = rollout_stats(&experience, &data)?;
-            if let Some(share) = groups_zero_std {
-                rollout_stats["groups_zero_std"] = json!(share);
-            }
+            let rollout_stats = RolloutStats { groups_zero_std, ..RolloutStats::of(&experience, &data)? };
             let rollout_kl_ctl = kl_ctl;
             if let Some(target) = args.kl_target {
-                let kl = rollout_stats["kl_ref_sequence"].as_f64().unwrap_or(f64::NAN);
-                let rows = rollout_stats["rows"].as_f64().unwrap_or(0.0);
+                let (kl, rows) = (rollout_stats.kl_ref_sequence, rollout_stats.rows);
                 if kl.is_finite() {
                     kl_ctl = ppo::adaptive_kl_coefficient(kl_ctl, kl, target, rows, args.kl_horizon);
                 }
@@ -471,8 +467,8 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
             }
             last_experience = Some(experience.clone());
             buffer.push(experience);
-            summary.first_reward.get_or_insert(rollout_stats["reward_mean"].as_f64().unwrap_or(f64::NAN));
-            summary.last_reward = rollout_stats["reward_mean"].as_f64();
+            summary.first_reward.get_or_insert(rollout_stats.reward_mean);
+            summary.last_reward = Some(rollout_stats.reward_mean).filter(|r| r.is_finite());
 
             // Training: once `generation_batches` rollouts are collected.
             let train_started = Instant::now();
@@ -1257,7 +1253,7 @@ fn ptx_batch(corpus: &PackedCorpus, idx: &[usize], device: &Device) -> Result<(T
     Ok((Tensor::from_vec(x, (idx.len(), t), device)?, Tensor::from_vec(y, (idx.len(), t), device)?))
 }
 
-/// Sums over a rollout's rows behind [`rollout_stats`]: summed over the ranks, they give the
+/// Sums over a rollout's rows behind [`RolloutStats`]: summed over the ranks, they give the
 /// statistics of the whole rollout.
 #[derive(Clone, Copy, Debug, Default)]
 struct RolloutSums {
@@ -1373,27 +1369,50 @@ fn variance(n: f64, sum: f64, sum_sq: f64) -> f64 {
 
 /// What a rollout says about the policy, over every rank's rows: reward, KL to the reference,
 /// answer lengths, EOS share, how well the critic explains the returns.
-fn rollout_stats(exp: &Experience, group: &ProcessGroup) -> Result<serde_json::Value> {
-    let s = RolloutSums::of(exp).over_ranks(group)?;
-    let n = s.rows.max(1.0);
-    Ok(json!({
-        "reward_mean": s.reward / n,
-        "reward_std": variance(s.rows, s.reward, s.reward_sq).sqrt(),
-        "kl_ref_k1": s.kl_k1 / n,
-        "kl_ref_sequence": s.kl_sequence / n,
-        "kl_ref_k3": s.kl_k3 / n,
-        "explained_variance": 1.0 - variance(s.actions, s.err, s.err_sq) / variance(s.actions, s.ret, s.ret_sq),
-        "answer_len_mean": s.answer_len / n,
-        "advantage_mean": s.adv / n,
-        "advantage_std": variance(s.rows, s.adv, s.adv_sq).sqrt(),
-        "eos_share": s.eos / n,
-        "rows": s.rows,
-    }))
+/// A rollout's statistics over every rank: the log line's and metrics.jsonl's `rollout` (these
+/// names; NaN is written as null).
+#[derive(Clone, Copy, Debug, serde::Serialize)]
+struct RolloutStats {
+    reward_mean: f64,
+    reward_std: f64,
+    kl_ref_k1: f64,
+    kl_ref_sequence: f64,
+    kl_ref_k3: f64,
+    explained_variance: f64,
+    answer_len_mean: f64,
+    advantage_mean: f64,
+    advantage_std: f64,
+    eos_share: f64,
+    rows: f64,
+    /// GRPO and RLOO: the share of the rollout's groups whose answers all scored the same.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    groups_zero_std: Option<f64>,
+}
+
+impl RolloutStats {
+    fn of(exp: &Experience, group: &ProcessGroup) -> Result<Self> {
+        let s = RolloutSums::of(exp).over_ranks(group)?;
+        let n = s.rows.max(1.0);
+        Ok(Self {
+            reward_mean: s.reward / n,
+            reward_std: variance(s.rows, s.reward, s.reward_sq).sqrt(),
+            kl_ref_k1: s.kl_k1 / n,
+            kl_ref_sequence: s.kl_sequence / n,
+            kl_ref_k3: s.kl_k3 / n,
+            explained_variance: 1.0 - variance(s.actions, s.err, s.err_sq) / variance(s.actions, s.ret, s.ret_sq),
+            answer_len_mean: s.answer_len / n,
+            advantage_mean: s.adv / n,
+            advantage_std: variance(s.rows, s.adv, s.adv_sq).sqrt(),
+            eos_share: s.eos / n,
+            rows: s.rows,
+            groups_zero_std: None,
+        })
+    }
 }
 
 /// A rollout's statistics for the log, with the KL coefficient its rewards used.
 struct RolloutReport<'a> {
-    stats: &'a serde_json::Value,
+    stats: &'a RolloutStats,
     kl_ctl: f64,
     /// `--kl-target` adapts the coefficient: the log line shows it.
     adaptive: bool,
@@ -1475,29 +1494,28 @@ fn log_step(
         Some((done, planned)) => format!(" | stopped at target KL after {done}/{planned} updates"),
         None => String::new(),
     };
-    let value = |v: &serde_json::Value, key: &str| v[key].as_f64().unwrap_or(f64::NAN);
     // The critic's loss and how much of the return it explains, when there is one.
-    let critic_loss = critic
-        .map(|_| format!(" | critic loss {:.4} | expl var {:.3}", u.critic_loss, value(stats, "explained_variance")));
+    let critic_loss =
+        critic.map(|_| format!(" | critic loss {:.4} | expl var {:.3}", u.critic_loss, stats.explained_variance));
     metrics.println(&format!(
         " step {step:>5}/{total} | epoch {epoch} | reward {:.3} (std {:.3}) | kl_ref {:.4}{kl_ctl} | actor loss {:.4}{} | ratio {:.3} | clip {:.3} | approx kl {:.2e} | entropy {:.3} | answer len {:.1} | eos {:.2} | generate {:.1}s experience {:.1}s train {:.1}s{stopped} |{scaling}",
-        value(stats, "reward_mean"),
-        value(stats, "reward_std"),
-        value(stats, "kl_ref_k3"),
+        stats.reward_mean,
+        stats.reward_std,
+        stats.kl_ref_k3,
         u.actor_loss,
         critic_loss.unwrap_or_default(),
         shown.ratio_mean,
         shown.clip_fraction,
         shown.approx_kl,
         u.entropy,
-        value(stats, "answer_len_mean"),
-        value(stats, "eos_share"),
+        stats.answer_len_mean,
+        stats.eos_share,
         times.generate,
         times.rollout - times.generate,
         times.train,
     ));
     metrics.record(record)?;
-    metrics.advance(format!("reward {:.3}", value(stats, "reward_mean")));
+    metrics.advance(format!("reward {:.3}", stats.reward_mean));
     Ok(())
 }
 

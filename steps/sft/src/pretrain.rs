@@ -14,7 +14,8 @@ use hybrid_engine::kernels::ops::DropoutKey;
 use hybrid_engine::model::gpt2::{Dropout, Positions};
 use hybrid_engine::training::memory::MemoryPlan;
 use hybrid_engine::training::metrics::{peak_rss_mib, Metrics};
-use hybrid_engine::training::optim::AdamW;
+use hybrid_engine::training::optim::{AdamW, AdamWConfig};
+use hybrid_engine::training::schedule::LrSchedule;
 use hybrid_engine::training::tensor_parallel::{data_group, TensorParallel};
 use hybrid_engine::training::train_step::{Backward, TrainedModel};
 use hybrid_engine::training::trainer::{Trainer, TrainerProgress};
@@ -36,6 +37,22 @@ pub struct PretrainSummary {
     pub valid_ppl: Option<f64>,
     pub test_loss: Option<f64>,
     pub checkpoint: Option<std::path::PathBuf>,
+}
+
+/// What a pretraining checkpoint's trainer state holds beyond the common fields (`run`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct PretrainRunState {
+    schedule: LrSchedule,
+    adam: AdamWConfig,
+    data: DataLayout,
+    /// Checkpoints from before --dtype hold neither this nor the two below: fp32, every
+    /// iteration an update.
+    #[serde(default)]
+    dtype: Option<String>,
+    #[serde(default)]
+    optimizer_step: Option<u64>,
+    #[serde(default)]
+    trainer: Option<TrainerProgress>,
 }
 
 /// The data-dependent facts a resumed run must agree with, stored in the trainer state.
@@ -155,8 +172,10 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
         Some(root) => {
             let ck = resume::load_checkpoint(root, &device)?;
             check_same_shape(&ck.model.config, &model_cfg)?;
-            let saved: DataLayout = serde_json::from_value(ck.state.run["data"].clone())
-                .context("checkpoint's trainer_state.json lacks the data layout")?;
+            let run: PretrainRunState = serde_json::from_value(ck.state.run.clone()).context(
+                "checkpoint's trainer_state.json lacks pretraining's run state (data layout, schedule, optimizer)",
+            )?;
+            let saved = run.data;
             if !layout.continues(&saved) {
                 bail!(
                     "--load {}: the checkpoint was trained on different data or batching ({saved:?}); resume with the same --data-path, --seq-length, --split and global batch (--micro-batch-size x ranks x --gradient-accumulation-steps = {} now, {} then)",
@@ -170,15 +189,8 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
             if cursor.position > train.len() {
                 bail!("checkpoint's data cursor is past the end of the training split: the corpus changed since it was saved");
             }
-            // Checkpoints from before --dtype hold neither: fp32, every iteration an update.
-            let progress: Option<TrainerProgress> = match ck.state.run.get("trainer") {
-                Some(v) => {
-                    Some(serde_json::from_value(v.clone()).context("checkpoint's trainer progress is malformed")?)
-                }
-                None => None,
-            };
-            let optimizer_step =
-                ck.state.run.get("optimizer_step").and_then(|v| v.as_u64()).unwrap_or(ck.state.iteration);
+            let progress = run.trainer;
+            let optimizer_step = run.optimizer_step.unwrap_or(ck.state.iteration);
             model_cfg = ck.model.config.clone();
             if let Some(p) = args.dropout {
                 (model_cfg.resid_pdrop, model_cfg.embd_pdrop, model_cfg.attn_pdrop) = (p, p, p);
@@ -529,13 +541,13 @@ fn trainer_state(
         consumed_samples: iteration * layout.global_batch() as u64,
         data_cursor: json!(sampler.cursor()),
         seed: args.seed,
-        run: json!({
-            "schedule": cfg.schedule,
-            "adam": cfg.adam,
-            "data": layout,
-            "dtype": trainer.precision.dtype.name(),
-            "optimizer_step": trainer.optimizer.step,
-            "trainer": trainer.progress(),
+        run: json!(PretrainRunState {
+            schedule: cfg.schedule.clone(),
+            adam: cfg.adam.clone(),
+            data: layout.clone(),
+            dtype: Some(trainer.precision.dtype.name().to_string()),
+            optimizer_step: Some(trainer.optimizer.step),
+            trainer: Some(trainer.progress()),
         }),
     }
 }
