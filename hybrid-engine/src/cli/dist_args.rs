@@ -4,7 +4,7 @@
 
 use crate::comm::{ProcessGroup, RankEnv};
 use crate::training::tensor_parallel::TensorParallel;
-use crate::training::zero::{DataParallel, DEFAULT_BUCKET};
+use crate::training::zero::{DataParallel, ZeroStage, DEFAULT_BUCKET};
 use anyhow::{bail, Result};
 use clap::Args;
 use std::sync::Arc;
@@ -80,7 +80,7 @@ impl DistArgs {
     }
 
     fn data_parallel_of(&self, group: &Arc<ProcessGroup>, stage: u8, prefix: &str) -> Result<DataParallel> {
-        let dp = DataParallel::new(group.clone(), stage, self.reduce_bucket_size as usize)?;
+        let dp = DataParallel::new(group.clone(), ZeroStage::from_number(stage)?, self.reduce_bucket_size as usize);
         if group.world() == 1 && stage > 0 {
             println!("{prefix}ZeRO stage {stage} with 1 process: nothing to shard, training as stage 0");
         } else if group.world() > 1 {

@@ -5,6 +5,7 @@
 
 use crate::model::gpt2::Gpt2Config;
 use crate::model::params::parameter_count;
+use crate::training::zero::ZeroStage;
 
 const MIB: f64 = 1024.0 * 1024.0;
 
@@ -364,7 +365,7 @@ pub struct MemoryPlan {
     compute_dtype: candle_core::DType,
     device: DeviceKind,
     /// Data parallelism: (ZeRO stage, ranks); the byte counts above are per rank.
-    pub zero: Option<(u8, usize)>,
+    pub zero: Option<(ZeroStage, usize)>,
     /// Tensor parallelism: (ranks per layer, parameters held by each).
     pub tensor_parallel: Option<(usize, usize)>,
 }
@@ -406,7 +407,7 @@ impl MemoryPlan {
     /// stage 1 divides the AdamW moments by the world size, stage 2 the gradients too, stage 3
     /// the weights and their compute copy as well, which also recomputes every block in backward,
     /// so the activations are those of checkpointing). Call after the other `with_*` methods.
-    pub fn with_data_parallel(mut self, stage: u8, world: usize) -> Self {
+    pub fn with_data_parallel(mut self, stage: ZeroStage, world: usize) -> Self {
         if world <= 1 {
             return self;
         }
@@ -414,13 +415,13 @@ impl MemoryPlan {
         self.zero = Some((stage, world));
         self.set_gradient_bytes();
         let shard = |bytes: u64| bytes.div_ceil(world as u64);
-        if stage >= 1 {
+        if stage >= ZeroStage::OptimizerStates {
             self.adam_bytes = shard(self.adam_bytes);
         }
-        if stage >= 2 {
+        if stage >= ZeroStage::Gradients {
             self.grad_bytes = shard(self.grad_bytes);
         }
-        if stage >= 3 {
+        if stage >= ZeroStage::Parameters {
             self.param_bytes = shard(self.param_bytes);
             self.compute_copy_bytes = shard(self.compute_copy_bytes);
             self.activations.checkpoint = true;
@@ -731,8 +732,10 @@ mod tests {
         assert_eq!(accumulating.grad_bytes, 4 * p);
         let first = MemoryPlan::new(&cfg, 2, 64, false).with_gradient_accumulation(4);
         assert_eq!(first.with_compute_dtype(BF16).on_device_kind(DeviceKind::Cuda).grad_bytes, 4 * p);
-        assert_eq!(cuda_plan(cfg.clone(), 2, 64, false, BF16).with_data_parallel(1, 2).grad_bytes, 4 * p);
-        assert_eq!(cuda_plan(cfg.clone(), 2, 64, false, BF16).with_data_parallel(2, 2).grad_bytes, 2 * p);
+        let stage_1 = cuda_plan(cfg.clone(), 2, 64, false, BF16).with_data_parallel(ZeroStage::OptimizerStates, 2);
+        assert_eq!(stage_1.grad_bytes, 4 * p);
+        let stage_2 = cuda_plan(cfg.clone(), 2, 64, false, BF16).with_data_parallel(ZeroStage::Gradients, 2);
+        assert_eq!(stage_2.grad_bytes, 2 * p);
         let split = cuda_plan(cfg.clone(), 2, 64, false, BF16).with_tensor_parallel(2);
         let (_, held) = split.tensor_parallel.unwrap();
         assert_eq!(split.grad_bytes, 4 * held as u64);

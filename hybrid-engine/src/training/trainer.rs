@@ -10,7 +10,7 @@ use crate::training::metrics::Metrics;
 use crate::training::optim::{clip_coefficient, clip_to_norm, global_grad_norm, AdamW, AdamWConfig, GradAccumulator};
 use crate::training::precision::{has_overflow, Dtype, LossScaler, LossScaling, Precision, ScaleUpdate};
 use crate::training::schedule::LrSchedule;
-use crate::training::zero::{self, DataParallel, Partition};
+use crate::training::zero::{self, DataParallel, Partition, ZeroStage};
 use crate::training::zero3::ShardedModel;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Tensor};
@@ -296,7 +296,7 @@ impl Trainer {
     /// gradients (`--align-overflow`: the other model overflowed).
     pub fn micro_batch_done_or_skip(&mut self, params: &ParamStore, skip: bool) -> Result<Option<StepReport>> {
         self.pending += 1;
-        if let Some((dp, partition)) = self.dp.as_ref().filter(|(dp, _)| dp.stage == 2) {
+        if let Some((dp, partition)) = self.dp.as_ref().filter(|(dp, _)| dp.stage == ZeroStage::Gradients) {
             // Stage 2 reduce-scatters each micro-batch's gradient at once: the full gradient
             // does not outlive the micro-batch.
             let fresh = self.acc.emptied();
@@ -420,12 +420,12 @@ impl Trainer {
         match &self.dp {
             // As held (bf16/f16 after one micro-batch in mixed precision): `step` decides.
             None => Ok(Gradients::Full(acc.finish_in_compute_dtype()?)),
-            Some((dp, _)) if dp.stage == 0 => {
+            Some((dp, _)) if dp.stage == ZeroStage::Disabled => {
                 let mut grads = acc.finish()?;
                 zero::all_reduce_gradients(dp, &mut grads)?;
                 Ok(Gradients::Full(grads))
             }
-            Some((dp, partition)) if dp.stage == 1 => {
+            Some((dp, partition)) if dp.stage == ZeroStage::OptimizerStates => {
                 Ok(Gradients::Shard(zero::reduce_scatter_gradients(dp, partition, &acc.finish()?)?))
             }
             Some(_) => {

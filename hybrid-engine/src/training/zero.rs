@@ -29,21 +29,55 @@ use std::sync::Arc;
 /// DeepSpeed's default `reduce_bucket_size` (values, not bytes).
 pub const DEFAULT_BUCKET: usize = 500_000_000;
 
+/// DeepSpeed's ZeRO stages: what each rank of the data-parallel group keeps only its shard of.
+/// Each stage shards what the one before it does, and more.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum ZeroStage {
+    /// Stage 0 (DDP): nothing; gradients all-reduced, every rank updates the whole model.
+    Disabled,
+    /// Stage 1: the optimizer states (AdamW's moments and the fp32 masters it updates).
+    OptimizerStates,
+    /// Stage 2: the gradients too, reduce-scattered every micro-batch.
+    Gradients,
+    /// Stage 3: the parameters too, each block's gathered when it runs.
+    Parameters,
+}
+
+impl ZeroStage {
+    /// The stage numbered as DeepSpeed numbers it (`--zero-stage`, `zero_optimization.stage`).
+    pub fn from_number(stage: u8) -> Result<Self> {
+        Ok(match stage {
+            0 => Self::Disabled,
+            1 => Self::OptimizerStates,
+            2 => Self::Gradients,
+            3 => Self::Parameters,
+            _ => bail!("--zero-stage {stage} does not exist: DeepSpeed's stages are 0, 1, 2 and 3"),
+        })
+    }
+
+    pub fn number(self) -> u8 {
+        self as u8
+    }
+}
+
+impl std::fmt::Display for ZeroStage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.number())
+    }
+}
+
 /// How a model's training is spread over the ranks of a group.
 #[derive(Clone)]
 pub struct DataParallel {
     pub group: Arc<ProcessGroup>,
-    pub stage: u8,
+    pub stage: ZeroStage,
     /// Values per all-reduce in stage 0 (DeepSpeed's `reduce_bucket_size`).
     pub bucket: usize,
 }
 
 impl DataParallel {
-    pub fn new(group: Arc<ProcessGroup>, stage: u8, bucket: usize) -> Result<Self> {
-        if stage > 3 {
-            bail!("--zero-stage {stage} does not exist: DeepSpeed's stages are 0, 1, 2 and 3");
-        }
-        Ok(Self { group, stage, bucket: bucket.max(1) })
+    pub fn new(group: Arc<ProcessGroup>, stage: ZeroStage, bucket: usize) -> Self {
+        Self { group, stage, bucket: bucket.max(1) }
     }
 
     pub fn world(&self) -> usize {
@@ -53,12 +87,12 @@ impl DataParallel {
     /// Whether the parameters themselves are sharded at rest (stage 3 with more than one rank):
     /// the model is a [`crate::training::zero3::ShardedModel`] trained by `Trainer::sharded`.
     pub fn shards_parameters(&self) -> bool {
-        self.stage == 3 && self.world() > 1
+        self.stage == ZeroStage::Parameters && self.world() > 1
     }
 
     /// Whether the optimizer state is sharded (stages 1 and 2 with more than one rank).
     pub fn shards_optimizer(&self) -> bool {
-        self.stage >= 1 && self.world() > 1
+        self.stage >= ZeroStage::OptimizerStates && self.world() > 1
     }
 }
 

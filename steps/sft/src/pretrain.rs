@@ -19,6 +19,7 @@ use hybrid_engine::training::schedule::LrSchedule;
 use hybrid_engine::training::tensor_parallel::{data_group, TensorParallel};
 use hybrid_engine::training::train_step::{Backward, TrainedModel};
 use hybrid_engine::training::trainer::{Trainer, TrainerProgress};
+use hybrid_engine::training::zero::ZeroStage;
 use hybrid_engine::training::zero3::ShardedModel;
 use hybrid_engine::ParamStore;
 use serde::{Deserialize, Serialize};
@@ -151,7 +152,7 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
         .with_compute_dtype(args.precision.dtype.dtype())
         .on_device(&device)
         .with_tensor_parallel(tp.as_ref().map_or(1, |t| t.size()))
-        .with_data_parallel(args.zero_stage, world);
+        .with_data_parallel(ZeroStage::from_number(args.zero_stage)?, world);
     hybrid_engine::training::memory::check_plan_fits(&plan, &device)?;
     // What a checkpoint restores beyond the weights: the optimizer state, its step (fewer than
     // the iterations when fp16 skipped some) and the trainer's counters.
