@@ -257,7 +257,7 @@ fn a_checkpoints_trainer_state() {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path().join("ckpt");
     let params = hybrid_engine::ParamStore::init(&tiny_config(), 1, &Device::Cpu).unwrap();
-    let adam = hybrid_engine::training::optim::AdamWConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.0 };
+    let adam = hybrid_engine::training::optim::AdamWConfig::ds_chat(1e-8, 0.0);
     let optimizer = hybrid_engine::training::optim::AdamW::new(adam.clone(), &params).unwrap();
     let state = TrainerState {
         format_version: FORMAT_VERSION,

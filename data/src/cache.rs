@@ -18,7 +18,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use safetensors::tensor::{Dtype, TensorView};
 use sha2::{Digest, Sha256};
 use std::ffi::OsStr;
-use std::io::{Read, Write};
+use std::io::Read;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
 
 /// Bumped whenever the cached layout or the meaning of a field changes.
@@ -132,21 +132,10 @@ pub fn save(path: &Path, key: &serde_json::Value, columns: &Columns, info: &serd
     ]);
     let bytes = safetensors::tensor::serialize(views, Some(metadata))?;
 
-    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("cache");
-    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
-    let _ = std::fs::remove_file(&tmp); // a dead run's leftover of the same pid
-                                        // O_EXCL and O_NOFOLLOW: never write through a file or symlink someone else placed there.
-    let written = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .custom_flags(libc::O_NOFOLLOW)
-        .open(&tmp)
-        .and_then(|mut f| f.write_all(&bytes).and_then(|()| f.sync_all()))
-        .and_then(|()| std::fs::rename(&tmp, path));
-    if let Err(e) = written {
-        let _ = std::fs::remove_file(&tmp); // best effort: the write may have failed before creating it
-        bail!("cannot write the data cache {} ({e}); set --data-output-path to a writable directory", path.display());
+    // Readable by its user only; created anew (O_EXCL), never written through a file or symlink
+    // someone else placed at the temporary name.
+    if let Err(e) = durable::write_file_atomically_with_mode(path, &bytes, 0o600) {
+        bail!("cannot write the data cache {} ({e:#}); set --data-output-path to a writable directory", path.display());
     }
     Ok(())
 }

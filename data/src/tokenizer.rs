@@ -6,7 +6,7 @@
 use std::fs;
 use std::path::Path;
 
-use anyhow::{anyhow, Context, Result};
+use anyhow::{anyhow, Result};
 
 /// The GPT-2 `tokenizer.json` (HF `gpt2`), vendored under `assets/gpt2-tokenizer/`.
 pub const GPT2_TOKENIZER_JSON: &[u8] = include_bytes!("../../assets/gpt2-tokenizer/tokenizer.json");
@@ -133,26 +133,14 @@ impl Tokenizer {
         self.inner.get_vocab_size(true)
     }
 
-    /// Writes the tokenizer as `tokenizer.json` at `path`. Written to a temp file in the same
-    /// directory and renamed, so a crash never leaves a half-written file next to a checkpoint.
+    /// Writes the tokenizer as `tokenizer.json` at `path`, atomically
+    /// ([`durable::write_file_atomically`]): a crash never leaves a half-written file next to a
+    /// checkpoint.
     pub fn save(&self, path: &Path) -> Result<()> {
         let json = self.inner.to_string(true).map_err(|e| anyhow!("serialising the tokenizer failed: {e}"))?;
-        let file_name =
-            path.file_name().with_context(|| format!("tokenizer path {} has no file name", path.display()))?;
-        let mut tmp_name = std::ffi::OsString::from(".");
-        tmp_name.push(file_name);
-        tmp_name.push(format!(".tmp-{}", std::process::id()));
-        let tmp = path.with_file_name(tmp_name);
-        let written = fs::write(&tmp, json).and_then(|()| fs::rename(&tmp, path));
-        if let Err(e) = written {
-            // Best effort: the temp file may not exist if the write itself failed.
-            let _ = fs::remove_file(&tmp);
-            anyhow::bail!(
-                "cannot write tokenizer to {} ({e}); check the directory exists and is writable",
-                path.display()
-            );
-        }
-        Ok(())
+        durable::write_file_atomically(path, json.as_bytes()).map_err(|e| {
+            anyhow!("cannot write tokenizer to {} ({e:#}); check the directory exists and is writable", path.display())
+        })
     }
 }
 

@@ -16,7 +16,7 @@ pub mod checkpoints;
 pub mod cli;
 pub mod comm;
 pub mod device;
-pub mod durable;
+pub use durable;
 pub mod generation;
 pub mod kernels;
 pub mod model;

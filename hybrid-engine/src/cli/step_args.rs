@@ -146,7 +146,7 @@ impl StepArgs {
 
     /// DS-Chat's optimizer: AdamW, betas (0.9, 0.95), no decay on biases and LayerNorm.
     pub fn adam(&self) -> AdamWConfig {
-        AdamWConfig { beta1: 0.9, beta2: 0.95, eps: self.adam_eps, weight_decay: self.weight_decay }
+        AdamWConfig::ds_chat(self.adam_eps, self.weight_decay)
     }
 
     /// Warmup then decay to 0 over `total_steps` optimizer steps (HF `get_scheduler`).

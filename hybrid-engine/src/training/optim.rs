@@ -23,9 +23,16 @@ pub struct AdamWConfig {
 }
 
 impl Default for AdamWConfig {
-    /// Megatron's defaults; DS-Chat's steps use beta2 = 0.95.
+    /// Megatron's defaults (pretraining's flags start from them).
     fn default() -> Self {
         Self { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 }
+    }
+}
+
+impl AdamWConfig {
+    /// DS-Chat's optimizer in steps 1 to 3: betas (0.9, 0.95).
+    pub fn ds_chat(eps: f64, weight_decay: f64) -> Self {
+        Self { beta1: 0.9, beta2: 0.95, eps, weight_decay }
     }
 }
 

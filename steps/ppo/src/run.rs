@@ -1123,7 +1123,7 @@ fn trained(
     how: TrainedAs,
 ) -> Result<Trained> {
     let trainable = params.trainable();
-    let adam = AdamWConfig { beta1: 0.9, beta2: 0.95, eps: args.adam_eps, weight_decay: how.weight_decay };
+    let adam = AdamWConfig::ds_chat(args.adam_eps, how.weight_decay);
     let schedule = schedule(args, how.lr, how.steps);
     let precision = args.precision.precision();
     let dtype = precision.dtype.dtype();
@@ -1719,7 +1719,7 @@ mod tests {
         let loss = (ppo_loss + (lm_loss * coef).unwrap()).unwrap();
         let grads = loss.backward().unwrap();
         let grads: Vec<Tensor> = start.vars.iter().map(|v| grads.get(v.as_tensor()).unwrap().clone()).collect();
-        let adam = AdamWConfig { beta1: 0.9, beta2: 0.95, eps: 1e-6, weight_decay: 0.0 };
+        let adam = AdamWConfig::ds_chat(1e-6, 0.0);
         let mut optimizer = AdamW::new(adam, &start).unwrap();
         let lr = models.actor.trainer.schedule.lr(1);
         let before = values(&start);

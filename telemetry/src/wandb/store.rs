@@ -122,10 +122,7 @@ pub fn read_history(path: &Path, from: usize) -> Result<Vec<String>> {
 
 /// Writes `path` through a temporary file and a rename.
 pub(crate) fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
-    let tmp = path.with_extension("tmp");
-    let mut file = std::fs::File::create(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
-    file.write_all(bytes).and_then(|()| file.sync_all()).with_context(|| format!("writing {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("cannot replace {}", path.display()))
+    durable::write_file_atomically(path, bytes)
 }
 
 #[cfg(test)]

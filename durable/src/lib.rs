@@ -1,5 +1,6 @@
 //! Durable, atomic writes: the one implementation behind every directory and small file a run
-//! saves (model directories, checkpoints, PEFT adapters, `latest`, evaluation reports).
+//! saves (model directories, checkpoints, PEFT adapters, `latest`, evaluation reports, the
+//! tokenizer, the data cache, wandb's offline run files).
 //!
 //! A directory is assembled in a hidden sibling `.tmp-<name>-<pid>`, every file and directory
 //! in it is fsynced, and it then takes the final name in one step: on Linux `renameat2` with
@@ -214,15 +215,26 @@ fn exchange(_: &Path, _: &Path) -> Result<bool> {
 
 /// Replaces a small file atomically (temporary sibling, fsync, rename, fsync of the directory).
 pub fn write_file_atomically(path: &Path, contents: &[u8]) -> Result<()> {
+    write_file_atomically_with_mode(path, contents, 0o666)
+}
+
+/// [`write_file_atomically`] with the new file's permission bits (less the umask): 0o600 for a
+/// file only its user may read. The temporary file is created anew (`O_EXCL`), so nothing placed
+/// at its name beforehand, a symbolic link included, is written through.
+pub fn write_file_atomically_with_mode(path: &Path, contents: &[u8], mode: u32) -> Result<()> {
     use std::io::Write;
+    #[cfg(unix)]
+    use std::os::unix::fs::OpenOptionsExt;
     recover_leftovers(path)?;
     let tmp = TempPath { path: sibling(path, "tmp")?, committed: false };
     remove_any(&tmp.path);
-    let mut file = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .open(&tmp.path)
-        .with_context(|| format!("cannot create {}", tmp.path.display()))?;
+    let mut options = std::fs::OpenOptions::new();
+    options.write(true).create_new(true);
+    #[cfg(unix)]
+    options.mode(mode);
+    #[cfg(not(unix))]
+    let _ = mode;
+    let mut file = options.open(&tmp.path).with_context(|| format!("cannot create {}", tmp.path.display()))?;
     file.write_all(contents)
         .and_then(|()| file.sync_all())
         .with_context(|| format!("cannot write {}", tmp.path.display()))?;
@@ -236,15 +248,18 @@ pub fn write_file_atomically(path: &Path, contents: &[u8]) -> Result<()> {
 /// `.tmp-<name>-<pid>` (an unfinished save, or after an exchange the replaced directory) are
 /// removed, and an `.old-<name>-<pid>` is put back when `<name>` itself is missing (a crash
 /// between the fallback's two renames), else removed. Leftovers of a process that is still
-/// running are left alone.
+/// running are left alone, this process's too but for `path`'s own (another thread may be
+/// writing another file of the directory; two saves of one path at once are not supported).
 pub fn recover_leftovers(path: &Path) -> Result<()> {
     let parent = parent_of(path);
     let Ok(entries) = std::fs::read_dir(parent) else { return Ok(()) };
+    let own_name = path.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
     let mut olds = Vec::new();
     for entry in entries.flatten() {
         let file_name = entry.file_name().to_string_lossy().to_string();
         let Some((kind, name, pid)) = leftover(&file_name) else { continue };
-        if pid != std::process::id() && process_alive(pid) {
+        let alive = if pid == std::process::id() { name != own_name } else { process_alive(pid) };
+        if alive {
             continue;
         }
         match kind {
@@ -399,6 +414,30 @@ mod tests {
         let fresh = root.path().join("fresh");
         assert!(write_dir_atomically(&fresh, |_| bail!("disk full")).is_err());
         assert_eq!(names(root.path()), ["model"]);
+        Ok(())
+    }
+
+    /// Threads writing different files of one directory at once (wandb's run file and its stream
+    /// offset) never take each other's temporary file for a dead save's.
+    #[test]
+    fn threads_saving_different_files_of_one_directory_do_not_disturb_each_other() -> Result<()> {
+        let root = tempfile::tempdir()?;
+        let threads: Vec<_> = (0..4)
+            .map(|t| {
+                let path = root.path().join(format!("file-{t}"));
+                std::thread::spawn(move || -> Result<()> {
+                    for i in 0..200 {
+                        write_file_atomically(&path, format!("{t} {i}").as_bytes())?;
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().expect("a writer thread panicked")?;
+        }
+        assert_eq!(names(root.path()), ["file-0", "file-1", "file-2", "file-3"]);
+        assert_eq!(std::fs::read_to_string(root.path().join("file-3"))?, "3 199");
         Ok(())
     }
 
