@@ -13,7 +13,7 @@
 //! (ZeRO stage 3) gathers its blocks as its forward runs, a collective: every rank runs it once
 //! per rollout, a rank that kept no rows on a filler row.
 
-use crate::ppo::{self, Algorithm, PpoConfig};
+use crate::ppo::{self, PpoConfig};
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use hybrid_engine::generation::generate::{gather_log_probs, position_ids, Generation, LeftPadded, SamplingConfig};
@@ -187,7 +187,6 @@ pub fn generate_experience(
 
     let (start, actions) = (p - 1, l - 1);
     let (mut values, mut rewards, mut action_mask) = (Vec::new(), Vec::new(), Vec::new());
-    let (mut advantages, mut returns) = (Vec::new(), Vec::new());
     for i in 0..b {
         let row_seq = &seq[i * l..(i + 1) * l];
         let mask = ppo::action_mask(row_seq, pad);
@@ -199,17 +198,12 @@ pub fn generate_experience(
             *x = 0.0;
         }
         let r = ppo::compute_rewards(lp, rp, reward_scores[i], end, cfg);
-        // GRPO and RLOO: placeholders until the whole group is scored (set_group_advantages).
-        let (a, g) = match cfg.algorithm {
-            Algorithm::Ppo => ppo::gae_advantages(&r, &v, start, cfg),
-            Algorithm::Grpo | Algorithm::Rloo => (vec![0.0; actions - start], vec![0.0; actions - start]),
-        };
         values.extend(v);
         rewards.extend(r);
         action_mask.extend(mask);
-        advantages.extend(a);
-        returns.extend(g);
     }
+    // Set by the next stage, `advantages::compute_advantages`.
+    let (advantages, returns) = (vec![0.0; b * (actions - start)], vec![0.0; b * (actions - start)]);
     let answer_lens = keep.iter().map(|&r| generation.tokens[r].len()).collect();
     let ended_with_eos = keep.iter().map(|&r| generation.tokens[r].last() == sampling.eos_token_id.as_ref()).collect();
     let positions = keep.iter().map(|&r| prompts.keys[r] as usize).collect();
@@ -234,42 +228,6 @@ pub fn generate_experience(
         rollout_size,
     };
     Ok((Some(experience), counts))
-}
-
-/// The reward each row of `exp` brings to its group: GRPO's clipped score, RLOO's score less
-/// its summed KL penalty ([`ppo::sequence_reward`]).
-pub fn group_rewards(exp: &Experience, cfg: &PpoConfig) -> Vec<f64> {
-    let rloo = cfg.algorithm == Algorithm::Rloo;
-    (0..exp.b)
-        .map(|r| {
-            let [logp, ref_logp, mask] =
-                [&exp.logprobs, &exp.ref_logprobs, &exp.action_mask].map(|a| &exp.row(a, r)[exp.start..]);
-            let cfg = PpoConfig { kl_ctl: if rloo { cfg.kl_ctl } else { 0.0 }, ..cfg.clone() };
-            ppo::sequence_reward(exp.reward_scores[r], logp, ref_logp, mask, &cfg)
-        })
-        .collect()
-}
-
-/// GRPO's or RLOO's advantages of `exp`'s rows from every row of the rollout:
-/// `by_position[p]` is the [`group_rewards`] value of the row at rollout position `p` (on any
-/// rank), `None` when it was dropped; the rows of a prompt's group are the `k` consecutive
-/// positions of its answers. Each row's advantage goes on every answer action (the loss masks
-/// the padding); the returns stay zero (no critic).
-pub fn set_group_advantages(exp: &mut Experience, by_position: &[Option<f64>], k: usize, cfg: &PpoConfig) {
-    let width = exp.actions() - exp.start;
-    let batch_std = ppo::batch_std(by_position);
-    for r in 0..exp.b {
-        let position = exp.positions[r];
-        let first = position / k * k;
-        let group = &by_position[first..(first + k).min(by_position.len())];
-        let advantages = match cfg.algorithm {
-            Algorithm::Grpo => ppo::group_advantages(group, cfg.scale_rewards, batch_std),
-            Algorithm::Rloo => ppo::leave_one_out_advantages(group),
-            Algorithm::Ppo => unreachable!("PPO's advantages come from GAE"),
-        };
-        let a = advantages[position - first].expect("a kept row has a reward") as f32;
-        exp.advantages[r * width..(r + 1) * width].fill(a);
-    }
 }
 
 /// The positions of a rollout of `n` prompts that `rank` of `world` ranks generates: in each
@@ -360,6 +318,7 @@ impl ForwardInputs {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use hybrid_engine::comm::ProcessGroup;
     use hybrid_engine::generation::engine::GenerationMode;
     use hybrid_engine::generation::generate::generate_left_padded;
     use hybrid_engine::model::gpt2::Gpt2Config;
@@ -515,7 +474,10 @@ mod tests {
             &mut |scores| Ok(scores.to_vec()),
             &dev,
         )?;
-        let exp = exp.expect("random answers are longer than one token");
+        let mut exp = exp.expect("random answers are longer than one token");
+        // The next stage: GAE.
+        let share = crate::advantages::compute_advantages(&mut exp, &ProcessGroup::single(), 1, &cfg_ppo)?;
+        assert_eq!(share, None, "PPO has no groups");
         assert_eq!(counts.generated, 2);
         assert_eq!(exp.b + counts.dropped_short, 2);
         assert_eq!(exp.start, 3);

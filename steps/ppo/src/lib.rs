@@ -1,7 +1,8 @@
 //! Step 3 of the pipeline: PPO (DS-Chat `step3_rlhf_finetuning`): PPO's math as pure functions
-//! (`ppo`), the rollout record (`experience`), one PPO update over the four models (`trainer`),
-//! and the loop (`run`).
+//! (`ppo`), the rollout record (`experience`), its advantages (`advantages`: GAE, GRPO's and
+//! RLOO's), one PPO update over the four models (`trainer`), and the loop (`run`).
 
+pub mod advantages;
 pub mod args;
 pub mod checkpoint;
 pub mod eval;

@@ -92,26 +92,6 @@ pub fn compute_rewards(logp: &[f32], ref_logp: &[f32], score: f32, end: usize, c
     r
 }
 
-/// GAE over actions `start..` (DS-Chat `get_advantages_and_returns`, no whitening):
-/// `delta = r[t] + gamma V[t+1] - V[t]` (V beyond the last action is 0),
-/// `A[t] = delta + gamma lam A[t+1]`, returns `G = A + V`. Both are `len - start` long.
-/// `values` must already be zeroed from the row's end on, as `rewards` is.
-pub fn gae_advantages(rewards: &[f32], values: &[f32], start: usize, cfg: &PpoConfig) -> (Vec<f32>, Vec<f32>) {
-    assert_eq!(rewards.len(), values.len(), "gae_advantages: rewards and values differ in length");
-    let (gamma, lam) = (cfg.gamma as f32, cfg.lam as f32);
-    let n = rewards.len();
-    let mut adv = vec![0f32; n - start];
-    let mut last = 0f32;
-    for t in (start..n).rev() {
-        let next = if t + 1 < n { values[t + 1] } else { 0.0 };
-        let delta = rewards[t] + gamma * next - values[t];
-        last = delta + gamma * lam * last;
-        adv[t - start] = last;
-    }
-    let returns = adv.iter().zip(&values[start..]).map(|(a, v)| a + v).collect();
-    (adv, returns)
-}
-
 /// The clipped policy loss: `ratio = exp((logp - old) * mask)`,
 /// `sum(max(-A ratio, -A clip(ratio, lo, hi)) * mask) / sum(mask)` with
 /// `(lo, hi)` = [`PpoConfig::ratio_bounds`]. All (B, N).
@@ -196,12 +176,12 @@ pub enum Algorithm {
     #[default]
     Ppo,
     /// DeepSeekMath's GRPO: no critic; each answer's score normalised within its prompt's group
-    /// ([`group_normalized_advantages`]) on every token; the KL to the reference a loss term
+    /// ([`crate::advantages::group_normalized_advantages`]) on every token; the KL to the reference a loss term
     /// (k3, [`k3_kl_loss`]) instead of a reward penalty.
     Grpo,
     /// Ahmadian et al.'s RLOO: no critic; each answer's sequence reward (score minus the KL
     /// penalty summed over its tokens) less the mean of the other answers to its prompt
-    /// ([`leave_one_out_advantages`]) on every token.
+    /// ([`crate::advantages::leave_one_out_advantages`]) on every token.
     Rloo,
 }
 
@@ -233,76 +213,6 @@ pub enum RewardScaling {
     Batch,
     /// None (Liu et al.'s Dr. GRPO): advantages in the reward model's units.
     None,
-}
-
-/// The sample standard deviation (torch's default, unbiased) of at least two values.
-fn sample_std(values: &[f64]) -> f64 {
-    let n = values.len() as f64;
-    let mean = values.iter().sum::<f64>() / n;
-    (values.iter().map(|r| (r - mean).powi(2)).sum::<f64>() / (n - 1.0)).sqrt()
-}
-
-/// The standard deviation of every kept score of a rollout: [`RewardScaling::Batch`]'s scale
-/// (0 for fewer than two).
-pub fn batch_std(rewards: &[Option<f64>]) -> f64 {
-    let kept: Vec<f64> = rewards.iter().flatten().copied().collect();
-    if kept.len() < 2 {
-        0.0
-    } else {
-        sample_std(&kept)
-    }
-}
-
-/// GRPO's advantage of each answer of one prompt's group: `(r - mean) / (scale + 1e-4)` over
-/// the answers kept (`None`: dropped), the scale the group's sample standard deviation
-/// ([`RewardScaling::Group`], TRL's GRPOTrainer), `batch_std` ([`RewardScaling::Batch`]), or
-/// none (`r - mean`, [`RewardScaling::None`]). A group of one kept answer, or of equal scores,
-/// gives 0: nothing to compare it with.
-pub fn group_advantages(rewards: &[Option<f64>], scaling: RewardScaling, batch_std: f64) -> Vec<Option<f64>> {
-    let kept: Vec<f64> = rewards.iter().flatten().copied().collect();
-    if kept.len() < 2 {
-        return rewards.iter().map(|r| r.map(|_| 0.0)).collect();
-    }
-    let mean = kept.iter().sum::<f64>() / kept.len() as f64;
-    let scale = match scaling {
-        RewardScaling::Group => sample_std(&kept) + 1e-4,
-        RewardScaling::Batch => batch_std + 1e-4,
-        RewardScaling::None => 1.0,
-    };
-    rewards.iter().map(|r| r.map(|r| (r - mean) / scale)).collect()
-}
-
-/// Of the groups of `k` consecutive answers with at least two kept, the share whose kept answers
-/// all scored the same (0 when there is no such group): a group baseline gives them all a zero
-/// advantage.
-pub fn share_of_groups_without_spread(rewards: &[Option<f64>], k: usize) -> f64 {
-    let (mut groups, mut flat) = (0usize, 0usize);
-    for group in rewards.chunks(k.max(1)) {
-        let kept: Vec<f64> = group.iter().flatten().copied().collect();
-        if kept.len() >= 2 {
-            groups += 1;
-            flat += usize::from(kept.iter().all(|&r| r == kept[0]));
-        }
-    }
-    if groups == 0 {
-        0.0
-    } else {
-        flat as f64 / groups as f64
-    }
-}
-
-/// [`group_advantages`] scaled by the group's standard deviation (DeepSeekMath's GRPO).
-pub fn group_normalized_advantages(rewards: &[Option<f64>]) -> Vec<Option<f64>> {
-    group_advantages(rewards, RewardScaling::Group, 0.0)
-}
-
-/// RLOO's advantage of each answer of one prompt's group: `r_i - mean_{j != i} r_j` over the
-/// answers kept (`None`: dropped), which is `k / (k - 1) * (r_i - mean)`. A lone kept answer
-/// has no baseline and gets 0.
-pub fn leave_one_out_advantages(rewards: &[Option<f64>]) -> Vec<Option<f64>> {
-    let kept: Vec<f64> = rewards.iter().flatten().copied().collect();
-    let (k, sum) = (kept.len() as f64, kept.iter().sum::<f64>());
-    rewards.iter().map(|r| r.map(|r| if kept.len() < 2 { 0.0 } else { r - (sum - r) / (k - 1.0) })).collect()
 }
 
 /// RLOO's reward of a whole answer: its clipped score minus `kl_ctl` times the KL to the
@@ -433,22 +343,6 @@ mod tests {
     }
 
     #[test]
-    fn gae_matches_hand_computed_two_steps() {
-        let cfg = PpoConfig { gamma: 0.9, lam: 0.5, ..PpoConfig::default() };
-        // start = 1; actions 1 and 2.
-        let rewards = [9.0, 1.0, 2.0];
-        let values = [9.0, 0.5, 1.5];
-        let (adv, ret) = gae_advantages(&rewards, &values, 1, &cfg);
-        // t = 2: delta = 2 + 0.9 * 0 - 1.5 = 0.5; A2 = 0.5.
-        // t = 1: delta = 1 + 0.9 * 1.5 - 0.5 = 1.85; A1 = 1.85 + 0.9 * 0.5 * 0.5 = 2.075.
-        close(&adv, &[2.075, 0.5]);
-        close(&ret, &[2.575, 2.0]);
-        // DS-Chat's defaults (gamma 1, lam 0.95) on the same row.
-        let (adv, _) = gae_advantages(&rewards, &values, 1, &PpoConfig::default());
-        close(&adv, &[(1.0 + 1.5 - 0.5) + 0.95 * 0.5, 0.5]);
-    }
-
-    #[test]
     fn actor_loss_clips_the_ratio_in_the_pessimistic_direction() -> candle_core::Result<()> {
         let dev = Device::Cpu;
         let cfg = PpoConfig::default();
@@ -562,55 +456,6 @@ mod tests {
         // Small steps keep their precision (exp_m1; `exp(d) - 1 - d` loses 4 digits at 1e-6):
         // d^2 / 2 + d^3 / 6.
         assert!((approx_kl(1e-6) / (5e-13 + 1e-18 / 6.0) - 1.0).abs() < 1e-8);
-    }
-
-    /// A group of 4 answers, one dropped: mean 2, sample std sqrt(((1-2)^2 + 0 + 1) / 2) = 1.
-    #[test]
-    fn group_normalized_advantages_hand_computed() {
-        let adv = group_normalized_advantages(&[Some(1.0), None, Some(2.0), Some(3.0)]);
-        let want = [Some(-1.0 / 1.0001), None, Some(0.0), Some(1.0 / 1.0001)];
-        for (a, w) in adv.iter().zip(want) {
-            assert_eq!(a.is_some(), w.is_some());
-            assert!((a.unwrap_or(0.0) - w.unwrap_or(0.0)).abs() < 1e-12, "{adv:?}");
-        }
-        // Equal scores and lone answers teach nothing.
-        assert_eq!(group_normalized_advantages(&[Some(4.0), Some(4.0)]), [Some(0.0), Some(0.0)]);
-        assert_eq!(group_normalized_advantages(&[Some(4.0), None]), [Some(0.0), None]);
-    }
-
-    /// Scores 1, 2, 6 (mean 3): Dr. GRPO leaves -2, -1, 3; batch scaling divides by the given
-    /// rollout's std; the rollout [1, 2, 6, 4, 4] has mean 3.4 and sample variance
-    /// (5.76 + 1.96 + 6.76 + 0.36 + 0.36) / 4 = 3.8.
-    #[test]
-    fn group_advantages_unscaled_and_batch_scaled_hand_computed() {
-        let group = [Some(1.0), Some(2.0), None, Some(6.0)];
-        assert_eq!(group_advantages(&group, RewardScaling::None, 0.0), [Some(-2.0), Some(-1.0), None, Some(3.0)]);
-        let std = batch_std(&[Some(1.0), Some(2.0), Some(6.0), None, Some(4.0), Some(4.0)]);
-        assert!((std - 3.8f64.sqrt()).abs() < 1e-12, "{std}");
-        let adv = group_advantages(&group, RewardScaling::Batch, std);
-        for (a, w) in adv.iter().zip([Some(-2.0), Some(-1.0), None, Some(3.0)]) {
-            assert_eq!(a.is_some(), w.is_some());
-            assert!((a.unwrap_or(0.0) - w.unwrap_or(0.0) / (3.8f64.sqrt() + 1e-4)).abs() < 1e-12, "{adv:?}");
-        }
-        // Lone answers still teach nothing, whatever the scale.
-        assert_eq!(group_advantages(&[Some(4.0), None], RewardScaling::None, 1.0), [Some(0.0), None]);
-        assert_eq!(batch_std(&[Some(4.0), None]), 0.0);
-    }
-
-    /// Groups of 2: [1, 1] flat, [1, 2] not, [3, None] too small to count, [5, 5] flat.
-    #[test]
-    fn share_of_groups_without_spread_counts_groups_of_two_kept_or_more() {
-        let rewards = [Some(1.0), Some(1.0), Some(1.0), Some(2.0), Some(3.0), None, Some(5.0), Some(5.0)];
-        assert!((share_of_groups_without_spread(&rewards, 2) - 2.0 / 3.0).abs() < 1e-12);
-        assert_eq!(share_of_groups_without_spread(&[Some(1.0), None], 2), 0.0);
-    }
-
-    /// Rewards 1, 2, 6: baselines (2 + 6) / 2 = 4, (1 + 6) / 2 = 3.5, (1 + 2) / 2 = 1.5.
-    #[test]
-    fn leave_one_out_advantages_hand_computed() {
-        let adv = leave_one_out_advantages(&[Some(1.0), Some(2.0), None, Some(6.0)]);
-        assert_eq!(adv, [Some(-3.0), Some(-1.5), None, Some(4.5)]);
-        assert_eq!(leave_one_out_advantages(&[None, Some(3.0)]), [None, Some(0.0)]);
     }
 
     /// Score 7 clipped to 5; KL over the two unmasked tokens (0.5 - 0.2) + (-1 + 1.5) = 0.8.

@@ -26,11 +26,10 @@
 //! from the vocabulary slices, and the gradients are averaged over the data-parallel group.
 //! Saves and checkpoints are consolidated (rank 0's TP group gathers them).
 
+use crate::advantages::compute_advantages;
 use crate::args::PpoArgs;
 use crate::eval::{evaluate_policy, PolicyEval};
-use crate::experience::{
-    generate_experience, group_rewards, rollout_share, set_group_advantages, Experience, RolloutModels,
-};
+use crate::experience::{generate_experience, rollout_share, Experience, RolloutModels};
 use crate::ppo;
 use crate::trainer::{answer_tokens, Ema, MicroBatch, PpoModels, PtxBatch, Trained, UpdateStats};
 use anyhow::{bail, Context, Result};
@@ -437,8 +436,8 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
             let (mut experience, totals) =
                 generate_share(&ctx, &models, &mut engine, &rollout, step, &cfg, &mut reward_moments)?;
             let mut groups_zero_std = None;
-            if let (Some(exp), false) = (&mut experience, cfg.algorithm.has_critic()) {
-                groups_zero_std = Some(critic_free_advantages(exp, &data, samples, &cfg)?);
+            if let Some(exp) = &mut experience {
+                groups_zero_std = compute_advantages(exp, &data, samples, &cfg)?;
             }
             summary.answers_dropped_short += totals.dropped_short as u64;
             let experience = match experience {
@@ -804,29 +803,6 @@ fn generate_with_group(
         tokens: all.tokens[offset..offset + mine].to_vec(),
         logprobs: all.logprobs[offset..offset + mine].to_vec(),
     })
-}
-
-/// GRPO's and RLOO's advantages of this rank's rows of a rollout whose prompts came
-/// `samples` times each: every rank's [`group_rewards`] put at their rollout positions and
-/// summed over the data-parallel group (a rank that kept no rows adds zeros), so that each
-/// rank sees the whole group of each of its rows. Returns the share of the rollout's groups (of
-/// two kept answers or more) whose answers all scored the same: they teach nothing (TRL's
-/// `frac_reward_zero_std`).
-fn critic_free_advantages(
-    exp: &mut Experience,
-    group: &ProcessGroup,
-    samples: usize,
-    cfg: &crate::PpoConfig,
-) -> Result<f64> {
-    // Per position: the reward, and 1 where a rank kept the row.
-    let mut by_position = vec![0f64; 2 * exp.rollout_size];
-    for (&position, reward) in exp.positions.iter().zip(group_rewards(exp, cfg)) {
-        (by_position[2 * position], by_position[2 * position + 1]) = (reward, 1.0);
-    }
-    group.all_reduce_scalars(&mut by_position, ReduceOp::Sum)?;
-    let rewards: Vec<Option<f64>> = by_position.chunks(2).map(|p| (p[1] > 0.0).then_some(p[0])).collect();
-    set_group_advantages(exp, &rewards, samples, cfg);
-    Ok(ppo::share_of_groups_without_spread(&rewards, samples))
 }
 
 /// What a training phase measured on this rank (its parts of the global means).
