@@ -56,7 +56,7 @@ use hybrid_engine::training::zero3::ShardedModel;
 use hybrid_engine::ParamStore;
 use serde::Serialize;
 use serde_json::json;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -358,13 +358,12 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
     if let Some(critic) = &mut models.critic {
         critic.release_masters();
     }
-    let mut engine =
-        GenerationMode::new(args.max_prompt_seq_len, args.max_answer_seq_len, args.release_inference_cache)
-            .with_dtype(dtype);
+    let engine = GenerationMode::new(args.max_prompt_seq_len, args.max_answer_seq_len, args.release_inference_cache)
+        .with_dtype(dtype);
 
     let total_rollouts = (args.num_train_epochs * rollouts_per_epoch) as u64;
     let done = resume.as_ref().map_or(0, |ck| ck.state.step);
-    let mut metrics = Metrics::for_rank(rank, &args.output_dir, total_rollouts, done)?.with_sinks(
+    let metrics = Metrics::for_rank(rank, &args.output_dir, total_rollouts, done)?.with_sinks(
         args.log.sinks(&args.output_dir)?,
         hybrid_engine::telemetry::tensorboard::DS_CHAT_STEP3_TAGS,
         done,
@@ -381,8 +380,6 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
         last_reward: None,
         output_dir: args.output_dir.clone(),
     };
-    let mut buffer: Vec<Experience> = Vec::new();
-    let mut last_experience: Option<Experience> = None;
     let (mut micro, mut step) = (0u64, 0u64);
     let ptx_range = 0..unsupervised.as_ref().map_or(0, PackedCorpus::num_blocks);
     let mut ptx_cursor = data::BlockSampler::new(ptx_range.clone(), args.seed);
@@ -409,7 +406,6 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
         eprintln!("{line}");
     }
     let save_root = args.save.clone().unwrap_or_else(|| args.output_dir.join("checkpoints"));
-    let (mut save_pending, mut last_saved_step) = (false, step);
     let batches_per_epoch = prompts.train.len().div_ceil(global_generation);
     let ctx = Ctx {
         args,
@@ -423,92 +419,43 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
         global_micro,
         inference_tp,
     };
-    for epoch in first_epoch..=args.num_train_epochs {
-        let order = data::pretrain::epoch_order(&(0..prompts.train.len()), args.seed, epoch as u64 - 1);
-        let skip = if epoch == first_epoch { skip_batches } else { 0 };
-        for (batch_index, chunk) in order.chunks(global_generation).enumerate().skip(skip) {
-            step += 1;
-            let rollout_started = Instant::now();
-            // Each prompt --num-samples-per-prompt times in a row: a group of consecutive positions.
-            let rollout: Vec<&[u32]> =
-                chunk.iter().flat_map(|&i| std::iter::repeat_n(prompts.train[i].ids.as_slice(), samples)).collect();
-            let cfg = crate::PpoConfig { kl_ctl, ..ctx.cfg.clone() };
-            let (mut experience, totals) =
-                generate_share(&ctx, &models, &mut engine, &rollout, step, &cfg, &mut reward_moments)?;
-            let mut groups_zero_std = None;
-            if let Some(exp) = &mut experience {
-                groups_zero_std = compute_advantages(exp, &data, samples, &cfg)?;
-            }
-            summary.answers_dropped_short += totals.dropped_short as u64;
-            let experience = match experience {
-                Some(e) => e,
-                None => match &last_experience {
-                    // DS-Chat's `last_generated_experience`: every answer was too short.
-                    Some(previous) => {
-                        summary.rollouts_reused += 1;
-                        metrics.println(&format!(" step {step}: all {} answers had at most one token; reusing the previous rollout", totals.generated));
-                        previous.clone()
-                    }
-                    None => bail!("the actor's first rollout gave only empty or one-token answers: check the step-1 model and --max-answer-seq-len"),
-                },
-            };
-            let generation_secs = rollout_started.elapsed().as_secs_f64();
-            let rollout_stats = RolloutStats { groups_zero_std, ..RolloutStats::of(&experience, &data)? };
-            let rollout_kl_ctl = kl_ctl;
-            if let Some(target) = args.kl_target {
-                let (kl, rows) = (rollout_stats.kl_ref_sequence, rollout_stats.rows);
-                if kl.is_finite() {
-                    kl_ctl = ppo::adaptive_kl_coefficient(kl_ctl, kl, target, rows, args.kl_horizon);
-                }
-            }
-            if args.print_answers_interval > 0 && (step - 1) % args.print_answers_interval == 0 {
-                print_answers(&metrics, &experience, &tokenizer, eos, 2)?;
-            }
-            last_experience = Some(experience.clone());
-            buffer.push(experience);
-            summary.first_reward.get_or_insert(rollout_stats.reward_mean);
-            summary.last_reward = Some(rollout_stats.reward_mean).filter(|r| r.is_finite());
-
-            // Training: once `generation_batches` rollouts are collected.
-            let train_started = Instant::now();
-            let mut updates = Updates::default();
-            if buffer.len() == args.generation_batches {
-                let ptx = unsupervised.as_ref().map(|corpus| (corpus, &mut ptx_cursor));
-                updates = ppo_epochs(&ctx, &mut models, &buffer, step, &mut micro, ptx, &cfg)?;
-                buffer.clear();
-            }
-            let means = updates.global_means(&data)?;
-            let train_secs = train_started.elapsed().as_secs_f64();
-            summary.steps = step;
-            let safe_point = buffer.is_empty()
-                && models.actor.trainer.at_boundary()
-                && models.critic.as_ref().is_none_or(|c| c.trainer.at_boundary());
-            // A checkpoint needs a safe point (no rollout buffered, no gradient pending); an
-            // interval that falls elsewhere is moved to the next safe point, and the log says so.
-            let at_interval = args.save_interval > 0 && step % args.save_interval == 0;
-            if at_interval && !safe_point && !save_pending {
-                metrics.println(&format!(
-                    " rollout {step}: the --save-interval checkpoint moves to the next safe point (rollouts are buffered for --generation-batches or gradients are accumulating)"
-                ));
-            }
-            save_pending |= at_interval;
-            if save_pending && safe_point {
-                let at = Position { step, micro, epoch, batches_done: batch_index + 1, kl_ctl, reward_moments };
-                let state = checkpoint_state(args, world, at, &models, &ptx_cursor, &summary);
-                let gathered = GatheredWeights::of(&models, tp.as_ref())?;
-                if let Some(dir) =
-                    save_checkpoint(&group, &save_root, &models, &gathered, &state, &tokenizer, tp.as_ref())?
-                {
-                    metrics.println(&format!(" saved a step-3 checkpoint at rollout {step} to {}", dir.display()));
-                }
-                (save_pending, last_saved_step) = (false, step);
-            }
-            let times = PhaseSecs { generate: totals.generate_secs, rollout: generation_secs, train: train_secs };
-            let rollout =
-                RolloutReport { stats: &rollout_stats, kl_ctl: rollout_kl_ctl, adaptive: args.kl_target.is_some() };
-            log_step(&mut metrics, epoch, step, total_rollouts, &rollout, &means, times, &models)?;
-        }
-    }
+    let mut ppo_loop = PpoLoop {
+        ctx,
+        whole: &group,
+        tokenizer: &tokenizer,
+        prompts: &prompts.train,
+        unsupervised: unsupervised.as_ref(),
+        models,
+        engine,
+        metrics,
+        summary,
+        buffer: Vec::new(),
+        last_experience: None,
+        micro,
+        step,
+        ptx_cursor,
+        kl_ctl,
+        reward_moments,
+        save_root,
+        save_pending: false,
+        last_saved_step: step,
+        total_rollouts,
+    };
+    ppo_loop.run_epochs(first_epoch, skip_batches, global_generation)?;
+    let PpoLoop {
+        mut models,
+        engine,
+        mut metrics,
+        mut summary,
+        micro,
+        step,
+        ptx_cursor,
+        kl_ctl,
+        reward_moments,
+        save_root,
+        last_saved_step,
+        ..
+    } = ppo_loop;
     models.flush()?;
     metrics.finish();
 
@@ -636,6 +583,189 @@ struct Ctx<'a> {
     global_micro: usize,
     /// `--inference-tp-size`: the ranks this one generates rollouts with.
     inference_tp: Option<Arc<ProcessGroup>>,
+}
+
+/// The rollout loop, DS-Chat's `ppo_trainer.py` stages in order for each batch of prompts:
+/// generate the experience, compute its advantages, train the actor and critic on it, save a
+/// checkpoint when one is due, log. It owns what a PPO step carries to the next (and what a
+/// checkpoint records).
+struct PpoLoop<'a> {
+    ctx: Ctx<'a>,
+    /// Every rank of the job (checkpoints are written by its first).
+    whole: &'a ProcessGroup,
+    tokenizer: &'a Tokenizer,
+    prompts: &'a [data::phases::PromptSample],
+    unsupervised: Option<&'a PackedCorpus>,
+    models: PpoModels,
+    engine: GenerationMode,
+    metrics: Metrics,
+    summary: PpoSummary,
+    /// Rollouts waiting for training (`--generation-batches`).
+    buffer: Vec<Experience>,
+    /// DS-Chat's `last_generated_experience`: what a rollout of only too-short answers reuses.
+    last_experience: Option<Experience>,
+    micro: u64,
+    step: u64,
+    ptx_cursor: data::BlockSampler,
+    /// The KL coefficient of the next rollout's rewards: --kl-ctl, adapted with --kl-target.
+    kl_ctl: f64,
+    /// --normalize-reward: the running moments of the scores.
+    reward_moments: Option<ppo::RunningMoments>,
+    save_root: PathBuf,
+    /// A --save-interval checkpoint waiting for a safe point.
+    save_pending: bool,
+    last_saved_step: u64,
+    total_rollouts: u64,
+}
+
+impl PpoLoop<'_> {
+    /// The epochs from `first_epoch` on, skipping its first `skip_batches` batches of prompts
+    /// (a resumed run), `global_generation` prompts a batch.
+    fn run_epochs(&mut self, first_epoch: usize, skip_batches: usize, global_generation: usize) -> Result<()> {
+        let args = self.ctx.args;
+        for epoch in first_epoch..=args.num_train_epochs {
+            let order = data::pretrain::epoch_order(&(0..self.prompts.len()), args.seed, epoch as u64 - 1);
+            let skip = if epoch == first_epoch { skip_batches } else { 0 };
+            for (batch_index, chunk) in order.chunks(global_generation).enumerate().skip(skip) {
+                self.ppo_step(epoch, batch_index, chunk)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// One PPO step on the batch of prompts `chunk` (indices into the training prompts).
+    fn ppo_step(&mut self, epoch: usize, batch_index: usize, chunk: &[usize]) -> Result<()> {
+        self.step += 1;
+        let rollout_started = Instant::now();
+        let cfg = crate::PpoConfig { kl_ctl: self.kl_ctl, ..self.ctx.cfg.clone() };
+        let (experience, groups_zero_std, generate_secs) = self.make_experience(chunk, &cfg)?;
+        let rollout_secs = rollout_started.elapsed().as_secs_f64();
+        let stats = RolloutStats { groups_zero_std, ..RolloutStats::of(&experience, self.ctx.group)? };
+        let rollout_kl_ctl = self.adapt_kl_coefficient(&stats);
+        let args = self.ctx.args;
+        if args.print_answers_interval > 0 && (self.step - 1).is_multiple_of(args.print_answers_interval) {
+            print_answers(&self.metrics, &experience, self.tokenizer, self.ctx.eos, 2)?;
+        }
+        self.summary.first_reward.get_or_insert(stats.reward_mean);
+        self.summary.last_reward = Some(stats.reward_mean).filter(|r| r.is_finite());
+
+        let train_started = Instant::now();
+        let means = self.train_rlhf(experience, &cfg)?;
+        let train_secs = train_started.elapsed().as_secs_f64();
+        self.summary.steps = self.step;
+        self.checkpoint_if_due(epoch, batch_index)?;
+        let times = PhaseSecs { generate: generate_secs, rollout: rollout_secs, train: train_secs };
+        let rollout = RolloutReport { stats: &stats, kl_ctl: rollout_kl_ctl, adaptive: args.kl_target.is_some() };
+        let step = self.step;
+        log_step(&mut self.metrics, epoch, step, self.total_rollouts, &rollout, &means, times, &self.models)
+    }
+
+    /// The stages before training: this rank's share of the rollout generated and scored
+    /// (`generate_experience`), its advantages (`compute_advantages`), or the previous rollout
+    /// again when no rank kept an answer; with GRPO's and RLOO's share of groups whose answers
+    /// all scored the same, and this rank's seconds of generation.
+    fn make_experience(&mut self, chunk: &[usize], cfg: &crate::PpoConfig) -> Result<(Experience, Option<f64>, f64)> {
+        let samples = self.ctx.args.num_samples_per_prompt;
+        // Each prompt --num-samples-per-prompt times in a row: a group of consecutive positions.
+        let rollout: Vec<&[u32]> =
+            chunk.iter().flat_map(|&i| std::iter::repeat_n(self.prompts[i].ids.as_slice(), samples)).collect();
+        let (mut experience, totals) = generate_share(
+            &self.ctx,
+            &self.models,
+            &mut self.engine,
+            &rollout,
+            self.step,
+            cfg,
+            &mut self.reward_moments,
+        )?;
+        let mut groups_zero_std = None;
+        if let Some(exp) = &mut experience {
+            groups_zero_std = compute_advantages(exp, self.ctx.group, samples, cfg)?;
+        }
+        self.summary.answers_dropped_short += totals.dropped_short as u64;
+        let experience = match experience {
+            Some(e) => e,
+            None => match &self.last_experience {
+                // DS-Chat's `last_generated_experience`: every answer was too short.
+                Some(previous) => {
+                    self.summary.rollouts_reused += 1;
+                    self.metrics.println(&format!(
+                        " step {}: all {} answers had at most one token; reusing the previous rollout",
+                        self.step, totals.generated
+                    ));
+                    previous.clone()
+                }
+                None => bail!("the actor's first rollout gave only empty or one-token answers: check the step-1 model and --max-answer-seq-len"),
+            },
+        };
+        self.last_experience = Some(experience.clone());
+        Ok((experience, groups_zero_std, totals.generate_secs))
+    }
+
+    /// --kl-target: the next rollout's KL coefficient from this one's KL. Returns the
+    /// coefficient this rollout's rewards used.
+    fn adapt_kl_coefficient(&mut self, stats: &RolloutStats) -> f64 {
+        let used = self.kl_ctl;
+        let args = self.ctx.args;
+        if let Some(target) = args.kl_target {
+            let (kl, rows) = (stats.kl_ref_sequence, stats.rows);
+            if kl.is_finite() {
+                self.kl_ctl = ppo::adaptive_kl_coefficient(self.kl_ctl, kl, target, rows, args.kl_horizon);
+            }
+        }
+        used
+    }
+
+    /// DS-Chat's `train_rlhf`: once `--generation-batches` rollouts are buffered, the PPO epochs
+    /// over them (actor, critic, PTX); the phase's means over every rank (NaN while collecting).
+    fn train_rlhf(&mut self, experience: Experience, cfg: &crate::PpoConfig) -> Result<UpdateMeans> {
+        self.buffer.push(experience);
+        let mut updates = Updates::default();
+        if self.buffer.len() == self.ctx.args.generation_batches {
+            let ptx = self.unsupervised.map(|corpus| (corpus, &mut self.ptx_cursor));
+            updates = ppo_epochs(&self.ctx, &mut self.models, &self.buffer, self.step, &mut self.micro, ptx, cfg)?;
+            self.buffer.clear();
+        }
+        updates.global_means(self.ctx.group)
+    }
+
+    /// A --save-interval checkpoint, at a safe point (no rollout buffered, no gradient pending);
+    /// an interval that falls elsewhere is moved to the next safe point, and the log says so.
+    fn checkpoint_if_due(&mut self, epoch: usize, batch_index: usize) -> Result<()> {
+        let (args, step) = (self.ctx.args, self.step);
+        let models = &self.models;
+        let safe_point = self.buffer.is_empty()
+            && models.actor.trainer.at_boundary()
+            && models.critic.as_ref().is_none_or(|c| c.trainer.at_boundary());
+        let at_interval = args.save_interval > 0 && step % args.save_interval == 0;
+        if at_interval && !safe_point && !self.save_pending {
+            self.metrics.println(&format!(
+                " rollout {step}: the --save-interval checkpoint moves to the next safe point (rollouts are buffered for --generation-batches or gradients are accumulating)"
+            ));
+        }
+        self.save_pending |= at_interval;
+        if !(self.save_pending && safe_point) {
+            return Ok(());
+        }
+        let at = Position {
+            step,
+            micro: self.micro,
+            epoch,
+            batches_done: batch_index + 1,
+            kl_ctl: self.kl_ctl,
+            reward_moments: self.reward_moments,
+        };
+        let world = self.ctx.group.world();
+        let state = checkpoint_state(args, world, at, models, &self.ptx_cursor, &self.summary);
+        let gathered = GatheredWeights::of(models, self.ctx.tp)?;
+        if let Some(dir) =
+            save_checkpoint(self.whole, &self.save_root, models, &gathered, &state, self.tokenizer, self.ctx.tp)?
+        {
+            self.metrics.println(&format!(" saved a step-3 checkpoint at rollout {step} to {}", dir.display()));
+        }
+        (self.save_pending, self.last_saved_step) = (false, step);
+        Ok(())
+    }
 }
 
 /// Rows of a rollout over all ranks.
