@@ -442,128 +442,7 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
         total_rollouts,
     };
     ppo_loop.run_epochs(first_epoch, skip_batches, global_generation)?;
-    let PpoLoop {
-        mut models,
-        engine,
-        mut metrics,
-        mut summary,
-        micro,
-        step,
-        ptx_cursor,
-        kl_ctl,
-        reward_moments,
-        save_root,
-        last_saved_step,
-        ..
-    } = ppo_loop;
-    models.flush()?;
-    metrics.finish();
-
-    // The models first: the held-out evaluation below can take long, and a run stopped during
-    // it must not lose what it trained. Every rank holds the same weights (under ZeRO-3 every
-    // rank takes part in gathering them): rank 0 saves them.
-    let gathered = GatheredWeights::of(&models, tp.as_ref())?;
-    if group.is_first() {
-        let weights = gathered.weights(&models);
-        let actor_dir = args.output_dir.join("actor");
-        let write_tok = |d: &Path| tokenizer.save(&d.join("tokenizer.json"));
-        save_model_dir(&actor_dir, &causal_lm_config(&actor_cfg), weights.actor, &write_tok)?;
-        if let (Some(critic), Some(weights)) = (&models.critic, weights.critic) {
-            let config = sequence_classification_config(&critic.config, eos);
-            save_model_dir(&args.output_dir.join("critic"), &config, weights, &write_tok)?;
-        }
-        if let Some(ema) = weights.ema {
-            save_model_dir(&args.output_dir.join("actor_ema"), &causal_lm_config(&actor_cfg), ema, &write_tok)?;
-        }
-        println!("saved the PPO actor to {} (chat --path {})", actor_dir.display(), actor_dir.display());
-    }
-    // The end of the run is resumable: a checkpoint of the final state (its models are the ones
-    // just saved), unless the last interval already wrote it or --no-final-checkpoint.
-    if step != last_saved_step && !args.no_final_checkpoint {
-        let at = Position {
-            step,
-            micro,
-            epoch: args.num_train_epochs,
-            batches_done: batches_per_epoch,
-            kl_ctl,
-            reward_moments,
-        };
-        let state = checkpoint_state(args, world, at, &models, &ptx_cursor, &summary);
-        // The weights gathered for the save above: no second gather.
-        if let Some(dir) = save_checkpoint(&group, &save_root, &models, &gathered, &state, &tokenizer, tp.as_ref())? {
-            let size = directory_bytes(&dir) as f64 / (1u64 << 30) as f64;
-            println!(
-                "saved the final step-3 checkpoint (rollout {step}, {size:.2} GiB) to {} (--no-final-checkpoint skips it)",
-                dir.display()
-            );
-        }
-    }
-    // The other ranks end once rank 0 has saved; it evaluates alone, with no collective (on the
-    // whole actor gathered for the save under ZeRO-3).
-    group.barrier()?;
-    if !group.is_first() {
-        return Ok(summary);
-    }
-    let final_actor = gathered.actor.as_ref().unwrap_or(&models.actor.params);
-
-    hybrid_engine::durable::failpoint("ppo-before-eval");
-    if let Some(prompts) = &eval_prompts {
-        // Under tensor parallelism the frozen models are slices: rank 0 reads them whole again.
-        let whole_frozen = match &tp {
-            None => None,
-            Some(_) => {
-                let (_, reference, _) =
-                    read_model(&args.actor_model_name_or_path, "--actor-model-name-or-path", Some(0.0), &device)?;
-                let (_, reward) = read_reward_model(
-                    &args.critic_model_name_or_path,
-                    "--critic-model-name-or-path",
-                    Some(0.0),
-                    &device,
-                )?;
-                Some((
-                    lm_on(&reference.compute_copy(dtype)?, &actor_cfg, precision.fp32_loss, None)?,
-                    reward_model_on(&reward.compute_copy(dtype)?, &reward_cfg, precision.fp32_loss, None)?,
-                ))
-            }
-        };
-        let (reference, reward) = match &whole_frozen {
-            Some((reference, reward)) => (reference, reward),
-            None => (&models.reference, &models.reward),
-        };
-        let evaluate = |actor: &hybrid_engine::Gpt2| {
-            evaluate_policy(
-                actor,
-                reference,
-                Some(reward),
-                &tokenizer,
-                prompts,
-                args.max_prompt_seq_len,
-                args.max_answer_seq_len,
-                args.per_device_generation_batch_size,
-                &device,
-            )
-        };
-        let (before, after) = (evaluate(reference)?, evaluate(&engine.model(final_actor, &actor_cfg)?)?);
-        let task = |e: &PolicyEval| e.task_success.map_or("n/a".to_string(), |t| format!("{t:.3}"));
-        let name = args.algorithm.name().to_uppercase();
-        println!(
-            "held-out prompts ({}): reward score SFT {:.3} -> {name} {:.3}; task score SFT {} -> {name} {}; answer length {:.1} -> {:.1} tokens; KL to SFT {:.3} nats",
-            prompts.len(),
-            before.reward_mean.unwrap_or(f64::NAN),
-            after.reward_mean.unwrap_or(f64::NAN),
-            task(&before),
-            task(&after),
-            before.answer_len_mean,
-            after.answer_len_mean,
-            after.kl_to_reference,
-        );
-        metrics.record(json!({"event": "eval", "sft": before, "ppo": after}))?;
-        (summary.sft_eval, summary.ppo_eval) = (Some(before), Some(after));
-    }
-
-    let peak = peak_rss_mib();
-    metrics.end(json!({"event": "end", "summary": summary, "peak_rss_mib": peak}))?;
-    Ok(summary)
+    ppo_loop.finish(batches_per_epoch, eval_prompts.as_deref(), &reward_cfg)
 }
 
 /// What the stages of the loop read: the flags, the ranks, the device.
@@ -764,6 +643,155 @@ impl PpoLoop<'_> {
             self.metrics.println(&format!(" saved a step-3 checkpoint at rollout {step} to {}", dir.display()));
         }
         (self.save_pending, self.last_saved_step) = (false, step);
+        Ok(())
+    }
+}
+
+impl PpoLoop<'_> {
+    /// The end of the run: the trained models saved, the final checkpoint, then on rank 0 the
+    /// held-out evaluation of `eval_prompts` (with the reward model of `reward_cfg`).
+    fn finish(
+        mut self,
+        batches_per_epoch: usize,
+        eval_prompts: Option<&[String]>,
+        reward_cfg: &Gpt2Config,
+    ) -> Result<PpoSummary> {
+        self.models.flush()?;
+        self.metrics.finish();
+        // The models first: the held-out evaluation below can take long, and a run stopped
+        // during it must not lose what it trained.
+        let gathered = self.save_models()?;
+        self.final_checkpoint(&gathered, batches_per_epoch)?;
+        // The other ranks end once rank 0 has saved; it evaluates alone, with no collective (on
+        // the whole actor gathered for the save under ZeRO-3).
+        self.whole.barrier()?;
+        if !self.whole.is_first() {
+            return Ok(self.summary);
+        }
+        hybrid_engine::durable::failpoint("ppo-before-eval");
+        if let Some(prompts) = eval_prompts {
+            self.evaluate_held_out(&gathered, prompts, reward_cfg)?;
+        }
+        let peak = peak_rss_mib();
+        self.metrics.end(json!({"event": "end", "summary": self.summary, "peak_rss_mib": peak}))?;
+        Ok(self.summary)
+    }
+
+    /// The actor, critic and EMA as HF directories. Every rank holds the same weights (under
+    /// ZeRO-3 every rank takes part in gathering them): rank 0 saves them.
+    fn save_models(&self) -> Result<GatheredWeights> {
+        let (args, models, cfg) = (self.ctx.args, &self.models, &self.ctx.actor_cfg);
+        let gathered = GatheredWeights::of(models, self.ctx.tp)?;
+        if self.whole.is_first() {
+            let weights = gathered.weights(models);
+            let actor_dir = args.output_dir.join("actor");
+            let write_tok = |d: &Path| self.tokenizer.save(&d.join("tokenizer.json"));
+            save_model_dir(&actor_dir, &causal_lm_config(cfg), weights.actor, &write_tok)?;
+            if let (Some(critic), Some(weights)) = (&models.critic, weights.critic) {
+                let config = sequence_classification_config(&critic.config, self.ctx.eos);
+                save_model_dir(&args.output_dir.join("critic"), &config, weights, &write_tok)?;
+            }
+            if let Some(ema) = weights.ema {
+                save_model_dir(&args.output_dir.join("actor_ema"), &causal_lm_config(cfg), ema, &write_tok)?;
+            }
+            println!("saved the PPO actor to {} (chat --path {})", actor_dir.display(), actor_dir.display());
+        }
+        Ok(gathered)
+    }
+
+    /// The end of the run is resumable: a checkpoint of the final state (its models the ones
+    /// just saved, `gathered`), unless the last interval already wrote it or
+    /// --no-final-checkpoint.
+    fn final_checkpoint(&self, gathered: &GatheredWeights, batches_per_epoch: usize) -> Result<()> {
+        let (args, step) = (self.ctx.args, self.step);
+        if step == self.last_saved_step || args.no_final_checkpoint {
+            return Ok(());
+        }
+        let at = Position {
+            step,
+            micro: self.micro,
+            epoch: args.num_train_epochs,
+            batches_done: batches_per_epoch,
+            kl_ctl: self.kl_ctl,
+            reward_moments: self.reward_moments,
+        };
+        let world = self.ctx.group.world();
+        let state = checkpoint_state(args, world, at, &self.models, &self.ptx_cursor, &self.summary);
+        let written =
+            save_checkpoint(self.whole, &self.save_root, &self.models, gathered, &state, self.tokenizer, self.ctx.tp)?;
+        if let Some(dir) = written {
+            let size = directory_bytes(&dir) as f64 / (1u64 << 30) as f64;
+            println!(
+                "saved the final step-3 checkpoint (rollout {step}, {size:.2} GiB) to {} (--no-final-checkpoint skips it)",
+                dir.display()
+            );
+        }
+        Ok(())
+    }
+
+    /// Rank 0: the starting (SFT) actor against the trained one on the held-out `prompts`, by
+    /// the reward model's score, the task score and the KL to the reference.
+    fn evaluate_held_out(
+        &mut self,
+        gathered: &GatheredWeights,
+        prompts: &[String],
+        reward_cfg: &Gpt2Config,
+    ) -> Result<()> {
+        let (args, device, actor_cfg) = (self.ctx.args, &self.ctx.device, &self.ctx.actor_cfg);
+        let precision = args.precision.precision();
+        let dtype = precision.dtype.dtype();
+        // Under tensor parallelism the frozen models are slices: rank 0 reads them whole again.
+        let whole_frozen = match self.ctx.tp {
+            None => None,
+            Some(_) => {
+                let (_, reference, _) =
+                    read_model(&args.actor_model_name_or_path, "--actor-model-name-or-path", Some(0.0), device)?;
+                let (_, reward) = read_reward_model(
+                    &args.critic_model_name_or_path,
+                    "--critic-model-name-or-path",
+                    Some(0.0),
+                    device,
+                )?;
+                Some((
+                    lm_on(&reference.compute_copy(dtype)?, actor_cfg, precision.fp32_loss, None)?,
+                    reward_model_on(&reward.compute_copy(dtype)?, reward_cfg, precision.fp32_loss, None)?,
+                ))
+            }
+        };
+        let (reference, reward) = match &whole_frozen {
+            Some((reference, reward)) => (reference, reward),
+            None => (&self.models.reference, &self.models.reward),
+        };
+        let evaluate = |actor: &hybrid_engine::Gpt2| {
+            evaluate_policy(
+                actor,
+                reference,
+                Some(reward),
+                self.tokenizer,
+                prompts,
+                args.max_prompt_seq_len,
+                args.max_answer_seq_len,
+                args.per_device_generation_batch_size,
+                device,
+            )
+        };
+        let final_actor = gathered.actor.as_ref().unwrap_or(&self.models.actor.params);
+        let (before, after) = (evaluate(reference)?, evaluate(&self.engine.model(final_actor, actor_cfg)?)?);
+        let task = |e: &PolicyEval| e.task_success.map_or("n/a".to_string(), |t| format!("{t:.3}"));
+        let name = args.algorithm.name().to_uppercase();
+        println!(
+            "held-out prompts ({}): reward score SFT {:.3} -> {name} {:.3}; task score SFT {} -> {name} {}; answer length {:.1} -> {:.1} tokens; KL to SFT {:.3} nats",
+            prompts.len(),
+            before.reward_mean.unwrap_or(f64::NAN),
+            after.reward_mean.unwrap_or(f64::NAN),
+            task(&before),
+            task(&after),
+            before.answer_len_mean,
+            after.answer_len_mean,
+            after.kl_to_reference,
+        );
+        self.metrics.record(json!({"event": "eval", "sft": before, "ppo": after}))?;
+        (self.summary.sft_eval, self.summary.ppo_eval) = (Some(before), Some(after));
         Ok(())
     }
 }
