@@ -137,7 +137,7 @@ pub struct TrainArgs {
     pub device: String,
     /// Compute dtype of every step: fp32, fp16 or bf16 (see the steps' --dtype). The steps get it
     /// as RLHF_DTYPE, the default of their --dtype.
-    #[arg(long, value_enum, default_value_t = Dtype::Fp32, env = hybrid_engine::training::precision::DTYPE_ENV)]
+    #[arg(long, value_enum, default_value_t = Dtype::Fp32, env = hybrid_engine::cli::precision_args::DTYPE_ENV)]
     pub dtype: Dtype,
 }
 
@@ -736,7 +736,7 @@ fn run_recipe(script: &str, plan: &StepPlan, bin_dir: &Path, setting: StepSettin
         .args(plan.critic.iter().flat_map(|(dir, zero)| [dir.display().to_string(), zero.to_string()]))
         .env("PATH", path)
         .env(hybrid_engine::device::DEVICE_ENV, device)
-        .env(hybrid_engine::training::precision::DTYPE_ENV, dtype.name())
+        .env(hybrid_engine::cli::precision_args::DTYPE_ENV, dtype.name())
         .env(hybrid_engine::cli::dist_args::TP_SIZE_ENV, tp.to_string())
         .env(hybrid_engine::cli::dist_args::INFERENCE_TP_SIZE_ENV, inference_tp.to_string())
         .env(ALGORITHM_ENV, algorithm.name())

@@ -155,4 +155,5 @@ mod tests {
 }
 pub mod dist_args;
 pub mod log_args;
+pub mod precision_args;
 pub mod step_args;

@@ -5,10 +5,10 @@
 //! Each step flattens these into its own flags and supplies its own learning-rate default
 //! (DS-Chat: 1e-3 in step 1, 5e-5 in step 2).
 
+use crate::cli::precision_args::PrecisionArgs;
 use crate::model::gpt2::Gpt2Config;
 use crate::model::params::ParamStore;
 use crate::training::optim::AdamWConfig;
-use crate::training::precision::PrecisionArgs;
 use crate::training::schedule::{DecayStyle, LrSchedule};
 use crate::training::tensor_parallel::TensorParallel;
 use crate::training::train_step::TrainedModel;

@@ -8,7 +8,8 @@ use clap::Parser;
 use data::args::DataArgs;
 use hybrid_engine::cli;
 use hybrid_engine::cli::dist_args::DistArgs;
-use hybrid_engine::training::precision::{Dtype, PrecisionArgs};
+use hybrid_engine::cli::precision_args::PrecisionArgs;
+use hybrid_engine::training::precision::Dtype;
 use hybrid_engine::training::schedule::DecayStyle;
 use std::path::PathBuf;
 

@@ -139,7 +139,7 @@ pub struct PretrainArgs {
     pub device: String,
     /// --dtype, --compute-fp32-loss, --loss-scale-window, --initial-scale-power.
     #[command(flatten)]
-    pub precision: hybrid_engine::training::precision::PrecisionArgs,
+    pub precision: hybrid_engine::cli::precision_args::PrecisionArgs,
     /// ZeRO stage across data-parallel ranks: 0 (gradients all-reduced), 1 (+ optimizer state
     /// sharded), 2 (+ gradients sharded), 3 (+ weights sharded, each block gathered when it runs,
     /// with activation recomputation). Each rank trains on its own --micro-batch-size blocks:
