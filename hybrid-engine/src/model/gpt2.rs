@@ -12,7 +12,7 @@
 
 use crate::comm::ProcessGroup;
 use crate::kernels::ops::{self, DropoutKey};
-use crate::tensor_parallel::mappings::{copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region};
+use crate::tensor_parallel::layers::{column_parallel_linear, row_parallel_linear};
 use anyhow::bail;
 use candle_core::{DType, Device, Result, Tensor, D};
 use candle_nn::VarBuilder;
@@ -254,34 +254,21 @@ impl Conv1D {
         ops::gemm_rows(x, &self.weight)
     }
 
-    /// Under tensor parallelism a column-parallel linear (`c_attn`, `c_fc`), entered through
-    /// `f`: the input is whole on every rank, its gradient the sum of the ranks' parts. A LoRA
-    /// adapter's `A` is whole and its `B` holds this rank's output rows: the rank-r bottleneck
-    /// `x A^T`, the same on every rank, enters `B` through `f` too, so that `A` and the input get
-    /// the whole gradient through it once.
+    /// `c_attn`, `c_fc`: under tensor parallelism Megatron's `ColumnParallelLinear`
+    /// ([`column_parallel_linear`]).
     fn forward_column_parallel(&self, x: &Tensor, tp: Option<&Arc<ProcessGroup>>) -> Result<Tensor> {
-        let Some(tp) = tp else { return self.forward(x) };
-        let y = ops::linear(&copy_to_tensor_parallel_region(x, tp)?, &self.weight, &self.bias)?;
-        let Some(lora) = &self.lora else { return Ok(y) };
-        let (b, t, c) = x.dims3()?;
-        let bottleneck = x.reshape((b * t, c))?.matmul(&lora.a.t()?)?; // (B T, r)
-        let delta = (copy_to_tensor_parallel_region(&bottleneck, tp)?.matmul(&lora.b.t()?)? * lora.scaling)?;
-        y + delta.reshape((b, t, ()))?
+        match tp {
+            None => self.forward(x),
+            Some(tp) => column_parallel_linear(x, &self.weight, &self.bias, self.lora.as_ref(), tp),
+        }
     }
 
-    /// `c_proj`. Under tensor parallelism Megatron's `RowParallelLinear`: this rank's rows of the
-    /// weight on its slice of the input (B, T, in / T), summed over `tp` (`g`), then the bias,
-    /// whole, added once. A LoRA adapter's `A` holds this rank's input columns: its partial
-    /// bottlenecks are summed over `tp` too, and `B`, whole, maps the sum once.
+    /// `c_proj`: under tensor parallelism Megatron's `RowParallelLinear` ([`row_parallel_linear`]).
     fn forward_rows(&self, x: &Tensor, tp: Option<&Arc<ProcessGroup>>) -> Result<Tensor> {
-        let Some(tp) = tp else { return self.forward(x) };
-        let (b, t, d_in) = x.dims3()?;
-        let x = x.reshape((b * t, d_in))?;
-        let partial = x.matmul(&self.weight)?.reshape((b, t, ()))?;
-        let y = reduce_from_tensor_parallel_region(&partial, tp)?.broadcast_add(&self.bias)?;
-        let Some(lora) = &self.lora else { return Ok(y) };
-        let bottleneck = reduce_from_tensor_parallel_region(&x.matmul(&lora.a.t()?)?, tp)?; // (B T, r)
-        y + (bottleneck.matmul(&lora.b.t()?)? * lora.scaling)?.reshape((b, t, ()))?
+        match tp {
+            None => self.forward(x),
+            Some(tp) => row_parallel_linear(x, &self.weight, &self.bias, self.lora.as_ref(), tp),
+        }
     }
 }
 

@@ -1,9 +1,10 @@
 //! Tensor parallelism in Megatron's layout (`megatron/core/tensor_parallel`, `parallel_state`):
 //! the 2-D layout of the ranks into tensor- and data-parallel groups ([`layout`]), the
-//! conjugate communication operators that the parallel layers put around their matmuls
-//! ([`mappings`]), which slice of each parameter a rank holds ([`shard`]), and the vocabulary
+//! conjugate communication operators ([`mappings`]) and the parallel linears that put them
+//! around their matmuls ([`layers`]), which slice of each parameter a rank holds ([`shard`]), and the vocabulary
 //! split over the ranks: embedding and cross-entropy without the full logits ([`vocab`]).
 
+pub mod layers;
 pub mod layout;
 pub mod mappings;
 pub mod shard;
