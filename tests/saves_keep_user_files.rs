@@ -81,51 +81,31 @@ fn every_step_saving_into_a_directory_of_user_files_keeps_them() {
     let cache = cache.to_str().unwrap();
     let d = |name: &str| root.join(name);
 
-    // Step 1, twice into the same directory.
-    let step1 = d("step1");
-    put_user_files(&step1);
-    let sft = [
-        "--data-path",
-        data,
-        "--data-output-path",
-        cache,
-        "--model-name-or-path",
-        "tiny",
-        "--max-seq-len",
-        "32",
-        "--per-device-train-batch-size",
-        "16",
-        "--num-train-epochs",
-        "1",
-    ];
-    for _ in 0..2 {
-        run_like_ds_chat(root, "sft", &step1, &sft);
-    }
-    assert_user_files_survived(&step1, 2);
-    assert!(step1.join("model.safetensors").is_file());
-
-    // Step 2, from step 1's model.
-    let step2 = d("step2");
-    put_user_files(&step2);
+    // Steps 1 and 2, each twice into the same directory; step 2 from step 1's model.
+    let (step1, step2) = (d("step1"), d("step2"));
     let s1 = step1.to_str().unwrap();
-    let reward = [
-        "--data-path",
-        data,
-        "--data-output-path",
-        cache,
-        "--model-name-or-path",
-        s1,
-        "--max-seq-len",
-        "32",
-        "--per-device-train-batch-size",
-        "16",
-        "--num-train-epochs",
-        "1",
-    ];
-    for _ in 0..2 {
-        run_like_ds_chat(root, "reward", &step2, &reward);
+    for (step, dir, model) in [("sft", &step1, "tiny"), ("reward", &step2, s1)] {
+        put_user_files(dir);
+        let args = [
+            "--data-path",
+            data,
+            "--data-output-path",
+            cache,
+            "--model-name-or-path",
+            model,
+            "--max-seq-len",
+            "32",
+            "--per-device-train-batch-size",
+            "16",
+            "--num-train-epochs",
+            "1",
+        ];
+        for _ in 0..2 {
+            run_like_ds_chat(root, step, dir, &args);
+        }
+        assert_user_files_survived(dir, 2);
     }
-    assert_user_files_survived(&step2, 2);
+    assert!(step1.join("model.safetensors").is_file());
     assert!(step2.join("reward_eval.json").is_file());
 
     // Step 3: the logs in $OUTPUT, the models in $OUTPUT/actor and $OUTPUT/critic, where the
