@@ -47,10 +47,13 @@ pub struct TrainArgs {
     /// DS-Chat's OPT-350m).
     #[arg(long, alias = "reward_model")]
     pub reward_model: Option<String>,
-    #[arg(long, default_value_t = 0, alias = "actor_zero_stage")]
-    pub actor_zero_stage: u8,
-    #[arg(long, default_value_t = 0, alias = "reward_zero_stage")]
-    pub reward_zero_stage: u8,
+    /// ZeRO stage of steps 1 and 3's actor: 0 to 3, or '' (also when not given) for the recipe's
+    /// own default (DS-Chat's: 0 on single_gpu, 2 on single_node and multi_node).
+    #[arg(long, default_value = "", hide_default_value = true, alias = "actor_zero_stage")]
+    pub actor_zero_stage: RecipeZeroStage,
+    /// ZeRO stage of step 2's reward model and step 3's critic, as --actor-zero-stage.
+    #[arg(long, default_value = "", hide_default_value = true, alias = "reward_zero_stage")]
+    pub reward_zero_stage: RecipeZeroStage,
     /// Megatron's tensor parallelism in every step: each layer split over this many
     /// consecutive ranks of a node, the rest data parallel (single_node or multi_node; it must
     /// divide the ranks per node and the attention heads). The steps get it as
@@ -217,15 +220,38 @@ const RECIPES: &[(&str, &str, &str)] = &[
 
 const DEPLOYMENTS: [&str; 3] = ["single_gpu", "single_node", "multi_node"];
 
+/// `--actor-zero-stage`/`--reward-zero-stage` as DS-Chat's `e2e_rlhf.py` takes them: a stage,
+/// or '' for the recipe's default. The recipe gets the stage, or '' (its `${2:-default}`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RecipeZeroStage(pub Option<u8>);
+
+impl std::str::FromStr for RecipeZeroStage {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.trim() {
+            "" => Ok(Self(None)),
+            "0" | "1" | "2" | "3" => Ok(Self(s.trim().parse().ok())),
+            other => Err(format!("{other:?} is no ZeRO stage: use 0, 1, 2 or 3, or '' for the recipe's default")),
+        }
+    }
+}
+
+impl RecipeZeroStage {
+    /// What the recipe script gets: the stage, or '' for its own default.
+    fn recipe_arg(self) -> String {
+        self.0.map_or(String::new(), |s| s.to_string())
+    }
+}
+
 /// One step of a run, resolved.
 struct StepPlan {
     number: u32,
     recipe_dir: &'static str,
     model: String,
-    zero_stage: u8,
+    zero_stage: RecipeZeroStage,
     output: PathBuf,
     /// Step 3: the critic's starting model (the step-2 reward model) and ZeRO stage.
-    critic: Option<(PathBuf, u8)>,
+    critic: Option<(PathBuf, RecipeZeroStage)>,
 }
 
 pub fn run(args: &TrainArgs) -> Result<()> {
@@ -255,7 +281,10 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         bail!("--algorithm dpo trains no reward model (its step 2 starts from the step-1 actor): drop --reward-model");
     }
     // The reward model's ZeRO stage is also the critic's, which GRPO and RLOO do not have.
-    if args.algorithm != PipelineAlgorithm::Ppo && args.reward_zero_stage != 0 && (dpo || !steps.contains(&2)) {
+    if args.algorithm != PipelineAlgorithm::Ppo
+        && args.reward_zero_stage.0.is_some_and(|s| s != 0)
+        && (dpo || !steps.contains(&2))
+    {
         bail!(
             "--reward-zero-stage shards the reward model and PPO's critic, and --algorithm {} trains neither here: drop it",
             args.algorithm.name()
@@ -326,6 +355,11 @@ pub fn run(args: &TrainArgs) -> Result<()> {
                 "{flag} names the model step {step} starts from, and step {step} is not run (step 3 continues from {}): drop {flag} or add --step {step}",
                 args.output_dir.join(if step == 1 { "actor" } else { "reward" }).display()
             );
+        }
+    }
+    for (flag, given) in [("--actor-model", &args.actor_model), ("--reward-model", &args.reward_model)] {
+        if let Some(advice) = given.as_deref().and_then(opt_size_advice) {
+            bail!("{flag} {}: {advice}", given.as_deref().unwrap_or_default());
         }
     }
     let actor = args.actor_model.clone().unwrap_or(default_actor);
@@ -576,6 +610,21 @@ fn check_no_outer_job(world: usize, job: &str) -> Result<()> {
     Ok(())
 }
 
+/// For a model size of DS-Chat's `e2e_rlhf.py` (OPT's 350m to 66b, LLaMA-2's 7b), the GPT-2
+/// sizes to use instead; `None` for any other name.
+fn opt_size_advice(name: &str) -> Option<String> {
+    let analogue = match name.to_ascii_lowercase().as_str() {
+        "125m" => "gpt2 (124M)",
+        "350m" => "gpt2-medium (355M; e2e_rlhf.py's reward model)",
+        "1.3b" => "gpt2-xl (1.5B; e2e_rlhf.py's actor)",
+        "2.7b" | "6.7b" | "7b" | "13b" | "30b" | "66b" | "70b" => "gpt2-xl (1.5B, the largest GPT-2)",
+        _ => return None,
+    };
+    Some(format!(
+        "that is an OPT/LLaMA size of DS-Chat's e2e_rlhf.py, and the models here are GPT-2: use {analogue}, or gpt2, gpt2-medium, gpt2-large, gpt2-xl, a HF directory or a hub id"
+    ))
+}
+
 /// Where a step's starting model comes from, for the log.
 fn describe_model(name: &str) -> Result<String> {
     Ok(match model_source(name)? {
@@ -730,10 +779,10 @@ fn run_recipe(script: &str, plan: &StepPlan, bin_dir: &Path, setting: StepSettin
         .arg(script)
         .arg(format!("{}/{}", plan.recipe_dir, plan.number))
         .arg(&plan.output)
-        .arg(plan.zero_stage.to_string())
+        .arg(plan.zero_stage.recipe_arg())
         .arg(&plan.model)
         .arg(model_size(&plan.model))
-        .args(plan.critic.iter().flat_map(|(dir, zero)| [dir.display().to_string(), zero.to_string()]))
+        .args(plan.critic.iter().flat_map(|(dir, zero)| [dir.display().to_string(), zero.recipe_arg()]))
         .env("PATH", path)
         .env(hybrid_engine::device::DEVICE_ENV, device)
         .env(hybrid_engine::cli::precision_args::DTYPE_ENV, dtype.name())

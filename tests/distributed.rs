@@ -770,7 +770,8 @@ fn train_single_node_runs_step_1_as_ranks_with_a_log_each() {
 
 /// The whole pipeline under `train --deployment-type single_node`: steps 1, 2 and 3 each as 2
 /// ranks (fast recipes in the layout of scripts/recipes), every step's ranks logging and rank 0
-/// saving its model.
+/// saving its model. `--actor-zero-stage ''` (e2e_rlhf.py's "the script's default") reaches
+/// the recipes as '', and their own default, 2, applies.
 #[test]
 fn train_single_node_runs_all_three_steps_as_ranks() {
     let dir = tempfile::tempdir().unwrap();
@@ -781,7 +782,7 @@ fn train_single_node_runs_all_three_steps_as_ranks() {
     };
     write(
         "step1_sft",
-        "exec sft --model-name-or-path=\"$3\" --zero-stage=\"$2\" --output-dir=\"$1\" --data-path demo \
+        "exec sft --model-name-or-path=\"$3\" --zero-stage=\"${2:-2}\" --output-dir=\"$1\" --data-path demo \
          --data-split 2,6,2 --max-seq-len 48 --per-device-train-batch-size 8 --num-train-epochs 1 --dropout 0 \
          --data-output-path \"$1.cache\"\n",
     );
@@ -793,7 +794,7 @@ fn train_single_node_runs_all_three_steps_as_ranks() {
     );
     write(
         "step3_ppo",
-        "exec ppo --actor-model-name-or-path=\"$3\" --critic-model-name-or-path=\"$5\" --actor-zero-stage=\"$2\" \
+        "exec ppo --actor-model-name-or-path=\"$3\" --critic-model-name-or-path=\"$5\" --actor-zero-stage=\"${2:-2}\" \
          --critic-zero-stage=\"$6\" --output-dir=\"$1\" --data-path demo --data-split 90,5,5 --max-prompt-seq-len 24 \
          --max-answer-seq-len 6 --num-train-epochs 1 --per-device-generation-batch-size 4 \
          --per-device-training-batch-size 4 --do-sample --data-output-path \"$1.cache\"\n",
@@ -801,7 +802,7 @@ fn train_single_node_runs_all_three_steps_as_ranks() {
     let out = dir.path().join("out");
     let run = Command::new(env!("CARGO_BIN_EXE_train"))
         .args(["--step", "1", "2", "3", "--deployment-type", "single_node", "--num-gpus", "2"])
-        .args(["--actor-zero-stage", "2", "--reward-zero-stage", "1", "--actor-model", "tiny", "--device", "cpu"])
+        .args(["--actor-zero-stage", "", "--reward-zero-stage", "1", "--actor-model", "tiny", "--device", "cpu"])
         .args(["--inference-tp-size", "2"])
         .arg("--reward-model")
         .arg("tiny")

@@ -80,7 +80,7 @@ exit $status
         std::fs::write(
             recipes.join("multi_node.sh"),
             format!(
-                "exec sft --model-name-or-path=\"$3\" --zero-stage=\"$2\" --output-dir=\"$1\" --data-path '{}' \
+                "exec sft --model-name-or-path=\"$3\" --zero-stage=\"${{2:-0}}\" --output-dir=\"$1\" --data-path '{}' \
                  --data-split 10,0,0 --max-seq-len 32 --per-device-train-batch-size 4 --num-train-epochs 1 --dropout 0 \
                  --dist-timeout 60 --data-output-path \"$1.cache\"\n",
                 data.display()

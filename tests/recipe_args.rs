@@ -28,6 +28,30 @@ fn recipe_argv_with(recipe: &str, step_binary: &str, args: &[&str], env: &[(&str
     String::from_utf8(out.stdout).unwrap().lines().map(str::to_string).collect()
 }
 
+/// `train` passes '' for a ZeRO stage the user did not give (e2e_rlhf.py's convention): each
+/// recipe then applies its own default, DS-Chat's (0 on one GPU, 2 on several; the reward
+/// model 0), and a given stage is passed through.
+#[test]
+fn an_empty_zero_stage_is_the_recipes_default() {
+    let stage = |argv: &[String], flag: &str| argv.iter().find_map(|a| a.strip_prefix(flag).map(str::to_string));
+    for (recipe, step, want) in [
+        ("step1_sft/single_gpu.sh", "sft", "0"),
+        ("step1_sft/single_node.sh", "sft", "2"),
+        ("step1_sft/multi_node.sh", "sft", "2"),
+        ("step2_reward/single_node.sh", "reward", "0"),
+    ] {
+        let argv = recipe_argv(recipe, step, &["out", "", "m", "tiny"]);
+        assert_eq!(stage(&argv, "--zero-stage=").as_deref(), Some(want), "{recipe}: {argv:?}");
+        let argv = recipe_argv(recipe, step, &["out", "3", "m", "tiny"]);
+        assert_eq!(stage(&argv, "--zero-stage=").as_deref(), Some("3"), "{recipe}: {argv:?}");
+    }
+    for (recipe, want) in [("step3_ppo/single_gpu.sh", "0"), ("step3_ppo/single_node.sh", "2")] {
+        let argv = recipe_argv(recipe, "ppo", &["out", "", "a", "tiny", "c", ""]);
+        assert_eq!(stage(&argv, "--actor-zero-stage=").as_deref(), Some(want), "{recipe}: {argv:?}");
+        assert_eq!(stage(&argv, "--critic-zero-stage=").as_deref(), Some(want), "{recipe}: {argv:?}");
+    }
+}
+
 #[test]
 fn paths_that_look_like_flags_reach_the_steps_intact() {
     let output = "-o ut/it's a \"dir\" $HOME";

@@ -227,6 +227,10 @@ fn unsupported_requests_are_one_clear_error_line() {
     check(&["--step", "1", "--num-gpus", "2"], &["--num-gpus 2", "single_node"]);
     check(&["--step", "1", "--deployment-type", "cluster"], &["cluster", "single_gpu"]);
     check(&["--step", "4"], &["--step 4"]);
+    // e2e_rlhf.py's OPT sizes name the GPT-2 size to use; a stage that does not exist is refused.
+    check(&["--actor-model", "1.3b"], &["--actor-model 1.3b", "OPT", "gpt2-xl"]);
+    check(&["--step", "1", "2", "--reward-model", "350m"], &["--reward-model 350m", "gpt2-medium"]);
+    check(&["--actor-zero-stage", "5"], &["--actor-zero-stage", "0, 1, 2 or 3", "recipe's default"]);
     check(&["--step", "3"], &["step 3 needs the step-1 model", "train --step 1"]);
     check(&["--step", "2", "3"], &["step 3 needs the step-1 model", "train --step 1"]);
     let actor = format!("{out}/actor");
