@@ -250,3 +250,35 @@ fn fp16_only_flags_are_refused_in_another_dtype() {
     let scaling = args.precision.loss_scaling();
     assert_eq!((scaling.window, scaling.initial_scale_power), (3, 20), "and take effect");
 }
+
+/// A DS-Chat script's unknown flags are named all at once, each with the nearest known spelling;
+/// DS-Chat's `--deepspeed`, `--enable_hybrid_engine` and a `--local_rank` that agrees with the
+/// environment are accepted (the run then stops at the next problem: here a missing model).
+#[test]
+fn unknown_flags_are_named_together_and_ds_chats_engine_flags_are_accepted() {
+    let dir = tempfile::tempdir().unwrap();
+    let stderr = usage_error(
+        dir.path(),
+        "sft",
+        &["--deepspeed", "--print_loss", "--zero_stage", "2", "--lr_schedular_type", "cosine", "--print_loss"],
+    );
+    assert!(
+        stderr.contains("unknown flags --print_loss, --lr_schedular_type (did you mean --lr-scheduler-type?)"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("--deepspeed") && !stderr.contains("--zero_stage"), "{stderr}");
+    let missing = dir.path().join("no-such-model");
+    let missing = missing.to_str().unwrap();
+    for (step, flags) in [
+        ("sft", vec!["--deepspeed", "--local_rank=0", "--model-name-or-path", missing]),
+        (
+            "ppo",
+            vec!["--deepspeed", "--enable_hybrid_engine", "--local_rank", "0", "--actor-model-name-or-path", missing],
+        ),
+    ] {
+        let stderr = usage_error(dir.path(), step, &flags);
+        assert!(stderr.contains("no-such-model"), "{step} {flags:?}: {stderr}");
+    }
+    let stderr = usage_error(dir.path(), "sft", &["--local_rank", "1", "--model-name-or-path", missing]);
+    assert!(stderr.contains("--local_rank 1 disagrees with the environment"), "{stderr}");
+}

@@ -37,6 +37,31 @@ pub struct DistArgs {
     /// are per data-parallel rank. With ZeRO stages 0-2; pretraining and all three steps.
     #[arg(long, default_value_t = 1, env = TP_SIZE_ENV, aliases = ["tensor_model_parallel_size", "tp-size", "tp_size"], value_parser = clap::value_parser!(u64).range(1..))]
     pub tensor_model_parallel_size: u64,
+    /// DS-Chat's `--deepspeed` (deepspeed.add_config_arguments): accepted for its scripts; the
+    /// engine it turns on is always on here.
+    #[arg(long)]
+    pub deepspeed: bool,
+    /// The rank on this node, as DeepSpeed's and torch.distributed.launch's launchers pass it: it
+    /// must agree with the environment's LOCAL_RANK (the ranks are read from the environment).
+    #[arg(long, alias = "local_rank")]
+    pub local_rank: Option<usize>,
+}
+
+/// The arguments less `--local_rank N` / `--local-rank=N`, the one flag in which the ranks of
+/// DeepSpeed's and torch.distributed.launch's launchers differ.
+fn without_local_rank(args: impl Iterator<Item = String>) -> Vec<String> {
+    let mut kept = Vec::new();
+    let mut skip_value = false;
+    for arg in args {
+        if std::mem::take(&mut skip_value) {
+            continue;
+        }
+        match arg.split_once('=').map_or(arg.as_str(), |(flag, _)| flag) {
+            "--local_rank" | "--local-rank" => skip_value = !arg.contains('='),
+            _ => kept.push(arg),
+        }
+    }
+    kept
 }
 
 impl DistArgs {
@@ -44,7 +69,17 @@ impl DistArgs {
     /// command line must match rank 0's: the store compares their hashes.
     pub fn join(&self) -> Result<Arc<ProcessGroup>> {
         let env = RankEnv::from_process()?;
-        let flags: Vec<String> = std::env::args().skip(1).collect();
+        if let Some(local) = self.local_rank.filter(|&l| l != env.local_rank) {
+            let from = match env.source {
+                "none" => "no launcher's variables in the environment: one process, local rank 0".to_string(),
+                source => format!("{source}'s LOCAL_RANK is {}", env.local_rank),
+            };
+            bail!(
+                "--local_rank {local} disagrees with the environment ({from}): start the ranks with a launcher that sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT, or drop --local_rank"
+            );
+        }
+        // The ranks' command lines must match, but for the one flag a launcher gives each its own.
+        let flags = without_local_rank(std::env::args().skip(1));
         let group = ProcessGroup::init(env, Duration::from_secs(self.dist_timeout), &flags.join("\0"))?;
         Ok(Arc::new(group))
     }
@@ -93,5 +128,23 @@ impl DistArgs {
             println!("{prefix}data parallel: {} ranks, ZeRO stage {stage}: {what}", group.world());
         }
         Ok(dp)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_ranks_command_lines_compare_without_the_launchers_local_rank() {
+        let args = |s: &str| s.split(' ').map(str::to_string).collect::<Vec<_>>().into_iter();
+        let want = ["--zero-stage", "2", "--output-dir", "out"];
+        for line in [
+            "--local_rank=3 --zero-stage 2 --output-dir out",
+            "--zero-stage 2 --local-rank 1 --output-dir out",
+            "--zero-stage 2 --output-dir out --local_rank 0",
+        ] {
+            assert_eq!(without_local_rank(args(line)), want, "{line}");
+        }
     }
 }

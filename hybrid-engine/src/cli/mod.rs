@@ -14,17 +14,81 @@ pub fn parse_or_exit<T: Parser>() -> T {
 
 /// [`parse_or_exit`] of `args` (the first is the program's name, as in the process arguments).
 pub fn parse_from_or_exit<T: Parser, I: Into<std::ffi::OsString> + Clone>(args: impl IntoIterator<Item = I>) -> T {
-    match T::try_parse_from(args) {
+    let args: Vec<std::ffi::OsString> = args.into_iter().map(Into::into).collect();
+    match T::try_parse_from(&args) {
         Ok(args) => args,
         Err(e) => {
-            use clap::error::ErrorKind::{DisplayHelp, DisplayHelpOnMissingArgumentOrSubcommand, DisplayVersion};
+            use clap::error::ErrorKind::{
+                DisplayHelp, DisplayHelpOnMissingArgumentOrSubcommand, DisplayVersion, UnknownArgument,
+            };
             if matches!(e.kind(), DisplayHelp | DisplayVersion | DisplayHelpOnMissingArgumentOrSubcommand) {
                 e.exit();
             }
-            eprintln!("{} (see --help)", one_line(&e.to_string()));
+            let unknown = if e.kind() == UnknownArgument { unknown_flags(&T::command(), &args) } else { None };
+            match unknown {
+                Some(line) => eprintln!("error: {line} (see --help)"),
+                None => eprintln!("{} (see --help)", one_line(&e.to_string())),
+            }
             std::process::exit(2);
         }
     }
+}
+
+/// Every `--flag` of `args` (after the program's name) that `cmd` does not know, in one line,
+/// each with the nearest known spelling when one is close: a script brought from DS-Chat learns
+/// all its unknown flags in one run. `None` when there is none to list (clap's own message then
+/// stands).
+fn unknown_flags(cmd: &clap::Command, args: &[std::ffi::OsString]) -> Option<String> {
+    let mut known: Vec<String> = vec!["help".into(), "version".into()];
+    for arg in cmd.get_arguments() {
+        known.extend(arg.get_long().map(str::to_string));
+        known.extend(arg.get_all_aliases().unwrap_or_default().into_iter().map(str::to_string));
+    }
+    let mut unknown = Vec::new();
+    for arg in args.iter().skip(1).filter_map(|a| a.to_str()) {
+        if arg == "--" {
+            break;
+        }
+        let Some(name) = arg.strip_prefix("--").map(|a| a.split_once('=').map_or(a, |(n, _)| n)) else { continue };
+        if name.is_empty() || known.iter().any(|k| k == name) || unknown.iter().any(|(u, _)| u == name) {
+            continue;
+        }
+        let normal = |s: &str| s.replace('_', "-").to_ascii_lowercase();
+        let nearest = known
+            .iter()
+            .map(|k| (edit_distance(&normal(name), &normal(k)), k))
+            .filter(|(d, k)| *d <= (k.len() / 4).max(2))
+            .min();
+        unknown.push((name.to_string(), nearest.map(|(_, k)| k.clone())));
+    }
+    if unknown.is_empty() {
+        return None;
+    }
+    let list: Vec<String> = unknown
+        .iter()
+        .map(|(name, near)| match near {
+            Some(k) => format!("--{name} (did you mean --{k}?)"),
+            None => format!("--{name}"),
+        })
+        .collect();
+    let s = if list.len() == 1 { "" } else { "s" };
+    Some(format!("unknown flag{s} {}", list.join(", ")))
+}
+
+/// Levenshtein's distance between two words.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut diagonal = row[0];
+        row[0] = i + 1;
+        for (j, &cb) in b.iter().enumerate() {
+            let substituted = diagonal + usize::from(ca != cb);
+            diagonal = row[j + 1];
+            row[j + 1] = substituted.min(row[j] + 1).min(row[j + 1] + 1);
+        }
+    }
+    row[b.len()]
 }
 
 /// clap's error as one line: its first line, and when that ends in a colon, the list clap puts

@@ -104,6 +104,11 @@ pub struct PpoArgs {
     /// --unsupervised-dataset-name.
     #[arg(long, default_value_t = 27.8, alias = "unsup_coef", value_parser = cli::non_negative(), requires = "unsupervised_dataset_name")]
     pub unsup_coef: f64,
+    /// DS-Chat's `--enable_hybrid_engine`: accepted for its scripts; rollouts are always
+    /// generated in the hybrid engine's inference mode (compute-dtype weights, a KV cache kept
+    /// across rollouts, the actor gathered once under ZeRO-3).
+    #[arg(long, alias = "enable_hybrid_engine")]
+    pub enable_hybrid_engine: bool,
     /// Sample rollouts (temperature, top-k, top-p) instead of DS-Chat's greedy decoding; the
     /// three sampling flags need it.
     #[arg(long, alias = "do_sample")]
