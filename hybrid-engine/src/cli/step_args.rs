@@ -9,7 +9,7 @@ use crate::cli::precision_args::PrecisionArgs;
 use crate::model::gpt2::Gpt2Config;
 use crate::model::params::ParamStore;
 use crate::training::optim::AdamWConfig;
-use crate::training::schedule::{DecayStyle, LrSchedule};
+use crate::training::schedule::{HfScheduler, LrSchedule};
 use crate::training::tensor_parallel::TensorParallel;
 use crate::training::train_step::TrainedModel;
 use crate::training::trainer::Trainer;
@@ -53,9 +53,10 @@ pub struct StepArgs {
     pub num_train_epochs: usize,
     #[arg(long, default_value_t = 1, alias = "gradient_accumulation_steps")]
     pub gradient_accumulation_steps: usize,
-    /// constant, linear or cosine (after the warmup; decays to 0 as HF's schedulers do).
+    /// HF's scheduler types: linear, cosine, cosine_with_restarts, polynomial, constant (no
+    /// warmup) or constant_with_warmup; the decays end at 0 (polynomial at 1e-7), as HF's do.
     #[arg(long, default_value = "cosine", alias = "lr_scheduler_type")]
-    pub lr_scheduler_type: DecayStyle,
+    pub lr_scheduler_type: HfScheduler,
     #[arg(long, default_value_t = 0, alias = "num_warmup_steps")]
     pub num_warmup_steps: u64,
     #[arg(long, default_value_t = 1234)]
@@ -149,15 +150,9 @@ impl StepArgs {
         AdamWConfig::ds_chat(self.adam_eps, self.weight_decay)
     }
 
-    /// Warmup then decay to 0 over `total_steps` optimizer steps (HF `get_scheduler`).
+    /// Warmup then decay over `total_steps` optimizer steps (HF `get_scheduler`).
     pub fn schedule(&self, lr: f64, total_steps: u64) -> LrSchedule {
-        LrSchedule {
-            max_lr: lr,
-            min_lr: 0.0,
-            warmup_iters: self.num_warmup_steps,
-            decay_iters: total_steps,
-            style: self.lr_scheduler_type,
-        }
+        self.lr_scheduler_type.schedule(lr, self.num_warmup_steps, total_steps)
     }
 
     /// The model a fine-tuning step trains over `params` (`trainable`: what the optimizer

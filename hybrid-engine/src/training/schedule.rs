@@ -24,6 +24,55 @@ impl std::str::FromStr for DecayStyle {
     }
 }
 
+/// Hugging Face's `get_scheduler` types, DS-Chat's `--lr_scheduler_type` choices, with HF's
+/// semantics: `constant` ignores the warmup; `cosine_with_restarts` has HF's default single cycle
+/// (the `cosine` curve); `polynomial` has HF's defaults, power 1 down to `lr_end` 1e-7.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HfScheduler {
+    Linear,
+    Cosine,
+    CosineWithRestarts,
+    Polynomial,
+    Constant,
+    ConstantWithWarmup,
+}
+
+/// HF's `get_polynomial_decay_schedule_with_warmup` default end learning rate.
+const POLYNOMIAL_LR_END: f64 = 1e-7;
+
+impl std::str::FromStr for HfScheduler {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Ok(match s {
+            "linear" => Self::Linear,
+            "cosine" => Self::Cosine,
+            "cosine_with_restarts" => Self::CosineWithRestarts,
+            "polynomial" => Self::Polynomial,
+            "constant" => Self::Constant,
+            "constant_with_warmup" => Self::ConstantWithWarmup,
+            _ => {
+                return Err(format!(
+                    "unknown scheduler {s:?}: use linear, cosine, cosine_with_restarts, polynomial, constant or constant_with_warmup"
+                ))
+            }
+        })
+    }
+}
+
+impl HfScheduler {
+    /// The schedule of `total` optimizer steps at peak `max_lr` after `warmup` steps.
+    pub fn schedule(self, max_lr: f64, warmup: u64, total: u64) -> LrSchedule {
+        let (style, min_lr, warmup_iters) = match self {
+            Self::Linear => (DecayStyle::Linear, 0.0, warmup),
+            Self::Cosine | Self::CosineWithRestarts => (DecayStyle::Cosine, 0.0, warmup),
+            Self::Polynomial => (DecayStyle::Linear, POLYNOMIAL_LR_END.min(max_lr), warmup),
+            Self::Constant => (DecayStyle::Constant, 0.0, 0),
+            Self::ConstantWithWarmup => (DecayStyle::Constant, 0.0, warmup),
+        };
+        LrSchedule { max_lr, min_lr, warmup_iters, decay_iters: total, style }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct LrSchedule {
     pub max_lr: f64,
@@ -65,6 +114,24 @@ mod tests {
 
     fn sched(style: DecayStyle) -> LrSchedule {
         LrSchedule { max_lr: 1.0, min_lr: 0.1, warmup_iters: 10, decay_iters: 110, style }
+    }
+
+    /// HF's six names: `constant` ignores the warmup, `constant_with_warmup` does not, the
+    /// restarts' single cycle is the cosine, polynomial ends at 1e-7 (hand-computed halfway:
+    /// (1 - 1e-7) / 2 + 1e-7).
+    #[test]
+    fn hf_schedulers_hand_computed() {
+        let s = |name: &str| name.parse::<HfScheduler>().unwrap().schedule(1.0, 10, 110);
+        assert_eq!(s("constant").lr(1), 1.0);
+        assert_eq!(s("constant_with_warmup").lr(1), 0.1);
+        assert_eq!(s("constant_with_warmup").lr(100), 1.0);
+        for it in [1, 10, 35, 60, 109, 110] {
+            assert_eq!(s("cosine_with_restarts").lr(it), s("cosine").lr(it));
+        }
+        assert!((s("polynomial").lr(60) - ((1.0 - 1e-7) / 2.0 + 1e-7)).abs() < 1e-15);
+        assert_eq!(s("polynomial").lr(110), 1e-7);
+        assert_eq!(s("linear").lr(110), 0.0);
+        assert!("cosine_restarts".parse::<HfScheduler>().unwrap_err().contains("cosine_with_restarts"));
     }
 
     #[test]

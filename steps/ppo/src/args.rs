@@ -10,7 +10,7 @@ use hybrid_engine::cli;
 use hybrid_engine::cli::dist_args::DistArgs;
 use hybrid_engine::cli::precision_args::PrecisionArgs;
 use hybrid_engine::training::precision::Dtype;
-use hybrid_engine::training::schedule::DecayStyle;
+use hybrid_engine::training::schedule::HfScheduler;
 use std::path::PathBuf;
 
 #[derive(Parser, Debug, Clone)]
@@ -57,8 +57,9 @@ pub struct PpoArgs {
     /// Passes over the prompts.
     #[arg(long, default_value_t = 1, alias = "num_train_epochs")]
     pub num_train_epochs: usize,
+    /// HF's scheduler types, as sft's --lr-scheduler-type.
     #[arg(long, default_value = "cosine", alias = "lr_scheduler_type")]
-    pub lr_scheduler_type: DecayStyle,
+    pub lr_scheduler_type: HfScheduler,
     #[arg(long, default_value_t = 1, alias = "gradient_accumulation_steps")]
     pub gradient_accumulation_steps: usize,
     #[arg(long, default_value_t = 100, alias = "num_warmup_steps")]

@@ -108,13 +108,7 @@ pub fn read_reward_model(
 }
 
 fn schedule(args: &PpoArgs, lr: f64, total: u64) -> LrSchedule {
-    LrSchedule {
-        max_lr: lr,
-        min_lr: 0.0,
-        warmup_iters: args.num_warmup_steps,
-        decay_iters: total,
-        style: args.lr_scheduler_type,
-    }
+    args.lr_scheduler_type.schedule(lr, args.num_warmup_steps, total)
 }
 
 /// Runs step 3.
