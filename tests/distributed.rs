@@ -689,7 +689,8 @@ fn train_single_node_runs_step_1_as_ranks_with_a_log_each() {
     std::fs::create_dir_all(&recipes).unwrap();
     std::fs::write(
         recipes.join("single_node.sh"),
-        "exec sft --model-name-or-path=\"$3\" --zero-stage=\"$2\" --output-dir=\"$1\" --data-path demo \
+        // `train` passes '' when it is given no stage (the TP run below): the recipe's default.
+        "exec sft --model-name-or-path=\"$3\" --zero-stage=\"${2:-0}\" --output-dir=\"$1\" --data-path demo \
          --data-split 2,6,2 --max-seq-len 48 --per-device-train-batch-size 4 --num-train-epochs 1 --dropout 0 \
          --data-output-path \"$1.cache\"\n",
     )
