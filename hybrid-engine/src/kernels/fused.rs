@@ -1440,14 +1440,9 @@ impl CustomOp1 for GreedyPick {
 /// numbers a row come to the host instead of the row's V logits.
 pub fn greedy_pick(logits: &Tensor, vocab_limit: usize) -> Result<(Vec<u32>, Vec<f32>)> {
     let (_, v) = logits.dims2()?;
-    if v == 0 || v >= 1 << 24 {
-        candle_core::bail!("greedy pick over a vocabulary of {v} ids: 1 to 2^24 (the ids travel as exact f32)");
-    }
-    // The CPU kernel reads f32; the GPU's reads the logits in their own dtype.
-    let logits = if logits.device().is_cpu() { logits.to_dtype(candle_core::DType::F32)? } else { logits.clone() };
+    let logits = crate::kernels::sample_pick::logits_for_pick(logits, "greedy pick")?;
     let op = GreedyPick { limit: vocab_limit.clamp(1, v) };
-    let picks = logits.contiguous()?.apply_op1_no_bwd(&op)?.to_vec2::<f32>()?;
-    Ok(picks.into_iter().map(|row| (row[0] as u32, row[1])).unzip())
+    crate::kernels::sample_pick::picks_to_host(&logits.apply_op1_no_bwd(&op)?)
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -119,9 +119,7 @@ impl CustomOp2 for SamplePick {
 /// On a GPU one launch, and two numbers a row come to the host.
 pub fn sample_pick(logits: &Tensor, draws: &[f64], params: &SamplingParams) -> Result<(Vec<u32>, Vec<f32>)> {
     let (b, v) = logits.dims2()?;
-    if v == 0 || v >= 1 << 24 {
-        candle_core::bail!("sampling over a vocabulary of {v} ids: 1 to 2^24 (the ids travel as exact f32)");
-    }
+    let logits = logits_for_pick(logits, "sampling")?;
     if draws.len() != b {
         candle_core::bail!("sampling {b} rows with {} draws", draws.len());
     }
@@ -131,12 +129,25 @@ pub fn sample_pick(logits: &Tensor, draws: &[f64], params: &SamplingParams) -> R
             params.temperature
         );
     }
-    // The CPU kernel reads f32; the GPU's reads the logits in their own dtype.
-    let logits = if logits.device().is_cpu() { logits.to_dtype(candle_core::DType::F32)? } else { logits.clone() };
     let draws = Tensor::from_slice(draws, b, logits.device())?;
     let op = SamplePick { params: SamplingParams { vocab_limit: params.vocab_limit.clamp(1, v), ..*params } };
-    let picks = logits.contiguous()?.apply_op2_no_bwd(&draws, &op)?.to_vec2::<f32>()?;
-    Ok(picks.into_iter().map(|row| (row[0] as u32, row[1])).unzip())
+    picks_to_host(&logits.apply_op2_no_bwd(&draws, &op)?)
+}
+
+/// The (B, V) logits a pick (greedy or sampled) reads, contiguous: f32 for the CPU kernel, in
+/// their own dtype for the GPU's. The ids travel back as exact f32, so V is below 2^24.
+pub(crate) fn logits_for_pick(logits: &Tensor, what: &str) -> Result<Tensor> {
+    let (_, v) = logits.dims2()?;
+    if v == 0 || v >= 1 << 24 {
+        candle_core::bail!("{what} over a vocabulary of {v} ids: 1 to 2^24 (the ids travel as exact f32)");
+    }
+    let logits = if logits.device().is_cpu() { logits.to_dtype(candle_core::DType::F32)? } else { logits.clone() };
+    logits.contiguous()
+}
+
+/// A pick's (B, 2) f32 output on the host: each row's token and its log-probability.
+pub(crate) fn picks_to_host(picks: &Tensor) -> Result<(Vec<u32>, Vec<f32>)> {
+    Ok(picks.to_vec2::<f32>()?.into_iter().map(|row| (row[0] as u32, row[1])).unzip())
 }
 
 #[cfg(test)]
