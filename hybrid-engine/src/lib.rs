@@ -10,12 +10,15 @@
 //! - `training`: optimizer, mixed precision, schedules, the training step, memory plan, metrics;
 //! - `checkpoints`: Hugging Face model directories and resumable checkpoints;
 //! - `generation`: sampling with the KV cache and the hybrid engine's generation mode;
+//! - `engine`: the hybrid engine's training side, one owner of a trained model and its
+//!   optimizer, ZeRO and tensor-parallel state ([`engine::Engine`]);
 //! - `cli`: the flags every step shares and their validation.
 
 pub mod checkpoints;
 pub mod cli;
 pub mod comm;
 pub mod device;
+pub mod engine;
 pub use durable;
 pub mod generation;
 pub mod kernels;

@@ -3,8 +3,9 @@
 //! (`comm::env`), set by our launcher, torchrun or SLURM.
 
 use crate::comm::{ProcessGroup, RankEnv};
+use crate::engine::ParallelConfig;
 use crate::training::tensor_parallel::TensorParallel;
-use crate::training::zero::{DataParallel, ZeroStage, DEFAULT_BUCKET};
+use crate::training::zero::{ZeroStage, DEFAULT_BUCKET};
 use anyhow::{bail, Result};
 use clap::Args;
 use std::sync::Arc;
@@ -90,44 +91,29 @@ impl DistArgs {
         TensorParallel::new(world, self.tensor_model_parallel_size as usize)
     }
 
-    /// Data parallelism over `group` at ZeRO `stage`, with a line saying what it does.
-    /// Stage 3 is refused: see [`Self::data_parallel_with_stage3`].
-    pub fn data_parallel(&self, group: &Arc<ProcessGroup>, stage: u8) -> Result<DataParallel> {
-        if stage == 3 {
-            bail!(
-                "--zero-stage 3 (parameters sharded at rest) trains steps 1 and 2 and pretraining; this step shards up to \
-                 stage 2: use --zero-stage 2"
-            );
-        }
-        self.data_parallel_of(group, stage, "")
-    }
-
-    /// [`Self::data_parallel`] for a step that trains a [`crate::training::zero3::ShardedModel`]
-    /// at stage 3.
-    pub fn data_parallel_with_stage3(&self, group: &Arc<ProcessGroup>, stage: u8) -> Result<DataParallel> {
-        self.data_parallel_of(group, stage, "")
-    }
-
-    /// [`Self::data_parallel`] for one of several models a step trains (step 3's actor and
-    /// critic, each at its own stage): the line starts with `model`.
-    pub fn model_data_parallel(&self, group: &Arc<ProcessGroup>, stage: u8, model: &str) -> Result<DataParallel> {
-        self.data_parallel_of(group, stage, &format!("{model}: "))
-    }
-
-    fn data_parallel_of(&self, group: &Arc<ProcessGroup>, stage: u8, prefix: &str) -> Result<DataParallel> {
-        let dp = DataParallel::new(group.clone(), ZeroStage::from_number(stage)?, self.reduce_bucket_size as usize);
+    /// How a model trains over `group`: ZeRO `stage` and the bucket, with a line saying what
+    /// they do (`model` names which of a step's models, as step 3's "actor"; "" for the only one).
+    pub fn parallel_config(&self, group: &ProcessGroup, stage: u8, model: &str) -> Result<ParallelConfig> {
+        let zero_stage = ZeroStage::from_number(stage)?;
+        let prefix = if model.is_empty() { String::new() } else { format!("{model}: ") };
         if group.world() == 1 && stage > 0 {
             println!("{prefix}ZeRO stage {stage} with 1 process: nothing to shard, training as stage 0");
         } else if group.world() > 1 {
-            let what = match stage {
-                0 => "gradients all-reduced, every rank updates the whole model",
-                1 => "Adam moments sharded, gradients reduce-scattered at the step, weights all-gathered",
-                3 => "weights, gradients and Adam moments sharded; each block's weights gathered when it runs",
-                _ => "Adam moments and gradients sharded (reduce-scattered every micro-batch), weights all-gathered",
+            let what = match zero_stage {
+                ZeroStage::Disabled => "gradients all-reduced, every rank updates the whole model",
+                ZeroStage::OptimizerStates => {
+                    "Adam moments sharded, gradients reduce-scattered at the step, weights all-gathered"
+                }
+                ZeroStage::Parameters => {
+                    "weights, gradients and Adam moments sharded; each block's weights gathered when it runs"
+                }
+                ZeroStage::Gradients => {
+                    "Adam moments and gradients sharded (reduce-scattered every micro-batch), weights all-gathered"
+                }
             };
             println!("{prefix}data parallel: {} ranks, ZeRO stage {stage}: {what}", group.world());
         }
-        Ok(dp)
+        Ok(ParallelConfig { zero_stage, reduce_bucket_size: self.reduce_bucket_size as usize })
     }
 }
 

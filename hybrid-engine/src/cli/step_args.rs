@@ -6,15 +6,12 @@
 //! (DS-Chat: 1e-3 in step 1, 5e-5 in step 2).
 
 use crate::cli::precision_args::PrecisionArgs;
+use crate::comm::ProcessGroup;
+use crate::engine::EngineConfig;
 use crate::model::gpt2::Gpt2Config;
 use crate::model::params::ParamStore;
 use crate::training::optim::AdamWConfig;
 use crate::training::schedule::{HfScheduler, LrSchedule};
-use crate::training::tensor_parallel::TensorParallel;
-use crate::training::train_step::TrainedModel;
-use crate::training::trainer::Trainer;
-use crate::training::zero::DataParallel;
-use crate::training::zero3::ShardedModel;
 use anyhow::{bail, Result};
 use candle_core::{Device, Tensor};
 use clap::Args;
@@ -22,7 +19,6 @@ use lora::peft::PeftAdapter;
 use lora::LoraConfig;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::rc::Rc;
 
 /// Where a step saves the LoRA adapter alone, inside its output directory.
 pub const ADAPTER_DIR: &str = "adapter";
@@ -155,53 +151,20 @@ impl StepArgs {
         self.lr_scheduler_type.schedule(lr, self.num_warmup_steps, total_steps)
     }
 
-    /// The model a fine-tuning step trains over `params` (`trainable`: what the optimizer
-    /// updates) and its trainer at `lr` for `steps` optimizer steps, as `dp` says: under ZeRO
-    /// stage 3 across ranks a [`ShardedModel`] that keeps this rank's shard of `params` (the
-    /// caller then drops them), else the model `whole` builds on the compute-dtype copy of
-    /// `params` (the masters themselves in fp32). Under tensor parallelism (`tp`) `params` are
-    /// this rank's slices, and the trainer's gradient norm is the whole model's.
-    pub fn trained_model(
-        &self,
-        dp: DataParallel,
-        config: &Gpt2Config,
-        (params, trainable): (&ParamStore, &ParamStore),
-        (lr, steps): (f64, u64),
-        tp: Option<&TensorParallel>,
-        whole: impl FnOnce(&ParamStore) -> Result<TrainedModel>,
-    ) -> Result<(TrainedModel, Trainer)> {
-        let precision = self.precision.precision();
-        let (schedule, scaling) = (self.schedule(lr, steps), self.precision.loss_scaling());
-        let accumulation = self.gradient_accumulation_steps;
-        let (model, trainer) = if dp.shards_parameters() {
-            let mut sharded = ShardedModel::new(dp.group.clone(), config, params, precision.dtype.dtype())?;
-            if let Some(tp) = tp {
-                sharded = sharded.with_tensor_parallel(tp.tp().clone());
-            }
-            sharded.fp32_loss = precision.fp32_loss;
-            let sharded = Rc::new(sharded);
-            let trainer = Trainer::sharded(
-                sharded.clone(),
-                self.adam(),
-                schedule,
-                accumulation,
-                self.gradient_clipping,
-                precision,
-                scaling,
-            );
-            (TrainedModel::Sharded(sharded), trainer)
-        } else {
-            let compute = params.compute_copy(precision.dtype.dtype())?;
-            let model = whole(&compute)?;
-            let trainer = Trainer::new(trainable, self.adam(), schedule, accumulation, self.gradient_clipping)?
-                .with_precision(precision, &compute, scaling)
-                .with_data_parallel(dp);
-            (model, trainer)
-        };
-        match tp {
-            Some(tp) => Ok((model, trainer.with_tensor_parallel(tp.tp().clone(), trainable))),
-            None => Ok((model, trainer)),
-        }
+    /// How a fine-tuning step's model trains at peak learning rate `lr` for `steps` optimizer
+    /// steps over the data-parallel `group` (at `--zero-stage`, said in a line).
+    pub fn engine_config(&self, lr: f64, steps: u64, group: &ProcessGroup) -> Result<EngineConfig> {
+        Ok(EngineConfig {
+            optimizer: self.adam(),
+            schedule: self.schedule(lr, steps),
+            gradient_accumulation_steps: self.gradient_accumulation_steps,
+            gradient_clipping: self.gradient_clipping,
+            precision: self.precision.precision(),
+            loss_scaling: self.precision.loss_scaling(),
+            lora_learning_rate: Some(self.lora_learning_rate),
+            checkpoint_activations: self.gradient_checkpointing,
+            parallel: self.dist.parallel_config(group, self.zero_stage, "")?,
+        })
     }
 
     /// Opens `--device` (see [`crate::device::parse_device`]).

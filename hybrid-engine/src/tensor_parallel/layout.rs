@@ -8,6 +8,7 @@ use anyhow::{bail, Result};
 use std::sync::Arc;
 
 /// This rank's two groups.
+#[derive(Clone)]
 pub struct ParallelLayout {
     /// The T ranks that split each layer with this one.
     pub tp: Arc<ProcessGroup>,

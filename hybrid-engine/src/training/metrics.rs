@@ -266,6 +266,30 @@ pub fn parallel_traffic(
     (line, record)
 }
 
+/// After a training loop of `train_secs` over `steps` steps, with more than one rank: each
+/// rank's [`rank_usage`] line and, under tensor parallelism (`layout`), the
+/// [`parallel_traffic`] per step, printed and recorded in `metrics`.
+pub fn record_parallel_usage(
+    metrics: &mut Metrics,
+    world: &crate::comm::ProcessGroup,
+    layout: Option<&crate::tensor_parallel::layout::ParallelLayout>,
+    train_secs: f64,
+    steps: u64,
+) -> anyhow::Result<()> {
+    if world.world() > 1 {
+        let subgroups: Vec<&crate::comm::ProcessGroup> = layout.iter().flat_map(|l| [&*l.tp, &*l.dp]).collect();
+        let (line, record) = rank_usage(world, &subgroups, train_secs);
+        println!("{line}");
+        metrics.record(record)?;
+    }
+    if let Some(layout) = layout {
+        let (line, record) = parallel_traffic(&layout.tp, &layout.dp, steps);
+        println!("{line}");
+        metrics.record(record)?;
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

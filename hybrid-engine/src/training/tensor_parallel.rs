@@ -8,7 +8,6 @@ use crate::model::params::ParamStore;
 use crate::tensor_parallel::layout::ParallelLayout;
 use crate::tensor_parallel::shard::{check_divides, gather_parameter, shard, split_of, whole_shape};
 use crate::training::optim::AdamW;
-use crate::training::train_step::TrainedModel;
 use anyhow::{bail, Result};
 use candle_core::{Device, Tensor};
 use std::collections::HashMap;
@@ -16,6 +15,7 @@ use std::sync::Arc;
 
 /// A run whose model is split over tensor-parallel groups: this rank's groups, and how to cut
 /// the whole model (of a given config) into this rank's slices and put it back together.
+#[derive(Clone)]
 pub struct TensorParallel {
     pub layout: ParallelLayout,
 }
@@ -130,24 +130,6 @@ impl TensorParallel {
     /// This rank's model over its slices `local` (in the compute dtype).
     pub fn model(&self, local: &ParamStore, cfg: &Gpt2Config) -> Result<Gpt2> {
         local.model_tensor_parallel(cfg, &self.layout.tp)
-    }
-}
-
-/// The whole fp32 weights of a trained `model` for a save, on rank 0 (`None` on the others),
-/// put together from the ZeRO-3 shards over the data-parallel group and, under `tp`, from the TP
-/// ranks' slices (`masters`, empty at stage 3); also `None` on rank 0 when `masters` are the
-/// whole model already (neither). Every rank calls it (collectives).
-pub fn gather_for_saving(
-    model: &TrainedModel,
-    masters: &ParamStore,
-    tp: Option<&TensorParallel>,
-    cfg: &Gpt2Config,
-) -> Result<Option<ParamStore>> {
-    // Under ZeRO-3 the first data-parallel rank of each TP rank gets that rank's slices.
-    let slices = model.gather_sharded_params()?;
-    match tp {
-        None => Ok(slices),
-        Some(tp) => tp.gather(slices.as_ref().unwrap_or(masters), cfg),
     }
 }
 

@@ -9,6 +9,9 @@ use data::args::DataArgs;
 use hybrid_engine::cli;
 use hybrid_engine::cli::dist_args::DistArgs;
 use hybrid_engine::cli::precision_args::PrecisionArgs;
+use hybrid_engine::comm::ProcessGroup;
+use hybrid_engine::engine::EngineConfig;
+use hybrid_engine::training::optim::AdamWConfig;
 use hybrid_engine::training::precision::Dtype;
 use hybrid_engine::training::schedule::HfScheduler;
 use std::path::PathBuf;
@@ -252,6 +255,40 @@ impl PpoArgs {
             "ema": self.enable_ema, "ptx": [self.unsupervised_dataset_name.clone().unwrap_or_default(), self.unsup_coef.to_string()],
             "kl": [format!("{:?}", self.kl_target), self.kl_horizon.to_string(), format!("{:?}", self.target_kl)],
             "normalize_reward": self.normalize_reward,
+        })
+    }
+
+    /// How the actor (`critic` false) or the critic trains over `steps` optimizer steps on the
+    /// data-parallel `group` (at its ZeRO stage, said in a line naming it).
+    pub fn engine_config(&self, critic: bool, steps: u64, group: &ProcessGroup) -> Result<EngineConfig> {
+        let (lr, lora_lr, weight_decay, checkpoint_activations, stage, name) = match critic {
+            false => (
+                self.actor_learning_rate,
+                self.actor_lora_learning_rate,
+                self.actor_weight_decay,
+                self.actor_gradient_checkpointing,
+                self.actor_zero_stage,
+                "actor",
+            ),
+            true => (
+                self.critic_learning_rate,
+                self.critic_lora_learning_rate,
+                self.critic_weight_decay,
+                self.critic_gradient_checkpointing,
+                self.critic_zero_stage,
+                "critic",
+            ),
+        };
+        Ok(EngineConfig {
+            optimizer: AdamWConfig::ds_chat(self.adam_eps, weight_decay),
+            schedule: self.lr_scheduler_type.schedule(lr, self.num_warmup_steps, steps),
+            gradient_accumulation_steps: self.gradient_accumulation_steps,
+            gradient_clipping: self.gradient_clipping,
+            precision: self.precision.precision(),
+            loss_scaling: self.precision.loss_scaling(),
+            lora_learning_rate: Some(lora_lr),
+            checkpoint_activations,
+            parallel: self.dist.parallel_config(group, stage, name)?,
         })
     }
 

@@ -31,13 +31,14 @@ use crate::args::PpoArgs;
 use crate::eval::{evaluate_policy, PolicyEval};
 use crate::experience::{generate_experience, rollout_share, Experience, RolloutModels};
 use crate::ppo;
-use crate::trainer::{answer_tokens, Ema, MicroBatch, PpoModels, PtxBatch, Trained, UpdateStats};
+use crate::trainer::{answer_tokens, Ema, MicroBatch, PpoModels, PtxBatch, UpdateStats};
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
 use data::{PackedCorpus, Tokenizer};
 use hybrid_engine::checkpoints::hf_io::{load_model_dir, resolve_model_dir};
 use hybrid_engine::checkpoints::resume::save_model_dir;
 use hybrid_engine::comm::{ProcessGroup, ReduceOp};
+use hybrid_engine::engine::{Engine, GatheredWeights, Head, Ranks};
 use hybrid_engine::generation::engine::GenerationMode;
 use hybrid_engine::generation::generate::{Generation, LeftPadded, SamplingConfig};
 use hybrid_engine::kernels::ops::DropoutKey;
@@ -46,12 +47,8 @@ use hybrid_engine::model::reward_model::{causal_lm_config, sequence_classificati
 use hybrid_engine::tensor_parallel::layout::ParallelLayout;
 use hybrid_engine::tensor_parallel::shard::check_divides;
 use hybrid_engine::training::metrics::{peak_rss_mib, Metrics};
-use hybrid_engine::training::optim::{AdamW, AdamWConfig};
-use hybrid_engine::training::schedule::LrSchedule;
 use hybrid_engine::training::tensor_parallel::{data_group, TensorParallel};
 use hybrid_engine::training::train_step::TrainedModel;
-use hybrid_engine::training::trainer::Trainer;
-use hybrid_engine::training::zero::DataParallel;
 use hybrid_engine::training::zero3::ShardedModel;
 use hybrid_engine::ParamStore;
 use serde::Serialize;
@@ -105,10 +102,6 @@ pub fn read_reward_model(
     };
     params.push(SCORE_WEIGHT, score)?;
     Ok((config, params))
-}
-
-fn schedule(args: &PpoArgs, lr: f64, total: u64) -> LrSchedule {
-    args.lr_scheduler_type.schedule(lr, args.num_warmup_steps, total)
 }
 
 /// Runs step 3.
@@ -191,8 +184,6 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
             Some(corpus)
         }
     };
-    let actor_dp = args.dist.model_data_parallel(&data, args.actor_zero_stage, "actor")?;
-    let critic_dp = args.dist.model_data_parallel(&data, args.critic_zero_stage, "critic")?;
     // The global batches: a rollout's prompts and a PPO micro-batch's rows over all ranks.
     let global_generation = args.per_device_generation_batch_size * world;
     let global_micro = args.per_device_training_batch_size * world;
@@ -206,6 +197,8 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
     let micro_total = args.num_train_epochs * rollouts_per_epoch * micro_per_rollout * args.ppo_epochs;
     let critic_steps = micro_total.div_ceil(args.gradient_accumulation_steps) as u64;
     let actor_steps = critic_steps;
+    let actor_engine = args.engine_config(false, actor_steps, &data)?;
+    let critic_engine = args.engine_config(true, critic_steps, &data)?;
     // LoRA: fresh adapters on the trained models (the step-1 and step-2 saves are merged).
     let (mut actor_params, mut critic) = (actor_params, critic);
     let mut lora_targets = vec![(
@@ -279,41 +272,12 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
             )
         }
     };
+    let ranks = Ranks { data: data.clone(), tensor: tp.clone() };
     let mut models = PpoModels {
-        actor: trained(
-            args,
-            &data,
-            tp.as_ref(),
-            actor_params,
-            &actor_cfg,
-            TrainedAs {
-                critic: false,
-                lr: args.actor_learning_rate,
-                lora_lr: args.actor_lora_learning_rate,
-                weight_decay: args.actor_weight_decay,
-                steps: actor_steps,
-                checkpoint_activations: args.actor_gradient_checkpointing,
-                dp: actor_dp,
-            },
-        )?,
+        actor: Engine::new(&actor_engine, &actor_cfg, Head::Lm, actor_params, ranks.clone())?,
         critic: critic
             .map(|(critic_cfg, critic_params)| {
-                trained(
-                    args,
-                    &data,
-                    tp.as_ref(),
-                    critic_params,
-                    &critic_cfg,
-                    TrainedAs {
-                        critic: true,
-                        lr: args.critic_learning_rate,
-                        lora_lr: args.critic_lora_learning_rate,
-                        weight_decay: args.critic_weight_decay,
-                        steps: critic_steps,
-                        checkpoint_activations: args.critic_gradient_checkpointing,
-                        dp: critic_dp,
-                    },
-                )
+                Engine::new(&critic_engine, &critic_cfg, Head::Score, critic_params, ranks.clone())
             })
             .transpose()?,
         reference: lm_on(&ref_params.compute_copy(dtype)?, &actor_cfg, precision.fp32_loss, tp.as_ref())?,
@@ -329,19 +293,10 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
     };
     if let Some(ck) = &resume {
         // The checkpoint holds whole moments: under TP each rank takes its slices of them.
-        let slices = |whole| tp.as_ref().map_or(Ok(None), |tp| tp.slice_optimizer_tensors(whole).map(Some));
-        let restore = |model: &mut Trained, whole, steps, progress: &Option<_>| -> Result<()> {
-            let sliced = slices(whole)?;
-            model.trainer.optimizer.load_state(&model.trainable, steps, sliced.as_ref().unwrap_or(whole))?;
-            if let Some(progress) = progress {
-                model.trainer.restore_progress(progress)?;
-            }
-            Ok(())
-        };
         let st = &ck.state;
-        restore(&mut models.actor, &ck.actor_optimizer, st.actor_steps, &st.actor_progress)?;
+        models.actor.load_optimizer(&ck.actor_optimizer, st.actor_steps, st.actor_progress.as_ref())?;
         match (&mut models.critic, &ck.critic_optimizer) {
-            (Some(critic), Some(saved)) => restore(critic, saved, st.critic_steps, &st.critic_progress)?,
+            (Some(critic), Some(saved)) => critic.load_optimizer(saved, st.critic_steps, st.critic_progress.as_ref())?,
             (None, None) => {}
             _ => bail!("--load {}: the checkpoint's critic does not match --algorithm {}: resume with the flags it was saved with", ck.dir.display(), args.algorithm.name()),
         }
@@ -608,8 +563,8 @@ impl PpoLoop<'_> {
         let (args, step) = (self.ctx.args, self.step);
         let models = &self.models;
         let safe_point = self.buffer.is_empty()
-            && models.actor.trainer.at_boundary()
-            && models.critic.as_ref().is_none_or(|c| c.trainer.at_boundary());
+            && models.actor.trainer().at_boundary()
+            && models.critic.as_ref().is_none_or(|c| c.trainer().at_boundary());
         let at_interval = args.save_interval > 0 && step % args.save_interval == 0;
         if at_interval && !safe_point && !self.save_pending {
             self.metrics.println(&format!(
@@ -630,10 +585,8 @@ impl PpoLoop<'_> {
         };
         let world = self.ctx.group.world();
         let state = checkpoint_state(args, world, at, models, &self.ptx_cursor, &self.summary);
-        let gathered = GatheredWeights::of(models, self.ctx.tp)?;
-        if let Some(dir) =
-            save_checkpoint(self.whole, &self.save_root, models, &gathered, &state, self.tokenizer, self.ctx.tp)?
-        {
+        let gathered = GatheredModels::of(models, self.ctx.tp)?;
+        if let Some(dir) = save_checkpoint(self.whole, &self.save_root, models, &gathered, &state, self.tokenizer)? {
             self.metrics.println(&format!(" saved a step-3 checkpoint at rollout {step} to {}", dir.display()));
         }
         (self.save_pending, self.last_saved_step) = (false, step);
@@ -673,9 +626,9 @@ impl PpoLoop<'_> {
 
     /// The actor, critic and EMA as HF directories. Every rank holds the same weights (under
     /// ZeRO-3 every rank takes part in gathering them): rank 0 saves them.
-    fn save_models(&self) -> Result<GatheredWeights> {
+    fn save_models(&self) -> Result<GatheredModels> {
         let (args, models, cfg) = (self.ctx.args, &self.models, &self.ctx.actor_cfg);
-        let gathered = GatheredWeights::of(models, self.ctx.tp)?;
+        let gathered = GatheredModels::of(models, self.ctx.tp)?;
         if self.whole.is_first() {
             let weights = gathered.weights(models);
             let actor_dir = args.output_dir.join("actor");
@@ -696,7 +649,7 @@ impl PpoLoop<'_> {
     /// The end of the run is resumable: a checkpoint of the final state (its models the ones
     /// just saved, `gathered`), unless the last interval already wrote it or
     /// --no-final-checkpoint.
-    fn final_checkpoint(&self, gathered: &GatheredWeights, batches_per_epoch: usize) -> Result<()> {
+    fn final_checkpoint(&self, gathered: &GatheredModels, batches_per_epoch: usize) -> Result<()> {
         let (args, step) = (self.ctx.args, self.step);
         if step == self.last_saved_step || args.no_final_checkpoint {
             return Ok(());
@@ -711,8 +664,7 @@ impl PpoLoop<'_> {
         };
         let world = self.ctx.group.world();
         let state = checkpoint_state(args, world, at, &self.models, &self.ptx_cursor, &self.summary);
-        let written =
-            save_checkpoint(self.whole, &self.save_root, &self.models, gathered, &state, self.tokenizer, self.ctx.tp)?;
+        let written = save_checkpoint(self.whole, &self.save_root, &self.models, gathered, &state, self.tokenizer)?;
         if let Some(dir) = written {
             let size = directory_bytes(&dir) as f64 / (1u64 << 30) as f64;
             println!(
@@ -727,7 +679,7 @@ impl PpoLoop<'_> {
     /// the reward model's score, the task score and the KL to the reference.
     fn evaluate_held_out(
         &mut self,
-        gathered: &GatheredWeights,
+        gathered: &GatheredModels,
         prompts: &[String],
         reward_cfg: &Gpt2Config,
     ) -> Result<()> {
@@ -769,7 +721,7 @@ impl PpoLoop<'_> {
                 device,
             )
         };
-        let final_actor = gathered.actor.as_ref().unwrap_or(&self.models.actor.params);
+        let final_actor = gathered.actor.params(&self.models.actor);
         let (before, after) = (evaluate(reference)?, evaluate(&self.engine.model(final_actor, actor_cfg)?)?);
         let task = |e: &PolicyEval| e.task_success.map_or("n/a".to_string(), |t| format!("{t:.3}"));
         let name = args.algorithm.name().to_uppercase();
@@ -827,7 +779,7 @@ fn generate_share(
     // instead cut into this rank's slices and its TP group generates all the group's rows in
     // lockstep (the same rows and tokens on every rank of the group).
     let gathered_actor = models.actor.sharded().map(ShardedModel::gather_params_everywhere).transpose()?;
-    let whole_actor = gathered_actor.as_ref().unwrap_or(&models.actor.params);
+    let whole_actor = gathered_actor.as_ref().unwrap_or(models.actor.masters());
     // The old log-probs come from the gathered actor too, read as the training loss reads them
     // (generation ignores `fp32_loss`). With LoRA that is with the adapters unfused: a fused
     // weight rounds differently from the training forward's `x W + s (x A^T) B^T`.
@@ -862,10 +814,10 @@ fn generate_share(
         Some(_) => split_actor.as_mut(),
         None => whole_model.as_mut(),
     };
-    if let (TrainedModel::Sharded(_), None, Some(m)) = (&models.actor.model, &unfused_actor, forward_model) {
+    if let (TrainedModel::Sharded(_), None, Some(m)) = (models.actor.model(), &unfused_actor, forward_model) {
         m.fp32_loss = precision.fp32_loss;
     }
-    let actor_forward = match (&models.actor.model, &unfused_actor, &whole_model, &split_actor) {
+    let actor_forward = match (models.actor.model(), &unfused_actor, &whole_model, &split_actor) {
         (TrainedModel::Whole { trunk, .. }, ..) => &**trunk,
         (TrainedModel::Sharded(_), Some(unfused), ..) => unfused,
         (TrainedModel::Sharded(_), None, Some(whole), _) => whole,
@@ -875,7 +827,7 @@ fn generate_share(
     let rollout = RolloutModels {
         actor: actor_forward,
         reference: &models.reference,
-        critic: models.critic.as_ref().map(|c| &c.model),
+        critic: models.critic.as_ref().map(Engine::model),
         reward: &models.reward,
     };
     let mut generate = |padded: &LeftPadded| match (&split_actor, &ctx.inference_tp, &whole_model) {
@@ -1094,22 +1046,15 @@ fn save_checkpoint(
     group: &ProcessGroup,
     root: &Path,
     models: &PpoModels,
-    gathered: &GatheredWeights,
+    gathered: &GatheredModels,
     state: &crate::checkpoint::PpoState,
     tokenizer: &Tokenizer,
-    tp: Option<&TensorParallel>,
 ) -> Result<Option<std::path::PathBuf>> {
-    let whole_optimizer = |trained: &Trained, slices: &Option<ParamStore>| -> Result<Option<AdamW>> {
-        let consolidated = trained.trainer.consolidated_optimizer(&trained.trainable)?;
-        match tp {
-            None => Ok(Some(consolidated)),
-            Some(tp) => {
-                tp.gather_optimizer(&consolidated, slices.as_ref().unwrap_or(&trained.trainable), &trained.config)
-            }
-        }
+    let actor_opt = models.actor.gather_optimizer(&gathered.actor)?;
+    let critic_opt = match (&models.critic, &gathered.critic) {
+        (Some(critic), Some(weights)) => critic.gather_optimizer(weights).map(Some)?,
+        _ => None,
     };
-    let actor_opt = whole_optimizer(&models.actor, &gathered.slices.0)?;
-    let critic_opt = models.critic.as_ref().map(|c| whole_optimizer(c, &gathered.slices.1)).transpose()?;
     if !group.is_first() {
         return Ok(None);
     }
@@ -1120,52 +1065,33 @@ fn save_checkpoint(
     crate::checkpoint::save(root, models, &weights, (&actor_opt, critic_opt.as_ref()), state, tokenizer).map(Some)
 }
 
-/// The trained models' weights gathered from the ZeRO-3 shards or the TP slices, on rank 0;
-/// `None` for a model that is whole on every rank (stages 0-2 without TP), whose own
-/// parameters are read instead.
-struct GatheredWeights {
-    actor: Option<ParamStore>,
-    critic: Option<ParamStore>,
+/// The trained models' weights gathered from the ZeRO-3 shards or the TP slices, on rank 0
+/// (see [`Engine::gather_weights`]), and the EMA's.
+struct GatheredModels {
+    actor: GatheredWeights,
+    critic: Option<GatheredWeights>,
+    /// `None` for an EMA that is whole on every rank (stages 0-2 without TP), read directly.
     ema: Option<ParamStore>,
-    /// Under TP and ZeRO-3, on the first data-parallel rank of each TP rank: the actor's and
-    /// the critic's slices put together from the shards (what their optimizers' TP gather reads).
-    slices: (Option<ParamStore>, Option<ParamStore>),
 }
 
-impl GatheredWeights {
+impl GatheredModels {
     /// Every rank must call it (the gathers are collectives).
     fn of(models: &PpoModels, tp: Option<&TensorParallel>) -> Result<Self> {
-        if let Some(tp) = tp {
-            let (actor, critic) = (&models.actor, models.critic.as_ref());
-            // Under ZeRO-3 each TP rank's slices first, from its data-parallel shards.
-            let critic_slices = critic.map(|c| c.model.gather_sharded_params()).transpose()?.flatten();
-            let slices = (actor.model.gather_sharded_params()?, critic_slices);
-            let ema_slices = match &models.ema {
-                Some(ema) => ema.gather_for_saving(actor)?,
+        let actor = models.actor.gather_weights()?;
+        let critic = models.critic.as_ref().map(Engine::gather_weights).transpose()?;
+        // A ZeRO-3 EMA is gathered as the actor's weights are: from the shards (onto the first
+        // data-parallel rank of each TP rank), then under TP from the TP ranks' slices.
+        let ema_slices = models.ema.as_ref().map(|e| e.gather_for_saving(&models.actor)).transpose()?.flatten();
+        let ema = match (tp, &models.ema) {
+            (None, _) => ema_slices,
+            (Some(tp), Some(Ema::Whole(ema))) => tp.gather(ema, &models.actor.config)?,
+            (Some(tp), Some(Ema::Shard(_))) => match &ema_slices {
+                Some(slices) => tp.gather(slices, &models.actor.config)?,
                 None => None,
-            };
-            let ema = match &models.ema {
-                Some(Ema::Whole(ema)) => Some(ema),
-                Some(Ema::Shard(_)) => ema_slices.as_ref(),
-                None => None,
-            };
-            return Ok(Self {
-                actor: tp.gather(slices.0.as_ref().unwrap_or(&actor.params), &actor.config)?,
-                critic: match critic {
-                    Some(critic) => tp.gather(slices.1.as_ref().unwrap_or(&critic.params), &critic.config)?,
-                    None => None,
-                },
-                // (A ZeRO-3 EMA is at hand on the first data-parallel rank, whose TP group gathers.)
-                ema: ema.map(|ema| tp.gather(ema, &actor.config)).transpose()?.flatten(),
-                slices,
-            });
-        }
-        Ok(Self {
-            actor: models.actor.gather_for_saving()?,
-            critic: models.critic.as_ref().map(Trained::gather_for_saving).transpose()?.flatten(),
-            ema: models.ema.as_ref().map(|e| e.gather_for_saving(&models.actor)).transpose()?.flatten(),
-            slices: (None, None),
-        })
+            },
+            (Some(_), None) => None,
+        };
+        Ok(Self { actor, critic, ema })
     }
 
     /// Every weight to save, on rank 0.
@@ -1176,8 +1102,8 @@ impl GatheredWeights {
             None => None,
         };
         crate::checkpoint::SavedWeights {
-            actor: self.actor.as_ref().unwrap_or(&models.actor.params),
-            critic: models.critic.as_ref().map(|c| self.critic.as_ref().unwrap_or(&c.params)),
+            actor: self.actor.params(&models.actor),
+            critic: models.critic.as_ref().zip(self.critic.as_ref()).map(|(c, w)| w.params(c)),
             ema,
         }
     }
@@ -1212,94 +1138,16 @@ fn checkpoint_state(
         batches_done,
         kl_ctl: Some(kl_ctl),
         reward_moments,
-        actor_steps: models.actor.trainer.optimizer.step,
-        critic_steps: models.critic.as_ref().map_or(0, |c| c.trainer.optimizer.step),
+        actor_steps: models.actor.trainer().optimizer.step,
+        critic_steps: models.critic.as_ref().map_or(0, |c| c.trainer().optimizer.step),
         ptx_cursor: ptx_cursor.cursor(),
         rollouts_reused: summary.rollouts_reused,
         answers_dropped_short: summary.answers_dropped_short,
         first_reward: summary.first_reward,
-        actor_progress: Some(models.actor.trainer.progress()),
-        critic_progress: models.critic.as_ref().map(|c| c.trainer.progress()),
+        actor_progress: Some(models.actor.trainer().progress()),
+        critic_progress: models.critic.as_ref().map(|c| c.trainer().progress()),
         run: args.run_fingerprint(world),
     }
-}
-
-/// How one of the trained models (actor, critic) trains.
-struct TrainedAs {
-    /// A critic (trunk and score head) rather than an actor (language model).
-    critic: bool,
-    lr: f64,
-    lora_lr: f64,
-    weight_decay: f64,
-    /// Optimizer steps of the run (the schedule's length).
-    steps: u64,
-    checkpoint_activations: bool,
-    dp: DataParallel,
-}
-
-/// A trained model with its optimizer over what it trains (everything, or with
-/// `--only-optimize-lora` the adapters and heads), LoRA at its own learning rate, its gradients
-/// averaged over the ranks at its ZeRO stage. At stage 3 across ranks the model is sharded at
-/// rest; the caller drops the whole masters ([`Trained::release_masters`]) once it has restored
-/// any checkpointed optimizer state from them.
-fn trained(
-    args: &PpoArgs,
-    group: &std::sync::Arc<ProcessGroup>,
-    tp: Option<&TensorParallel>,
-    params: ParamStore,
-    config: &Gpt2Config,
-    how: TrainedAs,
-) -> Result<Trained> {
-    let trainable = params.trainable();
-    let adam = AdamWConfig::ds_chat(args.adam_eps, how.weight_decay);
-    let schedule = schedule(args, how.lr, how.steps);
-    let precision = args.precision.precision();
-    let dtype = precision.dtype.dtype();
-    let (model, mut trainer, compute) = if how.dp.shards_parameters() {
-        let mut sharded = ShardedModel::new(group.clone(), config, &params, dtype)?;
-        if let Some(tp) = tp {
-            sharded = sharded.with_tensor_parallel(tp.tp().clone());
-        }
-        sharded.fp32_loss = precision.fp32_loss;
-        let sharded = std::rc::Rc::new(sharded);
-        let trainer = Trainer::sharded(
-            sharded.clone(),
-            adam,
-            schedule,
-            args.gradient_accumulation_steps,
-            args.gradient_clipping,
-            precision,
-            args.precision.loss_scaling(),
-        );
-        (TrainedModel::Sharded(sharded), trainer, ParamStore::default())
-    } else {
-        // Forward and backward run on a copy in the compute dtype (the masters stay fp32).
-        let compute = params.compute_copy(dtype)?;
-        let model = if how.critic {
-            TrainedModel::reward(reward_model_on(&compute, config, precision.fp32_loss, tp)?)
-        } else {
-            TrainedModel::lm(lm_on(&compute, config, precision.fp32_loss, tp)?)
-        };
-        let trainer =
-            Trainer::new(&trainable, adam, schedule, args.gradient_accumulation_steps, args.gradient_clipping)?
-                .with_precision(precision, &compute, args.precision.loss_scaling())
-                .with_data_parallel(how.dp);
-        (model, trainer, compute.trainable())
-    };
-    // Under tensor parallelism the gradient norm is the whole model's.
-    if let Some(tp) = tp {
-        trainer = trainer.with_tensor_parallel(tp.tp().clone(), &trainable);
-    }
-    trainer.set_lora_learning_rate(&trainable, how.lora_lr);
-    Ok(Trained {
-        trainer,
-        config: config.clone(),
-        params,
-        trainable,
-        model,
-        checkpoint_activations: how.checkpoint_activations,
-        compute,
-    })
 }
 
 /// A language model over `params` (the actor, or the frozen reference) in their dtype: the whole
@@ -1597,20 +1445,20 @@ fn log_step(
         "updates_stopped_early": updates.stopped_early.map(|(done, planned)| json!({"done": done, "planned": planned})),
         "entropy": u.entropy,
         "ptx_loss": updates.ptx_loss,
-        "actor_lr": models.actor.trainer.schedule.lr(models.actor.trainer.optimizer.step.max(1)),
-        "critic_lr": critic.map(|c| c.trainer.schedule.lr(c.trainer.optimizer.step.max(1))),
-        "actor_loss_scale": models.actor.trainer.dynamic_loss_scale(),
-        "critic_loss_scale": critic.map(|c| c.trainer.dynamic_loss_scale()),
-        "actor_skipped_steps": models.actor.trainer.skipped_steps(),
-        "critic_skipped_steps": critic.map(|c| c.trainer.skipped_steps()),
+        "actor_lr": models.actor.trainer().schedule.lr(models.actor.trainer().optimizer.step.max(1)),
+        "critic_lr": critic.map(|c| c.trainer().schedule.lr(c.trainer().optimizer.step.max(1))),
+        "actor_loss_scale": models.actor.trainer().dynamic_loss_scale(),
+        "critic_loss_scale": critic.map(|c| c.trainer().dynamic_loss_scale()),
+        "actor_skipped_steps": models.actor.trainer().skipped_steps(),
+        "critic_skipped_steps": critic.map(|c| c.trainer().skipped_steps()),
         "generation_secs": times.rollout,
         "generate_secs": times.generate,
         "experience_secs": times.rollout - times.generate,
         "training_secs": times.train,
     });
     // fp16 runs also show each model's loss scale and skipped updates.
-    let actor = &models.actor.trainer;
-    let scaling = match (&actor.scaler, critic.map(|c| (&c.trainer.scaler, c.trainer.skipped_steps()))) {
+    let actor = models.actor.trainer();
+    let scaling = match (&actor.scaler, critic.map(|c| (&c.trainer().scaler, c.trainer().skipped_steps()))) {
         (Some(a), Some((Some(c), skipped))) => {
             format!(" loss scale {}/{} | skipped {}/{skipped} |", a.scale, c.scale, actor.skipped_steps())
         }
@@ -1669,8 +1517,10 @@ fn print_answers(metrics: &Metrics, exp: &Experience, tok: &Tokenizer, pad: u32,
 mod tests {
     use super::*;
     use clap::Parser;
+    use hybrid_engine::engine::EngineConfig;
     use hybrid_engine::model::reward_model::add_score_head;
     use hybrid_engine::training::optim::AdamW;
+    use hybrid_engine::training::optim::AdamWConfig;
 
     fn tiny_config() -> Gpt2Config {
         Gpt2Config {
@@ -1699,18 +1549,16 @@ mod tests {
         add_score_head(&mut critic, &cfg, 3, &cpu).unwrap();
         let (reference, reward) =
             (lm_on(&start, &cfg, false, None).unwrap(), reward_model_on(&critic, &cfg, false, None).unwrap());
-        let how = |critic: bool, lr: f64| TrainedAs {
-            critic,
-            lr,
-            lora_lr: lr,
-            weight_decay: 0.0,
-            steps: 10,
-            checkpoint_activations: false,
-            dp: args.dist.model_data_parallel(&group, 0, "").unwrap(),
+        // As `run` configures them, over 10 optimizer steps at the given learning rates.
+        let engine = |critic: bool, lr: f64| EngineConfig {
+            schedule: args.lr_scheduler_type.schedule(lr, args.num_warmup_steps, 10),
+            lora_learning_rate: Some(lr),
+            ..args.engine_config(critic, 10, &group).unwrap()
         };
+        let ranks = Ranks { data: group.clone(), tensor: None };
         let models = PpoModels {
-            actor: trained(&args, &group, None, actor, &cfg, how(false, actor_lr)).unwrap(),
-            critic: Some(trained(&args, &group, None, critic.copy().unwrap(), &cfg, how(true, 1e-3)).unwrap()),
+            actor: Engine::new(&engine(false, actor_lr), &cfg, Head::Lm, actor, ranks.clone()).unwrap(),
+            critic: Some(Engine::new(&engine(true, 1e-3), &cfg, Head::Score, critic.copy().unwrap(), ranks).unwrap()),
             reference,
             reward,
             ema: args.enable_ema.then(|| Ema::Whole(start.copy().unwrap())),
@@ -1749,7 +1597,7 @@ mod tests {
     }
 
     fn actor_trunk(models: &PpoModels) -> &hybrid_engine::Gpt2 {
-        match &models.actor.model {
+        match models.actor.model() {
             TrainedModel::Whole { trunk, .. } => trunk,
             TrainedModel::Sharded(_) => unreachable!("one rank"),
         }
@@ -1808,7 +1656,7 @@ mod tests {
             let out =
                 models.train_rlhf(&micro_batch(&exp, 1), &args.ppo_config(), 7, Some(&ptx), &Device::Cpu).unwrap();
             assert!(out.actor_step.is_some_and(|s| !s.skipped) && out.ptx_loss.is_some());
-            assert_eq!(models.actor.trainer.optimizer.step, 1, "one optimizer step per update");
+            assert_eq!(models.actor.trainer().optimizer.step, 1, "one optimizer step per update");
             let ema = match &models.ema {
                 Some(Ema::Whole(ema)) => values(ema),
                 _ => unreachable!(),
@@ -1849,10 +1697,10 @@ mod tests {
         let grads: Vec<Tensor> = start.vars.iter().map(|v| grads.get(v.as_tensor()).unwrap().clone()).collect();
         let adam = AdamWConfig::ds_chat(1e-6, 0.0);
         let mut optimizer = AdamW::new(adam, &start).unwrap();
-        let lr = models.actor.trainer.schedule.lr(1);
+        let lr = models.actor.trainer().schedule.lr(1);
         let before = values(&start);
         optimizer.step(&start, &grads, lr).unwrap();
-        let (want, got) = (values(&start), values(&models.actor.params));
+        let (want, got) = (values(&start), values(models.actor.masters()));
         let moved = max_diff(&want, &before);
         assert!(moved > 1e-3, "the step moved the weights by {moved}");
         assert!(max_diff(&got, &want) < 1e-5, "off by {} (moved {moved})", max_diff(&got, &want));
@@ -1862,7 +1710,7 @@ mod tests {
 
         // The coefficient matters: without PTX the update is another.
         let (_, without, ..) = trained_with(0.0);
-        let differs = max_diff(&values(&without.actor.params), &got);
+        let differs = max_diff(&values(without.actor.masters()), &got);
         assert!(differs > 1e-4, "--unsup-coef 0 and {coef} gave updates {differs} apart");
     }
 }

@@ -7,7 +7,7 @@
 //! rows' masked means weighted by its share of the global micro-batch's answer tokens, so the
 //! gradient the trainers average over ranks is the one-rank gradient of the whole micro-batch.
 //!
-//! Under ZeRO stage 3 the actor and the critic are [`ShardedModel`]s: every forward and backward
+//! Under ZeRO stage 3 the actor and the critic are [`hybrid_engine::training::zero3::ShardedModel`]s: every forward and backward
 //! gathers their blocks from the ranks (collectives), so a rank with no rows in a global
 //! micro-batch still runs one, on a filler row whose loss is zero, and the EMA follows each
 //! rank's shard of the actor's weights.
@@ -15,81 +15,38 @@
 use crate::experience::{Experience, ForwardInputs};
 use crate::ppo::{self, Algorithm, PpoConfig};
 use anyhow::Result;
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
+use hybrid_engine::engine::Engine;
 use hybrid_engine::kernels::ops::DropoutKey;
-use hybrid_engine::model::gpt2::{Dropout, Gpt2, Gpt2Config, Positions};
+use hybrid_engine::model::gpt2::{Dropout, Gpt2};
 use hybrid_engine::model::reward_model::RewardModel;
-use hybrid_engine::training::train_step::{Backward, TrainedModel};
-use hybrid_engine::training::trainer::{micro_batch_done_pair, StepReport, Trainer};
-use hybrid_engine::training::zero3::ShardedModel;
+use hybrid_engine::training::trainer::StepReport;
 use hybrid_engine::ParamStore;
 use std::cell::RefCell;
 use std::ops::Range;
-
-/// A trained model: its config, parameters, the model over them and its optimizer.
-pub struct Trained {
-    pub config: Gpt2Config,
-    /// Every parameter (trunk, head, LoRA adapters); empty under ZeRO stage 3, where the model
-    /// holds this rank's shard of them (see [`Self::release_masters`]).
-    pub params: ParamStore,
-    /// What the optimizer updates: `params`, or with `--only-optimize-lora` the adapters (and a
-    /// critic's score head); shares storage with `params`.
-    pub trainable: ParamStore,
-    /// The whole model (the actor's LM or the critic's trunk and score head), or its shard.
-    pub model: TrainedModel,
-    pub trainer: Trainer,
-    pub checkpoint_activations: bool,
-    /// The trainable part of the compute-dtype copy the model runs on: the parameters whose
-    /// gradients the trainer accumulates.
-    pub compute: ParamStore,
-}
-
-impl Trained {
-    /// The model sharded at rest (ZeRO stage 3 across ranks), if it is.
-    pub fn sharded(&self) -> Option<&ShardedModel> {
-        match &self.model {
-            TrainedModel::Sharded(model) => Some(model),
-            TrainedModel::Whole { .. } => None,
-        }
-    }
-
-    /// Under ZeRO stage 3, drops the whole fp32 masters once the shards and any resumed
-    /// optimizer state are taken from them: each rank keeps only its shard.
-    pub fn release_masters(&mut self) {
-        if self.sharded().is_some() {
-            (self.params, self.trainable, self.compute) = Default::default();
-        }
-    }
-
-    /// Every weight, for saving: `None` when the whole model is at hand in `params` (stages
-    /// 0-2) or on ranks other than 0; under stage 3 gathered on rank 0. Every rank must call it.
-    pub fn gather_for_saving(&self) -> Result<Option<ParamStore>> {
-        self.sharded().map_or(Ok(None), ShardedModel::gather_params)
-    }
-}
 
 /// The EMA of the actor's weights (DS-Chat `actor_ema`).
 pub enum Ema {
     /// Of the whole actor.
     Whole(ParamStore),
-    /// Of this rank's shard of a ZeRO-3 actor, laid out as [`ShardedModel::shard_values`]:
+    /// Of this rank's shard of a ZeRO-3 actor, laid out as [`hybrid_engine::training::zero3::ShardedModel::shard_values`]:
     /// the EMA is elementwise, so the ranks' shards together are the one-rank EMA.
     Shard(Vec<f32>),
 }
 
 impl Ema {
-    /// The whole EMA for saving, as [`Trained::gather_for_saving`]: `None` for [`Ema::Whole`]
+    /// The whole EMA for saving, as [`Engine::gather_weights`]: `None` for [`Ema::Whole`]
     /// (read it directly) and off rank 0. Every rank must call it.
-    pub fn gather_for_saving(&self, actor: &Trained) -> Result<Option<ParamStore>> {
+    pub fn gather_for_saving(&self, actor: &Engine) -> Result<Option<ParamStore>> {
         match (self, actor.sharded()) {
             (Self::Shard(values), Some(model)) => model.gather_shard_values(values),
             _ => Ok(None),
         }
     }
 
-    fn update(&mut self, actor: &Trained) -> Result<()> {
+    fn update(&mut self, actor: &Engine) -> Result<()> {
         match (self, actor.sharded()) {
-            (Self::Whole(ema), None) => update_ema(ema, &actor.params),
+            (Self::Whole(ema), None) => update_ema(ema, actor.masters()),
             (Self::Shard(ema), Some(model)) => {
                 ppo::ema_update(ema, &model.shard_values(), EMA_BETA);
                 Ok(())
@@ -101,9 +58,9 @@ impl Ema {
 
 /// Actor, critic, the frozen reference and reward models, and the optional EMA.
 pub struct PpoModels {
-    pub actor: Trained,
+    pub actor: Engine,
     /// PPO's critic; GRPO and RLOO have none.
-    pub critic: Option<Trained>,
+    pub critic: Option<Engine>,
     pub reference: Gpt2,
     pub reward: RewardModel,
     pub ema: Option<Ema>,
@@ -220,9 +177,9 @@ impl PpoModels {
         let local_tokens = mb.local_tokens();
         let stats = if mb.rows.is_empty() {
             // The other ranks' gradients are averaged with this rank's: it adds zeros.
-            add_zero_gradients(&mut self.actor, device)?;
+            self.actor.add_zero_gradients(device)?;
             if let Some(critic) = &mut self.critic {
-                add_zero_gradients(critic, device)?;
+                critic.add_zero_gradients(device)?;
             }
             UpdateStats::default()
         } else {
@@ -236,12 +193,8 @@ impl PpoModels {
 
         // Both steps after all backward passes, so that --align-overflow can look at both.
         let (actor_step, critic_step) = match &mut self.critic {
-            Some(critic) => micro_batch_done_pair(
-                (&mut self.actor.trainer, &self.actor.trainable),
-                (&mut critic.trainer, &critic.trainable),
-                self.align_overflow,
-            )?,
-            None => (self.actor.trainer.micro_batch_done(&self.actor.trainable)?, None),
+            Some(critic) => Engine::step_both(&mut self.actor, critic, self.align_overflow)?,
+            None => (self.actor.step()?, None),
         };
         if let (Some(ema), Some(StepReport { skipped: false, .. })) = (&mut self.ema, actor_step) {
             ema.update(&self.actor)?;
@@ -279,18 +232,9 @@ impl PpoModels {
         // Actor: the LM head only on the answer's positions.
         let actor = &mut self.actor;
         let dropout = Dropout::from_config(&actor.config, key(0));
-        let how = Backward {
-            checkpoint_activations: actor.checkpoint_activations,
-            loss_scale: actor.trainer.loss_scale() * share,
-        };
         let seen: RefCell<Option<(Tensor, Tensor)>> = RefCell::new(None);
-        let actor_loss = actor.model.forward_backward(
-            &inputs.ids,
-            &inputs.as_positions(),
-            Some(&dropout),
-            how,
-            actor.trainer.grads(),
-            |heads, hidden| {
+        let actor_loss =
+            actor.forward_backward(&inputs.ids, &inputs.as_positions(), Some(&dropout), share, |heads, hidden| {
                 let lm = heads.trunk;
                 let h = hidden.narrow(1, start, l - 1 - start)?; // (b, A, C)
                 let (logp, entropy) = lm.next_token_log_probs(&h, &next_tokens, true)?; // (b, A) each
@@ -301,8 +245,7 @@ impl PpoModels {
                     Some(ref_logp) => loss + (ppo::k3_kl_loss(&logp, ref_logp, &mask)? * cfg.kl_ctl)?,
                     None => Ok(loss),
                 }
-            },
-        )?;
+            })?;
         let (new_logp, entropy) = seen.into_inner().expect("the actor head ran");
         let critic_loss = match &mut self.critic {
             Some(critic) => Self::critic_backward(critic, mb, &inputs, cfg, seed, share, device)?,
@@ -314,7 +257,7 @@ impl PpoModels {
     /// The critic's forward and backward on this rank's rows of `mb` (their tokens `inputs`),
     /// its loss scaled by `share`; returns the loss.
     fn critic_backward(
-        critic: &mut Trained,
+        critic: &mut Engine,
         mb: &MicroBatch,
         inputs: &ForwardInputs,
         cfg: &PpoConfig,
@@ -329,21 +272,10 @@ impl PpoModels {
         let returns = answer_rows(exp, &exp.returns, rows, device)?;
         let key = |salt: u64| DropoutKey { seed: seed ^ salt, step: mb.micro, micro_batch: mb.rank as u64 };
         let dropout = Dropout::from_config(&critic.config, key(0xc417));
-        let how = Backward {
-            checkpoint_activations: critic.checkpoint_activations,
-            loss_scale: critic.trainer.loss_scale() * share,
-        };
-        critic.model.forward_backward(
-            &inputs.ids,
-            &inputs.as_positions(),
-            Some(&dropout),
-            how,
-            critic.trainer.grads(),
-            |heads, hidden| {
-                let values = heads.token_scores(hidden)?.narrow(1, start, l - 1 - start)?; // (b, A)
-                ppo::critic_loss(&values, &old_values, &returns, &mask, cfg)
-            },
-        )
+        critic.forward_backward(&inputs.ids, &inputs.as_positions(), Some(&dropout), share, |heads, hidden| {
+            let values = heads.token_scores(hidden)?.narrow(1, start, l - 1 - start)?; // (b, A)
+            ppo::critic_loss(&values, &old_values, &returns, &mask, cfg)
+        })
     }
 
     /// The PTX loss's backward, scaled by its coefficient, into the actor's accumulated
@@ -352,64 +284,21 @@ impl PpoModels {
     fn unsupervised_backward(&mut self, ptx: &PtxBatch) -> Result<f32> {
         let actor = &mut self.actor;
         let dropout = Dropout::from_config(&actor.config, DropoutKey { seed: ptx.key.seed ^ 0x9715, ..ptx.key });
-        let how = Backward {
-            checkpoint_activations: actor.checkpoint_activations,
-            loss_scale: ptx.coef * actor.trainer.loss_scale(),
-        };
-        actor.model.lm_forward_backward(&ptx.ids, &ptx.targets, Some(&dropout), how, actor.trainer.grads())
+        actor.lm_forward_backward(&ptx.ids, &ptx.targets, Some(&dropout), ptx.coef)
     }
 
     /// Applies what is left in the accumulators at the end of the run.
     pub fn flush(&mut self) -> Result<()> {
-        if let Some(StepReport { skipped: false, .. }) = self.actor.trainer.flush(&self.actor.trainable)? {
+        if let Some(StepReport { skipped: false, .. }) = self.actor.flush()? {
             if let Some(ema) = &mut self.ema {
                 ema.update(&self.actor)?;
             }
         }
         if let Some(critic) = &mut self.critic {
-            critic.trainer.flush(&critic.trainable)?;
+            critic.flush()?;
         }
         Ok(())
     }
-}
-
-/// Adds a zero gradient for every parameter of `trained` (a rank with no rows in a global
-/// micro-batch): the trainer's step and the reductions over ranks run as on the other ranks.
-/// Under ZeRO stage 3 that takes a forward and backward, whose gathers and reduce-scatters
-/// every rank makes together: on a filler row, with a loss that is exactly zero.
-fn add_zero_gradients(trained: &mut Trained, device: &Device) -> Result<()> {
-    match &trained.model {
-        TrainedModel::Whole { .. } => add_zero_whole_gradients(&mut trained.trainer, &trained.compute),
-        TrainedModel::Sharded(model) => {
-            let filler = Tensor::zeros((1, 1), DType::U32, device)?;
-            model.forward_backward(&filler, &Positions::default(), None, 1.0, |_, hidden| {
-                // Times a zero tensor, as below: the gradient reaches every block, as zeros.
-                let sum = hidden.sum_all()?.to_dtype(DType::F32)?;
-                &sum * sum.zeros_like()?
-            })?;
-            Ok(())
-        }
-    }
-}
-
-/// [`add_zero_gradients`] of a whole model, without a forward: through each parameter of
-/// `compute` directly.
-fn add_zero_whole_gradients(trainer: &mut Trainer, compute: &ParamStore) -> Result<()> {
-    let mut zero: Option<Tensor> = None;
-    for var in &compute.vars {
-        // Times a zero tensor, not `* 0.0`: candle's backward prunes an affine by 0 from the
-        // graph, and the parameter would get no gradient at all.
-        let sum = var.as_tensor().sum_all()?.to_dtype(DType::F32)?;
-        let term = (&sum * sum.zeros_like()?)?;
-        zero = Some(match zero {
-            Some(z) => (z + term)?,
-            None => term,
-        });
-    }
-    if let Some(z) = zero {
-        trainer.grads().add(&z.backward()?)?;
-    }
-    Ok(())
 }
 
 /// DS-Chat's `moving_average` beta.

@@ -20,19 +20,18 @@ use data::batch::{pair_batch, rank_micro_batches};
 use data::phases::PairSample;
 use hybrid_engine::cli::step_args::starting_model;
 use hybrid_engine::comm::{ProcessGroup, ReduceOp};
-use hybrid_engine::kernels::ops::DropoutKey;
+use hybrid_engine::engine::epochs::{train_epochs, EpochPlan, EpochTask};
+use hybrid_engine::engine::{Engine, Head, Ranks};
 use hybrid_engine::model::gpt2::{Dropout, Gpt2, Positions};
 use hybrid_engine::model::reward_model::causal_lm_config;
 use hybrid_engine::model::reward_model::Heads;
 use hybrid_engine::training::metrics::{peak_rss_mib, Metrics};
-use hybrid_engine::training::tensor_parallel::{data_group, gather_for_saving};
-use hybrid_engine::training::train_step::{Backward, TrainedModel};
-use hybrid_engine::training::trainer::{total_steps, StepLog};
+use hybrid_engine::training::tensor_parallel::data_group;
+use hybrid_engine::training::trainer::total_steps;
 use hybrid_engine::ParamStore;
 use serde::Serialize;
 use serde_json::json;
 use std::cell::RefCell;
-use std::time::Instant;
 
 /// TRL's default learning rate for DPO.
 pub const DEFAULT_DPO_LR: f64 = 5e-7;
@@ -225,7 +224,7 @@ pub fn run(args: &RewardArgs) -> Result<DpoSummary> {
     let group = t.dist.join()?;
     let tp = t.dist.tensor_parallel(&group)?;
     let data_group = data_group(&group, tp.as_ref());
-    let (rank, world) = (data_group.rank(), data_group.world());
+    let world = data_group.world();
     println!("device: {}", hybrid_engine::device::describe(&device));
     let mut start = starting_model(&t.model_name_or_path, t.seed, t.dropout, &device)?;
     println!("starting model (policy and frozen reference): {}", start.description);
@@ -256,7 +255,6 @@ pub fn run(args: &RewardArgs) -> Result<DpoSummary> {
     };
     let reference = lm_on(&reference_params.compute_copy(precision.dtype.dtype())?)?;
     drop(reference_params);
-    let trainable = params.trainable();
 
     let data_cfg = args.data.config(t.seed, t.max_seq_len, t.max_seq_len, false)?;
     let data = data::phases::reward_data(&data_cfg, &tokenizer)?;
@@ -265,31 +263,132 @@ pub fn run(args: &RewardArgs) -> Result<DpoSummary> {
         true => println!("DPO: {:?} loss, beta {beta}, learning rate {lr:e}, RPO alpha {rpo_alpha}", loss_kind),
         false => println!("DPO: {:?} loss, beta {beta}, learning rate {lr:e}", loss_kind),
     }
-    let dp = t.dist.data_parallel_with_stage3(&data_group, t.zero_stage)?;
     let micro_per_epoch = data.train.len().div_ceil(world).div_ceil(t.per_device_train_batch_size);
     let steps = total_steps(micro_per_epoch, t.num_train_epochs, t.gradient_accumulation_steps);
-    let (model, mut trainer) =
-        t.trained_model(dp, &config, (&params, &trainable), (lr, steps), tp.as_ref(), |compute| {
-            Ok(TrainedModel::lm(lm_on(compute)?))
-        })?;
-    trainer.set_lora_learning_rate(&trainable, t.lora_learning_rate);
-    let (params, trainable) = match &model {
-        TrainedModel::Whole { .. } => (params, trainable),
-        TrainedModel::Sharded(_) => (ParamStore::default(), ParamStore::default()),
-    };
+    let engine_cfg = t.engine_config(lr, steps, &data_group)?;
+    let ranks = Ranks { data: data_group.clone(), tensor: tp.clone() };
+    let mut engine = Engine::new(&engine_cfg, &config, Head::Lm, params, ranks)?;
+    engine.release_masters();
     let mut metrics = Metrics::for_rank(group.rank(), &args.output_dir, steps, 0)?.with_sinks(
         args.train.log.sinks(&args.output_dir)?,
         &[],
         0,
     )?;
-    let mut summary = DpoSummary { steps: 0, evals: Vec::new(), output_dir: args.output_dir.clone() };
+    let mut task = DpoTask {
+        args,
+        data: &data,
+        data_group: &data_group,
+        eos,
+        device: &device,
+        reference: &reference,
+        loss: (beta, loss_kind, rpo_alpha),
+        train_sums: DpoSums::default(),
+        evals: Vec::new(),
+    };
+    let plan = EpochPlan {
+        epochs: t.num_train_epochs,
+        micro_per_epoch,
+        steps,
+        seed: t.seed,
+        log_interval: t.log_interval,
+        unit: "pairs",
+        group: &data_group,
+    };
+    let (rank, rows) = (data_group.rank(), data.train.len());
+    let done = train_epochs(&mut engine, &mut task, &plan, &mut metrics, |epoch| {
+        let order = data::pretrain::epoch_order(&(0..rows), t.seed, epoch as u64 - 1);
+        rank_micro_batches(&order, t.per_device_train_batch_size, rank, world)
+    })?;
+    let summary = DpoSummary { steps: done.steps, evals: task.evals, output_dir: args.output_dir.clone() };
+    metrics.finish();
 
-    // The eval pairs: each rank its share, every rank as many forwards (a ZeRO-3 forward is a
-    // collective), the sums over the ranks.
-    let evaluate = |metrics: &mut Metrics, epoch: usize, summary: &mut DpoSummary| -> Result<()> {
-        let Some(filler) = data.eval.first() else { return Ok(()) };
-        let share: Vec<&PairSample> = data.eval.iter().skip(rank).step_by(world).collect();
-        let forwards = data.eval.len().div_ceil(world).div_ceil(t.per_device_eval_batch_size);
+    let gathered = engine.gather_weights()?;
+    if !group.is_first() {
+        group.barrier()?;
+        return Ok(summary);
+    }
+    let params = gathered.params(&engine);
+    t.save_step_model("DPO actor", &args.output_dir, &causal_lm_config(&config), params, "CAUSAL_LM", &|d| {
+        tokenizer.save(&d.join("tokenizer.json"))
+    })?;
+    println!("chat with it: chat --path {}", args.output_dir.display());
+    let peak = peak_rss_mib();
+    metrics.end(json!({"event": "end", "summary": summary, "peak_rss_mib": peak}))?;
+    group.barrier()?;
+    Ok(summary)
+}
+
+/// DPO's micro-batches of pairs, their loss against the frozen reference, and the evaluation.
+struct DpoTask<'a> {
+    args: &'a RewardArgs,
+    data: &'a data::phases::PhaseData<PairSample>,
+    /// The ranks the pairs are split over.
+    data_group: &'a ProcessGroup,
+    eos: u32,
+    device: &'a Device,
+    reference: &'a Gpt2,
+    /// beta, the loss, RPO's alpha (0: none).
+    loss: (f64, DpoLoss, f64),
+    /// The epoch's training pairs so far (this rank's).
+    train_sums: DpoSums,
+    /// Before training, then after each epoch.
+    evals: Vec<DpoEval>,
+}
+
+impl EpochTask for DpoTask<'_> {
+    type Batch = PairInputs;
+
+    /// The loss is a mean over the pairs.
+    fn batch(&self, rows: &[usize]) -> Result<(PairInputs, f64, usize)> {
+        let pairs: Vec<&PairSample> = rows.iter().map(|&i| &self.data.train[i]).collect();
+        Ok((PairInputs::new(&pairs, self.eos, self.device)?, pairs.len() as f64, pairs.len()))
+    }
+
+    fn forward_backward(
+        &mut self,
+        engine: &mut Engine,
+        inputs: &PairInputs,
+        dropout: &Dropout,
+        share: f64,
+    ) -> Result<f32> {
+        let (beta, loss_kind, rpo_alpha) = self.loss;
+        let ref_logp = inputs.reference(self.reference, loss_kind)?;
+        let seen: RefCell<Option<Tensor>> = RefCell::new(None);
+        let value =
+            engine.forward_backward(&inputs.ids, &Positions::default(), Some(dropout), share, |heads, hidden| {
+                let (policy, nll) = inputs.log_probs_and_nll(heads.trunk, hidden, loss_kind, rpo_alpha > 0.0)?;
+                *seen.borrow_mut() = Some(policy.detach());
+                let loss = dpo_loss(&policy, &ref_logp, beta, loss_kind)?;
+                match nll {
+                    Some(nll) => loss + (nll * rpo_alpha)?,
+                    None => Ok(loss),
+                }
+            })?;
+        let policy = seen.into_inner().expect("the policy head ran");
+        self.train_sums.add(&DpoSums::of(&policy.to_vec1()?, &ref_logp.to_vec1()?, beta, f64::from(value)));
+        Ok(value)
+    }
+
+    /// The training pairs' implicit rewards over the epoch, over every rank.
+    fn epoch_done(&mut self, metrics: &mut Metrics, epoch: usize) -> Result<()> {
+        let e = std::mem::take(&mut self.train_sums).over_ranks(self.data_group)?.means();
+        metrics.println(&format!(
+            "epoch {epoch} training pairs: rewards/accuracies {:.4} | rewards/margins {:.4}",
+            e.reward_accuracy, e.reward_margin
+        ));
+        metrics.record(json!({"epoch": epoch, "train": e}))?;
+        Ok(())
+    }
+
+    /// The eval pairs: each rank its share, every rank as many forwards (a ZeRO-3 forward is a
+    /// collective), the sums over the ranks.
+    fn evaluate(&mut self, engine: &Engine, metrics: &mut Metrics, epoch: usize) -> Result<()> {
+        let t = &self.args.train;
+        let (rank, world) = (self.data_group.rank(), self.data_group.world());
+        let (beta, loss_kind, _) = self.loss;
+        let Some(filler) = self.data.eval.first() else { return Ok(()) };
+        let share: Vec<&PairSample> = self.data.eval.iter().skip(rank).step_by(world).collect();
+        let forwards = self.data.eval.len().div_ceil(world).div_ceil(t.per_device_eval_batch_size);
         let chunks: Vec<&[&PairSample]> = share.chunks(t.per_device_eval_batch_size).collect();
         let mut sums = DpoSums::default();
         let mut progress = hybrid_engine::telemetry::progress::Phase::start("evaluating", "batches", forwards as u64);
@@ -299,9 +398,9 @@ pub fn run(args: &RewardArgs) -> Result<DpoSummary> {
                 Some(c) => (*c, true),
                 None => (std::slice::from_ref(&filler), false),
             };
-            let inputs = PairInputs::new(chunk, eos, &device)?;
-            let ref_logp = inputs.reference(&reference, loss_kind)?;
-            let policy = model.with_hidden(&inputs.ids, &Positions::default(), |heads: &Heads, hidden| {
+            let inputs = PairInputs::new(chunk, self.eos, self.device)?;
+            let ref_logp = inputs.reference(self.reference, loss_kind)?;
+            let policy = engine.with_hidden(&inputs.ids, &Positions::default(), |heads: &Heads, hidden| {
                 Ok(inputs.sequence_log_probs(heads.trunk, hidden, loss_kind)?)
             })?;
             if real {
@@ -309,102 +408,15 @@ pub fn run(args: &RewardArgs) -> Result<DpoSummary> {
                 sums.add(&DpoSums::of(&policy.to_vec1()?, &ref_logp.to_vec1()?, beta, loss));
             }
         }
-        let e = sums.over_ranks(&data_group)?.means();
+        let e = sums.over_ranks(self.data_group)?.means();
         metrics.println(&format!(
             "***** Evaluating DPO, Epoch {epoch}/{} *****\nloss {:.4} | rewards/accuracies {:.4} | rewards/chosen {:.4} | rewards/rejected {:.4} | rewards/margins {:.4}",
             t.num_train_epochs, e.loss, e.reward_accuracy, e.reward_chosen, e.reward_rejected, e.reward_margin
         ));
         metrics.record(json!({"epoch": epoch, "eval": e}))?;
-        summary.evals.push(e);
+        self.evals.push(e);
         Ok(())
-    };
-    evaluate(&mut metrics, 0, &mut summary)?;
-
-    let mut log = StepLog::for_trainer(t.log_interval, steps, "pairs", &trainer);
-    let mut micro_index = 0u64;
-    for epoch in 1..=t.num_train_epochs {
-        metrics.println(&format!(
-            "Beginning of Epoch {epoch}/{}, Total Micro Batches {micro_per_epoch}",
-            t.num_train_epochs
-        ));
-        let order = data::pretrain::epoch_order(&(0..data.train.len()), t.seed, epoch as u64 - 1);
-        let mut train_sums = DpoSums::default();
-        for chunk in rank_micro_batches(&order, t.per_device_train_batch_size, rank, world) {
-            let started = Instant::now();
-            let pairs: Vec<&PairSample> = chunk.iter().map(|&i| &data.train[i]).collect();
-            let inputs = PairInputs::new(&pairs, eos, &device)?;
-            micro_index += 1;
-            let dropout =
-                Dropout::from_config(&config, DropoutKey { seed: t.seed, step: micro_index, micro_batch: rank as u64 });
-            // The loss is a mean over the global micro-batch's pairs: each rank's mean weighs by
-            // its share of them.
-            let local_pairs = pairs.len() as f64;
-            let mut global_pairs = [local_pairs];
-            data_group.all_reduce_scalars(&mut global_pairs, ReduceOp::Sum)?;
-            let share = local_pairs * world as f64 / global_pairs[0].max(1.0);
-            let how =
-                Backward { checkpoint_activations: t.gradient_checkpointing, loss_scale: trainer.loss_scale() * share };
-            let ref_logp = inputs.reference(&reference, loss_kind)?;
-            let seen: RefCell<Option<Tensor>> = RefCell::new(None);
-            let value = model.forward_backward(
-                &inputs.ids,
-                &Positions::default(),
-                Some(&dropout),
-                how,
-                trainer.grads(),
-                |heads, hidden| {
-                    let (policy, nll) = inputs.log_probs_and_nll(heads.trunk, hidden, loss_kind, rpo_alpha > 0.0)?;
-                    *seen.borrow_mut() = Some(policy.detach());
-                    let loss = dpo_loss(&policy, &ref_logp, beta, loss_kind)?;
-                    match nll {
-                        Some(nll) => loss + (nll * rpo_alpha)?,
-                        None => Ok(loss),
-                    }
-                },
-            )?;
-            let policy = seen.into_inner().expect("the policy head ran");
-            let batch = DpoSums::of(&policy.to_vec1()?, &ref_logp.to_vec1()?, beta, f64::from(value));
-            train_sums.add(&batch);
-            // The logged loss is the global micro-batch's (every rank agrees on it).
-            let mut sums = [f64::from(value) * local_pairs];
-            data_group.all_reduce_scalars(&mut sums, ReduceOp::Sum)?;
-            let value = (sums[0] / global_pairs[0].max(1.0)) as f32;
-            let stepped = trainer.micro_batch_done(&trainable)?;
-            log.micro_batch(value, pairs.len() * world, started.elapsed().as_secs_f64(), epoch)?;
-            if let Some(r) = stepped {
-                summary.steps = r.step;
-                log.step(&mut metrics, &r, epoch, value)?;
-            }
-        }
-        if epoch == t.num_train_epochs {
-            if let Some(r) = trainer.flush(&trainable)? {
-                summary.steps = r.step;
-            }
-        }
-        let e = train_sums.over_ranks(&data_group)?.means();
-        metrics.println(&format!(
-            "epoch {epoch} training pairs: rewards/accuracies {:.4} | rewards/margins {:.4}",
-            e.reward_accuracy, e.reward_margin
-        ));
-        metrics.record(json!({"epoch": epoch, "train": e}))?;
-        evaluate(&mut metrics, epoch, &mut summary)?;
     }
-    metrics.finish();
-
-    let gathered = gather_for_saving(&model, &params, tp.as_ref(), &config)?;
-    if !group.is_first() {
-        group.barrier()?;
-        return Ok(summary);
-    }
-    let params = gathered.as_ref().unwrap_or(&params);
-    t.save_step_model("DPO actor", &args.output_dir, &causal_lm_config(&config), params, "CAUSAL_LM", &|d| {
-        tokenizer.save(&d.join("tokenizer.json"))
-    })?;
-    println!("chat with it: chat --path {}", args.output_dir.display());
-    let peak = peak_rss_mib();
-    metrics.end(json!({"event": "end", "summary": summary, "peak_rss_mib": peak}))?;
-    group.barrier()?;
-    Ok(summary)
 }
 
 #[cfg(test)]

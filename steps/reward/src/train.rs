@@ -16,18 +16,17 @@ use data::phases::PairSample;
 use data::Tokenizer;
 use hybrid_engine::cli::step_args::{starting_model, StartingModel};
 use hybrid_engine::comm::{ProcessGroup, ReduceOp};
-use hybrid_engine::kernels::ops::DropoutKey;
+use hybrid_engine::engine::epochs::{train_epochs, EpochPlan, EpochTask};
+use hybrid_engine::engine::{Engine, Head, Ranks};
 use hybrid_engine::model::gpt2::{Dropout, Positions};
-use hybrid_engine::model::reward_model::{add_score_head, sequence_classification_config, RewardModel, SCORE_WEIGHT};
+use hybrid_engine::model::reward_model::{add_score_head, sequence_classification_config, SCORE_WEIGHT};
 use hybrid_engine::training::memory::MemoryPlan;
 use hybrid_engine::training::metrics::{peak_rss_mib, Metrics};
-use hybrid_engine::training::tensor_parallel::{data_group, gather_for_saving};
-use hybrid_engine::training::train_step::{Backward, TrainedModel};
-use hybrid_engine::training::trainer::{total_steps, StepLog};
-use hybrid_engine::ParamStore;
+use hybrid_engine::training::tensor_parallel::data_group;
+use hybrid_engine::training::train_step::TrainedModel;
+use hybrid_engine::training::trainer::total_steps;
 use serde::Serialize;
 use serde_json::json;
-use std::time::Instant;
 
 /// The final evaluation (accuracy, margins, length bias), saved with the reward model.
 pub const REWARD_EVAL_FILE: &str = "reward_eval.json";
@@ -67,7 +66,7 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
     // over the data-parallel group (every rank without TP).
     let tp = t.dist.tensor_parallel(&group)?;
     let data_group = data_group(&group, tp.as_ref());
-    let (rank, world) = (data_group.rank(), data_group.world());
+    let world = data_group.world();
     println!("device: {}", hybrid_engine::device::describe(&device));
     let mut start = starting_model(&t.model_name_or_path, t.seed, t.dropout, &device)?;
     println!("starting model: {}", start.description);
@@ -92,135 +91,67 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
         None => params,
     };
     // What the optimizer updates: everything, or with --only-optimize-lora the adapters and head.
-    let trainable = params.trainable();
-    let precision = t.precision.precision();
+    let trainable = params.trainable().numel();
 
     let data_cfg = args.data.config(t.seed, t.max_seq_len, t.max_seq_len, false)?;
     let data = data::phases::reward_data(&data_cfg, &tokenizer)?;
     println!("{}", data.summary);
-    let dp = t.dist.data_parallel_with_stage3(&data_group, t.zero_stage)?;
+    // Every rank takes its share of each global micro-batch of per-device x world pairs.
+    let micro_per_epoch = data.train.len().div_ceil(world).div_ceil(t.per_device_train_batch_size);
+    let steps = total_steps(micro_per_epoch, t.num_train_epochs, t.gradient_accumulation_steps);
+    let engine_cfg = t.engine_config(lr, steps, &data_group)?;
     // A batch of B pairs runs 2B sequences.
     println!(
         "{}",
         MemoryPlan::new(&config, 2 * t.per_device_train_batch_size, t.max_seq_len, t.gradient_checkpointing)
-            .with_parameters(params.numel(), trainable.numel())
+            .with_parameters(params.numel(), trainable)
             .with_gradient_accumulation(t.gradient_accumulation_steps)
             .with_lora(t.lora().is_some())
             .with_compute_dtype(t.precision.dtype.dtype())
             .on_device(&device)
             .with_score_head()
             .with_tensor_parallel(tp.as_ref().map_or(1, |t| t.size()))
-            .with_data_parallel(dp.stage, world)
+            .with_data_parallel(engine_cfg.parallel.zero_stage, world)
             .report()
     );
 
-    // Every rank takes its share of each global micro-batch of per-device x world pairs.
-    let micro_per_epoch = data.train.len().div_ceil(world).div_ceil(t.per_device_train_batch_size);
-    let steps = total_steps(micro_per_epoch, t.num_train_epochs, t.gradient_accumulation_steps);
     // Forward and backward run on a copy in the compute dtype (the masters themselves in fp32),
     // or under ZeRO-3 on weights gathered in it from this rank's shard of the masters.
-    let (model, mut trainer) =
-        t.trained_model(dp, &config, (&params, &trainable), (lr, steps), tp.as_ref(), |compute| {
-            let trunk = match &tp {
-                Some(tp) => tp.model(compute, &config)?,
-                None => compute.model(&config)?,
-            };
-            let mut model = RewardModel::from_trunk(trunk, compute, &config)?;
-            model.trunk.fp32_loss = precision.fp32_loss;
-            Ok(TrainedModel::reward(model))
-        })?;
-    trainer.set_lora_learning_rate(&trainable, t.lora_learning_rate);
+    let ranks = Ranks { data: data_group.clone(), tensor: tp.clone() };
+    let mut engine = Engine::new(&engine_cfg, &config, Head::Score, params, ranks)?;
     // Under ZeRO stage 3 each rank keeps only its shard: the whole model goes now.
-    let (params, trainable) = match &model {
-        TrainedModel::Whole { .. } => (params, trainable),
-        TrainedModel::Sharded(_) => (ParamStore::default(), ParamStore::default()),
-    };
+    engine.release_masters();
     let mut metrics = Metrics::for_rank(group.rank(), &args.output_dir, steps, 0)?.with_sinks(
         args.train.log.sinks(&args.output_dir)?,
         &[],
         0,
     )?;
-    let mut summary = RewardSummary { steps: 0, evals: Vec::new(), output_dir: args.output_dir.clone() };
-
-    let report_eval = |metrics: &mut Metrics, epoch: usize, summary: &mut RewardSummary| -> Result<()> {
-        if data.eval.is_empty() {
-            return Ok(());
-        }
-        let e = evaluate(&model, &data.eval, t.per_device_eval_batch_size, eos, &device, &data_group)?;
-        metrics.println(&format!(
-            "***** Evaluating reward, Epoch {epoch}/{} *****\nchosen_last_scores (higher is better) : {:.4}, rejected_last_scores (lower is better) : {:.4}, acc (higher is better) : {:.4}",
-            t.num_train_epochs, e.chosen_mean_score, e.rejected_mean_score, e.accuracy
-        ));
-        metrics.record(json!({"epoch": epoch, "eval": e}))?;
-        summary.evals.push(e);
-        Ok(())
+    let mut task = RewardTask { args, data: &data, data_group: &data_group, eos, device: &device, evals: Vec::new() };
+    let plan = EpochPlan {
+        epochs: t.num_train_epochs,
+        micro_per_epoch,
+        steps,
+        seed: t.seed,
+        log_interval: t.log_interval,
+        unit: "pairs",
+        group: &data_group,
     };
-    report_eval(&mut metrics, 0, &mut summary)?;
-
-    let mut log = StepLog::for_trainer(t.log_interval, steps, "pairs", &trainer);
-    let mut micro_index = 0u64;
-    for epoch in 1..=t.num_train_epochs {
-        metrics.println(&format!(
-            "Beginning of Epoch {epoch}/{}, Total Micro Batches {micro_per_epoch}",
-            t.num_train_epochs
-        ));
-        let order = data::pretrain::epoch_order(&(0..data.train.len()), t.seed, epoch as u64 - 1);
-        for chunk in rank_micro_batches(&order, t.per_device_train_batch_size, rank, world) {
-            let started = Instant::now();
-            let pairs: Vec<&PairSample> = chunk.iter().map(|&i| &data.train[i]).collect();
-            let batch = pair_batch(&pairs, eos);
-            let spans = loss::batch_spans(&batch.ids, batch.pairs, batch.t, eos);
-            micro_index += 1;
-            // Each rank draws its own masks (its pairs differ); rank 0 draws one rank's masks.
-            let key = DropoutKey { seed: t.seed, step: micro_index, micro_batch: rank as u64 };
-            let dropout = Dropout::from_config(&config, key);
-            // The loss is a mean over the pairs of the whole global micro-batch, as one rank
-            // holding all of it would compute: each rank's mean weighs by its share of them.
-            let local_pairs = batch.pairs as f64;
-            let mut global_pairs = [local_pairs];
-            data_group.all_reduce_scalars(&mut global_pairs, ReduceOp::Sum)?;
-            let share = local_pairs * world as f64 / global_pairs[0].max(1.0);
-            let how =
-                Backward { checkpoint_activations: t.gradient_checkpointing, loss_scale: trainer.loss_scale() * share };
-            let ids = batch_ids(&batch, &device)?;
-            let pair_loss = args.loss;
-            let value =
-                model.forward_backward(&ids, &Positions::default(), Some(&dropout), how, trainer.grads(), |w, h| {
-                    let scores = w.token_scores(h)?; // (2B, T)
-                    match pair_loss {
-                        PairLoss::DsChat => loss::ds_chat_loss(&scores, &spans),
-                        PairLoss::LastToken => loss::last_token_loss(&scores, &spans),
-                    }
-                })?;
-            // The logged loss is the global micro-batch's: every rank then agrees on whether it
-            // is finite, and a rank that stopped alone would leave the others waiting.
-            let mut sums = [f64::from(value) * local_pairs];
-            data_group.all_reduce_scalars(&mut sums, ReduceOp::Sum)?;
-            let value = (sums[0] / global_pairs[0].max(1.0)) as f32;
-            let stepped = trainer.micro_batch_done(&trainable)?;
-            log.micro_batch(value, batch.pairs * world, started.elapsed().as_secs_f64(), epoch)?;
-            if let Some(r) = stepped {
-                summary.steps = r.step;
-                log.step(&mut metrics, &r, epoch, value)?;
-            }
-        }
-        if epoch == t.num_train_epochs {
-            if let Some(r) = trainer.flush(&trainable)? {
-                summary.steps = r.step;
-            }
-        }
-        report_eval(&mut metrics, epoch, &mut summary)?;
-    }
+    let (rank, rows) = (data_group.rank(), data.train.len());
+    let done = train_epochs(&mut engine, &mut task, &plan, &mut metrics, |epoch| {
+        let order = data::pretrain::epoch_order(&(0..rows), t.seed, epoch as u64 - 1);
+        rank_micro_batches(&order, t.per_device_train_batch_size, rank, world)
+    })?;
+    let summary = RewardSummary { steps: done.steps, evals: task.evals, output_dir: args.output_dir.clone() };
     metrics.finish();
 
     // Under ZeRO-3 every rank takes part in gathering the weights rank 0 saves.
-    let gathered = gather_for_saving(&model, &params, tp.as_ref(), &config)?;
+    let gathered = engine.gather_weights()?;
     if !group.is_first() {
         // Rank 0 saves the model the ranks share.
         group.barrier()?;
         return Ok(summary);
     }
-    let params = gathered.as_ref().unwrap_or(&params);
+    let params = gathered.params(&engine);
     // The model directory has LoRA merged; a frozen trunk's adapter (with the trained head as
     // PEFT's modules_to_save) is also saved on its own. reward_eval.json goes in the same atomic
     // save: the directory never pairs one run's model with another run's evaluation.
@@ -241,6 +172,73 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
     metrics.end(json!({"event": "end", "summary": summary, "peak_rss_mib": peak}))?;
     group.barrier()?;
     Ok(summary)
+}
+
+/// Step 2's micro-batches of pairs, their loss and the evaluation.
+struct RewardTask<'a> {
+    args: &'a RewardArgs,
+    data: &'a data::phases::PhaseData<PairSample>,
+    /// The ranks the pairs are split over.
+    data_group: &'a ProcessGroup,
+    eos: u32,
+    device: &'a Device,
+    /// Before training, then after each epoch.
+    evals: Vec<RewardEval>,
+}
+
+impl EpochTask for RewardTask<'_> {
+    /// The pairs, their answers' spans and the ids.
+    type Batch = (PairBatch, Vec<loss::PairSpan>, Tensor);
+
+    /// The loss is a mean over the pairs.
+    fn batch(&self, rows: &[usize]) -> Result<(Self::Batch, f64, usize)> {
+        let pairs: Vec<&PairSample> = rows.iter().map(|&i| &self.data.train[i]).collect();
+        let batch = pair_batch(&pairs, self.eos);
+        let spans = loss::batch_spans(&batch.ids, batch.pairs, batch.t, self.eos);
+        let ids = batch_ids(&batch, self.device)?;
+        let pairs = batch.pairs;
+        Ok(((batch, spans, ids), pairs as f64, pairs))
+    }
+
+    fn forward_backward(
+        &mut self,
+        engine: &mut Engine,
+        batch: &Self::Batch,
+        dropout: &Dropout,
+        share: f64,
+    ) -> Result<f32> {
+        let (_, spans, ids) = batch;
+        let pair_loss = self.args.loss;
+        engine.forward_backward(ids, &Positions::default(), Some(dropout), share, |w, h| {
+            let scores = w.token_scores(h)?; // (2B, T)
+            match pair_loss {
+                PairLoss::DsChat => loss::ds_chat_loss(&scores, spans),
+                PairLoss::LastToken => loss::last_token_loss(&scores, spans),
+            }
+        })
+    }
+
+    fn evaluate(&mut self, engine: &Engine, metrics: &mut Metrics, epoch: usize) -> Result<()> {
+        let t = &self.args.train;
+        if self.data.eval.is_empty() {
+            return Ok(());
+        }
+        let e = evaluate(
+            engine.model(),
+            &self.data.eval,
+            t.per_device_eval_batch_size,
+            self.eos,
+            self.device,
+            self.data_group,
+        )?;
+        metrics.println(&format!(
+            "***** Evaluating reward, Epoch {epoch}/{} *****\nchosen_last_scores (higher is better) : {:.4}, rejected_last_scores (lower is better) : {:.4}, acc (higher is better) : {:.4}",
+            t.num_train_epochs, e.chosen_mean_score, e.rejected_mean_score, e.accuracy
+        ));
+        metrics.record(json!({"epoch": epoch, "eval": e}))?;
+        self.evals.push(e);
+        Ok(())
+    }
 }
 
 /// Step 2's tokenizer (`--tokenizer`, else the starting model's, else GPT-2's), checked against

@@ -13,18 +13,18 @@ use data::phases::SftSample;
 use data::Tokenizer;
 use hybrid_engine::cli::step_args::starting_model;
 use hybrid_engine::comm::{ProcessGroup, ReduceOp};
-use hybrid_engine::kernels::ops::DropoutKey;
+use hybrid_engine::engine::epochs::{train_epochs, EpochPlan, EpochTask};
+use hybrid_engine::engine::{Engine, Head, Ranks};
 use hybrid_engine::model::gpt2::{Dropout, Positions};
 use hybrid_engine::model::reward_model::causal_lm_config;
 use hybrid_engine::training::memory::MemoryPlan;
-use hybrid_engine::training::metrics::{peak_rss_mib, Metrics};
-use hybrid_engine::training::tensor_parallel::{data_group, gather_for_saving};
-use hybrid_engine::training::train_step::{Backward, TrainedModel};
-use hybrid_engine::training::trainer::{total_steps, StepLog, Trainer};
+use hybrid_engine::training::metrics::{peak_rss_mib, record_parallel_usage, Metrics};
+use hybrid_engine::training::tensor_parallel::data_group;
+use hybrid_engine::training::train_step::TrainedModel;
+use hybrid_engine::training::trainer::total_steps;
 use hybrid_engine::ParamStore;
 use serde::Serialize;
 use serde_json::json;
-use std::time::Instant;
 
 /// The greedy answers of the starting and the fine-tuned model, side by side, in the model directory.
 pub const PROMPT_EVAL_FILE: &str = "prompt_eval.jsonl";
@@ -50,7 +50,7 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
     // over the data-parallel group (every rank without TP).
     let tp = t.dist.tensor_parallel(&group)?;
     let data_group = data_group(&group, tp.as_ref());
-    let (rank, world) = (data_group.rank(), data_group.world());
+    let world = data_group.world();
     println!("device: {}", hybrid_engine::device::describe(&device));
     let mut start = starting_model(&t.model_name_or_path, t.seed, t.dropout, &device)?;
     println!("starting model: {}", start.description);
@@ -65,7 +65,10 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
     let data_cfg = args.data.config(t.seed, t.max_seq_len, t.max_seq_len, args.train_on_prompt)?;
     let data = data::phases::sft_data(&data_cfg, &tokenizer)?;
     println!("{}", data.summary);
-    let dp = t.dist.data_parallel_with_stage3(&data_group, t.zero_stage)?;
+    // Every rank takes its share of each global micro-batch of per-device x world rows.
+    let micro_per_epoch = data.train.len().div_ceil(world).div_ceil(t.per_device_train_batch_size);
+    let steps = total_steps(micro_per_epoch, t.num_train_epochs, t.gradient_accumulation_steps);
+    let engine_cfg = t.engine_config(lr, steps, &data_group)?;
     if let Some(line) = t.apply_lora(&mut start.params, &config)? {
         println!("{line}");
     }
@@ -81,182 +84,67 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
         None => params,
     };
     // What the optimizer updates: everything, or with --only-optimize-lora the adapters alone.
-    let trainable = params.trainable();
+    let trainable = params.trainable().numel();
     println!(
         "{}",
         MemoryPlan::new(&config, t.per_device_train_batch_size, t.max_seq_len, t.gradient_checkpointing)
-            .with_parameters(params.numel(), trainable.numel())
+            .with_parameters(params.numel(), trainable)
             .with_gradient_accumulation(t.gradient_accumulation_steps)
             .with_lora(t.lora().is_some())
             .with_compute_dtype(t.precision.dtype.dtype())
             .on_device(&device)
             .with_tensor_parallel(tp.as_ref().map_or(1, |t| t.size()))
-            .with_data_parallel(dp.stage, world)
+            .with_data_parallel(engine_cfg.parallel.zero_stage, world)
             .report()
     );
-    // Forward and backward run on a copy in the compute dtype (the masters themselves in fp32).
-    let precision = t.precision.precision();
     // Read now, so a bad prompts file fails before training rather than after it.
     let prompts =
         args.eval_prompts.as_ref().map(|spec| data::prompts::read_prompts(spec, args.num_eval_prompts)).transpose()?;
-    // Every rank takes its share of each global micro-batch of per-device x world rows.
-    let micro_per_epoch = data.train.len().div_ceil(world).div_ceil(t.per_device_train_batch_size);
-    let steps = total_steps(micro_per_epoch, t.num_train_epochs, t.gradient_accumulation_steps);
-    let (model, mut trainer) =
-        t.trained_model(dp, &config, (&params, &trainable), (lr, steps), tp.as_ref(), |compute| {
-            let mut model = match &tp {
-                Some(tp) => tp.model(compute, &config)?,
-                None => compute.model(&config)?,
-            };
-            model.fp32_loss = precision.fp32_loss;
-            Ok(TrainedModel::lm(model))
-        })?;
-    trainer.set_lora_learning_rate(&trainable, t.lora_learning_rate);
+    // Forward and backward run on a copy in the compute dtype (the masters themselves in fp32),
+    // or under ZeRO-3 on weights gathered in it from this rank's shard of the masters.
+    let ranks = Ranks { data: data_group.clone(), tensor: tp.clone() };
+    let mut engine = Engine::new(&engine_cfg, &config, Head::Lm, params, ranks)?;
     // Under ZeRO stage 3 each rank keeps only its shard: the whole model goes now.
-    let (params, trainable) = match &model {
-        TrainedModel::Whole { .. } => (params, trainable),
-        TrainedModel::Sharded(_) => (ParamStore::default(), ParamStore::default()),
-    };
+    engine.release_masters();
     let mut metrics = Metrics::for_rank(group.rank(), &args.output_dir, steps, 0)?.with_sinks(
         args.train.log.sinks(&args.output_dir)?,
         &[],
         0,
     )?;
-    let eos = tokenizer.eos_id();
-
-    let mut summary = SftSummary {
-        steps: 0,
-        epochs: t.num_train_epochs,
+    let mut task = SftTask {
+        args,
+        data: &data,
+        data_group: &data_group,
+        eos: tokenizer.eos_id(),
+        device: &device,
         perplexity: Vec::new(),
+    };
+    let plan = EpochPlan {
+        epochs: t.num_train_epochs,
+        micro_per_epoch,
+        steps,
+        seed: t.seed,
+        log_interval: t.log_interval,
+        unit: "tokens",
+        group: &data_group,
+    };
+    let (rank, rows) = (data_group.rank(), data.train.len());
+    let done = train_epochs(&mut engine, &mut task, &plan, &mut metrics, |epoch| {
+        let order = data::pretrain::epoch_order(&(0..rows), t.seed, epoch as u64 - 1);
+        rank_micro_batches(&order, t.per_device_train_batch_size, rank, world)
+    })?;
+    let summary = SftSummary {
+        steps: done.steps,
+        epochs: t.num_train_epochs,
+        perplexity: task.perplexity,
         output_dir: args.output_dir.clone(),
     };
-    let report_eval = |metrics: &mut Metrics, epoch: usize, summary: &mut SftSummary| -> Result<()> {
-        if data.eval.is_empty() {
-            return Ok(());
-        }
-        // Each rank evaluates its share of the rows; the loss is the mean over all their tokens.
-        let share: Vec<SftSample> = data.eval.iter().skip(rank).step_by(world).cloned().collect();
-        let batches = data.eval.len().div_ceil(world).div_ceil(t.per_device_eval_batch_size);
-        let (sum, tokens) = eval_loss_sum(
-            &model,
-            (&share, batches, &data.eval[0]),
-            t.per_device_eval_batch_size,
-            eos,
-            args.train_on_prompt,
-            &device,
-        )?;
-        let mut totals = [sum, tokens as f64];
-        data_group.all_reduce_scalars(&mut totals, ReduceOp::Sum)?;
-        let loss = totals[0] / totals[1].max(1.0);
-        let ppl = loss.exp();
-        metrics.println(&format!(
-            "***** Evaluating perplexity, Epoch {epoch}/{} *****\nppl: {ppl:.4}, loss: {loss:.4}",
-            t.num_train_epochs
-        ));
-        metrics.record(json!({"epoch": epoch, "eval_loss": loss, "eval_ppl": ppl}))?;
-        summary.perplexity.push(ppl);
-        Ok(())
-    };
-    report_eval(&mut metrics, 0, &mut summary)?;
-
-    let mut log = StepLog::for_trainer(t.log_interval, steps, "tokens", &trainer);
-    let mut micro_index = 0u64;
-    let mut train_secs = 0f64;
-    for epoch in 1..=t.num_train_epochs {
-        metrics.println(&format!(
-            "Beginning of Epoch {epoch}/{}, Total Micro Batches {micro_per_epoch}",
-            t.num_train_epochs
-        ));
-        let order = data::pretrain::epoch_order(&(0..data.train.len()), t.seed, epoch as u64 - 1);
-        for chunk in rank_micro_batches(&order, t.per_device_train_batch_size, rank, world) {
-            let started = Instant::now();
-            let rows: Vec<&SftSample> = chunk.iter().map(|&i| &data.train[i]).collect();
-            let batch = sft_batch(&rows, eos, args.train_on_prompt);
-            micro_index += 1;
-            // Each rank draws its own masks (its rows differ); rank 0 draws one rank's masks.
-            let key = DropoutKey { seed: t.seed, step: micro_index, micro_batch: rank as u64 };
-            let dropout = Dropout::from_config(&config, key);
-            // The loss is a mean over the learned tokens of the whole global micro-batch, as one
-            // rank holding all of it would compute: each rank's mean weighs by its share of them.
-            let local_tokens = batch.loss_rows.len() as f64;
-            let mut tokens = [local_tokens];
-            data_group.all_reduce_scalars(&mut tokens, ReduceOp::Sum)?;
-            let share = local_tokens * world as f64 / tokens[0].max(1.0);
-            let how =
-                Backward { checkpoint_activations: t.gradient_checkpointing, loss_scale: trainer.loss_scale() * share };
-            let loss = sft_forward_backward(&model, &batch, Some(&dropout), how, &mut trainer, &device)?;
-            // The logged loss is the global micro-batch's.
-            let mut sums = [f64::from(loss) * local_tokens];
-            data_group.all_reduce_scalars(&mut sums, ReduceOp::Sum)?;
-            let loss = (sums[0] / tokens[0].max(1.0)) as f32;
-            let stepped = trainer.micro_batch_done(&trainable)?;
-            train_secs += started.elapsed().as_secs_f64();
-            log.micro_batch(loss, batch.b * batch.t * world, started.elapsed().as_secs_f64(), epoch)?;
-            if let Some(r) = stepped {
-                summary.steps = r.step;
-                log.step(&mut metrics, &r, epoch, loss)?;
-            }
-        }
-        if epoch == t.num_train_epochs {
-            if let Some(r) = trainer.flush(&trainable)? {
-                summary.steps = r.step;
-            }
-        }
-        report_eval(&mut metrics, epoch, &mut summary)?;
-    }
     metrics.finish();
     // Before saving, which gathers the model under ZeRO-3: what training itself used.
-    if group.world() > 1 {
-        let subgroups: Vec<&ProcessGroup> = tp.iter().flat_map(|t| [&*t.layout.tp, &*t.layout.dp]).collect();
-        let (line, record) = hybrid_engine::training::metrics::rank_usage(&group, &subgroups, train_secs);
-        println!("{line}");
-        metrics.record(record)?;
-    }
-    if let Some(tp) = &tp {
-        let (line, record) =
-            hybrid_engine::training::metrics::parallel_traffic(&tp.layout.tp, &tp.layout.dp, summary.steps);
-        println!("{line}");
-        metrics.record(record)?;
-    }
-
-    // The held-out comparison is written with the model, in the same atomic save, so the
-    // directory never holds a comparison of another run's model. Under ZeRO-3 every rank takes
-    // part in gathering the weights.
-    let gathered = gather_for_saving(&model, &params, tp.as_ref(), &config)?;
-    if !group.is_first() {
-        // Rank 0 saves the model the ranks share and compares it on the prompts.
-        group.barrier()?;
-        return Ok(summary);
-    }
-    let params = gathered.as_ref().unwrap_or(&params);
-    let prompt_eval_lines = match (&prompts, baseline_weights) {
-        (Some(prompts), Some(weights)) => {
-            let baseline = weights.model(&config)?;
-            let rebuilt;
-            let tuned = match (&model, &tp) {
-                (TrainedModel::Whole { trunk, .. }, None) => &**trunk,
-                _ => {
-                    rebuilt = params.model(&config)?;
-                    &rebuilt
-                }
-            };
-            let comparisons =
-                prompt_eval::compare(&baseline, tuned, &tokenizer, prompts, args.max_new_tokens, &device)?;
-            print!("{}", prompt_eval::render(&comparisons));
-            let lines: Vec<String> = comparisons.iter().map(|c| json!(c).to_string() + "\n").collect();
-            Some(lines.concat())
-        }
-        _ => None,
-    };
-    // The model directory has LoRA merged; a frozen base's adapter is also saved on its own.
-    t.save_step_model("fine-tuned model", &args.output_dir, &config, params, "CAUSAL_LM", &|d| {
-        tokenizer.save(&d.join("tokenizer.json"))?;
-        match &prompt_eval_lines {
-            Some(text) => Ok(std::fs::write(d.join(PROMPT_EVAL_FILE), text)?),
-            None => Ok(()),
-        }
-    })?;
-    let peak = peak_rss_mib();
+    record_parallel_usage(&mut metrics, &group, tp.as_ref().map(|t| &t.layout), done.train_secs, summary.steps)?;
+    let compare = prompts.zip(baseline_weights);
+    save(args, &group, &engine, &tokenizer, compare, &device)?;
+    let peak = peak_rss_mib().filter(|_| group.is_first());
     if let Some(p) = peak {
         println!("peak memory (RSS): {p:.1} MiB");
     }
@@ -265,18 +153,115 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
     Ok(summary)
 }
 
-/// The loss of one micro-batch, its gradients added to the trainer's accumulator.
-fn sft_forward_backward(
-    model: &TrainedModel,
-    batch: &SftBatch,
-    dropout: Option<&Dropout>,
-    how: Backward,
-    trainer: &mut Trainer,
+/// Step 1's micro-batches, loss and evaluation.
+struct SftTask<'a> {
+    args: &'a SftArgs,
+    data: &'a data::phases::PhaseData<SftSample>,
+    /// The ranks the rows are split over.
+    data_group: &'a ProcessGroup,
+    eos: u32,
+    device: &'a Device,
+    /// Eval perplexity before training, then after each epoch.
+    perplexity: Vec<f64>,
+}
+
+impl EpochTask for SftTask<'_> {
+    type Batch = SftBatch;
+
+    /// The loss is a mean over the learned tokens.
+    fn batch(&self, rows: &[usize]) -> Result<(SftBatch, f64, usize)> {
+        let rows: Vec<&SftSample> = rows.iter().map(|&i| &self.data.train[i]).collect();
+        let batch = sft_batch(&rows, self.eos, self.args.train_on_prompt);
+        let (tokens, items) = (batch.loss_rows.len() as f64, batch.b * batch.t);
+        Ok((batch, tokens, items))
+    }
+
+    fn forward_backward(
+        &mut self,
+        engine: &mut Engine,
+        batch: &SftBatch,
+        dropout: &Dropout,
+        share: f64,
+    ) -> Result<f32> {
+        let (ids, rows, targets) = batch_tensors(batch, self.device)?;
+        engine.forward_backward(&ids, &Positions::default(), Some(dropout), share, |w, hidden| {
+            w.trunk.lm_loss_at(hidden, &rows, &targets)
+        })
+    }
+
+    /// The perplexity on the eval rows, logged and kept.
+    fn evaluate(&mut self, engine: &Engine, metrics: &mut Metrics, epoch: usize) -> Result<()> {
+        let (t, data) = (&self.args.train, self.data);
+        if data.eval.is_empty() {
+            return Ok(());
+        }
+        let (rank, world) = (self.data_group.rank(), self.data_group.world());
+        // Each rank evaluates its share of the rows; the loss is the mean over all their tokens.
+        let share: Vec<SftSample> = data.eval.iter().skip(rank).step_by(world).cloned().collect();
+        let batches = data.eval.len().div_ceil(world).div_ceil(t.per_device_eval_batch_size);
+        let (sum, tokens) = eval_loss_sum(
+            engine.model(),
+            (&share, batches, &data.eval[0]),
+            t.per_device_eval_batch_size,
+            self.eos,
+            self.args.train_on_prompt,
+            self.device,
+        )?;
+        let mut totals = [sum, tokens as f64];
+        self.data_group.all_reduce_scalars(&mut totals, ReduceOp::Sum)?;
+        let loss = totals[0] / totals[1].max(1.0);
+        let ppl = loss.exp();
+        metrics.println(&format!(
+            "***** Evaluating perplexity, Epoch {epoch}/{} *****\nppl: {ppl:.4}, loss: {loss:.4}",
+            t.num_train_epochs
+        ));
+        metrics.record(json!({"epoch": epoch, "eval_loss": loss, "eval_ppl": ppl}))?;
+        self.perplexity.push(ppl);
+        Ok(())
+    }
+}
+
+/// Saves the fine-tuned model on rank 0 (every rank takes part in gathering its weights), with
+/// the held-out comparison when `compare` holds the prompts and the starting weights: written
+/// in the same atomic save, so the directory never holds a comparison of another run's model.
+fn save(
+    args: &SftArgs,
+    group: &ProcessGroup,
+    engine: &Engine,
+    tokenizer: &Tokenizer,
+    compare: Option<(Vec<String>, ParamStore)>,
     device: &Device,
-) -> Result<f32> {
-    let (ids, rows, targets) = batch_tensors(batch, device)?;
-    model.forward_backward(&ids, &Positions::default(), dropout, how, trainer.grads(), |w, hidden| {
-        w.trunk.lm_loss_at(hidden, &rows, &targets)
+) -> Result<()> {
+    let gathered = engine.gather_weights()?;
+    if !group.is_first() {
+        return Ok(());
+    }
+    let (params, config) = (gathered.params(engine), &engine.config);
+    let prompt_eval_lines = match compare {
+        Some((prompts, weights)) => {
+            let baseline = weights.model(config)?;
+            let rebuilt;
+            let tuned = match (engine.model(), engine.tensor_parallel()) {
+                (TrainedModel::Whole { trunk, .. }, None) => &**trunk,
+                _ => {
+                    rebuilt = params.model(config)?;
+                    &rebuilt
+                }
+            };
+            let comparisons = prompt_eval::compare(&baseline, tuned, tokenizer, &prompts, args.max_new_tokens, device)?;
+            print!("{}", prompt_eval::render(&comparisons));
+            let lines: Vec<String> = comparisons.iter().map(|c| json!(c).to_string() + "\n").collect();
+            Some(lines.concat())
+        }
+        None => None,
+    };
+    // The model directory has LoRA merged; a frozen base's adapter is also saved on its own.
+    args.train.save_step_model("fine-tuned model", &args.output_dir, config, params, "CAUSAL_LM", &|d| {
+        tokenizer.save(&d.join("tokenizer.json"))?;
+        match &prompt_eval_lines {
+            Some(text) => Ok(std::fs::write(d.join(PROMPT_EVAL_FILE), text)?),
+            None => Ok(()),
+        }
     })
 }
 

@@ -2,7 +2,7 @@
 //! `pretrain_gpt2.py`: pack a corpus into blocks, split train/valid/test, train with AdamW and a
 //! warmup + decay schedule, evaluate perplexity, checkpoint atomically and resume exactly.
 //! `--dtype fp16|bf16` computes in half precision on fp32 master weights, as every step does
-//! (the [`Trainer`]: Megatron's `--fp16` with its dynamic loss scale, or `--bf16`).
+//! (the [`Engine`]: Megatron's `--fp16` with its dynamic loss scale, or `--bf16`).
 
 use crate::pretrain_args::{PretrainArgs, PretrainConfig};
 use anyhow::{bail, Context, Result};
@@ -10,22 +10,20 @@ use candle_core::{Device, Tensor};
 use data::{BlockSampler, CorpusSource, PackedCorpus, SamplerCursor, Tokenizer};
 use hybrid_engine::checkpoints::resume::{self, OptimizerShard, TrainerState, FORMAT_VERSION};
 use hybrid_engine::comm::{ProcessGroup, ReduceOp};
+use hybrid_engine::engine::{Engine, Head, Ranks};
 use hybrid_engine::kernels::ops::DropoutKey;
 use hybrid_engine::model::gpt2::{Dropout, Positions};
 use hybrid_engine::training::memory::MemoryPlan;
-use hybrid_engine::training::metrics::{peak_rss_mib, Metrics};
+use hybrid_engine::training::metrics::{peak_rss_mib, record_parallel_usage, Metrics};
 use hybrid_engine::training::optim::{AdamW, AdamWConfig};
 use hybrid_engine::training::schedule::LrSchedule;
 use hybrid_engine::training::tensor_parallel::{data_group, TensorParallel};
-use hybrid_engine::training::train_step::{Backward, TrainedModel};
-use hybrid_engine::training::trainer::{Trainer, TrainerProgress};
+use hybrid_engine::training::trainer::{StepReport, Trainer, TrainerProgress};
 use hybrid_engine::training::zero::ZeroStage;
-use hybrid_engine::training::zero3::ShardedModel;
 use hybrid_engine::ParamStore;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use std::ops::Range;
-use std::rc::Rc;
 use std::time::Instant;
 
 /// What a pretraining run reports at the end (also the last record of metrics.jsonl).
@@ -104,7 +102,7 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
         println!("{}", tp.describe());
     }
     let data_group = data_group(&group, tp.as_ref());
-    let (rank, world) = (data_group.rank(), data_group.world());
+    let world = data_group.world();
     let accumulation = args.gradient_accumulation(world)?;
     println!("device: {}", hybrid_engine::device::describe(&device));
 
@@ -154,59 +152,10 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
         .with_tensor_parallel(tp.as_ref().map_or(1, |t| t.size()))
         .with_data_parallel(ZeroStage::from_number(args.zero_stage)?, world);
     hybrid_engine::training::memory::check_plan_fits(&plan, &device)?;
-    // What a checkpoint restores beyond the weights: the optimizer state, its step (fewer than
-    // the iterations when fp16 skipped some) and the trainer's counters.
-    struct Resume {
-        optimizer: resume::OptimizerState,
-        optimizer_step: u64,
-        progress: Option<TrainerProgress>,
+    let (params, start, cursor, resume) = start_or_resume(args, &layout, &mut model_cfg, tp.as_ref(), &device)?;
+    if cursor.position > train.len() {
+        bail!("checkpoint's data cursor is past the end of the training split: the corpus changed since it was saved");
     }
-    let (params, start, cursor, resume) = match &args.load {
-        None => {
-            // Under tensor parallelism each rank draws the same weights but keeps its slices.
-            let params = match &tp {
-                Some(tp) => tp.init(&model_cfg, args.seed, &device)?,
-                None => ParamStore::init(&model_cfg, args.seed, &device)?,
-            };
-            (params, 0, SamplerCursor::default(), None)
-        }
-        Some(root) => {
-            let ck = resume::load_checkpoint(root, &device)?;
-            check_same_shape(&ck.model.config, &model_cfg)?;
-            let run: PretrainRunState = serde_json::from_value(ck.state.run.clone()).context(
-                "checkpoint's trainer_state.json lacks pretraining's run state (data layout, schedule, optimizer)",
-            )?;
-            let saved = run.data;
-            if !layout.continues(&saved) {
-                bail!(
-                    "--load {}: the checkpoint was trained on different data or batching ({saved:?}); resume with the same --data-path, --seq-length, --split and global batch (--micro-batch-size x ranks x --gradient-accumulation-steps = {} now, {} then)",
-                    root.display(),
-                    layout.global_batch(),
-                    saved.global_batch()
-                );
-            }
-            let cursor: SamplerCursor = serde_json::from_value(ck.state.data_cursor.clone())
-                .context("checkpoint's data cursor is malformed")?;
-            if cursor.position > train.len() {
-                bail!("checkpoint's data cursor is past the end of the training split: the corpus changed since it was saved");
-            }
-            let progress = run.trainer;
-            let optimizer_step = run.optimizer_step.unwrap_or(ck.state.iteration);
-            model_cfg = ck.model.config.clone();
-            if let Some(p) = args.dropout {
-                (model_cfg.resid_pdrop, model_cfg.embd_pdrop, model_cfg.attn_pdrop) = (p, p, p);
-            }
-            let params = ParamStore::from_tensors(&model_cfg, &ck.model.tensors, &device)?;
-            // Checkpoints are consolidated: under tensor parallelism each rank keeps its slices.
-            let params = match &tp {
-                Some(tp) => tp.slice(params, &model_cfg)?,
-                None => params,
-            };
-            println!("resumed from {} at iteration {}", ck.model.dir.display(), ck.state.iteration);
-            let resume = Resume { optimizer: ck.optimizer, optimizer_step, progress };
-            (params, ck.state.iteration, cursor, Some(resume))
-        }
-    };
     if tokenizer.vocab_size() > model_cfg.vocab_size {
         bail!(
             "the tokenizer has {} tokens but the model's embedding only {} rows: use a matching --tokenizer",
@@ -215,220 +164,288 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
         );
     }
     // Forward and backward run on a copy in the compute dtype (the masters themselves in fp32);
-    // the trainer accumulates, unscales, checks and applies the gradients to the fp32 masters.
+    // the engine accumulates, unscales, checks and applies the gradients to the fp32 masters.
     // Under tensor parallelism the masters are this rank's slices.
-    let precision = args.precision.precision();
-    let dp = args.dist.data_parallel_with_stage3(&data_group, args.zero_stage)?;
-    let (model, mut trainer) = if dp.shards_parameters() {
-        let mut sharded = ShardedModel::new(data_group.clone(), &model_cfg, &params, precision.dtype.dtype())?;
-        if let Some(tp) = &tp {
-            sharded = sharded.with_tensor_parallel(tp.tp().clone());
-        }
-        sharded.fp32_loss = precision.fp32_loss;
-        let sharded = Rc::new(sharded);
-        let (adam, schedule, scaling) = (cfg.adam.clone(), cfg.schedule.clone(), args.precision.loss_scaling());
-        let trainer =
-            Trainer::sharded(sharded.clone(), adam, schedule, accumulation, args.clip_grad, precision, scaling);
-        (TrainedModel::Sharded(sharded), trainer)
-    } else {
-        let compute = params.compute_copy(precision.dtype.dtype())?;
-        let mut model = match &tp {
-            Some(tp) => tp.model(&compute, &model_cfg)?,
-            None => compute.model(&model_cfg)?,
-        };
-        model.fp32_loss = precision.fp32_loss;
-        let mut trainer = Trainer::new(&params, cfg.adam.clone(), cfg.schedule.clone(), accumulation, args.clip_grad)?
-            .with_precision(precision, &compute, args.precision.loss_scaling())
-            .with_data_parallel(dp);
-        if let Some(tp) = &tp {
-            trainer = trainer.with_tensor_parallel(tp.tp().clone(), &params);
-        }
-        (TrainedModel::lm(model), trainer)
-    };
+    let engine_cfg = args.engine_config(&cfg, accumulation, &data_group)?;
+    let ranks = Ranks { data: data_group.clone(), tensor: tp.clone() };
+    let mut engine = Engine::new(&engine_cfg, &model_cfg, Head::Lm, params, ranks)?;
     // A checkpoint holds the whole optimizer state, so it loads into any world size or stage:
     // each rank keeps its shard of the moments.
     if let Some(r) = &resume {
-        match &tp {
-            // The checkpoint holds whole moments: restore them whole, then keep this rank's slices.
-            Some(tp) => {
-                let numels = tp.whole_numels(&params, &model_cfg);
-                let ranges = numels.iter().map(|&n| 0..n).collect();
-                let mut whole = AdamW::over_ranges(cfg.adam.clone(), &params.names, ranges);
-                r.optimizer.restore(&mut whole, &params.names, &numels)?;
-                tp.slice_optimizer(&whole, &params, &mut trainer.optimizer, &model_cfg)?;
-            }
-            None => {
-                let numels: Vec<usize> = params.vars.iter().map(|v| v.elem_count()).collect();
-                r.optimizer.restore(&mut trainer.optimizer, &params.names, &numels)?
-            }
-        }
-        trainer.optimizer.step = r.optimizer_step;
         let progress =
             r.progress.clone().unwrap_or(TrainerProgress { boundaries: start, forced_skips: 0, scaler: None });
-        trainer.restore_progress(&progress)?;
+        engine.restore_optimizer(
+            |opt, names, numels| r.optimizer.restore(opt, names, numels),
+            r.optimizer_step,
+            &progress,
+        )?;
     }
     // Under ZeRO stage 3 each rank keeps only its shard: the whole model goes now.
-    let masters = match &model {
-        TrainedModel::Whole { .. } => params,
-        TrainedModel::Sharded(_) => ParamStore::default(),
-    };
-    let mut sampler = BlockSampler::with_cursor(train.clone(), args.seed, cursor).context(
+    engine.release_masters();
+    let sampler = BlockSampler::with_cursor(train.clone(), args.seed, cursor).context(
         "cannot resume: --data-path, --split or --seq-length differ from the run that saved the checkpoint (use the same, or start anew without --load)",
     )?;
     println!("{}", plan.report());
-    if precision.dtype != hybrid_engine::training::precision::Dtype::Fp32 {
-        println!("compute dtype: {} (fp32 master weights and Adam moments)", precision.dtype.name());
+    if engine_cfg.precision.dtype != hybrid_engine::training::precision::Dtype::Fp32 {
+        println!("compute dtype: {} (fp32 master weights and Adam moments)", engine_cfg.precision.dtype.name());
     }
 
-    let mut metrics = Metrics::for_rank(group.rank(), &args.output_dir, args.train_iters, start)?.with_sinks(
+    let metrics = Metrics::for_rank(group.rank(), &args.output_dir, args.train_iters, start)?.with_sinks(
         args.log.sinks(&args.output_dir)?,
         hybrid_engine::telemetry::tensorboard::MEGATRON_TAGS,
         start,
     )?;
-    let eval_batches = data::eval_indices(&valid, args.eval_iters, args.micro_batch_size);
-    let samples_per_iter = layout.global_batch();
-    let tokens_per_iter = (samples_per_iter * args.seq_length) as f64;
-    let mut summary = PretrainSummary {
-        iterations: start,
-        first_loss: None,
-        last_loss: None,
-        valid_loss: None,
-        valid_ppl: None,
-        test_loss: None,
-        checkpoint: None,
+    let mut run = Pretraining {
+        args,
+        cfg: &cfg,
+        layout: &layout,
+        corpus: &corpus,
+        group: &group,
+        data_group: &data_group,
+        tokenizer: &tokenizer,
+        device: &device,
+        eval_batches: data::eval_indices(&valid, args.eval_iters, args.micro_batch_size),
+        engine,
+        metrics,
+        sampler,
+        summary: PretrainSummary {
+            iterations: start,
+            first_loss: None,
+            last_loss: None,
+            valid_loss: None,
+            valid_ppl: None,
+            test_loss: None,
+            checkpoint: None,
+        },
+        last_saved: args.load.as_ref().map(|_| start),
     };
-    let mut last_saved = args.load.as_ref().map(|_| start);
-    // Only training time counts towards ms/iteration and tokens/s (not evaluation or saving).
-    let (mut interval_loss, mut interval_iters, mut interval_secs) = (0f64, 0u64, 0f64);
-    let mut train_secs = 0f64;
+    let train_secs = run.train(start)?;
+    run.finish(start, train_secs, &test)
+}
 
-    for iteration in start + 1..=args.train_iters {
-        let iteration_start = Instant::now();
+/// What a checkpoint restores beyond the weights: the optimizer state, its step (fewer than
+/// the iterations when fp16 skipped some) and the trainer's counters.
+struct Resume {
+    optimizer: resume::OptimizerState,
+    optimizer_step: u64,
+    progress: Option<TrainerProgress>,
+}
+
+/// The weights to train (this rank's slices under tensor parallelism), the iteration they are
+/// at, the data cursor and what else to restore: fresh weights of `model_cfg`, or `--load`'s
+/// checkpoint (whose config then replaces `model_cfg`, with `--dropout` applied), checked
+/// against this run's `layout`.
+fn start_or_resume(
+    args: &PretrainArgs,
+    layout: &DataLayout,
+    model_cfg: &mut hybrid_engine::Gpt2Config,
+    tp: Option<&TensorParallel>,
+    device: &Device,
+) -> Result<(ParamStore, u64, SamplerCursor, Option<Resume>)> {
+    let Some(root) = &args.load else {
+        // Under tensor parallelism each rank draws the same weights but keeps its slices.
+        let params = match tp {
+            Some(tp) => tp.init(model_cfg, args.seed, device)?,
+            None => ParamStore::init(model_cfg, args.seed, device)?,
+        };
+        return Ok((params, 0, SamplerCursor::default(), None));
+    };
+    let ck = resume::load_checkpoint(root, device)?;
+    check_same_shape(&ck.model.config, model_cfg)?;
+    let run: PretrainRunState = serde_json::from_value(ck.state.run.clone())
+        .context("checkpoint's trainer_state.json lacks pretraining's run state (data layout, schedule, optimizer)")?;
+    let saved = run.data;
+    if !layout.continues(&saved) {
+        bail!(
+            "--load {}: the checkpoint was trained on different data or batching ({saved:?}); resume with the same --data-path, --seq-length, --split and global batch (--micro-batch-size x ranks x --gradient-accumulation-steps = {} now, {} then)",
+            root.display(),
+            layout.global_batch(),
+            saved.global_batch()
+        );
+    }
+    let cursor: SamplerCursor =
+        serde_json::from_value(ck.state.data_cursor.clone()).context("checkpoint's data cursor is malformed")?;
+    let optimizer_step = run.optimizer_step.unwrap_or(ck.state.iteration);
+    *model_cfg = ck.model.config.clone();
+    if let Some(p) = args.dropout {
+        (model_cfg.resid_pdrop, model_cfg.embd_pdrop, model_cfg.attn_pdrop) = (p, p, p);
+    }
+    let params = ParamStore::from_tensors(model_cfg, &ck.model.tensors, device)?;
+    // Checkpoints are consolidated: under tensor parallelism each rank keeps its slices.
+    let params = match tp {
+        Some(tp) => tp.slice(params, model_cfg)?,
+        None => params,
+    };
+    println!("resumed from {} at iteration {}", ck.model.dir.display(), ck.state.iteration);
+    let resume = Resume { optimizer: ck.optimizer, optimizer_step, progress: run.trainer };
+    Ok((params, ck.state.iteration, cursor, Some(resume)))
+}
+
+/// Pretraining's loop and what it carries from one iteration to the next.
+struct Pretraining<'a> {
+    args: &'a PretrainArgs,
+    cfg: &'a PretrainConfig,
+    layout: &'a DataLayout,
+    corpus: &'a PackedCorpus,
+    /// Every rank (checkpoints are collectives over all of them).
+    group: &'a ProcessGroup,
+    /// The ranks the data is split over.
+    data_group: &'a ProcessGroup,
+    tokenizer: &'a Tokenizer,
+    device: &'a Device,
+    /// The validation batches (the same at every evaluation).
+    eval_batches: Vec<Vec<usize>>,
+    engine: Engine,
+    metrics: Metrics,
+    sampler: BlockSampler,
+    summary: PretrainSummary,
+    /// The iteration of the last checkpoint this run saved or resumed from.
+    last_saved: Option<u64>,
+}
+
+impl Pretraining<'_> {
+    /// The iterations after `start` up to `--train-iters`, logging, evaluating and saving at
+    /// their intervals; returns the seconds spent training (not evaluating or saving).
+    fn train(&mut self, start: u64) -> Result<f64> {
+        let args = self.args;
+        let tokens_per_iter = (self.layout.global_batch() * args.seq_length) as f64;
+        let (mut interval_loss, mut interval_iters, mut interval_secs) = (0f64, 0u64, 0f64);
+        let mut train_secs = 0f64;
+        for iteration in start + 1..=args.train_iters {
+            let started = Instant::now();
+            let (loss, report) = self.iteration(iteration)?;
+            interval_secs += started.elapsed().as_secs_f64();
+            train_secs += started.elapsed().as_secs_f64();
+            let (lr, grad_norm) = (report.lr, report.grad_norm);
+            let consumed = iteration * self.layout.global_batch() as u64;
+            self.summary.first_loss.get_or_insert(loss);
+            self.summary.last_loss = Some(loss);
+            self.summary.iterations = iteration;
+            self.metrics.record(json!({
+                "iteration": iteration,
+                "lm_loss": loss,
+                "lr": lr,
+                "grad_norm": grad_norm,
+                "loss_scale": report.loss_scale,
+                "skipped": report.skipped,
+                "skipped_iterations": report.skipped_steps,
+                "consumed_samples": consumed,
+            }))?;
+            self.metrics.advance(format!("loss {loss:.3}"));
+            interval_loss += loss as f64;
+            interval_iters += 1;
+
+            if iteration % args.log_interval == 0 || iteration == args.train_iters {
+                let ms = 1000.0 * interval_secs / interval_iters as f64;
+                let tps = tokens_per_iter * interval_iters as f64 / interval_secs;
+                self.metrics.println(&format!(
+                    " iteration {iteration:>8}/{:>8} | consumed samples: {consumed:>10} | elapsed time per iteration (ms): {ms:.1} | learning rate: {lr:.3E} | lm loss: {:.6E} | loss scale: {:.1} | grad norm: {grad_norm:.3} | number of skipped iterations: {:>3} | tokens/s: {tps:.0} |",
+                    args.train_iters,
+                    interval_loss / interval_iters as f64,
+                    report.loss_scale,
+                    report.skipped_steps,
+                ));
+                self.metrics.record(json!({"iteration": iteration, "ms_per_iteration": ms, "tokens_per_sec": tps, "interval_lm_loss": interval_loss / interval_iters as f64}))?;
+                (interval_loss, interval_iters, interval_secs) = (0.0, 0, 0.0);
+            }
+            if args.eval_interval > 0 && iteration % args.eval_interval == 0 && iteration != args.train_iters {
+                let l = evaluate(&self.engine, self.corpus, &self.eval_batches, self.device)?;
+                report_eval(&self.metrics, "validation", iteration, l);
+                self.metrics.record(json!({"iteration": iteration, "valid_loss": l, "valid_ppl": l.exp()}))?;
+            }
+            if args.save_interval > 0 && iteration % args.save_interval == 0 {
+                if let Some(dir) = self.save(iteration)? {
+                    self.metrics.println(&format!(" saved checkpoint at iteration {iteration} to {}", dir.display()));
+                }
+            }
+        }
+        Ok(train_secs)
+    }
+
+    /// One iteration: every micro-batch's forward and backward, then the optimizer step.
+    /// Returns the global batch's loss and the step's report.
+    fn iteration(&mut self, iteration: u64) -> Result<(f32, StepReport)> {
+        let args = self.args;
+        let (rank, world) = (self.data_group.rank(), self.data_group.world());
+        let accumulation = self.layout.gradient_accumulation_steps;
         let mut loss = 0f32;
         let mut report = None;
         for micro in 0..accumulation {
-            // Every rank draws the global micro-batch (so the sampler, and its checkpointed cursor,
-            // is the same everywhere) and trains on its own slice of it.
-            let global = sampler.next_indices(args.micro_batch_size * world);
+            // Every rank draws the global micro-batch (so the sampler, and its checkpointed
+            // cursor, is the same everywhere) and trains on its own slice of it.
+            let global = self.sampler.next_indices(args.micro_batch_size * world);
             let mine = &global[rank * args.micro_batch_size..(rank + 1) * args.micro_batch_size];
-            let (x, y) = batch(&corpus, mine, &device)?;
+            let (x, y) = batch(self.corpus, mine, self.device)?;
             let key = DropoutKey { seed: args.seed, step: iteration, micro_batch: (micro * world + rank) as u64 };
-            let dropout = Dropout::from_config(&model_cfg, key);
-            let how =
-                Backward { checkpoint_activations: args.checkpoint_activations, loss_scale: trainer.loss_scale() };
-            loss += model.lm_forward_backward(&x, &y, Some(&dropout), how, trainer.grads())? / accumulation as f32;
-            report = trainer.micro_batch_done(&masters)?;
+            let dropout = Dropout::from_config(&self.engine.config, key);
+            loss += self.engine.lm_forward_backward(&x, &y, Some(&dropout), 1.0)? / accumulation as f32;
+            report = self.engine.step()?;
         }
         let report = report.context("internal error: an iteration ended without an optimizer step")?;
         // The loss of the global batch: the mean over ranks (each one's is over equal blocks).
         let mut losses = [f64::from(loss)];
-        data_group.all_reduce_scalars(&mut losses, ReduceOp::Sum)?;
+        self.data_group.all_reduce_scalars(&mut losses, ReduceOp::Sum)?;
         let loss = (losses[0] / world as f64) as f32;
-        let (lr, grad_norm) = (report.lr, report.grad_norm);
-        interval_secs += iteration_start.elapsed().as_secs_f64();
-        train_secs += iteration_start.elapsed().as_secs_f64();
         // In fp16 an infinite loss is an overflow like any other: the scaler skips the update.
-        if !loss.is_finite() && trainer.scaler.is_none() {
+        if !loss.is_finite() && self.engine.trainer().scaler.is_none() {
             bail!("loss became {loss} at iteration {iteration}: lower --lr or raise --lr-warmup-iters");
         }
-        summary.first_loss.get_or_insert(loss);
-        summary.last_loss = Some(loss);
-        summary.iterations = iteration;
-        metrics.record(json!({
-            "iteration": iteration,
-            "lm_loss": loss,
-            "lr": lr,
-            "grad_norm": grad_norm,
-            "loss_scale": report.loss_scale,
-            "skipped": report.skipped,
-            "skipped_iterations": report.skipped_steps,
-            "consumed_samples": iteration * samples_per_iter as u64,
-        }))?;
-        metrics.advance(format!("loss {loss:.3}"));
-        interval_loss += loss as f64;
-        interval_iters += 1;
+        Ok((loss, report))
+    }
 
-        if iteration % args.log_interval == 0 || iteration == args.train_iters {
-            let secs = interval_secs;
-            let ms = 1000.0 * secs / interval_iters as f64;
-            let tps = tokens_per_iter * interval_iters as f64 / secs;
-            metrics.println(&format!(
-                " iteration {iteration:>8}/{:>8} | consumed samples: {:>10} | elapsed time per iteration (ms): {ms:.1} | learning rate: {lr:.3E} | lm loss: {:.6E} | loss scale: {:.1} | grad norm: {grad_norm:.3} | number of skipped iterations: {:>3} | tokens/s: {tps:.0} |",
-                args.train_iters,
-                iteration * samples_per_iter as u64,
-                interval_loss / interval_iters as f64,
-                report.loss_scale,
-                report.skipped_steps,
-            ));
-            metrics.record(json!({"iteration": iteration, "ms_per_iteration": ms, "tokens_per_sec": tps, "interval_lm_loss": interval_loss / interval_iters as f64}))?;
-            (interval_loss, interval_iters, interval_secs) = (0.0, 0, 0.0);
+    /// Saves a checkpoint at `iteration` (every rank together); its directory on rank 0.
+    fn save(&mut self, iteration: u64) -> Result<Option<std::path::PathBuf>> {
+        let state = trainer_state(iteration, self.args, &self.sampler, self.cfg, self.layout, self.engine.trainer());
+        let dir = save(self.group, &self.cfg.save_dir, &self.engine, &state, self.tokenizer)?;
+        if dir.is_some() {
+            self.summary.checkpoint.clone_from(&dir);
         }
-        if args.eval_interval > 0 && iteration % args.eval_interval == 0 && iteration != args.train_iters {
-            let l = evaluate(&model, &corpus, &eval_batches, &device)?;
-            report_eval(&metrics, "validation", iteration, l);
-            metrics.record(json!({"iteration": iteration, "valid_loss": l, "valid_ppl": l.exp()}))?;
-        }
-        if args.save_interval > 0 && iteration % args.save_interval == 0 {
-            let state = trainer_state(iteration, args, &sampler, &cfg, &layout, &trainer);
-            if let Some(dir) =
-                save(&group, &cfg.save_dir, &model_cfg, (&masters, &model, tp.as_ref()), &trainer, &state, &tokenizer)?
-            {
-                metrics.println(&format!(" saved checkpoint at iteration {iteration} to {}", dir.display()));
-                summary.checkpoint = Some(dir);
+        self.last_saved = Some(iteration);
+        Ok(dir)
+    }
+
+    /// After the loop: what training used, the last checkpoint, the last validation and the
+    /// test evaluation, the summary.
+    fn finish(mut self, start: u64, train_secs: f64, test: &Range<usize>) -> Result<PretrainSummary> {
+        let (args, group) = (self.args, self.group);
+        self.metrics.finish();
+        // Before saving, which gathers the model under ZeRO-3: what training itself used.
+        if group.world() == 1 {
+            if let Some(p) = peak_rss_mib() {
+                println!("peak memory in training (RSS): {p:.1} MiB");
             }
-            last_saved = Some(iteration);
         }
-    }
-    metrics.finish();
-    // Before saving, which gathers the model under ZeRO-3: what training itself used.
-    if group.world() == 1 {
-        if let Some(p) = peak_rss_mib() {
-            println!("peak memory in training (RSS): {p:.1} MiB");
-        }
-    } else {
-        let subgroups: Vec<&ProcessGroup> = tp.iter().flat_map(|t| [&*t.layout.tp, &*t.layout.dp]).collect();
-        let (line, record) = hybrid_engine::training::metrics::rank_usage(&group, &subgroups, train_secs);
-        println!("{line}");
-        metrics.record(record)?;
-    }
-    if let Some(tp) = &tp {
-        let iterations = summary.iterations - start;
-        let (line, record) =
-            hybrid_engine::training::metrics::parallel_traffic(&tp.layout.tp, &tp.layout.dp, iterations);
-        println!("{line}");
-        metrics.record(record)?;
-    }
+        let layout = self.engine.tensor_parallel().map(|t| t.layout.clone());
+        let iterations = self.summary.iterations - start;
+        record_parallel_usage(&mut self.metrics, group, layout.as_ref(), train_secs, iterations)?;
 
-    let end = summary.iterations;
-    if last_saved != Some(end) {
-        let state = trainer_state(end, args, &sampler, &cfg, &layout, &trainer);
-        if let Some(dir) =
-            save(&group, &cfg.save_dir, &model_cfg, (&masters, &model, tp.as_ref()), &trainer, &state, &tokenizer)?
-        {
-            println!(" saved checkpoint at iteration {end} to {}", dir.display());
-            summary.checkpoint = Some(dir);
+        let end = self.summary.iterations;
+        if self.last_saved != Some(end) {
+            if let Some(dir) = self.save(end)? {
+                println!(" saved checkpoint at iteration {end} to {}", dir.display());
+            }
+        } else if self.summary.checkpoint.is_none() && group.is_first() {
+            self.summary.checkpoint = Some(hybrid_engine::checkpoints::hf_io::latest_checkpoint(&self.cfg.save_dir)?);
         }
-    } else if summary.checkpoint.is_none() && group.is_first() {
-        summary.checkpoint = Some(hybrid_engine::checkpoints::hf_io::latest_checkpoint(&cfg.save_dir)?);
+        if !self.eval_batches.is_empty() {
+            let l = evaluate(&self.engine, self.corpus, &self.eval_batches, self.device)?;
+            report_eval(&self.metrics, "validation", end, l);
+            (self.summary.valid_loss, self.summary.valid_ppl) = (Some(l), Some(l.exp()));
+        }
+        let test_batches = data::eval_indices(test, args.eval_iters, args.micro_batch_size);
+        if !test_batches.is_empty() {
+            let l = evaluate(&self.engine, self.corpus, &test_batches, self.device)?;
+            report_eval(&self.metrics, "test", end, l);
+            self.summary.test_loss = Some(l);
+        }
+        let peak = peak_rss_mib();
+        if let Some(p) = peak {
+            println!("peak memory (RSS): {p:.1} MiB");
+        }
+        self.metrics.end(json!({"event": "end", "summary": self.summary, "peak_rss_mib": peak}))?;
+        group.barrier()?;
+        Ok(self.summary)
     }
-    if !eval_batches.is_empty() {
-        let l = evaluate(&model, &corpus, &eval_batches, &device)?;
-        report_eval(&metrics, "validation", end, l);
-        (summary.valid_loss, summary.valid_ppl) = (Some(l), Some(l.exp()));
-    }
-    let test_batches = data::eval_indices(&test, args.eval_iters, args.micro_batch_size);
-    if !test_batches.is_empty() {
-        let l = evaluate(&model, &corpus, &test_batches, &device)?;
-        report_eval(&metrics, "test", end, l);
-        summary.test_loss = Some(l);
-    }
-    let peak = peak_rss_mib();
-    if let Some(p) = peak {
-        println!("peak memory (RSS): {p:.1} MiB");
-    }
-    metrics.end(json!({"event": "end", "summary": summary, "peak_rss_mib": peak}))?;
-    group.barrier()?;
-    Ok(summary)
 }
 
 /// Saves a checkpoint (all ranks call this together): each rank writes the optimizer state it
@@ -439,27 +456,22 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
 fn save(
     group: &ProcessGroup,
     save_dir: &std::path::Path,
-    model_cfg: &hybrid_engine::Gpt2Config,
-    (masters, model, tp): (&ParamStore, &TrainedModel, Option<&TensorParallel>),
-    trainer: &Trainer,
+    engine: &Engine,
     state: &TrainerState,
     tokenizer: &Tokenizer,
 ) -> Result<Option<std::path::PathBuf>> {
+    let (trainer, model_cfg) = (engine.trainer(), &engine.config);
     let mut optimizer = &trainer.optimizer;
     let whole_optimizer: AdamW;
     let slices;
-    let (gathered, names, numels) = match (model, tp) {
-        (TrainedModel::Sharded(sharded), None) => {
-            (sharded.gather_params()?, sharded.trained_names(), sharded.trained_numels())
-        }
-        (model, Some(tp)) => {
+    let masters = engine.masters();
+    let (gathered, names, numels) = match (engine.sharded(), engine.tensor_parallel()) {
+        (Some(sharded), None) => (sharded.gather_params()?, sharded.trained_names(), sharded.trained_numels()),
+        (sharded, Some(tp)) => {
             // Only rank 0 writes the model and the optimizer state: its TP group gathers them,
             // the slices first put together from the data-parallel shards under ZeRO 1-3
             // (the first data-parallel rank of each TP rank holds them).
-            slices = match model {
-                TrainedModel::Sharded(sharded) => sharded.gather_params()?,
-                TrainedModel::Whole { .. } => None,
-            };
+            slices = sharded.map(|s| s.gather_params()).transpose()?.flatten();
             let masters = slices.as_ref().unwrap_or(masters);
             let whole = tp.gather(masters, model_cfg)?;
             let consolidated;
@@ -477,13 +489,11 @@ fn save(
             let numels = tp.whole_numels(masters, model_cfg);
             (whole.filter(|_| group.is_first()), &masters.names[..], numels)
         }
-        (TrainedModel::Whole { .. }, None) => {
-            (None, &masters.names[..], masters.vars.iter().map(|v| v.elem_count()).collect())
-        }
+        (None, None) => (None, &masters.names[..], masters.vars.iter().map(|v| v.elem_count()).collect()),
     };
     let params = gathered.as_ref().or(group.is_first().then_some(masters));
     // Under tensor parallelism rank 0 holds the consolidated optimizer.
-    let sharded = trainer.shards_optimizer() && tp.is_none();
+    let sharded = trainer.shards_optimizer() && engine.tensor_parallel().is_none();
     let shard = OptimizerShard { optimizer, names, numels: &numels, sharded };
     resume::save_checkpoint_across(group, save_dir, model_cfg, params, shard, state, &|d| {
         tokenizer.save(&d.join("tokenizer.json"))
@@ -504,14 +514,14 @@ fn batch(corpus: &PackedCorpus, idx: &[usize], device: &Device) -> Result<(Tenso
 }
 
 /// Mean LM loss over the given batches, dropout off.
-fn evaluate(model: &TrainedModel, corpus: &PackedCorpus, batches: &[Vec<usize>], device: &Device) -> Result<f64> {
+fn evaluate(engine: &Engine, corpus: &PackedCorpus, batches: &[Vec<usize>], device: &Device) -> Result<f64> {
     let mut total = 0f64;
     let mut progress = hybrid_engine::telemetry::progress::Phase::start("evaluating", "batches", batches.len() as u64);
     for idx in batches {
         progress.inc(1);
         let (x, y) = batch(corpus, idx, device)?;
         let targets = y.flatten_all()?;
-        let loss = model.with_hidden(&x, &Positions::default(), |w, hidden| {
+        let loss = engine.with_hidden(&x, &Positions::default(), |w, hidden| {
             Ok(w.trunk.lm_head_loss(hidden, &targets)?.to_scalar::<f32>()?)
         })?;
         total += loss as f64;

@@ -4,6 +4,8 @@
 use anyhow::{bail, Result};
 use clap::Parser;
 use hybrid_engine::cli;
+use hybrid_engine::comm::ProcessGroup;
+use hybrid_engine::engine::EngineConfig;
 use hybrid_engine::model::gpt2::Gpt2Config;
 use hybrid_engine::training::optim::AdamWConfig;
 use hybrid_engine::training::schedule::{DecayStyle, LrSchedule};
@@ -174,6 +176,27 @@ impl PretrainArgs {
             );
         }
         Ok(global / per_step)
+    }
+
+    /// How the model trains, with `cfg`'s optimizer and schedule, `accumulation` micro-batches an
+    /// iteration, over the data-parallel `group` (at `--zero-stage`, said in a line).
+    pub fn engine_config(
+        &self,
+        cfg: &PretrainConfig,
+        accumulation: usize,
+        group: &ProcessGroup,
+    ) -> Result<EngineConfig> {
+        Ok(EngineConfig {
+            optimizer: cfg.adam.clone(),
+            schedule: cfg.schedule.clone(),
+            gradient_accumulation_steps: accumulation,
+            gradient_clipping: self.clip_grad,
+            precision: self.precision.precision(),
+            loss_scaling: self.precision.loss_scaling(),
+            lora_learning_rate: None,
+            checkpoint_activations: self.checkpoint_activations,
+            parallel: self.dist.parallel_config(group, self.zero_stage, "")?,
+        })
     }
 
     /// Checks every flag that parsing has not (float ranges are checked there) and derives the model and optimizer configuration.
