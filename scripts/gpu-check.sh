@@ -3,7 +3,7 @@
 # run it from the unpacked package of scripts/package-gpu.sh (which packs this script).
 #
 #   0. unit-tests: the engine library's unit tests built with the CUDA feature, among them the
-#      CUDA kernels' own tests against the CPU (kernels::cuda::tests and AdamW's
+#      CUDA kernels' own tests against the CPU (kernels::ops::*::cuda_tests and AdamW's
 #      training::optim::tests::adamw_cuda_* and fused_gpu_step_*, which need the GPU);
 #   1. gpu_check: fp32 logits, loss and every gradient of the same gpt2 weights on CUDA against
 #      the CPU (1e-4), bf16/fp16 logits, greedy generation with the KV cache, NCCL at one rank;
@@ -59,7 +59,7 @@ cat "$here/VERSION" | tee -a "$summary"
 if [[ " $stages " == *" unit "* ]]; then
   # --test-threads 1: the GPU tests would share one device; the CPU ones take seconds anyway.
   stage unit-tests 120 "$bin" unit-tests --test-threads 1
-  grep -E '^test (kernels::cuda|training::optim::tests::adamw_cuda|.*FAILED)|^test result' "$work/unit-tests.log" | tee -a "$summary"
+  grep -E '^test (kernels::ops::[a-z_]+::cuda_tests|training::optim::tests::adamw_cuda|.*FAILED)|^test result' "$work/unit-tests.log" | tee -a "$summary"
   ! grep -q 'no GPU, the CUDA kernel test' "$work/unit-tests.log" || { echo "unit-tests: the CUDA tests saw no GPU" | tee -a "$summary"; failed=1; }
 fi
 

@@ -233,7 +233,7 @@ pub fn generate_with_cache(
 
 /// Each row's next token and its log-probability `log softmax(logits)[token]` (the exponentials
 /// summed in f64) from the last position's logits (B, V), picked on the logits' device: greedy
-/// ([`ops::greedy_pick`]) or sampled ([`ops::sample_pick`]) with one uniform draw from the stream
+/// ([`ops::greedy_pick()`]) or sampled ([`ops::sample_pick()`]) with one uniform draw from the stream
 /// of each row not `done` (a finished row's entry is unused and its stream not advanced), so the
 /// GPU samples the CPU's tokens and only two numbers a row come to the host.
 fn next_tokens(

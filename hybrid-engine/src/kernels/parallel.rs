@@ -1,6 +1,6 @@
 //! How the CPU kernels share work: rows (or chunks) of an output split across candle's thread
 //! pool, written through a shared pointer to disjoint ranges, and gemm with arbitrary strides.
-//! Used by the training kernels (`fused.rs`) and the decoding kernels (`decode.rs`).
+//! Used by the training kernels (`ops/*.rs`) and the decoding kernels (`decode.rs`).
 
 use candle_core::{CpuStorage, Layout, Result};
 use std::ops::Range;

@@ -1,4 +1,4 @@
-//! The per-row arithmetic of the fused kernels (`fused.rs`), on plain slices.
+//! The per-row arithmetic of the fused kernels (`ops/*.rs`), on plain slices.
 //!
 //! Written as simple loops over independent lanes (eight or sixteen accumulators for
 //! reductions, branch-free `exp` and `tanh`) so that LLVM vectorises them, and compiled three

@@ -35,9 +35,9 @@ fn plan_fits(plan: &MemoryPlan, memory: u64) -> anyhow::Result<()> {
 /// Which implementation runs a micro-batch: it decides what forward keeps for backward.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kernels {
-    /// The fused CPU f32 kernels (`fused.rs`, the default on the CPU).
+    /// The fused CPU f32 kernels (`kernels/ops/*.rs`, the default on the CPU).
     FusedCpu,
-    /// The CUDA kernels of `fused.rs` (`cuda.rs`, the default on a CUDA GPU in any dtype):
+    /// The CUDA kernels of the same ops (their `cuda_fwd`, the default on a CUDA GPU in any dtype):
     /// LayerNorm, linear, GELU, dropout, embedding and the cross-entropy on given logits, with
     /// the flash attention where `ops::flash_attention_takes` the dtype (bf16 and f16 with heads
     /// of 64) and the composed attention (its masked softmax and dropout still the kernels')
@@ -106,7 +106,7 @@ pub struct ActivationShape {
 /// too, with or without the head's). A frozen model (`--only-optimize-lora`) forms no W and no
 /// gradient but the adapters'.
 ///
-/// [`Kernels::FusedGpu`], counted from the CUDA ops of `fused.rs`, candle's backward and
+/// [`Kernels::FusedGpu`], counted from the CUDA ops of `kernels/ops/*.rs`, candle's backward and
 /// `train_step`, then checked against the CUDA pool's measured peak (bench train, H200,
 /// 2026-11-27: gpt2 and gpt2-medium, bf16 and f32, with and without checkpointing; all five within
 /// 0.1%, with f32 gradients). Those measurements predate candle's backward copying a variable's

@@ -388,7 +388,7 @@ impl AdamW {
         grad_scale: f64,
         compute: &ParamStore,
     ) -> Result<()> {
-        use crate::kernels::cuda::{adamw_multi_tensor, AdamWShared, AdamWTensor};
+        use crate::kernels::ops::adamw::{adamw_multi_tensor, AdamWShared, AdamWTensor};
         // The coefficients rounded to f32 as the per-parameter update rounds them.
         let shared = StepCoefficients::new(lr, 0.0, self.step, &self.config);
         let tensors: Vec<AdamWTensor> = (0..params.vars.len())
@@ -561,7 +561,7 @@ impl InplaceOp2 for InPlacePass<'_> {
             Self::Moments(k) => ("moments", [k.b1, 1.0 - k.b1, k.b2, 1.0 - k.b2]),
             Self::Param(k) => ("param", [k.decay, k.step_size, k.bc2_sqrt, k.eps]),
         };
-        crate::kernels::cuda::adamw_pass(pass, (out, lo), (input, li), coefficients)
+        crate::kernels::ops::adamw::adamw_pass(pass, (out, lo), (input, li), coefficients)
     }
 }
 
@@ -652,9 +652,9 @@ impl GradAccumulator {
 }
 
 /// The L2 norm of all gradients together. On a GPU the sums of squares of all of them are one
-/// launch and one copy to the host (`fused::sum_of_squares_on_device`), in f64 as on the CPU.
+/// launch and one copy to the host (`ops::grad_norm::sum_of_squares_on_device`), in f64 as on the CPU.
 pub fn global_grad_norm(grads: &[Tensor]) -> Result<f64> {
-    if let Some(sum) = crate::kernels::fused::sum_of_squares_on_device(grads)? {
+    if let Some(sum) = crate::kernels::ops::grad_norm::sum_of_squares_on_device(grads)? {
         return Ok(sum.sqrt());
     }
     let mut sum = 0f64;

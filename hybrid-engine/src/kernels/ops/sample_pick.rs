@@ -109,7 +109,7 @@ impl CustomOp2 for SamplePick {
         let b = ll.shape().dims2()?.0;
         let p = &self.params;
         let settings = (p.vocab_limit, p.temperature, p.top_k, p.top_p);
-        Ok((crate::kernels::cuda::sample_pick((logits, ll), (draws, ld), settings)?, Shape::from((b, 2))))
+        Ok((cuda::sample_pick((logits, ll), (draws, ld), settings)?, Shape::from((b, 2))))
     }
 }
 
@@ -148,6 +148,50 @@ pub(crate) fn logits_for_pick(logits: &Tensor, what: &str) -> Result<Tensor> {
 /// A pick's (B, 2) f32 output on the host: each row's token and its log-probability.
 pub(crate) fn picks_to_host(picks: &Tensor) -> Result<(Vec<u32>, Vec<f32>)> {
     Ok(picks.to_vec2::<f32>()?.into_iter().map(|row| (row[0] as u32, row[1])).unzip())
+}
+
+/// The launcher of the CUDA kernel (`cuda_fwd` above calls it).
+#[cfg(feature = "cuda")]
+pub mod cuda {
+    use crate::kernels::cuda::{block_per_row, for_float_dtype, ptx, view};
+    use candle_core::backend::BackendStorage;
+    use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
+    use candle_core::cuda_backend::WrapErr;
+    use candle_core::{CudaStorage, Layout, Result};
+
+    /// Sampling's choice per row of contiguous logits (B, V) in f32, bf16 or f16 with the row's
+    /// uniform draw in `draws` (B,) f64: the token [`super::sample_with_draw`] picks for
+    /// ids below `limit` at temperature `t`, with `top_k` and `top_p` (None: all), and its
+    /// log-probability under the row, as (B, 2) f32 (cuda/sample_pick.cu, one block a row).
+    pub fn sample_pick(
+        (logits, ll): (&CudaStorage, &Layout),
+        (draws, ld): (&CudaStorage, &Layout),
+        (limit, t, top_k, top_p): (usize, f64, Option<usize>, Option<f64>),
+    ) -> Result<CudaStorage> {
+        let (b, v) = ll.shape().dims2()?;
+        if limit == 0 || limit > v || v >= 1 << 24 {
+            candle_core::bail!("sampling on CUDA: ids below {limit} of a vocabulary of {v} (under 2^24)");
+        }
+        let draws = view::<f64>(draws, ld, "the draws")?;
+        if draws.len() != b {
+            candle_core::bail!("sampling on CUDA: {b} rows and {} draws", draws.len());
+        }
+        // The kernel's "none": a top-k of 0, a top-p of 1.
+        let top_k = top_k.filter(|&k| k < limit).unwrap_or(0) as u32;
+        let top_p = top_p.filter(|&p| p < 1.0).unwrap_or(1.0);
+        let (v32, limit32) = (v as u32, limit as u32);
+        Ok(for_float_dtype!(logits, ll, "sampling", |src: Elem, suffix| {
+            let dev = logits.device();
+            // SAFETY: the kernel writes both values of every row.
+            let out = unsafe { dev.alloc::<f32>(2 * b)? };
+            let func =
+                dev.get_or_load_custom_func(&format!("sample_pick_{suffix}"), "rlhf_sample_pick", ptx::SAMPLE_PICK)?;
+            let mut launch = func.builder();
+            launch.arg(src).arg(&draws).arg(&out).arg(&v32).arg(&limit32).arg(&t).arg(&top_k).arg(&top_p);
+            // SAFETY: the arguments match the kernel's signature; it reads the B rows of V values.
+            unsafe { launch.launch(block_per_row(b)) }.w().map(|_| out)
+        }))
+    }
 }
 
 #[cfg(test)]
@@ -222,5 +266,38 @@ pub(crate) mod tests {
         let p = SamplingParams { top_p: Some(0.6), ..p };
         assert_eq!(sample_with_draw(&logits, &p, 0.3), 2);
         assert_eq!(sample_with_draw(&logits, &p, 0.34), 3);
+    }
+}
+
+/// On a GPU against the CPU (the CUDA build's unit tests); without one it passes after saying
+/// so on stderr.
+#[cfg(test)]
+#[cfg(feature = "cuda")]
+mod cuda_tests {
+    use crate::kernels::ops::test_support::*;
+    use candle_core::{DType, Result};
+
+    /// Sampling's pick on the GPU against the CPU's on the same values and draws (37 rows of
+    /// 5003 on a grid of 1/8, so many ids tie; the last 13 ids beyond the limit): the same token
+    /// in every row for temperature alone, top-k, top-p, both, and the greedy settings, in f32,
+    /// bf16 and f16 (the CPU reading f32 copies of the same values); log-probabilities as
+    /// greedy_pick's.
+    #[test]
+    fn sample_pick_matches_the_cpu_for_every_setting_and_dtype() -> Result<()> {
+        use super::{sample_pick, tests::sampling_cases};
+        let Some(gpu) = gpu() else { return Ok(()) };
+        let (logits, draws, settings) = sampling_cases(37, 5003);
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let x = logits.to_dtype(dtype)?;
+            for params in &settings {
+                let (want_tokens, want_logprobs) = sample_pick(&x, &draws, params)?;
+                let (tokens, logprobs) = sample_pick(&x.to_device(&gpu)?, &draws, params)?;
+                assert_eq!(tokens, want_tokens, "{dtype:?} {params:?}");
+                for (r, (got, want)) in logprobs.iter().zip(&want_logprobs).enumerate() {
+                    assert!((got - want).abs() < 2e-5, "{dtype:?} {params:?} row {r}: {got} vs {want}");
+                }
+            }
+        }
+        Ok(())
     }
 }

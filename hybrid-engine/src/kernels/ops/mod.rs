@@ -1,11 +1,33 @@
-//! Differentiable building blocks for the training path.
+//! The ops the model calls, and the dispatch that chooses how each runs.
 //!
 //! candle 0.11's fused `softmax_last_dim`, `ops::layer_norm` and `nn::LayerNorm` have no backward:
 //! gradients silently stop at them, so the training path never uses them. Each op here has two
-//! implementations: a fused CPU kernel with explicit backward (`fused.rs`), used for f32 tensors
-//! on the CPU, and a reference composed of ops candle can differentiate (each has a
-//! finite-difference test below), used for other dtypes and devices and by
-//! [`with_reference_ops`]. The kernels are tested against the references.
+//! implementations: a fused kernel with explicit backward, a candle custom op in a file of its own
+//! below (its CPU kernel for f32 on the CPU, its CUDA launcher for a GPU, and its tests side by
+//! side), and a reference composed of ops candle can differentiate (each has a finite-difference
+//! test below), used for other dtypes and devices and by [`with_reference_ops`]. The kernels are
+//! tested against the references.
+//!
+//! The ops' files import only what is below `ops` (`rowops`, `parallel`, `dropout`, `cuda`,
+//! `decode`) and, for the picks, `sample_pick`; this file imports them.
+
+#[cfg(feature = "cuda")]
+pub mod adamw;
+pub mod attention;
+pub mod cast;
+pub mod cross_entropy;
+pub mod decode;
+pub mod dropout;
+pub mod embedding;
+pub mod gelu;
+pub mod grad_norm;
+pub mod greedy_pick;
+pub mod layer_norm;
+pub mod linear;
+pub mod sample_pick;
+pub mod softmax;
+#[cfg(test)]
+mod test_support;
 
 use candle_core::{DType, Result, Tensor, D};
 use std::cell::Cell;
@@ -33,8 +55,8 @@ pub(crate) fn reference_ops() -> bool {
     REFERENCE_OPS.get() || *ENV.get_or_init(|| std::env::var("HYBRID_ENGINE_REFERENCE_OPS").is_ok_and(|v| v == "1"))
 }
 
-/// Whether the CUDA kernels (`kernels::cuda`) apply: a CUDA build, every tensor on a GPU in f32,
-/// bf16 or f16, and not in reference mode.
+/// Whether the CUDA kernels (each op's `cuda` launchers) apply: a CUDA build, every tensor on a
+/// GPU in f32, bf16 or f16, and not in reference mode.
 fn on_cuda(tensors: &[&Tensor]) -> bool {
     #[cfg(feature = "cuda")]
     {
@@ -87,13 +109,13 @@ fn upcast(x: &Tensor) -> Result<Tensor> {
 pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
     let one_dtype = weight.dtype() == x.dtype() && bias.dtype() == x.dtype();
     if fused(&[x, weight, bias]) || (on_cuda(&[x, weight, bias]) && one_dtype) {
-        crate::kernels::fused::layer_norm(x, weight, bias, eps)
+        layer_norm::layer_norm(x, weight, bias, eps)
     } else {
         layer_norm_reference(x, weight, bias, eps)
     }
 }
 
-/// [`layer_norm`] composed of candle ops, computed in at least f32.
+/// [`layer_norm()`] composed of candle ops, computed in at least f32.
 pub fn layer_norm_reference(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
     let dtype = x.dtype();
     let x = upcast(x)?;
@@ -110,7 +132,7 @@ pub fn masked_softmax(att: &Tensor, scale: f64, bias: &Tensor) -> Result<Tensor>
     let constant_mask = !bias.track_op() && bias.rank() == 4;
     let on_gpu = on_cuda(&[att, bias]) && bias.dtype() == DType::F32;
     if (fused(&[att, bias]) || on_gpu) && constant_mask {
-        crate::kernels::fused::masked_softmax(att, scale, bias)
+        softmax::masked_softmax(att, scale, bias)
     } else {
         masked_softmax_reference(att, scale, bias)
     }
@@ -126,13 +148,13 @@ pub fn masked_softmax_reference(att: &Tensor, scale: f64, bias: &Tensor) -> Resu
 /// GELU: GPT-2's tanh approximation (`gelu_new`), or with `exact` the erf form (`gelu`).
 pub fn gelu(h: &Tensor, exact: bool) -> Result<Tensor> {
     if !exact && (fused(&[h]) || on_cuda(&[h])) {
-        crate::kernels::fused::gelu(h)
+        gelu::gelu(h)
     } else {
         gelu_reference(h, exact)
     }
 }
 
-/// [`gelu`] by candle's ops (candle's `gelu` is the tanh approximation).
+/// [`gelu()`] by candle's ops (candle's `gelu` is the tanh approximation).
 pub fn gelu_reference(h: &Tensor, exact: bool) -> Result<Tensor> {
     if exact {
         h.gelu_erf()
@@ -145,7 +167,7 @@ pub fn gelu_reference(h: &Tensor, exact: bool) -> Result<Tensor> {
 /// of the same shape (the fused op: one kernel on a GPU, no temporary), else by `Var::set`.
 pub fn cast_into(dst: &candle_core::Var, src: &Tensor) -> Result<()> {
     if src.dtype() == DType::F32 && dst.is_contiguous() && src.is_contiguous() && dst.shape() == src.shape() {
-        crate::kernels::fused::cast_into(dst.as_tensor(), src)
+        cast::cast_into(dst.as_tensor(), src)
     } else {
         dst.set(&src.to_dtype(dst.dtype())?)
     }
@@ -156,7 +178,7 @@ pub fn cast_into(dst: &candle_core::Var, src: &Tensor) -> Result<()> {
 /// column over every id); elsewhere candle's `index_select`, which adds in the same order.
 pub fn embedding(weight: &Tensor, ids: &Tensor) -> Result<Tensor> {
     if on_cuda(&[weight]) && ids.dtype() == DType::U32 {
-        crate::kernels::fused::embedding(weight, ids)
+        embedding::embedding(weight, ids)
     } else {
         weight.index_select(ids, 0)
     }
@@ -166,13 +188,13 @@ pub fn embedding(weight: &Tensor, ids: &Tensor) -> Result<Tensor> {
 pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
     let one_dtype = w.dtype() == x.dtype() && b.dtype() == x.dtype();
     if fused(&[x, w, b]) || (on_cuda(&[x, w, b]) && one_dtype) {
-        crate::kernels::fused::linear(x, w, b)
+        linear::linear(x, w, b)
     } else {
         linear_reference(x, w, b)
     }
 }
 
-/// [`linear`] composed of candle ops: one (rows, in) x (in, out) gemm, then the bias.
+/// [`linear()`] composed of candle ops: one (rows, in) x (in, out) gemm, then the bias.
 pub fn linear_reference(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
     gemm_rows(x, w)?.broadcast_add(b)
 }
@@ -215,7 +237,7 @@ pub fn cached_attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale
 }
 
 /// Whether a decoding step's attention runs from c_attn's output straight into and over the KV
-/// cache in two launches ([`crate::kernels::fused::decode_attention`]): on a GPU, heads of 32 to
+/// cache in two launches ([`decode::decode_attention`]): on a GPU, heads of 32 to
 /// 128 values (a multiple of 32), an f32 mask of rank 4. Elsewhere the cache takes the split
 /// heads and [`cached_attention`] runs.
 pub fn decode_attention_on_cuda(qkv: &Tensor, bias: &Tensor, n_head: usize) -> bool {
@@ -243,17 +265,15 @@ fn decoding_kernels_take(x: &Tensor, bias: &Tensor, head_dim: usize) -> bool {
         && (32..=128).contains(&head_dim)
 }
 
-pub use crate::kernels::fused::{
-    bias_gelu, bias_residual_layer_norm, decode_attention, embed_layer_norm, kv_cache_append,
-};
+pub use self::decode::{bias_gelu, bias_residual_layer_norm, decode_attention, embed_layer_norm, kv_cache_append};
 
 /// Greedy decoding's token and log-probability per row of logits, on either device (on a GPU in
 /// one launch, two numbers a row to the host).
-pub use crate::kernels::fused::greedy_pick;
+pub use self::greedy_pick::greedy_pick;
 
 /// Sampling's token and log-probability per row of logits for the row's uniform draw, on either
 /// device (the same token on both; on a GPU one launch, two numbers a row to the host).
-pub use crate::kernels::sample_pick::{sample_pick, sample_with_draw, SamplingParams};
+pub use self::sample_pick::{sample_pick, sample_with_draw, SamplingParams};
 
 /// The tied LM head `x wte^T`: (N, C), (V, C) -> (N, V). For the few rows of a decoding step
 /// on the CPU, [`crate::kernels::decode::lm_head`] (1.4-3.5x the matmul's speed there); the plain
@@ -277,20 +297,20 @@ pub fn attention(
     dropout: Option<DropoutMask>,
 ) -> Result<Tensor> {
     if (fused(&[qkv, bias]) || flash_attention_on_cuda(qkv, bias, n_head)) && !bias.track_op() && bias.rank() == 4 {
-        crate::kernels::fused::attention(qkv, bias, n_head, scale, dropout)
+        attention::attention(qkv, bias, n_head, scale, dropout)
     } else {
         attention_reference(qkv, bias, n_head, scale, dropout)
     }
 }
 
-/// Whether [`attention`] runs the flash-style CUDA kernels: on a GPU with an f32 mask, aligned
+/// Whether [`attention()`] runs the flash-style CUDA kernels: on a GPU with an f32 mask, aligned
 /// operands and [`flash_attention_takes`] the dtype and head size.
 fn flash_attention_on_cuda(qkv: &Tensor, bias: &Tensor, n_head: usize) -> bool {
     #[cfg(feature = "cuda")]
     {
         let head_dim = qkv.dims().last().map(|c3| c3 / 3 / n_head.max(1));
         on_cuda(&[qkv, bias])
-            && crate::kernels::cuda::aligned_for_attention(qkv.layout())
+            && attention::cuda::aligned_for_attention(qkv.layout())
             && bias.dtype() == DType::F32
             && head_dim.is_some_and(|hd| flash_attention_takes(qkv.dtype(), hd))
     }
@@ -301,13 +321,13 @@ fn flash_attention_on_cuda(qkv: &Tensor, bias: &Tensor, n_head: usize) -> bool {
     }
 }
 
-/// The head size the flash attention kernels are built for (`cuda::ATTENTION_HEAD_DIM`, which a
+/// The head size the flash attention kernels are built for (`attention::cuda::ATTENTION_HEAD_DIM`, which a
 /// build without CUDA lacks: the memory plan needs the rule there too).
 const FLASH_ATTENTION_HEAD_DIM: usize = 64;
 #[cfg(feature = "cuda")]
-const _: () = assert!(FLASH_ATTENTION_HEAD_DIM == crate::kernels::cuda::ATTENTION_HEAD_DIM);
+const _: () = assert!(FLASH_ATTENTION_HEAD_DIM == attention::cuda::ATTENTION_HEAD_DIM);
 
-/// Whether a GPU's [`attention`] in `dtype` with heads of `head_dim` takes the flash kernels: bf16
+/// Whether a GPU's [`attention()`] in `dtype` with heads of `head_dim` takes the flash kernels: bf16
 /// or f16 with heads of 64 (f32 on a GPU stays on the composed ops, which match the CPU to 1e-5),
 /// unless `HYBRID_ENGINE_FLASH_ATTENTION=0` keeps the composed ops (benchmarks measure what it
 /// buys). The memory plan asks it too: the two keep very different tensors for backward.
@@ -317,7 +337,7 @@ pub(crate) fn flash_attention_takes(dtype: DType, head_dim: usize) -> bool {
     !off && matches!(dtype, DType::BF16 | DType::F16) && head_dim == FLASH_ATTENTION_HEAD_DIM
 }
 
-/// [`attention`] composed of candle ops. On a GPU its masked softmax and dropout are the CUDA
+/// [`attention()`] composed of candle ops. On a GPU its masked softmax and dropout are the CUDA
 /// kernels; elsewhere their composed references, so that the CPU's fused attention is tested
 /// against an independent composition.
 pub fn attention_reference(
@@ -345,7 +365,7 @@ pub fn attention_reference(
 /// `sum(t^2)` in f64, what gradient norms add up: the fused kernel reads contiguous f32 on the CPU
 /// in place (no squared copy); anything else is squared and summed by candle, then widened.
 pub fn sum_of_squares(t: &Tensor) -> Result<f64> {
-    match crate::kernels::fused::sum_of_squares(t)? {
+    match grad_norm::sum_of_squares(t)? {
         Some(s) => Ok(s),
         None => t.sqr()?.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>(),
     }
@@ -357,10 +377,10 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
 
 /// Per-row cross-entropy of the tied LM head's logits `x wte^T` against `targets`: x (N, C),
 /// wte (V, C), targets (N,) u32 -> (N,) f32. Fused on the CPU for f32 (the logits never become
-/// a tensor, see `fused::LmHeadCrossEntropy`).
+/// a tensor, see `cross_entropy::LmHeadCrossEntropy`).
 pub fn lm_head_cross_entropy_rows(x: &Tensor, wte: &Tensor, targets: &Tensor) -> Result<Tensor> {
     if fused(&[x, wte]) {
-        crate::kernels::fused::lm_head_cross_entropy_rows(x, wte, &targets.to_dtype(DType::U32)?)
+        cross_entropy::lm_head_cross_entropy_rows(x, wte, &targets.to_dtype(DType::U32)?)
     } else {
         lm_head_cross_entropy_rows_reference(x, wte, targets)
     }
@@ -378,9 +398,9 @@ pub fn lm_head_cross_entropy_rows_reference(x: &Tensor, wte: &Tensor, targets: &
 pub fn cross_entropy_rows(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     let rows = if on_cuda(&[logits]) {
         // The kernel reads the logits in their dtype and sums in f32: no f32 copy of (N, V).
-        crate::kernels::fused::cross_entropy_rows(logits, &targets.to_dtype(DType::U32)?)?
+        cross_entropy::cross_entropy_rows(logits, &targets.to_dtype(DType::U32)?)?
     } else if logits.device().is_cpu() && !reference_ops() {
-        crate::kernels::fused::cross_entropy_rows(&logits.to_dtype(DType::F32)?, &targets.to_dtype(DType::U32)?)?
+        cross_entropy::cross_entropy_rows(&logits.to_dtype(DType::F32)?, &targets.to_dtype(DType::U32)?)?
     } else {
         cross_entropy_rows_reference(&logits.to_dtype(DType::F32)?, targets)?
     };
@@ -408,13 +428,13 @@ pub fn dropout(x: &Tensor, p: f64, key: &DropoutKey, layer: u64, site: u64) -> R
 /// drawn on the device; the composed reference otherwise.
 fn apply_dropout(x: &Tensor, mask: DropoutMask) -> Result<Tensor> {
     if fused(&[x]) || on_cuda(&[x]) {
-        crate::kernels::fused::dropout(x, mask)
+        self::dropout::dropout(x, mask)
     } else {
         dropout_reference(x, mask)
     }
 }
 
-/// [`dropout`] composed of candle ops: the mask as a tensor, multiplied in. The factors are drawn
+/// [`dropout()`] composed of candle ops: the mask as a tensor, multiplied in. The factors are drawn
 /// on the host, on every core (a GPU without the CUDA kernel, or in reference mode, comes here:
 /// the attention probabilities of gpt2 at B8 T1024 are 1.2G factors a step).
 pub fn dropout_reference(x: &Tensor, mask: DropoutMask) -> Result<Tensor> {

@@ -1,0 +1,626 @@
+//! A decoding step's ops on a GPU (generation; no gradient): the KV cache's append from c_attn's
+//! output and the attention over the cache (cuda/decode_attention.cu, c_attn's bias added there
+//! when given apart), and the fused epilogues of cuda/decode_layer.cu: c_proj's bias + the
+//! residual + the next LayerNorm, the embeddings + ln_1, c_fc's bias + GELU. The CPU keeps
+//! the split heads and `kernels::decode`'s kernels.
+
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
+
+/// Writes the new tokens' keys and values of c_attn's output into a KV cache buffer in place.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // read by cuda_fwd
+struct KvCacheAppend {
+    n_head: usize,
+    start: usize,
+    /// c_attn's bias, when the output is the gemm's alone.
+    qkv_bias: Option<Tensor>,
+}
+
+impl candle_core::InplaceOp2 for KvCacheAppend {
+    fn name(&self) -> &'static str {
+        "kv-cache-append"
+    }
+
+    fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<()> {
+        candle_core::bail!("the KV cache's one-launch append runs on a GPU; the CPU appends the split heads")
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        kv: &mut candle_core::CudaStorage,
+        lkv: &Layout,
+        qkv: &candle_core::CudaStorage,
+        lq: &Layout,
+    ) -> Result<()> {
+        crate::kernels::cuda::with_cuda_operands(&self.qkv_bias.iter().collect::<Vec<_>>(), |bias| {
+            cuda::kv_cache_append((kv, lkv), (qkv, lq), bias.first().copied(), self.n_head, self.start)
+        })
+    }
+}
+
+/// Writes the keys and values of `qkv` (B, T, 3C) into `kv` (2, B, NH, capacity, HD), keys then
+/// values, at positions [start, start + T): one launch on a GPU. With `qkv_bias` (3C), c_attn's
+/// bias is added to them first (`qkv` is then the gemm's output alone).
+pub fn kv_cache_append(
+    kv: &Tensor,
+    qkv: &Tensor,
+    qkv_bias: Option<&Tensor>,
+    n_head: usize,
+    start: usize,
+) -> Result<()> {
+    let qkv_bias = qkv_bias.map(Tensor::contiguous).transpose()?;
+    kv.inplace_op2(&qkv.contiguous()?, &KvCacheAppend { n_head, start, qkv_bias })
+}
+
+/// Attention of the new tokens' queries over a KV cache buffer, from c_attn's output.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // read by cuda_fwd
+struct DecodeAttention {
+    n_head: usize,
+    start: usize,
+    scale: f32,
+    /// c_attn's bias, when the output is the gemm's alone.
+    qkv_bias: Option<Tensor>,
+}
+
+impl CustomOp3 for DecodeAttention {
+    fn name(&self) -> &'static str {
+        "decode-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        candle_core::bail!("decode attention from qkv runs on a GPU; the CPU runs decode::cached_attention")
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        qkv: &candle_core::CudaStorage,
+        lq: &Layout,
+        kv: &candle_core::CudaStorage,
+        lkv: &Layout,
+        bias: &candle_core::CudaStorage,
+        lb: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let y = crate::kernels::cuda::with_cuda_operands(&self.qkv_bias.iter().collect::<Vec<_>>(), |qkv_bias| {
+            let (qkv_bias, n_head, start, scale) = (qkv_bias.first().copied(), self.n_head, self.start, self.scale);
+            cuda::decode_attention((qkv, lq), qkv_bias, (kv, lkv), (bias, lb), n_head, start, scale)
+        })?;
+        let (b, t, c3) = lq.shape().dims3()?;
+        Ok((y, Shape::from((b, t, c3 / 3))))
+    }
+}
+
+/// `softmax(q k^T * scale + bias) v` per head for the new tokens' queries in `qkv` (B, T, 3C)
+/// over the first start + T positions of `kv` (2, B, NH, capacity, HD), where
+/// [`kv_cache_append`] has put their own keys and values; bias (B or 1, 1, T, start + T) f32:
+/// (B, T, C). With `qkv_bias` (3C), c_attn's bias is added to the queries first. No gradient
+/// (generation).
+pub fn decode_attention(
+    qkv: &Tensor,
+    qkv_bias: Option<&Tensor>,
+    kv: &Tensor,
+    start: usize,
+    bias: &Tensor,
+    n_head: usize,
+    scale: f64,
+) -> Result<Tensor> {
+    let qkv_bias = qkv_bias.map(Tensor::contiguous).transpose()?;
+    let op = DecodeAttention { n_head, start, scale: scale as f32, qkv_bias };
+    qkv.contiguous()?.apply_op3_no_bwd(kv, &bias.contiguous()?, &op)
+}
+
+/// A decoding step's launch that makes a new residual stream and a LayerNorm of it: (2, .., C).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // read by cuda_fwd
+enum ResidualThenLayerNorm {
+    /// After c_proj's gemm y, on the residual stream x: c_proj's bias and the LayerNorm's weight
+    /// and bias.
+    AfterBias([Tensor; 3], f32),
+    /// From u32 ids and positions: wte, wpe and ln_1's weight and bias.
+    Embeddings([Tensor; 4], f32),
+}
+
+impl CustomOp2 for ResidualThenLayerNorm {
+    fn name(&self) -> &'static str {
+        "residual-then-layer-norm"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        candle_core::bail!("the decoding step's fused epilogues run on a GPU")
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        a: &candle_core::CudaStorage,
+        la: &Layout,
+        b: &candle_core::CudaStorage,
+        lb: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (out, rows) = match self {
+            Self::AfterBias([bias, w, beta], eps) => {
+                let out = crate::kernels::cuda::with_cuda_operands(&[bias, w, beta], |v| {
+                    cuda::bias_residual_layer_norm((a, la), (b, lb), [v[0], v[1], v[2]], *eps)
+                })?;
+                (out, la.dims().to_vec())
+            }
+            Self::Embeddings([wte, wpe, w, beta], eps) => {
+                let out = crate::kernels::cuda::with_cuda_operands(&[wte, wpe, w, beta], |t| {
+                    cuda::embed_layer_norm((a, la), (b, lb), [t[0], t[1], t[2], t[3]], *eps)
+                })?;
+                (out, [la.dims(), &[wte.dim(1)?]].concat())
+            }
+        };
+        Ok((out, Shape::from([&[2], &rows[..]].concat())))
+    }
+}
+
+impl ResidualThenLayerNorm {
+    /// (the new residual stream, its LayerNorm) from the op's two arguments.
+    fn apply(self, a: &Tensor, b: &Tensor) -> Result<(Tensor, Tensor)> {
+        let both = a.contiguous()?.apply_op2_no_bwd(&b.contiguous()?, &self)?;
+        Ok((both.get(0)?, both.get(1)?))
+    }
+}
+
+/// After c_proj's gemm `y` (.., C) without its bias `b`, on the residual stream `x` of y's shape:
+/// the new residual `x + (y + b)` and its LayerNorm with `w`, `beta` (`eps`), in one launch on a
+/// GPU, rounded as the bias add, the add and the LayerNorm kernels round. No gradient
+/// (generation).
+pub fn bias_residual_layer_norm(
+    y: &Tensor,
+    b: &Tensor,
+    x: &Tensor,
+    [w, beta]: [&Tensor; 2],
+    eps: f64,
+) -> Result<(Tensor, Tensor)> {
+    let vectors = [b.contiguous()?, w.contiguous()?, beta.contiguous()?];
+    ResidualThenLayerNorm::AfterBias(vectors, eps as f32).apply(y, x)
+}
+
+/// The embeddings `wte[ids] + wpe[positions]` of u32 `ids` and `positions` (B, T), and their
+/// LayerNorm with `w`, `beta` (`eps`): ((B, T, C), (B, T, C)) in one launch on a GPU, rounded as
+/// the lookups, the add and the LayerNorm kernel round. No gradient (generation).
+pub fn embed_layer_norm(
+    ids: &Tensor,
+    positions: &Tensor,
+    [wte, wpe]: [&Tensor; 2],
+    [w, beta]: [&Tensor; 2],
+    eps: f64,
+) -> Result<(Tensor, Tensor)> {
+    let tables = [wte.contiguous()?, wpe.contiguous()?, w.contiguous()?, beta.contiguous()?];
+    ResidualThenLayerNorm::Embeddings(tables, eps as f32).apply(ids, positions)
+}
+
+/// `gelu_new(y + b)` after c_fc's gemm.
+struct BiasGelu;
+
+impl CustomOp2 for BiasGelu {
+    fn name(&self) -> &'static str {
+        "bias-gelu"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        candle_core::bail!("the decoding step's fused epilogues run on a GPU")
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        y: &candle_core::CudaStorage,
+        ly: &Layout,
+        b: &candle_core::CudaStorage,
+        lb: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((cuda::bias_gelu((y, ly), (b, lb))?, ly.shape().clone()))
+    }
+}
+
+/// `gelu_new(y + b)` for c_fc's gemm output `y` (.., W) without its bias `b` (W): one launch on a
+/// GPU, rounded as the bias add and the GELU kernels round. No gradient (generation).
+pub fn bias_gelu(y: &Tensor, b: &Tensor) -> Result<Tensor> {
+    y.contiguous()?.apply_op2_no_bwd(&b.contiguous()?, &BiasGelu)
+}
+
+/// The launchers of the CUDA kernels (`cuda_fwd` above calls them).
+#[cfg(feature = "cuda")]
+pub mod cuda {
+    use crate::kernels::cuda::{elementwise, for_float_dtype, ptx, view, warp_per_row};
+    use candle_core::backend::BackendStorage;
+    use candle_core::cuda_backend::cudarc::driver::{CudaView, PushKernelArg};
+    use candle_core::cuda_backend::CudaDType;
+    use candle_core::cuda_backend::WrapErr;
+    use candle_core::{CudaStorage, DType, Layout, Result};
+
+    /// A decoding step's shape (cuda/decode_attention.cu): B rows of T new tokens, NH heads of HD
+    /// values, a KV cache of `capacity` positions with `start` of them cached before these tokens.
+    #[derive(Clone, Copy, Debug)]
+    pub struct DecodeShape {
+        pub b: usize,
+        pub t: usize,
+        pub n_head: usize,
+        pub head_dim: usize,
+        pub capacity: usize,
+        pub start: usize,
+    }
+
+    impl DecodeShape {
+        /// From c_attn's output qkv (B, T, 3C) and the cache buffer (2, B, NH, capacity, HD), both
+        /// contiguous (an error naming what does not fit).
+        fn of(lq: &Layout, lkv: &Layout, n_head: usize, start: usize) -> Result<Self> {
+            let (b, t, c3) = lq.shape().dims3()?;
+            let (two, kb, nh, capacity, head_dim) = lkv.shape().dims5()?;
+            let shaped = two == 2 && kb == b && nh == n_head && c3 == 3 * nh * head_dim;
+            if !shaped || head_dim % 32 != 0 || head_dim > 128 || start + t > capacity {
+                candle_core::bail!(
+                    "decode attention on CUDA: qkv {:?} and a cache {:?} of {n_head} heads (of 32, 64, 96 or 128 values) with {start} + {t} positions",
+                    lq.dims(),
+                    lkv.dims()
+                );
+            }
+            Ok(Self { b, t, n_head, head_dim, capacity, start })
+        }
+
+        fn args(&self) -> [u32; 6] {
+            [self.b, self.t, self.n_head, self.head_dim, self.capacity, self.start].map(|v| v as u32)
+        }
+    }
+
+    /// A null pointer, for a kernel's optional operand.
+    const NULL: u64 = 0;
+
+    /// c_attn's bias (3C) as the decoding kernels' optional operand: checked against qkv's width.
+    fn qkv_bias_view<'a, T: CudaDType>(
+        bias: Option<(&'a CudaStorage, &Layout)>,
+        lq: &Layout,
+    ) -> Result<Option<CudaView<'a, T>>> {
+        let Some((bias, lb)) = bias else { return Ok(None) };
+        if lb.shape().elem_count() != lq.dims().last().copied().unwrap_or(0) {
+            candle_core::bail!("decode attention on CUDA: a bias {:?} for qkv {:?}", lb.dims(), lq.dims());
+        }
+        view::<T>(bias, lb, "c_attn's bias").map(Some)
+    }
+
+    /// Writes the new tokens' keys and values of qkv (B, T, 3C) into the KV cache buffer `kv`
+    /// (2, B, NH, capacity, HD) at positions [start, start + T), in place (one launch); with
+    /// `qkv_bias`, c_attn's bias (3C) is added to them first (qkv is then the gemm's output alone).
+    pub fn kv_cache_append(
+        (kv, lkv): (&mut CudaStorage, &Layout),
+        (qkv, lq): (&CudaStorage, &Layout),
+        qkv_bias: Option<(&CudaStorage, &Layout)>,
+        n_head: usize,
+        start: usize,
+    ) -> Result<()> {
+        let shape = DecodeShape::of(lq, lkv, n_head, start)?;
+        let [b, t, nh, hd, cap, start] = shape.args();
+        let n = 2 * shape.b * shape.t * shape.n_head * shape.head_dim;
+        let dev = kv.device().clone();
+        macro_rules! launch {
+            ($elem:ty, $suffix:literal) => {{
+                let src = view::<$elem>(qkv, lq, "the decoding step's qkv")?;
+                let bias = qkv_bias_view::<$elem>(qkv_bias, lq)?;
+                let Some((from, to)) = lkv.contiguous_offsets() else {
+                    candle_core::bail!("the KV cache on CUDA must be contiguous");
+                };
+                let mut dst = <$elem>::as_cuda_slice_mut(kv)?.slice_mut(from..to);
+                let module = ("rlhf_decode_attention", ptx::DECODE_ATTENTION);
+                let func = dev.get_or_load_custom_func(concat!("kv_cache_append_", $suffix), module.0, module.1)?;
+                let mut launch = func.builder();
+                launch.arg(&src);
+                match &bias {
+                    Some(bias) => launch.arg(bias),
+                    None => launch.arg(&NULL),
+                };
+                launch.arg(&mut dst).arg(&b).arg(&t).arg(&nh).arg(&hd).arg(&cap).arg(&start);
+                // SAFETY: the arguments match the kernel's signature; it writes 2 B T C values of
+                // the buffer, at positions the shape check keeps below its capacity.
+                unsafe { launch.launch(elementwise(n)) }.w().map(|_| ())
+            }};
+        }
+        match qkv.dtype() {
+            DType::F32 => launch!(f32, "f32"),
+            DType::BF16 => launch!(half::bf16, "bf16"),
+            DType::F16 => launch!(half::f16, "f16"),
+            other => candle_core::bail!("decode attention on CUDA takes f32, bf16 or f16, not {other:?}"),
+        }
+    }
+
+    /// Attention of the new tokens' queries in qkv (B, T, 3C) over the first start + T positions of
+    /// the KV cache buffer `kv` (2, B, NH, capacity, HD), with the additive mask `bias` (B or 1, 1,
+    /// T, start + T) f32: (B, T, C), heads side by side (cuda/decode_attention.cu, one warp a row).
+    /// With `qkv_bias`, c_attn's bias (3C) is added to the queries first.
+    pub fn decode_attention(
+        (qkv, lq): (&CudaStorage, &Layout),
+        qkv_bias: Option<(&CudaStorage, &Layout)>,
+        (kv, lkv): (&CudaStorage, &Layout),
+        (bias, lb): (&CudaStorage, &Layout),
+        n_head: usize,
+        start: usize,
+        scale: f32,
+    ) -> Result<CudaStorage> {
+        let shape = DecodeShape::of(lq, lkv, n_head, start)?;
+        let s = start + shape.t;
+        let (bias_batches, one, bt, bs) = lb.shape().dims4()?;
+        if (bias_batches != 1 && bias_batches != shape.b) || one != 1 || bt != shape.t || bs != s {
+            candle_core::bail!(
+                "decode attention on CUDA: a bias {:?} for {} rows of {} tokens over {s} positions",
+                lb.dims(),
+                shape.b,
+                shape.t
+            );
+        }
+        let bias = view::<f32>(bias, lb, "the decoding step's bias")?;
+        let [b, t, nh, hd, cap, _] = shape.args();
+        let (s32, bb32) = (s as u32, bias_batches as u32);
+        let rows = shape.b * shape.n_head * shape.t;
+        Ok(for_float_dtype!(qkv, lq, "decode attention", |src: Elem, suffix| {
+            let dev = qkv.device();
+            let cache = view::<Elem>(kv, lkv, "the KV cache")?;
+            let qkv_bias = qkv_bias_view::<Elem>(qkv_bias, lq)?;
+            // SAFETY: the kernel writes every head of every row.
+            let y = unsafe { dev.alloc::<Elem>(shape.b * shape.t * shape.n_head * shape.head_dim)? };
+            let func = dev.get_or_load_custom_func(
+                &format!("decode_attention_{suffix}"),
+                "rlhf_decode_attention",
+                ptx::DECODE_ATTENTION,
+            )?;
+            let mut launch = func.builder();
+            launch.arg(src);
+            match &qkv_bias {
+                Some(qkv_bias) => launch.arg(qkv_bias),
+                None => launch.arg(&NULL),
+            };
+            launch.arg(&cache).arg(&bias).arg(&y);
+            launch.arg(&b).arg(&t).arg(&nh).arg(&hd).arg(&cap).arg(&s32).arg(&bb32).arg(&scale);
+            // SAFETY: the arguments match the kernel's signature; it reads the first s positions.
+            unsafe { launch.launch(warp_per_row(rows)) }.w().map(|_| y)
+        }))
+    }
+
+    /// A decoding step's epilogue after c_proj's gemm (cuda/decode_layer.cu, one warp a row): from
+    /// y and the residual x (N, C) contiguous and c_proj's bias, the next LayerNorm's weight and
+    /// bias ([b, w, beta], each (C,)), all of one dtype: (2, N, C), the new residual x + (y + b)
+    /// then its LayerNorm.
+    pub fn bias_residual_layer_norm(
+        (y, ly): (&CudaStorage, &Layout),
+        (x, lx): (&CudaStorage, &Layout),
+        [b, w, beta]: [(&CudaStorage, &Layout); 3],
+        eps: f32,
+    ) -> Result<CudaStorage> {
+        let c = ly.dims().last().copied().unwrap_or(0);
+        let rows = ly.shape().elem_count() / c.max(1);
+        let vectors_fit = [b, w, beta].iter().all(|(_, l)| l.shape().elem_count() == c);
+        if c == 0 || lx.dims() != ly.dims() || !vectors_fit {
+            candle_core::bail!(
+                "bias, residual and LayerNorm on CUDA: y {:?}, x {:?}, vectors of {c}",
+                ly.dims(),
+                lx.dims()
+            );
+        }
+        Ok(for_float_dtype!(y, ly, "bias, residual and LayerNorm", |src: Elem, suffix| {
+            let dev = y.device();
+            let x = view::<Elem>(x, lx, "the residual")?;
+            let [b, w, beta] = [(b, "c_proj's bias"), (w, "the LayerNorm's weight"), (beta, "the LayerNorm's bias")]
+                .map(|((s, l), what)| view::<Elem>(s, l, what));
+            let (b, w, beta) = (b?, w?, beta?);
+            // SAFETY: the kernel writes both halves of every row.
+            let out = unsafe { dev.alloc::<Elem>(2 * rows * c)? };
+            let func = dev.get_or_load_custom_func(
+                &format!("bias_residual_layer_norm_{suffix}"),
+                "rlhf_decode_layer",
+                ptx::DECODE_LAYER,
+            )?;
+            let mut launch = func.builder();
+            let (rows64, c32) = (rows as u64, c as u32);
+            launch.arg(src).arg(&b).arg(&x).arg(&w).arg(&beta).arg(&out).arg(&rows64).arg(&c32).arg(&eps);
+            // SAFETY: the arguments match the kernel's signature.
+            unsafe { launch.launch(warp_per_row(rows)) }.w().map(|_| out)
+        }))
+    }
+
+    /// A decoding step's embeddings and the first LayerNorm (cuda/decode_layer.cu, one warp a row):
+    /// for u32 ids and positions (N,) and [wte (V, C), wpe (n_positions, C), w, beta (C,)] of one
+    /// dtype, all contiguous: (2, N, C), wte[id] + wpe[position] then ln_1 of it (rows of NaN for an
+    /// id or position outside its table).
+    pub fn embed_layer_norm(
+        (ids, li): (&CudaStorage, &Layout),
+        (positions, lp): (&CudaStorage, &Layout),
+        [wte, wpe, w, beta]: [(&CudaStorage, &Layout); 4],
+        eps: f32,
+    ) -> Result<CudaStorage> {
+        let rows = li.shape().elem_count();
+        let ((vocab, c), (n_positions, c2)) = (wte.1.shape().dims2()?, wpe.1.shape().dims2()?);
+        let vectors_fit = w.1.shape().elem_count() == c && beta.1.shape().elem_count() == c;
+        if lp.shape().elem_count() != rows || c2 != c || !vectors_fit {
+            candle_core::bail!(
+                "embeddings and LayerNorm on CUDA: {rows} ids, {} positions, tables {:?} and {:?}",
+                lp.shape().elem_count(),
+                wte.1.dims(),
+                wpe.1.dims()
+            );
+        }
+        let ids = view::<u32>(ids, li, "the token ids")?;
+        let positions = view::<u32>(positions, lp, "the positions")?;
+        Ok(for_float_dtype!(wte.0, wte.1, "embeddings and LayerNorm", |table: Elem, suffix| {
+            let dev = wte.0.device();
+            let [wpe, w, beta] = [(wpe, "wpe"), (w, "ln_1's weight"), (beta, "ln_1's bias")]
+                .map(|((s, l), what)| view::<Elem>(s, l, what));
+            let (wpe, w, beta) = (wpe?, w?, beta?);
+            // SAFETY: the kernel writes both halves of every row.
+            let out = unsafe { dev.alloc::<Elem>(2 * rows * c)? };
+            let func = dev.get_or_load_custom_func(
+                &format!("embed_layer_norm_{suffix}"),
+                "rlhf_decode_layer",
+                ptx::DECODE_LAYER,
+            )?;
+            let mut launch = func.builder();
+            let (rows64, c32, vocab32, n_pos32) = (rows as u64, c as u32, vocab as u32, n_positions as u32);
+            launch.arg(&ids).arg(&positions).arg(table).arg(&wpe).arg(&w).arg(&beta).arg(&out);
+            launch.arg(&rows64).arg(&c32).arg(&vocab32).arg(&n_pos32).arg(&eps);
+            // SAFETY: the arguments match the kernel's signature; it reads table rows below the
+            // sizes it is given.
+            unsafe { launch.launch(warp_per_row(rows)) }.w().map(|_| out)
+        }))
+    }
+
+    /// `gelu_new(y + b)` for c_fc's gemm output y (N, W) without its bias b (W,), both contiguous and
+    /// of one dtype (cuda/decode_layer.cu).
+    pub fn bias_gelu((y, ly): (&CudaStorage, &Layout), (b, lb): (&CudaStorage, &Layout)) -> Result<CudaStorage> {
+        let width = ly.dims().last().copied().unwrap_or(0);
+        if width == 0 || lb.shape().elem_count() != width {
+            candle_core::bail!("bias and GELU on CUDA: y {:?}, bias {:?}", ly.dims(), lb.dims());
+        }
+        Ok(for_float_dtype!(y, ly, "bias and GELU", |src: Elem, suffix| {
+            let dev = y.device();
+            let b = view::<Elem>(b, lb, "c_fc's bias")?;
+            let n = src.len();
+            // SAFETY: the kernel writes all n elements.
+            let out = unsafe { dev.alloc::<Elem>(n)? };
+            let func =
+                dev.get_or_load_custom_func(&format!("bias_gelu_{suffix}"), "rlhf_decode_layer", ptx::DECODE_LAYER)?;
+            let mut launch = func.builder();
+            let (n64, w32) = (n as u64, width as u32);
+            launch.arg(src).arg(&b).arg(&out).arg(&n64).arg(&w32);
+            // SAFETY: the arguments match the kernel's signature.
+            unsafe { launch.launch(elementwise(n)) }.w().map(|_| out)
+        }))
+    }
+}
+
+/// On a GPU against the CPU (the CUDA build's unit tests, which `scripts/gpu-check.sh` runs from
+/// the package); without one they pass after saying so on stderr.
+#[cfg(test)]
+#[cfg(feature = "cuda")]
+mod cuda_tests {
+    use crate::kernels::ops::test_support::*;
+    use candle_core::{DType, Device, Result, Tensor};
+
+    /// A prefill of 7 tokens and three decoding steps of 3 rows (the first left-padded by 2, so
+    /// its first query sees no key), heads of 64, 32 and 128 values: the GPU's two-launch step
+    /// (KvCache::append_qkv, ops::decode_attention) against the CPU's split heads, cache and
+    /// cached attention in f32. The cache holds the same values; the output agrees to 1e-5 of
+    /// the largest value in f32, 2e-2 in bf16 and 4e-3 in f16 (the attention test's bounds).
+    /// Given c_attn's gemm output and bias apart, the two launches make the same cache and the
+    /// same output, bit for bit, as from the biased qkv that the linear's bias add rounds.
+    #[test]
+    fn decode_attention_from_qkv_matches_the_cpu_cache_and_cached_attention() -> Result<()> {
+        use crate::model::gpt2::MASKED;
+        use crate::model::kv_cache::KvCache;
+        let Some(gpu) = gpu() else { return Ok(()) };
+        let (b, capacity, pad) = (3usize, 16usize, 2usize);
+        for (n_head, head_dim) in [(2usize, 64usize), (4, 32), (1, 128)] {
+            let c = n_head * head_dim;
+            for (dtype, bound) in [(DType::F32, 1e-5f32), (DType::BF16, 2e-2), (DType::F16, 4e-3)] {
+                let (mut on_cpu, mut on_gpu) = (KvCache::new(capacity), KvCache::new(capacity));
+                let mut bias_apart = KvCache::new(capacity);
+                let mut start = 0;
+                for t in [7usize, 1, 1, 1] {
+                    let s = start + t;
+                    // Causal over the positions so far, row 0's first `pad` keys masked.
+                    let mut bias = vec![0f32; b * t * s];
+                    for (r, i, j) in (0..b).flat_map(|r| (0..t).flat_map(move |i| (0..s).map(move |j| (r, i, j)))) {
+                        if j > start + i || (r == 0 && j < pad) {
+                            bias[(r * t + i) * s + j] = MASKED;
+                        }
+                    }
+                    let bias = Tensor::from_vec(bias, (b, 1, t, s), &Device::Cpu)?;
+                    // qkv = y + qkv_bias as the linear's bias add makes it: in f32, rounded once.
+                    let y = Tensor::randn(0f32, 1f32, (b, t, 3 * c), &Device::Cpu)?.to_dtype(dtype)?;
+                    let qkv_bias = Tensor::randn(0f32, 0.5f32, 3 * c, &Device::Cpu)?.to_dtype(dtype)?;
+                    let exact_sum = y.to_dtype(DType::F32)?.broadcast_add(&qkv_bias.to_dtype(DType::F32)?)?;
+                    let qkv = exact_sum.to_dtype(dtype)?;
+                    let exact = qkv.to_dtype(DType::F32)?;
+                    let (q, k, v) = crate::kernels::ops::split_heads(&exact, n_head)?;
+                    let (k, v) = on_cpu.append(&k, &v)?;
+                    let scale = 1.0 / (head_dim as f64).sqrt();
+                    let want = crate::kernels::ops::cached_attention(&q, &k, &v, &bias, scale)?;
+                    let (qkv, bias) = (qkv.to_device(&gpu)?, bias.to_device(&gpu)?);
+                    assert!(crate::kernels::ops::decode_attention_on_cuda(&qkv, &bias, n_head));
+                    let (kv, cached) = on_gpu.append_qkv(&qkv, None, n_head)?;
+                    assert_eq!(cached, start);
+                    let got = crate::kernels::ops::decode_attention(&qkv, None, &kv, start, &bias, n_head, scale)?;
+                    let what = format!("{dtype:?}, {n_head} heads of {head_dim}, {t} tokens after {start}");
+                    let (y, qkv_bias) = (y.to_device(&gpu)?, qkv_bias.to_device(&gpu)?);
+                    let (kv_apart, _) = bias_apart.append_qkv(&y, Some(&qkv_bias), n_head)?;
+                    let got_apart = crate::kernels::ops::decode_attention(
+                        &y,
+                        Some(&qkv_bias),
+                        &kv_apart,
+                        start,
+                        &bias,
+                        n_head,
+                        scale,
+                    )?;
+                    let written = |kv: &Tensor| kv.narrow(3, 0, s);
+                    assert_eq!(max_diff(&written(&kv_apart)?, &written(&kv)?)?, 0.0, "the cache, bias apart, {what}");
+                    assert_eq!(max_diff(&got_apart, &got)?, 0.0, "the output from the bias apart, {what}");
+                    let cache = kv.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.narrow(3, 0, s)?;
+                    assert_eq!(max_diff(&cache.get(0)?, &k)?, 0.0, "keys, {what}");
+                    assert_eq!(max_diff(&cache.get(1)?, &v)?, 0.0, "values, {what}");
+                    let got = got.to_device(&Device::Cpu)?.to_dtype(DType::F32)?;
+                    assert_eq!(got.dims(), [b, t, c]);
+                    let diff = max_diff(&got, &want)?;
+                    assert!(diff <= bound * largest(&want)?, "{what}: max |diff| {diff}");
+                    start = s;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A decoding step's fused blocks (gpt2.rs's Block::forward_decoding_on_cuda, nine launches
+    /// a layer) against the same blocks one op a launch (Block::forward, on the GPU's kernels
+    /// too), on a 3-layer GPT-2 with heads of 64 and of 32: a prefill of 5 tokens with row 0
+    /// left-padded by 2, then 4 steps, in f32, bf16 and f16. The fused kernels round each
+    /// intermediate where the unfused ops store it, so the hidden states (and so the caches
+    /// the later steps read) are the same bit for bit.
+    #[test]
+    fn fused_decoding_blocks_are_the_unfused_blocks_bit_for_bit() -> anyhow::Result<()> {
+        use crate::model::gpt2::{Gpt2, Gpt2Cache, Positions};
+        let Some(gpu) = gpu() else { return Ok(()) };
+        let (b, p) = (3usize, 5usize);
+        for n_head in [2usize, 4] {
+            let cfg =
+                crate::Gpt2Config { n_layer: 3, n_head, vocab_size: 500, n_positions: 32, ..crate::Gpt2Config::tiny() };
+            let params = crate::ParamStore::init(&cfg, 11, &Device::Cpu)?;
+            for dtype in [DType::F32, DType::BF16, DType::F16] {
+                let on_gpu = params.tensors().into_iter().map(|(k, v)| Ok((k, v.to_dtype(dtype)?.to_device(&gpu)?)));
+                let weights = on_gpu.collect::<Result<std::collections::HashMap<_, _>>>()?;
+                let model = Gpt2::load(candle_nn::VarBuilder::from_tensors(weights, dtype, &gpu), &cfg)?;
+                let mut mask: Vec<Vec<u32>> =
+                    (0..b).map(|r| (0..p).map(|j| u32::from(r != 0 || j >= 2)).collect()).collect();
+                let positions = crate::generation::generate::position_ids(&mask.concat(), b, p);
+                let mut ids = Tensor::from_vec((0..b * p).map(|i| (i * 37 % 500) as u32).collect(), (b, p), &gpu)?;
+                let mut pos = Tensor::from_vec(positions, (b, p), &gpu)?;
+                let mut next_pos: Vec<u32> = mask.iter().map(|m| m.iter().sum()).collect();
+                let (mut fused_cache, mut plain_cache) = (Gpt2Cache::new(&cfg, 16), Gpt2Cache::new(&cfg, 16));
+                for step in 0..5 {
+                    let mask_t = Tensor::new(mask.clone(), &Device::Cpu)?;
+                    let positions = Positions { position_ids: Some(&pos), attention_mask: Some(&mask_t) };
+                    let (t, past) = (ids.dim(1)?, plain_cache.len());
+                    let bias = model.attention_bias(b, t, past, &positions, &gpu)?;
+                    assert!(model.decodes_fused_on_cuda(&bias, None), "the fused path applies");
+                    let mut plain = model.embed(&ids, &positions, past, None)?;
+                    let fused = model.forward_blocks(&ids, &positions, Some(&mut fused_cache), None)?;
+                    for (block, layer) in model.h.iter().zip(plain_cache.layers.iter_mut()) {
+                        plain = block.forward(&plain, &bias, Some(layer), None)?;
+                    }
+                    let diff = max_diff(&fused, &plain)?;
+                    assert_eq!(diff, 0.0, "{dtype:?}, {n_head} heads, step {step}: hidden states differ by {diff}");
+                    ids = Tensor::from_vec(vec![(step * 7 + 1) as u32; b], (b, 1), &gpu)?;
+                    pos = Tensor::from_vec(next_pos.clone(), (b, 1), &gpu)?;
+                    next_pos.iter_mut().for_each(|x| *x += 1);
+                    mask.iter_mut().for_each(|m| m.push(1));
+                }
+            }
+        }
+        Ok(())
+    }
+}
