@@ -912,7 +912,8 @@ fn print_summary(output: &Path, steps: &[u32], algorithm: PipelineAlgorithm, dem
 /// reward model to score them.
 fn held_out_comparison(output: &Path) -> Result<()> {
     let device = hybrid_engine::device::parse_device("cpu")?;
-    let read = |dir: &Path| ppo::run::read_model(&dir.display().to_string(), "the DPO comparison", Some(0.0), &device);
+    let read =
+        |dir: &Path| ppo::models::read_model(&dir.display().to_string(), "the DPO comparison", Some(0.0), &device);
     let (sft_cfg, sft, files) = read(&output.join("actor"))?;
     let (dpo_cfg, dpo, _) = read(&output.join("dpo"))?;
     let tok = data::Tokenizer::from_model_dir_or_default(&files.dir)?;

@@ -7,7 +7,7 @@
 use anyhow::{bail, Result};
 use clap::Parser;
 use ppo::eval::{evaluate_policy, PolicyEval};
-use ppo::run::{read_model, read_reward_model};
+use ppo::models::{read_model, read_reward_model};
 
 #[derive(Parser, Debug)]
 #[command(name = "policy_eval", about = "Score actors on held-out prompts against a reward model and their reference")]

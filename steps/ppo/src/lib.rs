@@ -7,6 +7,7 @@ pub mod args;
 pub mod checkpoint;
 pub mod eval;
 pub mod experience;
+pub mod models;
 pub mod ppo;
 pub mod run;
 pub mod trainer;

@@ -30,20 +30,20 @@ use crate::advantages::compute_advantages;
 use crate::args::PpoArgs;
 use crate::eval::{evaluate_policy, PolicyEval};
 use crate::experience::{generate_experience, rollout_share, Experience, RolloutModels};
+use crate::models::{build_models, lm_on, read_model, read_reward_model, read_starting_models, reward_model_on};
 use crate::ppo;
 use crate::trainer::{answer_tokens, Ema, MicroBatch, PpoModels, PtxBatch, UpdateStats};
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
 use data::{PackedCorpus, Tokenizer};
-use hybrid_engine::checkpoints::hf_io::{load_model_dir, resolve_model_dir};
 use hybrid_engine::checkpoints::resume::save_model_dir;
 use hybrid_engine::comm::{ProcessGroup, ReduceOp};
-use hybrid_engine::engine::{Engine, GatheredWeights, Head, Ranks};
+use hybrid_engine::engine::{Engine, GatheredWeights, Ranks};
 use hybrid_engine::generation::engine::GenerationMode;
 use hybrid_engine::generation::generate::{Generation, LeftPadded, SamplingConfig};
 use hybrid_engine::kernels::ops::DropoutKey;
 use hybrid_engine::model::gpt2::{Gpt2, Gpt2Config};
-use hybrid_engine::model::reward_model::{causal_lm_config, sequence_classification_config, RewardModel, SCORE_WEIGHT};
+use hybrid_engine::model::reward_model::{causal_lm_config, sequence_classification_config};
 use hybrid_engine::tensor_parallel::layout::ParallelLayout;
 use hybrid_engine::tensor_parallel::shard::check_divides;
 use hybrid_engine::training::metrics::{peak_rss_mib, Metrics};
@@ -72,38 +72,6 @@ pub struct PpoSummary {
     pub output_dir: std::path::PathBuf,
 }
 
-/// A model directory's config and tensors (trunk and heads), with a dropout override.
-pub fn read_model(
-    name: &str,
-    flag: &str,
-    dropout: Option<f64>,
-    device: &Device,
-) -> Result<(Gpt2Config, ParamStore, hybrid_engine::checkpoints::hf_io::ModelFiles)> {
-    let dir = resolve_model_dir(name).with_context(|| format!("{flag} {name:?}"))?;
-    let files = load_model_dir(&dir, device)?;
-    let mut config = files.config.clone();
-    if let Some(p) = dropout {
-        (config.resid_pdrop, config.embd_pdrop, config.attn_pdrop) = (p, p, p);
-    }
-    let params = ParamStore::from_tensors(&config, &files.tensors, device)?;
-    Ok((config, params, files))
-}
-
-/// A reward-model directory's trunk and score head.
-pub fn read_reward_model(
-    name: &str,
-    flag: &str,
-    dropout: Option<f64>,
-    device: &Device,
-) -> Result<(Gpt2Config, ParamStore)> {
-    let (config, mut params, files) = read_model(name, flag, dropout, device)?;
-    let Some(score) = files.extra_tensors.get(SCORE_WEIGHT) else {
-        bail!("{flag} {name:?} has no {SCORE_WEIGHT}: pass the reward model step 2 saved (a GPT2ForSequenceClassification directory)");
-    };
-    params.push(SCORE_WEIGHT, score)?;
-    Ok((config, params))
-}
-
 /// Runs step 3.
 pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
     args.validate()?;
@@ -118,72 +86,23 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
     let cfg = args.ppo_config();
 
     // Models: actor and reference from step 1, critic and reward from step 2.
-    let (actor_cfg, actor_params, actor_files) =
-        read_model(&args.actor_model_name_or_path, "--actor-model-name-or-path", args.actor_dropout, &device)?;
-    let tokenizer = Tokenizer::from_model_dir_or_default(&actor_files.dir)?;
+    let start = read_starting_models(args, &device)?;
+    let tokenizer = Tokenizer::from_model_dir_or_default(&start.actor_dir)?;
     let eos = tokenizer.eos_id();
-    let (_, ref_params, _) =
-        read_model(&args.actor_model_name_or_path, "--actor-model-name-or-path", Some(0.0), &device)?;
-    // GRPO and RLOO train no critic: only PPO reads one.
-    let critic = args
-        .algorithm
-        .has_critic()
-        .then(|| {
-            read_reward_model(
-                &args.critic_model_name_or_path,
-                "--critic-model-name-or-path",
-                args.critic_dropout,
-                &device,
-            )
-        })
-        .transpose()?;
-    let (reward_cfg, reward_params) =
-        read_reward_model(&args.critic_model_name_or_path, "--critic-model-name-or-path", Some(0.0), &device)?;
+    start.check_fits(args, &tokenizer)?;
+    let (actor_cfg, reward_cfg) = (start.actor_cfg.clone(), start.reward_cfg.clone());
     let context = args.max_prompt_seq_len + args.max_answer_seq_len;
-    for (what, c) in [("actor", &actor_cfg), ("reward model", &reward_cfg)] {
-        if context > c.n_positions {
-            bail!("--max-prompt-seq-len + --max-answer-seq-len = {context} exceeds the {what}'s context of {} positions: lower them", c.n_positions);
-        }
-        if tokenizer.vocab_size() > c.vocab_size {
-            bail!("the {what} embeds {} tokens but the actor's tokenizer has {}: pass models trained with the same tokenizer", c.vocab_size, tokenizer.vocab_size());
-        }
-    }
 
     // The hybrid engine's inference tensor parallelism: groups of consecutive ranks generate
     // together (the layout and the actor's heads are checked now, before any work).
-    let inference_tp = match args.inference_tp_size as usize {
-        1 => None,
-        t => {
-            check_divides(actor_cfg.n_head, actor_cfg.inner_dim(), t)?;
-            let layout = ParallelLayout::new(&group, t)?;
-            println!(
-                "inference tensor parallel: each rollout generated by groups of {t} ranks, the actor split by heads"
-            );
-            Some(layout.tp)
-        }
-    };
+    let inference_tp = inference_tp_group(args, &group, &actor_cfg)?;
 
     // Data: phase-3 prompts; optional PTX blocks.
     let data_cfg = args.data.config(args.seed, context, args.max_prompt_seq_len, false)?;
     let prompts = data::phases::prompt_data(&data_cfg, &tokenizer)?;
     println!("{}", prompts.summary);
-    let unsupervised = match &args.unsupervised_dataset_name {
-        None => None,
-        Some(name) => {
-            let docs = data::read_documents(&data::CorpusSource::parse(name), "text")?;
-            let tokens = data::tokenize_documents(&tokenizer, &docs)?;
-            let corpus = PackedCorpus::pack(&tokens, eos, context);
-            if corpus.num_blocks() == 0 {
-                bail!("--unsupervised-dataset-name {name}: the corpus is shorter than one block of {context} tokens");
-            }
-            println!(
-                "PTX: {} blocks of {context} tokens from {name}, coefficient {}",
-                corpus.num_blocks(),
-                args.unsup_coef
-            );
-            Some(corpus)
-        }
-    };
+    let unsupervised =
+        args.unsupervised_dataset_name.as_deref().map(|name| ptx_corpus(args, name, &tokenizer)).transpose()?;
     // The global batches: a rollout's prompts and a PPO micro-batch's rows over all ranks.
     let global_generation = args.per_device_generation_batch_size * world;
     let global_micro = args.per_device_training_batch_size * world;
@@ -199,114 +118,12 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
     let actor_steps = critic_steps;
     let actor_engine = args.engine_config(false, actor_steps, &data)?;
     let critic_engine = args.engine_config(true, critic_steps, &data)?;
-    // LoRA: fresh adapters on the trained models (the step-1 and step-2 saves are merged).
-    let (mut actor_params, mut critic) = (actor_params, critic);
-    let mut lora_targets = vec![(
-        "actor",
-        &mut actor_params,
-        &actor_cfg,
-        args.actor_lora_dim,
-        &args.actor_lora_module_name,
-        args.actor_lora_learning_rate,
-    )];
-    if let Some((critic_cfg, critic_params)) = &mut critic {
-        lora_targets.push((
-            "critic",
-            critic_params,
-            critic_cfg,
-            args.critic_lora_dim,
-            &args.critic_lora_module_name,
-            args.critic_lora_learning_rate,
-        ));
-    }
-    for (what, params, cfg, dim, module, lr) in lora_targets {
-        if let Some(lora) = PpoArgs::lora(dim, module) {
-            let targets = params.add_lora(cfg, &lora, args.seed)?;
-            println!(
-                "{what} LoRA: rank {dim} on {} linears matching {module:?}, scaling 1/{dim}, lr {lr:e}",
-                targets.len()
-            );
-            if args.only_optimize_lora {
-                params.freeze_trunk();
-            }
-        }
-    }
-    // Resume: the trained models' values from the checkpoint (the frozen ones from their dirs).
-    let resume = args.load.as_deref().map(|root| crate::checkpoint::load(root, &device)).transpose()?;
-    if let Some(ck) = &resume {
-        if ck.state.run != args.run_fingerprint(world) {
-            bail!(
-                "--load {}: the checkpoint was made with other training flags ({}); resume with the flags it was saved with",
-                ck.dir.display(),
-                ck.state.run
-            );
-        }
-        crate::checkpoint::restore_values(&actor_params, &ck.actor, "actor")?;
-        if let (Some((_, params)), Some(saved)) = (&critic, &ck.critic) {
-            crate::checkpoint::restore_values(params, saved, "critic")?;
-        }
-    }
-    let precision = args.precision.precision();
-    let dtype = precision.dtype.dtype();
-    let ema = match (args.enable_ema, resume.as_ref().and_then(|ck| ck.ema.as_ref())) {
-        (false, _) => None,
-        (true, saved) => {
-            let ema = actor_params.copy()?;
-            if let Some(saved) = saved {
-                crate::checkpoint::restore_values(&ema, saved, "actor_ema")?;
-            }
-            Some(ema)
-        }
-    };
-    // Tensor parallelism: each rank keeps its slices of the four models (and of the EMA).
-    let (actor_params, critic, ref_params, reward_params, ema) = match &tp {
-        None => (actor_params, critic, ref_params, reward_params, ema),
-        Some(tp) => {
-            println!("{}", tp.describe());
-            (
-                tp.slice(actor_params, &actor_cfg)?,
-                critic.map(|(cfg, params)| tp.slice(params, &cfg).map(|p| (cfg, p))).transpose()?,
-                tp.slice(ref_params, &actor_cfg)?,
-                tp.slice(reward_params, &reward_cfg)?,
-                ema.map(|ema| tp.slice(ema, &actor_cfg)).transpose()?,
-            )
-        }
-    };
+    // Resume: the trained models' values and optimizers from the checkpoint (the frozen ones
+    // from their directories).
+    let resume = args.load.as_deref().map(|root| read_checkpoint(args, root, world, &device)).transpose()?;
     let ranks = Ranks { data: data.clone(), tensor: tp.clone() };
-    let mut models = PpoModels {
-        actor: Engine::new(&actor_engine, &actor_cfg, Head::Lm, actor_params, ranks.clone())?,
-        critic: critic
-            .map(|(critic_cfg, critic_params)| {
-                Engine::new(&critic_engine, &critic_cfg, Head::Score, critic_params, ranks.clone())
-            })
-            .transpose()?,
-        reference: lm_on(&ref_params.compute_copy(dtype)?, &actor_cfg, precision.fp32_loss, tp.as_ref())?,
-        reward: reward_model_on(&reward_params.compute_copy(dtype)?, &reward_cfg, precision.fp32_loss, tp.as_ref())?,
-        ema: None,
-        align_overflow: args.align_overflow,
-    };
-    // The EMA of a ZeRO-3 actor is kept shard by shard, as its weights are.
-    models.ema = match (ema, models.actor.sharded()) {
-        (None, _) => None,
-        (Some(ema), None) => Some(Ema::Whole(ema)),
-        (Some(ema), Some(sharded)) => Some(Ema::Shard(sharded.shard_of(&ema)?)),
-    };
-    if let Some(ck) = &resume {
-        // The checkpoint holds whole moments: under TP each rank takes its slices of them.
-        let st = &ck.state;
-        models.actor.load_optimizer(&ck.actor_optimizer, st.actor_steps, st.actor_progress.as_ref())?;
-        match (&mut models.critic, &ck.critic_optimizer) {
-            (Some(critic), Some(saved)) => critic.load_optimizer(saved, st.critic_steps, st.critic_progress.as_ref())?,
-            (None, None) => {}
-            _ => bail!("--load {}: the checkpoint's critic does not match --algorithm {}: resume with the flags it was saved with", ck.dir.display(), args.algorithm.name()),
-        }
-        println!("resumed from {} at rollout {}", ck.dir.display(), ck.state.step);
-    }
-    // Under ZeRO stage 3 the whole masters go once the shards and optimizer state are taken.
-    models.actor.release_masters();
-    if let Some(critic) = &mut models.critic {
-        critic.release_masters();
-    }
+    let models = build_models(args, start, resume.as_ref(), ranks, (&actor_engine, &critic_engine))?;
+    let dtype = args.precision.precision().dtype.dtype();
     let engine = GenerationMode::new(args.max_prompt_seq_len, args.max_answer_seq_len, args.release_inference_cache)
         .with_dtype(dtype);
 
@@ -329,27 +146,8 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
         last_reward: None,
         output_dir: args.output_dir.clone(),
     };
-    let (mut micro, mut step) = (0u64, 0u64);
-    let ptx_range = 0..unsupervised.as_ref().map_or(0, PackedCorpus::num_blocks);
-    let mut ptx_cursor = data::BlockSampler::new(ptx_range.clone(), args.seed);
-    let (mut first_epoch, mut skip_batches) = (1, 0);
-    // The KL coefficient of the next rollout's rewards: --kl-ctl, adapted with --kl-target.
-    let mut kl_ctl = args.kl_ctl;
-    // --normalize-reward: the running moments of the scores.
-    let mut reward_moments = args.normalize_reward.then(ppo::RunningMoments::default);
-    if let Some(ck) = &resume {
-        let st = &ck.state;
-        (micro, step, first_epoch, skip_batches) = (st.micro, st.step, st.epoch, st.batches_done);
-        kl_ctl = st.kl_ctl.unwrap_or(kl_ctl);
-        if reward_moments.is_some() {
-            reward_moments = Some(st.reward_moments.unwrap_or_default());
-        }
-        ptx_cursor = data::BlockSampler::with_cursor(ptx_range.clone(), args.seed, st.ptx_cursor).context(
-            "cannot resume: the --unsupervised-dataset-name corpus differs from the run that saved the checkpoint (use the same, or start anew without --load)",
-        )?;
-        (summary.rollouts_reused, summary.answers_dropped_short, summary.first_reward) =
-            (st.rollouts_reused, st.answers_dropped_short, st.first_reward);
-    }
+    let ptx_blocks = unsupervised.as_ref().map_or(0, PackedCorpus::num_blocks);
+    let (at, ptx_cursor) = starting_point(args, resume.as_ref(), ptx_blocks, &mut summary)?;
     // Once every input is checked, so that bad input stays one error line.
     if let Some(line) = actor_dropout_warning(&actor_cfg).filter(|_| group.is_first()) {
         eprintln!("{line}");
@@ -380,18 +178,97 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
         summary,
         buffer: Vec::new(),
         last_experience: None,
-        micro,
-        step,
+        micro: at.micro,
+        step: at.step,
         ptx_cursor,
-        kl_ctl,
-        reward_moments,
+        kl_ctl: at.kl_ctl,
+        reward_moments: at.reward_moments,
         save_root,
         save_pending: false,
-        last_saved_step: step,
+        last_saved_step: at.step,
         total_rollouts,
     };
-    ppo_loop.run_epochs(first_epoch, skip_batches, global_generation)?;
+    ppo_loop.run_epochs(at.epoch, at.batches_done, global_generation)?;
     ppo_loop.finish(batches_per_epoch, eval_prompts.as_deref(), &reward_cfg)
+}
+
+/// `--inference-tp-size`: the group of consecutive ranks this one generates rollouts with (the
+/// layout and the actor's heads checked now, before any work), `None` without it.
+fn inference_tp_group(args: &PpoArgs, group: &ProcessGroup, actor: &Gpt2Config) -> Result<Option<Arc<ProcessGroup>>> {
+    match args.inference_tp_size as usize {
+        1 => Ok(None),
+        t => {
+            check_divides(actor.n_head, actor.inner_dim(), t)?;
+            let layout = ParallelLayout::new(group, t)?;
+            println!(
+                "inference tensor parallel: each rollout generated by groups of {t} ranks, the actor split by heads"
+            );
+            Ok(Some(layout.tp))
+        }
+    }
+}
+
+/// `--unsupervised-dataset-name`: the PTX corpus packed in blocks of a prompt and an answer.
+fn ptx_corpus(args: &PpoArgs, name: &str, tokenizer: &Tokenizer) -> Result<PackedCorpus> {
+    let context = args.max_prompt_seq_len + args.max_answer_seq_len;
+    let docs = data::read_documents(&data::CorpusSource::parse(name), "text")?;
+    let tokens = data::tokenize_documents(tokenizer, &docs)?;
+    let corpus = PackedCorpus::pack(&tokens, tokenizer.eos_id(), context);
+    if corpus.num_blocks() == 0 {
+        bail!("--unsupervised-dataset-name {name}: the corpus is shorter than one block of {context} tokens");
+    }
+    println!("PTX: {} blocks of {context} tokens from {name}, coefficient {}", corpus.num_blocks(), args.unsup_coef);
+    Ok(corpus)
+}
+
+/// `--load`'s checkpoint, refused when made with other training flags (on `world` ranks).
+fn read_checkpoint(
+    args: &PpoArgs,
+    root: &Path,
+    world: usize,
+    device: &Device,
+) -> Result<crate::checkpoint::PpoCheckpoint> {
+    let ck = crate::checkpoint::load(root, device)?;
+    if ck.state.run != args.run_fingerprint(world) {
+        bail!(
+            "--load {}: the checkpoint was made with other training flags ({}); resume with the flags it was saved with",
+            ck.dir.display(),
+            ck.state.run
+        );
+    }
+    Ok(ck)
+}
+
+/// Where the loop starts: at the beginning, or where `resume` left it (also its counts in
+/// `summary`), with the PTX sampler over `ptx_blocks` blocks at its cursor.
+fn starting_point(
+    args: &PpoArgs,
+    resume: Option<&crate::checkpoint::PpoCheckpoint>,
+    ptx_blocks: usize,
+    summary: &mut PpoSummary,
+) -> Result<(Position, data::BlockSampler)> {
+    // --normalize-reward: the running moments of the scores.
+    let reward_moments = args.normalize_reward.then(ppo::RunningMoments::default);
+    let Some(ck) = resume else {
+        let at = Position { step: 0, micro: 0, epoch: 1, batches_done: 0, kl_ctl: args.kl_ctl, reward_moments };
+        return Ok((at, data::BlockSampler::new(0..ptx_blocks, args.seed)));
+    };
+    let st = &ck.state;
+    let at = Position {
+        step: st.step,
+        micro: st.micro,
+        epoch: st.epoch,
+        batches_done: st.batches_done,
+        // The KL coefficient of the next rollout's rewards: --kl-ctl, adapted with --kl-target.
+        kl_ctl: st.kl_ctl.unwrap_or(args.kl_ctl),
+        reward_moments: reward_moments.map(|_| st.reward_moments.unwrap_or_default()),
+    };
+    let ptx_cursor = data::BlockSampler::with_cursor(0..ptx_blocks, args.seed, st.ptx_cursor).context(
+        "cannot resume: the --unsupervised-dataset-name corpus differs from the run that saved the checkpoint (use the same, or start anew without --load)",
+    )?;
+    (summary.rollouts_reused, summary.answers_dropped_short, summary.first_reward) =
+        (st.rollouts_reused, st.answers_dropped_short, st.first_reward);
+    Ok((at, ptx_cursor))
 }
 
 /// What the stages of the loop read: the flags, the ranks, the device.
@@ -1150,34 +1027,6 @@ fn checkpoint_state(
     }
 }
 
-/// A language model over `params` (the actor, or the frozen reference) in their dtype: the whole
-/// model, or under `tp` this rank's slices.
-fn lm_on(
-    params: &ParamStore,
-    config: &Gpt2Config,
-    fp32_loss: bool,
-    tp: Option<&TensorParallel>,
-) -> Result<hybrid_engine::Gpt2> {
-    let mut model = match tp {
-        Some(tp) => tp.model(params, config)?,
-        None => params.model(config)?,
-    };
-    model.fp32_loss = fp32_loss;
-    Ok(model)
-}
-
-/// A reward model over `params` (the critic, or the frozen reward model) in their dtype, as
-/// [`lm_on`]; the score head is whole on every rank.
-fn reward_model_on(
-    params: &ParamStore,
-    config: &Gpt2Config,
-    fp32_loss: bool,
-    tp: Option<&TensorParallel>,
-) -> Result<RewardModel> {
-    let trunk = lm_on(params, config, fp32_loss, tp)?;
-    RewardModel::from_trunk(trunk, params, config)
-}
-
 /// `--tensor-model-parallel-size`: the TP layout of the ranks, or `None` without TP. Every
 /// rank calls it together. `--inference-tp-size` has nothing to do under it (one line).
 fn tensor_parallel(args: &PpoArgs, group: &ProcessGroup) -> Result<Option<TensorParallel>> {
@@ -1517,7 +1366,7 @@ fn print_answers(metrics: &Metrics, exp: &Experience, tok: &Tokenizer, pad: u32,
 mod tests {
     use super::*;
     use clap::Parser;
-    use hybrid_engine::engine::EngineConfig;
+    use hybrid_engine::engine::{EngineConfig, Head};
     use hybrid_engine::model::reward_model::add_score_head;
     use hybrid_engine::training::optim::AdamW;
     use hybrid_engine::training::optim::AdamWConfig;

@@ -111,22 +111,7 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
         Some(p) => Tokenizer::from_file(p)?,
         None => Tokenizer::gpt2_default()?,
     };
-    let docs = data::read_documents(&CorpusSource::parse(&args.data_path), &args.text_key)?;
-    let tokens = data::tokenize_documents(&tokenizer, &docs)?;
-    let corpus = PackedCorpus::pack(&tokens, tokenizer.eos_id(), args.seq_length);
-    let ranges = data::split_ranges(corpus.num_blocks(), &cfg.split);
-    data::check_split(corpus.num_blocks(), &cfg.split, &ranges)?;
-    let [train, valid, test] = ranges;
-    println!(
-        "corpus: {} documents, {} tokens, {} blocks of {} tokens: train {}, valid {}, test {}",
-        docs.len(),
-        corpus.num_tokens(),
-        corpus.num_blocks(),
-        args.seq_length,
-        train.len(),
-        valid.len(),
-        test.len()
-    );
+    let (corpus, [train, valid, test]) = read_corpus(args, &cfg, &tokenizer)?;
     let layout = DataLayout {
         data_path: args.data_path.clone(),
         seq_length: args.seq_length,
@@ -221,6 +206,32 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     };
     let train_secs = run.train(start)?;
     run.finish(start, train_secs, &test)
+}
+
+/// `--data-path` tokenized, packed in blocks of `--seq-length` tokens and split into the
+/// train, valid and test ranges of blocks (said in a line). Every failure here happens before
+/// any training.
+fn read_corpus(
+    args: &PretrainArgs,
+    cfg: &PretrainConfig,
+    tokenizer: &Tokenizer,
+) -> Result<(PackedCorpus, [Range<usize>; 3])> {
+    let docs = data::read_documents(&CorpusSource::parse(&args.data_path), &args.text_key)?;
+    let tokens = data::tokenize_documents(tokenizer, &docs)?;
+    let corpus = PackedCorpus::pack(&tokens, tokenizer.eos_id(), args.seq_length);
+    let ranges = data::split_ranges(corpus.num_blocks(), &cfg.split);
+    data::check_split(corpus.num_blocks(), &cfg.split, &ranges)?;
+    println!(
+        "corpus: {} documents, {} tokens, {} blocks of {} tokens: train {}, valid {}, test {}",
+        docs.len(),
+        corpus.num_tokens(),
+        corpus.num_blocks(),
+        args.seq_length,
+        ranges[0].len(),
+        ranges[1].len(),
+        ranges[2].len()
+    );
+    Ok((corpus, ranges))
 }
 
 /// What a checkpoint restores beyond the weights: the optimizer state, its step (fewer than

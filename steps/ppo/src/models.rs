@@ -1,0 +1,238 @@
+//! Step 3's four models, as DS-Chat's `DeepSpeedRLHFEngine` builds them: the actor and its
+//! frozen reference from the step-1 directory, the critic and the frozen reward model from the
+//! step-2 directory; LoRA adapters on the trained ones, a resumed checkpoint's values and
+//! optimizer state, tensor-parallel slices, and the actor's EMA.
+
+use crate::args::PpoArgs;
+use crate::checkpoint::{restore_values, PpoCheckpoint};
+use crate::trainer::{Ema, PpoModels};
+use anyhow::{bail, Context, Result};
+use candle_core::Device;
+use data::Tokenizer;
+use hybrid_engine::checkpoints::hf_io::{load_model_dir, resolve_model_dir, ModelFiles};
+use hybrid_engine::engine::{Engine, EngineConfig, Head, Ranks};
+use hybrid_engine::model::gpt2::{Gpt2, Gpt2Config};
+use hybrid_engine::model::reward_model::{RewardModel, SCORE_WEIGHT};
+use hybrid_engine::training::tensor_parallel::TensorParallel;
+use hybrid_engine::ParamStore;
+use std::path::PathBuf;
+
+/// A model directory's config and tensors (trunk and heads), with a dropout override.
+pub fn read_model(
+    name: &str,
+    flag: &str,
+    dropout: Option<f64>,
+    device: &Device,
+) -> Result<(Gpt2Config, ParamStore, ModelFiles)> {
+    let dir = resolve_model_dir(name).with_context(|| format!("{flag} {name:?}"))?;
+    let files = load_model_dir(&dir, device)?;
+    let mut config = files.config.clone();
+    if let Some(p) = dropout {
+        (config.resid_pdrop, config.embd_pdrop, config.attn_pdrop) = (p, p, p);
+    }
+    let params = ParamStore::from_tensors(&config, &files.tensors, device)?;
+    Ok((config, params, files))
+}
+
+/// A reward-model directory's trunk and score head.
+pub fn read_reward_model(
+    name: &str,
+    flag: &str,
+    dropout: Option<f64>,
+    device: &Device,
+) -> Result<(Gpt2Config, ParamStore)> {
+    let (config, mut params, files) = read_model(name, flag, dropout, device)?;
+    let Some(score) = files.extra_tensors.get(SCORE_WEIGHT) else {
+        bail!("{flag} {name:?} has no {SCORE_WEIGHT}: pass the reward model step 2 saved (a GPT2ForSequenceClassification directory)");
+    };
+    params.push(SCORE_WEIGHT, score)?;
+    Ok((config, params))
+}
+
+/// The four models' starting weights, whole, as their directories hold them.
+pub struct StartingModels {
+    pub actor_cfg: Gpt2Config,
+    pub actor: ParamStore,
+    /// The actor's directory (its tokenizer).
+    pub actor_dir: PathBuf,
+    /// The frozen reference: the actor's weights, dropout off.
+    pub reference: ParamStore,
+    /// PPO's critic (config, weights); GRPO and RLOO train none.
+    pub critic: Option<(Gpt2Config, ParamStore)>,
+    pub reward_cfg: Gpt2Config,
+    /// The frozen reward model, dropout off.
+    pub reward: ParamStore,
+}
+
+/// Reads the actor and reference from `--actor-model-name-or-path`, the critic (PPO only) and
+/// the reward model from `--critic-model-name-or-path`.
+pub fn read_starting_models(args: &PpoArgs, device: &Device) -> Result<StartingModels> {
+    let actor_flag = "--actor-model-name-or-path";
+    let (actor_cfg, actor, actor_files) =
+        read_model(&args.actor_model_name_or_path, actor_flag, args.actor_dropout, device)?;
+    let (_, reference, _) = read_model(&args.actor_model_name_or_path, actor_flag, Some(0.0), device)?;
+    let critic_flag = "--critic-model-name-or-path";
+    let critic = args
+        .algorithm
+        .has_critic()
+        .then(|| read_reward_model(&args.critic_model_name_or_path, critic_flag, args.critic_dropout, device))
+        .transpose()?;
+    let (reward_cfg, reward) = read_reward_model(&args.critic_model_name_or_path, critic_flag, Some(0.0), device)?;
+    Ok(StartingModels { actor_cfg, actor, actor_dir: actor_files.dir, reference, critic, reward_cfg, reward })
+}
+
+impl StartingModels {
+    /// The actor and the reward model must hold a prompt and its answer and embed every token.
+    pub fn check_fits(&self, args: &PpoArgs, tokenizer: &Tokenizer) -> Result<()> {
+        let context = args.max_prompt_seq_len + args.max_answer_seq_len;
+        for (what, c) in [("actor", &self.actor_cfg), ("reward model", &self.reward_cfg)] {
+            if context > c.n_positions {
+                bail!("--max-prompt-seq-len + --max-answer-seq-len = {context} exceeds the {what}'s context of {} positions: lower them", c.n_positions);
+            }
+            if tokenizer.vocab_size() > c.vocab_size {
+                bail!("the {what} embeds {} tokens but the actor's tokenizer has {}: pass models trained with the same tokenizer", c.vocab_size, tokenizer.vocab_size());
+            }
+        }
+        Ok(())
+    }
+
+    /// Fresh LoRA adapters on the trained models (the step-1 and step-2 saves are merged), each
+    /// said in a line; with `--only-optimize-lora` their trunks frozen.
+    fn add_lora(&mut self, args: &PpoArgs) -> Result<()> {
+        let mut targets = vec![(
+            "actor",
+            &mut self.actor,
+            &self.actor_cfg,
+            args.actor_lora_dim,
+            &args.actor_lora_module_name,
+            args.actor_lora_learning_rate,
+        )];
+        if let Some((critic_cfg, critic)) = &mut self.critic {
+            targets.push((
+                "critic",
+                critic,
+                critic_cfg,
+                args.critic_lora_dim,
+                &args.critic_lora_module_name,
+                args.critic_lora_learning_rate,
+            ));
+        }
+        for (what, params, cfg, dim, module, lr) in targets {
+            if let Some(lora) = PpoArgs::lora(dim, module) {
+                let linears = params.add_lora(cfg, &lora, args.seed)?;
+                println!(
+                    "{what} LoRA: rank {dim} on {} linears matching {module:?}, scaling 1/{dim}, lr {lr:e}",
+                    linears.len()
+                );
+                if args.only_optimize_lora {
+                    params.freeze_trunk();
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The models step 3 trains and reads: LoRA added, a checkpoint's values restored (`resume`,
+/// its fingerprint already checked), each rank's TP slices kept, the actor and the critic
+/// engines built as `engines` say (their optimizer state resumed; at ZeRO stage 3 only this
+/// rank's shards kept), the frozen ones in the compute dtype, the EMA when asked for.
+pub fn build_models(
+    args: &PpoArgs,
+    mut start: StartingModels,
+    resume: Option<&PpoCheckpoint>,
+    ranks: Ranks,
+    (actor_engine, critic_engine): (&EngineConfig, &EngineConfig),
+) -> Result<PpoModels> {
+    start.add_lora(args)?;
+    if let Some(ck) = resume {
+        restore_values(&start.actor, &ck.actor, "actor")?;
+        if let (Some((_, params)), Some(saved)) = (&start.critic, &ck.critic) {
+            restore_values(params, saved, "critic")?;
+        }
+    }
+    let ema = match (args.enable_ema, resume.and_then(|ck| ck.ema.as_ref())) {
+        (false, _) => None,
+        (true, saved) => {
+            let ema = start.actor.copy()?;
+            if let Some(saved) = saved {
+                restore_values(&ema, saved, "actor_ema")?;
+            }
+            Some(ema)
+        }
+    };
+    let StartingModels { actor_cfg, actor, reference, critic, reward_cfg, reward, .. } = start;
+    // Tensor parallelism: each rank keeps its slices of the four models (and of the EMA).
+    let tp = ranks.tensor.as_ref();
+    let (actor, critic, reference, reward, ema) = match tp {
+        None => (actor, critic, reference, reward, ema),
+        Some(tp) => {
+            println!("{}", tp.describe());
+            (
+                tp.slice(actor, &actor_cfg)?,
+                critic.map(|(cfg, params)| tp.slice(params, &cfg).map(|p| (cfg, p))).transpose()?,
+                tp.slice(reference, &actor_cfg)?,
+                tp.slice(reward, &reward_cfg)?,
+                ema.map(|ema| tp.slice(ema, &actor_cfg)).transpose()?,
+            )
+        }
+    };
+    let precision = args.precision.precision();
+    let dtype = precision.dtype.dtype();
+    let mut models = PpoModels {
+        reference: lm_on(&reference.compute_copy(dtype)?, &actor_cfg, precision.fp32_loss, tp)?,
+        reward: reward_model_on(&reward.compute_copy(dtype)?, &reward_cfg, precision.fp32_loss, tp)?,
+        actor: Engine::new(actor_engine, &actor_cfg, Head::Lm, actor, ranks.clone())?,
+        critic: critic
+            .map(|(cfg, params)| Engine::new(critic_engine, &cfg, Head::Score, params, ranks.clone()))
+            .transpose()?,
+        ema: None,
+        align_overflow: args.align_overflow,
+    };
+    // The EMA of a ZeRO-3 actor is kept shard by shard, as its weights are.
+    models.ema = match (ema, models.actor.sharded()) {
+        (None, _) => None,
+        (Some(ema), None) => Some(Ema::Whole(ema)),
+        (Some(ema), Some(sharded)) => Some(Ema::Shard(sharded.shard_of(&ema)?)),
+    };
+    if let Some(ck) = resume {
+        // The checkpoint holds whole moments: under TP each rank takes its slices of them.
+        let st = &ck.state;
+        models.actor.load_optimizer(&ck.actor_optimizer, st.actor_steps, st.actor_progress.as_ref())?;
+        match (&mut models.critic, &ck.critic_optimizer) {
+            (Some(critic), Some(saved)) => critic.load_optimizer(saved, st.critic_steps, st.critic_progress.as_ref())?,
+            (None, None) => {}
+            _ => bail!("--load {}: the checkpoint's critic does not match --algorithm {}: resume with the flags it was saved with", ck.dir.display(), args.algorithm.name()),
+        }
+        println!("resumed from {} at rollout {}", ck.dir.display(), ck.state.step);
+    }
+    // Under ZeRO stage 3 the whole masters go once the shards and optimizer state are taken.
+    models.actor.release_masters();
+    if let Some(critic) = &mut models.critic {
+        critic.release_masters();
+    }
+    Ok(models)
+}
+
+/// A language model over `params` (the actor, or the frozen reference) in their dtype: the whole
+/// model, or under `tp` this rank's slices.
+pub fn lm_on(params: &ParamStore, config: &Gpt2Config, fp32_loss: bool, tp: Option<&TensorParallel>) -> Result<Gpt2> {
+    let mut model = match tp {
+        Some(tp) => tp.model(params, config)?,
+        None => params.model(config)?,
+    };
+    model.fp32_loss = fp32_loss;
+    Ok(model)
+}
+
+/// A reward model over `params` (the critic, or the frozen reward model) in their dtype, as
+/// [`lm_on`]; the score head is whole on every rank.
+pub fn reward_model_on(
+    params: &ParamStore,
+    config: &Gpt2Config,
+    fp32_loss: bool,
+    tp: Option<&TensorParallel>,
+) -> Result<RewardModel> {
+    let trunk = lm_on(params, config, fp32_loss, tp)?;
+    RewardModel::from_trunk(trunk, params, config)
+}
