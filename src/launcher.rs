@@ -271,6 +271,48 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         (true, true) => vec![1, 2],
         (false, _) => args.step.clone(),
     };
+    let deployment = args.deployment_type.clone().unwrap_or_else(|| "single_gpu".into());
+    check_pipeline_flags(args, &steps, &deployment)?;
+    // multi_node's plan is complete once the step binaries have a directory (below); a refused
+    // run creates no output, so the hosts are checked first.
+    let hosts = if deployment == "multi_node" { Some(multi_node_hosts(args)?) } else { None };
+    let local_ranks = if deployment == "single_node" {
+        let n = match args.num_gpus {
+            Some(n) => n as usize,
+            None => default_ranks(&args.device)?,
+        };
+        check_no_outer_job(n, &format!("the {n} ranks of single_node"))?;
+        println!("single_node: each step runs as {n} ranks on this machine (rank logs: <step output>/rank-<r>.log)");
+        Some(n)
+    } else {
+        None
+    };
+    let (actor, reward) = starting_models(args, &steps, demo)?;
+    let plans = step_plans(args, &steps, &actor, &reward)?;
+    let bin_dir = step_binaries(&args.output_dir)?;
+    let ranks = match (local_ranks, hosts) {
+        (Some(n), _) => Ranks::Local(n),
+        (None, Some((nodes, launcher))) => Ranks::Nodes(NodesPlan {
+            nodes,
+            launcher,
+            master_addr: args.master_addr.clone(),
+            master_port: args.master_port.unwrap_or(hybrid_engine::comm::env::DEFAULT_MASTER_PORT),
+            bin_dir: bin_dir.clone(),
+        }),
+        (None, None) => Ranks::One,
+    };
+    let started = Instant::now();
+    let mut step_runs = Vec::new();
+    for plan in &plans {
+        step_runs.push(run_step(args, plan, &deployment, &bin_dir, &ranks, wandb.as_ref())?);
+    }
+    println!("---=== Finished Steps {steps:?} in {} ===---", crate::report::duration(started.elapsed().as_secs()));
+    finish(args, &steps, demo, &step_runs, wandb.is_some())
+}
+
+/// Refuses the flags that contradict each other or the steps run, each in one line.
+fn check_pipeline_flags(args: &TrainArgs, steps: &[u32], deployment: &str) -> Result<()> {
+    let dpo = args.algorithm == PipelineAlgorithm::Dpo;
     if dpo && steps.contains(&3) {
         bail!(
             "--algorithm dpo trains the actor in step 2 (into {}) and has no step 3: drop 3 from --step",
@@ -290,8 +332,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
             args.algorithm.name()
         );
     }
-    let deployment = args.deployment_type.clone().unwrap_or_else(|| "single_gpu".into());
-    if !DEPLOYMENTS.contains(&deployment.as_str()) {
+    if !DEPLOYMENTS.contains(&deployment) {
         bail!("--deployment-type {deployment:?} is not one of single_gpu, single_node, multi_node");
     }
     if let Some(&n) = steps.iter().find(|&&s| !(1..=3).contains(&s)) {
@@ -322,23 +363,17 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     if inference_tp > 1 && !steps.contains(&3) {
         bail!("--inference-tp-size sets how step 3 generates, and step 3 is not run: drop it or add --step 3");
     }
-    if let (Some(n), "single_gpu") = (args.num_gpus, deployment.as_str()) {
+    if let (Some(n), "single_gpu") = (args.num_gpus, deployment) {
         bail!("--num-gpus {n} sets the ranks of --deployment-type single_node (per host with multi_node): add one, or drop --num-gpus");
     }
-    // multi_node's plan is complete once the step binaries have a directory (below); a refused
-    // run creates no output, so the hosts are checked first.
-    let hosts = if deployment == "multi_node" { Some(multi_node_hosts(args)?) } else { None };
-    let local_ranks = if deployment == "single_node" {
-        let n = match args.num_gpus {
-            Some(n) => n as usize,
-            None => default_ranks(&args.device)?,
-        };
-        check_no_outer_job(n, &format!("the {n} ranks of single_node"))?;
-        println!("single_node: each step runs as {n} ranks on this machine (rank logs: <step output>/rank-<r>.log)");
-        Some(n)
-    } else {
-        None
-    };
+    Ok(())
+}
+
+/// The models steps 1 and 2 start from (flags, else the demo's or DS-Chat's), each said in a
+/// line; refused when named for a step not run, or when step 2 would start from a step-1
+/// actor that does not exist.
+fn starting_models(args: &TrainArgs, steps: &[u32], demo: bool) -> Result<(String, String)> {
+    let dpo = args.algorithm == PipelineAlgorithm::Dpo;
     // The demo's reward model starts from the step-1 actor (InstructGPT initialises its reward
     // model from the SFT model): a random 7M-parameter trunk learns the pairs too slowly.
     let actor_dir = args.output_dir.join("actor");
@@ -381,13 +416,21 @@ pub fn run(args: &TrainArgs) -> Result<()> {
             args.output_dir.display()
         );
     }
+    Ok((actor, reward))
+}
+
+/// Each step's recipe, starting model, ZeRO stage and output directory; step 3 refused when an
+/// earlier output it reads is missing and not made by this run.
+fn step_plans(args: &TrainArgs, steps: &[u32], actor: &str, reward: &str) -> Result<Vec<StepPlan>> {
+    let dpo = args.algorithm == PipelineAlgorithm::Dpo;
+    let actor_dir = args.output_dir.join("actor");
     let mut plans = Vec::new();
-    for &n in &steps {
+    for &n in steps {
         plans.push(match n {
             1 => StepPlan {
                 number: 1,
                 recipe_dir: "step1_sft",
-                model: actor.clone(),
+                model: actor.to_string(),
                 zero_stage: args.actor_zero_stage,
                 output: args.output_dir.join("actor"),
                 critic: None,
@@ -403,7 +446,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
             2 => StepPlan {
                 number: 2,
                 recipe_dir: "step2_reward",
-                model: reward.clone(),
+                model: reward.to_string(),
                 zero_stage: args.reward_zero_stage,
                 output: args.output_dir.join("reward"),
                 critic: None,
@@ -433,42 +476,48 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         });
     }
 
-    let bin_dir = step_binaries(&args.output_dir)?;
-    let ranks = match (local_ranks, hosts) {
-        (Some(n), _) => Ranks::Local(n),
-        (None, Some((nodes, launcher))) => Ranks::Nodes(NodesPlan {
-            nodes,
-            launcher,
-            master_addr: args.master_addr.clone(),
-            master_port: args.master_port.unwrap_or(hybrid_engine::comm::env::DEFAULT_MASTER_PORT),
-            bin_dir: bin_dir.clone(),
-        }),
-        (None, None) => Ranks::One,
+    Ok(plans)
+}
+
+/// Runs one step's recipe (its ranks as `ranks` says), timed between DS-Chat's banners.
+fn run_step(
+    args: &TrainArgs,
+    plan: &StepPlan,
+    deployment: &str,
+    bin_dir: &Path,
+    ranks: &Ranks,
+    wandb: Option<&WandbPass>,
+) -> Result<crate::report::StepRun> {
+    let script = recipe(args.recipe_dir.as_deref(), plan.recipe_dir, deployment)?;
+    println!("---=== Running Step {} ===---", plan.number);
+    let t0 = Instant::now();
+    let setting = StepSetting {
+        device: &args.device,
+        dtype: args.dtype,
+        tp: args.tensor_model_parallel_size,
+        inference_tp: args.inference_tp_size,
+        algorithm: args.algorithm,
+        seed: args.seed,
+        tensorboard: args.enable_tensorboard,
+        wandb,
     };
-    let started = Instant::now();
-    let mut step_runs = Vec::new();
-    for plan in &plans {
-        let script = recipe(args.recipe_dir.as_deref(), plan.recipe_dir, &deployment)?;
-        println!("---=== Running Step {} ===---", plan.number);
-        let t0 = Instant::now();
-        let setting = StepSetting {
-            device: &args.device,
-            dtype: args.dtype,
-            tp,
-            inference_tp,
-            algorithm: args.algorithm,
-            seed: args.seed,
-            tensorboard: args.enable_tensorboard,
-            wandb: wandb.as_ref(),
-        };
-        run_recipe(&script, plan, &bin_dir, setting, &ranks)?;
-        let secs = t0.elapsed().as_secs();
-        println!("---=== Finished Step {} in {} ===---", plan.number, crate::report::duration(secs));
-        let name = step_name(plan.number, args.algorithm);
-        step_runs.push(crate::report::StepRun { number: plan.number, name, dir: plan.output.clone(), secs });
-    }
-    println!("---=== Finished Steps {steps:?} in {} ===---", crate::report::duration(started.elapsed().as_secs()));
-    let summary = print_summary(&args.output_dir, &steps, args.algorithm, demo)?;
+    run_recipe(&script, plan, bin_dir, setting, ranks)?;
+    let secs = t0.elapsed().as_secs();
+    println!("---=== Finished Step {} in {} ===---", plan.number, crate::report::duration(secs));
+    let name = step_name(plan.number, args.algorithm);
+    Ok(crate::report::StepRun { number: plan.number, name, dir: plan.output.clone(), secs })
+}
+
+/// After the steps: the summary, where the logs and the report are, what to chat with.
+fn finish(
+    args: &TrainArgs,
+    steps: &[u32],
+    demo: bool,
+    step_runs: &[crate::report::StepRun],
+    wandb: bool,
+) -> Result<()> {
+    let dpo = args.algorithm == PipelineAlgorithm::Dpo;
+    let summary = print_summary(&args.output_dir, steps, args.algorithm, demo)?;
     let chat_with = match (steps.contains(&3), dpo && steps.contains(&2)) {
         (true, _) => args.output_dir.join("step3/actor"),
         (false, true) => args.output_dir.join("dpo"),
@@ -477,14 +526,14 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     if args.enable_tensorboard {
         println!("TensorBoard: tensorboard --logdir {}", args.output_dir.join("tensorboard").display());
     }
-    if wandb.is_some() {
+    if wandb {
         println!(
             "wandb: each step's rows are kept in {} (upload what the service missed: train wandb-sync {0})",
             args.output_dir.join("wandb").display()
         );
     }
     let command: Vec<String> = std::env::args().collect();
-    let report = crate::report::write_report(&args.output_dir, &command, &summary, &step_runs)?;
+    let report = crate::report::write_report(&args.output_dir, &command, &summary, step_runs)?;
     println!("run report: {}", report.display());
     if steps.iter().any(|s| *s == 1 || *s == 3) {
         println!("Chat with the actor: chat --path {}", chat_with.display());

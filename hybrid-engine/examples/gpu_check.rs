@@ -101,6 +101,7 @@ fn main() -> Result<()> {
     let on_cpu = ParamStore::from_tensors(&cfg, &tensors, &cpu)?;
     let on_gpu = ParamStore::from_tensors(&cfg, &tensors, &cuda)?;
     let (m_cpu, m_gpu) = (on_cpu.model(&cfg)?, on_gpu.model(&cfg)?);
+    let sides = Sides { cfg: &cfg, on_cpu: &on_cpu, on_gpu: &on_gpu, m_cpu: &m_cpu, m_gpu: &m_gpu, cuda: &cuda };
 
     let (b, t) = (2, args.seq.min(cfg.n_positions));
     let vocab = cfg.vocab_size.min(50257) as u32;
@@ -121,10 +122,57 @@ fn main() -> Result<()> {
         format!("fp32 {:?}: max |diff| {d:.3e} (largest |logit| {scale:.3})", logits_cpu.dims()),
     );
 
-    let loss_cpu = m_cpu.lm_loss(&ids_cpu, &targets_cpu, None)?;
+    ok &= gradients_check(&sides, &(&ids_cpu, &targets_cpu), &(&ids_gpu, &targets_gpu))?;
+
+    for (label, dtype) in [("logits-bf16", DType::BF16), ("logits-fp16", DType::F16)] {
+        let half = on_gpu.compute_copy(dtype)?.model(&cfg)?;
+        let logits = half.forward(&ids_gpu, &Positions::default(), None, None)?;
+        let (d, scale) = max_diff(&logits, &logits_cpu)?;
+        ok &= report(
+            label,
+            d <= 0.05 * scale,
+            format!("max |diff| {d:.3e} against fp32 cpu (largest |logit| {scale:.3})"),
+        );
+    }
+
+    ok &= dropout_check(&cuda, cpu_only)?;
+
+    ok &= generation_check(&sides)?;
+
+    ok &= train_step_check(&sides, &(&ids_cpu, &targets_cpu), &(&ids_gpu, &targets_gpu))?;
+    ok &= nccl_check(&cuda)?;
+    if !ok {
+        bail!("gpu_check: some checks failed");
+    }
+    println!("gpu_check: all passed");
+    Ok(())
+}
+
+/// The same weights on both sides: the model and its parameters on the CPU and on the second
+/// side (`cuda`: the GPU, or the CPU again).
+#[derive(Clone, Copy)]
+struct Sides<'a> {
+    cfg: &'a Gpt2Config,
+    on_cpu: &'a ParamStore,
+    on_gpu: &'a ParamStore,
+    m_cpu: &'a hybrid_engine::Gpt2,
+    m_gpu: &'a hybrid_engine::Gpt2,
+    cuda: &'a Device,
+}
+
+/// The LM loss and every parameter's gradient on both sides.
+fn gradients_check(
+    sides: &Sides,
+    (ids_cpu, targets_cpu): &(&Tensor, &Tensor),
+    (ids_gpu, targets_gpu): &(&Tensor, &Tensor),
+) -> Result<bool> {
+    let Sides { on_cpu, on_gpu, m_cpu, m_gpu, cuda, .. } = *sides;
+    let (cpu, cpu_only) = (Device::Cpu, cuda.is_cpu());
+    let mut ok = true;
+    let loss_cpu = m_cpu.lm_loss(ids_cpu, targets_cpu, None)?;
     let g_cpu = loss_cpu.backward()?;
     let (loss_gpu, g_gpu) = second(cpu_only, || {
-        let l = m_gpu.lm_loss(&ids_gpu, &targets_gpu, None)?;
+        let l = m_gpu.lm_loss(ids_gpu, targets_gpu, None)?;
         let g = l.backward()?;
         Ok((l, g))
     })?;
@@ -153,23 +201,18 @@ fn main() -> Result<()> {
         ),
     );
 
-    for (label, dtype) in [("logits-bf16", DType::BF16), ("logits-fp16", DType::F16)] {
-        let half = on_gpu.compute_copy(dtype)?.model(&cfg)?;
-        let logits = half.forward(&ids_gpu, &Positions::default(), None, None)?;
-        let (d, scale) = max_diff(&logits, &logits_cpu)?;
-        ok &= report(
-            label,
-            d <= 0.05 * scale,
-            format!("max |diff| {d:.3e} against fp32 cpu (largest |logit| {scale:.3})"),
-        );
-    }
+    Ok(ok)
+}
 
-    ok &= dropout_check(&cuda, cpu_only)?;
-
+/// Greedy and sampled generation give the same tokens on both sides.
+fn generation_check(sides: &Sides) -> Result<bool> {
+    let Sides { cfg, m_cpu, m_gpu, cuda, .. } = *sides;
+    let (cpu, cpu_only) = (Device::Cpu, cuda.is_cpu());
+    let mut ok = true;
     let prompts: Vec<Vec<u32>> = vec![(1..9).collect(), (100..104).collect()];
     let greedy = SamplingConfig::greedy(24, None, 0, cfg.vocab_size);
-    let tok_cpu = generate(&m_cpu, &prompts, &greedy, &cpu)?;
-    let tok_gpu = second(cpu_only, || generate(&m_gpu, &prompts, &greedy, &cuda))?;
+    let tok_cpu = generate(m_cpu, &prompts, &greedy, &cpu)?;
+    let tok_gpu = second(cpu_only, || generate(m_gpu, &prompts, &greedy, cuda))?;
     ok &= report(
         "generate",
         tok_cpu == tok_gpu,
@@ -180,17 +223,29 @@ fn main() -> Result<()> {
     // boundary).
     let sampled =
         SamplingConfig { temperature: Some(0.9), top_k: Some(50), top_p: Some(0.9), seed: 7, ..greedy.clone() };
-    let tok_cpu = generate(&m_cpu, &prompts, &sampled, &cpu)?;
-    let tok_gpu = second(cpu_only, || generate(&m_gpu, &prompts, &sampled, &cuda))?;
+    let tok_cpu = generate(m_cpu, &prompts, &sampled, &cpu)?;
+    let tok_gpu = second(cpu_only, || generate(m_gpu, &prompts, &sampled, cuda))?;
     ok &= report(
         "generate-sampled",
         tok_cpu == tok_gpu,
         format!("temperature 0.9, top-k 50, top-p 0.9, seed 7: cpu {tok_cpu:?} second side {tok_gpu:?}"),
     );
 
-    let dropout = Dropout::from_config(&cfg, DropoutKey { seed: 1234, step: 0, micro_batch: 0 });
-    let (norm_cpu, new_cpu) = train_step(&on_cpu, &cfg, &ids_cpu, &targets_cpu, &dropout)?;
-    let (norm_gpu, new_gpu) = second(cpu_only, || train_step(&on_gpu, &cfg, &ids_gpu, &targets_gpu, &dropout))?;
+    Ok(ok)
+}
+
+/// One training step with dropout: the same gradient norm and update on both sides.
+fn train_step_check(
+    sides: &Sides,
+    (ids_cpu, targets_cpu): &(&Tensor, &Tensor),
+    (ids_gpu, targets_gpu): &(&Tensor, &Tensor),
+) -> Result<bool> {
+    let Sides { cfg, on_cpu, on_gpu, cuda, .. } = *sides;
+    let (cpu, cpu_only) = (Device::Cpu, cuda.is_cpu());
+    let mut ok = true;
+    let dropout = Dropout::from_config(cfg, DropoutKey { seed: 1234, step: 0, micro_batch: 0 });
+    let (norm_cpu, new_cpu) = train_step(on_cpu, cfg, ids_cpu, targets_cpu, &dropout)?;
+    let (norm_gpu, new_gpu) = second(cpu_only, || train_step(on_gpu, cfg, ids_gpu, targets_gpu, &dropout))?;
     let (mut diff2, mut update2) = (0f64, 0f64);
     for (((_, old), (_, c)), (_, g)) in on_cpu.iter().zip(new_cpu.iter()).zip(new_gpu.iter()) {
         let old = old.as_tensor();
@@ -211,12 +266,7 @@ fn main() -> Result<()> {
         ),
     );
 
-    ok &= nccl_check(&cuda)?;
-    if !ok {
-        bail!("gpu_check: some checks failed");
-    }
-    println!("gpu_check: all passed");
-    Ok(())
+    Ok(ok)
 }
 
 /// Dropout at p = 0.1 of a (3, 1000, 257) tensor in each dtype: the second side's `ops::dropout`
