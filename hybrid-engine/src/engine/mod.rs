@@ -301,6 +301,13 @@ impl Engine {
         micro_batch_done_pair((&mut a.trainer, &a.trainable), (&mut b.trainer, &b.trainable), align)
     }
 
+    /// The hybrid engine's switch to generation: under ZeRO stage 3 the whole fp32 weights
+    /// (this rank's TP slices under tensor parallelism) gathered on every rank (a collective),
+    /// which the caller drops before training resumes; `None` where [`Self::masters`] are them.
+    pub fn gather_for_generation(&self) -> Result<Option<ParamStore>> {
+        self.sharded().map(ShardedModel::gather_params_everywhere).transpose()
+    }
+
     /// The whole fp32 weights for a save, put together from the ZeRO-3 shards and the TP
     /// slices. Every rank must call it (collectives); see [`GatheredWeights::params`].
     pub fn gather_weights(&self) -> Result<GatheredWeights> {

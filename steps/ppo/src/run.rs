@@ -49,7 +49,6 @@ use hybrid_engine::tensor_parallel::shard::check_divides;
 use hybrid_engine::training::metrics::{peak_rss_mib, Metrics};
 use hybrid_engine::training::tensor_parallel::{data_group, TensorParallel};
 use hybrid_engine::training::train_step::TrainedModel;
-use hybrid_engine::training::zero3::ShardedModel;
 use hybrid_engine::ParamStore;
 use serde::Serialize;
 use serde_json::json;
@@ -655,7 +654,7 @@ fn generate_share(
     // has no prompt at all, cannot leave another waiting. With --inference-tp-size the actor is
     // instead cut into this rank's slices and its TP group generates all the group's rows in
     // lockstep (the same rows and tokens on every rank of the group).
-    let gathered_actor = models.actor.sharded().map(ShardedModel::gather_params_everywhere).transpose()?;
+    let gathered_actor = models.actor.gather_for_generation()?;
     let whole_actor = gathered_actor.as_ref().unwrap_or(models.actor.masters());
     // The old log-probs come from the gathered actor too, read as the training loss reads them
     // (generation ignores `fp32_loss`). With LoRA that is with the adapters unfused: a fused
