@@ -251,22 +251,31 @@ fn fp16_only_flags_are_refused_in_another_dtype() {
     assert_eq!((scaling.window, scaling.initial_scale_power), (3, 20), "and take effect");
 }
 
-/// A DS-Chat script's unknown flags are named all at once, each with the nearest known spelling;
-/// DS-Chat's `--deepspeed`, `--enable_hybrid_engine` and a `--local_rank` that agrees with the
-/// environment are accepted (the run then stops at the next problem: here a missing model).
+/// A DS-Chat script's unknown flags are named all at once, each with the nearest known spelling,
+/// and the DeepSpeed flags not supported with the reason; DS-Chat's `--deepspeed`,
+/// `--enable_hybrid_engine` and a `--local_rank` that agrees with the environment are accepted
+/// (the run then stops at the next problem: here a missing model).
 #[test]
 fn unknown_flags_are_named_together_and_ds_chats_engine_flags_are_accepted() {
     let dir = tempfile::tempdir().unwrap();
     let stderr = usage_error(
         dir.path(),
         "sft",
-        &["--deepspeed", "--print_loss", "--zero_stage", "2", "--lr_schedular_type", "cosine", "--print_loss"],
+        &["--deepspeed", "--print_loss", "--zero_stage", "2", "--lr_schedular_type", "cosine", "--print_lost"],
     );
     assert!(
-        stderr.contains("unknown flags --print_loss, --lr_schedular_type (did you mean --lr-scheduler-type?)"),
+        stderr.contains("unknown flags --lr_schedular_type (did you mean --lr-scheduler-type?), --print_lost (did you mean --print-loss?)"),
         "{stderr}"
     );
     assert!(!stderr.contains("--deepspeed") && !stderr.contains("--zero_stage"), "{stderr}");
+    let stderr = usage_error(
+        dir.path(),
+        "ppo",
+        &["--deepspeed_config", "ds.json", "--unpin_actor_parameters", "--lr_schedular_type", "cosine"],
+    );
+    assert!(stderr.contains("unknown or unsupported flags --deepspeed_config (DeepSpeed's JSON config is not read: pass its settings as flags"), "{stderr}");
+    assert!(stderr.contains("--unpin_actor_parameters (a ZeRO-3 actor is gathered once per rollout"), "{stderr}");
+    assert!(stderr.contains("--lr_schedular_type (did you mean --lr-scheduler-type?)"), "{stderr}");
     let missing = dir.path().join("no-such-model");
     let missing = missing.to_str().unwrap();
     for (step, flags) in [
@@ -281,4 +290,115 @@ fn unknown_flags_are_named_together_and_ds_chats_engine_flags_are_accepted() {
     }
     let stderr = usage_error(dir.path(), "sft", &["--local_rank", "1", "--model-name-or-path", missing]);
     assert!(stderr.contains("--local_rank 1 disagrees with the environment"), "{stderr}");
+}
+
+/// The flags of DS-Chat's single_node scripts and `main.py`s parse in its spelling and take
+/// effect: `--print_loss`, `--disable_dropout`, `--add_eot_token` with GPT-2's EOS,
+/// `--preprocessing_num_workers`, step 2's `--num_padding_at_beginning`, `--eval_interval`,
+/// `--eval_iters`, step 3's test mode, `--print_answers` and earlier DS-Chat's batch names.
+#[test]
+fn ds_chats_main_py_flags_parse_and_take_effect() {
+    let step1 = [
+        "sft",
+        "--data_path",
+        "Dahoas/rm-static",
+        "--data_split",
+        "2,4,4",
+        "--model_name_or_path",
+        "gpt2",
+        "--per_device_train_batch_size",
+        "8",
+        "--per_device_eval_batch_size",
+        "8",
+        "--max_seq_len",
+        "512",
+        "--learning_rate",
+        "9.65e-6",
+        "--weight_decay",
+        "0.",
+        "--num_train_epochs",
+        "16",
+        "--gradient_accumulation_steps",
+        "1",
+        "--lr_scheduler_type",
+        "cosine",
+        "--num_warmup_steps",
+        "0",
+        "--seed",
+        "1234",
+        "--zero_stage",
+        "2",
+        "--deepspeed",
+        "--enable_tensorboard",
+        "--tensorboard_path",
+        "out",
+        "--output_dir",
+        "out",
+        "--print_loss",
+        "--disable_dropout",
+        "--add_eot_token",
+        "--eot_token",
+        "<|endoftext|>",
+        "--preprocessing_num_workers",
+        "2",
+    ];
+    let sft = sft::args::SftArgs::try_parse_from(step1).expect("step 1's flags parse");
+    assert!(sft.train.print_loss);
+    assert_eq!(sft.train.dropout(), Some(0.0), "--disable_dropout is --dropout 0");
+    let tok = sft.data.tokenizer(data::Tokenizer::gpt2_default().unwrap()).expect("GPT-2's EOS is the eot token");
+    assert_eq!(tok.encode_batch(&["Hello world".to_string()]).unwrap(), vec![vec![15496, 995]], "on 2 workers");
+    let other_eot =
+        sft::args::SftArgs::try_parse_from(["sft", "--add_eot_token", "--eot_token", "<|im_end|>"]).unwrap();
+    let err = other_eot.data.tokenizer(data::Tokenizer::gpt2_default().unwrap()).unwrap_err().to_string();
+    assert!(err.contains("--eot-token \"<|im_end|>\" is not the tokenizer's EOS"), "{err}");
+
+    let step2 = [
+        "reward",
+        "--num_padding_at_beginning",
+        "1",
+        "--eval_interval",
+        "5",
+        "--eval_iters",
+        "3",
+        "--per_device_eval_batch_size",
+        "4",
+        "--dropout",
+        "0.0",
+        "--zero_stage",
+        "2",
+        "--deepspeed",
+    ];
+    let reward = reward::args::RewardArgs::try_parse_from(step2).expect("step 2's flags parse");
+    assert_eq!((reward.num_padding_at_beginning, reward.eval_interval), (1, 5));
+    let pairs: Vec<usize> = (0..100).collect();
+    assert_eq!(reward.eval_pairs(&pairs, 2).len(), 3 * 4 * 2, "3 batches of 4 on each of 2 ranks");
+
+    let step3 = [
+        "ppo",
+        "--num_padding_at_beginning",
+        "1",
+        "--enable_test_mode",
+        "--test_stop_step",
+        "3",
+        "--print_answers",
+        "--per_device_train_batch_size",
+        "4",
+        "--per_device_mini_train_batch_size",
+        "2",
+        "--generation_batch_numbers",
+        "2",
+        "--disable_actor_dropout",
+        "--enable_hybrid_engine",
+        "--deepscale",
+    ];
+    let ppo = ppo::args::PpoArgs::try_parse_from(step3).expect("step 3's flags parse");
+    ppo.validate().expect("and validate");
+    assert_eq!((ppo.stop_after(), ppo.print_answers_every(), ppo.actor_dropout()), (Some(3), 1, Some(0.0)));
+    let batches = (ppo.per_device_generation_batch_size, ppo.per_device_training_batch_size, ppo.generation_batches);
+    assert_eq!(batches, (4, 2, 2), "earlier DS-Chat's names of the three batch sizes");
+    let plain = ppo::args::PpoArgs::try_parse_from(["ppo"]).unwrap();
+    assert_eq!((plain.stop_after(), plain.print_answers_every()), (None, 10));
+    let config = ppo::args::PpoArgs::try_parse_from(["ppo", "--unsupervised_dataset_config_name", "wikitext-2-raw-v1"]);
+    let err = config.unwrap().validate().unwrap_err().to_string();
+    assert!(err.contains("reads a local corpus here"), "{err}");
 }

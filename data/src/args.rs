@@ -9,6 +9,7 @@ use clap::Args;
 
 use crate::phases::DataConfig;
 use crate::sources::ColumnKeys;
+use crate::tokenizer::{Tokenizer, EOS_TOKEN};
 
 #[derive(Args, Debug, Clone)]
 pub struct DataArgs {
@@ -39,9 +40,32 @@ pub struct DataArgs {
     pub chosen_key: String,
     #[arg(long, default_value = "rejected", alias = "rejected_key")]
     pub rejected_key: String,
+    /// Threads that tokenize the datasets (DS-Chat's `--preprocessing_num_workers`; default:
+    /// every core).
+    #[arg(long, alias = "preprocessing_num_workers", value_parser = clap::value_parser!(u64).range(1..))]
+    pub preprocessing_num_workers: Option<u64>,
+    /// DS-Chat's `--add_eot_token`: register `--eot-token` as a special token ending every row.
+    /// Rows end with the tokenizer's EOS (`<|endoftext|>`, GPT-2's, which is DS-Chat's
+    /// `--eot_token`) with or without it; it is accepted when `--eot-token` is that EOS.
+    #[arg(long, alias = "add_eot_token")]
+    pub add_eot_token: bool,
+    /// The end-of-conversation token of `--add-eot-token` (DS-Chat's default `<|endoftext|>`).
+    #[arg(long, alias = "eot_token", requires = "add_eot_token")]
+    pub eot_token: Option<String>,
 }
 
 impl DataArgs {
+    /// `tokenizer` with `--preprocessing-num-workers`, once `--add-eot-token`'s token is checked
+    /// to be its EOS: a new special token would need an embedding row the model does not have.
+    pub fn tokenizer(&self, tokenizer: Tokenizer) -> Result<Tokenizer> {
+        if let Some(token) = self.eot_token.as_deref().filter(|t| !tokenizer.is_eos(t)) {
+            bail!(
+                "--eot-token {token:?} is not the tokenizer's EOS ({EOS_TOKEN}): rows end with the EOS, which is also the padding, and a new special token would need an embedding row the model lacks; drop --eot-token or pass {EOS_TOKEN}"
+            );
+        }
+        Ok(tokenizer.with_workers(self.preprocessing_num_workers.map(|n| n as usize)))
+    }
+
     /// `--sft-only-data-path` feeds phase 1 alone (as in DS-Chat, which accepts it in every step
     /// and ignores it outside step 1): refused in `step`, where it would have no effect.
     pub fn refuse_sft_only_data(&self, step: &str) -> Result<()> {

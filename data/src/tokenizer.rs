@@ -20,6 +20,8 @@ pub const EOS_TOKEN: &str = "<|endoftext|>";
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     eos_id: u32,
+    /// Threads that tokenize a batch (`None`: HF tokenizers' default, every core).
+    workers: Option<usize>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -81,7 +83,7 @@ impl Tokenizer {
                  use a GPT-2-family tokenizer.json"
             )
         })?;
-        Ok(Self { inner, eos_id })
+        Ok(Self { inner, eos_id, workers: None })
     }
 
     /// Token ids of `text`. Adds no BOS/EOS, but a literal `<|endoftext|>` in the text becomes
@@ -98,16 +100,40 @@ impl Tokenizer {
         const CHUNK: usize = 4096;
         let mut progress = telemetry::progress::Phase::start("tokenizing", "texts", texts.len() as u64);
         let mut ids = Vec::with_capacity(texts.len());
+        let pool = match self.workers {
+            Some(n) => Some(
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(n)
+                    .build()
+                    .map_err(|e| anyhow!("cannot start {n} tokenizing threads: {e}"))?,
+            ),
+            None => None,
+        };
         for chunk in texts.chunks(CHUNK) {
             let inputs: Vec<&str> = chunk.iter().map(String::as_str).collect();
-            let encodings = self
-                .inner
-                .encode_batch(inputs, false)
-                .map_err(|e| anyhow!("tokenizing a batch of {} texts failed: {e}", chunk.len()))?;
+            // HF tokenizers' parallel iterators run on the pool they are called from.
+            let encode = || self.inner.encode_batch(inputs, false);
+            let encodings = match &pool {
+                Some(pool) => pool.install(encode),
+                None => encode(),
+            }
+            .map_err(|e| anyhow!("tokenizing a batch of {} texts failed: {e}", chunk.len()))?;
             ids.extend(encodings.iter().map(|e| e.get_ids().to_vec()));
             progress.inc(chunk.len() as u64);
         }
         Ok(ids)
+    }
+
+    /// Tokenizes batches on `workers` threads (DS-Chat `--preprocessing_num_workers`; `None`:
+    /// every core).
+    pub fn with_workers(mut self, workers: Option<usize>) -> Self {
+        self.workers = workers;
+        self
+    }
+
+    /// Whether `token` is this tokenizer's EOS, the token every row ends with.
+    pub fn is_eos(&self, token: &str) -> bool {
+        self.inner.token_to_id(token) == Some(self.eos_id)
     }
 
     /// Text of `ids`, keeping special tokens so that `decode(encode(s)) == s`.

@@ -38,9 +38,9 @@ pub struct DistArgs {
     /// are per data-parallel rank. With ZeRO stages 0-2; pretraining and all three steps.
     #[arg(long, default_value_t = 1, env = TP_SIZE_ENV, aliases = ["tensor_model_parallel_size", "tp-size", "tp_size"], value_parser = clap::value_parser!(u64).range(1..))]
     pub tensor_model_parallel_size: u64,
-    /// DS-Chat's `--deepspeed` (deepspeed.add_config_arguments): accepted for its scripts; the
-    /// engine it turns on is always on here.
-    #[arg(long)]
+    /// DS-Chat's `--deepspeed` (deepspeed.add_config_arguments; `--deepscale` its old name):
+    /// accepted for its scripts; the engine it turns on is always on here.
+    #[arg(long, alias = "deepscale")]
     pub deepspeed: bool,
     /// The rank on this node, as DeepSpeed's and torch.distributed.launch's launchers pass it: it
     /// must agree with the environment's LOCAL_RANK (the ranks are read from the environment).

@@ -34,6 +34,31 @@ pub fn parse_from_or_exit<T: Parser, I: Into<std::ffi::OsString> + Clone>(args: 
     }
 }
 
+/// DeepSpeed's and DS-Chat's flags that no binary here accepts, and why (spelt with hyphens).
+const UNSUPPORTED: &[(&str, &str)] = &[
+    (
+        "deepspeed-config",
+        "DeepSpeed's JSON config is not read: pass its settings as flags (--zero-stage, --gradient-accumulation-steps, --gradient-clipping, --dtype, --reduce-bucket-size)",
+    ),
+    ("deepscale-config", "DeepSpeed's JSON config is not read: pass its settings as flags (--zero-stage, --dtype, ...)"),
+    (
+        "unpin-actor-parameters",
+        "a ZeRO-3 actor is gathered once per rollout and freed before training, with no pinned mode to turn off: drop it",
+    ),
+    (
+        "tp-gather-partition-size",
+        "--inference-tp-size re-lays the actor out in one pass, not in partitions of layers: drop it",
+    ),
+    (
+        "enable-mixed-precision-lora",
+        "ZeRO++'s quantized LoRA base is not implemented (LoRA trains on the --dtype compute copy): drop it",
+    ),
+    (
+        "offload-reference-model",
+        "the frozen reference and reward models stay on --device (host offload is not implemented): drop it",
+    ),
+];
+
 /// Every `--flag` of `args` (after the program's name) that `cmd` does not know, in one line,
 /// each with the nearest known spelling when one is close: a script brought from DS-Chat learns
 /// all its unknown flags in one run. `None` when there is none to list (clap's own message then
@@ -64,15 +89,23 @@ fn unknown_flags(cmd: &clap::Command, args: &[std::ffi::OsString]) -> Option<Str
     if unknown.is_empty() {
         return None;
     }
+    let why = |name: &str| UNSUPPORTED.iter().find(|(n, _)| *n == name.replace('_', "-")).map(|(_, why)| *why);
     let list: Vec<String> = unknown
         .iter()
-        .map(|(name, near)| match near {
-            Some(k) => format!("--{name} (did you mean --{k}?)"),
-            None => format!("--{name}"),
+        .map(|(name, near)| match (why(name), near) {
+            (Some(why), _) => format!("--{name} ({why})"),
+            (None, Some(k)) => format!("--{name} (did you mean --{k}?)"),
+            (None, None) => format!("--{name}"),
         })
         .collect();
     let s = if list.len() == 1 { "" } else { "s" };
-    Some(format!("unknown flag{s} {}", list.join(", ")))
+    let unsupported = unknown.iter().filter(|(name, _)| why(name).is_some()).count();
+    let kind = match unsupported {
+        0 => "unknown",
+        n if n == unknown.len() => "unsupported",
+        _ => "unknown or unsupported",
+    };
+    Some(format!("{kind} flag{s} {}", list.join(", ")))
 }
 
 /// Levenshtein's distance between two words.

@@ -60,6 +60,9 @@ pub struct StepArgs {
     /// Dropout of embeddings, attention and residuals (default: the model config's).
     #[arg(long, value_parser = crate::cli::dropout())]
     pub dropout: Option<f64>,
+    /// Dropout off (earlier DS-Chat's `--disable_dropout`): `--dropout 0`.
+    #[arg(long, alias = "disable_dropout", conflicts_with = "dropout")]
+    pub disable_dropout: bool,
     /// Recompute each block's activations in backward instead of storing them.
     #[arg(long, alias = "gradient_checkpointing")]
     pub gradient_checkpointing: bool,
@@ -77,6 +80,10 @@ pub struct StepArgs {
     /// Print a log line every this many optimizer steps.
     #[arg(long, default_value_t = 10, alias = "log_interval")]
     pub log_interval: u64,
+    /// Every rank prints each micro-batch's loss, as DS-Chat's `--print_loss`
+    /// ("Epoch: e, Step: s, Rank: r, loss = l").
+    #[arg(long, alias = "print_loss")]
+    pub print_loss: bool,
     /// auto (CUDA device 0 when built with --features cuda and a GPU opens, else the CPU), cpu,
     /// cuda or cuda:N.
     #[arg(long, default_value = "auto", env = crate::device::DEVICE_ENV)]
@@ -165,6 +172,15 @@ impl StepArgs {
             checkpoint_activations: self.gradient_checkpointing,
             parallel: self.dist.parallel_config(group, self.zero_stage, "")?,
         })
+    }
+
+    /// `--dropout`, or 0 with `--disable-dropout` (`None`: the model config's).
+    pub fn dropout(&self) -> Option<f64> {
+        if self.disable_dropout {
+            Some(0.0)
+        } else {
+            self.dropout
+        }
     }
 
     /// Opens `--device` (see [`crate::device::parse_device`]).

@@ -32,12 +32,40 @@ pub trait EpochTask {
         share: f64,
     ) -> Result<f32>;
 
-    /// Evaluates after `epoch` (0: before training), logging to `metrics`.
-    fn evaluate(&mut self, engine: &Engine, metrics: &mut Metrics, epoch: usize) -> Result<()>;
+    /// Evaluates `at` an epoch's end (0: before training) or a step, logging to `metrics`.
+    fn evaluate(&mut self, engine: &Engine, metrics: &mut Metrics, at: EvalAt) -> Result<()>;
 
     /// After `epoch`'s micro-batches, before its evaluation (DPO logs its training pairs' rewards).
     fn epoch_done(&mut self, _metrics: &mut Metrics, _epoch: usize) -> Result<()> {
         Ok(())
+    }
+}
+
+/// When an evaluation runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EvalAt {
+    /// After this epoch (0: before training), of `epochs`.
+    Epoch { epoch: usize, epochs: usize },
+    /// After this optimizer step (`--eval-interval`).
+    Step(u64),
+}
+
+impl EvalAt {
+    /// DS-Chat's words for it: "Epoch 1/2", "Step 40".
+    pub fn label(self) -> String {
+        match self {
+            Self::Epoch { epoch, epochs } => format!("Epoch {epoch}/{epochs}"),
+            Self::Step(step) => format!("Step {step}"),
+        }
+    }
+
+    /// Its key in a metrics record: `"epoch": e` or `"step": s`.
+    pub fn record(self, mut value: serde_json::Value) -> serde_json::Value {
+        match self {
+            Self::Epoch { epoch, .. } => value["epoch"] = epoch.into(),
+            Self::Step(step) => value["step"] = step.into(),
+        }
+        value
     }
 }
 
@@ -54,6 +82,11 @@ pub struct EpochPlan<'a> {
     pub log_interval: u64,
     /// What the throughput column counts ("tokens", "pairs").
     pub unit: &'static str,
+    /// Every rank prints each micro-batch's loss (DS-Chat's `--print_loss`).
+    pub print_loss: bool,
+    /// Also evaluate after every this many optimizer steps (DS-Chat step 2's `--eval_interval`;
+    /// 0: at the epochs' ends only).
+    pub eval_interval: u64,
     /// The ranks the rows are split over.
     pub group: &'a ProcessGroup,
 }
@@ -76,7 +109,8 @@ pub fn train_epochs<T: EpochTask>(
     micro_batches: impl Fn(usize) -> Vec<Vec<usize>>,
 ) -> Result<EpochsDone> {
     let (rank, world) = (plan.group.rank(), plan.group.world());
-    task.evaluate(engine, metrics, 0)?;
+    let epoch_end = |epoch| EvalAt::Epoch { epoch, epochs: plan.epochs };
+    task.evaluate(engine, metrics, epoch_end(0))?;
     let mut log = StepLog::for_trainer(plan.log_interval, plan.steps, plan.unit, engine.trainer());
     let mut done = EpochsDone { steps: 0, train_secs: 0.0 };
     let mut micro_index = 0u64;
@@ -85,7 +119,7 @@ pub fn train_epochs<T: EpochTask>(
             "Beginning of Epoch {epoch}/{}, Total Micro Batches {}",
             plan.epochs, plan.micro_per_epoch
         ));
-        for rows in micro_batches(epoch) {
+        for (step_in_epoch, rows) in micro_batches(epoch).into_iter().enumerate() {
             let started = Instant::now();
             let (batch, weight, items) = task.batch(&rows)?;
             micro_index += 1;
@@ -98,6 +132,9 @@ pub fn train_epochs<T: EpochTask>(
             plan.group.all_reduce_scalars(&mut total, ReduceOp::Sum)?;
             let share = weight * world as f64 / total[0].max(1.0);
             let loss = task.forward_backward(engine, &batch, &dropout, share)?;
+            if plan.print_loss {
+                println!("Epoch: {}, Step: {step_in_epoch}, Rank: {rank}, loss = {loss}", epoch - 1);
+            }
             // The logged loss is the global micro-batch's: every rank then agrees on whether it
             // is finite, and a rank that stopped alone would leave the others waiting.
             let mut sums = [f64::from(loss) * weight];
@@ -109,6 +146,9 @@ pub fn train_epochs<T: EpochTask>(
             if let Some(r) = stepped {
                 done.steps = r.step;
                 log.step(metrics, &r, epoch, loss)?;
+                if plan.eval_interval > 0 && r.step.is_multiple_of(plan.eval_interval) {
+                    task.evaluate(engine, metrics, EvalAt::Step(r.step))?;
+                }
             }
         }
         if epoch == plan.epochs {
@@ -117,7 +157,7 @@ pub fn train_epochs<T: EpochTask>(
             }
         }
         task.epoch_done(metrics, epoch)?;
-        task.evaluate(engine, metrics, epoch)?;
+        task.evaluate(engine, metrics, epoch_end(epoch))?;
     }
     Ok(done)
 }

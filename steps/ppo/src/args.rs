@@ -32,15 +32,44 @@ pub struct PpoArgs {
     #[arg(long, default_value = "output/reward", alias = "critic_model_name_or_path")]
     pub critic_model_name_or_path: String,
     /// Prompts each rank generates per rollout (a rollout is this times the number of ranks).
-    #[arg(long, default_value_t = 16, alias = "per_device_generation_batch_size")]
+    /// Earlier DS-Chat called it `--per_device_train_batch_size`.
+    #[arg(long, default_value_t = 16, aliases = ["per_device_generation_batch_size", "per_device_train_batch_size", "per-device-train-batch-size"])]
     pub per_device_generation_batch_size: usize,
     /// Rows per PPO micro-batch on each rank (a rollout is sliced into global micro-batches of
-    /// this times the number of ranks).
-    #[arg(long, default_value_t = 16, alias = "per_device_training_batch_size")]
+    /// this times the number of ranks). Earlier DS-Chat: `--per_device_mini_train_batch_size`.
+    #[arg(long, default_value_t = 16, aliases = ["per_device_training_batch_size", "per_device_mini_train_batch_size", "per-device-mini-train-batch-size"])]
     pub per_device_training_batch_size: usize,
-    /// Rollouts collected before the PPO epochs over them.
-    #[arg(long, default_value_t = 1, alias = "generation_batches")]
+    /// Rollouts collected before the PPO epochs over them (earlier DS-Chat:
+    /// `--generation_batch_numbers`).
+    #[arg(long, default_value_t = 1, aliases = ["generation_batches", "generation_batch_numbers", "generation-batch-numbers"])]
     pub generation_batches: usize,
+    /// DS-Chat's `--num_padding_at_beginning`. Its step 3 reads each score after the prompt (the
+    /// reward model's `forward_value`), where leading padding cannot be, so it has no effect
+    /// there, in DS-Chat as here; accepted for its scripts (step 2 reads it).
+    #[arg(long, default_value_t = 0, alias = "num_padding_at_beginning")]
+    pub num_padding_at_beginning: usize,
+    /// DS-Chat's `--enable_test_mode`: stop after `--test-stop-step` rollouts, then save as at
+    /// the end of a run.
+    #[arg(long, alias = "enable_test_mode", requires = "test_stop_step")]
+    pub enable_test_mode: bool,
+    /// The rollouts a `--enable-test-mode` run makes.
+    #[arg(long, alias = "test_stop_step", requires = "enable_test_mode", value_parser = clap::value_parser!(u64).range(1..))]
+    pub test_stop_step: Option<u64>,
+    /// DS-Chat's `--print_answers`: print decoded rollouts every `--print-answers-interval`
+    /// steps (default 1 with it, as DS-Chat; without it, every 10).
+    #[arg(long, alias = "print_answers")]
+    pub print_answers: bool,
+    /// The actor's dropout off (earlier DS-Chat's `--disable_actor_dropout`): `--actor-dropout 0`.
+    #[arg(long, alias = "disable_actor_dropout", conflicts_with = "actor_dropout")]
+    pub disable_actor_dropout: bool,
+    /// The critic's dropout off (earlier DS-Chat's `--disable_critic_dropout`).
+    #[arg(long, alias = "disable_critic_dropout", conflicts_with = "critic_dropout")]
+    pub disable_critic_dropout: bool,
+    /// DS-Chat's PTX dataset configuration (a hub dataset's subset, with
+    /// `--unsupervised-dataset-name`); PTX reads a local corpus here, so it is refused in one
+    /// line naming what to pass instead.
+    #[arg(long, alias = "unsupervised_dataset_config_name")]
+    pub unsupervised_dataset_config_name: Option<String>,
     /// Passes over the collected rollouts.
     #[arg(long, default_value_t = 1, alias = "ppo_epochs")]
     pub ppo_epochs: usize,
@@ -188,9 +217,10 @@ pub struct PpoArgs {
     /// its own rows; training keeps its own layout.
     #[arg(long, default_value_t = 1, alias = "inference_tp_size", env = hybrid_engine::cli::dist_args::INFERENCE_TP_SIZE_ENV, value_parser = clap::value_parser!(u64).range(1..))]
     pub inference_tp_size: u64,
-    /// Print decoded rollouts every this many steps (0: never).
-    #[arg(long, default_value_t = 10, alias = "print_answers_interval")]
-    pub print_answers_interval: u64,
+    /// Print decoded rollouts every this many steps (0: never; default 10, or 1 with
+    /// `--print-answers`).
+    #[arg(long, alias = "print_answers_interval")]
+    pub print_answers_interval: Option<u64>,
     /// The actor's ZeRO stage across ranks (0-3; 3 shards the weights at rest).
     #[arg(long, default_value_t = 0, alias = "actor_zero_stage")]
     pub actor_zero_stage: u8,
@@ -292,6 +322,34 @@ impl PpoArgs {
         })
     }
 
+    /// `--actor-dropout`, or 0 with `--disable-actor-dropout` (`None`: the model's).
+    pub fn actor_dropout(&self) -> Option<f64> {
+        if self.disable_actor_dropout {
+            Some(0.0)
+        } else {
+            self.actor_dropout
+        }
+    }
+
+    /// `--critic-dropout`, or 0 with `--disable-critic-dropout` (`None`: the model's).
+    pub fn critic_dropout(&self) -> Option<f64> {
+        if self.disable_critic_dropout {
+            Some(0.0)
+        } else {
+            self.critic_dropout
+        }
+    }
+
+    /// Every how many steps decoded rollouts are printed (0: never).
+    pub fn print_answers_every(&self) -> u64 {
+        self.print_answers_interval.unwrap_or(if self.print_answers { 1 } else { 10 })
+    }
+
+    /// The rollouts the run makes at most: `--test-stop-step` under `--enable-test-mode`.
+    pub fn stop_after(&self) -> Option<u64> {
+        self.test_stop_step.filter(|_| self.enable_test_mode)
+    }
+
     /// The LoRA configuration of a model, `None` when its rank is 0.
     pub fn lora(dim: usize, module_name: &str) -> Option<lora::LoraConfig> {
         (dim > 0).then(|| lora::LoraConfig { dim, alpha: None, module_name: module_name.to_string() })
@@ -314,6 +372,11 @@ impl PpoArgs {
     /// Checks the counts and the flags that depend on each other (float ranges are checked while
     /// parsing).
     pub fn validate(&self) -> Result<()> {
+        if let Some(config) = &self.unsupervised_dataset_config_name {
+            bail!(
+                "--unsupervised-dataset-config-name {config:?} picks a configuration of a hub dataset, and PTX reads a local corpus here: download that configuration's text and pass the file (.jsonl, .txt or .parquet) to --unsupervised-dataset-name"
+            );
+        }
         let positive = [
             ("--per-device-generation-batch-size", self.per_device_generation_batch_size),
             ("--per-device-training-batch-size", self.per_device_training_batch_size),
@@ -379,7 +442,7 @@ impl PpoArgs {
         let critic_only = [
             ("--critic-learning-rate", self.critic_learning_rate != defaults.critic_learning_rate),
             ("--critic-weight-decay", self.critic_weight_decay != defaults.critic_weight_decay),
-            ("--critic-dropout", self.critic_dropout.is_some()),
+            ("--critic-dropout", self.critic_dropout().is_some()),
             ("--critic-gradient-checkpointing", self.critic_gradient_checkpointing),
             ("--critic-lora-dim", self.critic_lora_dim != 0),
             ("--critic-zero-stage", self.critic_zero_stage != 0),

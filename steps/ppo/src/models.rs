@@ -69,13 +69,13 @@ pub struct StartingModels {
 pub fn read_starting_models(args: &PpoArgs, device: &Device) -> Result<StartingModels> {
     let actor_flag = "--actor-model-name-or-path";
     let (actor_cfg, actor, actor_files) =
-        read_model(&args.actor_model_name_or_path, actor_flag, args.actor_dropout, device)?;
+        read_model(&args.actor_model_name_or_path, actor_flag, args.actor_dropout(), device)?;
     let (_, reference, _) = read_model(&args.actor_model_name_or_path, actor_flag, Some(0.0), device)?;
     let critic_flag = "--critic-model-name-or-path";
     let critic = args
         .algorithm
         .has_critic()
-        .then(|| read_reward_model(&args.critic_model_name_or_path, critic_flag, args.critic_dropout, device))
+        .then(|| read_reward_model(&args.critic_model_name_or_path, critic_flag, args.critic_dropout(), device))
         .transpose()?;
     let (reward_cfg, reward) = read_reward_model(&args.critic_model_name_or_path, critic_flag, Some(0.0), device)?;
     Ok(StartingModels { actor_cfg, actor, actor_dir: actor_files.dir, reference, critic, reward_cfg, reward })

@@ -86,7 +86,7 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
 
     // Models: actor and reference from step 1, critic and reward from step 2.
     let start = read_starting_models(args, &device)?;
-    let tokenizer = Tokenizer::from_model_dir_or_default(&start.actor_dir)?;
+    let tokenizer = args.data.tokenizer(Tokenizer::from_model_dir_or_default(&start.actor_dir)?)?;
     let eos = tokenizer.eos_id();
     start.check_fits(args, &tokenizer)?;
     let (actor_cfg, reward_cfg) = (start.actor_cfg.clone(), start.reward_cfg.clone());
@@ -126,7 +126,8 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
     let engine = GenerationMode::new(args.max_prompt_seq_len, args.max_answer_seq_len, args.release_inference_cache)
         .with_dtype(dtype);
 
-    let total_rollouts = (args.num_train_epochs * rollouts_per_epoch) as u64;
+    let total_rollouts =
+        ((args.num_train_epochs * rollouts_per_epoch) as u64).min(args.stop_after().unwrap_or(u64::MAX));
     let done = resume.as_ref().map_or(0, |ck| ck.state.step);
     let metrics = Metrics::for_rank(rank, &args.output_dir, total_rollouts, done)?.with_sinks(
         args.log.sinks(&args.output_dir)?,
@@ -331,6 +332,10 @@ impl PpoLoop<'_> {
             let order = data::pretrain::epoch_order(&(0..self.prompts.len()), args.seed, epoch as u64 - 1);
             let skip = if epoch == first_epoch { skip_batches } else { 0 };
             for (batch_index, chunk) in order.chunks(global_generation).enumerate().skip(skip) {
+                if let Some(stop) = args.stop_after().filter(|&n| self.step >= n) {
+                    self.metrics.println(&format!("--enable-test-mode: stopping after {stop} rollouts"));
+                    return Ok(());
+                }
                 self.ppo_step(epoch, batch_index, chunk)?;
             }
         }
@@ -347,7 +352,8 @@ impl PpoLoop<'_> {
         let stats = RolloutStats { groups_zero_std, ..RolloutStats::of(&experience, self.ctx.group)? };
         let rollout_kl_ctl = self.adapt_kl_coefficient(&stats);
         let args = self.ctx.args;
-        if args.print_answers_interval > 0 && (self.step - 1).is_multiple_of(args.print_answers_interval) {
+        let every = args.print_answers_every();
+        if every > 0 && (self.step - 1).is_multiple_of(every) {
             print_answers(&self.metrics, &experience, self.tokenizer, self.ctx.eos, 2)?;
         }
         self.summary.first_reward.get_or_insert(stats.reward_mean);

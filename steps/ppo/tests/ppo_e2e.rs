@@ -106,6 +106,36 @@ fn ok(out: &Output) -> String {
     stdout
 }
 
+/// DS-Chat's step-3 script flags (run_1.3b.sh's, with `--enable_test_mode`): accepted, and
+/// the test mode stops after `--test_stop_step` rollouts, then saves as a run's end does.
+#[test]
+fn ds_chats_script_flags_run_and_the_test_mode_stops_early() {
+    let dir = tempfile::tempdir().unwrap();
+    setup(dir.path());
+    let ds_chat = [
+        "--num_padding_at_beginning",
+        "1",
+        "--deepspeed",
+        "--seed",
+        "1234",
+        "--enable_hybrid_engine",
+        "--actor_dropout",
+        "0.0",
+        "--lr_scheduler_type",
+        "cosine",
+        "--enable_tensorboard",
+        "--enable_test_mode",
+        "--test_stop_step",
+        "2",
+        "--no-final-checkpoint",
+    ];
+    let log = ok(&ppo(dir.path(), "out", &ds_chat));
+    assert!(log.contains("--enable-test-mode: stopping after 2 rollouts"), "{log}");
+    let out = dir.path().join("out");
+    assert_eq!(rollout_records(&out).len(), 2, "two rollouts, not the epoch's 8");
+    assert!(out.join("actor/model.safetensors").is_file() && out.join("critic/model.safetensors").is_file());
+}
+
 #[test]
 fn a_resumed_run_ends_with_the_uninterrupted_runs_weights() {
     resume_is_exact(&[]);

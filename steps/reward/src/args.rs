@@ -80,9 +80,29 @@ pub struct RewardArgs {
     /// tokenizer.json (default: the starting model's, else the embedded GPT-2 tokenizer).
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
+    /// DS-Chat's `--num_padding_at_beginning`: the padding tokens a tokenizer puts at the start
+    /// of every row (OPT's BOS is its pad: 1), which are not the row's end. GPT-2's tokenizer
+    /// adds none (0); rows that do not begin with padding are read as with 0, said in a line.
+    #[arg(long, default_value_t = 0, alias = "num_padding_at_beginning")]
+    pub num_padding_at_beginning: usize,
+    /// Also evaluate after every this many optimizer steps (DS-Chat's `--eval_interval`; 0:
+    /// after each epoch only).
+    #[arg(long, default_value_t = 0, alias = "eval_interval")]
+    pub eval_interval: u64,
+    /// Evaluate on at most this many batches per rank (DS-Chat's `--eval_iters`; default: every
+    /// eval pair).
+    #[arg(long, alias = "eval_iters", value_parser = clap::value_parser!(u64).range(1..))]
+    pub eval_iters: Option<u64>,
 }
 
 impl RewardArgs {
+    /// The eval pairs `--eval-iters` keeps of `eval` over `world` ranks: the first
+    /// `eval_iters x per-device eval batch x world` (each rank's first `--eval-iters` batches).
+    pub fn eval_pairs<'a, T>(&self, eval: &'a [T], world: usize) -> &'a [T] {
+        let cap = self.eval_iters.map_or(usize::MAX, |n| n as usize * self.train.per_device_eval_batch_size * world);
+        &eval[..eval.len().min(cap)]
+    }
+
     /// Refuses the flags of the other algorithm: each would have no effect.
     pub fn refuse_other_algorithms_flags(&self) -> Result<()> {
         match self.algorithm {

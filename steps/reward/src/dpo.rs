@@ -20,7 +20,7 @@ use data::batch::{pair_batch, rank_micro_batches};
 use data::phases::PairSample;
 use hybrid_engine::cli::step_args::starting_model;
 use hybrid_engine::comm::{ProcessGroup, ReduceOp};
-use hybrid_engine::engine::epochs::{train_epochs, EpochPlan, EpochTask};
+use hybrid_engine::engine::epochs::{train_epochs, EpochPlan, EpochTask, EvalAt};
 use hybrid_engine::engine::{Engine, Head, Ranks};
 use hybrid_engine::model::gpt2::{Dropout, Gpt2, Positions};
 use hybrid_engine::model::reward_model::causal_lm_config;
@@ -226,7 +226,7 @@ pub fn run(args: &RewardArgs) -> Result<DpoSummary> {
     let data_group = data_group(&group, tp.as_ref());
     let world = data_group.world();
     println!("device: {}", hybrid_engine::device::describe(&device));
-    let mut start = starting_model(&t.model_name_or_path, t.seed, t.dropout, &device)?;
+    let mut start = starting_model(&t.model_name_or_path, t.seed, t.dropout(), &device)?;
     println!("starting model (policy and frozen reference): {}", start.description);
     let tokenizer = crate::train::step2_tokenizer(args, &start)?;
     let eos = tokenizer.eos_id();
@@ -292,6 +292,8 @@ pub fn run(args: &RewardArgs) -> Result<DpoSummary> {
         seed: t.seed,
         log_interval: t.log_interval,
         unit: "pairs",
+        print_loss: t.print_loss,
+        eval_interval: args.eval_interval,
         group: &data_group,
     };
     let (rank, rows) = (data_group.rank(), data.train.len());
@@ -382,13 +384,14 @@ impl EpochTask for DpoTask<'_> {
 
     /// The eval pairs: each rank its share, every rank as many forwards (a ZeRO-3 forward is a
     /// collective), the sums over the ranks.
-    fn evaluate(&mut self, engine: &Engine, metrics: &mut Metrics, epoch: usize) -> Result<()> {
+    fn evaluate(&mut self, engine: &Engine, metrics: &mut Metrics, at: EvalAt) -> Result<()> {
         let t = &self.args.train;
         let (rank, world) = (self.data_group.rank(), self.data_group.world());
         let (beta, loss_kind, _) = self.loss;
-        let Some(filler) = self.data.eval.first() else { return Ok(()) };
-        let share: Vec<&PairSample> = self.data.eval.iter().skip(rank).step_by(world).collect();
-        let forwards = self.data.eval.len().div_ceil(world).div_ceil(t.per_device_eval_batch_size);
+        let pairs = self.args.eval_pairs(&self.data.eval, world);
+        let Some(filler) = pairs.first() else { return Ok(()) };
+        let share: Vec<&PairSample> = pairs.iter().skip(rank).step_by(world).collect();
+        let forwards = pairs.len().div_ceil(world).div_ceil(t.per_device_eval_batch_size);
         let chunks: Vec<&[&PairSample]> = share.chunks(t.per_device_eval_batch_size).collect();
         let mut sums = DpoSums::default();
         let mut progress = hybrid_engine::telemetry::progress::Phase::start("evaluating", "batches", forwards as u64);
@@ -410,11 +413,13 @@ impl EpochTask for DpoTask<'_> {
         }
         let e = sums.over_ranks(self.data_group)?.means();
         metrics.println(&format!(
-            "***** Evaluating DPO, Epoch {epoch}/{} *****\nloss {:.4} | rewards/accuracies {:.4} | rewards/chosen {:.4} | rewards/rejected {:.4} | rewards/margins {:.4}",
-            t.num_train_epochs, e.loss, e.reward_accuracy, e.reward_chosen, e.reward_rejected, e.reward_margin
+            "***** Evaluating DPO, {} *****\nloss {:.4} | rewards/accuracies {:.4} | rewards/chosen {:.4} | rewards/rejected {:.4} | rewards/margins {:.4}",
+            at.label(), e.loss, e.reward_accuracy, e.reward_chosen, e.reward_rejected, e.reward_margin
         ));
-        metrics.record(json!({"epoch": epoch, "eval": e}))?;
-        self.evals.push(e);
+        metrics.record(at.record(json!({"eval": e})))?;
+        if let EvalAt::Epoch { .. } = at {
+            self.evals.push(e);
+        }
         Ok(())
     }
 }

@@ -25,9 +25,19 @@ pub struct PairSpan {
 /// DS-Chat's positions for one pair of padded rows of equal length T. Identical rows use only
 /// the last position (`divergence = T - 1`, `end = T`), and then both ends are the chosen one's.
 pub fn pair_span(chosen: &[u32], rejected: &[u32], pad: u32) -> PairSpan {
+    pair_span_after(chosen, rejected, pad, 0)
+}
+
+/// [`pair_span`] of rows whose tokenizer puts up to `at_beginning` pad tokens at their start
+/// (DS-Chat's `--num_padding_at_beginning`: OPT's BOS is its pad): those are not the row's
+/// end. Rows that begin with fewer pads are read with as many as they have.
+pub fn pair_span_after(chosen: &[u32], rejected: &[u32], pad: u32, at_beginning: usize) -> PairSpan {
     assert_eq!(chosen.len(), rejected.len(), "pair_span: rows of one batch have one padded length");
     let t = chosen.len();
-    let first_pad = |row: &[u32]| row.iter().position(|&x| x == pad).unwrap_or(t);
+    let first_pad = |row: &[u32]| {
+        let leading = row.iter().take(at_beginning).take_while(|&&x| x == pad).count();
+        row.iter().skip(leading).position(|&x| x == pad).map_or(t, |p| p + leading)
+    };
     let chosen_end = first_pad(chosen);
     match chosen.iter().zip(rejected).position(|(c, r)| c != r) {
         None => PairSpan { divergence: t - 1, end: t, chosen_end, rejected_end: chosen_end },
@@ -40,7 +50,13 @@ pub fn pair_span(chosen: &[u32], rejected: &[u32], pad: u32) -> PairSpan {
 
 /// The spans of a batch given as (2B, T) ids, chosen rows first.
 pub fn batch_spans(ids: &[u32], pairs: usize, t: usize, pad: u32) -> Vec<PairSpan> {
-    (0..pairs).map(|i| pair_span(&ids[i * t..(i + 1) * t], &ids[(pairs + i) * t..(pairs + i + 1) * t], pad)).collect()
+    batch_spans_after(ids, pairs, t, pad, 0)
+}
+
+/// [`batch_spans`] with up to `at_beginning` leading pads a row (see [`pair_span_after`]).
+pub fn batch_spans_after(ids: &[u32], pairs: usize, t: usize, pad: u32, at_beginning: usize) -> Vec<PairSpan> {
+    let row = |r: usize| &ids[r * t..(r + 1) * t];
+    (0..pairs).map(|i| pair_span_after(row(i), row(pairs + i), pad, at_beginning)).collect()
 }
 
 /// `-log sigmoid(x)` = log(1 + exp(-x)), computed as `m + log(exp(-m) + exp(-x - m))` with
@@ -127,6 +143,26 @@ mod tests {
 
     fn softplus_neg(x: f64) -> f64 {
         (1.0 + (-x).exp()).ln()
+    }
+
+    /// DS-Chat's `--num_padding_at_beginning 1` with OPT, whose BOS is its pad: the BOS is not
+    /// the row's end, the next pad is (DS-Chat's `c_inds[1]`); rows without it (GPT-2's) are read
+    /// as with 0.
+    #[test]
+    fn leading_padding_is_not_the_end() {
+        let c = [PAD, 5, 7, PAD, PAD];
+        let r = [PAD, 5, 8, 8, PAD];
+        let want = PairSpan { divergence: 2, end: 4, chosen_end: 3, rejected_end: 4 };
+        assert_eq!(pair_span_after(&c, &r, PAD, 1), want);
+        // Without the count, the BOS would end both rows at once (identical up to it).
+        assert_eq!(pair_span(&c, &r, PAD).chosen_end, 0);
+        // GPT-2's rows begin with no padding: the count changes nothing.
+        let (c, r) = ([5, 7, PAD, PAD], [5, 8, 8, PAD]);
+        assert_eq!(pair_span_after(&c, &r, PAD, 1), pair_span(&c, &r, PAD));
+        // Two leading pads asked for, one there: one is skipped.
+        assert_eq!(pair_span_after(&[PAD, 5, PAD], &[PAD, 6, PAD], PAD, 2).chosen_end, 2);
+        let ids = [PAD, 5, 7, PAD, PAD, PAD, 5, 8, 8, PAD];
+        assert_eq!(batch_spans_after(&ids, 1, 5, PAD, 1), vec![want]);
     }
 
     #[test]

@@ -16,7 +16,7 @@ use data::phases::PairSample;
 use data::Tokenizer;
 use hybrid_engine::cli::step_args::{starting_model, StartingModel};
 use hybrid_engine::comm::{ProcessGroup, ReduceOp};
-use hybrid_engine::engine::epochs::{train_epochs, EpochPlan, EpochTask};
+use hybrid_engine::engine::epochs::{train_epochs, EpochPlan, EpochTask, EvalAt};
 use hybrid_engine::engine::{Engine, Head, Ranks};
 use hybrid_engine::model::gpt2::{Dropout, Positions};
 use hybrid_engine::model::reward_model::{add_score_head, sequence_classification_config, SCORE_WEIGHT};
@@ -68,7 +68,7 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
     let data_group = data_group(&group, tp.as_ref());
     let world = data_group.world();
     println!("device: {}", hybrid_engine::device::describe(&device));
-    let mut start = starting_model(&t.model_name_or_path, t.seed, t.dropout, &device)?;
+    let mut start = starting_model(&t.model_name_or_path, t.seed, t.dropout(), &device)?;
     println!("starting model: {}", start.description);
     let tokenizer = step2_tokenizer(args, &start)?;
     let eos = tokenizer.eos_id();
@@ -96,6 +96,10 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
     let data_cfg = args.data.config(t.seed, t.max_seq_len, t.max_seq_len, false)?;
     let data = data::phases::reward_data(&data_cfg, &tokenizer)?;
     println!("{}", data.summary);
+    let at_beginning = args.num_padding_at_beginning;
+    if at_beginning > 0 && !data.train.iter().any(|p| p.chosen.first() == Some(&eos)) {
+        println!("--num-padding-at-beginning {at_beginning}: the rows do not begin with padding (GPT-2's tokenizer adds none; OPT's adds its BOS), so their ends are read as with 0");
+    }
     // Every rank takes its share of each global micro-batch of per-device x world pairs.
     let micro_per_epoch = data.train.len().div_ceil(world).div_ceil(t.per_device_train_batch_size);
     let steps = total_steps(micro_per_epoch, t.num_train_epochs, t.gradient_accumulation_steps);
@@ -126,7 +130,15 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
         &[],
         0,
     )?;
-    let mut task = RewardTask { args, data: &data, data_group: &data_group, eos, device: &device, evals: Vec::new() };
+    let mut task = RewardTask {
+        args,
+        data: &data,
+        data_group: &data_group,
+        eos,
+        at_beginning,
+        device: &device,
+        evals: Vec::new(),
+    };
     let plan = EpochPlan {
         epochs: t.num_train_epochs,
         micro_per_epoch,
@@ -134,6 +146,8 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
         seed: t.seed,
         log_interval: t.log_interval,
         unit: "pairs",
+        print_loss: t.print_loss,
+        eval_interval: args.eval_interval,
         group: &data_group,
     };
     let (rank, rows) = (data_group.rank(), data.train.len());
@@ -181,6 +195,8 @@ struct RewardTask<'a> {
     /// The ranks the pairs are split over.
     data_group: &'a ProcessGroup,
     eos: u32,
+    /// `--num-padding-at-beginning`.
+    at_beginning: usize,
     device: &'a Device,
     /// Before training, then after each epoch.
     evals: Vec<RewardEval>,
@@ -194,7 +210,7 @@ impl EpochTask for RewardTask<'_> {
     fn batch(&self, rows: &[usize]) -> Result<(Self::Batch, f64, usize)> {
         let pairs: Vec<&PairSample> = rows.iter().map(|&i| &self.data.train[i]).collect();
         let batch = pair_batch(&pairs, self.eos);
-        let spans = loss::batch_spans(&batch.ids, batch.pairs, batch.t, self.eos);
+        let spans = loss::batch_spans_after(&batch.ids, batch.pairs, batch.t, self.eos, self.at_beginning);
         let ids = batch_ids(&batch, self.device)?;
         let pairs = batch.pairs;
         Ok(((batch, spans, ids), pairs as f64, pairs))
@@ -218,25 +234,24 @@ impl EpochTask for RewardTask<'_> {
         })
     }
 
-    fn evaluate(&mut self, engine: &Engine, metrics: &mut Metrics, epoch: usize) -> Result<()> {
+    /// The scores of the eval pairs (`--eval-iters` batches a rank at most), logged; kept in
+    /// the summary at the epochs' ends.
+    fn evaluate(&mut self, engine: &Engine, metrics: &mut Metrics, at: EvalAt) -> Result<()> {
         let t = &self.args.train;
-        if self.data.eval.is_empty() {
+        let pairs = self.args.eval_pairs(&self.data.eval, self.data_group.world());
+        if pairs.is_empty() {
             return Ok(());
         }
-        let e = evaluate(
-            engine.model(),
-            &self.data.eval,
-            t.per_device_eval_batch_size,
-            self.eos,
-            self.device,
-            self.data_group,
-        )?;
+        let scoring = (self.eos, self.at_beginning);
+        let e = evaluate(engine.model(), pairs, t.per_device_eval_batch_size, scoring, self.device, self.data_group)?;
         metrics.println(&format!(
-            "***** Evaluating reward, Epoch {epoch}/{} *****\nchosen_last_scores (higher is better) : {:.4}, rejected_last_scores (lower is better) : {:.4}, acc (higher is better) : {:.4}",
-            t.num_train_epochs, e.chosen_mean_score, e.rejected_mean_score, e.accuracy
+            "***** Evaluating reward, {} *****\nchosen_last_scores (higher is better) : {:.4}, rejected_last_scores (lower is better) : {:.4}, acc (higher is better) : {:.4}",
+            at.label(), e.chosen_mean_score, e.rejected_mean_score, e.accuracy
         ));
-        metrics.record(json!({"epoch": epoch, "eval": e}))?;
-        self.evals.push(e);
+        metrics.record(at.record(json!({"eval": e})))?;
+        if let EvalAt::Epoch { .. } = at {
+            self.evals.push(e);
+        }
         Ok(())
     }
 }
@@ -259,7 +274,7 @@ pub fn step2_tokenizer(args: &RewardArgs, start: &StartingModel) -> Result<Token
             max_seq_len
         );
     }
-    Ok(tokenizer)
+    args.data.tokenizer(tokenizer)
 }
 
 fn batch_ids(batch: &PairBatch, device: &Device) -> Result<Tensor> {
@@ -283,7 +298,7 @@ pub fn pair_scores(
     model: &TrainedModel,
     (pairs, batches, filler): (&[&PairSample], usize, &PairSample),
     batch_size: usize,
-    pad: u32,
+    (pad, at_beginning): (u32, usize),
     device: &Device,
 ) -> Result<Vec<PairScore>> {
     let mut out = Vec::with_capacity(pairs.len());
@@ -301,7 +316,7 @@ pub fn pair_scores(
             continue;
         };
         let batch = pair_batch(chunk, pad);
-        let spans = loss::batch_spans(&batch.ids, batch.pairs, batch.t, pad);
+        let spans = loss::batch_spans_after(&batch.ids, batch.pairs, batch.t, pad, at_beginning);
         let scores = model
             .with_hidden(&batch_ids(&batch, device)?, &Positions::default(), |w, hidden| Ok(w.token_scores(hidden)?))?;
         let (c, r) = loss::end_scores(&scores, &spans)?;
@@ -328,7 +343,7 @@ pub fn evaluate(
     model: &TrainedModel,
     pairs: &[PairSample],
     batch_size: usize,
-    pad: u32,
+    (pad, at_beginning): (u32, usize),
     device: &Device,
     group: &ProcessGroup,
 ) -> Result<RewardEval> {
@@ -336,7 +351,7 @@ pub fn evaluate(
     let share: Vec<&PairSample> = pairs.iter().skip(rank).step_by(world).collect();
     let batches = pairs.len().div_ceil(world).div_ceil(batch_size);
     let Some(filler) = pairs.first() else { return Ok(summarize(&[])) };
-    let mine = pair_scores(model, (&share, batches, filler), batch_size, pad, device)?;
+    let mine = pair_scores(model, (&share, batches, filler), batch_size, (pad, at_beginning), device)?;
     const FIELDS: usize = 4;
     let mut all = vec![0f64; FIELDS * pairs.len()];
     for (k, p) in mine.iter().enumerate() {

@@ -13,7 +13,7 @@ use data::phases::SftSample;
 use data::Tokenizer;
 use hybrid_engine::cli::step_args::starting_model;
 use hybrid_engine::comm::{ProcessGroup, ReduceOp};
-use hybrid_engine::engine::epochs::{train_epochs, EpochPlan, EpochTask};
+use hybrid_engine::engine::epochs::{train_epochs, EpochPlan, EpochTask, EvalAt};
 use hybrid_engine::engine::{Engine, Head, Ranks};
 use hybrid_engine::model::gpt2::{Dropout, Positions};
 use hybrid_engine::model::reward_model::causal_lm_config;
@@ -52,13 +52,13 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
     let data_group = data_group(&group, tp.as_ref());
     let world = data_group.world();
     println!("device: {}", hybrid_engine::device::describe(&device));
-    let mut start = starting_model(&t.model_name_or_path, t.seed, t.dropout, &device)?;
+    let mut start = starting_model(&t.model_name_or_path, t.seed, t.dropout(), &device)?;
     println!("starting model: {}", start.description);
-    let tokenizer = match (&args.tokenizer, &start.dir) {
+    let tokenizer = args.data.tokenizer(match (&args.tokenizer, &start.dir) {
         (Some(p), _) => Tokenizer::from_file(p)?,
         (None, Some(dir)) => Tokenizer::from_model_dir_or_default(dir)?,
         (None, None) => Tokenizer::gpt2_default()?,
-    };
+    })?;
     let config = causal_lm_config(&start.config);
     check_fits(&config, &tokenizer, t.max_seq_len)?;
 
@@ -126,6 +126,8 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
         seed: t.seed,
         log_interval: t.log_interval,
         unit: "tokens",
+        print_loss: t.print_loss,
+        eval_interval: 0,
         group: &data_group,
     };
     let (rank, rows) = (data_group.rank(), data.train.len());
@@ -190,7 +192,7 @@ impl EpochTask for SftTask<'_> {
     }
 
     /// The perplexity on the eval rows, logged and kept.
-    fn evaluate(&mut self, engine: &Engine, metrics: &mut Metrics, epoch: usize) -> Result<()> {
+    fn evaluate(&mut self, engine: &Engine, metrics: &mut Metrics, at: EvalAt) -> Result<()> {
         let (t, data) = (&self.args.train, self.data);
         if data.eval.is_empty() {
             return Ok(());
@@ -211,11 +213,8 @@ impl EpochTask for SftTask<'_> {
         self.data_group.all_reduce_scalars(&mut totals, ReduceOp::Sum)?;
         let loss = totals[0] / totals[1].max(1.0);
         let ppl = loss.exp();
-        metrics.println(&format!(
-            "***** Evaluating perplexity, Epoch {epoch}/{} *****\nppl: {ppl:.4}, loss: {loss:.4}",
-            t.num_train_epochs
-        ));
-        metrics.record(json!({"epoch": epoch, "eval_loss": loss, "eval_ppl": ppl}))?;
+        metrics.println(&format!("***** Evaluating perplexity, {} *****\nppl: {ppl:.4}, loss: {loss:.4}", at.label()));
+        metrics.record(at.record(json!({"eval_loss": loss, "eval_ppl": ppl})))?;
         self.perplexity.push(ppl);
         Ok(())
     }
