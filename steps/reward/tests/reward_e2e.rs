@@ -68,6 +68,49 @@ fn a_short_run_learns_the_demo_pairs_and_reports_them() {
     assert_eq!(files.extra_tensors["score.weight"].dims(), [1, 128]);
 }
 
+/// DS-Chat's step-2 flags take effect: `--num_padding_at_beginning 1` (OPT's) is read as 0 on
+/// GPT-2's rows, which begin with no padding, and says so; `--eval_interval` evaluates between
+/// epochs, `--eval_iters` caps the eval batches; `--print_loss` prints each micro-batch's loss.
+#[test]
+fn ds_chats_step2_flags_take_effect() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("reward");
+    let run = reward(&[
+        "--data_path",
+        "demo",
+        "--data_split",
+        "8,1,1",
+        "--model_name_or_path",
+        "tiny",
+        "--max_seq_len",
+        "48",
+        "--per_device_train_batch_size",
+        "16",
+        "--per_device_eval_batch_size",
+        "8",
+        "--num_padding_at_beginning",
+        "1",
+        "--eval_interval",
+        "5",
+        "--eval_iters",
+        "2",
+        "--print_loss",
+        "--deepspeed",
+        "--no-data-cache",
+        "--output_dir",
+        out.to_str().unwrap(),
+    ]);
+    let stdout = String::from_utf8_lossy(&run.stdout).to_string();
+    assert!(run.status.success(), "reward failed:\n{stdout}\n{}", String::from_utf8_lossy(&run.stderr));
+    assert!(stdout.contains("--num-padding-at-beginning 1: the rows do not begin with padding"), "{stdout}");
+    assert!(stdout.contains("***** Evaluating reward, Step 5 *****"), "{stdout}");
+    assert!(stdout.contains("***** Evaluating reward, Epoch 1/1 *****"), "{stdout}");
+    assert!(stdout.contains("Epoch: 0, Step: 0, Rank: 0, loss = "), "{stdout}");
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("reward_eval.json")).unwrap()).unwrap();
+    assert_eq!(report["final"]["pairs"], 16, "2 eval batches of 8 on the one rank");
+}
+
 #[test]
 fn bad_input_is_one_clear_error_line() {
     let dir = tempfile::tempdir().unwrap();
