@@ -1244,3 +1244,57 @@ fn sft_in_fp16_and_bf16_on_2_ranks_at_stage_3_matches_one_rank() {
         }
     }
 }
+
+/// Two ranks as the other launchers start them, without Python: torchrun's environment with its
+/// elastic agent's TCPStore already listening on MASTER_PORT (a listener stands in for it; our
+/// store goes on the next port), Open MPI's `mpirun` (no master given: one machine) and MPICH's.
+/// Each trains step 1 as one rank does.
+#[test]
+fn torchrun_mpirun_and_mpich_environments_start_the_ranks() {
+    let dir = tempfile::tempdir().unwrap();
+    let single = dir.path().join("single");
+    run_ranks(dir.path(), "sft", 1, &sft_args(&single, 8, 0));
+    // A port whose next one is free too: the agent's store holds the first.
+    let port = (0..50)
+        .map(|_| free_port())
+        .find(|&p| p < u16::MAX && std::net::TcpListener::bind(("0.0.0.0", p + 1)).is_ok())
+        .expect("two free neighbouring ports");
+    let agent_store = std::net::TcpListener::bind(("0.0.0.0", port)).expect("the agent's store");
+    let launchers: [(&str, fn(usize, u16) -> Vec<(String, String)>); 3] = [
+        ("torchrun", |r, port| {
+            let mut env = rlhf::ranks::rank_env(r, 2, port);
+            env.push(("TORCHELASTIC_USE_AGENT_STORE", "True".into()));
+            env.into_iter().map(|(k, v)| (k.to_string(), v)).collect()
+        }),
+        ("mpirun", |r, port| {
+            let vars = [("OMPI_COMM_WORLD_RANK", r), ("OMPI_COMM_WORLD_SIZE", 2), ("OMPI_COMM_WORLD_LOCAL_RANK", r)];
+            let mut env: Vec<(String, String)> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+            env.extend([("OMPI_COMM_WORLD_LOCAL_SIZE".into(), "2".into()), ("MASTER_PORT".into(), port.to_string())]);
+            env
+        }),
+        ("mpich", |r, port| {
+            let vars = [("PMI_RANK", r), ("PMI_SIZE", 2), ("MPI_LOCALRANKID", r), ("MPI_LOCALNRANKS", 2)];
+            let mut env: Vec<(String, String)> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+            env.push(("MASTER_PORT".into(), port.to_string()));
+            env
+        }),
+    ];
+    for (name, env_of) in launchers {
+        let out = dir.path().join(name);
+        // torchrun's store is on `port`; the MPI runs use the next one as their master port.
+        let master = if name == "torchrun" { port } else { port + 1 };
+        let children: Vec<Child> = (0..2)
+            .map(|r| {
+                let env = env_of(r, master);
+                let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+                start_rank_with(dir.path(), "sft", (r, 1, 0), &sft_args(&out, 4, 0), &env)
+            })
+            .collect();
+        for (r, o) in children.into_iter().map(|c| wait(c, Duration::from_secs(300))).enumerate() {
+            let log = format!("{}\n{}", String::from_utf8_lossy(&o.stderr), String::from_utf8_lossy(&o.stdout));
+            assert!(o.status.success(), "{name}: rank {r} failed: {log}");
+        }
+        assert_same_weights(&out, &single, 1e-5, 0.0, &format!("SFT on 2 ranks started as {name} starts them"));
+    }
+    drop(agent_store);
+}

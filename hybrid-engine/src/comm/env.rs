@@ -1,8 +1,15 @@
 //! Which rank this process is, read from the environment launchers set: torchrun's (`RANK`,
 //! `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`), which our own
-//! launcher and DeepSpeed's also set, or SLURM's (`SLURM_PROCID`, `SLURM_NTASKS`,
-//! `SLURM_LOCALID`, `SLURM_NTASKS_PER_NODE`/`SLURM_TASKS_PER_NODE`, the allocation's first host
-//! as the master). None of them set: one rank, no sockets.
+//! launcher, DeepSpeed's and `torch.distributed.launch` also set; Open MPI's `mpirun`
+//! (`OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE}`); SLURM's (`SLURM_PROCID`,
+//! `SLURM_NTASKS`, `SLURM_LOCALID`, `SLURM_NTASKS_PER_NODE`/`SLURM_TASKS_PER_NODE`, the
+//! allocation's first host as the master); or MPICH's and Intel MPI's (`PMI_RANK`, `PMI_SIZE`,
+//! `MPI_LOCALRANKID`, `MPI_LOCALNRANKS`). None of them set: one rank, no sockets.
+//!
+//! Rank 0 serves the rendezvous store on `MASTER_PORT`, but under torchrun's elastic agent
+//! (`TORCHELASTIC_USE_AGENT_STORE=True`) the agent's own TCPStore already listens there: the
+//! store then goes on the next port, which every rank derives alike. `RLHF_STORE_PORT` sets it
+//! under any launcher.
 //!
 //! A pure function of a variable lookup, so every case is unit-tested without touching the
 //! process environment.
@@ -20,9 +27,12 @@ pub struct RankEnv {
     /// Rank among the processes of this machine (picks the GPU).
     pub local_rank: usize,
     pub local_world: usize,
-    /// Where rank 0 serves the rendezvous store.
+    /// Rank 0's host, where the rendezvous store is served.
     pub master_addr: String,
     pub master_port: u16,
+    /// The store's port: `master_port`, or the next one under torchrun's agent, or
+    /// `RLHF_STORE_PORT`.
+    pub store_port: u16,
     /// Which launcher's variables these came from, for messages.
     pub source: &'static str,
 }
@@ -37,6 +47,7 @@ impl RankEnv {
             local_world: 1,
             master_addr: "127.0.0.1".into(),
             master_port: DEFAULT_MASTER_PORT,
+            store_port: DEFAULT_MASTER_PORT,
             source: "none",
         }
     }
@@ -46,18 +57,32 @@ impl RankEnv {
         Self::from_lookup(&|k| std::env::var(k).ok())
     }
 
-    /// torchrun's variables if `RANK` or `WORLD_SIZE` is set, else SLURM's if `SLURM_PROCID` is,
-    /// else one rank. Every variable is checked: a rank outside the world, a world of 0 or a
-    /// port that is not a number is one error naming the variable.
+    /// torchrun's variables if `RANK` or `WORLD_SIZE` is set, else Open MPI's, SLURM's, then
+    /// MPICH's, else one rank. Every variable is checked: a rank outside the world, a world of 0
+    /// or a port that is not a number is one error naming the variable.
     pub fn from_lookup(get: &dyn Fn(&str) -> Option<String>) -> Result<Self> {
         let has = |k: &str| get(k).is_some_and(|v| !v.trim().is_empty());
-        if has("RANK") || has("WORLD_SIZE") {
-            torchrun(get)
+        let env = if has("RANK") || has("WORLD_SIZE") {
+            torchrun(get)?
+        } else if has("OMPI_COMM_WORLD_RANK") {
+            mpi(
+                get,
+                [
+                    "OMPI_COMM_WORLD_RANK",
+                    "OMPI_COMM_WORLD_SIZE",
+                    "OMPI_COMM_WORLD_LOCAL_RANK",
+                    "OMPI_COMM_WORLD_LOCAL_SIZE",
+                ],
+                "mpirun (Open MPI)",
+            )?
         } else if has("SLURM_PROCID") && has("SLURM_NTASKS") {
-            slurm(get)
+            slurm(get)?
+        } else if has("PMI_RANK") {
+            mpi(get, ["PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"], "mpirun (MPICH)")?
         } else {
-            Ok(Self::single())
-        }
+            return Ok(Self::single());
+        };
+        with_store_port(env, get)
     }
 
     pub fn is_distributed(&self) -> bool {
@@ -88,6 +113,22 @@ fn port(get: &dyn Fn(&str) -> Option<String>) -> Result<u16> {
             _ => bail!("environment variable MASTER_PORT={v:?} is not a port number (1-65535)"),
         },
     }
+}
+
+/// The store's port (see the module's documentation).
+fn with_store_port(mut env: RankEnv, get: &dyn Fn(&str) -> Option<String>) -> Result<RankEnv> {
+    let agent_store = get("TORCHELASTIC_USE_AGENT_STORE").is_some_and(|v| v.trim().eq_ignore_ascii_case("true"));
+    env.store_port = match get("RLHF_STORE_PORT").map(|v| v.trim().to_string()).filter(|v| !v.is_empty()) {
+        Some(v) => match v.parse::<u16>() {
+            Ok(p) if p > 0 => p,
+            _ => bail!("environment variable RLHF_STORE_PORT={v:?} is not a port number (1-65535)"),
+        },
+        None if agent_store => env.master_port.checked_add(1).ok_or_else(|| {
+            anyhow!("torchrun's agent serves its store on MASTER_PORT 65535 and the next port does not exist: set RLHF_STORE_PORT")
+        })?,
+        None => env.master_port,
+    };
+    Ok(env)
 }
 
 fn checked(env: RankEnv) -> Result<RankEnv> {
@@ -121,7 +162,35 @@ fn torchrun(get: &dyn Fn(&str) -> Option<String>) -> Result<RankEnv> {
         local_world,
         master_addr: master_addr.unwrap_or_else(|| "127.0.0.1".into()),
         master_port: port(get)?,
+        store_port: 0,
         source: "torchrun",
+    })
+}
+
+/// An MPI launcher's variables (`names`: rank, size, local rank, local size). MPI passes no
+/// master: `MASTER_ADDR` names it, or with every rank on this machine it is this machine.
+fn mpi(get: &dyn Fn(&str) -> Option<String>, names: [&str; 4], source: &'static str) -> Result<RankEnv> {
+    let [rank_var, size_var, local_var, local_size_var] = names;
+    let rank = required(get, rank_var, source)?;
+    let world = required(get, size_var, source)?;
+    let local_rank = number(get, local_var)?.unwrap_or(rank);
+    let local_world = number(get, local_size_var)?.unwrap_or(world);
+    let master_addr = match get("MASTER_ADDR").filter(|v| !v.trim().is_empty()) {
+        Some(a) => a,
+        None if local_world == world => "127.0.0.1".into(),
+        None => bail!(
+            "{source}: the ranks span several machines and MASTER_ADDR is not set: pass rank 0's host (mpirun -x MASTER_ADDR=<host>)"
+        ),
+    };
+    checked(RankEnv {
+        rank,
+        world,
+        local_rank,
+        local_world,
+        master_addr,
+        master_port: port(get)?,
+        store_port: 0,
+        source,
     })
 }
 
@@ -144,7 +213,8 @@ fn slurm(get: &dyn Fn(&str) -> Option<String>) -> Result<RankEnv> {
             first_host(&list)?
         }
     };
-    checked(RankEnv { rank, world, local_rank, local_world, master_addr, master_port: port(get)?, source: "SLURM" })
+    let master_port = port(get)?;
+    checked(RankEnv { rank, world, local_rank, local_world, master_addr, master_port, store_port: 0, source: "SLURM" })
 }
 
 /// `SLURM_TASKS_PER_NODE`'s first count: `4(x2),3` -> 4.
@@ -237,6 +307,53 @@ mod tests {
             let err = env(&vars).unwrap_err().to_string();
             assert!(err.contains(needle), "{vars:?}: {err}");
         }
+        Ok(())
+    }
+
+    /// torchrun's elastic agent serves its own TCPStore on MASTER_PORT: ours takes the next
+    /// port on every rank alike; `RLHF_STORE_PORT` sets it under any launcher.
+    #[test]
+    fn the_store_moves_off_torchruns_agent_store() -> Result<()> {
+        let torchrun = [("RANK", "1"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "4000")];
+        assert_eq!(env(&torchrun)?.store_port, 4000);
+        let agent = [&torchrun[..], &[("TORCHELASTIC_USE_AGENT_STORE", "True")]].concat();
+        assert_eq!((env(&agent)?.master_port, env(&agent)?.store_port), (4000, 4001));
+        let chosen = [&agent[..], &[("RLHF_STORE_PORT", "5000")]].concat();
+        assert_eq!(env(&chosen)?.store_port, 5000);
+        let bad = [&torchrun[..], &[("RLHF_STORE_PORT", "0")]].concat();
+        assert!(env(&bad).unwrap_err().to_string().contains("RLHF_STORE_PORT=\"0\""));
+        let last = [("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "65535")];
+        let last = [&last[..], &[("TORCHELASTIC_USE_AGENT_STORE", "True")]].concat();
+        assert!(env(&last).unwrap_err().to_string().contains("set RLHF_STORE_PORT"));
+        Ok(())
+    }
+
+    /// Open MPI's and MPICH's variables; with every rank on one machine the master is this one,
+    /// across machines MASTER_ADDR must name it.
+    #[test]
+    fn mpi_launchers_variables_are_read() -> Result<()> {
+        let ompi = [
+            ("OMPI_COMM_WORLD_RANK", "3"),
+            ("OMPI_COMM_WORLD_SIZE", "4"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+        ];
+        let err = env(&ompi).unwrap_err().to_string();
+        assert!(err.contains("mpirun (Open MPI)") && err.contains("MASTER_ADDR"), "{err}");
+        let e = env(&[&ompi[..], &[("MASTER_ADDR", "node0")]].concat())?;
+        assert_eq!((e.rank, e.world, e.local_rank, e.local_world), (3, 4, 1, 2));
+        assert_eq!(
+            (e.master_addr.as_str(), e.store_port, e.source),
+            ("node0", DEFAULT_MASTER_PORT, "mpirun (Open MPI)")
+        );
+        // Open MPI's variables win over a SLURM allocation's (mpirun inside salloc).
+        let e = env(&[&ompi[..], &[("MASTER_ADDR", "n"), ("SLURM_PROCID", "0"), ("SLURM_NTASKS", "1")]].concat())?;
+        assert_eq!(e.rank, 3);
+        let mpich = [("PMI_RANK", "1"), ("PMI_SIZE", "2"), ("MPI_LOCALRANKID", "1"), ("MPI_LOCALNRANKS", "2")];
+        let e = env(&mpich)?;
+        assert_eq!((e.rank, e.world, e.master_addr.as_str(), e.source), (1, 2, "127.0.0.1", "mpirun (MPICH)"));
+        let err = env(&[("PMI_RANK", "2"), ("PMI_SIZE", "2")]).unwrap_err().to_string();
+        assert!(err.contains("rank 2 is outside a world of 2"), "{err}");
         Ok(())
     }
 

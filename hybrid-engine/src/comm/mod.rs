@@ -79,10 +79,10 @@ impl ProcessGroup {
             port: listener.local_addr()?.port(),
         };
         let peers = if env.rank == 0 {
-            let store = store::bind_store(env.master_port)?;
+            let store = store::bind_store(env.store_port)?;
             store::serve(&store, &me, &env.master_addr, timeout)?
         } else {
-            store::join((&env.master_addr, env.master_port), &me, timeout)?
+            store::join((&env.master_addr, env.store_port), &me, timeout)?
         };
         let ring = TcpRing::connect(env.rank, peers.addrs, listener, timeout)?;
         Ok(Self::over(env, ring))

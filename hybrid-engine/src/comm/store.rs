@@ -71,7 +71,7 @@ pub fn bind_store(port: u16) -> Result<TcpListener> {
     TcpListener::bind(("0.0.0.0", port)).map_err(|e| {
         anyhow!(
             "rank 0 cannot serve the rendezvous store on port {port}: {e}; another job may be using it: \
-             choose a free MASTER_PORT (the launcher's --master-port)"
+             choose a free MASTER_PORT (the launcher's --master-port), or set RLHF_STORE_PORT"
         )
     })
 }
