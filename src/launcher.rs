@@ -129,6 +129,14 @@ pub struct TrainArgs {
     /// Read recipes from this directory (laid out as scripts/recipes) instead of the embedded ones.
     #[arg(long, alias = "recipe_dir")]
     pub recipe_dir: Option<PathBuf>,
+    /// The demo (what `train` alone runs: the embedded capitals data, a tiny GPT-2 from scratch,
+    /// step 2 from the step-1 actor) in any deployment: with --deployment-type single_node
+    /// --num-gpus N or multi_node each rank takes 1/N of the demo's batches (N dividing 16), so
+    /// the run follows the one-process demo; also with --device, --dtype, --algorithm, --seed,
+    /// --step, the ZeRO stages and --tensor-model-parallel-size. Its recipes are
+    /// scripts/recipes/<step>/demo.sh.
+    #[arg(long, conflicts_with_all = ["actor_model", "reward_model"])]
+    pub demo: bool,
     /// Run the pretraining demo instead (a tiny GPT-2 on the embedded Shakespeare corpus); it
     /// takes --output-dir, --device and --dtype, and refuses the pipeline's flags.
     #[arg(long, alias = "pretrain_demo", conflicts_with_all = PIPELINE_ONLY_FLAGS)]
@@ -171,7 +179,8 @@ pub const SEED_ENV: &str = "RLHF_SEED";
 
 /// The flags that choose the RLHF pipeline's steps, models and recipes: --pretrain-demo has no
 /// use for them, so it refuses them rather than drop them silently.
-const PIPELINE_ONLY_FLAGS: [&str; 18] = [
+const PIPELINE_ONLY_FLAGS: [&str; 19] = [
+    "demo",
     "step",
     "algorithm",
     "seed",
@@ -191,6 +200,14 @@ const PIPELINE_ONLY_FLAGS: [&str; 18] = [
     "master_port",
     "launcher",
 ];
+
+/// The demo's global batches (rows a micro-batch, prompts a rollout): each of N data-parallel
+/// ranks takes 1/N of them.
+const DEMO_GLOBAL_BATCH: usize = 16;
+
+/// The environment variable a recipe reads the data-parallel ranks from (the demo's recipes
+/// divide its batches by it).
+const DATA_PARALLEL_SIZE_ENV: &str = "RLHF_DATA_PARALLEL_SIZE";
 
 /// How many processes each step runs as, and where.
 enum Ranks {
@@ -216,6 +233,10 @@ const RECIPES: &[(&str, &str, &str)] = &[
     ("step2_dpo", "single_gpu", include_str!("../scripts/recipes/step2_dpo/single_gpu.sh")),
     ("step2_dpo", "single_node", include_str!("../scripts/recipes/step2_dpo/single_node.sh")),
     ("step2_dpo", "multi_node", include_str!("../scripts/recipes/step2_dpo/multi_node.sh")),
+    ("step1_sft", "demo", include_str!("../scripts/recipes/step1_sft/demo.sh")),
+    ("step2_reward", "demo", include_str!("../scripts/recipes/step2_reward/demo.sh")),
+    ("step2_dpo", "demo", include_str!("../scripts/recipes/step2_dpo/demo.sh")),
+    ("step3_ppo", "demo", include_str!("../scripts/recipes/step3_ppo/demo.sh")),
 ];
 
 const DEPLOYMENTS: [&str; 3] = ["single_gpu", "single_node", "multi_node"];
@@ -260,10 +281,12 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     if args.pretrain_demo {
         return pretrain_demo(args);
     }
-    let demo = args.step.is_empty()
-        && args.deployment_type.is_none()
-        && args.actor_model.is_none()
-        && args.reward_model.is_none();
+    // `train` alone is the demo; `--demo` asks for it with other flags.
+    let demo = args.demo
+        || (args.step.is_empty()
+            && args.deployment_type.is_none()
+            && args.actor_model.is_none()
+            && args.reward_model.is_none());
     // DPO replaces steps 2 and 3: its step 2 trains the actor.
     let dpo = args.algorithm == PipelineAlgorithm::Dpo;
     let steps: Vec<u32> = match (args.step.is_empty(), dpo) {
@@ -289,6 +312,17 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     };
     let (actor, reward) = starting_models(args, &steps, demo)?;
     let plans = step_plans(args, &steps, &actor, &reward)?;
+    let world = match (local_ranks, &hosts) {
+        (Some(n), _) => n,
+        (None, Some((nodes, _))) => crate::hostfile::world_size(nodes),
+        (None, None) => 1,
+    };
+    let data_parallel = world / args.tensor_model_parallel_size as usize;
+    if demo && DEMO_GLOBAL_BATCH % data_parallel != 0 {
+        bail!(
+            "the demo's batches of {DEMO_GLOBAL_BATCH} do not split over {data_parallel} data-parallel ranks: use 1, 2, 4, 8 or 16 (ranks / --tensor-model-parallel-size)"
+        );
+    }
     let bin_dir = step_binaries(&args.output_dir)?;
     let ranks = match (local_ranks, hosts) {
         (Some(n), _) => Ranks::Local(n),
@@ -301,10 +335,12 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         }),
         (None, None) => Ranks::One,
     };
+    // The demo's recipes in every deployment; the deployment says how many ranks run them.
+    let recipe_name = if demo { "demo" } else { deployment.as_str() };
     let started = Instant::now();
     let mut step_runs = Vec::new();
     for plan in &plans {
-        step_runs.push(run_step(args, plan, &deployment, &bin_dir, &ranks, wandb.as_ref())?);
+        step_runs.push(run_step(args, plan, recipe_name, &bin_dir, (&ranks, data_parallel), wandb.as_ref())?);
     }
     println!("---=== Finished Steps {steps:?} in {} ===---", crate::report::duration(started.elapsed().as_secs()));
     finish(args, &steps, demo, &step_runs, wandb.is_some())
@@ -400,9 +436,14 @@ fn starting_models(args: &TrainArgs, steps: &[u32], demo: bool) -> Result<(Strin
     let actor = args.actor_model.clone().unwrap_or(default_actor);
     let reward = args.reward_model.clone().unwrap_or(default_reward);
     // DS-Chat fine-tunes pretrained models: say which weights each step starts from.
-    for (step, what, name) in [(1, "actor", &actor), (2, "reward model", &reward)] {
+    let step2 = if dpo { "DPO policy" } else { "reward model" };
+    for (step, what, name) in [(1, "actor", &actor), (2, step2, &reward)] {
         if steps.contains(&step) {
-            println!("step {step} {what}: {}", describe_model(name)?);
+            let from = match Path::new(name) == actor_dir {
+                true => format!("the step-1 actor, {name}"),
+                false => describe_model(name)?,
+            };
+            println!("step {step} {what}: {from}");
         }
     }
     if steps.contains(&2)
@@ -479,16 +520,17 @@ fn step_plans(args: &TrainArgs, steps: &[u32], actor: &str, reward: &str) -> Res
     Ok(plans)
 }
 
-/// Runs one step's recipe (its ranks as `ranks` says), timed between DS-Chat's banners.
+/// Runs one step's recipe (`recipe_name`: the deployment's, or the demo's; its ranks as `ranks`
+/// says, `data_parallel` of them holding different rows), timed between DS-Chat's banners.
 fn run_step(
     args: &TrainArgs,
     plan: &StepPlan,
-    deployment: &str,
+    recipe_name: &str,
     bin_dir: &Path,
-    ranks: &Ranks,
+    (ranks, data_parallel): (&Ranks, usize),
     wandb: Option<&WandbPass>,
 ) -> Result<crate::report::StepRun> {
-    let script = recipe(args.recipe_dir.as_deref(), plan.recipe_dir, deployment)?;
+    let script = recipe(args.recipe_dir.as_deref(), plan.recipe_dir, recipe_name)?;
     println!("---=== Running Step {} ===---", plan.number);
     let t0 = Instant::now();
     let setting = StepSetting {
@@ -500,6 +542,7 @@ fn run_step(
         seed: args.seed,
         tensorboard: args.enable_tensorboard,
         wandb,
+        data_parallel,
     };
     run_recipe(&script, plan, bin_dir, setting, ranks)?;
     let secs = t0.elapsed().as_secs();
@@ -717,6 +760,9 @@ struct StepSetting<'a> {
     seed: u64,
     tensorboard: bool,
     wandb: Option<&'a WandbPass>,
+    /// The ranks that hold different rows (the world over the TP size): the demo's recipes
+    /// divide its batches by it.
+    data_parallel: usize,
 }
 
 /// `train`'s wandb flags, passed to every step as wandb's environment variables.
@@ -794,7 +840,7 @@ impl WandbPass {
 /// `--inference-tp-size`) reach the step binaries as the defaults of their flags, `ranks` as the variables src/ranks.rs and
 /// src/nodes.rs read.
 fn run_recipe(script: &str, plan: &StepPlan, bin_dir: &Path, setting: StepSetting, ranks: &Ranks) -> Result<()> {
-    let StepSetting { device, dtype, tp, inference_tp, algorithm, seed, tensorboard, wandb } = setting;
+    let StepSetting { device, dtype, tp, inference_tp, algorithm, seed, tensorboard, wandb, data_parallel } = setting;
     std::fs::create_dir_all(&plan.output).with_context(|| format!("cannot create {}", plan.output.display()))?;
     let log_path = plan.output.join("training.log");
     let mut log = std::fs::File::create(&log_path).with_context(|| format!("cannot create {}", log_path.display()))?;
@@ -839,6 +885,7 @@ fn run_recipe(script: &str, plan: &StepPlan, bin_dir: &Path, setting: StepSettin
         .env(hybrid_engine::cli::dist_args::INFERENCE_TP_SIZE_ENV, inference_tp.to_string())
         .env(ALGORITHM_ENV, algorithm.name())
         .env(SEED_ENV, seed.to_string())
+        .env(DATA_PARALLEL_SIZE_ENV, data_parallel.to_string())
         // The step binary starts its ranks itself (crate::ranks, crate::nodes), logging into its output.
         .env(crate::ranks::RANK_LOG_DIR_ENV, &plan.output)
         .stdout(Stdio::piped())

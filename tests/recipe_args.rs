@@ -83,9 +83,10 @@ fn paths_that_look_like_flags_reach_the_steps_intact() {
 /// recipe gives it. DPO's step-2 recipes give `reward` a DPO run it accepts.
 #[test]
 fn every_algorithm_gets_arguments_its_step_accepts() {
-    for deployment in ["single_gpu", "single_node", "multi_node"] {
+    for deployment in ["single_gpu", "single_node", "multi_node", "demo"] {
         let recipe = format!("step3_ppo/{deployment}.sh");
-        for size in ["tiny", "gpt2-xl"] {
+        let sizes: &[&str] = if deployment == "demo" { &["tiny"] } else { &["tiny", "gpt2-xl"] };
+        for &size in sizes {
             for algorithm in ["ppo", "grpo", "rloo"] {
                 let args = ["out/step3", "2", "out/actor", size, "out/reward", "2"];
                 let argv = recipe_argv_with(&recipe, "ppo", &args, &[("RLHF_ALGORITHM", algorithm)]);
@@ -110,7 +111,7 @@ fn every_algorithm_gets_arguments_its_step_accepts() {
             }
         }
         let recipe = format!("step2_dpo/{deployment}.sh");
-        for size in ["tiny", "gpt2-xl"] {
+        for &size in sizes {
             let argv = recipe_argv(&recipe, "reward", &["out/dpo", "0", "out/actor", size]);
             let parsed = reward::RewardArgs::try_parse_from(std::iter::once("reward".to_string()).chain(argv.clone()))
                 .unwrap_or_else(|e| panic!("{recipe} {size}: {e}"));
@@ -118,5 +119,66 @@ fn every_algorithm_gets_arguments_its_step_accepts() {
             parsed.refuse_other_algorithms_flags().unwrap();
             assert!(argv.contains(&"--model-name-or-path=out/actor".to_string()), "{recipe}: {argv:?}");
         }
+    }
+}
+
+/// The demo's recipes give every deployment the one-process demo's global batches: on N
+/// data-parallel ranks each takes 1/N of every batch, and every other argument is the same.
+#[test]
+fn the_demo_splits_its_batches_over_the_data_parallel_ranks() {
+    let per_device = |argv: &[String], flag: &str| -> usize {
+        let at = argv.iter().position(|a| a == flag).unwrap_or_else(|| panic!("{flag} in {argv:?}"));
+        argv[at + 1].parse().unwrap()
+    };
+    let steps = [
+        (
+            "step1_sft/demo.sh",
+            "sft",
+            vec!["out/actor", "", "tiny", "tiny"],
+            vec!["--per-device-train-batch-size", "--per-device-eval-batch-size"],
+        ),
+        (
+            "step2_reward/demo.sh",
+            "reward",
+            vec!["out/reward", "", "out/actor", "tiny"],
+            vec!["--per-device-train-batch-size", "--per-device-eval-batch-size"],
+        ),
+        (
+            "step2_dpo/demo.sh",
+            "reward",
+            vec!["out/dpo", "", "out/actor", "tiny"],
+            vec!["--per-device-train-batch-size", "--per-device-eval-batch-size"],
+        ),
+        (
+            "step3_ppo/demo.sh",
+            "ppo",
+            vec!["out/step3", "", "out/actor", "tiny", "out/reward", ""],
+            vec!["--per-device-generation-batch-size", "--per-device-training-batch-size"],
+        ),
+    ];
+    for (recipe, step, args, batch_flags) in steps {
+        let one = recipe_argv_with(recipe, step, &args, &[("RLHF_DATA_PARALLEL_SIZE", "1")]);
+        let four = recipe_argv_with(recipe, step, &args, &[("RLHF_DATA_PARALLEL_SIZE", "4")]);
+        assert_eq!(one, recipe_argv(recipe, step, &args), "{recipe}: one rank unless told");
+        for flag in &batch_flags {
+            assert_eq!(per_device(&one, flag), 4 * per_device(&four, flag), "{recipe} {flag}");
+        }
+        let others = |argv: &[String]| -> Vec<String> {
+            let mut kept = Vec::new();
+            let mut skip = false;
+            for a in argv {
+                if std::mem::take(&mut skip) {
+                    continue;
+                }
+                skip = batch_flags.contains(&a.as_str());
+                if !skip {
+                    kept.push(a.clone());
+                }
+            }
+            kept
+        };
+        assert_eq!(others(&one), others(&four), "{recipe}: only the per-device batches differ");
+        // The stage is the user's, or 0: the demo's is the one-process run's.
+        assert!(one.iter().any(|a| a.ends_with("zero-stage=0")), "{recipe}: {one:?}");
     }
 }

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Step 1 (SFT) in one process: DS-Chat's
 # training/step1_supervised_finetuning/training_scripts/opt/single_gpu/run_1.3b.sh, with GPT-2
-# sizes for OPT's (gpt2-xl 1.5B for opt-1.3b). `tiny` is the CPU demo on the embedded data.
+# sizes for OPT's (gpt2-xl 1.5B for opt-1.3b). `tiny`: the demo's values in one process (the demo itself, `train`, runs demo.sh).
 # Usage: single_gpu.sh OUTPUT_DIR [ZERO_STAGE] [MODEL] [SIZE]   (what `train` passes)
 set -euo pipefail
 OUTPUT=${1:-./output/actor}

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Step 2 as DPO in one process (`train --algorithm dpo`): the step-1 actor trained directly on
 # the preference pairs against its frozen copy, instead of a reward model and PPO. TRL's
-# DPOTrainer defaults (beta 0.1, sigmoid loss) on step 2's data; `tiny` is the CPU demo.
+# DPOTrainer defaults (beta 0.1, sigmoid loss) on step 2's data; `tiny`: the demo's values in one process (the demo itself, `train`, runs demo.sh).
 # Usage: single_gpu.sh OUTPUT_DIR [ZERO_STAGE] [ACTOR] [SIZE]   (what `train` passes)
 set -euo pipefail
 OUTPUT=${1:-./output/dpo}

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Step 2 (reward model) in one process: DS-Chat's
 # training/step2_reward_model_finetuning/training_scripts/opt/single_gpu/run_350m.sh, with
-# GPT-2 sizes (gpt2-medium 355M for opt-350m). `tiny` is the CPU demo on the embedded data.
+# GPT-2 sizes (gpt2-medium 355M for opt-350m). `tiny`: the demo's values in one process (the demo itself, `train`, runs demo.sh).
 # Usage: single_gpu.sh OUTPUT_DIR [ZERO_STAGE] [MODEL] [SIZE]   (what `train` passes)
 set -euo pipefail
 OUTPUT=${1:-./output/reward}

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Step 3 (PPO) in one process: DS-Chat's
 # training/step3_rlhf_finetuning/training_scripts/opt/single_gpu/run_1.3b.sh, with GPT-2 sizes
-# (gpt2-xl actor for opt-1.3b, gpt2-medium critic for opt-350m). `tiny` is the CPU demo.
+# (gpt2-xl actor for opt-1.3b, gpt2-medium critic for opt-350m). `tiny`: the demo's values in one process (the demo itself, `train`, runs demo.sh).
 # Usage: single_gpu.sh OUTPUT_DIR [ACTOR_ZERO_STAGE] [ACTOR_PATH] [SIZE] [CRITIC_PATH] [CRITIC_ZERO_STAGE]
 set -euo pipefail
 OUTPUT=${1:-./output/step3}
