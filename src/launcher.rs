@@ -317,8 +317,9 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         (None, Some((nodes, _))) => crate::hostfile::world_size(nodes),
         (None, None) => 1,
     };
-    let data_parallel = world / args.tensor_model_parallel_size as usize;
-    if demo && DEMO_GLOBAL_BATCH % data_parallel != 0 {
+    // (A TP size that does not divide the ranks is the steps' one-line refusal.)
+    let data_parallel = (world / args.tensor_model_parallel_size as usize).max(1);
+    if demo && !DEMO_GLOBAL_BATCH.is_multiple_of(data_parallel) {
         bail!(
             "the demo's batches of {DEMO_GLOBAL_BATCH} do not split over {data_parallel} data-parallel ranks: use 1, 2, 4, 8 or 16 (ranks / --tensor-model-parallel-size)"
         );

@@ -1260,7 +1260,9 @@ fn torchrun_mpirun_and_mpich_environments_start_the_ranks() {
         .find(|&p| p < u16::MAX && std::net::TcpListener::bind(("0.0.0.0", p + 1)).is_ok())
         .expect("two free neighbouring ports");
     let agent_store = std::net::TcpListener::bind(("0.0.0.0", port)).expect("the agent's store");
-    let launchers: [(&str, fn(usize, u16) -> Vec<(String, String)>); 3] = [
+    // Each launcher's environment of a rank, given the master port.
+    type Environment = fn(usize, u16) -> Vec<(String, String)>;
+    let launchers: [(&str, Environment); 3] = [
         ("torchrun", |r, port| {
             let mut env = rlhf::ranks::rank_env(r, 2, port);
             env.push(("TORCHELASTIC_USE_AGENT_STORE", "True".into()));

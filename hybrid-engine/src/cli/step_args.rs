@@ -7,6 +7,7 @@
 
 use crate::cli::precision_args::PrecisionArgs;
 use crate::comm::ProcessGroup;
+use crate::engine::epochs::EpochPlan;
 use crate::engine::EngineConfig;
 use crate::model::gpt2::Gpt2Config;
 use crate::model::params::ParamStore;
@@ -172,6 +173,29 @@ impl StepArgs {
             checkpoint_activations: self.gradient_checkpointing,
             parallel: self.dist.parallel_config(group, self.zero_stage, "")?,
         })
+    }
+
+    /// The epoch loop of a step with `micro_per_epoch` global micro-batches an epoch and `steps`
+    /// optimizer steps in all, its throughput counted in `unit`s, evaluating every
+    /// `eval_interval` steps too (0: at the epochs' ends only), its rows split over `group`.
+    pub fn epoch_plan<'a>(
+        &self,
+        (micro_per_epoch, steps): (usize, u64),
+        unit: &'static str,
+        eval_interval: u64,
+        group: &'a ProcessGroup,
+    ) -> EpochPlan<'a> {
+        EpochPlan {
+            epochs: self.num_train_epochs,
+            micro_per_epoch,
+            steps,
+            seed: self.seed,
+            log_interval: self.log_interval,
+            unit,
+            print_loss: self.print_loss,
+            eval_interval,
+            group,
+        }
     }
 
     /// `--dropout`, or 0 with `--disable-dropout` (`None`: the model config's).

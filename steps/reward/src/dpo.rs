@@ -20,7 +20,7 @@ use data::batch::{pair_batch, rank_micro_batches};
 use data::phases::PairSample;
 use hybrid_engine::cli::step_args::starting_model;
 use hybrid_engine::comm::{ProcessGroup, ReduceOp};
-use hybrid_engine::engine::epochs::{train_epochs, EpochPlan, EpochTask, EvalAt};
+use hybrid_engine::engine::epochs::{train_epochs, EpochTask, EvalAt};
 use hybrid_engine::engine::{Engine, Head, Ranks};
 use hybrid_engine::model::gpt2::{Dropout, Gpt2, Positions};
 use hybrid_engine::model::reward_model::causal_lm_config;
@@ -285,17 +285,7 @@ pub fn run(args: &RewardArgs) -> Result<DpoSummary> {
         train_sums: DpoSums::default(),
         evals: Vec::new(),
     };
-    let plan = EpochPlan {
-        epochs: t.num_train_epochs,
-        micro_per_epoch,
-        steps,
-        seed: t.seed,
-        log_interval: t.log_interval,
-        unit: "pairs",
-        print_loss: t.print_loss,
-        eval_interval: args.eval_interval,
-        group: &data_group,
-    };
+    let plan = t.epoch_plan((micro_per_epoch, steps), "pairs", args.eval_interval, &data_group);
     let (rank, rows) = (data_group.rank(), data.train.len());
     let done = train_epochs(&mut engine, &mut task, &plan, &mut metrics, |epoch| {
         let order = data::pretrain::epoch_order(&(0..rows), t.seed, epoch as u64 - 1);

@@ -16,7 +16,7 @@ use data::phases::PairSample;
 use data::Tokenizer;
 use hybrid_engine::cli::step_args::{starting_model, StartingModel};
 use hybrid_engine::comm::{ProcessGroup, ReduceOp};
-use hybrid_engine::engine::epochs::{train_epochs, EpochPlan, EpochTask, EvalAt};
+use hybrid_engine::engine::epochs::{train_epochs, EpochTask, EvalAt};
 use hybrid_engine::engine::{Engine, Head, Ranks};
 use hybrid_engine::model::gpt2::{Dropout, Positions};
 use hybrid_engine::model::reward_model::{add_score_head, sequence_classification_config, SCORE_WEIGHT};
@@ -139,17 +139,7 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
         device: &device,
         evals: Vec::new(),
     };
-    let plan = EpochPlan {
-        epochs: t.num_train_epochs,
-        micro_per_epoch,
-        steps,
-        seed: t.seed,
-        log_interval: t.log_interval,
-        unit: "pairs",
-        print_loss: t.print_loss,
-        eval_interval: args.eval_interval,
-        group: &data_group,
-    };
+    let plan = t.epoch_plan((micro_per_epoch, steps), "pairs", args.eval_interval, &data_group);
     let (rank, rows) = (data_group.rank(), data.train.len());
     let done = train_epochs(&mut engine, &mut task, &plan, &mut metrics, |epoch| {
         let order = data::pretrain::epoch_order(&(0..rows), t.seed, epoch as u64 - 1);

@@ -13,7 +13,7 @@ use data::phases::SftSample;
 use data::Tokenizer;
 use hybrid_engine::cli::step_args::starting_model;
 use hybrid_engine::comm::{ProcessGroup, ReduceOp};
-use hybrid_engine::engine::epochs::{train_epochs, EpochPlan, EpochTask, EvalAt};
+use hybrid_engine::engine::epochs::{train_epochs, EpochTask, EvalAt};
 use hybrid_engine::engine::{Engine, Head, Ranks};
 use hybrid_engine::model::gpt2::{Dropout, Positions};
 use hybrid_engine::model::reward_model::causal_lm_config;
@@ -119,17 +119,7 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
         device: &device,
         perplexity: Vec::new(),
     };
-    let plan = EpochPlan {
-        epochs: t.num_train_epochs,
-        micro_per_epoch,
-        steps,
-        seed: t.seed,
-        log_interval: t.log_interval,
-        unit: "tokens",
-        print_loss: t.print_loss,
-        eval_interval: 0,
-        group: &data_group,
-    };
+    let plan = t.epoch_plan((micro_per_epoch, steps), "tokens", 0, &data_group);
     let (rank, rows) = (data_group.rank(), data.train.len());
     let done = train_epochs(&mut engine, &mut task, &plan, &mut metrics, |epoch| {
         let order = data::pretrain::epoch_order(&(0..rows), t.seed, epoch as u64 - 1);
