@@ -273,7 +273,7 @@ fn unknown_flags_are_named_together_and_ds_chats_engine_flags_are_accepted() {
         "ppo",
         &["--deepspeed_config", "ds.json", "--unpin_actor_parameters", "--lr_schedular_type", "cosine"],
     );
-    assert!(stderr.contains("unknown or unsupported flags --deepspeed_config (DeepSpeed's JSON config is not read: pass its settings as flags"), "{stderr}");
+    assert!(stderr.contains("unknown or unsupported flags --deepspeed_config (steps 1 and 2 read DeepSpeed's JSON config; here pass its settings as flags"), "{stderr}");
     assert!(stderr.contains("--unpin_actor_parameters (a ZeRO-3 actor is gathered once per rollout"), "{stderr}");
     assert!(stderr.contains("--lr_schedular_type (did you mean --lr-scheduler-type?)"), "{stderr}");
     let missing = dir.path().join("no-such-model");
@@ -401,4 +401,27 @@ fn ds_chats_main_py_flags_parse_and_take_effect() {
     let config = ppo::args::PpoArgs::try_parse_from(["ppo", "--unsupervised_dataset_config_name", "wikitext-2-raw-v1"]);
     let err = config.unwrap().validate().unwrap_err().to_string();
     assert!(err.contains("reads a local corpus here"), "{err}");
+}
+
+/// `--deepspeed_config FILE` (steps 1 and 2): the JSON's settings become the step's flags; one
+/// given on the command line too with another value is one error line, exit 2.
+#[test]
+fn a_deepspeed_config_sets_the_flags_and_a_contradiction_is_one_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("ds.json");
+    let json = r#"{"train_batch_size": 32, "gradient_accumulation_steps": 2, "gradient_clipping": 0.5,
+        "zero_optimization": {"stage": 1}, "bf16": {"enabled": true}, "wall_clock_breakdown": false,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.01}}}"#;
+    std::fs::write(&config, json).unwrap();
+    let argv: Vec<std::ffi::OsString> =
+        ["sft", "--deepspeed_config", config.to_str().unwrap(), "--seed", "7"].iter().map(Into::into).collect();
+    let expanded = hybrid_engine::cli::deepspeed_config::expand(argv).unwrap();
+    let sft = sft::args::SftArgs::try_parse_from(expanded).unwrap();
+    let t = &sft.train;
+    assert_eq!((t.per_device_train_batch_size, t.gradient_accumulation_steps, t.zero_stage), (16, 2, 1));
+    assert_eq!((t.gradient_clipping, t.learning_rate, t.weight_decay, t.seed), (0.5, Some(3e-4), 0.01, 7));
+    assert_eq!(t.precision.dtype.name(), "bf16");
+    let stderr =
+        usage_error(dir.path(), "reward", &["--deepspeed_config", config.to_str().unwrap(), "--zero_stage", "3"]);
+    assert!(stderr.contains("zero_optimization.stage is 1, and --zero_stage 3 says otherwise"), "{stderr}");
 }

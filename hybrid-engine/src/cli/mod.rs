@@ -4,6 +4,8 @@
 //! parsing ([`float_in`]), so a NaN, an infinity or an out-of-range value is a usage error that
 //! names the flag and its range.
 
+pub mod deepspeed_config;
+
 use clap::Parser;
 use std::ops::Bound::{self, Excluded, Included, Unbounded};
 
@@ -38,9 +40,9 @@ pub fn parse_from_or_exit<T: Parser, I: Into<std::ffi::OsString> + Clone>(args: 
 const UNSUPPORTED: &[(&str, &str)] = &[
     (
         "deepspeed-config",
-        "DeepSpeed's JSON config is not read: pass its settings as flags (--zero-stage, --gradient-accumulation-steps, --gradient-clipping, --dtype, --reduce-bucket-size)",
+        "steps 1 and 2 read DeepSpeed's JSON config; here pass its settings as flags (--zero-stage, --gradient-accumulation-steps, --gradient-clipping, --dtype, ...)",
     ),
-    ("deepscale-config", "DeepSpeed's JSON config is not read: pass its settings as flags (--zero-stage, --dtype, ...)"),
+    ("deepscale-config", "steps 1 and 2 read DeepSpeed's JSON config; here pass its settings as flags"),
     (
         "unpin-actor-parameters",
         "a ZeRO-3 actor is gathered once per rollout and freed before training, with no pinned mode to turn off: drop it",

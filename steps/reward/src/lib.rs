@@ -12,7 +12,9 @@ pub use args::RewardArgs;
 
 /// `reward` with the process arguments. Exits 2 on any error.
 pub fn main_with_args() {
-    let args: RewardArgs = hybrid_engine::cli::parse_or_exit();
+    let argv = hybrid_engine::cli::deepspeed_config::expand(std::env::args_os().collect())
+        .unwrap_or_else(|e| hybrid_engine::cli::exit_with(e));
+    let args: RewardArgs = hybrid_engine::cli::parse_from_or_exit(argv);
     let result = args.refuse_other_algorithms_flags().and_then(|()| match args.algorithm {
         args::Step2Algorithm::RewardModel => train::run(&args).map(drop),
         args::Step2Algorithm::Dpo => dpo::run(&args).map(drop),

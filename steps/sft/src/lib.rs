@@ -21,7 +21,9 @@ pub fn main_with_args() {
         let args: pretrain_args::PretrainArgs = hybrid_engine::cli::parse_or_exit();
         pretrain::run(&args).map(|_| ())
     } else {
-        let args: SftArgs = hybrid_engine::cli::parse_or_exit();
+        let argv =
+            hybrid_engine::cli::deepspeed_config::expand(argv).unwrap_or_else(|e| hybrid_engine::cli::exit_with(e));
+        let args: SftArgs = hybrid_engine::cli::parse_from_or_exit(argv);
         finetune::run(&args).map(|_| ())
     };
     if let Err(e) = result {

@@ -1,0 +1,389 @@
+//! DeepSpeed's `--deepspeed_config FILE` for steps 1 and 2: the JSON config's settings become the
+//! step's flags, placed before the command line's own. A key that contradicts a flag given on
+//! the command line is one error; a value this engine does not implement is one error that says
+//! what to use; a key with no meaning here is listed once, in one line, as ignored.
+//!
+//! The batch keys are checked as DeepSpeed checks them: `train_batch_size` =
+//! `train_micro_batch_size_per_gpu` x `gradient_accumulation_steps` x data-parallel ranks, the
+//! missing one derived from the other two.
+
+use crate::comm::RankEnv;
+use anyhow::{anyhow, bail, Context, Result};
+use serde_json::Value;
+use std::ffi::OsString;
+use std::path::Path;
+
+/// The flag's spellings on the command line.
+pub const FLAGS: [&str; 4] = ["--deepspeed-config", "--deepspeed_config", "--deepscale-config", "--deepscale_config"];
+
+/// Config files larger than this are refused before they are read: a DeepSpeed config is a few KiB.
+const MAX_BYTES: u64 = 1 << 20;
+
+/// `argv` (the program's name first) with the settings of the DeepSpeed config it names, if it
+/// names one, put before its own flags; the file's ignored keys are printed in one line. `tp`
+/// flags and the environment's world size give the data-parallel ranks the batch keys divide by.
+pub fn expand(argv: Vec<OsString>) -> Result<Vec<OsString>> {
+    let args: Vec<String> = argv.iter().map(|a| a.to_string_lossy().into_owned()).collect();
+    let Some(path) = flag_value(&args, &FLAGS) else { return Ok(argv) };
+    let world = RankEnv::from_process()?.world;
+    let tp =
+        flag_value(&args, &["--tensor-model-parallel-size", "--tensor_model_parallel_size", "--tp-size", "--tp_size"])
+            .or_else(|| std::env::var(crate::cli::dist_args::TP_SIZE_ENV).ok())
+            .map(|t| t.parse::<usize>().map_err(|_| anyhow!("--tensor-model-parallel-size {t:?} is not a number")))
+            .transpose()?
+            .unwrap_or(1)
+            .max(1);
+    let settings = read(Path::new(&path), (world / tp).max(1))?;
+    for (flag, value, key) in &settings.flags {
+        let spellings = spellings(flag);
+        let given = spellings.iter().find_map(|s| flag_value(&args, &[s.as_str()]).map(|v| (s.clone(), v)));
+        if let Some((spelling, v)) = given.filter(|(_, v)| !same(v, value)) {
+            let value = value.as_deref().unwrap_or_default();
+            bail!("--deepspeed_config {path}: {key} is {value}, and {spelling} {v} says otherwise: keep one of them");
+        }
+    }
+    if !settings.ignored.is_empty() {
+        println!("--deepspeed_config {path}: ignored (no meaning here): {}", settings.ignored.join(", "));
+    }
+    let mut out = vec![argv[0].clone()];
+    for (flag, value, _) in settings.flags {
+        out.push(flag.into());
+        if let Some(v) = value {
+            out.push(v.into());
+        }
+    }
+    out.extend(argv.into_iter().skip(1));
+    Ok(out)
+}
+
+/// What a config file says: each setting as a flag (with its value; `None` for a switch) and the
+/// key it came from, and the keys with no meaning here.
+#[derive(Debug, Default, PartialEq)]
+pub struct Settings {
+    pub flags: Vec<(String, Option<String>, String)>,
+    pub ignored: Vec<String>,
+}
+
+/// Reads a DeepSpeed JSON config for `data_parallel` ranks (see the module's documentation).
+pub fn read(path: &Path, data_parallel: usize) -> Result<Settings> {
+    let what = || format!("--deepspeed_config {}", path.display());
+    let size = std::fs::metadata(path).with_context(|| format!("{}: cannot read it", what()))?.len();
+    if size > MAX_BYTES {
+        bail!("{}: {size} bytes is not a DeepSpeed config (at most {MAX_BYTES})", what());
+    }
+    let text = std::fs::read_to_string(path).with_context(|| format!("{}: cannot read it", what()))?;
+    let config: Value = serde_json::from_str(&text).map_err(|e| anyhow!("{}: not JSON: {e}", what()))?;
+    settings(&config, data_parallel).map_err(|e| anyhow!("{}: {e}", what()))
+}
+
+/// The settings of a parsed config (see [`read`]).
+pub fn settings(config: &Value, data_parallel: usize) -> Result<Settings> {
+    let Value::Object(top) = config else { bail!("the config is not a JSON object") };
+    let mut s = Settings::default();
+    let mut set = |flag: &str, value: Option<String>, key: &str| s.flags.push((flag.into(), value, key.into()));
+    let mut ignored = Vec::new();
+    batch_sizes(top, data_parallel, &mut set)?;
+    for (key, value) in top {
+        match key.as_str() {
+            "train_batch_size" | "train_micro_batch_size_per_gpu" | "gradient_accumulation_steps" => {}
+            "gradient_clipping" => set("--gradient-clipping", Some(number(value, key)?.to_string()), key),
+            "steps_per_print" => set("--log-interval", Some(count(value, key)?.to_string()), key),
+            "zero_optimization" => zero(value, &mut set, &mut ignored)?,
+            "fp16" => fp16(value, &mut set, &mut ignored)?,
+            "bf16" => {
+                if enabled(value) {
+                    set("--dtype", Some("bf16".into()), "bf16.enabled");
+                }
+            }
+            "optimizer" => optimizer(value, &mut set)?,
+            "scheduler" => scheduler(value, &mut set, &mut ignored)?,
+            "tensorboard" => {
+                if enabled(value) {
+                    set("--enable-tensorboard", None, "tensorboard.enabled");
+                    if let Some(dir) = value.get("output_path").and_then(Value::as_str) {
+                        set("--tensorboard-path", Some(dir.into()), "tensorboard.output_path");
+                    }
+                }
+            }
+            _ => ignored.push(key.clone()),
+        }
+    }
+    s.ignored = ignored;
+    Ok(s)
+}
+
+type Set<'a> = dyn FnMut(&str, Option<String>, &str) + 'a;
+
+/// DeepSpeed's batch triple, the missing member derived as DeepSpeed derives it.
+fn batch_sizes(top: &serde_json::Map<String, Value>, dp: usize, set: &mut Set) -> Result<()> {
+    let dp = dp as u64;
+    let get = |k: &str| top.get(k).map(|v| count(v, k)).transpose();
+    let (global, micro, accumulation) =
+        (get("train_batch_size")?, get("train_micro_batch_size_per_gpu")?, get("gradient_accumulation_steps")?);
+    let (micro, accumulation) = match (global, micro, accumulation) {
+        (Some(g), Some(m), Some(a)) if g != m * a * dp => bail!(
+            "train_batch_size {g} is not train_micro_batch_size_per_gpu {m} x gradient_accumulation_steps {a} x {dp} data-parallel ranks"
+        ),
+        (Some(g), Some(m), None) if g % (m * dp) != 0 => {
+            bail!("train_batch_size {g} is not a multiple of train_micro_batch_size_per_gpu {m} x {dp} data-parallel ranks")
+        }
+        (Some(g), Some(m), None) => (Some(m), Some(g / (m * dp))),
+        (Some(g), None, Some(a)) if g % (a * dp) != 0 => {
+            bail!("train_batch_size {g} is not a multiple of gradient_accumulation_steps {a} x {dp} data-parallel ranks")
+        }
+        (Some(g), None, Some(a)) => (Some(g / (a * dp)), Some(a)),
+        (Some(g), None, None) if g % dp != 0 => bail!("train_batch_size {g} does not split over {dp} data-parallel ranks"),
+        (Some(g), None, None) => (Some(g / dp), Some(1)),
+        (_, m, a) => (m, a),
+    };
+    if let Some(m) = micro {
+        set("--per-device-train-batch-size", Some(m.to_string()), "train_micro_batch_size_per_gpu");
+    }
+    if let Some(a) = accumulation {
+        set("--gradient-accumulation-steps", Some(a.to_string()), "gradient_accumulation_steps");
+    }
+    Ok(())
+}
+
+fn zero(value: &Value, set: &mut Set, ignored: &mut Vec<String>) -> Result<()> {
+    let Value::Object(zero) = value else { bail!("zero_optimization is not an object") };
+    for (key, v) in zero {
+        let full = format!("zero_optimization.{key}");
+        match key.as_str() {
+            "stage" => set("--zero-stage", Some(count(v, &full)?.to_string()), &full),
+            "reduce_bucket_size" => set("--reduce-bucket-size", Some(count(v, &full)?.to_string()), &full),
+            "offload_optimizer" | "offload_param" => match v.get("device").and_then(Value::as_str) {
+                None | Some("none") => {}
+                Some("cpu") => set("--offload", None, &full),
+                Some(device) => bail!("{full}.device {device:?} is not implemented: use \"cpu\" or \"none\""),
+            },
+            _ => ignored.push(full),
+        }
+    }
+    Ok(())
+}
+
+fn fp16(value: &Value, set: &mut Set, ignored: &mut Vec<String>) -> Result<()> {
+    if !enabled(value) {
+        return Ok(());
+    }
+    set("--dtype", Some("fp16".into()), "fp16.enabled");
+    let Value::Object(fp16) = value else { unreachable!("enabled() read an object") };
+    for (key, v) in fp16 {
+        let full = format!("fp16.{key}");
+        match key.as_str() {
+            "enabled" | "auto_cast" => {}
+            "loss_scale" if number(v, &full)? != 0.0 => {
+                bail!("{full} {v}: a static loss scale is not implemented: use 0 (dynamic scaling)")
+            }
+            "loss_scale" => {}
+            "initial_scale_power" => set("--initial-scale-power", Some(count(v, &full)?.to_string()), &full),
+            "loss_scale_window" => set("--loss-scale-window", Some(count(v, &full)?.to_string()), &full),
+            // The scaler's are DeepSpeed's defaults and fixed.
+            "hysteresis" if count(v, &full)? != 2 => {
+                bail!("{full} {v}: the scale halves after 2 overflows here: use 2")
+            }
+            "min_loss_scale" if number(v, &full)? != 1.0 => bail!("{full} {v}: the minimum scale is 1 here: use 1"),
+            "hysteresis" | "min_loss_scale" => {}
+            _ => ignored.push(full),
+        }
+    }
+    Ok(())
+}
+
+fn optimizer(value: &Value, set: &mut Set) -> Result<()> {
+    let kind = value.get("type").and_then(Value::as_str).unwrap_or("");
+    if !matches!(kind.to_ascii_lowercase().as_str(), "adam" | "adamw") {
+        bail!("optimizer.type {kind:?} is not implemented: AdamW is (\"AdamW\")");
+    }
+    let Some(Value::Object(params)) = value.get("params") else { return Ok(()) };
+    for (key, v) in params {
+        let full = format!("optimizer.params.{key}");
+        match key.as_str() {
+            "lr" => set("--learning-rate", Some(number(v, &full)?.to_string()), &full),
+            "eps" => set("--adam-eps", Some(number(v, &full)?.to_string()), &full),
+            "weight_decay" => set("--weight-decay", Some(number(v, &full)?.to_string()), &full),
+            "betas" => {
+                let betas: Vec<f64> = v.as_array().into_iter().flatten().filter_map(Value::as_f64).collect();
+                if betas != [0.9, 0.95] {
+                    bail!("{full} {v}: the steps use DS-Chat's betas [0.9, 0.95]: use those");
+                }
+            }
+            _ => bail!("{full} is not an AdamW setting here (lr, betas, eps, weight_decay)"),
+        }
+    }
+    Ok(())
+}
+
+fn scheduler(value: &Value, set: &mut Set, ignored: &mut Vec<String>) -> Result<()> {
+    let kind = value.get("type").and_then(Value::as_str).unwrap_or("");
+    let hf = match kind {
+        "WarmupLR" => "constant_with_warmup",
+        "WarmupDecayLR" => "linear",
+        "WarmupCosineLR" => "cosine",
+        _ => bail!("scheduler.type {kind:?} is not implemented: WarmupLR, WarmupDecayLR or WarmupCosineLR"),
+    };
+    set("--lr-scheduler-type", Some(hf.into()), "scheduler.type");
+    let Some(Value::Object(params)) = value.get("params") else { return Ok(()) };
+    for (key, v) in params {
+        let full = format!("scheduler.params.{key}");
+        match key.as_str() {
+            "warmup_num_steps" => set("--num-warmup-steps", Some(count(v, &full)?.to_string()), &full),
+            "warmup_max_lr" => set("--learning-rate", Some(number(v, &full)?.to_string()), &full),
+            "warmup_min_lr" if number(v, &full)? != 0.0 => {
+                bail!("{full} {v}: the warmup starts at 0 here: use 0")
+            }
+            // The schedule spans the run's own steps.
+            _ => ignored.push(full),
+        }
+    }
+    Ok(())
+}
+
+fn enabled(value: &Value) -> bool {
+    value.get("enabled").and_then(Value::as_bool).unwrap_or(false)
+}
+
+fn number(v: &Value, key: &str) -> Result<f64> {
+    v.as_f64().filter(|x| x.is_finite()).ok_or_else(|| anyhow!("{key} {v} is not a number"))
+}
+
+fn count(v: &Value, key: &str) -> Result<u64> {
+    v.as_u64().ok_or_else(|| anyhow!("{key} {v} is not a non-negative integer"))
+}
+
+/// A flag's spellings on the command line: kebab and snake case, and the aliases of the flags a
+/// config sets that have them.
+fn spellings(flag: &str) -> Vec<String> {
+    let aliases: &[&str] = match flag {
+        "--learning-rate" => &["--lr"],
+        "--adam-eps" => &["--adam-epsilon"],
+        _ => &[],
+    };
+    let snake = |f: &str| format!("--{}", f.trim_start_matches("--").replace('-', "_"));
+    std::iter::once(flag).chain(aliases.iter().copied()).flat_map(|f| [f.to_string(), snake(f)]).collect()
+}
+
+/// Whether a flag's value on the command line and the config's are the same setting (numbers
+/// compared as numbers: `1e-3` is `0.001`).
+fn same(given: &str, config: &Option<String>) -> bool {
+    match config {
+        None => true,
+        Some(c) => match (given.parse::<f64>(), c.parse::<f64>()) {
+            (Ok(a), Ok(b)) => a == b,
+            _ => given == c,
+        },
+    }
+}
+
+/// The value of the first of `names` in `args` (`--flag value` or `--flag=value`; a switch's is
+/// "").
+fn flag_value(args: &[String], names: &[&str]) -> Option<String> {
+    let mut it = args.iter().skip(1).peekable();
+    while let Some(arg) = it.next() {
+        if arg == "--" {
+            return None;
+        }
+        for name in names {
+            if let Some(v) = arg.strip_prefix(name).and_then(|rest| rest.strip_prefix('=')) {
+                return Some(v.to_string());
+            }
+            if arg == name {
+                return Some(it.peek().filter(|v| !v.starts_with("--")).map_or(String::new(), |v| v.to_string()));
+            }
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn flags(s: &Settings) -> Vec<String> {
+        s.flags
+            .iter()
+            .map(|(f, v, _)| format!("{f}{}", v.as_ref().map_or(String::new(), |v| format!("={v}"))))
+            .collect()
+    }
+
+    /// DS-Chat's own config (`get_train_ds_config`) and DeepSpeed's usual keys map to the flags.
+    #[test]
+    fn a_deepspeed_config_becomes_the_steps_flags() -> Result<()> {
+        let config = json!({
+            "train_batch_size": 64, "train_micro_batch_size_per_gpu": 8, "steps_per_print": 10,
+            "zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8 as u64, "offload_param": {"device": "none"},
+                                  "offload_optimizer": {"device": "cpu"}, "stage3_param_persistence_threshold": 1e4 as u64},
+            "fp16": {"enabled": true, "loss_scale_window": 100, "initial_scale_power": 12, "hysteresis": 2},
+            "gradient_clipping": 1.0, "prescale_gradients": false, "wall_clock_breakdown": false,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
+            "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10, "total_num_steps": 1000}},
+        });
+        let s = settings(&config, 2)?;
+        let f = flags(&s);
+        for want in [
+            "--per-device-train-batch-size=8",
+            "--gradient-accumulation-steps=4",
+            "--zero-stage=2",
+            "--reduce-bucket-size=500000000",
+            "--offload",
+            "--dtype=fp16",
+            "--loss-scale-window=100",
+            "--initial-scale-power=12",
+            "--gradient-clipping=1",
+            "--learning-rate=0.001",
+            "--adam-eps=0.00000001",
+            "--weight-decay=0.1",
+            "--lr-scheduler-type=linear",
+            "--num-warmup-steps=10",
+            "--log-interval=10",
+        ] {
+            assert!(f.contains(&want.to_string()), "{want} in {f:?}");
+        }
+        let ignored = [
+            "prescale_gradients",
+            "scheduler.params.total_num_steps",
+            "wall_clock_breakdown",
+            "zero_optimization.stage3_param_persistence_threshold",
+        ];
+        let mut got = s.ignored.clone();
+        got.sort();
+        assert_eq!(got, ignored);
+        Ok(())
+    }
+
+    /// DeepSpeed's batch arithmetic: the missing member is derived; an inconsistent triple, an
+    /// indivisible one and what is not implemented are one line each.
+    #[test]
+    fn batch_keys_are_checked_and_unimplemented_values_refused() {
+        let f = |c: Value, dp| settings(&c, dp).map(|s| flags(&s));
+        assert_eq!(
+            f(json!({"train_batch_size": 32, "gradient_accumulation_steps": 2}), 4).unwrap(),
+            ["--per-device-train-batch-size=4", "--gradient-accumulation-steps=2"]
+        );
+        let err = |c: Value, dp| f(c, dp).unwrap_err().to_string();
+        let inconsistent =
+            json!({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2});
+        assert!(err(inconsistent, 4)
+            .contains("is not train_micro_batch_size_per_gpu 4 x gradient_accumulation_steps 2 x 4"));
+        assert!(err(json!({"train_batch_size": 30}), 4).contains("does not split over 4"));
+        assert!(err(json!({"fp16": {"enabled": true, "loss_scale": 128}}), 1).contains("static loss scale"));
+        assert!(err(json!({"optimizer": {"type": "Lamb"}}), 1).contains("AdamW is"));
+        assert!(err(json!({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}), 1).contains("\"nvme\""));
+        assert!(err(json!({"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.999]}}}), 1).contains("0.95"));
+        assert!(err(json!([1, 2]), 1).contains("not a JSON object"));
+        assert!(err(json!({"gradient_clipping": "big"}), 1).contains("gradient_clipping \"big\" is not a number"));
+    }
+
+    #[test]
+    fn the_command_lines_flags_are_found_in_every_spelling() {
+        let args: Vec<String> =
+            ["sft", "--zero_stage", "3", "--learning-rate=0.5", "--offload"].iter().map(|s| s.to_string()).collect();
+        assert_eq!(flag_value(&args, &["--zero_stage"]).as_deref(), Some("3"));
+        assert_eq!(flag_value(&args, &["--learning-rate"]).as_deref(), Some("0.5"));
+        assert_eq!(flag_value(&args, &["--offload"]).as_deref(), Some(""));
+        assert_eq!(flag_value(&args, &["--dtype"]), None);
+        assert!(same("1e-3", &Some("0.001".into())) && !same("2", &Some("3".into())));
+    }
+}
