@@ -55,10 +55,6 @@ const UNSUPPORTED: &[(&str, &str)] = &[
         "enable-mixed-precision-lora",
         "ZeRO++'s quantized LoRA base is not implemented (LoRA trains on the --dtype compute copy): drop it",
     ),
-    (
-        "offload-reference-model",
-        "the frozen reference and reward models stay on --device (host offload is not implemented): drop it",
-    ),
 ];
 
 /// Every `--flag` of `args` (after the program's name) that `cmd` does not know, in one line,

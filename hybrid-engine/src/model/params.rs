@@ -163,6 +163,14 @@ impl ParamStore {
         Ok(ParamStore { names: self.names.clone(), vars, frozen: self.frozen.clone(), lora_scaling: self.lora_scaling })
     }
 
+    /// The same parameters (names, dtype, frozen flags, adapters) copied onto `device`: a frozen
+    /// model kept in host memory brought to the GPU for a forward (`--offload-reference-model`).
+    pub fn to_device(&self, device: &Device) -> Result<ParamStore> {
+        let vars =
+            self.vars.iter().map(|v| Var::from_tensor(&v.to_device(device)?)).collect::<candle_core::Result<_>>()?;
+        Ok(ParamStore { names: self.names.clone(), vars, frozen: self.frozen.clone(), lora_scaling: self.lora_scaling })
+    }
+
     /// Copies `master`'s values (cast) into this compute copy's `Var`s, which hold the same
     /// parameters in the same order; a no-op for `Var`s that are the masters themselves.
     pub fn refresh_from(&self, master: &ParamStore) -> Result<()> {

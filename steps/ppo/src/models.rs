@@ -179,8 +179,24 @@ pub fn build_models(
     };
     let precision = args.precision.precision();
     let dtype = precision.dtype.dtype();
+    let reference = reference.compute_copy(dtype)?;
+    let device = reference.vars.first().map_or(Device::Cpu, |v| v.device().clone());
+    let reference = match args.offload_reference_model && !device.is_cpu() {
+        true => {
+            println!("--offload-reference-model: the reference stays in host memory, on the device only for each rollout's log-probs");
+            let frozen = FrozenOnHost {
+                params: reference.to_device(&Device::Cpu)?,
+                config: actor_cfg.clone(),
+                fp32_loss: precision.fp32_loss,
+                tp: tp.cloned(),
+                device,
+            };
+            Reference::OnHost(frozen)
+        }
+        false => Reference::OnDevice(lm_on(&reference, &actor_cfg, precision.fp32_loss, tp)?),
+    };
     let mut models = PpoModels {
-        reference: lm_on(&reference.compute_copy(dtype)?, &actor_cfg, precision.fp32_loss, tp)?,
+        reference,
         reward: reward_model_on(&reward.compute_copy(dtype)?, &reward_cfg, precision.fp32_loss, tp)?,
         actor: Engine::new(actor_engine, &actor_cfg, Head::Lm, actor, ranks.clone())?,
         critic: critic
@@ -214,6 +230,52 @@ pub fn build_models(
     Ok(models)
 }
 
+/// The frozen reference model: on the device, or with `--offload-reference-model` in host
+/// memory between uses (DS-Chat's ZeRO offload of the reference), brought to the device for a
+/// rollout's log-probs and dropped after.
+pub enum Reference {
+    OnDevice(Gpt2),
+    OnHost(FrozenOnHost),
+}
+
+/// A frozen model's compute-dtype weights in host memory and what builds it on `device`.
+pub struct FrozenOnHost {
+    params: ParamStore,
+    config: Gpt2Config,
+    fp32_loss: bool,
+    tp: Option<TensorParallel>,
+    device: Device,
+}
+
+/// The reference where a forward can read it: borrowed, or uploaded for this use.
+pub enum Resident<'a> {
+    Borrowed(&'a Gpt2),
+    Uploaded(Box<Gpt2>),
+}
+
+impl std::ops::Deref for Resident<'_> {
+    type Target = Gpt2;
+    fn deref(&self) -> &Gpt2 {
+        match self {
+            Self::Borrowed(model) => model,
+            Self::Uploaded(model) => model,
+        }
+    }
+}
+
+impl Reference {
+    /// The model on the device (uploaded from host memory when offloaded: drop it after use).
+    pub fn resident(&self) -> Result<Resident<'_>> {
+        match self {
+            Self::OnDevice(model) => Ok(Resident::Borrowed(model)),
+            Self::OnHost(h) => {
+                let params = h.params.to_device(&h.device)?;
+                Ok(Resident::Uploaded(Box::new(lm_on(&params, &h.config, h.fp32_loss, h.tp.as_ref())?)))
+            }
+        }
+    }
+}
+
 /// A language model over `params` (the actor, or the frozen reference) in their dtype: the whole
 /// model, or under `tp` this rank's slices.
 pub fn lm_on(params: &ParamStore, config: &Gpt2Config, fp32_loss: bool, tp: Option<&TensorParallel>) -> Result<Gpt2> {
@@ -235,4 +297,34 @@ pub fn reward_model_on(
 ) -> Result<RewardModel> {
     let trunk = lm_on(params, config, fp32_loss, tp)?;
     RewardModel::from_trunk(trunk, params, config)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hybrid_engine::model::gpt2::Positions;
+
+    /// An offloaded reference, brought to its device, computes what the resident one does.
+    #[test]
+    fn an_offloaded_reference_gives_the_residents_logits() -> Result<()> {
+        let cfg = Gpt2Config { n_layer: 1, n_embd: 8, n_head: 2, n_positions: 8, vocab_size: 16, ..Gpt2Config::tiny() };
+        let params = ParamStore::init(&cfg, 3, &Device::Cpu)?;
+        let on_device = Reference::OnDevice(lm_on(&params, &cfg, false, None)?);
+        let host = FrozenOnHost {
+            params: params.copy()?,
+            config: cfg.clone(),
+            fp32_loss: false,
+            tp: None,
+            device: Device::Cpu,
+        };
+        let on_host = Reference::OnHost(host);
+        let ids = candle_core::Tensor::new(&[[1u32, 5, 7]], &Device::Cpu)?;
+        let logits = |r: &Reference| -> Result<Vec<f32>> {
+            let model = r.resident()?;
+            Ok(model.forward(&ids, &Positions::default(), None, None)?.flatten_all()?.to_vec1()?)
+        };
+        assert!(matches!(on_host.resident()?, Resident::Uploaded(_)));
+        assert_eq!(logits(&on_device)?, logits(&on_host)?);
+        Ok(())
+    }
 }

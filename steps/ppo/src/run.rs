@@ -586,9 +586,13 @@ impl PpoLoop<'_> {
                 ))
             }
         };
+        let resident;
         let (reference, reward) = match &whole_frozen {
             Some((reference, reward)) => (reference, reward),
-            None => (&self.models.reference, &self.models.reward),
+            None => {
+                resident = self.models.reference.resident()?;
+                (&*resident, &self.models.reward)
+            }
         };
         let evaluate = |actor: &hybrid_engine::Gpt2| {
             evaluate_policy(
@@ -706,9 +710,11 @@ fn generate_share(
         (TrainedModel::Sharded(_), None, None, Some(split)) => split,
         (TrainedModel::Sharded(_), None, None, None) => bail!("internal error: no actor for the old log-probs"),
     };
+    // An offloaded reference comes to the device for this rollout only.
+    let reference = models.reference.resident()?;
     let rollout = RolloutModels {
         actor: actor_forward,
-        reference: &models.reference,
+        reference: &reference,
         critic: models.critic.as_ref().map(Engine::model),
         reward: &models.reward,
     };
@@ -1413,7 +1419,7 @@ mod tests {
         let models = PpoModels {
             actor: Engine::new(&engine(false, actor_lr), &cfg, Head::Lm, actor, ranks.clone()).unwrap(),
             critic: Some(Engine::new(&engine(true, 1e-3), &cfg, Head::Score, critic.copy().unwrap(), ranks).unwrap()),
-            reference,
+            reference: crate::models::Reference::OnDevice(reference),
             reward,
             ema: args.enable_ema.then(|| Ema::Whole(start.copy().unwrap())),
             align_overflow: false,

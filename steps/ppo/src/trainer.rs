@@ -18,7 +18,7 @@ use anyhow::Result;
 use candle_core::{Device, Tensor};
 use hybrid_engine::engine::Engine;
 use hybrid_engine::kernels::ops::DropoutKey;
-use hybrid_engine::model::gpt2::{Dropout, Gpt2};
+use hybrid_engine::model::gpt2::Dropout;
 use hybrid_engine::model::reward_model::RewardModel;
 use hybrid_engine::training::trainer::StepReport;
 use hybrid_engine::ParamStore;
@@ -61,7 +61,7 @@ pub struct PpoModels {
     pub actor: Engine,
     /// PPO's critic; GRPO and RLOO have none.
     pub critic: Option<Engine>,
-    pub reference: Gpt2,
+    pub reference: crate::models::Reference,
     pub reward: RewardModel,
     pub ema: Option<Ema>,
     /// Skip both updates when either model's gradients overflowed (`--align-overflow`).

@@ -119,6 +119,7 @@ fn ds_chats_script_flags_run_and_the_test_mode_stops_early() {
         "--seed",
         "1234",
         "--enable_hybrid_engine",
+        "--offload_reference_model",
         "--actor_dropout",
         "0.0",
         "--lr_scheduler_type",
