@@ -5,8 +5,10 @@
 //! - `cpu`;
 //! - `cuda` (this rank's device) or `cuda:N`.
 //!
-//! "This rank's device" is `cuda:<LOCAL_RANK>` (torchrun's convention: the ranks of a node each
-//! take their own GPU; `cuda:0` for a lone process). `cuda:N` puts every rank on device N.
+//! "This rank's device" is `cuda:<local rank>` (torchrun's convention: the ranks of a node each
+//! take their own GPU; `cuda:0` for a lone process), the local rank as whichever launcher set it
+//! ([`crate::comm::RankEnv`]: torchrun's `LOCAL_RANK`, SLURM's `SLURM_LOCALID`, MPI's). `cuda:N`
+//! puts every rank on device N.
 //!
 //! Asking for CUDA where there is none is one line saying what to do: rebuild with
 //! `--features cuda` (a CPU-only build), or use `--device cpu` (no GPU, no driver, or no such
@@ -52,10 +54,10 @@ impl DeviceSpec {
     }
 }
 
-/// This process's rank on its node (torchrun's `LOCAL_RANK`; 0 without one, or for a value
-/// the process group will refuse anyway when it joins).
+/// This process's rank on its node, from its launcher's variables (0 without any, or for
+/// values the process group will refuse anyway when it joins).
 fn local_rank() -> usize {
-    std::env::var("LOCAL_RANK").ok().and_then(|v| v.trim().parse().ok()).unwrap_or(0)
+    crate::comm::RankEnv::from_process().map_or(0, |env| env.local_rank)
 }
 
 /// Whether this binary was built with the `cuda` feature.

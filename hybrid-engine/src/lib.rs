@@ -1,8 +1,9 @@
 //! The core of the RLHF system, one module per concern; imports point down this list:
 //!
-//! - `runtime`, `durable`, `device`: process setup, crash-safe files, where to compute;
+//! - `runtime`, `durable`: process setup, crash-safe files;
 //! - `comm`: process groups from the launcher's environment, rendezvous, collectives (CPU ring,
 //!   NCCL);
+//! - `device`: where to compute (a rank's GPU is its local rank's);
 //! - `kernels`: CPU kernels with their backward and the dispatch between them and candle's ops;
 //! - `tensor_parallel`: the TP x DP layout of the ranks and the differentiable collectives of
 //!   Megatron's tensor-parallel layers;

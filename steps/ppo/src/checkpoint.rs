@@ -10,7 +10,6 @@
 //! EMA) gathered whole from the ZeRO shards, and the loop position counts global rollouts: a
 //! checkpoint loads into any world size and stage that keeps the global batch sizes.
 
-use crate::trainer::PpoModels;
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
 use data::SamplerCursor;
@@ -18,6 +17,7 @@ use data::Tokenizer;
 use hybrid_engine::checkpoints::hf_io::{self, LATEST};
 use hybrid_engine::checkpoints::resume::checkpoint_name;
 use hybrid_engine::durable::{write_dir_atomically, write_file_atomically};
+use hybrid_engine::model::gpt2::Gpt2Config;
 use hybrid_engine::model::reward_model::{causal_lm_config, sequence_classification_config};
 use hybrid_engine::training::optim::AdamW;
 use hybrid_engine::training::trainer::TrainerProgress;
@@ -86,7 +86,7 @@ pub struct SavedWeights<'a> {
 /// from the ranks' shards) and `state` under `root`, then points `latest` at it.
 pub fn save(
     root: &Path,
-    models: &PpoModels,
+    (actor_cfg, critic_cfg): (&Gpt2Config, Option<&Gpt2Config>),
     weights: &SavedWeights,
     (actor_opt, critic_opt): (&AdamW, Option<&AdamW>),
     state: &PpoState,
@@ -102,13 +102,13 @@ pub fn save(
             tokenizer.save(&d.join("tokenizer.json"))?;
             Ok(d)
         };
-        hf_io::write_model_files(&model_dir("actor")?, &causal_lm_config(&models.actor.config), weights.actor, &[])?;
-        if let (Some(critic), Some(weights)) = (&models.critic, weights.critic) {
-            let critic_cfg = sequence_classification_config(&critic.config, eos);
+        hf_io::write_model_files(&model_dir("actor")?, &causal_lm_config(actor_cfg), weights.actor, &[])?;
+        if let (Some(critic_cfg), Some(weights)) = (critic_cfg, weights.critic) {
+            let critic_cfg = sequence_classification_config(critic_cfg, eos);
             hf_io::write_model_files(&model_dir("critic")?, &critic_cfg, weights, &[])?;
         }
         if let Some(ema) = weights.ema {
-            hf_io::write_model_files(&model_dir("actor_ema")?, &causal_lm_config(&models.actor.config), ema, &[])?;
+            hf_io::write_model_files(&model_dir("actor_ema")?, &causal_lm_config(actor_cfg), ema, &[])?;
         }
         // The raw parameters (LoRA adapters unmerged): what a resume restores. The HF
         // directories above hold the merged weights, for people and other tools.

@@ -5,9 +5,9 @@
 
 use crate::args::PpoArgs;
 use crate::checkpoint::{restore_values, PpoCheckpoint};
-use crate::trainer::{Ema, PpoModels};
+use crate::ppo;
 use anyhow::{bail, Context, Result};
-use candle_core::Device;
+use candle_core::{Device, Tensor};
 use data::Tokenizer;
 use hybrid_engine::checkpoints::hf_io::{load_model_dir, resolve_model_dir, ModelFiles};
 use hybrid_engine::engine::{Engine, EngineConfig, Head, Ranks};
@@ -274,6 +274,64 @@ impl Reference {
             }
         }
     }
+}
+
+/// The EMA of the actor's weights (DS-Chat `actor_ema`).
+pub enum Ema {
+    /// Of the whole actor.
+    Whole(ParamStore),
+    /// Of this rank's shard of a ZeRO-3 actor, laid out as [`hybrid_engine::training::zero3::ShardedModel::shard_values`]:
+    /// the EMA is elementwise, so the ranks' shards together are the one-rank EMA.
+    Shard(Vec<f32>),
+}
+
+impl Ema {
+    /// The whole EMA for saving, as [`Engine::gather_weights`]: `None` for [`Ema::Whole`]
+    /// (read it directly) and off rank 0. Every rank must call it.
+    pub fn gather_for_saving(&self, actor: &Engine) -> Result<Option<ParamStore>> {
+        match (self, actor.sharded()) {
+            (Self::Shard(values), Some(model)) => model.gather_shard_values(values),
+            _ => Ok(None),
+        }
+    }
+
+    /// One step of DS-Chat's `moving_average` towards the actor's weights.
+    pub fn update(&mut self, actor: &Engine) -> Result<()> {
+        match (self, actor.sharded()) {
+            (Self::Whole(ema), None) => update_ema(ema, actor.masters()),
+            (Self::Shard(ema), Some(model)) => {
+                ppo::ema_update(ema, &model.shard_values(), EMA_BETA);
+                Ok(())
+            }
+            _ => anyhow::bail!("internal error: the EMA and the actor are not sharded alike"),
+        }
+    }
+}
+
+/// Actor, critic, the frozen reference and reward models, and the optional EMA.
+pub struct PpoModels {
+    pub actor: Engine,
+    /// PPO's critic; GRPO and RLOO have none.
+    pub critic: Option<Engine>,
+    pub reference: Reference,
+    pub reward: RewardModel,
+    pub ema: Option<Ema>,
+    /// Skip both updates when either model's gradients overflowed (`--align-overflow`).
+    pub align_overflow: bool,
+}
+
+/// DS-Chat's `moving_average` beta.
+const EMA_BETA: f32 = 0.992;
+
+/// DS-Chat's `moving_average` of a whole actor.
+fn update_ema(ema: &ParamStore, actor: &ParamStore) -> Result<()> {
+    for ((_, e), (_, a)) in ema.iter().zip(actor.iter()) {
+        let mut ev: Vec<f32> = e.flatten_all()?.to_vec1()?;
+        let av: Vec<f32> = a.flatten_all()?.to_vec1()?;
+        ppo::ema_update(&mut ev, &av, EMA_BETA);
+        e.set(&Tensor::from_vec(ev, e.shape(), e.device())?)?;
+    }
+    Ok(())
 }
 
 /// A language model over `params` (the actor, or the frozen reference) in their dtype: the whole

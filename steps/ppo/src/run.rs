@@ -31,8 +31,9 @@ use crate::args::PpoArgs;
 use crate::eval::{evaluate_policy, PolicyEval};
 use crate::experience::{generate_experience, rollout_share, Experience, RolloutModels};
 use crate::models::{build_models, lm_on, read_model, read_reward_model, read_starting_models, reward_model_on};
+use crate::models::{Ema, PpoModels};
 use crate::ppo;
-use crate::trainer::{answer_tokens, Ema, MicroBatch, PpoModels, PtxBatch, UpdateStats};
+use crate::trainer::{answer_tokens, MicroBatch, PtxBatch, UpdateStats};
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
 use data::{PackedCorpus, Tokenizer};
@@ -950,7 +951,8 @@ fn save_checkpoint(
         bail!("internal error: rank 0 lacks the gathered optimizer state");
     };
     let weights = gathered.weights(models);
-    crate::checkpoint::save(root, models, &weights, (&actor_opt, critic_opt.as_ref()), state, tokenizer).map(Some)
+    let configs = (&models.actor.config, models.critic.as_ref().map(|c| &c.config));
+    crate::checkpoint::save(root, configs, &weights, (&actor_opt, critic_opt.as_ref()), state, tokenizer).map(Some)
 }
 
 /// The trained models' weights gathered from the ZeRO-3 shards or the TP slices, on rank 0

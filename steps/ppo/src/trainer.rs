@@ -13,60 +13,16 @@
 //! rank's shard of the actor's weights.
 
 use crate::experience::{Experience, ForwardInputs};
+use crate::models::PpoModels;
 use crate::ppo::{self, Algorithm, PpoConfig};
 use anyhow::Result;
 use candle_core::{Device, Tensor};
 use hybrid_engine::engine::Engine;
 use hybrid_engine::kernels::ops::DropoutKey;
 use hybrid_engine::model::gpt2::Dropout;
-use hybrid_engine::model::reward_model::RewardModel;
 use hybrid_engine::training::trainer::StepReport;
-use hybrid_engine::ParamStore;
 use std::cell::RefCell;
 use std::ops::Range;
-
-/// The EMA of the actor's weights (DS-Chat `actor_ema`).
-pub enum Ema {
-    /// Of the whole actor.
-    Whole(ParamStore),
-    /// Of this rank's shard of a ZeRO-3 actor, laid out as [`hybrid_engine::training::zero3::ShardedModel::shard_values`]:
-    /// the EMA is elementwise, so the ranks' shards together are the one-rank EMA.
-    Shard(Vec<f32>),
-}
-
-impl Ema {
-    /// The whole EMA for saving, as [`Engine::gather_weights`]: `None` for [`Ema::Whole`]
-    /// (read it directly) and off rank 0. Every rank must call it.
-    pub fn gather_for_saving(&self, actor: &Engine) -> Result<Option<ParamStore>> {
-        match (self, actor.sharded()) {
-            (Self::Shard(values), Some(model)) => model.gather_shard_values(values),
-            _ => Ok(None),
-        }
-    }
-
-    fn update(&mut self, actor: &Engine) -> Result<()> {
-        match (self, actor.sharded()) {
-            (Self::Whole(ema), None) => update_ema(ema, actor.masters()),
-            (Self::Shard(ema), Some(model)) => {
-                ppo::ema_update(ema, &model.shard_values(), EMA_BETA);
-                Ok(())
-            }
-            _ => anyhow::bail!("internal error: the EMA and the actor are not sharded alike"),
-        }
-    }
-}
-
-/// Actor, critic, the frozen reference and reward models, and the optional EMA.
-pub struct PpoModels {
-    pub actor: Engine,
-    /// PPO's critic; GRPO and RLOO have none.
-    pub critic: Option<Engine>,
-    pub reference: crate::models::Reference,
-    pub reward: RewardModel,
-    pub ema: Option<Ema>,
-    /// Skip both updates when either model's gradients overflowed (`--align-overflow`).
-    pub align_overflow: bool,
-}
 
 /// What one PPO update measured: this rank's part of the global micro-batch's means (its sums
 /// over answer tokens divided by the global micro-batch's token count), so that the sum over
@@ -299,20 +255,6 @@ impl PpoModels {
         }
         Ok(())
     }
-}
-
-/// DS-Chat's `moving_average` beta.
-const EMA_BETA: f32 = 0.992;
-
-/// DS-Chat's `moving_average` of a whole actor.
-fn update_ema(ema: &ParamStore, actor: &ParamStore) -> Result<()> {
-    for ((_, e), (_, a)) in ema.iter().zip(actor.iter()) {
-        let mut ev: Vec<f32> = e.flatten_all()?.to_vec1()?;
-        let av: Vec<f32> = a.flatten_all()?.to_vec1()?;
-        ppo::ema_update(&mut ev, &av, EMA_BETA);
-        e.set(&Tensor::from_vec(ev, e.shape(), e.device())?)?;
-    }
-    Ok(())
 }
 
 /// This rank's part of the global micro-batch's means: sums over its masked actions divided by
