@@ -228,6 +228,14 @@ impl ProcessGroup {
         Ok(all)
     }
 
+    /// Every rank's `mine` (its chunk of `len` values: `len / world` each when it divides),
+    /// concatenated in rank order on rank 0, a host tensor; `None` on the others, which never
+    /// hold more than a chunk (saves consolidate optimizer state this way, not by all-gathers).
+    pub fn gather_to_first(&self, mine: &[f32], len: usize) -> Result<Option<Tensor>> {
+        let all = self.ring.gather(mine, len, 0)?;
+        Ok(all.map(|all| Tensor::from_vec(all, len, &candle_core::Device::Cpu)).transpose()?)
+    }
+
     /// Rank `root`'s `t` (flattened) on every rank.
     pub fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
         if self.world() == 1 {

@@ -254,6 +254,58 @@ impl TcpRing {
         })
     }
 
+    /// Ring gather to `root`: every rank's `mine`, its chunk of a `len`-value buffer
+    /// (`chunk(len, world, rank)`), reaches `root`, which returns the whole buffer; the others
+    /// return `None` and hold no more than one chunk meanwhile (where an all-gather would give
+    /// each the whole). The ranks after `root` form a chain to it round the ring: each sends its
+    /// own chunk, then forwards the ones that reach it from the chain's earlier ranks.
+    pub fn gather<T: Element>(&self, mine: &[T], len: usize, root: usize) -> Result<Option<Vec<T>>> {
+        let (n, r) = (self.world, self.rank);
+        if mine.len() != chunk(len, n, r).len() {
+            bail!(
+                "internal error: rank {r}'s part of a gather holds {} values, its chunk {}",
+                mine.len(),
+                chunk(len, n, r).len()
+            );
+        }
+        if n == 1 {
+            return Ok(Some(mine.to_vec()));
+        }
+        let Some((to_next, from_prev)) = &self.links else { unreachable!("world > 1 has links") };
+        // Chain positions: root + 1 is 1, ..., root - 1 (root's previous rank) is n - 1.
+        let position = |rank: usize| (rank + n - root) % n;
+        self.timed(|| {
+            if r == root {
+                // The chain's end sends its own chunk first, then the earlier ranks' in reverse.
+                let mut all = vec![T::default(); len];
+                all[chunk(len, n, r)].copy_from_slice(mine);
+                for p in (1..n).rev() {
+                    let from = (root + p) % n;
+                    let into = &mut all[chunk(len, n, from)];
+                    (&*from_prev)
+                        .read_exact(bytemuck::cast_slice_mut(into))
+                        .map_err(|e| self.lost(self.prev(), "a gather", e))?;
+                }
+                return Ok(Some(all));
+            }
+            let send = |bytes: &[u8]| -> Result<()> {
+                (&*to_next).write_all(bytes).map_err(|e| self.lost(self.next(), "a gather", e))?;
+                self.stats.bytes_sent.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+                Ok(())
+            };
+            send(bytemuck::cast_slice(mine))?;
+            let mut passing = vec![T::default(); len.div_ceil(n)];
+            for p in (1..position(r)).rev() {
+                let into = &mut passing[..chunk(len, n, (root + p) % n).len()];
+                (&*from_prev)
+                    .read_exact(bytemuck::cast_slice_mut(into))
+                    .map_err(|e| self.lost(self.prev(), "a gather", e))?;
+                send(bytemuck::cast_slice(into))?;
+            }
+            Ok(None)
+        })
+    }
+
     /// Ring all-reduce in place: a reduce-scatter, then an all-gather of the reduced chunks.
     pub fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
         self.reduce_scatter(buf, op)?;
@@ -385,6 +437,30 @@ pub(crate) mod tests {
         }
         assert_eq!(chunk(10, 3, 2), 8..10);
         assert_eq!(chunk(2, 3, 2), 2..2);
+    }
+
+    /// A gather reaches its root whole, in rank order, from any root and with uneven chunks;
+    /// the other ranks get nothing.
+    #[test]
+    fn a_gather_brings_every_chunk_to_its_root_only() -> Result<()> {
+        for world in [2, 3, 4] {
+            for len in [1, 7, 65_537] {
+                for root in 0..world {
+                    let results = on_ring(world, |ring| {
+                        let r = ring.rank();
+                        ring.gather(&data(r, len)[chunk(len, world, r)], len, root)
+                    });
+                    let want: Vec<f32> = (0..world).flat_map(|q| data(q, len)[chunk(len, world, q)].to_vec()).collect();
+                    for (r, got) in results.into_iter().enumerate() {
+                        match got? {
+                            Some(all) => assert!(r == root && all == want, "w{world} n{len} root {root} rank {r}"),
+                            None => assert_ne!(r, root, "w{world} n{len}: the root got nothing"),
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 
     #[test]

@@ -324,9 +324,12 @@ impl Engine {
 
     /// The whole optimizer state for a resumable checkpoint (every rank's moments put together,
     /// across ZeRO shards and TP slices), on rank 0; `gathered` is [`Self::gather_weights`]'s.
-    /// Every rank must call it.
+    /// Every rank must call it; none but the first of each data-parallel group ever holds more
+    /// than its shard of the moments.
     pub fn gather_optimizer(&self, gathered: &GatheredWeights) -> Result<Option<AdamW>> {
-        let consolidated = self.trainer.consolidated_optimizer(&self.trainable)?;
+        // Under ZeRO the first data-parallel rank of each TP rank gets its slices' moments; the
+        // TP groups of the other data-parallel ranks, all of whose members got none, stop here.
+        let Some(consolidated) = self.trainer.consolidated_optimizer(&self.trainable)? else { return Ok(None) };
         match &self.tensor {
             None => Ok(Some(consolidated)),
             Some(tp) => {

@@ -184,13 +184,14 @@ impl Trainer {
         self.zero3.is_some() || self.dp.as_ref().is_some_and(|(dp, _)| dp.shards_optimizer())
     }
 
-    /// The optimizer with its full state, gathered from the ranks' shards under ZeRO (every
-    /// rank must call it, together): what a checkpoint saves.
-    pub fn consolidated_optimizer(&self, params: &ParamStore) -> Result<crate::training::optim::AdamW> {
+    /// The optimizer with its full state, gathered from the ranks' shards under ZeRO onto the
+    /// data-parallel group's first rank (every rank must call it, together; `None` on the
+    /// others): what a checkpoint saves.
+    pub fn consolidated_optimizer(&self, params: &ParamStore) -> Result<Option<crate::training::optim::AdamW>> {
         match (&self.dp, &self.zero3) {
             (_, Some(model)) => model.consolidate(&self.optimizer),
             (Some((dp, partition)), None) => zero::consolidate(dp, partition, &self.optimizer, params),
-            (None, None) => self.optimizer.try_clone(),
+            (None, None) => self.optimizer.try_clone().map(Some),
         }
     }
 

@@ -289,12 +289,17 @@ pub fn sharded_adamw_step(
     all_gather_parameters(dp, partition, params, shard)
 }
 
-/// A copy of a sharded optimizer with the full moments, all-gathered (every rank calls it; the
-/// result is the same everywhere): what a checkpoint saves, so that it loads into any world
-/// size or stage.
-pub fn consolidate(dp: &DataParallel, partition: &Partition, optimizer: &AdamW, params: &ParamStore) -> Result<AdamW> {
+/// A copy of a sharded optimizer with the full moments, gathered on the group's first rank
+/// (every rank calls it; the others get `None` and never hold more than their shard): what a
+/// checkpoint saves, so that it loads into any world size or stage.
+pub fn consolidate(
+    dp: &DataParallel,
+    partition: &Partition,
+    optimizer: &AdamW,
+    params: &ParamStore,
+) -> Result<Option<AdamW>> {
     if !dp.shards_optimizer() {
-        return optimizer.try_clone();
+        return optimizer.try_clone().map(Some);
     }
     let rank = dp.group.rank();
     let mut moments = Vec::new();
@@ -304,7 +309,9 @@ pub fn consolidate(dp: &DataParallel, partition: &Partition, optimizer: &AdamW, 
             let (m, v) = optimizer.held_moments(piece.param)?;
             shard[piece.in_shard].copy_from_slice(if which == 0 { &m } else { &v });
         }
-        let all = dp.group.all_gather(&Tensor::from_vec(shard, partition.shard_len, &Device::Cpu)?)?;
+        let Some(all) = dp.group.gather_to_first(&shard, partition.shard_len * dp.world())? else {
+            continue;
+        };
         let shapes: Vec<&candle_core::Shape> = params.vars.iter().map(|v| v.shape()).collect();
         let per_param: Vec<Vec<f32>> = partition
             .unflatten(&all, &shapes)?
@@ -313,8 +320,9 @@ pub fn consolidate(dp: &DataParallel, partition: &Partition, optimizer: &AdamW, 
             .collect::<candle_core::Result<_>>()?;
         moments.push(per_param);
     }
-    let exp_avg_sq = moments.pop().unwrap();
-    Ok(optimizer.with_full_moments(moments.pop().unwrap(), exp_avg_sq))
+    let Some(exp_avg_sq) = moments.pop() else { return Ok(None) };
+    let exp_avg = moments.pop().expect("both moments gathered");
+    Ok(Some(optimizer.with_full_moments(exp_avg, exp_avg_sq)))
 }
 
 #[cfg(test)]

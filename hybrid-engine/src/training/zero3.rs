@@ -476,9 +476,10 @@ impl ShardedModel {
         Ok(())
     }
 
-    /// A copy of `optimizer` with the full moments gathered from every rank (a collective): what
-    /// a checkpoint saves, so that it loads into any world size or stage.
-    pub fn consolidate(&self, optimizer: &AdamW) -> Result<AdamW> {
+    /// A copy of `optimizer` with the full moments gathered from every rank onto the group's
+    /// first (a collective; the others get `None` and hold no more than a unit's shard): what a
+    /// checkpoint saves, so that it loads into any world size or stage.
+    pub fn consolidate(&self, optimizer: &AdamW) -> Result<Option<AdamW>> {
         let rank = self.group.rank();
         let count = self.trained_names.len();
         let mut moments: [Vec<Vec<f32>>; 2] = [vec![Vec::new(); count], vec![Vec::new(); count]];
@@ -491,15 +492,21 @@ impl ShardedModel {
                     )?;
                     values[piece.in_shard].copy_from_slice(if which == 0 { &m } else { &v });
                 }
-                for (&i, t) in unit.params.iter().zip(self.gather_unit(unit, &values)?) {
+                let len = unit.partition.shard_len * self.group.world();
+                let Some(full) = self.group.gather_to_first(&values, len)? else { continue };
+                let shapes: Vec<&Shape> = unit.params.iter().map(|&i| &self.shapes[i]).collect();
+                for (&i, t) in unit.params.iter().zip(unit.partition.unflatten(&full, &shapes)?) {
                     if let Some(trained) = self.trained_index[i] {
                         out[trained] = t.flatten_all()?.to_vec1()?;
                     }
                 }
             }
         }
+        if !self.group.is_first() {
+            return Ok(None);
+        }
         let [exp_avg, exp_avg_sq] = moments;
-        Ok(optimizer.with_full_moments(exp_avg, exp_avg_sq))
+        Ok(Some(optimizer.with_full_moments(exp_avg, exp_avg_sq)))
     }
 }
 

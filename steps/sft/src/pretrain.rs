@@ -485,15 +485,18 @@ fn save(
             slices = sharded.map(|s| s.gather_params()).transpose()?.flatten();
             let masters = slices.as_ref().unwrap_or(masters);
             let whole = tp.gather(masters, model_cfg)?;
+            // Under ZeRO 1-3 the moments come together on the first data-parallel rank of each
+            // TP rank; the TP groups of the other data-parallel ranks (none of whose members
+            // holds them) write nothing and gather nothing.
             let consolidated;
             let local = match trainer.shards_optimizer() {
                 true => {
                     consolidated = trainer.consolidated_optimizer(masters)?;
-                    &consolidated
+                    consolidated.as_ref()
                 }
-                false => &trainer.optimizer,
+                false => Some(&trainer.optimizer),
             };
-            if let Some(gathered) = tp.gather_optimizer(local, masters, model_cfg)? {
+            if let Some(gathered) = local.map(|l| tp.gather_optimizer(l, masters, model_cfg)).transpose()?.flatten() {
                 whole_optimizer = gathered;
                 optimizer = &whole_optimizer;
             }
