@@ -35,7 +35,7 @@ esac
 case "$ALGORITHM" in
   ppo) ARGS+=(--critic-zero-stage="$CRITIC_ZERO_STAGE" "${CRITIC_ARGS[@]}") ;;
   # No critic: each prompt answered 4 times, the answers compared with each other.
-  grpo|rloo) ARGS+=(--algorithm "$ALGORITHM" --num-samples-per-prompt 4)
+  grpo|rloo) ARGS+=(--algorithm "$ALGORITHM" --num-samples-per-prompt 4 --do-sample)
     # The demo: 4 answers per prompt, GRPO one pass (3200 answers, PPO's three passes 2400),
     # RLOO two (its gain on seed 1234 rose from +0.10 to +0.16; GRPO's did not move):
     # docs/RLHF-INVESTIGATION.md, section 10.

@@ -443,6 +443,11 @@ impl PpoArgs {
                 "--algorithm {name} compares answers to the same prompt: add --num-samples-per-prompt 4 (at least 2)"
             );
         }
+        if !self.do_sample {
+            bail!(
+                "--algorithm {name} compares the answers to one prompt, and greedy answers are all the same (every advantage 0: nothing trains): add --do-sample"
+            );
+        }
         let defaults = PpoArgs::parse_from(["ppo"]);
         let critic_only = [
             ("--critic-learning-rate", self.critic_learning_rate != defaults.critic_learning_rate),

@@ -343,6 +343,12 @@ fn bad_input_is_one_clear_error_line() {
     check(&["--max-answer-seq-len", &usize::MAX.to_string()], &["overflows", "--max-answer-seq-len"]);
     check(&["--critic-zero-stage", "4"], &["--critic-zero-stage 4", "ZeRO stages"]);
     check(&["--algorithm", "grpo"], &["--num-samples-per-prompt"]);
+    // Greedy rollouts give a group one answer: every advantage 0.
+    let greedy: Vec<&str> = ["--algorithm", "rloo", "--num-samples-per-prompt", "2"].to_vec();
+    let out = Command::new(env!("CARGO_BIN_EXE_ppo")).args(&greedy).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("greedy answers are all the same") && stderr.contains("add --do-sample"), "{stderr}");
     check(&["--algorithm", "rloo", "--num-samples-per-prompt", "0"], &["--num-samples-per-prompt must be at least 1"]);
     let critic_flag = ["--algorithm", "rloo", "--num-samples-per-prompt", "2", "--critic-lora-dim", "4"];
     check(&critic_flag, &["--critic-lora-dim", "trains no critic"]);
