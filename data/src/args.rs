@@ -63,7 +63,7 @@ impl DataArgs {
                 "--eot-token {token:?} is not the tokenizer's EOS ({EOS_TOKEN}): rows end with the EOS, which is also the padding, and a new special token would need an embedding row the model lacks; drop --eot-token or pass {EOS_TOKEN}"
             );
         }
-        Ok(tokenizer.with_workers(self.preprocessing_num_workers.map(|n| n as usize)))
+        tokenizer.with_workers(self.preprocessing_num_workers.map(|n| n as usize))
     }
 
     /// `--sft-only-data-path` feeds phase 1 alone (as in DS-Chat, which accepts it in every step

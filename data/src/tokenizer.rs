@@ -20,8 +20,8 @@ pub const EOS_TOKEN: &str = "<|endoftext|>";
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     eos_id: u32,
-    /// Threads that tokenize a batch (`None`: HF tokenizers' default, every core).
-    workers: Option<usize>,
+    /// The threads that tokenize a batch (`None`: HF tokenizers' default, every core).
+    workers: Option<std::sync::Arc<rayon::ThreadPool>>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -100,20 +100,11 @@ impl Tokenizer {
         const CHUNK: usize = 4096;
         let mut progress = telemetry::progress::Phase::start("tokenizing", "texts", texts.len() as u64);
         let mut ids = Vec::with_capacity(texts.len());
-        let pool = match self.workers {
-            Some(n) => Some(
-                rayon::ThreadPoolBuilder::new()
-                    .num_threads(n)
-                    .build()
-                    .map_err(|e| anyhow!("cannot start {n} tokenizing threads: {e}"))?,
-            ),
-            None => None,
-        };
         for chunk in texts.chunks(CHUNK) {
             let inputs: Vec<&str> = chunk.iter().map(String::as_str).collect();
             // HF tokenizers' parallel iterators run on the pool they are called from.
             let encode = || self.inner.encode_batch(inputs, false);
-            let encodings = match &pool {
+            let encodings = match &self.workers {
                 Some(pool) => pool.install(encode),
                 None => encode(),
             }
@@ -126,9 +117,14 @@ impl Tokenizer {
 
     /// Tokenizes batches on `workers` threads (DS-Chat `--preprocessing_num_workers`; `None`:
     /// every core).
-    pub fn with_workers(mut self, workers: Option<usize>) -> Self {
-        self.workers = workers;
-        self
+    pub fn with_workers(mut self, workers: Option<usize>) -> Result<Self> {
+        self.workers = workers
+            .map(|n| {
+                let pool = rayon::ThreadPoolBuilder::new().num_threads(n).build();
+                pool.map(std::sync::Arc::new).map_err(|e| anyhow!("cannot start {n} tokenizing threads: {e}"))
+            })
+            .transpose()?;
+        Ok(self)
     }
 
     /// Whether `token` is this tokenizer's EOS, the token every row ends with.

@@ -107,17 +107,10 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
     let global_generation = args.per_device_generation_batch_size * world;
     let global_micro = args.per_device_training_batch_size * world;
 
-    // Optimizer steps: each rollout (its prompts' answers) is sliced into micro-batches, each an
-    // actor and a critic micro-step (PTX adds its loss to the actor's micro-step: no step of
-    // its own).
-    let samples = args.num_samples_per_prompt;
     let rollouts_per_epoch = prompts.train.len().div_ceil(global_generation);
-    let micro_per_rollout = (global_generation * samples).div_ceil(global_micro);
-    let micro_total = args.num_train_epochs * rollouts_per_epoch * micro_per_rollout * args.ppo_epochs;
-    let critic_steps = micro_total.div_ceil(args.gradient_accumulation_steps) as u64;
-    let actor_steps = critic_steps;
-    let actor_engine = args.engine_config(false, actor_steps, &data)?;
-    let critic_engine = args.engine_config(true, critic_steps, &data)?;
+    let steps = optimizer_steps(args, rollouts_per_epoch, (global_generation, global_micro));
+    let actor_engine = args.engine_config(false, steps, &data)?;
+    let critic_engine = args.engine_config(true, steps, &data)?;
     // Resume: the trained models' values and optimizers from the checkpoint (the frozen ones
     // from their directories).
     let resume = args.load.as_deref().map(|root| read_checkpoint(args, root, world, &device)).transpose()?;
@@ -191,6 +184,20 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
     };
     ppo_loop.run_epochs(at.epoch, at.batches_done, global_generation)?;
     ppo_loop.finish(batches_per_epoch, eval_prompts.as_deref(), &reward_cfg)
+}
+
+/// The actor's and the critic's optimizer steps over the run: each rollout (its prompts'
+/// answers, `global_generation` prompts) is sliced into micro-batches of `global_micro` rows,
+/// each an actor and a critic micro-step (PTX adds its loss to the actor's micro-step: no step
+/// of its own).
+fn optimizer_steps(
+    args: &PpoArgs,
+    rollouts_per_epoch: usize,
+    (global_generation, global_micro): (usize, usize),
+) -> u64 {
+    let micro_per_rollout = (global_generation * args.num_samples_per_prompt).div_ceil(global_micro);
+    let micro_total = args.num_train_epochs * rollouts_per_epoch * micro_per_rollout * args.ppo_epochs;
+    micro_total.div_ceil(args.gradient_accumulation_steps) as u64
 }
 
 /// `--inference-tp-size`: the group of consecutive ranks this one generates rollouts with (the
@@ -726,17 +733,7 @@ fn generate_share(
         (_, _, Some(whole)) => engine.generate(whole, padded, &sampling, &ctx.device),
         _ => bail!("internal error: no actor to generate with"),
     };
-    // --normalize-reward: the running moments take this rollout's scores over every rank first.
-    let mut normalize = |scores: &[f32]| -> Result<Vec<f32>> {
-        let Some(moments) = reward_moments.as_mut() else { return Ok(scores.to_vec()) };
-        let mut batch = [scores.len() as f64, 0.0, 0.0];
-        for &x in scores {
-            (batch[1], batch[2]) = (batch[1] + f64::from(x), batch[2] + f64::from(x) * f64::from(x));
-        }
-        group.all_reduce_scalars(&mut batch, ReduceOp::Sum)?;
-        moments.update(batch[0], batch[1], batch[2]);
-        Ok(scores.iter().map(|&x| moments.normalize(f64::from(x)) as f32).collect())
-    };
+    let mut normalize = |scores: &[f32]| normalize_scores(reward_moments, group, scores);
     let mut generate_secs = 0.0;
     let timed_generate = |padded: &LeftPadded| {
         let started = Instant::now();
@@ -764,6 +761,23 @@ fn generate_share(
         e => e,
     };
     Ok((experience, totals_rows))
+}
+
+/// `--normalize-reward`: `scores` normalised by the running moments, which first take this
+/// rollout's scores over every rank of `group` (unchanged without the flag: `moments` `None`).
+fn normalize_scores(
+    moments: &mut Option<ppo::RunningMoments>,
+    group: &ProcessGroup,
+    scores: &[f32],
+) -> Result<Vec<f32>> {
+    let Some(moments) = moments.as_mut() else { return Ok(scores.to_vec()) };
+    let mut batch = [scores.len() as f64, 0.0, 0.0];
+    for &x in scores {
+        (batch[1], batch[2]) = (batch[1] + f64::from(x), batch[2] + f64::from(x) * f64::from(x));
+    }
+    group.all_reduce_scalars(&mut batch, ReduceOp::Sum)?;
+    moments.update(batch[0], batch[1], batch[2]);
+    Ok(scores.iter().map(|&x| moments.normalize(f64::from(x)) as f32).collect())
 }
 
 /// `--inference-tp-size`: the rows of every rank of this rank's inference TP group `tp`, each

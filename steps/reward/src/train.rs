@@ -148,34 +148,42 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
     let summary = RewardSummary { steps: done.steps, evals: task.evals, output_dir: args.output_dir.clone() };
     metrics.finish();
 
-    // Under ZeRO-3 every rank takes part in gathering the weights rank 0 saves.
-    let gathered = engine.gather_weights()?;
-    if !group.is_first() {
-        // Rank 0 saves the model the ranks share.
-        group.barrier()?;
-        return Ok(summary);
-    }
-    let params = gathered.params(&engine);
-    // The model directory has LoRA merged; a frozen trunk's adapter (with the trained head as
-    // PEFT's modules_to_save) is also saved on its own. reward_eval.json goes in the same atomic
-    // save: the directory never pairs one run's model with another run's evaluation.
-    let report = summary.evals.last().map(
-        |last| json!({"final": last, "before_training": summary.evals.first(), "loss": format!("{:?}", args.loss)}),
-    );
-    t.save_step_model("reward model", &args.output_dir, &config, params, "SEQ_CLS", &|d| {
-        tokenizer.save(&d.join("tokenizer.json"))?;
-        match &report {
-            Some(report) => Ok(std::fs::write(d.join(REWARD_EVAL_FILE), serde_json::to_string_pretty(report)?)?),
-            None => Ok(()),
-        }
-    })?;
-    let peak = peak_rss_mib();
+    save(args, &group, &engine, &tokenizer, &summary)?;
+    let peak = peak_rss_mib().filter(|_| group.is_first());
     if let Some(p) = peak {
         println!("peak memory (RSS): {p:.1} MiB");
     }
     metrics.end(json!({"event": "end", "summary": summary, "peak_rss_mib": peak}))?;
     group.barrier()?;
     Ok(summary)
+}
+
+/// Saves the reward model on rank 0 (under ZeRO-3 every rank takes part in gathering its
+/// weights). The directory has LoRA merged; a frozen trunk's adapter (with the trained head as
+/// PEFT's modules_to_save) is also saved on its own. reward_eval.json goes in the same atomic
+/// save: the directory never pairs one run's model with another run's evaluation.
+fn save(
+    args: &RewardArgs,
+    group: &ProcessGroup,
+    engine: &Engine,
+    tokenizer: &Tokenizer,
+    summary: &RewardSummary,
+) -> Result<()> {
+    let gathered = engine.gather_weights()?;
+    if !group.is_first() {
+        return Ok(());
+    }
+    let report = summary.evals.last().map(
+        |last| json!({"final": last, "before_training": summary.evals.first(), "loss": format!("{:?}", args.loss)}),
+    );
+    let params = gathered.params(engine);
+    args.train.save_step_model("reward model", &args.output_dir, &engine.config, params, "SEQ_CLS", &|d| {
+        tokenizer.save(&d.join("tokenizer.json"))?;
+        match &report {
+            Some(report) => Ok(std::fs::write(d.join(REWARD_EVAL_FILE), serde_json::to_string_pretty(report)?)?),
+            None => Ok(()),
+        }
+    })
 }
 
 /// Step 2's micro-batches of pairs, their loss and the evaluation.

@@ -138,9 +138,6 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
         .with_data_parallel(ZeroStage::from_number(args.zero_stage)?, world);
     hybrid_engine::training::memory::check_plan_fits(&plan, &device)?;
     let (params, start, cursor, resume) = start_or_resume(args, &layout, &mut model_cfg, tp.as_ref(), &device)?;
-    if cursor.position > train.len() {
-        bail!("checkpoint's data cursor is past the end of the training split: the corpus changed since it was saved");
-    }
     if tokenizer.vocab_size() > model_cfg.vocab_size {
         bail!(
             "the tokenizer has {} tokens but the model's embedding only {} rows: use a matching --tokenizer",
@@ -276,6 +273,9 @@ fn start_or_resume(
     }
     let cursor: SamplerCursor =
         serde_json::from_value(ck.state.data_cursor.clone()).context("checkpoint's data cursor is malformed")?;
+    if cursor.position > layout.train.len() {
+        bail!("checkpoint's data cursor is past the end of the training split: the corpus changed since it was saved");
+    }
     let optimizer_step = run.optimizer_step.unwrap_or(ck.state.iteration);
     *model_cfg = ck.model.config.clone();
     if let Some(p) = args.dropout {
