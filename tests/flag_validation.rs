@@ -271,9 +271,9 @@ fn unknown_flags_are_named_together_and_ds_chats_engine_flags_are_accepted() {
     let stderr = usage_error(
         dir.path(),
         "ppo",
-        &["--deepspeed_config", "ds.json", "--unpin_actor_parameters", "--lr_schedular_type", "cosine"],
+        &["--enable_mixed_precision_lora", "--unpin_actor_parameters", "--lr_schedular_type", "cosine"],
     );
-    assert!(stderr.contains("unknown or unsupported flags --deepspeed_config (steps 1 and 2 read DeepSpeed's JSON config; here pass its settings as flags"), "{stderr}");
+    assert!(stderr.contains("unknown or unsupported flags --enable_mixed_precision_lora (ZeRO++'s quantized LoRA base is not implemented"), "{stderr}");
     assert!(stderr.contains("--unpin_actor_parameters (a ZeRO-3 actor is gathered once per rollout"), "{stderr}");
     assert!(stderr.contains("--lr_schedular_type (did you mean --lr-scheduler-type?)"), "{stderr}");
     let missing = dir.path().join("no-such-model");
@@ -398,13 +398,22 @@ fn ds_chats_main_py_flags_parse_and_take_effect() {
     assert_eq!(batches, (4, 2, 2), "earlier DS-Chat's names of the three batch sizes");
     let plain = ppo::args::PpoArgs::try_parse_from(["ppo"]).unwrap();
     assert_eq!((plain.stop_after(), plain.print_answers_every()), (None, 10));
-    let config = ppo::args::PpoArgs::try_parse_from(["ppo", "--unsupervised_dataset_config_name", "wikitext-2-raw-v1"]);
-    let err = config.unwrap().validate().unwrap_err().to_string();
-    assert!(err.contains("reads a local corpus here"), "{err}");
+    // DS-Chat's PTX source is a hub dataset's configuration; without a dataset it is an error.
+    let ptx =
+        ["ppo", "--unsupervised_dataset_name", "wikitext", "--unsupervised_dataset_config_name", "wikitext-2-raw-v1"];
+    let ptx = ppo::args::PpoArgs::try_parse_from(ptx).unwrap();
+    ptx.validate().expect("a hub dataset's configuration");
+    let want = data::CorpusSource::Hub { id: "wikitext".into(), config: Some("wikitext-2-raw-v1".into()) };
+    assert_eq!(ptx.ptx_source("wikitext").unwrap(), want);
+    let alone = ppo::args::PpoArgs::try_parse_from(["ppo", "--unsupervised_dataset_config_name", "wikitext-2-raw-v1"]);
+    assert!(alone.unwrap_err().to_string().contains("--unsupervised-dataset-name"));
+    let local = ["ppo", "--unsupervised_dataset_name", "shakespeare", "--unsupervised_dataset_config_name", "x"];
+    let err = ppo::args::PpoArgs::try_parse_from(local).unwrap().validate().unwrap_err().to_string();
+    assert!(err.contains("the embedded corpus shakespeare has no configuration"), "{err}");
 }
 
-/// `--deepspeed_config FILE` (steps 1 and 2): the JSON's settings become the step's flags; one
-/// given on the command line too with another value is one error line, exit 2.
+/// `--deepspeed_config FILE`: the JSON's settings become the step's flags; one given on the
+/// command line too with another value is one error line, exit 2.
 #[test]
 fn a_deepspeed_config_sets_the_flags_and_a_contradiction_is_one_line() {
     let dir = tempfile::tempdir().unwrap();
@@ -415,7 +424,7 @@ fn a_deepspeed_config_sets_the_flags_and_a_contradiction_is_one_line() {
     std::fs::write(&config, json).unwrap();
     let argv: Vec<std::ffi::OsString> =
         ["sft", "--deepspeed_config", config.to_str().unwrap(), "--seed", "7"].iter().map(Into::into).collect();
-    let expanded = hybrid_engine::cli::deepspeed_config::expand(argv).unwrap();
+    let expanded = hybrid_engine::cli::deepspeed_config::expand::<sft::args::SftArgs>(argv).unwrap();
     let sft = sft::args::SftArgs::try_parse_from(expanded).unwrap();
     let t = &sft.train;
     assert_eq!((t.per_device_train_batch_size, t.gradient_accumulation_steps, t.zero_stage), (16, 2, 1));
@@ -424,4 +433,56 @@ fn a_deepspeed_config_sets_the_flags_and_a_contradiction_is_one_line() {
     let stderr =
         usage_error(dir.path(), "reward", &["--deepspeed_config", config.to_str().unwrap(), "--zero_stage", "3"]);
     assert!(stderr.contains("zero_optimization.stage is 1, and --zero_stage 3 says otherwise"), "{stderr}");
+}
+
+/// Step 3 reads the same config for both its models (the ZeRO stage for each, the micro-batch as
+/// its training batch); a learning rate there is refused (each model has its own); pretraining
+/// reads it as Megatron-DeepSpeed does (Adam's betas, clipping, the warmup schedule).
+#[test]
+fn step_3_and_pretraining_read_a_deepspeed_config_in_their_own_flags() {
+    use hybrid_engine::cli::deepspeed_config::expand;
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, json: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, json).unwrap();
+        path.to_str().unwrap().to_string()
+    };
+    let argv = |cmd: &str, config: &str, rest: &[&str]| -> Vec<std::ffi::OsString> {
+        [cmd, "--deepspeed_config", config].iter().chain(rest).map(Into::into).collect()
+    };
+    let ds_chat = write(
+        "step3.json",
+        r#"{"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "steps_per_print": 10,
+            "zero_optimization": {"stage": 3}, "bf16": {"enabled": true}, "gradient_clipping": 0.5}"#,
+    );
+    let expanded =
+        expand::<ppo::args::PpoArgs>(argv("ppo", &ds_chat, &["--per_device_generation_batch_size", "2"])).unwrap();
+    let ppo = ppo::args::PpoArgs::try_parse_from(expanded).unwrap();
+    assert_eq!((ppo.actor_zero_stage, ppo.critic_zero_stage), (3, 3));
+    assert_eq!((ppo.per_device_training_batch_size, ppo.per_device_generation_batch_size), (4, 2));
+    assert_eq!((ppo.gradient_accumulation_steps, ppo.gradient_clipping), (2, 0.5));
+    assert_eq!(ppo.precision.dtype.name(), "bf16");
+    let stderr = usage_error(dir.path(), "ppo", &["--deepspeed_config", &ds_chat, "--critic_zero_stage", "2"]);
+    assert!(stderr.contains("zero_optimization.stage is 3, and --critic_zero_stage 2 says otherwise"), "{stderr}");
+    let with_lr = write("lr.json", r#"{"optimizer": {"type": "AdamW", "params": {"lr": 1e-5}}}"#);
+    let stderr = usage_error(dir.path(), "ppo", &["--deepspeed_config", &with_lr]);
+    assert!(stderr.contains("optimizer.params.lr: step 3 trains two models at their own rates"), "{stderr}");
+
+    let megatron = write(
+        "pretrain.json",
+        r#"{"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3, "gradient_clipping": 0.25,
+            "optimizer": {"type": "Adam", "params": {"lr": 6e-4, "betas": [0.9, 0.999], "weight_decay": 0.05}},
+            "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 7}}}"#,
+    );
+    let expanded =
+        expand::<sft::pretrain_args::PretrainArgs>(argv("sft", &megatron, &["--from-scratch", "--train-iters", "9"]))
+            .unwrap();
+    let pretrain = sft::pretrain_args::PretrainArgs::try_parse_from(expanded).unwrap();
+    assert_eq!((pretrain.micro_batch_size, pretrain.gradient_accumulation_steps, pretrain.lr_warmup_iters), (2, 3, 7));
+    assert_eq!((pretrain.clip_grad, pretrain.lr, pretrain.weight_decay), (0.25, 6e-4, 0.05));
+    assert_eq!((pretrain.adam_beta1, pretrain.adam_beta2), (0.9, 0.999));
+    assert_eq!(pretrain.lr_decay_style, hybrid_engine::training::schedule::DecayStyle::Linear);
+    // The fine-tuning steps keep DS-Chat's betas: another pair is one line, not a silent change.
+    let stderr = usage_error(dir.path(), "sft", &["--deepspeed_config", &megatron]);
+    assert!(stderr.contains("optimizer.params.betas: sft trains with DS-Chat's betas [0.9, 0.95]"), "{stderr}");
 }

@@ -6,6 +6,7 @@ use std::fs::File;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 
+use crate::hub::HubAccess;
 use anyhow::{anyhow, bail, Result};
 use parquet::basic::Type as PhysicalType;
 use parquet::file::reader::{FileReader, SerializedFileReader};
@@ -22,14 +23,39 @@ pub enum CorpusSource {
     EmbeddedShakespeare,
     /// A file whose format follows from its extension, see [`CorpusFormat::from_path`].
     File(PathBuf),
+    /// The train split of a hub dataset (its parquet files, from the Hugging Face cache or
+    /// downloaded), of configuration `config` when given: `load_dataset(id, config)["train"]`.
+    Hub { id: String, config: Option<String> },
 }
 
 impl CorpusSource {
-    /// `"shakespeare"` or `"embedded"` is the embedded corpus; anything else is a path.
+    /// `"shakespeare"` or `"embedded"` is the embedded corpus; an existing path or a name with a
+    /// corpus file's extension is a file; `org/name` otherwise is a hub dataset.
     pub fn parse(s: &str) -> Self {
+        let path = Path::new(s);
+        let is_file_name = path.extension().is_some_and(|e| {
+            ["jsonl", "json", "txt", "parquet"].contains(&e.to_string_lossy().to_ascii_lowercase().as_str())
+        });
         match s {
             "shakespeare" | "embedded" => Self::EmbeddedShakespeare,
+            s if !path.exists() && !is_file_name && crate::sources::looks_like_hub_id(s) => {
+                Self::Hub { id: s.to_string(), config: None }
+            }
             path => Self::File(PathBuf::from(path)),
+        }
+    }
+
+    /// [`CorpusSource::parse`] with a hub configuration (DS-Chat's
+    /// `--unsupervised_dataset_config_name`): the name is then a hub dataset, with or without an
+    /// organisation (`wikitext`); a configuration of the embedded corpus or a local file is an error.
+    pub fn with_config(s: &str, config: Option<&str>) -> Result<Self> {
+        let Some(config) = config else { return Ok(Self::parse(s)) };
+        match Self::parse(s) {
+            Self::EmbeddedShakespeare => bail!("the embedded corpus {s} has no configuration {config:?}: drop it"),
+            Self::File(path) if path.exists() => {
+                bail!("{s} is a local file, and configuration {config:?} picks part of a hub dataset: drop one of them")
+            }
+            _ => Ok(Self::Hub { id: s.to_string(), config: Some(config.to_string()) }),
         }
     }
 }
@@ -59,7 +85,23 @@ impl CorpusFormat {
 
 /// All non-empty documents of `src`; `text_key` names the jsonl field or parquet column.
 pub fn read_documents(src: &CorpusSource, text_key: &str) -> Result<Vec<String>> {
+    read_documents_in(src, text_key, &HubAccess::from_env())
+}
+
+/// [`read_documents`] with the hub cache, offline flag and endpoint given.
+fn read_documents_in(src: &CorpusSource, text_key: &str, hub: &HubAccess) -> Result<Vec<String>> {
     let (docs, name) = match src {
+        CorpusSource::Hub { id, config } => {
+            let snapshot = crate::hub::fetch_dataset(id, config.as_deref(), hub, &train_split)?;
+            let mut docs = Vec::new();
+            for path in &snapshot.train {
+                let name = path.display().to_string();
+                let file = File::open(path).map_err(|e| anyhow!("cannot open {name} of hub dataset {id} ({e})"))?;
+                docs.extend(read_parquet(file, &name, text_key)?);
+            }
+            let config = config.as_ref().map_or(String::new(), |c| format!(" ({c})"));
+            (docs, format!("hub dataset {id}{config}"))
+        }
         CorpusSource::EmbeddedShakespeare => {
             let name = "embedded shakespeare.jsonl";
             (read_jsonl(SHAKESPEARE_JSONL, name, text_key)?, name.to_string())
@@ -87,6 +129,17 @@ pub fn read_documents(src: &CorpusSource, text_key: &str) -> Result<Vec<String>>
         bail!("corpus {name} has no non-empty documents; pass a corpus with text in it");
     }
     Ok(docs)
+}
+
+/// The train split among a hub dataset's parquet files: those whose file or folder name starts
+/// with `train` (`train-00000-of-00001.parquet`, the conversion's `train/0000.parquet`).
+fn train_split(files: &[String]) -> Result<crate::file_splits::SplitPlan, String> {
+    let is_train = |f: &&String| f.split('/').rev().take(2).any(|part| part.starts_with("train"));
+    let train: Vec<String> = files.iter().filter(is_train).cloned().collect();
+    if train.is_empty() {
+        return Err(format!("no train split among its parquet files ({})", files.join(", ")));
+    }
+    Ok(crate::file_splits::SplitPlan { train, eval: None })
 }
 
 /// One document per JSON line, blank lines skipped; errors carry the 1-based line number.
@@ -234,11 +287,57 @@ mod tests {
         assert_eq!(CorpusSource::parse("shakespeare"), CorpusSource::EmbeddedShakespeare);
         assert_eq!(CorpusSource::parse("embedded"), CorpusSource::EmbeddedShakespeare);
         assert_eq!(CorpusSource::parse("a/b.txt"), CorpusSource::File("a/b.txt".into()));
+        assert_eq!(CorpusSource::parse("a/b.parquet"), CorpusSource::File("a/b.parquet".into()));
+        assert_eq!(CorpusSource::parse("org/corpus"), CorpusSource::Hub { id: "org/corpus".into(), config: None });
+        assert_eq!(CorpusSource::parse("corpus"), CorpusSource::File("corpus".into()));
         assert_eq!(CorpusFormat::from_path(Path::new("x.jsonl")), CorpusFormat::Jsonl);
         assert_eq!(CorpusFormat::from_path(Path::new("x.JSON")), CorpusFormat::Jsonl);
         assert_eq!(CorpusFormat::from_path(Path::new("x.parquet")), CorpusFormat::Parquet);
         assert_eq!(CorpusFormat::from_path(Path::new("x.txt")), CorpusFormat::Text);
         assert_eq!(CorpusFormat::from_path(Path::new("README")), CorpusFormat::Text);
+    }
+
+    /// DS-Chat's PTX source `--unsupervised_dataset_name wikitext --unsupervised_dataset_config_name
+    /// wikitext-2-raw-v1`: the named configuration's train split, read from the hub cache (offline),
+    /// not another configuration's nor the test split.
+    #[test]
+    fn a_hub_dataset_configuration_reads_its_train_split() -> Result<()> {
+        let cache = tempfile::tempdir()?;
+        let snapshot = cache.path().join("datasets--wikitext").join("snapshots").join("c0ffee");
+        std::fs::create_dir_all(cache.path().join("datasets--wikitext/refs"))?;
+        std::fs::write(cache.path().join("datasets--wikitext/refs/main"), "c0ffee")?;
+        for (file, text) in [
+            ("wikitext-2-raw-v1/train-00000-of-00001.parquet", "two train"),
+            ("wikitext-2-raw-v1/test-00000-of-00001.parquet", "two test"),
+            ("wikitext-103-raw-v1/train-00000-of-00001.parquet", "103 train"),
+        ] {
+            std::fs::create_dir_all(snapshot.join(file).parent().unwrap())?;
+            write_parquet(&snapshot.join(file), &[Some(text), None, Some("")])?;
+        }
+        let hub = HubAccess {
+            cache: hf_hub::Cache::new(cache.path().into()),
+            offline: true,
+            endpoint: None,
+            progress: false,
+        };
+        let src = CorpusSource::with_config("wikitext", Some("wikitext-2-raw-v1"))?;
+        assert_eq!(src, CorpusSource::Hub { id: "wikitext".into(), config: Some("wikitext-2-raw-v1".into()) });
+        assert_eq!(read_documents_in(&src, "text", &hub)?, ["two train"]);
+        let other = CorpusSource::with_config("wikitext", Some("wikitext-9"))?;
+        let err = read_documents_in(&other, "text", &hub).unwrap_err().to_string();
+        assert!(
+            err.contains("only partly in the Hugging Face cache") && err.contains("no configuration \"wikitext-9\""),
+            "{err}"
+        );
+        let missing = CorpusSource::parse("org/absent");
+        assert_eq!(missing, CorpusSource::Hub { id: "org/absent".into(), config: None });
+        let err = read_documents_in(&missing, "text", &hub).unwrap_err().to_string();
+        assert!(err.contains("hub dataset org/absent is not in the Hugging Face cache"), "{err}");
+        let local = snapshot.join("wikitext-2-raw-v1/train-00000-of-00001.parquet");
+        let err = CorpusSource::with_config(local.to_str().unwrap(), Some("x")).unwrap_err().to_string();
+        assert!(err.contains("is a local file, and configuration \"x\" picks part of a hub dataset"), "{err}");
+        assert!(CorpusSource::with_config("shakespeare", Some("x")).is_err());
+        Ok(())
     }
 
     #[test]

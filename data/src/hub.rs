@@ -80,14 +80,16 @@ enum Cached {
     Partial(String),
 }
 
-/// The parquet files of hub dataset `id` that `plan` chooses, from the cache when it holds them
-/// all, else downloaded (unless offline).
+/// The parquet files of hub dataset `id` (of its configuration `config`, the top-level folder
+/// `load_dataset(id, config)` reads) that `plan` chooses, from the cache when it holds them all,
+/// else downloaded (unless offline).
 pub(crate) fn fetch_dataset(
     id: &str,
+    config: Option<&str>,
     access: &HubAccess,
     plan: &dyn Fn(&[String]) -> Result<SplitPlan, String>,
 ) -> Result<HubSnapshot> {
-    let partial = match cached_snapshot(id, &access.cache, plan) {
+    let partial = match cached_snapshot(id, config, &access.cache, plan) {
         Cached::Complete(snapshot) => return Ok(snapshot),
         Cached::Missing => None,
         Cached::Partial(reason) => Some(reason),
@@ -103,12 +105,17 @@ pub(crate) fn fetch_dataset(
              (unset HF_HUB_OFFLINE), or pass a local directory or file with its data"
         );
     }
-    download_snapshot(id, access, plan)
+    download_snapshot(id, config, access, plan)
 }
 
 /// The cached snapshot a ref of `id` points to (main first, then the parquet conversion) whose
 /// parquet files make a complete plan: every planned split present, no shard missing.
-fn cached_snapshot(id: &str, cache: &Cache, plan: &dyn Fn(&[String]) -> Result<SplitPlan, String>) -> Cached {
+fn cached_snapshot(
+    id: &str,
+    config: Option<&str>,
+    cache: &Cache,
+    plan: &dyn Fn(&[String]) -> Result<SplitPlan, String>,
+) -> Cached {
     let mut partial = None;
     for revision in REVISIONS {
         let repo_dir =
@@ -124,7 +131,7 @@ fn cached_snapshot(id: &str, cache: &Cache, plan: &dyn Fn(&[String]) -> Result<S
         if files.is_empty() {
             continue;
         }
-        let chosen = choose_config(revision, files).and_then(|files| plan(&files)).and_then(|p| {
+        let chosen = choose_config(revision, files, config).and_then(|files| plan(&files)).and_then(|p| {
             match missing_shards(p.train.iter().chain(p.eval.iter().flatten())) {
                 Some(missing) => Err(missing),
                 None => Ok(p),
@@ -168,13 +175,23 @@ fn list_parquet(dir: &Path, prefix: &str, out: &mut Vec<String>) {
     }
 }
 
-/// The hub's parquet conversion puts each config in its own top-level folder. One config, or the
-/// one named `default`, is used; several others are ambiguous.
-fn choose_config(revision: &str, files: Vec<String>) -> Result<Vec<String>, String> {
+/// The hub's parquet conversion, and datasets with several configurations, put each config in its
+/// own top-level folder. The folder `config` names is used; without one, on the conversion, one
+/// config or the one named `default`, several others being ambiguous.
+fn choose_config(revision: &str, files: Vec<String>, config: Option<&str>) -> Result<Vec<String>, String> {
+    let configs: BTreeSet<&str> = files.iter().filter_map(|f| f.split_once('/').map(|(c, _)| c)).collect();
+    if let Some(config) = config {
+        let prefix = format!("{config}/");
+        let chosen: Vec<String> = files.iter().filter(|f| f.starts_with(&prefix)).cloned().collect();
+        if chosen.is_empty() {
+            let configs: Vec<&str> = configs.into_iter().collect();
+            return Err(format!("has no configuration {config:?} (its folders: {})", configs.join(", ")));
+        }
+        return Ok(chosen);
+    }
     if revision != CONVERTED_REVISION {
         return Ok(files);
     }
-    let configs: BTreeSet<&str> = files.iter().filter_map(|f| f.split_once('/').map(|(c, _)| c)).collect();
     if configs.len() <= 1 {
         return Ok(files);
     }
@@ -219,6 +236,7 @@ fn shard_of(path: &str) -> Option<(String, usize, usize)> {
 /// files into the cache.
 fn download_snapshot(
     id: &str,
+    config: Option<&str>,
     access: &HubAccess,
     plan: &dyn Fn(&[String]) -> Result<SplitPlan, String>,
 ) -> Result<HubSnapshot> {
@@ -253,7 +271,7 @@ fn download_snapshot(
             continue;
         }
         files.sort();
-        let files = choose_config(revision, files).map_err(|m| anyhow!("hub dataset {id}: {m}"))?;
+        let files = choose_config(revision, files, config).map_err(|m| anyhow!("hub dataset {id}: {m}"))?;
         let p = plan(&files).map_err(|m| anyhow!("hub dataset {id} ({revision}): {m}"))?;
         // Files already cached for this very commit are reused; otherwise everything comes from
         // `info.sha` so that train and eval never mix two commits.
@@ -367,14 +385,21 @@ mod tests {
     fn converted_configs_prefer_default_and_reject_ambiguity() {
         let files = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
         let one = files(&["en/train/0000.parquet", "en/test/0000.parquet"]);
-        assert_eq!(choose_config(CONVERTED_REVISION, one.clone()), Ok(one.clone()));
+        assert_eq!(choose_config(CONVERTED_REVISION, one.clone(), None), Ok(one.clone()));
         let with_default = files(&["default/train/0000.parquet", "other/train/0000.parquet"]);
-        assert_eq!(choose_config(CONVERTED_REVISION, with_default), Ok(files(&["default/train/0000.parquet"])));
-        let err = choose_config(CONVERTED_REVISION, files(&["a/train/0.parquet", "b/train/0.parquet"])).unwrap_err();
+        assert_eq!(choose_config(CONVERTED_REVISION, with_default, None), Ok(files(&["default/train/0000.parquet"])));
+        let err =
+            choose_config(CONVERTED_REVISION, files(&["a/train/0.parquet", "b/train/0.parquet"]), None).unwrap_err();
         assert!(err.contains("several configs (a, b)"), "{err}");
         // On main the folders are the dataset's own layout, not configs.
         let main = files(&["a/train-x.parquet", "b/train-y.parquet"]);
-        assert_eq!(choose_config("main", main.clone()), Ok(main));
+        assert_eq!(choose_config("main", main.clone(), None), Ok(main.clone()));
+        // A named configuration is its folder, on either revision (wikitext's wikitext-2-raw-v1).
+        assert_eq!(choose_config("main", main.clone(), Some("b")), Ok(files(&["b/train-y.parquet"])));
+        let both = files(&["a/train/0.parquet", "b/train/0.parquet"]);
+        assert_eq!(choose_config(CONVERTED_REVISION, both, Some("a")), Ok(files(&["a/train/0.parquet"])));
+        let err = choose_config("main", main, Some("c")).unwrap_err();
+        assert!(err.contains("no configuration \"c\" (its folders: a, b)"), "{err}");
     }
 
     #[test]
@@ -387,7 +412,7 @@ mod tests {
             "c0ffee",
             &["data/train-00000-of-00001-a.parquet", "data/test-00000-of-00001-b.parquet", "README.md"],
         )?;
-        let got = fetch_dataset("org/name", &access(dir.path(), true, None), &train_test)?;
+        let got = fetch_dataset("org/name", None, &access(dir.path(), true, None), &train_test)?;
         assert_eq!((got.revision, got.commit.as_str()), ("main", "c0ffee"));
         assert_eq!(got.train, vec![snapshot.join("data/train-00000-of-00001-a.parquet")]);
         assert_eq!(got.eval, Some(vec![snapshot.join("data/test-00000-of-00001-b.parquet")]));
@@ -402,7 +427,7 @@ mod tests {
         fake_snapshot(dir.path(), "org/script", "main", "aaa", &["script.py"])?;
         let snapshot =
             fake_snapshot(dir.path(), "org/script", CONVERTED_REVISION, "bbb", &["default/train/0000.parquet"])?;
-        let got = fetch_dataset("org/script", &access(dir.path(), true, None), &train_test)?;
+        let got = fetch_dataset("org/script", None, &access(dir.path(), true, None), &train_test)?;
         assert_eq!((got.revision, got.commit.as_str()), (CONVERTED_REVISION, "bbb"));
         assert_eq!(got.train, vec![snapshot.join("default/train/0000.parquet")]);
         assert_eq!(got.eval, None);
@@ -412,13 +437,15 @@ mod tests {
     #[test]
     fn offline_miss_and_partial_cache_are_clear_errors() -> Result<()> {
         let dir = tempfile::tempdir()?;
-        let err = fetch_dataset("org/absent", &access(dir.path(), true, None), &train_test).unwrap_err().to_string();
+        let err =
+            fetch_dataset("org/absent", None, &access(dir.path(), true, None), &train_test).unwrap_err().to_string();
         assert!(err.contains("hub dataset org/absent is not in the Hugging Face cache"), "{err}");
         assert!(err.contains(&dir.path().display().to_string()), "{err}");
         assert!(err.contains("HF_HUB_OFFLINE") && err.contains("pass a local directory or file"), "{err}");
 
         fake_snapshot(dir.path(), "org/half", "main", "c1", &["data/train-00000-of-00002-a.parquet"])?;
-        let err = fetch_dataset("org/half", &access(dir.path(), true, None), &train_test).unwrap_err().to_string();
+        let err =
+            fetch_dataset("org/half", None, &access(dir.path(), true, None), &train_test).unwrap_err().to_string();
         assert!(err.contains("only partly in the Hugging Face cache"), "{err}");
         assert!(err.contains("1 of the 2 shards of data/train are present"), "{err}");
         Ok(())
@@ -509,7 +536,7 @@ mod tests {
             ],
         )?;
         let dir = tempfile::tempdir()?;
-        let got = fetch_dataset("org/script", &access(dir.path(), false, Some(endpoint)), &train_test)?;
+        let got = fetch_dataset("org/script", None, &access(dir.path(), false, Some(endpoint)), &train_test)?;
         assert_eq!((got.revision, got.commit.as_str()), (CONVERTED_REVISION, "convsha"));
         assert_eq!(got.files, vec!["default/train/0000.parquet", "default/test/0000.parquet"]);
         assert_eq!(std::fs::read(&got.train[0])?, b"train bytes");
@@ -517,7 +544,7 @@ mod tests {
         assert_eq!(std::fs::read(&eval[0])?, b"test bytes");
 
         // The download went into the cache in hf-hub's layout, so offline now finds it.
-        let again = fetch_dataset("org/script", &access(dir.path(), true, None), &train_test)?;
+        let again = fetch_dataset("org/script", None, &access(dir.path(), true, None), &train_test)?;
         assert_eq!(again.commit, "convsha");
         assert_eq!(std::fs::read(&again.train[0])?, b"train bytes");
         Ok(())
@@ -527,7 +554,7 @@ mod tests {
     fn online_unknown_dataset_is_a_clear_error() -> Result<()> {
         let endpoint = serve_hub("org/other", vec![])?;
         let dir = tempfile::tempdir()?;
-        let err = fetch_dataset("org/missing", &access(dir.path(), false, Some(endpoint.clone())), &train_test)
+        let err = fetch_dataset("org/missing", None, &access(dir.path(), false, Some(endpoint.clone())), &train_test)
             .unwrap_err()
             .to_string();
         assert!(err.contains("cannot list hub dataset org/missing at") && err.contains(&endpoint), "{err}");

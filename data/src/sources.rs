@@ -228,7 +228,7 @@ fn load_dschat_local_jsonfile(root: &Path, keys: &ColumnKeys) -> Result<RawDatas
 
 /// A hub dataset through its parquet files.
 fn load_hub(id: &str, mapping: &Mapping, eval: EvalSplit, seed: u64, hub: &HubAccess) -> Result<RawDataset> {
-    let snapshot = fetch_dataset(id, hub, &|files| plan_splits(files, eval))?;
+    let snapshot = fetch_dataset(id, None, hub, &|files| plan_splits(files, eval))?;
     let read = |files: &[PathBuf]| -> Result<Vec<PreferenceRow>> {
         let mut rows = Vec::new();
         for file in files {
@@ -278,7 +278,7 @@ fn fingerprint(parts: &[String]) -> String {
 }
 
 /// `org/name` with the characters the hub allows.
-fn looks_like_hub_id(spec: &str) -> bool {
+pub(crate) fn looks_like_hub_id(spec: &str) -> bool {
     let part_ok = |p: &str| {
         !p.is_empty()
             && !p.starts_with(['.', '-'])

@@ -1,7 +1,12 @@
-//! DeepSpeed's `--deepspeed_config FILE` for steps 1 and 2: the JSON config's settings become the
-//! step's flags, placed before the command line's own. A key that contradicts a flag given on
-//! the command line is one error; a value this engine does not implement is one error that says
-//! what to use; a key with no meaning here is listed once, in one line, as ignored.
+//! DeepSpeed's `--deepspeed_config FILE` (every step, and pretraining as Megatron-DeepSpeed reads
+//! it): the JSON config's settings become the command's flags, placed before the command line's
+//! own. A key that contradicts a flag given on the command line is one error; a value this engine
+//! does not implement is one error that says what to use; a key with no meaning here (or none in
+//! this command) is listed once, in one line, as ignored.
+//!
+//! Step 3 trains two models: the config's batch, ZeRO, precision and clipping settings apply to
+//! both (DS-Chat builds both engines' configs from the same flags); a learning rate or weight
+//! decay there is refused, as the two models have their own flags for them.
 //!
 //! The batch keys are checked as DeepSpeed checks them: `train_batch_size` =
 //! `train_micro_batch_size_per_gpu` x `gradient_accumulation_steps` x data-parallel ranks, the
@@ -20,12 +25,14 @@ pub const FLAGS: [&str; 4] = ["--deepspeed-config", "--deepspeed_config", "--dee
 const MAX_BYTES: u64 = 1 << 20;
 
 /// `argv` (the program's name first) with the settings of the DeepSpeed config it names, if it
-/// names one, put before its own flags; the file's ignored keys are printed in one line. `tp`
-/// flags and the environment's world size give the data-parallel ranks the batch keys divide by.
-pub fn expand(argv: Vec<OsString>) -> Result<Vec<OsString>> {
+/// names one, put before its own flags under command `T`'s spellings; the file's ignored keys are
+/// printed in one line, by the first rank. `tp` flags and the environment's world size give the data-parallel ranks
+/// the batch keys divide by.
+pub fn expand<T: clap::CommandFactory>(argv: Vec<OsString>) -> Result<Vec<OsString>> {
     let args: Vec<String> = argv.iter().map(|a| a.to_string_lossy().into_owned()).collect();
     let Some(path) = flag_value(&args, &FLAGS) else { return Ok(argv) };
-    let world = RankEnv::from_process()?.world;
+    let ranks = RankEnv::from_process()?;
+    let world = ranks.world;
     let tp =
         flag_value(&args, &["--tensor-model-parallel-size", "--tensor_model_parallel_size", "--tp-size", "--tp_size"])
             .or_else(|| std::env::var(crate::cli::dist_args::TP_SIZE_ENV).ok())
@@ -34,15 +41,16 @@ pub fn expand(argv: Vec<OsString>) -> Result<Vec<OsString>> {
             .unwrap_or(1)
             .max(1);
     let settings = read(Path::new(&path), (world / tp).max(1))?;
+    let settings = for_command(&T::command(), settings).map_err(|e| anyhow!("--deepspeed_config {path}: {e}"))?;
     for (flag, value, key) in &settings.flags {
-        let spellings = spellings(flag);
+        let spellings = spellings(&T::command(), flag);
         let given = spellings.iter().find_map(|s| flag_value(&args, &[s.as_str()]).map(|v| (s.clone(), v)));
         if let Some((spelling, v)) = given.filter(|(_, v)| !same(v, value)) {
             let value = value.as_deref().unwrap_or_default();
             bail!("--deepspeed_config {path}: {key} is {value}, and {spelling} {v} says otherwise: keep one of them");
         }
     }
-    if !settings.ignored.is_empty() {
+    if !settings.ignored.is_empty() && ranks.rank == 0 {
         println!("--deepspeed_config {path}: ignored (no meaning here): {}", settings.ignored.join(", "));
     }
     let mut out = vec![argv[0].clone()];
@@ -54,6 +62,49 @@ pub fn expand(argv: Vec<OsString>) -> Result<Vec<OsString>> {
     }
     out.extend(argv.into_iter().skip(1));
     Ok(out)
+}
+
+/// `settings` (in steps 1 and 2's flags) as command `cmd` spells them: step 3's two models each get
+/// the ZeRO stage and the micro-batch is its training batch; a setting `cmd` has no flag for is
+/// ignored.
+fn for_command(cmd: &clap::Command, settings: Settings) -> Result<Settings> {
+    let mut out = Settings { flags: Vec::new(), ignored: settings.ignored };
+    for (flag, value, key) in settings.flags {
+        let names: Vec<&str> = match (cmd.get_name(), flag.as_str()) {
+            ("ppo", "--zero-stage") => vec!["--actor-zero-stage", "--critic-zero-stage"],
+            // Step 3's `--per-device-train-batch-size` is DS-Chat's old name of the generation batch.
+            ("ppo", "--per-device-train-batch-size") => vec!["--per-device-training-batch-size"],
+            ("ppo", "--learning-rate" | "--weight-decay") => bail!(
+                "{key}: step 3 trains two models at their own rates: drop it and pass --actor_learning_rate, \
+                 --critic_learning_rate (--actor_weight_decay, --critic_weight_decay)"
+            ),
+            _ => vec![flag.as_str()],
+        };
+        for name in names {
+            let long = command_arg(cmd, name).and_then(clap::Arg::get_long);
+            match long {
+                Some(long) => out.flags.push((format!("--{long}"), value.clone(), key.clone())),
+                // Only pretraining sets Adam's betas; the steps train with DS-Chat's.
+                None if DS_CHAT_BETAS.iter().any(|(f, b)| *f == name && value.as_deref() == Some(b)) => {}
+                None if DS_CHAT_BETAS.iter().any(|(f, _)| *f == name) => {
+                    bail!("{key}: {} trains with DS-Chat's betas [0.9, 0.95]: use those", cmd.get_name())
+                }
+                None if !out.ignored.contains(&key) => out.ignored.push(key.clone()),
+                None => {}
+            }
+        }
+    }
+    out.ignored.sort();
+    Ok(out)
+}
+
+/// The fine-tuning steps' Adam betas (`AdamWConfig::ds_chat`), as the config's flags spell them.
+const DS_CHAT_BETAS: [(&str, &str); 2] = [("--adam-beta1", "0.9"), ("--adam-beta2", "0.95")];
+
+/// The argument of `cmd` whose long name or alias is `flag`.
+fn command_arg<'c>(cmd: &'c clap::Command, flag: &str) -> Option<&'c clap::Arg> {
+    let name = flag.trim_start_matches("--");
+    cmd.get_arguments().find(|a| a.get_long() == Some(name) || a.get_all_aliases().unwrap_or_default().contains(&name))
 }
 
 /// What a config file says: each setting as a flag (with its value; `None` for a switch) and the
@@ -203,12 +254,13 @@ fn optimizer(value: &Value, set: &mut Set) -> Result<()> {
             "lr" => set("--learning-rate", Some(number(v, &full)?.to_string()), &full),
             "eps" => set("--adam-eps", Some(number(v, &full)?.to_string()), &full),
             "weight_decay" => set("--weight-decay", Some(number(v, &full)?.to_string()), &full),
-            "betas" => {
-                let betas: Vec<f64> = v.as_array().into_iter().flatten().filter_map(Value::as_f64).collect();
-                if betas != [0.9, 0.95] {
-                    bail!("{full} {v}: the steps use DS-Chat's betas [0.9, 0.95]: use those");
+            "betas" => match v.as_array().map(|b| b.iter().filter_map(Value::as_f64).collect::<Vec<_>>()).as_deref() {
+                Some(&[beta1, beta2]) => {
+                    set("--adam-beta1", Some(beta1.to_string()), &full);
+                    set("--adam-beta2", Some(beta2.to_string()), &full);
                 }
-            }
+                _ => bail!("{full} {v} is not two numbers"),
+            },
             _ => bail!("{full} is not an AdamW setting here (lr, betas, eps, weight_decay)"),
         }
     }
@@ -252,16 +304,14 @@ fn count(v: &Value, key: &str) -> Result<u64> {
     v.as_u64().ok_or_else(|| anyhow!("{key} {v} is not a non-negative integer"))
 }
 
-/// A flag's spellings on the command line: kebab and snake case, and the aliases of the flags a
-/// config sets that have them.
-fn spellings(flag: &str) -> Vec<String> {
-    let aliases: &[&str] = match flag {
-        "--learning-rate" => &["--lr"],
-        "--adam-eps" => &["--adam-epsilon"],
-        _ => &[],
-    };
-    let snake = |f: &str| format!("--{}", f.trim_start_matches("--").replace('-', "_"));
-    std::iter::once(flag).chain(aliases.iter().copied()).flat_map(|f| [f.to_string(), snake(f)]).collect()
+/// A flag's spellings on `cmd`'s command line: its long name and aliases, each also in snake case.
+fn spellings(cmd: &clap::Command, flag: &str) -> Vec<String> {
+    let snake = |f: &str| format!("--{}", f.replace('-', "_"));
+    let mut names = vec![flag.trim_start_matches("--").to_string()];
+    if let Some(arg) = command_arg(cmd, flag) {
+        names.extend(arg.get_all_aliases().unwrap_or_default().into_iter().map(str::to_string));
+    }
+    names.iter().flat_map(|n| [format!("--{n}"), snake(n)]).collect()
 }
 
 /// Whether a flag's value on the command line and the config's are the same setting (numbers
@@ -338,6 +388,8 @@ mod tests {
             "--lr-scheduler-type=linear",
             "--num-warmup-steps=10",
             "--log-interval=10",
+            "--adam-beta1=0.9",
+            "--adam-beta2=0.95",
         ] {
             assert!(f.contains(&want.to_string()), "{want} in {f:?}");
         }
@@ -371,9 +423,28 @@ mod tests {
         assert!(err(json!({"fp16": {"enabled": true, "loss_scale": 128}}), 1).contains("static loss scale"));
         assert!(err(json!({"optimizer": {"type": "Lamb"}}), 1).contains("AdamW is"));
         assert!(err(json!({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}), 1).contains("\"nvme\""));
-        assert!(err(json!({"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.999]}}}), 1).contains("0.95"));
+        assert!(err(json!({"optimizer": {"type": "AdamW", "params": {"betas": [0.9]}}}), 1).contains("not two numbers"));
         assert!(err(json!([1, 2]), 1).contains("not a JSON object"));
         assert!(err(json!({"gradient_clipping": "big"}), 1).contains("gradient_clipping \"big\" is not a number"));
+    }
+
+    /// A command without a setting's flag lists its key as ignored; one without Adam's betas
+    /// refuses a pair other than DS-Chat's; the command's own alias of a flag counts as it.
+    #[test]
+    fn settings_take_the_commands_spellings() -> Result<()> {
+        use clap::Arg;
+        let cmd = clap::Command::new("sft")
+            .arg(Arg::new("lr").long("lr").alias("learning-rate"))
+            .arg(Arg::new("clip").long("clip-grad").alias("gradient-clipping"));
+        let s = |c: Value| for_command(&cmd, settings(&c, 1)?);
+        let got = s(json!({"gradient_clipping": 0.5, "steps_per_print": 3,
+                           "optimizer": {"type": "AdamW", "params": {"lr": 0.1, "betas": [0.9, 0.95]}}}))?;
+        assert_eq!(flags(&got), ["--clip-grad=0.5", "--lr=0.1"]);
+        assert_eq!(got.ignored, ["steps_per_print"]);
+        let err = s(json!({"optimizer": {"type": "AdamW", "params": {"betas": [0.8, 0.95]}}})).unwrap_err();
+        assert!(err.to_string().contains("sft trains with DS-Chat's betas"), "{err}");
+        assert_eq!(spellings(&cmd, "--lr"), ["--lr", "--lr", "--learning-rate", "--learning_rate"]);
+        Ok(())
     }
 
     #[test]

@@ -28,9 +28,9 @@ pub struct DistArgs {
     /// Gradient values per all-reduce bucket in ZeRO stage 0 (DeepSpeed's reduce_bucket_size).
     #[arg(long, default_value_t = DEFAULT_BUCKET as u64, alias = "reduce_bucket_size", value_parser = clap::value_parser!(u64).range(1..))]
     pub reduce_bucket_size: u64,
-    /// DS-Chat's ZeRO offload of the optimizer state to host memory. Our AdamW keeps its fp32
-    /// moments in host memory on every device, so this is always so; the flag is accepted for
-    /// DS-Chat's scripts.
+    /// DS-Chat's ZeRO-Offload: the fp32 masters and Adam moments in host memory, stepped there.
+    /// So on a CPU, and on GPUs at ZeRO stages 1-3 across ranks (each rank's shard); refused on
+    /// a GPU at stage 0 or alone, where they stay on the GPU.
     #[arg(long)]
     pub offload: bool,
     /// Megatron's tensor parallelism: every layer split over this many consecutive ranks (on one
@@ -42,6 +42,12 @@ pub struct DistArgs {
     /// accepted for its scripts; the engine it turns on is always on here.
     #[arg(long, alias = "deepscale")]
     pub deepspeed: bool,
+    /// DeepSpeed's JSON config: its batch sizes, accumulation, clipping, ZeRO stage and bucket,
+    /// fp16/bf16, AdamW and warmup schedule become this command's flags (a flag that contradicts
+    /// it is an error; keys with no meaning here are listed as ignored). In step 3 they apply to
+    /// both models. See cli/deepspeed_config.rs.
+    #[arg(long, aliases = ["deepspeed_config", "deepscale-config", "deepscale_config"])]
+    pub deepspeed_config: Option<std::path::PathBuf>,
     /// The rank on this node, as DeepSpeed's and torch.distributed.launch's launchers pass it: it
     /// must agree with the environment's LOCAL_RANK (the ranks are read from the environment).
     #[arg(long, alias = "local_rank")]
@@ -113,7 +119,7 @@ impl DistArgs {
             };
             println!("{prefix}data parallel: {} ranks, ZeRO stage {stage}: {what}", group.world());
         }
-        Ok(ParallelConfig { zero_stage, reduce_bucket_size: self.reduce_bucket_size as usize })
+        Ok(ParallelConfig { zero_stage, reduce_bucket_size: self.reduce_bucket_size as usize, offload: self.offload })
     }
 }
 

@@ -39,11 +39,6 @@ pub fn parse_from_or_exit<T: Parser, I: Into<std::ffi::OsString> + Clone>(args: 
 /// DeepSpeed's and DS-Chat's flags that no binary here accepts, and why (spelt with hyphens).
 const UNSUPPORTED: &[(&str, &str)] = &[
     (
-        "deepspeed-config",
-        "steps 1 and 2 read DeepSpeed's JSON config; here pass its settings as flags (--zero-stage, --gradient-accumulation-steps, --gradient-clipping, --dtype, ...)",
-    ),
-    ("deepscale-config", "steps 1 and 2 read DeepSpeed's JSON config; here pass its settings as flags"),
-    (
         "unpin-actor-parameters",
         "a ZeRO-3 actor is gathered once per rollout and freed before training, with no pinned mode to turn off: drop it",
     ),

@@ -76,11 +76,6 @@ pub struct StepArgs {
     pub zero_stage: u8,
     #[command(flatten)]
     pub dist: crate::cli::dist_args::DistArgs,
-    /// DeepSpeed's JSON config: its batch sizes, accumulation, clipping, ZeRO stage and bucket,
-    /// fp16/bf16, AdamW and warmup schedule become these flags (a flag that contradicts it is an
-    /// error; keys with no meaning here are listed as ignored). See cli/deepspeed_config.rs.
-    #[arg(long, aliases = ["deepspeed_config", "deepscale-config", "deepscale_config"])]
-    pub deepspeed_config: Option<PathBuf>,
     #[command(flatten)]
     pub log: crate::cli::log_args::LogArgs,
     /// Print a log line every this many optimizer steps.

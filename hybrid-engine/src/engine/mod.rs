@@ -23,7 +23,7 @@ use crate::training::train_step::{Backward, TrainedModel};
 use crate::training::trainer::{micro_batch_done_pair, StepReport, Trainer, TrainerProgress};
 use crate::training::zero::{DataParallel, ZeroStage};
 use crate::training::zero3::ShardedModel;
-use anyhow::Result;
+use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
 use std::collections::HashMap;
 use std::rc::Rc;
@@ -45,6 +45,23 @@ pub struct ParallelConfig {
     pub zero_stage: ZeroStage,
     /// Gradient values per all-reduce at stage 0 (DeepSpeed's `reduce_bucket_size`).
     pub reduce_bucket_size: usize,
+    /// DS-Chat's `--offload`: the optimizer states in host memory (see [`check_offload`]).
+    pub offload: bool,
+}
+
+/// Where `--offload` (ZeRO-Offload: the fp32 masters and Adam moments in host memory, the step
+/// taken there) holds for a model at `stage` over `world` ranks: on a CPU always; on a
+/// GPU at ZeRO stages 1-3 across ranks, which step each rank's shard on the host. Elsewhere (a GPU
+/// at stage 0 or alone) the optimizer stays on the GPU, so the flag is refused rather than ignored.
+pub fn check_offload(on_gpu: bool, stage: ZeroStage, world: usize) -> Result<()> {
+    if !on_gpu || (stage > ZeroStage::Disabled && world > 1) {
+        return Ok(());
+    }
+    bail!(
+        "--offload: on a GPU the optimizer states move to host memory at ZeRO stages 1-3 across ranks; \
+         at stage {} on {world} rank(s) they stay on the GPU: drop --offload, or train on several ranks at --zero-stage 1-3",
+        stage.number()
+    )
 }
 
 /// Everything about how a model trains that is not the model itself: what `cli/` makes of the
@@ -101,6 +118,10 @@ impl Engine {
     /// optimizer state can be restored first.
     pub fn new(cfg: &EngineConfig, config: &Gpt2Config, head: Head, params: ParamStore, ranks: Ranks) -> Result<Self> {
         let Ranks { data, tensor } = ranks;
+        if cfg.parallel.offload {
+            let on_gpu = params.vars.first().is_some_and(|v| v.device().is_cuda());
+            check_offload(on_gpu, cfg.parallel.zero_stage, data.world())?;
+        }
         let dp = DataParallel::new(data, cfg.parallel.zero_stage, cfg.parallel.reduce_bucket_size);
         let trainable = params.trainable();
         let (precision, dtype) = (cfg.precision, cfg.precision.dtype.dtype());
@@ -404,5 +425,25 @@ impl GatheredWeights {
     /// The gathered weights alone (`None` where the engine's masters are whole, and off rank 0).
     pub fn whole(&self) -> Option<&ParamStore> {
         self.whole.as_ref()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `--offload` holds on a CPU and on GPUs at stages 1-3 across ranks; elsewhere it is refused.
+    #[test]
+    fn offload_is_accepted_where_the_optimizer_is_in_host_memory() {
+        use ZeroStage::*;
+        for stage in [Disabled, OptimizerStates, Gradients, Parameters] {
+            for world in [1, 2] {
+                assert!(check_offload(false, stage, world).is_ok());
+                let on_host = stage != Disabled && world > 1;
+                assert_eq!(check_offload(true, stage, world).is_ok(), on_host, "stage {stage:?}, {world} ranks");
+            }
+        }
+        let err = check_offload(true, Disabled, 4).unwrap_err().to_string();
+        assert!(err.contains("at stage 0 on 4 rank(s) they stay on the GPU: drop --offload"), "{err}");
     }
 }

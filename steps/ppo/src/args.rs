@@ -70,10 +70,10 @@ pub struct PpoArgs {
     /// The critic's dropout off (earlier DS-Chat's `--disable_critic_dropout`).
     #[arg(long, alias = "disable_critic_dropout", conflicts_with = "critic_dropout")]
     pub disable_critic_dropout: bool,
-    /// DS-Chat's PTX dataset configuration (a hub dataset's subset, with
-    /// `--unsupervised-dataset-name`); PTX reads a local corpus here, so it is refused in one
-    /// line naming what to pass instead.
-    #[arg(long, alias = "unsupervised_dataset_config_name")]
+    /// The configuration of the hub dataset --unsupervised-dataset-name names (DS-Chat's
+    /// `load_dataset(name, config)`, e.g. `wikitext` with `wikitext-2-raw-v1`): PTX reads that
+    /// configuration's train split.
+    #[arg(long, alias = "unsupervised_dataset_config_name", requires = "unsupervised_dataset_name")]
     pub unsupervised_dataset_config_name: Option<String>,
     /// Passes over the collected rollouts.
     #[arg(long, default_value_t = 1, alias = "ppo_epochs")]
@@ -134,8 +134,9 @@ pub struct PpoArgs {
     /// Keep an exponential moving average of the actor (saved as actor_ema).
     #[arg(long, alias = "enable_ema")]
     pub enable_ema: bool,
-    /// Pretraining text mixed into the actor's loss (PTX): a .jsonl/.txt/.parquet corpus or
-    /// `shakespeare`.
+    /// Pretraining text mixed into the actor's loss (PTX): a .jsonl/.txt/.parquet corpus,
+    /// `shakespeare`, or a hub dataset (`org/name`, or any name with
+    /// --unsupervised-dataset-config-name) whose train split's `text` column is read.
     #[arg(long, alias = "unsupervised_dataset_name")]
     pub unsupervised_dataset_name: Option<String>,
     /// Weight of the PTX loss (DS-Chat: 27.8, reported unstable); needs
@@ -374,13 +375,17 @@ impl PpoArgs {
         }
     }
 
+    /// Where PTX's corpus `name` comes from (with --unsupervised-dataset-config-name).
+    pub fn ptx_source(&self, name: &str) -> Result<data::CorpusSource> {
+        data::CorpusSource::with_config(name, self.unsupervised_dataset_config_name.as_deref())
+            .map_err(|e| anyhow::anyhow!("--unsupervised-dataset-name: {e}"))
+    }
+
     /// Checks the counts and the flags that depend on each other (float ranges are checked while
     /// parsing).
     pub fn validate(&self) -> Result<()> {
-        if let Some(config) = &self.unsupervised_dataset_config_name {
-            bail!(
-                "--unsupervised-dataset-config-name {config:?} picks a configuration of a hub dataset, and PTX reads a local corpus here: download that configuration's text and pass the file (.jsonl, .txt or .parquet) to --unsupervised-dataset-name"
-            );
+        if let Some(name) = &self.unsupervised_dataset_name {
+            self.ptx_source(name)?;
         }
         let positive = [
             ("--per-device-generation-batch-size", self.per_device_generation_batch_size),

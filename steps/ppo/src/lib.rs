@@ -17,7 +17,9 @@ pub use ppo::PpoConfig;
 
 /// `ppo` with the process arguments. Exits 2 on any error.
 pub fn main_with_args() {
-    let args: PpoArgs = hybrid_engine::cli::parse_or_exit();
+    let argv = hybrid_engine::cli::deepspeed_config::expand::<PpoArgs>(std::env::args_os().collect())
+        .unwrap_or_else(|e| hybrid_engine::cli::exit_with(e));
+    let args: PpoArgs = hybrid_engine::cli::parse_from_or_exit(argv);
     if let Err(e) = run::run(&args) {
         hybrid_engine::cli::exit_with(e);
     }

@@ -219,7 +219,7 @@ fn inference_tp_group(args: &PpoArgs, group: &ProcessGroup, actor: &Gpt2Config) 
 /// `--unsupervised-dataset-name`: the PTX corpus packed in blocks of a prompt and an answer.
 fn ptx_corpus(args: &PpoArgs, name: &str, tokenizer: &Tokenizer) -> Result<PackedCorpus> {
     let context = args.max_prompt_seq_len + args.max_answer_seq_len;
-    let docs = data::read_documents(&data::CorpusSource::parse(name), "text")?;
+    let docs = data::read_documents(&args.ptx_source(name)?, "text")?;
     let tokens = data::tokenize_documents(tokenizer, &docs)?;
     let corpus = PackedCorpus::pack(&tokens, tokenizer.eos_id(), context);
     if corpus.num_blocks() == 0 {

@@ -12,7 +12,7 @@ pub use args::RewardArgs;
 
 /// `reward` with the process arguments. Exits 2 on any error.
 pub fn main_with_args() {
-    let argv = hybrid_engine::cli::deepspeed_config::expand(std::env::args_os().collect())
+    let argv = hybrid_engine::cli::deepspeed_config::expand::<RewardArgs>(std::env::args_os().collect())
         .unwrap_or_else(|e| hybrid_engine::cli::exit_with(e));
     let args: RewardArgs = hybrid_engine::cli::parse_from_or_exit(argv);
     let result = args.refuse_other_algorithms_flags().and_then(|()| match args.algorithm {

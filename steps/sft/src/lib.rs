@@ -17,13 +17,14 @@ pub fn wants_pretraining<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> bool {
 /// `sft` with the process arguments: pretraining or fine-tuning. Exits 2 on any error.
 pub fn main_with_args() {
     let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    use hybrid_engine::cli::{deepspeed_config, exit_with, parse_from_or_exit};
     let result = if wants_pretraining(&argv) {
-        let args: pretrain_args::PretrainArgs = hybrid_engine::cli::parse_or_exit();
+        let argv = deepspeed_config::expand::<pretrain_args::PretrainArgs>(argv).unwrap_or_else(|e| exit_with(e));
+        let args: pretrain_args::PretrainArgs = parse_from_or_exit(argv);
         pretrain::run(&args).map(|_| ())
     } else {
-        let argv =
-            hybrid_engine::cli::deepspeed_config::expand(argv).unwrap_or_else(|e| hybrid_engine::cli::exit_with(e));
-        let args: SftArgs = hybrid_engine::cli::parse_from_or_exit(argv);
+        let argv = deepspeed_config::expand::<SftArgs>(argv).unwrap_or_else(|e| exit_with(e));
+        let args: SftArgs = parse_from_or_exit(argv);
         finetune::run(&args).map(|_| ())
     };
     if let Err(e) = result {

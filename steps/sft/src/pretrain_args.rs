@@ -99,7 +99,7 @@ pub struct PretrainArgs {
     #[arg(long, default_value_t = 0.1, alias = "weight_decay", value_parser = cli::non_negative())]
     pub weight_decay: f64,
     /// Clip gradients to this global norm (0 disables).
-    #[arg(long, default_value_t = 1.0, alias = "clip_grad", value_parser = cli::non_negative())]
+    #[arg(long, default_value_t = 1.0, aliases = ["clip_grad", "gradient-clipping", "gradient_clipping"], value_parser = cli::non_negative())]
     pub clip_grad: f64,
     #[arg(long, default_value_t = 0.9, alias = "adam_beta1", value_parser = cli::adam_beta())]
     pub adam_beta1: f64,
