@@ -203,6 +203,14 @@ fn flags_that_would_have_no_effect_are_refused_naming_what_they_need() {
         let stderr = usage_error(dir.path(), name, args);
         assert!(stderr.contains(want) && stderr.contains(args[args.len() - 2]), "{name} {args:?}: {stderr}");
     }
+    // `--offload` on a CPU run would move nothing: one line before any training (on GPUs it
+    // holds at ZeRO 1-3 across ranks; the rule is unit-tested in engine/mod.rs).
+    let out = dir.path().join("offload");
+    let args = ["--offload", "--device", "cpu", "--data-path", "demo", "--max-seq-len", "64", "--output-dir"];
+    let out_arg = out.to_str().unwrap();
+    let stderr = usage_error(dir.path(), "sft", &[&args[..], &[out_arg]].concat());
+    assert!(stderr.contains("--offload moves the optimizer states off a GPU, and this run is on the CPU"), "{stderr}");
+    assert!(!out.exists(), "nothing saved");
     // With what they need, the same flags parse.
     assert!(ppo::args::PpoArgs::try_parse_from(["ppo", "--do-sample", "--top-k", "5", "--top-p", "0.9"]).is_ok());
     assert!(ppo::args::PpoArgs::try_parse_from(["ppo", "--actor-lora-dim", "4", "--actor-lora-module-name", "attn"])

@@ -28,9 +28,9 @@ pub struct DistArgs {
     /// Gradient values per all-reduce bucket in ZeRO stage 0 (DeepSpeed's reduce_bucket_size).
     #[arg(long, default_value_t = DEFAULT_BUCKET as u64, alias = "reduce_bucket_size", value_parser = clap::value_parser!(u64).range(1..))]
     pub reduce_bucket_size: u64,
-    /// DS-Chat's ZeRO-Offload: the fp32 masters and Adam moments in host memory, stepped there.
-    /// So on a CPU, and on GPUs at ZeRO stages 1-3 across ranks (each rank's shard); refused on
-    /// a GPU at stage 0 or alone, where they stay on the GPU.
+    /// DS-Chat's ZeRO-Offload: the fp32 masters and Adam moments in host memory, stepped there;
+    /// on GPUs at ZeRO stages 1-3 across ranks (each rank's shard). Refused on a CPU run (all in
+    /// host memory) and on a GPU at stage 0 or alone (the optimizer stays on the GPU).
     #[arg(long)]
     pub offload: bool,
     /// Megatron's tensor parallelism: every layer split over this many consecutive ranks (on one

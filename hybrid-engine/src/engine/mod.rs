@@ -49,19 +49,23 @@ pub struct ParallelConfig {
     pub offload: bool,
 }
 
-/// Where `--offload` (ZeRO-Offload: the fp32 masters and Adam moments in host memory, the step
-/// taken there) holds for a model at `stage` over `world` ranks: on a CPU always; on a
-/// GPU at ZeRO stages 1-3 across ranks, which step each rank's shard on the host. Elsewhere (a GPU
-/// at stage 0 or alone) the optimizer stays on the GPU, so the flag is refused rather than ignored.
+/// Where `--offload` (DeepSpeed's `offload_optimizer: cpu`: the fp32 masters and Adam moments in
+/// host memory, the step taken there) holds for a model at `stage` over `world` ranks: on GPUs at
+/// ZeRO stages 1-3 across ranks, which step each rank's shard on the host. Elsewhere it would
+/// change nothing (a CPU run is all in host memory; a GPU at stage 0 or alone keeps the optimizer
+/// on the GPU), so it is refused rather than ignored.
 pub fn check_offload(on_gpu: bool, stage: ZeroStage, world: usize) -> Result<()> {
-    if !on_gpu || (stage > ZeroStage::Disabled && world > 1) {
-        return Ok(());
+    if !on_gpu {
+        bail!("--offload moves the optimizer states off a GPU, and this run is on the CPU (all in host memory): drop --offload")
     }
-    bail!(
-        "--offload: on a GPU the optimizer states move to host memory at ZeRO stages 1-3 across ranks; \
-         at stage {} on {world} rank(s) they stay on the GPU: drop --offload, or train on several ranks at --zero-stage 1-3",
-        stage.number()
-    )
+    if stage == ZeroStage::Disabled || world == 1 {
+        bail!(
+            "--offload: on a GPU the optimizer states move to host memory at ZeRO stages 1-3 across ranks; \
+             at stage {} on {world} rank(s) they stay on the GPU: drop --offload, or train on several ranks at --zero-stage 1-3",
+            stage.number()
+        )
+    }
+    Ok(())
 }
 
 /// Everything about how a model trains that is not the model itself: what `cli/` makes of the
@@ -432,13 +436,15 @@ impl GatheredWeights {
 mod tests {
     use super::*;
 
-    /// `--offload` holds on a CPU and on GPUs at stages 1-3 across ranks; elsewhere it is refused.
+    /// `--offload` holds on GPUs at stages 1-3 across ranks; elsewhere (a CPU run, a GPU at
+    /// stage 0 or alone) it is refused.
     #[test]
-    fn offload_is_accepted_where_the_optimizer_is_in_host_memory() {
+    fn offload_is_accepted_where_it_moves_the_optimizer_to_host_memory() {
         use ZeroStage::*;
         for stage in [Disabled, OptimizerStates, Gradients, Parameters] {
             for world in [1, 2] {
-                assert!(check_offload(false, stage, world).is_ok());
+                let err = check_offload(false, stage, world).unwrap_err().to_string();
+                assert!(err.contains("this run is on the CPU"), "{err}");
                 let on_host = stage != Disabled && world > 1;
                 assert_eq!(check_offload(true, stage, world).is_ok(), on_host, "stage {stage:?}, {world} ranks");
             }
