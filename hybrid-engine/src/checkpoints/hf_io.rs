@@ -166,7 +166,7 @@ fn hub_cache() -> hf_hub::Cache {
 }
 
 /// The shard file names listed in a `model.safetensors.index.json`.
-fn shard_files(index: &Path) -> Result<BTreeSet<String>> {
+pub(crate) fn shard_files(index: &Path) -> Result<BTreeSet<String>> {
     let text = std::fs::read_to_string(index).with_context(|| format!("cannot read {}", index.display()))?;
     let json: serde_json::Value =
         serde_json::from_str(&text).map_err(|e| anyhow!("{} is not valid JSON: {e}", index.display()))?;
@@ -263,6 +263,31 @@ pub fn write_model_files(
 ) -> Result<()> {
     let merged = params.merged()?;
     let params = &merged;
+    write_config_files(dir, config)?;
+    // HF nests the trunk under `transformer.`; heads (`score.weight`) sit at the top level.
+    let mut tensors: Vec<(String, Tensor)> = params.iter().map(|(n, v)| (hf_name(n), v.as_tensor().clone())).collect();
+    tensors.extend(extra.iter().map(|(n, t)| (n.to_string(), (*t).clone())));
+    safetensors::serialize_to_file(tensors, Some(weights_metadata()), &dir.join(WEIGHTS))
+        .with_context(|| format!("writing {}", dir.join(WEIGHTS).display()))
+}
+
+/// A parameter's name in a HF directory: the trunk under `transformer.`, heads (`score.weight`)
+/// at the top level.
+pub fn hf_name(name: &str) -> String {
+    if crate::model::params::is_trunk_name(name) {
+        format!("transformer.{name}")
+    } else {
+        name.to_string()
+    }
+}
+
+/// model.safetensors' metadata: `format: pt`, which transformers requires.
+pub fn weights_metadata() -> HashMap<String, String> {
+    HashMap::from([("format".to_string(), "pt".to_string())])
+}
+
+/// Writes config.json and generation_config.json of a model with `config` into `dir`.
+pub fn write_config_files(dir: &Path, config: &Gpt2Config) -> Result<()> {
     let mut json = serde_json::to_value(config)?;
     let obj = json.as_object_mut().expect("config serialises to an object");
     obj.insert("model_type".into(), "gpt2".into());
@@ -271,16 +296,6 @@ pub fn write_model_files(
     obj.remove("torch_dtype");
     obj.insert("dtype".into(), "float32".into());
     write_json(&dir.join(CONFIG), &json)?;
-
-    // HF nests the trunk under `transformer.`; heads (`score.weight`) sit at the top level.
-    let hf_name =
-        |n: &str| if crate::model::params::is_trunk_name(n) { format!("transformer.{n}") } else { n.to_string() };
-    let mut tensors: Vec<(String, Tensor)> = params.iter().map(|(n, v)| (hf_name(n), v.as_tensor().clone())).collect();
-    tensors.extend(extra.iter().map(|(n, t)| (n.to_string(), (*t).clone())));
-    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
-    safetensors::serialize_to_file(tensors, Some(metadata), &dir.join(WEIGHTS))
-        .with_context(|| format!("writing {}", dir.join(WEIGHTS).display()))?;
-
     let eos = config.eos_token_id.unwrap_or(crate::model::gpt2::GPT2_EOS);
     let generation = serde_json::json!({
         "bos_token_id": config.bos_token_id.unwrap_or(eos),

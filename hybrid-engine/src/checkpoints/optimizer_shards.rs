@@ -14,8 +14,9 @@
 
 use crate::training::optim::AdamW;
 use anyhow::{anyhow, bail, Context, Result};
-use candle_core::safetensors::Load;
+use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{Device, Tensor};
+use safetensors::Dtype;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::path::Path;
@@ -114,39 +115,45 @@ pub fn load_into(
     let mut covered = vec![0usize; names.len()];
     for file in &manifest.files {
         let path = dir.join(file);
-        let bytes = std::fs::read(&path)
-            .with_context(|| format!("cannot read {}, listed in the checkpoint's {MANIFEST}", path.display()))?;
+        if !path.is_file() {
+            bail!("cannot read {}, listed in the checkpoint's {MANIFEST}", path.display());
+        }
         let corrupt = |e: &dyn std::fmt::Display| anyhow!("{} is not a valid optimizer shard ({e})", path.display());
-        let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| corrupt(&e))?;
+        // Memory-mapped: a rank reads only the values it holds (a one-rank file holds all of
+        // them). SAFETY: checkpoints are written into new directories and renamed into place,
+        // never rewritten while a run reads them.
+        let st = unsafe { MmapedSafetensors::new(&path) }.map_err(|e| corrupt(&e))?;
         let mut pieces: Vec<String> =
-            st.names().iter().filter_map(|n| n.strip_prefix("range.")).map(String::from).collect();
+            st.tensors().iter().filter_map(|(n, _)| n.strip_prefix("range.")).map(String::from).collect();
         pieces.sort();
         for name in &pieces {
             let Some(&i) = index.get(name.as_str()) else {
                 return Err(corrupt(&format!("it holds {name:?}, which the model does not")));
             };
-            let bounds = st
-                .tensor(&format!("range.{name}"))
-                .map_err(|e| corrupt(&e))?
-                .load(&Device::Cpu)
-                .and_then(|t| t.to_dtype(candle_core::DType::I64)?.flatten_all()?.to_vec1::<i64>())
+            let bounds = values::<8, i64>(&st, &format!("range.{name}"), 0..2, Dtype::I64, i64::from_le_bytes)
                 .map_err(|e| corrupt(&e))?;
             let range = match bounds[..] {
                 [a, b] if 0 <= a && a <= b && b as usize <= numels[i] => a as usize..b as usize,
                 _ => return Err(corrupt(&format!("{name}'s range {bounds:?} is not within its {} values", numels[i]))),
             };
+            let held = optimizer.held(i);
+            let overlap = range.start.max(held.start)..range.end.min(held.end);
             let read = |key: &str| -> Result<Vec<f32>> {
-                let view = st.tensor(&format!("{key}.{name}")).map_err(|e| corrupt(&e))?;
-                let t = view.load(&Device::Cpu).map_err(|e| corrupt(&e))?;
-                if t.elem_count() != range.len() {
-                    return Err(corrupt(&format!(
-                        "{key}.{name} has {} values for the range {range:?}",
-                        t.elem_count()
-                    )));
+                let key = format!("{key}.{name}");
+                let n = st.get(&key).map_err(|e| corrupt(&e))?.shape().iter().product::<usize>();
+                if n != range.len() {
+                    return Err(corrupt(&format!("{key} has {n} values for the range {range:?}")));
                 }
-                Ok(t.flatten_all()?.to_dtype(candle_core::DType::F32)?.to_vec1()?)
+                if overlap.is_empty() {
+                    return Ok(Vec::new());
+                }
+                let within = overlap.start - range.start..overlap.end - range.start;
+                values::<4, f32>(&st, &key, within, Dtype::F32, f32::from_le_bytes).map_err(|e| corrupt(&e))
             };
-            covered[i] += optimizer.fill_held(i, range.clone(), &read("exp_avg")?, &read("exp_avg_sq")?)?;
+            let (m, v) = (read("exp_avg")?, read("exp_avg_sq")?);
+            if !overlap.is_empty() {
+                covered[i] += optimizer.fill_held(i, overlap, &m, &v)?;
+            }
         }
     }
     for (i, name) in names.iter().enumerate() {
@@ -161,6 +168,23 @@ pub fn load_into(
         }
     }
     Ok(())
+}
+
+/// Values `range` of 1-D tensor `key` of dtype `dtype`, `W` bytes each, decoded by `decode`.
+fn values<const W: usize, T>(
+    st: &MmapedSafetensors,
+    key: &str,
+    range: std::ops::Range<usize>,
+    dtype: Dtype,
+    decode: fn([u8; W]) -> T,
+) -> Result<Vec<T>> {
+    let view = st.get(key)?;
+    let n: usize = view.shape().iter().product();
+    if view.dtype() != dtype || range.end > n {
+        bail!("{key} is {:?} of {n} values, not {dtype:?} with values {range:?}", view.dtype());
+    }
+    let bytes = &view.data()[range.start * W..range.end * W];
+    Ok(bytes.chunks_exact(W).map(|b| decode(b.try_into().expect("chunks of W bytes"))).collect())
 }
 
 #[cfg(test)]

@@ -14,11 +14,13 @@
 
 use crate::checkpoints::hf_io::{self, ModelFiles, LATEST};
 use crate::checkpoints::optimizer_shards::{self, Manifest};
+use crate::checkpoints::sharded_io::StreamedSafetensors;
 use crate::comm::{ProcessGroup, ReduceOp};
 use crate::durable::{failpoint, write_dir_atomically, write_file_atomically};
 use crate::model::gpt2::Gpt2Config;
 use crate::model::params::ParamStore;
 use crate::training::optim::AdamW;
+use crate::training::zero3::ShardedModel;
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
@@ -62,8 +64,45 @@ pub fn save_checkpoint(
     let numels: Vec<usize> = params.vars.iter().map(|v| v.elem_count()).collect();
     let shard = OptimizerShard { optimizer, names: &params.names, numels: &numels, sharded: false };
     let group = ProcessGroup::single();
-    let dir = save_checkpoint_across(&group, root, config, Some(params), shard, state, write_tokenizer)?;
+    let dir =
+        save_checkpoint_across(&group, root, config, SavedModel::Whole(Some(params)), shard, state, write_tokenizer)?;
     dir.ok_or_else(|| anyhow::anyhow!("internal error: a one-process save wrote no checkpoint"))
+}
+
+/// The model a checkpoint holds, as the ranks hold it.
+pub enum SavedModel<'a> {
+    /// Whole on rank 0 (`None` on the other ranks).
+    Whole(Option<&'a ParamStore>),
+    /// Sharded over the ranks (ZeRO stage 3): gathered unit by unit, every rank taking part,
+    /// and written by rank 0 as each unit arrives, so no rank holds the whole model.
+    Sharded(&'a ShardedModel),
+}
+
+impl SavedModel<'_> {
+    fn has_lora(&self) -> bool {
+        match self {
+            Self::Whole(params) => params.is_some_and(|p| p.lora_scaling().is_some()),
+            Self::Sharded(model) => model.has_lora(),
+        }
+    }
+}
+
+/// Writes `model.safetensors` of a sharded model into `dir` (on rank 0; `None` on the others),
+/// every rank taking part in the gathers.
+fn write_sharded_weights(model: &ShardedModel, dir: Option<&Path>) -> Result<()> {
+    let mut file = dir
+        .map(|dir| {
+            let tensors: Vec<(String, Vec<usize>)> =
+                model.parameter_shapes().map(|(n, s)| (hf_io::hf_name(n), s.dims().to_vec())).collect();
+            StreamedSafetensors::create(&dir.join(hf_io::WEIGHTS), &tensors, &hf_io::weights_metadata())
+        })
+        .transpose();
+    model.visit_gathered_params(|name, values| match &mut file {
+        Ok(Some(file)) => file.write(&hf_io::hf_name(name), values),
+        Ok(None) => Ok(()),
+        Err(e) => Err(anyhow::anyhow!("{e:#}")),
+    })?;
+    file?.map_or(Ok(()), StreamedSafetensors::finish)
 }
 
 /// What a rank contributes to a checkpoint's optimizer state.
@@ -79,13 +118,14 @@ pub struct OptimizerShard<'a> {
 }
 
 /// Saves a checkpoint from every rank of `group` together (a collective): the ranks' optimizer
-/// files, and from rank 0 the model (`params`, the whole model, needed on rank 0 only), the
-/// manifest and the trainer state; then `latest`. Returns the directory on rank 0.
+/// files, the model (whole on rank 0, or gathered from the shards and written by rank 0 unit by
+/// unit), and from rank 0 the manifest and the trainer state; then `latest`. Returns the
+/// directory on rank 0.
 pub fn save_checkpoint_across(
     group: &ProcessGroup,
     root: &Path,
     config: &Gpt2Config,
-    params: Option<&ParamStore>,
+    model: SavedModel,
     shard: OptimizerShard,
     state: &TrainerState,
     write_tokenizer: &dyn Fn(&Path) -> Result<()>,
@@ -95,7 +135,7 @@ pub fn save_checkpoint_across(
     let staging = root.join(format!(".shards-{name}"));
     agree(group, "create the checkpoint's staging directory", || {
         if rank == 0 {
-            if params.is_some_and(|p| p.lora_scaling().is_some()) {
+            if model.has_lora() {
                 // The model directory holds the merged weights, which cannot be split back into
                 // a base and adapters to continue from.
                 bail!("resumable checkpoints of a model with LoRA adapters are not supported yet (the saved weights are merged): train without LoRA or without checkpoints");
@@ -110,15 +150,28 @@ pub fn save_checkpoint_across(
         true => optimizer_shards::write_shard(&staging, rank, world, shard.optimizer, shard.names),
         false => Ok(()),
     })?;
+    if let SavedModel::Sharded(model) = &model {
+        agree(group, "write the model", || write_sharded_weights(model, (rank == 0).then_some(staging.as_path())))?;
+    }
     let dir = root.join(&name);
     agree(group, "assemble the checkpoint", || {
         if rank != 0 {
             return Ok(());
         }
-        let params = params.ok_or_else(|| anyhow::anyhow!("internal error: rank 0 saves without the model"))?;
         let manifest = optimizer_shards::manifest(world, writers, shard.names, shard.numels);
         write_dir_atomically(&dir, |tmp| {
-            hf_io::write_model_files(tmp, config, params, &[])?;
+            match &model {
+                SavedModel::Whole(params) => {
+                    let params =
+                        params.ok_or_else(|| anyhow::anyhow!("internal error: rank 0 saves without the model"))?;
+                    hf_io::write_model_files(tmp, config, params, &[])?;
+                }
+                SavedModel::Sharded(_) => {
+                    hf_io::write_config_files(tmp, config)?;
+                    std::fs::rename(staging.join(hf_io::WEIGHTS), tmp.join(hf_io::WEIGHTS))
+                        .context("moving the model's weights into the checkpoint")?;
+                }
+            }
             write_tokenizer(tmp)?;
             for f in &manifest.files {
                 std::fs::rename(staging.join(f), tmp.join(f))
@@ -212,6 +265,15 @@ impl OptimizerState {
 
 /// Loads the checkpoint `root/latest` points to.
 pub fn load_checkpoint(root: &Path, device: &Device) -> Result<Checkpoint> {
+    let (dir, optimizer, state) = load_training_state(root, device)?;
+    let model = hf_io::load_model_dir(&dir, device)?;
+    Ok(Checkpoint { model, optimizer, state })
+}
+
+/// The checkpoint `root/latest` points to, without its model: its directory (whose model a
+/// ZeRO-3 rank reads by slices, [`crate::checkpoints::sharded_io::ModelSlices`]), the optimizer
+/// moments and the trainer state.
+pub fn load_training_state(root: &Path, device: &Device) -> Result<(PathBuf, OptimizerState, TrainerState)> {
     if !root.join(LATEST).is_file() {
         bail!("{} holds no checkpoint (no `latest` file): check --load, or drop it to start fresh", root.display());
     }
@@ -228,6 +290,5 @@ pub fn load_checkpoint(root: &Path, device: &Device) -> Result<Checkpoint> {
             state_path.display(),
         ),
     };
-    let model = hf_io::load_model_dir(&dir, device)?;
-    Ok(Checkpoint { model, optimizer, state })
+    Ok((dir, optimizer, state))
 }

@@ -153,16 +153,16 @@ impl ProcessGroup {
         if let Some(c) = self.nccl_for(t)? {
             return c.reduce_scatter(t);
         }
-        self.reduce_scatter_on_host(std::slice::from_ref(t), n)
+        self.reduce_scatter_on_host(vec![t.clone()], n)
     }
 
     /// [`Self::reduce_scatter`] of `parts` laid end to end and zero-padded to `len` values
     /// ([`concat_padded`]). CPU tensors are read in place into the ring's buffer, not first
     /// concatenated: ZeRO's gradients are copied once on their way to the ring, not twice.
-    pub fn reduce_scatter_parts(&self, parts: &[Tensor], len: usize) -> Result<Tensor> {
+    pub fn reduce_scatter_parts(&self, parts: Vec<Tensor>, len: usize) -> Result<Tensor> {
         let on_cpu = parts.iter().all(|t| t.device().is_cpu());
         if !on_cpu || self.world() == 1 {
-            return self.reduce_scatter(&concat_padded(parts, len)?);
+            return self.reduce_scatter(&concat_padded(&parts, len)?);
         }
         if !len.is_multiple_of(self.world()) {
             bail!(
@@ -173,11 +173,13 @@ impl ProcessGroup {
         self.reduce_scatter_on_host(parts, len)
     }
 
-    /// The ring reduce-scatter of CPU `parts`, end to end and zero-padded to `len`.
-    fn reduce_scatter_on_host(&self, parts: &[Tensor], len: usize) -> Result<Tensor> {
+    /// The ring reduce-scatter of CPU `parts`, end to end and zero-padded to `len`. Each part
+    /// is dropped once copied into the ring's buffer: what the caller no longer holds (ZeRO-3's
+    /// gradients, taken out of their store) is freed before the collective runs.
+    fn reduce_scatter_on_host(&self, parts: Vec<Tensor>, len: usize) -> Result<Tensor> {
         let mut v = Vec::with_capacity(len);
         for t in parts {
-            extend_host_f32(&mut v, t)?;
+            extend_host_f32(&mut v, &t)?;
         }
         if v.len() > len {
             bail!("internal error: {} values to reduce-scatter into {len}", v.len());
@@ -335,7 +337,7 @@ mod tests {
                 let c = Tensor::new(&[9f32, 1.5, -2.0], &dev)?.affine(1.0, f64::from(r))?.narrow(0, 1, 2)?;
                 let len = 15usize.next_multiple_of(group.world());
                 let parts = [a, b, c];
-                let got = group.reduce_scatter_parts(&parts, len)?.to_vec1::<f32>()?;
+                let got = group.reduce_scatter_parts(parts.to_vec(), len)?.to_vec1::<f32>()?;
                 let want = group.reduce_scatter(&concat_padded(&parts, len)?)?.to_vec1::<f32>()?;
                 // By hand: rank q's values are a + q, the transpose's [0, 2, 4, 1, 3, 5] (q + 1),
                 // [1.5, -2] + q, then zeros; this rank keeps its chunk of their sum over ranks.

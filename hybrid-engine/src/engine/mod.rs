@@ -135,18 +135,8 @@ impl Engine {
             if let Some(tp) = &tensor {
                 sharded = sharded.with_tensor_parallel(tp.tp().clone());
             }
-            sharded.fp32_loss = precision.fp32_loss;
-            let sharded = Rc::new(sharded);
-            let trainer = Trainer::sharded(
-                sharded.clone(),
-                cfg.optimizer.clone(),
-                cfg.schedule.clone(),
-                accumulation,
-                cfg.gradient_clipping,
-                precision,
-                cfg.loss_scaling,
-            );
-            (TrainedModel::Sharded(sharded), trainer, ParamStore::default())
+            let (model, trainer) = Self::sharded_parts(cfg, sharded);
+            (model, trainer, ParamStore::default())
         } else {
             // Forward and backward run on a copy in the compute dtype (the masters stay fp32).
             let compute = params.compute_copy(dtype)?;
@@ -187,6 +177,44 @@ impl Engine {
             checkpoint_activations: cfg.checkpoint_activations,
             tensor,
         })
+    }
+
+    /// Trains `sharded`, a GPT-2 built sharded over the data-parallel ranks (ZeRO stage 3
+    /// without tensor parallelism: [`ShardedModel::init`] or [`ShardedModel::read`]), as `cfg`
+    /// says: no rank ever holds the whole model.
+    pub fn new_sharded(cfg: &EngineConfig, sharded: ShardedModel) -> Result<Self> {
+        if cfg.parallel.offload {
+            check_offload(!sharded.device().is_cpu(), cfg.parallel.zero_stage, sharded.group().world())?;
+        }
+        let config = sharded.cfg.clone();
+        // Built from a GPT-2's own parameters: no LoRA adapters, so no LoRA learning rate.
+        let (model, trainer) = Self::sharded_parts(cfg, sharded);
+        Ok(Self {
+            config,
+            masters: ParamStore::default(),
+            trainable: ParamStore::default(),
+            compute: ParamStore::default(),
+            model,
+            trainer,
+            checkpoint_activations: cfg.checkpoint_activations,
+            tensor: None,
+        })
+    }
+
+    /// The model and trainer of a sharded model (ZeRO stage 3).
+    fn sharded_parts(cfg: &EngineConfig, mut sharded: ShardedModel) -> (TrainedModel, Trainer) {
+        sharded.fp32_loss = cfg.precision.fp32_loss;
+        let sharded = Rc::new(sharded);
+        let trainer = Trainer::sharded(
+            sharded.clone(),
+            cfg.optimizer.clone(),
+            cfg.schedule.clone(),
+            cfg.gradient_accumulation_steps,
+            cfg.gradient_clipping,
+            cfg.precision,
+            cfg.loss_scaling,
+        );
+        (TrainedModel::Sharded(sharded), trainer)
     }
 
     /// The model, whole or sharded, for forwards outside training (evaluation, rollouts).
@@ -399,6 +427,12 @@ impl Engine {
                 let mut whole = AdamW::over_ranges(self.trainer.optimizer.config.clone(), names, ranges);
                 restore(&mut whole, names, &numels)?;
                 tp.slice_optimizer(&whole, &self.masters, &mut self.trainer.optimizer, &self.config)?;
+            }
+            // Built sharded: no whole masters, the sharded model knows the trained parameters.
+            None if self.masters.vars.is_empty() && self.sharded().is_some() => {
+                let sharded = self.sharded().expect("checked");
+                let (names, numels) = (sharded.trained_names().to_vec(), sharded.trained_numels());
+                restore(&mut self.trainer.optimizer, &names, &numels)?
             }
             None => {
                 let numels: Vec<usize> = self.masters.vars.iter().map(|v| v.elem_count()).collect();

@@ -67,12 +67,27 @@ impl ParamStore {
         mut keep: impl FnMut(&str, Tensor) -> Result<Tensor>,
     ) -> Result<Self> {
         check_weights_fit(cfg, device)?;
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        let std = cfg.initializer_range;
-        let proj_std = std / (2.0 * cfg.n_layer as f64).sqrt();
         // Each tensor goes into its Var (a copy) as soon as it is made, so the peak holds the
         // weights once, not twice (gpt2-medium: 1.4 GB less).
         let mut store = Self::default();
+        Self::draw_initial(cfg, seed, |name, shape, values| {
+            store.push(name, &keep(name, Tensor::from_vec(values, shape, device)?)?)
+        })?;
+        Ok(store)
+    }
+
+    /// Draws the initial values of every parameter of [`parameter_shapes`], in its order, and
+    /// hands each to `take` (name, shape, flat values) before drawing the next: what [`Self::init`]
+    /// keeps whole, a tensor-parallel rank slices and a ZeRO-3 rank shards, all from the same
+    /// draws.
+    pub fn draw_initial(
+        cfg: &Gpt2Config,
+        seed: u64,
+        mut take: impl FnMut(&str, &[usize], Vec<f32>) -> Result<()>,
+    ) -> Result<()> {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let std = cfg.initializer_range;
+        let proj_std = std / (2.0 * cfg.n_layer as f64).sqrt();
         for (name, shape) in parameter_shapes(cfg) {
             let n: usize = shape.iter().product();
             let values: Vec<f32> = if name.ends_with(".bias") {
@@ -83,9 +98,9 @@ impl ParamStore {
                 let s = if name.ends_with("c_proj.weight") { proj_std } else { std };
                 (0..n).map(|_| (normal(&mut rng) * s) as f32).collect()
             };
-            store.push(&name, &keep(&name, Tensor::from_vec(values, shape, device)?)?)?;
+            take(&name, &shape, values)?;
         }
-        Ok(store)
+        Ok(())
     }
 
     /// Adds a parameter outside the GPT-2 trunk (a reward model's `score.weight`), after the

@@ -219,7 +219,7 @@ pub fn all_reduce_gradients(dp: &DataParallel, grads: &mut [Tensor]) -> Result<(
 
 /// Stages 1 and 2: this rank's shard of the summed gradients (not yet averaged).
 pub fn reduce_scatter_gradients(dp: &DataParallel, partition: &Partition, grads: &[Tensor]) -> Result<Tensor> {
-    dp.group.reduce_scatter_parts(grads, partition.padded())
+    dp.group.reduce_scatter_parts(grads.to_vec(), partition.padded())
 }
 
 /// The global L2 norm of sharded gradients: every rank's squared norm, summed over ranks.

@@ -63,6 +63,24 @@ struct Unit {
     grad_offset: Option<usize>,
 }
 
+/// What a sharded model is laid out from: its parameters without their values.
+struct ParamLayout {
+    names: Vec<String>,
+    shapes: Vec<Shape>,
+    /// Per parameter: frozen (`--only-optimize-lora`).
+    frozen: Vec<bool>,
+    lora_scaling: Option<f64>,
+}
+
+impl ParamLayout {
+    /// A GPT-2 trunk's parameters (no head, no adapters), all trained.
+    fn gpt2(cfg: &Gpt2Config) -> Self {
+        let (names, shapes): (Vec<String>, Vec<Shape>) =
+            crate::model::params::parameter_shapes(cfg).into_iter().map(|(n, s)| (n, Shape::from(s))).unzip();
+        Self { frozen: vec![false; names.len()], names, shapes, lora_scaling: None }
+    }
+}
+
 /// A GPT-2 whose parameters are sharded over the ranks of a group (ZeRO stage 3).
 pub struct ShardedModel {
     group: Arc<ProcessGroup>,
@@ -76,6 +94,9 @@ pub struct ShardedModel {
     frozen: Vec<bool>,
     lora_scaling: Option<f64>,
     units: Vec<Unit>,
+    /// Per parameter, the range of its (flat) values this rank holds and where they start in
+    /// the shard; `None` where it holds none.
+    held: Vec<Option<(Range<usize>, usize)>>,
     /// The dtype gathered weights compute in (the masters are fp32).
     dtype: DType,
     device: Device,
@@ -96,33 +117,94 @@ impl ShardedModel {
     /// The masters' frozen flags and LoRA adapters are kept: frozen parameters are gathered
     /// but never trained.
     pub fn new(group: Arc<ProcessGroup>, cfg: &Gpt2Config, masters: &ParamStore, dtype: DType) -> Result<Self> {
-        let world = group.world();
-        let rank = group.rank();
-        let frozen = masters.frozen().to_vec();
+        let layout = ParamLayout {
+            names: masters.names.clone(),
+            shapes: masters.vars.iter().map(|v| v.shape().clone()).collect(),
+            frozen: masters.frozen().to_vec(),
+            lora_scaling: masters.lora_scaling(),
+        };
+        let device = masters.vars.first().map_or(Device::Cpu, |v| v.device().clone());
+        let model = Self::empty(group, cfg, layout, dtype, &device)?;
+        for (i, var) in masters.vars.iter().enumerate() {
+            if let Some((range, _)) = model.held[i].clone() {
+                let values = var.as_tensor().flatten_all()?.narrow(0, range.start, range.len())?;
+                model.fill(i, &values.to_dtype(DType::F32)?.to_vec1()?)?;
+            }
+        }
+        Ok(model)
+    }
+
+    /// A freshly initialised model built sharded (DeepSpeed's `zero.Init`): each tensor is drawn
+    /// as [`ParamStore::init`] draws it, this rank keeps its shard of it and drops the rest, so
+    /// every rank's shard holds the one-rank model's values and no rank ever holds the whole.
+    pub fn init(group: Arc<ProcessGroup>, cfg: &Gpt2Config, seed: u64, dtype: DType, device: &Device) -> Result<Self> {
+        let model = Self::empty(group, cfg, ParamLayout::gpt2(cfg), dtype, device)?;
+        let mut i = 0;
+        ParamStore::draw_initial(cfg, seed, |_, _, values| {
+            if let Some((range, _)) = model.held[i].clone() {
+                model.fill(i, &values[range])?;
+            }
+            i += 1;
+            Ok(())
+        })?;
+        Ok(model)
+    }
+
+    /// A GPT-2 built sharded from a saved model's values: `read(name, range)` returns the values
+    /// of parameter `name` in `range` (its flat indices) as fp32, so a rank reads only its shard
+    /// (from a memory-mapped safetensors file, `checkpoints::hf_io::ModelSlices`).
+    pub fn read(
+        group: Arc<ProcessGroup>,
+        cfg: &Gpt2Config,
+        read: impl Fn(&str, Range<usize>) -> Result<Vec<f32>>,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        let model = Self::empty(group, cfg, ParamLayout::gpt2(cfg), dtype, device)?;
+        for (i, name) in model.names.iter().enumerate() {
+            if let Some((range, _)) = model.held[i].clone() {
+                model.fill(i, &read(name, range)?)?;
+            }
+        }
+        Ok(model)
+    }
+
+    /// The model laid out over `group` with every value 0: the units and this rank's shard of
+    /// each; [`Self::fill`] puts the values in.
+    fn empty(
+        group: Arc<ProcessGroup>,
+        cfg: &Gpt2Config,
+        layout: ParamLayout,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        let (world, rank) = (group.world(), group.rank());
+        let ParamLayout { names, shapes, frozen, lora_scaling } = layout;
         // Unit 2p holds part p's trained parameters, unit 2p + 1 its frozen ones.
         let mut members: Vec<Vec<usize>> = vec![Vec::new(); 2 * (cfg.n_layer + 1)];
-        for (i, name) in masters.names.iter().enumerate() {
+        for (i, name) in names.iter().enumerate() {
             members[2 * unit_of(name, cfg.n_layer)? + usize::from(frozen[i])].push(i);
         }
         let mut units = Vec::new();
-        let mut shard = Vec::new();
-        let mut grad_len = 0;
+        let mut held = vec![None; names.len()];
+        let (mut shard_len, mut grad_len) = (0, 0);
         for (k, params) in members.into_iter().enumerate().filter(|(_, p)| !p.is_empty()) {
-            let tensors: Vec<Tensor> = params.iter().map(|&i| masters.vars[i].as_tensor().clone()).collect();
-            let partition = Partition::new(tensors.iter().map(Tensor::elem_count).collect(), world);
-            let flat = partition.flatten(&tensors)?.to_dtype(DType::F32)?;
-            let range = partition.shard(rank);
-            shard.extend(flat.narrow(0, range.start, range.len())?.to_vec1::<f32>()?);
+            let partition = Partition::new(params.iter().map(|&i| shapes[i].elem_count()).collect(), world);
+            for piece in partition.pieces(rank) {
+                held[params[piece.param]] = Some((piece.in_param, shard_len + piece.in_shard.start));
+            }
+            let len = partition.shard_len;
             let grad_offset = (k % 2 == 0).then(|| {
-                grad_len += range.len();
-                grad_len - range.len()
+                grad_len += len;
+                grad_len - len
             });
-            units.push(Unit { part: k / 2, params, partition, offset: shard.len() - range.len(), grad_offset });
+            units.push(Unit { part: k / 2, params, partition, offset: shard_len, grad_offset });
+            shard_len += len;
         }
         let unit_count = units.len();
         let mut trained_index = Vec::with_capacity(frozen.len());
         let mut trained_names = Vec::new();
-        for (name, &frozen) in masters.names.iter().zip(&frozen) {
+        for (name, &frozen) in names.iter().zip(&frozen) {
             trained_index.push((!frozen).then_some(trained_names.len()));
             if !frozen {
                 trained_names.push(name.clone());
@@ -131,20 +213,31 @@ impl ShardedModel {
         Ok(Self {
             group,
             cfg: cfg.clone(),
-            names: masters.names.clone(),
-            shapes: masters.vars.iter().map(|v| v.shape().clone()).collect(),
+            names,
+            shapes,
             trained_index,
             trained_names,
             frozen,
-            lora_scaling: masters.lora_scaling(),
+            lora_scaling,
             units,
+            held,
             dtype,
-            device: masters.vars.first().map_or(Device::Cpu, |v| v.device().clone()),
+            device: device.clone(),
             fp32_loss: false,
             tp: None,
-            shard: RefCell::new(shard),
+            shard: RefCell::new(vec![0.0; shard_len]),
             grads: RefCell::new(vec![None; unit_count]),
         })
+    }
+
+    /// Puts `values`, parameter `i`'s values in the range this rank holds of it, into the shard.
+    fn fill(&self, i: usize, values: &[f32]) -> Result<()> {
+        let Some((range, at)) = self.held[i].clone() else { return Ok(()) };
+        if values.len() != range.len() {
+            bail!("{}: {} values read for the {} this rank holds", self.names[i], values.len(), range.len());
+        }
+        self.shard.borrow_mut()[at..at + range.len()].copy_from_slice(values);
+        Ok(())
     }
 
     /// The model sharded is this rank's slices of a model split over `tp` (tensor parallelism):
@@ -174,6 +267,11 @@ impl ShardedModel {
 
     pub fn group(&self) -> &Arc<ProcessGroup> {
         &self.group
+    }
+
+    /// Where gathered weights compute.
+    pub fn device(&self) -> &Device {
+        &self.device
     }
 
     /// Values in this rank's shard (padding included).
@@ -239,17 +337,55 @@ impl ShardedModel {
         self.gather_values(values, self.group.is_first())
     }
 
+    /// Whether LoRA adapters are attached.
+    pub fn has_lora(&self) -> bool {
+        self.lora_scaling.is_some()
+    }
+
+    /// Every parameter's name and shape, in the model's order.
+    pub fn parameter_shapes(&self) -> impl Iterator<Item = (&str, &Shape)> {
+        self.names.iter().map(String::as_str).zip(&self.shapes)
+    }
+
+    /// Every parameter's fp32 values gathered unit by unit, handed to `visit` (name, values) on
+    /// the first rank, each unit dropped before the next is gathered: its peak is its shard plus
+    /// one unit (a consolidated save written as it is gathered). Every rank must call it; after a
+    /// failing `visit` the first rank still takes part in the remaining gathers, then returns
+    /// the error, so no rank waits on it.
+    pub fn visit_gathered_params(&self, mut visit: impl FnMut(&str, &Tensor) -> Result<()>) -> Result<()> {
+        let shard = self.shard.borrow();
+        let first = self.group.is_first();
+        let mut failed = None;
+        self.for_each_gathered(&shard, |i, t| {
+            if first && failed.is_none() {
+                failed = visit(&self.names[i], &t).err();
+            }
+            Ok(())
+        })?;
+        failed.map_or(Ok(()), Err)
+    }
+
+    /// Gathers each unit of the shard-shaped `values` and hands its parameters (index, values)
+    /// to `take`.
+    fn for_each_gathered(&self, values: &[f32], mut take: impl FnMut(usize, Tensor) -> Result<()>) -> Result<()> {
+        for unit in &self.units {
+            let tensors = self.gather_unit(unit, &values[unit.offset..unit.offset + unit.partition.shard_len])?;
+            for (&i, t) in unit.params.iter().zip(tensors) {
+                take(i, t)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Gathers each unit of the shard-shaped `values`; keeps the whole model when `keep`.
     fn gather_values(&self, values: &[f32], keep: bool) -> Result<Option<ParamStore>> {
         let mut full: Vec<Option<Tensor>> = vec![None; self.names.len()];
-        for unit in &self.units {
-            let tensors = self.gather_unit(unit, &values[unit.offset..unit.offset + unit.partition.shard_len])?;
+        self.for_each_gathered(values, |i, t| {
             if keep {
-                for (&i, t) in unit.params.iter().zip(tensors) {
-                    full[i] = Some(t);
-                }
+                full[i] = Some(t);
             }
-        }
+            Ok(())
+        })?;
         if !keep {
             return Ok(None);
         }
@@ -367,47 +503,60 @@ impl ShardedModel {
             x = self.block(i, Pass::Forward)?.0.forward(&x, &bias, None, dropout)?.detach();
         }
 
-        // The head, with the last hidden state as a leaf so its gradient comes back.
+        // The head, with the last hidden state as a leaf so its gradient comes back. Each
+        // part's graph, gathered weights and gradients are dropped as soon as they are used, so
+        // that a rank holds at most one gathered unit and its gradient at a time (the head's
+        // graph would otherwise keep the gathered embedding through every block's backward).
         let (outer, gathered) = self.outer()?;
         let last = Var::from_tensor(&x)?;
         let score = gathered.tensor(SCORE_WEIGHT);
         let loss = head(&Heads { trunk: &outer, score: score.as_ref() }, last.as_tensor())?;
-        let store = (&loss * loss_scale)?.backward()?;
-        self.reduce_scatter_gradients(&gathered, &store)?;
-        let mut grad = leaf_grad(&store, &last)?;
-        drop((store, outer, gathered, score));
+        let loss_value = loss.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+        let mut store = (&loss * loss_scale)?.backward()?;
+        drop((loss, outer, score));
+        let mut grad = take_leaf_grad(&mut store, &last)?;
+        self.reduce_scatter_gradients(gathered, store)?;
 
         for (i, input) in inputs.iter().enumerate().rev() {
             let (block, gathered) = self.block(i, Pass::Backward)?;
             let input = Var::from_tensor(input)?;
             let out = block.forward(input.as_tensor(), &bias, None, dropout)?;
-            let store = out.mul(&grad)?.sum_all()?.backward()?;
-            self.reduce_scatter_gradients(&gathered, &store)?;
-            grad = leaf_grad(&store, &input)?;
+            let mut store = out.mul(&grad)?.sum_all()?.backward()?;
+            drop((out, block));
+            grad = take_leaf_grad(&mut store, &input)?;
+            self.reduce_scatter_gradients(gathered, store)?;
         }
 
         // The embeddings; wte's gradient from the head was reduce-scattered above and adds up.
         let (outer, gathered) = self.outer()?;
         let emb = outer.embed(ids, pos, 0, dropout)?;
-        self.reduce_scatter_gradients(&gathered, &emb.mul(&grad)?.sum_all()?.backward()?)?;
-        Ok(loss.to_dtype(DType::F32)?.to_scalar::<f32>()?)
+        let store = emb.mul(&grad)?.sum_all()?.backward()?;
+        drop((emb, outer, grad));
+        self.reduce_scatter_gradients(gathered, store)?;
+        Ok(loss_value)
     }
 
     /// Adds this rank's shard of the gradients `store` holds for a gathered part's trained
     /// units, summed over ranks, to their gradient shards. Parameters the backward did not
-    /// reach count as 0.
-    fn reduce_scatter_gradients(&self, g: &Gathered, store: &GradStore) -> Result<()> {
-        for (u, vars) in &g.trained {
+    /// reach count as 0. The gathered weights are dropped first and each gradient once copied
+    /// for the collective (the caller drops the models built on them before).
+    fn reduce_scatter_gradients(&self, g: Gathered, mut store: GradStore) -> Result<()> {
+        let mut taken = Vec::new();
+        for (u, vars) in g.trained {
             let grads: Vec<Tensor> = vars
                 .iter()
-                .map(|v| match store.get(v.as_tensor()) {
+                .map(|v| match store.remove(v.as_tensor()) {
                     Some(grad) => grad.detach().to_dtype(DType::F32),
                     None => Tensor::zeros(v.shape(), DType::F32, &self.device),
                 })
                 .collect::<candle_core::Result<_>>()?;
-            let mine = self.group.reduce_scatter_parts(&grads, self.units[*u].partition.padded())?;
+            taken.push((u, grads));
+        }
+        drop((g.named, store));
+        for (u, grads) in taken {
+            let mine = self.group.reduce_scatter_parts(grads, self.units[u].partition.padded())?;
             let mut slots = self.grads.borrow_mut();
-            slots[*u] = Some(match slots[*u].take() {
+            slots[u] = Some(match slots[u].take() {
                 Some(acc) => (acc + mine)?,
                 None => mine,
             });
@@ -539,11 +688,12 @@ fn unit_of(name: &str, n_layer: usize) -> Result<usize> {
     }
 }
 
-/// The gradient that reached a leaf, detached (see `train_step::leaf_grad`).
-fn leaf_grad(store: &GradStore, leaf: &Var) -> Result<Tensor> {
+/// The gradient that reached a leaf, taken out of `store` and detached (see
+/// `train_step::leaf_grad`).
+fn take_leaf_grad(store: &mut GradStore, leaf: &Var) -> Result<Tensor> {
     store
-        .get(leaf.as_tensor())
-        .map(Tensor::detach)
+        .remove(leaf.as_tensor())
+        .map(|g| g.detach())
         .ok_or_else(|| anyhow!("internal error: no gradient reached a block boundary"))
 }
 

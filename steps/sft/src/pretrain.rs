@@ -6,9 +6,11 @@
 
 use crate::pretrain_args::{PretrainArgs, PretrainConfig};
 use anyhow::{bail, Context, Result};
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use data::{BlockSampler, CorpusSource, PackedCorpus, SamplerCursor, Tokenizer};
-use hybrid_engine::checkpoints::resume::{self, OptimizerShard, TrainerState, FORMAT_VERSION};
+use hybrid_engine::checkpoints::hf_io;
+use hybrid_engine::checkpoints::resume::{self, OptimizerShard, SavedModel, TrainerState, FORMAT_VERSION};
+use hybrid_engine::checkpoints::sharded_io::ModelSlices;
 use hybrid_engine::comm::{ProcessGroup, ReduceOp};
 use hybrid_engine::engine::{Engine, Head, Ranks};
 use hybrid_engine::kernels::ops::DropoutKey;
@@ -20,10 +22,12 @@ use hybrid_engine::training::schedule::LrSchedule;
 use hybrid_engine::training::tensor_parallel::{data_group, TensorParallel};
 use hybrid_engine::training::trainer::{StepReport, Trainer, TrainerProgress};
 use hybrid_engine::training::zero::ZeroStage;
+use hybrid_engine::training::zero3::ShardedModel;
 use hybrid_engine::ParamStore;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use std::ops::Range;
+use std::sync::Arc;
 use std::time::Instant;
 
 /// What a pretraining run reports at the end (also the last record of metrics.jsonl).
@@ -137,7 +141,14 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
         .with_tensor_parallel(tp.as_ref().map_or(1, |t| t.size()))
         .with_data_parallel(ZeroStage::from_number(args.zero_stage)?, world);
     hybrid_engine::training::memory::check_plan_fits(&plan, &device)?;
-    let (params, start, cursor, resume) = start_or_resume(args, &layout, &mut model_cfg, tp.as_ref(), &device)?;
+    // ZeRO-3 across ranks without tensor parallelism builds the model sharded: no rank ever
+    // holds it whole (DeepSpeed's zero.Init); otherwise each rank starts from the whole model
+    // (or its TP slices).
+    let dtype = args.precision.dtype.dtype();
+    let shard_over = (ZeroStage::from_number(args.zero_stage)? == ZeroStage::Parameters && world > 1 && tp.is_none())
+        .then(|| (data_group.clone(), dtype));
+    let (weights, start, cursor, resume) =
+        start_or_resume(args, &layout, &mut model_cfg, tp.as_ref(), shard_over, &device)?;
     if tokenizer.vocab_size() > model_cfg.vocab_size {
         bail!(
             "the tokenizer has {} tokens but the model's embedding only {} rows: use a matching --tokenizer",
@@ -150,7 +161,10 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     // Under tensor parallelism the masters are this rank's slices.
     let engine_cfg = args.engine_config(&cfg, accumulation, &data_group)?;
     let ranks = Ranks { data: data_group.clone(), tensor: tp.clone() };
-    let mut engine = Engine::new(&engine_cfg, &model_cfg, Head::Lm, params, ranks)?;
+    let mut engine = match weights {
+        StartingWeights::Whole(params) => Engine::new(&engine_cfg, &model_cfg, Head::Lm, params, ranks)?,
+        StartingWeights::Sharded(sharded) => Engine::new_sharded(&engine_cfg, *sharded)?,
+    };
     // A checkpoint holds the whole optimizer state, so it loads into any world size or stage:
     // each rank keeps its shard of the moments.
     if let Some(r) = &resume {
@@ -248,19 +262,23 @@ fn start_or_resume(
     layout: &DataLayout,
     model_cfg: &mut hybrid_engine::Gpt2Config,
     tp: Option<&TensorParallel>,
+    shard_over: Option<(Arc<ProcessGroup>, DType)>,
     device: &Device,
-) -> Result<(ParamStore, u64, SamplerCursor, Option<Resume>)> {
+) -> Result<(StartingWeights, u64, SamplerCursor, Option<Resume>)> {
     let Some(root) = &args.load else {
-        // Under tensor parallelism each rank draws the same weights but keeps its slices.
-        let params = match tp {
-            Some(tp) => tp.init(model_cfg, args.seed, device)?,
-            None => ParamStore::init(model_cfg, args.seed, device)?,
+        // Under tensor parallelism each rank draws the same weights but keeps its slices; under
+        // ZeRO-3 its shard.
+        let weights = match (tp, shard_over) {
+            (_, Some((group, dtype))) => {
+                StartingWeights::Sharded(Box::new(ShardedModel::init(group, model_cfg, args.seed, dtype, device)?))
+            }
+            (Some(tp), None) => StartingWeights::Whole(tp.init(model_cfg, args.seed, device)?),
+            (None, None) => StartingWeights::Whole(ParamStore::init(model_cfg, args.seed, device)?),
         };
-        return Ok((params, 0, SamplerCursor::default(), None));
+        return Ok((weights, 0, SamplerCursor::default(), None));
     };
-    let ck = resume::load_checkpoint(root, device)?;
-    check_same_shape(&ck.model.config, model_cfg)?;
-    let run: PretrainRunState = serde_json::from_value(ck.state.run.clone())
+    let (dir, optimizer, state) = resume::load_training_state(root, device)?;
+    let run: PretrainRunState = serde_json::from_value(state.run.clone())
         .context("checkpoint's trainer_state.json lacks pretraining's run state (data layout, schedule, optimizer)")?;
     let saved = run.data;
     if !layout.continues(&saved) {
@@ -272,24 +290,49 @@ fn start_or_resume(
         );
     }
     let cursor: SamplerCursor =
-        serde_json::from_value(ck.state.data_cursor.clone()).context("checkpoint's data cursor is malformed")?;
+        serde_json::from_value(state.data_cursor.clone()).context("checkpoint's data cursor is malformed")?;
     if cursor.position > layout.train.len() {
         bail!("checkpoint's data cursor is past the end of the training split: the corpus changed since it was saved");
     }
-    let optimizer_step = run.optimizer_step.unwrap_or(ck.state.iteration);
-    *model_cfg = ck.model.config.clone();
-    if let Some(p) = args.dropout {
-        (model_cfg.resid_pdrop, model_cfg.embd_pdrop, model_cfg.attn_pdrop) = (p, p, p);
-    }
-    let params = ParamStore::from_tensors(model_cfg, &ck.model.tensors, device)?;
-    // Checkpoints are consolidated: under tensor parallelism each rank keeps its slices.
-    let params = match tp {
-        Some(tp) => tp.slice(params, model_cfg)?,
-        None => params,
+    let optimizer_step = run.optimizer_step.unwrap_or(state.iteration);
+    // Under ZeRO-3 a rank reads only its shard of each tensor from the memory-mapped weights.
+    let weights = match shard_over {
+        Some((group, dtype)) => {
+            let slices = ModelSlices::open(&dir)?;
+            check_same_shape(&slices.config, model_cfg)?;
+            *model_cfg = with_dropout(slices.config.clone(), args.dropout);
+            let read = |name: &str, range| slices.read(name, range);
+            StartingWeights::Sharded(Box::new(ShardedModel::read(group, model_cfg, read, dtype, device)?))
+        }
+        None => {
+            let model = hf_io::load_model_dir(&dir, device)?;
+            check_same_shape(&model.config, model_cfg)?;
+            *model_cfg = with_dropout(model.config.clone(), args.dropout);
+            let params = ParamStore::from_tensors(model_cfg, &model.tensors, device)?;
+            // Checkpoints are consolidated: under tensor parallelism each rank keeps its slices.
+            StartingWeights::Whole(match tp {
+                Some(tp) => tp.slice(params, model_cfg)?,
+                None => params,
+            })
+        }
     };
-    println!("resumed from {} at iteration {}", ck.model.dir.display(), ck.state.iteration);
-    let resume = Resume { optimizer: ck.optimizer, optimizer_step, progress: run.trainer };
-    Ok((params, ck.state.iteration, cursor, Some(resume)))
+    println!("resumed from {} at iteration {}", dir.display(), state.iteration);
+    let resume = Resume { optimizer, optimizer_step, progress: run.trainer };
+    Ok((weights, state.iteration, cursor, Some(resume)))
+}
+
+/// A checkpoint's `config` with `--dropout`, when given, in place of its dropout.
+fn with_dropout(mut config: hybrid_engine::Gpt2Config, dropout: Option<f64>) -> hybrid_engine::Gpt2Config {
+    if let Some(p) = dropout {
+        (config.resid_pdrop, config.embd_pdrop, config.attn_pdrop) = (p, p, p);
+    }
+    config
+}
+
+/// The model pretraining starts from: whole (or this rank's TP slices), or built sharded.
+enum StartingWeights {
+    Whole(ParamStore),
+    Sharded(Box<ShardedModel>),
 }
 
 /// Pretraining's loop and what it carries from one iteration to the next.
@@ -460,9 +503,9 @@ impl Pretraining<'_> {
 }
 
 /// Saves a checkpoint (all ranks call this together): each rank writes the optimizer state it
-/// holds, rank 0 the model (under ZeRO-3 gathered from every rank's shard, under tensor
-/// parallelism from every TP rank's slices, with the optimizer's moments: a checkpoint is
-/// always consolidated, so any layout resumes it). No rank runs ahead of a checkpoint that a
+/// holds, rank 0 the model (under ZeRO-3 written unit by unit as it is gathered from every
+/// rank's shard, under tensor parallelism gathered from every TP rank's slices with the
+/// optimizer's moments: a checkpoint is always consolidated, so any layout resumes it). No rank runs ahead of a checkpoint that a
 /// restart would resume from. Returns the directory on rank 0.
 fn save(
     group: &ProcessGroup,
@@ -477,7 +520,7 @@ fn save(
     let slices;
     let masters = engine.masters();
     let (gathered, names, numels) = match (engine.sharded(), engine.tensor_parallel()) {
-        (Some(sharded), None) => (sharded.gather_params()?, sharded.trained_names(), sharded.trained_numels()),
+        (Some(sharded), None) => (None, sharded.trained_names(), sharded.trained_numels()),
         (sharded, Some(tp)) => {
             // Only rank 0 writes the model and the optimizer state: its TP group gathers them,
             // the slices first put together from the data-parallel shards under ZeRO 1-3
@@ -505,11 +548,14 @@ fn save(
         }
         (None, None) => (None, &masters.names[..], masters.vars.iter().map(|v| v.elem_count()).collect()),
     };
-    let params = gathered.as_ref().or(group.is_first().then_some(masters));
+    let model = match (engine.sharded(), engine.tensor_parallel()) {
+        (Some(sharded), None) => SavedModel::Sharded(sharded),
+        _ => SavedModel::Whole(gathered.as_ref().or(group.is_first().then_some(masters))),
+    };
     // Under tensor parallelism rank 0 holds the consolidated optimizer.
     let sharded = trainer.shards_optimizer() && engine.tensor_parallel().is_none();
     let shard = OptimizerShard { optimizer, names, numels: &numels, sharded };
-    resume::save_checkpoint_across(group, save_dir, model_cfg, params, shard, state, &|d| {
+    resume::save_checkpoint_across(group, save_dir, model_cfg, model, shard, state, &|d| {
         tokenizer.save(&d.join("tokenizer.json"))
     })
 }

@@ -1,0 +1,258 @@
+//! A model directory's weights for a model sharded at rest (ZeRO stage 3), never held whole:
+//! [`ModelSlices`] memory-maps the safetensors files and reads a range of a tensor (a rank's
+//! shard of it; only the pages that hold it come from disk), [`StreamedSafetensors`] writes a
+//! consolidated `model.safetensors` one tensor at a time as the units are gathered.
+
+use crate::checkpoints::hf_io::{self, CONFIG, WEIGHTS, WEIGHTS_INDEX};
+use crate::model::gpt2::Gpt2Config;
+use crate::model::params::{is_trunk_name, parameter_shapes};
+use anyhow::{anyhow, bail, Context, Result};
+use candle_core::safetensors::MmapedSafetensors;
+use candle_core::Tensor;
+use safetensors::Dtype;
+use std::collections::HashMap;
+use std::io::{Seek, SeekFrom, Write};
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+/// The GPT-2 trunk of a model directory (HF's or ours, single-file or sharded), memory-mapped.
+pub struct ModelSlices {
+    pub dir: PathBuf,
+    pub config: Gpt2Config,
+    files: MmapedSafetensors,
+    /// Trunk parameter name (without HF's `transformer.`) -> the name in the files.
+    stored: HashMap<String, String>,
+}
+
+impl ModelSlices {
+    /// Opens `dir`'s config.json and weights, checking that every trunk tensor is there with
+    /// the shape the config implies.
+    pub fn open(dir: &Path) -> Result<Self> {
+        if dir.file_name().is_some() {
+            crate::durable::recover_leftovers(dir)?;
+        }
+        let config = hf_io::read_config(&dir.join(CONFIG))?;
+        let paths: Vec<PathBuf> = if dir.join(WEIGHTS).is_file() {
+            vec![dir.join(WEIGHTS)]
+        } else if dir.join(WEIGHTS_INDEX).is_file() {
+            hf_io::shard_files(&dir.join(WEIGHTS_INDEX))?.into_iter().map(|f| dir.join(f)).collect()
+        } else {
+            bail!("{} has no model.safetensors or model.safetensors.index.json", dir.display());
+        };
+        // SAFETY: a mapped file must not change while mapped. Model directories and checkpoints
+        // are written into a temporary directory and renamed into place (crate `durable`), never
+        // rewritten where they are.
+        let files = unsafe { MmapedSafetensors::multi(&paths) }.map_err(|e| {
+            anyhow!("{} is not a valid safetensors model ({e}): re-download or re-save it", dir.display())
+        })?;
+        let mut stored = HashMap::new();
+        for (name, _) in files.tensors() {
+            let short = name.strip_prefix("transformer.").unwrap_or(&name);
+            if is_trunk_name(short) {
+                stored.insert(short.to_string(), name.clone());
+            }
+        }
+        for (name, shape) in parameter_shapes(&config) {
+            let file_name = stored.get(&name).ok_or_else(|| {
+                anyhow!("{} lacks tensor {name}: it is not a complete GPT-2 checkpoint", dir.display())
+            })?;
+            let view = files.get(file_name)?;
+            if view.shape() != shape.as_slice() {
+                bail!("tensor {name} has shape {:?} but config.json implies {shape:?}", view.shape());
+            }
+        }
+        Ok(Self { dir: dir.to_path_buf(), config, files, stored })
+    }
+
+    /// The values of trunk parameter `name` in `range` of its flat indices, as f32 (from f32,
+    /// f16 or bf16).
+    pub fn read(&self, name: &str, range: Range<usize>) -> Result<Vec<f32>> {
+        let stored = self.stored.get(name).ok_or_else(|| anyhow!("{} lacks tensor {name}", self.dir.display()))?;
+        let view = self.files.get(stored)?;
+        let n: usize = view.shape().iter().product();
+        if range.end > n {
+            bail!("internal error: values {range:?} of {name}, which has {n}");
+        }
+        let width = match view.dtype() {
+            Dtype::F32 => 4,
+            Dtype::F16 | Dtype::BF16 => 2,
+            other => bail!("tensor {name} in {} is {other:?}; GPT-2 weights are f32, f16 or bf16", self.dir.display()),
+        };
+        let bytes = &view.data()[range.start * width..range.end * width];
+        Ok(match view.dtype() {
+            Dtype::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+            Dtype::F16 => bytes.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+            _ => bytes.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+        })
+    }
+}
+
+/// A safetensors file of f32 tensors whose names and shapes are known before their values: the
+/// header is written first, each tensor's values at its place as they come, in any order.
+pub struct StreamedSafetensors {
+    path: PathBuf,
+    file: std::fs::File,
+    /// Name -> (offset of its values from the file's start, number of values, written yet).
+    places: HashMap<String, (u64, usize, bool)>,
+}
+
+impl StreamedSafetensors {
+    /// Creates `path` for `tensors` (name, shape), laid out in that order, with `metadata`.
+    pub fn create(path: &Path, tensors: &[(String, Vec<usize>)], metadata: &HashMap<String, String>) -> Result<Self> {
+        let mut header = serde_json::Map::new();
+        header.insert("__metadata__".into(), serde_json::to_value(metadata)?);
+        let mut offset = 0usize;
+        let mut places = HashMap::new();
+        for (name, shape) in tensors {
+            let n: usize = shape.iter().product();
+            header.insert(
+                name.clone(),
+                serde_json::json!({"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + 4 * n]}),
+            );
+            places.insert(name.clone(), (offset as u64, n, false));
+            offset += 4 * n;
+        }
+        let mut text = serde_json::to_string(&header)?;
+        // The data starts 8-byte aligned, as safetensors' own writer aligns it.
+        text.push_str(&" ".repeat((8 - text.len() % 8) % 8));
+        let start = 8 + text.len() as u64;
+        let mut file = std::fs::File::create(path).with_context(|| format!("cannot create {}", path.display()))?;
+        file.write_all(&(text.len() as u64).to_le_bytes())?;
+        file.write_all(text.as_bytes())?;
+        file.set_len(start + offset as u64)?;
+        for place in places.values_mut() {
+            place.0 += start;
+        }
+        Ok(Self { path: path.to_path_buf(), file, places })
+    }
+
+    /// Writes tensor `name`'s values (any dtype, converted to f32).
+    pub fn write(&mut self, name: &str, values: &Tensor) -> Result<()> {
+        let what = || format!("writing {name} into {}", self.path.display());
+        let Some((at, n, written)) = self.places.get_mut(name) else {
+            bail!("internal error: {} has no place", what())
+        };
+        if values.elem_count() != *n || *written {
+            bail!(
+                "internal error: {}: {} values for {n} places (written before: {written})",
+                what(),
+                values.elem_count()
+            );
+        }
+        let values: Vec<f32> = values.flatten_all()?.to_dtype(candle_core::DType::F32)?.to_vec1()?;
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        self.file.seek(SeekFrom::Start(*at)).with_context(what)?;
+        self.file.write_all(&bytes).with_context(what)?;
+        *written = true;
+        Ok(())
+    }
+
+    /// Checks that every tensor was written and flushes the file to disk.
+    pub fn finish(self) -> Result<()> {
+        if let Some((name, _)) = self.places.iter().find(|(_, (_, _, written))| !written) {
+            bail!("internal error: {} lacks tensor {name}", self.path.display());
+        }
+        self.file.sync_all().with_context(|| format!("flushing {}", self.path.display()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::comm::on_groups;
+    use crate::model::params::ParamStore;
+    use crate::training::zero3::ShardedModel;
+    use candle_core::{DType, Device};
+    use std::sync::Arc;
+
+    fn small() -> Gpt2Config {
+        Gpt2Config { n_layer: 2, n_embd: 8, n_head: 2, n_positions: 8, vocab_size: 20, ..Gpt2Config::tiny() }
+    }
+
+    /// Built sharded from the initial draws (2 and 3 ranks), each rank's shard is the one cut
+    /// from the whole one-rank model; written unit by unit, the consolidated file holds the whole
+    /// model exactly; read back by slices on another world size, the shards are again those of
+    /// the whole model.
+    #[test]
+    fn sharded_construction_and_streamed_saves_give_the_whole_models_values() -> Result<()> {
+        let cfg = small();
+        let whole = ParamStore::init(&cfg, 7, &Device::Cpu)?;
+        let dir = tempfile::tempdir()?;
+        let saved = dir.path().join("saved");
+        std::fs::create_dir(&saved)?;
+        for world in [2, 3] {
+            let results = on_groups(world, |group| {
+                let group = Arc::new(group);
+                let built = ShardedModel::init(group.clone(), &cfg, 7, DType::F32, &Device::Cpu)?;
+                let cut = ShardedModel::new(group.clone(), &cfg, &whole, DType::F32)?;
+                assert_eq!(built.shard_values(), cut.shard_values(), "rank {} of {world}", group.rank());
+                if world == 3 {
+                    let mut file = group.is_first().then(|| {
+                        let tensors: Vec<(String, Vec<usize>)> =
+                            built.parameter_shapes().map(|(n, s)| (hf_io::hf_name(n), s.dims().to_vec())).collect();
+                        StreamedSafetensors::create(&saved.join(WEIGHTS), &tensors, &hf_io::weights_metadata()).unwrap()
+                    });
+                    built.visit_gathered_params(|name, values| match &mut file {
+                        Some(f) => f.write(&hf_io::hf_name(name), values),
+                        None => Ok(()),
+                    })?;
+                    file.map_or(Ok(()), StreamedSafetensors::finish)?;
+                }
+                Ok(())
+            });
+            results.into_iter().collect::<Result<Vec<()>>>()?;
+        }
+        hf_io::write_config_files(&saved, &cfg)?;
+        let read = hf_io::load_model_dir(&saved, &Device::Cpu)?;
+        for (name, var) in whole.iter() {
+            let got = read.tensors[name].flatten_all()?.to_vec1::<f32>()?;
+            assert_eq!(got, var.as_tensor().flatten_all()?.to_vec1::<f32>()?, "{name}");
+        }
+        let slices = ModelSlices::open(&saved)?;
+        let results = on_groups(2, |group| {
+            let group = Arc::new(group);
+            let read = ShardedModel::read(group.clone(), &cfg, |n, r| slices.read(n, r), DType::F32, &Device::Cpu)?;
+            let cut = ShardedModel::new(group, &cfg, &whole, DType::F32)?;
+            assert_eq!(read.shard_values(), cut.shard_values());
+            Ok(())
+        });
+        results.into_iter().collect::<Result<Vec<()>>>()?;
+        Ok(())
+    }
+
+    /// Half-precision files (HF's fp16/bf16 checkpoints) read as f32 by range; a missing tensor
+    /// or one of the wrong shape is one error naming it.
+    #[test]
+    fn slices_of_half_precision_weights_and_bad_files_are_read_as_they_should() -> Result<()> {
+        let cfg = small();
+        let whole = ParamStore::init(&cfg, 1, &Device::Cpu)?;
+        let dir = tempfile::tempdir()?;
+        for dtype in [DType::BF16, DType::F16] {
+            let tensors: Vec<(String, Tensor)> = whole
+                .iter()
+                .map(|(n, v)| Ok((hf_io::hf_name(n), v.as_tensor().to_dtype(dtype)?)))
+                .collect::<Result<_>>()?;
+            safetensors::serialize_to_file(tensors, None, &dir.path().join(WEIGHTS))?;
+            hf_io::write_config_files(dir.path(), &cfg)?;
+            let slices = ModelSlices::open(dir.path())?;
+            let want: Vec<f32> = whole
+                .get("h.1.mlp.c_fc.weight")
+                .unwrap()
+                .as_tensor()
+                .to_dtype(dtype)?
+                .to_dtype(DType::F32)?
+                .flatten_all()?
+                .to_vec1()?;
+            assert_eq!(slices.read("h.1.mlp.c_fc.weight", 5..77)?, want[5..77]);
+        }
+        let partial: Vec<(String, Tensor)> =
+            whole.iter().skip(1).map(|(n, v)| (hf_io::hf_name(n), v.as_tensor().clone())).collect();
+        safetensors::serialize_to_file(partial, None, &dir.path().join(WEIGHTS))?;
+        let err = ModelSlices::open(dir.path()).err().expect("incomplete").to_string();
+        assert!(err.contains("lacks tensor wte.weight"), "{err}");
+        std::fs::write(dir.path().join(WEIGHTS), b"not safetensors")?;
+        let err = ModelSlices::open(dir.path()).err().expect("corrupt").to_string();
+        assert!(err.contains("is not a valid safetensors model"), "{err}");
+        Ok(())
+    }
+}
