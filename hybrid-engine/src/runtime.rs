@@ -26,7 +26,9 @@ pub const PANIC_EXIT_CODE: i32 = 101;
 /// when set, is kept.
 pub fn init() {
     install_panic_hook();
-    retain_freed_memory();
+    if !returns_freed_memory() {
+        retain_freed_memory();
+    }
     // Called at the start of main, before other threads exist to read the environment.
     if !threads_chosen_by_user() {
         // A count an earlier process of ours detected (for its machine, and for itself alone) is
@@ -136,6 +138,16 @@ pub fn threads() -> usize {
     *THREADS.get_or_init(candle_core::utils::get_num_threads)
 }
 
+/// `RLHF_RETURN_FREED_MEMORY=1`: freed buffers go back to the kernel as glibc does by default,
+/// instead of [`retain_freed_memory`]. A rank's peak RSS is then its live memory rather than its
+/// heap's high-water mark (gpt2 at ZeRO-3 on 4 ranks: 0.34x one rank's peak against 0.42x), at the
+/// price of page faults on every large buffer (its steps about 1.7x slower, BENCHMARKS.md).
+pub const RETURN_FREED_MEMORY_ENV: &str = "RLHF_RETURN_FREED_MEMORY";
+
+fn returns_freed_memory() -> bool {
+    std::env::var(RETURN_FREED_MEMORY_ENV).is_ok_and(|v| ["1", "true", "yes", "on"].contains(&v.trim()))
+}
+
 /// Keeps freed memory in the process for reuse instead of returning it to the kernel.
 ///
 /// candle allocates a fresh buffer for every op result and frees it when dropped. glibc serves
@@ -143,7 +155,8 @@ pub fn threads() -> usize {
 /// the kernel zero-fills every page on first touch: measured at about 20% of a tiny-model step in
 /// page faults. Serving them from the heap and never trimming it makes steps about 30% faster
 /// (BENCHMARKS.md); the price is that RSS stays at its peak, which a training process reaches
-/// on its first step anyway. Call once at startup, before threads allocate.
+/// on its first step anyway (`RLHF_RETURN_FREED_MEMORY=1` keeps glibc's behaviour). Call once at
+/// startup, before threads allocate.
 pub fn retain_freed_memory() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: mallopt only changes allocator tuning parameters; called before other threads

@@ -368,6 +368,20 @@ pub struct MemoryPlan {
     pub zero: Option<(ZeroStage, usize)>,
     /// Tensor parallelism: (ranks per layer, parameters held by each).
     pub tensor_parallel: Option<(usize, usize)>,
+    /// ZeRO stage 3 across ranks: the largest unit (the embeddings and heads, or a block)
+    /// gathered whole with its whole gradient, 4 + 4 bytes a value (see [`gathered_unit_values`]).
+    pub gathered_unit_bytes: u64,
+}
+
+/// The values of the largest unit ZeRO stage 3 gathers at once: everything outside the blocks
+/// (embeddings, final LayerNorm, `extra` head parameters) or one block, whichever is larger.
+/// During a unit's backward its gathered weights and its gradient are both whole; its gather
+/// buffer and the reduce-scatter buffer each live beside one of them.
+pub fn gathered_unit_values(cfg: &Gpt2Config, extra: usize) -> usize {
+    let c = cfg.n_embd;
+    let outer = cfg.vocab_size * c + cfg.n_positions * c + 2 * c + extra;
+    let block = (parameter_count(cfg) - (outer - extra)) / cfg.n_layer.max(1);
+    outer.max(block)
 }
 
 impl MemoryPlan {
@@ -400,6 +414,7 @@ impl MemoryPlan {
             device: DeviceKind::Cpu,
             zero: None,
             tensor_parallel: None,
+            gathered_unit_bytes: 0,
         }
     }
 
@@ -425,6 +440,13 @@ impl MemoryPlan {
             self.param_bytes = shard(self.param_bytes);
             self.compute_copy_bytes = shard(self.compute_copy_bytes);
             self.activations.checkpoint = true;
+            let extra = self.parameters.saturating_sub(parameter_count(&self.activations.cfg));
+            let unit = gathered_unit_values(&self.activations.cfg, extra) as u64;
+            let unit = match self.tensor_parallel {
+                Some((_, held)) => unit * held as u64 / self.parameters.max(1) as u64,
+                None => unit,
+            };
+            self.gathered_unit_bytes = 8 * unit;
         }
         self
     }
@@ -580,7 +602,8 @@ impl MemoryPlan {
     }
 
     pub fn total(&self) -> u64 {
-        [self.param_bytes, self.grad_bytes, self.adam_bytes, self.compute_copy_bytes, self.activation_bytes()]
+        let transient = self.activation_bytes() + self.gathered_unit_bytes;
+        [self.param_bytes, self.grad_bytes, self.adam_bytes, self.compute_copy_bytes, transient]
             .into_iter()
             .fold(0, u64::saturating_add)
     }
@@ -604,7 +627,7 @@ impl MemoryPlan {
             None => per_rank,
         };
         format!(
-            "{per_rank}parameters: {:.2}M\nallocating {:.1} MiB for parameters (f32)\nallocating {:.1} MiB for gradients ({})\nallocating {:.1} MiB for AdamW m and v\n{}estimated {:.1} MiB for activations per micro-batch\nestimated total {:.1} MiB",
+            "{per_rank}parameters: {:.2}M\nallocating {:.1} MiB for parameters (f32)\nallocating {:.1} MiB for gradients ({})\nallocating {:.1} MiB for AdamW m and v\n{}estimated {:.1} MiB for activations per micro-batch\n{}estimated total {:.1} MiB",
             self.parameters as f64 / 1e6,
             m(self.param_bytes),
             m(self.grad_bytes),
@@ -616,6 +639,11 @@ impl MemoryPlan {
                 String::new()
             },
             m(self.activation_bytes()),
+            if self.gathered_unit_bytes > 0 {
+                format!("estimated {:.1} MiB for ZeRO-3's largest gathered unit and its gradient\n", m(self.gathered_unit_bytes))
+            } else {
+                String::new()
+            },
             m(self.total())
         )
     }
@@ -736,6 +764,13 @@ mod tests {
         assert_eq!(stage_1.grad_bytes, 4 * p);
         let stage_2 = cuda_plan(cfg.clone(), 2, 64, false, BF16).with_data_parallel(ZeroStage::Gradients, 2);
         assert_eq!(stage_2.grad_bytes, 2 * p);
+        assert_eq!(stage_2.gathered_unit_bytes, 0, "only stage 3 gathers units");
+        // Stage 3 holds the largest unit whole with its gradient: gpt2's embeddings and ln_f.
+        let gpt2 = Gpt2Config::gpt2();
+        let stage_3 = MemoryPlan::new(&gpt2, 1, 64, false).with_data_parallel(ZeroStage::Parameters, 4);
+        let outer = gpt2.vocab_size * 768 + 1024 * 768 + 2 * 768;
+        assert_eq!(stage_3.gathered_unit_bytes, 8 * outer as u64);
+        assert!(stage_3.report().contains("for ZeRO-3's largest gathered unit and its gradient"));
         let split = cuda_plan(cfg.clone(), 2, 64, false, BF16).with_tensor_parallel(2);
         let (_, held) = split.tensor_parallel.unwrap();
         assert_eq!(split.grad_bytes, 4 * held as u64);
