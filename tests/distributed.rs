@@ -440,8 +440,11 @@ fn sft_on_2_and_3_ranks_matches_one_rank_at_every_zero_stage() {
         run_ranks(dir.path(), "sft", 1, &sft_args(&single, rows, 0));
         for stage in stages {
             let out = dir.path().join(format!("w{world}-s{stage}"));
-            run_ranks(dir.path(), "sft", world, &sft_args(&out, per_device, stage));
+            let outs = run_ranks(dir.path(), "sft", world, &sft_args(&out, per_device, stage));
             assert_same_weights(&out, &single, 1e-5, 0.0, &format!("SFT on {world} ranks, stage {stage}"));
+            // Stage 3 builds the model sharded: each rank draws the one-rank values of its shard.
+            let log = String::from_utf8_lossy(&outs[0].stdout);
+            assert_eq!(log.contains("drawn sharded"), stage == 3, "{log}");
         }
     }
 }
@@ -597,6 +600,8 @@ fn reward_model_on_2_and_3_ranks_and_under_tensor_parallelism_matches_one_rank()
         assert!(log.contains(&format!("data parallel: {world} ranks, ZeRO stage {stage}")), "{log}");
         let other = String::from_utf8_lossy(&outs[1].stdout);
         assert!(!other.contains("Evaluating reward") && !other.contains("saved the reward model"), "{other}");
+        // Stage 3 builds the model sharded: each rank reads its shard of the step-1 model.
+        assert_eq!(log.contains("read by slices"), stage == 3, "{log}");
         let d = distances(&out, &single);
         assert!(d.contains_key("score.weight"), "the score head is compared: {:?}", d.keys());
         assert_same_weights(&out, &single, 1e-5, 0.0, &what);

@@ -64,6 +64,21 @@ impl ModelSlices {
         Ok(Self { dir: dir.to_path_buf(), config, files, stored })
     }
 
+    /// The tensors beside the trunk (a reward model's `score.weight`), whole, by their names in
+    /// the files (the tied `lm_head.weight` and old causal-mask buffers left out).
+    pub fn heads(&self) -> Result<HashMap<String, Tensor>> {
+        let mut heads = HashMap::new();
+        for (name, view) in self.files.tensors() {
+            let short = name.strip_prefix("transformer.").unwrap_or(&name);
+            let buffer =
+                short.starts_with("h.") && (short.ends_with(".attn.bias") || short.ends_with(".attn.masked_bias"));
+            if !is_trunk_name(short) && !buffer && name != "lm_head.weight" {
+                heads.insert(name.clone(), candle_core::safetensors::Load::load(&view, &candle_core::Device::Cpu)?);
+            }
+        }
+        Ok(heads)
+    }
+
     /// The values of trunk parameter `name` in `range` of its flat indices, as f32 (from f32,
     /// f16 or bf16).
     pub fn read(&self, name: &str, range: Range<usize>) -> Result<Vec<f32>> {
@@ -183,7 +198,7 @@ mod tests {
         for world in [2, 3] {
             let results = on_groups(world, |group| {
                 let group = Arc::new(group);
-                let built = ShardedModel::init(group.clone(), &cfg, 7, DType::F32, &Device::Cpu)?;
+                let built = ShardedModel::init(group.clone(), &cfg, 7, &[], DType::F32, &Device::Cpu)?;
                 let cut = ShardedModel::new(group.clone(), &cfg, &whole, DType::F32)?;
                 assert_eq!(built.shard_values(), cut.shard_values(), "rank {} of {world}", group.rank());
                 if world == 3 {
@@ -211,7 +226,8 @@ mod tests {
         let slices = ModelSlices::open(&saved)?;
         let results = on_groups(2, |group| {
             let group = Arc::new(group);
-            let read = ShardedModel::read(group.clone(), &cfg, |n, r| slices.read(n, r), DType::F32, &Device::Cpu)?;
+            let read =
+                ShardedModel::read(group.clone(), &cfg, |n, r| slices.read(n, r), &[], DType::F32, &Device::Cpu)?;
             let cut = ShardedModel::new(group, &cfg, &whole, DType::F32)?;
             assert_eq!(read.shard_values(), cut.shard_values());
             Ok(())

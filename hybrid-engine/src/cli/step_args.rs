@@ -13,6 +13,7 @@ use crate::model::gpt2::Gpt2Config;
 use crate::model::params::ParamStore;
 use crate::training::optim::AdamWConfig;
 use crate::training::schedule::{HfScheduler, LrSchedule};
+use crate::training::zero3::ShardedModel;
 use anyhow::{bail, Result};
 use candle_core::{Device, Tensor};
 use clap::Args;
@@ -173,6 +174,13 @@ impl StepArgs {
             checkpoint_activations: self.gradient_checkpointing,
             parallel: self.dist.parallel_config(group, self.zero_stage, "")?,
         })
+    }
+
+    /// Whether the step builds its model sharded (ZeRO stage 3 across the `world` data-parallel
+    /// ranks, without tensor parallelism or LoRA adapters, which are attached to a whole model):
+    /// then no rank ever holds the whole model.
+    pub fn builds_sharded(&self, world: usize, tensor_parallel: bool) -> bool {
+        self.zero_stage == 3 && world > 1 && !tensor_parallel && self.lora().is_none()
     }
 
     /// The epoch loop of a step with `micro_per_epoch` global micro-batches an epoch and `steps`
@@ -352,12 +360,7 @@ pub fn starting_model(name_or_path: &str, seed: u64, dropout: Option<f64>, devic
             (config, None, HashMap::new(), None, format!("random weights of size {size} (seed {seed})"))
         }
         ModelSource::Files(source) => {
-            let dir = crate::checkpoints::hf_io::resolve_model_dir(&source).map_err(|e| {
-                anyhow::anyhow!(
-                    "--model-name-or-path {name_or_path:?}: {e:#} (or random weights: {RANDOM_PREFIX}<size>, sizes {})",
-                    Gpt2Config::PRESETS
-                )
-            })?;
+            let dir = resolve_files(name_or_path, &source)?;
             let files = crate::checkpoints::hf_io::load_model_dir(&dir, device)?;
             let description = match source == name_or_path {
                 true => format!("pretrained weights from {}", dir.display()),
@@ -374,6 +377,69 @@ pub fn starting_model(name_or_path: &str, seed: u64, dropout: Option<f64>, devic
         None => ParamStore::init(&config, seed, device)?,
     };
     Ok(StartingModel { config, params, extra, dir, description })
+}
+
+/// Where a model built sharded over the ranks (ZeRO stage 3) takes its trunk's values.
+pub enum ShardSource {
+    /// Drawn from the seed as one rank draws them.
+    Drawn(u64),
+    /// Read by slices from a model directory's memory-mapped files.
+    Slices(Box<crate::checkpoints::sharded_io::ModelSlices>),
+}
+
+impl ShardSource {
+    /// The model with `config`'s trunk and `heads`, sharded over `group`, gathered weights
+    /// computing in `dtype`.
+    pub fn build(
+        &self,
+        group: std::sync::Arc<crate::comm::ProcessGroup>,
+        config: &Gpt2Config,
+        heads: &[(String, Tensor)],
+        dtype: candle_core::DType,
+        device: &Device,
+    ) -> Result<ShardedModel> {
+        match self {
+            Self::Drawn(seed) => ShardedModel::init(group, config, *seed, heads, dtype, device),
+            Self::Slices(slices) => ShardedModel::read(group, config, |n, r| slices.read(n, r), heads, dtype, device),
+        }
+    }
+}
+
+/// [`starting_model`] for a model built sharded (ZeRO stage 3 across ranks, DeepSpeed's
+/// `zero.Init`): its config, description and directory's head tensors, with no trunk weights
+/// (`params` empty), and where each rank reads its shard of them.
+pub fn starting_model_sharded(
+    name_or_path: &str,
+    seed: u64,
+    dropout: Option<f64>,
+) -> Result<(StartingModel, ShardSource)> {
+    let (mut config, extra, dir, description, source) = match model_source(name_or_path)? {
+        ModelSource::Random(size) => {
+            let config = Gpt2Config::from_preset(&size).expect("model_source checked the size");
+            let description = format!("random weights of size {size} (seed {seed}), drawn sharded");
+            (config, HashMap::new(), None, description, ShardSource::Drawn(seed))
+        }
+        ModelSource::Files(source) => {
+            let dir = resolve_files(name_or_path, &source)?;
+            let slices = crate::checkpoints::sharded_io::ModelSlices::open(&dir)?;
+            let description = format!("pretrained weights from {}, read by slices", dir.display());
+            (slices.config.clone(), slices.heads()?, Some(dir), description, ShardSource::Slices(Box::new(slices)))
+        }
+    };
+    if let Some(p) = dropout {
+        (config.resid_pdrop, config.embd_pdrop, config.attn_pdrop) = (p, p, p);
+    }
+    Ok((StartingModel { config, params: ParamStore::default(), extra, dir, description }, source))
+}
+
+/// The model directory `source` (what `name_or_path` names) resolves to.
+fn resolve_files(name_or_path: &str, source: &str) -> Result<PathBuf> {
+    crate::checkpoints::hf_io::resolve_model_dir(source).map_err(|e| {
+        anyhow::anyhow!(
+            "--model-name-or-path {name_or_path:?}: {e:#} (or random weights: {RANDOM_PREFIX}<size>, sizes {})",
+            Gpt2Config::PRESETS
+        )
+    })
 }
 
 #[cfg(test)]

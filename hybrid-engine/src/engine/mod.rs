@@ -182,11 +182,13 @@ impl Engine {
     /// Trains `sharded`, a GPT-2 built sharded over the data-parallel ranks (ZeRO stage 3
     /// without tensor parallelism: [`ShardedModel::init`] or [`ShardedModel::read`]), as `cfg`
     /// says: no rank ever holds the whole model.
-    pub fn new_sharded(cfg: &EngineConfig, sharded: ShardedModel) -> Result<Self> {
+    /// `config` is the model's (its heads' fields included, as `config.json` says them).
+    pub fn new_sharded(cfg: &EngineConfig, config: &Gpt2Config, mut sharded: ShardedModel) -> Result<Self> {
         if cfg.parallel.offload {
             check_offload(!sharded.device().is_cpu(), cfg.parallel.zero_stage, sharded.group().world())?;
         }
-        let config = sharded.cfg.clone();
+        sharded.cfg = config.clone();
+        let config = config.clone();
         // Built from a GPT-2's own parameters: no LoRA adapters, so no LoRA learning rate.
         let (model, trainer) = Self::sharded_parts(cfg, sharded);
         Ok(Self {

@@ -73,10 +73,11 @@ struct ParamLayout {
 }
 
 impl ParamLayout {
-    /// A GPT-2 trunk's parameters (no head, no adapters), all trained.
-    fn gpt2(cfg: &Gpt2Config) -> Self {
-        let (names, shapes): (Vec<String>, Vec<Shape>) =
-            crate::model::params::parameter_shapes(cfg).into_iter().map(|(n, s)| (n, Shape::from(s))).unzip();
+    /// A GPT-2 trunk's parameters then `heads`' (no adapters), all trained.
+    fn gpt2(cfg: &Gpt2Config, heads: &[(String, Tensor)]) -> Self {
+        let trunk = crate::model::params::parameter_shapes(cfg).into_iter().map(|(n, s)| (n, Shape::from(s)));
+        let heads = heads.iter().map(|(n, t)| (n.clone(), t.shape().clone()));
+        let (names, shapes): (Vec<String>, Vec<Shape>) = trunk.chain(heads).unzip();
         Self { frozen: vec![false; names.len()], names, shapes, lora_scaling: None }
     }
 }
@@ -137,8 +138,16 @@ impl ShardedModel {
     /// A freshly initialised model built sharded (DeepSpeed's `zero.Init`): each tensor is drawn
     /// as [`ParamStore::init`] draws it, this rank keeps its shard of it and drops the rest, so
     /// every rank's shard holds the one-rank model's values and no rank ever holds the whole.
-    pub fn init(group: Arc<ProcessGroup>, cfg: &Gpt2Config, seed: u64, dtype: DType, device: &Device) -> Result<Self> {
-        let model = Self::empty(group, cfg, ParamLayout::gpt2(cfg), dtype, device)?;
+    /// `heads` (a reward model's `score.weight`) follow the trunk, as [`ParamStore::push`] puts them.
+    pub fn init(
+        group: Arc<ProcessGroup>,
+        cfg: &Gpt2Config,
+        seed: u64,
+        heads: &[(String, Tensor)],
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        let model = Self::empty(group, cfg, ParamLayout::gpt2(cfg, heads), dtype, device)?;
         let mut i = 0;
         ParamStore::draw_initial(cfg, seed, |_, _, values| {
             if let Some((range, _)) = model.held[i].clone() {
@@ -147,26 +156,42 @@ impl ShardedModel {
             i += 1;
             Ok(())
         })?;
+        model.fill_heads(heads)?;
         Ok(model)
     }
 
     /// A GPT-2 built sharded from a saved model's values: `read(name, range)` returns the values
-    /// of parameter `name` in `range` (its flat indices) as fp32, so a rank reads only its shard
-    /// (from a memory-mapped safetensors file, `checkpoints::hf_io::ModelSlices`).
+    /// of trunk parameter `name` in `range` (its flat indices) as fp32, so a rank reads only its
+    /// shard (from a memory-mapped safetensors file, `checkpoints::sharded_io::ModelSlices`);
+    /// `heads` as in [`Self::init`].
     pub fn read(
         group: Arc<ProcessGroup>,
         cfg: &Gpt2Config,
         read: impl Fn(&str, Range<usize>) -> Result<Vec<f32>>,
+        heads: &[(String, Tensor)],
         dtype: DType,
         device: &Device,
     ) -> Result<Self> {
-        let model = Self::empty(group, cfg, ParamLayout::gpt2(cfg), dtype, device)?;
-        for (i, name) in model.names.iter().enumerate() {
+        let model = Self::empty(group, cfg, ParamLayout::gpt2(cfg, heads), dtype, device)?;
+        for (i, name) in model.names.iter().enumerate().take(model.names.len() - heads.len()) {
             if let Some((range, _)) = model.held[i].clone() {
                 model.fill(i, &read(name, range)?)?;
             }
         }
+        model.fill_heads(heads)?;
         Ok(model)
+    }
+
+    /// This rank's shard of `heads`, the model's last parameters.
+    fn fill_heads(&self, heads: &[(String, Tensor)]) -> Result<()> {
+        let first = self.names.len() - heads.len();
+        for (k, (_, t)) in heads.iter().enumerate() {
+            if let Some((range, _)) = self.held[first + k].clone() {
+                let values = t.flatten_all()?.narrow(0, range.start, range.len())?;
+                self.fill(first + k, &values.to_dtype(DType::F32)?.to_vec1()?)?;
+            }
+        }
+        Ok(())
     }
 
     /// The model laid out over `group` with every value 0: the units and this rank's shard of

@@ -14,17 +14,19 @@ use candle_core::{Device, Tensor};
 use data::batch::{pair_batch, rank_micro_batches, PairBatch};
 use data::phases::PairSample;
 use data::Tokenizer;
-use hybrid_engine::cli::step_args::{starting_model, StartingModel};
+use hybrid_engine::cli::step_args::{starting_model, starting_model_sharded, StartingModel};
 use hybrid_engine::comm::{ProcessGroup, ReduceOp};
 use hybrid_engine::engine::epochs::{train_epochs, EpochTask, EvalAt};
 use hybrid_engine::engine::{Engine, Head, Ranks};
 use hybrid_engine::model::gpt2::{Dropout, Positions};
+use hybrid_engine::model::params::parameter_count;
 use hybrid_engine::model::reward_model::{add_score_head, sequence_classification_config, SCORE_WEIGHT};
 use hybrid_engine::training::memory::MemoryPlan;
 use hybrid_engine::training::metrics::{peak_rss_mib, Metrics};
 use hybrid_engine::training::tensor_parallel::data_group;
 use hybrid_engine::training::train_step::TrainedModel;
 use hybrid_engine::training::trainer::total_steps;
+use hybrid_engine::ParamStore;
 use serde::Serialize;
 use serde_json::json;
 
@@ -68,15 +70,22 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
     let data_group = data_group(&group, tp.as_ref());
     let world = data_group.world();
     println!("device: {}", hybrid_engine::device::describe(&device));
-    let mut start = starting_model(&t.model_name_or_path, t.seed, t.dropout(), &device)?;
+    // ZeRO-3 across ranks builds the model sharded: no rank holds it whole.
+    let (mut start, shard_source) = match t.builds_sharded(world, tp.is_some()) {
+        true => starting_model_sharded(&t.model_name_or_path, t.seed, t.dropout()).map(|(s, src)| (s, Some(src)))?,
+        false => (starting_model(&t.model_name_or_path, t.seed, t.dropout(), &device)?, None),
+    };
     println!("starting model: {}", start.description);
     let tokenizer = step2_tokenizer(args, &start)?;
     let eos = tokenizer.eos_id();
     let config = sequence_classification_config(&start.config, eos);
-    // A reward model directory continues with its head; anything else gets a fresh one.
+    // A reward model directory continues with its head; anything else gets a fresh one (built
+    // sharded, the head alone is made whole first: n_embd values).
+    let mut heads = ParamStore::default();
+    let head_store = if shard_source.is_some() { &mut heads } else { &mut start.params };
     match start.extra.get(SCORE_WEIGHT) {
-        Some(w) if w.dims() == [1, config.n_embd] => start.params.push(SCORE_WEIGHT, w)?,
-        _ => add_score_head(&mut start.params, &config, t.seed, &device)?,
+        Some(w) if w.dims() == [1, config.n_embd] => head_store.push(SCORE_WEIGHT, w)?,
+        _ => add_score_head(head_store, &config, t.seed, &device)?,
     }
     if let Some(line) = t.apply_lora(&mut start.params, &config)? {
         println!("{line}");
@@ -91,7 +100,10 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
         None => params,
     };
     // What the optimizer updates: everything, or with --only-optimize-lora the adapters and head.
-    let trainable = params.trainable().numel();
+    let (total, trainable) = match shard_source {
+        Some(_) => (parameter_count(&config) + heads.numel(), parameter_count(&config) + heads.numel()),
+        None => (params.numel(), params.trainable().numel()),
+    };
 
     let data_cfg = args.data.config(t.seed, t.max_seq_len, t.max_seq_len, false)?;
     let data = data::phases::reward_data(&data_cfg, &tokenizer)?;
@@ -108,7 +120,7 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
     println!(
         "{}",
         MemoryPlan::new(&config, 2 * t.per_device_train_batch_size, t.max_seq_len, t.gradient_checkpointing)
-            .with_parameters(params.numel(), trainable)
+            .with_parameters(total, trainable)
             .with_gradient_accumulation(t.gradient_accumulation_steps)
             .with_lora(t.lora().is_some())
             .with_compute_dtype(t.precision.dtype.dtype())
@@ -122,7 +134,16 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
     // Forward and backward run on a copy in the compute dtype (the masters themselves in fp32),
     // or under ZeRO-3 on weights gathered in it from this rank's shard of the masters.
     let ranks = Ranks { data: data_group.clone(), tensor: tp.clone() };
-    let mut engine = Engine::new(&engine_cfg, &config, Head::Score, params, ranks)?;
+    let mut engine = match &shard_source {
+        Some(source) => {
+            let heads: Vec<(String, Tensor)> =
+                heads.iter().map(|(n, v)| (n.to_string(), v.as_tensor().clone())).collect();
+            let model =
+                source.build(data_group.clone(), &config, &heads, engine_cfg.precision.dtype.dtype(), &device)?;
+            Engine::new_sharded(&engine_cfg, &config, model)?
+        }
+        None => Engine::new(&engine_cfg, &config, Head::Score, params, ranks)?,
+    };
     // Under ZeRO stage 3 each rank keeps only its shard: the whole model goes now.
     engine.release_masters();
     let mut metrics = Metrics::for_rank(group.rank(), &args.output_dir, steps, 0)?.with_sinks(

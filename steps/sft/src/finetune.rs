@@ -11,11 +11,12 @@ use candle_core::{Device, Tensor};
 use data::batch::{rank_micro_batches, sft_batch, SftBatch};
 use data::phases::SftSample;
 use data::Tokenizer;
-use hybrid_engine::cli::step_args::starting_model;
+use hybrid_engine::cli::step_args::{starting_model, starting_model_sharded};
 use hybrid_engine::comm::{ProcessGroup, ReduceOp};
 use hybrid_engine::engine::epochs::{train_epochs, EpochTask, EvalAt};
 use hybrid_engine::engine::{Engine, Head, Ranks};
 use hybrid_engine::model::gpt2::{Dropout, Positions};
+use hybrid_engine::model::params::parameter_count;
 use hybrid_engine::model::reward_model::causal_lm_config;
 use hybrid_engine::training::memory::MemoryPlan;
 use hybrid_engine::training::metrics::{peak_rss_mib, record_parallel_usage, Metrics};
@@ -52,7 +53,13 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
     let data_group = data_group(&group, tp.as_ref());
     let world = data_group.world();
     println!("device: {}", hybrid_engine::device::describe(&device));
-    let mut start = starting_model(&t.model_name_or_path, t.seed, t.dropout(), &device)?;
+    // ZeRO-3 across ranks builds the model sharded, unless --eval-prompts needs the starting
+    // weights whole on rank 0 to compare with.
+    let sharded = t.builds_sharded(world, tp.is_some()) && args.eval_prompts.is_none();
+    let (mut start, shard_source) = match sharded {
+        true => starting_model_sharded(&t.model_name_or_path, t.seed, t.dropout()).map(|(s, src)| (s, Some(src)))?,
+        false => (starting_model(&t.model_name_or_path, t.seed, t.dropout(), &device)?, None),
+    };
     println!("starting model: {}", start.description);
     let tokenizer = args.data.tokenizer(match (&args.tokenizer, &start.dir) {
         (Some(p), _) => Tokenizer::from_file(p)?,
@@ -84,11 +91,14 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
         None => params,
     };
     // What the optimizer updates: everything, or with --only-optimize-lora the adapters alone.
-    let trainable = params.trainable().numel();
+    let (total, trainable) = match shard_source {
+        Some(_) => (parameter_count(&config), parameter_count(&config)),
+        None => (params.numel(), params.trainable().numel()),
+    };
     println!(
         "{}",
         MemoryPlan::new(&config, t.per_device_train_batch_size, t.max_seq_len, t.gradient_checkpointing)
-            .with_parameters(params.numel(), trainable)
+            .with_parameters(total, trainable)
             .with_gradient_accumulation(t.gradient_accumulation_steps)
             .with_lora(t.lora().is_some())
             .with_compute_dtype(t.precision.dtype.dtype())
@@ -103,7 +113,13 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
     // Forward and backward run on a copy in the compute dtype (the masters themselves in fp32),
     // or under ZeRO-3 on weights gathered in it from this rank's shard of the masters.
     let ranks = Ranks { data: data_group.clone(), tensor: tp.clone() };
-    let mut engine = Engine::new(&engine_cfg, &config, Head::Lm, params, ranks)?;
+    let mut engine = match &shard_source {
+        Some(source) => {
+            let model = source.build(data_group.clone(), &config, &[], engine_cfg.precision.dtype.dtype(), &device)?;
+            Engine::new_sharded(&engine_cfg, &config, model)?
+        }
+        None => Engine::new(&engine_cfg, &config, Head::Lm, params, ranks)?,
+    };
     // Under ZeRO stage 3 each rank keeps only its shard: the whole model goes now.
     engine.release_masters();
     let mut metrics = Metrics::for_rank(group.rank(), &args.output_dir, steps, 0)?.with_sinks(

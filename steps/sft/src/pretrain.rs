@@ -163,7 +163,7 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     let ranks = Ranks { data: data_group.clone(), tensor: tp.clone() };
     let mut engine = match weights {
         StartingWeights::Whole(params) => Engine::new(&engine_cfg, &model_cfg, Head::Lm, params, ranks)?,
-        StartingWeights::Sharded(sharded) => Engine::new_sharded(&engine_cfg, *sharded)?,
+        StartingWeights::Sharded(sharded) => Engine::new_sharded(&engine_cfg, &model_cfg, *sharded)?,
     };
     // A checkpoint holds the whole optimizer state, so it loads into any world size or stage:
     // each rank keeps its shard of the moments.
@@ -270,7 +270,7 @@ fn start_or_resume(
         // ZeRO-3 its shard.
         let weights = match (tp, shard_over) {
             (_, Some((group, dtype))) => {
-                StartingWeights::Sharded(Box::new(ShardedModel::init(group, model_cfg, args.seed, dtype, device)?))
+                StartingWeights::Sharded(Box::new(ShardedModel::init(group, model_cfg, args.seed, &[], dtype, device)?))
             }
             (Some(tp), None) => StartingWeights::Whole(tp.init(model_cfg, args.seed, device)?),
             (None, None) => StartingWeights::Whole(ParamStore::init(model_cfg, args.seed, device)?),
@@ -302,7 +302,7 @@ fn start_or_resume(
             check_same_shape(&slices.config, model_cfg)?;
             *model_cfg = with_dropout(slices.config.clone(), args.dropout);
             let read = |name: &str, range| slices.read(name, range);
-            StartingWeights::Sharded(Box::new(ShardedModel::read(group, model_cfg, read, dtype, device)?))
+            StartingWeights::Sharded(Box::new(ShardedModel::read(group, model_cfg, read, &[], dtype, device)?))
         }
         None => {
             let model = hf_io::load_model_dir(&dir, device)?;
