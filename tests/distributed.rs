@@ -440,11 +440,19 @@ fn sft_on_2_and_3_ranks_matches_one_rank_at_every_zero_stage() {
         run_ranks(dir.path(), "sft", 1, &sft_args(&single, rows, 0));
         for stage in stages {
             let out = dir.path().join(format!("w{world}-s{stage}"));
+            std::fs::create_dir_all(&out).unwrap();
+            std::fs::write(out.join("NOTES.txt"), "a user's file").unwrap();
             let outs = run_ranks(dir.path(), "sft", world, &sft_args(&out, per_device, stage));
             assert_same_weights(&out, &single, 1e-5, 0.0, &format!("SFT on {world} ranks, stage {stage}"));
-            // Stage 3 builds the model sharded: each rank draws the one-rank values of its shard.
+            // Stage 3 builds the model sharded (each rank draws the one-rank values of its shard)
+            // and saves it as it is gathered: the directory keeps the user's file, and no
+            // staging directory is left beside it.
             let log = String::from_utf8_lossy(&outs[0].stdout);
             assert_eq!(log.contains("drawn sharded"), stage == 3, "{log}");
+            assert!(out.join("NOTES.txt").is_file(), "the save kept the user's file");
+            let hidden = std::fs::read_dir(dir.path()).unwrap().flatten();
+            let left: Vec<_> = hidden.filter(|e| e.file_name().to_string_lossy().starts_with('.')).collect();
+            assert!(left.is_empty(), "staging left behind: {left:?}");
         }
     }
 }

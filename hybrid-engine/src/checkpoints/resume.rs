@@ -221,6 +221,47 @@ pub fn save_model_dir(
     .with_context(|| format!("saving the model to {}", dir.display()))
 }
 
+/// [`save_model_dir`] of a model sharded over `group`'s ranks (ZeRO stage 3; a collective): the
+/// units are gathered one by one and rank 0 writes each into `model.safetensors` as it arrives
+/// (its peak: its shard plus one unit), in a hidden staging directory beside `dir`, then puts
+/// the directory in place atomically with `write_extra`'s files, keeping what no save wrote.
+pub fn save_sharded_model_dir(
+    group: &ProcessGroup,
+    dir: &Path,
+    config: &Gpt2Config,
+    model: &ShardedModel,
+    write_extra: &dyn Fn(&Path) -> Result<()>,
+) -> Result<()> {
+    if model.has_lora() {
+        bail!("internal error: a model with LoRA adapters is saved merged, from its gathered weights");
+    }
+    let first = group.is_first();
+    let name = dir.file_name().map_or("model".into(), |n| n.to_string_lossy().into_owned());
+    let staging = dir.parent().unwrap_or(Path::new(".")).join(format!(".{name}.gathering"));
+    agree(group, "create the model's staging directory", || {
+        if first {
+            let _ = std::fs::remove_dir_all(&staging);
+            std::fs::create_dir_all(&staging).with_context(|| format!("cannot create {}", staging.display()))?;
+        }
+        Ok(())
+    })?;
+    agree(group, "write the model", || write_sharded_weights(model, first.then_some(staging.as_path())))?;
+    agree(group, "save the model", || {
+        if !first {
+            return Ok(());
+        }
+        let saved = write_dir_atomically(dir, |tmp| {
+            hf_io::write_config_files(tmp, config)?;
+            std::fs::rename(staging.join(hf_io::WEIGHTS), tmp.join(hf_io::WEIGHTS))
+                .context("moving the model's weights into place")?;
+            write_extra(tmp)
+        })
+        .with_context(|| format!("saving the model to {}", dir.display()));
+        let _ = std::fs::remove_dir_all(&staging);
+        saved
+    })
+}
+
 /// A checkpoint read back: the model, the optimizer moments and the trainer state.
 pub struct Checkpoint {
     pub model: ModelFiles,

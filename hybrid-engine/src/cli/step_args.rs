@@ -272,6 +272,35 @@ impl StepArgs {
         Some(adapter)
     }
 
+    /// Saves the model `engine` trains as [`Self::save_step_model`] does, every rank of `group`
+    /// together: a model sharded at rest without adapters (ZeRO-3) is gathered unit by unit and
+    /// written by rank 0 as it arrives, so no rank holds it whole; otherwise rank 0 gets the
+    /// whole weights and saves them.
+    pub fn save_engine_model(
+        &self,
+        what: &str,
+        group: &ProcessGroup,
+        dir: &Path,
+        engine: &crate::engine::Engine,
+        task_type: &str,
+        write_extra: &dyn Fn(&Path) -> Result<()>,
+    ) -> Result<()> {
+        if let (Some(sharded), None) = (engine.sharded(), engine.tensor_parallel()) {
+            if !sharded.has_lora() {
+                crate::checkpoints::resume::save_sharded_model_dir(group, dir, &engine.config, sharded, write_extra)?;
+                if group.is_first() {
+                    println!("saved the {what} to {}", dir.display());
+                }
+                return Ok(());
+            }
+        }
+        let gathered = engine.gather_weights()?;
+        if !group.is_first() {
+            return Ok(());
+        }
+        self.save_step_model(what, dir, &engine.config, gathered.params(engine), task_type, write_extra)
+    }
+
     /// Saves a step's model directory at `dir` atomically (LoRA merged) with its tokenizer
     /// (`write_tokenizer`), plus, with `--only-optimize-lora`, the PEFT adapter in
     /// `dir/adapter/`. Prints where they went (`what`: "fine-tuned model", "reward model").

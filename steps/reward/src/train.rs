@@ -190,15 +190,10 @@ fn save(
     tokenizer: &Tokenizer,
     summary: &RewardSummary,
 ) -> Result<()> {
-    let gathered = engine.gather_weights()?;
-    if !group.is_first() {
-        return Ok(());
-    }
     let report = summary.evals.last().map(
         |last| json!({"final": last, "before_training": summary.evals.first(), "loss": format!("{:?}", args.loss)}),
     );
-    let params = gathered.params(engine);
-    args.train.save_step_model("reward model", &args.output_dir, &engine.config, params, "SEQ_CLS", &|d| {
+    args.train.save_engine_model("reward model", group, &args.output_dir, engine, "SEQ_CLS", &|d| {
         tokenizer.save(&d.join("tokenizer.json"))?;
         match &report {
             Some(report) => Ok(std::fs::write(d.join(REWARD_EVAL_FILE), serde_json::to_string_pretty(report)?)?),

@@ -237,6 +237,19 @@ fn save(
     compare: Option<(Vec<String>, ParamStore)>,
     device: &Device,
 ) -> Result<()> {
+    // Without prompts to compare (decided alike on every rank), a sharded model is saved as it
+    // is gathered, never whole on any rank.
+    if args.eval_prompts.is_none() {
+        let write_tokenizer = |d: &std::path::Path| tokenizer.save(&d.join("tokenizer.json"));
+        return args.train.save_engine_model(
+            "fine-tuned model",
+            group,
+            &args.output_dir,
+            engine,
+            "CAUSAL_LM",
+            &write_tokenizer,
+        );
+    }
     let gathered = engine.gather_weights()?;
     if !group.is_first() {
         return Ok(());
