@@ -27,7 +27,7 @@ pub fn compute_advantages(
     samples: usize,
     cfg: &PpoConfig,
 ) -> Result<Option<f64>> {
-    if cfg.algorithm == Algorithm::Ppo {
+    let without_spread = if cfg.algorithm == Algorithm::Ppo {
         let (start, actions) = (exp.start, exp.actions());
         let width = actions - start;
         for r in 0..exp.b {
@@ -35,9 +35,32 @@ pub fn compute_advantages(
             exp.advantages[r * width..(r + 1) * width].copy_from_slice(&a);
             exp.returns[r * width..(r + 1) * width].copy_from_slice(&g);
         }
-        return Ok(None);
+        None
+    } else {
+        Some(critic_free_advantages(exp, group, samples, cfg)?)
+    };
+    if cfg.whiten_advantages {
+        whiten_advantages(exp, group)?;
     }
-    critic_free_advantages(exp, group, samples, cfg).map(Some)
+    Ok(without_spread)
+}
+
+/// `--whiten-advantages`: the rollout's advantages centred and scaled over every rank's answer
+/// tokens ([`ppo::whiten`]; the returns, the critic's targets, are left as they are).
+fn whiten_advantages(exp: &mut Experience, group: &ProcessGroup) -> Result<()> {
+    let width = exp.actions() - exp.start;
+    let mask: Vec<f32> = (0..exp.b).flat_map(|r| exp.row(&exp.action_mask, r)[exp.start..].to_vec()).collect();
+    let mut sums = [0f64; 3];
+    for (&a, &m) in exp.advantages.iter().zip(&mask) {
+        if m > 0.0 {
+            let a = f64::from(a);
+            sums = [sums[0] + 1.0, sums[1] + a, sums[2] + a * a];
+        }
+    }
+    group.all_reduce_scalars(&mut sums, ReduceOp::Sum)?;
+    debug_assert_eq!(exp.advantages.len(), exp.b * width);
+    ppo::whiten(&mut exp.advantages, &mask, sums);
+    Ok(())
 }
 
 /// GRPO's and RLOO's advantages of this rank's rows of a rollout whose prompts came

@@ -2,7 +2,7 @@
 //! (snake_case accepted), the PPO constants DS-Chat hard-codes (as flags with its values), and
 //! sampling for rollouts (DS-Chat generates greedily; `--do-sample` samples).
 
-use crate::ppo::{Algorithm, PpoConfig, RewardScaling};
+use crate::ppo::{Algorithm, LossType, PpoConfig, RewardScaling};
 use anyhow::{bail, Result};
 use clap::Parser;
 use data::args::DataArgs;
@@ -173,6 +173,17 @@ pub struct PpoArgs {
     /// of the whole rollout's scores) or `none` (Dr. GRPO: advantages in reward units).
     #[arg(long, value_enum, default_value_t = RewardScaling::Group, alias = "scale_rewards")]
     pub scale_rewards: RewardScaling,
+    /// How the policy loss (and GRPO's KL term) averages over a micro-batch's answer tokens
+    /// (TRL's `loss_type`), for every algorithm: `bnpo` (token-level: each token weighs the
+    /// same, over all ranks), `grpo` (DeepSeekMath: each answer's mean over its tokens, then the
+    /// mean over answers), `dr_grpo` (Dr. GRPO: the token sum over answers x
+    /// --max-answer-seq-len).
+    #[arg(long, value_enum, default_value_t = LossType::Bnpo, alias = "loss_type")]
+    pub loss_type: LossType,
+    /// Centre and scale each rollout's advantages over its answer tokens, every rank's together
+    /// (TRL's and OpenRLHF's default for PPO; DS-Chat does not): (A - mean) / std.
+    #[arg(long, alias = "whiten_advantages")]
+    pub whiten_advantages: bool,
     /// The weight of the KL to the reference: PPO's and RLOO's reward penalty per token,
     /// GRPO's loss term (its beta).
     #[arg(long, default_value_t = 0.1, alias = "kl_ctl", value_parser = cli::non_negative())]
@@ -372,6 +383,9 @@ impl PpoArgs {
             lam: self.lam,
             algorithm: self.algorithm,
             scale_rewards: self.scale_rewards,
+            loss_type: self.loss_type,
+            whiten_advantages: self.whiten_advantages,
+            max_answer_len: self.max_answer_seq_len,
         }
     }
 

@@ -32,6 +32,17 @@ pub struct PpoConfig {
     /// How GRPO scales its centred scores (`--scale-rewards`); by the group's std when absent.
     #[serde(default)]
     pub scale_rewards: RewardScaling,
+    /// How the policy loss averages its tokens (`--loss-type`); token-level when absent. Not
+    /// written at the default, so that earlier checkpoints resume with the same flags.
+    #[serde(default, skip_serializing_if = "LossType::is_default")]
+    pub loss_type: LossType,
+    /// `--whiten-advantages`: each rollout's advantages centred and scaled over its answer
+    /// tokens (TRL's and OpenRLHF's default for PPO). Not written when off.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub whiten_advantages: bool,
+    /// `--max-answer-seq-len`: Dr. GRPO's constant divisor (per answer).
+    #[serde(skip)]
+    pub max_answer_len: usize,
 }
 
 impl PpoConfig {
@@ -53,6 +64,74 @@ impl Default for PpoConfig {
             lam: 0.95,
             algorithm: Algorithm::Ppo,
             scale_rewards: RewardScaling::Group,
+            loss_type: LossType::Bnpo,
+            whiten_advantages: false,
+            max_answer_len: 0,
+        }
+    }
+}
+
+/// How the policy loss (and GRPO's KL term) averages its per-token values over a global
+/// micro-batch (`--loss-type`, TRL's `loss_type`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LossType {
+    /// Token-level: the sum over every answer token divided by their number (BNPO; over all
+    /// ranks, as DAPO's global token count), so a long answer weighs by its length.
+    #[default]
+    Bnpo,
+    /// DeepSeekMath's GRPO: each answer's mean over its tokens, then the mean over the answers,
+    /// so every answer weighs the same whatever its length.
+    Grpo,
+    /// Liu et al.'s Dr. GRPO: the sum over every answer token divided by answers x
+    /// `--max-answer-seq-len`, a constant, so no length bias either way.
+    #[value(name = "dr_grpo", alias = "dr-grpo")]
+    DrGrpo,
+}
+
+impl LossType {
+    fn is_default(&self) -> bool {
+        *self == Self::default()
+    }
+
+    /// Whether the loss is a mean over answers (each rank's share of a global micro-batch is
+    /// then its share of the answers) rather than over tokens.
+    pub fn per_answer(self) -> bool {
+        self != Self::Bnpo
+    }
+}
+
+/// The mean of `per_token` (B, N) over the masked tokens as `how` averages them (see
+/// [`LossType`]); `max_len` is Dr. GRPO's constant (the width N when 0).
+pub fn aggregate_loss(per_token: &Tensor, mask: &Tensor, how: LossType, max_len: usize) -> Result<Tensor> {
+    let masked = (per_token * mask)?;
+    match how {
+        LossType::Bnpo => masked.sum_all()? / mask.sum_all()?.to_scalar::<f32>()?.max(1.0) as f64,
+        LossType::Grpo => {
+            let per_answer = masked.sum(1)?.div(&mask.sum(1)?.maximum(1.0)?)?;
+            per_answer.mean_all()
+        }
+        LossType::DrGrpo => {
+            let (b, n) = per_token.dims2()?;
+            let len = if max_len == 0 { n } else { max_len };
+            masked.sum_all()? / (b * len) as f64
+        }
+    }
+}
+
+/// TRL's `masked_whiten`: `values` centred on their mean over the unmasked entries and scaled by
+/// their standard deviation (unbiased), `(v - mean) / sqrt(var + 1e-8)`; `sums` = (count, sum,
+/// sum of squares) over every rank's entries. Masked entries are left as they are.
+pub fn whiten(values: &mut [f32], mask: &[f32], [count, sum, sum_sq]: [f64; 3]) {
+    if count < 2.0 {
+        return;
+    }
+    let mean = sum / count;
+    let var = (sum_sq / count - mean * mean).max(0.0) * count / (count - 1.0);
+    let scale = 1.0 / (var + 1e-8).sqrt();
+    for (v, &m) in values.iter_mut().zip(mask) {
+        if m > 0.0 {
+            *v = ((f64::from(*v) - mean) * scale) as f32;
         }
     }
 }
@@ -102,12 +181,22 @@ pub fn actor_loss(
     mask: &Tensor,
     cfg: &PpoConfig,
 ) -> Result<Tensor> {
+    aggregate_loss(&actor_token_losses(logp, old_logp, advantages, mask, cfg)?, mask, LossType::Bnpo, 0)
+}
+
+/// [`actor_loss`] per token, before any mean: `max(-A ratio, -A clip(ratio, lo, hi))`, (B, N).
+pub fn actor_token_losses(
+    logp: &Tensor,
+    old_logp: &Tensor,
+    advantages: &Tensor,
+    mask: &Tensor,
+    cfg: &PpoConfig,
+) -> Result<Tensor> {
     let ratio = ((logp - old_logp)? * mask)?.exp()?;
     let (lo, hi) = cfg.ratio_bounds();
     let clipped = ratio.clamp(lo, hi)?;
     let neg_adv = advantages.neg()?;
-    let loss = (&neg_adv * &ratio)?.maximum(&(&neg_adv * &clipped)?)?;
-    (loss * mask)?.sum_all()? / mask.sum_all()?.to_scalar::<f32>()? as f64
+    (&neg_adv * &ratio)?.maximum(&(&neg_adv * &clipped)?)
 }
 
 /// The clipped value loss: `Vc = clip(V, V_old - c, V_old + c)`,
@@ -177,7 +266,9 @@ pub enum Algorithm {
     Ppo,
     /// DeepSeekMath's GRPO: no critic; each answer's score normalised within its prompt's group
     /// ([`crate::advantages::group_normalized_advantages`]) on every token; the KL to the reference a loss term
-    /// (k3, [`k3_kl_loss`]) instead of a reward penalty.
+    /// (k3, [`k3_kl_tokens`]) instead of a reward penalty. The loss averages its tokens as
+    /// `--loss-type` says: token-level (BNPO) by default, DeepSeekMath's per-answer mean with
+    /// `grpo`, Dr. GRPO's constant with `dr_grpo` ([`LossType`]).
     Grpo,
     /// Ahmadian et al.'s RLOO: no critic; each answer's sequence reward (score minus the KL
     /// penalty summed over its tokens) less the mean of the other answers to its prompt
@@ -236,10 +327,14 @@ pub const K3_MAX: f64 = 10.0;
 /// capped at [`K3_MAX`] (where it adds no gradient), as a masked mean over the answer tokens:
 /// `sum(k3 * mask) / sum(mask)`. All (B, N); differentiable in `logp`.
 pub fn k3_kl_loss(logp: &Tensor, ref_logp: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    aggregate_loss(&k3_kl_tokens(logp, ref_logp, mask)?, mask, LossType::Bnpo, 0)
+}
+
+/// [`k3_kl_loss`] per token, before any mean, (B, N).
+pub fn k3_kl_tokens(logp: &Tensor, ref_logp: &Tensor, mask: &Tensor) -> Result<Tensor> {
     // exp of at most 20 cannot overflow f32; past about 2.6 nats the cap applies anyway.
     let d = ((ref_logp - logp)? * mask)?.minimum(20.0)?;
-    let k3 = ((d.exp()? - &d)? - 1.0)?.minimum(K3_MAX)?;
-    (k3 * mask)?.sum_all()? / mask.sum_all()?.to_scalar::<f32>()? as f64
+    ((d.exp()? - &d)? - 1.0)?.minimum(K3_MAX)
 }
 
 /// Running mean and variance of the reward model's scores over every rollout so far
@@ -300,6 +395,33 @@ mod tests {
         for (x, y) in a.iter().zip(b) {
             assert!((x - y).abs() < 1e-5, "{a:?} vs {b:?}");
         }
+    }
+
+    /// The three means of `--loss-type` by hand: two answers of 3 and 1 tokens.
+    #[test]
+    fn loss_types_average_as_their_papers_say() -> Result<()> {
+        let dev = &candle_core::Device::Cpu;
+        let per_token = Tensor::new(&[[1f32, 2., 3.], [4., 9., 9.]], dev)?;
+        let mask = Tensor::new(&[[1f32, 1., 1.], [1., 0., 0.]], dev)?;
+        let loss = |how, len| -> Result<f32> { aggregate_loss(&per_token, &mask, how, len)?.to_scalar() };
+        assert_eq!(loss(LossType::Bnpo, 0)?, 2.5, "(1 + 2 + 3 + 4) / 4 tokens");
+        assert_eq!(loss(LossType::Grpo, 0)?, 3.0, "(6 / 3 + 4 / 1) / 2 answers");
+        assert_eq!(loss(LossType::DrGrpo, 4)?, 1.25, "10 / (2 answers x 4)");
+        assert!((loss(LossType::DrGrpo, 0)? - 10.0 / 6.0).abs() < 1e-6, "the width when no length is given");
+        Ok(())
+    }
+
+    /// TRL's `masked_whiten` by hand: [1, 2, 3] have mean 2 and unbiased variance 1; the masked
+    /// entry is left alone.
+    #[test]
+    fn whitening_centres_and_scales_the_unmasked_advantages() {
+        let mut v = [1f32, 2., 3., 100.];
+        whiten(&mut v, &[1., 1., 1., 0.], [3.0, 6.0, 14.0]);
+        let want = [-1f32, 0., 1., 100.];
+        assert!(v.iter().zip(want).all(|(a, b)| (a - b).abs() < 1e-6), "{v:?}");
+        let mut one = [5f32];
+        whiten(&mut one, &[1.], [1.0, 5.0, 25.0]);
+        assert_eq!(one, [5.0], "fewer than two values have no spread to scale by");
     }
 
     #[test]

@@ -901,13 +901,14 @@ fn ppo_epochs(
             let rows = exp.micro_batch_rows(k, ctx.global_micro);
             *micro += 1;
             visited += 1;
-            let mut tokens = [answer_tokens(exp, &rows)];
-            group.all_reduce_scalars(&mut tokens, ReduceOp::Sum)?;
-            if tokens[0] == 0.0 {
+            let mut global = [answer_tokens(exp, &rows), rows.len() as f64];
+            group.all_reduce_scalars(&mut global, ReduceOp::Sum)?;
+            if global[0] == 0.0 {
                 // Every row of this micro-batch was dropped, on every rank: nothing to learn.
                 continue;
             }
-            let mb = MicroBatch { exp, rows, global_tokens: tokens[0], rank, world, micro: *micro };
+            let [global_tokens, global_rows] = global;
+            let mb = MicroBatch { exp, rows, global_tokens, global_rows, rank, world, micro: *micro };
             let ptx_blocks = match ptx.as_mut() {
                 Some((corpus, cursor)) => {
                     // Every rank draws the global micro-batch's blocks and trains on its slice.
@@ -1469,7 +1470,15 @@ mod tests {
 
     fn micro_batch(exp: &Experience, micro: u64) -> MicroBatch<'_> {
         let rows = 0..exp.b;
-        MicroBatch { exp, global_tokens: answer_tokens(exp, &rows), rows, rank: 0, world: 1, micro }
+        MicroBatch {
+            exp,
+            global_tokens: answer_tokens(exp, &rows),
+            global_rows: rows.len() as f64,
+            rows,
+            rank: 0,
+            world: 1,
+            micro,
+        }
     }
 
     fn actor_trunk(models: &PpoModels) -> &hybrid_engine::Gpt2 {

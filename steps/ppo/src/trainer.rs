@@ -60,6 +60,8 @@ pub struct MicroBatch<'a> {
     pub rows: Range<usize>,
     /// Answer tokens of the global micro-batch over all ranks (what the one-rank loss divides by).
     pub global_tokens: f64,
+    /// Its answers over all ranks (what a per-answer loss, `--loss-type grpo|dr_grpo`, divides by).
+    pub global_rows: f64,
     pub rank: usize,
     pub world: usize,
     /// The update's number (dropout keys).
@@ -139,11 +141,17 @@ impl PpoModels {
             }
             UpdateStats::default()
         } else {
-            // The loss is a mean over the answer tokens of the whole global micro-batch, as one
-            // rank holding all of it would compute: this rank's mean weighs by its share of them
-            // (times the world, which the ranks' average divides out).
-            let share = local_tokens * mb.world as f64 / mb.global_tokens;
-            self.rlhf_backward(mb, cfg, seed, share, device)?
+            // The loss is a mean over the answer tokens (or, per answer, over the answers) of the
+            // whole global micro-batch, as one rank holding all of it would compute: this rank's
+            // mean weighs by its share of them (times the world, which the ranks' average
+            // divides out).
+            let world = mb.world as f64;
+            let token_share = local_tokens * world / mb.global_tokens;
+            let actor_share = match cfg.loss_type.per_answer() {
+                true => mb.rows.len() as f64 * world / mb.global_rows,
+                false => token_share,
+            };
+            self.rlhf_backward(mb, cfg, seed, (actor_share, token_share), device)?
         };
         let ptx_loss = ptx.map(|batch| self.unsupervised_backward(batch)).transpose()?;
 
@@ -159,13 +167,14 @@ impl PpoModels {
     }
 
     /// The actor's and the critic's forward and backward on this rank's (non-empty) rows of
-    /// `mb`, their losses scaled by `share`; returns this rank's part of the measurements.
+    /// `mb`, their losses scaled by `(actor_share, critic_share)`; returns this rank's part of
+    /// the measurements.
     fn rlhf_backward(
         &mut self,
         mb: &MicroBatch,
         cfg: &PpoConfig,
         seed: u64,
-        share: f64,
+        (actor_share, critic_share): (f64, f64),
         device: &Device,
     ) -> Result<UpdateStats> {
         let (exp, rows) = (mb.exp, &mb.rows);
@@ -189,25 +198,34 @@ impl PpoModels {
         let actor = &mut self.actor;
         let dropout = Dropout::from_config(&actor.config, key(0));
         let seen: RefCell<Option<(Tensor, Tensor)>> = RefCell::new(None);
-        let actor_loss =
-            actor.forward_backward(&inputs.ids, &inputs.as_positions(), Some(&dropout), share, |heads, hidden| {
+        let actor_loss = actor.forward_backward(
+            &inputs.ids,
+            &inputs.as_positions(),
+            Some(&dropout),
+            actor_share,
+            |heads, hidden| {
                 let lm = heads.trunk;
                 let h = hidden.narrow(1, start, l - 1 - start)?; // (b, A, C)
                 let (logp, entropy) = lm.next_token_log_probs(&h, &next_tokens, true)?; // (b, A) each
                 let entropy = entropy.expect("asked for");
                 *seen.borrow_mut() = Some((logp.detach(), entropy));
-                let loss = ppo::actor_loss(&logp, &old_logp, &advantages, &mask, cfg)?;
-                match &grpo_ref_logp {
-                    Some(ref_logp) => loss + (ppo::k3_kl_loss(&logp, ref_logp, &mask)? * cfg.kl_ctl)?,
-                    None => Ok(loss),
-                }
-            })?;
+                let per_token = ppo::actor_token_losses(&logp, &old_logp, &advantages, &mask, cfg)?;
+                let per_token = match &grpo_ref_logp {
+                    Some(ref_logp) => (per_token + (ppo::k3_kl_tokens(&logp, ref_logp, &mask)? * cfg.kl_ctl)?)?,
+                    None => per_token,
+                };
+                ppo::aggregate_loss(&per_token, &mask, cfg.loss_type, cfg.max_answer_len)
+            },
+        )?;
         let (new_logp, entropy) = seen.into_inner().expect("the actor head ran");
         let critic_loss = match &mut self.critic {
-            Some(critic) => Self::critic_backward(critic, mb, &inputs, cfg, seed, share, device)?,
+            Some(critic) => Self::critic_backward(critic, mb, &inputs, cfg, seed, critic_share, device)?,
             None => 0.0,
         };
-        policy_stats(&new_logp, &old_logp, &entropy, &mask, cfg, (actor_loss, critic_loss), mb.global_tokens)
+        // Each loss weighs by this rank's part of its mean (the shares without the world factor).
+        let world = mb.world as f64;
+        let losses = [(actor_loss, actor_share / world), (critic_loss, critic_share / world)];
+        policy_stats(&new_logp, &old_logp, &entropy, &mask, cfg, losses, mb.global_tokens)
     }
 
     /// The critic's forward and backward on this rank's rows of `mb` (their tokens `inputs`),
@@ -258,14 +276,14 @@ impl PpoModels {
 }
 
 /// This rank's part of the global micro-batch's means: sums over its masked actions divided by
-/// `global_tokens`; its mean losses weighted by its share of those tokens.
+/// `global_tokens`; its mean losses (actor, critic) each weighted by its part of that mean.
 fn policy_stats(
     new: &Tensor,
     old: &Tensor,
     entropy: &Tensor,
     mask: &Tensor,
     cfg: &PpoConfig,
-    (actor_loss, critic_loss): (f32, f32),
+    [(actor_loss, actor_part), (critic_loss, critic_part)]: [(f32, f64); 2],
     global_tokens: f64,
 ) -> Result<UpdateStats> {
     let new: Vec<f32> = new.flatten_all()?.to_vec1()?;
@@ -273,12 +291,11 @@ fn policy_stats(
     let ent: Vec<f32> = entropy.flatten_all()?.to_vec1()?;
     let mask: Vec<f32> = mask.flatten_all()?.to_vec1()?;
     let (lo, hi) = cfg.ratio_bounds();
-    let (mut n, mut ratio, mut clipped, mut kl, mut h) = (0f64, 0f64, 0f64, 0f64, 0f64);
+    let (mut ratio, mut clipped, mut kl, mut h) = (0f64, 0f64, 0f64, 0f64);
     for i in 0..mask.len() {
         if mask[i] > 0.0 {
             let d = f64::from(new[i] - old[i]);
             let r = d.exp();
-            n += 1.0;
             ratio += r;
             clipped += f64::from(u8::from(r < lo || r > hi));
             kl += ppo::approx_kl(d);
@@ -287,8 +304,8 @@ fn policy_stats(
     }
     let total = global_tokens.max(1.0);
     Ok(UpdateStats {
-        actor_loss: f64::from(actor_loss) * n / total,
-        critic_loss: f64::from(critic_loss) * n / total,
+        actor_loss: f64::from(actor_loss) * actor_part,
+        critic_loss: f64::from(critic_loss) * critic_part,
         ratio_mean: ratio / total,
         clip_fraction: clipped / total,
         approx_kl: kl / total,
