@@ -960,11 +960,17 @@ fn assert_same_ppo(out: &Path, single: &Path, what: &str) {
 /// answers, with RLOO's advantages whitened over both ranks' tokens. (GRPO with DeepSeekMath's
 /// loss agrees to 1e-6 in every gradient norm for 19 steps, until a rollout samples one other
 /// token from weights 1e-7 apart; the pairing above samples the same answers throughout.)
+/// REINFORCE++ normalises its discounted returns over both ranks' tokens.
 #[test]
-fn grpo_and_rloo_on_2_ranks_match_one_rank() {
+fn critic_free_algorithms_on_2_ranks_match_one_rank() {
     let dir = tempfile::tempdir().unwrap();
     ppo_setup(dir.path());
-    for (algorithm, extra) in [("grpo", "--loss-type dr_grpo"), ("rloo", "--loss-type grpo --whiten-advantages")] {
+    let runs = [
+        ("grpo", "--loss-type dr_grpo"),
+        ("rloo", "--loss-type grpo --whiten-advantages"),
+        ("reinforce_pp", "--gamma 0.9"),
+    ];
+    for (algorithm, extra) in runs {
         let run = |out: &Path, ranks: usize, generation: usize, training: usize| {
             let mut a = ppo_args(dir.path(), out, generation, training, (0, 0));
             // No critic: its flags are refused.

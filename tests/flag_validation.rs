@@ -188,6 +188,7 @@ fn flags_that_would_have_no_effect_are_refused_naming_what_they_need() {
         ("ppo", &["--top-k", "5"], "--do-sample"),
         ("ppo", &["--top-p", "0.9"], "--do-sample"),
         ("ppo", &["--unsup-coef", "1"], "--unsupervised-dataset-name"),
+        ("ppo", &["--algorithm", "reinforce_pp", "--lam", "0.9"], "trains no critic"),
         ("ppo", &["--actor-lora-module-name", "attn"], "--actor-lora-dim"),
         ("ppo", &["--actor-lora-learning-rate", "1e-4"], "--actor-lora-dim"),
         ("ppo", &["--critic-lora-module-name", "attn"], "--critic-lora-dim"),

@@ -230,16 +230,13 @@ pub fn load_model_dir(dir: &Path, device: &Device) -> Result<ModelFiles> {
 }
 
 /// Separates GPT-2 trunk tensors (stripped of HF's optional `transformer.` prefix) from
-/// everything else, dropping the tied `lm_head.weight` and the causal-mask buffers
-/// (`h.N.attn.bias`, `h.N.attn.masked_bias`) that old checkpoints carry.
+/// everything else, dropping what is no parameter ([`is_not_a_parameter`]).
 fn split_hf_names(raw: HashMap<String, Tensor>) -> (HashMap<String, Tensor>, HashMap<String, Tensor>) {
     let mut trunk = HashMap::new();
     let mut extra = HashMap::new();
     for (name, t) in raw {
         let short = name.strip_prefix("transformer.").unwrap_or(&name);
-        let is_buffer =
-            short.starts_with("h.") && (short.ends_with(".attn.bias") || short.ends_with(".attn.masked_bias"));
-        if is_buffer || name == "lm_head.weight" {
+        if is_not_a_parameter(&name) {
             continue;
         }
         if crate::model::params::is_trunk_name(short) {
@@ -249,6 +246,15 @@ fn split_hf_names(raw: HashMap<String, Tensor>) -> (HashMap<String, Tensor>, Has
         }
     }
     (trunk, extra)
+}
+
+/// Whether a tensor of a HF GPT-2 file (by its name in the file) is no parameter of ours: the
+/// tied `lm_head.weight` and the causal-mask buffers (`h.N.attn.bias`, `h.N.attn.masked_bias`)
+/// that old checkpoints carry.
+pub(crate) fn is_not_a_parameter(name: &str) -> bool {
+    let short = name.strip_prefix("transformer.").unwrap_or(name);
+    let buffer = short.starts_with("h.") && (short.ends_with(".attn.bias") || short.ends_with(".attn.masked_bias"));
+    buffer || name == "lm_head.weight"
 }
 
 /// Writes config.json, model.safetensors (trunk under `transformer.*` names, `format: pt` metadata, which

@@ -70,9 +70,7 @@ impl ModelSlices {
         let mut heads = HashMap::new();
         for (name, view) in self.files.tensors() {
             let short = name.strip_prefix("transformer.").unwrap_or(&name);
-            let buffer =
-                short.starts_with("h.") && (short.ends_with(".attn.bias") || short.ends_with(".attn.masked_bias"));
-            if !is_trunk_name(short) && !buffer && name != "lm_head.weight" {
+            if !is_trunk_name(short) && !hf_io::is_not_a_parameter(&name) {
                 heads.insert(name.clone(), candle_core::safetensors::Load::load(&view, &candle_core::Device::Cpu)?);
             }
         }

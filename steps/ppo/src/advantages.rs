@@ -6,7 +6,9 @@
 //! - GRPO: each answer's score against its prompt's group, centred and scaled
 //!   ([`group_advantages`]);
 //! - RLOO: each answer's sequence reward less the mean of the other answers to its prompt
-//!   ([`leave_one_out_advantages`]).
+//!   ([`leave_one_out_advantages`]);
+//! - REINFORCE++: each token's discounted return of the token-level rewards, normalised over
+//!   the rollout ([`reinforce_pp_returns`], then [`ppo::whiten`]).
 //!
 //! The group estimators see every rank's answers: the rewards are summed over the data-parallel
 //! group by rollout position first ([`compute_advantages`]).
@@ -27,22 +29,44 @@ pub fn compute_advantages(
     samples: usize,
     cfg: &PpoConfig,
 ) -> Result<Option<f64>> {
-    let without_spread = if cfg.algorithm == Algorithm::Ppo {
-        let (start, actions) = (exp.start, exp.actions());
-        let width = actions - start;
-        for r in 0..exp.b {
-            let (a, g) = gae_advantages(exp.row(&exp.rewards, r), exp.row(&exp.values, r), start, cfg);
-            exp.advantages[r * width..(r + 1) * width].copy_from_slice(&a);
-            exp.returns[r * width..(r + 1) * width].copy_from_slice(&g);
+    let (start, width) = (exp.start, exp.actions() - exp.start);
+    let without_spread = match cfg.algorithm {
+        Algorithm::Ppo => {
+            for r in 0..exp.b {
+                let (a, g) = gae_advantages(exp.row(&exp.rewards, r), exp.row(&exp.values, r), start, cfg);
+                exp.advantages[r * width..(r + 1) * width].copy_from_slice(&a);
+                exp.returns[r * width..(r + 1) * width].copy_from_slice(&g);
+            }
+            None
         }
-        None
-    } else {
-        Some(critic_free_advantages(exp, group, samples, cfg)?)
+        Algorithm::ReinforcePp => {
+            for r in 0..exp.b {
+                let a = reinforce_pp_returns(exp.row(&exp.rewards, r), start, cfg.gamma);
+                exp.advantages[r * width..(r + 1) * width].copy_from_slice(&a);
+            }
+            None
+        }
+        Algorithm::Grpo | Algorithm::Rloo => Some(critic_free_advantages(exp, group, samples, cfg)?),
     };
-    if cfg.whiten_advantages {
+    // REINFORCE++'s returns are normalised over the rollout as its definition says.
+    if cfg.whiten_advantages || cfg.algorithm == Algorithm::ReinforcePp {
         whiten_advantages(exp, group)?;
     }
     Ok(without_spread)
+}
+
+/// REINFORCE++'s advantage before normalisation (OpenRLHF's `get_cumulative_returns`): each
+/// action's discounted return `G[t] = r[t] + gamma G[t+1]` over actions `start..` of a row's
+/// token-level rewards (zero from the row's end on). No critic: GAE with V = 0 and lambda = 1.
+pub fn reinforce_pp_returns(rewards: &[f32], start: usize, gamma: f64) -> Vec<f32> {
+    let gamma = gamma as f32;
+    let mut out = vec![0f32; rewards.len() - start];
+    let mut next = 0f32;
+    for t in (start..rewards.len()).rev() {
+        next = rewards[t] + gamma * next;
+        out[t - start] = next;
+    }
+    out
 }
 
 /// `--whiten-advantages`: the rollout's advantages centred and scaled over every rank's answer
@@ -110,7 +134,7 @@ pub fn set_group_advantages(exp: &mut Experience, by_position: &[Option<f64>], k
         let advantages = match cfg.algorithm {
             Algorithm::Grpo => group_advantages(group, cfg.scale_rewards, batch_std),
             Algorithm::Rloo => leave_one_out_advantages(group),
-            Algorithm::Ppo => unreachable!("PPO's advantages come from GAE"),
+            Algorithm::Ppo | Algorithm::ReinforcePp => unreachable!("their advantages are per token"),
         };
         let a = advantages[position - first].expect("a kept row has a reward") as f32;
         exp.advantages[r * width..(r + 1) * width].fill(a);
@@ -216,6 +240,16 @@ mod tests {
         for (x, y) in a.iter().zip(b) {
             assert!((x - y).abs() < 1e-5, "{a:?} vs {b:?}");
         }
+    }
+
+    /// REINFORCE++'s returns by hand: rewards [x, -0.1, -0.2, 1.0, 0] from action 1 on, gamma
+    /// 0.5: G = [-0.1 + 0.5 (-0.2 + 0.5 (1.0 + 0)), -0.2 + 0.5, 1.0, 0] = [0.05, 0.3, 1.0, 0].
+    #[test]
+    fn reinforce_pp_returns_discount_the_token_rewards() {
+        let got = reinforce_pp_returns(&[9.0, -0.1, -0.2, 1.0, 0.0], 1, 0.5);
+        let want = [0.05f32, 0.3, 1.0, 0.0];
+        assert!(got.iter().zip(want).all(|(a, b)| (a - b).abs() < 1e-6), "{got:?}");
+        assert_eq!(reinforce_pp_returns(&[1.0, 2.0, 3.0], 0, 1.0), [6.0, 5.0, 3.0], "gamma 1: rewards to go");
     }
 
     #[test]

@@ -160,8 +160,10 @@ pub struct PpoArgs {
     pub top_p: f64,
     /// How a rollout's answers become advantages: `ppo` (DS-Chat: a critic, GAE, the KL to the
     /// reference as a per-token reward penalty), `grpo` (no critic: each answer's score
-    /// normalised within its prompt's group; the KL a k3 loss term) or `rloo` (no critic: each
-    /// answer's KL-penalised reward less the mean of its group's others).
+    /// normalised within its prompt's group; the KL a k3 loss term), `rloo` (no critic: each
+    /// answer's KL-penalised reward less the mean of its group's others) or `reinforce_pp`
+    /// (OpenRLHF's REINFORCE++: no critic, PPO's token-level rewards, each token's discounted
+    /// return normalised over the rollout).
     #[arg(long, value_enum, default_value_t = Algorithm::Ppo)]
     pub algorithm: Algorithm,
     /// Answers sampled per prompt in a rollout (GRPO and RLOO compare them; at least 2 there).
@@ -450,19 +452,20 @@ impl PpoArgs {
         Ok(())
     }
 
-    /// GRPO and RLOO compare answers to the same prompt and train no critic: they need two
-    /// answers per prompt, and the critic's flags (and GAE's) would have no effect.
+    /// GRPO, RLOO and REINFORCE++ train no critic: the critic's flags (and GAE's) would have no
+    /// effect (REINFORCE++ discounts its returns by --gamma). GRPO and RLOO compare answers to
+    /// the same prompt: they need two answers per prompt, sampled.
     fn refuse_critic_flags_without_a_critic(&self) -> Result<()> {
         let name = self.algorithm.name();
         if self.algorithm.has_critic() {
             return Ok(());
         }
-        if self.num_samples_per_prompt < 2 {
+        if self.algorithm.compares_answers() && self.num_samples_per_prompt < 2 {
             bail!(
                 "--algorithm {name} compares answers to the same prompt: add --num-samples-per-prompt 4 (at least 2)"
             );
         }
-        if !self.do_sample {
+        if self.algorithm.compares_answers() && !self.do_sample {
             bail!(
                 "--algorithm {name} compares the answers to one prompt, and greedy answers are all the same (every advantage 0: nothing trains): add --do-sample"
             );
@@ -476,7 +479,7 @@ impl PpoArgs {
             ("--critic-lora-dim", self.critic_lora_dim != 0),
             ("--critic-zero-stage", self.critic_zero_stage != 0),
             ("--cliprange-value", self.cliprange_value != defaults.cliprange_value),
-            ("--gamma", self.gamma != defaults.gamma),
+            ("--gamma", self.gamma != defaults.gamma && self.algorithm != Algorithm::ReinforcePp),
             ("--lam", self.lam != defaults.lam),
             ("--align-overflow", self.align_overflow),
         ];

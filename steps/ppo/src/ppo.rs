@@ -274,12 +274,25 @@ pub enum Algorithm {
     /// penalty summed over its tokens) less the mean of the other answers to its prompt
     /// ([`crate::advantages::leave_one_out_advantages`]) on every token.
     Rloo,
+    /// OpenRLHF's REINFORCE++: no critic; PPO's token-level rewards (the KL penalty on every
+    /// token, the clipped score on the last), each token's advantage its discounted return
+    /// (`--gamma`), normalised over the whole rollout's answer tokens
+    /// ([`crate::advantages::reinforce_pp_advantages`]). Needs no groups: one answer per prompt
+    /// is enough.
+    #[value(name = "reinforce_pp", alias = "reinforce++")]
+    #[serde(rename = "reinforce_pp")]
+    ReinforcePp,
 }
 
 impl Algorithm {
-    /// PPO trains a critic; GRPO and RLOO have none.
+    /// PPO trains a critic; GRPO, RLOO and REINFORCE++ have none.
     pub fn has_critic(self) -> bool {
         self == Algorithm::Ppo
+    }
+
+    /// GRPO and RLOO compare the answers to one prompt: they need several, sampled.
+    pub fn compares_answers(self) -> bool {
+        matches!(self, Algorithm::Grpo | Algorithm::Rloo)
     }
 
     pub fn name(self) -> &'static str {
@@ -287,6 +300,7 @@ impl Algorithm {
             Algorithm::Ppo => "ppo",
             Algorithm::Grpo => "grpo",
             Algorithm::Rloo => "rloo",
+            Algorithm::ReinforcePp => "reinforce_pp",
         }
     }
 }
