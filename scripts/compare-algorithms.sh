@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The demo's algorithms side by side (issue 15): for each seed, steps 1 and 2 once, then step 3
-# as PPO, GRPO and RLOO on the same SFT actor and reward model, and DPO (step 2 --algorithm dpo)
+# as PPO, GRPO, RLOO and REINFORCE++ on the same SFT actor and reward model, and DPO (step 2 --algorithm dpo)
 # on the same SFT actor; every actor scored by `policy_eval` on the held-out prompts (reward-model
 # score, task score, KL to the SFT model, answer length), then mean and spread over the seeds.
 # Usage: scripts/compare-algorithms.sh [OUT_DIR] [SEED...]   (default: compare-out, seeds 1 2 3)
@@ -18,7 +18,7 @@ for seed in "${SEEDS[@]}"; do
   mkdir -p "$dir"; : > "$times"
   t0=$(date +%s); "$BIN/train" --seed "$seed" --step 1 2 --actor-model tiny --reward-model "$dir/actor" --output-dir "$dir" > "$dir/steps12.log" 2>&1
   echo "sft+rm $(secs "$t0")" >> "$times"
-  for alg in ppo grpo rloo; do
+  for alg in ppo grpo rloo reinforce_pp; do
     t0=$(date +%s)
     "$BIN/train" --seed "$seed" --step 3 --algorithm "$alg" --output-dir "$dir" > "$dir/step3-$alg.log" 2>&1
     rm -rf "$dir/step3-$alg"; mv "$dir/step3" "$dir/step3-$alg"
@@ -28,7 +28,8 @@ for seed in "${SEEDS[@]}"; do
   echo "dpo $(secs "$t0")" >> "$times"
   "$BIN/policy_eval" --reference "$dir/actor" --reward-model "$dir/reward" \
     --actor ppo="$dir/step3-ppo/actor" --actor grpo="$dir/step3-grpo/actor" \
-    --actor rloo="$dir/step3-rloo/actor" --actor dpo="$dir/dpo" --json "$dir/eval.json" \
+    --actor rloo="$dir/step3-rloo/actor" --actor reinforce_pp="$dir/step3-reinforce_pp/actor" \
+    --actor dpo="$dir/dpo" --json "$dir/eval.json" \
     --probe-demo-reward-model | tee "$dir/eval.md"
 done
 python3 - "$OUT" "${SEEDS[@]}" <<'PY'
@@ -45,7 +46,7 @@ def cell(values, fmt="{:.3f}"):
     return (fmt + " ± " + fmt).format(m, spread)
 print(f"| actor | reward-model score | task score | task score per seed | KL to SFT (nats) | answer length | wall time (s) |")
 print("|---|---|---|---|---|---|---|")
-for name in ["sft", "ppo", "grpo", "rloo", "dpo"]:
+for name in ["sft", "ppo", "grpo", "rloo", "reinforce_pp", "dpo"]:
     rows = [evals[s][name] for s in seeds]
     task = [r["task_success"] for r in rows]
     wall = [float(times[s].get(name if name != "sft" else "sft+rm", "nan")) for s in seeds]

@@ -158,6 +158,9 @@ pub enum PipelineAlgorithm {
     Ppo,
     Grpo,
     Rloo,
+    /// OpenRLHF's REINFORCE++ (`ppo --algorithm reinforce_pp`).
+    #[value(name = "reinforce_pp", alias = "reinforce++")]
+    ReinforcePp,
     Dpo,
 }
 
@@ -167,7 +170,19 @@ impl PipelineAlgorithm {
             Self::Ppo => "ppo",
             Self::Grpo => "grpo",
             Self::Rloo => "rloo",
+            Self::ReinforcePp => "reinforce_pp",
             Self::Dpo => "dpo",
+        }
+    }
+
+    /// How the summary and the report name it.
+    fn label(self) -> &'static str {
+        match self {
+            Self::Ppo => "PPO",
+            Self::Grpo => "GRPO",
+            Self::Rloo => "RLOO",
+            Self::ReinforcePp => "REINFORCE++",
+            Self::Dpo => "DPO",
         }
     }
 }
@@ -591,7 +606,7 @@ fn step_name(number: u32, algorithm: PipelineAlgorithm) -> String {
         (1, _) => "SFT".into(),
         (2, PipelineAlgorithm::Dpo) => "DPO".into(),
         (2, _) => "reward model".into(),
-        (_, algorithm) => algorithm.name().to_uppercase(),
+        (_, algorithm) => algorithm.label().into(),
     }
 }
 
@@ -968,7 +983,7 @@ fn print_summary(output: &Path, steps: &[u32], algorithm: PipelineAlgorithm, dem
     if steps.contains(&3) {
         let end = last_record(&output.join("step3/metrics.jsonl"))?;
         let s = &end["summary"];
-        let name = algorithm.name().to_uppercase();
+        let name = algorithm.label();
         say(format!(
             "step 3 ({name}): rollout reward {:.3} (first step) -> {:.3} (last step)",
             s["first_reward"].as_f64().unwrap_or(f64::NAN),

@@ -78,8 +78,8 @@ fn paths_that_look_like_flags_reach_the_steps_intact() {
 }
 
 /// `train --algorithm` reaches step 3's recipes as RLHF_ALGORITHM: for every deployment and
-/// model size, PPO gets the critic's flags, GRPO and RLOO get their answers per prompt and none
-/// of the critic's flags (which `ppo` refuses without a critic): the step accepts what the
+/// model size, PPO gets the critic's flags, GRPO and RLOO get their answers per prompt, and they
+/// and REINFORCE++ none of the critic's flags (which `ppo` refuses without a critic): the step accepts what the
 /// recipe gives it. DPO's step-2 recipes give `reward` a DPO run it accepts.
 #[test]
 fn every_algorithm_gets_arguments_its_step_accepts() {
@@ -87,7 +87,7 @@ fn every_algorithm_gets_arguments_its_step_accepts() {
         let recipe = format!("step3_ppo/{deployment}.sh");
         let sizes: &[&str] = if deployment == "demo" { &["tiny"] } else { &["tiny", "gpt2-xl"] };
         for &size in sizes {
-            for algorithm in ["ppo", "grpo", "rloo"] {
+            for algorithm in ["ppo", "grpo", "rloo", "reinforce_pp"] {
                 let args = ["out/step3", "2", "out/actor", size, "out/reward", "2"];
                 let argv = recipe_argv_with(&recipe, "ppo", &args, &[("RLHF_ALGORITHM", algorithm)]);
                 let parsed = ppo::PpoArgs::try_parse_from(std::iter::once("ppo".to_string()).chain(argv.clone()))
@@ -96,13 +96,13 @@ fn every_algorithm_gets_arguments_its_step_accepts() {
                 assert_eq!(parsed.algorithm.name(), algorithm, "{recipe} {size}: {argv:?}");
                 let critic = argv.iter().any(|a| a.starts_with("--critic-learning-rate"));
                 assert_eq!(critic, algorithm == "ppo", "{recipe} {size} {algorithm}: {argv:?}");
-                if algorithm != "ppo" {
+                if algorithm == "grpo" || algorithm == "rloo" {
                     assert!(parsed.num_samples_per_prompt >= 2, "{recipe} {size} {algorithm}: {argv:?}");
                 }
                 if size == "tiny" {
                     // The demo's passes over the prompts (docs/RLHF-INVESTIGATION.md, section 10).
                     let passes = match algorithm {
-                        "ppo" => 3,
+                        "ppo" | "reinforce_pp" => 3,
                         "grpo" => 1,
                         _ => 2,
                     };

@@ -16,7 +16,7 @@ CRITIC=${5:-./output/reward}
 CRITIC_ZERO_STAGE=${6:-0}
 DATA_CACHE="$(dirname -- "$OUTPUT")/data_files"
 DP=${RLHF_DATA_PARALLEL_SIZE:-1}
-# `train --algorithm` sets it: ppo (DS-Chat, with a critic), grpo or rloo (no critic).
+# `train --algorithm` sets it: ppo (DS-Chat, with a critic), grpo, rloo or reinforce_pp (no critic).
 ALGORITHM=${RLHF_ALGORITHM:-ppo}
 
 ARGS=(--data-path demo --data-split 2,6,2 --max-prompt-seq-len 24 --max-answer-seq-len 16
@@ -31,7 +31,9 @@ case "$ALGORITHM" in
   # move): docs/RLHF-INVESTIGATION.md, section 10.
   grpo) ARGS+=(--algorithm grpo --num-samples-per-prompt 4 --num-train-epochs 1) ;;
   rloo) ARGS+=(--algorithm rloo --num-samples-per-prompt 4 --num-train-epochs 2) ;;
-  *) echo "no step-3 recipe for algorithm $ALGORITHM (ppo, grpo, rloo)" >&2; exit 2 ;;
+  # No critic and no groups: one answer per prompt, PPO's three passes.
+  reinforce_pp) ARGS+=(--algorithm reinforce_pp --num-train-epochs 3) ;;
+  *) echo "no step-3 recipe for algorithm $ALGORITHM (ppo, grpo, rloo, reinforce_pp)" >&2; exit 2 ;;
 esac
 
 # The critic's path also names the reward model, which every algorithm reads.

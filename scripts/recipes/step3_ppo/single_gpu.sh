@@ -11,7 +11,7 @@ SIZE=${4:-gpt2-xl}
 CRITIC=${5:-./output/reward}
 CRITIC_ZERO_STAGE=${6:-0}
 DATA_CACHE="$(dirname -- "$OUTPUT")/data_files"
-# `train --algorithm` sets it: ppo (DS-Chat, with a critic), grpo or rloo (no critic).
+# `train --algorithm` sets it: ppo (DS-Chat, with a critic), grpo, rloo or reinforce_pp (no critic).
 ALGORITHM=${RLHF_ALGORITHM:-ppo}
 
 case "$SIZE" in
@@ -50,7 +50,10 @@ case "$ALGORITHM" in
     if [ "$SIZE" = tiny ]; then
       if [ "$ALGORITHM" = rloo ]; then ARGS+=(--num-train-epochs 2); else ARGS+=(--num-train-epochs 1); fi
     fi ;;
-  *) echo "no step-3 recipe for algorithm $ALGORITHM (ppo, grpo, rloo)" >&2; exit 2 ;;
+  # No critic and no groups: one answer per prompt (the demo: PPO's three passes).
+  reinforce_pp) ARGS+=(--algorithm reinforce_pp)
+    if [ "$SIZE" = tiny ]; then ARGS+=(--num-train-epochs 3); fi ;;
+  *) echo "no step-3 recipe for algorithm $ALGORITHM (ppo, grpo, rloo, reinforce_pp)" >&2; exit 2 ;;
 esac
 
 # The critic's path also names the reward model, which every algorithm reads.

@@ -303,6 +303,16 @@ impl Algorithm {
             Algorithm::ReinforcePp => "reinforce_pp",
         }
     }
+
+    /// How logs and summaries name it.
+    pub fn label(self) -> &'static str {
+        match self {
+            Algorithm::Ppo => "PPO",
+            Algorithm::Grpo => "GRPO",
+            Algorithm::Rloo => "RLOO",
+            Algorithm::ReinforcePp => "REINFORCE++",
+        }
+    }
 }
 
 /// What GRPO divides a group's centred scores by (`--scale-rewards`, TRL's `scale_rewards`).

@@ -618,7 +618,7 @@ impl PpoLoop<'_> {
         let final_actor = gathered.actor.params(&self.models.actor);
         let (before, after) = (evaluate(reference)?, evaluate(&self.engine.model(final_actor, actor_cfg)?)?);
         let task = |e: &PolicyEval| e.task_success.map_or("n/a".to_string(), |t| format!("{t:.3}"));
-        let name = args.algorithm.name().to_uppercase();
+        let name = args.algorithm.label();
         println!(
             "held-out prompts ({}): reward score SFT {:.3} -> {name} {:.3}; task score SFT {} -> {name} {}; answer length {:.1} -> {:.1} tokens; KL to SFT {:.3} nats",
             prompts.len(),
