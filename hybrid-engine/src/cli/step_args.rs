@@ -183,6 +183,19 @@ impl StepArgs {
         self.zero_stage == 3 && world > 1 && !tensor_parallel && self.lora().is_none()
     }
 
+    /// `--model-name-or-path` as the step starts from it: whole ([`starting_model`]), or with
+    /// `sharded` without its trunk weights and where each rank reads its shard of them
+    /// ([`starting_model_sharded`]). Says which in a line.
+    pub fn starting_model(&self, sharded: bool, device: &Device) -> Result<(StartingModel, Option<ShardSource>)> {
+        let (name, seed, dropout) = (&self.model_name_or_path, self.seed, self.dropout());
+        let (start, source) = match sharded {
+            true => starting_model_sharded(name, seed, dropout).map(|(start, source)| (start, Some(source)))?,
+            false => (starting_model(name, seed, dropout, device)?, None),
+        };
+        println!("starting model: {}", start.description);
+        Ok((start, source))
+    }
+
     /// The epoch loop of a step with `micro_per_epoch` global micro-batches an epoch and `steps`
     /// optimizer steps in all, its throughput counted in `unit`s, evaluating every
     /// `eval_interval` steps too (0: at the epochs' ends only), its rows split over `group`.

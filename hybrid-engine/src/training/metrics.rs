@@ -129,6 +129,18 @@ impl Metrics {
     /// without `end` marks it failed), then draws its curves ([`CURVES_FILE`] beside
     /// metrics.jsonl) from every record the file holds, a resumed run's earlier ones included. A
     /// drawing failure is a warning: the run itself has succeeded.
+    /// A step's last record once its work is done: rank 0's peak memory printed and recorded
+    /// with `summary` ([`Self::end`]), then every rank of `group` waits for the others, so that
+    /// none exits while another still works.
+    pub fn end_run(&mut self, group: &crate::comm::ProcessGroup, summary: &impl serde::Serialize) -> Result<()> {
+        let peak = peak_rss_mib().filter(|_| group.is_first());
+        if let Some(p) = peak {
+            println!("peak memory (RSS): {p:.1} MiB");
+        }
+        self.end(serde_json::json!({"event": "end", "summary": summary, "peak_rss_mib": peak}))?;
+        group.barrier()
+    }
+
     pub fn end(&mut self, value: serde_json::Value) -> Result<()> {
         self.record(value)?;
         if let Some(wandb) = &mut self.wandb {

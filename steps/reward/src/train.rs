@@ -14,7 +14,7 @@ use candle_core::{Device, Tensor};
 use data::batch::{pair_batch, rank_micro_batches, PairBatch};
 use data::phases::PairSample;
 use data::Tokenizer;
-use hybrid_engine::cli::step_args::{starting_model, starting_model_sharded, StartingModel};
+use hybrid_engine::cli::step_args::StartingModel;
 use hybrid_engine::comm::{ProcessGroup, ReduceOp};
 use hybrid_engine::engine::epochs::{train_epochs, EpochTask, EvalAt};
 use hybrid_engine::engine::{Engine, Head, Ranks};
@@ -22,7 +22,7 @@ use hybrid_engine::model::gpt2::{Dropout, Positions};
 use hybrid_engine::model::params::parameter_count;
 use hybrid_engine::model::reward_model::{add_score_head, sequence_classification_config, SCORE_WEIGHT};
 use hybrid_engine::training::memory::MemoryPlan;
-use hybrid_engine::training::metrics::{peak_rss_mib, Metrics};
+use hybrid_engine::training::metrics::Metrics;
 use hybrid_engine::training::tensor_parallel::data_group;
 use hybrid_engine::training::train_step::TrainedModel;
 use hybrid_engine::training::trainer::total_steps;
@@ -71,11 +71,7 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
     let world = data_group.world();
     println!("device: {}", hybrid_engine::device::describe(&device));
     // ZeRO-3 across ranks builds the model sharded: no rank holds it whole.
-    let (mut start, shard_source) = match t.builds_sharded(world, tp.is_some()) {
-        true => starting_model_sharded(&t.model_name_or_path, t.seed, t.dropout()).map(|(s, src)| (s, Some(src)))?,
-        false => (starting_model(&t.model_name_or_path, t.seed, t.dropout(), &device)?, None),
-    };
-    println!("starting model: {}", start.description);
+    let (mut start, shard_source) = t.starting_model(t.builds_sharded(world, tp.is_some()), &device)?;
     let tokenizer = step2_tokenizer(args, &start)?;
     let eos = tokenizer.eos_id();
     let config = sequence_classification_config(&start.config, eos);
@@ -170,12 +166,7 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
     metrics.finish();
 
     save(args, &group, &engine, &tokenizer, &summary)?;
-    let peak = peak_rss_mib().filter(|_| group.is_first());
-    if let Some(p) = peak {
-        println!("peak memory (RSS): {p:.1} MiB");
-    }
-    metrics.end(json!({"event": "end", "summary": summary, "peak_rss_mib": peak}))?;
-    group.barrier()?;
+    metrics.end_run(&group, &summary)?;
     Ok(summary)
 }
 

@@ -11,7 +11,6 @@ use candle_core::{Device, Tensor};
 use data::batch::{rank_micro_batches, sft_batch, SftBatch};
 use data::phases::SftSample;
 use data::Tokenizer;
-use hybrid_engine::cli::step_args::{starting_model, starting_model_sharded};
 use hybrid_engine::comm::{ProcessGroup, ReduceOp};
 use hybrid_engine::engine::epochs::{train_epochs, EpochTask, EvalAt};
 use hybrid_engine::engine::{Engine, Head, Ranks};
@@ -19,7 +18,7 @@ use hybrid_engine::model::gpt2::{Dropout, Positions};
 use hybrid_engine::model::params::parameter_count;
 use hybrid_engine::model::reward_model::causal_lm_config;
 use hybrid_engine::training::memory::MemoryPlan;
-use hybrid_engine::training::metrics::{peak_rss_mib, record_parallel_usage, Metrics};
+use hybrid_engine::training::metrics::{record_parallel_usage, Metrics};
 use hybrid_engine::training::tensor_parallel::data_group;
 use hybrid_engine::training::train_step::TrainedModel;
 use hybrid_engine::training::trainer::total_steps;
@@ -56,11 +55,7 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
     // ZeRO-3 across ranks builds the model sharded, unless --eval-prompts needs the starting
     // weights whole on rank 0 to compare with.
     let sharded = t.builds_sharded(world, tp.is_some()) && args.eval_prompts.is_none();
-    let (mut start, shard_source) = match sharded {
-        true => starting_model_sharded(&t.model_name_or_path, t.seed, t.dropout()).map(|(s, src)| (s, Some(src)))?,
-        false => (starting_model(&t.model_name_or_path, t.seed, t.dropout(), &device)?, None),
-    };
-    println!("starting model: {}", start.description);
+    let (mut start, shard_source) = t.starting_model(sharded, &device)?;
     let tokenizer = args.data.tokenizer(match (&args.tokenizer, &start.dir) {
         (Some(p), _) => Tokenizer::from_file(p)?,
         (None, Some(dir)) => Tokenizer::from_model_dir_or_default(dir)?,
@@ -152,12 +147,7 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
     record_parallel_usage(&mut metrics, &group, tp.as_ref().map(|t| &t.layout), done.train_secs, summary.steps)?;
     let compare = prompts.zip(baseline_weights);
     save(args, &group, &engine, &tokenizer, compare, &device)?;
-    let peak = peak_rss_mib().filter(|_| group.is_first());
-    if let Some(p) = peak {
-        println!("peak memory (RSS): {p:.1} MiB");
-    }
-    metrics.end(json!({"event": "end", "summary": summary, "peak_rss_mib": peak}))?;
-    group.barrier()?;
+    metrics.end_run(&group, &summary)?;
     Ok(summary)
 }
 

@@ -11,6 +11,7 @@ use data::{BlockSampler, CorpusSource, PackedCorpus, SamplerCursor, Tokenizer};
 use hybrid_engine::checkpoints::hf_io;
 use hybrid_engine::checkpoints::resume::{self, OptimizerShard, SavedModel, TrainerState, FORMAT_VERSION};
 use hybrid_engine::checkpoints::sharded_io::ModelSlices;
+use hybrid_engine::cli::step_args::ShardSource;
 use hybrid_engine::comm::{ProcessGroup, ReduceOp};
 use hybrid_engine::engine::{Engine, Head, Ranks};
 use hybrid_engine::kernels::ops::DropoutKey;
@@ -161,23 +162,7 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     // Under tensor parallelism the masters are this rank's slices.
     let engine_cfg = args.engine_config(&cfg, accumulation, &data_group)?;
     let ranks = Ranks { data: data_group.clone(), tensor: tp.clone() };
-    let mut engine = match weights {
-        StartingWeights::Whole(params) => Engine::new(&engine_cfg, &model_cfg, Head::Lm, params, ranks)?,
-        StartingWeights::Sharded(sharded) => Engine::new_sharded(&engine_cfg, &model_cfg, *sharded)?,
-    };
-    // A checkpoint holds the whole optimizer state, so it loads into any world size or stage:
-    // each rank keeps its shard of the moments.
-    if let Some(r) = &resume {
-        let progress =
-            r.progress.clone().unwrap_or(TrainerProgress { boundaries: start, forced_skips: 0, scaler: None });
-        engine.restore_optimizer(
-            |opt, names, numels| r.optimizer.restore(opt, names, numels),
-            r.optimizer_step,
-            &progress,
-        )?;
-    }
-    // Under ZeRO stage 3 each rank keeps only its shard: the whole model goes now.
-    engine.release_masters();
+    let engine = start_engine(&engine_cfg, &model_cfg, weights, ranks, resume.as_ref(), start)?;
     let sampler = BlockSampler::with_cursor(train.clone(), args.seed, cursor).context(
         "cannot resume: --data-path, --split or --seq-length differ from the run that saved the checkpoint (use the same, or start anew without --load)",
     )?;
@@ -269,9 +254,13 @@ fn start_or_resume(
         // Under tensor parallelism each rank draws the same weights but keeps its slices; under
         // ZeRO-3 its shard.
         let weights = match (tp, shard_over) {
-            (_, Some((group, dtype))) => {
-                StartingWeights::Sharded(Box::new(ShardedModel::init(group, model_cfg, args.seed, &[], dtype, device)?))
-            }
+            (_, Some((group, dtype))) => StartingWeights::Sharded(Box::new(ShardSource::Drawn(args.seed).build(
+                group,
+                model_cfg,
+                &[],
+                dtype,
+                device,
+            )?)),
             (Some(tp), None) => StartingWeights::Whole(tp.init(model_cfg, args.seed, device)?),
             (None, None) => StartingWeights::Whole(ParamStore::init(model_cfg, args.seed, device)?),
         };
@@ -301,8 +290,8 @@ fn start_or_resume(
             let slices = ModelSlices::open(&dir)?;
             check_same_shape(&slices.config, model_cfg)?;
             *model_cfg = with_dropout(slices.config.clone(), args.dropout);
-            let read = |name: &str, range| slices.read(name, range);
-            StartingWeights::Sharded(Box::new(ShardedModel::read(group, model_cfg, read, &[], dtype, device)?))
+            let source = ShardSource::Slices(Box::new(slices));
+            StartingWeights::Sharded(Box::new(source.build(group, model_cfg, &[], dtype, device)?))
         }
         None => {
             let model = hf_io::load_model_dir(&dir, device)?;
@@ -327,6 +316,35 @@ fn with_dropout(mut config: hybrid_engine::Gpt2Config, dropout: Option<f64>) -> 
         (config.resid_pdrop, config.embd_pdrop, config.attn_pdrop) = (p, p, p);
     }
     config
+}
+
+/// The engine that trains `weights`, with a resumed checkpoint's optimizer state (`resume`,
+/// at iteration `start`) restored. A checkpoint holds the whole optimizer state as pieces, so it
+/// loads into any world size or stage: each rank keeps its shard of the moments.
+fn start_engine(
+    engine_cfg: &hybrid_engine::engine::EngineConfig,
+    model_cfg: &hybrid_engine::Gpt2Config,
+    weights: StartingWeights,
+    ranks: Ranks,
+    resume: Option<&Resume>,
+    start: u64,
+) -> Result<Engine> {
+    let mut engine = match weights {
+        StartingWeights::Whole(params) => Engine::new(engine_cfg, model_cfg, Head::Lm, params, ranks)?,
+        StartingWeights::Sharded(sharded) => Engine::new_sharded(engine_cfg, model_cfg, *sharded)?,
+    };
+    if let Some(r) = resume {
+        let progress =
+            r.progress.clone().unwrap_or(TrainerProgress { boundaries: start, forced_skips: 0, scaler: None });
+        engine.restore_optimizer(
+            |opt, names, numels| r.optimizer.restore(opt, names, numels),
+            r.optimizer_step,
+            &progress,
+        )?;
+    }
+    // Under ZeRO stage 3 from whole masters each rank keeps only its shard: the whole model goes now.
+    engine.release_masters();
+    Ok(engine)
 }
 
 /// The model pretraining starts from: whole (or this rank's TP slices), or built sharded.
