@@ -1100,8 +1100,10 @@ fn ppo_on_2_and_3_ranks_matches_one_rank_at_every_zero_stage() {
         let moved = moved.into_values().fold(0f64, f64::max);
         assert!(moved > 1e-3, "the {model} barely trained ({moved:.1e}): the comparison would mean nothing");
     }
-    // Stage 3 shards both models at rest: generation gathers the whole actor once per rollout,
-    // the EMA is kept shard by shard, and a rank without rows runs filler forwards.
+    // Stage 3 shards the four models at rest, each built from its shards (read by slices):
+    // generation gathers the whole actor once per rollout, the EMA is kept shard by shard, the
+    // reference's and reward model's forwards gather their units, and a rank without rows runs
+    // filler forwards.
     for stage in [0u8, 1, 2, 3] {
         let out = dir.path().join(format!("w2-s{stage}"));
         let mut a = ppo_args(dir.path(), &out, 4, 2, (stage, stage));
@@ -1111,6 +1113,9 @@ fn ppo_on_2_and_3_ranks_matches_one_rank_at_every_zero_stage() {
         for model in ["actor", "critic"] {
             assert!(log.contains(&format!("{model}: data parallel: 2 ranks, ZeRO stage {stage}")), "{log}");
         }
+        // At stage 3 all four models are built sharded: no rank reads any of them whole.
+        let built_sharded = "ZeRO stage 3: the actor, reference, critic, reward model built sharded over 2 ranks";
+        assert_eq!(log.contains(built_sharded), stage == 3, "{log}");
         assert_same_ppo(&out, &single, &format!("PPO on 2 ranks, stage {stage}"));
     }
     // The 2 ranks' stage-2 and stage-3 checkpoints after rollout 2 (optimizers gathered from
@@ -1135,7 +1140,10 @@ fn ppo_on_2_and_3_ranks_matches_one_rank_at_every_zero_stage() {
     let mut a = ppo_args(dir.path(), &resumed, 4, 2, (3, 3));
     a.extend(["--load".into(), dir.path().join("w2-s2/checkpoints").display().to_string()]);
     let outs = run_ranks(dir.path(), "ppo", 2, &a);
-    assert!(String::from_utf8_lossy(&outs[0].stdout).contains("at rollout 2"));
+    let log = String::from_utf8_lossy(&outs[0].stdout);
+    assert!(log.contains("at rollout 2"), "{log}");
+    // The trained models take the checkpoint's whole values; the frozen ones are read sharded.
+    assert!(log.contains("ZeRO stage 3: the reference, reward model built sharded over 2 ranks"), "{log}");
     for model in ["actor", "critic", "actor_ema"] {
         let what = format!("a stage-2 checkpoint resumed on 2 ranks at stage 3: {model}");
         assert_same_weights(&resumed.join(model), &single.join(model), 1e-5, 0.0, &what);
@@ -1152,6 +1160,7 @@ fn ppo_on_2_and_3_ranks_matches_one_rank_at_every_zero_stage() {
     let log = String::from_utf8_lossy(&outs[0].stdout);
     assert!(log.contains("actor: data parallel: 3 ranks, ZeRO stage 3"), "{log}");
     assert!(log.contains("critic: data parallel: 3 ranks, ZeRO stage 2"), "{log}");
+    assert!(log.contains("ZeRO stage 3: the actor, reference built sharded over 3 ranks"), "{log}");
     assert_same_ppo(&out, &single, "PPO on 3 ranks, stages 3 and 2");
     // Only rank 0 logs and evaluates the held-out prompts, after the others have ended.
     assert!(log.contains("held-out prompts (35)"), "{log}");
@@ -1163,6 +1172,7 @@ fn ppo_on_2_and_3_ranks_matches_one_rank_at_every_zero_stage() {
     let outs = run_ranks(dir.path(), "ppo", 3, &ppo_args(dir.path(), &out, 2, 1, (1, 3)));
     let log = String::from_utf8_lossy(&outs[0].stdout);
     assert!(log.contains("critic: data parallel: 3 ranks, ZeRO stage 3"), "{log}");
+    assert!(log.contains("ZeRO stage 3: the critic, reward model built sharded over 3 ranks"), "{log}");
     assert_same_ppo(&out, &single, "PPO on 3 ranks, stages 1 and 3");
 }
 

@@ -54,8 +54,9 @@ fn run(args: &Args) -> Result<()> {
     let tok = data::Tokenizer::from_model_dir_or_default(&ref_files.dir)?;
     let reference = ref_params.model(&ref_cfg)?;
     let (rm_cfg, rm_params) = read_reward_model(&args.reward_model, "--reward-model", Some(0.0), &device)?;
-    let reward =
-        hybrid_engine::model::reward_model::RewardModel::from_trunk(rm_params.model(&rm_cfg)?, &rm_params, &rm_cfg)?;
+    let reward = hybrid_engine::training::train_step::TrainedModel::reward(
+        hybrid_engine::model::reward_model::RewardModel::new(&rm_params, &rm_cfg)?,
+    );
     let prompts = data::prompts::read_prompts(&args.eval_prompts, usize::MAX)?;
     let evaluate = |actor: &hybrid_engine::Gpt2| -> Result<PolicyEval> {
         evaluate_policy(

@@ -18,6 +18,9 @@ use std::rc::Rc;
 
 /// The model a step trains: whole on every rank, or sharded at rest (ZeRO stage 3, whose
 /// gradients go to the model's own shard rather than to the accumulator).
+///
+/// Step 3's frozen models (the reference, the reward model) are held the same way, whole or
+/// sharded at rest, with no optimizer.
 pub enum TrainedModel {
     /// The trunk and, for a reward model or critic, its score head.
     Whole {
@@ -35,6 +38,14 @@ impl TrainedModel {
         match self {
             Self::Sharded(model) => model.gather_params(),
             Self::Whole { .. } => Ok(None),
+        }
+    }
+
+    /// The trunk of a whole model (`None` when sharded).
+    pub fn whole_trunk(&self) -> Option<&Gpt2> {
+        match self {
+            Self::Whole { trunk, .. } => Some(trunk),
+            Self::Sharded(_) => None,
         }
     }
 

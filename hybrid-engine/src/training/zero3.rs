@@ -265,6 +265,19 @@ impl ShardedModel {
         Ok(())
     }
 
+    /// The model as a frozen one (PPO's reference and reward models at ZeRO stage 3): every
+    /// unit is gathered for forwards only, with no gradient, reduce-scatter or optimizer state.
+    /// The shard keeps its layout: a part's units hold the same parameters, trained or frozen.
+    pub fn freeze(mut self) -> Self {
+        for unit in &mut self.units {
+            unit.grad_offset = None;
+        }
+        self.frozen.fill(true);
+        self.trained_index.fill(None);
+        self.trained_names.clear();
+        self
+    }
+
     /// The model sharded is this rank's slices of a model split over `tp` (tensor parallelism):
     /// its layers are built as `tp`'s.
     pub fn with_tensor_parallel(mut self, tp: Arc<ProcessGroup>) -> Self {
@@ -780,6 +793,29 @@ mod tests {
         let hidden = sharded.forward_blocks(&ids, &Positions::default())?;
         let want = model.forward_blocks(&ids, &Positions::default(), None, None)?;
         assert!((hidden - want)?.abs()?.max_all()?.to_scalar::<f32>()? < 1e-6);
+        Ok(())
+    }
+
+    /// A frozen model (PPO's reference and reward model at stage 3) computes the trained one's
+    /// forward bit for bit from the same shard, and has nothing to train: no trained names, no
+    /// optimizer state, no gradient slots.
+    #[test]
+    fn a_frozen_model_forwards_as_the_trained_one_and_trains_nothing() -> Result<()> {
+        let cfg = Gpt2Config { n_layer: 2, n_embd: 8, n_head: 2, n_positions: 8, vocab_size: 16, ..Gpt2Config::tiny() };
+        let params = ParamStore::init(&cfg, 3, &Device::Cpu)?;
+        let group = Arc::new(ProcessGroup::single());
+        let trained = ShardedModel::new(group.clone(), &cfg, &params, DType::F32)?;
+        let frozen = ShardedModel::new(group, &cfg, &params, DType::F32)?.freeze();
+        assert_eq!(frozen.shard_values(), trained.shard_values(), "the same layout");
+        assert!(frozen.trained_names().is_empty() && frozen.held_ranges().is_empty());
+        assert!(frozen.units.iter().all(|u| u.grad_offset.is_none()));
+        let ids = Tensor::new(&[[1u32, 2, 3, 4], [5, 6, 7, 8]], &Device::Cpu)?;
+        let (a, b) =
+            (frozen.forward_blocks(&ids, &Positions::default())?, trained.forward_blocks(&ids, &Positions::default())?);
+        assert_eq!(a.flatten_all()?.to_vec1::<f32>()?, b.flatten_all()?.to_vec1::<f32>()?);
+        let (outer, gathered) = frozen.outer()?;
+        assert!(gathered.trained.is_empty(), "no variables: nothing to take a gradient");
+        assert!(!outer.lm_head(&a)?.flatten_all()?.to_vec1::<f32>()?.is_empty());
         Ok(())
     }
 

@@ -9,7 +9,7 @@ use candle_core::Device;
 use data::Tokenizer;
 use hybrid_engine::generation::generate::{generate_left_padded, LeftPadded, SamplingConfig};
 use hybrid_engine::model::gpt2::Gpt2;
-use hybrid_engine::model::reward_model::RewardModel;
+use hybrid_engine::training::train_step::TrainedModel;
 use serde::Serialize;
 
 /// A policy's greedy answers to held-out prompts, scored.
@@ -41,7 +41,7 @@ pub const KL_SAMPLES: usize = 4;
 pub fn evaluate_policy(
     actor: &Gpt2,
     reference: &Gpt2,
-    reward: Option<&RewardModel>,
+    reward: Option<&TrainedModel>,
     tok: &Tokenizer,
     prompts: &[String],
     max_prompt: usize,
@@ -162,7 +162,7 @@ pub struct RewardProbe {
 
 /// [`RewardProbe`] of `reward` on the demo's held-out prompts.
 pub fn probe_demo_reward_model(
-    reward: &RewardModel,
+    reward: &TrainedModel,
     tok: &Tokenizer,
     max_prompt: usize,
     device: &Device,

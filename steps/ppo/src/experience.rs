@@ -18,7 +18,6 @@ use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use hybrid_engine::generation::generate::{gather_log_probs, position_ids, Generation, LeftPadded, SamplingConfig};
 use hybrid_engine::model::gpt2::{Gpt2, Positions};
-use hybrid_engine::model::reward_model::RewardModel;
 use hybrid_engine::training::train_step::TrainedModel;
 use std::ops::Range;
 
@@ -113,10 +112,22 @@ pub struct RolloutModels<'a> {
     /// The actor's training view (same weights, unfused), used without gradients here; under
     /// ZeRO stage 3 the actor generation gathered.
     pub actor: &'a Gpt2,
-    pub reference: &'a Gpt2,
-    /// PPO's critic; GRPO and RLOO have none.
+    /// The frozen reference and reward model, and PPO's critic (GRPO and RLOO have none): whole,
+    /// or under ZeRO stage 3 sharded at rest, their forwards then collectives.
+    pub reference: &'a TrainedModel,
     pub critic: Option<&'a TrainedModel>,
-    pub reward: &'a RewardModel,
+    pub reward: &'a TrainedModel,
+}
+
+impl RolloutModels<'_> {
+    /// The models sharded at rest, in the order a rollout runs them: a rank without rows runs
+    /// each once on a filler row, so that the other ranks' gathers find its shards.
+    fn sharded(&self) -> impl Iterator<Item = &TrainedModel> {
+        [Some(self.reference), self.critic, Some(self.reward)]
+            .into_iter()
+            .flatten()
+            .filter(|m| matches!(m, TrainedModel::Sharded(_)))
+    }
 }
 
 /// What happened to a rollout's rows.
@@ -152,10 +163,9 @@ pub fn generate_experience(
     let counts = RolloutCounts { generated: prompts.b, dropped_short: prompts.b - keep.len() };
     if keep.is_empty() {
         normalize(&[])?;
-        if let Some(critic @ TrainedModel::Sharded(_)) = models.critic {
-            // The other ranks' critic forwards gather the blocks with this rank's shards.
-            let filler = Tensor::zeros((1, 1), DType::U32, device)?;
-            critic.with_hidden(&filler, &Positions::default(), |_, _| Ok(()))?;
+        let filler = Tensor::zeros((1, 1), DType::U32, device)?;
+        for model in models.sharded() {
+            model.with_hidden(&filler, &Positions::default(), |_, _| Ok(()))?;
         }
         return Ok((None, counts));
     }
@@ -176,10 +186,10 @@ pub fn generate_experience(
     }
     let forward = ForwardInputs::new(&seq, &attention_mask, b, l, device)?;
     let logprobs = forward.logprobs(models.actor)?;
-    let ref_logprobs = forward.logprobs(models.reference)?;
+    let ref_logprobs = forward.model_logprobs(models.reference)?;
     // (B, L); without a critic zeros, which leave GAE's place to the group advantages.
     let values_full = match models.critic {
-        Some(critic) => forward.critic_values(critic)?,
+        Some(critic) => forward.token_values(critic)?,
         None => vec![0.0; b * l],
     };
     let scores = forward.end_scores(models.reward, &seq, p, pad)?;
@@ -276,35 +286,40 @@ impl ForwardInputs {
 
     /// Log-prob of each action's token under `model`: (B, L - 1) row-major.
     pub fn logprobs(&self, model: &Gpt2) -> Result<Vec<f32>> {
+        self.logprobs_after(model, &model.forward_blocks(&self.ids, &self.as_positions(), None, None)?)
+    }
+
+    /// [`Self::logprobs`] under a model whole or sharded at rest (a collective then).
+    pub fn model_logprobs(&self, model: &TrainedModel) -> Result<Vec<f32>> {
+        model.with_hidden(&self.ids, &self.as_positions(), |heads, hidden| self.logprobs_after(heads.trunk, hidden))
+    }
+
+    /// The log-probs of the actions from the trunk's last hidden state (B, L, C) by `model`'s
+    /// final norm and LM head (the whole model's own forward from there on).
+    fn logprobs_after(&self, model: &Gpt2, hidden: &Tensor) -> Result<Vec<f32>> {
         if !model.is_tensor_parallel() {
-            let logits = model.forward(&self.ids, &self.as_positions(), None, None)?; // (B, L, V)
+            let logits = model.lm_head(hidden)?; // (B, L, V)
             return Ok(gather_log_probs(&model.loss_input(&logits)?, &self.ids)?.flatten_all()?.to_vec1()?);
         }
         // Under tensor parallelism from the vocabulary slices: the full logits exist nowhere.
-        let hidden = model.forward_blocks(&self.ids, &self.as_positions(), None, None)?; // (B, L, C)
         let actions = self.l - 1;
         let next = self.ids.narrow(1, 1, actions)?;
         let (logp, _) = model.next_token_log_probs(&hidden.narrow(1, 0, actions)?, &next, false)?;
         Ok(logp.flatten_all()?.to_vec1()?)
     }
 
-    /// Per-token values of a critic: (B, L) row-major.
-    pub fn values(&self, critic: &RewardModel) -> Result<Vec<f32>> {
-        let hidden = critic.trunk.forward_blocks(&self.ids, &self.as_positions(), None, None)?;
-        Ok(critic.token_scores(&hidden)?.flatten_all()?.to_vec1()?)
-    }
-
-    /// [`Self::values`] of the trained critic, whole or sharded (a collective then).
-    pub fn critic_values(&self, critic: &TrainedModel) -> Result<Vec<f32>> {
-        critic.with_hidden(&self.ids, &self.as_positions(), |heads, hidden| {
+    /// Per-token values of a critic or reward model, whole or sharded at rest (a collective
+    /// then): (B, L) row-major.
+    pub fn token_values(&self, model: &TrainedModel) -> Result<Vec<f32>> {
+        model.with_hidden(&self.ids, &self.as_positions(), |heads, hidden| {
             Ok(heads.token_scores(hidden)?.flatten_all()?.to_vec1()?)
         })
     }
 
     /// The reward model's score of each answer: at the last token before the answer's first
     /// pad (DS-Chat `forward_value(..., prompt_length)`), or at the last position.
-    pub fn end_scores(&self, reward: &RewardModel, seq: &[u32], p: usize, pad: u32) -> Result<Vec<f32>> {
-        let all = self.values(reward)?;
+    pub fn end_scores(&self, reward: &TrainedModel, seq: &[u32], p: usize, pad: u32) -> Result<Vec<f32>> {
+        let all = self.token_values(reward)?;
         Ok((0..self.b)
             .map(|i| {
                 let row = &seq[i * self.l..(i + 1) * self.l];
@@ -322,7 +337,8 @@ mod tests {
     use hybrid_engine::generation::engine::GenerationMode;
     use hybrid_engine::generation::generate::generate_left_padded;
     use hybrid_engine::model::gpt2::Gpt2Config;
-    use hybrid_engine::model::reward_model::add_score_head;
+    use hybrid_engine::model::reward_model::{add_score_head, RewardModel};
+    use hybrid_engine::training::zero3::ShardedModel;
     use hybrid_engine::ParamStore;
 
     fn small() -> Gpt2Config {
@@ -455,9 +471,10 @@ mod tests {
         let actor = params.model(&cfg)?;
         let mut critic_params = ParamStore::init(&cfg, 5, &dev)?;
         add_score_head(&mut critic_params, &cfg, 5, &dev)?;
-        let critic = RewardModel::new(&critic_params, &cfg)?;
-        let trained_critic = TrainedModel::reward(RewardModel::new(&critic_params, &cfg)?);
-        let models = RolloutModels { actor: &actor, reference: &actor, critic: Some(&trained_critic), reward: &critic };
+        let critic = TrainedModel::reward(RewardModel::new(&critic_params, &cfg)?);
+        let reference = TrainedModel::lm(params.model(&cfg)?);
+        let reward = TrainedModel::reward(RewardModel::new(&critic_params, &cfg)?);
+        let models = RolloutModels { actor: &actor, reference: &reference, critic: Some(&critic), reward: &reward };
         let prompts = LeftPadded::new(&[vec![5, 6], vec![7, 8, 9]], 4, 0);
         // Sampling over a random model: answers of 6 tokens (no EOS among ids 1..64 by chance
         // only if EOS is never drawn; we let EOS be id 63 and check consistency either way).
@@ -495,6 +512,28 @@ mod tests {
             let end = ppo::end_of_answer(exp.row(&exp.action_mask, r), exp.start);
             assert!(exp.row(&exp.values, r).iter().skip(end).all(|v| *v == 0.0));
         }
+        // The frozen models and the critic sharded at rest (ZeRO stage 3, here over one rank)
+        // give the whole models' log-probs, values and scores bit for bit.
+        let group = std::sync::Arc::new(ProcessGroup::single());
+        let sharded = |store: &ParamStore| -> Result<TrainedModel> {
+            let model = ShardedModel::new(group.clone(), &cfg, store, DType::F32)?.freeze();
+            Ok(TrainedModel::Sharded(std::rc::Rc::new(model)))
+        };
+        let (reference, critic, reward) = (sharded(&params)?, sharded(&critic_params)?, sharded(&critic_params)?);
+        let models = RolloutModels { actor: &actor, reference: &reference, critic: Some(&critic), reward: &reward };
+        let (again, _) = generate_experience(
+            &models,
+            |p| engine.generate(&actor, p, &sampling, &dev),
+            &prompts,
+            2,
+            &sampling,
+            &cfg_ppo,
+            &mut |scores| Ok(scores.to_vec()),
+            &dev,
+        )?;
+        let again = again.expect("the same answers");
+        assert_eq!(again.seq, exp.seq);
+        assert_eq!((&again.ref_logprobs, &again.values, &again.scores), (&exp.ref_logprobs, &exp.values, &exp.scores));
         Ok(())
     }
 }

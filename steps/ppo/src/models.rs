@@ -10,12 +10,18 @@ use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
 use data::Tokenizer;
 use hybrid_engine::checkpoints::hf_io::{load_model_dir, resolve_model_dir, ModelFiles};
+use hybrid_engine::checkpoints::sharded_io::ModelSlices;
+use hybrid_engine::comm::ProcessGroup;
 use hybrid_engine::engine::{Engine, EngineConfig, Head, Ranks};
 use hybrid_engine::model::gpt2::{Gpt2, Gpt2Config};
 use hybrid_engine::model::reward_model::{RewardModel, SCORE_WEIGHT};
 use hybrid_engine::training::tensor_parallel::TensorParallel;
+use hybrid_engine::training::train_step::TrainedModel;
+use hybrid_engine::training::zero3::ShardedModel;
 use hybrid_engine::ParamStore;
 use std::path::PathBuf;
+use std::rc::Rc;
+use std::sync::Arc;
 
 /// A model directory's config and tensors (trunk and heads), with a dropout override.
 pub fn read_model(
@@ -49,36 +55,116 @@ pub fn read_reward_model(
     Ok((config, params))
 }
 
-/// The four models' starting weights, whole, as their directories hold them.
+/// A model's starting weights: whole, or at ZeRO stage 3 across ranks only this rank's shard
+/// of them, read by slices from its directory (DeepSpeed's `zero.Init`: no rank ever holds the
+/// whole model).
+pub enum Weights {
+    Whole(ParamStore),
+    Sharded(Box<ShardedModel>),
+}
+
+/// Which of step 3's models are built sharded over the data-parallel `group` (ZeRO stage 3
+/// across ranks, without tensor parallelism), as DS-Chat's `DeepSpeedRLHFEngine` decides it: the
+/// reference follows the actor's stage, the reward model the critic's. The trained models are
+/// built sharded where nothing whole comes first: no LoRA adapters (added to a whole model) and
+/// no resume (which restores whole values).
+pub struct Sharding {
+    pub group: Arc<ProcessGroup>,
+    pub reference: bool,
+    pub reward: bool,
+    pub actor: bool,
+    pub critic: bool,
+}
+
+impl Sharding {
+    /// The models `args` builds sharded over `group` (the data-parallel group; `tensor_parallel`:
+    /// whether the run has TP groups).
+    pub fn of(args: &PpoArgs, group: &Arc<ProcessGroup>, tensor_parallel: bool) -> Self {
+        let across = group.world() > 1 && !tensor_parallel;
+        let (reference, reward) = (across && args.actor_zero_stage == 3, across && args.critic_zero_stage == 3);
+        let fresh = args.load.is_none();
+        Self {
+            group: group.clone(),
+            reference,
+            reward,
+            actor: reference && fresh && args.actor_lora_dim == 0,
+            critic: reward && fresh && args.critic_lora_dim == 0 && args.algorithm.has_critic(),
+        }
+    }
+}
+
+/// The four models' starting weights, as their directories hold them (whole or sharded).
 pub struct StartingModels {
     pub actor_cfg: Gpt2Config,
-    pub actor: ParamStore,
+    pub actor: Weights,
     /// The actor's directory (its tokenizer).
     pub actor_dir: PathBuf,
     /// The frozen reference: the actor's weights, dropout off.
-    pub reference: ParamStore,
+    pub reference: Weights,
     /// PPO's critic (config, weights); GRPO and RLOO train none.
-    pub critic: Option<(Gpt2Config, ParamStore)>,
+    pub critic: Option<(Gpt2Config, Weights)>,
     pub reward_cfg: Gpt2Config,
     /// The frozen reward model, dropout off.
-    pub reward: ParamStore,
+    pub reward: Weights,
 }
 
 /// Reads the actor and reference from `--actor-model-name-or-path`, the critic (PPO only) and
-/// the reward model from `--critic-model-name-or-path`.
-pub fn read_starting_models(args: &PpoArgs, device: &Device) -> Result<StartingModels> {
+/// the reward model from `--critic-model-name-or-path`, each whole or, as `sharding` says, this
+/// rank's shard of it (gathered weights computing in the run's dtype).
+pub fn read_starting_models(args: &PpoArgs, sharding: &Sharding, device: &Device) -> Result<StartingModels> {
+    let dtype = args.precision.precision().dtype.dtype();
+    let read = |name: &str, flag: &str, dropout: Option<f64>, sharded: bool, score: bool| {
+        if !sharded {
+            return match score {
+                false => read_model(name, flag, dropout, device).map(|(c, p, f)| (c, Weights::Whole(p), f.dir)),
+                true => {
+                    read_reward_model(name, flag, dropout, device).map(|(c, p)| (c, Weights::Whole(p), PathBuf::new()))
+                }
+            };
+        }
+        let dir = resolve_model_dir(name).with_context(|| format!("{flag} {name:?}"))?;
+        let slices = ModelSlices::open(&dir)?;
+        let mut config = slices.config.clone();
+        if let Some(p) = dropout {
+            (config.resid_pdrop, config.embd_pdrop, config.attn_pdrop) = (p, p, p);
+        }
+        let heads = match score {
+            false => Vec::new(),
+            true => match slices.heads()?.remove(SCORE_WEIGHT) {
+                Some(head) => vec![(SCORE_WEIGHT.to_string(), head)],
+                None => bail!("{flag} {name:?} has no {SCORE_WEIGHT}: pass the reward model step 2 saved (a GPT2ForSequenceClassification directory)"),
+            },
+        };
+        let model =
+            ShardedModel::read(sharding.group.clone(), &config, |n, r| slices.read(n, r), &heads, dtype, device)?;
+        Ok((config, Weights::Sharded(Box::new(model)), dir))
+    };
     let actor_flag = "--actor-model-name-or-path";
-    let (actor_cfg, actor, actor_files) =
-        read_model(&args.actor_model_name_or_path, actor_flag, args.actor_dropout(), device)?;
-    let (_, reference, _) = read_model(&args.actor_model_name_or_path, actor_flag, Some(0.0), device)?;
-    let critic_flag = "--critic-model-name-or-path";
+    let actor_name = &args.actor_model_name_or_path;
+    let (actor_cfg, actor, actor_dir) = read(actor_name, actor_flag, args.actor_dropout(), sharding.actor, false)?;
+    let (_, reference, _) = read(actor_name, actor_flag, Some(0.0), sharding.reference, false)?;
+    let (critic_flag, critic_name) = ("--critic-model-name-or-path", &args.critic_model_name_or_path);
     let critic = args
         .algorithm
         .has_critic()
-        .then(|| read_reward_model(&args.critic_model_name_or_path, critic_flag, args.critic_dropout(), device))
+        .then(|| read(critic_name, critic_flag, args.critic_dropout(), sharding.critic, true).map(|(c, w, _)| (c, w)))
         .transpose()?;
-    let (reward_cfg, reward) = read_reward_model(&args.critic_model_name_or_path, critic_flag, Some(0.0), device)?;
-    Ok(StartingModels { actor_cfg, actor, actor_dir: actor_files.dir, reference, critic, reward_cfg, reward })
+    let (reward_cfg, reward, _) = read(critic_name, critic_flag, Some(0.0), sharding.reward, true)?;
+    let said = [
+        ("actor", sharding.actor),
+        ("reference", sharding.reference),
+        ("critic", sharding.critic),
+        ("reward model", sharding.reward),
+    ];
+    let sharded: Vec<&str> = said.iter().filter(|(_, s)| *s).map(|(what, _)| *what).collect();
+    if !sharded.is_empty() {
+        println!(
+            "ZeRO stage 3: the {} built sharded over {} ranks (read by slices: no rank holds them whole)",
+            sharded.join(", "),
+            sharding.group.world()
+        );
+    }
+    Ok(StartingModels { actor_cfg, actor, actor_dir, reference, critic, reward_cfg, reward })
 }
 
 impl StartingModels {
@@ -117,8 +203,11 @@ impl StartingModels {
                 args.critic_lora_learning_rate,
             ));
         }
-        for (what, params, cfg, dim, module, lr) in targets {
+        for (what, weights, cfg, dim, module, lr) in targets {
             if let Some(lora) = PpoArgs::lora(dim, module) {
+                let Weights::Whole(params) = weights else {
+                    bail!("internal error: the {what} was built sharded, and LoRA adapters go on a whole model");
+                };
                 let linears = params.add_lora(cfg, &lora, args.seed)?;
                 println!(
                     "{what} LoRA: rank {dim} on {} linears matching {module:?}, scaling 1/{dim}, lr {lr:e}",
@@ -136,7 +225,8 @@ impl StartingModels {
 /// The models step 3 trains and reads: LoRA added, a checkpoint's values restored (`resume`,
 /// its fingerprint already checked), each rank's TP slices kept, the actor and the critic
 /// engines built as `engines` say (their optimizer state resumed; at ZeRO stage 3 only this
-/// rank's shards kept), the frozen ones in the compute dtype, the EMA when asked for.
+/// rank's shards kept), the frozen ones in the compute dtype (or sharded at rest), the EMA when
+/// asked for.
 pub fn build_models(
     args: &PpoArgs,
     mut start: StartingModels,
@@ -146,67 +236,54 @@ pub fn build_models(
 ) -> Result<PpoModels> {
     start.add_lora(args)?;
     if let Some(ck) = resume {
-        restore_values(&start.actor, &ck.actor, "actor")?;
-        if let (Some((_, params)), Some(saved)) = (&start.critic, &ck.critic) {
-            restore_values(params, saved, "critic")?;
+        restore_values(whole(&start.actor)?, &ck.actor, "actor")?;
+        if let (Some((_, weights)), Some(saved)) = (&start.critic, &ck.critic) {
+            restore_values(whole(weights)?, saved, "critic")?;
         }
     }
-    let ema = match (args.enable_ema, resume.and_then(|ck| ck.ema.as_ref())) {
-        (false, _) => None,
-        (true, saved) => {
-            let ema = start.actor.copy()?;
-            if let Some(saved) = saved {
+    // The EMA of a whole actor starts as its copy (a sharded actor's, below, as its shard).
+    let ema = match (args.enable_ema, &start.actor) {
+        (true, Weights::Whole(actor)) => {
+            let ema = actor.copy()?;
+            if let Some(saved) = resume.and_then(|ck| ck.ema.as_ref()) {
                 restore_values(&ema, saved, "actor_ema")?;
             }
             Some(ema)
         }
+        _ => None,
     };
     let StartingModels { actor_cfg, actor, reference, critic, reward_cfg, reward, .. } = start;
     // Tensor parallelism: each rank keeps its slices of the four models (and of the EMA).
     let tp = ranks.tensor.as_ref();
-    let (actor, critic, reference, reward, ema) = match tp {
-        None => (actor, critic, reference, reward, ema),
-        Some(tp) => {
-            println!("{}", tp.describe());
-            (
-                tp.slice(actor, &actor_cfg)?,
-                critic.map(|(cfg, params)| tp.slice(params, &cfg).map(|p| (cfg, p))).transpose()?,
-                tp.slice(reference, &actor_cfg)?,
-                tp.slice(reward, &reward_cfg)?,
-                ema.map(|ema| tp.slice(ema, &actor_cfg)).transpose()?,
-            )
-        }
+    if let Some(tp) = tp {
+        println!("{}", tp.describe());
+    }
+    let slice = |weights: Weights, cfg: &Gpt2Config| match (weights, tp) {
+        (Weights::Whole(params), Some(tp)) => tp.slice(params, cfg).map(Weights::Whole),
+        (weights, _) => Ok(weights),
     };
-    let precision = args.precision.precision();
-    let dtype = precision.dtype.dtype();
-    let reference = reference.compute_copy(dtype)?;
-    let device = reference.vars.first().map_or(Device::Cpu, |v| v.device().clone());
-    let reference = match args.offload_reference_model && !device.is_cpu() {
-        true => {
-            println!("--offload-reference-model: the reference stays in host memory, on the device only for each rollout's log-probs");
-            let frozen = FrozenOnHost {
-                params: reference.to_device(&Device::Cpu)?,
-                config: actor_cfg.clone(),
-                fp32_loss: precision.fp32_loss,
-                tp: tp.cloned(),
-                device,
-            };
-            Reference::OnHost(frozen)
-        }
-        false => Reference::OnDevice(lm_on(&reference, &actor_cfg, precision.fp32_loss, tp)?),
+    let (actor, reference, reward) =
+        (slice(actor, &actor_cfg)?, slice(reference, &actor_cfg)?, slice(reward, &reward_cfg)?);
+    let critic = critic.map(|(cfg, w)| slice(w, &cfg).map(|w| (cfg, w))).transpose()?;
+    let ema = match (ema, tp) {
+        (Some(ema), Some(tp)) => Some(tp.slice(ema, &actor_cfg)?),
+        (ema, _) => ema,
+    };
+    let engine = |cfg: &EngineConfig, config: &Gpt2Config, head: Head, weights: Weights| match weights {
+        Weights::Whole(params) => Engine::new(cfg, config, head, params, ranks.clone()),
+        Weights::Sharded(model) => Engine::new_sharded(cfg, config, *model),
     };
     let mut models = PpoModels {
-        reference,
-        reward: reward_model_on(&reward.compute_copy(dtype)?, &reward_cfg, precision.fp32_loss, tp)?,
-        actor: Engine::new(actor_engine, &actor_cfg, Head::Lm, actor, ranks.clone())?,
-        critic: critic
-            .map(|(cfg, params)| Engine::new(critic_engine, &cfg, Head::Score, params, ranks.clone()))
-            .transpose()?,
+        reference: frozen_reference(args, reference, &actor_cfg, tp)?,
+        reward: frozen_reward_model(args, reward, &reward_cfg, tp)?,
+        actor: engine(actor_engine, &actor_cfg, Head::Lm, actor)?,
+        critic: critic.map(|(cfg, w)| engine(critic_engine, &cfg, Head::Score, w)).transpose()?,
         ema: None,
         align_overflow: args.align_overflow,
     };
     // The EMA of a ZeRO-3 actor is kept shard by shard, as its weights are.
     models.ema = match (ema, models.actor.sharded()) {
+        (None, Some(sharded)) if args.enable_ema => Some(Ema::Shard(sharded.shard_values())),
         (None, _) => None,
         (Some(ema), None) => Some(Ema::Whole(ema)),
         (Some(ema), Some(sharded)) => Some(Ema::Shard(sharded.shard_of(&ema)?)),
@@ -230,12 +307,75 @@ pub fn build_models(
     Ok(models)
 }
 
+/// The whole parameters of a trained model that a resume restores (never built sharded).
+fn whole(weights: &Weights) -> Result<&ParamStore> {
+    match weights {
+        Weights::Whole(params) => Ok(params),
+        Weights::Sharded(_) => bail!("internal error: a resumed model was built sharded"),
+    }
+}
+
+/// The frozen reference in the compute dtype: whole (or this rank's TP slices) on the device,
+/// with `--offload-reference-model` in host memory between uses, or sharded at rest.
+fn frozen_reference(
+    args: &PpoArgs,
+    weights: Weights,
+    cfg: &Gpt2Config,
+    tp: Option<&TensorParallel>,
+) -> Result<Reference> {
+    let precision = args.precision.precision();
+    let reference = match weights {
+        Weights::Sharded(model) => return Ok(Reference::Loaded(frozen_sharded(*model, precision.fp32_loss))),
+        Weights::Whole(params) => params.compute_copy(precision.dtype.dtype())?,
+    };
+    let device = reference.vars.first().map_or(Device::Cpu, |v| v.device().clone());
+    if !args.offload_reference_model || device.is_cpu() {
+        return Ok(Reference::Loaded(TrainedModel::lm(lm_on(&reference, cfg, precision.fp32_loss, tp)?)));
+    }
+    println!("--offload-reference-model: the reference stays in host memory, on the device only for each rollout's log-probs");
+    Ok(Reference::OnHost(Box::new(FrozenOnHost {
+        params: reference.to_device(&Device::Cpu)?,
+        config: cfg.clone(),
+        fp32_loss: precision.fp32_loss,
+        tp: tp.cloned(),
+        device,
+    })))
+}
+
+/// The frozen reward model in the compute dtype: whole (or this rank's TP slices), or sharded at
+/// rest.
+fn frozen_reward_model(
+    args: &PpoArgs,
+    weights: Weights,
+    cfg: &Gpt2Config,
+    tp: Option<&TensorParallel>,
+) -> Result<TrainedModel> {
+    let precision = args.precision.precision();
+    match weights {
+        Weights::Sharded(model) => Ok(frozen_sharded(*model, precision.fp32_loss)),
+        Weights::Whole(params) => {
+            let compute = params.compute_copy(precision.dtype.dtype())?;
+            Ok(TrainedModel::reward(reward_model_on(&compute, cfg, precision.fp32_loss, tp)?))
+        }
+    }
+}
+
+/// A frozen model sharded at rest (ZeRO stage 3): its shard stays in host memory, each unit
+/// gathered as a forward runs (a collective every rank makes).
+fn frozen_sharded(model: ShardedModel, fp32_loss: bool) -> TrainedModel {
+    let mut model = model.freeze();
+    model.fp32_loss = fp32_loss;
+    TrainedModel::Sharded(Rc::new(model))
+}
+
 /// The frozen reference model: on the device, or with `--offload-reference-model` in host
 /// memory between uses (DS-Chat's ZeRO offload of the reference), brought to the device for a
 /// rollout's log-probs and dropped after.
 pub enum Reference {
-    OnDevice(Gpt2),
-    OnHost(FrozenOnHost),
+    /// Whole on the device (this rank's TP slices under TP), or at ZeRO stage 3 sharded at rest
+    /// (its shard in host memory, each unit gathered to the device as a forward runs).
+    Loaded(TrainedModel),
+    OnHost(Box<FrozenOnHost>),
 }
 
 /// A frozen model's compute-dtype weights in host memory and what builds it on `device`.
@@ -249,13 +389,13 @@ pub struct FrozenOnHost {
 
 /// The reference where a forward can read it: borrowed, or uploaded for this use.
 pub enum Resident<'a> {
-    Borrowed(&'a Gpt2),
-    Uploaded(Box<Gpt2>),
+    Borrowed(&'a TrainedModel),
+    Uploaded(Box<TrainedModel>),
 }
 
 impl std::ops::Deref for Resident<'_> {
-    type Target = Gpt2;
-    fn deref(&self) -> &Gpt2 {
+    type Target = TrainedModel;
+    fn deref(&self) -> &TrainedModel {
         match self {
             Self::Borrowed(model) => model,
             Self::Uploaded(model) => model,
@@ -267,10 +407,11 @@ impl Reference {
     /// The model on the device (uploaded from host memory when offloaded: drop it after use).
     pub fn resident(&self) -> Result<Resident<'_>> {
         match self {
-            Self::OnDevice(model) => Ok(Resident::Borrowed(model)),
+            Self::Loaded(model) => Ok(Resident::Borrowed(model)),
             Self::OnHost(h) => {
                 let params = h.params.to_device(&h.device)?;
-                Ok(Resident::Uploaded(Box::new(lm_on(&params, &h.config, h.fp32_loss, h.tp.as_ref())?)))
+                let model = lm_on(&params, &h.config, h.fp32_loss, h.tp.as_ref())?;
+                Ok(Resident::Uploaded(Box::new(TrainedModel::lm(model))))
             }
         }
     }
@@ -314,7 +455,8 @@ pub struct PpoModels {
     /// PPO's critic; GRPO and RLOO have none.
     pub critic: Option<Engine>,
     pub reference: Reference,
-    pub reward: RewardModel,
+    /// The frozen reward model: whole, or sharded at rest.
+    pub reward: TrainedModel,
     pub ema: Option<Ema>,
     /// Skip both updates when either model's gradients overflowed (`--align-overflow`).
     pub align_overflow: bool,
@@ -367,7 +509,7 @@ mod tests {
     fn an_offloaded_reference_gives_the_residents_logits() -> Result<()> {
         let cfg = Gpt2Config { n_layer: 1, n_embd: 8, n_head: 2, n_positions: 8, vocab_size: 16, ..Gpt2Config::tiny() };
         let params = ParamStore::init(&cfg, 3, &Device::Cpu)?;
-        let on_device = Reference::OnDevice(lm_on(&params, &cfg, false, None)?);
+        let on_device = Reference::Loaded(TrainedModel::lm(lm_on(&params, &cfg, false, None)?));
         let host = FrozenOnHost {
             params: params.copy()?,
             config: cfg.clone(),
@@ -375,10 +517,11 @@ mod tests {
             tp: None,
             device: Device::Cpu,
         };
-        let on_host = Reference::OnHost(host);
+        let on_host = Reference::OnHost(Box::new(host));
         let ids = candle_core::Tensor::new(&[[1u32, 5, 7]], &Device::Cpu)?;
         let logits = |r: &Reference| -> Result<Vec<f32>> {
-            let model = r.resident()?;
+            let resident = r.resident()?;
+            let model = resident.whole_trunk().expect("a whole model");
             Ok(model.forward(&ids, &Positions::default(), None, None)?.flatten_all()?.to_vec1()?)
         };
         assert!(matches!(on_host.resident()?, Resident::Uploaded(_)));

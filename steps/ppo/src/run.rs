@@ -30,7 +30,9 @@ use crate::advantages::compute_advantages;
 use crate::args::PpoArgs;
 use crate::eval::{evaluate_policy, PolicyEval};
 use crate::experience::{generate_experience, rollout_share, Experience, RolloutModels};
-use crate::models::{build_models, lm_on, read_model, read_reward_model, read_starting_models, reward_model_on};
+use crate::models::{
+    build_models, lm_on, read_model, read_reward_model, read_starting_models, reward_model_on, Sharding,
+};
 use crate::models::{Ema, PpoModels};
 use crate::ppo;
 use crate::trainer::{answer_tokens, MicroBatch, PtxBatch, UpdateStats};
@@ -86,7 +88,8 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
     let cfg = args.ppo_config();
 
     // Models: actor and reference from step 1, critic and reward from step 2.
-    let start = read_starting_models(args, &device)?;
+    let sharding = Sharding::of(args, &data, tp.is_some());
+    let start = read_starting_models(args, &sharding, &device)?;
     let tokenizer = args.data.tokenizer(Tokenizer::from_model_dir_or_default(&start.actor_dir)?)?;
     let eos = tokenizer.eos_id();
     start.check_fits(args, &tokenizer)?;
@@ -574,32 +577,15 @@ impl PpoLoop<'_> {
         reward_cfg: &Gpt2Config,
     ) -> Result<()> {
         let (args, device, actor_cfg) = (self.ctx.args, &self.ctx.device, &self.ctx.actor_cfg);
-        let precision = args.precision.precision();
-        let dtype = precision.dtype.dtype();
-        // Under tensor parallelism the frozen models are slices: rank 0 reads them whole again.
-        let whole_frozen = match self.ctx.tp {
-            None => None,
-            Some(_) => {
-                let (_, reference, _) =
-                    read_model(&args.actor_model_name_or_path, "--actor-model-name-or-path", Some(0.0), device)?;
-                let (_, reward) = read_reward_model(
-                    &args.critic_model_name_or_path,
-                    "--critic-model-name-or-path",
-                    Some(0.0),
-                    device,
-                )?;
-                Some((
-                    lm_on(&reference.compute_copy(dtype)?, actor_cfg, precision.fp32_loss, None)?,
-                    reward_model_on(&reward.compute_copy(dtype)?, reward_cfg, precision.fp32_loss, None)?,
-                ))
-            }
-        };
-        let resident;
-        let (reference, reward) = match &whole_frozen {
-            Some((reference, reward)) => (reference, reward),
-            None => {
-                resident = self.models.reference.resident()?;
-                (&*resident, &self.models.reward)
+        // Under tensor parallelism the frozen models are slices, under ZeRO stage 3 shards:
+        // rank 0, evaluating alone, reads them whole again.
+        let resident = self.models.reference.resident()?;
+        let whole_frozen;
+        let (reference, reward) = match (resident.whole_trunk(), &self.models.reward) {
+            (Some(reference), reward @ TrainedModel::Whole { .. }) if self.ctx.tp.is_none() => (reference, reward),
+            _ => {
+                whole_frozen = read_whole_frozen_models(args, actor_cfg, reward_cfg, device)?;
+                (&whole_frozen.0, &whole_frozen.1)
             }
         };
         let evaluate = |actor: &hybrid_engine::Gpt2| {
@@ -634,6 +620,26 @@ impl PpoLoop<'_> {
         (self.summary.sft_eval, self.summary.ppo_eval) = (Some(before), Some(after));
         Ok(())
     }
+}
+
+/// The reference and the reward model whole, in the compute dtype, read again from their
+/// directories: for rank 0's held-out evaluation where the ranks hold slices or shards of them.
+fn read_whole_frozen_models(
+    args: &PpoArgs,
+    actor_cfg: &Gpt2Config,
+    reward_cfg: &Gpt2Config,
+    device: &Device,
+) -> Result<(hybrid_engine::Gpt2, TrainedModel)> {
+    let precision = args.precision.precision();
+    let dtype = precision.dtype.dtype();
+    let (_, reference, _) =
+        read_model(&args.actor_model_name_or_path, "--actor-model-name-or-path", Some(0.0), device)?;
+    let (_, reward) =
+        read_reward_model(&args.critic_model_name_or_path, "--critic-model-name-or-path", Some(0.0), device)?;
+    Ok((
+        lm_on(&reference.compute_copy(dtype)?, actor_cfg, precision.fp32_loss, None)?,
+        TrainedModel::reward(reward_model_on(&reward.compute_copy(dtype)?, reward_cfg, precision.fp32_loss, None)?),
+    ))
 }
 
 /// Rows of a rollout over all ranks.
@@ -1436,8 +1442,8 @@ mod tests {
         let models = PpoModels {
             actor: Engine::new(&engine(false, actor_lr), &cfg, Head::Lm, actor, ranks.clone()).unwrap(),
             critic: Some(Engine::new(&engine(true, 1e-3), &cfg, Head::Score, critic.copy().unwrap(), ranks).unwrap()),
-            reference: crate::models::Reference::OnDevice(reference),
-            reward,
+            reference: crate::models::Reference::Loaded(TrainedModel::lm(reference)),
+            reward: TrainedModel::reward(reward),
             ema: args.enable_ema.then(|| Ema::Whole(start.copy().unwrap())),
             align_overflow: false,
         };
