@@ -1135,6 +1135,29 @@ fn ppo_on_2_and_3_ranks_matches_one_rank_at_every_zero_stage() {
             assert_same_weights(&resumed.join(model), &single.join(model), 1e-5, 0.0, &what);
         }
     }
+    // The stage-3 checkpoint holds no model whole on any rank: each rank wrote its optimizer
+    // shards, rank 0 the HF directories unit by unit (no raw-parameter files). Resumed on 2 ranks
+    // at stage 3, each rank reads only its shards of the models, the EMA and the optimizers.
+    let saved = dir.path().join("w2-s3/checkpoints/iter_0000002");
+    for model in ["actor", "critic"] {
+        assert!(saved.join(format!("{model}_optimizer/optimizer-rank-001-of-002.safetensors")).is_file(), "{model}");
+        assert!(!saved.join(format!("{model}_params.safetensors")).exists(), "{model}");
+    }
+    assert!(saved.join("actor_ema/model.safetensors").is_file());
+    let resumed = dir.path().join("resumed-2-s3-from-s3");
+    let mut a = ppo_args(dir.path(), &resumed, 4, 2, (3, 3));
+    a.extend(["--load".into(), dir.path().join("w2-s3/checkpoints").display().to_string()]);
+    let outs = run_ranks(dir.path(), "ppo", 2, &a);
+    let log = String::from_utf8_lossy(&outs[0].stdout);
+    assert!(log.contains("at rollout 2"), "{log}");
+    assert!(
+        log.contains("ZeRO stage 3: the actor, reference, critic, reward model built sharded over 2 ranks"),
+        "{log}"
+    );
+    for model in ["actor", "critic", "actor_ema"] {
+        let what = format!("a stage-3 checkpoint resumed on 2 ranks at stage 3: {model}");
+        assert_same_weights(&resumed.join(model), &single.join(model), 1e-5, 0.0, &what);
+    }
     // And into stage 3: the optimizer state and the EMA are cut into the ranks' shards.
     let resumed = dir.path().join("resumed-2-s3");
     let mut a = ppo_args(dir.path(), &resumed, 4, 2, (3, 3));

@@ -88,8 +88,9 @@ impl SavedModel<'_> {
 }
 
 /// Writes `model.safetensors` of a sharded model into `dir` (on rank 0; `None` on the others),
-/// every rank taking part in the gathers.
-fn write_sharded_weights(model: &ShardedModel, dir: Option<&Path>) -> Result<()> {
+/// every rank taking part in the gathers: of its weights, or with `values` of every rank's
+/// shard-shaped values of its parameters (an EMA of the weights).
+pub fn write_sharded_weights(model: &ShardedModel, values: Option<&[f32]>, dir: Option<&Path>) -> Result<()> {
     let mut file = dir
         .map(|dir| {
             let tensors: Vec<(String, Vec<usize>)> =
@@ -97,11 +98,15 @@ fn write_sharded_weights(model: &ShardedModel, dir: Option<&Path>) -> Result<()>
             StreamedSafetensors::create(&dir.join(hf_io::WEIGHTS), &tensors, &hf_io::weights_metadata())
         })
         .transpose();
-    model.visit_gathered_params(|name, values| match &mut file {
+    let write = |name: &str, values: &Tensor| match &mut file {
         Ok(Some(file)) => file.write(&hf_io::hf_name(name), values),
         Ok(None) => Ok(()),
         Err(e) => Err(anyhow::anyhow!("{e:#}")),
-    })?;
+    };
+    match values {
+        Some(values) => model.visit_gathered(values, write)?,
+        None => model.visit_gathered_params(write)?,
+    }
     file?.map_or(Ok(()), StreamedSafetensors::finish)
 }
 
@@ -151,7 +156,9 @@ pub fn save_checkpoint_across(
         false => Ok(()),
     })?;
     if let SavedModel::Sharded(model) = &model {
-        agree(group, "write the model", || write_sharded_weights(model, (rank == 0).then_some(staging.as_path())))?;
+        agree(group, "write the model", || {
+            write_sharded_weights(model, None, (rank == 0).then_some(staging.as_path()))
+        })?;
     }
     let dir = root.join(&name);
     agree(group, "assemble the checkpoint", || {
@@ -190,7 +197,7 @@ pub fn save_checkpoint_across(
 /// Runs `f` on every rank and fails on all of them if it failed on any (each failing rank
 /// returns its own error; the others say which rank failed), so no rank waits on a rank that
 /// gave up.
-fn agree(group: &ProcessGroup, what: &str, f: impl FnOnce() -> Result<()>) -> Result<()> {
+pub fn agree(group: &ProcessGroup, what: &str, f: impl FnOnce() -> Result<()>) -> Result<()> {
     let result = f();
     if group.world() == 1 {
         return result;
@@ -221,7 +228,8 @@ pub fn save_model_dir(
     .with_context(|| format!("saving the model to {}", dir.display()))
 }
 
-/// [`save_model_dir`] of a model sharded over `group`'s ranks (ZeRO stage 3; a collective): the
+/// [`save_model_dir`] of a model sharded over `group`'s ranks (ZeRO stage 3; a collective), or
+/// with `values` of every rank's shard-shaped values of its parameters (an EMA): the
 /// units are gathered one by one and rank 0 writes each into `model.safetensors` as it arrives
 /// (its peak: its shard plus one unit), in a hidden staging directory beside `dir`, then puts
 /// the directory in place atomically with `write_extra`'s files, keeping what no save wrote.
@@ -230,6 +238,7 @@ pub fn save_sharded_model_dir(
     dir: &Path,
     config: &Gpt2Config,
     model: &ShardedModel,
+    values: Option<&[f32]>,
     write_extra: &dyn Fn(&Path) -> Result<()>,
 ) -> Result<()> {
     if model.has_lora() {
@@ -245,7 +254,7 @@ pub fn save_sharded_model_dir(
         }
         Ok(())
     })?;
-    agree(group, "write the model", || write_sharded_weights(model, first.then_some(staging.as_path())))?;
+    agree(group, "write the model", || write_sharded_weights(model, values, first.then_some(staging.as_path())))?;
     agree(group, "save the model", || {
         if !first {
             return Ok(());

@@ -300,7 +300,14 @@ impl StepArgs {
     ) -> Result<()> {
         if let (Some(sharded), None) = (engine.sharded(), engine.tensor_parallel()) {
             if !sharded.has_lora() {
-                crate::checkpoints::resume::save_sharded_model_dir(group, dir, &engine.config, sharded, write_extra)?;
+                crate::checkpoints::resume::save_sharded_model_dir(
+                    group,
+                    dir,
+                    &engine.config,
+                    sharded,
+                    None,
+                    write_extra,
+                )?;
                 if group.is_first() {
                     println!("saved the {what} to {}", dir.display());
                 }

@@ -366,6 +366,23 @@ impl ShardedModel {
         Ok(out)
     }
 
+    /// This rank's shard-shaped values of a model with this model's parameters read by ranges
+    /// (`read(name, range)`, as [`Self::read`] reads them): an EMA resumed from its directory,
+    /// never whole. Padding is 0. No collective.
+    pub fn read_shard_values(&self, read: impl Fn(&str, Range<usize>) -> Result<Vec<f32>>) -> Result<Vec<f32>> {
+        let mut out = vec![0f32; self.shard_len()];
+        for (i, held) in self.held.iter().enumerate() {
+            if let Some((range, at)) = held.clone() {
+                let values = read(&self.names[i], range.clone())?;
+                if values.len() != range.len() {
+                    bail!("{}: {} values read for the {} this rank holds", self.names[i], values.len(), range.len());
+                }
+                out[at..at + range.len()].copy_from_slice(&values);
+            }
+        }
+        Ok(out)
+    }
+
     /// The whole model whose shards are every rank's `values` (laid out as the weight shard:
     /// the weights, or an EMA of them), on rank 0 (`None` elsewhere). Every rank must call it.
     pub fn gather_shard_values(&self, values: &[f32]) -> Result<Option<ParamStore>> {
@@ -390,11 +407,20 @@ impl ShardedModel {
     /// one unit (a consolidated save written as it is gathered). Every rank must call it; after a
     /// failing `visit` the first rank still takes part in the remaining gathers, then returns
     /// the error, so no rank waits on it.
-    pub fn visit_gathered_params(&self, mut visit: impl FnMut(&str, &Tensor) -> Result<()>) -> Result<()> {
+    pub fn visit_gathered_params(&self, visit: impl FnMut(&str, &Tensor) -> Result<()>) -> Result<()> {
         let shard = self.shard.borrow();
+        self.visit_gathered(&shard, visit)
+    }
+
+    /// [`Self::visit_gathered_params`] of every rank's shard-shaped `values` (the weights, or
+    /// an EMA of them).
+    pub fn visit_gathered(&self, values: &[f32], mut visit: impl FnMut(&str, &Tensor) -> Result<()>) -> Result<()> {
+        if values.len() != self.shard_len() {
+            bail!("internal error: {} values to gather, the shard holds {}", values.len(), self.shard_len());
+        }
         let first = self.group.is_first();
         let mut failed = None;
-        self.for_each_gathered(&shard, |i, t| {
+        self.for_each_gathered(values, |i, t| {
             if first && failed.is_none() {
                 failed = visit(&self.names[i], &t).err();
             }

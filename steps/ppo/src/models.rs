@@ -4,12 +4,13 @@
 //! optimizer state, tensor-parallel slices, and the actor's EMA.
 
 use crate::args::PpoArgs;
-use crate::checkpoint::{restore_values, PpoCheckpoint};
+use crate::checkpoint::{restore_values, PpoCheckpoint, SavedValues};
 use crate::ppo;
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
 use data::Tokenizer;
 use hybrid_engine::checkpoints::hf_io::{load_model_dir, resolve_model_dir, ModelFiles};
+use hybrid_engine::checkpoints::resume::OptimizerState;
 use hybrid_engine::checkpoints::sharded_io::ModelSlices;
 use hybrid_engine::comm::ProcessGroup;
 use hybrid_engine::engine::{Engine, EngineConfig, Head, Ranks};
@@ -17,6 +18,7 @@ use hybrid_engine::model::gpt2::{Gpt2, Gpt2Config};
 use hybrid_engine::model::reward_model::{RewardModel, SCORE_WEIGHT};
 use hybrid_engine::training::tensor_parallel::TensorParallel;
 use hybrid_engine::training::train_step::TrainedModel;
+use hybrid_engine::training::trainer::TrainerProgress;
 use hybrid_engine::training::zero3::ShardedModel;
 use hybrid_engine::ParamStore;
 use std::path::PathBuf;
@@ -66,8 +68,8 @@ pub enum Weights {
 /// Which of step 3's models are built sharded over the data-parallel `group` (ZeRO stage 3
 /// across ranks, without tensor parallelism), as DS-Chat's `DeepSpeedRLHFEngine` decides it: the
 /// reference follows the actor's stage, the reward model the critic's. The trained models are
-/// built sharded where nothing whole comes first: no LoRA adapters (added to a whole model) and
-/// no resume (which restores whole values).
+/// built sharded where nothing whole comes first: no LoRA adapters (added to a whole model), and
+/// a resume only from a checkpoint that saved them sharded (else it restores whole values).
 pub struct Sharding {
     pub group: Arc<ProcessGroup>,
     pub reference: bool,
@@ -79,16 +81,26 @@ pub struct Sharding {
 impl Sharding {
     /// The models `args` builds sharded over `group` (the data-parallel group; `tensor_parallel`:
     /// whether the run has TP groups).
-    pub fn of(args: &PpoArgs, group: &Arc<ProcessGroup>, tensor_parallel: bool) -> Self {
+    pub fn of(
+        args: &PpoArgs,
+        group: &Arc<ProcessGroup>,
+        tensor_parallel: bool,
+        resume: Option<&PpoCheckpoint>,
+    ) -> Self {
         let across = group.world() > 1 && !tensor_parallel;
         let (reference, reward) = (across && args.actor_zero_stage == 3, across && args.critic_zero_stage == 3);
-        let fresh = args.load.is_none();
+        // A resumed model is read by slices where the checkpoint saved it sharded.
+        let by_slices =
+            |saved: Option<&SavedValues>| resume.is_none() || saved.is_some_and(|v| v.model_dir().is_some());
         Self {
             group: group.clone(),
             reference,
             reward,
-            actor: reference && fresh && args.actor_lora_dim == 0,
-            critic: reward && fresh && args.critic_lora_dim == 0 && args.algorithm.has_critic(),
+            actor: reference && args.actor_lora_dim == 0 && by_slices(resume.map(|ck| &ck.actor)),
+            critic: reward
+                && args.critic_lora_dim == 0
+                && args.algorithm.has_critic()
+                && by_slices(resume.and_then(|ck| ck.critic.as_ref())),
         }
     }
 }
@@ -111,7 +123,13 @@ pub struct StartingModels {
 /// Reads the actor and reference from `--actor-model-name-or-path`, the critic (PPO only) and
 /// the reward model from `--critic-model-name-or-path`, each whole or, as `sharding` says, this
 /// rank's shard of it (gathered weights computing in the run's dtype).
-pub fn read_starting_models(args: &PpoArgs, sharding: &Sharding, device: &Device) -> Result<StartingModels> {
+/// A trained model built sharded on a resume is read from the checkpoint (`resume`).
+pub fn read_starting_models(
+    args: &PpoArgs,
+    sharding: &Sharding,
+    resume: Option<&PpoCheckpoint>,
+    device: &Device,
+) -> Result<StartingModels> {
     let dtype = args.precision.precision().dtype.dtype();
     let read = |name: &str, flag: &str, dropout: Option<f64>, sharded: bool, score: bool| {
         if !sharded {
@@ -139,15 +157,23 @@ pub fn read_starting_models(args: &PpoArgs, sharding: &Sharding, device: &Device
             ShardedModel::read(sharding.group.clone(), &config, |n, r| slices.read(n, r), &heads, dtype, device)?;
         Ok((config, Weights::Sharded(Box::new(model)), dir))
     };
-    let actor_flag = "--actor-model-name-or-path";
-    let actor_name = &args.actor_model_name_or_path;
-    let (actor_cfg, actor, actor_dir) = read(actor_name, actor_flag, args.actor_dropout(), sharding.actor, false)?;
-    let (_, reference, _) = read(actor_name, actor_flag, Some(0.0), sharding.reference, false)?;
+    let saved = |values: Option<&SavedValues>| values.and_then(SavedValues::model_dir).map(|d| d.display().to_string());
+    let (actor_flag, actor_name) = ("--actor-model-name-or-path", &args.actor_model_name_or_path);
     let (critic_flag, critic_name) = ("--critic-model-name-or-path", &args.critic_model_name_or_path);
+    let (trained_actor, trained_critic) = match resume.filter(|_| sharding.actor || sharding.critic) {
+        Some(ck) => (saved(Some(&ck.actor)), saved(ck.critic.as_ref())),
+        None => (None, None),
+    };
+    let trained_actor = trained_actor.filter(|_| sharding.actor).unwrap_or_else(|| actor_name.clone());
+    let trained_critic = trained_critic.filter(|_| sharding.critic).unwrap_or_else(|| critic_name.clone());
+    let (actor_cfg, actor, _) = read(&trained_actor, actor_flag, args.actor_dropout(), sharding.actor, false)?;
+    let (_, reference, actor_dir) = read(actor_name, actor_flag, Some(0.0), sharding.reference, false)?;
     let critic = args
         .algorithm
         .has_critic()
-        .then(|| read(critic_name, critic_flag, args.critic_dropout(), sharding.critic, true).map(|(c, w, _)| (c, w)))
+        .then(|| {
+            read(&trained_critic, critic_flag, args.critic_dropout(), sharding.critic, true).map(|(c, w, _)| (c, w))
+        })
         .transpose()?;
     let (reward_cfg, reward, _) = read(critic_name, critic_flag, Some(0.0), sharding.reward, true)?;
     let said = [
@@ -233,12 +259,16 @@ pub fn build_models(
     resume: Option<&PpoCheckpoint>,
     ranks: Ranks,
     (actor_engine, critic_engine): (&EngineConfig, &EngineConfig),
+    device: &Device,
 ) -> Result<PpoModels> {
     start.add_lora(args)?;
+    // A resume restores the values of a whole model; one built sharded read them by slices.
     if let Some(ck) = resume {
-        restore_values(whole(&start.actor)?, &ck.actor, "actor")?;
-        if let (Some((_, weights)), Some(saved)) = (&start.critic, &ck.critic) {
-            restore_values(whole(weights)?, saved, "critic")?;
+        if let Weights::Whole(actor) = &start.actor {
+            restore_values(actor, &ck.actor.whole(device)?, "actor")?;
+        }
+        if let (Some((_, Weights::Whole(critic))), Some(saved)) = (&start.critic, &ck.critic) {
+            restore_values(critic, &saved.whole(device)?, "critic")?;
         }
     }
     // The EMA of a whole actor starts as its copy (a sharded actor's, below, as its shard).
@@ -246,7 +276,7 @@ pub fn build_models(
         (true, Weights::Whole(actor)) => {
             let ema = actor.copy()?;
             if let Some(saved) = resume.and_then(|ck| ck.ema.as_ref()) {
-                restore_values(&ema, saved, "actor_ema")?;
+                restore_values(&ema, &saved.whole(device)?, "actor_ema")?;
             }
             Some(ema)
         }
@@ -282,18 +312,21 @@ pub fn build_models(
         align_overflow: args.align_overflow,
     };
     // The EMA of a ZeRO-3 actor is kept shard by shard, as its weights are.
+    let saved_ema = resume.and_then(|ck| ck.ema.as_ref());
     models.ema = match (ema, models.actor.sharded()) {
-        (None, Some(sharded)) if args.enable_ema => Some(Ema::Shard(sharded.shard_values())),
+        (None, Some(sharded)) if args.enable_ema => Some(Ema::Shard(match saved_ema {
+            Some(saved) => saved.read_shard(sharded)?,
+            None => sharded.shard_values(),
+        })),
         (None, _) => None,
         (Some(ema), None) => Some(Ema::Whole(ema)),
         (Some(ema), Some(sharded)) => Some(Ema::Shard(sharded.shard_of(&ema)?)),
     };
     if let Some(ck) = resume {
-        // The checkpoint holds whole moments: under TP each rank takes its slices of them.
         let st = &ck.state;
-        models.actor.load_optimizer(&ck.actor_optimizer, st.actor_steps, st.actor_progress.as_ref())?;
+        restore_optimizer(&mut models.actor, &ck.actor_optimizer, st.actor_steps, st.actor_progress.as_ref())?;
         match (&mut models.critic, &ck.critic_optimizer) {
-            (Some(critic), Some(saved)) => critic.load_optimizer(saved, st.critic_steps, st.critic_progress.as_ref())?,
+            (Some(critic), Some(saved)) => restore_optimizer(critic, saved, st.critic_steps, st.critic_progress.as_ref())?,
             (None, None) => {}
             _ => bail!("--load {}: the checkpoint's critic does not match --algorithm {}: resume with the flags it was saved with", ck.dir.display(), args.algorithm.name()),
         }
@@ -307,11 +340,21 @@ pub fn build_models(
     Ok(models)
 }
 
-/// The whole parameters of a trained model that a resume restores (never built sharded).
-fn whole(weights: &Weights) -> Result<&ParamStore> {
-    match weights {
-        Weights::Whole(params) => Ok(params),
-        Weights::Sharded(_) => bail!("internal error: a resumed model was built sharded"),
+/// Restores a checkpoint's optimizer into `engine`: whole moments (this rank keeps its TP
+/// slices and ZeRO shard of them), or the shards of a model saved sharded (each rank reads the
+/// pieces that overlap what it holds, in any layout).
+fn restore_optimizer(
+    engine: &mut Engine,
+    saved: &OptimizerState,
+    steps: u64,
+    progress: Option<&TrainerProgress>,
+) -> Result<()> {
+    match (saved, progress) {
+        (OptimizerState::Whole(tensors), _) => engine.load_optimizer(tensors, steps, progress),
+        (shards, Some(progress)) => {
+            engine.restore_optimizer(|opt, names, numels| shards.restore(opt, names, numels), steps, progress)
+        }
+        (_, None) => bail!("the checkpoint's optimizer shards come without the trainer's progress: it is damaged"),
     }
 }
 

@@ -28,6 +28,7 @@
 
 use crate::advantages::compute_advantages;
 use crate::args::PpoArgs;
+use crate::checkpoint::{ModelSave, SavedModel};
 use crate::eval::{evaluate_policy, PolicyEval};
 use crate::experience::{generate_experience, rollout_share, Experience, RolloutModels};
 use crate::models::{
@@ -39,7 +40,7 @@ use crate::trainer::{answer_tokens, MicroBatch, PtxBatch, UpdateStats};
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
 use data::{PackedCorpus, Tokenizer};
-use hybrid_engine::checkpoints::resume::save_model_dir;
+use hybrid_engine::checkpoints::resume::{save_model_dir, save_sharded_model_dir};
 use hybrid_engine::comm::{ProcessGroup, ReduceOp};
 use hybrid_engine::engine::{Engine, GatheredWeights, Ranks};
 use hybrid_engine::generation::engine::GenerationMode;
@@ -50,8 +51,10 @@ use hybrid_engine::model::reward_model::{causal_lm_config, sequence_classificati
 use hybrid_engine::tensor_parallel::layout::ParallelLayout;
 use hybrid_engine::tensor_parallel::shard::check_divides;
 use hybrid_engine::training::metrics::{peak_rss_mib, Metrics};
+use hybrid_engine::training::optim::AdamW;
 use hybrid_engine::training::tensor_parallel::{data_group, TensorParallel};
 use hybrid_engine::training::train_step::TrainedModel;
+use hybrid_engine::training::zero3::ShardedModel;
 use hybrid_engine::ParamStore;
 use serde::Serialize;
 use serde_json::json;
@@ -88,8 +91,11 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
     let cfg = args.ppo_config();
 
     // Models: actor and reference from step 1, critic and reward from step 2.
-    let sharding = Sharding::of(args, &data, tp.is_some());
-    let start = read_starting_models(args, &sharding, &device)?;
+    // Resume: the trained models' values and optimizers from the checkpoint (the frozen ones
+    // from their directories).
+    let resume = args.load.as_deref().map(|root| read_checkpoint(args, root, world, &device)).transpose()?;
+    let sharding = Sharding::of(args, &data, tp.is_some(), resume.as_ref());
+    let start = read_starting_models(args, &sharding, resume.as_ref(), &device)?;
     let tokenizer = args.data.tokenizer(Tokenizer::from_model_dir_or_default(&start.actor_dir)?)?;
     let eos = tokenizer.eos_id();
     start.check_fits(args, &tokenizer)?;
@@ -114,11 +120,8 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
     let steps = optimizer_steps(args, rollouts_per_epoch, (global_generation, global_micro));
     let actor_engine = args.engine_config(false, steps, &data)?;
     let critic_engine = args.engine_config(true, steps, &data)?;
-    // Resume: the trained models' values and optimizers from the checkpoint (the frozen ones
-    // from their directories).
-    let resume = args.load.as_deref().map(|root| read_checkpoint(args, root, world, &device)).transpose()?;
     let ranks = Ranks { data: data.clone(), tensor: tp.clone() };
-    let models = build_models(args, start, resume.as_ref(), ranks, (&actor_engine, &critic_engine))?;
+    let models = build_models(args, start, resume.as_ref(), ranks, (&actor_engine, &critic_engine), &device)?;
     let dtype = args.precision.precision().dtype.dtype();
     let engine = GenerationMode::new(args.max_prompt_seq_len, args.max_answer_seq_len, args.release_inference_cache)
         .with_dtype(dtype);
@@ -517,23 +520,30 @@ impl PpoLoop<'_> {
         Ok(self.summary)
     }
 
-    /// The actor, critic and EMA as HF directories. Every rank holds the same weights (under
-    /// ZeRO-3 every rank takes part in gathering them): rank 0 saves them.
+    /// The actor, critic and EMA as HF directories, every rank together: a model sharded at
+    /// rest without LoRA or TP is gathered unit by unit and written by rank 0 as the units
+    /// arrive (no rank holds it whole); the others are gathered whole onto rank 0 (under ZeRO-3
+    /// with LoRA, under TP), or are whole there, and rank 0 saves them.
     fn save_models(&self) -> Result<GatheredModels> {
-        let (args, models, cfg) = (self.ctx.args, &self.models, &self.ctx.actor_cfg);
+        let (args, models) = (self.ctx.args, &self.models);
         let gathered = GatheredModels::of(models, self.ctx.tp)?;
-        if self.whole.is_first() {
-            let weights = gathered.weights(models);
-            let actor_dir = args.output_dir.join("actor");
-            let write_tok = |d: &Path| self.tokenizer.save(&d.join("tokenizer.json"));
-            save_model_dir(&actor_dir, &causal_lm_config(cfg), weights.actor, &write_tok)?;
-            if let (Some(critic), Some(weights)) = (&models.critic, weights.critic) {
-                let config = sequence_classification_config(&critic.config, self.ctx.eos);
-                save_model_dir(&args.output_dir.join("critic"), &config, weights, &write_tok)?;
+        let first = self.whole.is_first();
+        let write_tok = |d: &Path| self.tokenizer.save(&d.join("tokenizer.json"));
+        let save = |name: &str, config: &Gpt2Config, save: ModelSave| -> Result<()> {
+            let dir = args.output_dir.join(name);
+            match save {
+                ModelSave::Sharded { model, values, .. } => {
+                    save_sharded_model_dir(self.whole, &dir, config, model, values, &write_tok)
+                }
+                ModelSave::Whole(Some((params, _))) => save_model_dir(&dir, config, params, &write_tok),
+                ModelSave::Whole(None) => Ok(()),
             }
-            if let Some(ema) = weights.ema {
-                save_model_dir(&args.output_dir.join("actor_ema"), &causal_lm_config(cfg), ema, &write_tok)?;
-            }
+        };
+        for model in gathered.saved_models(models, None, self.ctx.eos, first)? {
+            save(model.name, &model.config, model.save)?;
+        }
+        let actor_dir = args.output_dir.join("actor");
+        if first {
             println!("saved the PPO actor to {} (chat --path {})", actor_dir.display(), actor_dir.display());
         }
         Ok(gathered)
@@ -601,7 +611,16 @@ impl PpoLoop<'_> {
                 device,
             )
         };
-        let final_actor = gathered.actor.params(&self.models.actor);
+        // An actor saved sharded is read back from its directory.
+        let saved;
+        let final_actor = match &gathered.actor {
+            Some(weights) => weights.params(&self.models.actor),
+            None => {
+                let dir = args.output_dir.join("actor").display().to_string();
+                saved = read_model(&dir, "the saved actor", Some(0.0), device)?.1;
+                &saved
+            }
+        };
         let (before, after) = (evaluate(reference)?, evaluate(&self.engine.model(final_actor, actor_cfg)?)?);
         let task = |e: &PolicyEval| e.task_success.map_or("n/a".to_string(), |t| format!("{t:.3}"));
         let name = args.algorithm.label();
@@ -950,8 +969,8 @@ fn ppo_epochs(
 }
 
 /// Saves a checkpoint of the ranks' common state, with the models' `gathered` weights: every
-/// rank gathers the optimizers' shards (a collective), rank 0 writes. Returns the directory on
-/// rank 0.
+/// rank gathers the optimizers of the models whole on rank 0 (a collective) and writes its
+/// shards of those saved sharded. Returns the directory on rank 0.
 fn save_checkpoint(
     group: &ProcessGroup,
     root: &Path,
@@ -960,39 +979,52 @@ fn save_checkpoint(
     state: &crate::checkpoint::PpoState,
     tokenizer: &Tokenizer,
 ) -> Result<Option<std::path::PathBuf>> {
-    let actor_opt = models.actor.gather_optimizer(&gathered.actor)?;
+    let actor_opt = gathered.actor.as_ref().map(|g| models.actor.gather_optimizer(g)).transpose()?.flatten();
     let critic_opt = match (&models.critic, &gathered.critic) {
-        (Some(critic), Some(weights)) => critic.gather_optimizer(weights).map(Some)?,
+        (Some(critic), Some(weights)) => critic.gather_optimizer(weights)?,
         _ => None,
     };
-    if !group.is_first() {
-        return Ok(None);
-    }
-    let (Some(actor_opt), Some(critic_opt)) = (actor_opt, critic_opt.map_or(Some(None), |o| o.map(Some))) else {
-        bail!("internal error: rank 0 lacks the gathered optimizer state");
-    };
-    let weights = gathered.weights(models);
-    let configs = (&models.actor.config, models.critic.as_ref().map(|c| &c.config));
-    crate::checkpoint::save(root, configs, &weights, (&actor_opt, critic_opt.as_ref()), state, tokenizer).map(Some)
+    let optimizers = Optimizers { actor: actor_opt.as_ref(), critic: critic_opt.as_ref() };
+    let saved = gathered.saved_models(models, Some(optimizers), tokenizer.eos_id(), group.is_first())?;
+    crate::checkpoint::save(group, root, &saved, state, tokenizer)
 }
 
-/// The trained models' weights gathered from the ZeRO-3 shards or the TP slices, on rank 0
-/// (see [`Engine::gather_weights`]), and the EMA's.
+/// A model saved sharded (ZeRO stage 3 without LoRA or TP): never gathered whole.
+fn saved_sharded(engine: &Engine) -> Option<&ShardedModel> {
+    engine.sharded().filter(|model| !model.has_lora() && engine.tensor_parallel().is_none())
+}
+
+/// The trained models' weights gathered whole on rank 0 (see [`Engine::gather_weights`]) where
+/// they are not saved sharded, and the EMA's.
 struct GatheredModels {
-    actor: GatheredWeights,
+    /// `None` for a model saved sharded.
+    actor: Option<GatheredWeights>,
     critic: Option<GatheredWeights>,
-    /// `None` for an EMA that is whole on every rank (stages 0-2 without TP), read directly.
+    /// `None` for an EMA that is whole on every rank (stages 0-2 without TP), read directly, or
+    /// saved sharded with the actor.
     ema: Option<ParamStore>,
+}
+
+/// The trained models' whole optimizers on rank 0, for a checkpoint.
+#[derive(Clone, Copy)]
+struct Optimizers<'a> {
+    actor: Option<&'a AdamW>,
+    critic: Option<&'a AdamW>,
 }
 
 impl GatheredModels {
     /// Every rank must call it (the gathers are collectives).
     fn of(models: &PpoModels, tp: Option<&TensorParallel>) -> Result<Self> {
-        let actor = models.actor.gather_weights()?;
-        let critic = models.critic.as_ref().map(Engine::gather_weights).transpose()?;
+        let actor_sharded = saved_sharded(&models.actor).is_some();
+        let actor = (!actor_sharded).then(|| models.actor.gather_weights()).transpose()?;
+        let critic =
+            models.critic.as_ref().filter(|c| saved_sharded(c).is_none()).map(Engine::gather_weights).transpose()?;
         // A ZeRO-3 EMA is gathered as the actor's weights are: from the shards (onto the first
         // data-parallel rank of each TP rank), then under TP from the TP ranks' slices.
-        let ema_slices = models.ema.as_ref().map(|e| e.gather_for_saving(&models.actor)).transpose()?.flatten();
+        let ema_slices = match actor_sharded {
+            true => None,
+            false => models.ema.as_ref().map(|e| e.gather_for_saving(&models.actor)).transpose()?.flatten(),
+        };
         let ema = match (tp, &models.ema) {
             (None, _) => ema_slices,
             (Some(tp), Some(Ema::Whole(ema))) => tp.gather(ema, &models.actor.config)?,
@@ -1005,18 +1037,63 @@ impl GatheredModels {
         Ok(Self { actor, critic, ema })
     }
 
-    /// Every weight to save, on rank 0.
-    fn weights<'a>(&'a self, models: &'a PpoModels) -> crate::checkpoint::SavedWeights<'a> {
-        let ema = match &models.ema {
-            Some(Ema::Whole(ema)) => self.ema.as_ref().or(Some(ema)),
-            Some(Ema::Shard(_)) => self.ema.as_ref(),
-            None => None,
+    /// The actor, critic and EMA as a save writes them (HF configs with `eos` as the critic's
+    /// pad), with `optimizers` for a checkpoint; `first`: this is rank 0, which holds the
+    /// gathered weights.
+    fn saved_models<'a>(
+        &'a self,
+        models: &'a PpoModels,
+        optimizers: Option<Optimizers<'a>>,
+        eos: u32,
+        first: bool,
+    ) -> Result<Vec<SavedModel<'a>>> {
+        let checkpoint = optimizers.is_some();
+        let optimizers = optimizers.unwrap_or(Optimizers { actor: None, critic: None });
+        let trained = |engine: &'a Engine,
+                       gathered: Option<&'a GatheredWeights>,
+                       optimizer: Option<&'a AdamW>|
+         -> Result<ModelSave<'a>> {
+            Ok(match (saved_sharded(engine), gathered) {
+                (Some(model), _) => {
+                    let optimizer = checkpoint.then_some(&engine.trainer().optimizer);
+                    ModelSave::Sharded { model, values: None, optimizer }
+                }
+                (None, _) if !first => ModelSave::Whole(None),
+                (None, Some(g)) if optimizer.is_some() || !checkpoint => {
+                    ModelSave::Whole(Some((g.params(engine), optimizer)))
+                }
+                (None, _) => bail!("internal error: rank 0 lacks the gathered weights or optimizer state"),
+            })
         };
-        crate::checkpoint::SavedWeights {
-            actor: self.actor.params(&models.actor),
-            critic: models.critic.as_ref().zip(self.critic.as_ref()).map(|(c, w)| w.params(c)),
-            ema,
+        let actor_cfg = &models.actor.config;
+        let mut saved = vec![SavedModel {
+            name: "actor",
+            config: causal_lm_config(actor_cfg),
+            save: trained(&models.actor, self.actor.as_ref(), optimizers.actor)?,
+        }];
+        if let Some(critic) = &models.critic {
+            saved.push(SavedModel {
+                name: "critic",
+                config: sequence_classification_config(&critic.config, eos),
+                save: trained(critic, self.critic.as_ref(), optimizers.critic)?,
+            });
         }
+        let ema = match (&models.ema, saved_sharded(&models.actor)) {
+            (None, _) => None,
+            (Some(Ema::Shard(values)), Some(model)) => {
+                Some(ModelSave::Sharded { model, values: Some(values), optimizer: None })
+            }
+            (Some(_), _) if !first => Some(ModelSave::Whole(None)),
+            (Some(Ema::Whole(ema)), _) => Some(ModelSave::Whole(Some((self.ema.as_ref().unwrap_or(ema), None)))),
+            (Some(Ema::Shard(_)), None) => match &self.ema {
+                Some(ema) => Some(ModelSave::Whole(Some((ema, None)))),
+                None => bail!("internal error: rank 0 lacks the gathered EMA"),
+            },
+        };
+        if let Some(save) = ema {
+            saved.push(SavedModel { name: "actor_ema", config: causal_lm_config(actor_cfg), save });
+        }
+        Ok(saved)
     }
 }
 
