@@ -356,11 +356,15 @@ impl Engine {
         micro_batch_done_pair((&mut a.trainer, &a.trainable), (&mut b.trainer, &b.trainable), align)
     }
 
-    /// The hybrid engine's switch to generation: under ZeRO stage 3 the whole fp32 weights
-    /// (this rank's TP slices under tensor parallelism) gathered on every rank (a collective),
-    /// which the caller drops before training resumes; `None` where [`Self::masters`] are them.
+    /// The hybrid engine's switch to generation: under ZeRO stage 3 the whole weights (this
+    /// rank's TP slices under tensor parallelism) gathered on every rank (a collective), which
+    /// the caller drops before training resumes; `None` where [`Self::masters`] are them. In the
+    /// compute dtype, which generation runs in (DS-Chat gathers the fp16 parameters); with LoRA
+    /// in fp32, as the masters the adapters are fused into.
     pub fn gather_for_generation(&self) -> Result<Option<ParamStore>> {
-        self.sharded().map(ShardedModel::gather_params_everywhere).transpose()
+        let Some(model) = self.sharded() else { return Ok(None) };
+        let dtype = if model.has_lora() { DType::F32 } else { model.compute_dtype() };
+        model.gather_params_everywhere(dtype).map(Some)
     }
 
     /// The whole fp32 weights for a save, put together from the ZeRO-3 shards and the TP

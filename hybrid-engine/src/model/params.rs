@@ -105,6 +105,18 @@ impl ParamStore {
 
     /// Adds a parameter outside the GPT-2 trunk (a reward model's `score.weight`), after the
     /// trunk's. Create the optimizer after every push: it sizes its moments from the store.
+    /// A store of `named` tensors as they are, in their dtype (a model's weights gathered in
+    /// its compute dtype); `push` makes fp32 masters.
+    pub fn of_tensors(named: impl IntoIterator<Item = (String, Tensor)>) -> Result<Self> {
+        let mut store = ParamStore::default();
+        for (name, t) in named {
+            store.names.push(name);
+            store.vars.push(Var::from_tensor(&t)?);
+            store.frozen.push(false);
+        }
+        Ok(store)
+    }
+
     pub fn push(&mut self, name: &str, value: &Tensor) -> Result<()> {
         if self.get(name).is_some() {
             bail!("internal error: parameter {name} added twice");

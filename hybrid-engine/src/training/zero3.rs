@@ -307,6 +307,11 @@ impl ShardedModel {
         &self.group
     }
 
+    /// The dtype gathered weights compute in.
+    pub fn compute_dtype(&self) -> DType {
+        self.dtype
+    }
+
     /// Where gathered weights compute.
     pub fn device(&self) -> &Device {
         &self.device
@@ -333,15 +338,17 @@ impl ShardedModel {
     /// so only rank 0 ever holds the whole model.
     pub fn gather_params(&self) -> Result<Option<ParamStore>> {
         let shard = self.shard.borrow();
-        self.gather_values(&shard, self.group.is_first())
+        self.gather_values(&shard, self.group.is_first(), DType::F32)
     }
 
-    /// Every parameter's values in fp32 on every rank (a collective): PPO's generation mode,
+    /// Every parameter's values in `dtype` on every rank (a collective): PPO's generation mode,
     /// which gathers the whole actor once per rollout and drops it after (DS-Chat's hybrid
-    /// engine), so that generation itself needs no collective.
-    pub fn gather_params_everywhere(&self) -> Result<ParamStore> {
+    /// engine), so that generation itself needs no collective. Each unit is cast as it arrives:
+    /// a rank holds the whole model only in `dtype` (in bf16 or fp16 half the fp32 bytes), plus
+    /// one unit in fp32.
+    pub fn gather_params_everywhere(&self, dtype: DType) -> Result<ParamStore> {
         let shard = self.shard.borrow();
-        self.gather_values(&shard, true)?.ok_or_else(|| anyhow!("internal error: a gather kept nothing"))
+        self.gather_values(&shard, true, dtype)?.ok_or_else(|| anyhow!("internal error: a gather kept nothing"))
     }
 
     /// A copy of this rank's fp32 weight shard (padding included): what a sharded actor's EMA
@@ -389,7 +396,7 @@ impl ShardedModel {
         if values.len() != self.shard_len() {
             bail!("internal error: {} values to gather, the shard holds {}", values.len(), self.shard_len());
         }
-        self.gather_values(values, self.group.is_first())
+        self.gather_values(values, self.group.is_first(), DType::F32)
     }
 
     /// Whether LoRA adapters are attached.
@@ -441,22 +448,23 @@ impl ShardedModel {
         Ok(())
     }
 
-    /// Gathers each unit of the shard-shaped `values`; keeps the whole model when `keep`.
-    fn gather_values(&self, values: &[f32], keep: bool) -> Result<Option<ParamStore>> {
+    /// Gathers each unit of the shard-shaped `values`; keeps the whole model in `dtype` when
+    /// `keep`.
+    fn gather_values(&self, values: &[f32], keep: bool, dtype: DType) -> Result<Option<ParamStore>> {
         let mut full: Vec<Option<Tensor>> = vec![None; self.names.len()];
         self.for_each_gathered(values, |i, t| {
             if keep {
-                full[i] = Some(t);
+                full[i] = Some(t.to_dtype(dtype)?);
             }
             Ok(())
         })?;
         if !keep {
             return Ok(None);
         }
-        let mut store = ParamStore::default();
-        for (name, t) in self.names.iter().zip(full) {
-            store.push(name, &t.ok_or_else(|| anyhow!("internal error: {name} is in no unit"))?)?;
-        }
+        let named = self.names.iter().zip(full).map(|(name, t)| {
+            t.map(|t| (name.clone(), t)).ok_or_else(|| anyhow!("internal error: {name} is in no unit"))
+        });
+        let mut store = ParamStore::of_tensors(named.collect::<Result<Vec<_>>>()?)?;
         store.set_layout(&self.frozen, self.lora_scaling)?;
         Ok(Some(store))
     }
@@ -808,7 +816,7 @@ mod tests {
         // The shard of the whole store is the shard itself; gathering it, or the shard-shaped
         // values, gives the whole store back.
         assert_eq!(sharded.shard_of(&params)?, sharded.shard_values());
-        let everywhere = sharded.gather_params_everywhere()?;
+        let everywhere = sharded.gather_params_everywhere(DType::F32)?;
         let from_values = sharded.gather_shard_values(&sharded.shard_values())?.expect("rank 0 of one");
         for ((a, b), want) in everywhere.vars.iter().zip(&from_values.vars).zip(&params.vars) {
             let want = want.flatten_all()?.to_vec1::<f32>()?;
@@ -816,6 +824,12 @@ mod tests {
             assert_eq!(b.flatten_all()?.to_vec1::<f32>()?, want);
         }
         assert!(sharded.gather_shard_values(&[0.0]).is_err(), "values of another length");
+        // Gathered for generation in bf16: each unit cast as it arrives, the whole cast's values.
+        for (a, want) in sharded.gather_params_everywhere(DType::BF16)?.vars.iter().zip(&params.vars) {
+            assert_eq!(a.dtype(), DType::BF16);
+            let want = want.to_dtype(DType::BF16)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+            assert_eq!(a.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?, want);
+        }
         let hidden = sharded.forward_blocks(&ids, &Positions::default())?;
         let want = model.forward_blocks(&ids, &Positions::default(), None, None)?;
         assert!((hidden - want)?.abs()?.max_all()?.to_scalar::<f32>()? < 1e-6);

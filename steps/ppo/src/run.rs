@@ -691,8 +691,8 @@ fn generate_share(
         LeftPadded::new(&batch, args.max_prompt_seq_len, ctx.eos).with_keys(share.iter().map(|&i| i as u64).collect());
     let sampling = sampling_config(args, ctx.eos, ctx.vocab, step);
     // Generation mode, once per rollout: gather, fuse, dropout off. Under ZeRO stage 3 every
-    // rank gathers the whole actor here (one collective per rollout) and drops it when this
-    // function returns, before training. Each rank then generates its own rows with its full
+    // rank gathers the whole actor here (one collective per rollout; in the compute dtype, in
+    // fp32 with LoRA) and drops it when this function returns, before training. Each rank then generates its own rows with its full
     // copy: generation makes no collective, so a rank whose answers all ended early, or that
     // has no prompt at all, cannot leave another waiting. With --inference-tp-size the actor is
     // instead cut into this rank's slices and its TP group generates all the group's rows in
@@ -726,7 +726,8 @@ fn generate_share(
     let needs_whole =
         split_actor.is_none() || (gathered_actor.is_some() && unfused_actor.is_none() && ctx.tp.is_none());
     let mut whole_model = needs_whole.then(|| engine.model(whole_actor, &ctx.actor_cfg)).transpose()?;
-    // The fp32 gathered weights are not needed once cast into the models.
+    // The gathered weights are not needed once in the models (which share them where no cast
+    // or LoRA fusion made new tensors).
     drop(gathered_actor);
     // Under ZeRO-3 and TP the split generation model is the forward too.
     let forward_model = match ctx.tp {
