@@ -10,6 +10,7 @@ use candle_core::Device;
 use clap::Parser;
 use data::Tokenizer;
 use hybrid_engine::checkpoints::hf_io::{load_model_dir, resolve_model_dir};
+use hybrid_engine::checkpoints::sharded_io::ModelSlices;
 use hybrid_engine::generation::generate::{generate, SamplingConfig};
 use hybrid_engine::{Gpt2, ParamStore};
 use std::io::{BufRead, Write};
@@ -71,21 +72,25 @@ impl ChatModel {
     pub fn load(path: &str, device: &Device, tp_size: usize) -> Result<(Self, Option<InferenceRanks>)> {
         let dir = resolve_model_dir(path)?;
         let device = device.clone();
-        let files = load_model_dir(&dir, &device)?;
-        let params = ParamStore::from_tensors(&files.config, &files.tensors, &device)?;
+        // Memory-mapped: the config and the tensors' shapes now, the values as they are read.
+        let slices = ModelSlices::open(&dir)?;
+        let config = slices.config.clone();
         let tokenizer = Tokenizer::from_model_dir_or_default(&dir)?;
-        if tokenizer.vocab_size() > files.config.vocab_size {
+        if tokenizer.vocab_size() > config.vocab_size {
             bail!(
                 "{}: tokenizer.json has {} tokens but the model only {}: the directory's tokenizer does not belong to this model",
                 dir.display(),
                 tokenizer.vocab_size(),
-                files.config.vocab_size
+                config.vocab_size
             );
         }
-        let ranks = InferenceRanks::join(tp_size, &files.config, IDLE_LIMIT)?;
+        let ranks = InferenceRanks::join(tp_size, &config, IDLE_LIMIT)?;
         let model = match &ranks {
-            Some(ranks) => ranks.model(params, &files.config)?,
-            None => params.model(&files.config)?,
+            Some(ranks) => ranks.read_model(&slices, &device)?,
+            None => {
+                let files = load_model_dir(&dir, &device)?;
+                ParamStore::from_tensors(&files.config, &files.tensors, &device)?.model(&files.config)?
+            }
         };
         Ok((Self { model, tokenizer, device }, ranks))
     }

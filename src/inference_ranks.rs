@@ -8,11 +8,13 @@
 
 use crate::ranks::{die_with_parent, free_port, rank_env};
 use anyhow::{bail, Context, Result};
+use candle_core::Device;
+use hybrid_engine::checkpoints::sharded_io::ModelSlices;
 use hybrid_engine::comm::env::RankEnv;
 use hybrid_engine::comm::ProcessGroup;
 use hybrid_engine::tensor_parallel::shard::check_divides;
 use hybrid_engine::training::tensor_parallel::TensorParallel;
-use hybrid_engine::{Gpt2, Gpt2Config, ParamStore};
+use hybrid_engine::{Gpt2, Gpt2Config};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -66,10 +68,11 @@ impl InferenceRanks {
         self.tp.tp().is_first()
     }
 
-    /// This rank's model: its slices of the whole weights `whole`, in their dtype.
-    pub fn model(&self, whole: ParamStore, cfg: &Gpt2Config) -> Result<Gpt2> {
-        let slices = self.tp.slice(whole, cfg)?;
-        self.tp.model(&slices, cfg)
+    /// This rank's model: its slices of the weights in `dir`'s memory-mapped files, read
+    /// tensor by tensor (a rank never holds the whole model).
+    pub fn read_model(&self, dir: &ModelSlices, device: &Device) -> Result<Gpt2> {
+        let slices = self.tp.read(&dir.config, device, |name, range| dir.read(name, range))?;
+        self.tp.model(&slices, &dir.config)
     }
 
     /// Rank 0's next prompt on every rank: rank 0 passes it (`None` ends the session), the

@@ -485,6 +485,8 @@ fn sft_with_tensor_parallelism_matches_one_rank() {
             log.contains(&format!("tensor parallel: 2 ranks per layer, {} data-parallel groups", world / 2)),
             "{log}"
         );
+        // Each rank draws the one-rank weights tensor by tensor and keeps only its slices.
+        assert!(log.contains("random weights of size tiny (seed 1234), drawn in TP slices"), "{log}");
         assert_same_weights(&out, &single, 1e-5, 0.0, &what);
         for (a, b) in sft_perplexities(&out).iter().zip(&expected) {
             assert!((a - b).abs() <= 1e-5 * b, "{what}: perplexity {a} vs {b}");
@@ -632,6 +634,8 @@ fn reward_model_on_2_and_3_ranks_and_under_tensor_parallelism_matches_one_rank()
             log.contains(&format!("tensor parallel: 2 ranks per layer, {} data-parallel groups", world / 2)),
             "{log}"
         );
+        // Each rank reads its slices of the starting model's memory-mapped tensors.
+        assert!(log.contains(&format!("pretrained weights from {}, read in TP slices", start.display())), "{log}");
         assert_same_weights(&out, &single, 1e-5, 0.0, &what);
         let many = reward_eval(&out);
         assert_same_eval(&many["before_training"], &one["before_training"], 1e-6, &what);
@@ -1048,6 +1052,8 @@ fn ppo_with_tensor_parallelism_matches_one_rank() {
     let outs = run_ranks(dir.path(), "ppo", 2, &a);
     let log = String::from_utf8_lossy(&outs[0].stdout);
     assert!(log.contains("tensor parallel: 2 ranks per layer, 1 data-parallel groups"), "{log}");
+    let sliced = "tensor parallel: the actor, reference, reward model, critic read in this rank's slices";
+    assert!(log.contains(sliced), "{log}");
     assert_same_ppo(&tp2, &single, "PPO at TP=2");
     // Per-device batch sizes count rows per data-parallel group: 4 and 2 each, as 2 DP ranks.
     // At stage 3 each TP rank's slices are sharded over its data-parallel group: the rollout

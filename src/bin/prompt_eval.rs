@@ -4,6 +4,7 @@
 
 use anyhow::Result;
 use clap::Parser;
+use hybrid_engine::checkpoints::sharded_io::ModelSlices;
 
 #[derive(Parser, Debug)]
 #[command(name = "prompt_eval", about = "Compare greedy answers of a baseline and a fine-tuned model")]
@@ -36,28 +37,34 @@ struct Args {
 
 fn run(args: &Args) -> Result<()> {
     let device = hybrid_engine::device::parse_device(&args.device)?;
-    let read = |name: &str| -> Result<(hybrid_engine::ParamStore, hybrid_engine::Gpt2Config, std::path::PathBuf)> {
+    // Memory-mapped: the configs now, the values when the models are built (whole, or this
+    // rank's slices under tensor parallelism).
+    let open = |name: &str| -> Result<(ModelSlices, std::path::PathBuf)> {
         let dir = hybrid_engine::checkpoints::hf_io::resolve_model_dir(name)?;
-        let files = hybrid_engine::checkpoints::hf_io::load_model_dir(&dir, &device)?;
-        let params = hybrid_engine::ParamStore::from_tensors(&files.config, &files.tensors, &device)?;
-        Ok((params, files.config, dir))
+        Ok((ModelSlices::open(&dir)?, dir))
     };
-    let (baseline, baseline_cfg, _) = read(&args.model_name_or_path_baseline)?;
-    let (finetuned, finetuned_cfg, dir) = read(&args.model_name_or_path_finetune)?;
+    let (baseline, _) = open(&args.model_name_or_path_baseline)?;
+    let (finetuned, dir) = open(&args.model_name_or_path_finetune)?;
     let tok = data::Tokenizer::from_model_dir_or_default(&dir)?;
     let prompts = data::prompts::read_prompts(&args.prompts, args.num_prompts)?;
     // Each split must fit both models: the joining checks the one with fewer heads too.
     let size = args.tensor_model_parallel_size as usize;
     if size > 1 {
-        hybrid_engine::tensor_parallel::shard::check_divides(baseline_cfg.n_head, baseline_cfg.inner_dim(), size)?;
+        let cfg = &baseline.config;
+        hybrid_engine::tensor_parallel::shard::check_divides(cfg.n_head, cfg.inner_dim(), size)?;
     }
     let timeout = std::time::Duration::from_secs(args.dist_timeout);
-    let ranks = rlhf::inference_ranks::InferenceRanks::join(size, &finetuned_cfg, timeout)?;
-    let model = |params, cfg: &hybrid_engine::Gpt2Config| match &ranks {
-        Some(ranks) => ranks.model(params, cfg),
-        None => params.model(cfg),
+    let ranks = rlhf::inference_ranks::InferenceRanks::join(size, &finetuned.config, timeout)?;
+    let model = |slices: &ModelSlices| -> Result<hybrid_engine::Gpt2> {
+        match &ranks {
+            Some(ranks) => ranks.read_model(slices, &device),
+            None => {
+                let files = hybrid_engine::checkpoints::hf_io::load_model_dir(&slices.dir, &device)?;
+                hybrid_engine::ParamStore::from_tensors(&files.config, &files.tensors, &device)?.model(&files.config)
+            }
+        }
     };
-    let (baseline, finetuned) = (model(baseline, &baseline_cfg)?, model(finetuned, &finetuned_cfg)?);
+    let (baseline, finetuned) = (model(&baseline)?, model(&finetuned)?);
     let comparisons = sft::prompt_eval::compare(&baseline, &finetuned, &tok, &prompts, args.max_new_tokens, &device)?;
     match ranks {
         Some(ranks) if !ranks.is_first() => Ok(()),

@@ -13,6 +13,7 @@ use crate::model::gpt2::Gpt2Config;
 use crate::model::params::ParamStore;
 use crate::training::optim::AdamWConfig;
 use crate::training::schedule::{HfScheduler, LrSchedule};
+use crate::training::tensor_parallel::TensorParallel;
 use crate::training::zero3::ShardedModel;
 use anyhow::{bail, Result};
 use candle_core::{Device, Tensor};
@@ -183,14 +184,21 @@ impl StepArgs {
         self.zero_stage == 3 && world > 1 && !tensor_parallel && self.lora().is_none()
     }
 
-    /// `--model-name-or-path` as the step starts from it: whole ([`starting_model`]), or with
+    /// `--model-name-or-path` as the step starts from it: whole ([`starting_model`]), with
     /// `sharded` without its trunk weights and where each rank reads its shard of them
-    /// ([`starting_model_sharded`]). Says which in a line.
-    pub fn starting_model(&self, sharded: bool, device: &Device) -> Result<(StartingModel, Option<ShardSource>)> {
+    /// ([`starting_model_sharded`]), or with `sliced` this tensor-parallel rank's slices of them
+    /// ([`starting_model_sliced`]). Says which in a line.
+    pub fn starting_model(
+        &self,
+        sharded: bool,
+        sliced: Option<&TensorParallel>,
+        device: &Device,
+    ) -> Result<(StartingModel, Option<ShardSource>)> {
         let (name, seed, dropout) = (&self.model_name_or_path, self.seed, self.dropout());
-        let (start, source) = match sharded {
-            true => starting_model_sharded(name, seed, dropout).map(|(start, source)| (start, Some(source)))?,
-            false => (starting_model(name, seed, dropout, device)?, None),
+        let (start, source) = match (sharded, sliced) {
+            (true, _) => starting_model_sharded(name, seed, dropout).map(|(start, source)| (start, Some(source)))?,
+            (false, Some(tp)) => (starting_model_sliced(name, seed, dropout, tp, device)?, None),
+            (false, None) => (starting_model(name, seed, dropout, device)?, None),
         };
         println!("starting model: {}", start.description);
         Ok((start, source))
@@ -245,11 +253,24 @@ impl StepArgs {
     /// Adds the LoRA adapters the flags ask for to `params` (after any head, so that freezing
     /// leaves the head trainable) and, with `--only-optimize-lora`, freezes the trunk. Returns a
     /// line describing what was done, `None` without LoRA.
-    pub fn apply_lora(&self, params: &mut ParamStore, cfg: &Gpt2Config) -> Result<Option<String>> {
+    /// With `sliced`, `params` are a tensor-parallel rank's slices: the adapters are drawn whole
+    /// (the one-rank draws) and cut as their linears are.
+    pub fn apply_lora(
+        &self,
+        params: &mut ParamStore,
+        cfg: &Gpt2Config,
+        sliced: Option<&TensorParallel>,
+    ) -> Result<Option<String>> {
         let Some(lora) = self.lora() else { return Ok(None) };
-        let before = params.numel();
-        let targets = params.add_lora(cfg, &lora, self.seed)?;
-        let added = params.numel() - before;
+        let targets = params.add_lora_cut(cfg, &lora, self.seed, |name, whole| match sliced {
+            Some(tp) => tp.cut(name, whole),
+            None => Ok(whole.clone()),
+        })?;
+        let added: usize = crate::model::params::linear_shapes(cfg)
+            .iter()
+            .filter(|(name, _, _)| targets.contains(name))
+            .map(|(_, d_in, d_out)| lora.dim * (d_in + d_out))
+            .sum();
         let scaling = match lora.alpha {
             Some(a) => format!("alpha/r = {a}/{}", lora.dim),
             None => format!("1/r = 1/{}", lora.dim),
@@ -428,6 +449,41 @@ pub fn starting_model(name_or_path: &str, seed: u64, dropout: Option<f64>, devic
     Ok(StartingModel { config, params, extra, dir, description })
 }
 
+/// [`starting_model`] for a tensor-parallel rank: its slices of the trunk, drawn from the seed
+/// as one rank draws them, or read tensor by tensor from the memory-mapped directory (a rank
+/// never holds more than its slices and one whole tensor); heads (`extra`) whole.
+pub fn starting_model_sliced(
+    name_or_path: &str,
+    seed: u64,
+    dropout: Option<f64>,
+    tp: &TensorParallel,
+    device: &Device,
+) -> Result<StartingModel> {
+    let (mut config, params, extra, dir, description) = match model_source(name_or_path)? {
+        ModelSource::Random(size) => {
+            let config = Gpt2Config::from_preset(&size).expect("model_source checked the size");
+            let params = tp.init(&config, seed, device)?;
+            let description = format!("random weights of size {size} (seed {seed}), drawn in TP slices");
+            (config, params, HashMap::new(), None, description)
+        }
+        ModelSource::Files(source) => {
+            let dir = resolve_files(name_or_path, &source)?;
+            let slices = crate::checkpoints::sharded_io::ModelSlices::open(&dir)?;
+            let params = tp.read(&slices.config, device, |n, r| slices.read(n, r))?;
+            let mut extra = HashMap::new();
+            for (name, t) in slices.heads()? {
+                extra.insert(name, t.to_device(device)?);
+            }
+            let description = format!("pretrained weights from {}, read in TP slices", dir.display());
+            (slices.config.clone(), params, extra, Some(dir), description)
+        }
+    };
+    if let Some(p) = dropout {
+        (config.resid_pdrop, config.embd_pdrop, config.attn_pdrop) = (p, p, p);
+    }
+    Ok(StartingModel { config, params, extra, dir, description })
+}
+
 /// Where a model built sharded over the ranks (ZeRO stage 3) takes its trunk's values.
 pub enum ShardSource {
     /// Drawn from the seed as one rank draws them.
@@ -555,7 +611,7 @@ mod tests {
         let cfg = Gpt2Config { n_layer: 1, n_embd: 8, n_head: 2, n_positions: 8, vocab_size: 16, ..Gpt2Config::tiny() };
         let mut params = ParamStore::init(&cfg, 0, &Device::Cpu)?;
         let args = parse(&["--lora-dim", "2", "--only-optimize-lora", "--model-name-or-path", "some/base"]);
-        let line = args.apply_lora(&mut params, &cfg)?.expect("LoRA is on");
+        let line = args.apply_lora(&mut params, &cfg, None)?.expect("LoRA is on");
         assert!(line.contains("rank 2 on 4 linears") && line.contains("only LoRA"), "{line}");
         assert_eq!(params.trainable().names.len(), 8);
         let adapter = args.peft_adapter(&params, "CAUSAL_LM").expect("frozen base: the adapter stands alone");
@@ -564,7 +620,7 @@ mod tests {
         // Trained together with the trunk, the adapter means nothing without the trained trunk.
         let mut params = ParamStore::init(&cfg, 0, &Device::Cpu)?;
         let both = parse(&["--lora-dim", "2"]);
-        both.apply_lora(&mut params, &cfg)?;
+        both.apply_lora(&mut params, &cfg, None)?;
         assert!(both.peft_adapter(&params, "CAUSAL_LM").is_none());
         assert_eq!(params.trainable().names.len(), params.names.len());
         Ok(())

@@ -219,6 +219,18 @@ impl ParamStore {
     /// Adds fresh LoRA adapters (A Kaiming-uniform, B zero, seeded) to the linears `lora`
     /// selects; returns their module names. Errors when `--lora-module-name` selects none.
     pub fn add_lora(&mut self, cfg: &Gpt2Config, lora: &LoraConfig, seed: u64) -> Result<Vec<String>> {
+        self.add_lora_cut(cfg, lora, seed, |_, t| Ok(t.clone()))
+    }
+
+    /// [`Self::add_lora`] on a store of slices (a tensor-parallel rank's): each adapter is drawn
+    /// whole, as one rank draws it, then cut by `cut(name, tensor)` as its linear is cut.
+    pub fn add_lora_cut(
+        &mut self,
+        cfg: &Gpt2Config,
+        lora: &LoraConfig,
+        seed: u64,
+        cut: impl Fn(&str, &Tensor) -> Result<Tensor>,
+    ) -> Result<Vec<String>> {
         lora.validate()?;
         let linears = linear_shapes(cfg);
         let names: Vec<&str> = linears.iter().map(|(n, _, _)| n.as_str()).collect();
@@ -232,7 +244,9 @@ impl ParamStore {
         let device = self.vars.first().map_or(Device::Cpu, |v| v.device().clone());
         let mut adapters = Vec::with_capacity(targets.len());
         for (module, d_in, d_out) in linears.iter().filter(|(n, _, _)| targets.contains(n)) {
-            adapters.push(lora::init_adapter(module, *d_in, *d_out, lora.dim, seed, &device)?);
+            let whole = lora::init_adapter(module, *d_in, *d_out, lora.dim, seed, &device)?;
+            let (a, b) = Adapter::param_names(module);
+            adapters.push(Adapter { a: cut(&a, &whole.a)?, b: cut(&b, &whole.b)?, module: whole.module });
         }
         self.add_adapters(lora.scaling(), &adapters)?;
         Ok(targets)

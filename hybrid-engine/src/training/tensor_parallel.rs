@@ -69,6 +69,30 @@ impl TensorParallel {
         ParamStore::init_each(cfg, seed, device, |name, t| shard(&t, split_of(name), rank, ranks))
     }
 
+    /// This rank's slices of a saved model's trunk of config `cfg`: `read(name, range)` returns
+    /// the values of trunk parameter `name` in `range` of its flat indices as fp32 (a memory-mapped
+    /// directory, `checkpoints::sharded_io::ModelSlices`). Read tensor by tensor: a rank never
+    /// holds more than its slices and one whole tensor.
+    pub fn read(
+        &self,
+        cfg: &Gpt2Config,
+        device: &Device,
+        read: impl Fn(&str, std::ops::Range<usize>) -> Result<Vec<f32>>,
+    ) -> Result<ParamStore> {
+        self.check_model(cfg)?;
+        let mut local = ParamStore::default();
+        for (name, shape) in crate::model::params::parameter_shapes(cfg) {
+            let whole = Tensor::from_vec(read(&name, 0..shape.iter().product())?, shape, device)?;
+            local.push(&name, &self.cut(&name, &whole)?)?;
+        }
+        Ok(local)
+    }
+
+    /// This rank's slice of parameter `name`'s whole value (trunk, head or LoRA adapter).
+    pub fn cut(&self, name: &str, whole: &Tensor) -> Result<Tensor> {
+        shard(whole, split_of(name), self.layout.tp.rank(), self.size())
+    }
+
     /// Whether `cfg` splits over this TP group: callers check it before any other work, so that
     /// a bad layout is refused before the data is read.
     pub fn check_model(&self, cfg: &Gpt2Config) -> Result<()> {

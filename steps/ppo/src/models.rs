@@ -57,11 +57,12 @@ pub fn read_reward_model(
     Ok((config, params))
 }
 
-/// A model's starting weights: whole, or at ZeRO stage 3 across ranks only this rank's shard
-/// of them, read by slices from its directory (DeepSpeed's `zero.Init`: no rank ever holds the
-/// whole model).
+/// A model's starting weights: whole; under tensor parallelism this rank's slices, read tensor
+/// by tensor; or at ZeRO stage 3 across ranks only this rank's shard of them, read by slices
+/// from its directory (DeepSpeed's `zero.Init`: no rank ever holds the whole model).
 pub enum Weights {
     Whole(ParamStore),
+    Sliced(ParamStore),
     Sharded(Box<ShardedModel>),
 }
 
@@ -70,8 +71,14 @@ pub enum Weights {
 /// reference follows the actor's stage, the reward model the critic's. The trained models are
 /// built sharded where nothing whole comes first: no LoRA adapters (added to a whole model), and
 /// a resume only from a checkpoint that saved them sharded (else it restores whole values).
+///
+/// Under tensor parallelism each rank reads its slices of the frozen models, and of the trained
+/// ones on a fresh start (a resume restores whole values, then slices them).
 pub struct Sharding {
     pub group: Arc<ProcessGroup>,
+    pub tp: Option<TensorParallel>,
+    /// The trained models are read in TP slices.
+    pub sliced_trained: bool,
     pub reference: bool,
     pub reward: bool,
     pub actor: bool,
@@ -79,21 +86,23 @@ pub struct Sharding {
 }
 
 impl Sharding {
-    /// The models `args` builds sharded over `group` (the data-parallel group; `tensor_parallel`:
-    /// whether the run has TP groups).
+    /// The models `args` builds sharded over `group` (the data-parallel group), or under `tp`
+    /// in slices.
     pub fn of(
         args: &PpoArgs,
         group: &Arc<ProcessGroup>,
-        tensor_parallel: bool,
+        tp: Option<&TensorParallel>,
         resume: Option<&PpoCheckpoint>,
     ) -> Self {
-        let across = group.world() > 1 && !tensor_parallel;
+        let across = group.world() > 1 && tp.is_none();
         let (reference, reward) = (across && args.actor_zero_stage == 3, across && args.critic_zero_stage == 3);
         // A resumed model is read by slices where the checkpoint saved it sharded.
         let by_slices =
             |saved: Option<&SavedValues>| resume.is_none() || saved.is_some_and(|v| v.model_dir().is_some());
         Self {
             group: group.clone(),
+            tp: tp.cloned(),
+            sliced_trained: tp.is_some() && resume.is_none(),
             reference,
             reward,
             actor: reference && args.actor_lora_dim == 0 && by_slices(resume.map(|ck| &ck.actor)),
@@ -131,8 +140,10 @@ pub fn read_starting_models(
     device: &Device,
 ) -> Result<StartingModels> {
     let dtype = args.precision.precision().dtype.dtype();
-    let read = |name: &str, flag: &str, dropout: Option<f64>, sharded: bool, score: bool| {
-        if !sharded {
+    // `trained`: the actor or the critic; `score`: a reward model's directory.
+    let read = |name: &str, flag: &str, dropout: Option<f64>, sharded: bool, trained: bool, score: bool| {
+        let sliced = sharding.tp.as_ref().filter(|_| !sharded && (!trained || sharding.sliced_trained));
+        if !sharded && sliced.is_none() {
             return match score {
                 false => read_model(name, flag, dropout, device).map(|(c, p, f)| (c, Weights::Whole(p), f.dir)),
                 true => {
@@ -153,9 +164,24 @@ pub fn read_starting_models(
                 None => bail!("{flag} {name:?} has no {SCORE_WEIGHT}: pass the reward model step 2 saved (a GPT2ForSequenceClassification directory)"),
             },
         };
-        let model =
-            ShardedModel::read(sharding.group.clone(), &config, |n, r| slices.read(n, r), &heads, dtype, device)?;
-        Ok((config, Weights::Sharded(Box::new(model)), dir))
+        let weights = match sliced {
+            Some(tp) => {
+                let mut params = tp.read(&config, device, |n, r| slices.read(n, r))?;
+                for (name, head) in &heads {
+                    params.push(name, &head.to_device(device)?)?;
+                }
+                Weights::Sliced(params)
+            }
+            None => Weights::Sharded(Box::new(ShardedModel::read(
+                sharding.group.clone(),
+                &config,
+                |n, r| slices.read(n, r),
+                &heads,
+                dtype,
+                device,
+            )?)),
+        };
+        Ok((config, weights, dir))
     };
     let saved = |values: Option<&SavedValues>| values.and_then(SavedValues::model_dir).map(|d| d.display().to_string());
     let (actor_flag, actor_name) = ("--actor-model-name-or-path", &args.actor_model_name_or_path);
@@ -166,16 +192,17 @@ pub fn read_starting_models(
     };
     let trained_actor = trained_actor.filter(|_| sharding.actor).unwrap_or_else(|| actor_name.clone());
     let trained_critic = trained_critic.filter(|_| sharding.critic).unwrap_or_else(|| critic_name.clone());
-    let (actor_cfg, actor, _) = read(&trained_actor, actor_flag, args.actor_dropout(), sharding.actor, false)?;
-    let (_, reference, actor_dir) = read(actor_name, actor_flag, Some(0.0), sharding.reference, false)?;
+    let (actor_cfg, actor, _) = read(&trained_actor, actor_flag, args.actor_dropout(), sharding.actor, true, false)?;
+    let (_, reference, actor_dir) = read(actor_name, actor_flag, Some(0.0), sharding.reference, false, false)?;
     let critic = args
         .algorithm
         .has_critic()
         .then(|| {
-            read(&trained_critic, critic_flag, args.critic_dropout(), sharding.critic, true).map(|(c, w, _)| (c, w))
+            read(&trained_critic, critic_flag, args.critic_dropout(), sharding.critic, true, true)
+                .map(|(c, w, _)| (c, w))
         })
         .transpose()?;
-    let (reward_cfg, reward, _) = read(critic_name, critic_flag, Some(0.0), sharding.reward, true)?;
+    let (reward_cfg, reward, _) = read(critic_name, critic_flag, Some(0.0), sharding.reward, false, true)?;
     let said = [
         ("actor", sharding.actor),
         ("reference", sharding.reference),
@@ -189,6 +216,15 @@ pub fn read_starting_models(
             sharded.join(", "),
             sharding.group.world()
         );
+    }
+    let sliced = [("actor", &actor), ("reference", &reference), ("reward model", &reward)]
+        .into_iter()
+        .chain(critic.as_ref().map(|(_, w)| ("critic", w)))
+        .filter(|(_, w)| matches!(w, Weights::Sliced(_)))
+        .map(|(what, _)| what)
+        .collect::<Vec<_>>();
+    if !sliced.is_empty() {
+        println!("tensor parallel: the {} read in this rank's slices (no rank holds them whole)", sliced.join(", "));
     }
     Ok(StartingModels { actor_cfg, actor, actor_dir, reference, critic, reward_cfg, reward })
 }
@@ -209,8 +245,9 @@ impl StartingModels {
     }
 
     /// Fresh LoRA adapters on the trained models (the step-1 and step-2 saves are merged), each
-    /// said in a line; with `--only-optimize-lora` their trunks frozen.
-    fn add_lora(&mut self, args: &PpoArgs) -> Result<()> {
+    /// said in a line; with `--only-optimize-lora` their trunks frozen. On models read in
+    /// `tp`'s slices, the adapters drawn whole are cut as their linears.
+    fn add_lora(&mut self, args: &PpoArgs, tp: Option<&TensorParallel>) -> Result<()> {
         let mut targets = vec![(
             "actor",
             &mut self.actor,
@@ -231,10 +268,15 @@ impl StartingModels {
         }
         for (what, weights, cfg, dim, module, lr) in targets {
             if let Some(lora) = PpoArgs::lora(dim, module) {
-                let Weights::Whole(params) = weights else {
-                    bail!("internal error: the {what} was built sharded, and LoRA adapters go on a whole model");
+                let (params, cut) = match (weights, tp) {
+                    (Weights::Whole(params), _) => (params, None),
+                    (Weights::Sliced(params), Some(tp)) => (params, Some(tp)),
+                    _ => bail!("internal error: the {what} was built sharded or sliced without TP, and LoRA adapters go on a whole model or its TP slices"),
                 };
-                let linears = params.add_lora(cfg, &lora, args.seed)?;
+                let linears = params.add_lora_cut(cfg, &lora, args.seed, |name, whole| match cut {
+                    Some(tp) => tp.cut(name, whole),
+                    None => Ok(whole.clone()),
+                })?;
                 println!(
                     "{what} LoRA: rank {dim} on {} linears matching {module:?}, scaling 1/{dim}, lr {lr:e}",
                     linears.len()
@@ -261,7 +303,8 @@ pub fn build_models(
     (actor_engine, critic_engine): (&EngineConfig, &EngineConfig),
     device: &Device,
 ) -> Result<PpoModels> {
-    start.add_lora(args)?;
+    let tp = ranks.tensor.as_ref();
+    start.add_lora(args, tp)?;
     // A resume restores the values of a whole model; one built sharded read them by slices.
     if let Some(ck) = resume {
         if let Weights::Whole(actor) = &start.actor {
@@ -271,9 +314,11 @@ pub fn build_models(
             restore_values(critic, &saved.whole(device)?, "critic")?;
         }
     }
-    // The EMA of a whole actor starts as its copy (a sharded actor's, below, as its shard).
+    // The EMA of a whole or sliced actor starts as its copy (a sharded actor's, below, as its
+    // shard).
+    let ema_sliced = matches!(start.actor, Weights::Sliced(_));
     let ema = match (args.enable_ema, &start.actor) {
-        (true, Weights::Whole(actor)) => {
+        (true, Weights::Whole(actor) | Weights::Sliced(actor)) => {
             let ema = actor.copy()?;
             if let Some(saved) = resume.and_then(|ck| ck.ema.as_ref()) {
                 restore_values(&ema, &saved.whole(device)?, "actor_ema")?;
@@ -283,24 +328,25 @@ pub fn build_models(
         _ => None,
     };
     let StartingModels { actor_cfg, actor, reference, critic, reward_cfg, reward, .. } = start;
-    // Tensor parallelism: each rank keeps its slices of the four models (and of the EMA).
-    let tp = ranks.tensor.as_ref();
+    // Tensor parallelism: each rank keeps its slices of the four models (and of the EMA);
+    // from here on a whole model's weights are this rank's slices.
     if let Some(tp) = tp {
         println!("{}", tp.describe());
     }
     let slice = |weights: Weights, cfg: &Gpt2Config| match (weights, tp) {
         (Weights::Whole(params), Some(tp)) => tp.slice(params, cfg).map(Weights::Whole),
+        (Weights::Sliced(params), _) => Ok(Weights::Whole(params)),
         (weights, _) => Ok(weights),
     };
     let (actor, reference, reward) =
         (slice(actor, &actor_cfg)?, slice(reference, &actor_cfg)?, slice(reward, &reward_cfg)?);
     let critic = critic.map(|(cfg, w)| slice(w, &cfg).map(|w| (cfg, w))).transpose()?;
     let ema = match (ema, tp) {
-        (Some(ema), Some(tp)) => Some(tp.slice(ema, &actor_cfg)?),
+        (Some(ema), Some(tp)) if !ema_sliced => Some(tp.slice(ema, &actor_cfg)?),
         (ema, _) => ema,
     };
     let engine = |cfg: &EngineConfig, config: &Gpt2Config, head: Head, weights: Weights| match weights {
-        Weights::Whole(params) => Engine::new(cfg, config, head, params, ranks.clone()),
+        Weights::Whole(params) | Weights::Sliced(params) => Engine::new(cfg, config, head, params, ranks.clone()),
         Weights::Sharded(model) => Engine::new_sharded(cfg, config, *model),
     };
     let mut models = PpoModels {
@@ -369,7 +415,7 @@ fn frozen_reference(
     let precision = args.precision.precision();
     let reference = match weights {
         Weights::Sharded(model) => return Ok(Reference::Loaded(frozen_sharded(*model, precision.fp32_loss))),
-        Weights::Whole(params) => params.compute_copy(precision.dtype.dtype())?,
+        Weights::Whole(params) | Weights::Sliced(params) => params.compute_copy(precision.dtype.dtype())?,
     };
     let device = reference.vars.first().map_or(Device::Cpu, |v| v.device().clone());
     if !args.offload_reference_model || device.is_cpu() {
@@ -396,7 +442,7 @@ fn frozen_reward_model(
     let precision = args.precision.precision();
     match weights {
         Weights::Sharded(model) => Ok(frozen_sharded(*model, precision.fp32_loss)),
-        Weights::Whole(params) => {
+        Weights::Whole(params) | Weights::Sliced(params) => {
             let compute = params.compute_copy(precision.dtype.dtype())?;
             Ok(TrainedModel::reward(reward_model_on(&compute, cfg, precision.fp32_loss, tp)?))
         }

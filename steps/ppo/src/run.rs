@@ -94,7 +94,7 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
     // Resume: the trained models' values and optimizers from the checkpoint (the frozen ones
     // from their directories).
     let resume = args.load.as_deref().map(|root| read_checkpoint(args, root, world, &device)).transpose()?;
-    let sharding = Sharding::of(args, &data, tp.is_some(), resume.as_ref());
+    let sharding = Sharding::of(args, &data, tp.as_ref(), resume.as_ref());
     let start = read_starting_models(args, &sharding, resume.as_ref(), &device)?;
     let tokenizer = args.data.tokenizer(Tokenizer::from_model_dir_or_default(&start.actor_dir)?)?;
     let eos = tokenizer.eos_id();

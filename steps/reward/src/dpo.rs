@@ -18,7 +18,6 @@ use anyhow::Result;
 use candle_core::{Device, Tensor};
 use data::batch::{pair_batch, rank_micro_batches};
 use data::phases::PairSample;
-use hybrid_engine::cli::step_args::starting_model;
 use hybrid_engine::comm::{ProcessGroup, ReduceOp};
 use hybrid_engine::engine::epochs::{train_epochs, EpochTask, EvalAt};
 use hybrid_engine::engine::{Engine, Head, Ranks};
@@ -226,25 +225,22 @@ pub fn run(args: &RewardArgs) -> Result<DpoSummary> {
     let data_group = data_group(&group, tp.as_ref());
     let world = data_group.world();
     println!("device: {}", hybrid_engine::device::describe(&device));
-    let mut start = starting_model(&t.model_name_or_path, t.seed, t.dropout(), &device)?;
-    println!("starting model (policy and frozen reference): {}", start.description);
+    // Under tensor parallelism each rank reads only its slices.
+    // (Said in a line: the policy's and its frozen reference's weights.)
+    let (mut start, _) = t.starting_model(false, tp.as_ref(), &device)?;
     let tokenizer = crate::train::step2_tokenizer(args, &start)?;
     let eos = tokenizer.eos_id();
     let config = start.config.clone();
     // The reference: the starting weights, frozen, dropout off, in the compute dtype.
     let precision = t.precision.precision();
     let reference_params = start.params.copy()?;
-    if let Some(line) = t.apply_lora(&mut start.params, &config)? {
+    if let Some(line) = t.apply_lora(&mut start.params, &config, tp.as_ref())? {
         println!("{line}");
     }
     let params = std::mem::take(&mut start.params);
-    let (params, reference_params) = match &tp {
-        Some(tp) => {
-            println!("{}", tp.describe());
-            (tp.slice(params, &config)?, tp.slice(reference_params, &config)?)
-        }
-        None => (params, reference_params),
-    };
+    if let Some(tp) = &tp {
+        println!("{}", tp.describe());
+    }
     let lm_on = |p: &ParamStore| -> Result<Gpt2> {
         let mut model = match &tp {
             Some(tp) => tp.model(p, &config)?,

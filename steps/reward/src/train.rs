@@ -71,7 +71,8 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
     let world = data_group.world();
     println!("device: {}", hybrid_engine::device::describe(&device));
     // ZeRO-3 across ranks builds the model sharded: no rank holds it whole.
-    let (mut start, shard_source) = t.starting_model(t.builds_sharded(world, tp.is_some()), &device)?;
+    // Under tensor parallelism each rank reads only its slices.
+    let (mut start, shard_source) = t.starting_model(t.builds_sharded(world, tp.is_some()), tp.as_ref(), &device)?;
     let tokenizer = step2_tokenizer(args, &start)?;
     let eos = tokenizer.eos_id();
     let config = sequence_classification_config(&start.config, eos);
@@ -83,18 +84,14 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
         Some(w) if w.dims() == [1, config.n_embd] => head_store.push(SCORE_WEIGHT, w)?,
         _ => add_score_head(head_store, &config, t.seed, &device)?,
     }
-    if let Some(line) = t.apply_lora(&mut start.params, &config)? {
+    if let Some(line) = t.apply_lora(&mut start.params, &config, tp.as_ref())? {
         println!("{line}");
     }
     let params = std::mem::take(&mut start.params);
     // Tensor parallelism: this rank trains its slices of the trunk and the whole score head.
-    let params = match &tp {
-        Some(tp) => {
-            println!("{}", tp.describe());
-            tp.slice(params, &config)?
-        }
-        None => params,
-    };
+    if let Some(tp) = &tp {
+        println!("{}", tp.describe());
+    }
     // What the optimizer updates: everything, or with --only-optimize-lora the adapters and head.
     let (total, trainable) = match shard_source {
         Some(_) => (parameter_count(&config) + heads.numel(), parameter_count(&config) + heads.numel()),

@@ -55,7 +55,10 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
     // ZeRO-3 across ranks builds the model sharded, unless --eval-prompts needs the starting
     // weights whole on rank 0 to compare with.
     let sharded = t.builds_sharded(world, tp.is_some()) && args.eval_prompts.is_none();
-    let (mut start, shard_source) = t.starting_model(sharded, &device)?;
+    // Under tensor parallelism each rank reads only its slices, unless --eval-prompts needs them
+    // whole likewise.
+    let sliced = tp.as_ref().filter(|_| args.eval_prompts.is_none());
+    let (mut start, shard_source) = t.starting_model(sharded, sliced, &device)?;
     let tokenizer = args.data.tokenizer(match (&args.tokenizer, &start.dir) {
         (Some(p), _) => Tokenizer::from_file(p)?,
         (None, Some(dir)) => Tokenizer::from_model_dir_or_default(dir)?,
@@ -71,19 +74,22 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
     let micro_per_epoch = data.train.len().div_ceil(world).div_ceil(t.per_device_train_batch_size);
     let steps = total_steps(micro_per_epoch, t.num_train_epochs, t.gradient_accumulation_steps);
     let engine_cfg = t.engine_config(lr, steps, &data_group)?;
-    if let Some(line) = t.apply_lora(&mut start.params, &config)? {
+    if let Some(line) = t.apply_lora(&mut start.params, &config, sliced)? {
         println!("{line}");
     }
     let params = std::mem::take(&mut start.params);
     // prompt_eval (rank 0) compares with the starting weights, which training overwrites in place.
     let baseline_weights = (args.eval_prompts.is_some() && group.is_first()).then(|| params.copy()).transpose()?;
     // Tensor parallelism: this rank trains its slices of the weights.
-    let params = match &tp {
-        Some(tp) => {
+    let params = match (&tp, sliced) {
+        (Some(tp), sliced) => {
             println!("{}", tp.describe());
-            tp.slice(params, &config)?
+            match sliced {
+                Some(_) => params,
+                None => tp.slice(params, &config)?,
+            }
         }
-        None => params,
+        (None, _) => params,
     };
     // What the optimizer updates: everything, or with --only-optimize-lora the adapters alone.
     let (total, trainable) = match shard_source {

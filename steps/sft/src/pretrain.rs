@@ -285,24 +285,27 @@ fn start_or_resume(
     }
     let optimizer_step = run.optimizer_step.unwrap_or(state.iteration);
     // Under ZeRO-3 a rank reads only its shard of each tensor from the memory-mapped weights.
-    let weights = match shard_over {
-        Some((group, dtype)) => {
+    let weights = match (shard_over, tp) {
+        (Some((group, dtype)), _) => {
             let slices = ModelSlices::open(&dir)?;
             check_same_shape(&slices.config, model_cfg)?;
             *model_cfg = with_dropout(slices.config.clone(), args.dropout);
             let source = ShardSource::Slices(Box::new(slices));
             StartingWeights::Sharded(Box::new(source.build(group, model_cfg, &[], dtype, device)?))
         }
-        None => {
+        // Checkpoints are consolidated: under tensor parallelism each rank reads its slices of
+        // the memory-mapped weights, tensor by tensor.
+        (None, Some(tp)) => {
+            let slices = ModelSlices::open(&dir)?;
+            check_same_shape(&slices.config, model_cfg)?;
+            *model_cfg = with_dropout(slices.config.clone(), args.dropout);
+            StartingWeights::Whole(tp.read(model_cfg, device, |n, r| slices.read(n, r))?)
+        }
+        (None, None) => {
             let model = hf_io::load_model_dir(&dir, device)?;
             check_same_shape(&model.config, model_cfg)?;
             *model_cfg = with_dropout(model.config.clone(), args.dropout);
-            let params = ParamStore::from_tensors(model_cfg, &model.tensors, device)?;
-            // Checkpoints are consolidated: under tensor parallelism each rank keeps its slices.
-            StartingWeights::Whole(match tp {
-                Some(tp) => tp.slice(params, model_cfg)?,
-                None => params,
-            })
+            StartingWeights::Whole(ParamStore::from_tensors(model_cfg, &model.tensors, device)?)
         }
     };
     println!("resumed from {} at iteration {}", dir.display(), state.iteration);
