@@ -92,11 +92,31 @@ impl ModelSlices {
             other => bail!("tensor {name} in {} is {other:?}; GPT-2 weights are f32, f16 or bf16", self.dir.display()),
         };
         let bytes = &view.data()[range.start * width..range.end * width];
-        Ok(match view.dtype() {
+        let values = match view.dtype() {
             Dtype::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
             Dtype::F16 => bytes.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
             _ => bytes.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
-        })
+        };
+        release_pages(bytes);
+        Ok(values)
+    }
+}
+
+/// Drops the mapped pages of `bytes`, read and copied out, from this process's resident set:
+/// they stay in the page cache (another read faults them back in, from the unchanged file). A
+/// rank that reads a model's worth of slices would otherwise count the whole file in its RSS.
+fn release_pages(bytes: &[u8]) {
+    #[cfg(unix)]
+    {
+        // SAFETY: the range lies in a read-only mapping of a file that is never rewritten in
+        // place (see `ModelSlices::open`), rounded out to whole pages of that mapping; dropping
+        // its pages changes no byte any reader sees.
+        unsafe {
+            let page = libc::sysconf(libc::_SC_PAGESIZE).max(1) as usize;
+            let (start, end) = (bytes.as_ptr() as usize, bytes.as_ptr() as usize + bytes.len());
+            let from = start / page * page;
+            libc::madvise(from as *mut libc::c_void, end.div_ceil(page) * page - from, libc::MADV_DONTNEED);
+        }
     }
 }
 
