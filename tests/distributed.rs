@@ -214,6 +214,60 @@ fn pretraining_on_2_and_3_ranks_matches_one_rank_at_every_zero_stage() {
     }
 }
 
+/// What one rank sends per optimizer step in ZeRO's ring collectives over `world` ranks, each
+/// of L values sending (N - 1)/N of its buffer per phase, in fp32: stage 0 all-reduces the
+/// gradients accumulated over the step's micro-batches (two phases), stage 1 reduce-scatters
+/// them and all-gathers the updated weights (the same volume), stage 2 reduce-scatters each
+/// micro-batch's gradients as DeepSpeed's does (it keeps only its shard of the sum across
+/// micro-batches) and all-gathers the weights once, and stage 3, per micro-batch, gathers the outer unit (embeddings, final
+/// norm) for the embedding, the head and the embedding's backward and each block for its forward
+/// and its recomputation, and reduce-scatters the outer unit's gradients twice (head, embedding)
+/// and each block's once.
+fn ring_bytes_per_step(cfg: &hybrid_engine::Gpt2Config, stage: u8, world: usize, micro_batches: usize) -> f64 {
+    let (mut outer, mut blocks) = (0usize, 0usize);
+    for (name, shape) in hybrid_engine::model::params::parameter_shapes(cfg) {
+        let n: usize = shape.iter().product();
+        match name.starts_with("h.") {
+            true => blocks += n,
+            false => outer += n,
+        }
+    }
+    let phase = |values: usize| 4.0 * values as f64 * (world - 1) as f64 / world as f64;
+    match stage {
+        0 | 1 => 2.0 * phase(outer + blocks),
+        2 => (micro_batches + 1) as f64 * phase(outer + blocks),
+        _ => micro_batches as f64 * (phase(outer) * 5.0 + phase(blocks) * 3.0),
+    }
+}
+
+/// The bytes a rank sends in training at every ZeRO stage on 2 and 3 ranks are ZeRO's ring
+/// volumes (`ring_bytes_per_step`) to within 0.001% (the scalars reduced beside them: about 100
+/// bytes in 40-260 MB): a stage that moved a buffer twice, or a bucket left out, is off by
+/// a whole buffer.
+#[test]
+fn zero_stages_send_the_ring_volumes_of_theory() {
+    let dir = tempfile::tempdir().unwrap();
+    for world in [2usize, 3] {
+        for stage in [0u8, 1, 2, 3] {
+            let out = dir.path().join(format!("w{world}-s{stage}"));
+            run_ranks(dir.path(), "sft", world, &with(pretrain_args(&out, 6 / world, stage), "--eval-interval 0"));
+            let cfg = hybrid_engine::checkpoints::hf_io::read_config(&latest(&out).join("config.json")).unwrap();
+            let text = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+            let usage: serde_json::Value = text
+                .lines()
+                .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+                .find(|r| r["event"] == "rank_usage")
+                .expect("a rank_usage record");
+            // 6 iterations of 2 micro-batches (--gradient-accumulation-steps 2).
+            let sent = usage["comm_bytes"].as_f64().unwrap();
+            let theory = 6.0 * ring_bytes_per_step(&cfg, stage, world, 2);
+            let what = format!("{world} ranks, stage {stage}: {sent} bytes sent, theory {theory}");
+            assert!((sent - theory).abs() <= 1e-5 * theory, "{what}");
+            eprintln!("{what}");
+        }
+    }
+}
+
 /// One metric of each iteration of a pretraining run (`lm_loss`, `grad_norm`), from its metrics.
 fn per_iteration(out: &Path, key: &str) -> Vec<f64> {
     let text = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
