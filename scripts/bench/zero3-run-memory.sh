@@ -45,12 +45,16 @@ def plan_and_ms(name):
     log = (work / f"{name}-0.log").read_text()
     ms = [float(x) for x in re.findall(r"elapsed time per iteration \(ms\): ([\d.]+)", log)][1:]
     return float(re.search(r"estimated total ([\d.]+) MiB", log)[1]), sum(ms) / max(len(ms), 1)
+def comm_share(name, ranks):
+    logs = [(work / f"{name}-{r}.log").read_text() for r in range(ranks)]
+    shares = [re.search(r"communication: .* = ([\d.]+)% of", log) for log in logs]
+    return " / ".join(f"{float(m[1]):.0f}%" for m in shares if m) or "-"
 one = peaks("one", 1)[0]
-print("| run | peak RSS per rank, load + train + save (MiB) | / one rank | of which in training (MiB) | memory plan (MiB) | ZeRO's model states per rank (MiB) | ms per iteration |")
-print("|---|---|---|---|---|---|---|")
+print("| run | peak RSS per rank, load + train + save (MiB) | / one rank | of which in training (MiB) | memory plan (MiB) | ZeRO's model states per rank (MiB) | ms per iteration | communication's share of training time |")
+print("|---|---|---|---|---|---|---|---|")
 for name, ranks, stage in [("one", 1, 0), ("two", 2, 3), ("four", 4, 3)]:
     p, t = peaks(name, ranks), training(name, ranks)
     states = 16 * params / ranks / 2**20
     plan, ms = plan_and_ms(name)
-    print(f"| {ranks} rank(s), ZeRO-{stage} | {' / '.join(f'{x:.0f}' for x in p)} | {max(p) / one:.2f}x | {' / '.join(f'{x:.0f}' for x in t)} | {plan:.0f} | {states:.0f} | {ms:.0f} |")
+    print(f"| {ranks} rank(s), ZeRO-{stage} | {' / '.join(f'{x:.0f}' for x in p)} | {max(p) / one:.2f}x | {' / '.join(f'{x:.0f}' for x in t)} | {plan:.0f} | {states:.0f} | {ms:.0f} | {comm_share(name, ranks)} |")
 PY
