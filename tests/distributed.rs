@@ -223,7 +223,16 @@ fn pretraining_on_2_and_3_ranks_matches_one_rank_at_every_zero_stage() {
 /// norm) for the embedding, the head and the embedding's backward and each block for its forward
 /// and its recomputation, and reduce-scatters the outer unit's gradients twice (head, embedding)
 /// and each block's once.
-fn ring_bytes_per_step(cfg: &hybrid_engine::Gpt2Config, stage: u8, world: usize, micro_batches: usize) -> f64 {
+///
+/// With `half_gradients` (`--communication-data-type fp16/bf16`) the gradients' reductions send
+/// 2 bytes a value; the weights' gathers stay fp32.
+fn ring_bytes_per_step(
+    cfg: &hybrid_engine::Gpt2Config,
+    stage: u8,
+    world: usize,
+    micro_batches: usize,
+    half_gradients: bool,
+) -> f64 {
     let (mut outer, mut blocks) = (0usize, 0usize);
     for (name, shape) in hybrid_engine::model::params::parameter_shapes(cfg) {
         let n: usize = shape.iter().product();
@@ -233,15 +242,17 @@ fn ring_bytes_per_step(cfg: &hybrid_engine::Gpt2Config, stage: u8, world: usize,
         }
     }
     let phase = |values: usize| 4.0 * values as f64 * (world - 1) as f64 / world as f64;
+    let g = if half_gradients { 0.5 } else { 1.0 };
     match stage {
-        0 | 1 => 2.0 * phase(outer + blocks),
-        2 => (micro_batches + 1) as f64 * phase(outer + blocks),
-        _ => micro_batches as f64 * (phase(outer) * 5.0 + phase(blocks) * 3.0),
+        0 => 2.0 * g * phase(outer + blocks),
+        1 => (g + 1.0) * phase(outer + blocks),
+        2 => (micro_batches as f64 * g + 1.0) * phase(outer + blocks),
+        _ => micro_batches as f64 * (phase(outer) * (3.0 + 2.0 * g) + phase(blocks) * (2.0 + g)),
     }
 }
 
-/// The bytes a rank sends in training at every ZeRO stage on 2 and 3 ranks are ZeRO's ring
-/// volumes (`ring_bytes_per_step`) to within 0.001% (the scalars reduced beside them: about 100
+/// The bytes a rank sends in training at every ZeRO stage on 2 and 3 ranks, with fp32 and (on 2)
+/// bf16 gradient reductions, are ZeRO's ring volumes (`ring_bytes_per_step`) to within 0.001% (the scalars reduced beside them: about 100
 /// bytes in 40-260 MB): a stage that moved a buffer twice, or a bucket left out, is off by
 /// a whole buffer.
 #[test]
@@ -260,10 +271,33 @@ fn zero_stages_send_the_ring_volumes_of_theory() {
                 .expect("a rank_usage record");
             // 6 iterations of 2 micro-batches (--gradient-accumulation-steps 2).
             let sent = usage["comm_bytes"].as_f64().unwrap();
-            let theory = 6.0 * ring_bytes_per_step(&cfg, stage, world, 2);
+            let theory = 6.0 * ring_bytes_per_step(&cfg, stage, world, 2, false);
             let what = format!("{world} ranks, stage {stage}: {sent} bytes sent, theory {theory}");
             assert!((sent - theory).abs() <= 1e-5 * theory, "{what}");
             eprintln!("{what}");
+            // Gradients reduced in bf16 (DeepSpeed's communication_data_type): their bytes
+            // halve, and training follows the fp32 reductions to bf16's precision.
+            if world == 2 {
+                let half = dir.path().join(format!("w{world}-s{stage}-bf16"));
+                let a =
+                    with(pretrain_args(&half, 6 / world, stage), "--eval-interval 0 --communication-data-type bf16");
+                let outs = run_ranks(dir.path(), "sft", world, &a);
+                let log = String::from_utf8_lossy(&outs[0].stdout);
+                assert!(log.contains("gradients reduced in bf16"), "{log}");
+                let text = std::fs::read_to_string(half.join("metrics.jsonl")).unwrap();
+                let sent = text
+                    .lines()
+                    .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+                    .find(|r| r["event"] == "rank_usage")
+                    .expect("a rank_usage record")["comm_bytes"]
+                    .as_f64()
+                    .unwrap();
+                let theory = 6.0 * ring_bytes_per_step(&cfg, stage, world, 2, true);
+                let what = format!("{world} ranks, stage {stage}, bf16 gradients: {sent} bytes sent, theory {theory}");
+                assert!((sent - theory).abs() <= 1e-5 * theory, "{what}");
+                let (loss, want) = (per_iteration(&half, "lm_loss"), per_iteration(&out, "lm_loss"));
+                assert_same_curve(&loss, &want, 0, 1e-3, &what);
+            }
         }
     }
 }

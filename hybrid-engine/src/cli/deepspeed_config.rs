@@ -139,6 +139,13 @@ pub fn settings(config: &Value, data_parallel: usize) -> Result<Settings> {
             "train_batch_size" | "train_micro_batch_size_per_gpu" | "gradient_accumulation_steps" => {}
             "gradient_clipping" => set("--gradient-clipping", Some(number(value, key)?.to_string()), key),
             "steps_per_print" => set("--log-interval", Some(count(value, key)?.to_string()), key),
+            "communication_data_type" => match value {
+                Value::Null => {}
+                Value::String(name) => set("--communication-data-type", Some(name.clone()), key),
+                other => {
+                    bail!("communication_data_type {other} is not a type name: use \"fp32\", \"fp16\" or \"bf16\"")
+                }
+            },
             "zero_optimization" => zero(value, &mut set, &mut ignored)?,
             "fp16" => fp16(value, &mut set, &mut ignored)?,
             "bf16" => {
@@ -367,6 +374,7 @@ mod tests {
                                   "offload_optimizer": {"device": "cpu"}, "stage3_param_persistence_threshold": 1e4 as u64},
             "fp16": {"enabled": true, "loss_scale_window": 100, "initial_scale_power": 12, "hysteresis": 2},
             "gradient_clipping": 1.0, "prescale_gradients": false, "wall_clock_breakdown": false,
+            "communication_data_type": "bf16",
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
             "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10, "total_num_steps": 1000}},
         });
@@ -390,6 +398,7 @@ mod tests {
             "--log-interval=10",
             "--adam-beta1=0.9",
             "--adam-beta2=0.95",
+            "--communication-data-type=bf16",
         ] {
             assert!(f.contains(&want.to_string()), "{want} in {f:?}");
         }

@@ -2,7 +2,7 @@
 //! gradient bucket, DS-Chat's `--offload`. Which rank a process is comes from the environment
 //! (`comm::env`), set by our launcher, torchrun or SLURM.
 
-use crate::comm::{ProcessGroup, RankEnv};
+use crate::comm::{ProcessGroup, RankEnv, WireDtype};
 use crate::engine::ParallelConfig;
 use crate::training::tensor_parallel::TensorParallel;
 use crate::training::zero::{ZeroStage, DEFAULT_BUCKET};
@@ -28,6 +28,11 @@ pub struct DistArgs {
     /// Gradient values per all-reduce bucket in ZeRO stage 0 (DeepSpeed's reduce_bucket_size).
     #[arg(long, default_value_t = DEFAULT_BUCKET as u64, alias = "reduce_bucket_size", value_parser = clap::value_parser!(u64).range(1..))]
     pub reduce_bucket_size: u64,
+    /// The type gradients travel in through their reductions over the data-parallel ranks
+    /// (DeepSpeed's communication_data_type): fp32, or fp16/bf16 for half the bytes, added in
+    /// that type at every hop of the ring. CPU ranks; on GPUs NCCL carries fp32 only here.
+    #[arg(long, default_value = "fp32", alias = "communication_data_type", value_parser = parse_wire)]
+    pub communication_data_type: WireDtype,
     /// DS-Chat's ZeRO-Offload: the fp32 masters and Adam moments in host memory, stepped there;
     /// on GPUs at ZeRO stages 1-3 across ranks (each rank's shard). Refused on a CPU run (all in
     /// host memory) and on a GPU at stage 0 or alone (the optimizer stays on the GPU).
@@ -52,6 +57,11 @@ pub struct DistArgs {
     /// must agree with the environment's LOCAL_RANK (the ranks are read from the environment).
     #[arg(long, alias = "local_rank")]
     pub local_rank: Option<usize>,
+}
+
+/// `--communication-data-type`'s value parser: one clear line for a bad name.
+fn parse_wire(name: &str) -> Result<WireDtype, String> {
+    WireDtype::parse(name).map_err(|e| e.to_string())
 }
 
 /// The arguments less `--local_rank N` / `--local-rank=N`, the one flag in which the ranks of
@@ -117,9 +127,18 @@ impl DistArgs {
                     "Adam moments and gradients sharded (reduce-scattered every micro-batch), weights all-gathered"
                 }
             };
-            println!("{prefix}data parallel: {} ranks, ZeRO stage {stage}: {what}", group.world());
+            let wire = match self.communication_data_type {
+                WireDtype::F32 => String::new(),
+                wire => format!("; gradients reduced in {}", wire.name()),
+            };
+            println!("{prefix}data parallel: {} ranks, ZeRO stage {stage}: {what}{wire}", group.world());
         }
-        Ok(ParallelConfig { zero_stage, reduce_bucket_size: self.reduce_bucket_size as usize, offload: self.offload })
+        Ok(ParallelConfig {
+            zero_stage,
+            reduce_bucket_size: self.reduce_bucket_size as usize,
+            offload: self.offload,
+            communication_data_type: self.communication_data_type,
+        })
     }
 }
 

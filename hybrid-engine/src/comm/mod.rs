@@ -40,6 +40,77 @@ pub fn refuse_distributed(what: &str) -> Result<()> {
     Ok(())
 }
 
+/// The type values travel in through a reduction (DeepSpeed's `communication_data_type`):
+/// fp32, or half precision for half the bytes, added in that type at every hop.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum WireDtype {
+    #[default]
+    F32,
+    F16,
+    Bf16,
+}
+
+impl WireDtype {
+    /// DeepSpeed's names: `fp32`, `fp16`, `bf16` (also `float32`, `float16`, `bfloat16`).
+    pub fn parse(name: &str) -> Result<Self> {
+        match name {
+            "fp32" | "float32" | "float" => Ok(Self::F32),
+            "fp16" | "float16" | "half" => Ok(Self::F16),
+            "bf16" | "bfloat16" => Ok(Self::Bf16),
+            other => bail!("communication data type {other:?}: use fp32, fp16 or bf16"),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::F32 => "fp32",
+            Self::F16 => "fp16",
+            Self::Bf16 => "bf16",
+        }
+    }
+
+    /// Half-precision reductions run on the CPU ring; on GPUs (`on_gpu` across ranks) NCCL
+    /// carries f32 only in this build.
+    pub fn check(self, on_gpu: bool) -> Result<()> {
+        if on_gpu && self != Self::F32 {
+            bail!(
+                "--communication-data-type {}: on GPUs the gradients are reduced in fp32 (NCCL carries f32 only in this build): drop the flag",
+                self.name()
+            );
+        }
+        Ok(())
+    }
+}
+
+/// `$collective` (a ring collective written once for a buffer `$buf` of any element type) on
+/// the f32 values `$v` sent as `$wire` values: on `$v` itself in fp32, else on a copy cast to
+/// the wire type, whose result is cast back into `$v`.
+macro_rules! over_wire {
+    ($wire:expr, $v:expr, |$buf:ident| $collective:expr) => {
+        match $wire {
+            WireDtype::F32 => {
+                let $buf = $v;
+                $collective
+            }
+            WireDtype::F16 => through_wire($v, half::f16::from_f32, half::f16::to_f32, |$buf| $collective),
+            WireDtype::Bf16 => through_wire($v, half::bf16::from_f32, half::bf16::to_f32, |$buf| $collective),
+        }
+    };
+}
+
+/// [`over_wire`]'s cast down, `collective` on the copy, cast back.
+fn through_wire<T: Copy, R>(
+    v: &mut [f32],
+    down: fn(f32) -> T,
+    up: fn(T) -> f32,
+    collective: impl FnOnce(&mut [T]) -> Result<R>,
+) -> Result<R> {
+    let mut wire: Vec<T> = v.iter().map(|&x| down(x)).collect();
+    let out = collective(&mut wire)?;
+    v.iter_mut().zip(wire).for_each(|(x, w)| *x = up(w));
+    Ok(out)
+}
+
 /// The ranks of a job and the means to talk to them.
 pub struct ProcessGroup {
     pub env: RankEnv,
@@ -129,14 +200,21 @@ impl ProcessGroup {
 
     /// The element-wise reduction over ranks of `t`, flattened (f32).
     pub fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        self.all_reduce_as(t, op, WireDtype::F32)
+    }
+
+    /// [`Self::all_reduce`] with the values sent and added as `wire` values (gradients under
+    /// `--communication-data-type`; a CPU buffer, see [`WireDtype::check`]): the result in f32.
+    pub fn all_reduce_as(&self, t: &Tensor, op: ReduceOp, wire: WireDtype) -> Result<Tensor> {
         if self.world() == 1 {
             return Ok(t.flatten_all()?);
         }
         #[cfg(feature = "nccl")]
         if let Some(c) = self.nccl_for(t)? {
+            wire.check(false)?;
             return c.all_reduce(t, op);
         }
-        self.on_host(t, t.elem_count(), |v| self.ring.all_reduce(v, op))
+        self.on_host(t, t.elem_count(), |v| over_wire!(wire, v, |buf| self.ring.all_reduce(buf, op)))
     }
 
     /// The sum over ranks of this rank's chunk of `t` (flattened; its length a multiple of the
@@ -153,15 +231,22 @@ impl ProcessGroup {
         if let Some(c) = self.nccl_for(t)? {
             return c.reduce_scatter(t);
         }
-        self.reduce_scatter_on_host(vec![t.clone()], n)
+        self.reduce_scatter_on_host(vec![t.clone()], n, WireDtype::F32)
     }
 
     /// [`Self::reduce_scatter`] of `parts` laid end to end and zero-padded to `len` values
     /// ([`concat_padded`]). CPU tensors are read in place into the ring's buffer, not first
     /// concatenated: ZeRO's gradients are copied once on their way to the ring, not twice.
     pub fn reduce_scatter_parts(&self, parts: Vec<Tensor>, len: usize) -> Result<Tensor> {
+        self.reduce_scatter_parts_as(parts, len, WireDtype::F32)
+    }
+
+    /// [`Self::reduce_scatter_parts`] with the values sent and added as `wire` values (see
+    /// [`Self::all_reduce_as`]).
+    pub fn reduce_scatter_parts_as(&self, parts: Vec<Tensor>, len: usize, wire: WireDtype) -> Result<Tensor> {
         let on_cpu = parts.iter().all(|t| t.device().is_cpu());
         if !on_cpu || self.world() == 1 {
+            wire.check(!on_cpu && self.world() > 1)?;
             return self.reduce_scatter(&concat_padded(&parts, len)?);
         }
         if !len.is_multiple_of(self.world()) {
@@ -170,13 +255,14 @@ impl ProcessGroup {
                 self.world()
             );
         }
-        self.reduce_scatter_on_host(parts, len)
+        self.reduce_scatter_on_host(parts, len, wire)
     }
 
-    /// The ring reduce-scatter of CPU `parts`, end to end and zero-padded to `len`. Each part
-    /// is dropped once copied into the ring's buffer: what the caller no longer holds (ZeRO-3's
-    /// gradients, taken out of their store) is freed before the collective runs.
-    fn reduce_scatter_on_host(&self, parts: Vec<Tensor>, len: usize) -> Result<Tensor> {
+    /// The ring reduce-scatter of CPU `parts`, end to end and zero-padded to `len`, sent as
+    /// `wire` values. Each part is dropped once copied into the ring's buffer: what the caller
+    /// no longer holds (ZeRO-3's gradients, taken out of their store) is freed before the
+    /// collective runs.
+    fn reduce_scatter_on_host(&self, parts: Vec<Tensor>, len: usize, wire: WireDtype) -> Result<Tensor> {
         let mut v = Vec::with_capacity(len);
         for t in parts {
             extend_host_f32(&mut v, &t)?;
@@ -185,7 +271,7 @@ impl ProcessGroup {
             bail!("internal error: {} values to reduce-scatter into {len}", v.len());
         }
         v.resize(len, 0.0);
-        let mine = self.ring.reduce_scatter(&mut v, ReduceOp::Sum)?;
+        let mine = over_wire!(wire, &mut v[..], |buf| self.ring.reduce_scatter(buf, ReduceOp::Sum))?;
         Ok(Tensor::from_slice(&v[mine.clone()], mine.len(), &candle_core::Device::Cpu)?)
     }
 

@@ -39,6 +39,20 @@ impl Element for f64 {
     }
 }
 
+/// Gradients sent in half precision (DeepSpeed's `communication_data_type`): the ring adds them
+/// in that type at every hop, as NCCL's half-precision reductions do.
+impl Element for half::bf16 {
+    fn is_nan(self) -> bool {
+        half::bf16::is_nan(self)
+    }
+}
+
+impl Element for half::f16 {
+    fn is_nan(self) -> bool {
+        half::f16::is_nan(self)
+    }
+}
+
 impl ReduceOp {
     fn apply<T: Element>(self, acc: &mut [T], x: &[T]) {
         match self {
@@ -459,6 +473,34 @@ pub(crate) mod tests {
                     }
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// Half-precision buffers (gradients under `--communication-data-type`): the sums of the f32
+    /// values to the type's precision, each hop adding in it, in half the bytes of f32.
+    #[test]
+    fn half_precision_reductions_sum_to_their_precision_in_half_the_bytes() -> Result<()> {
+        let (world, len) = (3, 10_001);
+        let want: Vec<f32> = (0..len).map(|i| (0..world).map(|r| data(r, len)[i]).sum()).collect();
+        let results = on_ring(world, |ring| {
+            let mut b: Vec<half::bf16> = data(ring.rank(), len).into_iter().map(half::bf16::from_f32).collect();
+            ring.all_reduce(&mut b, ReduceOp::Sum)?;
+            let mut f: Vec<half::f16> = data(ring.rank(), len).into_iter().map(half::f16::from_f32).collect();
+            let sent_before = ring.stats.snapshot().0;
+            ring.all_reduce(&mut f, ReduceOp::Sum)?;
+            Ok((b, f, ring.stats.snapshot().0 - sent_before))
+        });
+        for res in results {
+            let (b, f, sent) = res?;
+            for ((b, f), w) in b.iter().zip(&f).zip(&want) {
+                // Three roundings of the running sum (two hops and the operand's own).
+                assert!((b.to_f32() - w).abs() <= 3.0 * 2f32.powi(-8) * w.abs().max(1.0), "bf16 {b} vs {w}");
+                assert!((f.to_f32() - w).abs() <= 3.0 * 2f32.powi(-11) * w.abs().max(1.0), "f16 {f} vs {w}");
+            }
+            // 2 (N - 1) / N of the buffer, 2 bytes a value (chunks rounded up).
+            let ideal = 2.0 * 2.0 * len as f64 * (world - 1) as f64 / world as f64;
+            assert!((sent as f64 - ideal).abs() <= 8.0 * world as f64, "{sent} bytes, ideal {ideal}");
         }
         Ok(())
     }

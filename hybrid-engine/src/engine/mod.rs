@@ -11,7 +11,7 @@
 
 pub mod epochs;
 
-use crate::comm::ProcessGroup;
+use crate::comm::{ProcessGroup, WireDtype};
 use crate::model::gpt2::{Dropout, Gpt2Config, Positions};
 use crate::model::params::ParamStore;
 use crate::model::reward_model::{Heads, RewardModel};
@@ -47,6 +47,8 @@ pub struct ParallelConfig {
     pub reduce_bucket_size: usize,
     /// DS-Chat's `--offload`: the optimizer states in host memory (see [`check_offload`]).
     pub offload: bool,
+    /// The type gradients travel in through their reductions (`--communication-data-type`).
+    pub communication_data_type: WireDtype,
 }
 
 /// Where `--offload` (DeepSpeed's `offload_optimizer: cpu`: the fp32 masters and Adam moments in
@@ -126,7 +128,10 @@ impl Engine {
             let on_gpu = params.vars.first().is_some_and(|v| v.device().is_cuda());
             check_offload(on_gpu, cfg.parallel.zero_stage, data.world())?;
         }
-        let dp = DataParallel::new(data, cfg.parallel.zero_stage, cfg.parallel.reduce_bucket_size);
+        let on_gpu = params.vars.first().is_some_and(|v| v.device().is_cuda());
+        cfg.parallel.communication_data_type.check(on_gpu && data.world() > 1)?;
+        let dp = DataParallel::new(data, cfg.parallel.zero_stage, cfg.parallel.reduce_bucket_size)
+            .with_wire(cfg.parallel.communication_data_type);
         let trainable = params.trainable();
         let (precision, dtype) = (cfg.precision, cfg.precision.dtype.dtype());
         let accumulation = cfg.gradient_accumulation_steps;
@@ -187,6 +192,7 @@ impl Engine {
         if cfg.parallel.offload {
             check_offload(!sharded.device().is_cpu(), cfg.parallel.zero_stage, sharded.group().world())?;
         }
+        cfg.parallel.communication_data_type.check(!sharded.device().is_cpu() && sharded.group().world() > 1)?;
         sharded.cfg = config.clone();
         let config = config.clone();
         // Built from a GPT-2's own parameters: no LoRA adapters, so no LoRA learning rate.
@@ -206,6 +212,7 @@ impl Engine {
     /// The model and trainer of a sharded model (ZeRO stage 3).
     fn sharded_parts(cfg: &EngineConfig, mut sharded: ShardedModel) -> (TrainedModel, Trainer) {
         sharded.fp32_loss = cfg.precision.fp32_loss;
+        sharded.gradient_wire = cfg.parallel.communication_data_type;
         let sharded = Rc::new(sharded);
         let trainer = Trainer::sharded(
             sharded.clone(),

@@ -18,7 +18,7 @@
 //! The global gradient norm is the square root of the all-reduced squared norms of the shards,
 //! so clipping and the fp16 overflow decision (a non-finite norm) are the same on every rank.
 
-use crate::comm::{ProcessGroup, ReduceOp};
+use crate::comm::{ProcessGroup, ReduceOp, WireDtype};
 use crate::model::params::ParamStore;
 use crate::training::optim::AdamW;
 use anyhow::{bail, Result};
@@ -73,11 +73,19 @@ pub struct DataParallel {
     pub stage: ZeroStage,
     /// Values per all-reduce in stage 0 (DeepSpeed's `reduce_bucket_size`).
     pub bucket: usize,
+    /// The type gradients travel in through their reductions.
+    pub wire: WireDtype,
 }
 
 impl DataParallel {
     pub fn new(group: Arc<ProcessGroup>, stage: ZeroStage, bucket: usize) -> Self {
-        Self { group, stage, bucket: bucket.max(1) }
+        Self { group, stage, bucket: bucket.max(1), wire: WireDtype::F32 }
+    }
+
+    /// Gradients reduced as `wire` values (`--communication-data-type`).
+    pub fn with_wire(mut self, wire: WireDtype) -> Self {
+        self.wire = wire;
+        self
     }
 
     pub fn world(&self) -> usize {
@@ -205,7 +213,7 @@ pub fn all_reduce_gradients(dp: &DataParallel, grads: &mut [Tensor]) -> Result<(
         let flat: Vec<Tensor> =
             grads[start..end].iter().map(|g| g.flatten_all()).collect::<candle_core::Result<_>>()?;
         let bucket = Tensor::cat(&flat, 0)?;
-        let summed = (dp.group.all_reduce(&bucket, ReduceOp::Sum)? / world as f64)?;
+        let summed = (dp.group.all_reduce_as(&bucket, ReduceOp::Sum, dp.wire)? / world as f64)?;
         let mut offset = 0;
         for g in &mut grads[start..end] {
             let n = g.elem_count();
@@ -219,7 +227,7 @@ pub fn all_reduce_gradients(dp: &DataParallel, grads: &mut [Tensor]) -> Result<(
 
 /// Stages 1 and 2: this rank's shard of the summed gradients (not yet averaged).
 pub fn reduce_scatter_gradients(dp: &DataParallel, partition: &Partition, grads: &[Tensor]) -> Result<Tensor> {
-    dp.group.reduce_scatter_parts(grads.to_vec(), partition.padded())
+    dp.group.reduce_scatter_parts_as(grads.to_vec(), partition.padded(), dp.wire)
 }
 
 /// The global L2 norm of sharded gradients: every rank's squared norm, summed over ranks.

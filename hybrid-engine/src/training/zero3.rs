@@ -103,6 +103,8 @@ pub struct ShardedModel {
     device: Device,
     /// Losses read fp32 logits (DS-Chat `--compute_fp32_loss`), as [`Gpt2::fp32_loss`].
     pub fp32_loss: bool,
+    /// The type gradients travel in through their reduce-scatters (`--communication-data-type`).
+    pub gradient_wire: crate::comm::WireDtype,
     /// The tensor-parallel group the sharded slices belong to.
     tp: Option<Arc<ProcessGroup>>,
     /// This rank's fp32 master weights: its shard of every unit, end to end.
@@ -249,6 +251,7 @@ impl ShardedModel {
             dtype,
             device: device.clone(),
             fp32_loss: false,
+            gradient_wire: crate::comm::WireDtype::F32,
             tp: None,
             shard: RefCell::new(vec![0.0; shard_len]),
             grads: RefCell::new(vec![None; unit_count]),
@@ -626,7 +629,8 @@ impl ShardedModel {
         }
         drop((g.named, store));
         for (u, grads) in taken {
-            let mine = self.group.reduce_scatter_parts(grads, self.units[u].partition.padded())?;
+            let mine =
+                self.group.reduce_scatter_parts_as(grads, self.units[u].partition.padded(), self.gradient_wire)?;
             let mut slots = self.grads.borrow_mut();
             slots[u] = Some(match slots[u].take() {
                 Some(acc) => (acc + mine)?,
