@@ -481,16 +481,11 @@ mod tests {
         let sampling = SamplingConfig { temperature: Some(1.0), seed: 1, ..SamplingConfig::greedy(6, Some(63), 0, 64) };
         let cfg_ppo = PpoConfig { lam: 1.0, ..PpoConfig::default() };
         let mut engine = GenerationMode::new(4, 6, false);
-        let (exp, counts) = generate_experience(
-            &models,
-            |p| engine.generate(&actor, p, &sampling, &dev),
-            &prompts,
-            2,
-            &sampling,
-            &cfg_ppo,
-            &mut |scores| Ok(scores.to_vec()),
-            &dev,
-        )?;
+        let mut rollout = |models: &RolloutModels| {
+            let generate = |p: &LeftPadded| engine.generate(&actor, p, &sampling, &dev);
+            generate_experience(models, generate, &prompts, 2, &sampling, &cfg_ppo, &mut |s| Ok(s.to_vec()), &dev)
+        };
+        let (exp, counts) = rollout(&models)?;
         let mut exp = exp.expect("random answers are longer than one token");
         // The next stage: GAE.
         let share = crate::advantages::compute_advantages(&mut exp, &ProcessGroup::single(), 1, &cfg_ppo)?;
@@ -521,16 +516,7 @@ mod tests {
         };
         let (reference, critic, reward) = (sharded(&params)?, sharded(&critic_params)?, sharded(&critic_params)?);
         let models = RolloutModels { actor: &actor, reference: &reference, critic: Some(&critic), reward: &reward };
-        let (again, _) = generate_experience(
-            &models,
-            |p| engine.generate(&actor, p, &sampling, &dev),
-            &prompts,
-            2,
-            &sampling,
-            &cfg_ppo,
-            &mut |scores| Ok(scores.to_vec()),
-            &dev,
-        )?;
+        let (again, _) = rollout(&models)?;
         let again = again.expect("the same answers");
         assert_eq!(again.seq, exp.seq);
         assert_eq!((&again.ref_logprobs, &again.values, &again.scores), (&exp.ref_logprobs, &exp.values, &exp.scores));
