@@ -784,13 +784,15 @@ impl Gpt2 {
 
     /// The log-probability (f32, differentiable) of each next token `next` (B, T) u32 after
     /// hidden states before `ln_f` (B, T, C), and with `with_entropy` the entropy of each
-    /// position's distribution (f32, detached): what PPO's losses and diagnostics read. Under
-    /// tensor parallelism from the vocabulary slices, without the full logits on any rank.
+    /// position's distribution (f32, detached): what PPO's losses and diagnostics read, of the
+    /// distribution softmax(logits / `temperature`) that rollouts sample from. Under tensor
+    /// parallelism from the vocabulary slices, without the full logits on any rank.
     pub fn next_token_log_probs(
         &self,
         hidden: &Tensor,
         next: &Tensor,
         with_entropy: bool,
+        temperature: f64,
     ) -> Result<(Tensor, Option<Tensor>)> {
         let (b, t) = next.dims2()?;
         if let Some(tp) = &self.tp {
@@ -802,11 +804,13 @@ impl Gpt2 {
                 self.cfg.vocab_size,
                 tp,
                 with_entropy,
+                temperature,
             )?;
             let entropy = out.entropy.map(|e| e.reshape((b, t))).transpose()?;
             return Ok((out.log_probs.reshape((b, t))?, entropy));
         }
-        let logp_all = ops::log_softmax_last_dim(&self.loss_input(&self.lm_head(hidden)?)?)?; // (B, T, V)
+        let logits = crate::tensor_parallel::vocab::tempered(self.loss_input(&self.lm_head(hidden)?)?, temperature)?;
+        let logp_all = ops::log_softmax_last_dim(&logits)?; // (B, T, V)
         let logp = logp_all.gather(&next.unsqueeze(D::Minus1)?.contiguous()?, D::Minus1)?.squeeze(D::Minus1)?;
         let entropy = match with_entropy {
             false => None,

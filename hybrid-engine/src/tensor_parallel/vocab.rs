@@ -68,7 +68,7 @@ pub fn vocab_parallel_cross_entropy(
     vocab: usize,
     tp: &Arc<ProcessGroup>,
 ) -> Result<Tensor> {
-    vocab_parallel_log_probs(x, wte_local, targets, vocab, tp, false)?.log_probs.neg()?.mean_all()
+    vocab_parallel_log_probs(x, wte_local, targets, vocab, tp, false, 1.0)?.log_probs.neg()?.mean_all()
 }
 
 /// What [`vocab_parallel_log_probs`] gives for N rows.
@@ -82,7 +82,8 @@ pub struct TokenLogProbs {
 /// The tied LM head's log-probability of each row's target, as [`vocab_parallel_cross_entropy`]
 /// computes it (rows `x` (N, C) whole on every rank, `targets` (N,) u32, this rank's embedding
 /// rows `wte_local`), and with `with_entropy` each row's entropy, from one more reduction of
-/// two numbers per row. No rank forms the full logits.
+/// two numbers per row, of the distribution softmax(logits / `temperature`). No rank forms the
+/// full logits.
 pub fn vocab_parallel_log_probs(
     x: &Tensor,
     wte_local: &Tensor,
@@ -90,10 +91,12 @@ pub fn vocab_parallel_log_probs(
     vocab: usize,
     tp: &Arc<ProcessGroup>,
     with_entropy: bool,
+    temperature: f64,
 ) -> Result<TokenLogProbs> {
     let rows = wte_local.dim(0)?;
     let logits = vocab_parallel_logits(x, wte_local, vocab, tp)?; // (N, V / T)
-                                                                  // The max over the whole vocabulary, a constant to autograd (log p does not depend on it).
+    let logits = tempered(logits, temperature)?;
+    // The max over the whole vocabulary, a constant to autograd (log p does not depend on it).
     let local_max = logits.max_keepdim(D::Minus1)?.detach(); // (N, 1)
     let max = tp.all_reduce(&local_max, ReduceOp::Max).map_err(external)?.reshape(local_max.shape())?;
     let shifted = logits.broadcast_sub(&max)?;
@@ -120,6 +123,14 @@ pub fn vocab_parallel_log_probs(
         }
     };
     Ok(TokenLogProbs { log_probs, entropy })
+}
+
+/// `logits / temperature` (the logits themselves at 1, bit for bit).
+pub fn tempered(logits: Tensor, temperature: f64) -> Result<Tensor> {
+    if temperature == 1.0 {
+        return Ok(logits);
+    }
+    logits / temperature
 }
 
 fn external(e: anyhow::Error) -> candle_core::Error {
@@ -204,18 +215,19 @@ mod tests {
         let hidden: Vec<f32> = (0..n * c).map(|i| ((i * 7 % 11) as f32 - 5.0) * 0.3).collect();
         let targets = Tensor::new(&[12u32, 0, 6, 7, 12], &cpu)?;
         let weights = Tensor::new(&[1.0f32, -0.5, 2.0, 0.25, -1.5], &cpu)?;
-        let h = Var::from_slice(&hidden, (n, c), &cpu)?;
-        let w = Tensor::from_slice(&wte, (v, c), &cpu)?;
-        let logp_all = candle_nn::ops::log_softmax(&h.as_tensor().matmul(&w.t()?)?, D::Minus1)?;
-        let want_logp = logp_all.gather(&targets.unsqueeze(1)?, 1)?.squeeze(1)?;
-        let want_entropy = (logp_all.exp()? * &logp_all)?.sum(1)?.neg()?;
-        let want_grad = (&want_logp * &weights)?.sum_all()?.backward()?.get(h.as_tensor()).unwrap().clone();
-        for ranks in [2, 4] {
+        // At temperature 1, and at 0.6 (a rollout sampled from softmax(logits / 0.6)).
+        for (temperature, ranks) in [(1.0, 2), (1.0, 4), (0.6, 2)] {
+            let h = Var::from_slice(&hidden, (n, c), &cpu)?;
+            let w = Tensor::from_slice(&wte, (v, c), &cpu)?;
+            let logp_all = candle_nn::ops::log_softmax(&(h.as_tensor().matmul(&w.t()?)? / temperature)?, D::Minus1)?;
+            let want_logp = logp_all.gather(&targets.unsqueeze(1)?, 1)?.squeeze(1)?;
+            let want_entropy = (logp_all.exp()? * &logp_all)?.sum(1)?.neg()?;
+            let want_grad = (&want_logp * &weights)?.sum_all()?.backward()?.get(h.as_tensor()).unwrap().clone();
             let results = on_groups(ranks, |group| {
                 let tp = Arc::new(group);
                 let w = shard(&Tensor::from_slice(&wte, (v, c), &cpu)?, Split::VocabRows, tp.rank(), ranks)?;
                 let h = Var::from_slice(&hidden, (n, c), &cpu)?;
-                let out = vocab_parallel_log_probs(h.as_tensor(), &w, &targets, v, &tp, true)?;
+                let out = vocab_parallel_log_probs(h.as_tensor(), &w, &targets, v, &tp, true, temperature)?;
                 let grad = (&out.log_probs * &weights)?.sum_all()?.backward()?.get(h.as_tensor()).unwrap().clone();
                 Ok((out.log_probs, out.entropy.unwrap(), grad))
             });
@@ -224,9 +236,10 @@ mod tests {
                 let close = |a: &Tensor, b: &Tensor| -> anyhow::Result<f32> {
                     Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?)
                 };
-                assert!(close(&logp, &want_logp)? < 1e-6, "{ranks} ranks, rank {rank}: log-probs");
-                assert!(close(&entropy, &want_entropy)? < 1e-5, "{ranks} ranks, rank {rank}: entropy");
-                assert!(close(&grad, &want_grad)? < 1e-6, "{ranks} ranks, rank {rank}: gradient");
+                let at = format!("{ranks} ranks, rank {rank}, temperature {temperature}");
+                assert!(close(&logp, &want_logp)? < 1e-6, "{at}: log-probs");
+                assert!(close(&entropy, &want_entropy)? < 1e-5, "{at}: entropy");
+                assert!(close(&grad, &want_grad)? < 1e-6, "{at}: gradient");
             }
         }
         Ok(())

@@ -152,6 +152,8 @@ pub struct PpoArgs {
     /// three sampling flags need it.
     #[arg(long, alias = "do_sample")]
     pub do_sample: bool,
+    /// Sampling temperature T: rollouts sample from softmax(logits / T), and the old, new and
+    /// reference log-probs are of that distribution (TRL's and OpenRLHF's convention).
     #[arg(long, default_value_t = 1.0, value_parser = cli::positive(), requires = "do_sample")]
     pub temperature: f64,
     #[arg(long, default_value_t = 0, alias = "top_k", requires = "do_sample")]
@@ -388,6 +390,7 @@ impl PpoArgs {
             loss_type: self.loss_type,
             whiten_advantages: self.whiten_advantages,
             max_answer_len: self.max_answer_seq_len,
+            temperature: if self.do_sample { self.temperature } else { 1.0 },
         }
     }
 

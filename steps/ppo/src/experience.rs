@@ -18,6 +18,7 @@ use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use hybrid_engine::generation::generate::{gather_log_probs, position_ids, Generation, LeftPadded, SamplingConfig};
 use hybrid_engine::model::gpt2::{Gpt2, Positions};
+use hybrid_engine::tensor_parallel::vocab::tempered;
 use hybrid_engine::training::train_step::TrainedModel;
 use std::ops::Range;
 
@@ -184,7 +185,7 @@ pub fn generate_experience(
         attention_mask.extend_from_slice(&prompts.mask[r * p..(r + 1) * p]);
         attention_mask.extend(seq[i * l + p..(i + 1) * l].iter().map(|&t| u32::from(t != pad)));
     }
-    let forward = ForwardInputs::new(&seq, &attention_mask, b, l, device)?;
+    let forward = ForwardInputs::new(&seq, &attention_mask, b, l, device)?.with_temperature(cfg.temperature);
     let logprobs = forward.logprobs(models.actor)?;
     let ref_logprobs = forward.model_logprobs(models.reference)?;
     // (B, L); without a critic zeros, which leave GAE's place to the group advantages.
@@ -265,6 +266,8 @@ pub struct ForwardInputs {
     pub positions: Tensor,
     pub b: usize,
     pub l: usize,
+    /// The log-probs are of softmax(logits / temperature): the distribution rollouts sampled.
+    pub temperature: f64,
 }
 
 impl ForwardInputs {
@@ -275,7 +278,14 @@ impl ForwardInputs {
             positions: Tensor::from_vec(position_ids(mask, b, l), (b, l), device)?,
             b,
             l,
+            temperature: 1.0,
         })
+    }
+
+    /// The log-probs of the distribution sampled at `temperature` ([`crate::PpoConfig::temperature`]).
+    pub fn with_temperature(mut self, temperature: f64) -> Self {
+        self.temperature = temperature;
+        self
     }
 
     /// Left padding is masked out of attention and takes no positions, exactly as in generation,
@@ -298,13 +308,13 @@ impl ForwardInputs {
     /// final norm and LM head (the whole model's own forward from there on).
     fn logprobs_after(&self, model: &Gpt2, hidden: &Tensor) -> Result<Vec<f32>> {
         if !model.is_tensor_parallel() {
-            let logits = model.lm_head(hidden)?; // (B, L, V)
-            return Ok(gather_log_probs(&model.loss_input(&logits)?, &self.ids)?.flatten_all()?.to_vec1()?);
+            let logits = tempered(model.loss_input(&model.lm_head(hidden)?)?, self.temperature)?; // (B, L, V)
+            return Ok(gather_log_probs(&logits, &self.ids)?.flatten_all()?.to_vec1()?);
         }
         // Under tensor parallelism from the vocabulary slices: the full logits exist nowhere.
         let actions = self.l - 1;
         let next = self.ids.narrow(1, 1, actions)?;
-        let (logp, _) = model.next_token_log_probs(&hidden.narrow(1, 0, actions)?, &next, false)?;
+        let (logp, _) = model.next_token_log_probs(&hidden.narrow(1, 0, actions)?, &next, false, self.temperature)?;
         Ok(logp.flatten_all()?.to_vec1()?)
     }
 

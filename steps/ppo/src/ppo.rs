@@ -43,6 +43,11 @@ pub struct PpoConfig {
     /// `--max-answer-seq-len`: Dr. GRPO's constant divisor (per answer).
     #[serde(skip)]
     pub max_answer_len: usize,
+    /// The temperature rollouts sample at (`--temperature` with `--do-sample`; 1 for greedy
+    /// rollouts): the policy the ratio and the KL read is the one sampled, softmax(logits / T),
+    /// as TRL and OpenRLHF temper the old, new and reference log-probs.
+    #[serde(skip)]
+    pub temperature: f64,
 }
 
 impl PpoConfig {
@@ -67,6 +72,7 @@ impl Default for PpoConfig {
             loss_type: LossType::Bnpo,
             whiten_advantages: false,
             max_answer_len: 0,
+            temperature: 1.0,
         }
     }
 }

@@ -1531,10 +1531,17 @@ mod tests {
     /// Two rows of a 3-token prompt and a 3-token answer (the second ends early: pad 0), with
     /// the actor's own log-probs as the rollout's and advantages of both signs.
     fn tiny_experience(actor: &hybrid_engine::Gpt2) -> Experience {
+        tiny_experience_at(actor, 1.0)
+    }
+
+    /// [`tiny_experience`] sampled at `temperature`.
+    fn tiny_experience_at(actor: &hybrid_engine::Gpt2, temperature: f64) -> Experience {
         let (b, l, p, pad) = (2, 6, 3, 0u32);
         let seq = vec![5u32, 9, 13, 21, 7, 30, 2, 4, 6, 8, 11, pad];
         let attention_mask: Vec<u32> = seq.iter().map(|&t| u32::from(t != pad)).collect();
-        let inputs = crate::experience::ForwardInputs::new(&seq, &attention_mask, b, l, &Device::Cpu).unwrap();
+        let inputs = crate::experience::ForwardInputs::new(&seq, &attention_mask, b, l, &Device::Cpu)
+            .unwrap()
+            .with_temperature(temperature);
         let logprobs = inputs.logprobs(actor).unwrap();
         let mut exp = Experience::empty(p, b);
         let actions = (l - 1) * b;
@@ -1600,6 +1607,41 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Rollouts sampled at a temperature: the old log-probs and the training forward's are both
+    /// of softmax(logits / T), so the ratio is 1 before the policy moves; read at another
+    /// temperature than they were sampled at, it is not. The tempered log-probs are
+    /// log_softmax(logits / T) at each action's token.
+    #[test]
+    fn the_ratio_reads_the_policy_at_the_temperature_it_sampled() {
+        let (args, mut models, _) = tiny_models("--gradient-accumulation-steps 1 --do-sample --temperature 0.7", 0.0);
+        let cfg = args.ppo_config();
+        assert_eq!(cfg.temperature, 0.7);
+        let exp = tiny_experience_at(actor_trunk(&models), 0.7);
+        let logits = actor_trunk(&models)
+            .forward(
+                &Tensor::from_slice(&exp.seq, (exp.b, exp.l), &Device::Cpu).unwrap(),
+                &Default::default(),
+                None,
+                None,
+            )
+            .unwrap();
+        let logits: Vec<f32> = logits.flatten_all().unwrap().to_vec1().unwrap();
+        let v = logits.len() / (exp.b * exp.l);
+        for (r, t) in [(0, 2), (1, 3)] {
+            let row = &logits[(r * exp.l + t) * v..(r * exp.l + t + 1) * v];
+            let z: f64 = row.iter().map(|&x| (f64::from(x) / 0.7).exp()).sum();
+            let token = exp.seq[r * exp.l + t + 1] as usize;
+            let want = f64::from(row[token]) / 0.7 - z.ln();
+            let got = f64::from(exp.logprobs[r * exp.actions() + t]);
+            assert!((got - want).abs() < 1e-4, "row {r} action {t}: {got} vs {want}");
+        }
+        let stats = models.train_rlhf(&micro_batch(&exp, 1), &cfg, 7, None, &Device::Cpu).unwrap().stats;
+        assert!((stats.ratio_mean - 1.0).abs() < 1e-6 && stats.approx_kl.abs() < 1e-12, "{stats:?}");
+        let untempered = tiny_experience(actor_trunk(&models));
+        let stats = models.train_rlhf(&micro_batch(&untempered, 2), &cfg, 7, None, &Device::Cpu).unwrap().stats;
+        assert!((stats.ratio_mean - 1.0).abs() > 1e-3, "read at T = 0.7, sampled at 1: {stats:?}");
     }
 
     #[test]

@@ -206,7 +206,7 @@ impl PpoModels {
             |heads, hidden| {
                 let lm = heads.trunk;
                 let h = hidden.narrow(1, start, l - 1 - start)?; // (b, A, C)
-                let (logp, entropy) = lm.next_token_log_probs(&h, &next_tokens, true)?; // (b, A) each
+                let (logp, entropy) = lm.next_token_log_probs(&h, &next_tokens, true, cfg.temperature)?; // (b, A) each
                 let entropy = entropy.expect("asked for");
                 *seen.borrow_mut() = Some((logp.detach(), entropy));
                 let per_token = ppo::actor_token_losses(&logp, &old_logp, &advantages, &mask, cfg)?;

@@ -199,7 +199,7 @@ impl PairInputs {
         loss: DpoLoss,
         nll: bool,
     ) -> candle_core::Result<(Tensor, Option<Tensor>)> {
-        let (logp, _) = lm.next_token_log_probs(&hidden.narrow(1, 0, self.t - 1)?, &self.next, false)?;
+        let (logp, _) = lm.next_token_log_probs(&hidden.narrow(1, 0, self.t - 1)?, &self.next, false, 1.0)?;
         let nll = if nll { Some(chosen_nll(&logp, &self.mask)?) } else { None };
         Ok((sequence_log_probs(&logp, &self.mask, loss)?, nll))
     }
