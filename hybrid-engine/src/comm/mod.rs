@@ -211,7 +211,7 @@ impl ProcessGroup {
         }
         #[cfg(feature = "nccl")]
         if let Some(c) = self.nccl_for(t)? {
-            wire.check(false)?;
+            wire.check(true)?;
             return c.all_reduce(t, op);
         }
         self.on_host(t, t.elem_count(), |v| over_wire!(wire, v, |buf| self.ring.all_reduce(buf, op)))
