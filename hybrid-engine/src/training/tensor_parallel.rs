@@ -49,11 +49,10 @@ impl TensorParallel {
     /// model whose heads or MLP width the TP size does not divide is refused.
     pub fn slice(&self, whole: ParamStore, cfg: &Gpt2Config) -> Result<ParamStore> {
         self.check_model(cfg)?;
-        let (rank, ranks) = (self.layout.tp.rank(), self.size());
         let (frozen, lora_scaling) = (whole.frozen().to_vec(), whole.lora_scaling());
         let mut local = ParamStore::default();
         for (name, var) in whole.names.into_iter().zip(whole.vars) {
-            let piece = shard(var.as_tensor(), split_of(&name), rank, ranks)?;
+            let piece = self.cut(&name, var.as_tensor())?;
             drop(var);
             local.push(&name, &piece)?;
         }
@@ -65,8 +64,7 @@ impl TensorParallel {
     /// tensor by tensor: a rank never holds more than its slices and one whole tensor.
     pub fn init(&self, cfg: &Gpt2Config, seed: u64, device: &Device) -> Result<ParamStore> {
         self.check_model(cfg)?;
-        let (rank, ranks) = (self.layout.tp.rank(), self.size());
-        ParamStore::init_each(cfg, seed, device, |name, t| shard(&t, split_of(name), rank, ranks))
+        ParamStore::init_each(cfg, seed, device, |name, t| self.cut(name, &t))
     }
 
     /// This rank's slices of a saved model's trunk of config `cfg`: `read(name, range)` returns
