@@ -13,12 +13,19 @@
 #      command: `sft ... --device cpu`), else against the CUDA fp32 curve;
 #   3. the three-step demo (`train --device cuda`), then gpu_check on its SFT actor and `chat`
 #      on its step-3 actor.
-# Two measuring stages run only when named in STAGES:
+# Three measuring stages run only when named in STAGES:
+#   ab: gpt2 B8 T1024 bf16 training as built against the same build with AB_ENV set (default
+#      HYBRID_ENGINE_CUBLASLT=0: the linears without cuBLASLt's epilogues), alternating, AB_ROUNDS
+#      times (default 2): each run's tokens/s, its phases, the host's time to queue forward and
+#      backward, the matmuls with and without the epilogues; then generation at step 3's
+#      benchmark shape (gpt2-medium B16 P256+256 bf16);
 #   bench: gpt2 B8 T1024 bf16 training as built and with the composed attention
 #      (HYBRID_ENGINE_FLASH_ATTENTION=0), `bench ops`, and the PyTorch comparison rows of
 #      scripts/bench/gpu_table.py (gpt2 and gpt2-medium training, generation at batch 32; BENCH_ROWS
 #      to choose: the --only arguments of gpu_table.py, one row per line, or "none"; BENCH_VARIANTS
-#      to choose among "default composed-attention");
+#      to choose among "default composed-attention", or "none"; BENCH_OPS=0 skips `bench ops`;
+#      BENCH_COMPILE=1 adds the torch.compile variants; BENCH_TIMEOUT each process's limit in
+#      seconds, default 90);
 #   profile: every kernel of one such training step timed by Nsight Compute (ncu), summed per
 #      kernel (WORK_DIR/ncu.csv, the largest in the summary), and the first launch of each
 #      attention kernel in detail (WORK_DIR/profile-attention_*.log, the main lines in
@@ -28,7 +35,7 @@
 # and summaries (no weights) go to WORK_DIR; a line per stage and PASS/FAIL at the end.
 #
 # Usage: gpu-check.sh WORK_DIR [REFERENCE_DIR]    (STAGES="unit check pretrain demo" to choose;
-#        STAGES="unit check bench profile" for a short lease that measures)
+#        STAGES="unit check ab bench profile" for a short lease that measures)
 set -uo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 work=${1:?usage: gpu-check.sh WORK_DIR [REFERENCE_DIR]}
@@ -114,22 +121,58 @@ if [[ " $stages " == *" demo "* ]]; then
 fi
 
 train_args=(train --model gpt2 --batch 8 --seq 1024 --dtype bf16 --device cuda)
+# One line of a bench train JSON (WORK_DIR/LABEL.log): tokens/s, the phases, where the time goes.
+summarise_train() {
+  python3 - "$1" "$2" <<'PY' 2>/dev/null | tee -a "$summary"
+import json, sys
+r = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
+host = r.get("ms_host_forward_backward")
+print("  %s: %.0f tokens/s, ms forward+backward / optimizer %.1f / %.1f, host queues forward+backward in %s ms, "
+      "cpu %.1f ms a step, cuBLASLt fused/unfused %s" % (
+          sys.argv[2], r["tokens_per_s"], r["ms_forward_backward"], r["ms_optimizer"],
+          "-" if host is None else "%.1f" % host, r["cpu_ms_per_step"], r.get("cublaslt_fused_unfused")))
+PY
+}
+
+if [[ " $stages " == *" ab "* ]]; then
+  ab_env=${AB_ENV:-HYBRID_ENGINE_CUBLASLT=0}
+  for round in $(seq "${AB_ROUNDS:-2}"); do
+    for variant in default "$ab_env"; do
+      label="ab-$round-${variant%%=*}"
+      env_args=()
+      [ "$variant" = default ] || env_args=("$variant")
+      stage "$label" 90 env "${env_args[@]}" "$bin" bench "${train_args[@]}" --steps 10 --warmup 3
+      summarise_train "$work/$label.log" "$label"
+    done
+  done
+  stage generate-medium 90 "$bin" bench generate --model gpt2-medium --batch 16 --prompt-len 256 --new-tokens 256 \
+    --warmup 1 --reps 3 --dtype bf16 --device cuda
+  python3 - "$work/generate-medium.log" <<'PY' 2>/dev/null | tee -a "$summary"
+import json, sys
+r = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
+print("  generate gpt2-medium B16 P256+256 bf16: %.0f tokens/s, %.2f ms a token step, cpu %.2f ms a token step"
+      % (r["tokens_per_s"], r["ms_per_token_step"], r["cpu_ms_per_token_step"]))
+PY
+fi
+
 if [[ " $stages " == *" bench "* ]]; then
   # The build as it is; with the composed attention.
   for variant in ${BENCH_VARIANTS:-default composed-attention}; do
+    [ "$variant" = none ] && continue
     flash=1
     [ "$variant" = composed-attention ] && flash=0
     stage "bench-$variant" 90 env HYBRID_ENGINE_FLASH_ATTENTION=$flash \
       "$bin" bench "${train_args[@]}" --steps 5 --warmup 2
-    python3 -c 'import json,sys; r=json.loads(open(sys.argv[1]).read().strip().splitlines()[-1]); print("  %s: %.0f tokens/s, ms forward+backward / optimizer %.0f / %.0f" % (sys.argv[2], r["tokens_per_s"], r["ms_forward_backward"], r["ms_optimizer"]))' \
-      "$work/bench-$variant.log" "$variant" 2>/dev/null | tee -a "$summary"
+    summarise_train "$work/bench-$variant.log" "$variant"
   done
-  stage bench-ops 90 "$bin" bench ops --model gpt2 --batch 8 --seq 1024 --reps 3 --dtype bf16 --device cuda
+  [ "${BENCH_OPS:-1}" = 0 ] || stage bench-ops 90 "$bin" bench ops --model gpt2 --batch 8 --seq 1024 --reps 3 --dtype bf16 --device cuda
   rows=${BENCH_ROWS:-$'train gpt2 B8 T1024 bf16\ntrain gpt2-medium B8\ngenerate gpt2 B32 P16+128 bf16'}
   if [ "$rows" != none ]; then
     only=()
     while IFS= read -r row; do [ -n "$row" ] && only+=(--only "$row"); done <<<"$rows"
-    stage bench-pytorch 360 "$bin" bench-gpu --timeout 90 "${only[@]}" --skip-compile --out "$work/bench.md" --raw "$work/bench-raw.jsonl"
+    compile=(--skip-compile)
+    [ "${BENCH_COMPILE:-0}" = 1 ] && compile=()
+    stage bench-pytorch 360 "$bin" bench-gpu --timeout "${BENCH_TIMEOUT:-90}" "${only[@]}" "${compile[@]}" --out "$work/bench.md" --raw "$work/bench-raw.jsonl"
     grep -E '^\| (train|generate)' "$work/bench.md" | tee -a "$summary"
   fi
 fi

@@ -10,7 +10,11 @@
 //!   `tokens_per_s` = B*T / step time; `ms_forward_backward` and `ms_optimizer` (the norm, the
 //!   clipping, AdamW and the compute copy's refresh) are the medians of the step's two phases.
 //!   `flops_per_token` is the model FLOPs per trained token (6N + 12LHQT, see
-//!   `train_flops_per_token`), for MFU; `cpu_ms_per_step` the process's CPU time per step.
+//!   `train_flops_per_token`), for MFU; `cpu_ms_per_step` the process's CPU time per step (on a
+//!   GPU it counts the host spinning in synchronisations too); `ms_host_forward_backward` the
+//!   host's time to queue forward and backward, before it waits for the loss: near
+//!   `ms_forward_backward`, the host sets the pace; far under it, the GPU does;
+//!   `cublaslt_fused_unfused` the matmuls so far with and without cuBLASLt's epilogues.
 //! * `generate --model M --batch B --prompt-len P --new-tokens N --warmup W --reps R`: greedy
 //!   generation with the KV cache (prefill included), or sampled with `--temperature T [--top-k K]
 //!   [--top-p P]`, EOS disabled so every row makes exactly N tokens. Reports the median over R calls: `tokens_per_s` = B*N / call time, and
@@ -301,6 +305,14 @@ fn pool_peak_mib(device: &Device, reset: bool) -> Result<Option<f64>> {
     Ok(None)
 }
 
+/// The matmuls that took cuBLASLt's fused epilogues and those that could not, so far.
+fn cublaslt_counts() -> Option<(u64, u64)> {
+    #[cfg(feature = "cuda")]
+    return Some(hybrid_engine::kernels::cublaslt::counts());
+    #[cfg(not(feature = "cuda"))]
+    None
+}
+
 fn median(xs: &[f64]) -> f64 {
     let mut v = xs.to_vec();
     v.sort_by(f64::total_cmp);
@@ -332,6 +344,7 @@ fn bench_train(a: &TrainArgs, device: &Device) -> Result<serde_json::Value> {
     let mut times = Vec::with_capacity(a.steps);
     let mut cpu_times = Vec::with_capacity(a.steps);
     let mut phases: [Vec<f64>; 2] = Default::default();
+    let mut host_issue = Vec::with_capacity(a.steps);
     let mut loss = f32::NAN;
     for step in 0..a.warmup + a.steps {
         if step == a.warmup {
@@ -348,17 +361,25 @@ fn bench_train(a: &TrainArgs, device: &Device) -> Result<serde_json::Value> {
         device.synchronize()?;
         let (start, cpu_start) = (Instant::now(), cpu_seconds());
         let mut acc = GradAccumulator::new(&compute);
-        loss = hybrid_engine::training::train_step::lm_forward_backward(
-            &model,
-            &ids,
-            &targets,
-            Some(&dropout),
-            hybrid_engine::training::train_step::Backward {
-                checkpoint_activations: a.checkpoint_activations,
-                loss_scale: 1.0,
-            },
-            &mut acc,
-        )?;
+        let issued = if a.checkpoint_activations {
+            loss = hybrid_engine::training::train_step::lm_forward_backward(
+                &model,
+                &ids,
+                &targets,
+                Some(&dropout),
+                hybrid_engine::training::train_step::Backward { checkpoint_activations: true, loss_scale: 1.0 },
+                &mut acc,
+            )?;
+            None
+        } else {
+            // lm_forward_backward's whole-model path, with the moment the host has queued the
+            // last kernel taken before the loss comes back (which waits for the GPU).
+            let loss_t = model.lm_loss(&ids, &targets, Some(&dropout))?;
+            acc.add(&(&loss_t * 1.0)?.backward()?)?; // the trainers' loss scale, as they run it
+            let issued = Instant::now();
+            loss = loss_t.to_scalar::<f32>()?;
+            Some(issued)
+        };
         let grads = acc.finish_in_compute_dtype()?;
         device.synchronize()?;
         let backward_done = Instant::now();
@@ -372,6 +393,9 @@ fn bench_train(a: &TrainArgs, device: &Device) -> Result<serde_json::Value> {
             times.push((end - start).as_secs_f64());
             phases[0].push((backward_done - start).as_secs_f64());
             phases[1].push((end - backward_done).as_secs_f64());
+            if let Some(issued) = issued {
+                host_issue.push((issued - start).as_secs_f64());
+            }
         }
     }
     let step_s = median(&times);
@@ -398,6 +422,8 @@ fn bench_train(a: &TrainArgs, device: &Device) -> Result<serde_json::Value> {
         "ms_per_step_min": times.iter().copied().fold(f64::INFINITY, f64::min) * 1e3,
         "ms_per_step_max": times.iter().copied().fold(0.0, f64::max) * 1e3,
         "ms_forward_backward": median(&phases[0]) * 1e3,
+        "ms_host_forward_backward": (!host_issue.is_empty()).then(|| median(&host_issue) * 1e3),
+        "cublaslt_fused_unfused": cublaslt_counts(),
         "ms_optimizer": median(&phases[1]) * 1e3,
         "cpu_ms_per_step": median(&cpu_times) * 1e3,
         "last_loss": loss,

@@ -16,6 +16,12 @@ struct Linear;
 /// Column sums of a (N, W) tensor: the bias gradient.
 struct ColumnSums;
 
+/// The weight's and the bias's gradients of a linear from its input x (N, in) and output
+/// gradient dy (N, out), in one (in + 1, out) tensor: x^T dy in the first `in` rows, the column
+/// sums of dy in the last. On a GPU one cuBLASLt gemm whose epilogue sums the bias gradient
+/// (`cublaslt::Epilogue::BiasGradA`), where the gemm and [`ColumnSums`] took three launches.
+struct WeightAndBiasGrads;
+
 impl CustomOp3 for Linear {
     fn name(&self) -> &'static str {
         "linear"
@@ -92,13 +98,17 @@ impl CustomOp3 for Linear {
             true => Some(g2.matmul(&w.detach().t()?)?.reshape(x.shape())?),
             false => None,
         };
-        let dw = match w.track_op() {
-            true => Some(x.detach().reshape(((), d_in))?.t()?.matmul(&g2)?),
-            false => None,
-        };
-        let db = match b.track_op() {
-            true => Some(g2.apply_op1_no_bwd(&ColumnSums)?),
-            false => None,
+        let rows = |x: &Tensor| x.detach().reshape(((), d_in)); // (N, in)
+        let (dw, db) = match (w.track_op(), b.track_op()) {
+            // On a GPU both from one gemm, the bias gradient summed in its epilogue.
+            (true, true) if g2.device().is_cuda() => {
+                let both = rows(x)?.apply_op2_no_bwd(&g2, &WeightAndBiasGrads)?; // (in + 1, out)
+                (Some(both.narrow(0, 0, d_in)?), Some(both.narrow(0, d_in, 1)?.reshape(d_out)?))
+            }
+            (dw, db) => (
+                dw.then(|| rows(x)?.t()?.matmul(&g2)).transpose()?,
+                db.then(|| g2.apply_op1_no_bwd(&ColumnSums)).transpose()?,
+            ),
         };
         Ok((dx, dw, db))
     }
@@ -112,11 +122,7 @@ impl CustomOp1 for ColumnSums {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let g = contiguous_f32(s, l, "gradient")?;
         let (n, w) = l.shape().dims2()?;
-        let sums = reduce_rows(n, w, g.len(), |rows, acc| {
-            for r in rows {
-                rowops::add_assign(acc, &g[r * w..(r + 1) * w]);
-            }
-        });
+        let sums = column_sums(g, n, w);
         Ok((CpuStorage::F32(sums), Shape::from(w)))
     }
 
@@ -124,6 +130,55 @@ impl CustomOp1 for ColumnSums {
     fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
         let w = l.shape().dims2()?.1;
         Ok((cuda::column_sums(s, l)?, Shape::from(w)))
+    }
+}
+
+/// The column sums of g (n, w), row-major.
+fn column_sums(g: &[f32], n: usize, w: usize) -> Vec<f32> {
+    reduce_rows(n, w, g.len(), |rows, acc| {
+        for r in rows {
+            rowops::add_assign(acc, &g[r * w..(r + 1) * w]);
+        }
+    })
+}
+
+impl candle_core::CustomOp2 for WeightAndBiasGrads {
+    fn name(&self) -> &'static str {
+        "weight-and-bias-grads"
+    }
+
+    fn cpu_fwd(&self, sx: &CpuStorage, lx: &Layout, sg: &CpuStorage, lg: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (x, g) = (contiguous_f32(sx, lx, "linear input")?, contiguous_f32(sg, lg, "gradient")?);
+        let ((n, d_in), d_out) = (lx.shape().dims2()?, lg.shape().dims2()?.1);
+        let mut out = vec![0f32; (d_in + 1) * d_out];
+        // SAFETY: x is (n, d_in) read transposed, g (n, d_out), out's first d_in rows (d_in, d_out).
+        unsafe {
+            gemm_f32(
+                (d_in, d_out, n),
+                out.as_mut_ptr(),
+                d_out,
+                x.as_ptr(),
+                (1, d_in),
+                g.as_ptr(),
+                (d_out, 1),
+                false,
+                crate::runtime::threads(),
+            )
+        };
+        out[d_in * d_out..].copy_from_slice(&column_sums(g, n, d_out));
+        Ok((CpuStorage::F32(out), Shape::from((d_in + 1, d_out))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        sx: &candle_core::CudaStorage,
+        lx: &Layout,
+        sg: &candle_core::CudaStorage,
+        lg: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let ((_, d_in), d_out) = (lx.shape().dims2()?, lg.shape().dims2()?.1);
+        Ok((cuda::weight_and_bias_grads((sx, lx), (sg, lg))?, Shape::from((d_in + 1, d_out))))
     }
 }
 
@@ -136,15 +191,46 @@ pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
 /// The launchers of the CUDA kernels (`cuda_fwd` above calls them).
 #[cfg(feature = "cuda")]
 pub mod cuda {
+    use crate::kernels::cublaslt::{self, Epilogue, Operands};
     use crate::kernels::cuda::{for_float_dtype, ptx, view, BLOCK};
     use candle_core::backend::BackendStorage;
-    use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
-    use candle_core::cuda_backend::WrapErr;
-    use candle_core::{CudaStorage, Layout, Result};
+    use candle_core::cuda_backend::cudarc::driver::{
+        CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
+    };
+    use candle_core::cuda_backend::{CudaDType, CudaStorageSlice, WrapErr};
+    use candle_core::{CudaDevice, CudaStorage, Layout, Result, WithDType};
 
-    /// `x W + b` for contiguous x (.., in), W (in, out), b (out,) of one dtype: cuBLAS's gemm (candle's
-    /// own matmul on the storages), then the bias added to each row by one kernel (cuda/linear.cu):
-    /// (N, out), N the rows of x.
+    /// What the fused paths below take: a float dtype candle stores on the GPU.
+    trait Float: CudaDType + WithDType + DeviceRepr {}
+    impl<T: CudaDType + WithDType + DeviceRepr> Float for T {}
+
+    /// Runs `$f::<T>(dev, ..)` for the element type of `$storage` (f32, bf16 or f16), wrapping the
+    /// slice it returns; any other dtype is an error naming `$what`.
+    macro_rules! by_dtype {
+        ($storage:expr, $what:literal, |$t:ident| $call:expr) => {{
+            let dev = $storage.device().clone();
+            match &$storage.slice {
+                CudaStorageSlice::F32(_) => {
+                    type $t = f32;
+                    $call.map(|s| s.map(|s| CudaStorage::wrap_cuda_slice(s, dev)))
+                }
+                CudaStorageSlice::BF16(_) => {
+                    type $t = half::bf16;
+                    $call.map(|s| s.map(|s| CudaStorage::wrap_cuda_slice(s, dev)))
+                }
+                CudaStorageSlice::F16(_) => {
+                    type $t = half::f16;
+                    $call.map(|s| s.map(|s| CudaStorage::wrap_cuda_slice(s, dev)))
+                }
+                _ => candle_core::bail!("{} on CUDA takes f32, bf16 or f16, not {:?}", $what, $storage.dtype()),
+            }
+        }};
+    }
+
+    /// `x W + b` for contiguous x (.., in), W (in, out), b (out,) of one dtype: one cuBLASLt gemm
+    /// with the bias added in its epilogue, or where cuBLASLt cannot, cuBLAS's gemm (candle's own
+    /// matmul on the storages) and then the bias added to each row by one kernel
+    /// (cuda/linear.cu): (N, out), N the rows of x.
     pub fn linear(
         (x, lx): (&CudaStorage, &Layout),
         (w, lw): (&CudaStorage, &Layout),
@@ -154,6 +240,10 @@ pub mod cuda {
         let rows = lx.shape().elem_count() / d_in.max(1);
         if lx.dims().last() != Some(&d_in) || lb.shape().elem_count() != d_out || !lx.is_contiguous() {
             candle_core::bail!("linear on CUDA: input {:?}, weight {:?}, bias {:?}", lx.dims(), lw.dims(), lb.dims());
+        }
+        let fused = by_dtype!(x, "linear", |T| fused_linear::<T>((x, lx), (w, lw), (b, lb), (rows, d_in, d_out)))?;
+        if let Some(out) = fused {
+            return Ok(out);
         }
         let x_rows = Layout::contiguous_with_offset((rows, d_in), lx.start_offset());
         let xw = x.matmul(w, (1, rows, d_out, d_in), &x_rows, lw)?;
@@ -175,6 +265,97 @@ pub mod cuda {
             // SAFETY: the arguments match the kernel's signature.
             unsafe { launch.launch(cfg) }.w().map(|_| out)
         }))
+    }
+
+    /// [`linear`] by one cuBLASLt gemm with the bias in its epilogue; None where cuBLASLt cannot.
+    /// Column-major, as cuBLAS counts: out^T (out x N) = W^T (out x in) x^T (in x N) + b.
+    fn fused_linear<T: Float>(
+        (x, lx): (&CudaStorage, &Layout),
+        (w, lw): (&CudaStorage, &Layout),
+        (b, lb): (&CudaStorage, &Layout),
+        (rows, d_in, d_out): (usize, usize, usize),
+    ) -> Result<Option<CudaSlice<T>>> {
+        if !cublaslt::enabled() {
+            return Ok(None);
+        }
+        let dev = x.device();
+        let (xv, wv, bv) =
+            (view::<T>(x, lx, "linear input")?, view::<T>(w, lw, "linear weight")?, view::<T>(b, lb, "linear bias")?);
+        // SAFETY: the gemm writes every element (or, refused, nothing and the slice is dropped).
+        let mut out = unsafe { dev.alloc::<T>(rows * d_out)? };
+        let stream = dev.cuda_stream();
+        let ran = {
+            let ((a, _a), (bb, _b), (v, _v)) = (wv.device_ptr(&stream), xv.device_ptr(&stream), bv.device_ptr(&stream));
+            let (d, _d) = out.device_ptr_mut(&stream);
+            let op = Operands {
+                dtype: T::DTYPE,
+                epilogue: Epilogue::Bias,
+                transpose_b: false,
+                m: d_out as u64,
+                n: rows as u64,
+                k: d_in as u64,
+                a,
+                b: bb,
+                d,
+                v,
+            };
+            // SAFETY: W holds in x out values, x rows x in, b out, and out rows x out, all on dev.
+            unsafe { cublaslt::matmul(dev, &op)? }
+        };
+        Ok(ran.then_some(out))
+    }
+
+    /// [`super::WeightAndBiasGrads`] on the GPU for contiguous x (N, in) and dy (N, out) of one
+    /// dtype: (in + 1, out), dW = x^T dy then db. One cuBLASLt gemm, column-major dW^T (out x in)
+    /// = dy^T (out x N) x (N x in) with dy^T's row sums (over N) in its epilogue; where cuBLASLt
+    /// cannot, candle's gemm and [`column_sums`], copied in.
+    pub fn weight_and_bias_grads(
+        (x, lx): (&CudaStorage, &Layout),
+        (g, lg): (&CudaStorage, &Layout),
+    ) -> Result<CudaStorage> {
+        let grads = by_dtype!(x, "the linear's weight gradient", |T| weight_and_bias_grads_as::<T>((x, lx), (g, lg))
+            .map(Some))?;
+        grads.ok_or_else(|| candle_core::Error::Msg("the linear's weight gradient: no result".into()))
+    }
+
+    fn weight_and_bias_grads_as<T: Float>(
+        (x, lx): (&CudaStorage, &Layout),
+        (g, lg): (&CudaStorage, &Layout),
+    ) -> Result<CudaSlice<T>> {
+        let ((n, d_in), (n_g, d_out)) = (lx.shape().dims2()?, lg.shape().dims2()?);
+        if n != n_g {
+            candle_core::bail!("the linear's weight gradient: input {:?} against gradient {:?}", lx.dims(), lg.dims());
+        }
+        let dev: &CudaDevice = x.device();
+        let (xv, gv) = (view::<T>(x, lx, "linear input")?, view::<T>(g, lg, "linear output gradient")?);
+        // SAFETY: the gemm (or the copies below) writes every element.
+        let mut out = unsafe { dev.alloc::<T>((d_in + 1) * d_out)? };
+        let stream = dev.cuda_stream();
+        let ran = {
+            let ((a, _a), (b, _b)) = (gv.device_ptr(&stream), xv.device_ptr(&stream));
+            let (d, _d) = out.device_ptr_mut(&stream);
+            let op = Operands {
+                dtype: T::DTYPE,
+                epilogue: Epilogue::BiasGradA,
+                transpose_b: true,
+                m: d_out as u64,
+                n: d_in as u64,
+                k: n as u64,
+                a,
+                b,
+                d,
+                v: d + (d_in * d_out * std::mem::size_of::<T>()) as u64,
+            };
+            // SAFETY: dy holds N x out values, x N x in, and out (in + 1) x out, all on dev.
+            unsafe { cublaslt::matmul(dev, &op)? }
+        };
+        if !ran {
+            let dw = x.matmul(g, (1, d_in, d_out, n), &lx.transpose(0, 1)?, lg)?;
+            let db = column_sums(g, lg)?;
+            stream.memcpy_dtod(T::as_cuda_slice(&dw)?, &mut out.slice_mut(0..d_in * d_out)).w()?;
+            stream.memcpy_dtod(T::as_cuda_slice(&db)?, &mut out.slice_mut(d_in * d_out..)).w()?;
+        }
+        Ok(out)
     }
 
     /// Rows a block of the column-sum kernel adds at least, and chunks of rows at most.
@@ -237,6 +418,20 @@ mod tests {
         assert!(g.get(&w).is_none() && g.get(xv.as_tensor()).is_some());
         Ok(())
     }
+
+    #[test]
+    fn weight_and_bias_grads_are_the_gemm_and_the_column_sums() -> Result<()> {
+        let x = randn(0f32, 1.0, (70, 24), &dev())?;
+        let g = randn(0f32, 1.0, (70, 40), &dev())?;
+        let both = x.apply_op2_no_bwd(&g, &WeightAndBiasGrads)?;
+        assert_eq!(both.dims(), [25, 40]);
+        let dw = x.t()?.matmul(&g)?;
+        let db = g.sum(0)?;
+        let diff = |a: &Tensor, b: &Tensor| -> Result<f32> { (a - b)?.abs()?.max_all()?.to_scalar::<f32>() };
+        assert!(diff(&both.narrow(0, 0, 24)?, &dw)? < 1e-4, "dW");
+        assert!(diff(&both.narrow(0, 24, 1)?.reshape(40)?, &db)? < 1e-4, "db");
+        Ok(())
+    }
 }
 
 /// On a GPU against the CPU (the CUDA build's unit tests, which `scripts/gpu-check.sh` runs from
@@ -266,6 +461,9 @@ mod cuda_tests {
         }
         let (_, again) = value_and_grads(&[&x, &w, &b], &gpu, f)?;
         assert_eq!(max_diff(&again[2], &g_gpu[2])?, 0.0, "db differs between two runs");
+        // The forward's and the weight gradient's gemms took cuBLASLt's fused epilogues.
+        let (fused, unfused) = crate::kernels::cublaslt::counts();
+        assert!(fused >= 2, "cuBLASLt's epilogues ran {fused} times, the unfused path {unfused}");
         // Half precision against the composed reference in that dtype.
         for dtype in [DType::BF16, DType::F16] {
             let (xh, wh, bh) = (x.to_dtype(dtype)?, w.to_dtype(dtype)?, b.to_dtype(dtype)?);
@@ -278,6 +476,38 @@ mod cuda_tests {
             assert!(max_diff(&got, &want)? <= 1e-2 * largest(&want)?, "{dtype:?} output {}", max_diff(&got, &want)?);
             let db_want = g_cpu[2].to_dtype(dtype)?;
             assert!(max_diff(&grads[2], &db_want)? <= 2e-2 * largest(&db_want)?, "{dtype:?} db");
+        }
+        Ok(())
+    }
+
+    /// The fused path (cuBLASLt's bias and bias-gradient epilogues) against the unfused one
+    /// (cuBLAS's gemm and the bias kernels) on the same GPU, in every dtype: the same gemm
+    /// arithmetic, the bias added before rounding instead of after.
+    #[test]
+    fn cublaslt_epilogues_match_the_unfused_linear() -> Result<()> {
+        let Some(gpu) = gpu() else { return Ok(()) };
+        use crate::kernels::cublaslt;
+        let x = Tensor::randn(0f32, 1f32, (4, 64, 128), &Device::Cpu)?;
+        let w = (Tensor::randn(0f32, 1f32, (128, 384), &Device::Cpu)? * 0.1)?;
+        let b = Tensor::randn(0f32, 1f32, 384, &Device::Cpu)?;
+        let f = |t: &[Tensor]| crate::kernels::ops::linear(&t[0], &t[1], &t[2]);
+        for (dtype, bound) in [(DType::F32, 1e-5), (DType::BF16, 1e-2), (DType::F16, 2e-3)] {
+            let t: Vec<Tensor> = [&x, &w, &b].iter().map(|t| t.to_dtype(dtype)).collect::<Result<_>>()?;
+            let before = cublaslt::counts();
+            let (y, grads) = value_and_grads(&[&t[0], &t[1], &t[2]], &gpu, f)?;
+            let after = cublaslt::counts();
+            // (At least: other tests may run matmuls meanwhile.)
+            assert!(after.0 - before.0 >= 2, "{dtype:?}: the fused path ran {} times", after.0 - before.0);
+            cublaslt::set_enabled(false);
+            let unfused = value_and_grads(&[&t[0], &t[1], &t[2]], &gpu, f);
+            cublaslt::set_enabled(true);
+            let (y_ref, grads_ref) = unfused?;
+            assert!(max_diff(&y, &y_ref)? <= bound * largest(&y_ref)?, "{dtype:?} output {}", max_diff(&y, &y_ref)?);
+            for (name, got, want) in
+                [("dx", &grads[0], &grads_ref[0]), ("dw", &grads[1], &grads_ref[1]), ("db", &grads[2], &grads_ref[2])]
+            {
+                assert!(max_diff(got, want)? <= bound * largest(want)?, "{dtype:?} {name}: {}", max_diff(got, want)?);
+            }
         }
         Ok(())
     }
