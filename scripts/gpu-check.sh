@@ -17,8 +17,8 @@
 #   ab: gpt2 B8 T1024 bf16 training as built against the same build with AB_ENV set (default
 #      HYBRID_ENGINE_CUBLASLT=0: the linears without cuBLASLt's epilogues), alternating, AB_ROUNDS
 #      times (default 2): each run's tokens/s, its phases, the host's time to queue forward and
-#      backward, the matmuls with and without the epilogues; then generation at step 3's
-#      benchmark shape (gpt2-medium B16 P256+256 bf16);
+#      backward, the matmuls with and without the epilogues; then the build without dropout
+#      (its cost), and generation at step 3's benchmark shape (gpt2-medium B16 P256+256 bf16);
 #   bench: gpt2 B8 T1024 bf16 training as built and with the composed attention
 #      (HYBRID_ENGINE_FLASH_ATTENTION=0), `bench ops`, and the PyTorch comparison rows of
 #      scripts/bench/gpu_table.py (gpt2 and gpt2-medium training, generation at batch 32; BENCH_ROWS
@@ -145,6 +145,9 @@ if [[ " $stages " == *" ab "* ]]; then
       summarise_train "$work/$label.log" "$label"
     done
   done
+  # What dropout (the attention's drawn in its kernels, the residuals', the embeddings') costs.
+  stage ab-no-dropout 90 "$bin" bench "${train_args[@]}" --steps 10 --warmup 3 --dropout 0
+  summarise_train "$work/ab-no-dropout.log" "no dropout"
   stage generate-medium 90 "$bin" bench generate --model gpt2-medium --batch 16 --prompt-len 256 --new-tokens 256 \
     --warmup 1 --reps 3 --dtype bf16 --device cuda
   python3 - "$work/generate-medium.log" <<'PY' 2>/dev/null | tee -a "$summary"

@@ -3,8 +3,9 @@
 //!
 //! Modes (one configuration per process, so the peak RSS belongs to that configuration):
 //!
-//! * `train --model M --batch B --seq T --steps N --warmup W [--checkpoint-activations]`: full
-//!   training steps on random token ids (forward with dropout on, as in torch train mode;
+//! * `train --model M --batch B --seq T --steps N --warmup W [--checkpoint-activations]
+//!   [--dropout P]`: full training steps on random token ids (forward with dropout on, as in
+//!   torch train mode, at the model's probabilities or P for all;
 //!   backward; clip to global norm 1.0; AdamW update, by `optim::clip_and_step` as the trainers:
 //!   on a GPU the fused step). Reports the median over N steps after W warmup steps:
 //!   `tokens_per_s` = B*T / step time; `ms_forward_backward` and `ms_optimizer` (the norm, the
@@ -61,7 +62,7 @@ use rand_chacha::ChaCha8Rng;
 use std::time::Instant;
 
 const USAGE: &str = "usage:
-  bench train --model tiny|gpt2|gpt2-medium --batch B --seq T --steps N --warmup W [--checkpoint-activations] [--dtype fp32|bf16]
+  bench train --model tiny|gpt2|gpt2-medium --batch B --seq T --steps N --warmup W [--checkpoint-activations] [--dtype fp32|bf16] [--dropout P]
   bench generate --model tiny|gpt2|gpt2-medium --batch B --prompt-len P --new-tokens N --warmup W --reps R [--dtype fp32|bf16]
                  [--temperature T [--top-k K] [--top-p P]]
   bench ops --model tiny|gpt2|gpt2-medium --batch B --seq T --reps R [--dtype fp32|bf16]
@@ -81,6 +82,8 @@ struct TrainArgs {
     warmup: usize,
     checkpoint_activations: bool,
     dtype: DType,
+    /// Every dropout probability (embeddings, attention, residual) instead of the model's.
+    dropout: Option<f64>,
 }
 
 struct GenerateArgs {
@@ -173,6 +176,7 @@ fn parse_args(args: &[String]) -> Result<(Mode, String)> {
             warmup: num(&mut values, "warmup")?,
             checkpoint_activations,
             dtype,
+            dropout: values.remove("dropout").map(|p| p.parse()).transpose().context("--dropout: a probability")?,
         }),
         "generate" => Mode::Generate(GenerateArgs {
             model: take(&mut values, "model")?,
@@ -328,9 +332,15 @@ fn bench_train(a: &TrainArgs, device: &Device) -> Result<serde_json::Value> {
     if a.steps == 0 || a.batch == 0 || a.seq == 0 {
         bail!("--steps, --batch and --seq must be positive");
     }
-    let cfg = model_config(&a.model)?;
+    let mut cfg = model_config(&a.model)?;
     if a.seq > cfg.n_positions {
         bail!("--seq {} exceeds {}'s context of {} tokens", a.seq, a.model, cfg.n_positions);
+    }
+    if let Some(p) = a.dropout {
+        if !(0.0..1.0).contains(&p) {
+            bail!("--dropout {p}: a probability in [0, 1)");
+        }
+        (cfg.embd_pdrop, cfg.attn_pdrop, cfg.resid_pdrop) = (p, p, p);
     }
     // fp32 masters; in bf16 the model runs on a bf16 copy, as the trainer's --dtype bf16.
     let params = ParamStore::init(&cfg, SEED, device)?;
@@ -410,6 +420,7 @@ fn bench_train(a: &TrainArgs, device: &Device) -> Result<serde_json::Value> {
         "batch": a.batch,
         "seq": a.seq,
         "checkpoint_activations": a.checkpoint_activations,
+        "dropout": [cfg.embd_pdrop, cfg.attn_pdrop, cfg.resid_pdrop],
         "dtype": dtype_name(a.dtype),
         "vocab_size": cfg.vocab_size,
         "params": hybrid_engine::model::params::parameter_count(&cfg),
