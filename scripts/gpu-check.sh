@@ -16,9 +16,10 @@
 # Three measuring stages run only when named in STAGES:
 #   ab: gpt2 B8 T1024 bf16 training as built against the same build with AB_ENV set (default
 #      HYBRID_ENGINE_CUBLASLT=0: the linears without cuBLASLt's epilogues), alternating, AB_ROUNDS
-#      times (default 2): each run's tokens/s, its phases, the host's time to queue forward and
-#      backward, the matmuls with and without the epilogues; then the build without dropout
-#      (its cost), and generation at step 3's benchmark shape (gpt2-medium B16 P256+256 bf16);
+#      times (default 2): each run's tokens/s, its phases, the host's and the GPU's times at the
+#      step's marks (bench's `timeline`), the matmuls with and without the epilogues; then the
+#      build without dropout (its cost), and generation at step 3's benchmark shape (gpt2-medium
+#      B16 P256+256 bf16);
 #   bench: gpt2 B8 T1024 bf16 training as built and with the composed attention
 #      (HYBRID_ENGINE_FLASH_ATTENTION=0), `bench ops`, and the PyTorch comparison rows of
 #      scripts/bench/gpu_table.py (gpt2 and gpt2-medium training, generation at batch 32; BENCH_ROWS
@@ -126,11 +127,12 @@ summarise_train() {
   python3 - "$1" "$2" <<'PY' 2>/dev/null | tee -a "$summary"
 import json, sys
 r = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
-host = r.get("ms_host_forward_backward")
-print("  %s: %.0f tokens/s, ms forward+backward / optimizer %.1f / %.1f, host queues forward+backward in %s ms, "
-      "cpu %.1f ms a step, cuBLASLt fused/unfused %s" % (
-          sys.argv[2], r["tokens_per_s"], r["ms_forward_backward"], r["ms_optimizer"],
-          "-" if host is None else "%.1f" % host, r["cpu_ms_per_step"], r.get("cublaslt_fused_unfused")))
+marks = ", ".join("%s %.1f/%s" % (m["mark"], m["host_ms"], "-" if m.get("gpu_ms") is None else "%.1f" % m["gpu_ms"])
+                  for m in r.get("timeline") or [])
+print("  %s: %.0f tokens/s, ms forward+backward / optimizer %.1f / %.1f, cpu %.1f ms a step, "
+      "cuBLASLt fused/unfused %s; ms host/GPU at %s" % (
+          sys.argv[2], r["tokens_per_s"], r["ms_forward_backward"], r["ms_optimizer"], r["cpu_ms_per_step"],
+          r.get("cublaslt_fused_unfused"), marks or "-"))
 PY
 }
 

@@ -6,24 +6,38 @@
 
 #include "common.cuh"
 
-#define GELU(NAME, T, TO_F32, FROM_F32)                                                          \
-  extern "C" __global__ void NAME(const T *h, T *y, uint64_t n) {                                 \
-    for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < n;                     \
-         i += (uint64_t)blockDim.x * gridDim.x) {                                                 \
-      y[i] = FROM_F32(gelu_new(TO_F32(h[i])));                                                    \
-    }                                                                                             \
+// gelu_new'(u), in f32.
+__device__ __forceinline__ float gelu_slope(float u) {
+  const float t = tanhf(GELU_K0 * u * (1.0f + GELU_K1 * u * u));
+  return 0.5f * (1.0f + t) + 0.5f * u * (1.0f - t * t) * GELU_K0 * (1.0f + 3.0f * GELU_K1 * u * u);
+}
+
+#define GELU(NAME, T, TO_F32, FROM_F32)                                                   \
+  extern "C" __global__ void NAME(const T *h, T *y, uint64_t n) {                          \
+    elementwise8(                                                                          \
+        n, aligned16(h) && aligned16(y),                                                   \
+        [&](uint64_t p) {                                                                  \
+          const Pack8<T> a = reinterpret_cast<const Pack8<T> *>(h)[p];                     \
+          Pack8<T> o;                                                                      \
+          _Pragma("unroll") for (int k = 0; k < 8; ++k) o.v[k] = FROM_F32(gelu_new(TO_F32(a.v[k]))); \
+          reinterpret_cast<Pack8<T> *>(y)[p] = o;                                          \
+        },                                                                                 \
+        [&](uint64_t i) { y[i] = FROM_F32(gelu_new(TO_F32(h[i]))); });                     \
   }
 
-#define GELU_GRAD(NAME, T, TO_F32, FROM_F32)                                                     \
-  extern "C" __global__ void NAME(const T *h, const T *dy, T *dh, uint64_t n) {                   \
-    for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < n;                     \
-         i += (uint64_t)blockDim.x * gridDim.x) {                                                 \
-      const float u = TO_F32(h[i]);                                                               \
-      const float t = tanhf(GELU_K0 * u * (1.0f + GELU_K1 * u * u));                              \
-      const float slope =                                                                         \
-          0.5f * (1.0f + t) + 0.5f * u * (1.0f - t * t) * GELU_K0 * (1.0f + 3.0f * GELU_K1 * u * u); \
-      dh[i] = FROM_F32(TO_F32(dy[i]) * slope);                                                    \
-    }                                                                                             \
+#define GELU_GRAD(NAME, T, TO_F32, FROM_F32)                                              \
+  extern "C" __global__ void NAME(const T *h, const T *dy, T *dh, uint64_t n) {            \
+    elementwise8(                                                                          \
+        n, aligned16(h) && aligned16(dy) && aligned16(dh),                                 \
+        [&](uint64_t p) {                                                                  \
+          const Pack8<T> a = reinterpret_cast<const Pack8<T> *>(h)[p];                     \
+          const Pack8<T> g = reinterpret_cast<const Pack8<T> *>(dy)[p];                    \
+          Pack8<T> o;                                                                      \
+          _Pragma("unroll") for (int k = 0; k < 8; ++k) o.v[k] =                           \
+              FROM_F32(TO_F32(g.v[k]) * gelu_slope(TO_F32(a.v[k])));                       \
+          reinterpret_cast<Pack8<T> *>(dh)[p] = o;                                         \
+        },                                                                                 \
+        [&](uint64_t i) { dh[i] = FROM_F32(TO_F32(dy[i]) * gelu_slope(TO_F32(h[i]))); });  \
   }
 
 #define IDENTITY(v) (v)

@@ -12,9 +12,10 @@
 //!   clipping, AdamW and the compute copy's refresh) are the medians of the step's two phases.
 //!   `flops_per_token` is the model FLOPs per trained token (6N + 12LHQT, see
 //!   `train_flops_per_token`), for MFU; `cpu_ms_per_step` the process's CPU time per step (on a
-//!   GPU it counts the host spinning in synchronisations too); `ms_host_forward_backward` the
-//!   host's time to queue forward and backward, before it waits for the loss: near
-//!   `ms_forward_backward`, the host sets the pace; far under it, the GPU does;
+//!   GPU it counts the host spinning in synchronisations too); `timeline` the medians of the
+//!   host's and the GPU's times at marks in the step (forward queued, backward queued, gradients
+//!   finished, optimizer queued; see `Timeline`): where the GPU's time is near the host's, the
+//!   host sets the pace;
 //!   `cublaslt_fused_unfused` the matmuls so far with and without cuBLASLt's epilogues.
 //! * `generate --model M --batch B --prompt-len P --new-tokens N --warmup W --reps R`: greedy
 //!   generation with the KV cache (prefill included), or sampled with `--temperature T [--top-k K]
@@ -309,6 +310,86 @@ fn pool_peak_mib(device: &Device, reset: bool) -> Result<Option<f64>> {
     Ok(None)
 }
 
+/// Where a step's time goes between the host and the GPU: at each mark, the host's time since the
+/// step began and the GPU's time to finish everything queued before the mark (a CUDA event
+/// recorded there, against one recorded at the start, when the GPU was idle). Where the two are
+/// close, the GPU had caught up and waited for the host; where the GPU's is later, the host ran
+/// ahead. On the CPU only the host's times.
+struct Timeline {
+    start: Instant,
+    #[cfg(feature = "cuda")]
+    events: Option<(
+        std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>,
+        Vec<candle_core::cuda_backend::cudarc::driver::CudaEvent>,
+    )>,
+    marks: Vec<(&'static str, f64)>,
+}
+
+impl Timeline {
+    fn start(device: &Device, start: Instant) -> Result<Self> {
+        #[cfg(feature = "cuda")]
+        let events = match device {
+            Device::Cuda(dev) => {
+                let stream = dev.cuda_stream();
+                let first = stream.record_event(Some(
+                    candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT,
+                ))?;
+                Some((stream, vec![first]))
+            }
+            _ => None,
+        };
+        let _ = device;
+        Ok(Self {
+            start,
+            #[cfg(feature = "cuda")]
+            events,
+            marks: Vec::new(),
+        })
+    }
+
+    fn mark(&mut self, name: &'static str) -> Result<()> {
+        self.marks.push((name, self.start.elapsed().as_secs_f64() * 1e3));
+        #[cfg(feature = "cuda")]
+        if let Some((stream, events)) = &mut self.events {
+            events.push(
+                stream.record_event(Some(
+                    candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT,
+                ))?,
+            );
+        }
+        Ok(())
+    }
+
+    /// (mark, host ms, GPU ms or NaN) for each mark.
+    fn finish(self) -> Result<Vec<(&'static str, f64, f64)>> {
+        #[allow(unused_mut)]
+        let mut gpu = vec![f64::NAN; self.marks.len()];
+        #[cfg(feature = "cuda")]
+        if let Some((_, events)) = &self.events {
+            for (g, event) in gpu.iter_mut().zip(&events[1..]) {
+                *g = f64::from(events[0].elapsed_ms(event)?);
+            }
+        }
+        Ok(self.marks.iter().zip(gpu).map(|(&(name, host), gpu)| (name, host, gpu)).collect())
+    }
+
+    /// Each mark's median host and GPU times over the steps, as JSON.
+    fn medians(steps: &[Vec<(&'static str, f64, f64)>]) -> serde_json::Value {
+        let Some(first) = steps.first() else { return serde_json::Value::Null };
+        let column = |i: usize, f: fn(&(&'static str, f64, f64)) -> f64| {
+            median(&steps.iter().map(|s| f(&s[i])).collect::<Vec<_>>())
+        };
+        first
+            .iter()
+            .enumerate()
+            .map(|(i, (name, _, _))| {
+                let gpu = column(i, |m| m.2);
+                serde_json::json!({"mark": name, "host_ms": column(i, |m| m.1), "gpu_ms": (!gpu.is_nan()).then_some(gpu)})
+            })
+            .collect()
+    }
+}
+
 /// The matmuls that took cuBLASLt's fused epilogues and those that could not, so far.
 fn cublaslt_counts() -> Option<(u64, u64)> {
     #[cfg(feature = "cuda")]
@@ -354,7 +435,7 @@ fn bench_train(a: &TrainArgs, device: &Device) -> Result<serde_json::Value> {
     let mut times = Vec::with_capacity(a.steps);
     let mut cpu_times = Vec::with_capacity(a.steps);
     let mut phases: [Vec<f64>; 2] = Default::default();
-    let mut host_issue = Vec::with_capacity(a.steps);
+    let mut timelines = Vec::with_capacity(a.steps);
     let mut loss = f32::NAN;
     for step in 0..a.warmup + a.steps {
         if step == a.warmup {
@@ -370,8 +451,9 @@ fn bench_train(a: &TrainArgs, device: &Device) -> Result<serde_json::Value> {
 
         device.synchronize()?;
         let (start, cpu_start) = (Instant::now(), cpu_seconds());
+        let mut timeline = Timeline::start(device, start)?;
         let mut acc = GradAccumulator::new(&compute);
-        let issued = if a.checkpoint_activations {
+        if a.checkpoint_activations {
             loss = hybrid_engine::training::train_step::lm_forward_backward(
                 &model,
                 &ids,
@@ -380,21 +462,22 @@ fn bench_train(a: &TrainArgs, device: &Device) -> Result<serde_json::Value> {
                 hybrid_engine::training::train_step::Backward { checkpoint_activations: true, loss_scale: 1.0 },
                 &mut acc,
             )?;
-            None
         } else {
-            // lm_forward_backward's whole-model path, with the moment the host has queued the
-            // last kernel taken before the loss comes back (which waits for the GPU).
+            // lm_forward_backward's whole-model path, marked where the host has queued the
+            // forward and the backward, before the loss comes back (which waits for the GPU).
             let loss_t = model.lm_loss(&ids, &targets, Some(&dropout))?;
+            timeline.mark("forward queued")?;
             acc.add(&(&loss_t * 1.0)?.backward()?)?; // the trainers' loss scale, as they run it
-            let issued = Instant::now();
+            timeline.mark("backward queued")?;
             loss = loss_t.to_scalar::<f32>()?;
-            Some(issued)
-        };
+        }
         let grads = acc.finish_in_compute_dtype()?;
         device.synchronize()?;
         let backward_done = Instant::now();
+        timeline.mark("gradients finished")?;
         memory.sample(device)?;
         clip_and_step(&mut opt, &params, &compute, grads, LR, 1.0)?;
+        timeline.mark("optimizer queued")?;
         device.synchronize()?;
         let end = Instant::now();
         memory.sample(device)?;
@@ -403,9 +486,7 @@ fn bench_train(a: &TrainArgs, device: &Device) -> Result<serde_json::Value> {
             times.push((end - start).as_secs_f64());
             phases[0].push((backward_done - start).as_secs_f64());
             phases[1].push((end - backward_done).as_secs_f64());
-            if let Some(issued) = issued {
-                host_issue.push((issued - start).as_secs_f64());
-            }
+            timelines.push(timeline.finish()?);
         }
     }
     let step_s = median(&times);
@@ -433,7 +514,7 @@ fn bench_train(a: &TrainArgs, device: &Device) -> Result<serde_json::Value> {
         "ms_per_step_min": times.iter().copied().fold(f64::INFINITY, f64::min) * 1e3,
         "ms_per_step_max": times.iter().copied().fold(0.0, f64::max) * 1e3,
         "ms_forward_backward": median(&phases[0]) * 1e3,
-        "ms_host_forward_backward": (!host_issue.is_empty()).then(|| median(&host_issue) * 1e3),
+        "timeline": Timeline::medians(&timelines),
         "cublaslt_fused_unfused": cublaslt_counts(),
         "ms_optimizer": median(&phases[1]) * 1e3,
         "cpu_ms_per_step": median(&cpu_times) * 1e3,

@@ -23,6 +23,12 @@ pub(crate) fn elementwise(n: usize) -> LaunchConfig {
     LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 }
 }
 
+/// A thread per eight elements, for the kernels that move eight values at a time
+/// (common.cuh's `elementwise8`; they stride over the rest).
+pub(crate) fn elementwise8(n: usize) -> LaunchConfig {
+    elementwise(n.div_ceil(8))
+}
+
 /// One thread per element, no stride loop (kernels that return past the end).
 pub(crate) fn elementwise_unstrided(n: usize) -> LaunchConfig {
     let blocks = (n as u32).div_ceil(BLOCK).max(1);

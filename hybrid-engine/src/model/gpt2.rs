@@ -532,6 +532,27 @@ pub struct Positions<'a> {
 /// rows stay finite instead of NaN.
 pub const MASKED: f32 = -1e9;
 
+/// The causal bias (1, 1, T, S) of T new tokens after `past` cached ones, without padding: 0 where
+/// j <= past + i, else [`MASKED`]. The last one made is kept and handed out again (read-only), so
+/// that a training step at a fixed length neither fills T x S values on the host nor uploads them.
+fn causal_bias(t: usize, past: usize, device: &Device) -> Result<Tensor> {
+    type Kept = Option<((usize, usize, candle_core::DeviceLocation), Tensor)>;
+    static LAST: std::sync::Mutex<Kept> = std::sync::Mutex::new(None);
+    let key = (t, past, device.location());
+    let mut last =
+        LAST.lock().map_err(|_| candle_core::Error::Msg("the causal bias cache's lock is poisoned".into()))?;
+    if let Some((k, bias)) = last.as_ref() {
+        if *k == key && bias.device().same_device(device) {
+            return Ok(bias.clone());
+        }
+    }
+    let s = past + t;
+    let bias: Vec<f32> = (0..t).flat_map(|i| (0..s).map(move |j| if j <= past + i { 0.0 } else { MASKED })).collect();
+    let bias = Tensor::from_vec(bias, (1, 1, t, s), device)?;
+    *last = Some((key, bias.clone()));
+    Ok(bias)
+}
+
 pub struct Gpt2 {
     wte: Tensor, // (V, C); under tensor parallelism this rank's rows of the padded vocabulary
     wpe: Tensor, // (n_positions, C)
@@ -614,7 +635,7 @@ impl Gpt2 {
         let s = past + t;
         let keys: Option<Vec<Vec<f32>>> = match pos.attention_mask {
             Some(m) => Some(m.to_dtype(DType::F32)?.to_vec2()?),
-            None => None,
+            None => return causal_bias(t, past, device),
         };
         let rows = if keys.is_some() { b } else { 1 };
         let mut bias = vec![0f32; rows * t * s];

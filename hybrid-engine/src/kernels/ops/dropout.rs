@@ -46,7 +46,7 @@ pub fn dropout(x: &Tensor, mask: DropoutMask) -> Result<Tensor> {
 /// The launchers of the CUDA kernels (`cuda_fwd` above calls them).
 #[cfg(feature = "cuda")]
 pub mod cuda {
-    use crate::kernels::cuda::{elementwise, for_float_dtype, ptx};
+    use crate::kernels::cuda::{elementwise8, for_float_dtype, ptx};
     use crate::kernels::dropout::DropoutMask;
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
@@ -67,7 +67,7 @@ pub mod cuda {
             let n = n as u64;
             launch.arg(src).arg(&out).arg(&n).arg(&seed).arg(&threshold).arg(&scale);
             // SAFETY: the arguments match the kernel's signature.
-            unsafe { launch.launch(elementwise(n as usize)) }.w().map(|_| out)
+            unsafe { launch.launch(elementwise8(n as usize)) }.w().map(|_| out)
         }))
     }
 }
@@ -110,6 +110,11 @@ mod cuda_tests {
             let want = dropout_reference(&x, key.mask(0.25, 2, 1))?;
             let got = dropout(&x.to_device(&gpu)?, 0.25, &key, 2, 1)?;
             assert_eq!(max_diff(&got, &want)?, 0.0, "{dtype:?}");
+            // A view three values into its buffer: not 16-byte aligned, one value at a time.
+            let flat = x.flatten_all()?;
+            let view = flat.to_device(&gpu)?.narrow(0, 3, flat.elem_count() - 3)?;
+            let want = dropout_reference(&flat.narrow(0, 3, flat.elem_count() - 3)?, key.mask(0.25, 2, 1))?;
+            assert_eq!(max_diff(&dropout(&view, 0.25, &key, 2, 1)?, &want)?, 0.0, "{dtype:?} unaligned");
         }
         let v = Var::from_tensor(&x.to_device(&gpu)?)?;
         let weights = Tensor::randn(0f32, 1f32, x.shape(), &gpu)?;

@@ -8,7 +8,16 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tenso
 
 /// Rows of a table: `weight` (V, C) at `ids` (N,) gives (N, C), by the backend's own gather
 /// (what `index_select` computes). The op exists for its backward, [`EmbeddingGrad`].
-struct Embedding;
+struct Embedding {
+    /// The ids grouped by row ([`group_ids`]), read from a GPU when the forward ran, where the
+    /// stream is nearly empty: read in backward, they would make the host wait for every queued
+    /// kernel of the backward before it could queue the rest. None on the CPU or without a
+    /// gradient to come.
+    grouped: Option<Grouped>,
+}
+
+/// [`group_ids`]'s packed groups and their count.
+type Grouped = std::sync::Arc<(Vec<u32>, usize)>;
 
 /// The gradient of [`Embedding`]'s table, dw (V, C): row v the sum of dy's rows at the positions
 /// whose id is v, added in f32 in the order of the positions (as candle's `index_add` adds them
@@ -18,6 +27,7 @@ struct Embedding;
 struct EmbeddingGrad {
     vocab: usize,
     ids: Tensor,
+    grouped: Option<Grouped>,
 }
 
 /// The positions of `ids` grouped by id, ascending, packed as the GPU kernel reads them: the G
@@ -43,6 +53,12 @@ fn group_ids(ids: &[u32], vocab: usize) -> Result<(Vec<u32>, usize)> {
     rows.extend(starts);
     rows.extend(positions);
     Ok((rows, groups))
+}
+
+/// `ids` read to the host and grouped by row ([`group_ids`]) for a table of `vocab` rows.
+fn grouped_ids(ids: &Tensor, vocab: usize) -> Result<Grouped> {
+    let ids = ids.flatten_all()?.to_dtype(candle_core::DType::U32)?.to_vec1::<u32>()?;
+    Ok(std::sync::Arc::new(group_ids(&ids, vocab)?))
 }
 
 impl CustomOp2 for Embedding {
@@ -76,19 +92,23 @@ impl CustomOp2 for Embedding {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let op = EmbeddingGrad { vocab: weight.dim(0)?, ids: ids.clone() };
+        let op = EmbeddingGrad { vocab: weight.dim(0)?, ids: ids.clone(), grouped: self.grouped.clone() };
         Ok((Some(grad.contiguous()?.apply_op1_no_bwd(&op)?), None))
     }
 }
 
 impl EmbeddingGrad {
-    /// The ids on the host, grouped by row ([`group_ids`]).
-    fn groups(&self, n: usize) -> Result<(Vec<u32>, usize)> {
-        let ids = self.ids.flatten_all()?.to_dtype(candle_core::DType::U32)?.to_vec1::<u32>()?;
-        if ids.len() != n {
-            candle_core::bail!("embedding backward: {} ids for {n} gradient rows", ids.len());
+    /// The ids grouped by row ([`group_ids`]): as the forward read them, or read now.
+    fn groups(&self, n: usize) -> Result<Grouped> {
+        let grouped = match &self.grouped {
+            Some(grouped) => grouped.clone(),
+            None => grouped_ids(&self.ids, self.vocab)?,
+        };
+        let ids = grouped.0.len() - 2 * grouped.1 - 1;
+        if ids != n {
+            candle_core::bail!("embedding backward: {ids} ids for {n} gradient rows");
         }
-        group_ids(&ids, self.vocab)
+        Ok(grouped)
     }
 }
 
@@ -100,7 +120,8 @@ impl CustomOp1 for EmbeddingGrad {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let dy = contiguous_f32(s, l, "embedding gradient")?;
         let (n, c) = l.shape().dims2()?;
-        let (groups, g) = self.groups(n)?;
+        let grouped = self.groups(n)?;
+        let (groups, g) = (&grouped.0, grouped.1);
         let (rows, rest) = groups.split_at(g);
         let (starts, positions) = rest.split_at(g + 1);
         let mut dw = vec![0f32; self.vocab * c];
@@ -116,8 +137,8 @@ impl CustomOp1 for EmbeddingGrad {
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
         let (n, c) = l.shape().dims2()?;
-        let (groups, g) = self.groups(n)?;
-        let dw = cuda::embedding_grad((s, l), &groups, g, self.vocab)?;
+        let grouped = self.groups(n)?;
+        let dw = cuda::embedding_grad((s, l), &grouped.0, grouped.1, self.vocab)?;
         Ok((dw, Shape::from((self.vocab, c))))
     }
 }
@@ -125,7 +146,11 @@ impl CustomOp1 for EmbeddingGrad {
 /// Rows `ids` (N,) u32 of `weight` (V, C): (N, C), any dtype on the CPU or a GPU; its backward
 /// sums per row as described at [`EmbeddingGrad`] (f32 on the CPU; f32, bf16, f16 on a GPU).
 pub fn embedding(weight: &Tensor, ids: &Tensor) -> Result<Tensor> {
-    weight.contiguous()?.apply_op2(&ids.contiguous()?, Embedding)
+    let grouped = match weight.device().is_cuda() && weight.track_op() {
+        true => Some(grouped_ids(ids, weight.dim(0)?)?),
+        false => None,
+    };
+    weight.contiguous()?.apply_op2(&ids.contiguous()?, Embedding { grouped })
 }
 
 /// The launchers of the CUDA kernels (`cuda_fwd` above calls them).
