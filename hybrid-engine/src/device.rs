@@ -166,11 +166,12 @@ fn open_cuda(spec: &str, n: usize) -> Result<Device> {
     }
 }
 
-/// CUDA device `n` as candle opens it, without cudarc's event tracking. cudarc gives every
-/// allocation two CUDA events (created with it, destroyed with it) for ordering work across
-/// streams, and records them only when the context runs several streams; candle runs all of a
-/// device's work on one stream, so the events are never recorded, and making and destroying them
-/// is host time on each of the thousands of allocations of a training step.
+/// CUDA device `n` as candle opens it, without cudarc's event tracking, its memory pool keeping
+/// what it has. cudarc gives every allocation two CUDA events (created with it, destroyed with
+/// it) for ordering work across streams, and records them only when the context runs several
+/// streams; candle runs all of a device's work on one stream, so the events are never recorded,
+/// and making and destroying them is host time on each of the thousands of allocations of a
+/// training step.
 #[cfg(feature = "cuda")]
 fn new_cuda(n: usize) -> candle_core::Result<Device> {
     let device = Device::new_cuda(n)?;
@@ -178,8 +179,43 @@ fn new_cuda(n: usize) -> candle_core::Result<Device> {
         // SAFETY: nothing allocated on this device yet; candle and this crate create no second
         // stream on it (cudarc would then order work across streams by these events).
         unsafe { cuda.disable_event_tracking() };
+        keep_pool_memory(cuda)?;
     }
     Ok(device)
+}
+
+/// Sets the release threshold of the device's default memory pool (which cudarc's stream-ordered
+/// allocations draw from) to its maximum. At the default, 0, the pool hands every freed byte back
+/// to the driver at each synchronisation (a loss read, a gradient norm, a generated token), and
+/// the next step maps its memory afresh: host time on the allocations after every sync. Kept,
+/// the freed memory serves the next step as PyTorch's caching allocator serves it; the driver's
+/// used memory then shows the pool's high-water mark.
+#[cfg(feature = "cuda")]
+fn keep_pool_memory(cuda: &candle_core::CudaDevice) -> candle_core::Result<()> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    let failed = |what: &str, e: sys::CUresult| candle_core::Error::Msg(format!("CUDA {what}: {e:?}"));
+    cuda.cuda_stream()
+        .context()
+        .bind_to_thread()
+        .map_err(|e| candle_core::Error::Msg(format!("CUDA context: {e:?}")))?;
+    let (mut dev, mut pool, mut threshold) = (0, std::ptr::null_mut(), u64::MAX);
+    // SAFETY: the context is current; each call writes its out-parameter, and the release
+    // threshold is a u64 (the driver API's documentation).
+    unsafe {
+        let r = sys::cuCtxGetDevice(&mut dev);
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(failed("device", r));
+        }
+        if sys::cuDeviceGetDefaultMemPool(&mut pool, dev) != sys::CUresult::CUDA_SUCCESS {
+            return Ok(()); // no memory pools (cudarc then allocates without one)
+        }
+        let attribute = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD;
+        let r = sys::cuMemPoolSetAttribute(pool, attribute, (&mut threshold as *mut u64).cast());
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(failed("memory pool", r));
+        }
+    }
+    Ok(())
 }
 
 /// The number of CUDA devices the driver sees (initialising the driver first).
