@@ -44,9 +44,9 @@
 // whole dot product with the query (kept in shared memory, read by every lane at once), the warp
 // updates the running max and sum once per 32 keys, then each lane adds the 32 values' HD / 32
 // dimensions it holds (HD a multiple of 32 up to 128) with the probabilities passed along the
-// warp. One warp sum a key (the previous kernel, HYBRID_ENGINE_DECODE_ATTENTION=warp-sum-per-key
-// below) left every step a chain of shuffles: 167 us a layer for gpt2-medium at B16 over 260
-// positions on an H200, the keys read at 100 GB/s.
+// warp. One warp sum a key (the previous kernel) left every step a chain of shuffles: 167 us a
+// layer for gpt2-medium at B16 over 260 positions on an H200, the keys read at 100 GB/s; this
+// kernel made that model's decoding step 7.77 -> 4.76 ms (BENCHMARKS.md, 2026-11-28).
 #define DECODE_ATTENTION(SUFFIX, T, TO_F32, FROM_F32)                                              \
   extern "C" __global__ void decode_attention_##SUFFIX(                                             \
       const T *qkv, const T *qkv_bias, const T *kv, const float *bias, T *y, uint32_t b,          \
@@ -101,45 +101,5 @@
       if (e < per_lane) out[lane + 32 * e] = FROM_F32(acc[e] / l);                                 \
   }
 
-// The previous kernel, kept to time against (HYBRID_ENGINE_DECODE_ATTENTION=warp-sum-per-key):
-// one warp a query row (b, h, t); each lane holds HD / 32 of the head's dimensions (at most 4:
-// HD a multiple of 32 up to 128) of the query and of the output, and every key costs one warp
-// sum of the lanes' partial dot products.
-#define DECODE_ATTENTION_WARP_SUM_PER_KEY(SUFFIX, T, TO_F32, FROM_F32)                                              \
-  extern "C" __global__ void decode_attention_warp_sum_per_key_##SUFFIX(                                             \
-      const T *qkv, const T *qkv_bias, const T *kv, const float *bias, T *y, uint32_t b,          \
-      uint32_t t, uint32_t nh, uint32_t hd, uint32_t cap, uint32_t s, uint32_t bias_batches,        \
-      float scale) {                                                                               \
-    const uint64_t row = blockIdx.x * (uint64_t)(blockDim.x / 32) + threadIdx.x / 32;              \
-    const uint32_t lane = threadIdx.x % 32, per_lane = hd / 32;                                    \
-    if (row >= (uint64_t)b * nh * t) return;                                                       \
-    const uint64_t ti = row % t, h = (row / t) % nh, bi = row / ((uint64_t)t * nh);                \
-    const uint64_t c = (uint64_t)nh * hd;                                                          \
-    const uint64_t q0 = (bi * t + ti) * 3 * c + h * hd;                                            \
-    const T *keys = kv + (bi * nh + h) * cap * hd;                                                 \
-    const T *values = kv + ((1ull * b + bi) * nh + h) * cap * hd;                                  \
-    const float *mask = bias + ((bias_batches == 1 ? 0 : bi) * t + ti) * s;                        \
-    float qd[4] = {0.0f, 0.0f, 0.0f, 0.0f}, acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};                     \
-    _Pragma("unroll") for (uint32_t e = 0; e < 4; e++)                                             \
-      if (e < per_lane) qd[e] = TO_F32(QKV(q0 + lane + 32 * e, h * hd + lane + 32 * e, TO_F32, FROM_F32)); \
-    float m = -INFINITY, l = 0.0f;                                                                 \
-    for (uint32_t j = 0; j < s; j++) {                                                             \
-      float dot = 0.0f;                                                                            \
-      _Pragma("unroll") for (uint32_t e = 0; e < 4; e++)                                           \
-        if (e < per_lane) dot += qd[e] * TO_F32(keys[j * hd + lane + 32 * e]);                     \
-      const float score = warp_sum(dot) * scale + mask[j];                                         \
-      const float m_new = fmaxf(m, score);                                                         \
-      const float correction = expf(m - m_new), p = expf(score - m_new);                           \
-      l = l * correction + p;                                                                      \
-      _Pragma("unroll") for (uint32_t e = 0; e < 4; e++)                                           \
-        if (e < per_lane) acc[e] = acc[e] * correction + p * TO_F32(values[j * hd + lane + 32 * e]); \
-      m = m_new;                                                                                   \
-    }                                                                                              \
-    T *out = y + (bi * t + ti) * c + h * hd;                                                       \
-    _Pragma("unroll") for (uint32_t e = 0; e < 4; e++)                                             \
-      if (e < per_lane) out[lane + 32 * e] = FROM_F32(acc[e] / l);                                 \
-  }
-
 FLOAT_TYPES(KV_CACHE_APPEND)
 FLOAT_TYPES(DECODE_ATTENTION)
-FLOAT_TYPES(DECODE_ATTENTION_WARP_SUM_PER_KEY)

@@ -332,17 +332,6 @@ pub mod cuda {
         }
     }
 
-    /// The decoding attention kernel's name between `decode_attention_` and the dtype: the kernel
-    /// that gives each lane a key, or with `HYBRID_ENGINE_DECODE_ATTENTION=warp-sum-per-key` the
-    /// previous one (a warp sum a key), to time the two in one build.
-    fn decode_attention_variant() -> &'static str {
-        static VARIANT: std::sync::OnceLock<&'static str> = std::sync::OnceLock::new();
-        VARIANT.get_or_init(|| match std::env::var("HYBRID_ENGINE_DECODE_ATTENTION").as_deref() {
-            Ok("warp-sum-per-key") => "warp_sum_per_key_",
-            _ => "",
-        })
-    }
-
     /// Attention of the new tokens' queries in qkv (B, T, 3C) over the first start + T positions of
     /// the KV cache buffer `kv` (2, B, NH, capacity, HD), with the additive mask `bias` (B or 1, 1,
     /// T, start + T) f32: (B, T, C), heads side by side (cuda/decode_attention.cu, one warp a row, a
@@ -379,7 +368,7 @@ pub mod cuda {
             // SAFETY: the kernel writes every head of every row.
             let y = unsafe { dev.alloc::<Elem>(shape.b * shape.t * shape.n_head * shape.head_dim)? };
             let func = dev.get_or_load_custom_func(
-                &format!("decode_attention_{}{suffix}", decode_attention_variant()),
+                &format!("decode_attention_{suffix}"),
                 "rlhf_decode_attention",
                 ptx::DECODE_ATTENTION,
             )?;
