@@ -1,6 +1,7 @@
-//! `output/report.md`: a `train` run as one shareable file: the command, the summary, each step's
-//! time and flags, its training curves (embedded as PNG data), and the held-out prompts with the
-//! SFT actor's and the RLHF actor's answers side by side.
+//! `output/report.md`: a `train` run on one page: the command, the summary, each step's time and
+//! flags, its training curves (linked: each step's `curves.png`, by a path relative to the
+//! report), and the held-out prompts with the SFT actor's and the RLHF actor's answers side by
+//! side. Everything but the curves is text in the file itself.
 
 use anyhow::Result;
 use hybrid_engine::telemetry::plots::CURVES_FILE;
@@ -40,9 +41,9 @@ pub fn write_report(output: &Path, command: &[String], summary: &[String], steps
     let _ = writeln!(md, "\n## Training curves\n");
     for s in steps {
         let png = s.dir.join(CURVES_FILE);
-        if let Ok(bytes) = std::fs::read(&png) {
+        if png.is_file() {
             let _ = writeln!(md, "### Step {} ({})\n", s.number, s.name);
-            let _ = writeln!(md, "![step {} curves](data:image/png;base64,{})\n", s.number, base64(&bytes));
+            let _ = writeln!(md, "![step {} curves]({})\n", s.number, link(output, &png));
         }
     }
 
@@ -117,37 +118,23 @@ pub fn duration(secs: u64) -> String {
     format!("{}min {}s", secs / 60, secs % 60)
 }
 
-/// Standard base64 with padding (RFC 4648), for embedding the PNGs.
-fn base64(bytes: &[u8]) -> String {
-    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
-    for chunk in bytes.chunks(3) {
-        let n = chunk.iter().enumerate().fold(0u32, |n, (i, &b)| n | (u32::from(b) << (16 - 8 * i)));
-        for i in 0..4 {
-            let c = if i <= chunk.len() { ALPHABET[(n >> (18 - 6 * i) & 63) as usize] } else { b'=' };
-            out.push(c as char);
-        }
-    }
-    out
+/// `file` as a markdown link target from a page in `dir`: relative where `file` is under `dir`
+/// (the report and its steps move together), else its absolute path; spaces escaped.
+fn link(dir: &Path, file: &Path) -> String {
+    let target = match file.strip_prefix(dir) {
+        Ok(relative) => relative.to_path_buf(),
+        Err(_) => std::path::absolute(file).unwrap_or_else(|_| file.to_path_buf()),
+    };
+    target.to_string_lossy().replace(' ', "%20")
 }
 
+/// Now, as `YYYY-MM-DD HH:MM` (UTC).
 fn utc_now() -> String {
-    utc_time(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()))
+    utc_time(chrono::Utc::now())
 }
 
-/// Unix time as `YYYY-MM-DD HH:MM` (UTC): days to the civil date by Howard Hinnant's algorithm.
-fn utc_time(secs: u64) -> String {
-    let (days, rest) = ((secs / 86_400) as i64, secs % 86_400);
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!("{year:04}-{month:02}-{day:02} {:02}:{:02}", rest / 3600, rest % 3600 / 60)
+fn utc_time(t: chrono::DateTime<chrono::Utc>) -> String {
+    t.format("%Y-%m-%d %H:%M").to_string()
 }
 
 #[cfg(test)]
@@ -155,27 +142,18 @@ mod tests {
     use super::*;
 
     #[test]
-    fn base64_matches_rfc_4648_test_vectors() {
-        let cases = [
-            ("", ""),
-            ("f", "Zg=="),
-            ("fo", "Zm8="),
-            ("foo", "Zm9v"),
-            ("foob", "Zm9vYg=="),
-            ("fooba", "Zm9vYmE="),
-            ("foobar", "Zm9vYmFy"),
-        ];
-        for (plain, encoded) in cases {
-            assert_eq!(base64(plain.as_bytes()), encoded, "{plain:?}");
-        }
-        assert_eq!(base64(&[0xff, 0xfe, 0x00]), "//4A");
+    fn utc_dates_are_minutes() {
+        let at = |secs| utc_time(chrono::DateTime::from_timestamp(secs, 0).expect("a valid time"));
+        assert_eq!(at(0), "1970-01-01 00:00");
+        assert_eq!(at(951_782_400), "2000-02-29 00:00"); // a leap day of a century year
+        assert_eq!(at(1_795_626_439), "2026-11-25 17:07"); // as `date -u -d @1795626439`
     }
 
     #[test]
-    fn unix_time_to_utc_date() {
-        assert_eq!(utc_time(0), "1970-01-01 00:00");
-        assert_eq!(utc_time(951_782_400), "2000-02-29 00:00"); // a leap day of a century year
-        assert_eq!(utc_time(1_795_626_439), "2026-11-25 17:07"); // as `date -u -d @1795626439`
+    fn curves_are_linked_relative_to_the_report() {
+        let out = Path::new("output");
+        assert_eq!(link(out, &out.join("step1").join("curves.png")), "step1/curves.png");
+        assert_eq!(link(out, Path::new("/runs/my run/curves.png")), "/runs/my%20run/curves.png");
     }
 
     #[test]

@@ -163,12 +163,16 @@ fn the_demo_lowers_perplexity_trains_an_accurate_reward_model_and_ppo_beats_sft(
     }
     assert!(replot_out.contains("Reward, KL to the reference, Clip fraction"), "{replot_out}");
 
-    // The run report: one file with the summary, each step's flags and curves (embedded), and
+    // The run report: one file with the summary, each step's flags and curves (linked), and
     // the 58 held-out prompts with both actors' answers, marked by the task scorer.
     let report = std::fs::read_to_string(out.join("report.md")).unwrap();
     assert!(stdout.contains("run report: ") && report.starts_with("# RLHF run report"), "{stdout}");
     assert!(report.contains("task score SFT") && report.contains("| 3 (PPO) |"), "{report}");
-    assert_eq!(report.matches("](data:image/png;base64,").count(), 3, "three steps' curves");
+    for step in ["actor", "reward", "step3"] {
+        let target = format!("]({step}/curves.png)");
+        assert_eq!(report.matches(&target).count(), 1, "{step}'s curves linked as {target}: {report}");
+    }
+    assert!(report.len() < 64 * 1024, "report.md is text: {} bytes", report.len());
     for step in ["Step 1 (SFT):", "Step 2 (reward model):", "Step 3 (PPO):"] {
         let flags = report.split(step).nth(1).unwrap_or_else(|| panic!("{step} flags missing"));
         assert!(flags.trim_start().starts_with("```\n") && flags.contains("--data-path demo"), "{step}");

@@ -12,3 +12,27 @@ pub mod progress;
 pub mod tensorboard;
 pub mod tfrecord;
 pub mod wandb;
+
+/// This machine's host name (gethostname(2)), as TensorBoard's event-file names and wandb's run
+/// metadata carry it; "localhost" where there is none.
+pub fn host_name() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: the buffer is writable for its length; gethostname NUL-terminates within it when
+    // the name fits (and the last byte stays 0 when it does not).
+    let ok = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len() - 1) } == 0;
+    let name = ok.then(|| std::ffi::CStr::from_bytes_until_nul(&buf).ok()).flatten();
+    match name.map(|n| n.to_string_lossy().trim().to_string()) {
+        Some(n) if !n.is_empty() => n,
+        _ => "localhost".into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_host_name_is_the_kernels() {
+        if let Ok(kernel) = std::fs::read_to_string("/proc/sys/kernel/hostname") {
+            assert_eq!(super::host_name(), kernel.trim());
+        }
+    }
+}

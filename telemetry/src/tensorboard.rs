@@ -187,12 +187,10 @@ fn now() -> f64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
 }
 
+/// The host name as an event file's name carries it: letters, digits, '-' and '_' only.
 fn hostname() -> String {
-    let name = std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .ok()
-        .or_else(|| std::env::var("HOSTNAME").ok())
-        .unwrap_or_default();
-    let name: String = name.trim().chars().filter(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_')).collect();
+    let name: String =
+        crate::host_name().chars().filter(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_')).collect();
     if name.is_empty() {
         "localhost".into()
     } else {

@@ -4,6 +4,7 @@
 //! then wandb's environment variables) and ties them together as a [`WandbRun`].
 
 pub mod api;
+mod netrc;
 pub mod store;
 pub mod stream;
 
@@ -147,22 +148,11 @@ fn absolute(path: &Path) -> PathBuf {
     absolute.components().collect() // drops "." components
 }
 
-/// The password of the `machine` of `base_url`'s host in a netrc file (`wandb login` writes
-/// `machine api.wandb.ai login user password <key>`).
+/// The password of `base_url`'s host in a netrc file (`wandb login` writes `machine api.wandb.ai
+/// login user password <key>`).
 fn netrc_password(path: &Path, base_url: &str) -> Option<String> {
     let host = base_url.split("://").nth(1)?.split(['/', ':']).next()?;
-    let text = std::fs::read_to_string(path).ok()?;
-    let tokens: Vec<&str> = text.split_whitespace().collect();
-    let mut machine = None;
-    for pair in tokens.windows(2) {
-        match pair[0] {
-            "machine" => machine = Some(pair[1]),
-            "default" => machine = Some(host),
-            "password" if machine == Some(host) => return Some(pair[1].to_string()),
-            _ => {}
-        }
-    }
-    None
+    netrc::password(path, host)
 }
 
 /// A command line as wandb's config: `--flag value` and `--flag=value` as `flag: value` (a
@@ -220,10 +210,6 @@ fn new_run_id() -> String {
     (0..8).map(|_| ALPHABET[rng.random_range(0..ALPHABET.len())] as char).collect()
 }
 
-fn host_name() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname").map_or_else(|_| "localhost".into(), |h| h.trim().to_string())
-}
-
 /// A training run's wandb side: rows appended to its directory, uploaded in the background
 /// when online.
 pub struct WandbRun {
@@ -266,7 +252,7 @@ impl WandbRun {
                     display_name: settings.display_name.clone(),
                     group: settings.group.clone(),
                     config,
-                    host: host_name(),
+                    host: crate::host_name(),
                     base_url: settings.base_url.clone(),
                     started_at: unix_now(),
                     exit_code: None,
