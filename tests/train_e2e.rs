@@ -110,10 +110,11 @@ fn the_demo_lowers_perplexity_trains_an_accurate_reward_model_and_ppo_beats_sft(
         let record = json(&run_dir.join("run.json"));
         assert_eq!(record["display_name"], format!("demo-{step}").as_str());
         assert_eq!((record["group"].as_str(), record["exit_code"].as_i64()), (Some("demo"), Some(0)), "{record}");
-        let mut rows = Vec::new();
+        let (mut rows, mut steps) = (Vec::new(), Vec::new());
         for line in std::fs::read_to_string(run_dir.join("history.jsonl")).unwrap().lines() {
             let row: serde_json::Map<String, serde_json::Value> = serde_json::from_str(line).unwrap();
             let at = row["_step"].as_i64().unwrap();
+            steps.push(at);
             rows.extend(
                 row.iter()
                     .filter(|(k, _)| !k.starts_with('_'))
@@ -121,8 +122,10 @@ fn the_demo_lowers_perplexity_trains_an_accurate_reward_model_and_ppo_beats_sft(
             );
         }
         let records = hybrid_engine::training::metrics::read_records(&out.join(step).join("metrics.jsonl")).unwrap();
+        // One row per step, holding the step's last value of each name.
+        assert!(steps.windows(2).all(|w| w[0] < w[1]), "{step}: one wandb row per step, in order: {steps:?}");
         assert!(
-            sorted(rows) == sorted(scalars_of_records(&records, aliases, 0)),
+            sorted(rows) == sorted(last_per_step_and_name(scalars_of_records(&records, aliases, 0))),
             "{step}: wandb rows differ from metrics.jsonl"
         );
     }
@@ -327,4 +330,14 @@ fn unsupported_requests_are_one_clear_error_line() {
         &["WANDB_RUN_ID", "unset it"],
     );
     assert!(!Path::new(out).join("actor").exists(), "a refused run creates no step output");
+}
+
+/// The last value of each (step, name) of `scalars`, in no particular order: what one wandb row a
+/// step keeps of the step's records.
+fn last_per_step_and_name(scalars: Vec<(i64, String, f32)>) -> Vec<(i64, String, f32)> {
+    let mut last = std::collections::BTreeMap::new();
+    for (step, name, value) in scalars {
+        last.insert((step, name), value);
+    }
+    last.into_iter().map(|((step, name), value)| (step, name, value)).collect()
 }

@@ -322,6 +322,32 @@ fn offline_runs_send_nothing_and_keep_every_row_for_sync() {
     assert_eq!(service.exit_code(&id), Some(0));
 }
 
+/// A step's records (training scalars, then its evaluation's) make one row: wandb's `_step`
+/// names one row. A later value of a name in the same step replaces the earlier; the last step's
+/// row is written when the run finishes.
+#[test]
+fn each_step_is_one_row() {
+    let out = tempfile::tempdir().unwrap();
+    let (say, _) = collector();
+    let s = settings(Mode::Offline, "http://127.0.0.1:9", &out.path().join("sft"));
+    let mut run = WandbRun::start(&s, false, Default::default(), fast_policy(), say).unwrap().unwrap();
+    run.log(10, &[("loss".into(), 2.0), ("lr".into(), 1e-3)]).unwrap();
+    run.log(10, &[("eval_loss".into(), 2.5)]).unwrap();
+    run.log(20, &[("loss".into(), 1.0)]).unwrap();
+    run.log(20, &[("loss".into(), 0.9), ("eval_loss".into(), 1.2)]).unwrap();
+    let dir = run.dir().to_path_buf();
+    assert_eq!(local_history(&dir).len(), 1, "the first step's row is written once the next step begins");
+    run.finish(0).unwrap();
+    let rows = local_history(&dir);
+    let row = |i: usize, key: &str| rows[i][key].clone();
+    assert_eq!(rows.len(), 2);
+    assert_eq!(
+        (row(0, "_step"), row(0, "loss"), row(0, "lr"), row(0, "eval_loss")),
+        (json!(10), json!(2.0), json!(1e-3), json!(2.5))
+    );
+    assert_eq!((row(1, "_step"), row(1, "loss"), row(1, "eval_loss")), (json!(20), json!(0.9), json!(1.2)));
+}
+
 #[test]
 fn a_slow_service_does_not_hold_training_up() {
     let service = FakeWandb::start();

@@ -18,7 +18,12 @@ pub fn parse_or_exit<T: Parser>() -> T {
 pub fn parse_from_or_exit<T: Parser, I: Into<std::ffi::OsString> + Clone>(args: impl IntoIterator<Item = I>) -> T {
     let args: Vec<std::ffi::OsString> = args.into_iter().map(Into::into).collect();
     match T::try_parse_from(&args) {
-        Ok(args) => args,
+        Ok(parsed) => {
+            if let Some(config) = flags_config(&T::command(), &args) {
+                telemetry::wandb::set_flags_config(config);
+            }
+            parsed
+        }
         Err(e) => {
             use clap::error::ErrorKind::{
                 DisplayHelp, DisplayHelpOnMissingArgumentOrSubcommand, DisplayVersion, UnknownArgument,
@@ -34,6 +39,41 @@ pub fn parse_from_or_exit<T: Parser, I: Into<std::ffi::OsString> + Clone>(args: 
             std::process::exit(2);
         }
     }
+}
+
+/// Every argument of `cmd` as `args` set it, given or by default, as wandb's run config: the
+/// argument's name, its value (a number or true/false as such, several values as a list, null
+/// when unset) and its help as the description; the whole command line as `command`. None where
+/// `args` do not parse.
+pub fn flags_config(
+    cmd: &clap::Command,
+    args: &[std::ffi::OsString],
+) -> Option<serde_json::Map<String, serde_json::Value>> {
+    use telemetry::wandb::{config_entry, config_value};
+    let matches = cmd.clone().try_get_matches_from(args).ok()?;
+    let mut config = serde_json::Map::new();
+    let line: Vec<String> = args.iter().map(|a| a.to_string_lossy().into_owned()).collect();
+    config.insert("command".into(), config_entry(line.join(" ").into(), None));
+    for arg in cmd.get_arguments() {
+        let id = arg.get_id().as_str();
+        if matches!(id, "help" | "version") {
+            continue;
+        }
+        let values: Vec<serde_json::Value> = match matches.try_get_raw(id) {
+            Ok(Some(raw)) => raw.map(|v| config_value(&v.to_string_lossy())).collect(),
+            _ => Vec::new(),
+        };
+        let many = matches!(arg.get_action(), clap::ArgAction::Append)
+            || arg.get_num_args().is_some_and(|range| range.max_values() > 1);
+        let value = match <[_; 1]>::try_from(values) {
+            Ok([one]) if !many => one,
+            Ok([one]) => serde_json::Value::Array(vec![one]),
+            Err(values) if values.is_empty() && !many => serde_json::Value::Null,
+            Err(values) => serde_json::Value::Array(values),
+        };
+        config.insert(id.to_string(), config_entry(value, arg.get_help().map(|h| h.to_string())));
+    }
+    Some(config)
 }
 
 /// DeepSpeed's and DS-Chat's flags that no binary here accepts, and why (spelt with hyphens).
@@ -241,6 +281,39 @@ mod tests {
         assert_eq!(unit_interval()("1"), Ok(1.0));
         assert!(positive()("0").is_err() && positive()("1e-9").is_ok());
         assert!(non_negative()("0").is_ok() && non_negative()("-1e-9").is_err());
+    }
+
+    #[test]
+    fn the_config_is_every_flag_as_parsed_with_its_default() {
+        #[derive(clap::Parser)]
+        struct Flags {
+            /// Discount factor.
+            #[arg(long, default_value_t = 1.0)]
+            gamma: f64,
+            #[arg(long)]
+            do_sample: bool,
+            #[arg(long, num_args = 1..)]
+            data_path: Vec<String>,
+            #[arg(long)]
+            seed: Option<u64>,
+            #[arg(long, default_value = "fp32")]
+            dtype: String,
+        }
+        let args: Vec<std::ffi::OsString> =
+            ["ppo", "--data-path", "a", "b", "--dtype", "bf16"].iter().map(Into::into).collect();
+        let config = flags_config(&<Flags as clap::CommandFactory>::command(), &args).unwrap();
+        let value = |k: &str| config[k]["value"].clone();
+        assert_eq!(value("command"), "ppo --data-path a b --dtype bf16");
+        assert_eq!(value("gamma"), 1.0, "a default");
+        assert_eq!(config["gamma"]["desc"], "Discount factor"); // clap drops the doc comment's full stop
+        assert_eq!(value("do_sample"), false);
+        assert_eq!(value("data_path"), serde_json::json!(["a", "b"]), "every value of a multi-value flag");
+        assert_eq!(value("seed"), serde_json::Value::Null);
+        assert_eq!(value("dtype"), "bf16");
+        assert!(!config.contains_key("help"));
+        let one: Vec<std::ffi::OsString> = ["ppo", "--data-path", "a"].iter().map(Into::into).collect();
+        let config = flags_config(&<Flags as clap::CommandFactory>::command(), &one).unwrap();
+        assert_eq!(config["data_path"]["value"], serde_json::json!(["a"]), "a list, even of one");
     }
 }
 pub mod dist_args;

@@ -79,7 +79,7 @@ impl Metrics {
 
     /// Also sends every record to the `sinks` (rank 0 only): a new TensorBoard event file in
     /// its directory, with the command line as text; a wandb run (a resumed run, `done > 0`,
-    /// continues the wandb run of its first attempt), with the command line as its config. Both
+    /// continues the wandb run of its first attempt), with the parsed flags as its config. Both
     /// get the record's scalars under its keys and the `aliases` other systems use for them
     /// (`telemetry::tensorboard::MEGATRON_TAGS`, ...), at the record's step (or pretraining's
     /// iteration); a resumed run continues at `done`.
@@ -99,8 +99,9 @@ impl Metrics {
             self.tensorboard = Some(writer);
         }
         if let Some(settings) = &sinks.wandb {
-            let args: Vec<String> = std::env::args().collect();
-            let config = telemetry::wandb::config_of_args(&args);
+            // The flags as parsed, defaults included; else the command line as typed.
+            let config = telemetry::wandb::flags_config()
+                .unwrap_or_else(|| telemetry::wandb::config_of_args(&std::env::args().collect::<Vec<_>>()));
             let policy = telemetry::wandb::policy_from_env()?;
             // The upload thread's messages, above the progress bars.
             let say: telemetry::wandb::stream::Say = std::sync::Arc::new(telemetry::progress::eprintln);

@@ -381,16 +381,28 @@ fn sorted(mut scalars: Vec<(i64, String, f32)>) -> Vec<(i64, String, f32)> {
     scalars
 }
 
-/// The wandb rows of a run's directory: (step, name, value) of every scalar but wandb's own,
-/// sorted.
+/// The last value of each (step, name) of `scalars`, in no particular order: what one wandb row a
+/// step keeps of the step's records.
+fn last_per_step_and_name(scalars: Vec<(i64, String, f32)>) -> Vec<(i64, String, f32)> {
+    let mut last = std::collections::BTreeMap::new();
+    for (step, name, value) in scalars {
+        last.insert((step, name), value);
+    }
+    last.into_iter().map(|((step, name), value)| (step, name, value)).collect()
+}
+
+/// The wandb rows of a run's directory (one per step, asserted): (step, name, value) of every
+/// scalar but wandb's own, sorted.
 fn wandb_rows(wandb_dir: &Path) -> (serde_json::Value, Vec<(i64, String, f32)>) {
     let latest = std::fs::read_to_string(wandb_dir.join("latest-run")).expect("latest-run");
     let run = wandb_dir.join(latest.trim());
     let record: Value = serde_json::from_str(&std::fs::read_to_string(run.join("run.json")).unwrap()).unwrap();
-    let mut rows = Vec::new();
+    let (mut rows, mut last_step) = (Vec::new(), i64::MIN);
     for line in std::fs::read_to_string(run.join("history.jsonl")).unwrap().lines() {
         let row: serde_json::Map<String, Value> = serde_json::from_str(line).unwrap();
         let step = row["_step"].as_i64().unwrap();
+        assert!(step > last_step, "one wandb row per step, in order: {step} after {last_step}");
+        last_step = step;
         rows.extend(
             row.iter().filter(|(k, _)| !k.starts_with('_')).map(|(k, v)| (step, k.clone(), v.as_f64().unwrap() as f32)),
         );
@@ -429,9 +441,12 @@ fn wandb_rows_are_the_metrics_and_a_resumed_run_continues_its_wandb_run() {
     assert_eq!((record["project"].as_str(), record["display_name"].as_str()), (Some("proj"), Some("run")));
     assert_eq!(record["exit_code"], Value::from(0));
     assert_eq!(record["config"]["train_iters"]["value"], Value::from(8));
+    // The config is the flags as parsed: the defaults too, with their help as the description.
+    assert_eq!(record["config"]["seed"]["value"], Value::from(1234), "{}", record["config"]);
+    assert_eq!(record["config"]["adam_eps"]["value"], Value::from(1e-8));
     // Both attempts' rows, as metrics.jsonl holds them.
     let records = hybrid_engine::training::metrics::read_records(&out.join("metrics.jsonl")).unwrap();
-    assert_eq!(rows, sorted(scalars_of_records(&records, MEGATRON_TAGS, 0)));
+    assert_eq!(rows, sorted(last_per_step_and_name(scalars_of_records(&records, MEGATRON_TAGS, 0))));
     assert!(rows.iter().any(|(s, t, _)| *s == 8 && t == "lm loss"), "{rows:?}");
 
     // The service unreachable: the run succeeds, warns once, keeps every row.
@@ -448,7 +463,7 @@ fn wandb_rows_are_the_metrics_and_a_resumed_run_continues_its_wandb_run() {
     assert!(stderr.contains("train wandb-sync"), "{stderr}");
     let (record, rows) = wandb_rows(&tmp.path().join("wandb/down"));
     let records = hybrid_engine::training::metrics::read_records(&down.join("metrics.jsonl")).unwrap();
-    assert_eq!(rows, sorted(scalars_of_records(&records, MEGATRON_TAGS, 0)));
+    assert_eq!(rows, sorted(last_per_step_and_name(scalars_of_records(&records, MEGATRON_TAGS, 0))));
     assert_eq!(record["exit_code"], Value::from(0));
 }
 

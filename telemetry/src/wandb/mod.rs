@@ -155,30 +155,54 @@ fn netrc_password(path: &Path, base_url: &str) -> Option<String> {
     netrc::password(path, host)
 }
 
-/// A command line as wandb's config: `--flag value` and `--flag=value` as `flag: value` (a
-/// number or true/false as such), a bare `--flag` as `flag: true`; the whole line as `command`.
-pub fn config_of_args(args: &[String]) -> serde_json::Map<String, Value> {
-    let mut config = serde_json::Map::new();
-    let entry = |v: Value| json!({"value": v, "desc": null});
-    config.insert("command".into(), entry(Value::String(args.join(" "))));
-    let value_of = |text: &str| match serde_json::from_str::<Value>(text) {
+/// The run configuration this process's flags make, as their parser resolved them (every flag
+/// with its value, given or default; [`set_flags_config`]); None before any parse.
+pub fn flags_config() -> Option<serde_json::Map<String, Value>> {
+    FLAGS_CONFIG.lock().ok()?.clone()
+}
+
+/// Keeps `config` as this process's [`flags_config`] (the command-line parser calls it).
+pub fn set_flags_config(config: serde_json::Map<String, Value>) {
+    if let Ok(mut kept) = FLAGS_CONFIG.lock() {
+        *kept = Some(config);
+    }
+}
+
+static FLAGS_CONFIG: std::sync::Mutex<Option<serde_json::Map<String, Value>>> = std::sync::Mutex::new(None);
+
+/// One entry of wandb's run config: the value and its description.
+pub fn config_entry(value: Value, desc: Option<String>) -> Value {
+    json!({"value": value, "desc": desc})
+}
+
+/// A flag's text as a config value: a number or true/false as such, else the text.
+pub fn config_value(text: &str) -> Value {
+    match serde_json::from_str::<Value>(text) {
         Ok(v @ (Value::Number(_) | Value::Bool(_))) => v,
         _ => Value::String(text.to_string()),
-    };
+    }
+}
+
+/// A command line as wandb's config, where no parser resolved it ([`flags_config`]): `--flag
+/// value` and `--flag=value` as `flag: value` (a number or true/false as such), a bare `--flag`
+/// as `flag: true`; the whole line as `command`.
+pub fn config_of_args(args: &[String]) -> serde_json::Map<String, Value> {
+    let mut config = serde_json::Map::new();
+    config.insert("command".into(), config_entry(Value::String(args.join(" ")), None));
     let mut i = 1;
     while i < args.len() {
         if let Some(flag) = args[i].strip_prefix("--").filter(|f| !f.is_empty()) {
             let (key, value) = match flag.split_once('=') {
-                Some((k, v)) => (k.to_string(), value_of(v)),
+                Some((k, v)) => (k.to_string(), config_value(v)),
                 None => match args.get(i + 1).filter(|next| !next.starts_with("--")) {
                     Some(next) => {
                         i += 1;
-                        (flag.to_string(), value_of(next))
+                        (flag.to_string(), config_value(next))
                     }
                     None => (flag.to_string(), Value::Bool(true)),
                 },
             };
-            config.insert(key.replace('-', "_"), entry(value));
+            config.insert(key.replace('-', "_"), config_entry(value, None));
         }
         i += 1;
     }
@@ -218,6 +242,17 @@ pub struct WandbRun {
     policy: Policy,
     say: Say,
     finished: bool,
+    /// The row of the latest step, written when a record of another step comes or the run
+    /// finishes: a step's records (its training scalars, then its evaluation's) make one row,
+    /// as wandb's `_step` names one row.
+    pending: Option<PendingRow>,
+}
+
+struct PendingRow {
+    step: i64,
+    scalars: Vec<(String, f64)>,
+    /// Unix time of the row's latest record.
+    at: f64,
 }
 
 impl WandbRun {
@@ -282,18 +317,37 @@ impl WandbRun {
                 None
             }
         };
-        Ok(Some(Self { run, uploader, policy, say, finished: false }))
+        Ok(Some(Self { run, uploader, policy, say, finished: false, pending: None }))
     }
 
     pub fn dir(&self) -> &Path {
         &self.run.dir
     }
 
-    /// Appends one row (step `step`, these scalars) and lets the uploader know. Never waits
-    /// for the network.
+    /// Adds these scalars to step `step`'s row: the row pending when it is that step's (a later
+    /// value of a name replaces the earlier), else a new one, the pending row written first and
+    /// the uploader told. Never waits for the network.
     pub fn log(&mut self, step: i64, scalars: &[(String, f64)]) -> Result<()> {
-        let now = unix_now();
-        self.run.append(&history_row(step, now - self.run.record.started_at, now, scalars))?;
+        let at = unix_now();
+        if let Some(row) = self.pending.as_mut().filter(|row| row.step == step) {
+            for (name, value) in scalars {
+                match row.scalars.iter_mut().find(|(n, _)| n == name) {
+                    Some(slot) => slot.1 = *value,
+                    None => row.scalars.push((name.clone(), *value)),
+                }
+            }
+            row.at = at;
+            return Ok(());
+        }
+        self.write_pending()?;
+        self.pending = Some(PendingRow { step, scalars: scalars.to_vec(), at });
+        Ok(())
+    }
+
+    /// Appends the pending row, if any, and lets the uploader know.
+    fn write_pending(&mut self) -> Result<()> {
+        let Some(row) = self.pending.take() else { return Ok(()) };
+        self.run.append(&history_row(row.step, row.at - self.run.record.started_at, row.at, &row.scalars))?;
         if let Some(uploader) = &self.uploader {
             uploader.notify();
         }
@@ -306,6 +360,7 @@ impl WandbRun {
         if std::mem::replace(&mut self.finished, true) {
             return Ok(());
         }
+        self.write_pending()?;
         self.run.record.exit_code = Some(exit_code);
         self.run.save_record()?;
         let Some(uploader) = self.uploader.take() else { return Ok(()) };
