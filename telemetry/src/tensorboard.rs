@@ -227,8 +227,8 @@ pub fn read_scalars(path: &Path) -> Result<Vec<(i64, String, f32)>> {
     Ok(out)
 }
 
-/// The names other systems give our metrics, which we write beside ours: `(our key, their tag,
-/// factor)`. Megatron's `training_log` and `evaluate_and_print_results` for pretraining (its
+/// The names other systems give our metrics, under which the sinks write them instead of ours:
+/// `(our key, their tag, factor)`. Megatron's `training_log` and `evaluate_and_print_results` for pretraining (its
 /// iteration time is in seconds); DS-Chat's step 3 `main.py` (`reward` is the rollout's mean).
 pub const MEGATRON_TAGS: &[(&str, &str, f64)] = &[
     ("lm_loss", "lm loss", 1.0),
@@ -284,7 +284,8 @@ pub fn scalars_of_records(
 
 /// Every number of a `metrics.jsonl` record as a scalar, nested objects joined with `/`
 /// (`rollout/reward_mean`, `eval/accuracy`); true/false as 1/0; strings, nulls and lists left
-/// out; the step itself left out. Then the `aliases` of the keys present.
+/// out; the step itself left out. A key that `aliases` names goes under the alias instead (times
+/// its factor): one tag per value, the one Megatron's or DS-Chat's dashboards know.
 pub fn scalars_of_record(record: &serde_json::Value, aliases: &[(&str, &str, f64)]) -> Vec<(String, f64)> {
     fn walk(prefix: &str, value: &serde_json::Value, out: &mut Vec<(String, f64)>) {
         match value {
@@ -305,14 +306,12 @@ pub fn scalars_of_record(record: &serde_json::Value, aliases: &[(&str, &str, f64
             walk(k, v, &mut out);
         }
     }
-    let aliased: Vec<(String, f64)> = aliases
-        .iter()
-        .filter_map(|(key, tag, factor)| {
-            let (_, x) = out.iter().find(|(k, _)| k == key)?;
-            Some((tag.to_string(), x * factor))
-        })
-        .collect();
-    out.extend(aliased);
+    // One tag per value: a key with a name other dashboards use goes under that name only.
+    for (key, x) in &mut out {
+        if let Some((_, tag, factor)) = aliases.iter().find(|(k, _, _)| k == key) {
+            (*key, *x) = (tag.to_string(), *x * factor);
+        }
+    }
     out
 }
 
@@ -322,7 +321,7 @@ mod tests {
     use serde_json::json;
 
     #[test]
-    fn records_become_scalars_under_our_names_and_theirs() {
+    fn records_become_scalars_under_their_dashboards_names_where_they_have_one() {
         let record = json!({"iteration": 7, "lm_loss": 2.5, "lr": 1e-3, "skipped": false,
             "ms_per_iteration": 250.0, "note": "text", "list": [1, 2], "none": null,
             "rollout": {"reward_mean": 1.5, "kl": {"k3": 0.25}}});
@@ -333,16 +332,13 @@ mod tests {
             ("iteration-time", 0.25),
             ("learning-rate", 1e-3),
             ("lm loss", 2.5),
-            ("lm_loss", 2.5),
-            ("lr", 1e-3),
-            ("ms_per_iteration", 250.0),
             ("rollout/kl/k3", 0.25),
             ("rollout/reward_mean", 1.5),
             ("skipped", 0.0),
         ];
         assert_eq!(got, want.map(|(k, v)| (k.to_string(), v)));
         let step3 = scalars_of_record(&json!({"step": 3, "rollout": {"reward_mean": 4.0}}), DS_CHAT_STEP3_TAGS);
-        assert_eq!(step3, vec![("rollout/reward_mean".into(), 4.0), ("reward".into(), 4.0)]);
+        assert_eq!(step3, vec![("reward".into(), 4.0)]);
         assert_eq!(step_of(&json!({"epoch": 1, "eval_loss": 2.0})), None);
     }
 

@@ -80,8 +80,9 @@ impl Metrics {
     /// Also sends every record to the `sinks` (rank 0 only): a new TensorBoard event file in
     /// its directory, with the command line as text; a wandb run (a resumed run, `done > 0`,
     /// continues the wandb run of its first attempt), with the parsed flags as its config. Both
-    /// get the record's scalars under its keys and the `aliases` other systems use for them
-    /// (`telemetry::tensorboard::MEGATRON_TAGS`, ...), at the record's step (or pretraining's
+    /// get the record's scalars under its keys, or the `aliases` other systems use for them
+    /// where they have one (`telemetry::tensorboard::MEGATRON_TAGS`, ...: one tag per value), at
+    /// the record's step (or pretraining's
     /// iteration); a resumed run continues at `done`.
     pub fn with_sinks(
         mut self,
