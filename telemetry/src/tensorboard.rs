@@ -284,7 +284,7 @@ pub fn scalars_of_records(
 
 /// Every number of a `metrics.jsonl` record as a scalar, nested objects joined with `/`
 /// (`rollout/reward_mean`, `eval/accuracy`); true/false as 1/0; strings, nulls and lists left
-/// out; the step itself left out. A key that `aliases` names goes under the alias instead (times
+/// out; the step itself and a closing record's `summary` left out. A key that `aliases` names goes under the alias instead (times
 /// its factor): one tag per value, the one Megatron's or DS-Chat's dashboards know.
 pub fn scalars_of_record(record: &serde_json::Value, aliases: &[(&str, &str, f64)]) -> Vec<(String, f64)> {
     fn walk(prefix: &str, value: &serde_json::Value, out: &mut Vec<(String, f64)>) {
@@ -302,7 +302,9 @@ pub fn scalars_of_record(record: &serde_json::Value, aliases: &[(&str, &str, f64
     }
     let mut out = Vec::new();
     if let serde_json::Value::Object(map) = record {
-        for (k, v) in map.iter().filter(|(k, _)| !matches!(k.as_str(), "step" | "iteration")) {
+        // A run's closing summary repeats what its records said (and a step's evaluation is a
+        // record of its own): written again it would be each value twice.
+        for (k, v) in map.iter().filter(|(k, _)| !matches!(k.as_str(), "step" | "iteration" | "summary")) {
             walk(k, v, &mut out);
         }
     }
@@ -340,6 +342,9 @@ mod tests {
         let step3 = scalars_of_record(&json!({"step": 3, "rollout": {"reward_mean": 4.0}}), DS_CHAT_STEP3_TAGS);
         assert_eq!(step3, vec![("reward".into(), 4.0)]);
         assert_eq!(step_of(&json!({"epoch": 1, "eval_loss": 2.0})), None);
+        // The closing summary repeats the records: left out.
+        let end = json!({"event": "end", "summary": {"valid_loss": 2.0, "sft_eval": {"reward_mean": 1.0}}, "peak_rss_mib": 9.0});
+        assert_eq!(scalars_of_record(&end, MEGATRON_TAGS), vec![("peak_rss_mib".into(), 9.0)]);
     }
 
     #[test]

@@ -502,15 +502,18 @@ impl Pretraining<'_> {
         } else if self.summary.checkpoint.is_none() && group.is_first() {
             self.summary.checkpoint = Some(hybrid_engine::checkpoints::hf_io::latest_checkpoint(&self.cfg.save_dir)?);
         }
+        // The last evaluations as records too, so that the validation curve reaches the end.
         if !self.eval_batches.is_empty() {
             let l = evaluate(&self.engine, self.corpus, &self.eval_batches, self.device)?;
             report_eval(&self.metrics, "validation", end, l);
+            self.metrics.record(json!({"iteration": end, "valid_loss": l, "valid_ppl": l.exp()}))?;
             (self.summary.valid_loss, self.summary.valid_ppl) = (Some(l), Some(l.exp()));
         }
         let test_batches = data::eval_indices(test, args.eval_iters, args.micro_batch_size);
         if !test_batches.is_empty() {
             let l = evaluate(&self.engine, self.corpus, &test_batches, self.device)?;
             report_eval(&self.metrics, "test", end, l);
+            self.metrics.record(json!({"iteration": end, "test_loss": l, "test_ppl": l.exp()}))?;
             self.summary.test_loss = Some(l);
         }
         let peak = peak_rss_mib();

@@ -165,6 +165,13 @@ fn pretraining_lowers_the_loss_and_saves_a_hugging_face_checkpoint() {
     assert_eq!(lm_loss.len(), 60);
     assert_eq!(lm_loss[59], (60, l[&60] as f32));
     assert!(scalars.iter().any(|(s, t, _)| *s == 30 && t == "lm loss validation"), "{scalars:?}");
+    // The last validation is on the curve (at the last iteration), and nothing is written twice.
+    assert!(scalars.iter().any(|(s, t, _)| *s == 60 && t == "lm loss validation"), "{scalars:?}");
+    let mut tags: Vec<(i64, &str)> = scalars.iter().map(|(s, t, _)| (*s, t.as_str())).collect();
+    let all = tags.len();
+    tags.sort();
+    tags.dedup();
+    assert_eq!(tags.len(), all, "a (step, tag) written twice");
     // RLHF_ENABLE_TENSORBOARD (how `train --enable-tensorboard` reaches the steps) turns it on
     // at the default place, tensorboard/<name> beside the output directory; 0 or false is off.
     for (value, on) in [("1", true), ("true", true), ("0", false), ("false", false)] {
