@@ -95,6 +95,12 @@ fn the_demo_lowers_perplexity_trains_an_accurate_reward_model_and_ppo_beats_sft(
         );
         assert!(scalars.len() > 100, "{step}: {} scalars", scalars.len());
     }
+    // Step 3's sampled rollouts as a table in TensorBoard's text panel, at the steps that print them.
+    let step3_events = std::fs::read_dir(out.join("tensorboard/step3")).unwrap().next().unwrap().unwrap().path();
+    let texts = hybrid_engine::telemetry::tensorboard::read_texts(&step3_events).unwrap();
+    let samples: Vec<_> = texts.iter().filter(|(_, tag, _)| tag == "rollout/samples").collect();
+    assert!(!samples.is_empty() && samples[0].0 == 1, "rollout samples from the first step: {texts:?}");
+    assert!(samples[0].2.starts_with("| prompt | answer | reward |"), "{}", samples[0].2);
     assert!(stdout.contains("TensorBoard: tensorboard --logdir"), "{stdout}");
 
     // --enable-wandb reached every step too: one wandb run each, named after the train run and

@@ -227,9 +227,32 @@ pub fn read_scalars(path: &Path) -> Result<Vec<(i64, String, f32)>> {
     Ok(out)
 }
 
+/// Every text summary of an event file, as (step, tag, text).
+pub fn read_texts(path: &Path) -> Result<Vec<(i64, String, String)>> {
+    let mut out = Vec::new();
+    for event in read_events(path)? {
+        if let Some(What::Summary(summary)) = event.what {
+            for v in summary.value {
+                if let Some(Value::Tensor(t)) = v.value.filter(|_| is_text(v.metadata.as_ref())) {
+                    for text in t.string_val {
+                        out.push((event.step, v.tag.clone(), String::from_utf8_lossy(&text).into_owned()));
+                    }
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Whether a summary value's metadata names TensorBoard's text plugin.
+fn is_text(metadata: Option<&SummaryMetadata>) -> bool {
+    metadata.and_then(|m| m.plugin_data.as_ref()).is_some_and(|p| p.plugin_name == "text")
+}
+
 /// The names other systems give our metrics, under which the sinks write them instead of ours:
-/// `(our key, their tag, factor)`. Megatron's `training_log` and `evaluate_and_print_results` for pretraining (its
-/// iteration time is in seconds); DS-Chat's step 3 `main.py` (`reward` is the rollout's mean).
+/// `(our key, their tag, factor)`. Megatron's `training_log` and `evaluate_and_print_results`
+/// for pretraining (its iteration time is in seconds); DS-Chat's step 3 `main.py` (`reward` is
+/// the rollout's mean).
 pub const MEGATRON_TAGS: &[(&str, &str, f64)] = &[
     ("lm_loss", "lm loss", 1.0),
     ("lr", "learning-rate", 1.0),
@@ -371,5 +394,6 @@ mod tests {
         assert_eq!(v.metadata.as_ref().unwrap().plugin_data.as_ref().unwrap().plugin_name, "text");
         let Some(Value::Tensor(t)) = &v.value else { panic!("a tensor") };
         assert_eq!((t.dtype, t.string_val.clone()), (DT_STRING, vec![b"`--lr 1e-3`".to_vec()]));
+        assert_eq!(read_texts(w.path()).unwrap(), vec![(0, "flags".to_string(), "`--lr 1e-3`".to_string())]);
     }
 }

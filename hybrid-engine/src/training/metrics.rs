@@ -162,6 +162,14 @@ impl Metrics {
         Ok(())
     }
 
+    /// A text panel (markdown) at `step` in the TensorBoard event file, when there is one.
+    pub fn text(&mut self, step: i64, tag: &str, markdown: &str) -> Result<()> {
+        match &mut self.tensorboard {
+            Some(writer) => writer.text(step, tag, markdown),
+            None => Ok(()),
+        }
+    }
+
     /// Prints a log line to stdout without tearing the progress bar.
     pub fn println(&self, line: &str) {
         if self.file.is_none() {

@@ -368,7 +368,7 @@ impl PpoLoop<'_> {
         let args = self.ctx.args;
         let every = args.print_answers_every();
         if every > 0 && (self.step - 1).is_multiple_of(every) {
-            print_answers(&self.metrics, &experience, self.tokenizer, self.ctx.eos, 2)?;
+            print_answers(&mut self.metrics, self.step, &experience, self.tokenizer, self.ctx.eos, 2)?;
         }
         self.summary.first_reward.get_or_insert(stats.reward_mean);
         self.summary.last_reward = Some(stats.reward_mean).filter(|r| r.is_finite());
@@ -1456,22 +1456,29 @@ fn log_step(
     Ok(())
 }
 
-/// A few decoded rollouts (DS-Chat `--print_answers`).
-fn print_answers(metrics: &Metrics, exp: &Experience, tok: &Tokenizer, pad: u32, n: usize) -> Result<()> {
+/// A few decoded rollouts (DS-Chat `--print_answers`), printed, and as a table in TensorBoard's
+/// text panel `rollout/samples` at `step`.
+fn print_answers(
+    metrics: &mut Metrics,
+    step: u64,
+    exp: &Experience,
+    tok: &Tokenizer,
+    pad: u32,
+    n: usize,
+) -> Result<()> {
     let p = exp.start + 1;
+    let mut table = String::from("| prompt | answer | reward |\n|---|---|---|\n");
+    let cell = |text: &str| text.split_whitespace().collect::<Vec<_>>().join(" ").replace('|', "\\|");
     for r in 0..exp.b.min(n) {
         let row = &exp.seq[r * exp.l..(r + 1) * exp.l];
         let prompt: Vec<u32> =
             row[..p].iter().zip(&exp.attention_mask[r * exp.l..]).filter(|(_, m)| **m == 1).map(|(t, _)| *t).collect();
         let answer: Vec<u32> = row[p..].iter().copied().take_while(|&t| t != pad).collect();
-        metrics.println(&format!(
-            "--- prompt: {:?}\n--- answer: {:?} (reward {:.3})",
-            tok.decode(&prompt)?,
-            tok.decode(&answer)?,
-            exp.scores[r]
-        ));
+        let (prompt, answer) = (tok.decode(&prompt)?, tok.decode(&answer)?);
+        metrics.println(&format!("--- prompt: {prompt:?}\n--- answer: {answer:?} (reward {:.3})", exp.scores[r]));
+        table.push_str(&format!("| {} | {} | {:.3} |\n", cell(&prompt), cell(&answer), exp.scores[r]));
     }
-    Ok(())
+    metrics.text(step as i64, "rollout/samples", &table)
 }
 
 #[cfg(test)]
