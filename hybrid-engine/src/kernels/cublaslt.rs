@@ -91,7 +91,7 @@ pub unsafe fn matmul(dev: &CudaDevice, op: &Operands) -> Result<bool> {
     let stream = dev.cuda_stream();
     let mut devices =
         DEVICES.lock().map_err(|_| candle_core::Error::Msg("the cuBLASLt state lock is poisoned".into()))?;
-    let device = match devices.get_or_insert_with(HashMap::new).entry(stream.cu_stream() as usize) {
+    let device = match devices.get_or_insert_with(HashMap::new).entry(stream.context().cu_ctx() as usize) {
         std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
         std::collections::hash_map::Entry::Vacant(e) => e.insert(LtDevice::new(dev)?),
     };
@@ -136,7 +136,8 @@ pub unsafe fn matmul(dev: &CudaDevice, op: &Operands) -> Result<bool> {
 /// The workspace NVIDIA recommends for Hopper (and cudarc allocates): 32 MiB.
 const WORKSPACE_BYTES: usize = 32 << 20;
 
-/// The cuBLASLt state of each device, by its (candle's only) stream.
+/// The cuBLASLt state of each CUDA context (one a GPU: candle opens each device's primary
+/// context), by the context; the matmuls run on the calling device's stream.
 static DEVICES: Mutex<Option<HashMap<usize, LtDevice>>> = Mutex::new(None);
 
 /// A handle, its workspace and the plans made on one device.
@@ -146,6 +147,10 @@ struct LtDevice {
     /// that the pool's high-water mark stays the tensors' (the memory plan's measure); never freed.
     workspace: CUdeviceptr,
     plans: HashMap<PlanKey, Option<Plan>>,
+    /// Held so that the context, and with it the workspace, outlives every candle device on it
+    /// (a primary context released by its last user would be destroyed, and its address could
+    /// name a later one).
+    _context: std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaContext>,
 }
 
 // SAFETY: the handle and the plans' descriptors are used under DEVICES's lock only.
@@ -159,7 +164,7 @@ impl LtDevice {
         // SAFETY: a plain allocation on the current context.
         let workspace = unsafe { candle_core::cuda_backend::cudarc::driver::result::malloc_sync(WORKSPACE_BYTES) }
             .map_err(|e| failed("workspace", &e))?;
-        Ok(Self { handle, workspace, plans: HashMap::new() })
+        Ok(Self { handle, workspace, plans: HashMap::new(), _context: dev.cuda_stream().context().clone() })
     }
 }
 
