@@ -101,7 +101,7 @@ impl CustomOp3 for Linear {
         let rows = |x: &Tensor| x.detach().reshape(((), d_in)); // (N, in)
         let (dw, db) = match (w.track_op(), b.track_op()) {
             // On a GPU both from one gemm, the bias gradient summed in its epilogue.
-            (true, true) if g2.device().is_cuda() => {
+            (true, true) if fused_weight_and_bias_grads(&g2) => {
                 let both = rows(x)?.apply_op2_no_bwd(&g2, &WeightAndBiasGrads)?; // (in + 1, out)
                 (Some(both.narrow(0, 0, d_in)?), Some(both.narrow(0, d_in, 1)?.reshape(d_out)?))
             }
@@ -130,6 +130,18 @@ impl CustomOp1 for ColumnSums {
     fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
         let w = l.shape().dims2()?.1;
         Ok((cuda::column_sums(s, l)?, Shape::from(w)))
+    }
+}
+
+/// Whether a linear's weight and bias gradients of `dy` come from [`WeightAndBiasGrads`]: on a
+/// GPU with cuBLASLt's epilogues on (off, the gemm and [`ColumnSums`] run as they did before).
+fn fused_weight_and_bias_grads(dy: &Tensor) -> bool {
+    #[cfg(feature = "cuda")]
+    return dy.device().is_cuda() && crate::kernels::cublaslt::enabled();
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = dy;
+        false
     }
 }
 
@@ -204,8 +216,8 @@ pub mod cuda {
     trait Float: CudaDType + WithDType + DeviceRepr {}
     impl<T: CudaDType + WithDType + DeviceRepr> Float for T {}
 
-    /// Runs `$f::<T>(dev, ..)` for the element type of `$storage` (f32, bf16 or f16), wrapping the
-    /// slice it returns; any other dtype is an error naming `$what`.
+    /// Evaluates `$call` with `$t` the element type of `$storage` (f32, bf16 or f16), wrapping the
+    /// slice it may return as a storage; any other dtype is an error naming `$what`.
     macro_rules! by_dtype {
         ($storage:expr, $what:literal, |$t:ident| $call:expr) => {{
             let dev = $storage.device().clone();
