@@ -23,10 +23,22 @@ expected = {
     "text": {t: [[e.step, b"".join(e.tensor_proto.string_val).decode()] for e in acc.Tensors(t)]
              for t in sorted(tags["tensors"])},
 }
+# The hparams plugin's summaries as its own protos decode them: the session's hyperparameters
+# (google.protobuf.Value as plain JSON) and its end status by name.
+from google.protobuf import json_format
+from tensorboard.plugins.hparams import api_pb2, plugin_data_pb2
+hparams = {}
+for tag, content in sorted(acc.PluginTagToContent("hparams").items()):
+    data = plugin_data_pb2.HParamsPluginData.FromString(content)
+    which = data.WhichOneof("data")
+    if which == "session_start_info":
+        hparams[tag] = {k: json_format.MessageToDict(v) for k, v in sorted(data.session_start_info.hparams.items())}
+    elif which == "session_end_info":
+        hparams[tag] = api_pb2.Status.Name(data.session_end_info.status)
 with open(f"{out}/expected.json", "w") as f:  # one line per tag
     f.write("{\n" + ",\n".join(
         f' "{kind}": {{\n' + ",\n".join(f"  {json.dumps(t)}: {json.dumps(v)}" for t, v in tags.items()) + "\n }"
-        for kind, tags in expected.items()) + "\n}\n")
+        for kind, tags in expected.items()) + ",\n \"hparams\": " + json.dumps(hparams, sort_keys=True) + "\n}\n")
 print(f"TensorBoard read {sum(len(v) for v in expected['scalars'].values())} scalars under "
       f"{len(expected['scalars'])} tags and {len(expected['text'])} text summaries")
 PY

@@ -3,12 +3,15 @@
 //! write), framed as TFRecords in `events.out.tfevents.<time>.<host>.<pid>.<n>`.
 //!
 //! A run's metrics become scalars: [`scalars_of_record`] turns each `metrics.jsonl` record into
-//! `(tag, value)` pairs under our own names, plus the names DS-Chat and Megatron give the same
-//! quantities, so dashboards built for them work unchanged.
+//! `(tag, value)` pairs under our own names, or the names DS-Chat and Megatron give the same
+//! quantities where they have one, so dashboards built for them work unchanged. The run's
+//! configuration goes to the hparams plugin ([`crate::hparams`]).
 
+use crate::hparams::HParam;
 use crate::tfrecord;
 use anyhow::{Context, Result};
 use prost::Message;
+use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -166,6 +169,30 @@ impl EventWriter {
         self.write(&Event { wall_time: now(), step, what: Some(What::Summary(Summary { value })) })
     }
 
+    /// The run's hyperparameters (its configuration) in TensorBoard's HPARAMS tab: the session's
+    /// start, at step 0.
+    pub fn hparams_start(&mut self, hparams: BTreeMap<String, HParam>) -> Result<()> {
+        use crate::hparams::{plugin_content, Data, SessionStartInfo, SESSION_START_TAG};
+        let content = plugin_content(Data::SessionStartInfo(SessionStartInfo { hparams, start_time_secs: now() }));
+        self.plugin_summary(SESSION_START_TAG, content)
+    }
+
+    /// The end of the session [`Self::hparams_start`] began, successful or not.
+    pub fn hparams_end(&mut self, success: bool) -> Result<()> {
+        use crate::hparams::{plugin_content, Data, SessionEndInfo, SESSION_END_TAG, STATUS_FAILURE, STATUS_SUCCESS};
+        let status = if success { STATUS_SUCCESS } else { STATUS_FAILURE };
+        let content = plugin_content(Data::SessionEndInfo(SessionEndInfo { status, end_time_secs: now() }));
+        self.plugin_summary(SESSION_END_TAG, content)
+    }
+
+    /// A summary of the hparams plugin: metadata only, as TensorFlow and PyTorch write it.
+    fn plugin_summary(&mut self, tag: &str, content: Vec<u8>) -> Result<()> {
+        let plugin_data = PluginData { plugin_name: crate::hparams::PLUGIN_NAME.into(), content };
+        let metadata = SummaryMetadata { plugin_data: Some(plugin_data), ..Default::default() };
+        let value = vec![SummaryValue { tag: tag.into(), metadata: Some(metadata), value: None }];
+        self.write(&Event { wall_time: now(), step: 0, what: Some(What::Summary(Summary { value })) })
+    }
+
     /// Markdown under `tag` in TensorBoard's text tab (the run's flags, for instance).
     pub fn text(&mut self, step: i64, tag: &str, markdown: &str) -> Result<()> {
         let metadata = SummaryMetadata {
@@ -242,6 +269,27 @@ pub fn read_texts(path: &Path) -> Result<Vec<(i64, String, String)>> {
         }
     }
     Ok(out)
+}
+
+/// The hparams plugin's session of an event file: its hyperparameters, and its end status
+/// ([`crate::hparams::STATUS_SUCCESS`], ...) when it ended; None without a session start.
+pub fn read_hparams(path: &Path) -> Result<Option<crate::hparams::Session>> {
+    use crate::hparams::{Data, HParamsPluginData, PLUGIN_NAME};
+    let (mut start, mut status) = (None, None);
+    for event in read_events(path)? {
+        let Some(What::Summary(summary)) = event.what else { continue };
+        for v in summary.value {
+            let Some(p) = v.metadata.and_then(|m| m.plugin_data).filter(|p| p.plugin_name == PLUGIN_NAME) else {
+                continue;
+            };
+            match HParamsPluginData::decode(p.content.as_slice()).context("an hparams summary")?.data {
+                Some(Data::SessionStartInfo(s)) => start = Some(s.hparams),
+                Some(Data::SessionEndInfo(e)) => status = Some(e.status),
+                None => {}
+            }
+        }
+    }
+    Ok(start.map(|hparams| crate::hparams::Session { hparams, status }))
 }
 
 /// Whether a summary value's metadata names TensorBoard's text plugin.

@@ -1,9 +1,12 @@
 //! The committed event file (written by our writer, `scripts/make-tensorboard-fixture.sh`) read
 //! by our reader gives exactly what TensorBoard's own reader read from it when the fixture was
-//! made (expected.json): the same tags, steps, float32 values and text.
+//! made (expected.json): the same tags, steps, float32 values and text; and the hparams plugin's
+//! summaries decode, by our messages, to what TensorBoard's own hparams protos decoded.
 
+use prost::Message;
 use std::collections::BTreeMap;
 use std::path::Path;
+use telemetry::hparams::{Data, HParamsPluginData, Kind, PLUGIN_NAME};
 use telemetry::tensorboard::{read_events, Value, What, FILE_VERSION};
 
 type Series<T> = BTreeMap<String, Vec<(i64, T)>>;
@@ -22,9 +25,35 @@ fn our_reader_reads_what_tensorboard_read_from_our_event_file() {
     let events = read_events(&events_file).unwrap();
     assert_eq!(events[0].what, Some(What::FileVersion(FILE_VERSION.into())), "the first event names the format");
     let (mut scalars, mut text): (Series<f32>, Series<String>) = Default::default();
+    let mut hparams = serde_json::Map::new();
     for event in &events[1..] {
         let Some(What::Summary(summary)) = &event.what else { panic!("a summary: {event:?}") };
         for v in &summary.value {
+            let plugin = v.metadata.as_ref().and_then(|m| m.plugin_data.as_ref());
+            if let Some(p) = plugin.filter(|p| p.plugin_name == PLUGIN_NAME) {
+                let decoded = HParamsPluginData::decode(p.content.as_slice()).unwrap();
+                let as_json = match decoded.data.expect("session data") {
+                    Data::SessionStartInfo(start) => serde_json::Value::Object(
+                        start
+                            .hparams
+                            .into_iter()
+                            .map(|(k, v)| {
+                                let v = match v.kind.expect("a kind") {
+                                    Kind::Number(x) => serde_json::json!(x),
+                                    Kind::Text(s) => serde_json::json!(s),
+                                    Kind::Bool(b) => serde_json::json!(b),
+                                };
+                                (k, v)
+                            })
+                            .collect(),
+                    ),
+                    Data::SessionEndInfo(end) => {
+                        serde_json::json!(["STATUS_UNKNOWN", "STATUS_SUCCESS", "STATUS_FAILURE"][end.status as usize])
+                    }
+                };
+                hparams.insert(v.tag.clone(), as_json);
+                continue;
+            }
             match &v.value {
                 Some(Value::SimpleValue(x)) => scalars.entry(v.tag.clone()).or_default().push((event.step, *x)),
                 Some(Value::Tensor(t)) => text
@@ -59,4 +88,7 @@ fn our_reader_reads_what_tensorboard_read_from_our_event_file() {
         .collect();
     assert_eq!(text, want_text);
     assert!(scalars.contains_key("lm loss") && scalars.contains_key("iteration-time"), "Megatron's names");
+    assert_eq!(serde_json::Value::Object(hparams), expected["hparams"], "the hparams TensorBoard decoded");
+    assert_eq!(expected["hparams"]["_hparams_/session_start_info"]["dtype"], "bf16");
+    assert_eq!(expected["hparams"]["_hparams_/session_end_info"], "STATUS_SUCCESS");
 }

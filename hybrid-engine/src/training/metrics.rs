@@ -96,6 +96,10 @@ impl Metrics {
         if let Some(dir) = &sinks.tensorboard {
             let mut writer = EventWriter::create(dir)?;
             writer.text(done as i64, "flags", &format!("```\n{}\n```", command_line()))?;
+            // The flags as parsed (defaults too) in the HPARAMS tab; its metrics are the scalars.
+            if let Some(config) = telemetry::wandb::flags_config() {
+                writer.hparams_start(telemetry::hparams::of_config(&config))?;
+            }
             self.println(&format!("TensorBoard: {}", writer.path().display()));
             self.tensorboard = Some(writer);
         }
@@ -145,6 +149,9 @@ impl Metrics {
 
     pub fn end(&mut self, value: serde_json::Value) -> Result<()> {
         self.record(value)?;
+        if let Some(writer) = &mut self.tensorboard {
+            writer.hparams_end(true)?;
+        }
         if let Some(wandb) = &mut self.wandb {
             wandb.finish(0)?;
         }

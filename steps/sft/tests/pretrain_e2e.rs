@@ -167,6 +167,13 @@ fn pretraining_lowers_the_loss_and_saves_a_hugging_face_checkpoint() {
     assert!(scalars.iter().any(|(s, t, _)| *s == 30 && t == "lm loss validation"), "{scalars:?}");
     // The last validation is on the curve (at the last iteration), and nothing is written twice.
     assert!(scalars.iter().any(|(s, t, _)| *s == 60 && t == "lm loss validation"), "{scalars:?}");
+    // The flags as parsed in the HPARAMS tab (a default too), the session ended successfully.
+    use hybrid_engine::telemetry::hparams::{HParam, STATUS_SUCCESS};
+    let session = hybrid_engine::telemetry::tensorboard::read_hparams(&files[0]).unwrap().expect("hparams");
+    let (hparams, status) = (session.hparams, session.status);
+    assert_eq!(hparams.get("seed"), Some(&HParam::number(1234.0)), "{hparams:?}");
+    assert_eq!(hparams.get("train_iters"), Some(&HParam::number(60.0)), "{hparams:?}");
+    assert_eq!(status, Some(STATUS_SUCCESS));
     let mut tags: Vec<(i64, &str)> = scalars.iter().map(|(s, t, _)| (*s, t.as_str())).collect();
     let all = tags.len();
     tags.sort();
