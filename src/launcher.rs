@@ -1032,7 +1032,7 @@ fn held_out_comparison(output: &Path) -> Result<()> {
     let prompts = data::prompts::read_prompts("demo", usize::MAX)?;
     let (sft, dpo) = (sft.model(&sft_cfg)?, dpo.model(&dpo_cfg)?);
     let eval = |actor| ppo::eval::evaluate_policy(actor, &sft, None, &tok, &prompts, 24, 16, 16, &device);
-    let (before, after) = (eval(&sft)?, eval(&dpo)?);
+    let (before, after) = (eval(("SFT actor", &sft))?, eval(("DPO actor", &dpo))?);
     let task = |e: &ppo::eval::PolicyEval| e.task_success.map_or("n/a".into(), |t| format!("{t:.3}"));
     println!(
         "held-out prompts ({}): task score SFT {} -> DPO {}; answer length {:.1} -> {:.1} tokens; KL to SFT {:.3} nats",

@@ -58,7 +58,7 @@ fn run(args: &Args) -> Result<()> {
         hybrid_engine::model::reward_model::RewardModel::new(&rm_params, &rm_cfg)?,
     );
     let prompts = data::prompts::read_prompts(&args.eval_prompts, usize::MAX)?;
-    let evaluate = |actor: &hybrid_engine::Gpt2| -> Result<PolicyEval> {
+    let evaluate = |actor: (&str, &hybrid_engine::Gpt2)| -> Result<PolicyEval> {
         evaluate_policy(
             actor,
             &reference,
@@ -71,10 +71,10 @@ fn run(args: &Args) -> Result<()> {
             &device,
         )
     };
-    let mut rows = vec![("sft".to_string(), evaluate(&reference)?)];
+    let mut rows = vec![("sft".to_string(), evaluate(("sft", &reference))?)];
     for (name, dir) in &named {
         let (cfg, params, _) = read_model(dir, &format!("--actor {name}="), Some(0.0), &device)?;
-        rows.push((name.clone(), evaluate(&params.model(&cfg)?)?));
+        rows.push((name.clone(), evaluate((name, &params.model(&cfg)?))?));
     }
     println!("held-out prompts: {}", prompts.len());
     println!("| actor | reward-model score | task score | KL to SFT (nats) | answer length |");

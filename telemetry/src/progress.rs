@@ -65,6 +65,13 @@ impl Phase {
         Self { label: label.into(), unit, total, done: 0, bar: bar(total, 0, &template), started: now, last_log: now }
     }
 
+    /// Counts `n` done when the returned guard drops: at the end of a loop's body, however the
+    /// iteration ends, so that the bar counts work finished, not work begun (a bar at 58/58
+    /// while the last batch still runs has an early ETA).
+    pub fn done_after(&mut self, n: u64) -> Done<'_> {
+        Done { phase: self, n }
+    }
+
     /// `n` more done.
     pub fn inc(&mut self, n: u64) {
         self.done += n;
@@ -76,6 +83,18 @@ impl Phase {
             }
             None => {}
         }
+    }
+}
+
+/// [`Phase::done_after`]'s guard.
+pub struct Done<'a> {
+    phase: &'a mut Phase,
+    n: u64,
+}
+
+impl Drop for Done<'_> {
+    fn drop(&mut self) {
+        self.phase.inc(self.n);
     }
 }
 
@@ -120,6 +139,23 @@ fn seconds(secs: f64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_step_counts_when_its_work_is_done() {
+        let mut phase = Phase::start("evaluating", "batches", 3);
+        for k in 0..3u64 {
+            let _done = phase.done_after(1);
+            if k == 1 {
+                continue; // an iteration that ends early counts too
+            }
+            assert_eq!(phase_done(&_done), k, "while batch {k} runs, {k} are done");
+        }
+        assert_eq!(phase.done, 3);
+    }
+
+    fn phase_done(done: &Done) -> u64 {
+        done.phase.done
+    }
 
     #[test]
     fn log_lines_give_the_share_the_time_and_the_time_left() {

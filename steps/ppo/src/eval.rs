@@ -34,12 +34,13 @@ pub struct PolicyEval {
 /// Answers sampled per prompt for the KL estimate.
 pub const KL_SAMPLES: usize = 4;
 
-/// Greedy answers (up to `max_answer` tokens) to `prompts`, left-padded to `max_prompt`, scored
-/// by `reward` (when given) and, where the prompt is a demo prompt, by the demo scorer; and the KL of the
-/// actor to `reference` on sampled answers.
+/// The `actor`'s (called `name` in its progress line) greedy answers (up to `max_answer` tokens)
+/// to `prompts`, left-padded to `max_prompt`, scored by `reward` (when given) and, where the
+/// prompt is a demo prompt, by the demo scorer; and the KL of the actor to `reference` on sampled
+/// answers.
 #[allow(clippy::too_many_arguments)]
 pub fn evaluate_policy(
-    actor: &Gpt2,
+    (name, actor): (&str, &Gpt2),
     reference: &Gpt2,
     reward: Option<&TrainedModel>,
     tok: &Tokenizer,
@@ -53,13 +54,10 @@ pub fn evaluate_policy(
     let sampling = SamplingConfig::greedy(max_answer, Some(eos), eos, tok.vocab_size().min(actor.cfg.vocab_size));
     let (mut scores, mut answers, mut lengths) = (Vec::new(), Vec::new(), Vec::new());
     let (mut kl_sum, mut kl_answers) = (0f64, 0usize);
-    let mut progress = hybrid_engine::telemetry::progress::Phase::start(
-        "answering the held-out prompts",
-        "prompts",
-        prompts.len() as u64,
-    );
+    let label = format!("answering the held-out prompts ({name})");
+    let mut progress = hybrid_engine::telemetry::progress::Phase::start(&label, "prompts", prompts.len() as u64);
     for (c, chunk) in prompts.chunks(batch_size).enumerate() {
-        progress.inc(chunk.len() as u64);
+        let _done = progress.done_after(chunk.len() as u64);
         let ids: Vec<Vec<u32>> = chunk.iter().map(|p| tok.encode(p)).collect::<Result<_>>()?;
         let ids: Vec<Vec<u32>> = ids
             .into_iter()

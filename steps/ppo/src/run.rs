@@ -598,7 +598,7 @@ impl PpoLoop<'_> {
                 (&whole_frozen.0, &whole_frozen.1)
             }
         };
-        let evaluate = |actor: &hybrid_engine::Gpt2| {
+        let evaluate = |actor: (&str, &hybrid_engine::Gpt2)| {
             evaluate_policy(
                 actor,
                 reference,
@@ -621,9 +621,10 @@ impl PpoLoop<'_> {
                 &saved
             }
         };
-        let (before, after) = (evaluate(reference)?, evaluate(&self.engine.model(final_actor, actor_cfg)?)?);
-        let task = |e: &PolicyEval| e.task_success.map_or("n/a".to_string(), |t| format!("{t:.3}"));
         let name = args.algorithm.label();
+        let trained = self.engine.model(final_actor, actor_cfg)?;
+        let (before, after) = (evaluate(("SFT actor", reference))?, evaluate((&format!("{name} actor"), &trained))?);
+        let task = |e: &PolicyEval| e.task_success.map_or("n/a".to_string(), |t| format!("{t:.3}"));
         println!(
             "held-out prompts ({}): reward score SFT {:.3} -> {name} {:.3}; task score SFT {} -> {name} {}; answer length {:.1} -> {:.1} tokens; KL to SFT {:.3} nats",
             prompts.len(),

@@ -380,9 +380,10 @@ impl EpochTask for DpoTask<'_> {
         let forwards = pairs.len().div_ceil(world).div_ceil(t.per_device_eval_batch_size);
         let chunks: Vec<&[&PairSample]> = share.chunks(t.per_device_eval_batch_size).collect();
         let mut sums = DpoSums::default();
-        let mut progress = hybrid_engine::telemetry::progress::Phase::start("evaluating", "batches", forwards as u64);
+        let label = format!("evaluating DPO on the held-out pairs ({})", at.label());
+        let mut progress = hybrid_engine::telemetry::progress::Phase::start(&label, "batches", forwards as u64);
         for k in 0..forwards {
-            progress.inc(1);
+            let _done = progress.done_after(1);
             let (chunk, real) = match chunks.get(k) {
                 Some(c) => (*c, true),
                 None => (std::slice::from_ref(&filler), false),

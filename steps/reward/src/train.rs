@@ -311,7 +311,7 @@ pub fn pair_scores(
     };
     let mut progress = hybrid_engine::telemetry::progress::Phase::start("scoring pairs", "batches", forwards as u64);
     for k in 0..forwards {
-        progress.inc(1);
+        let _done = progress.done_after(1);
         let Some(&chunk) = chunks.get(k) else {
             let filler = pair_batch(&[filler], pad);
             model.with_hidden(&batch_ids(&filler, device)?, &Positions::default(), |_, _| Ok(()))?;

@@ -311,7 +311,7 @@ pub fn eval_loss_sum(
     let mut progress =
         hybrid_engine::telemetry::progress::Phase::start("evaluating perplexity", "batches", forwards as u64);
     for k in 0..forwards {
-        progress.inc(1);
+        let _done = progress.done_after(1);
         let (refs, counted) = match chunks.get(k) {
             Some(c) => (c.clone(), true),
             None => (vec![filler], false),

@@ -424,7 +424,7 @@ impl Pretraining<'_> {
                 (interval_loss, interval_iters, interval_secs) = (0.0, 0, 0.0);
             }
             if args.eval_interval > 0 && iteration % args.eval_interval == 0 && iteration != args.train_iters {
-                let l = evaluate(&self.engine, self.corpus, &self.eval_batches, self.device)?;
+                let l = evaluate(&self.engine, self.corpus, &self.eval_batches, "validation", self.device)?;
                 report_eval(&self.metrics, "validation", iteration, l);
                 self.metrics.record(json!({"iteration": iteration, "valid_loss": l, "valid_ppl": l.exp()}))?;
             }
@@ -504,14 +504,14 @@ impl Pretraining<'_> {
         }
         // The last evaluations as records too, so that the validation curve reaches the end.
         if !self.eval_batches.is_empty() {
-            let l = evaluate(&self.engine, self.corpus, &self.eval_batches, self.device)?;
+            let l = evaluate(&self.engine, self.corpus, &self.eval_batches, "validation", self.device)?;
             report_eval(&self.metrics, "validation", end, l);
             self.metrics.record(json!({"iteration": end, "valid_loss": l, "valid_ppl": l.exp()}))?;
             (self.summary.valid_loss, self.summary.valid_ppl) = (Some(l), Some(l.exp()));
         }
         let test_batches = data::eval_indices(test, args.eval_iters, args.micro_batch_size);
         if !test_batches.is_empty() {
-            let l = evaluate(&self.engine, self.corpus, &test_batches, self.device)?;
+            let l = evaluate(&self.engine, self.corpus, &test_batches, "test", self.device)?;
             report_eval(&self.metrics, "test", end, l);
             self.metrics.record(json!({"iteration": end, "test_loss": l, "test_ppl": l.exp()}))?;
             self.summary.test_loss = Some(l);
@@ -597,12 +597,19 @@ fn batch(corpus: &PackedCorpus, idx: &[usize], device: &Device) -> Result<(Tenso
     Ok((Tensor::from_vec(x, (idx.len(), t), device)?, Tensor::from_vec(y, (idx.len(), t), device)?))
 }
 
-/// Mean LM loss over the given batches, dropout off.
-fn evaluate(engine: &Engine, corpus: &PackedCorpus, batches: &[Vec<usize>], device: &Device) -> Result<f64> {
+/// Mean LM loss over the given batches of `split` ("validation", "test"), dropout off.
+fn evaluate(
+    engine: &Engine,
+    corpus: &PackedCorpus,
+    batches: &[Vec<usize>],
+    split: &str,
+    device: &Device,
+) -> Result<f64> {
     let mut total = 0f64;
-    let mut progress = hybrid_engine::telemetry::progress::Phase::start("evaluating", "batches", batches.len() as u64);
+    let label = format!("evaluating on the {split} split");
+    let mut progress = hybrid_engine::telemetry::progress::Phase::start(&label, "batches", batches.len() as u64);
     for idx in batches {
-        progress.inc(1);
+        let _done = progress.done_after(1);
         let (x, y) = batch(corpus, idx, device)?;
         let targets = y.flatten_all()?;
         let loss = engine.with_hidden(&x, &Positions::default(), |w, hidden| {
