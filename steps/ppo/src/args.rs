@@ -188,6 +188,11 @@ pub struct PpoArgs {
     /// (TRL's and OpenRLHF's default for PPO; DS-Chat does not): (A - mean) / std.
     #[arg(long, alias = "whiten_advantages")]
     pub whiten_advantages: bool,
+    /// Leave the action that emits EOS out of the losses and KL terms, as DS-Chat's mask
+    /// `seq[t + 1] != pad` does with GPT-2 (pad = EOS), for parity with its runs. By default it
+    /// is an action like the others (TRL, OpenRLHF), so the policy learns when to stop.
+    #[arg(long, alias = "mask_eos_action")]
+    pub mask_eos_action: bool,
     /// The weight of the KL to the reference: PPO's and RLOO's reward penalty per token,
     /// GRPO's loss term (its beta).
     #[arg(long, default_value_t = 0.1, alias = "kl_ctl", value_parser = cli::non_negative())]
@@ -389,6 +394,7 @@ impl PpoArgs {
             scale_rewards: self.scale_rewards,
             loss_type: self.loss_type,
             whiten_advantages: self.whiten_advantages,
+            eos_action: !self.mask_eos_action,
             max_answer_len: self.max_answer_seq_len,
             temperature: if self.do_sample { self.temperature } else { 1.0 },
         }

@@ -37,10 +37,14 @@ pub struct Experience {
     /// Old policy log-probs of each action's token.
     pub logprobs: Vec<f32>,
     pub ref_logprobs: Vec<f32>,
-    /// Critic values, zeroed from each row's end.
+    /// Critic values, zeroed from each row's end (the action after the one that emitted EOS):
+    /// GAE's terminal value. With the EOS action in the mask every value GAE reads is one the
+    /// critic trains; with `--mask-eos-action` GAE reads the EOS action's value, which the critic
+    /// never trains (as in DS-Chat).
     pub values: Vec<f32>,
     pub rewards: Vec<f32>,
-    /// `mask[t] = seq[t + 1] != pad`.
+    /// The actions the losses read ([`ppo::action_mask`]): `seq[t + 1] != pad`, and the one
+    /// that emitted EOS unless `--mask-eos-action`.
     pub action_mask: Vec<f32>,
     pub advantages: Vec<f32>,
     pub returns: Vec<f32>,
@@ -200,8 +204,8 @@ pub fn generate_experience(
     let (mut values, mut rewards, mut action_mask) = (Vec::new(), Vec::new(), Vec::new());
     for i in 0..b {
         let row_seq = &seq[i * l..(i + 1) * l];
-        let mask = ppo::action_mask(row_seq, pad);
-        let end = ppo::end_of_answer(&mask, start);
+        let mask = ppo::action_mask(row_seq, pad, start, cfg.eos_action);
+        let end = ppo::end_of_answer(row_seq, pad, start);
         let lp = &logprobs[i * actions..(i + 1) * actions];
         let rp = &ref_logprobs[i * actions..(i + 1) * actions];
         let mut v: Vec<f32> = values_full[i * l..i * l + actions].to_vec(); // V[t] for t < L - 1
@@ -514,7 +518,7 @@ mod tests {
             let ret0 = exp.returns[r * (exp.actions() - exp.start)];
             assert!((ret0 - nonzero[0]).abs() < 1e-4, "return {ret0} vs reward {}", nonzero[0]);
             // Values are zero from the end on, like the rewards.
-            let end = ppo::end_of_answer(exp.row(&exp.action_mask, r), exp.start);
+            let end = ppo::end_of_answer(&exp.seq[r * exp.l..(r + 1) * exp.l], sampling.pad_token_id, exp.start);
             assert!(exp.row(&exp.values, r).iter().skip(end).all(|v| *v == 0.0));
         }
         // The frozen models and the critic sharded at rest (ZeRO stage 3, here over one rank)

@@ -40,6 +40,13 @@ pub struct PpoConfig {
     /// tokens (TRL's and OpenRLHF's default for PPO). Not written when off.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub whiten_advantages: bool,
+    /// The action that emits EOS is an action like the others: the actor, the critic and the
+    /// KL terms read it (TRL, OpenRLHF), so the policy learns when to stop. Off
+    /// (`--mask-eos-action`): DS-Chat's mask, `seq[t + 1] != pad`, which with GPT-2 (pad = EOS)
+    /// leaves it out. Written only when on, so that the checkpoints of earlier versions (which
+    /// masked it) resume only with `--mask-eos-action`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub eos_action: bool,
     /// `--max-answer-seq-len`: Dr. GRPO's constant divisor (per answer).
     #[serde(skip)]
     pub max_answer_len: usize,
@@ -71,6 +78,7 @@ impl Default for PpoConfig {
             scale_rewards: RewardScaling::Group,
             loss_type: LossType::Bnpo,
             whiten_advantages: false,
+            eos_action: true,
             max_answer_len: 0,
             temperature: 1.0,
         }
@@ -142,18 +150,27 @@ pub fn whiten(values: &mut [f32], mask: &[f32], [count, sum, sum_sq]: [f64; 3]) 
     }
 }
 
-/// `mask[t] = seq[t + 1] != pad` for one row of L tokens: L - 1 entries.
-pub fn action_mask(seq: &[u32], pad: u32) -> Vec<f32> {
-    seq.windows(2).map(|w| f32::from(u8::from(w[1] != pad))).collect()
+/// Which of a row's L - 1 actions the losses and the KL terms read, 1 or 0. DS-Chat's
+/// `seq[t + 1] != pad`; with `eos_action` also the action that emitted EOS (the first pad after
+/// the answer, action `end - 1` of [`end_of_answer`], when the answer did not hit the length
+/// limit), as TRL and OpenRLHF keep it. With GPT-2, pad = EOS: DS-Chat's mask drops the one
+/// action that decides where the answer stops, the one its score lands on.
+pub fn action_mask(seq: &[u32], pad: u32, start: usize, eos_action: bool) -> Vec<f32> {
+    let mut mask: Vec<f32> = seq.windows(2).map(|w| f32::from(u8::from(w[1] != pad))).collect();
+    let eos = end_of_answer(seq, pad, start) - 1;
+    if eos_action && eos < mask.len() {
+        mask[eos] = 1.0;
+    }
+    mask
 }
 
-/// DS-Chat's `end` of a row: `start + n + 1` with n the non-pad tokens among the answer's
-/// (`mask[start..]`). The reward lands on action `end - 1`; rewards and values are zeroed from
-/// `end` on. With GPT-2 (pad = EOS) action `end - 1` is the one that emitted EOS, or, when the
-/// answer hit the length limit, one past the last action, which DS-Chat's slicing clamps to the
-/// last action ([`reward_index`]).
-pub fn end_of_answer(mask: &[f32], start: usize) -> usize {
-    start + mask[start..].iter().filter(|&&m| m > 0.0).count() + 1
+/// DS-Chat's `end` of a row of L tokens whose first answer token action `start` emits:
+/// `start + n + 1` with n the answer's non-pad tokens. The reward lands on action `end - 1`;
+/// rewards and values are zeroed from `end` on. With GPT-2 (pad = EOS) action `end - 1` is the
+/// one that emitted EOS, or, when the answer hit the length limit, one past the last action,
+/// which DS-Chat's slicing clamps to the last action ([`reward_index`]).
+pub fn end_of_answer(seq: &[u32], pad: u32, start: usize) -> usize {
+    start + seq[start + 1..].iter().filter(|&&t| t != pad).count() + 1
 }
 
 /// Where the score is added: `end - 1`, clamped to the last action (Python's slice
@@ -458,11 +475,12 @@ mod tests {
     fn rewards_land_on_the_eos_action_and_zero_after_it() {
         // P = 2 (prompt 5, 6), answer 7, 8, EOS (= pad 0), then padding: L = 7, 6 actions.
         let seq = [5, 6, 7, 8, PAD, PAD, PAD];
-        let mask = action_mask(&seq, PAD);
-        assert_eq!(mask, [1.0, 1.0, 1.0, 0.0, 0.0, 0.0]);
         let start = 1; // action 1 emits the first answer token (7)
-        let end = end_of_answer(&mask, start);
+        let end = end_of_answer(&seq, PAD, start);
         assert_eq!(end, 4, "n = 2 answer tokens: end = 1 + 2 + 1");
+        // Action 3 emits EOS: an action (TRL, OpenRLHF), or masked as DS-Chat masks it.
+        assert_eq!(action_mask(&seq, PAD, start, true), [1.0, 1.0, 1.0, 1.0, 0.0, 0.0]);
+        assert_eq!(action_mask(&seq, PAD, start, false), [1.0, 1.0, 1.0, 0.0, 0.0, 0.0]);
         let cfg = PpoConfig::default();
         let logp = [-1.0, -0.5, -0.4, -0.3, -9.0, -9.0];
         let refp = [-1.0, -0.7, -0.2, -0.1, -1.0, -1.0];
@@ -474,9 +492,11 @@ mod tests {
     #[test]
     fn an_answer_at_the_length_limit_gets_its_reward_on_the_last_action() {
         let seq = [5, 6, 7, 8, 9]; // no pad: the answer used every position
-        let mask = action_mask(&seq, PAD);
-        let end = end_of_answer(&mask, 1);
+        let end = end_of_answer(&seq, PAD, 1);
         assert_eq!(end, 5, "one past the 4 actions");
+        // No EOS was emitted: both masks are every action.
+        assert_eq!(action_mask(&seq, PAD, 1, true), [1.0; 4]);
+        assert_eq!(action_mask(&seq, PAD, 1, false), [1.0; 4]);
         assert_eq!(reward_index(end, 4), 3);
         let r = compute_rewards(&[0.0; 4], &[0.0; 4], -6.0, end, &PpoConfig::default());
         close(&r, &[0.0, 0.0, 0.0, -5.0]);
@@ -487,9 +507,9 @@ mod tests {
         // The answer is EOS at once: n = 0, end = start + 1, reward on action start. (Rows with
         // at most one answer token are dropped before this in generate_experience.)
         let seq = [5, 6, PAD, PAD];
-        let mask = action_mask(&seq, PAD);
-        let end = end_of_answer(&mask, 1);
+        let end = end_of_answer(&seq, PAD, 1);
         assert_eq!(end, 2);
+        assert_eq!(action_mask(&seq, PAD, 1, true), [1.0, 1.0, 0.0], "EOS is the answer's one action");
         let r = compute_rewards(&[0.0; 3], &[0.0; 3], 1.0, end, &PpoConfig::default());
         close(&r, &[0.0, 1.0, 0.0]);
     }

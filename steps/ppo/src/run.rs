@@ -1553,7 +1553,7 @@ mod tests {
         let logprobs = inputs.logprobs(actor).unwrap();
         let mut exp = Experience::empty(p, b);
         let actions = (l - 1) * b;
-        exp.action_mask = ppo::action_mask(&seq, pad);
+        exp.action_mask = seq.chunks(l).flat_map(|row| ppo::action_mask(row, pad, p - 1, true)).collect();
         exp.advantages = vec![1.5, -0.7, 0.4, -1.2, 0.9, 0.3];
         exp.returns = vec![0.5, 0.2, -0.3, 0.1, 0.6, -0.4];
         exp.values = vec![0.0; actions];
@@ -1650,6 +1650,42 @@ mod tests {
         let untempered = tiny_experience(actor_trunk(&models));
         let stats = models.train_rlhf(&micro_batch(&untempered, 2), &cfg, 7, None, &Device::Cpu).unwrap().stats;
         assert!((stats.ratio_mean - 1.0).abs() > 1e-3, "read at T = 0.7, sampled at 1: {stats:?}");
+    }
+
+    /// The action that emits EOS trains the actor and the critic (TRL, OpenRLHF): with every
+    /// advantage and return zero but that action's, one update moves both models;
+    /// `--mask-eos-action` (DS-Chat's mask) leaves them where they were.
+    #[test]
+    fn the_eos_action_trains_the_actor_and_the_critic_unless_masked() {
+        for (flags, trains) in [("", true), ("--mask-eos-action", false)] {
+            let (args, mut models, start) = tiny_models(&format!("--gradient-accumulation-steps 1 {flags}"), 1e-2);
+            let cfg = args.ppo_config();
+            assert_eq!(cfg.eos_action, trains);
+            let mut exp = tiny_experience(actor_trunk(&models));
+            // Row 1 is [2, 4, 6, 8, 11, pad]: its answer 8, 11, then EOS (= pad), emitted by
+            // action 4, the third of its answer's actions.
+            exp.action_mask =
+                exp.seq.chunks(exp.l).flat_map(|row| ppo::action_mask(row, 0, exp.start, trains)).collect();
+            let eos = exp.actions() - exp.start + 2;
+            exp.advantages = vec![0.0; exp.advantages.len()];
+            (exp.advantages[eos], exp.returns[eos]) = (1.0, 1.0);
+            // The critic's own values as the old values and the returns: no error to learn
+            // from but the EOS action's, whose return is its value plus 1.
+            let critic = models.critic.as_ref().expect("PPO has a critic");
+            let inputs =
+                crate::experience::ForwardInputs::new(&exp.seq, &exp.attention_mask, exp.b, exp.l, &Device::Cpu)
+                    .unwrap();
+            let token_values = inputs.token_values(critic.model()).unwrap();
+            exp.values = token_values.chunks(exp.l).flat_map(|row| row[..exp.l - 1].to_vec()).collect();
+            exp.returns = exp.values.chunks(exp.actions()).flat_map(|row| row[exp.start..].to_vec()).collect();
+            exp.returns[eos] += 1.0;
+            let critic_start = values(critic.masters());
+            models.train_rlhf(&micro_batch(&exp, 1), &cfg, 7, None, &Device::Cpu).unwrap();
+            let actor_moved = max_diff(&values(models.actor.masters()), &values(&start));
+            let critic_moved = max_diff(&values(models.critic.as_ref().unwrap().masters()), &critic_start);
+            assert_eq!(actor_moved > 1e-6, trains, "{flags:?}: actor moved by {actor_moved}");
+            assert_eq!(critic_moved > 1e-6, trains, "{flags:?}: critic moved by {critic_moved}");
+        }
     }
 
     #[test]
