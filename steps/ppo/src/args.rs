@@ -188,6 +188,21 @@ pub struct PpoArgs {
     /// (TRL's and OpenRLHF's default for PPO; DS-Chat does not): (A - mean) / std.
     #[arg(long, alias = "whiten_advantages")]
     pub whiten_advantages: bool,
+    /// A reward from outside the reward model, added to its score (repeat for several, summed):
+    /// `exec:COMMAND` (a process started once per rank that reads one JSON line
+    /// {"prompt": ..., "answer": ...} per answer and writes one JSON number per line, in order),
+    /// `http://URL` or `https://URL` (OpenRLHF's remote reward protocol: POST {"query": [prompt +
+    /// answer, ...], "prompts": [...]}, answered by {"rewards": [...]}), or `builtin:capitals`
+    /// (the demo's task: 1 when the answer names the right capital, else 0).
+    #[arg(long = "reward-fn", alias = "reward_fn", value_name = "SPEC")]
+    pub reward_fn: Vec<crate::reward_fn::RewardFnSpec>,
+    /// Seconds a --reward-fn may take to score one rollout's answers (OpenRLHF's 180).
+    #[arg(long, default_value_t = 180.0, alias = "reward_fn_timeout", value_parser = cli::positive())]
+    pub reward_fn_timeout: f64,
+    /// Score with the --reward-fn alone: no reward model is read (PPO's critic still starts from
+    /// --critic-model-name-or-path; GRPO, RLOO and REINFORCE++ then read nothing there).
+    #[arg(long, alias = "no_reward_model")]
+    pub no_reward_model: bool,
     /// Leave the action that emits EOS out of the losses and KL terms, as DS-Chat's mask
     /// `seq[t + 1] != pad` does with GPT-2 (pad = EOS), for parity with its runs. By default it
     /// is an action like the others (TRL, OpenRLHF), so the policy learns when to stop.
@@ -296,7 +311,7 @@ impl PpoArgs {
     /// batch sizes are the global ones (per device times `world`), so a run can resume at
     /// another world size with per-device sizes that keep them.
     pub fn run_fingerprint(&self, world: usize) -> serde_json::Value {
-        serde_json::json!({
+        let mut fingerprint = serde_json::json!({
             "data_path": self.data.data_path, "data_split": self.data.data_split, "seed": self.seed,
             "actor": self.actor_model_name_or_path, "critic": self.critic_model_name_or_path,
             "batch": [self.per_device_generation_batch_size * world, self.per_device_training_batch_size * world, self.generation_batches, self.ppo_epochs, self.gradient_accumulation_steps, self.num_samples_per_prompt],
@@ -311,7 +326,13 @@ impl PpoArgs {
             "ema": self.enable_ema, "ptx": [self.unsupervised_dataset_name.clone().unwrap_or_default(), self.unsup_coef.to_string()],
             "kl": [format!("{:?}", self.kl_target), self.kl_horizon.to_string(), format!("{:?}", self.target_kl)],
             "normalize_reward": self.normalize_reward,
-        })
+        });
+        // Only when given, so that the checkpoints of earlier versions resume with the same flags.
+        if !self.reward_fn.is_empty() || self.no_reward_model {
+            let specs: Vec<String> = self.reward_fn.iter().map(|s| s.to_string()).collect();
+            fingerprint["reward_fn"] = serde_json::json!({"specs": specs, "reward_model": !self.no_reward_model});
+        }
+        fingerprint
     }
 
     /// How the actor (`critic` false) or the critic trains over `steps` optimizer steps on the
@@ -439,6 +460,9 @@ impl PpoArgs {
                 "--scale-rewards scales GRPO's group advantages, and the algorithm is {}: drop it (or use --algorithm grpo)",
                 self.algorithm.name()
             );
+        }
+        if self.no_reward_model && self.reward_fn.is_empty() {
+            bail!("--no-reward-model leaves nothing to score the answers: add a --reward-fn (e.g. --reward-fn builtin:capitals)");
         }
         self.refuse_critic_flags_without_a_critic()?;
         self.precision.validate()?;

@@ -48,7 +48,7 @@ pub struct Experience {
     pub action_mask: Vec<f32>,
     pub advantages: Vec<f32>,
     pub returns: Vec<f32>,
-    /// The reward model's score of each answer (before clipping).
+    /// Each answer's score (before clipping): the reward model's, plus `--reward-fn`'s rewards.
     pub scores: Vec<f32>,
     /// The score each row's reward is formed from: `scores`, or with `--normalize-reward`
     /// normalised by the running moments.
@@ -121,19 +121,24 @@ pub struct RolloutModels<'a> {
     /// or under ZeRO stage 3 sharded at rest, their forwards then collectives.
     pub reference: &'a TrainedModel,
     pub critic: Option<&'a TrainedModel>,
-    pub reward: &'a TrainedModel,
+    /// None with `--no-reward-model`: the scores are the external rewards alone.
+    pub reward: Option<&'a TrainedModel>,
 }
 
 impl RolloutModels<'_> {
     /// The models sharded at rest, in the order a rollout runs them: a rank without rows runs
     /// each once on a filler row, so that the other ranks' gathers find its shards.
     fn sharded(&self) -> impl Iterator<Item = &TrainedModel> {
-        [Some(self.reference), self.critic, Some(self.reward)]
+        [Some(self.reference), self.critic, self.reward]
             .into_iter()
             .flatten()
             .filter(|m| matches!(m, TrainedModel::Sharded(_)))
     }
 }
+
+/// Rewards from outside the reward model (`--reward-fn`) of a rollout's kept rows, each given
+/// as its prompt's tokens (padding removed) and its answer's (EOS removed): one reward a row.
+pub type ExternalRewards<'f> = dyn FnMut(&[(&[u32], &[u32])]) -> Result<Vec<f32>> + 'f;
 
 /// What happened to a rollout's rows.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -147,9 +152,11 @@ pub struct RolloutCounts {
 /// rank alone, or its inference tensor-parallel group) and scores them; `None` when every answer was too short to
 /// learn from (the caller then reuses the previous experience, DS-Chat's `last_generated_experience`).
 /// Each prompt's key ([`LeftPadded::keys`]) is its position in the rollout of `rollout_size`
-/// prompts (this rank's share of which `prompts` are). `normalize` turns the kept rows' scores
-/// into the scores their rewards use; every rank calls it once (it may be a collective), with
-/// no scores when it kept no row.
+/// prompts (this rank's share of which `prompts` are). `external` gives the rewards from
+/// outside the reward model of the kept rows, each given as its prompt's tokens (padding
+/// removed) and its answer's (EOS removed), which are added to the reward model's scores.
+/// `normalize` turns the kept rows' scores into the scores their rewards use; every rank calls
+/// it once (it may be a collective), with no scores when it kept no row.
 #[allow(clippy::too_many_arguments)]
 pub fn generate_experience(
     models: &RolloutModels,
@@ -158,6 +165,7 @@ pub fn generate_experience(
     rollout_size: usize,
     sampling: &SamplingConfig,
     cfg: &PpoConfig,
+    external: &mut ExternalRewards,
     normalize: &mut dyn FnMut(&[f32]) -> Result<Vec<f32>>,
     device: &Device,
 ) -> Result<(Option<Experience>, RolloutCounts)> {
@@ -197,7 +205,23 @@ pub fn generate_experience(
         Some(critic) => forward.token_values(critic)?,
         None => vec![0.0; b * l],
     };
-    let scores = forward.end_scores(models.reward, &seq, p, pad)?;
+    let mut scores = match models.reward {
+        Some(reward) => forward.end_scores(reward, &seq, p, pad)?,
+        None => vec![0.0; b],
+    };
+    let texts: Vec<(Vec<u32>, &[u32])> = keep
+        .iter()
+        .map(|&r| {
+            let prompt = prompts.ids[r * p..(r + 1) * p].iter().zip(&prompts.mask[r * p..]);
+            let answer = &generation.tokens[r];
+            let words = answer.len() - usize::from(answer.last() == sampling.eos_token_id.as_ref());
+            (prompt.filter(|(_, &m)| m == 1).map(|(&t, _)| t).collect(), &answer[..words])
+        })
+        .collect();
+    let rows: Vec<(&[u32], &[u32])> = texts.iter().map(|(prompt, answer)| (prompt.as_slice(), *answer)).collect();
+    for (score, reward) in scores.iter_mut().zip(external(&rows)?) {
+        *score += reward;
+    }
     let reward_scores = normalize(&scores)?;
 
     let (start, actions) = (p - 1, l - 1);
@@ -488,7 +512,8 @@ mod tests {
         let critic = TrainedModel::reward(RewardModel::new(&critic_params, &cfg)?);
         let reference = TrainedModel::lm(params.model(&cfg)?);
         let reward = TrainedModel::reward(RewardModel::new(&critic_params, &cfg)?);
-        let models = RolloutModels { actor: &actor, reference: &reference, critic: Some(&critic), reward: &reward };
+        let models =
+            RolloutModels { actor: &actor, reference: &reference, critic: Some(&critic), reward: Some(&reward) };
         let prompts = LeftPadded::new(&[vec![5, 6], vec![7, 8, 9]], 4, 0);
         // Sampling over a random model: answers of 6 tokens (no EOS among ids 1..64 by chance
         // only if EOS is never drawn; we let EOS be id 63 and check consistency either way).
@@ -497,7 +522,18 @@ mod tests {
         let mut engine = GenerationMode::new(4, 6, false);
         let mut rollout = |models: &RolloutModels| {
             let generate = |p: &LeftPadded| engine.generate(&actor, p, &sampling, &dev);
-            generate_experience(models, generate, &prompts, 2, &sampling, &cfg_ppo, &mut |s| Ok(s.to_vec()), &dev)
+            let mut none = |rows: &[(&[u32], &[u32])]| Ok(vec![0.0; rows.len()]);
+            generate_experience(
+                models,
+                generate,
+                &prompts,
+                2,
+                &sampling,
+                &cfg_ppo,
+                &mut none,
+                &mut |s| Ok(s.to_vec()),
+                &dev,
+            )
         };
         let (exp, counts) = rollout(&models)?;
         let mut exp = exp.expect("random answers are longer than one token");
@@ -529,11 +565,45 @@ mod tests {
             Ok(TrainedModel::Sharded(std::rc::Rc::new(model)))
         };
         let (reference, critic, reward) = (sharded(&params)?, sharded(&critic_params)?, sharded(&critic_params)?);
-        let models = RolloutModels { actor: &actor, reference: &reference, critic: Some(&critic), reward: &reward };
+        let models =
+            RolloutModels { actor: &actor, reference: &reference, critic: Some(&critic), reward: Some(&reward) };
         let (again, _) = rollout(&models)?;
         let again = again.expect("the same answers");
         assert_eq!(again.seq, exp.seq);
         assert_eq!((&again.ref_logprobs, &again.values, &again.scores), (&exp.ref_logprobs, &exp.values, &exp.scores));
+
+        // --reward-fn: each kept row's prompt (padding removed) and answer (EOS removed) are
+        // scored, and the rewards added to the reward model's scores.
+        let mut seen = Vec::new();
+        let mut external = |rows: &[(&[u32], &[u32])]| {
+            seen = rows.iter().map(|(p, a)| (p.to_vec(), a.to_vec())).collect::<Vec<_>>();
+            Ok((0..rows.len()).map(|i| 10.0 * (i + 1) as f32).collect())
+        };
+        let generate = |p: &LeftPadded| engine.generate(&actor, p, &sampling, &dev);
+        let (added, _) = generate_experience(
+            &models,
+            generate,
+            &prompts,
+            2,
+            &sampling,
+            &cfg_ppo,
+            &mut external,
+            &mut |s| Ok(s.to_vec()),
+            &dev,
+        )?;
+        let added = added.expect("the same answers");
+        assert_eq!(seen.len(), exp.b);
+        for (i, (prompt, answer)) in seen.iter().enumerate() {
+            let row = &exp.seq[i * exp.l..(i + 1) * exp.l];
+            let want_prompt: Vec<u32> = [vec![5, 6], vec![7, 8, 9]][i].clone();
+            assert_eq!(prompt, &want_prompt, "row {i}: the prompt without its padding");
+            let mut want_answer = row[4..4 + exp.answer_lens[i]].to_vec();
+            if exp.ended_with_eos[i] {
+                assert_eq!(want_answer.pop(), Some(63));
+            }
+            assert_eq!(answer, &want_answer, "row {i}: the answer up to EOS");
+            assert!((added.scores[i] - exp.scores[i] - 10.0 * (i + 1) as f32).abs() < 1e-4, "row {i}");
+        }
         Ok(())
     }
 }

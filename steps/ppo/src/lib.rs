@@ -1,6 +1,7 @@
 //! Step 3 of the pipeline: PPO (DS-Chat `step3_rlhf_finetuning`): PPO's math as pure functions
 //! (`ppo`), the rollout record (`experience`), its advantages (`advantages`: GAE, GRPO's and
-//! RLOO's), one PPO update over the four models (`trainer`), and the loop (`run`).
+//! RLOO's), rewards from outside the reward model (`reward_fn`), one PPO update over the four
+//! models (`trainer`), and the loop (`run`).
 
 pub mod advantages;
 pub mod args;
@@ -9,6 +10,7 @@ pub mod eval;
 pub mod experience;
 pub mod models;
 pub mod ppo;
+pub mod reward_fn;
 pub mod run;
 pub mod trainer;
 

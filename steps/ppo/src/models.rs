@@ -96,6 +96,7 @@ impl Sharding {
     ) -> Self {
         let across = group.world() > 1 && tp.is_none();
         let (reference, reward) = (across && args.actor_zero_stage == 3, across && args.critic_zero_stage == 3);
+        let reward = reward && !args.no_reward_model;
         // A resumed model is read by slices where the checkpoint saved it sharded.
         let by_slices =
             |saved: Option<&SavedValues>| resume.is_none() || saved.is_some_and(|v| v.model_dir().is_some());
@@ -124,9 +125,8 @@ pub struct StartingModels {
     pub reference: Weights,
     /// PPO's critic (config, weights); GRPO and RLOO train none.
     pub critic: Option<(Gpt2Config, Weights)>,
-    pub reward_cfg: Gpt2Config,
-    /// The frozen reward model, dropout off.
-    pub reward: Weights,
+    /// The frozen reward model (config, weights), dropout off; none with `--no-reward-model`.
+    pub reward: Option<(Gpt2Config, Weights)>,
 }
 
 /// Reads the actor and reference from `--actor-model-name-or-path`, the critic (PPO only) and
@@ -202,7 +202,9 @@ pub fn read_starting_models(
                 .map(|(c, w, _)| (c, w))
         })
         .transpose()?;
-    let (reward_cfg, reward, _) = read(critic_name, critic_flag, Some(0.0), sharding.reward, false, true)?;
+    let reward = (!args.no_reward_model)
+        .then(|| read(critic_name, critic_flag, Some(0.0), sharding.reward, false, true).map(|(c, w, _)| (c, w)))
+        .transpose()?;
     let said = [
         ("actor", sharding.actor),
         ("reference", sharding.reference),
@@ -217,23 +219,25 @@ pub fn read_starting_models(
             sharding.group.world()
         );
     }
-    let sliced = [("actor", &actor), ("reference", &reference), ("reward model", &reward)]
+    let sliced = [("actor", &actor), ("reference", &reference)]
         .into_iter()
         .chain(critic.as_ref().map(|(_, w)| ("critic", w)))
+        .chain(reward.as_ref().map(|(_, w)| ("reward model", w)))
         .filter(|(_, w)| matches!(w, Weights::Sliced(_)))
         .map(|(what, _)| what)
         .collect::<Vec<_>>();
     if !sliced.is_empty() {
         println!("tensor parallel: the {} read in this rank's slices (no rank holds them whole)", sliced.join(", "));
     }
-    Ok(StartingModels { actor_cfg, actor, actor_dir, reference, critic, reward_cfg, reward })
+    Ok(StartingModels { actor_cfg, actor, actor_dir, reference, critic, reward })
 }
 
 impl StartingModels {
     /// The actor and the reward model must hold a prompt and its answer and embed every token.
     pub fn check_fits(&self, args: &PpoArgs, tokenizer: &Tokenizer) -> Result<()> {
         let context = args.max_prompt_seq_len + args.max_answer_seq_len;
-        for (what, c) in [("actor", &self.actor_cfg), ("reward model", &self.reward_cfg)] {
+        let reward = self.reward.as_ref().map(|(c, _)| ("reward model", c));
+        for (what, c) in std::iter::once(("actor", &self.actor_cfg)).chain(reward) {
             if context > c.n_positions {
                 bail!("--max-prompt-seq-len + --max-answer-seq-len = {context} exceeds the {what}'s context of {} positions: lower them", c.n_positions);
             }
@@ -327,7 +331,7 @@ pub fn build_models(
         }
         _ => None,
     };
-    let StartingModels { actor_cfg, actor, reference, critic, reward_cfg, reward, .. } = start;
+    let StartingModels { actor_cfg, actor, reference, critic, reward, .. } = start;
     // Tensor parallelism: each rank keeps its slices of the four models (and of the EMA);
     // from here on a whole model's weights are this rank's slices.
     if let Some(tp) = tp {
@@ -338,8 +342,8 @@ pub fn build_models(
         (Weights::Sliced(params), _) => Ok(Weights::Whole(params)),
         (weights, _) => Ok(weights),
     };
-    let (actor, reference, reward) =
-        (slice(actor, &actor_cfg)?, slice(reference, &actor_cfg)?, slice(reward, &reward_cfg)?);
+    let (actor, reference) = (slice(actor, &actor_cfg)?, slice(reference, &actor_cfg)?);
+    let reward = reward.map(|(cfg, w)| slice(w, &cfg).map(|w| (cfg, w))).transpose()?;
     let critic = critic.map(|(cfg, w)| slice(w, &cfg).map(|w| (cfg, w))).transpose()?;
     let ema = match (ema, tp) {
         (Some(ema), Some(tp)) if !ema_sliced => Some(tp.slice(ema, &actor_cfg)?),
@@ -351,7 +355,7 @@ pub fn build_models(
     };
     let mut models = PpoModels {
         reference: frozen_reference(args, reference, &actor_cfg, tp)?,
-        reward: frozen_reward_model(args, reward, &reward_cfg, tp)?,
+        reward: reward.map(|(cfg, w)| frozen_reward_model(args, w, &cfg, tp)).transpose()?,
         actor: engine(actor_engine, &actor_cfg, Head::Lm, actor)?,
         critic: critic.map(|(cfg, w)| engine(critic_engine, &cfg, Head::Score, w)).transpose()?,
         ema: None,
@@ -544,8 +548,9 @@ pub struct PpoModels {
     /// PPO's critic; GRPO and RLOO have none.
     pub critic: Option<Engine>,
     pub reference: Reference,
-    /// The frozen reward model: whole, or sharded at rest.
-    pub reward: TrainedModel,
+    /// The frozen reward model: whole, or sharded at rest; none with `--no-reward-model` (the
+    /// scores are then `--reward-fn`'s alone).
+    pub reward: Option<TrainedModel>,
     pub ema: Option<Ema>,
     /// Skip both updates when either model's gradients overflowed (`--align-overflow`).
     pub align_overflow: bool,

@@ -30,12 +30,13 @@ use crate::advantages::compute_advantages;
 use crate::args::PpoArgs;
 use crate::checkpoint::{ModelSave, SavedModel};
 use crate::eval::{evaluate_policy, PolicyEval};
-use crate::experience::{generate_experience, rollout_share, Experience, RolloutModels};
+use crate::experience::{generate_experience, rollout_share, Experience, ExternalRewards, RolloutModels};
 use crate::models::{
     build_models, lm_on, read_model, read_reward_model, read_starting_models, reward_model_on, Sharding,
 };
 use crate::models::{Ema, PpoModels};
 use crate::ppo;
+use crate::reward_fn::{Answer, RewardFn};
 use crate::trainer::{answer_tokens, MicroBatch, PtxBatch, UpdateStats};
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
@@ -99,7 +100,8 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
     let tokenizer = args.data.tokenizer(Tokenizer::from_model_dir_or_default(&start.actor_dir)?)?;
     let eos = tokenizer.eos_id();
     start.check_fits(args, &tokenizer)?;
-    let (actor_cfg, reward_cfg) = (start.actor_cfg.clone(), start.reward_cfg.clone());
+    let actor_cfg = start.actor_cfg.clone();
+    let reward_cfg = start.reward.as_ref().map(|(c, _)| c.clone());
     let context = args.max_prompt_seq_len + args.max_answer_seq_len;
 
     // The hybrid engine's inference tensor parallelism: groups of consecutive ranks generate
@@ -146,6 +148,7 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
         last_reward: None,
         output_dir: args.output_dir.clone(),
     };
+    let reward_fns = start_reward_fns(args, rank)?;
     let ptx_blocks = unsupervised.as_ref().map_or(0, PackedCorpus::num_blocks);
     let (at, ptx_cursor) = starting_point(args, resume.as_ref(), ptx_blocks, &mut summary)?;
     // Once every input is checked, so that bad input stays one error line.
@@ -183,13 +186,14 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
         ptx_cursor,
         kl_ctl: at.kl_ctl,
         reward_moments: at.reward_moments,
+        reward_fns,
         save_root,
         save_pending: false,
         last_saved_step: at.step,
         total_rollouts,
     };
     ppo_loop.run_epochs(at.epoch, at.batches_done, global_generation)?;
-    ppo_loop.finish(batches_per_epoch, eval_prompts.as_deref(), &reward_cfg)
+    ppo_loop.finish(batches_per_epoch, eval_prompts.as_deref(), reward_cfg.as_ref())
 }
 
 /// The actor's and the critic's optimizer steps over the run: each rollout (its prompts'
@@ -330,6 +334,8 @@ struct PpoLoop<'a> {
     kl_ctl: f64,
     /// --normalize-reward: the running moments of the scores.
     reward_moments: Option<ppo::RunningMoments>,
+    /// `--reward-fn`: the scorers whose rewards are added to the reward model's score.
+    reward_fns: Vec<RewardFn>,
     save_root: PathBuf,
     /// A --save-interval checkpoint waiting for a safe point.
     save_pending: bool,
@@ -393,15 +399,11 @@ impl PpoLoop<'_> {
         // Each prompt --num-samples-per-prompt times in a row: a group of consecutive positions.
         let rollout: Vec<&[u32]> =
             chunk.iter().flat_map(|&i| std::iter::repeat_n(self.prompts[i].ids.as_slice(), samples)).collect();
-        let (mut experience, totals) = generate_share(
-            &self.ctx,
-            &self.models,
-            &mut self.engine,
-            &rollout,
-            self.step,
-            cfg,
-            &mut self.reward_moments,
-        )?;
+        let (tokenizer, reward_fns) = (self.tokenizer, &mut self.reward_fns);
+        let mut external = |rows: &[(&[u32], &[u32])]| external_rewards(reward_fns, tokenizer, rows);
+        let scoring = Scoring { external: &mut external, moments: &mut self.reward_moments };
+        let (mut experience, totals) =
+            generate_share(&self.ctx, &self.models, &mut self.engine, &rollout, self.step, cfg, scoring)?;
         let mut groups_zero_std = None;
         if let Some(exp) = &mut experience {
             groups_zero_std = compute_advantages(exp, self.ctx.group, samples, cfg)?;
@@ -492,12 +494,12 @@ impl PpoLoop<'_> {
 
 impl PpoLoop<'_> {
     /// The end of the run: the trained models saved, the final checkpoint, then on rank 0 the
-    /// held-out evaluation of `eval_prompts` (with the reward model of `reward_cfg`).
+    /// held-out evaluation of `eval_prompts` (with the reward model of `reward_cfg`, if any).
     fn finish(
         mut self,
         batches_per_epoch: usize,
         eval_prompts: Option<&[String]>,
-        reward_cfg: &Gpt2Config,
+        reward_cfg: Option<&Gpt2Config>,
     ) -> Result<PpoSummary> {
         self.models.flush()?;
         self.metrics.finish();
@@ -579,12 +581,12 @@ impl PpoLoop<'_> {
     }
 
     /// Rank 0: the starting (SFT) actor against the trained one on the held-out `prompts`, by
-    /// the reward model's score, the task score and the KL to the reference.
+    /// the reward model's score (when there is one), the task score and the KL to the reference.
     fn evaluate_held_out(
         &mut self,
         gathered: &GatheredModels,
         prompts: &[String],
-        reward_cfg: &Gpt2Config,
+        reward_cfg: Option<&Gpt2Config>,
     ) -> Result<()> {
         let (args, device, actor_cfg) = (self.ctx.args, &self.ctx.device, &self.ctx.actor_cfg);
         // Under tensor parallelism the frozen models are slices, under ZeRO stage 3 shards:
@@ -592,17 +594,19 @@ impl PpoLoop<'_> {
         let resident = self.models.reference.resident()?;
         let whole_frozen;
         let (reference, reward) = match (resident.whole_trunk(), &self.models.reward) {
-            (Some(reference), reward @ TrainedModel::Whole { .. }) if self.ctx.tp.is_none() => (reference, reward),
+            (Some(reference), reward @ (None | Some(TrainedModel::Whole { .. }))) if self.ctx.tp.is_none() => {
+                (reference, reward.as_ref())
+            }
             _ => {
                 whole_frozen = read_whole_frozen_models(args, actor_cfg, reward_cfg, device)?;
-                (&whole_frozen.0, &whole_frozen.1)
+                (&whole_frozen.0, whole_frozen.1.as_ref())
             }
         };
         let evaluate = |actor: (&str, &hybrid_engine::Gpt2)| {
             evaluate_policy(
                 actor,
                 reference,
-                Some(reward),
+                reward,
                 self.tokenizer,
                 prompts,
                 args.max_prompt_seq_len,
@@ -625,11 +629,12 @@ impl PpoLoop<'_> {
         let trained = self.engine.model(final_actor, actor_cfg)?;
         let (before, after) = (evaluate(("SFT actor", reference))?, evaluate((&format!("{name} actor"), &trained))?);
         let task = |e: &PolicyEval| e.task_success.map_or("n/a".to_string(), |t| format!("{t:.3}"));
+        let score = |e: &PolicyEval| e.reward_mean.map_or("n/a".to_string(), |r| format!("{r:.3}"));
         println!(
-            "held-out prompts ({}): reward score SFT {:.3} -> {name} {:.3}; task score SFT {} -> {name} {}; answer length {:.1} -> {:.1} tokens; KL to SFT {:.3} nats",
+            "held-out prompts ({}): reward score SFT {} -> {name} {}; task score SFT {} -> {name} {}; answer length {:.1} -> {:.1} tokens; KL to SFT {:.3} nats",
             prompts.len(),
-            before.reward_mean.unwrap_or(f64::NAN),
-            after.reward_mean.unwrap_or(f64::NAN),
+            score(&before),
+            score(&after),
             task(&before),
             task(&after),
             before.answer_len_mean,
@@ -642,24 +647,63 @@ impl PpoLoop<'_> {
     }
 }
 
-/// The reference and the reward model whole, in the compute dtype, read again from their
-/// directories: for rank 0's held-out evaluation where the ranks hold slices or shards of them.
+/// The reference and the reward model (of `reward_cfg`, if any) whole, in the compute dtype,
+/// read again from their directories: for rank 0's held-out evaluation where the ranks hold
+/// slices or shards of them.
 fn read_whole_frozen_models(
     args: &PpoArgs,
     actor_cfg: &Gpt2Config,
-    reward_cfg: &Gpt2Config,
+    reward_cfg: Option<&Gpt2Config>,
     device: &Device,
-) -> Result<(hybrid_engine::Gpt2, TrainedModel)> {
+) -> Result<(hybrid_engine::Gpt2, Option<TrainedModel>)> {
     let precision = args.precision.precision();
     let dtype = precision.dtype.dtype();
     let (_, reference, _) =
         read_model(&args.actor_model_name_or_path, "--actor-model-name-or-path", Some(0.0), device)?;
-    let (_, reward) =
-        read_reward_model(&args.critic_model_name_or_path, "--critic-model-name-or-path", Some(0.0), device)?;
-    Ok((
-        lm_on(&reference.compute_copy(dtype)?, actor_cfg, precision.fp32_loss, None)?,
-        TrainedModel::reward(reward_model_on(&reward.compute_copy(dtype)?, reward_cfg, precision.fp32_loss, None)?),
-    ))
+    let reward = match reward_cfg {
+        Some(cfg) => {
+            let (_, reward) =
+                read_reward_model(&args.critic_model_name_or_path, "--critic-model-name-or-path", Some(0.0), device)?;
+            Some(TrainedModel::reward(reward_model_on(&reward.compute_copy(dtype)?, cfg, precision.fp32_loss, None)?))
+        }
+        None => None,
+    };
+    Ok((lm_on(&reference.compute_copy(dtype)?, actor_cfg, precision.fp32_loss, None)?, reward))
+}
+
+/// `--reward-fn`'s scorers, started (an `exec:` process for each rank), said in a line by the
+/// first rank.
+fn start_reward_fns(args: &PpoArgs, rank: usize) -> Result<Vec<RewardFn>> {
+    if args.reward_fn.is_empty() {
+        return Ok(Vec::new());
+    }
+    let timeout = std::time::Duration::from_secs_f64(args.reward_fn_timeout);
+    let fns = args.reward_fn.iter().map(|spec| spec.start(timeout)).collect::<Result<Vec<_>>>()?;
+    if rank == 0 {
+        let specs: Vec<String> = args.reward_fn.iter().map(|s| s.to_string()).collect();
+        let model = if args.no_reward_model { "" } else { "the reward model's score + " };
+        println!("rewards: {model}{} (each rank runs its own scorers on its answers)", specs.join(" + "));
+    }
+    Ok(fns)
+}
+
+/// The sum of `--reward-fn`'s rewards of each of a rollout's answers, given as the prompt's
+/// tokens (padding removed) and the answer's (EOS removed); zeros without any.
+fn external_rewards(fns: &mut [RewardFn], tokenizer: &Tokenizer, rows: &[(&[u32], &[u32])]) -> Result<Vec<f32>> {
+    let mut total = vec![0f64; rows.len()];
+    if fns.is_empty() {
+        return Ok(vec![0.0; rows.len()]);
+    }
+    let answers = rows
+        .iter()
+        .map(|(p, a)| Ok(Answer { prompt: tokenizer.decode(p)?, answer: tokenizer.decode(a)? }))
+        .collect::<Result<Vec<_>>>()?;
+    for f in fns {
+        for (t, r) in total.iter_mut().zip(f.score(&answers)?) {
+            *t += r;
+        }
+    }
+    Ok(total.into_iter().map(|t| t as f32).collect())
 }
 
 /// Rows of a rollout over all ranks.
@@ -683,7 +727,7 @@ fn generate_share(
     prompts: &[&[u32]],
     step: u64,
     cfg: &crate::PpoConfig,
-    reward_moments: &mut Option<ppo::RunningMoments>,
+    scoring: Scoring,
 ) -> Result<(Option<Experience>, RolloutTotals)> {
     let (args, group) = (ctx.args, ctx.group);
     let share = rollout_share(prompts.len(), ctx.global_micro, group.rank(), group.world());
@@ -751,7 +795,7 @@ fn generate_share(
         actor: actor_forward,
         reference: &reference,
         critic: models.critic.as_ref().map(Engine::model),
-        reward: &models.reward,
+        reward: models.reward.as_ref(),
     };
     let mut generate = |padded: &LeftPadded| match (&split_actor, &ctx.inference_tp, &whole_model) {
         (Some(split), Some(tp), _) => generate_with_group(ctx, engine, split, tp, prompts, &sampling),
@@ -760,7 +804,8 @@ fn generate_share(
         (_, _, Some(whole)) => engine.generate(whole, padded, &sampling, &ctx.device),
         _ => bail!("internal error: no actor to generate with"),
     };
-    let mut normalize = |scores: &[f32]| normalize_scores(reward_moments, group, scores);
+    let Scoring { external, moments } = scoring;
+    let mut normalize = |scores: &[f32]| normalize_scores(moments, group, scores);
     let mut generate_secs = 0.0;
     let timed_generate = |padded: &LeftPadded| {
         let started = Instant::now();
@@ -775,6 +820,7 @@ fn generate_share(
         prompts.len(),
         &sampling,
         cfg,
+        external,
         &mut normalize,
         &ctx.device,
     )?;
@@ -788,6 +834,13 @@ fn generate_share(
         e => e,
     };
     Ok((experience, totals_rows))
+}
+
+/// What turns a rollout's answers into scores besides the reward model: `--reward-fn`'s
+/// rewards ([`external_rewards`]) added to its score, then `--normalize-reward`'s running moments.
+struct Scoring<'a, 'f> {
+    external: &'a mut ExternalRewards<'f>,
+    moments: &'a mut Option<ppo::RunningMoments>,
 }
 
 /// `--normalize-reward`: `scores` normalised by the running moments, which first take this
@@ -1529,7 +1582,7 @@ mod tests {
             actor: Engine::new(&engine(false, actor_lr), &cfg, Head::Lm, actor, ranks.clone()).unwrap(),
             critic: Some(Engine::new(&engine(true, 1e-3), &cfg, Head::Score, critic.copy().unwrap(), ranks).unwrap()),
             reference: crate::models::Reference::Loaded(TrainedModel::lm(reference)),
-            reward: TrainedModel::reward(reward),
+            reward: Some(TrainedModel::reward(reward)),
             ema: args.enable_ema.then(|| Ema::Whole(start.copy().unwrap())),
             align_overflow: false,
         };

@@ -464,3 +464,67 @@ fn adaptive_kl_and_target_kl_take_effect_and_resume_exactly() {
     }
     assert!(full.contains("stopped at target KL after "), "{full}");
 }
+
+/// `--reward-fn exec:...` with `--no-reward-model`: one scorer process serves the whole run, it
+/// sees every kept answer once (prompt and answer as text, EOS removed), and each rollout's
+/// logged reward is the mean of what it answered; no reward model is read. A scorer that fails
+/// or a reward-model-free run without one is one clear error line.
+#[test]
+fn an_exec_reward_fn_scores_every_answer_without_a_reward_model() {
+    let dir = tempfile::tempdir().unwrap();
+    setup(dir.path());
+    // Reward 1 for an answer with an "e" in it, else -1; each reward and the scorer's process
+    // id logged, one line each.
+    let log = dir.path().join("scored.txt");
+    let script = format!(
+        r#"while IFS= read -r line; do case "${{line#*\"answer\":}}" in *e*) r=1;; *) r=-1;; esac; echo "$$ $r" >> '{}'; echo $r; done"#,
+        log.display()
+    );
+    std::fs::write(dir.path().join("scorer.sh"), script).unwrap();
+    let spec = format!("exec:sh {}", dir.path().join("scorer.sh").display());
+    let flags = ["--algorithm", "grpo", "--num-samples-per-prompt", "2", "--no-reward-model", "--reward-fn", &spec];
+    let stdout = ok(&ppo(dir.path(), "rule", &flags));
+    assert!(stdout.contains(&format!("rewards: {spec}")), "{stdout}");
+    let scored: Vec<(String, f64)> = std::fs::read_to_string(&log)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let (pid, r) = l.split_once(' ').unwrap();
+            (pid.to_string(), r.parse().unwrap())
+        })
+        .collect();
+    assert!(scored.iter().all(|(pid, _)| *pid == scored[0].0), "one process for the whole run");
+    let steps = rollout_records(&dir.path().join("rule"));
+    let mut next = 0;
+    for step in &steps {
+        let rollout = &step["rollout"];
+        let rows = rollout["rows"].as_f64().unwrap() as usize;
+        let rewards = &scored[next..next + rows];
+        next += rows;
+        let mean = rewards.iter().map(|(_, r)| r).sum::<f64>() / rows as f64;
+        assert!((rollout["reward_mean"].as_f64().unwrap() - mean).abs() < 1e-6, "{rollout} vs {mean}");
+    }
+    assert_eq!(next, scored.len(), "every scored answer is in a rollout, once");
+    assert!(scored.iter().any(|(_, r)| *r > 0.0) && scored.iter().any(|(_, r)| *r < 0.0), "{scored:?}");
+
+    let fails = |extra: &[&str], want: &[&str]| {
+        let out = ppo(dir.path(), "bad", extra);
+        let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+        assert_eq!(out.status.code(), Some(2), "{extra:?}: {stderr}");
+        // One error line, the last (a failure in a rollout comes after the run's warnings).
+        let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("error")).collect();
+        assert!(
+            errors.len() == 1 && stderr.trim_end().ends_with(errors[0]),
+            "{extra:?}: one error line, got:\n{stderr}"
+        );
+        for w in want {
+            assert!(errors[0].contains(w), "{extra:?}: want {w:?} in {stderr}");
+        }
+    };
+    fails(&["--no-reward-model"], &["--no-reward-model", "--reward-fn"]);
+    fails(&["--reward-fn", "score.py"], &["exec:COMMAND"]);
+    // The demo's scorer on prompts that are not the demo's: the answer is named.
+    fails(&["--reward-fn", "builtin:capitals"], &["--reward-fn builtin:capitals", "answer 1", "no single country"]);
+    fails(&["--reward-fn", "exec:exit 3"], &["--reward-fn exec:exit 3", "exited"]);
+    assert!(!dir.path().join("bad").join("actor").exists(), "a failed scorer saves nothing");
+}

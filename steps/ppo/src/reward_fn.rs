@@ -1,0 +1,423 @@
+//! Rewards from outside the reward model (`--reward-fn`): rule-based and remote scorers, as
+//! OpenRLHF's `--remote_rm_url` and TRL's `reward_funcs` give them.
+//!
+//! - `exec:COMMAND`: a process started once (`sh -c COMMAND`) that reads one JSON line
+//!   `{"prompt": ..., "answer": ...}` per answer on its stdin and writes one JSON number per line
+//!   on its stdout, in order;
+//! - `http://...` or `https://...`: OpenRLHF's remote reward protocol, one POST per rollout of
+//!   `{"query": [prompt + answer, ...], "prompts": [...]}` answered by `{"rewards": [...]}`;
+//! - `builtin:NAME`: a scorer compiled in ([`Builtin`]).
+//!
+//! Every failure (a time-out, a line that is not a number, a count that is not the answers', a
+//! process that died) is one error naming the scorer and the answer, before anything of the
+//! rollout is trained on or saved.
+
+use anyhow::{anyhow, bail, Context, Result};
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
+use std::time::{Duration, Instant};
+
+/// One answer to score: the prompt as the actor saw it and the answer's text (up to EOS).
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct Answer {
+    pub prompt: String,
+    pub answer: String,
+}
+
+/// A `--reward-fn` as given on the command line, checked but not started.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RewardFnSpec {
+    Exec(String),
+    Http(String),
+    Builtin(Builtin),
+}
+
+/// The scorers compiled in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Builtin {
+    /// The demo's task (`data::demo::score_answer`): 1 when the answer names the capital of the
+    /// country the prompt asks about and no other city, else 0.
+    Capitals,
+}
+
+impl Builtin {
+    const ALL: [(&'static str, Builtin); 1] = [("capitals", Builtin::Capitals)];
+
+    fn score(self, answer: &Answer) -> Result<f64> {
+        match self {
+            Builtin::Capitals => match data::demo::score_answer(&answer.prompt, &answer.answer) {
+                Some(score) => Ok(f64::from(u8::from(score.correct))),
+                None => bail!("the prompt names no single country of the demo's table: {:?}", answer.prompt),
+            },
+        }
+    }
+}
+
+impl std::str::FromStr for RewardFnSpec {
+    type Err = String;
+
+    /// `exec:COMMAND`, `http(s)://URL` or `builtin:NAME`.
+    fn from_str(spec: &str) -> Result<Self, String> {
+        if let Some(command) = spec.strip_prefix("exec:") {
+            return match command.trim() {
+                "" => Err("exec: needs a command, e.g. exec:'python3 score.py'".into()),
+                command => Ok(Self::Exec(command.to_string())),
+            };
+        }
+        if spec.starts_with("http://") || spec.starts_with("https://") {
+            return Ok(Self::Http(spec.to_string()));
+        }
+        if let Some(name) = spec.strip_prefix("builtin:") {
+            return Builtin::ALL.iter().find(|(n, _)| *n == name).map(|&(_, b)| Self::Builtin(b)).ok_or_else(|| {
+                let known: Vec<&str> = Builtin::ALL.iter().map(|(n, _)| *n).collect();
+                format!("no built-in scorer {name:?}; the built-in ones: {}", known.join(", "))
+            });
+        }
+        Err(format!("{spec:?} is none of exec:COMMAND, http://URL, https://URL, builtin:NAME"))
+    }
+}
+
+impl std::fmt::Display for RewardFnSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Exec(command) => write!(f, "exec:{command}"),
+            Self::Http(url) => f.write_str(url),
+            Self::Builtin(b) => {
+                let name = Builtin::ALL.iter().find(|(_, x)| x == b).map_or("?", |(n, _)| n);
+                write!(f, "builtin:{name}")
+            }
+        }
+    }
+}
+
+impl RewardFnSpec {
+    /// Starts the scorer (an `exec:` process is spawned here), each call waiting at most
+    /// `timeout` for its rewards.
+    pub fn start(&self, timeout: Duration) -> Result<RewardFn> {
+        let scorer = match self {
+            Self::Exec(command) => Scorer::Exec(ExecScorer::spawn(command)?),
+            Self::Http(url) => Scorer::Http(
+                reqwest::blocking::Client::builder().timeout(timeout).build().context("the HTTP client")?,
+                url.clone(),
+            ),
+            Self::Builtin(b) => Scorer::Builtin(*b),
+        };
+        Ok(RewardFn { spec: self.clone(), scorer, timeout })
+    }
+}
+
+/// A started `--reward-fn`.
+pub struct RewardFn {
+    spec: RewardFnSpec,
+    scorer: Scorer,
+    timeout: Duration,
+}
+
+enum Scorer {
+    Exec(ExecScorer),
+    Http(reqwest::blocking::Client, String),
+    Builtin(Builtin),
+}
+
+impl RewardFn {
+    /// One reward per answer, in order; an error names this scorer and the answer at fault.
+    pub fn score(&mut self, answers: &[Answer]) -> Result<Vec<f64>> {
+        let rewards = match &mut self.scorer {
+            Scorer::Exec(process) => process.score(answers, self.timeout),
+            Scorer::Http(client, url) => score_http(client, url, answers),
+            Scorer::Builtin(b) => answers
+                .iter()
+                .enumerate()
+                .map(|(i, a)| b.score(a).map_err(|e| anyhow!("{}: {e}", answer_named(i, a))))
+                .collect(),
+        };
+        rewards.with_context(|| format!("--reward-fn {}", self.spec))
+    }
+}
+
+/// "answer 3 (\" Paris is ...\")": how an error names the answer it is about.
+fn answer_named(i: usize, answer: &Answer) -> String {
+    let text: String = answer.answer.chars().take(60).collect();
+    let more = if answer.answer.chars().count() > 60 { "..." } else { "" };
+    format!("answer {} ({text:?}{more})", i + 1)
+}
+
+/// A reward read from JSON: a finite number.
+fn reward_of(value: &serde_json::Value) -> Option<f64> {
+    value.as_f64().filter(|x| x.is_finite())
+}
+
+/// OpenRLHF's `remote_rm_fn`: `query` holds each prompt followed by its answer.
+fn score_http(client: &reqwest::blocking::Client, url: &str, answers: &[Answer]) -> Result<Vec<f64>> {
+    let body = serde_json::json!({
+        "query": answers.iter().map(|a| format!("{}{}", a.prompt, a.answer)).collect::<Vec<_>>(),
+        "prompts": answers.iter().map(|a| a.prompt.as_str()).collect::<Vec<_>>(),
+    });
+    let response = client.post(url).json(&body).send().with_context(|| format!("POST {url}"))?;
+    let status = response.status();
+    let text = response.text().with_context(|| format!("reading the answer of {url}"))?;
+    if !status.is_success() {
+        bail!("{url} answered {status}: {}", text.chars().take(200).collect::<String>());
+    }
+    let reply: serde_json::Value = serde_json::from_str(&text).map_err(|e| {
+        anyhow!("{url} answered what is not JSON ({e}): {}", text.chars().take(200).collect::<String>())
+    })?;
+    let Some(rewards) = reply.get("rewards").and_then(|r| r.as_array()) else {
+        bail!("{url} answered without a \"rewards\" list: {}", text.chars().take(200).collect::<String>());
+    };
+    if rewards.len() != answers.len() {
+        bail!("{url} gave {} rewards for {} answers", rewards.len(), answers.len());
+    }
+    rewards
+        .iter()
+        .zip(answers)
+        .enumerate()
+        .map(|(i, (r, a))| {
+            reward_of(r).ok_or_else(|| anyhow!("{}: the reward {r} is not a finite number", answer_named(i, a)))
+        })
+        .collect()
+}
+
+/// A scorer process: its stdin, and its stdout's lines as a reader thread receives them (so
+/// that a reply can be waited for with a deadline, and a silent process times out).
+struct ExecScorer {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    lines: Receiver<std::io::Result<String>>,
+    command: String,
+}
+
+impl ExecScorer {
+    fn spawn(command: &str) -> Result<Self> {
+        let mut child = Command::new("sh")
+            .args(["-c", command])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .with_context(|| format!("starting `{command}`"))?;
+        let stdout = child.stdout.take().expect("stdout is piped");
+        let (send, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                if send.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Ok(Self { stdin: child.stdin.take(), child, lines, command: command.to_string() })
+    }
+
+    /// Why the process can answer no more: its exit status when it ends within a second (its
+    /// output closes a moment before it is reaped).
+    fn ended(&mut self) -> String {
+        let deadline = Instant::now() + Duration::from_secs(1);
+        loop {
+            match self.child.try_wait() {
+                Ok(Some(status)) => return format!("`{}` exited ({status})", self.command),
+                Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(10)),
+                _ => return format!("`{}` closed its output", self.command),
+            }
+        }
+    }
+
+    fn score(&mut self, answers: &[Answer], timeout: Duration) -> Result<Vec<f64>> {
+        // A line left from the last rollout: the process answered more lines than answers.
+        if let Ok(line) = self.lines.try_recv() {
+            bail!("`{}` wrote a line no answer asked for: {:?}", self.command, line.unwrap_or_default());
+        }
+        let mut input = String::new();
+        for a in answers {
+            input.push_str(&serde_json::to_string(a)?);
+            input.push('\n');
+        }
+        // The whole rollout at once; the reader thread drains the replies meanwhile, so a
+        // process that answers as it reads cannot block on a full pipe.
+        let stdin = self.stdin.as_mut().expect("stdin is kept until drop");
+        if stdin.write_all(input.as_bytes()).and_then(|()| stdin.flush()).is_err() {
+            bail!("{} before reading the answers", self.ended());
+        }
+        let deadline = Instant::now() + timeout;
+        let mut rewards = Vec::with_capacity(answers.len());
+        for (i, a) in answers.iter().enumerate() {
+            let wait = deadline.saturating_duration_since(Instant::now());
+            let line = match self.lines.recv_timeout(wait) {
+                Ok(Ok(line)) => line,
+                Ok(Err(e)) => bail!("reading `{}`'s output at {}: {e}", self.command, answer_named(i, a)),
+                Err(RecvTimeoutError::Timeout) => {
+                    bail!(
+                        "no reward for {} within {} s (--reward-fn-timeout)",
+                        answer_named(i, a),
+                        timeout.as_secs_f64()
+                    )
+                }
+                Err(RecvTimeoutError::Disconnected) => bail!("{} before scoring {}", self.ended(), answer_named(i, a)),
+            };
+            let reward = serde_json::from_str::<serde_json::Value>(line.trim()).ok().as_ref().and_then(reward_of);
+            match reward {
+                Some(r) => rewards.push(r),
+                None => bail!("{}: expected one JSON number a line, got {line:?}", answer_named(i, a)),
+            }
+        }
+        Ok(rewards)
+    }
+}
+
+impl Drop for ExecScorer {
+    /// Closing stdin ends a well-behaved scorer; one that does not stop is killed.
+    fn drop(&mut self) {
+        drop(self.stdin.take());
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Read;
+    use std::net::TcpListener;
+
+    fn answers(texts: &[&str]) -> Vec<Answer> {
+        let prompt = "\n\nHuman: What is the capital of France?\n\nAssistant:";
+        texts.iter().map(|t| Answer { prompt: prompt.to_string(), answer: t.to_string() }).collect()
+    }
+
+    fn start(spec: &str, timeout_s: f64) -> RewardFn {
+        spec.parse::<RewardFnSpec>().unwrap().start(Duration::from_secs_f64(timeout_s)).unwrap()
+    }
+
+    fn error(result: Result<Vec<f64>>) -> String {
+        format!("{:#}", result.expect_err("an error"))
+    }
+
+    #[test]
+    fn specs_parse_or_say_what_is_accepted() {
+        assert_eq!("exec:./score.sh --x".parse(), Ok(RewardFnSpec::Exec("./score.sh --x".into())));
+        assert_eq!(
+            "http://127.0.0.1:5000/get_reward".parse(),
+            Ok(RewardFnSpec::Http("http://127.0.0.1:5000/get_reward".into()))
+        );
+        assert_eq!("builtin:capitals".parse(), Ok(RewardFnSpec::Builtin(Builtin::Capitals)));
+        let unknown = "builtin:sudoku".parse::<RewardFnSpec>().unwrap_err();
+        assert!(unknown.contains("capitals"), "{unknown}");
+        let other = "score.py".parse::<RewardFnSpec>().unwrap_err();
+        assert!(other.contains("exec:COMMAND"), "{other}");
+        assert!("exec: ".parse::<RewardFnSpec>().is_err());
+        for spec in ["exec:./score.sh --x", "https://rm.example/score", "builtin:capitals"] {
+            assert_eq!(spec.parse::<RewardFnSpec>().unwrap().to_string(), spec);
+        }
+    }
+
+    #[test]
+    fn the_builtin_capitals_scorer_is_the_demo_task_score() {
+        let mut f = start("builtin:capitals", 1.0);
+        assert_eq!(
+            f.score(&answers(&[" Paris.", " Lyon is the capital.", " Paris or Berlin."])).unwrap(),
+            [1.0, 0.0, 0.0]
+        );
+        let off = vec![Answer { prompt: "Human: hello".into(), answer: " hi".into() }];
+        let e = error(f.score(&off));
+        assert!(e.contains("builtin:capitals") && e.contains("answer 1") && e.contains("no single country"), "{e}");
+    }
+
+    #[test]
+    fn an_exec_scorer_answers_each_rollout_in_order_from_one_process() {
+        // Reads the JSON lines, scores "Paris" 1 and anything else -0.5, and counts its lines:
+        // the second rollout's rewards show that the same process served both.
+        let script = r#"n=0; while IFS= read -r line; do n=$((n+1)); case "$line" in *Paris*) echo 1;; *) echo "-0.$n";; esac; done"#;
+        let mut f = start(&format!("exec:{script}"), 10.0);
+        assert_eq!(f.score(&answers(&[" Paris.", " Lyon."])).unwrap(), [1.0, -0.2]);
+        assert_eq!(f.score(&answers(&[" Nice.", " Paris!"])).unwrap(), [-0.3, 1.0]);
+    }
+
+    #[test]
+    fn exec_scorer_failures_name_the_answer() {
+        let e = error(start("exec:while read l; do echo oops; done", 10.0).score(&answers(&[" Paris."])));
+        assert!(e.contains("answer 1") && e.contains("JSON number") && e.contains("oops"), "{e}");
+        let e = error(start("exec:read l; echo 1; exit 3", 10.0).score(&answers(&[" Paris.", " Lyon."])));
+        assert!(e.contains("answer 2") && e.contains("exited"), "{e}");
+        let e = error(start("exec:sleep 30", 0.3).score(&answers(&[" Paris."])));
+        assert!(e.contains("within 0.3 s") && e.contains("answer 1"), "{e}");
+        let mut twice = start("exec:while read l; do echo 1; echo 2; done", 10.0);
+        assert_eq!(twice.score(&answers(&[" Paris."])).unwrap(), [1.0]);
+        std::thread::sleep(Duration::from_millis(200));
+        let e = error(twice.score(&answers(&[" Paris."])));
+        assert!(e.contains("no answer asked for"), "{e}");
+        let e = error(start("exec:echo nan; cat > /dev/null", 10.0).score(&answers(&[" Paris."])));
+        assert!(e.contains("JSON number"), "{e}");
+    }
+
+    /// A one-request HTTP server on a free port: replies `status` and `body`, hands back the
+    /// request's body.
+    fn serve_once(status: &str, body: &str) -> (String, std::thread::JoinHandle<String>) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}/get_reward", listener.local_addr().unwrap());
+        let reply = format!("HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len());
+        let server = std::thread::spawn(move || {
+            let (mut stream, _) = listener.accept().unwrap();
+            stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            let mut request = Vec::new();
+            let mut buf = [0u8; 4096];
+            // Headers, then Content-Length bytes of body.
+            let body_start = loop {
+                let n = stream.read(&mut buf).unwrap();
+                request.extend_from_slice(&buf[..n]);
+                if let Some(i) = request.windows(4).position(|w| w == b"\r\n\r\n") {
+                    break i + 4;
+                }
+            };
+            let head = String::from_utf8_lossy(&request[..body_start]).to_lowercase();
+            let length: usize = head
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length:"))
+                .map(|v| v.trim().parse().unwrap())
+                .unwrap();
+            while request.len() < body_start + length {
+                let n = stream.read(&mut buf).unwrap();
+                request.extend_from_slice(&buf[..n]);
+            }
+            stream.write_all(reply.as_bytes()).unwrap();
+            String::from_utf8(request[body_start..].to_vec()).unwrap()
+        });
+        (url, server)
+    }
+
+    #[test]
+    fn an_http_scorer_speaks_openrlhfs_remote_reward_protocol() {
+        let (url, server) = serve_once("200 OK", r#"{"rewards": [0.5, -1]}"#);
+        let rewards = start(&url, 10.0).score(&answers(&[" Paris.", " Lyon."])).unwrap();
+        assert_eq!(rewards, [0.5, -1.0]);
+        let request: serde_json::Value = serde_json::from_str(&server.join().unwrap()).unwrap();
+        let prompt = &answers(&[""])[0].prompt;
+        assert_eq!(request["prompts"], serde_json::json!([prompt, prompt]));
+        assert_eq!(request["query"], serde_json::json!([format!("{prompt} Paris."), format!("{prompt} Lyon.")]));
+    }
+
+    #[test]
+    fn http_scorer_failures_say_what_came_back() {
+        for (status, body, want) in [
+            ("200 OK", r#"{"rewards": [0.5]}"#, "1 rewards for 2 answers"),
+            ("200 OK", r#"{"scores": [0.5, 1]}"#, "without a \"rewards\" list"),
+            ("200 OK", r#"{"rewards": [0.5, "x"]}"#, "answer 2"),
+            ("500 Internal Server Error", "boom", "500"),
+        ] {
+            let (url, server) = serve_once(status, body);
+            let e = error(start(&url, 10.0).score(&answers(&[" Paris.", " Lyon."])));
+            assert!(e.contains(want) && e.contains(&url), "{status} {body}: {e}");
+            server.join().unwrap();
+        }
+        // Nobody listening: the connection error, named.
+        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let e = error(start(&format!("http://127.0.0.1:{port}/r"), 2.0).score(&answers(&[" Paris."])));
+        assert!(e.contains("POST"), "{e}");
+    }
+}
