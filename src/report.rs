@@ -69,7 +69,7 @@ fn step_command(dir: &Path) -> Option<String> {
 }
 
 /// The held-out prompts of step 3's evaluation, the SFT actor's and the trained actor's answers
-/// side by side, each marked by the demo's task scorer where it knows the prompt.
+/// side by side, each marked by its task's scorer (`data::tasks`) where one knows the prompt.
 fn held_out_table(md: &mut String, step3: &Path, name: &str) -> Result<()> {
     let records = read_records(&step3.join(METRICS_FILE))?;
     let Some(summary) = records.iter().rev().find_map(|r| r.get("summary")) else { return Ok(()) };
@@ -84,11 +84,11 @@ fn held_out_table(md: &mut String, step3: &Path, name: &str) -> Result<()> {
         return Ok(());
     }
     let _ = writeln!(md, "## Held-out prompts: SFT vs {name}\n");
-    let _ = writeln!(md, "Greedy answers; ✓ / ✗: the demo's task scorer (the capital, and no other city).\n");
+    let _ = writeln!(md, "Greedy answers; ✓ / ✗: the task's scorer (the demo's: the capital and no other city; arithmetic: the sum and no other number).\n");
     let _ = writeln!(md, "| # | prompt | SFT | {name} |\n|---|---|---|---|");
-    let mark = |prompt: &str, answer: &str| match data::demo::score_answer(prompt, answer) {
-        Some(score) if score.correct => "✓ ",
-        Some(_) => "✗ ",
+    let mark = |prompt: &str, answer: &str| match data::tasks::score_answer(prompt, answer) {
+        Some(true) => "✓ ",
+        Some(false) => "✗ ",
         None => "",
     };
     for (i, ((prompt, a), b)) in prompts.iter().zip(&sft).zip(&trained).enumerate() {

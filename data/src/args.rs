@@ -16,7 +16,8 @@ pub struct DataArgs {
     /// Datasets, blended when several: DS-Chat names (Dahoas/rm-static, Dahoas/full-hh-rlhf,
     /// Dahoas/synthetic-instruct-gptj-pairwise, yitingxie/rlhf-reward-datasets,
     /// openai/webgpt_comparisons, stanfordnlp/SHP), local jsonl/json/parquet files or
-    /// directories, other hub dataset ids, or `demo` (the embedded demo data).
+    /// directories, other hub dataset ids, `demo` (the embedded demo data) or `arithmetic` (the
+    /// embedded arithmetic task).
     #[arg(long, num_args = 1.., default_value = "demo", alias = "data_path")]
     pub data_path: Vec<String>,
     /// Shares of phases 1 (SFT), 2 (reward) and 3 (PPO) in every dataset.

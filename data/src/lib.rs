@@ -4,6 +4,7 @@
 //! the tokenized-data cache; and the embedded demo data with its scorer.
 
 pub mod args;
+pub mod arithmetic;
 pub mod batch;
 pub mod cache;
 pub mod corpus;
@@ -16,6 +17,7 @@ pub mod pretrain;
 pub mod prompts;
 pub mod sources;
 pub mod split;
+pub mod tasks;
 pub mod tokenizer;
 
 pub use corpus::{read_documents, CorpusFormat, CorpusSource, SHAKESPEARE_JSONL};

@@ -265,6 +265,12 @@ fn load_source(spec: &str, keys: &ColumnKeys, seed: u64) -> Result<RawDataset> {
         );
         return Ok(RawDataset { name: "demo".into(), train, eval, fingerprint });
     }
+    if spec == crate::arithmetic::ARITHMETIC_DATA {
+        let (train, eval) = crate::arithmetic::rows();
+        // The generator's version: a change to the task must miss every cache.
+        let fingerprint = format!("arithmetic:v1:{}", crate::arithmetic::MAX_OPERAND);
+        return Ok(RawDataset { name: spec.into(), train, eval, fingerprint });
+    }
     sources::load_raw_dataset(spec, keys, seed)
 }
 
@@ -474,6 +480,18 @@ mod tests {
 
     fn tok() -> Tokenizer {
         Tokenizer::gpt2_default().expect("embedded tokenizer")
+    }
+
+    #[test]
+    fn the_embedded_tasks_load_by_name_and_their_held_out_prompts_are_none_of_their_rows() -> Result<()> {
+        let raw = load_source(crate::arithmetic::ARITHMETIC_DATA, &ColumnKeys::default(), 1)?;
+        assert_eq!(raw.name, "arithmetic");
+        assert!(raw.train.len() > 300 && !raw.eval.is_empty(), "{} / {}", raw.train.len(), raw.eval.len());
+        let heldout = crate::prompts::read_prompts(crate::arithmetic::ARITHMETIC_DATA, usize::MAX)?;
+        let prompts: std::collections::HashSet<&str> =
+            raw.train.iter().chain(&raw.eval).filter_map(|r| r.prompt.as_deref()).collect();
+        assert!(!heldout.is_empty() && heldout.iter().all(|p| !prompts.contains(p.as_str())));
+        Ok(())
     }
 
     #[test]

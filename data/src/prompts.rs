@@ -1,16 +1,18 @@
 //! Prompt lists for evaluation (DS-Chat's `prompt_eval.py` prompts, the demo's held-out
-//! prompts): `demo`, a jsonl with a `prompt` field per line, or a text file with one prompt per
-//! line.
+//! prompts): `demo`, `arithmetic`, a jsonl with a `prompt` field per line, or a text file with
+//! one prompt per line.
 
 use anyhow::{bail, Context, Result};
 use std::path::Path;
 
-/// Prompts from `spec`: `demo` (the demo's held-out prompts), a jsonl file with a `prompt`
+/// Prompts from `spec`: `demo` or `arithmetic` (an embedded task's held-out prompts), a jsonl file with a `prompt`
 /// field per line, or a text file with one prompt per line (`\n` escapes become newlines, so a
 /// line can hold a `\n\nHuman: ...\n\nAssistant:` prompt).
 pub fn read_prompts(spec: &str, limit: usize) -> Result<Vec<String>> {
     let prompts: Vec<String> = if spec == crate::phases::DEMO_DATA {
         crate::demo::heldout_prompts()?.into_iter().map(|p| p.prompt).collect()
+    } else if spec == crate::arithmetic::ARITHMETIC_DATA {
+        crate::arithmetic::heldout_prompts()
     } else {
         let path = Path::new(spec);
         let text =

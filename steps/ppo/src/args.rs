@@ -245,8 +245,9 @@ pub struct PpoArgs {
     #[arg(long, default_value_t = 0.95, value_parser = cli::unit_interval())]
     pub lam: f64,
     /// Held-out prompts on which the starting (SFT) actor and the PPO actor are compared at the
-    /// end, by greedy answers' reward-model score and, for demo prompts, the task score: `demo`,
-    /// a jsonl with a `prompt` field or a text file with one prompt per line.
+    /// end, by greedy answers' reward-model score and, on an embedded task's prompts, the task
+    /// score: `demo` or `arithmetic` (their held-out prompts), a jsonl with a `prompt` field or a
+    /// text file with one prompt per line.
     #[arg(long, alias = "eval_prompts")]
     pub eval_prompts: Option<String>,
     /// Free the generation KV cache after every rollout instead of keeping it for the next.

@@ -1,5 +1,5 @@
 //! How good a policy is on held-out prompts: its greedy answers, their mean reward-model score
-//! and length, on the demo task the rule-based task score (`data::demo::score_answer`), and how
+//! and length, on an embedded task (the demo's capitals, arithmetic) the rule-based task score (`data::tasks`), and how
 //! far it moved from the SFT model: its KL to the reference, estimated on sampled answers. This
 //! is how the pipeline shows that RLHF improved on the SFT actor, and at what distance.
 
@@ -105,11 +105,10 @@ pub fn evaluate_policy(
         }
     }
     let pairs: Vec<(String, String)> = prompts.iter().cloned().zip(answers.iter().cloned()).collect();
-    let known = pairs.iter().filter(|(p, a)| data::demo::score_answer(p, a).is_some()).count();
     Ok(PolicyEval {
         prompts: prompts.len(),
         reward_mean: reward.map(|_| scores.iter().map(|&s| f64::from(s)).sum::<f64>() / scores.len().max(1) as f64),
-        task_success: (known > 0).then(|| data::demo::task_success_rate(&pairs)),
+        task_success: data::tasks::task_score(&pairs),
         answer_len_mean: lengths.iter().sum::<usize>() as f64 / lengths.len().max(1) as f64,
         kl_to_reference: kl_sum / kl_answers.max(1) as f64,
         prompt_texts: prompts.to_vec(),

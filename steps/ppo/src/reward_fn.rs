@@ -39,18 +39,26 @@ pub enum Builtin {
     /// The demo's task (`data::demo::score_answer`): 1 when the answer names the capital of the
     /// country the prompt asks about and no other city, else 0.
     Capitals,
+    /// The arithmetic task (`data::arithmetic::score_answer`): 1 when the answer's only number
+    /// is the sum the prompt asks for, else 0.
+    Arithmetic,
 }
 
 impl Builtin {
-    const ALL: [(&'static str, Builtin); 1] = [("capitals", Builtin::Capitals)];
+    const ALL: [(&'static str, Builtin); 2] = [("capitals", Builtin::Capitals), ("arithmetic", Builtin::Arithmetic)];
 
     fn score(self, answer: &Answer) -> Result<f64> {
-        match self {
+        let right = match self {
             Builtin::Capitals => match data::demo::score_answer(&answer.prompt, &answer.answer) {
-                Some(score) => Ok(f64::from(u8::from(score.correct))),
+                Some(score) => score.correct,
                 None => bail!("the prompt names no single country of the demo's table: {:?}", answer.prompt),
             },
-        }
+            Builtin::Arithmetic => match data::arithmetic::score_answer(&answer.prompt, &answer.answer) {
+                Some(right) => right,
+                None => bail!("the prompt asks for no sum of two numbers: {:?}", answer.prompt),
+            },
+        };
+        Ok(f64::from(u8::from(right)))
     }
 }
 
@@ -327,6 +335,12 @@ mod tests {
         let off = vec![Answer { prompt: "Human: hello".into(), answer: " hi".into() }];
         let e = error(f.score(&off));
         assert!(e.contains("builtin:capitals") && e.contains("answer 1") && e.contains("no single country"), "{e}");
+        let mut sums = start("builtin:arithmetic", 1.0);
+        let sum =
+            |answer: &str| Answer { prompt: "\n\nHuman: What is 27 + 15?\n\nAssistant:".into(), answer: answer.into() };
+        assert_eq!(sums.score(&[sum(" 42."), sum(" 32."), sum(" 42 or 43")]).unwrap(), [1.0, 0.0, 0.0]);
+        let e = error(sums.score(&answers(&[" Paris."])));
+        assert!(e.contains("builtin:arithmetic") && e.contains("no sum"), "{e}");
     }
 
     #[test]

@@ -33,7 +33,7 @@ pub struct SftArgs {
     pub tokenizer: Option<PathBuf>,
     /// Prompts whose greedy answers by the starting and the fine-tuned model are printed side by
     /// side at the end and saved to prompt_eval.jsonl (a jsonl with a `prompt` field, or text
-    /// with one prompt per line; `demo` for the demo's held-out prompts).
+    /// with one prompt per line; `demo` or `arithmetic` for an embedded task's held-out prompts).
     #[arg(long, alias = "eval_prompts")]
     pub eval_prompts: Option<String>,
     /// How many of the eval prompts to answer.

@@ -1,0 +1,216 @@
+//! The embedded arithmetic task (`--data-path arithmetic`, `train --task arithmetic`): "What is
+//! 27 + 15?" in DS-Chat's prompt/chosen/rejected format, with a verifiable answer, generated here
+//! (no files) and scored by exact match ([`score_answer`]).
+//!
+//! The demonstrations are imperfect the way a careless student is: on a sum whose ones digits
+//! carry (7 + 5), most `chosen` answers forget the carry (27 + 15 = 32), so supervised
+//! fine-tuning learns the mistake as the mode there, while the right answer stays among the
+//! likely ones. A rule reward (`builtin:arithmetic`: 1 for the sum, else 0) needs no reward model
+//! to tell them apart, which is what RLHF with verifiable rewards (GRPO on math) relies on.
+//!
+//! The held-out prompts ([`heldout_prompts`]) ask for operand pairs that no training row holds,
+//! in phrasings of which half never appear in training: a policy scores on them only by adding.
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use crate::sources::PreferenceRow;
+
+/// The name of the task as a `--data-path` and `--eval-prompts` value.
+pub const ARITHMETIC_DATA: &str = "arithmetic";
+
+/// Operands run over 0..=MAX_OPERAND: every sum is one GPT-2 token (" 0" to " 18"). A
+/// 7M-parameter model from scratch learns no sums of 0..=49 or 0..=19 in a demo's time
+/// (docs/RLHF-INVESTIGATION.md, section 18).
+pub const MAX_OPERAND: u32 = 9;
+
+/// The questions training uses, then the ones only the held-out prompts use.
+const TRAIN_TEMPLATES: [&str; 4] =
+    ["What is {a} + {b}?", "What is {a} plus {b}?", "Compute {a} + {b}.", "Add {a} and {b}."];
+const HELDOUT_TEMPLATES: [&str; 2] = ["How much is {a} + {b}?", "Calculate {a} plus {b}."];
+
+/// Share of the demonstrations of a carrying sum that forget the carry.
+const FORGOT_CARRY_SHARE: f64 = 0.65;
+
+/// One in this many operand pairs is held out (never in training or its eval split).
+const HELDOUT_ONE_IN: u32 = 8;
+
+/// The generator's fixed seed: the task is the same everywhere (`--seed` shuffles and splits it).
+const TASK_SEED: u64 = 0x005e_edad;
+
+/// A question of the task: its operands and how it is asked.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Problem {
+    pub a: u32,
+    pub b: u32,
+}
+
+impl Problem {
+    pub fn sum(&self) -> u32 {
+        self.a + self.b
+    }
+
+    /// Whether the ones digits carry (the demonstrations' mistake is to drop the carry).
+    pub fn carries(&self) -> bool {
+        self.a % 10 + self.b % 10 >= 10
+    }
+
+    /// The careless student's answer: the sum without the carry into the tens.
+    pub fn forgot_carry(&self) -> u32 {
+        self.sum() - 10
+    }
+
+    /// Held-out pairs are picked by a hash of the pair, so that `a + b` and `b + a` fall apart
+    /// as often as any two pairs do.
+    pub fn is_heldout(&self) -> bool {
+        (self.a.wrapping_mul(2_654_435_761) ^ self.b.wrapping_mul(40_503))
+            .wrapping_mul(2_246_822_519)
+            .is_multiple_of(HELDOUT_ONE_IN)
+    }
+
+    fn prompt(&self, template: &str) -> String {
+        let question = template.replace("{a}", &self.a.to_string()).replace("{b}", &self.b.to_string());
+        format!("\n\nHuman: {question}\n\nAssistant:")
+    }
+}
+
+fn answer(n: u32) -> String {
+    format!(" {n}.")
+}
+
+/// Every operand pair, in order.
+fn problems() -> impl Iterator<Item = Problem> {
+    (0..=MAX_OPERAND).flat_map(|a| (0..=MAX_OPERAND).map(move |b| Problem { a, b }))
+}
+
+/// The task's rows, (train, eval): each training pair once in every training phrasing (eval:
+/// one phrasing of one pair in ten). `chosen` is the demonstration (on a carrying sum the
+/// forgotten carry, [`FORGOT_CARRY_SHARE`] of the time), `rejected` a worse answer (the forgotten
+/// carry when `chosen` is right and the sum carries, else the sum off by one).
+pub fn rows() -> (Vec<PreferenceRow>, Vec<PreferenceRow>) {
+    let mut rng = ChaCha8Rng::seed_from_u64(TASK_SEED);
+    let (mut train, mut eval) = (Vec::new(), Vec::new());
+    for (i, problem) in problems().filter(|p| !p.is_heldout()).enumerate() {
+        for (t, template) in TRAIN_TEMPLATES.iter().enumerate() {
+            let sum = problem.sum();
+            let wrong = problem.carries() && rng.random_bool(FORGOT_CARRY_SHARE);
+            let chosen = if wrong { problem.forgot_carry() } else { sum };
+            let off_by_one = if sum > 0 && rng.random_bool(0.5) { sum - 1 } else { sum + 1 };
+            let rejected = if problem.carries() && !wrong { problem.forgot_carry() } else { off_by_one };
+            let row = PreferenceRow {
+                prompt: Some(problem.prompt(template)),
+                chosen: Some(answer(chosen)),
+                rejected: Some(answer(rejected)),
+            };
+            if (i * TRAIN_TEMPLATES.len() + t).is_multiple_of(10) {
+                eval.push(row);
+            } else {
+                train.push(row);
+            }
+        }
+    }
+    (train, eval)
+}
+
+/// The held-out prompts: every held-out pair once, in a phrasing picked by a fixed draw
+/// (training's and unseen ones alike).
+pub fn heldout_prompts() -> Vec<String> {
+    let mut rng = ChaCha8Rng::seed_from_u64(TASK_SEED ^ 1);
+    let templates: Vec<&str> = TRAIN_TEMPLATES.iter().chain(&HELDOUT_TEMPLATES).copied().collect();
+    problems()
+        .filter(Problem::is_heldout)
+        .map(|p| {
+            let template = if rng.random_bool(0.5) {
+                HELDOUT_TEMPLATES[rng.random_range(0..HELDOUT_TEMPLATES.len())]
+            } else {
+                templates[rng.random_range(0..TRAIN_TEMPLATES.len())]
+            };
+            p.prompt(template)
+        })
+        .collect()
+}
+
+/// The numbers written in `text`, in order.
+fn numbers(text: &str) -> Vec<u64> {
+    text.split(|c: char| !c.is_ascii_digit()).filter(|w| !w.is_empty()).filter_map(|w| w.parse().ok()).collect()
+}
+
+/// The operands of an arithmetic prompt: the two numbers of its last question ("Human: ..."),
+/// when it asks for a sum ("+", "plus" or "Add"); else `None`.
+pub fn problem_of(prompt: &str) -> Option<(u64, u64)> {
+    let question = prompt.rsplit("Human:").next().unwrap_or(prompt);
+    let question = question.split("Assistant:").next().unwrap_or(question);
+    let asks_a_sum = question.contains('+') || question.contains(" plus ") || question.trim_start().starts_with("Add ");
+    match numbers(question).as_slice() {
+        &[a, b] if asks_a_sum => Some((a, b)),
+        _ => None,
+    }
+}
+
+/// Exact match: `Some(true)` when the answer's only number is the sum the prompt asks for,
+/// `Some(false)` for any other answer, `None` when the prompt is not an arithmetic question.
+pub fn score_answer(prompt: &str, answer: &str) -> Option<bool> {
+    let (a, b) = problem_of(prompt)?;
+    Some(numbers(answer) == [a + b])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_scorer_is_exact_match_on_the_sum() {
+        let p = "\n\nHuman: What is 27 + 15?\n\nAssistant:";
+        assert_eq!(score_answer(p, " 42."), Some(true));
+        assert_eq!(score_answer(p, " The answer is 42"), Some(true));
+        assert_eq!(score_answer(p, " 32."), Some(false), "the forgotten carry");
+        assert_eq!(score_answer(p, " 42 or 43."), Some(false), "one number only");
+        assert_eq!(score_answer(p, " forty-two"), Some(false));
+        assert_eq!(score_answer("\n\nHuman: Add 3 and 4.\n\nAssistant:", " 7."), Some(true));
+        assert_eq!(score_answer("\n\nHuman: Calculate 30 plus 12.\n\nAssistant:", " 42."), Some(true));
+        assert_eq!(score_answer("\n\nHuman: What is the capital of France?\n\nAssistant:", " Paris."), None);
+        assert_eq!(score_answer("\n\nHuman: What is 3 times 4?\n\nAssistant:", " 12."), None, "not a sum");
+    }
+
+    #[test]
+    fn held_out_pairs_never_appear_in_training_and_every_prompt_is_scorable() {
+        let (train, eval) = rows();
+        let heldout = heldout_prompts();
+        let pairs = |rows: &[PreferenceRow]| -> std::collections::HashSet<(u64, u64)> {
+            rows.iter().map(|r| problem_of(r.prompt.as_deref().unwrap()).expect("an arithmetic prompt")).collect()
+        };
+        let seen: std::collections::HashSet<_> = pairs(&train).union(&pairs(&eval)).copied().collect();
+        let asked: Vec<(u64, u64)> = heldout.iter().map(|p| problem_of(p).expect("scorable")).collect();
+        assert!(asked.iter().all(|p| !seen.contains(p)), "a held-out pair is in training");
+        let all = (u64::from(MAX_OPERAND) + 1).pow(2) as usize;
+        assert_eq!(seen.len() + asked.len(), all, "every pair is either trained on or held out");
+        assert!((all / 10..all / 6).contains(&asked.len()), "about one pair in 8 held out: {}", asked.len());
+        let unseen_phrasing = heldout.iter().filter(|p| HELDOUT_TEMPLATES.iter().any(|t| p.contains(&t[..8]))).count();
+        assert!(unseen_phrasing * 3 > asked.len(), "a good share in unseen phrasings: {unseen_phrasing}");
+        assert_eq!(train.len() + eval.len(), seen.len() * TRAIN_TEMPLATES.len());
+    }
+
+    #[test]
+    fn demonstrations_forget_the_carry_on_most_carrying_sums_and_only_there() {
+        let (train, _) = rows();
+        let (mut carrying, mut forgot) = (0, 0);
+        for row in &train {
+            let prompt = row.prompt.as_deref().unwrap();
+            let (a, b) = problem_of(prompt).unwrap();
+            let p = Problem { a: a as u32, b: b as u32 };
+            let chosen = score_answer(prompt, row.chosen.as_deref().unwrap()).unwrap();
+            assert_eq!(score_answer(prompt, row.rejected.as_deref().unwrap()), Some(false), "{row:?}");
+            if p.carries() {
+                carrying += 1;
+                forgot += usize::from(!chosen);
+                if !chosen {
+                    assert_eq!(row.chosen.as_deref(), Some(answer(p.forgot_carry()).as_str()));
+                }
+            } else {
+                assert!(chosen, "a sum without a carry is demonstrated right: {row:?}");
+            }
+        }
+        let share = forgot as f64 / carrying as f64;
+        assert!((0.6..0.7).contains(&share), "{share}");
+    }
+}
