@@ -29,9 +29,13 @@ use std::time::Instant;
     args_override_self = true,
     name = "train",
     about = "Run the RLHF pipeline, each step as its own process (with no arguments: the embedded CPU demo)",
-    after_help = "`train plot DIR` redraws the training curves (curves.png) of a step's output directory or of every step in a train output directory. `train wandb-sync DIR` uploads the wandb runs kept on disk (WANDB_MODE=offline, or rows an unreachable service missed)."
+    args_conflicts_with_subcommands = true,
+    subcommand_negates_reqs = true
 )]
 pub struct TrainArgs {
+    /// What else `train` does; without a command it runs the pipeline.
+    #[command(subcommand)]
+    pub command: Option<TrainCommand>,
     /// Steps to run (1: SFT, 2: reward model, 3: PPO).
     #[arg(long, num_args = 1..)]
     pub step: Vec<u32>,
@@ -97,6 +101,8 @@ pub struct TrainArgs {
     /// The wandb group of the steps' runs (the steps get it as WANDB_RUN_GROUP).
     #[arg(long, alias = "wandb_group")]
     pub wandb_group: Option<String>,
+    /// Where each step writes (actor, reward, step3, training logs, report.md), as
+    /// DS-Chat's e2e_rlhf.py.
     #[arg(long, default_value = "output", alias = "output_dir")]
     pub output_dir: PathBuf,
     /// single_node: ranks (processes) per step (DeepSpeed's --num_gpus). Default: every visible
@@ -185,6 +191,17 @@ impl PipelineAlgorithm {
             Self::Dpo => "DPO",
         }
     }
+}
+
+/// `train`'s commands besides the pipeline.
+#[derive(clap::Subcommand, Debug)]
+pub enum TrainCommand {
+    /// Redraw curves.png from the metrics.jsonl of a step's output directory, or of each step
+    /// in a train output directory.
+    Plot(crate::plot::PlotArgs),
+    /// Upload the wandb runs kept on disk (WANDB_MODE=offline, or rows an unreachable service
+    /// missed): a run's directory, or any directory above runs (output/wandb).
+    WandbSync(crate::wandb_sync::WandbSyncArgs),
 }
 
 /// The recipes read `train --algorithm` from this variable.

@@ -2,16 +2,12 @@
 //! `metrics.jsonl`: a step's output directory, or a `train` output directory (each step in it).
 
 use anyhow::{bail, Result};
-use clap::Parser;
 use hybrid_engine::telemetry::plots::{plot_records, Plotted, CURVES_FILE};
 use hybrid_engine::training::metrics::{read_records, METRICS_FILE};
 use std::path::{Path, PathBuf};
 
-#[derive(Parser, Debug)]
-#[command(
-    name = "train plot",
-    about = "Redraw curves.png from the metrics.jsonl of a step's output directory, or of each step in a train output directory"
-)]
+/// `train plot`'s arguments.
+#[derive(clap::Args, Debug)]
 pub struct PlotArgs {
     /// A step's output directory (output/actor, output/step3, ...) or a train --output-dir.
     pub dir: PathBuf,

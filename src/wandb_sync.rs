@@ -3,15 +3,11 @@
 //! its exit code. Running it again sends nothing twice.
 
 use anyhow::{bail, Result};
-use clap::Parser;
 use hybrid_engine::telemetry::wandb::{find_api_key, sync_dir, DEFAULT_BASE_URL};
 use std::path::PathBuf;
 
-#[derive(Parser, Debug)]
-#[command(
-    name = "train wandb-sync",
-    about = "Upload the wandb runs kept on disk (WANDB_MODE=offline, or rows the service missed): a run's directory, or any directory above runs (output/wandb)"
-)]
+/// `train wandb-sync`'s arguments.
+#[derive(clap::Args, Debug)]
 pub struct WandbSyncArgs {
     /// A run's directory (output/wandb/step3/run-...), or a directory above runs (output/wandb,
     /// output/wandb/step3).

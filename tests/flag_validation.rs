@@ -495,3 +495,39 @@ fn step_3_and_pretraining_read_a_deepspeed_config_in_their_own_flags() {
     let stderr = usage_error(dir.path(), "sft", &["--deepspeed_config", &megatron]);
     assert!(stderr.contains("optimizer.params.betas: sft trains with DS-Chat's betas [0.9, 0.95]"), "{stderr}");
 }
+
+/// `--help` of every step groups its options under headings (data, model, training, optimizer,
+/// ...; `hybrid_engine::cli::heading`) and describes each of them: none is left under clap's
+/// bare "Options" but --help itself, none without a line of help.
+#[test]
+fn every_option_of_every_step_is_described_under_a_heading() {
+    use clap::CommandFactory;
+    let commands = [
+        sft::args::SftArgs::command(),
+        reward::args::RewardArgs::command(),
+        ppo::PpoArgs::command(),
+        sft::pretrain_args::PretrainArgs::command(),
+        rlhf::launcher::TrainArgs::command(),
+    ];
+    let mut missing = Vec::new();
+    for command in commands {
+        let name = command.get_name().to_string();
+        for arg in
+            command.get_arguments().filter(|a| !a.is_hide_set() && a.get_id() != "help" && a.get_id() != "version")
+        {
+            let flag = arg.get_long().map_or_else(|| arg.get_id().to_string(), |l| format!("--{l}"));
+            if arg.get_help().is_none() && arg.get_long_help().is_none() {
+                missing.push(format!("{name} {flag}: no description"));
+            }
+            if arg.get_help_heading().is_none() && name != "train" {
+                missing.push(format!("{name} {flag}: under no heading"));
+            }
+        }
+    }
+    assert!(missing.is_empty(), "{} options:\n{}", missing.len(), missing.join("\n"));
+    // `plot` and `wandb-sync` are train's subcommands, listed in its help.
+    let train = rlhf::launcher::TrainArgs::command();
+    let commands: Vec<&str> = train.get_subcommands().map(|c| c.get_name()).collect();
+    assert_eq!(commands, ["plot", "wandb-sync"]);
+    assert!(train.get_subcommands().all(|c| c.get_about().is_some()));
+}

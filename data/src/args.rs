@@ -37,8 +37,10 @@ pub struct DataArgs {
     /// Column (or JSON field) of the prompt in local files and generic hub datasets.
     #[arg(long, default_value = "prompt", alias = "prompt_key")]
     pub prompt_key: String,
+    /// Column (or JSON field) of the preferred answer in local files and generic hub datasets.
     #[arg(long, default_value = "chosen", alias = "chosen_key")]
     pub chosen_key: String,
+    /// Column (or JSON field) of the rejected answer, as --chosen-key.
     #[arg(long, default_value = "rejected", alias = "rejected_key")]
     pub rejected_key: String,
     /// Threads that tokenize the datasets (DS-Chat's `--preprocessing_num_workers`; default:

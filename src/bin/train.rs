@@ -23,23 +23,15 @@ fn main() {
         "sft" => sft::main_with_args(),
         "reward" => reward::main_with_args(),
         "ppo" => ppo::main_with_args(),
-        _ if std::env::args_os().nth(1).is_some_and(|a| a == "plot") => {
-            let argv = std::iter::once("train plot".into()).chain(std::env::args_os().skip(2));
-            let args: rlhf::plot::PlotArgs = hybrid_engine::cli::parse_from_or_exit(argv);
-            if let Err(e) = rlhf::plot::main(&args) {
-                hybrid_engine::cli::exit_with(e);
-            }
-        }
-        _ if std::env::args_os().nth(1).is_some_and(|a| a == "wandb-sync") => {
-            let argv = std::iter::once("train wandb-sync".into()).chain(std::env::args_os().skip(2));
-            let args: rlhf::wandb_sync::WandbSyncArgs = hybrid_engine::cli::parse_from_or_exit(argv);
-            if let Err(e) = rlhf::wandb_sync::main(&args) {
-                hybrid_engine::cli::exit_with(e);
-            }
-        }
         _ => {
+            use rlhf::launcher::TrainCommand;
             let args: rlhf::launcher::TrainArgs = hybrid_engine::cli::parse_or_exit();
-            if let Err(e) = rlhf::launcher::run(&args) {
+            let done = match &args.command {
+                Some(TrainCommand::Plot(plot)) => rlhf::plot::main(plot),
+                Some(TrainCommand::WandbSync(sync)) => rlhf::wandb_sync::main(sync),
+                None => rlhf::launcher::run(&args),
+            };
+            if let Err(e) = done {
                 hybrid_engine::cli::exit_with(e);
             }
         }

@@ -2,6 +2,7 @@
 //! gradient bucket, DS-Chat's `--offload`. Which rank a process is comes from the environment
 //! (`comm::env`), set by our launcher, torchrun or SLURM.
 
+use crate::cli::heading;
 use crate::comm::{ProcessGroup, RankEnv, WireDtype};
 use crate::engine::ParallelConfig;
 use crate::training::tensor_parallel::TensorParallel;
@@ -23,39 +24,39 @@ pub const INFERENCE_TP_SIZE_ENV: &str = "RLHF_INFERENCE_TP_SIZE";
 pub struct DistArgs {
     /// Seconds to wait for another rank, at the rendezvous and in every collective; a rank that
     /// died or hangs makes the others fail after this long, naming it.
-    #[arg(long, default_value_t = 300, alias = "dist_timeout", value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(help_heading = heading::PARALLELISM, long, default_value_t = 300, alias = "dist_timeout", value_parser = clap::value_parser!(u64).range(1..))]
     pub dist_timeout: u64,
     /// Gradient values per all-reduce bucket in ZeRO stage 0 (DeepSpeed's reduce_bucket_size).
-    #[arg(long, default_value_t = DEFAULT_BUCKET as u64, alias = "reduce_bucket_size", value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(help_heading = heading::PARALLELISM, long, default_value_t = DEFAULT_BUCKET as u64, alias = "reduce_bucket_size", value_parser = clap::value_parser!(u64).range(1..))]
     pub reduce_bucket_size: u64,
     /// The type gradients travel in through their reductions over the data-parallel ranks
     /// (DeepSpeed's communication_data_type): fp32, or fp16/bf16 for half the bytes, added in
     /// that type at every hop of the ring. CPU ranks; on GPUs NCCL carries fp32 only here.
-    #[arg(long, default_value = "fp32", alias = "communication_data_type", value_parser = parse_wire)]
+    #[arg(help_heading = heading::PARALLELISM, long, default_value = "fp32", alias = "communication_data_type", value_parser = parse_wire)]
     pub communication_data_type: WireDtype,
     /// DS-Chat's ZeRO-Offload: the fp32 masters and Adam moments in host memory, stepped there;
     /// on GPUs at ZeRO stages 1-3 across ranks (each rank's shard). Refused on a CPU run (all in
     /// host memory) and on a GPU at stage 0 or alone (the optimizer stays on the GPU).
-    #[arg(long)]
+    #[arg(help_heading = heading::PARALLELISM, long)]
     pub offload: bool,
     /// Megatron's tensor parallelism: every layer split over this many consecutive ranks (on one
     /// node; it must divide the attention heads), the ranks forming TP x DP groups; batch sizes
     /// are per data-parallel rank. With ZeRO stages 0-2; pretraining and all three steps.
-    #[arg(long, default_value_t = 1, env = TP_SIZE_ENV, aliases = ["tensor_model_parallel_size", "tp-size", "tp_size"], value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(help_heading = heading::PARALLELISM, long, default_value_t = 1, env = TP_SIZE_ENV, aliases = ["tensor_model_parallel_size", "tp-size", "tp_size"], value_parser = clap::value_parser!(u64).range(1..))]
     pub tensor_model_parallel_size: u64,
     /// DS-Chat's `--deepspeed` (deepspeed.add_config_arguments; `--deepscale` its old name):
     /// accepted for its scripts; the engine it turns on is always on here.
-    #[arg(long, alias = "deepscale")]
+    #[arg(help_heading = heading::PARALLELISM, long, alias = "deepscale")]
     pub deepspeed: bool,
     /// DeepSpeed's JSON config: its batch sizes, accumulation, clipping, ZeRO stage and bucket,
     /// fp16/bf16, AdamW and warmup schedule become this command's flags (a flag that contradicts
     /// it is an error; keys with no meaning here are listed as ignored). In step 3 they apply to
     /// both models. See cli/deepspeed_config.rs.
-    #[arg(long, aliases = ["deepspeed_config", "deepscale-config", "deepscale_config"])]
+    #[arg(help_heading = heading::PARALLELISM, long, aliases = ["deepspeed_config", "deepscale-config", "deepscale_config"])]
     pub deepspeed_config: Option<std::path::PathBuf>,
     /// The rank on this node, as DeepSpeed's and torch.distributed.launch's launchers pass it: it
     /// must agree with the environment's LOCAL_RANK (the ranks are read from the environment).
-    #[arg(long, alias = "local_rank")]
+    #[arg(help_heading = heading::PARALLELISM, long, alias = "local_rank")]
     pub local_rank: Option<usize>,
 }
 

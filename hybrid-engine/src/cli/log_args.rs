@@ -3,6 +3,7 @@
 //! (OpenRLHF's and TRL's; Megatron's `--wandb-project` / `--wandb-exp-name` /
 //! `--wandb-save-dir`). Every step and pretraining flatten these flags.
 
+use crate::cli::heading;
 use crate::training::metrics::Sinks;
 use anyhow::Result;
 use clap::Args;
@@ -18,34 +19,34 @@ pub const ENABLE_WANDB_ENV: &str = "RLHF_ENABLE_WANDB";
 pub struct LogArgs {
     /// Write TensorBoard event files: every metric of metrics.jsonl as a scalar, the command line
     /// as text (rank 0 only).
-    #[arg(long, alias = "enable_tensorboard", env = ENABLE_TENSORBOARD_ENV, value_parser = clap::builder::FalseyValueParser::new())]
+    #[arg(help_heading = heading::LOGGING, long, alias = "enable_tensorboard", env = ENABLE_TENSORBOARD_ENV, value_parser = clap::builder::FalseyValueParser::new())]
     pub enable_tensorboard: bool,
     /// The event files' directory (implies --enable-tensorboard; default: tensorboard/<name of
     /// the output directory> beside the output directory, so `tensorboard --logdir
     /// output/tensorboard` shows every step of a `train` run).
-    #[arg(long, alias = "tensorboard_path", alias = "tensorboard-dir", alias = "tensorboard_dir")]
+    #[arg(help_heading = heading::LOGGING, long, alias = "tensorboard_path", alias = "tensorboard-dir", alias = "tensorboard_dir")]
     pub tensorboard_path: Option<PathBuf>,
     /// Stream every metric to Weights & Biases as history rows, the flags as the run's config
     /// (rank 0 only). The key comes from WANDB_API_KEY or `wandb login`'s ~/.netrc, the service
     /// from WANDB_BASE_URL; WANDB_MODE=offline only keeps the rows on disk (upload them with
     /// `train wandb-sync DIR`), WANDB_MODE=disabled turns wandb off.
-    #[arg(long, alias = "enable_wandb", env = ENABLE_WANDB_ENV, value_parser = clap::builder::FalseyValueParser::new())]
+    #[arg(help_heading = heading::LOGGING, long, alias = "enable_wandb", env = ENABLE_WANDB_ENV, value_parser = clap::builder::FalseyValueParser::new())]
     pub enable_wandb: bool,
     /// The wandb project (implies --enable-wandb; default: WANDB_PROJECT, else "uncategorized").
-    #[arg(long, alias = "wandb_project")]
+    #[arg(help_heading = heading::LOGGING, long, alias = "wandb_project")]
     pub wandb_project: Option<String>,
     /// The wandb entity (team or user; default: WANDB_ENTITY, else the API key's own).
-    #[arg(long, alias = "wandb_entity")]
+    #[arg(help_heading = heading::LOGGING, long, alias = "wandb_entity")]
     pub wandb_entity: Option<String>,
     /// The run's name in wandb (default: WANDB_NAME, else the output directory's name).
-    #[arg(long, alias = "wandb_run_name", alias = "wandb-exp-name", alias = "wandb_exp_name")]
+    #[arg(help_heading = heading::LOGGING, long, alias = "wandb_run_name", alias = "wandb-exp-name", alias = "wandb_exp_name")]
     pub wandb_run_name: Option<String>,
     /// The wandb group the run belongs to (default: WANDB_RUN_GROUP; `train` groups its steps).
-    #[arg(long, alias = "wandb_group")]
+    #[arg(help_heading = heading::LOGGING, long, alias = "wandb_group")]
     pub wandb_group: Option<String>,
     /// Where the runs' local copies go, one directory per output directory (default: WANDB_DIR,
     /// else wandb/ beside the output directory).
-    #[arg(long, alias = "wandb_dir", alias = "wandb-save-dir", alias = "wandb_save_dir")]
+    #[arg(help_heading = heading::LOGGING, long, alias = "wandb_dir", alias = "wandb-save-dir", alias = "wandb_save_dir")]
     pub wandb_dir: Option<PathBuf>,
 }
 

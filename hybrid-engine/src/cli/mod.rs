@@ -317,6 +317,7 @@ mod tests {
     }
 }
 pub mod dist_args;
+pub mod heading;
 pub mod log_args;
 pub mod precision_args;
 pub mod step_args;

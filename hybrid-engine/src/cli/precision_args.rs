@@ -1,6 +1,7 @@
 //! The precision flags every step shares, turned into the engine's [`Precision`] and
 //! [`LossScaling`] and checked.
 
+use crate::cli::heading;
 use crate::training::precision::{Dtype, LossScaling, Precision};
 use anyhow::{bail, Result};
 
@@ -13,18 +14,18 @@ pub const DTYPE_ENV: &str = "RLHF_DTYPE";
 pub struct PrecisionArgs {
     /// Compute dtype: fp32, fp16 (dynamic loss scaling) or bf16. Master weights and Adam moments
     /// stay fp32 either way.
-    #[arg(long, value_enum, default_value_t = Dtype::Fp32, env = DTYPE_ENV)]
+    #[arg(help_heading = heading::PRECISION, long, value_enum, default_value_t = Dtype::Fp32, env = DTYPE_ENV)]
     pub dtype: Dtype,
     /// Compute losses and log-probs from fp32 logits (and fp32 values and scores) rather than in
     /// the fp16/bf16 compute dtype.
-    #[arg(long, alias = "compute_fp32_loss")]
+    #[arg(help_heading = heading::PRECISION, long, alias = "compute_fp32_loss")]
     pub compute_fp32_loss: bool,
     /// fp16 only: double the loss scale after this many steps without overflow (default 100,
     /// DS-Chat's).
-    #[arg(long, alias = "loss_scale_window")]
+    #[arg(help_heading = heading::PRECISION, long, alias = "loss_scale_window")]
     pub loss_scale_window: Option<u64>,
     /// fp16 only: the loss scale starts at 2^this (DeepSpeed's initial_scale_power; default 16).
-    #[arg(long, alias = "initial_scale_power")]
+    #[arg(help_heading = heading::PRECISION, long, alias = "initial_scale_power")]
     pub initial_scale_power: Option<u32>,
 }
 

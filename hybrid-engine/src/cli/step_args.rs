@@ -5,6 +5,7 @@
 //! Each step flattens these into its own flags and supplies its own learning-rate default
 //! (DS-Chat: 1e-3 in step 1, 5e-5 in step 2).
 
+use crate::cli::heading;
 use crate::cli::precision_args::PrecisionArgs;
 use crate::comm::ProcessGroup;
 use crate::engine::epochs::EpochPlan;
@@ -31,85 +32,94 @@ pub struct StepArgs {
     /// Starting model: a GPT-2 size (gpt2, gpt2-medium, gpt2-large, gpt2-xl: the hub's pretrained
     /// checkpoint, openai-community/<size>), a Hugging Face model directory or hub id, or random
     /// weights: random:<size> (also random:tiny), or tiny (the demo's size, never pretrained).
-    #[arg(long, default_value = "tiny", alias = "model_name_or_path")]
+    #[arg(help_heading = heading::MODEL, long, default_value = "tiny", alias = "model_name_or_path")]
     pub model_name_or_path: String,
-    #[arg(long, default_value_t = 16, alias = "per_device_train_batch_size")]
+    /// Rows per training micro-batch on each rank: the global batch is this x data-parallel
+    /// ranks x --gradient-accumulation-steps.
+    #[arg(help_heading = heading::TRAINING, long, default_value_t = 16, alias = "per_device_train_batch_size")]
     pub per_device_train_batch_size: usize,
-    #[arg(long, default_value_t = 16, alias = "per_device_eval_batch_size")]
+    /// Rows per evaluation batch on each rank.
+    #[arg(help_heading = heading::TRAINING, long, default_value_t = 16, alias = "per_device_eval_batch_size")]
     pub per_device_eval_batch_size: usize,
     /// Tokens per sequence (prompt + answer + EOS); longer rows are truncated.
-    #[arg(long, default_value_t = 512, alias = "max_seq_len")]
+    #[arg(help_heading = heading::DATA, long, default_value_t = 512, alias = "max_seq_len")]
     pub max_seq_len: usize,
     /// Peak learning rate (default: 1e-3 in step 1, 5e-5 in step 2, as DS-Chat).
-    #[arg(long, alias = "learning_rate", alias = "lr", value_parser = crate::cli::positive())]
+    #[arg(help_heading = heading::OPTIMIZER, long, alias = "learning_rate", alias = "lr", value_parser = crate::cli::positive())]
     pub learning_rate: Option<f64>,
-    #[arg(long, default_value_t = 0.0, alias = "weight_decay", value_parser = crate::cli::non_negative())]
+    /// AdamW's decoupled weight decay (biases and LayerNorms never decay, as DS-Chat's
+    /// parameter groups).
+    #[arg(help_heading = heading::OPTIMIZER, long, default_value_t = 0.0, alias = "weight_decay", value_parser = crate::cli::non_negative())]
     pub weight_decay: f64,
     /// AdamW's epsilon (HF's adam_epsilon; DS-Chat's DeepSpeed default 1e-8).
-    #[arg(long, default_value_t = 1e-8, alias = "adam_eps", alias = "adam-epsilon", alias = "adam_epsilon", value_parser = crate::cli::positive())]
+    #[arg(help_heading = heading::OPTIMIZER, long, default_value_t = 1e-8, alias = "adam_eps", alias = "adam-epsilon", alias = "adam_epsilon", value_parser = crate::cli::positive())]
     pub adam_eps: f64,
-    #[arg(long, default_value_t = 1, alias = "num_train_epochs")]
+    /// Passes over the training rows.
+    #[arg(help_heading = heading::TRAINING, long, default_value_t = 1, alias = "num_train_epochs")]
     pub num_train_epochs: usize,
-    #[arg(long, default_value_t = 1, alias = "gradient_accumulation_steps")]
+    /// Micro-batches whose gradients are summed before each optimizer step.
+    #[arg(help_heading = heading::TRAINING, long, default_value_t = 1, alias = "gradient_accumulation_steps")]
     pub gradient_accumulation_steps: usize,
     /// HF's scheduler types: linear, cosine, cosine_with_restarts, polynomial, constant (no
     /// warmup) or constant_with_warmup; the decays end at 0 (polynomial at 1e-7), as HF's do.
-    #[arg(long, default_value = "cosine", alias = "lr_scheduler_type")]
+    #[arg(help_heading = heading::OPTIMIZER, long, default_value = "cosine", alias = "lr_scheduler_type")]
     pub lr_scheduler_type: HfScheduler,
-    #[arg(long, default_value_t = 0, alias = "num_warmup_steps")]
+    /// Optimizer steps of linear warm-up from 0 to the learning rate.
+    #[arg(help_heading = heading::OPTIMIZER, long, default_value_t = 0, alias = "num_warmup_steps")]
     pub num_warmup_steps: u64,
-    #[arg(long, default_value_t = 1234)]
+    /// Seed of the data order and splits, the initialisation and dropout (DS-Chat's 1234).
+    #[arg(help_heading = heading::TRAINING, long, default_value_t = 1234)]
     pub seed: u64,
     /// Dropout of embeddings, attention and residuals (default: the model config's).
-    #[arg(long, value_parser = crate::cli::dropout())]
+    #[arg(help_heading = heading::MODEL, long, value_parser = crate::cli::dropout())]
     pub dropout: Option<f64>,
     /// Dropout off (earlier DS-Chat's `--disable_dropout`): `--dropout 0`.
-    #[arg(long, alias = "disable_dropout", conflicts_with = "dropout")]
+    #[arg(help_heading = heading::MODEL, long, alias = "disable_dropout", conflicts_with = "dropout")]
     pub disable_dropout: bool,
     /// Recompute each block's activations in backward instead of storing them.
-    #[arg(long, alias = "gradient_checkpointing")]
+    #[arg(help_heading = heading::MODEL, long, alias = "gradient_checkpointing")]
     pub gradient_checkpointing: bool,
     /// Clip gradients to this global norm (DS-Chat's DeepSpeed config: 1.0; 0 disables).
-    #[arg(long, default_value_t = 1.0, alias = "gradient_clipping", value_parser = crate::cli::non_negative())]
+    #[arg(help_heading = heading::OPTIMIZER, long, default_value_t = 1.0, alias = "gradient_clipping", value_parser = crate::cli::non_negative())]
     pub gradient_clipping: f64,
     /// ZeRO stage: 0 (gradients all-reduced), 1 (+ optimizer state sharded), 2 (+ gradients
     /// sharded), 3 (+ weights sharded at rest; step 1 only). With one process there is nothing to shard and every stage trains alike.
-    #[arg(long, default_value_t = 0, alias = "zero_stage")]
+    #[arg(help_heading = heading::PARALLELISM, long, default_value_t = 0, alias = "zero_stage")]
     pub zero_stage: u8,
     #[command(flatten)]
     pub dist: crate::cli::dist_args::DistArgs,
     #[command(flatten)]
     pub log: crate::cli::log_args::LogArgs,
     /// Print a log line every this many optimizer steps.
-    #[arg(long, default_value_t = 10, alias = "log_interval")]
+    #[arg(help_heading = heading::LOGGING, long, default_value_t = 10, alias = "log_interval")]
     pub log_interval: u64,
     /// Every rank prints each micro-batch's loss, as DS-Chat's `--print_loss`
     /// ("Epoch: e, Step: s, Rank: r, loss = l").
-    #[arg(long, alias = "print_loss")]
+    #[arg(help_heading = heading::LOGGING, long, alias = "print_loss")]
     pub print_loss: bool,
     /// auto (CUDA device 0 when built with --features cuda and a GPU opens, else the CPU), cpu,
     /// cuda or cuda:N.
-    #[arg(long, default_value = "auto", env = crate::device::DEVICE_ENV)]
+    #[arg(help_heading = heading::PRECISION, long, default_value = "auto", env = crate::device::DEVICE_ENV)]
     pub device: String,
     #[command(flatten)]
     pub precision: PrecisionArgs,
     /// LoRA rank r on the linears --lora-module-name selects (0: no LoRA). The saved model has
     /// the adapters merged; with --only-optimize-lora they are also saved alone, in PEFT's
     /// layout, to <output-dir>/adapter. The other LoRA flags need it.
-    #[arg(long, default_value_t = 0, alias = "lora_dim")]
+    #[arg(help_heading = heading::LORA, long, default_value_t = 0, alias = "lora_dim")]
     pub lora_dim: usize,
     /// LoRA goes on the linears whose names (h.0.attn.c_attn, h.0.mlp.c_fc, ...) contain this:
     /// h. selects every block, attn the attention only.
-    #[arg(long, default_value = "h.", alias = "lora_module_name", requires = "lora_dim")]
+    #[arg(help_heading = heading::LORA, long, default_value = "h.", alias = "lora_module_name", requires = "lora_dim")]
     pub lora_module_name: String,
     /// PEFT's lora_alpha: scaling alpha/r instead of DS-Chat's 1/r.
-    #[arg(long, alias = "lora_alpha", value_parser = crate::cli::positive(), requires = "lora_dim")]
+    #[arg(help_heading = heading::LORA, long, alias = "lora_alpha", value_parser = crate::cli::positive(), requires = "lora_dim")]
     pub lora_alpha: Option<f64>,
     /// Train only the LoRA adapters (and a reward model's score head); the trunk stays frozen.
-    #[arg(long, alias = "only_optimize_lora")]
+    #[arg(help_heading = heading::LORA, long, alias = "only_optimize_lora")]
     pub only_optimize_lora: bool,
     /// Learning rate of the LoRA adapters' parameter group, scheduled like --learning-rate.
-    #[arg(long, default_value_t = 5e-4, alias = "lora_learning_rate", value_parser = crate::cli::positive(), requires = "lora_dim")]
+    #[arg(help_heading = heading::LORA, long, default_value_t = 5e-4, alias = "lora_learning_rate", value_parser = crate::cli::positive(), requires = "lora_dim")]
     pub lora_learning_rate: f64,
 }
 

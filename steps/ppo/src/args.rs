@@ -8,6 +8,7 @@ use clap::Parser;
 use data::args::DataArgs;
 use hybrid_engine::cli;
 use hybrid_engine::cli::dist_args::DistArgs;
+use hybrid_engine::cli::heading;
 use hybrid_engine::cli::precision_args::PrecisionArgs;
 use hybrid_engine::comm::ProcessGroup;
 use hybrid_engine::engine::EngineConfig;
@@ -23,142 +24,164 @@ use std::path::PathBuf;
     about = "Step 3: PPO of the step-1 actor against the step-2 reward model (DS-Chat step 3)"
 )]
 pub struct PpoArgs {
-    #[command(flatten)]
+    #[command(flatten, next_help_heading = heading::DATA)]
     pub data: DataArgs,
     /// The step-1 actor (also the frozen reference): HF directory or hub id.
-    #[arg(long, default_value = "output/actor", alias = "actor_model_name_or_path")]
+    #[arg(help_heading = heading::MODEL, long, default_value = "output/actor", alias = "actor_model_name_or_path")]
     pub actor_model_name_or_path: String,
     /// The step-2 reward model (also the critic's start): HF directory or hub id.
-    #[arg(long, default_value = "output/reward", alias = "critic_model_name_or_path")]
+    #[arg(help_heading = heading::MODEL, long, default_value = "output/reward", alias = "critic_model_name_or_path")]
     pub critic_model_name_or_path: String,
     /// Prompts each rank generates per rollout (a rollout is this times the number of ranks).
     /// Earlier DS-Chat called it `--per_device_train_batch_size`.
-    #[arg(long, default_value_t = 16, aliases = ["per_device_generation_batch_size", "per_device_train_batch_size", "per-device-train-batch-size"])]
+    #[arg(help_heading = heading::TRAINING, long, default_value_t = 16, aliases = ["per_device_generation_batch_size", "per_device_train_batch_size", "per-device-train-batch-size"])]
     pub per_device_generation_batch_size: usize,
     /// Rows per PPO micro-batch on each rank (a rollout is sliced into global micro-batches of
     /// this times the number of ranks). Earlier DS-Chat: `--per_device_mini_train_batch_size`.
-    #[arg(long, default_value_t = 16, aliases = ["per_device_training_batch_size", "per_device_mini_train_batch_size", "per-device-mini-train-batch-size"])]
+    #[arg(help_heading = heading::TRAINING, long, default_value_t = 16, aliases = ["per_device_training_batch_size", "per_device_mini_train_batch_size", "per-device-mini-train-batch-size"])]
     pub per_device_training_batch_size: usize,
     /// Rollouts collected before the PPO epochs over them (earlier DS-Chat:
     /// `--generation_batch_numbers`).
-    #[arg(long, default_value_t = 1, aliases = ["generation_batches", "generation_batch_numbers", "generation-batch-numbers"])]
+    #[arg(help_heading = heading::TRAINING, long, default_value_t = 1, aliases = ["generation_batches", "generation_batch_numbers", "generation-batch-numbers"])]
     pub generation_batches: usize,
     /// DS-Chat's `--num_padding_at_beginning`. Its step 3 reads each score after the prompt (the
     /// reward model's `forward_value`), where leading padding cannot be, so it has no effect
     /// there, in DS-Chat as here; accepted for its scripts (step 2 reads it).
-    #[arg(long, default_value_t = 0, alias = "num_padding_at_beginning")]
+    #[arg(help_heading = heading::DATA, long, default_value_t = 0, alias = "num_padding_at_beginning")]
     pub num_padding_at_beginning: usize,
     /// DS-Chat's `--enable_test_mode`: stop after `--test-stop-step` rollouts, then save as at
     /// the end of a run.
-    #[arg(long, alias = "enable_test_mode", requires = "test_stop_step")]
+    #[arg(help_heading = heading::TRAINING, long, alias = "enable_test_mode", requires = "test_stop_step")]
     pub enable_test_mode: bool,
     /// The rollouts a `--enable-test-mode` run makes.
-    #[arg(long, alias = "test_stop_step", requires = "enable_test_mode", value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(help_heading = heading::TRAINING, long, alias = "test_stop_step", requires = "enable_test_mode", value_parser = clap::value_parser!(u64).range(1..))]
     pub test_stop_step: Option<u64>,
     /// DS-Chat's `--print_answers`: print decoded rollouts every `--print-answers-interval`
     /// steps (default 1 with it, as DS-Chat; without it, every 10).
-    #[arg(long, alias = "print_answers")]
+    #[arg(help_heading = heading::EVALUATION, long, alias = "print_answers")]
     pub print_answers: bool,
     /// DS-Chat's `--offload_reference_model`: on a GPU the frozen reference stays in host memory
     /// between rollouts, brought to the GPU for each rollout's log-probs (on the CPU it is there
     /// already).
-    #[arg(long, alias = "offload_reference_model")]
+    #[arg(help_heading = heading::PARALLELISM, long, alias = "offload_reference_model")]
     pub offload_reference_model: bool,
     /// The actor's dropout off (earlier DS-Chat's `--disable_actor_dropout`): `--actor-dropout 0`.
-    #[arg(long, alias = "disable_actor_dropout", conflicts_with = "actor_dropout")]
+    #[arg(help_heading = heading::MODEL, long, alias = "disable_actor_dropout", conflicts_with = "actor_dropout")]
     pub disable_actor_dropout: bool,
     /// The critic's dropout off (earlier DS-Chat's `--disable_critic_dropout`).
-    #[arg(long, alias = "disable_critic_dropout", conflicts_with = "critic_dropout")]
+    #[arg(help_heading = heading::MODEL, long, alias = "disable_critic_dropout", conflicts_with = "critic_dropout")]
     pub disable_critic_dropout: bool,
     /// The configuration of the hub dataset --unsupervised-dataset-name names (DS-Chat's
     /// `load_dataset(name, config)`, e.g. `wikitext` with `wikitext-2-raw-v1`): PTX reads that
     /// configuration's train split.
-    #[arg(long, alias = "unsupervised_dataset_config_name", requires = "unsupervised_dataset_name")]
+    #[arg(help_heading = heading::DATA, long, alias = "unsupervised_dataset_config_name", requires = "unsupervised_dataset_name")]
     pub unsupervised_dataset_config_name: Option<String>,
     /// Passes over the collected rollouts.
-    #[arg(long, default_value_t = 1, alias = "ppo_epochs")]
+    #[arg(help_heading = heading::TRAINING, long, default_value_t = 1, alias = "ppo_epochs")]
     pub ppo_epochs: usize,
     /// Prompts are left-padded to exactly this many tokens; longer ones are dropped.
-    #[arg(long, default_value_t = 256, alias = "max_prompt_seq_len")]
+    #[arg(help_heading = heading::GENERATION, long, default_value_t = 256, alias = "max_prompt_seq_len")]
     pub max_prompt_seq_len: usize,
-    #[arg(long, default_value_t = 256, alias = "max_answer_seq_len")]
+    /// Tokens an answer may have: generation stops there or at EOS.
+    #[arg(help_heading = heading::GENERATION, long, default_value_t = 256, alias = "max_answer_seq_len")]
     pub max_answer_seq_len: usize,
-    #[arg(long, default_value_t = 9.65e-6, alias = "actor_learning_rate", value_parser = cli::positive())]
+    /// The actor's peak learning rate (DS-Chat's 9.65e-6).
+    #[arg(help_heading = heading::OPTIMIZER, long, default_value_t = 9.65e-6, alias = "actor_learning_rate", value_parser = cli::positive())]
     pub actor_learning_rate: f64,
-    #[arg(long, default_value_t = 5e-6, alias = "critic_learning_rate", value_parser = cli::positive())]
+    /// The critic's peak learning rate (DS-Chat's 5e-6).
+    #[arg(help_heading = heading::OPTIMIZER, long, default_value_t = 5e-6, alias = "critic_learning_rate", value_parser = cli::positive())]
     pub critic_learning_rate: f64,
-    #[arg(long, default_value_t = 0.0, alias = "actor_weight_decay", value_parser = cli::non_negative())]
+    /// The actor's AdamW weight decay (biases and LayerNorms never decay).
+    #[arg(help_heading = heading::OPTIMIZER, long, default_value_t = 0.0, alias = "actor_weight_decay", value_parser = cli::non_negative())]
     pub actor_weight_decay: f64,
-    #[arg(long, default_value_t = 0.0, alias = "critic_weight_decay", value_parser = cli::non_negative())]
+    /// The critic's AdamW weight decay (biases and LayerNorms never decay).
+    #[arg(help_heading = heading::OPTIMIZER, long, default_value_t = 0.0, alias = "critic_weight_decay", value_parser = cli::non_negative())]
     pub critic_weight_decay: f64,
     /// Passes over the prompts.
-    #[arg(long, default_value_t = 1, alias = "num_train_epochs")]
+    #[arg(help_heading = heading::TRAINING, long, default_value_t = 1, alias = "num_train_epochs")]
     pub num_train_epochs: usize,
     /// HF's scheduler types, as sft's --lr-scheduler-type.
-    #[arg(long, default_value = "cosine", alias = "lr_scheduler_type")]
+    #[arg(help_heading = heading::OPTIMIZER, long, default_value = "cosine", alias = "lr_scheduler_type")]
     pub lr_scheduler_type: HfScheduler,
-    #[arg(long, default_value_t = 1, alias = "gradient_accumulation_steps")]
+    /// PPO micro-batches whose gradients are summed before each optimizer step of the actor
+    /// and the critic.
+    #[arg(help_heading = heading::TRAINING, long, default_value_t = 1, alias = "gradient_accumulation_steps")]
     pub gradient_accumulation_steps: usize,
-    #[arg(long, default_value_t = 100, alias = "num_warmup_steps")]
+    /// Optimizer steps of linear warm-up from 0 to the learning rates.
+    #[arg(help_heading = heading::OPTIMIZER, long, default_value_t = 100, alias = "num_warmup_steps")]
     pub num_warmup_steps: u64,
-    #[arg(long, default_value_t = 1234)]
+    /// Seed of the prompt order, the initialisation of new heads and adapters, dropout and
+    /// sampling (DS-Chat's 1234).
+    #[arg(help_heading = heading::TRAINING, long, default_value_t = 1234)]
     pub seed: u64,
     /// Actor dropout (default: its config's).
-    #[arg(long, alias = "actor_dropout", value_parser = cli::dropout())]
+    #[arg(help_heading = heading::MODEL, long, alias = "actor_dropout", value_parser = cli::dropout())]
     pub actor_dropout: Option<f64>,
     /// Critic dropout (default: its config's).
-    #[arg(long, alias = "critic_dropout", value_parser = cli::dropout())]
+    #[arg(help_heading = heading::MODEL, long, alias = "critic_dropout", value_parser = cli::dropout())]
     pub critic_dropout: Option<f64>,
-    #[arg(long, alias = "actor_gradient_checkpointing")]
+    /// Recompute each of the actor's blocks in the backward instead of keeping its
+    /// activations (less memory, about a third more compute).
+    #[arg(help_heading = heading::MODEL, long, alias = "actor_gradient_checkpointing")]
     pub actor_gradient_checkpointing: bool,
-    #[arg(long, alias = "critic_gradient_checkpointing")]
+    /// Recompute each of the critic's blocks in the backward instead of keeping its
+    /// activations.
+    #[arg(help_heading = heading::MODEL, long, alias = "critic_gradient_checkpointing")]
     pub critic_gradient_checkpointing: bool,
     /// LoRA rank on the actor's linears --actor-lora-module-name selects (0: none). Fresh
     /// adapters (B = 0) are added to the step-1 actor; saved models have them merged.
-    #[arg(long, default_value_t = 0, alias = "actor_lora_dim")]
+    #[arg(help_heading = heading::LORA, long, default_value_t = 0, alias = "actor_lora_dim")]
     pub actor_lora_dim: usize,
-    #[arg(long, default_value = "h.", alias = "actor_lora_module_name", requires = "actor_lora_dim")]
+    /// The actor's linears that get adapters: those whose name contains this (`h.`: every
+    /// block's).
+    #[arg(help_heading = heading::LORA, long, default_value = "h.", alias = "actor_lora_module_name", requires = "actor_lora_dim")]
     pub actor_lora_module_name: String,
     /// LoRA rank on the critic (0: none).
-    #[arg(long, default_value_t = 0, alias = "critic_lora_dim")]
+    #[arg(help_heading = heading::LORA, long, default_value_t = 0, alias = "critic_lora_dim")]
     pub critic_lora_dim: usize,
-    #[arg(long, default_value = "h.", alias = "critic_lora_module_name", requires = "critic_lora_dim")]
+    /// The critic's linears that get adapters, as --actor-lora-module-name.
+    #[arg(help_heading = heading::LORA, long, default_value = "h.", alias = "critic_lora_module_name", requires = "critic_lora_dim")]
     pub critic_lora_module_name: String,
     /// Train only the LoRA adapters (and the critic's score head).
-    #[arg(long, alias = "only_optimize_lora")]
+    #[arg(help_heading = heading::LORA, long, alias = "only_optimize_lora")]
     pub only_optimize_lora: bool,
-    #[arg(long, default_value_t = 5e-4, alias = "actor_lora_learning_rate", value_parser = cli::positive(), requires = "actor_lora_dim")]
+    /// The learning rate of the actor's LoRA adapters (DS-Chat's 5e-4).
+    #[arg(help_heading = heading::LORA, long, default_value_t = 5e-4, alias = "actor_lora_learning_rate", value_parser = cli::positive(), requires = "actor_lora_dim")]
     pub actor_lora_learning_rate: f64,
-    #[arg(long, default_value_t = 5e-4, alias = "critic_lora_learning_rate", value_parser = cli::positive(), requires = "critic_lora_dim")]
+    /// The learning rate of the critic's LoRA adapters (DS-Chat's 5e-4).
+    #[arg(help_heading = heading::LORA, long, default_value_t = 5e-4, alias = "critic_lora_learning_rate", value_parser = cli::positive(), requires = "critic_lora_dim")]
     pub critic_lora_learning_rate: f64,
     /// Keep an exponential moving average of the actor (saved as actor_ema).
-    #[arg(long, alias = "enable_ema")]
+    #[arg(help_heading = heading::TRAINING, long, alias = "enable_ema")]
     pub enable_ema: bool,
     /// Pretraining text mixed into the actor's loss (PTX): a .jsonl/.txt/.parquet corpus,
     /// `shakespeare`, or a hub dataset (`org/name`, or any name with
     /// --unsupervised-dataset-config-name) whose train split's `text` column is read.
-    #[arg(long, alias = "unsupervised_dataset_name")]
+    #[arg(help_heading = heading::DATA, long, alias = "unsupervised_dataset_name")]
     pub unsupervised_dataset_name: Option<String>,
     /// Weight of the PTX loss (DS-Chat: 27.8, reported unstable); needs
     /// --unsupervised-dataset-name.
-    #[arg(long, default_value_t = 27.8, alias = "unsup_coef", value_parser = cli::non_negative(), requires = "unsupervised_dataset_name")]
+    #[arg(help_heading = heading::DATA, long, default_value_t = 27.8, alias = "unsup_coef", value_parser = cli::non_negative(), requires = "unsupervised_dataset_name")]
     pub unsup_coef: f64,
     /// DS-Chat's `--enable_hybrid_engine`: accepted for its scripts; rollouts are always
     /// generated in the hybrid engine's inference mode (compute-dtype weights, a KV cache kept
     /// across rollouts, the actor gathered once under ZeRO-3).
-    #[arg(long, alias = "enable_hybrid_engine")]
+    #[arg(help_heading = heading::GENERATION, long, alias = "enable_hybrid_engine")]
     pub enable_hybrid_engine: bool,
     /// Sample rollouts (temperature, top-k, top-p) instead of DS-Chat's greedy decoding; the
     /// three sampling flags need it.
-    #[arg(long, alias = "do_sample")]
+    #[arg(help_heading = heading::GENERATION, long, alias = "do_sample")]
     pub do_sample: bool,
     /// Sampling temperature T: rollouts sample from softmax(logits / T), and the old, new and
     /// reference log-probs are of that distribution (TRL's and OpenRLHF's convention).
-    #[arg(long, default_value_t = 1.0, value_parser = cli::positive(), requires = "do_sample")]
+    #[arg(help_heading = heading::GENERATION, long, default_value_t = 1.0, value_parser = cli::positive(), requires = "do_sample")]
     pub temperature: f64,
-    #[arg(long, default_value_t = 0, alias = "top_k", requires = "do_sample")]
+    /// Sampling: only the k likeliest tokens are drawn from (0: every token).
+    #[arg(help_heading = heading::GENERATION, long, default_value_t = 0, alias = "top_k", requires = "do_sample")]
     pub top_k: usize,
-    #[arg(long, default_value_t = 1.0, alias = "top_p", value_parser = cli::top_p(), requires = "do_sample")]
+    /// Sampling: only the fewest likeliest tokens whose probability reaches p are drawn from
+    /// (1: every token).
+    #[arg(help_heading = heading::GENERATION, long, default_value_t = 1.0, alias = "top_p", value_parser = cli::top_p(), requires = "do_sample")]
     pub top_p: f64,
     /// How a rollout's answers become advantages: `ppo` (DS-Chat: a critic, GAE, the KL to the
     /// reference as a per-token reward penalty), `grpo` (no critic: each answer's score
@@ -166,27 +189,27 @@ pub struct PpoArgs {
     /// answer's KL-penalised reward less the mean of its group's others) or `reinforce_pp`
     /// (OpenRLHF's REINFORCE++: no critic, PPO's token-level rewards, each token's discounted
     /// return normalised over the rollout).
-    #[arg(long, value_enum, default_value_t = Algorithm::Ppo)]
+    #[arg(help_heading = heading::ALGORITHM, long, value_enum, default_value_t = Algorithm::Ppo)]
     pub algorithm: Algorithm,
     /// Answers sampled per prompt in a rollout (GRPO and RLOO compare them; at least 2 there).
     /// A rollout is --per-device-generation-batch-size prompts per rank times this.
-    #[arg(long, default_value_t = 1, alias = "num_samples_per_prompt")]
+    #[arg(help_heading = heading::ALGORITHM, long, default_value_t = 1, alias = "num_samples_per_prompt")]
     pub num_samples_per_prompt: usize,
     /// What GRPO divides each answer's score less its group's mean by (TRL's `scale_rewards`):
     /// `group` (the group's standard deviation, DeepSeekMath), `batch` (the standard deviation
     /// of the whole rollout's scores) or `none` (Dr. GRPO: advantages in reward units).
-    #[arg(long, value_enum, default_value_t = RewardScaling::Group, alias = "scale_rewards")]
+    #[arg(help_heading = heading::ALGORITHM, long, value_enum, default_value_t = RewardScaling::Group, alias = "scale_rewards")]
     pub scale_rewards: RewardScaling,
     /// How the policy loss (and GRPO's KL term) averages over a micro-batch's answer tokens
     /// (TRL's `loss_type`), for every algorithm: `bnpo` (token-level: each token weighs the
     /// same, over all ranks), `grpo` (DeepSeekMath: each answer's mean over its tokens, then the
     /// mean over answers), `dr_grpo` (Dr. GRPO: the token sum over answers x
     /// --max-answer-seq-len).
-    #[arg(long, value_enum, default_value_t = LossType::Bnpo, alias = "loss_type")]
+    #[arg(help_heading = heading::ALGORITHM, long, value_enum, default_value_t = LossType::Bnpo, alias = "loss_type")]
     pub loss_type: LossType,
     /// Centre and scale each rollout's advantages over its answer tokens, every rank's together
     /// (TRL's and OpenRLHF's default for PPO; DS-Chat does not): (A - mean) / std.
-    #[arg(long, alias = "whiten_advantages")]
+    #[arg(help_heading = heading::ALGORITHM, long, alias = "whiten_advantages")]
     pub whiten_advantages: bool,
     /// A reward from outside the reward model, added to its score (repeat for several, summed):
     /// `exec:COMMAND` (a process started once per rank that reads one JSON line
@@ -194,116 +217,122 @@ pub struct PpoArgs {
     /// `http://URL` or `https://URL` (OpenRLHF's remote reward protocol: POST {"query": [prompt +
     /// answer, ...], "prompts": [...]}, answered by {"rewards": [...]}), or `builtin:capitals`
     /// (the demo's task: 1 when the answer names the right capital, else 0).
-    #[arg(long = "reward-fn", alias = "reward_fn", value_name = "SPEC")]
+    #[arg(help_heading = heading::REWARDS, long = "reward-fn", alias = "reward_fn", value_name = "SPEC")]
     pub reward_fn: Vec<crate::reward_fn::RewardFnSpec>,
     /// Seconds a --reward-fn may take to score one rollout's answers (OpenRLHF's 180).
-    #[arg(long, default_value_t = 180.0, alias = "reward_fn_timeout", value_parser = cli::positive())]
+    #[arg(help_heading = heading::REWARDS, long, default_value_t = 180.0, alias = "reward_fn_timeout", value_parser = cli::positive())]
     pub reward_fn_timeout: f64,
     /// Score with the --reward-fn alone: no reward model is read (PPO's critic still starts from
     /// --critic-model-name-or-path; GRPO, RLOO and REINFORCE++ then read nothing there).
-    #[arg(long, alias = "no_reward_model")]
+    #[arg(help_heading = heading::REWARDS, long, alias = "no_reward_model")]
     pub no_reward_model: bool,
     /// Leave the action that emits EOS out of the losses and KL terms, as DS-Chat's mask
     /// `seq[t + 1] != pad` does with GPT-2 (pad = EOS), for parity with its runs. By default it
     /// is an action like the others (TRL, OpenRLHF), so the policy learns when to stop.
-    #[arg(long, alias = "mask_eos_action")]
+    #[arg(help_heading = heading::ALGORITHM, long, alias = "mask_eos_action")]
     pub mask_eos_action: bool,
     /// The weight of the KL to the reference: PPO's and RLOO's reward penalty per token,
     /// GRPO's loss term (its beta).
-    #[arg(long, default_value_t = 0.1, alias = "kl_ctl", value_parser = cli::non_negative())]
+    #[arg(help_heading = heading::ALGORITHM, long, default_value_t = 0.1, alias = "kl_ctl", value_parser = cli::non_negative())]
     pub kl_ctl: f64,
     /// Adapt the KL coefficient (starting at --kl-ctl) after every rollout so that the KL to the
     /// reference, summed over an answer's tokens, stays near this many nats (Ziegler et al.;
     /// OpenRLHF's --kl_target, TRL's adaptive controller).
-    #[arg(long, alias = "kl_target", value_parser = cli::positive())]
+    #[arg(help_heading = heading::ALGORITHM, long, alias = "kl_target", value_parser = cli::positive())]
     pub kl_target: Option<f64>,
     /// The adaptive controller's horizon in answers: a rollout of n answers moves the
     /// coefficient by at most 20% of n / horizon.
-    #[arg(long, default_value_t = 10000.0, alias = "kl_horizon", value_parser = cli::positive(), requires = "kl_target")]
+    #[arg(help_heading = heading::ALGORITHM, long, default_value_t = 10000.0, alias = "kl_horizon", value_parser = cli::positive(), requires = "kl_target")]
     pub kl_horizon: f64,
     /// Stop a training phase's PPO epochs early once an optimizer step's approximate KL between
     /// the rollout policy and the updated one exceeds this (OpenRLHF/TRL's target_kl).
-    #[arg(long, alias = "target_kl", value_parser = cli::positive())]
+    #[arg(help_heading = heading::ALGORITHM, long, alias = "target_kl", value_parser = cli::positive())]
     pub target_kl: Option<f64>,
-    #[arg(long, default_value_t = 5.0, alias = "clip_reward_value", value_parser = cli::positive())]
+    /// The score is clipped to +-this before it becomes the reward (DS-Chat's 5).
+    #[arg(help_heading = heading::REWARDS, long, default_value_t = 5.0, alias = "clip_reward_value", value_parser = cli::positive())]
     pub clip_reward_value: f64,
     /// Normalise the reward model's scores by their running mean and standard deviation over
     /// the rollouts so far (OpenRLHF's --normalize_reward) before the rewards are formed (and
     /// clipped at --clip-reward-value).
-    #[arg(long, alias = "normalize_reward")]
+    #[arg(help_heading = heading::REWARDS, long, alias = "normalize_reward")]
     pub normalize_reward: bool,
-    #[arg(long, default_value_t = 0.2, value_parser = cli::positive())]
+    /// PPO's policy-ratio clip: the ratio is kept within [1 - this, 1 + this] (DS-Chat's 0.2).
+    #[arg(help_heading = heading::ALGORITHM, long, default_value_t = 0.2, value_parser = cli::positive())]
     pub cliprange: f64,
     /// DAPO's clip-higher (TRL's epsilon_high, verl's clip_ratio_high): the ratio's upper clip
     /// becomes 1 + this instead of 1 + --cliprange (DAPO: 0.28 with --cliprange 0.2).
-    #[arg(long, alias = "cliprange_high", value_parser = cli::positive())]
+    #[arg(help_heading = heading::ALGORITHM, long, alias = "cliprange_high", value_parser = cli::positive())]
     pub cliprange_high: Option<f64>,
-    #[arg(long, default_value_t = 0.2, alias = "cliprange_value", value_parser = cli::positive())]
+    /// The critic's new values are kept within +-this of the rollout's (DS-Chat's 0.2).
+    #[arg(help_heading = heading::ALGORITHM, long, default_value_t = 0.2, alias = "cliprange_value", value_parser = cli::positive())]
     pub cliprange_value: f64,
-    #[arg(long, default_value_t = 1.0, value_parser = cli::unit_interval())]
+    /// The discount per token of GAE's (and REINFORCE++'s) returns (DS-Chat's 1).
+    #[arg(help_heading = heading::ALGORITHM, long, default_value_t = 1.0, value_parser = cli::unit_interval())]
     pub gamma: f64,
-    #[arg(long, default_value_t = 0.95, value_parser = cli::unit_interval())]
+    /// GAE's lambda: 1 gives the Monte Carlo returns, 0 the one-step TD error (DS-Chat's
+    /// 0.95).
+    #[arg(help_heading = heading::ALGORITHM, long, default_value_t = 0.95, value_parser = cli::unit_interval())]
     pub lam: f64,
     /// Held-out prompts on which the starting (SFT) actor and the PPO actor are compared at the
     /// end, by greedy answers' reward-model score and, on an embedded task's prompts, the task
     /// score: `demo` or `arithmetic` (their held-out prompts), a jsonl with a `prompt` field or a
     /// text file with one prompt per line.
-    #[arg(long, alias = "eval_prompts")]
+    #[arg(help_heading = heading::EVALUATION, long, alias = "eval_prompts")]
     pub eval_prompts: Option<String>,
     /// Free the generation KV cache after every rollout instead of keeping it for the next.
-    #[arg(long, alias = "release_inference_cache")]
+    #[arg(help_heading = heading::GENERATION, long, alias = "release_inference_cache")]
     pub release_inference_cache: bool,
     /// DS-Chat's hybrid engine inference tensor parallelism: for each rollout the actor is laid
     /// out over groups of this many consecutive ranks (of a node), each group generating the
     /// rows of all its ranks together with the weights split by heads, then handing each rank
     /// its own rows; training keeps its own layout.
-    #[arg(long, default_value_t = 1, alias = "inference_tp_size", env = hybrid_engine::cli::dist_args::INFERENCE_TP_SIZE_ENV, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(help_heading = heading::PARALLELISM, long, default_value_t = 1, alias = "inference_tp_size", env = hybrid_engine::cli::dist_args::INFERENCE_TP_SIZE_ENV, value_parser = clap::value_parser!(u64).range(1..))]
     pub inference_tp_size: u64,
     /// Print decoded rollouts every this many steps (0: never; default 10, or 1 with
     /// `--print-answers`).
-    #[arg(long, alias = "print_answers_interval")]
+    #[arg(help_heading = heading::EVALUATION, long, alias = "print_answers_interval")]
     pub print_answers_interval: Option<u64>,
     /// The actor's ZeRO stage across ranks (0-3; 3 shards the weights at rest).
-    #[arg(long, default_value_t = 0, alias = "actor_zero_stage")]
+    #[arg(help_heading = heading::PARALLELISM, long, default_value_t = 0, alias = "actor_zero_stage")]
     pub actor_zero_stage: u8,
     /// The critic's ZeRO stage across ranks (0-3; 3 shards the weights at rest).
-    #[arg(long, default_value_t = 0, alias = "critic_zero_stage")]
+    #[arg(help_heading = heading::PARALLELISM, long, default_value_t = 0, alias = "critic_zero_stage")]
     pub critic_zero_stage: u8,
     #[command(flatten)]
     pub dist: DistArgs,
     #[command(flatten)]
     pub log: hybrid_engine::cli::log_args::LogArgs,
     /// AdamW's epsilon for both models (DeepSpeed's default 1e-8).
-    #[arg(long, default_value_t = 1e-8, alias = "adam_eps", value_parser = cli::positive())]
+    #[arg(help_heading = heading::OPTIMIZER, long, default_value_t = 1e-8, alias = "adam_eps", value_parser = cli::positive())]
     pub adam_eps: f64,
     /// Global gradient-norm clip of each model (DS-Chat 1.0; 0: none).
-    #[arg(long, default_value_t = 1.0, alias = "gradient_clipping", value_parser = cli::non_negative())]
+    #[arg(help_heading = heading::OPTIMIZER, long, default_value_t = 1.0, alias = "gradient_clipping", value_parser = cli::non_negative())]
     pub gradient_clipping: f64,
     /// Save a resumable checkpoint every this many rollouts (0: none), under --save.
-    #[arg(long, default_value_t = 0, alias = "save_interval")]
+    #[arg(help_heading = heading::OUTPUT, long, default_value_t = 0, alias = "save_interval")]
     pub save_interval: u64,
     /// Checkpoint root (default: <output-dir>/checkpoints).
-    #[arg(long)]
+    #[arg(help_heading = heading::OUTPUT, long)]
     pub save: Option<PathBuf>,
     /// Skip the resumable checkpoint a run otherwise ends with (about 9x the actor's size: four
     /// models, the AdamW moments); the trained actor and critic are saved either way.
-    #[arg(long, alias = "no_final_checkpoint")]
+    #[arg(help_heading = heading::OUTPUT, long, alias = "no_final_checkpoint")]
     pub no_final_checkpoint: bool,
     /// Resume from the checkpoint root's `latest` checkpoint (same flags as the saved run).
-    #[arg(long)]
+    #[arg(help_heading = heading::OUTPUT, long)]
     pub load: Option<PathBuf>,
     /// Where step3's actor, critic and actor_ema directories and metrics.jsonl go.
-    #[arg(long, default_value = "output/step3", alias = "output_dir")]
+    #[arg(help_heading = heading::OUTPUT, long, default_value = "output/step3", alias = "output_dir")]
     pub output_dir: PathBuf,
     /// auto (CUDA device 0 when built with --features cuda and a GPU opens, else the CPU), cpu,
     /// cuda or cuda:N.
-    #[arg(long, default_value = "auto", env = hybrid_engine::device::DEVICE_ENV)]
+    #[arg(help_heading = heading::PRECISION, long, default_value = "auto", env = hybrid_engine::device::DEVICE_ENV)]
     pub device: String,
     #[command(flatten)]
     pub precision: PrecisionArgs,
     /// fp16: skip both the actor's and the critic's update when either overflowed (DS-Chat
     /// `--align_overflow`), so the two models stay on the same experience.
-    #[arg(long, alias = "align_overflow")]
+    #[arg(help_heading = heading::PRECISION, long, alias = "align_overflow")]
     pub align_overflow: bool,
 }
 

@@ -5,6 +5,7 @@
 use anyhow::{bail, Result};
 use clap::{Parser, ValueEnum};
 use data::args::DataArgs;
+use hybrid_engine::cli::heading;
 use hybrid_engine::cli::step_args::StepArgs;
 use std::path::PathBuf;
 
@@ -52,46 +53,46 @@ pub const DEFAULT_BETA: f64 = 0.1;
     about = "Step 2: train a reward model on chosen/rejected pairs (DS-Chat step 2)"
 )]
 pub struct RewardArgs {
-    #[command(flatten)]
+    #[command(flatten, next_help_heading = heading::DATA)]
     pub data: DataArgs,
     #[command(flatten)]
     pub train: StepArgs,
     /// What to train: `reward-model` (DS-Chat's step 2) or `dpo` (the step-1 actor directly on
     /// the pairs, against its frozen copy: the alternative to steps 2 and 3).
-    #[arg(long, value_enum, default_value = "reward-model")]
+    #[arg(help_heading = heading::ALGORITHM, long, value_enum, default_value = "reward-model")]
     pub algorithm: Step2Algorithm,
     /// Pairwise loss: ds-chat (over the divergent span) or last-token.
-    #[arg(long, value_enum, default_value = "ds-chat")]
+    #[arg(help_heading = heading::ALGORITHM, long, value_enum, default_value = "ds-chat")]
     pub loss: PairLoss,
     /// DPO's beta: how far from the reference the policy may move (default 0.1).
-    #[arg(long, value_parser = hybrid_engine::cli::positive())]
+    #[arg(help_heading = heading::ALGORITHM, long, value_parser = hybrid_engine::cli::positive())]
     pub beta: Option<f64>,
     /// DPO's loss: sigmoid (default) or ipo.
-    #[arg(long, value_enum, alias = "dpo_loss")]
+    #[arg(help_heading = heading::ALGORITHM, long, value_enum, alias = "dpo_loss")]
     pub dpo_loss: Option<DpoLoss>,
     /// RPO's weight (TRL's `rpo_alpha`, Pang et al.): DPO's loss plus this times the chosen
     /// answers' negative log-likelihood per token (default 0: DPO alone).
-    #[arg(long, value_parser = hybrid_engine::cli::non_negative(), alias = "rpo_alpha")]
+    #[arg(help_heading = heading::ALGORITHM, long, value_parser = hybrid_engine::cli::non_negative(), alias = "rpo_alpha")]
     pub rpo_alpha: Option<f64>,
     /// Where the reward model (a HF GPT2ForSequenceClassification directory), metrics.jsonl and
     /// reward_eval.json go.
-    #[arg(long, default_value = "output/reward", alias = "output_dir")]
+    #[arg(help_heading = heading::OUTPUT, long, default_value = "output/reward", alias = "output_dir")]
     pub output_dir: PathBuf,
     /// tokenizer.json (default: the starting model's, else the embedded GPT-2 tokenizer).
-    #[arg(long)]
+    #[arg(help_heading = heading::MODEL, long)]
     pub tokenizer: Option<PathBuf>,
     /// DS-Chat's `--num_padding_at_beginning`: the padding tokens a tokenizer puts at the start
     /// of every row (OPT's BOS is its pad: 1), which are not the row's end. GPT-2's tokenizer
     /// adds none (0); rows that do not begin with padding are read as with 0, said in a line.
-    #[arg(long, default_value_t = 0, alias = "num_padding_at_beginning")]
+    #[arg(help_heading = heading::DATA, long, default_value_t = 0, alias = "num_padding_at_beginning")]
     pub num_padding_at_beginning: usize,
     /// Also evaluate after every this many optimizer steps (DS-Chat's `--eval_interval`; 0:
     /// after each epoch only).
-    #[arg(long, default_value_t = 0, alias = "eval_interval")]
+    #[arg(help_heading = heading::EVALUATION, long, default_value_t = 0, alias = "eval_interval")]
     pub eval_interval: u64,
     /// Evaluate on at most this many batches per rank (DS-Chat's `--eval_iters`; default: every
     /// eval pair).
-    #[arg(long, alias = "eval_iters", value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(help_heading = heading::EVALUATION, long, alias = "eval_iters", value_parser = clap::value_parser!(u64).range(1..))]
     pub eval_iters: Option<u64>,
 }
 

@@ -4,6 +4,7 @@
 
 use clap::Parser;
 use data::args::DataArgs;
+use hybrid_engine::cli::heading;
 use hybrid_engine::cli::step_args::StepArgs;
 use std::path::PathBuf;
 
@@ -18,28 +19,28 @@ pub const DEFAULT_LR: f64 = 1e-3;
              `sft --from-scratch --help` shows GPT-2 pretraining (Megatron pretrain_gpt2)."
 )]
 pub struct SftArgs {
-    #[command(flatten)]
+    #[command(flatten, next_help_heading = heading::DATA)]
     pub data: DataArgs,
     #[command(flatten)]
     pub train: StepArgs,
     /// Compute the loss over the prompt too, as DS-Chat does (default: the answer and EOS only).
-    #[arg(long, alias = "train_on_prompt")]
+    #[arg(help_heading = heading::TRAINING, long, alias = "train_on_prompt")]
     pub train_on_prompt: bool,
     /// Where the fine-tuned model (a HF directory) and metrics.jsonl go.
-    #[arg(long, default_value = "output/actor", alias = "output_dir")]
+    #[arg(help_heading = heading::OUTPUT, long, default_value = "output/actor", alias = "output_dir")]
     pub output_dir: PathBuf,
     /// tokenizer.json (default: the starting model's, else the embedded GPT-2 tokenizer).
-    #[arg(long)]
+    #[arg(help_heading = heading::MODEL, long)]
     pub tokenizer: Option<PathBuf>,
     /// Prompts whose greedy answers by the starting and the fine-tuned model are printed side by
     /// side at the end and saved to prompt_eval.jsonl (a jsonl with a `prompt` field, or text
     /// with one prompt per line; `demo` or `arithmetic` for an embedded task's held-out prompts).
-    #[arg(long, alias = "eval_prompts")]
+    #[arg(help_heading = heading::EVALUATION, long, alias = "eval_prompts")]
     pub eval_prompts: Option<String>,
     /// How many of the eval prompts to answer.
-    #[arg(long, default_value_t = 8, alias = "num_eval_prompts")]
+    #[arg(help_heading = heading::EVALUATION, long, default_value_t = 8, alias = "num_eval_prompts")]
     pub num_eval_prompts: usize,
     /// New tokens per eval-prompt answer.
-    #[arg(long, default_value_t = 32, alias = "max_new_tokens")]
+    #[arg(help_heading = heading::EVALUATION, long, default_value_t = 32, alias = "max_new_tokens")]
     pub max_new_tokens: usize,
 }

@@ -4,6 +4,7 @@
 use anyhow::{bail, Result};
 use clap::Parser;
 use hybrid_engine::cli;
+use hybrid_engine::cli::heading;
 use hybrid_engine::comm::ProcessGroup;
 use hybrid_engine::engine::EngineConfig;
 use hybrid_engine::model::gpt2::Gpt2Config;
@@ -19,43 +20,44 @@ use std::path::PathBuf;
 )]
 pub struct PretrainArgs {
     /// Pretrain a randomly initialised GPT-2 on a text corpus (Megatron's pretrain_gpt2).
-    #[arg(long, alias = "from_scratch")]
+    #[arg(help_heading = heading::MODEL, long, alias = "from_scratch")]
     pub from_scratch: bool,
     /// Model shape: a preset (tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl) or a config.json.
-    #[arg(long, default_value = "tiny", alias = "model-name-or-path", alias = "model_name_or_path")]
+    #[arg(help_heading = heading::MODEL, long, default_value = "tiny", alias = "model-name-or-path", alias = "model_name_or_path")]
     pub model: String,
     /// Override the preset's layer count.
-    #[arg(long, alias = "num_layers")]
+    #[arg(help_heading = heading::MODEL, long, alias = "num_layers")]
     pub num_layers: Option<usize>,
     /// Override the preset's hidden size.
-    #[arg(long, alias = "hidden_size")]
+    #[arg(help_heading = heading::MODEL, long, alias = "hidden_size")]
     pub hidden_size: Option<usize>,
     /// Override the preset's attention head count.
-    #[arg(long, alias = "num_attention_heads")]
+    #[arg(help_heading = heading::MODEL, long, alias = "num_attention_heads")]
     pub num_attention_heads: Option<usize>,
     /// Override the preset's context length (n_positions).
-    #[arg(long, alias = "max_position_embeddings")]
+    #[arg(help_heading = heading::MODEL, long, alias = "max_position_embeddings")]
     pub max_position_embeddings: Option<usize>,
     /// Pad the embedding to a multiple of this many rows (fast matmuls); the saved config
     /// records the padded size.
-    #[arg(long, default_value_t = 128, alias = "make_vocab_size_divisible_by")]
+    #[arg(help_heading = heading::MODEL, long, default_value_t = 128, alias = "make_vocab_size_divisible_by")]
     pub make_vocab_size_divisible_by: usize,
     /// tokenizer.json to use (default: the embedded GPT-2 tokenizer).
-    #[arg(long)]
+    #[arg(help_heading = heading::MODEL, long)]
     pub tokenizer: Option<PathBuf>,
     /// Corpus: a .jsonl/.json, .parquet or plain text file, or `shakespeare` (embedded).
-    #[arg(long, default_value = "shakespeare", alias = "data_path")]
+    #[arg(help_heading = heading::DATA, long, default_value = "shakespeare", alias = "data_path")]
     pub data_path: String,
     /// Field (jsonl) or column (parquet) holding the text.
-    #[arg(long, default_value = "text", alias = "text_key")]
+    #[arg(help_heading = heading::DATA, long, default_value = "text", alias = "text_key")]
     pub text_key: String,
     /// Tokens per training sequence.
-    #[arg(long, default_value_t = 128, alias = "seq_length", alias = "max-seq-len", alias = "max_seq_len")]
+    #[arg(help_heading = heading::DATA, long, default_value_t = 128, alias = "seq_length", alias = "max-seq-len", alias = "max_seq_len")]
     pub seq_length: usize,
     /// Train/validation/test weights over the packed blocks.
-    #[arg(long, default_value = "949,50,1")]
+    #[arg(help_heading = heading::DATA, long, default_value = "949,50,1")]
     pub split: String,
-    #[arg(
+    /// Blocks per micro-batch on each rank.
+    #[arg(help_heading = heading::TRAINING,
         long,
         default_value_t = 8,
         alias = "micro_batch_size",
@@ -63,21 +65,24 @@ pub struct PretrainArgs {
         alias = "per_device_train_batch_size"
     )]
     pub micro_batch_size: usize,
-    #[arg(long, default_value_t = 1, alias = "gradient_accumulation_steps")]
+    /// Micro-batches whose gradients are summed before each optimizer step.
+    #[arg(help_heading = heading::TRAINING, long, default_value_t = 1, alias = "gradient_accumulation_steps")]
     pub gradient_accumulation_steps: usize,
     /// Blocks per iteration over all ranks (Megatron's --global-batch-size): the accumulation
     /// steps become global batch / (micro-batch x ranks), which must divide it.
-    #[arg(long, alias = "global_batch_size", conflicts_with = "gradient_accumulation_steps")]
+    #[arg(help_heading = heading::TRAINING, long, alias = "global_batch_size", conflicts_with = "gradient_accumulation_steps")]
     pub global_batch_size: Option<usize>,
     /// Optimizer iterations to run (the data wraps around by epoch as needed).
-    #[arg(long, default_value_t = 200, alias = "train_iters")]
+    #[arg(help_heading = heading::TRAINING, long, default_value_t = 200, alias = "train_iters")]
     pub train_iters: u64,
-    #[arg(long, default_value_t = 1e-3, alias = "learning-rate", alias = "learning_rate", value_parser = cli::positive())]
+    /// Peak learning rate, reached after --lr-warmup-iters.
+    #[arg(help_heading = heading::OPTIMIZER, long, default_value_t = 1e-3, alias = "learning-rate", alias = "learning_rate", value_parser = cli::positive())]
     pub lr: f64,
-    #[arg(long, default_value_t = 1e-4, alias = "min_lr", value_parser = cli::non_negative())]
+    /// Learning rate the decay ends at (Megatron's --min-lr).
+    #[arg(help_heading = heading::OPTIMIZER, long, default_value_t = 1e-4, alias = "min_lr", value_parser = cli::non_negative())]
     pub min_lr: f64,
     /// constant, linear or cosine.
-    #[arg(
+    #[arg(help_heading = heading::OPTIMIZER,
         long,
         default_value = "cosine",
         alias = "lr_decay_style",
@@ -85,7 +90,8 @@ pub struct PretrainArgs {
         alias = "lr_scheduler_type"
     )]
     pub lr_decay_style: DecayStyle,
-    #[arg(
+    /// Iterations of linear warm-up from 0 to --lr.
+    #[arg(help_heading = heading::OPTIMIZER,
         long,
         default_value_t = 20,
         alias = "lr_warmup_iters",
@@ -94,50 +100,56 @@ pub struct PretrainArgs {
     )]
     pub lr_warmup_iters: u64,
     /// Iteration where the decay reaches --min-lr (default: --train-iters).
-    #[arg(long, alias = "lr_decay_iters")]
+    #[arg(help_heading = heading::OPTIMIZER, long, alias = "lr_decay_iters")]
     pub lr_decay_iters: Option<u64>,
-    #[arg(long, default_value_t = 0.1, alias = "weight_decay", value_parser = cli::non_negative())]
+    /// AdamW's decoupled weight decay (biases and LayerNorms never decay).
+    #[arg(help_heading = heading::OPTIMIZER, long, default_value_t = 0.1, alias = "weight_decay", value_parser = cli::non_negative())]
     pub weight_decay: f64,
     /// Clip gradients to this global norm (0 disables).
-    #[arg(long, default_value_t = 1.0, aliases = ["clip_grad", "gradient-clipping", "gradient_clipping"], value_parser = cli::non_negative())]
+    #[arg(help_heading = heading::OPTIMIZER, long, default_value_t = 1.0, aliases = ["clip_grad", "gradient-clipping", "gradient_clipping"], value_parser = cli::non_negative())]
     pub clip_grad: f64,
-    #[arg(long, default_value_t = 0.9, alias = "adam_beta1", value_parser = cli::adam_beta())]
+    /// AdamW's first-moment decay (Megatron's 0.9).
+    #[arg(help_heading = heading::OPTIMIZER, long, default_value_t = 0.9, alias = "adam_beta1", value_parser = cli::adam_beta())]
     pub adam_beta1: f64,
-    #[arg(long, default_value_t = 0.95, alias = "adam_beta2", value_parser = cli::adam_beta())]
+    /// AdamW's second-moment decay (0.95, as Megatron's GPT scripts and nanoGPT).
+    #[arg(help_heading = heading::OPTIMIZER, long, default_value_t = 0.95, alias = "adam_beta2", value_parser = cli::adam_beta())]
     pub adam_beta2: f64,
-    #[arg(long, default_value_t = 1e-8, alias = "adam_eps", value_parser = cli::positive())]
+    /// AdamW's epsilon, added to the root of the second moment.
+    #[arg(help_heading = heading::OPTIMIZER, long, default_value_t = 1e-8, alias = "adam_eps", value_parser = cli::positive())]
     pub adam_eps: f64,
     /// Dropout for embeddings, attention and residuals (default: the model config's, 0.1).
-    #[arg(long, value_parser = cli::dropout())]
+    #[arg(help_heading = heading::MODEL, long, value_parser = cli::dropout())]
     pub dropout: Option<f64>,
-    #[arg(long, default_value_t = 1234)]
+    /// Seed of the initialisation, the data order and dropout.
+    #[arg(help_heading = heading::TRAINING, long, default_value_t = 1234)]
     pub seed: u64,
     /// Evaluate on the validation split every this many iterations (0: only at the end).
-    #[arg(long, default_value_t = 50, alias = "eval_interval")]
+    #[arg(help_heading = heading::EVALUATION, long, default_value_t = 50, alias = "eval_interval")]
     pub eval_interval: u64,
     /// Validation batches per evaluation.
-    #[arg(long, default_value_t = 10, alias = "eval_iters")]
+    #[arg(help_heading = heading::EVALUATION, long, default_value_t = 10, alias = "eval_iters")]
     pub eval_iters: usize,
-    #[arg(long, default_value_t = 10, alias = "log_interval")]
+    /// Log a line (and the metrics) every this many iterations.
+    #[arg(help_heading = heading::LOGGING, long, default_value_t = 10, alias = "log_interval")]
     pub log_interval: u64,
     /// Checkpoint root (default: --output-dir).
-    #[arg(long)]
+    #[arg(help_heading = heading::OUTPUT, long)]
     pub save: Option<PathBuf>,
     /// Save a checkpoint every this many iterations (and always at the end).
-    #[arg(long, default_value_t = 0, alias = "save_interval")]
+    #[arg(help_heading = heading::OUTPUT, long, default_value_t = 0, alias = "save_interval")]
     pub save_interval: u64,
     /// Resume from the checkpoint root's `latest` checkpoint.
-    #[arg(long)]
+    #[arg(help_heading = heading::OUTPUT, long)]
     pub load: Option<PathBuf>,
     /// Where metrics.jsonl (and by default the checkpoints) go.
-    #[arg(long, default_value = "output/pretrain", alias = "output_dir")]
+    #[arg(help_heading = heading::OUTPUT, long, default_value = "output/pretrain", alias = "output_dir")]
     pub output_dir: PathBuf,
     /// Recompute each block's activations in backward instead of storing them.
-    #[arg(long, alias = "checkpoint_activations", alias = "gradient-checkpointing", alias = "gradient_checkpointing")]
+    #[arg(help_heading = heading::MODEL, long, alias = "checkpoint_activations", alias = "gradient-checkpointing", alias = "gradient_checkpointing")]
     pub checkpoint_activations: bool,
     /// auto (CUDA device 0 when built with --features cuda and a GPU opens, else the CPU), cpu,
     /// cuda or cuda:N.
-    #[arg(long, default_value = "auto", env = hybrid_engine::device::DEVICE_ENV)]
+    #[arg(help_heading = heading::PRECISION, long, default_value = "auto", env = hybrid_engine::device::DEVICE_ENV)]
     pub device: String,
     /// --dtype, --compute-fp32-loss, --loss-scale-window, --initial-scale-power.
     #[command(flatten)]
@@ -146,7 +158,7 @@ pub struct PretrainArgs {
     /// sharded), 2 (+ gradients sharded), 3 (+ weights sharded, each block gathered when it runs,
     /// with activation recomputation). Each rank trains on its own --micro-batch-size blocks:
     /// the global batch is micro-batch x ranks x accumulation, as Megatron's.
-    #[arg(long, default_value_t = 0, alias = "zero_stage")]
+    #[arg(help_heading = heading::PARALLELISM, long, default_value_t = 0, alias = "zero_stage")]
     pub zero_stage: u8,
     #[command(flatten)]
     pub dist: hybrid_engine::cli::dist_args::DistArgs,
