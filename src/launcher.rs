@@ -18,6 +18,7 @@ use anyhow::{bail, Context, Result};
 use clap::Parser;
 use hybrid_engine::cli::step_args::{model_source, ModelSource, RANDOM_PREFIX};
 use hybrid_engine::generation::generate::SamplingConfig;
+use hybrid_engine::telemetry::progress::{self, RelayedBar};
 use hybrid_engine::training::precision::Dtype;
 use std::io::{BufReader, Write};
 use std::path::{Path, PathBuf};
@@ -902,6 +903,12 @@ fn run_recipe(script: &str, plan: &StepPlan, bin_dir: &Path, setting: StepSettin
         Ranks::Local(n) => cmd.env(crate::ranks::NPROC_ENV, n.to_string()),
         Ranks::Nodes(nodes) => cmd.env_remove(crate::ranks::NPROC_ENV).env(crate::nodes::NODES_ENV, nodes.to_env()?),
     };
+    // On a terminal the step relays its progress bars here (telemetry::progress's relay).
+    let relay = RelayedBar::on_terminal();
+    match relay {
+        Some(_) => cmd.env(progress::RELAY_ENV, "1"),
+        None => cmd.env_remove(progress::RELAY_ENV),
+    };
     let mut child = cmd
         .arg("-c")
         .arg(script)
@@ -928,9 +935,13 @@ fn run_recipe(script: &str, plan: &StepPlan, bin_dir: &Path, setting: StepSettin
     // Both streams into the log in arrival order: stderr on its own thread.
     let stderr = child.stderr.take().expect("piped stderr");
     let err_log = log.try_clone()?;
-    let err_thread = std::thread::spawn(move || tee(BufReader::new(stderr), err_log, Echo::Stderr));
-    tee(BufReader::new(child.stdout.take().expect("piped stdout")), log.try_clone()?, Echo::Stdout)?;
+    let err_relay = relay.clone();
+    let err_thread = std::thread::spawn(move || tee(BufReader::new(stderr), err_log, Echo::Stderr, err_relay.as_ref()));
+    tee(BufReader::new(child.stdout.take().expect("piped stdout")), log.try_clone()?, Echo::Stdout, relay.as_ref())?;
     let err_tail = err_thread.join().map_err(|_| anyhow::anyhow!("the log thread panicked"))??;
+    if let Some(bar) = &relay {
+        bar.finish();
+    }
     let status = child.wait()?;
     log.flush()?;
     if !status.success() {

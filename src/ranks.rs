@@ -9,6 +9,7 @@
 //! launcher, so nothing spawns twice.
 
 use anyhow::{anyhow, bail, Context, Result};
+use hybrid_engine::telemetry::progress::{self, RelayedBar};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -317,15 +318,34 @@ pub enum Echo {
     None,
 }
 
-/// Copies lines into `log` and to `echo`; returns the last line (for a failure message).
-pub fn tee(reader: impl BufRead, mut log: std::fs::File, echo: Echo) -> Result<Option<String>> {
+/// Copies lines into `log` and to `echo`; returns the last line (for a failure message). A
+/// progress bar's relayed frame (`telemetry::progress`'s relay) is never logged: `relay` shows
+/// it (`train`, on a terminal), else a stderr echo passes it on (a step's rank 0, to `train`).
+pub fn tee(
+    reader: impl BufRead,
+    mut log: std::fs::File,
+    echo: Echo,
+    relay: Option<&RelayedBar>,
+) -> Result<Option<String>> {
     let mut last = None;
     for line in reader.lines() {
         let line = line?;
-        match echo {
+        if let Some(frame) = progress::relayed_line(&line) {
+            match (relay, echo) {
+                (Some(bar), _) => bar.show(frame),
+                (None, Echo::Stderr) => eprintln!("{line}"),
+                (None, _) => {}
+            }
+            continue;
+        }
+        let print = || match echo {
             Echo::Stdout => println!("{line}"),
             Echo::Stderr => eprintln!("{line}"),
             Echo::None => {}
+        };
+        match relay {
+            Some(bar) => bar.suspend(print),
+            None => print(),
         }
         writeln!(log, "{line}")?;
         last = Some(line);
@@ -340,7 +360,7 @@ fn copy_lines(
     log: std::fs::File,
     echo: Echo,
 ) -> JoinHandle<Option<String>> {
-    std::thread::spawn(move || tee(BufReader::new(stream), log, echo).ok().flatten())
+    std::thread::spawn(move || tee(BufReader::new(stream), log, echo, None).ok().flatten())
 }
 
 fn stop_all(children: &mut [Watched], done: &[bool]) {
@@ -375,6 +395,18 @@ mod tests {
 
     fn get<'a>(env: &'a [(&str, String)], k: &str) -> Option<&'a str> {
         env.iter().find(|(key, _)| *key == k).map(|(_, v)| v.as_str())
+    }
+
+    #[test]
+    fn relayed_progress_frames_never_reach_the_log() -> Result<()> {
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("training.log");
+        let mark = progress::RELAY_MARK;
+        let input = format!("step 1 | loss 2.5\n{mark}evaluating: 3/10 batches\nppl: 5.9\n{mark}\n");
+        let last = tee(std::io::Cursor::new(input), std::fs::File::create(&path)?, Echo::None, None)?;
+        assert_eq!(std::fs::read_to_string(&path)?, "step 1 | loss 2.5\nppl: 5.9\n");
+        assert_eq!(last.as_deref(), Some("ppl: 5.9"), "a failure names the last log line, not a frame");
+        Ok(())
     }
 
     fn node(vars: &[(&str, &str)]) -> Result<Option<NodeRanks>> {

@@ -3,11 +3,24 @@
 //! a tool's data, `policy_eval`'s table), a status line every [`LOG_EVERY`] and one at the end
 //! of a phase that took a while, so piped output and log files get no bar drawing. Every bar joins one `MultiProgress`: a phase inside the training loop (an
 //! evaluation) stacks its bar under the training bar instead of drawing over it.
+//!
+//! A step that `train` runs writes into a pipe (the launcher keeps its training.log), so it
+//! could draw no bar. When the launcher's own stderr is a terminal it sets [`RELAY_ENV`]: the
+//! step then also relays each bar, a few times a second, as a line marked with [`RELAY_MARK`] on
+//! stderr, which the launcher draws on its terminal and keeps out of the log
+//! ([`relayed_line`]); the step's log lines stay as they are off a terminal.
 
-use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
-use std::io::IsTerminal;
-use std::sync::LazyLock;
+use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle, TermLike};
+use std::io::{IsTerminal, Write};
+use std::sync::{LazyLock, Mutex};
 use std::time::{Duration, Instant};
+
+/// Set to 1 by `train` for its steps when it draws their bars.
+pub const RELAY_ENV: &str = "RLHF_PROGRESS_RELAY";
+/// The first character of a relayed bar's line (ASCII's record separator: no log line has it).
+pub const RELAY_MARK: char = '\u{1e}';
+/// Relayed frames per second.
+const RELAY_HZ: u8 = 2;
 
 /// Off a terminal, a running phase logs its status this often.
 pub const LOG_EVERY: Duration = Duration::from_secs(30);
@@ -21,13 +34,127 @@ pub fn on_terminal() -> bool {
     std::io::stderr().is_terminal()
 }
 
-/// A bar of `total` steps, `done` of them already, in the shared stack; `None` off a terminal.
-/// `template` is indicatif's (the training bar's has its own fields).
+/// Whether bars are relayed to `train` ([`RELAY_ENV`]), off a terminal only.
+fn relaying() -> bool {
+    !on_terminal() && std::env::var(RELAY_ENV).is_ok_and(|v| v == "1")
+}
+
+/// A bar of `total` steps, `done` of them already: in the shared stack on a terminal, relayed
+/// under `train` ([`RELAY_ENV`]), else `None`. `template` is indicatif's (the training bar's has
+/// its own fields).
 pub fn bar(total: u64, done: u64, template: &str) -> Option<ProgressBar> {
-    on_terminal().then(|| {
-        let style = ProgressStyle::with_template(template).unwrap_or_else(|_| ProgressStyle::default_bar());
-        BARS.add(ProgressBar::new(total).with_position(done).with_style(style))
-    })
+    let style = ProgressStyle::with_template(template).unwrap_or_else(|_| ProgressStyle::default_bar());
+    if on_terminal() {
+        return Some(BARS.add(ProgressBar::new(total).with_position(done).with_style(style)));
+    }
+    relaying().then(|| relayed_bar(total, done, style, Box::new(std::io::stderr())))
+}
+
+/// A bar whose frames go to `out` as marked lines ([`Relay`]).
+fn relayed_bar(total: u64, done: u64, style: ProgressStyle, out: Box<dyn Write + Send>) -> ProgressBar {
+    let target = ProgressDrawTarget::term_like_with_hz(Box::new(Relay::new(out)), RELAY_HZ);
+    ProgressBar::with_draw_target(Some(total), target).with_position(done).with_style(style)
+}
+
+/// A terminal for indicatif that writes each frame's last line as one [`RELAY_MARK`]ed line,
+/// and a bare mark when the bar is cleared.
+struct Relay {
+    out: Mutex<Box<dyn Write + Send>>,
+    /// The frame being drawn, and whether it cleared a line.
+    frame: Mutex<(String, bool)>,
+}
+
+impl Relay {
+    fn new(out: Box<dyn Write + Send>) -> Self {
+        Self { out: Mutex::new(out), frame: Mutex::new((String::new(), false)) }
+    }
+
+    fn frame(&self) -> std::sync::MutexGuard<'_, (String, bool)> {
+        self.frame.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+impl std::fmt::Debug for Relay {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Relay")
+    }
+}
+
+impl TermLike for Relay {
+    fn width(&self) -> u16 {
+        100
+    }
+    fn move_cursor_up(&self, _: usize) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn move_cursor_down(&self, _: usize) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn move_cursor_right(&self, _: usize) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn move_cursor_left(&self, _: usize) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn write_line(&self, s: &str) -> std::io::Result<()> {
+        self.write_str(s)
+    }
+    fn write_str(&self, s: &str) -> std::io::Result<()> {
+        if !s.trim().is_empty() {
+            self.frame().0 = s.to_string();
+        }
+        Ok(())
+    }
+    fn clear_line(&self) -> std::io::Result<()> {
+        self.frame().1 = true;
+        Ok(())
+    }
+    fn flush(&self) -> std::io::Result<()> {
+        let (text, cleared) = std::mem::take(&mut *self.frame());
+        if text.is_empty() && !cleared {
+            return Ok(());
+        }
+        let text = text.replace(['\n', '\r', RELAY_MARK], " ");
+        let mut out = self.out.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        writeln!(out, "{RELAY_MARK}{}", text.trim_end())?;
+        out.flush()
+    }
+}
+
+/// A relayed bar's text when `line` is one (empty: the bar was cleared); `None` for a log line.
+pub fn relayed_line(line: &str) -> Option<&str> {
+    line.strip_prefix(RELAY_MARK)
+}
+
+/// `train`'s side of the relay: one line at the bottom of its terminal showing the running
+/// step's latest relayed frame.
+#[derive(Clone)]
+pub struct RelayedBar(ProgressBar);
+
+impl RelayedBar {
+    /// On a terminal, the line (empty until a frame comes); `None` elsewhere, where the steps
+    /// are not asked to relay.
+    pub fn on_terminal() -> Option<Self> {
+        on_terminal().then(|| {
+            let style = ProgressStyle::with_template("{msg}").unwrap_or_else(|_| ProgressStyle::default_spinner());
+            Self(BARS.add(ProgressBar::new_spinner().with_style(style)))
+        })
+    }
+
+    /// Shows a relayed frame ([`relayed_line`]); an empty one blanks the line.
+    pub fn show(&self, frame: &str) {
+        self.0.set_message(frame.to_string());
+    }
+
+    /// Runs `print` with the line out of the way, so that a log line does not tear it.
+    pub fn suspend<R>(&self, print: impl FnOnce() -> R) -> R {
+        self.0.suspend(print)
+    }
+
+    /// Takes the line off the terminal.
+    pub fn finish(&self) {
+        remove(&self.0);
+    }
 }
 
 /// Takes a finished bar out of the stack.
@@ -72,16 +199,15 @@ impl Phase {
         Done { phase: self, n }
     }
 
-    /// `n` more done.
+    /// `n` more done. Off a terminal (a relayed bar included) the log gets its status lines.
     pub fn inc(&mut self, n: u64) {
         self.done += n;
-        match &self.bar {
-            Some(bar) => bar.inc(n),
-            None if self.last_log.elapsed() >= LOG_EVERY => {
-                self.last_log = Instant::now();
-                eprintln!("{}", status_line(&self.label, self.unit, self.done, self.total, self.started.elapsed()));
-            }
-            None => {}
+        if let Some(bar) = &self.bar {
+            bar.inc(n);
+        }
+        if !on_terminal() && self.last_log.elapsed() >= LOG_EVERY {
+            self.last_log = Instant::now();
+            eprintln!("{}", status_line(&self.label, self.unit, self.done, self.total, self.started.elapsed()));
         }
     }
 }
@@ -101,12 +227,11 @@ impl Drop for Done<'_> {
 impl Drop for Phase {
     /// The bar goes; off a terminal a long phase says how long it took.
     fn drop(&mut self) {
-        match self.bar.take() {
-            Some(bar) => remove(&bar),
-            None if self.started.elapsed() >= LOG_IF_LONGER => {
-                eprintln!("{}", end_line(&self.label, self.unit, self.done, self.started.elapsed()))
-            }
-            None => {}
+        if let Some(bar) = self.bar.take() {
+            remove(&bar);
+        }
+        if !on_terminal() && self.started.elapsed() >= LOG_IF_LONGER {
+            eprintln!("{}", end_line(&self.label, self.unit, self.done, self.started.elapsed()));
         }
     }
 }
@@ -177,9 +302,42 @@ mod tests {
         if on_terminal() {
             return;
         }
+        if relaying() {
+            return;
+        }
         let mut phase = Phase::start("x", "items", 3);
         phase.inc(3);
         assert!(phase.bar.is_none());
         assert!(bar(10, 0, "{bar}").is_none());
+    }
+
+    /// A buffer the relay writes into, readable by the test.
+    #[derive(Clone, Default)]
+    struct Shared(std::sync::Arc<Mutex<Vec<u8>>>);
+
+    impl Write for Shared {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_relayed_bar_writes_marked_lines_that_read_back_as_its_frames() {
+        let out = Shared::default();
+        let style = ProgressStyle::with_template("evaluating: {pos}/{len} batches").unwrap();
+        let bar = relayed_bar(10, 2, style, Box::new(out.clone()));
+        bar.inc(1);
+        std::thread::sleep(Duration::from_millis(600)); // past a frame of RELAY_HZ
+        bar.inc(2);
+        bar.finish_and_clear();
+        let text = String::from_utf8(out.0.lock().unwrap().clone()).unwrap();
+        let frames: Vec<&str> = text.lines().map(|l| relayed_line(l).expect("every line is marked")).collect();
+        assert!(frames.iter().any(|f| f.starts_with("evaluating: ") && f.ends_with("/10 batches")), "{frames:?}");
+        assert_eq!(frames.last(), Some(&""), "clearing the bar relays an empty frame: {frames:?}");
+        assert_eq!(relayed_line("step 1 | loss 2.5"), None, "a log line is not a frame");
     }
 }
