@@ -221,8 +221,8 @@ pub fn read_starting_models(
     }
     let sliced = [("actor", &actor), ("reference", &reference)]
         .into_iter()
-        .chain(critic.as_ref().map(|(_, w)| ("critic", w)))
         .chain(reward.as_ref().map(|(_, w)| ("reward model", w)))
+        .chain(critic.as_ref().map(|(_, w)| ("critic", w)))
         .filter(|(_, w)| matches!(w, Weights::Sliced(_)))
         .map(|(what, _)| what)
         .collect::<Vec<_>>();
