@@ -182,6 +182,8 @@ pub struct Phase {
     bar: Option<ProgressBar>,
     started: Instant,
     last_log: Instant,
+    /// Off a terminal, no status lines (a phase a run's own log already reports).
+    quiet: bool,
 }
 
 impl Phase {
@@ -189,7 +191,17 @@ impl Phase {
     pub fn start(label: &str, unit: &'static str, total: u64) -> Self {
         let template = format!("{label}: {{bar:30}} {{pos}}/{{len}} {unit} [{{elapsed_precise}} < {{eta_precise}}]");
         let now = Instant::now();
-        Self { label: label.into(), unit, total, done: 0, bar: bar(total, 0, &template), started: now, last_log: now }
+        let bar = bar(total, 0, &template);
+        Self { label: label.into(), unit, total, done: 0, bar, started: now, last_log: now, quiet: false }
+    }
+
+    /// [`Self::start`] without the status lines off a terminal: a bar only (on a terminal, or
+    /// relayed to `train`), for a phase short and frequent enough that lines would flood the log
+    /// (each PPO rollout's generation, which its step line times).
+    pub fn bar_only(label: &str, unit: &'static str, total: u64) -> Self {
+        let mut phase = Self::start(label, unit, total);
+        phase.quiet = true;
+        phase
     }
 
     /// Counts `n` done when the returned guard drops: at the end of a loop's body, however the
@@ -205,7 +217,7 @@ impl Phase {
         if let Some(bar) = &self.bar {
             bar.inc(n);
         }
-        if !on_terminal() && self.last_log.elapsed() >= LOG_EVERY {
+        if !self.quiet && !on_terminal() && self.last_log.elapsed() >= LOG_EVERY {
             self.last_log = Instant::now();
             eprintln!("{}", status_line(&self.label, self.unit, self.done, self.total, self.started.elapsed()));
         }
@@ -230,7 +242,7 @@ impl Drop for Phase {
         if let Some(bar) = self.bar.take() {
             remove(&bar);
         }
-        if !on_terminal() && self.started.elapsed() >= LOG_IF_LONGER {
+        if !self.quiet && !on_terminal() && self.started.elapsed() >= LOG_IF_LONGER {
             eprintln!("{}", end_line(&self.label, self.unit, self.done, self.started.elapsed()));
         }
     }

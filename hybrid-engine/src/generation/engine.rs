@@ -8,7 +8,7 @@
 //! `max_prompt + max_answer` positions, kept across rollouts unless `release_inference_cache`.
 
 use crate::comm::ProcessGroup;
-use crate::generation::generate::{generate_with_cache, Generation, LeftPadded, SamplingConfig};
+use crate::generation::generate::{generate_observed, generate_with_cache, Generation, LeftPadded, SamplingConfig};
 use crate::model::gpt2::{Gpt2, Gpt2Cache, Gpt2Config};
 use crate::model::params::ParamStore;
 use crate::tensor_parallel::shard::{check_divides, shard, split_of};
@@ -28,11 +28,26 @@ pub struct GenerationMode {
     cache: Option<Gpt2Cache>,
     /// The dtype generation computes in: the training compute dtype.
     dtype: DType,
+    /// The label of the bar a generation draws over its decoding steps (on a terminal, or
+    /// relayed to `train`; no log lines): `None` draws none.
+    progress: Option<String>,
 }
 
 impl GenerationMode {
     pub fn new(max_prompt: usize, max_answer: usize, release_inference_cache: bool) -> Self {
-        Self { capacity: max_prompt + max_answer, release_inference_cache, cache: None, dtype: DType::F32 }
+        Self {
+            capacity: max_prompt + max_answer,
+            release_inference_cache,
+            cache: None,
+            dtype: DType::F32,
+            progress: None,
+        }
+    }
+
+    /// Each generation draws a bar named `label` over its decoding steps (PPO's rollouts).
+    pub fn with_progress(mut self, label: &str) -> Self {
+        self.progress = Some(label.to_string());
+        self
     }
 
     /// Generates in `dtype` (the weights are cast once per rollout, with the LoRA fusion).
@@ -103,7 +118,14 @@ impl GenerationMode {
     ) -> Result<Generation> {
         let capacity = self.capacity.min(model.cfg.n_positions);
         let cache = self.cache.get_or_insert_with(|| Gpt2Cache::new(&model.cfg, capacity));
-        let out = generate_with_cache(model, prompts, sampling, cache, device);
+        let out = match &self.progress {
+            Some(label) => {
+                let steps = sampling.max_new_tokens as u64;
+                let mut phase = telemetry::progress::Phase::bar_only(label, "tokens", steps);
+                generate_observed(model, prompts, sampling, cache, device, &mut || phase.inc(1))
+            }
+            None => generate_with_cache(model, prompts, sampling, cache, device),
+        };
         if self.release_inference_cache {
             self.cache = None;
         }
@@ -138,6 +160,14 @@ mod tests {
         assert_eq!(released.cache_bytes(), 0, "--release-inference-cache frees it");
         assert_eq!(a, b, "a reused cache gives the same rollout");
         assert_eq!(a, c);
+        // A progress bar (PPO's rollouts) changes nothing, and counts one tick a decoding step.
+        let mut shown = GenerationMode::new(4, 6, false).with_progress("generating the rollout");
+        assert_eq!(shown.generate(&model, &prompts, &sampling, &dev)?, a);
+        let mut ticks = 0;
+        let mut cache = Gpt2Cache::new(&model.cfg, 10);
+        let observed = generate_observed(&model, &prompts, &sampling, &mut cache, &dev, &mut || ticks += 1)?;
+        assert_eq!(observed, a);
+        assert_eq!(ticks, a.tokens.iter().map(Vec::len).max().unwrap_or(0), "one tick a decoding step");
         // Generation mode turns dropout off whatever the training config says.
         assert_eq!(model.cfg.attn_pdrop, 0.0);
         // And reads the training weights unchanged when there is nothing to fuse.

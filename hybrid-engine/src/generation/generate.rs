@@ -178,6 +178,18 @@ pub fn generate_with_cache(
     cache: &mut Gpt2Cache,
     device: &Device,
 ) -> Result<Generation> {
+    generate_observed(model, batch, cfg, cache, device, &mut || {})
+}
+
+/// [`generate_with_cache`], calling `on_token` after each decoding step (a progress bar's count).
+pub fn generate_observed(
+    model: &Gpt2,
+    batch: &LeftPadded,
+    cfg: &SamplingConfig,
+    cache: &mut Gpt2Cache,
+    device: &Device,
+    on_token: &mut dyn FnMut(),
+) -> Result<Generation> {
     let (b, p) = (batch.b, batch.p);
     if b == 0 {
         return Ok(Generation { tokens: vec![], logprobs: vec![] });
@@ -218,6 +230,7 @@ pub fn generate_with_cache(
             }
             step.push(tok);
         }
+        on_token();
         if done.iter().all(|d| *d) {
             break;
         }

@@ -126,7 +126,8 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
     let models = build_models(args, start, resume.as_ref(), ranks, (&actor_engine, &critic_engine), &device)?;
     let dtype = args.precision.precision().dtype.dtype();
     let engine = GenerationMode::new(args.max_prompt_seq_len, args.max_answer_seq_len, args.release_inference_cache)
-        .with_dtype(dtype);
+        .with_dtype(dtype)
+        .with_progress("generating the rollout");
 
     let total_rollouts =
         ((args.num_train_epochs * rollouts_per_epoch) as u64).min(args.stop_after().unwrap_or(u64::MAX));
@@ -690,10 +691,10 @@ fn start_reward_fns(args: &PpoArgs, rank: usize) -> Result<Vec<RewardFn>> {
 /// The sum of `--reward-fn`'s rewards of each of a rollout's answers, given as the prompt's
 /// tokens (padding removed) and the answer's (EOS removed); zeros without any.
 fn external_rewards(fns: &mut [RewardFn], tokenizer: &Tokenizer, rows: &[(&[u32], &[u32])]) -> Result<Vec<f32>> {
-    let mut total = vec![0f64; rows.len()];
     if fns.is_empty() {
         return Ok(vec![0.0; rows.len()]);
     }
+    let mut total = vec![0f64; rows.len()];
     let answers = rows
         .iter()
         .map(|(p, a)| Ok(Answer { prompt: tokenizer.decode(p)?, answer: tokenizer.decode(a)? }))
@@ -1522,7 +1523,7 @@ fn print_answers(
 ) -> Result<()> {
     let p = exp.start + 1;
     let mut table = String::from("| prompt | answer | reward |\n|---|---|---|\n");
-    let cell = |text: &str| text.split_whitespace().collect::<Vec<_>>().join(" ").replace('|', "\\|");
+    let cell = hybrid_engine::telemetry::markdown_cell;
     for r in 0..exp.b.min(n) {
         let row = &exp.seq[r * exp.l..(r + 1) * exp.l];
         let prompt: Vec<u32> =
