@@ -4,6 +4,7 @@
 //! side. Everything but the curves is text in the file itself.
 
 use anyhow::Result;
+use hybrid_engine::telemetry::markdown_cell as cell;
 use hybrid_engine::telemetry::plots::CURVES_FILE;
 use hybrid_engine::training::metrics::{read_records, COMMAND_PREFIX, METRICS_FILE};
 use std::fmt::Write as _;
@@ -108,11 +109,6 @@ fn held_out_table(md: &mut String, step3: &Path, name: &str) -> Result<()> {
     Ok(())
 }
 
-/// Text as one markdown table cell: one line, pipes escaped.
-fn cell(text: &str) -> String {
-    text.split_whitespace().collect::<Vec<_>>().join(" ").replace('|', "\\|")
-}
-
 /// "1min 23s" (DS-Chat's e2e_rlhf.py duration format), as the launcher prints step times.
 pub fn duration(secs: u64) -> String {
     format!("{}min {}s", secs / 60, secs % 60)
@@ -154,10 +150,5 @@ mod tests {
         let out = Path::new("output");
         assert_eq!(link(out, &out.join("step1").join("curves.png")), "step1/curves.png");
         assert_eq!(link(out, Path::new("/runs/my run/curves.png")), "/runs/my%20run/curves.png");
-    }
-
-    #[test]
-    fn table_cells_are_one_line() {
-        assert_eq!(cell(" The capital of\nFrance | is Paris. "), "The capital of France \\| is Paris.");
     }
 }

@@ -29,8 +29,19 @@ pub fn host_name() -> String {
     }
 }
 
+/// `text` as one cell of a Markdown table (report.md's answers, TensorBoard's rollout samples):
+/// its whitespace runs, newlines included, as one space, and `|` escaped.
+pub fn markdown_cell(text: &str) -> String {
+    text.split_whitespace().collect::<Vec<_>>().join(" ").replace('|', "\\|")
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_markdown_cell_stays_one_cell_on_one_line() {
+        assert_eq!(super::markdown_cell("\n\nHuman: a | b\n\nAssistant:"), "Human: a \\| b Assistant:");
+    }
+
     #[test]
     fn the_host_name_is_the_kernels() {
         if let Ok(kernel) = std::fs::read_to_string("/proc/sys/kernel/hostname") {

@@ -17,11 +17,16 @@ pub fn parse_or_exit<T: Parser>() -> T {
 /// [`parse_or_exit`] of `args` (the first is the program's name, as in the process arguments).
 pub fn parse_from_or_exit<T: Parser, I: Into<std::ffi::OsString> + Clone>(args: impl IntoIterator<Item = I>) -> T {
     let args: Vec<std::ffi::OsString> = args.into_iter().map(Into::into).collect();
-    match T::try_parse_from(&args) {
-        Ok(parsed) => {
-            if let Some(config) = flags_config(&T::command(), &args) {
-                telemetry::wandb::set_flags_config(config);
-            }
+    // One parse: the flags, and from the same matches the run's configuration for wandb.
+    let command = T::command();
+    let parsed = command.clone().try_get_matches_from(&args).and_then(|mut matches| {
+        let config = flags_config(&command, &matches, &args);
+        let parsed = T::from_arg_matches_mut(&mut matches).map_err(|e| e.format(&mut command.clone()))?;
+        Ok((parsed, config))
+    });
+    match parsed {
+        Ok((parsed, config)) => {
+            telemetry::wandb::set_flags_config(config);
             parsed
         }
         Err(e) => {
@@ -41,16 +46,16 @@ pub fn parse_from_or_exit<T: Parser, I: Into<std::ffi::OsString> + Clone>(args: 
     }
 }
 
-/// Every argument of `cmd` as `args` set it, given or by default, as wandb's run config: the
-/// argument's name, its value (a number or true/false as such, several values as a list, null
-/// when unset) and its help as the description; the whole command line as `command`. None where
-/// `args` do not parse.
+/// Every argument of `cmd` as `matches` (the parse of the command line `args`) set it, given or
+/// by default, as wandb's run config: the argument's name, its value (a number or true/false as
+/// such, several values as a list, null when unset) and its help as the description; the whole
+/// command line as `command`.
 pub fn flags_config(
     cmd: &clap::Command,
+    matches: &clap::ArgMatches,
     args: &[std::ffi::OsString],
-) -> Option<serde_json::Map<String, serde_json::Value>> {
+) -> serde_json::Map<String, serde_json::Value> {
     use telemetry::wandb::{config_entry, config_value};
-    let matches = cmd.clone().try_get_matches_from(args).ok()?;
     let mut config = serde_json::Map::new();
     let line: Vec<String> = args.iter().map(|a| a.to_string_lossy().into_owned()).collect();
     config.insert("command".into(), config_entry(line.join(" ").into(), None));
@@ -73,7 +78,7 @@ pub fn flags_config(
         };
         config.insert(id.to_string(), config_entry(value, arg.get_help().map(|h| h.to_string())));
     }
-    Some(config)
+    config
 }
 
 /// DeepSpeed's and DS-Chat's flags that no binary here accepts, and why (spelt with hyphens).
@@ -301,7 +306,11 @@ mod tests {
         }
         let args: Vec<std::ffi::OsString> =
             ["ppo", "--data-path", "a", "b", "--dtype", "bf16"].iter().map(Into::into).collect();
-        let config = flags_config(&<Flags as clap::CommandFactory>::command(), &args).unwrap();
+        let config_of = |args: &[std::ffi::OsString]| {
+            let command = <Flags as clap::CommandFactory>::command();
+            flags_config(&command, &command.clone().try_get_matches_from(args).unwrap(), args)
+        };
+        let config = config_of(&args);
         let value = |k: &str| config[k]["value"].clone();
         assert_eq!(value("command"), "ppo --data-path a b --dtype bf16");
         assert_eq!(value("gamma"), 1.0, "a default");
@@ -312,7 +321,7 @@ mod tests {
         assert_eq!(value("dtype"), "bf16");
         assert!(!config.contains_key("help"));
         let one: Vec<std::ffi::OsString> = ["ppo", "--data-path", "a"].iter().map(Into::into).collect();
-        let config = flags_config(&<Flags as clap::CommandFactory>::command(), &one).unwrap();
+        let config = config_of(&one);
         assert_eq!(config["data_path"]["value"], serde_json::json!(["a"]), "a list, even of one");
     }
 }
