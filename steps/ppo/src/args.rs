@@ -215,8 +215,8 @@ pub struct PpoArgs {
     /// `exec:COMMAND` (a process started once per rank that reads one JSON line
     /// {"prompt": ..., "answer": ...} per answer and writes one JSON number per line, in order),
     /// `http://URL` or `https://URL` (OpenRLHF's remote reward protocol: POST {"query": [prompt +
-    /// answer, ...], "prompts": [...]}, answered by {"rewards": [...]}), or `builtin:capitals`
-    /// (the demo's task: 1 when the answer names the right capital, else 0).
+    /// answer, ...], "prompts": [...]}, answered by {"rewards": [...]}), or `builtin:capitals` /
+    /// `builtin:arithmetic` (the embedded tasks' exact-match scorers: 1 for a right answer, else 0).
     #[arg(help_heading = heading::REWARDS, long = "reward-fn", alias = "reward_fn", value_name = "SPEC")]
     pub reward_fn: Vec<crate::reward_fn::RewardFnSpec>,
     /// Seconds a --reward-fn may take to score one rollout's answers (OpenRLHF's 180).
