@@ -347,7 +347,9 @@ pub fn tee(
             Some(bar) => bar.suspend(print),
             None => print(),
         }
-        writeln!(log, "{line}")?;
+        // One write a line: a step's stdout and stderr are copied into the same log by two
+        // threads, and `writeln!` may write a line and its newline apart, between the other's.
+        log.write_all(format!("{line}\n").as_bytes())?;
         last = Some(line);
     }
     Ok(last)
