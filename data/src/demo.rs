@@ -8,7 +8,8 @@
 //! classic mistake, so supervised fine-tuning (step 1, which trains on `chosen`) learns the
 //! mistake as the mode, while every pair still ranks correct > classic mistake > wrong city, so a
 //! reward model (step 2) learns to prefer the capital and PPO (step 3) can move the actor there.
-//! [`score_answer`] and [`task_success_rate`] measure that move without any model.
+//! [`score_answer`] (and `crate::tasks::task_score` over many answers) measure that move without
+//! any model.
 
 use anyhow::{Context, Result};
 use rand::{RngCore, SeedableRng};
@@ -447,16 +448,6 @@ pub fn score_answer(prompt: &str, answer: &str) -> Option<TaskScore> {
     })
 }
 
-/// Mean of `correct` over (prompt, answer) pairs; the summary number the pipeline reports.
-/// A prompt about no known country counts as a failure; no pairs gives 0.
-pub fn task_success_rate(pairs: &[(String, String)]) -> f64 {
-    if pairs.is_empty() {
-        return 0.0;
-    }
-    let correct = pairs.iter().filter(|(p, a)| score_answer(p, a).is_some_and(|s| s.correct)).count();
-    correct as f64 / pairs.len() as f64
-}
-
 /// Every city name the scorer knows, with the canonical (table) spelling as its id.
 fn city_names() -> impl Iterator<Item = (&'static str, &'static str)> {
     COUNTRIES
@@ -729,18 +720,5 @@ mod tests {
         // Only the last human turn counts.
         let multi = "\n\nHuman: Capital of Peru?\n\nAssistant: Lima.\n\nHuman: And of Chile?\n\nAssistant:";
         assert_eq!(score_answer(multi, " Santiago.").map(|s| (s.country, s.correct)), Some(("Chile".into(), true)));
-    }
-
-    #[test]
-    fn demo_task_success_rate_is_the_mean_of_correct() {
-        let p = |c: &str| format!("\n\nHuman: What is the capital of {c}?\n\nAssistant:");
-        let pairs = vec![
-            (p("Canada"), " Ottawa.".to_string()),
-            (p("Canada"), " Toronto.".to_string()),
-            (p("France"), " It is Paris.".to_string()),
-            (p("Atlantis"), " Paris.".to_string()),
-        ];
-        assert_eq!(task_success_rate(&pairs), 0.5);
-        assert_eq!(task_success_rate(&[]), 0.0);
     }
 }

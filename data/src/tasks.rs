@@ -35,5 +35,18 @@ mod tests {
         let pairs = |v: &[(&String, &str)]| v.iter().map(|(p, a)| (p.to_string(), a.to_string())).collect::<Vec<_>>();
         assert_eq!(task_score(&pairs(&[(&capital, " Paris."), (&sum, " 32."), (&other, " hi")])), Some(1.0 / 3.0));
         assert_eq!(task_score(&pairs(&[(&other, " hi")])), None);
+        assert_eq!(task_score(&[]), None, "no pairs: no task to score");
+    }
+
+    #[test]
+    fn the_demo_task_score_is_the_mean_of_correct() {
+        let p = |c: &str| format!("\n\nHuman: What is the capital of {c}?\n\nAssistant:");
+        let pairs = vec![
+            (p("Canada"), " Ottawa.".to_string()),
+            (p("Canada"), " Toronto.".to_string()),
+            (p("France"), " It is Paris.".to_string()),
+            (p("Atlantis"), " Paris.".to_string()),
+        ];
+        assert_eq!(task_score(&pairs), Some(0.5), "a prompt about no known country counts as wrong");
     }
 }

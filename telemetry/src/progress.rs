@@ -114,9 +114,10 @@ impl TermLike for Relay {
         if text.is_empty() && !cleared {
             return Ok(());
         }
-        let text = text.replace(['\n', '\r', RELAY_MARK], " ");
+        // One write: the step's other threads print to the same stderr.
+        let line = format!("{RELAY_MARK}{}\n", text.replace(['\n', '\r', RELAY_MARK], " ").trim_end());
         let mut out = self.out.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        writeln!(out, "{RELAY_MARK}{}", text.trim_end())?;
+        out.write_all(line.as_bytes())?;
         out.flush()
     }
 }
