@@ -251,6 +251,17 @@ fn ring_bytes_per_step(
     }
 }
 
+/// The bytes rank 0 sent in training (its `rank_usage` record in metrics.jsonl).
+fn comm_bytes(out: &Path) -> f64 {
+    let text = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    text.lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .find(|r| r["event"] == "rank_usage")
+        .expect("a rank_usage record")["comm_bytes"]
+        .as_f64()
+        .unwrap()
+}
+
 /// The bytes a rank sends in training at every ZeRO stage on 2 and 3 ranks, with fp32 and (on 2)
 /// bf16 gradient reductions, are ZeRO's ring volumes (`ring_bytes_per_step`) to within 0.001% (the scalars reduced beside them: about 100
 /// bytes in 40-260 MB): a stage that moved a buffer twice, or a bucket left out, is off by
@@ -263,14 +274,8 @@ fn zero_stages_send_the_ring_volumes_of_theory() {
             let out = dir.path().join(format!("w{world}-s{stage}"));
             run_ranks(dir.path(), "sft", world, &with(pretrain_args(&out, 6 / world, stage), "--eval-interval 0"));
             let cfg = hybrid_engine::checkpoints::hf_io::read_config(&latest(&out).join("config.json")).unwrap();
-            let text = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
-            let usage: serde_json::Value = text
-                .lines()
-                .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-                .find(|r| r["event"] == "rank_usage")
-                .expect("a rank_usage record");
             // 6 iterations of 2 micro-batches (--gradient-accumulation-steps 2).
-            let sent = usage["comm_bytes"].as_f64().unwrap();
+            let sent = comm_bytes(&out);
             let theory = 6.0 * ring_bytes_per_step(&cfg, stage, world, 2, false);
             let what = format!("{world} ranks, stage {stage}: {sent} bytes sent, theory {theory}");
             assert!((sent - theory).abs() <= 1e-5 * theory, "{what}");
@@ -284,14 +289,7 @@ fn zero_stages_send_the_ring_volumes_of_theory() {
                 let outs = run_ranks(dir.path(), "sft", world, &a);
                 let log = String::from_utf8_lossy(&outs[0].stdout);
                 assert!(log.contains("gradients reduced in bf16"), "{log}");
-                let text = std::fs::read_to_string(half.join("metrics.jsonl")).unwrap();
-                let sent = text
-                    .lines()
-                    .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-                    .find(|r| r["event"] == "rank_usage")
-                    .expect("a rank_usage record")["comm_bytes"]
-                    .as_f64()
-                    .unwrap();
+                let sent = comm_bytes(&half);
                 let theory = 6.0 * ring_bytes_per_step(&cfg, stage, world, 2, true);
                 let what = format!("{world} ranks, stage {stage}, bf16 gradients: {sent} bytes sent, theory {theory}");
                 assert!((sent - theory).abs() <= 1e-5 * theory, "{what}");
@@ -300,6 +298,50 @@ fn zero_stages_send_the_ring_volumes_of_theory() {
             }
         }
     }
+}
+
+/// DeepSpeed's stages 1 and 2 under mixed precision on 2 ranks: each rank keeps only its shard
+/// of the fp32 masters (said in the log) and all-gathers the updated weights in bf16, so the
+/// weights' phase sends half the bytes of fp32 (gradients still reduced in fp32); training is
+/// that of whole masters (stage 0 in bf16 on the same ranks) to float rounding, and the saved
+/// checkpoint (the masters gathered on rank 0, each rank's optimizer shard) holds the same fp32
+/// weights.
+#[test]
+fn zero_1_and_2_in_bf16_shard_the_masters_and_gather_the_weights_in_half_the_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |stage: u8, extra: &str| {
+        let out = dir.path().join(format!("bf16-s{stage}{}", extra.len()));
+        let a =
+            with(pretrain_args(&out, 3, stage), &format!("--eval-interval 0 --dtype bf16 --save-interval 3 {extra}"));
+        let outs = run_ranks(dir.path(), "sft", 2, &a);
+        (out, String::from_utf8_lossy(&outs[0].stdout).into_owned())
+    };
+    let (whole, log) = run(0, "");
+    assert!(!log.contains("fp32 masters"), "{log}");
+    let cfg = hybrid_engine::checkpoints::hf_io::read_config(&latest(&whole).join("config.json")).unwrap();
+    for stage in [1u8, 2] {
+        let (out, log) = run(stage, "");
+        assert!(log.contains(&format!("ZeRO stage {stage} in bf16: each rank keeps 1/2 of the fp32 masters")), "{log}");
+        let sent = comm_bytes(&out);
+        // The fp32 volumes less half of the weights' all-gather: one fp32 phase of the model
+        // per step is the all-gather.
+        let phase = ring_bytes_per_step(&cfg, 1, 2, 2, false) / 2.0;
+        let theory = 6.0 * (ring_bytes_per_step(&cfg, stage, 2, 2, false) - phase / 2.0);
+        let what = format!("stage {stage} in bf16: {sent} bytes sent, theory {theory}");
+        assert!((sent - theory).abs() <= 1e-5 * theory, "{what}");
+        assert_same_weights(&latest(&out), &latest(&whole), 1e-6, 0.0, &what);
+        assert!(
+            latest(&out).join("optimizer-rank-001-of-002.safetensors").is_file(),
+            "{what}: each rank saves its shard"
+        );
+    }
+    // Stage 1's checkpoint at iteration 3 resumed at stage 2 (each rank cuts its master shard
+    // from the saved weights and reads its moments) ends where the uninterrupted runs end.
+    let load = format!("--load {}", dir.path().join("bf16-s10").display());
+    std::fs::write(dir.path().join("bf16-s10/latest"), "iter_0000003\n").unwrap();
+    let (resumed, log) = run(2, &load);
+    assert!(log.contains("resumed from") && log.contains("at iteration 3"), "{log}");
+    assert_same_weights(&latest(&resumed), &latest(&whole), 1e-6, 0.0, "stage 1 in bf16 resumed at stage 2");
 }
 
 /// One metric of each iteration of a pretraining run (`lm_loss`, `grad_norm`), from its metrics.
@@ -1293,6 +1335,43 @@ fn ppo_on_2_and_3_ranks_matches_one_rank_at_every_zero_stage() {
     assert_same_ppo(&out, &single, "PPO on 3 ranks, stages 1 and 3");
 }
 
+/// Step 3 in bf16 with the actor at ZeRO stage 1 and the critic at stage 2 on 2 ranks: both keep
+/// only their shard of the fp32 masters, the rollouts generate from the bf16 copy, the EMA is
+/// kept shard by shard; the run ends with the models of whole masters (stage 0, same ranks), and
+/// its checkpoint (masters and EMA gathered on rank 0, optimizer shards) resumes on the same
+/// trajectory.
+#[test]
+fn ppo_in_bf16_at_stages_1_and_2_keeps_master_shards_and_trains_as_stage_0() {
+    let dir = tempfile::tempdir().unwrap();
+    ppo_setup(dir.path());
+    let run = |name: &str, stages: (u8, u8), extra: &str| {
+        let out = dir.path().join(name);
+        let a = with(ppo_args(dir.path(), &out, 4, 2, stages), &format!("--dtype bf16 --save-interval 2 {extra}"));
+        let outs = run_ranks(dir.path(), "ppo", 2, &a);
+        (out, String::from_utf8_lossy(&outs[0].stdout).into_owned())
+    };
+    let (whole, log) = run("s0", (0, 0), "");
+    assert!(!log.contains("fp32 masters"), "{log}");
+    let (sharded, log) = run("s1-s2", (1, 2), "");
+    for stage in [1, 2] {
+        let line = format!("ZeRO stage {stage} in bf16: each rank keeps 1/2 of the fp32 masters");
+        assert!(log.contains(&line), "{log}");
+    }
+    for (model, start) in [("actor", "actor"), ("critic", "reward")] {
+        let moved = distances(&whole.join(model), &dir.path().join(start)).into_values().fold(0f64, f64::max);
+        assert!(moved > 1e-3, "the {model} barely trained ({moved:.1e}): the comparison would mean nothing");
+    }
+    assert_same_ppo(&sharded, &whole, "PPO in bf16 at stages 1 and 2 against stage 0");
+    let ckpts = sharded.join("checkpoints");
+    std::fs::write(ckpts.join("latest"), "iter_0000002\n").unwrap();
+    let (resumed, log) = run("resumed", (1, 2), &format!("--load {}", ckpts.display()));
+    assert!(log.contains("at rollout 2"), "{log}");
+    for model in ["actor", "critic", "actor_ema"] {
+        let what = format!("PPO in bf16 at stages 1 and 2 resumed at rollout 2: {model}");
+        assert_same_weights(&resumed.join(model), &whole.join(model), 1e-5, 0.0, &what);
+    }
+}
+
 /// LoRA adapters beside trained weights under ZeRO stage 3 in both of step 3's models: the
 /// rollout gathers the actor with its adapters, the old log-probs read them unfused as training
 /// does, and the saved actor, critic and EMA have them merged; and under tensor parallelism
@@ -1348,7 +1427,7 @@ fn sft_steps(out: &Path) -> Vec<(f64, Option<f64>, bool, Option<f64>)> {
         .collect()
 }
 
-/// Mixed precision under ZeRO stage 3: weights gathered in the compute dtype, fp32 gradient
+/// Mixed precision under ZeRO stages 2 (fp16; the fp32 masters sharded) and 3: weights gathered in the compute dtype, fp32 gradient
 /// shards, and fp16's overflow decision taken on the global gradient norm, so every rank skips
 /// the same steps. Half of step 1's data (`--data-split 1,18,1`, 12 optimizer steps: these runs
 /// are the slowest on the CPU); fp16 starts at a loss scale of 2^21, which overflows for the
@@ -1359,7 +1438,7 @@ fn sft_steps(out: &Path) -> Vec<(f64, Option<f64>, bool, Option<f64>)> {
 /// gradient left scaled or summed where it should be averaged would be off by orders of
 /// magnitude or 2x.
 #[test]
-fn sft_in_fp16_and_bf16_on_2_ranks_at_stage_3_matches_one_rank() {
+fn sft_in_fp16_and_bf16_on_2_ranks_at_stages_2_and_3_matches_one_rank() {
     let dir = tempfile::tempdir().unwrap();
     for (dtype, extra) in [("fp16", " --initial-scale-power 21"), ("bf16", "")] {
         let flags = args(&format!("--dtype {dtype}{extra}"));
@@ -1372,24 +1451,31 @@ fn sft_in_fp16_and_bf16_on_2_ranks_at_stage_3_matches_one_rank() {
         let mut a = half_data(sft_args(&single, 8, 0));
         a.extend(flags.clone());
         run_ranks(dir.path(), "sft", 1, &a);
-        let out = dir.path().join(format!("{dtype}-w2-s3"));
-        let mut a = half_data(sft_args(&out, 4, 3));
-        a.extend(flags);
-        run_ranks(dir.path(), "sft", 2, &a);
-        let (got, want) = (sft_steps(&out), sft_steps(&single));
-        assert_eq!(got.len(), want.len(), "{dtype}: steps");
-        if dtype == "fp16" {
-            let skipped = want.iter().take_while(|s| s.2).count();
-            assert!(skipped >= 4 && want.iter().skip(skipped).any(|s| !s.2), "{dtype}: skips {want:?}");
-        }
-        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-            assert_eq!((g.2, g.3), (w.2, w.3), "{dtype} step {}: skipped and loss scale", i + 1);
-            assert!((g.0 - w.0).abs() <= 2e-3 * w.0.abs(), "{dtype} step {}: loss {} vs {}", i + 1, g.0, w.0);
-            match (g.1, w.1) {
-                (Some(a), Some(b)) => {
-                    assert!((a - b).abs() <= 2e-2 * b, "{dtype} step {}: grad norm {a} vs {b}", i + 1)
+        // fp16 at stage 2 too: the masters sharded beside the fp16 copy, the overflow skips
+        // leaving the shards as they were.
+        let stages: &[u8] = if dtype == "fp16" { &[2, 3] } else { &[3] };
+        for &stage in stages {
+            let out = dir.path().join(format!("{dtype}-w2-s{stage}"));
+            let mut a = half_data(sft_args(&out, 4, stage));
+            a.extend(flags.clone());
+            let outs = run_ranks(dir.path(), "sft", 2, &a);
+            let log = String::from_utf8_lossy(&outs[0].stdout);
+            assert_eq!(log.contains("each rank keeps 1/2 of the fp32 masters"), stage == 2, "{log}");
+            let (got, want) = (sft_steps(&out), sft_steps(&single));
+            assert_eq!(got.len(), want.len(), "{dtype}: steps");
+            if dtype == "fp16" {
+                let skipped = want.iter().take_while(|s| s.2).count();
+                assert!(skipped >= 4 && want.iter().skip(skipped).any(|s| !s.2), "{dtype}: skips {want:?}");
+            }
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert_eq!((g.2, g.3), (w.2, w.3), "{dtype} step {}: skipped and loss scale", i + 1);
+                assert!((g.0 - w.0).abs() <= 2e-3 * w.0.abs(), "{dtype} step {}: loss {} vs {}", i + 1, g.0, w.0);
+                match (g.1, w.1) {
+                    (Some(a), Some(b)) => {
+                        assert!((a - b).abs() <= 2e-2 * b, "{dtype} step {}: grad norm {a} vs {b}", i + 1)
+                    }
+                    (a, b) => assert_eq!(a.is_some(), b.is_some(), "{dtype} step {}", i + 1),
                 }
-                (a, b) => assert_eq!(a.is_some(), b.is_some(), "{dtype} step {}", i + 1),
             }
         }
     }

@@ -119,13 +119,13 @@ impl DistArgs {
             let what = match zero_stage {
                 ZeroStage::Disabled => "gradients all-reduced, every rank updates the whole model",
                 ZeroStage::OptimizerStates => {
-                    "Adam moments sharded, gradients reduce-scattered at the step, weights all-gathered"
+                    "Adam moments (in fp16/bf16 the fp32 masters too) sharded, gradients reduce-scattered at the step, weights all-gathered"
                 }
                 ZeroStage::Parameters => {
                     "weights, gradients and Adam moments sharded; each block's weights gathered when it runs"
                 }
                 ZeroStage::Gradients => {
-                    "Adam moments and gradients sharded (reduce-scattered every micro-batch), weights all-gathered"
+                    "Adam moments (in fp16/bf16 the fp32 masters too) and gradients sharded (reduce-scattered every micro-batch), weights all-gathered"
                 }
             };
             let wire = match self.communication_data_type {

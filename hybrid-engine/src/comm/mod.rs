@@ -304,6 +304,32 @@ impl ProcessGroup {
         Ok(Tensor::from_vec(all, n * w, device)?)
     }
 
+    /// [`Self::all_gather_slice`] with the values sent as `dtype` (f32, f16 or bf16): the result
+    /// a `dtype` tensor. ZeRO stages 1 and 2 under mixed precision gather the updated weights
+    /// so, straight into the compute copy, in half the bytes of fp32. (NCCL carries f32 in this
+    /// build: on GPUs the values are gathered in f32 and cast.)
+    pub fn all_gather_slice_as(&self, mine: &[f32], dtype: DType, device: &candle_core::Device) -> Result<Tensor> {
+        fn gathered<T: tcp::Element + candle_core::WithDType>(
+            group: &ProcessGroup,
+            mine: &[f32],
+            down: fn(f32) -> T,
+            device: &candle_core::Device,
+        ) -> Result<Tensor> {
+            let (n, w, r) = (mine.len(), group.world(), group.rank());
+            let mut all = vec![T::default(); n * w];
+            all[r * n..(r + 1) * n].iter_mut().zip(mine).for_each(|(a, &x)| *a = down(x));
+            group.ring.all_gather(&mut all)?;
+            Ok(Tensor::from_vec(all, n * w, device)?)
+        }
+        match dtype {
+            _ if self.world() == 1 || !device.is_cpu() => Ok(self.all_gather_slice(mine, device)?.to_dtype(dtype)?),
+            DType::F16 => gathered(self, mine, half::f16::from_f32, device),
+            DType::BF16 => gathered(self, mine, half::bf16::from_f32, device),
+            DType::F32 => self.all_gather_slice(mine, device),
+            other => bail!("internal error: weights gathered as {other:?}"),
+        }
+    }
+
     /// The ring all-gather of `n` values a rank, this rank's appended to the buffer by `fill`
     /// in their slot.
     fn all_gather_on_host(&self, n: usize, fill: impl FnOnce(&mut Vec<f32>) -> Result<()>) -> Result<Vec<f32>> {
@@ -409,6 +435,31 @@ pub(crate) fn on_groups<T: Send>(world: usize, f: impl Fn(ProcessGroup) -> Resul
 mod tests {
     use super::*;
     use candle_core::Device;
+
+    /// Weights gathered as bf16 or f16 are the f32 gather cast, in half its bytes on the ring.
+    #[test]
+    fn all_gather_in_half_precision_is_the_cast_f32_gather_in_half_the_bytes() {
+        for world in [2, 3] {
+            let results = on_groups(world, |group| {
+                let r = group.rank() as f32;
+                let mine: Vec<f32> = (0..5).map(|i| 1.0 + i as f32 / 3.0 + r * 1e3).collect();
+                let bytes = || group.stats().snapshot().0;
+                let before = bytes();
+                let f32s = group.all_gather_slice(&mine, &Device::Cpu)?;
+                let f32_bytes = bytes() - before;
+                for dtype in [DType::BF16, DType::F16] {
+                    let before = bytes();
+                    let got = group.all_gather_slice_as(&mine, dtype, &Device::Cpu)?;
+                    assert_eq!(2 * (bytes() - before), f32_bytes, "{dtype:?}: half the bytes");
+                    assert_eq!(got.dtype(), dtype);
+                    let want = f32s.to_dtype(dtype)?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+                    assert_eq!(got.to_dtype(DType::F32)?.to_vec1::<f32>()?, want, "{dtype:?}");
+                }
+                Ok(())
+            });
+            results.into_iter().for_each(|r| r.unwrap());
+        }
+    }
 
     /// The in-place host paths give what the plain collectives give on the concatenation: parts
     /// contiguous, transposed (copied) and a slice at an offset, padding, 2 and 3 ranks.

@@ -70,6 +70,20 @@ pub fn check_offload(on_gpu: bool, stage: ZeroStage, world: usize) -> Result<()>
     Ok(())
 }
 
+/// Whether a model trained over `dp` keeps only its shard of the fp32 masters at ZeRO stages 1
+/// and 2, as DeepSpeed's do: in fp16/bf16 (in fp32 the masters are the weights the model runs
+/// on, whole on every rank at these stages), with every parameter trained, without LoRA and
+/// without tensor parallelism (whose saves and generation still read whole masters of the
+/// slices; said in the run's log).
+pub fn shards_masters(dp: &DataParallel, compute: DType, params: &ParamStore, tensor_parallel: bool) -> bool {
+    dp.shards_optimizer()
+        && dp.stage != ZeroStage::Parameters
+        && compute != DType::F32
+        && !tensor_parallel
+        && params.lora_scaling().is_none()
+        && params.frozen().iter().all(|f| !f)
+}
+
 /// Everything about how a model trains that is not the model itself: what `cli/` makes of the
 /// flags, checked there.
 #[derive(Clone, Debug)]
@@ -102,8 +116,9 @@ pub struct Ranks {
 /// A trained model and its optimizer; see the module's documentation.
 pub struct Engine {
     pub config: Gpt2Config,
-    /// Every parameter (trunk, head, LoRA adapters) in fp32; empty under ZeRO stage 3 once
-    /// [`Self::release_masters`] ran: the model then holds this rank's shard of them.
+    /// Every parameter (trunk, head, LoRA adapters) in fp32; empty once [`Self::release_masters`]
+    /// ran under ZeRO stage 3 (the model holds this rank's shard of them) or, under mixed
+    /// precision, stages 1 and 2 (the trainer does; [`shards_masters`]).
     masters: ParamStore,
     /// What the optimizer updates: `masters`, or with `--only-optimize-lora` the adapters (and
     /// a score head); shares storage with `masters`.
@@ -154,7 +169,7 @@ impl Engine {
                 Head::Lm => TrainedModel::lm(trunk),
                 Head::Score => TrainedModel::reward(RewardModel::from_trunk(trunk, &compute, config)?),
             };
-            let trainer = Trainer::new(
+            let mut trainer = Trainer::new(
                 &trainable,
                 cfg.optimizer.clone(),
                 cfg.schedule.clone(),
@@ -162,7 +177,25 @@ impl Engine {
                 cfg.gradient_clipping,
             )?
             .with_precision(precision, &compute, cfg.loss_scaling)
-            .with_data_parallel(dp);
+            .with_data_parallel(dp.clone());
+            if dp.shards_optimizer() && dtype != DType::F32 {
+                let name = cfg.precision.dtype.name();
+                if shards_masters(&dp, dtype, &params, tensor.is_some()) {
+                    trainer.shard_masters(&trainable)?;
+                    println!(
+                        "ZeRO stage {} in {name}: each rank keeps 1/{} of the fp32 masters ({} of {} values) beside the whole {name} copy; updated weights all-gathered in {name}",
+                        dp.stage,
+                        dp.world(),
+                        trainable.numel().div_ceil(dp.world()),
+                        trainable.numel()
+                    );
+                } else {
+                    println!(
+                        "ZeRO stage {} in {name}: the fp32 masters stay whole on every rank (sharded only without LoRA and tensor parallelism); Adam moments sharded",
+                        dp.stage
+                    );
+                }
+            }
             (model, trainer, compute.trainable())
         };
         // Under tensor parallelism the gradient norm is the whole model's.
@@ -260,11 +293,70 @@ impl Engine {
         self.tensor.as_ref()
     }
 
-    /// Under ZeRO stage 3, drops the whole fp32 masters once the shards and any resumed
-    /// optimizer state are taken from them: each rank keeps only its shard.
+    /// Under ZeRO stage 3, and under mixed precision at stages 1 and 2, drops the whole fp32
+    /// masters once the shards and any resumed optimizer state are taken from them: each rank
+    /// keeps only its shard (at stages 1 and 2 beside the whole compute copy).
     pub fn release_masters(&mut self) {
         if self.sharded().is_some() {
             (self.masters, self.trainable, self.compute) = Default::default();
+        } else if self.trainer.shards_masters() {
+            (self.masters, self.trainable) = Default::default();
+        }
+    }
+
+    /// Whether this rank keeps only its shard of the fp32 masters: ZeRO stage 3 across ranks, or
+    /// stages 1 and 2 under mixed precision ([`shards_masters`]).
+    pub fn shards_masters(&self) -> bool {
+        self.sharded().is_some() || self.trainer.shards_masters()
+    }
+
+    /// The weights generation and evaluation read where they are whole on every rank: the fp32
+    /// masters, or where only their shard is kept at ZeRO stages 1 and 2, the compute copy (what
+    /// generation casts the masters to anyway). Empty under ZeRO stage 3 (gather them:
+    /// [`Self::gather_for_generation`]).
+    pub fn whole_weights(&self) -> &ParamStore {
+        match self.trainer.shards_masters() {
+            true => &self.compute,
+            false => &self.masters,
+        }
+    }
+
+    /// The names and element counts of the trained parameters, wherever they are held.
+    pub fn trained_inventory(&self) -> (Vec<String>, Vec<usize>) {
+        match self.sharded() {
+            Some(model) => (model.trained_names().to_vec(), model.trained_numels()),
+            None => {
+                let trained = self.trainer.compute_params();
+                (trained.names.clone(), trained.vars.iter().map(|v| v.elem_count()).collect())
+            }
+        }
+    }
+
+    /// This rank's shard of the fp32 masters' values where it keeps only that
+    /// ([`Self::shards_masters`]): what an elementwise companion (step 3's EMA) keeps too.
+    pub fn master_shard_values(&self) -> Option<Vec<f32>> {
+        match self.sharded() {
+            Some(model) => Some(model.shard_values()),
+            None => self.trainer.master_shard().map(|(shard, _)| shard.to_vec()),
+        }
+    }
+
+    /// This rank's shard of `store` (the same parameters as the masters, whole) in
+    /// [`Self::master_shard_values`]' layout; `None` where the masters are whole.
+    pub fn master_shard_of(&self, store: &ParamStore) -> Result<Option<Vec<f32>>> {
+        match self.sharded() {
+            Some(model) => model.shard_of(store).map(Some),
+            None => self.trainer.master_shard_of(store),
+        }
+    }
+
+    /// The whole fp32 values of shards in [`Self::master_shard_values`]' layout, put together on
+    /// rank 0 (under ZeRO-3 with TP, the first data-parallel rank of each TP rank). Every rank
+    /// must call it; `None` on the others and where the masters are whole.
+    pub fn gather_master_shard_values(&self, values: &[f32]) -> Result<Option<ParamStore>> {
+        match self.sharded() {
+            Some(model) => model.gather_shard_values(values),
+            None => self.trainer.gather_master_shards(values),
         }
     }
 
@@ -377,6 +469,10 @@ impl Engine {
     /// The whole fp32 weights for a save, put together from the ZeRO-3 shards and the TP
     /// slices. Every rank must call it (collectives); see [`GatheredWeights::params`].
     pub fn gather_weights(&self) -> Result<GatheredWeights> {
+        if let Some((shard, _)) = self.trainer.master_shard() {
+            // Stages 1 and 2 in mixed precision (never under TP): the masters' shards on rank 0.
+            return Ok(GatheredWeights { whole: self.trainer.gather_master_shards(shard)?, slices: None });
+        }
         // Under ZeRO-3 the first data-parallel rank of each TP rank gets that rank's slices.
         let slices = self.model.gather_sharded_params()?;
         match &self.tensor {
@@ -395,7 +491,7 @@ impl Engine {
     pub fn gather_optimizer(&self, gathered: &GatheredWeights) -> Result<Option<AdamW>> {
         // Under ZeRO the first data-parallel rank of each TP rank gets its slices' moments; the
         // TP groups of the other data-parallel ranks, all of whose members got none, stop here.
-        let Some(consolidated) = self.trainer.consolidated_optimizer(&self.trainable)? else { return Ok(None) };
+        let Some(consolidated) = self.trainer.consolidated_optimizer()? else { return Ok(None) };
         match &self.tensor {
             None => Ok(Some(consolidated)),
             Some(tp) => {
@@ -468,20 +564,142 @@ pub struct GatheredWeights {
 
 impl GatheredWeights {
     /// The whole weights to save on rank 0: the gathered ones, or the engine's own masters
-    /// where they are whole. (Other ranks get what they hold, which they must not save.)
+    /// where they are whole. (Other ranks get what they hold, which they must not save: under
+    /// mixed precision at ZeRO stages 1 and 2 the compute copy.)
     pub fn params<'a>(&'a self, engine: &'a Engine) -> &'a ParamStore {
-        self.whole.as_ref().unwrap_or(&engine.masters)
+        self.whole.as_ref().unwrap_or(engine.whole_weights())
     }
 
     /// The gathered weights alone (`None` where the engine's masters are whole, and off rank 0).
     pub fn whole(&self) -> Option<&ParamStore> {
         self.whole.as_ref()
     }
+
+    /// [`Self::whole`], taken.
+    pub fn into_whole(self) -> Option<ParamStore> {
+        self.whole
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::training::precision::Dtype;
+
+    fn tiny() -> Gpt2Config {
+        let cfg = Gpt2Config { n_layer: 2, n_embd: 8, n_head: 2, n_positions: 8, vocab_size: 16, ..Gpt2Config::tiny() };
+        Gpt2Config { resid_pdrop: 0.0, embd_pdrop: 0.0, attn_pdrop: 0.0, ..cfg }
+    }
+
+    /// What a rank of [`train_bf16`] ends with.
+    struct Trained {
+        /// The whole fp32 weights as a save gets them (`None` off rank 0 where they are sharded).
+        saved: Option<Vec<Vec<f32>>>,
+        /// This rank's bf16 compute copy, as f32.
+        compute: Vec<Vec<f32>>,
+        /// The engine kept only its shard of the masters.
+        sharded: bool,
+    }
+
+    /// Trains a tiny GPT-2 over `group` at `stage` in bf16 for 3 steps of 2 micro-batches (each
+    /// rank its own rows).
+    fn train_bf16(group: ProcessGroup, stage: ZeroStage) -> Result<Trained> {
+        let cfg = tiny();
+        let dev = Device::Cpu;
+        let params = ParamStore::init(&cfg, 7, &dev)?;
+        let engine_cfg = EngineConfig {
+            optimizer: AdamWConfig::default(),
+            schedule: LrSchedule {
+                max_lr: 1e-2,
+                min_lr: 0.0,
+                warmup_iters: 0,
+                decay_iters: 3,
+                style: crate::training::schedule::DecayStyle::Constant,
+            },
+            gradient_accumulation_steps: 2,
+            gradient_clipping: 1.0,
+            precision: Precision { dtype: Dtype::Bf16, fp32_loss: false },
+            loss_scaling: LossScaling::default(),
+            lora_learning_rate: None,
+            checkpoint_activations: false,
+            parallel: ParallelConfig {
+                zero_stage: stage,
+                reduce_bucket_size: 1000,
+                offload: false,
+                communication_data_type: WireDtype::F32,
+            },
+        };
+        let rank = group.rank() as u32;
+        let group = Arc::new(group);
+        let mut engine = Engine::new(&engine_cfg, &cfg, Head::Lm, params, Ranks { data: group, tensor: None })?;
+        engine.release_masters();
+        for step in 0..6u32 {
+            let ids: Vec<u32> = (0..8).map(|t| (t * 3 + step * 5 + rank * 7) % 16).collect();
+            let targets: Vec<u32> = ids.iter().map(|i| (i + 1) % 16).collect();
+            let (ids, targets) = (Tensor::from_vec(ids, (2, 4), &dev)?, Tensor::from_vec(targets, (2, 4), &dev)?);
+            engine.lm_forward_backward(&ids, &targets, None, 1.0)?;
+            engine.step()?;
+        }
+        let values = |p: &ParamStore| -> Result<Vec<Vec<f32>>> {
+            p.vars.iter().map(|v| Ok(v.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?)).collect()
+        };
+        let gathered = engine.gather_weights()?;
+        let saved = match (gathered.whole(), engine.shards_masters()) {
+            (Some(whole), _) => Some(values(whole)?),
+            (None, true) => None,
+            (None, false) => Some(values(engine.masters())?),
+        };
+        Ok(Trained { saved, compute: values(engine.trainer().compute_params())?, sharded: engine.shards_masters() })
+    }
+
+    /// DeepSpeed's stages 1 and 2 under mixed precision: each rank keeps only its shard of the
+    /// fp32 masters, steps it, and all-gathers the bf16 weights into its compute copy. Training
+    /// is the same as with whole masters on every rank (stage 0, whose all-reduce sums in the
+    /// ring's order as the reduce-scatter does): the saved fp32 weights within float rounding
+    /// of the mean's division, the bf16 copies identical up to one bf16 rounding of them.
+    #[test]
+    fn stages_1_and_2_in_bf16_keep_a_shard_of_the_masters_and_train_as_stage_0() -> Result<()> {
+        let run = |stage| -> Result<Vec<Trained>> {
+            crate::comm::on_groups(2, |group| train_bf16(group, stage)).into_iter().collect()
+        };
+        let whole = run(ZeroStage::Disabled)?;
+        assert!(whole.iter().all(|r| !r.sharded), "stage 0 keeps whole masters");
+        let start = ParamStore::init(
+            &Gpt2Config { n_layer: 2, n_embd: 8, n_head: 2, n_positions: 8, vocab_size: 16, ..Gpt2Config::tiny() },
+            7,
+            &Device::Cpu,
+        )?;
+        let start: Vec<Vec<f32>> =
+            start.vars.iter().map(|v| v.flatten_all().unwrap().to_vec1::<f32>().unwrap()).collect();
+        let want = whole[0].saved.clone().expect("rank 0 saves");
+        let moved =
+            want.iter().zip(&start).flat_map(|(a, b)| a.iter().zip(b).map(|(x, y)| (x - y).abs())).fold(0f32, f32::max);
+        assert!(moved > 1e-3, "the weights must move for the comparison to mean something: {moved}");
+        for stage in [ZeroStage::OptimizerStates, ZeroStage::Gradients] {
+            let ranks = run(stage)?;
+            assert!(ranks.iter().all(|r| r.sharded), "stage {stage}: masters sharded");
+            assert!(ranks[1].saved.is_none(), "stage {stage}: only rank 0 gets the whole masters");
+            let got = ranks[0].saved.as_ref().expect("rank 0 saves");
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                let diff = g.iter().zip(w).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                assert!(diff <= 1e-6, "stage {stage}, parameter {i}: fp32 masters differ by {diff}");
+            }
+            // Each rank's bf16 copy is the cast of the masters (one bf16 step apart at most,
+            // where the masters' last bits differ across a rounding boundary).
+            for rank in &ranks {
+                for (c, w) in rank.compute.iter().zip(&want) {
+                    for (a, b) in c.iter().zip(w) {
+                        let cast = half::bf16::from_f32(*b).to_f32();
+                        assert!(
+                            (a - cast).abs() <= (cast.abs() * 2f32.powi(-7)).max(1e-30),
+                            "stage {stage}: {a} vs {cast}"
+                        );
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
 
     /// `--offload` holds on GPUs at stages 1-3 across ranks; elsewhere (a CPU run, a GPU at
     /// stage 0 or alone) it is refused.

@@ -419,8 +419,8 @@ impl MemoryPlan {
     }
 
     /// Per-rank model states under ZeRO `stage` over `world` ranks (DeepSpeed's accounting:
-    /// stage 1 divides the AdamW moments by the world size, stage 2 the gradients too, stage 3
-    /// the weights and their compute copy as well, which also recomputes every block in backward,
+    /// stage 1 divides the AdamW moments by the world size, and in fp16/bf16 the fp32 masters,
+    /// stage 2 the gradients too, stage 3 the weights and their compute copy as well, which also recomputes every block in backward,
     /// so the activations are those of checkpointing). Call after the other `with_*` methods.
     pub fn with_data_parallel(mut self, stage: ZeroStage, world: usize) -> Self {
         if world <= 1 {
@@ -432,6 +432,14 @@ impl MemoryPlan {
         let shard = |bytes: u64| bytes.div_ceil(world as u64);
         if stage >= ZeroStage::OptimizerStates {
             self.adam_bytes = shard(self.adam_bytes);
+            // Under mixed precision stages 1 and 2 keep a shard of the fp32 masters beside the
+            // whole compute copy (`engine::shards_masters`: every parameter trained, no LoRA,
+            // no tensor parallelism).
+            let a = &self.activations;
+            let whole_masters = self.tensor_parallel.is_some() || a.lora || a.trainable != a.parameters;
+            if stage < ZeroStage::Parameters && self.compute_copy_bytes > 0 && !whole_masters {
+                self.param_bytes = shard(self.param_bytes);
+            }
         }
         if stage >= ZeroStage::Gradients {
             self.grad_bytes = shard(self.grad_bytes);
@@ -762,6 +770,12 @@ mod tests {
         assert_eq!(first.with_compute_dtype(BF16).on_device_kind(DeviceKind::Cuda).grad_bytes, 4 * p);
         let stage_1 = cuda_plan(cfg.clone(), 2, 64, false, BF16).with_data_parallel(ZeroStage::OptimizerStates, 2);
         assert_eq!(stage_1.grad_bytes, 4 * p);
+        // The fp32 masters sharded beside the whole bf16 copy; whole with LoRA or in fp32.
+        assert_eq!((stage_1.param_bytes, stage_1.compute_copy_bytes), (2 * p, 2 * p));
+        let lora = cuda_plan(cfg.clone(), 2, 64, false, BF16).with_lora(true);
+        assert_eq!(lora.with_data_parallel(ZeroStage::OptimizerStates, 2).param_bytes, 4 * p);
+        let fp32 = MemoryPlan::new(&cfg, 2, 64, false).with_data_parallel(ZeroStage::Gradients, 2);
+        assert_eq!(fp32.param_bytes, 4 * p);
         let stage_2 = cuda_plan(cfg.clone(), 2, 64, false, BF16).with_data_parallel(ZeroStage::Gradients, 2);
         assert_eq!(stage_2.grad_bytes, 2 * p);
         assert_eq!(stage_2.gathered_unit_bytes, 0, "only stage 3 gathers units");

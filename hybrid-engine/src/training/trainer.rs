@@ -85,6 +85,10 @@ pub struct Trainer {
     dp: Option<(DataParallel, Partition)>,
     /// ZeRO stage 2: this rank's shard of the gradients summed over ranks and micro-batches.
     grad_shard: Option<Tensor>,
+    /// ZeRO stages 1 and 2 under mixed precision ([`Self::shard_masters`]): this rank's shard of
+    /// the fp32 masters in the partition's flat layout; the whole model is then only the
+    /// compute copy.
+    master_shard: Option<Vec<f32>>,
     /// ZeRO stage 3: the sharded model, which holds the master shard and the gradient shard.
     zero3: Option<Rc<ShardedModel>>,
     /// Tensor parallelism: the TP group and the parameters' names (which say how each is cut),
@@ -116,6 +120,7 @@ impl Trainer {
             forced_skips: 0,
             dp: None,
             grad_shard: None,
+            master_shard: None,
             zero3: None,
             tp: None,
         })
@@ -149,6 +154,7 @@ impl Trainer {
             forced_skips: 0,
             dp: None,
             grad_shard: None,
+            master_shard: None,
             zero3: Some(model),
             tp: None,
         }
@@ -165,6 +171,57 @@ impl Trainer {
             self.dp = Some((dp, partition));
         }
         self
+    }
+
+    /// DeepSpeed's stages 1 and 2 under mixed precision: keeps only this rank's shard of the
+    /// trained fp32 masters `params` (the caller then drops them); each step updates the shard
+    /// and all-gathers it, in the compute dtype, straight into the compute copy. Call after
+    /// [`Self::with_data_parallel`] at stage 1 or 2 and [`Self::with_precision`] in fp16/bf16.
+    pub fn shard_masters(&mut self, params: &ParamStore) -> Result<()> {
+        let Some((dp, partition)) = self.dp.as_ref().filter(|(dp, _)| dp.shards_optimizer() && self.zero3.is_none())
+        else {
+            bail!("internal error: fp32 masters are sharded at ZeRO stages 1 and 2 across ranks only")
+        };
+        if self.compute.dtype() == DType::F32 || self.compute.names != params.names {
+            bail!("internal error: fp32 masters are sharded beside a whole fp16/bf16 compute copy of them only");
+        }
+        self.master_shard = Some(zero::shard_values(partition, dp.group.rank(), params)?);
+        Ok(())
+    }
+
+    /// Whether this rank keeps only its shard of the fp32 masters ([`Self::shard_masters`]).
+    pub fn shards_masters(&self) -> bool {
+        self.master_shard.is_some()
+    }
+
+    /// This rank's shard of the fp32 masters ([`Self::shard_masters`]) and its partition.
+    pub fn master_shard(&self) -> Option<(&[f32], &Partition)> {
+        let (_, partition) = self.dp.as_ref()?;
+        Some((self.master_shard.as_deref()?, partition))
+    }
+
+    /// This rank's shard, in [`Self::master_shard`]'s layout, of `store` (the same parameters as
+    /// the masters: an EMA of them).
+    pub fn master_shard_of(&self, store: &ParamStore) -> Result<Option<Vec<f32>>> {
+        match (&self.dp, &self.master_shard) {
+            (Some((dp, partition)), Some(_)) => zero::shard_values(partition, dp.group.rank(), store).map(Some),
+            _ => Ok(None),
+        }
+    }
+
+    /// The whole fp32 values of `values`, every rank's shard in [`Self::master_shard`]'s layout,
+    /// put together on the group's first rank (every rank calls it; `None` on the others and
+    /// where the masters are whole): a save of the masters, or of an EMA kept so.
+    pub fn gather_master_shards(&self, values: &[f32]) -> Result<Option<ParamStore>> {
+        match (&self.dp, &self.master_shard) {
+            (Some((dp, partition)), Some(_)) => zero::gather_shards_to_first(dp, partition, &self.compute, values),
+            _ => Ok(None),
+        }
+    }
+
+    /// The trained parameters in the compute dtype: the masters themselves in fp32.
+    pub fn compute_params(&self) -> &ParamStore {
+        &self.compute
     }
 
     /// Trains this rank's slices of a model split over `tp` (tensor parallelism; `params` are the
@@ -187,10 +244,11 @@ impl Trainer {
     /// The optimizer with its full state, gathered from the ranks' shards under ZeRO onto the
     /// data-parallel group's first rank (every rank must call it, together; `None` on the
     /// others): what a checkpoint saves.
-    pub fn consolidated_optimizer(&self, params: &ParamStore) -> Result<Option<crate::training::optim::AdamW>> {
+    pub fn consolidated_optimizer(&self) -> Result<Option<crate::training::optim::AdamW>> {
         match (&self.dp, &self.zero3) {
             (_, Some(model)) => model.consolidate(&self.optimizer),
-            (Some((dp, partition)), None) => zero::consolidate(dp, partition, &self.optimizer, params),
+            // The compute copy has the masters' shapes (and is there when they are sharded).
+            (Some((dp, partition)), None) => zero::consolidate(dp, partition, &self.optimizer, &self.compute),
             (None, None) => self.optimizer.try_clone().map(Some),
         }
     }
@@ -390,13 +448,17 @@ impl Trainer {
             clip_to_norm(gradients.tensors_mut(), grad_norm, self.clip)?;
             match (&gradients, &self.dp, &self.zero3) {
                 (Gradients::Shard(shard), _, Some(model)) => model.adamw_step(&mut self.optimizer, shard, lr)?,
-                (Gradients::Shard(shard), Some((dp, partition)), None) => {
-                    zero::sharded_adamw_step(dp, partition, &mut self.optimizer, params, shard, lr)?
-                }
+                (Gradients::Shard(shard), Some((dp, partition)), None) => match &mut self.master_shard {
+                    Some(masters) => {
+                        zero::step_shard(dp.group.rank(), partition, &mut self.optimizer, masters, shard, lr)?;
+                        zero::all_gather_parameters(dp, partition, &self.compute, masters)?
+                    }
+                    None => zero::sharded_adamw_step(dp, partition, &mut self.optimizer, params, shard, lr)?,
+                },
                 (Gradients::Full(grads), _, _) => self.optimizer.step(params, grads, lr)?,
                 (Gradients::Shard(_), None, None) => unreachable!("shards only exist under data parallelism"),
             }
-            if self.zero3.is_none() {
+            if self.zero3.is_none() && self.master_shard.is_none() {
                 self.compute.refresh_from(params)?;
             }
         }

@@ -10,6 +10,9 @@
 //!   averaged; every rank then takes the same AdamW step.
 //! - stage 1: gradients are reduce-scattered at the accumulation boundary; each rank keeps the
 //!   Adam moments of its shard only, updates its shard of the weights and all-gathers them.
+//!   Under mixed precision each rank keeps only its shard of the fp32 masters too, as
+//!   DeepSpeed's stage 1 does: the whole model is the fp16/bf16 compute copy, into which the
+//!   updated shards are all-gathered in that dtype (half the bytes of fp32).
 //! - stage 2: as stage 1, but every micro-batch's gradient is reduce-scattered at once into a
 //!   shard-sized accumulator, so no rank keeps a full fp32 gradient across micro-batches.
 //!
@@ -257,15 +260,28 @@ pub fn sharded_grad_norm_tensor_parallel(
     Ok(sq[0].sqrt())
 }
 
-/// Writes the all-gathered shards of updated weights back into every parameter.
+/// This rank's shard of `params`' values in the flat layout (zeros where it ends in padding).
+pub fn shard_values(partition: &Partition, rank: usize, params: &ParamStore) -> Result<Vec<f32>> {
+    let mut shard = vec![0f32; partition.shard_len];
+    for piece in partition.pieces(rank) {
+        let range = piece.in_param.clone();
+        let values = params.vars[piece.param].flatten_all()?.narrow(0, range.start, range.len())?;
+        shard[piece.in_shard].copy_from_slice(&values.to_dtype(DType::F32)?.to_vec1::<f32>()?);
+    }
+    Ok(shard)
+}
+
+/// Writes the all-gathered shards of updated weights into every parameter of `params`, sent in
+/// their dtype: f32 masters, or under mixed precision the compute copy, in half the bytes (as
+/// DeepSpeed all-gathers its fp16 parameters after the fp32 partitions step).
 pub fn all_gather_parameters(
     dp: &DataParallel,
     partition: &Partition,
     params: &ParamStore,
-    my_shard: Vec<f32>,
+    my_shard: &[f32],
 ) -> Result<()> {
     let device = params.vars.first().map_or(Device::Cpu, |v| v.device().clone());
-    let full = dp.group.all_gather(&Tensor::from_vec(my_shard, partition.shard_len, &device)?)?;
+    let full = dp.group.all_gather_slice_as(my_shard, params.dtype(), &device)?;
     let shapes: Vec<&candle_core::Shape> = params.vars.iter().map(|v| v.shape()).collect();
     for (var, t) in params.vars.iter().zip(partition.unflatten(&full, &shapes)?) {
         var.set(&t.to_dtype(var.dtype())?)?;
@@ -273,8 +289,26 @@ pub fn all_gather_parameters(
     Ok(())
 }
 
-/// Stages 1 and 2: one AdamW step of this rank's shard from its gradient shard (averaged and
-/// clipped), then the updated weights all-gathered into every parameter.
+/// One AdamW step of this rank's shard of the weights, `shard` (the partition's flat layout),
+/// from its gradient shard (averaged and clipped), in place.
+pub fn step_shard(
+    rank: usize,
+    partition: &Partition,
+    optimizer: &mut AdamW,
+    shard: &mut [f32],
+    grad_shard: &Tensor,
+    lr: f64,
+) -> Result<()> {
+    let g: Vec<f32> = grad_shard.to_dtype(DType::F32)?.to_vec1()?;
+    optimizer.step += 1;
+    for piece in partition.pieces(rank) {
+        optimizer.update_held(piece.param, &mut shard[piece.in_shard.clone()], &g[piece.in_shard], lr);
+    }
+    Ok(())
+}
+
+/// Stages 1 and 2 with whole fp32 masters: one AdamW step of this rank's shard of `params`
+/// from its gradient shard, then the updated weights all-gathered into every parameter.
 pub fn sharded_adamw_step(
     dp: &DataParallel,
     partition: &Partition,
@@ -283,18 +317,29 @@ pub fn sharded_adamw_step(
     grad_shard: &Tensor,
     lr: f64,
 ) -> Result<()> {
-    let g: Vec<f32> = grad_shard.to_dtype(DType::F32)?.to_vec1()?;
-    let mut shard = vec![0f32; partition.shard_len];
-    optimizer.step += 1;
-    for piece in partition.pieces(dp.group.rank()) {
-        let var = &params.vars[piece.param];
-        let range = piece.in_param.clone();
-        let mut p: Vec<f32> =
-            var.flatten_all()?.narrow(0, range.start, range.len())?.to_dtype(DType::F32)?.to_vec1()?;
-        optimizer.update_held(piece.param, &mut p, &g[piece.in_shard.clone()], lr);
-        shard[piece.in_shard].copy_from_slice(&p);
+    let rank = dp.group.rank();
+    let mut shard = shard_values(partition, rank, params)?;
+    step_shard(rank, partition, optimizer, &mut shard, grad_shard, lr)?;
+    all_gather_parameters(dp, partition, params, &shard)
+}
+
+/// The whole fp32 weights put together from every rank's `shard` of them on the group's first
+/// rank, named and shaped as `like` (every rank calls it; `None` on the others, which never hold
+/// more than their shard): a save of masters kept sharded.
+pub fn gather_shards_to_first(
+    dp: &DataParallel,
+    partition: &Partition,
+    like: &ParamStore,
+    shard: &[f32],
+) -> Result<Option<ParamStore>> {
+    let Some(all) = dp.group.gather_to_first(shard, partition.padded())? else { return Ok(None) };
+    let shapes: Vec<&candle_core::Shape> = like.vars.iter().map(|v| v.shape()).collect();
+    let device = like.vars.first().map_or(Device::Cpu, |v| v.device().clone());
+    let mut whole = ParamStore::default();
+    for (name, t) in like.names.iter().zip(partition.unflatten(&all, &shapes)?) {
+        whole.push(name, &t.to_device(&device)?)?;
     }
-    all_gather_parameters(dp, partition, params, shard)
+    Ok(Some(whole))
 }
 
 /// A copy of a sharded optimizer with the full moments, gathered on the group's first rank

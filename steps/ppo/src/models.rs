@@ -361,7 +361,8 @@ pub fn build_models(
         ema: None,
         align_overflow: args.align_overflow,
     };
-    // The EMA of a ZeRO-3 actor is kept shard by shard, as its weights are.
+    // The EMA of an actor whose masters are sharded (ZeRO-3; stages 1 and 2 in mixed
+    // precision) is kept shard by shard, as they are.
     let saved_ema = resume.and_then(|ck| ck.ema.as_ref());
     models.ema = match (ema, models.actor.sharded()) {
         (None, Some(sharded)) if args.enable_ema => Some(Ema::Shard(match saved_ema {
@@ -369,8 +370,10 @@ pub fn build_models(
             None => sharded.shard_values(),
         })),
         (None, _) => None,
-        (Some(ema), None) => Some(Ema::Whole(ema)),
-        (Some(ema), Some(sharded)) => Some(Ema::Shard(sharded.shard_of(&ema)?)),
+        (Some(ema), _) => match models.actor.master_shard_of(&ema)? {
+            Some(shard) => Some(Ema::Shard(shard)),
+            None => Some(Ema::Whole(ema)),
+        },
     };
     if let Some(ck) = resume {
         let st = &ck.state;
@@ -523,18 +526,18 @@ impl Ema {
     /// The whole EMA for saving, as [`Engine::gather_weights`]: `None` for [`Ema::Whole`]
     /// (read it directly) and off rank 0. Every rank must call it.
     pub fn gather_for_saving(&self, actor: &Engine) -> Result<Option<ParamStore>> {
-        match (self, actor.sharded()) {
-            (Self::Shard(values), Some(model)) => model.gather_shard_values(values),
-            _ => Ok(None),
+        match self {
+            Self::Shard(values) => actor.gather_master_shard_values(values),
+            Self::Whole(_) => Ok(None),
         }
     }
 
     /// One step of DS-Chat's `moving_average` towards the actor's weights.
     pub fn update(&mut self, actor: &Engine) -> Result<()> {
-        match (self, actor.sharded()) {
+        match (self, actor.master_shard_values()) {
             (Self::Whole(ema), None) => update_ema(ema, actor.masters()),
-            (Self::Shard(ema), Some(model)) => {
-                ppo::ema_update(ema, &model.shard_values(), EMA_BETA);
+            (Self::Shard(ema), Some(shard)) => {
+                ppo::ema_update(ema, &shard, EMA_BETA);
                 Ok(())
             }
             _ => anyhow::bail!("internal error: the EMA and the actor are not sharded alike"),

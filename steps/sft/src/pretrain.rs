@@ -543,8 +543,14 @@ fn save(
     let whole_optimizer: AdamW;
     let slices;
     let masters = engine.masters();
+    let inventory;
     let (gathered, names, numels) = match (engine.sharded(), engine.tensor_parallel()) {
         (Some(sharded), None) => (None, sharded.trained_names(), sharded.trained_numels()),
+        // Mixed precision at ZeRO stages 1 and 2: the masters' shards put together on rank 0.
+        (None, None) if engine.shards_masters() => {
+            inventory = engine.trained_inventory();
+            (engine.gather_weights()?.into_whole(), &inventory.0[..], inventory.1.clone())
+        }
         (sharded, Some(tp)) => {
             // Only rank 0 writes the model and the optimizer state: its TP group gathers them,
             // the slices first put together from the data-parallel shards under ZeRO 1-3
@@ -558,7 +564,7 @@ fn save(
             let consolidated;
             let local = match trainer.shards_optimizer() {
                 true => {
-                    consolidated = trainer.consolidated_optimizer(masters)?;
+                    consolidated = trainer.consolidated_optimizer()?;
                     consolidated.as_ref()
                 }
                 false => Some(&trainer.optimizer),
