@@ -211,6 +211,22 @@ fn pretraining_on_2_and_3_ranks_matches_one_rank_at_every_zero_stage() {
             assert!(out.join("metrics.jsonl").is_file());
             assert_eq!(std::fs::read_dir(&tb).unwrap().count(), 1, "one event file, from rank 0");
         }
+        // Stage 2 reduce-scattering in buckets during backward (a block's gradients about one
+        // bucket; backward block by block): one rank's training, the bytes of one
+        // reduce-scatter a micro-batch.
+        let out = dir.path().join(format!("w{world}-s2-buckets"));
+        let a = with(pretrain_args(&out, 6 / world, 2), "--reduce-bucket-size 15000");
+        let outs = run_ranks(dir.path(), "sft", world, &a);
+        let log = String::from_utf8_lossy(&outs[0].stdout);
+        assert!(log.contains("ZeRO stage 2: gradients reduce-scattered during backward in"), "{log}");
+        let what = format!("{world} ranks, stage 2 in buckets");
+        assert_same_weights(&latest(&out), &latest(&single), limit, noise, &what);
+        let whole = dir.path().join(format!("w{world}-s2"));
+        let (sent, want) = (comm_bytes(&out), comm_bytes(&whole));
+        assert!(
+            (sent - want).abs() <= 1e-5 * want,
+            "{world} ranks, stage 2 in buckets: {sent} bytes sent, {want} in one"
+        );
     }
 }
 

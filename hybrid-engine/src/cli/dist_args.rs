@@ -26,7 +26,9 @@ pub struct DistArgs {
     /// died or hangs makes the others fail after this long, naming it.
     #[arg(help_heading = heading::PARALLELISM, long, default_value_t = 300, alias = "dist_timeout", value_parser = clap::value_parser!(u64).range(1..))]
     pub dist_timeout: u64,
-    /// Gradient values per all-reduce bucket in ZeRO stage 0 (DeepSpeed's reduce_bucket_size).
+    /// Gradient values per bucket (DeepSpeed's reduce_bucket_size): stage 0's all-reduces, and at
+    /// stage 2 on CPU ranks the reduce-scatters made during backward as gradients complete, so
+    /// a rank holds a bucket of them rather than a micro-batch's whole gradient.
     #[arg(help_heading = heading::PARALLELISM, long, default_value_t = DEFAULT_BUCKET as u64, alias = "reduce_bucket_size", value_parser = clap::value_parser!(u64).range(1..))]
     pub reduce_bucket_size: u64,
     /// The type gradients travel in through their reductions over the data-parallel ranks

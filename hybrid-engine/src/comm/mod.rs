@@ -275,6 +275,18 @@ impl ProcessGroup {
         Ok(Tensor::from_slice(&v[mine.clone()], mine.len(), &candle_core::Device::Cpu)?)
     }
 
+    /// The ring reduce-scatter (a sum) of the host buffer `v` cut into `chunks`, rank `r`'s
+    /// `chunks[r]` (any sizes, the same on every rank), sent and added as `wire` values:
+    /// afterwards `v[chunks[rank]]` holds this rank's sums. ZeRO-2's gradient buckets.
+    pub fn reduce_scatter_chunks_as(
+        &self,
+        v: &mut [f32],
+        chunks: &[std::ops::Range<usize>],
+        wire: WireDtype,
+    ) -> Result<std::ops::Range<usize>> {
+        over_wire!(wire, v, |buf| self.ring.reduce_scatter_chunks(buf, chunks, ReduceOp::Sum))
+    }
+
     /// Every rank's `t` (flattened, same length on every rank) concatenated in rank order.
     pub fn all_gather(&self, t: &Tensor) -> Result<Tensor> {
         let (n, w) = (t.elem_count(), self.world());

@@ -229,22 +229,39 @@ impl TcpRing {
     /// Ring reduce-scatter in place: afterwards `buf[chunk(len, world, rank)]` holds the
     /// reduction over all ranks of that chunk (the rest of `buf` is scratch). Returns the range.
     pub fn reduce_scatter<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<Range<usize>> {
-        let (n, r, len) = (self.world, self.rank, buf.len());
+        let (n, len) = (self.world, buf.len());
+        let chunks: Vec<Range<usize>> = (0..n).map(|r| chunk(len, n, r)).collect();
+        self.reduce_scatter_chunks(buf, &chunks, op)
+    }
+
+    /// [`Self::reduce_scatter`] with chunks of any sizes, `chunks[r]` rank `r`'s (the same on
+    /// every rank; consecutive, covering `buf`, some possibly empty): ZeRO-2's buckets, whose
+    /// parameters fall unevenly into the ranks' shards. Each rank sends every chunk but its own.
+    pub fn reduce_scatter_chunks<T: Element>(
+        &self,
+        buf: &mut [T],
+        chunks: &[Range<usize>],
+        op: ReduceOp,
+    ) -> Result<Range<usize>> {
+        let (n, r) = (self.world, self.rank);
+        if chunks.len() != n || chunks.last().is_some_and(|c| c.end != buf.len()) {
+            bail!("internal error: a reduce-scatter of {} values in {} chunks over {n} ranks", buf.len(), chunks.len());
+        }
         if n == 1 {
-            return Ok(0..len);
+            return Ok(chunks[0].clone());
         }
         self.timed(|| {
-            let mut incoming = vec![T::default(); len.div_ceil(n)];
+            let mut incoming = vec![T::default(); chunks.iter().map(Range::len).max().unwrap_or(0)];
             // Step s sends chunk r-s-1 (reduced so far) and receives chunk r-s-2 from the
             // previous rank; after n-1 steps chunk r has met every rank.
             for s in 0..n - 1 {
-                let send = chunk(len, n, (r + 2 * n - s - 1) % n);
-                let recv = chunk(len, n, (r + 2 * n - s - 2) % n);
+                let send = chunks[(r + 2 * n - s - 1) % n].clone();
+                let recv = chunks[(r + 2 * n - s - 2) % n].clone();
                 let into = &mut incoming[..recv.len()];
                 self.exchange(bytemuck::cast_slice(&buf[send]), bytemuck::cast_slice_mut(into), "a reduce-scatter")?;
                 op.apply(&mut buf[recv], into);
             }
-            Ok(chunk(len, n, r))
+            Ok(chunks[r].clone())
         })
     }
 
@@ -403,6 +420,28 @@ pub(crate) mod tests {
                 .collect();
             handles.into_iter().map(|h| h.join().unwrap()).collect()
         })
+    }
+
+    /// Uneven chunks (one empty, one holding most of the buffer): each rank ends with the sum
+    /// of its own chunk over the ranks and sends every chunk but its own.
+    #[test]
+    fn reduce_scatter_takes_chunks_of_any_sizes() -> Result<()> {
+        let chunks = [0..5, 5..5, 5..7];
+        let results = on_ring(3, |ring| {
+            let r = ring.rank() as f32;
+            let mut buf: Vec<f32> = (0..7).map(|i| i as f32 + 10.0 * r).collect();
+            let mine = ring.reduce_scatter_chunks(&mut buf, &chunks, ReduceOp::Sum)?;
+            let sent = ring.stats.snapshot().0;
+            Ok((buf[mine].to_vec(), sent))
+        });
+        // Value i summed over ranks 0, 1, 2: 3 i + 30.
+        let sums = |range: Range<usize>| range.map(|i| 3.0 * i as f32 + 30.0).collect::<Vec<f32>>();
+        for (r, res) in results.into_iter().enumerate() {
+            let (got, sent) = res?;
+            assert_eq!(got, sums(chunks[r].clone()), "rank {r}");
+            assert_eq!(sent, 4 * (7 - chunks[r].len()) as u64, "rank {r} sends every chunk but its own");
+        }
+        Ok(())
     }
 
     /// Splitting 4 ranks by `rank / 2` and by `rank % 2` gives rings of 2 whose collectives

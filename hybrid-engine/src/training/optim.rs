@@ -597,6 +597,26 @@ pub struct GradAccumulator {
     vars: Vec<Var>,
     names: Vec<String>,
     grads: Vec<Option<Tensor>>,
+    /// Where complete gradients go instead of being held (ZeRO stage 2's buckets).
+    sink: Option<Box<dyn GradientSink>>,
+    /// The most gradient values held at once since this accumulator was made.
+    peak_held: usize,
+}
+
+/// What takes gradients off an accumulator as backward completes them, instead of holding them
+/// to the step: ZeRO stage 2 reduce-scatters them in buckets
+/// ([`crate::training::zero::GradientBuckets`]) into this rank's shard of their sum.
+pub trait GradientSink {
+    /// Takes out of `grads` (one slot per accumulated parameter, the micro-batch's so far)
+    /// what it hands on now; `last`: the micro-batch's backward is over, take them all.
+    fn take(&mut self, grads: &mut [Option<Tensor>], last: bool) -> Result<()>;
+    /// This rank's shard of the gradients handed on since the last call (summed over ranks
+    /// and micro-batches), emptied.
+    fn take_reduced(&mut self) -> Result<Tensor>;
+    /// The same so far, left in place (for an overflow check).
+    fn partial(&self) -> Result<Option<Tensor>>;
+    /// How many reductions a micro-batch's gradients are handed on in.
+    fn buckets(&self) -> usize;
 }
 
 impl GradAccumulator {
@@ -606,7 +626,48 @@ impl GradAccumulator {
 
     fn over(vars: Vec<Var>, names: Vec<String>) -> Self {
         let grads = vec![None; vars.len()];
-        Self { vars, names, grads }
+        Self { vars, names, grads, sink: None, peak_held: 0 }
+    }
+
+    /// Hands complete gradients to `sink` rather than holding them ([`Self::part_done`],
+    /// [`Self::end_micro_batch`]).
+    pub fn with_sink(mut self, sink: Box<dyn GradientSink>) -> Self {
+        self.sink = Some(sink);
+        self
+    }
+
+    /// Whether complete gradients go to a sink: backward then hands them over part by part.
+    pub fn streams(&self) -> bool {
+        self.sink.is_some()
+    }
+
+    /// How many reductions the sink hands a micro-batch's gradients on in, if there is one.
+    pub fn sink_buckets(&self) -> Option<usize> {
+        self.sink.as_ref().map(|s| s.buckets())
+    }
+
+    /// A part of backward ended (a block's, the embeddings'): the sink takes what is complete.
+    pub fn part_done(&mut self) -> Result<()> {
+        match &mut self.sink {
+            Some(sink) => sink.take(&mut self.grads, false),
+            None => Ok(()),
+        }
+    }
+
+    /// The micro-batch's backward is over: the sink takes every gradient left.
+    pub fn end_micro_batch(&mut self) -> Result<()> {
+        match &mut self.sink {
+            Some(sink) => sink.take(&mut self.grads, true),
+            None => Ok(()),
+        }
+    }
+
+    /// The sink's reduced gradients (see [`GradientSink::take_reduced`]).
+    pub fn take_reduced(&mut self) -> Result<Tensor> {
+        match &mut self.sink {
+            Some(sink) => sink.take_reduced(),
+            None => anyhow::bail!("internal error: no gradient sink"),
+        }
     }
 
     /// Adds the gradients a backward pass produced for the accumulator's parameters.
@@ -622,7 +683,14 @@ impl GradAccumulator {
                 });
             }
         }
+        let held = self.grads.iter().flatten().map(Tensor::elem_count).sum();
+        self.peak_held = self.peak_held.max(held);
         Ok(())
+    }
+
+    /// The most gradient values this accumulator held at once (what ZeRO-2's buckets bound).
+    pub fn peak_held_values(&self) -> usize {
+        self.peak_held
     }
 
     /// The summed gradients in f32; a parameter that got none is an error in our code, not the
@@ -640,9 +708,15 @@ impl GradAccumulator {
             .collect()
     }
 
-    /// The gradients summed so far in f32 (parameters without one yet left out).
+    /// The gradients summed so far in f32 (parameters without one yet left out), and what a
+    /// sink reduced of them.
     pub fn partial(&self) -> Result<Vec<Tensor>> {
-        self.grads.iter().flatten().map(|g| Ok(g.to_dtype(DType::F32)?)).collect()
+        let mut out: Vec<Tensor> =
+            self.grads.iter().flatten().map(|g| g.to_dtype(DType::F32)).collect::<candle_core::Result<_>>()?;
+        if let Some(reduced) = self.sink.as_ref().map(|s| s.partial()).transpose()?.flatten() {
+            out.push(reduced);
+        }
+        Ok(out)
     }
 
     /// A fresh, empty accumulator over the same parameters.

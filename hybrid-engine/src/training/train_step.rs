@@ -141,7 +141,7 @@ pub fn lm_forward_backward(
     how: Backward,
     acc: &mut GradAccumulator,
 ) -> Result<f32> {
-    if !how.checkpoint_activations {
+    if !how.checkpoint_activations && !acc.streams() {
         // The whole-model path keeps the (B, T, V) logits in one graph: no leaf needed.
         let loss = model.lm_loss(ids, targets, dropout)?;
         acc.add(&(&loss * how.loss_scale)?.backward()?)?;
@@ -157,6 +157,9 @@ pub fn lm_forward_backward(
 /// `head`, which returns a scalar loss, and adds the gradients of `loss * how.loss_scale` to
 /// `acc`. Returns the (unscaled) loss. Every step's loss (SFT, reward, and later the PPO actor
 /// and critic) is a head on the same trunk, so activation checkpointing lives here once.
+///
+/// Backward runs in one call, or block by block where activations are recomputed or the
+/// accumulator hands each part's gradients on as it ends (ZeRO-2's buckets: [`GradAccumulator::part_done`]).
 #[allow(clippy::too_many_arguments)]
 pub fn forward_backward(
     model: &Gpt2,
@@ -168,7 +171,7 @@ pub fn forward_backward(
     head: impl Fn(&Tensor) -> candle_core::Result<Tensor>,
 ) -> Result<f32> {
     let Backward { checkpoint_activations, loss_scale: scale } = how;
-    if !checkpoint_activations {
+    if !checkpoint_activations && !acc.streams() {
         let hidden = model.forward_blocks(ids, pos, None, dropout)?; // (B, T, C)
         let loss = head(&hidden)?;
         acc.add(&(&loss * scale)?.backward()?)?;
@@ -178,12 +181,24 @@ pub fn forward_backward(
     let (b, t) = ids.dims2()?;
     let bias = model.attention_bias(b, t, 0, pos, ids.device())?; // (B or 1, 1, T, T)
 
-    // Forward, keeping only block inputs: detach() drops each block's graph (its activations).
+    // Forward, each block's input a leaf of the block's own graph. With checkpointing only the
+    // inputs are kept, detached (each block's activations are dropped and recomputed in
+    // backward); otherwise each block's graph is kept with its leaf, as one backward would.
+    let embedded = model.embed(ids, pos, 0, dropout)?; // (B, T, C)
+    let mut x = embedded.detach();
+    let embedded = (!checkpoint_activations).then_some(embedded);
     let mut inputs = Vec::with_capacity(model.h.len());
-    let mut x = model.embed(ids, pos, 0, dropout)?.detach(); // (B, T, C)
+    let mut kept = Vec::with_capacity(model.h.len());
     for block in &model.h {
-        inputs.push(x.clone());
-        x = block.forward(&x, &bias, None, dropout)?.detach();
+        if checkpoint_activations {
+            inputs.push(x.clone());
+            x = block.forward(&x, &bias, None, dropout)?.detach();
+        } else {
+            let input = Var::from_tensor(&x)?;
+            let out = block.forward(input.as_tensor(), &bias, None, dropout)?;
+            x = out.detach();
+            kept.push((input, out));
+        }
     }
 
     // Head and loss, with the last hidden state as a leaf so its gradient is returned.
@@ -194,18 +209,32 @@ pub fn forward_backward(
     let mut grad = leaf_grad(&store, &last)?;
     drop(store);
 
-    // Backward through the blocks, recomputing each from its input.
-    for (block, input) in model.h.iter().zip(&inputs).rev() {
-        let input = Var::from_tensor(input)?;
-        let out = block.forward(input.as_tensor(), &bias, None, dropout)?;
+    // Backward through the blocks with the surrogate `sum(out * grad_out)`, each recomputed
+    // from its input or from its kept graph; each part's gradients complete as it ends.
+    for (i, block) in model.h.iter().enumerate().rev() {
+        let (input, out) = match kept.pop() {
+            Some(pair) => pair,
+            None => {
+                let input = Var::from_tensor(&inputs[i])?;
+                let out = block.forward(input.as_tensor(), &bias, None, dropout)?;
+                (input, out)
+            }
+        };
         let store = out.mul(&grad)?.sum_all()?.backward()?;
+        drop(out);
         acc.add(&store)?;
         grad = leaf_grad(&store, &input)?;
+        drop(store);
+        acc.part_done()?;
     }
 
     // Embeddings (wte also got the LM head's gradient above: the sum is the tied gradient).
-    let emb = model.embed(ids, pos, 0, dropout)?;
+    let emb = match embedded {
+        Some(emb) => emb,
+        None => model.embed(ids, pos, 0, dropout)?,
+    };
     acc.add(&emb.mul(&grad)?.sum_all()?.backward()?)?;
+    acc.part_done()?;
     Ok(loss.to_scalar::<f32>()?)
 }
 

@@ -168,6 +168,15 @@ impl Trainer {
             if dp.shards_optimizer() {
                 self.optimizer.keep_only(&partition.ranges(dp.group.rank()));
             }
+            // Stage 2 on CPU ranks reduce-scatters gradients in buckets as backward completes
+            // them where a bucket is smaller than the model (the ring takes uneven chunks;
+            // NCCL's reduce-scatter does not, so GPUs reduce-scatter a micro-batch's whole
+            // gradient at its end, as one bucket does).
+            let on_cpu = self.compute.vars.first().is_some_and(|v| v.device().is_cpu());
+            if dp.stage == ZeroStage::Gradients && on_cpu && dp.bucket < partition.total() {
+                let buckets = zero::GradientBuckets::new(dp.clone(), partition.clone(), &self.compute.names);
+                self.acc = GradAccumulator::new(&self.compute).with_sink(Box::new(buckets));
+            }
             self.dp = Some((dp, partition));
         }
         self
@@ -355,7 +364,10 @@ impl Trainer {
     /// gradients (`--align-overflow`: the other model overflowed).
     pub fn micro_batch_done_or_skip(&mut self, params: &ParamStore, skip: bool) -> Result<Option<StepReport>> {
         self.pending += 1;
-        if let Some((dp, partition)) = self.dp.as_ref().filter(|(dp, _)| dp.stage == ZeroStage::Gradients) {
+        if self.acc.streams() {
+            // Stage 2's buckets: what backward left is reduce-scattered now.
+            self.acc.end_micro_batch()?;
+        } else if let Some((dp, partition)) = self.dp.as_ref().filter(|(dp, _)| dp.stage == ZeroStage::Gradients) {
             // Stage 2 reduce-scatters each micro-batch's gradient at once: the full gradient
             // does not outlive the micro-batch.
             let fresh = self.acc.emptied();
@@ -477,6 +489,9 @@ impl Trainer {
     fn take_gradients(&mut self) -> Result<Gradients> {
         if let Some(model) = &self.zero3 {
             return Ok(Gradients::Shard(model.take_gradient_shard()?));
+        }
+        if self.acc.streams() {
+            return Ok(Gradients::Shard(self.acc.take_reduced()?));
         }
         let fresh = self.acc.emptied();
         let acc = std::mem::replace(&mut self.acc, fresh);

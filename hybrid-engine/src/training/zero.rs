@@ -121,7 +121,8 @@ pub struct Piece {
 #[derive(Clone, Debug)]
 pub struct Partition {
     offsets: Vec<usize>,
-    sizes: Vec<usize>,
+    /// Each parameter's number of values.
+    pub sizes: Vec<usize>,
     pub world: usize,
     /// Values per shard: `ceil(total / world)`; the last shard ends in padding.
     pub shard_len: usize,
@@ -231,6 +232,127 @@ pub fn all_reduce_gradients(dp: &DataParallel, grads: &mut [Tensor]) -> Result<(
 /// Stages 1 and 2: this rank's shard of the summed gradients (not yet averaged).
 pub fn reduce_scatter_gradients(dp: &DataParallel, partition: &Partition, grads: &[Tensor]) -> Result<Tensor> {
     dp.group.reduce_scatter_parts_as(grads.to_vec(), partition.padded(), dp.wire)
+}
+
+/// ZeRO stage 2's gradient reduction during backward, in buckets of about `reduce_bucket_size`
+/// values (DeepSpeed's): a gradient is handed on as soon as backward has completed it and its
+/// bucket, and each bucket is reduce-scattered at once into this rank's shard of the sums, so a
+/// rank never holds the whole gradient of a micro-batch, only its shard, the part of backward
+/// running, and a bucket filling. The buckets follow the order backward completes the
+/// parameters (the last block first, the embeddings, final LayerNorm and heads at the end:
+/// wte's gradient from the LM head waits for its embedding's) and are the same on every rank,
+/// whatever the pattern a rank's gradients arrive in (a rank without rows adds them all at
+/// once). Each bucket's values fall unevenly into the ranks' shards of the flat layout
+/// ([`Partition`]): its reduce-scatter's chunks are those pieces, so each value has the owner
+/// and the ring order of the one-call reduce-scatter, and the sums are the same bits.
+pub struct GradientBuckets {
+    dp: DataParallel,
+    partition: Partition,
+    /// The parameters of each bucket, in the flat layout's order; buckets in backward's order.
+    buckets: Vec<Vec<usize>>,
+    /// Per bucket: it holds a parameter outside the blocks, complete only when backward ends.
+    waits_for_the_end: Vec<bool>,
+    /// The next bucket to reduce in this micro-batch.
+    next: usize,
+    /// This rank's shard of the reduced gradients since the last step.
+    reduced: Option<Vec<f32>>,
+}
+
+impl GradientBuckets {
+    /// Buckets over the trained parameters `names` (the partition's, in its order).
+    pub fn new(dp: DataParallel, partition: Partition, names: &[String]) -> Self {
+        let block = |name: &str| -> Option<usize> { name.strip_prefix("h.")?.split('.').next()?.parse().ok() };
+        // Backward's order: the blocks from the last, then everything else.
+        let mut order: Vec<usize> = (0..names.len()).collect();
+        order.sort_by_key(|&i| match block(&names[i]) {
+            Some(b) => (0, std::cmp::Reverse(b), i),
+            None => (1, std::cmp::Reverse(0), i),
+        });
+        let sizes = &partition.sizes;
+        let (mut buckets, mut waits_for_the_end) = (Vec::new(), Vec::new());
+        let mut start = 0;
+        while start < order.len() {
+            let (mut end, mut values) = (start, 0);
+            while end < order.len() && (end == start || values + sizes[order[end]] <= dp.bucket) {
+                values += sizes[order[end]];
+                end += 1;
+            }
+            let mut bucket = order[start..end].to_vec();
+            waits_for_the_end.push(bucket.iter().any(|&i| block(&names[i]).is_none()));
+            bucket.sort_unstable();
+            buckets.push(bucket);
+            start = end;
+        }
+        Self { dp, partition, buckets, waits_for_the_end, next: 0, reduced: None }
+    }
+
+    /// Reduce-scatters bucket `b`'s gradients (taken out of `grads`) into this rank's shard.
+    fn reduce(&mut self, b: usize, grads: &mut [Option<Tensor>]) -> Result<()> {
+        let bucket = &self.buckets[b];
+        let mut values: Vec<Option<Vec<f32>>> = vec![None; grads.len()];
+        for &i in bucket {
+            let g =
+                grads[i].take().ok_or_else(|| anyhow::anyhow!("internal error: parameter {i} received no gradient"))?;
+            values[i] = Some(g.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?);
+        }
+        // Rank r's chunk: the bucket's values in r's shard, in the flat order.
+        let world = self.dp.world();
+        let mut buf = Vec::with_capacity(bucket.iter().map(|&i| self.partition.sizes[i]).sum());
+        let mut chunks = Vec::with_capacity(world);
+        for r in 0..world {
+            let start = buf.len();
+            for piece in self.partition.pieces(r) {
+                if let Some(v) = &values[piece.param] {
+                    buf.extend_from_slice(&v[piece.in_param]);
+                }
+            }
+            chunks.push(start..buf.len());
+        }
+        drop(values);
+        let mine = self.dp.group.reduce_scatter_chunks_as(&mut buf, &chunks, self.dp.wire)?;
+        let reduced = self.reduced.get_or_insert_with(|| vec![0f32; self.partition.shard_len]);
+        let mut at = mine.start;
+        for piece in self.partition.pieces(self.dp.group.rank()) {
+            if bucket.binary_search(&piece.param).is_ok() {
+                let n = piece.in_shard.len();
+                reduced[piece.in_shard].iter_mut().zip(&buf[at..at + n]).for_each(|(r, v)| *r += v);
+                at += n;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl crate::training::optim::GradientSink for GradientBuckets {
+    fn take(&mut self, grads: &mut [Option<Tensor>], last: bool) -> Result<()> {
+        while self.next < self.buckets.len() {
+            let b = self.next;
+            let complete = self.buckets[b].iter().all(|&i| grads[i].is_some());
+            if !last && (self.waits_for_the_end[b] || !complete) {
+                break;
+            }
+            self.reduce(b, grads)?;
+            self.next += 1;
+        }
+        if last {
+            self.next = 0;
+        }
+        Ok(())
+    }
+
+    fn take_reduced(&mut self) -> Result<Tensor> {
+        let reduced = self.reduced.take().unwrap_or_else(|| vec![0f32; self.partition.shard_len]);
+        Ok(Tensor::from_vec(reduced, self.partition.shard_len, &Device::Cpu)?)
+    }
+
+    fn partial(&self) -> Result<Option<Tensor>> {
+        let reduced = self.reduced.as_ref().map(|r| Tensor::from_slice(r, r.len(), &Device::Cpu)).transpose()?;
+        Ok(reduced)
+    }
+
+    fn buckets(&self) -> usize {
+        self.buckets.len()
+    }
 }
 
 /// The global L2 norm of sharded gradients: every rank's squared norm, summed over ranks.
@@ -409,6 +531,23 @@ mod tests {
             }
             assert!(seen.iter().flatten().all(|&c| c == 1), "world {world}: {seen:?}");
         }
+    }
+
+    /// Buckets follow backward's order (the last block first, the parameters outside the blocks
+    /// at the end, waiting for backward's end), each within the size unless one parameter is
+    /// larger, and in the flat layout's order inside.
+    #[test]
+    fn gradient_buckets_follow_backwards_order() {
+        let names: Vec<String> =
+            ["wte", "wpe", "h.0.a", "h.0.b", "h.1.a", "h.1.b", "ln_f", "h.1.lora"].map(String::from).to_vec();
+        let partition = Partition::new(vec![10, 4, 3, 3, 3, 8, 2, 1], 2);
+        let group = Arc::new(ProcessGroup::single());
+        let buckets = GradientBuckets::new(DataParallel::new(group, ZeroStage::Gradients, 7), partition, &names);
+        // Backward completes 4, 5, 7 (block 1), 2, 3 (block 0), then 0, 1, 6; greedy buckets of
+        // at most 7 values, wte (10) alone.
+        assert_eq!(buckets.buckets, vec![vec![4], vec![5], vec![2, 3, 7], vec![0], vec![1, 6]]);
+        assert_eq!(buckets.waits_for_the_end, [false, false, false, true, true]);
+        assert_eq!(crate::training::optim::GradientSink::buckets(&buckets), 5);
     }
 
     #[test]
