@@ -12,7 +12,9 @@
 #      curve in REFERENCE_DIR/pretrain-fp32/metrics.jsonl when given (the CPU run of the same
 #      command: `sft ... --device cpu`), else against the CUDA fp32 curve;
 #   3. the three-step demo (`train --device cuda`), then gpu_check on its SFT actor and `chat`
-#      on its step-3 actor.
+#      on its step-3 actor;
+#   4. ranks: 2 ranks sharing the GPU over the TCP ring (--distributed-backend gloo) at ZeRO
+#      stages 1-3 against one rank (loss curves).
 # Three measuring stages run only when named in STAGES:
 #   ab: gpt2 B8 T1024 bf16 training as built against the same build with AB_ENV set (default
 #      HYBRID_ENGINE_CUBLASLT=0: the linears without cuBLASLt's epilogues), alternating, AB_ROUNDS
@@ -35,13 +37,13 @@
 # Each stage has a time limit; a failing stage does not stop the later ones. The logs, metrics
 # and summaries (no weights) go to WORK_DIR; a line per stage and PASS/FAIL at the end.
 #
-# Usage: gpu-check.sh WORK_DIR [REFERENCE_DIR]    (STAGES="unit check pretrain demo" to choose;
+# Usage: gpu-check.sh WORK_DIR [REFERENCE_DIR]    (STAGES="unit check pretrain demo ranks" to choose;
 #        STAGES="unit check ab bench profile" for a short lease that measures)
 set -uo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 work=${1:?usage: gpu-check.sh WORK_DIR [REFERENCE_DIR]}
 ref=${2:-}
-stages=${STAGES:-unit check pretrain demo}
+stages=${STAGES:-unit check pretrain demo ranks}
 mkdir -p "$work"
 summary=$work/summary.txt
 : >"$summary"
@@ -206,6 +208,40 @@ PY
     grep -E '^  [a-z_]+attention|Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit Registers|Issue Slots Busy|No Eligible|Executed Ipc Active' \
       "$work/profile-$kernel.log" | tee -a "$work/attention-ncu.txt" "$summary"
   done
+fi
+
+if [[ " $stages " == *" ranks "* ]]; then
+  # Two ranks sharing the one GPU over the TCP ring (--distributed-backend gloo: device tensors
+  # through host memory; NCCL refuses two ranks on one GPU) at ZeRO stages 1-3 (fp32; stage 2 in
+  # buckets; stage 1 also in bf16, its fp32 masters sharded) against one rank at the same global
+  # batch: each loss curve's largest relative difference.
+  tiny=(--from-scratch --num-layers 2 --hidden-size 64 --num-attention-heads 2 --seq-length 32 --train-iters 8
+    --gradient-accumulation-steps 2 --lr 3e-3 --lr-warmup-iters 1 --dropout 0 --eval-interval 0 --eval-iters 1
+    --log-interval 1 --adam-eps 1e-4 --device cuda:0)
+  for dtype in fp32 bf16; do
+    stage "ranks-one-$dtype" 90 "$bin" sft "${tiny[@]}" --dtype "$dtype" --micro-batch-size 6 --output-dir "$work/ranks-one-$dtype"
+  done
+  for run in "1 fp32" "2 fp32 --reduce-bucket-size 20000" "3 fp32" "1 bf16"; do
+    set -- $run
+    zs=$1 dtype=$2
+    shift 2
+    RLHF_NPROC_PER_NODE=2 RLHF_RANK_LOG_DIR="$work/ranks-s$zs-$dtype-logs" stage "ranks-gloo-s$zs-$dtype" 120 \
+      "$bin" sft "${tiny[@]}" --dtype "$dtype" --micro-batch-size 3 --zero-stage "$zs" --distributed-backend gloo "$@" \
+      --output-dir "$work/ranks-s$zs-$dtype"
+  done
+  python3 - "$work" <<'PY' | tee -a "$summary"
+import json, os, sys
+work = sys.argv[1]
+def curve(d):
+    p = os.path.join(work, d, "metrics.jsonl")
+    rows = [json.loads(l) for l in open(p) if l.strip()] if os.path.exists(p) else []
+    return {r["iteration"]: r["lm_loss"] for r in rows if "lm_loss" in r}
+for zs, dtype in [(1, "fp32"), (2, "fp32"), (3, "fp32"), (1, "bf16")]:
+    one, two = curve(f"ranks-one-{dtype}"), curve(f"ranks-s{zs}-{dtype}")
+    common = sorted(set(one) & set(two))
+    d = max((abs(two[i] - one[i]) / abs(one[i]) for i in common), default=float("nan"))
+    print(f"2 ranks on one GPU (gloo), stage {zs} {dtype} vs 1 rank: {len(common)} iterations, max relative |diff| {d:.2e}")
+PY
 fi
 
 find "$work" -name '*.safetensors' -delete

@@ -247,7 +247,7 @@ fn ring_bytes_per_step(
     stage: u8,
     world: usize,
     micro_batches: usize,
-    half_gradients: bool,
+    (half_gradients, half_weights): (bool, bool),
 ) -> f64 {
     let (mut outer, mut blocks) = (0usize, 0usize);
     for (name, shape) in hybrid_engine::model::params::parameter_shapes(cfg) {
@@ -259,11 +259,12 @@ fn ring_bytes_per_step(
     }
     let phase = |values: usize| 4.0 * values as f64 * (world - 1) as f64 / world as f64;
     let g = if half_gradients { 0.5 } else { 1.0 };
+    let w = if half_weights { 0.5 } else { 1.0 };
     match stage {
         0 => 2.0 * g * phase(outer + blocks),
-        1 => (g + 1.0) * phase(outer + blocks),
-        2 => (micro_batches as f64 * g + 1.0) * phase(outer + blocks),
-        _ => micro_batches as f64 * (phase(outer) * (3.0 + 2.0 * g) + phase(blocks) * (2.0 + g)),
+        1 => (g + w) * phase(outer + blocks),
+        2 => (micro_batches as f64 * g + w) * phase(outer + blocks),
+        _ => micro_batches as f64 * (phase(outer) * (3.0 * w + 2.0 * g) + phase(blocks) * (2.0 * w + g)),
     }
 }
 
@@ -292,7 +293,7 @@ fn zero_stages_send_the_ring_volumes_of_theory() {
             let cfg = hybrid_engine::checkpoints::hf_io::read_config(&latest(&out).join("config.json")).unwrap();
             // 6 iterations of 2 micro-batches (--gradient-accumulation-steps 2).
             let sent = comm_bytes(&out);
-            let theory = 6.0 * ring_bytes_per_step(&cfg, stage, world, 2, false);
+            let theory = 6.0 * ring_bytes_per_step(&cfg, stage, world, 2, (false, false));
             let what = format!("{world} ranks, stage {stage}: {sent} bytes sent, theory {theory}");
             assert!((sent - theory).abs() <= 1e-5 * theory, "{what}");
             eprintln!("{what}");
@@ -306,7 +307,7 @@ fn zero_stages_send_the_ring_volumes_of_theory() {
                 let log = String::from_utf8_lossy(&outs[0].stdout);
                 assert!(log.contains("gradients reduced in bf16"), "{log}");
                 let sent = comm_bytes(&half);
-                let theory = 6.0 * ring_bytes_per_step(&cfg, stage, world, 2, true);
+                let theory = 6.0 * ring_bytes_per_step(&cfg, stage, world, 2, (true, false));
                 let what = format!("{world} ranks, stage {stage}, bf16 gradients: {sent} bytes sent, theory {theory}");
                 assert!((sent - theory).abs() <= 1e-5 * theory, "{what}");
                 let (loss, want) = (per_iteration(&half, "lm_loss"), per_iteration(&out, "lm_loss"));
@@ -321,41 +322,43 @@ fn zero_stages_send_the_ring_volumes_of_theory() {
 /// weights' phase sends half the bytes of fp32 (gradients still reduced in fp32); training is
 /// that of whole masters (stage 0 in bf16 on the same ranks) to float rounding, and the saved
 /// checkpoint (the masters gathered on rank 0, each rank's optimizer shard) holds the same fp32
-/// weights.
+/// weights. Stage 3 gathers its units in bf16 too: half the weights' bytes.
 #[test]
-fn zero_1_and_2_in_bf16_shard_the_masters_and_gather_the_weights_in_half_the_bytes() {
+fn mixed_precision_zero_shards_the_masters_and_gathers_the_weights_in_half_the_bytes() {
     let dir = tempfile::tempdir().unwrap();
-    let run = |stage: u8, extra: &str| {
-        let out = dir.path().join(format!("bf16-s{stage}{}", extra.len()));
-        let a =
-            with(pretrain_args(&out, 3, stage), &format!("--eval-interval 0 --dtype bf16 --save-interval 3 {extra}"));
+    let run = |name: &str, stage: u8, extra: &str| {
+        let out = dir.path().join(name);
+        let a = with(pretrain_args(&out, 3, stage), &format!("--eval-interval 0 --dtype bf16 {extra}"));
         let outs = run_ranks(dir.path(), "sft", 2, &a);
         (out, String::from_utf8_lossy(&outs[0].stdout).into_owned())
     };
-    let (whole, log) = run(0, "");
+    let (whole, log) = run("s0", 0, "");
     assert!(!log.contains("fp32 masters"), "{log}");
     let cfg = hybrid_engine::checkpoints::hf_io::read_config(&latest(&whole).join("config.json")).unwrap();
-    for stage in [1u8, 2] {
-        let (out, log) = run(stage, "");
-        assert!(log.contains(&format!("ZeRO stage {stage} in bf16: each rank keeps 1/2 of the fp32 masters")), "{log}");
+    for stage in [1u8, 2, 3] {
+        // Stage 1 also saves at iteration 3 (resumed below; its save's gathers go to rank 0,
+        // which sends nothing in them).
+        let (out, log) = run(&format!("s{stage}"), stage, if stage == 1 { "--save-interval 3" } else { "" });
+        let sharded = format!("ZeRO stage {stage} in bf16: each rank keeps 1/2 of the fp32 masters");
+        assert_eq!(log.contains(&sharded), stage < 3, "{log}");
         let sent = comm_bytes(&out);
-        // The fp32 volumes less half of the weights' all-gather: one fp32 phase of the model
-        // per step is the all-gather.
-        let phase = ring_bytes_per_step(&cfg, 1, 2, 2, false) / 2.0;
-        let theory = 6.0 * (ring_bytes_per_step(&cfg, stage, 2, 2, false) - phase / 2.0);
+        let theory = 6.0 * ring_bytes_per_step(&cfg, stage, 2, 2, (false, true));
         let what = format!("stage {stage} in bf16: {sent} bytes sent, theory {theory}");
         assert!((sent - theory).abs() <= 1e-5 * theory, "{what}");
-        assert_same_weights(&latest(&out), &latest(&whole), 1e-6, 0.0, &what);
         assert!(
             latest(&out).join("optimizer-rank-001-of-002.safetensors").is_file(),
             "{what}: each rank saves its shard"
         );
+        // (Stage 3's weights against one rank: sft_in_fp16_and_bf16_on_2_ranks_at_stages_2_and_3.)
+        if stage < 3 {
+            assert_same_weights(&latest(&out), &latest(&whole), 1e-6, 0.0, &what);
+        }
     }
     // Stage 1's checkpoint at iteration 3 resumed at stage 2 (each rank cuts its master shard
     // from the saved weights and reads its moments) ends where the uninterrupted runs end.
-    let load = format!("--load {}", dir.path().join("bf16-s10").display());
-    std::fs::write(dir.path().join("bf16-s10/latest"), "iter_0000003\n").unwrap();
-    let (resumed, log) = run(2, &load);
+    let saved = dir.path().join("s1");
+    std::fs::write(saved.join("latest"), "iter_0000003\n").unwrap();
+    let (resumed, log) = run("resumed", 2, &format!("--load {}", saved.display()));
     assert!(log.contains("resumed from") && log.contains("at iteration 3"), "{log}");
     assert_same_weights(&latest(&resumed), &latest(&whole), 1e-6, 0.0, "stage 1 in bf16 resumed at stage 2");
 }

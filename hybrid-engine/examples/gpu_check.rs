@@ -15,8 +15,9 @@
 //!   norm 1.0, AdamW) from the same weights on each device: the gradient norms agree to 1e-4 and
 //!   the updates (new - old weights) to 1e-3 of their norm (AdamW's first step divides each
 //!   gradient by its own size, so elements near zero amplify rounding: a norm, not a max);
-//! - `nccl`: a one-rank NCCL communicator's all-reduce, reduce-scatter, all-gather and broadcast
-//!   on a CUDA tensor (the identity at world size 1: NCCL loads, and its calls go through).
+//! - `nccl`: a one-rank NCCL communicator's all-reduce (sum, max), reduce-scatter, all-gather and
+//!   broadcast on CUDA tensors in f32, bf16 and f16 (the identity at world size 1, in the input's
+//!   dtype: NCCL loads, and its calls go through).
 //!
 //! Usage: `gpu_check [--model tiny|gpt2|gpt2-medium | --path MODEL_DIR] [--device cuda:N] [--seq T]`
 //! (default: a random-init gpt2, cuda:0, T = 128). With `--device cpu` the second side runs the
@@ -316,19 +317,24 @@ fn nccl_check(device: &Device) -> Result<bool> {
     }
     use hybrid_engine::comm::tcp::{ReduceOp, TcpRing};
     let comm = NcclComm::new(&TcpRing::single(), device)?;
-    let x = Tensor::arange(0f32, 1024.0, device)?;
-    let outs = [
-        ("all-reduce", comm.all_reduce(&x, ReduceOp::Sum)?),
-        ("reduce-scatter", comm.reduce_scatter(&x)?),
-        ("all-gather", comm.all_gather(&x)?),
-        ("broadcast", comm.broadcast(&x, 0)?),
-    ];
     let mut pass = true;
     let mut detail = vec![];
-    for (name, out) in &outs {
-        let (d, _) = max_diff(out, &x)?;
-        pass &= d == 0.0 && out.dims() == x.dims();
-        detail.push(format!("{name} {:?} max |diff| {d}", out.dims()));
+    // Every collective in every dtype NCCL carries here: the identity on one rank, in the
+    // input's dtype (integers to 256 are exact in f16 and bf16).
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        let x = Tensor::arange(0f32, 256.0, device)?.to_dtype(dtype)?;
+        let outs = [
+            ("all-reduce", comm.all_reduce(&x, ReduceOp::Sum)?),
+            ("all-reduce max", comm.all_reduce(&x, ReduceOp::Max)?),
+            ("reduce-scatter", comm.reduce_scatter(&x)?),
+            ("all-gather", comm.all_gather(&x)?),
+            ("broadcast", comm.broadcast(&x, 0)?),
+        ];
+        for (name, out) in &outs {
+            let (d, _) = max_diff(&out.to_dtype(DType::F32)?, &x.to_dtype(DType::F32)?)?;
+            pass &= d == 0.0 && out.dims() == x.dims() && out.dtype() == dtype;
+            detail.push(format!("{name} {dtype:?} {:?} max |diff| {d}", out.dims()));
+        }
     }
     Ok(report("nccl", pass, format!("one rank: {}", detail.join(", "))))
 }

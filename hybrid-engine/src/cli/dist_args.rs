@@ -3,7 +3,7 @@
 //! (`comm::env`), set by our launcher, torchrun or SLURM.
 
 use crate::cli::heading;
-use crate::comm::{ProcessGroup, RankEnv, WireDtype};
+use crate::comm::{Backend, ProcessGroup, RankEnv, WireDtype};
 use crate::engine::ParallelConfig;
 use crate::training::tensor_parallel::TensorParallel;
 use crate::training::zero::{ZeroStage, DEFAULT_BUCKET};
@@ -33,7 +33,7 @@ pub struct DistArgs {
     pub reduce_bucket_size: u64,
     /// The type gradients travel in through their reductions over the data-parallel ranks
     /// (DeepSpeed's communication_data_type): fp32, or fp16/bf16 for half the bytes, added in
-    /// that type at every hop of the ring. CPU ranks; on GPUs NCCL carries fp32 only here.
+    /// that type at every hop (the CPU ring, or NCCL on GPUs).
     #[arg(help_heading = heading::PARALLELISM, long, default_value = "fp32", alias = "communication_data_type", value_parser = parse_wire)]
     pub communication_data_type: WireDtype,
     /// DS-Chat's ZeRO-Offload: the fp32 masters and Adam moments in host memory, stepped there;
@@ -56,6 +56,11 @@ pub struct DistArgs {
     /// both models. See cli/deepspeed_config.rs.
     #[arg(help_heading = heading::PARALLELISM, long, aliases = ["deepspeed_config", "deepscale-config", "deepscale_config"])]
     pub deepspeed_config: Option<std::path::PathBuf>,
+    /// What carries collectives between GPUs (Megatron's --distributed-backend): nccl, or gloo,
+    /// the TCP ring through host memory (ranks sharing one GPU, which NCCL refuses). CPU
+    /// tensors always take the ring.
+    #[arg(help_heading = heading::PARALLELISM, long, value_enum, default_value = "nccl", alias = "distributed_backend")]
+    pub distributed_backend: Backend,
     /// The rank on this node, as DeepSpeed's and torch.distributed.launch's launchers pass it: it
     /// must agree with the environment's LOCAL_RANK (the ranks are read from the environment).
     #[arg(help_heading = heading::PARALLELISM, long, alias = "local_rank")]
@@ -101,7 +106,7 @@ impl DistArgs {
         // The ranks' command lines must match, but for the one flag a launcher gives each its own.
         let flags = without_local_rank(std::env::args().skip(1));
         let group = ProcessGroup::init(env, Duration::from_secs(self.dist_timeout), &flags.join("\0"))?;
-        Ok(Arc::new(group))
+        Ok(Arc::new(group.with_backend(self.distributed_backend)))
     }
 
     /// The tensor-parallel layout of `world` (`None` without `--tensor-model-parallel-size`);

@@ -69,16 +69,13 @@ impl WireDtype {
         }
     }
 
-    /// Half-precision reductions run on the CPU ring; on GPUs (`on_gpu` across ranks) NCCL
-    /// carries f32 only in this build.
-    pub fn check(self, on_gpu: bool) -> Result<()> {
-        if on_gpu && self != Self::F32 {
-            bail!(
-                "--communication-data-type {}: on GPUs the gradients are reduced in fp32 (NCCL carries f32 only in this build): drop the flag",
-                self.name()
-            );
+    /// The candle dtype values travel as.
+    pub fn dtype(self) -> DType {
+        match self {
+            Self::F32 => DType::F32,
+            Self::F16 => DType::F16,
+            Self::Bf16 => DType::BF16,
         }
-        Ok(())
     }
 }
 
@@ -115,8 +112,22 @@ fn through_wire<T: Copy, R>(
 pub struct ProcessGroup {
     pub env: RankEnv,
     ring: TcpRing,
+    /// Which backend carries CUDA tensors.
+    backend: Backend,
     #[cfg(feature = "nccl")]
     nccl: std::sync::OnceLock<nccl::NcclComm>,
+}
+
+/// What carries the collectives of CUDA tensors (Megatron's `--distributed-backend`); CPU
+/// tensors always go over the ring.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Backend {
+    /// NCCL where this build has it (`--features nccl`), else the ring.
+    #[default]
+    Nccl,
+    /// The TCP ring (as torch's gloo): device tensors copied to host memory and back. Ranks
+    /// sharing one GPU (which NCCL refuses), or a build without NCCL.
+    Gloo,
 }
 
 impl ProcessGroup {
@@ -129,9 +140,16 @@ impl ProcessGroup {
         Self {
             env,
             ring,
+            backend: Backend::default(),
             #[cfg(feature = "nccl")]
             nccl: std::sync::OnceLock::new(),
         }
+    }
+
+    /// Carries CUDA tensors' collectives over `backend` (this group's and its splits').
+    pub fn with_backend(mut self, backend: Backend) -> Self {
+        self.backend = backend;
+        self
     }
 
     /// Joins the job `env` describes: rank 0 serves the rendezvous store, the others register,
@@ -179,7 +197,7 @@ impl ProcessGroup {
 
     #[cfg(feature = "nccl")]
     fn nccl_for(&self, t: &Tensor) -> Result<Option<&nccl::NcclComm>> {
-        if !t.device().is_cuda() {
+        if !t.device().is_cuda() || self.backend == Backend::Gloo {
             return Ok(None);
         }
         if self.nccl.get().is_none() {
@@ -198,8 +216,15 @@ impl ProcessGroup {
         Ok(Tensor::from_vec(v, len, t.device())?)
     }
 
-    /// The element-wise reduction over ranks of `t`, flattened (f32).
+    /// The element-wise reduction over ranks of `t`, flattened: f32 over the ring, in `t`'s
+    /// dtype through NCCL (tensor parallelism's all-reduces of bf16/f16 activations).
     pub fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        #[cfg(feature = "nccl")]
+        if self.world() > 1 {
+            if let Some(c) = self.nccl_for(t)? {
+                return c.all_reduce(t, op);
+            }
+        }
         self.all_reduce_as(t, op, WireDtype::F32)
     }
 
@@ -211,8 +236,7 @@ impl ProcessGroup {
         }
         #[cfg(feature = "nccl")]
         if let Some(c) = self.nccl_for(t)? {
-            wire.check(true)?;
-            return c.all_reduce(t, op);
+            return Ok(c.all_reduce(&t.to_dtype(wire.dtype())?, op)?.to_dtype(DType::F32)?);
         }
         self.on_host(t, t.elem_count(), |v| over_wire!(wire, v, |buf| self.ring.all_reduce(buf, op)))
     }
@@ -246,8 +270,8 @@ impl ProcessGroup {
     pub fn reduce_scatter_parts_as(&self, parts: Vec<Tensor>, len: usize, wire: WireDtype) -> Result<Tensor> {
         let on_cpu = parts.iter().all(|t| t.device().is_cpu());
         if !on_cpu || self.world() == 1 {
-            wire.check(!on_cpu && self.world() > 1)?;
-            return self.reduce_scatter(&concat_padded(&parts, len)?);
+            let padded = concat_padded(&parts, len)?.to_dtype(wire.dtype())?;
+            return Ok(self.reduce_scatter(&padded)?.to_dtype(DType::F32)?);
         }
         if !len.is_multiple_of(self.world()) {
             bail!(
@@ -263,6 +287,7 @@ impl ProcessGroup {
     /// no longer holds (ZeRO-3's gradients, taken out of their store) is freed before the
     /// collective runs.
     fn reduce_scatter_on_host(&self, parts: Vec<Tensor>, len: usize, wire: WireDtype) -> Result<Tensor> {
+        let device = parts.first().map_or(candle_core::Device::Cpu, |t| t.device().clone());
         let mut v = Vec::with_capacity(len);
         for t in parts {
             extend_host_f32(&mut v, &t)?;
@@ -272,7 +297,7 @@ impl ProcessGroup {
         }
         v.resize(len, 0.0);
         let mine = over_wire!(wire, &mut v[..], |buf| self.ring.reduce_scatter(buf, ReduceOp::Sum))?;
-        Ok(Tensor::from_slice(&v[mine.clone()], mine.len(), &candle_core::Device::Cpu)?)
+        Ok(Tensor::from_slice(&v[mine.clone()], mine.len(), &device)?)
     }
 
     /// The ring reduce-scatter (a sum) of the host buffer `v` cut into `chunks`, rank `r`'s
@@ -318,8 +343,7 @@ impl ProcessGroup {
 
     /// [`Self::all_gather_slice`] with the values sent as `dtype` (f32, f16 or bf16): the result
     /// a `dtype` tensor. ZeRO stages 1 and 2 under mixed precision gather the updated weights
-    /// so, straight into the compute copy, in half the bytes of fp32. (NCCL carries f32 in this
-    /// build: on GPUs the values are gathered in f32 and cast.)
+    /// so, straight into the compute copy, in half the bytes of fp32.
     pub fn all_gather_slice_as(&self, mine: &[f32], dtype: DType, device: &candle_core::Device) -> Result<Tensor> {
         fn gathered<T: tcp::Element + candle_core::WithDType>(
             group: &ProcessGroup,
@@ -334,7 +358,11 @@ impl ProcessGroup {
             Ok(Tensor::from_vec(all, n * w, device)?)
         }
         match dtype {
-            _ if self.world() == 1 || !device.is_cpu() => Ok(self.all_gather_slice(mine, device)?.to_dtype(dtype)?),
+            _ if self.world() == 1 => Ok(self.all_gather_slice(mine, device)?.to_dtype(dtype)?),
+            // NCCL gathers the values in `dtype` on the device (the ring in f32).
+            _ if !device.is_cpu() => {
+                Ok(self.all_gather(&Tensor::from_slice(mine, mine.len(), device)?.to_dtype(dtype)?)?.to_dtype(dtype)?)
+            }
             DType::F16 => gathered(self, mine, half::f16::from_f32, device),
             DType::BF16 => gathered(self, mine, half::bf16::from_f32, device),
             DType::F32 => self.all_gather_slice(mine, device),
@@ -395,7 +423,7 @@ impl ProcessGroup {
     pub fn split(&self, color: usize) -> Result<ProcessGroup> {
         let ring = self.ring.split(color)?;
         let env = RankEnv { rank: ring.rank(), world: ring.world(), ..self.env.clone() };
-        Ok(Self::over(env, ring))
+        Ok(Self::over(env, ring).with_backend(self.backend))
     }
 }
 
@@ -416,8 +444,9 @@ pub fn concat_padded(parts: &[Tensor], len: usize) -> Result<Tensor> {
 /// Appends `t`'s values as f32 to `out`: read in place when `t` is a contiguous f32 CPU tensor
 /// (one copy), converted otherwise. CUDA tensors are refused: they go through NCCL.
 fn extend_host_f32(out: &mut Vec<f32>, t: &Tensor) -> Result<()> {
-    if t.device().is_cuda() {
-        bail!("collectives on CUDA tensors need the NCCL build (--features nccl)");
+    if !t.device().is_cpu() {
+        // A device tensor over the ring (`--distributed-backend gloo`, or no NCCL in the build).
+        return extend_host_f32(out, &t.to_device(&candle_core::Device::Cpu)?);
     }
     {
         let (storage, layout) = t.storage_and_layout();

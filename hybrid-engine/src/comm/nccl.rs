@@ -4,16 +4,18 @@
 //! CPU ring that the rendezvous built (NCCL's own bootstrap needs exactly this side channel).
 //!
 //! Each collective is a candle custom op whose CUDA forward calls NCCL into a fresh buffer, as
-//! candle's `llama_multiprocess` example does; the CPU forward refuses (CPU tensors go over the
-//! ring). `cudarc::nccl::Comm` is neither Send nor Sync; NCCL allows a communicator to be used
+//! candle's `llama_multiprocess` example does, in the tensor's dtype (f32, bf16 or f16: tensor
+//! parallelism's all-reduces in the compute dtype, half-precision gradient reductions); the CPU
+//! forward refuses (CPU tensors go over the ring). `cudarc::nccl::Comm` is neither Send nor Sync; NCCL allows a communicator to be used
 //! from any thread but not from two at once, so it sits behind a mutex, which makes process
 //! groups shareable by the ops that tensor parallelism stores in candle's graph.
 
 use crate::comm::tcp::{ReduceOp, TcpRing};
 use anyhow::{anyhow, Result};
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::nccl::safe::{Comm, Id, ReduceOp as NcclOp};
-use candle_core::{CpuStorage, CudaStorage, CustomOp1, Device, Layout, Shape, Tensor};
+use candle_core::cuda_backend::cudarc;
+use candle_core::cuda_backend::cudarc::nccl::safe::{Comm, Id, NcclType, ReduceOp as NcclOp};
+use candle_core::{CpuStorage, CudaStorage, CustomOp1, DType, Device, Layout, Shape, Tensor};
 use std::sync::Mutex;
 
 /// One NCCL communicator for the ranks of a group, on `device`'s stream.
@@ -92,35 +94,55 @@ impl CustomOp1 for Collective<'_> {
     }
 
     fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
-        let (Some((start, end)), dev) = (l.contiguous_offsets(), s.device()) else {
+        let Some((start, end)) = l.contiguous_offsets() else {
             candle_core::bail!("NCCL collectives need a contiguous tensor")
         };
-        let n = end - start;
+        match s.dtype() {
+            DType::F32 => self.on::<f32>(s, start..end),
+            DType::BF16 => self.on::<half::bf16>(s, start..end),
+            DType::F16 => self.on::<half::f16>(s, start..end),
+            other => candle_core::bail!("NCCL collectives take f32, bf16 or f16 tensors, not {other:?}"),
+        }
+    }
+}
+
+impl Collective<'_> {
+    /// The collective on `s`'s values `range` of element type `T` (f32, bf16, f16: NCCL adds
+    /// half-precision values in their type), into a fresh buffer of the same type.
+    fn on<T>(&self, s: &CudaStorage, range: std::ops::Range<usize>) -> candle_core::Result<(CudaStorage, Shape)>
+    where
+        T: NcclType
+            + candle_core::cuda_backend::CudaDType
+            + cudarc::driver::DeviceRepr
+            + cudarc::driver::ValidAsZeroBits,
+    {
+        let dev = s.device();
+        let n = range.len();
         let world = self.comm.world_size();
-        let src = s.as_cuda_slice::<f32>()?.slice(start..end);
+        let src = s.as_cuda_slice::<T>()?.slice(range);
         let err = |e| candle_core::Error::Cuda(format!("NCCL failed: {e:?}").into());
         let (out_len, out) = match self.kind {
             Kind::AllReduce(op) => {
-                let mut dst = dev.alloc_zeros::<f32>(n)?;
+                let mut dst = dev.alloc_zeros::<T>(n)?;
                 let op = if op == ReduceOp::Sum { NcclOp::Sum } else { NcclOp::Max };
                 self.comm.all_reduce(&src, &mut dst, &op).map_err(err)?;
                 (n, dst)
             }
             Kind::ReduceScatter => {
-                if n % world != 0 {
+                if !n.is_multiple_of(world) {
                     candle_core::bail!("reduce-scatter of {n} values over {world} ranks: pad to a multiple");
                 }
-                let mut dst = dev.alloc_zeros::<f32>(n / world)?;
+                let mut dst = dev.alloc_zeros::<T>(n / world)?;
                 self.comm.reduce_scatter(&src, &mut dst, &NcclOp::Sum).map_err(err)?;
                 (n / world, dst)
             }
             Kind::AllGather => {
-                let mut dst = dev.alloc_zeros::<f32>(n * world)?;
+                let mut dst = dev.alloc_zeros::<T>(n * world)?;
                 self.comm.all_gather(&src, &mut dst).map_err(err)?;
                 (n * world, dst)
             }
             Kind::Broadcast(root) => {
-                let mut dst = dev.alloc_zeros::<f32>(n)?;
+                let mut dst = dev.alloc_zeros::<T>(n)?;
                 self.comm.broadcast(Some(&src), &mut dst, root as i32).map_err(err)?;
                 (n, dst)
             }

@@ -143,8 +143,6 @@ impl Engine {
             let on_gpu = params.vars.first().is_some_and(|v| v.device().is_cuda());
             check_offload(on_gpu, cfg.parallel.zero_stage, data.world())?;
         }
-        let on_gpu = params.vars.first().is_some_and(|v| v.device().is_cuda());
-        cfg.parallel.communication_data_type.check(on_gpu && data.world() > 1)?;
         let dp = DataParallel::new(data, cfg.parallel.zero_stage, cfg.parallel.reduce_bucket_size)
             .with_wire(cfg.parallel.communication_data_type);
         let trainable = params.trainable();
@@ -231,7 +229,6 @@ impl Engine {
         if cfg.parallel.offload {
             check_offload(!sharded.device().is_cpu(), cfg.parallel.zero_stage, sharded.group().world())?;
         }
-        cfg.parallel.communication_data_type.check(!sharded.device().is_cpu() && sharded.group().world() > 1)?;
         sharded.cfg = config.clone();
         let config = config.clone();
         // Built from a GPT-2's own parameters: no LoRA adapters, so no LoRA learning rate.

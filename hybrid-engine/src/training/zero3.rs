@@ -430,7 +430,7 @@ impl ShardedModel {
         }
         let first = self.group.is_first();
         let mut failed = None;
-        self.for_each_gathered(values, |i, t| {
+        self.for_each_gathered(values, DType::F32, |i, t| {
             if first && failed.is_none() {
                 failed = visit(&self.names[i], &t).err();
             }
@@ -441,9 +441,15 @@ impl ShardedModel {
 
     /// Gathers each unit of the shard-shaped `values` and hands its parameters (index, values)
     /// to `take`.
-    fn for_each_gathered(&self, values: &[f32], mut take: impl FnMut(usize, Tensor) -> Result<()>) -> Result<()> {
+    fn for_each_gathered(
+        &self,
+        values: &[f32],
+        dtype: DType,
+        mut take: impl FnMut(usize, Tensor) -> Result<()>,
+    ) -> Result<()> {
         for unit in &self.units {
-            let tensors = self.gather_unit(unit, &values[unit.offset..unit.offset + unit.partition.shard_len])?;
+            let tensors =
+                self.gather_unit(unit, &values[unit.offset..unit.offset + unit.partition.shard_len], dtype)?;
             for (&i, t) in unit.params.iter().zip(tensors) {
                 take(i, t)?;
             }
@@ -455,9 +461,10 @@ impl ShardedModel {
     /// `keep`.
     fn gather_values(&self, values: &[f32], keep: bool, dtype: DType) -> Result<Option<ParamStore>> {
         let mut full: Vec<Option<Tensor>> = vec![None; self.names.len()];
-        self.for_each_gathered(values, |i, t| {
+        // Every rank gathers in `dtype` (the same bytes), kept or not.
+        self.for_each_gathered(values, dtype, |i, t| {
             if keep {
-                full[i] = Some(t.to_dtype(dtype)?);
+                full[i] = Some(t);
             }
             Ok(())
         })?;
@@ -473,9 +480,11 @@ impl ShardedModel {
     }
 
     /// A unit's parameters from every rank's `values` (this rank's shard of some per-value
-    /// quantity of the unit: weights or moments), full and in fp32 on the compute device.
-    fn gather_unit(&self, unit: &Unit, values: &[f32]) -> Result<Vec<Tensor>> {
-        let full = self.group.all_gather_slice(values, &self.device)?;
+    /// quantity of the unit: weights or moments), full on the compute device, gathered in
+    /// `dtype` (weights in the compute dtype: half fp32's bytes in fp16/bf16, as DeepSpeed
+    /// gathers its fp16 parameters; fp32 for saves).
+    fn gather_unit(&self, unit: &Unit, values: &[f32], dtype: DType) -> Result<Vec<Tensor>> {
+        let full = self.group.all_gather_slice_as(values, dtype, &self.device)?;
         let shapes: Vec<&Shape> = unit.params.iter().map(|&i| &self.shapes[i]).collect();
         unit.partition.unflatten(&full, &shapes)
     }
@@ -490,7 +499,7 @@ impl ShardedModel {
         for (u, unit) in self.units.iter().enumerate().filter(|(_, unit)| unit.part == part) {
             let tensors = {
                 let shard = self.shard.borrow();
-                self.gather_unit(unit, &shard[unit.offset..unit.offset + unit.partition.shard_len])?
+                self.gather_unit(unit, &shard[unit.offset..unit.offset + unit.partition.shard_len], self.dtype)?
             };
             let with_grad = unit.grad_offset.is_some() && pass == Pass::Backward;
             let mut vars = Vec::new();
