@@ -663,6 +663,8 @@ fn sft_with_lora_at_stage_3_and_under_tensor_parallelism_matches_one_rank() {
         assert!(log.contains("LoRA: rank 4"), "{log}");
         if stage == 3 {
             assert!(log.contains("ZeRO stage 3"), "{log}");
+            // Without TP the model is built sharded, adapters included: no rank holds it whole.
+            assert_eq!(log.contains(", drawn sharded") || log.contains(", read by slices"), tp == 1, "{log}");
         }
         let what = format!("SFT with {what} on {world} ranks, stage {stage}, TP={tp}");
         assert_same_weights(&out, &single, 1e-5, 0.0, &what);
@@ -770,6 +772,16 @@ fn reward_model_on_2_and_3_ranks_and_under_tensor_parallelism_matches_one_rank()
         assert_same_eval(&many["before_training"], &one["before_training"], 1e-6, &what);
         assert_same_eval(&many["final"], &one["final"], 1e-5, &what);
     }
+    // LoRA on a frozen trunk at stage 3 (the head and adapters trained): built sharded, the
+    // adapters drawn whole and cut beside the head; against one rank with the same LoRA.
+    let lora = "--lora-dim 4 --lora-learning-rate 4e-3 --only-optimize-lora";
+    let single_lora = dir.path().join("single-lora");
+    run_ranks(dir.path(), "reward", 1, &with(reward_args(&start, &single_lora, 12, 0), lora));
+    let out = dir.path().join("w2-s3-lora");
+    let outs = run_ranks(dir.path(), "reward", 2, &with(reward_args(&start, &out, 6, 3), lora));
+    let log = String::from_utf8_lossy(&outs[0].stdout);
+    assert!(log.contains("read by slices") && log.contains("only LoRA is optimized"), "{log}");
+    assert_same_weights(&out, &single_lora, 1e-5, 0.0, "reward model with LoRA on 2 ranks, stage 3");
     // Tensor parallelism (the tiny trunk's 4 heads over 2 ranks, the score head whole on each):
     // TP=2 alone and as 2 data-parallel groups (ZeRO 0 and 3).
     for (world, per_device, stage) in [(2, 12, 0), (4, 6, 0), (4, 6, 3)] {

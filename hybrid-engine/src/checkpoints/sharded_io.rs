@@ -202,6 +202,44 @@ mod tests {
         Gpt2Config { n_layer: 2, n_embd: 8, n_head: 2, n_positions: 8, vocab_size: 20, ..Gpt2Config::tiny() }
     }
 
+    /// Built sharded with a score head and LoRA adapters on a frozen trunk beside it, a rank's
+    /// shard, its units and what it trains are those of the whole model with the same head and
+    /// adapters cut into shards (2 and 3 ranks).
+    #[test]
+    fn sharded_construction_with_lora_and_a_head_gives_the_whole_models_shards() -> Result<()> {
+        let cfg = small();
+        let lora = lora::LoraConfig { dim: 2, alpha: None, module_name: "h.".into() };
+        let head = Tensor::arange(0f32, 8.0, &Device::Cpu)?.reshape((1, 8))?;
+        let mut whole = ParamStore::init(&cfg, 7, &Device::Cpu)?;
+        whole.push(crate::model::reward_model::SCORE_WEIGHT, &head)?;
+        whole.add_lora(&cfg, &lora, 7)?;
+        whole.freeze_trunk();
+        let (_, adapters) = crate::model::params::lora_adapters(&cfg, &lora, 7, &Device::Cpu)?;
+        let mut beside =
+            crate::training::zero3::Beside::heads(vec![(crate::model::reward_model::SCORE_WEIGHT.into(), head)]);
+        for adapter in adapters {
+            let (a, b) = lora::Adapter::param_names(&adapter.module);
+            beside.tensors.extend([(a, adapter.a), (b, adapter.b)]);
+        }
+        (beside.lora_scaling, beside.frozen_trunk) = (Some(lora.scaling()), true);
+        for world in [2, 3] {
+            let results = on_groups(world, |group| {
+                let group = Arc::new(group);
+                let built = ShardedModel::init(group.clone(), &cfg, 7, &beside, DType::F32, &Device::Cpu)?;
+                let cut = ShardedModel::new(group.clone(), &cfg, &whole, DType::F32)?;
+                assert_eq!(built.shard_values(), cut.shard_values(), "rank {} of {world}", group.rank());
+                assert_eq!(built.trained_names(), cut.trained_names());
+                assert!(
+                    built.has_lora()
+                        && built.trained_names().iter().all(|n| !n.starts_with("h.") || n.contains("lora_"))
+                );
+                Ok(())
+            });
+            results.into_iter().collect::<Result<Vec<()>>>()?;
+        }
+        Ok(())
+    }
+
     /// Built sharded from the initial draws (2 and 3 ranks), each rank's shard is the one cut
     /// from the whole one-rank model; written unit by unit, the consolidated file holds the whole
     /// model exactly; read back by slices on another world size, the shards are again those of
@@ -216,7 +254,7 @@ mod tests {
         for world in [2, 3] {
             let results = on_groups(world, |group| {
                 let group = Arc::new(group);
-                let built = ShardedModel::init(group.clone(), &cfg, 7, &[], DType::F32, &Device::Cpu)?;
+                let built = ShardedModel::init(group.clone(), &cfg, 7, &Default::default(), DType::F32, &Device::Cpu)?;
                 let cut = ShardedModel::new(group.clone(), &cfg, &whole, DType::F32)?;
                 assert_eq!(built.shard_values(), cut.shard_values(), "rank {} of {world}", group.rank());
                 if world == 3 {
@@ -244,8 +282,14 @@ mod tests {
         let slices = ModelSlices::open(&saved)?;
         let results = on_groups(2, |group| {
             let group = Arc::new(group);
-            let read =
-                ShardedModel::read(group.clone(), &cfg, |n, r| slices.read(n, r), &[], DType::F32, &Device::Cpu)?;
+            let read = ShardedModel::read(
+                group.clone(),
+                &cfg,
+                |n, r| slices.read(n, r),
+                &Default::default(),
+                DType::F32,
+                &Device::Cpu,
+            )?;
             let cut = ShardedModel::new(group, &cfg, &whole, DType::F32)?;
             assert_eq!(read.shard_values(), cut.shard_values());
             Ok(())

@@ -15,7 +15,7 @@ use crate::model::params::ParamStore;
 use crate::training::optim::AdamWConfig;
 use crate::training::schedule::{HfScheduler, LrSchedule};
 use crate::training::tensor_parallel::TensorParallel;
-use crate::training::zero3::ShardedModel;
+use crate::training::zero3::{Beside, ShardedModel};
 use anyhow::{bail, Result};
 use candle_core::{Device, Tensor};
 use clap::Args;
@@ -188,10 +188,55 @@ impl StepArgs {
     }
 
     /// Whether the step builds its model sharded (ZeRO stage 3 across the `world` data-parallel
-    /// ranks, without tensor parallelism or LoRA adapters, which are attached to a whole model):
-    /// then no rank ever holds the whole model.
+    /// ranks, without tensor parallelism): then no rank ever holds the whole model (LoRA
+    /// adapters, drawn whole, are cut too: [`Self::beside_trunk`]).
     pub fn builds_sharded(&self, world: usize, tensor_parallel: bool) -> bool {
-        self.zero_stage == 3 && world > 1 && !tensor_parallel && self.lora().is_none()
+        self.zero_stage == 3 && world > 1 && !tensor_parallel
+    }
+
+    /// What a model built sharded holds beside its trunk: `heads`, then the LoRA adapters the
+    /// flags ask for, drawn whole as one rank draws them (small: r x (in + out) a linear), with
+    /// `--only-optimize-lora` the trunk frozen. Says what LoRA does in a line.
+    pub fn beside_trunk(&self, heads: Vec<(String, Tensor)>, cfg: &Gpt2Config, device: &Device) -> Result<Beside> {
+        let mut beside = Beside::heads(heads);
+        let Some(lora) = self.lora() else { return Ok(beside) };
+        let (targets, adapters) = crate::model::params::lora_adapters(cfg, &lora, self.seed, device)?;
+        for adapter in adapters {
+            let (a, b) = lora::Adapter::param_names(&adapter.module);
+            beside.tensors.extend([(a, adapter.a), (b, adapter.b)]);
+        }
+        beside.lora_scaling = Some(lora.scaling());
+        beside.frozen_trunk = self.only_optimize_lora;
+        let total = crate::model::params::parameter_count(cfg) + beside.numel();
+        let trainable = if self.only_optimize_lora { beside.numel() } else { total };
+        println!("{}", self.lora_line(cfg, &targets, (trainable, total)));
+        Ok(beside)
+    }
+
+    /// The line saying what LoRA does: its rank, linears, scaling and learning rate, and with
+    /// `--only-optimize-lora` how many of the `(trainable, total)` parameters train.
+    fn lora_line(&self, cfg: &Gpt2Config, targets: &[String], (trainable, total): (usize, usize)) -> String {
+        let Some(lora) = self.lora() else { return String::new() };
+        let added: usize = crate::model::params::linear_shapes(cfg)
+            .iter()
+            .filter(|(name, _, _)| targets.contains(name))
+            .map(|(_, d_in, d_out)| lora.dim * (d_in + d_out))
+            .sum();
+        let scaling = match lora.alpha {
+            Some(a) => format!("alpha/r = {a}/{}", lora.dim),
+            None => format!("1/r = 1/{}", lora.dim),
+        };
+        let mut line = format!(
+            "LoRA: rank {} on {} linears matching {:?} ({added} adapter parameters), scaling {scaling}, lr {:e}",
+            lora.dim,
+            targets.len(),
+            lora.module_name,
+            self.lora_learning_rate
+        );
+        if self.only_optimize_lora {
+            line += &format!("; only LoRA is optimized: {trainable} of {total} parameters train");
+        }
+        line
     }
 
     /// `--model-name-or-path` as the step starts from it: whole ([`starting_model`]), with
@@ -276,28 +321,10 @@ impl StepArgs {
             Some(tp) => tp.cut(name, whole),
             None => Ok(whole.clone()),
         })?;
-        let added: usize = crate::model::params::linear_shapes(cfg)
-            .iter()
-            .filter(|(name, _, _)| targets.contains(name))
-            .map(|(_, d_in, d_out)| lora.dim * (d_in + d_out))
-            .sum();
-        let scaling = match lora.alpha {
-            Some(a) => format!("alpha/r = {a}/{}", lora.dim),
-            None => format!("1/r = 1/{}", lora.dim),
-        };
-        let mut line = format!(
-            "LoRA: rank {} on {} linears matching {:?} ({added} adapter parameters), scaling {scaling}, lr {:e}",
-            lora.dim,
-            targets.len(),
-            lora.module_name,
-            self.lora_learning_rate
-        );
         if self.only_optimize_lora {
             params.freeze_trunk();
-            let trainable = params.trainable().numel();
-            line += &format!("; only LoRA is optimized: {trainable} of {} parameters train", params.numel());
         }
-        Ok(Some(line))
+        Ok(Some(self.lora_line(cfg, &targets, (params.trainable().numel(), params.numel()))))
     }
 
     /// The adapters alone, in PEFT's layout, when they are meaningful on their own: only with
@@ -503,19 +530,19 @@ pub enum ShardSource {
 }
 
 impl ShardSource {
-    /// The model with `config`'s trunk and `heads`, sharded over `group`, gathered weights
-    /// computing in `dtype`.
+    /// The model with `config`'s trunk and `beside` it (heads, LoRA adapters), sharded over
+    /// `group`, gathered weights computing in `dtype`.
     pub fn build(
         &self,
         group: std::sync::Arc<crate::comm::ProcessGroup>,
         config: &Gpt2Config,
-        heads: &[(String, Tensor)],
+        beside: &Beside,
         dtype: candle_core::DType,
         device: &Device,
     ) -> Result<ShardedModel> {
         match self {
-            Self::Drawn(seed) => ShardedModel::init(group, config, *seed, heads, dtype, device),
-            Self::Slices(slices) => ShardedModel::read(group, config, |n, r| slices.read(n, r), heads, dtype, device),
+            Self::Drawn(seed) => ShardedModel::init(group, config, *seed, beside, dtype, device),
+            Self::Slices(slices) => ShardedModel::read(group, config, |n, r| slices.read(n, r), beside, dtype, device),
         }
     }
 }

@@ -222,8 +222,8 @@ impl Engine {
     }
 
     /// Trains `sharded`, a GPT-2 built sharded over the data-parallel ranks (ZeRO stage 3
-    /// without tensor parallelism: [`ShardedModel::init`] or [`ShardedModel::read`]), as `cfg`
-    /// says: no rank ever holds the whole model.
+    /// without tensor parallelism: [`ShardedModel::init`] or [`ShardedModel::read`], LoRA
+    /// adapters included), as `cfg` says: no rank ever holds the whole model.
     /// `config` is the model's (its heads' fields included, as `config.json` says them).
     pub fn new_sharded(cfg: &EngineConfig, config: &Gpt2Config, mut sharded: ShardedModel) -> Result<Self> {
         if cfg.parallel.offload {
@@ -231,8 +231,12 @@ impl Engine {
         }
         sharded.cfg = config.clone();
         let config = config.clone();
-        // Built from a GPT-2's own parameters: no LoRA adapters, so no LoRA learning rate.
-        let (model, trainer) = Self::sharded_parts(cfg, sharded);
+        let lora = sharded.has_lora();
+        let trained = sharded.trained_names().to_vec();
+        let (model, mut trainer) = Self::sharded_parts(cfg, sharded);
+        if let Some(lr) = cfg.lora_learning_rate.filter(|_| lora) {
+            trainer.set_lora_learning_rate_of(&trained, lr);
+        }
         Ok(Self {
             config,
             masters: ParamStore::default(),

@@ -20,6 +20,33 @@ use std::collections::HashMap;
 
 const GIB: f64 = (1u64 << 30) as f64;
 
+/// The LoRA adapters `lora` puts on `cfg`'s linears, whole, as one rank draws them (seeded by
+/// the linear's name), with the linears they go on; [`ParamStore::add_lora`] adds them, a model
+/// built sharded (ZeRO-3) keeps its shard of them.
+pub fn lora_adapters(
+    cfg: &Gpt2Config,
+    lora: &LoraConfig,
+    seed: u64,
+    device: &Device,
+) -> Result<(Vec<String>, Vec<Adapter>)> {
+    lora.validate()?;
+    let linears = linear_shapes(cfg);
+    let names: Vec<&str> = linears.iter().map(|(n, _, _)| n.as_str()).collect();
+    let targets = lora.targets(&names);
+    if targets.is_empty() {
+        bail!(
+            "--lora-module-name {:?} matches none of GPT-2's linears (h.N.attn.c_attn, h.N.attn.c_proj, h.N.mlp.c_fc, h.N.mlp.c_proj): try h. (all) or attn",
+            lora.module_name
+        );
+    }
+    let adapters = linears
+        .iter()
+        .filter(|(n, _, _)| targets.contains(n))
+        .map(|(module, d_in, d_out)| lora::init_adapter(module, *d_in, *d_out, lora.dim, seed, device))
+        .collect::<Result<_>>()?;
+    Ok((targets, adapters))
+}
+
 /// Named parameters in a fixed order (the order of [`parameter_shapes`], then heads and adapters
 /// in the order they were added).
 #[derive(Default)]
@@ -231,21 +258,11 @@ impl ParamStore {
         seed: u64,
         cut: impl Fn(&str, &Tensor) -> Result<Tensor>,
     ) -> Result<Vec<String>> {
-        lora.validate()?;
-        let linears = linear_shapes(cfg);
-        let names: Vec<&str> = linears.iter().map(|(n, _, _)| n.as_str()).collect();
-        let targets = lora.targets(&names);
-        if targets.is_empty() {
-            bail!(
-                "--lora-module-name {:?} matches none of GPT-2's linears (h.N.attn.c_attn, h.N.attn.c_proj, h.N.mlp.c_fc, h.N.mlp.c_proj): try h. (all) or attn",
-                lora.module_name
-            );
-        }
         let device = self.vars.first().map_or(Device::Cpu, |v| v.device().clone());
-        let mut adapters = Vec::with_capacity(targets.len());
-        for (module, d_in, d_out) in linears.iter().filter(|(n, _, _)| targets.contains(n)) {
-            let whole = lora::init_adapter(module, *d_in, *d_out, lora.dim, seed, &device)?;
-            let (a, b) = Adapter::param_names(module);
+        let (targets, whole) = lora_adapters(cfg, lora, seed, &device)?;
+        let mut adapters = Vec::with_capacity(whole.len());
+        for whole in whole {
+            let (a, b) = Adapter::param_names(&whole.module);
             adapters.push(Adapter { a: cut(&a, &whole.a)?, b: cut(&b, &whole.b)?, module: whole.module });
         }
         self.add_adapters(lora.scaling(), &adapters)?;

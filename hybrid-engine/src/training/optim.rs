@@ -264,12 +264,12 @@ impl AdamW {
         adamw_update(p, g, &mut self.exp_avg[i], &mut self.exp_avg_sq[i], lr, wd, self.step, &self.config);
     }
 
-    /// Puts the LoRA adapters of `params` in DS-Chat's LoRA group: learning rate `lora_lr` where
+    /// Puts the LoRA adapters among the optimizer's parameters `names` in DS-Chat's LoRA group: learning rate `lora_lr` where
     /// the schedule peaks at `max_lr`. torch's `LambdaLR` multiplies every group's initial lr by
     /// the same factor, so the adapters run at `lr(step) * lora_lr / max_lr` throughout. Weight
     /// decay stays as for any weight: DS-Chat's LoRA group carries `weight_decay`.
-    pub fn set_lora_lr(&mut self, params: &ParamStore, lora_lr: f64, max_lr: f64) {
-        for (scale, name) in self.lr_scale.iter_mut().zip(&params.names) {
+    pub fn set_lora_lr(&mut self, names: &[String], lora_lr: f64, max_lr: f64) {
+        for (scale, name) in self.lr_scale.iter_mut().zip(names) {
             if lora::is_adapter_name(name) {
                 assert!(max_lr > 0.0, "the schedule's peak learning rate must be positive, got {max_lr}");
                 *scale = lora_lr / max_lr;
@@ -848,7 +848,7 @@ mod tests {
         // DS-Chat's LoRA group keeps weight_decay (`get_optimizer_grouped_parameters`).
         assert!(params.names.iter().all(|n| !no_weight_decay(n)));
         let mut opt = AdamW::new(AdamWConfig { weight_decay: 0.0, ..AdamWConfig::default() }, &params)?;
-        opt.set_lora_lr(&params, 5e-4, 1e-3);
+        opt.set_lora_lr(&params.names, 5e-4, 1e-3);
         let grads: Vec<Tensor> = params.vars.iter().map(|v| v.ones_like()).collect::<candle_core::Result<_>>()?;
         // Halfway through a warmup the schedule gives half the peak; Adam's first step moves each
         // entry by its lr (|m / sqrt(v)| = 1): the base by 5e-4, the adapters by half of 5e-4.

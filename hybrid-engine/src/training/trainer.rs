@@ -276,7 +276,12 @@ impl Trainer {
     /// Runs the LoRA adapters among `params` at `lora_lr` (DS-Chat `--lora-learning-rate`),
     /// scheduled alike with the other parameters.
     pub fn set_lora_learning_rate(&mut self, params: &ParamStore, lora_lr: f64) {
-        self.optimizer.set_lora_lr(params, lora_lr, self.schedule.max_lr);
+        self.optimizer.set_lora_lr(&params.names, lora_lr, self.schedule.max_lr);
+    }
+
+    /// [`Self::set_lora_learning_rate`] of the optimizer's parameters `names` (a sharded model's).
+    pub fn set_lora_learning_rate_of(&mut self, names: &[String], lora_lr: f64) {
+        self.optimizer.set_lora_lr(names, lora_lr, self.schedule.max_lr);
     }
 
     /// The factor of each micro-batch's loss before backward: 1 / accumulation steps, so that

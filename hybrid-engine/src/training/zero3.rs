@@ -73,12 +73,38 @@ struct ParamLayout {
 }
 
 impl ParamLayout {
-    /// A GPT-2 trunk's parameters then `heads`' (no adapters), all trained.
-    fn gpt2(cfg: &Gpt2Config, heads: &[(String, Tensor)]) -> Self {
+    /// A GPT-2 trunk's parameters then `beside`'s.
+    fn gpt2(cfg: &Gpt2Config, beside: &Beside) -> Self {
         let trunk = crate::model::params::parameter_shapes(cfg).into_iter().map(|(n, s)| (n, Shape::from(s)));
-        let heads = heads.iter().map(|(n, t)| (n.clone(), t.shape().clone()));
-        let (names, shapes): (Vec<String>, Vec<Shape>) = trunk.chain(heads).unzip();
-        Self { frozen: vec![false; names.len()], names, shapes, lora_scaling: None }
+        let trunk_len = trunk.len();
+        let others = beside.tensors.iter().map(|(n, t)| (n.clone(), t.shape().clone()));
+        let (names, shapes): (Vec<String>, Vec<Shape>) = trunk.chain(others).unzip();
+        let frozen = (0..names.len()).map(|i| beside.frozen_trunk && i < trunk_len).collect();
+        Self { frozen, names, shapes, lora_scaling: beside.lora_scaling }
+    }
+}
+
+/// What a GPT-2 built sharded ([`ShardedModel::init`], [`ShardedModel::read`]) holds beside its
+/// trunk, whole on every rank until each keeps its shard: the heads (a reward model's
+/// `score.weight`) and LoRA adapters, in the order a [`ParamStore`] puts them after the trunk.
+#[derive(Default)]
+pub struct Beside {
+    pub tensors: Vec<(String, Tensor)>,
+    /// The adapters' scaling, when there are adapters.
+    pub lora_scaling: Option<f64>,
+    /// `--only-optimize-lora`: the trunk is frozen, only the tensors here train.
+    pub frozen_trunk: bool,
+}
+
+impl Beside {
+    /// Heads alone, trained with the trunk.
+    pub fn heads(heads: Vec<(String, Tensor)>) -> Self {
+        Self { tensors: heads, ..Self::default() }
+    }
+
+    /// Their values in all.
+    pub fn numel(&self) -> usize {
+        self.tensors.iter().map(|(_, t)| t.elem_count()).sum()
     }
 }
 
@@ -140,16 +166,16 @@ impl ShardedModel {
     /// A freshly initialised model built sharded (DeepSpeed's `zero.Init`): each tensor is drawn
     /// as [`ParamStore::init`] draws it, this rank keeps its shard of it and drops the rest, so
     /// every rank's shard holds the one-rank model's values and no rank ever holds the whole.
-    /// `heads` (a reward model's `score.weight`) follow the trunk, as [`ParamStore::push`] puts them.
+    /// `beside` (heads, LoRA adapters) follows the trunk, as [`ParamStore::push`] puts it.
     pub fn init(
         group: Arc<ProcessGroup>,
         cfg: &Gpt2Config,
         seed: u64,
-        heads: &[(String, Tensor)],
+        beside: &Beside,
         dtype: DType,
         device: &Device,
     ) -> Result<Self> {
-        let model = Self::empty(group, cfg, ParamLayout::gpt2(cfg, heads), dtype, device)?;
+        let model = Self::empty(group, cfg, ParamLayout::gpt2(cfg, beside), dtype, device)?;
         let mut i = 0;
         ParamStore::draw_initial(cfg, seed, |_, _, values| {
             if let Some((range, _)) = model.held[i].clone() {
@@ -158,36 +184,36 @@ impl ShardedModel {
             i += 1;
             Ok(())
         })?;
-        model.fill_heads(heads)?;
+        model.fill_beside(beside)?;
         Ok(model)
     }
 
     /// A GPT-2 built sharded from a saved model's values: `read(name, range)` returns the values
     /// of trunk parameter `name` in `range` (its flat indices) as fp32, so a rank reads only its
     /// shard (from a memory-mapped safetensors file, `checkpoints::sharded_io::ModelSlices`);
-    /// `heads` as in [`Self::init`].
+    /// `beside` as in [`Self::init`].
     pub fn read(
         group: Arc<ProcessGroup>,
         cfg: &Gpt2Config,
         read: impl Fn(&str, Range<usize>) -> Result<Vec<f32>>,
-        heads: &[(String, Tensor)],
+        beside: &Beside,
         dtype: DType,
         device: &Device,
     ) -> Result<Self> {
-        let model = Self::empty(group, cfg, ParamLayout::gpt2(cfg, heads), dtype, device)?;
-        for (i, name) in model.names.iter().enumerate().take(model.names.len() - heads.len()) {
+        let model = Self::empty(group, cfg, ParamLayout::gpt2(cfg, beside), dtype, device)?;
+        for (i, name) in model.names.iter().enumerate().take(model.names.len() - beside.tensors.len()) {
             if let Some((range, _)) = model.held[i].clone() {
                 model.fill(i, &read(name, range)?)?;
             }
         }
-        model.fill_heads(heads)?;
+        model.fill_beside(beside)?;
         Ok(model)
     }
 
-    /// This rank's shard of `heads`, the model's last parameters.
-    fn fill_heads(&self, heads: &[(String, Tensor)]) -> Result<()> {
-        let first = self.names.len() - heads.len();
-        for (k, (_, t)) in heads.iter().enumerate() {
+    /// This rank's shard of `beside`, the model's last parameters.
+    fn fill_beside(&self, beside: &Beside) -> Result<()> {
+        let first = self.names.len() - beside.tensors.len();
+        for (k, (_, t)) in beside.tensors.iter().enumerate() {
             if let Some((range, _)) = self.held[first + k].clone() {
                 let values = t.flatten_all()?.narrow(0, range.start, range.len())?;
                 self.fill(first + k, &values.to_dtype(DType::F32)?.to_vec1()?)?;

@@ -19,7 +19,7 @@ use hybrid_engine::model::reward_model::{RewardModel, SCORE_WEIGHT};
 use hybrid_engine::training::tensor_parallel::TensorParallel;
 use hybrid_engine::training::train_step::TrainedModel;
 use hybrid_engine::training::trainer::TrainerProgress;
-use hybrid_engine::training::zero3::ShardedModel;
+use hybrid_engine::training::zero3::{Beside, ShardedModel};
 use hybrid_engine::ParamStore;
 use std::path::PathBuf;
 use std::rc::Rc;
@@ -176,7 +176,7 @@ pub fn read_starting_models(
                 sharding.group.clone(),
                 &config,
                 |n, r| slices.read(n, r),
-                &heads,
+                &Beside::heads(heads),
                 dtype,
                 device,
             )?)),

@@ -26,6 +26,7 @@ use hybrid_engine::training::metrics::Metrics;
 use hybrid_engine::training::tensor_parallel::data_group;
 use hybrid_engine::training::train_step::TrainedModel;
 use hybrid_engine::training::trainer::total_steps;
+use hybrid_engine::training::zero3::Beside;
 use hybrid_engine::ParamStore;
 use serde::Serialize;
 use serde_json::json;
@@ -84,9 +85,20 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
         Some(w) if w.dims() == [1, config.n_embd] => head_store.push(SCORE_WEIGHT, w)?,
         _ => add_score_head(head_store, &config, t.seed, &device)?,
     }
-    if let Some(line) = t.apply_lora(&mut start.params, &config, tp.as_ref())? {
-        println!("{line}");
-    }
+    // LoRA on a whole model or its TP slices; a model built sharded gets its adapters beside the
+    // trunk after the head, each rank keeping its shard of them.
+    let beside = match &shard_source {
+        Some(_) => {
+            let heads = heads.iter().map(|(n, v)| (n.to_string(), v.as_tensor().clone())).collect();
+            t.beside_trunk(heads, &config, &device)?
+        }
+        None => {
+            if let Some(line) = t.apply_lora(&mut start.params, &config, tp.as_ref())? {
+                println!("{line}");
+            }
+            Beside::default()
+        }
+    };
     let params = std::mem::take(&mut start.params);
     // Tensor parallelism: this rank trains its slices of the trunk and the whole score head.
     if let Some(tp) = &tp {
@@ -94,7 +106,10 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
     }
     // What the optimizer updates: everything, or with --only-optimize-lora the adapters and head.
     let (total, trainable) = match shard_source {
-        Some(_) => (parameter_count(&config) + heads.numel(), parameter_count(&config) + heads.numel()),
+        Some(_) => {
+            let total = parameter_count(&config) + beside.numel();
+            (total, if beside.frozen_trunk { beside.numel() } else { total })
+        }
         None => (params.numel(), params.trainable().numel()),
     };
 
@@ -129,10 +144,8 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
     let ranks = Ranks { data: data_group.clone(), tensor: tp.clone() };
     let mut engine = match &shard_source {
         Some(source) => {
-            let heads: Vec<(String, Tensor)> =
-                heads.iter().map(|(n, v)| (n.to_string(), v.as_tensor().clone())).collect();
             let model =
-                source.build(data_group.clone(), &config, &heads, engine_cfg.precision.dtype.dtype(), &device)?;
+                source.build(data_group.clone(), &config, &beside, engine_cfg.precision.dtype.dtype(), &device)?;
             Engine::new_sharded(&engine_cfg, &config, model)?
         }
         None => Engine::new(&engine_cfg, &config, Head::Score, params, ranks)?,

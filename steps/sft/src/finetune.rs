@@ -22,6 +22,7 @@ use hybrid_engine::training::metrics::{record_parallel_usage, Metrics};
 use hybrid_engine::training::tensor_parallel::data_group;
 use hybrid_engine::training::train_step::TrainedModel;
 use hybrid_engine::training::trainer::total_steps;
+use hybrid_engine::training::zero3::Beside;
 use hybrid_engine::ParamStore;
 use serde::Serialize;
 use serde_json::json;
@@ -74,9 +75,17 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
     let micro_per_epoch = data.train.len().div_ceil(world).div_ceil(t.per_device_train_batch_size);
     let steps = total_steps(micro_per_epoch, t.num_train_epochs, t.gradient_accumulation_steps);
     let engine_cfg = t.engine_config(lr, steps, &data_group)?;
-    if let Some(line) = t.apply_lora(&mut start.params, &config, sliced)? {
-        println!("{line}");
-    }
+    // LoRA on a whole model or its TP slices; a model built sharded gets its adapters beside the
+    // trunk, each rank keeping its shard of them.
+    let beside = match &shard_source {
+        Some(_) => t.beside_trunk(Vec::new(), &config, &device)?,
+        None => {
+            if let Some(line) = t.apply_lora(&mut start.params, &config, sliced)? {
+                println!("{line}");
+            }
+            Beside::default()
+        }
+    };
     let params = std::mem::take(&mut start.params);
     // prompt_eval (rank 0) compares with the starting weights, which training overwrites in place.
     let baseline_weights = (args.eval_prompts.is_some() && group.is_first()).then(|| params.copy()).transpose()?;
@@ -93,7 +102,10 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
     };
     // What the optimizer updates: everything, or with --only-optimize-lora the adapters alone.
     let (total, trainable) = match shard_source {
-        Some(_) => (parameter_count(&config), parameter_count(&config)),
+        Some(_) => {
+            let total = parameter_count(&config) + beside.numel();
+            (total, if beside.frozen_trunk { beside.numel() } else { total })
+        }
         None => (params.numel(), params.trainable().numel()),
     };
     println!(
@@ -116,7 +128,8 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
     let ranks = Ranks { data: data_group.clone(), tensor: tp.clone() };
     let mut engine = match &shard_source {
         Some(source) => {
-            let model = source.build(data_group.clone(), &config, &[], engine_cfg.precision.dtype.dtype(), &device)?;
+            let model =
+                source.build(data_group.clone(), &config, &beside, engine_cfg.precision.dtype.dtype(), &device)?;
             Engine::new_sharded(&engine_cfg, &config, model)?
         }
         None => Engine::new(&engine_cfg, &config, Head::Lm, params, ranks)?,

@@ -257,7 +257,7 @@ fn start_or_resume(
             (_, Some((group, dtype))) => StartingWeights::Sharded(Box::new(ShardSource::Drawn(args.seed).build(
                 group,
                 model_cfg,
-                &[],
+                &Default::default(),
                 dtype,
                 device,
             )?)),
@@ -291,7 +291,7 @@ fn start_or_resume(
             check_same_shape(&slices.config, model_cfg)?;
             *model_cfg = with_dropout(slices.config.clone(), args.dropout);
             let source = ShardSource::Slices(Box::new(slices));
-            StartingWeights::Sharded(Box::new(source.build(group, model_cfg, &[], dtype, device)?))
+            StartingWeights::Sharded(Box::new(source.build(group, model_cfg, &Default::default(), dtype, device)?))
         }
         // Checkpoints are consolidated: under tensor parallelism each rank reads its slices of
         // the memory-mapped weights, tensor by tensor.
