@@ -1421,7 +1421,11 @@ fn ppo_with_lora_at_stage_3_and_under_tensor_parallelism_matches_one_rank() {
     let mut a = ppo_args(dir.path(), &out, 4, 2, (3, 3));
     a.extend(lora.clone());
     a.extend(args("--save-interval 2"));
-    run_ranks(dir.path(), "ppo", 2, &a);
+    let outs = run_ranks(dir.path(), "ppo", 2, &a);
+    // All four models built sharded, the adapters beside the actor's and critic's trunks.
+    let log = String::from_utf8_lossy(&outs[0].stdout);
+    let built = "ZeRO stage 3: the actor, reference, critic, reward model built sharded over 2 ranks";
+    assert!(log.contains(built) && log.contains("actor LoRA: rank 4") && log.contains("critic LoRA: rank 4"), "{log}");
     assert_same_ppo(&out, &single, "PPO with LoRA on 2 ranks, stage 3");
     // Under tensor parallelism each adapter is cut as its linear; rollouts fuse the slices.
     for (world, generation, training, stage) in [(2, 8, 4, 0u8), (4, 4, 2, 3)] {

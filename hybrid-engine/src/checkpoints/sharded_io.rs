@@ -215,13 +215,9 @@ mod tests {
         whole.add_lora(&cfg, &lora, 7)?;
         whole.freeze_trunk();
         let (_, adapters) = crate::model::params::lora_adapters(&cfg, &lora, 7, &Device::Cpu)?;
-        let mut beside =
-            crate::training::zero3::Beside::heads(vec![(crate::model::reward_model::SCORE_WEIGHT.into(), head)]);
-        for adapter in adapters {
-            let (a, b) = lora::Adapter::param_names(&adapter.module);
-            beside.tensors.extend([(a, adapter.a), (b, adapter.b)]);
-        }
-        (beside.lora_scaling, beside.frozen_trunk) = (Some(lora.scaling()), true);
+        let beside =
+            crate::training::zero3::Beside::heads(vec![(crate::model::reward_model::SCORE_WEIGHT.into(), head)])
+                .with_lora(adapters, lora.scaling(), true);
         for world in [2, 3] {
             let results = on_groups(world, |group| {
                 let group = Arc::new(group);

@@ -198,15 +198,9 @@ impl StepArgs {
     /// flags ask for, drawn whole as one rank draws them (small: r x (in + out) a linear), with
     /// `--only-optimize-lora` the trunk frozen. Says what LoRA does in a line.
     pub fn beside_trunk(&self, heads: Vec<(String, Tensor)>, cfg: &Gpt2Config, device: &Device) -> Result<Beside> {
-        let mut beside = Beside::heads(heads);
-        let Some(lora) = self.lora() else { return Ok(beside) };
+        let Some(lora) = self.lora() else { return Ok(Beside::heads(heads)) };
         let (targets, adapters) = crate::model::params::lora_adapters(cfg, &lora, self.seed, device)?;
-        for adapter in adapters {
-            let (a, b) = lora::Adapter::param_names(&adapter.module);
-            beside.tensors.extend([(a, adapter.a), (b, adapter.b)]);
-        }
-        beside.lora_scaling = Some(lora.scaling());
-        beside.frozen_trunk = self.only_optimize_lora;
+        let beside = Beside::heads(heads).with_lora(adapters, lora.scaling(), self.only_optimize_lora);
         let total = crate::model::params::parameter_count(cfg) + beside.numel();
         let trainable = if self.only_optimize_lora { beside.numel() } else { total };
         println!("{}", self.lora_line(cfg, &targets, (trainable, total)));

@@ -102,6 +102,17 @@ impl Beside {
         Self { tensors: heads, ..Self::default() }
     }
 
+    /// With LoRA `adapters` after the heads (A then B of each, as [`ParamStore::add_adapters`]
+    /// puts them) at `scaling`, the trunk frozen with `frozen_trunk` (`--only-optimize-lora`).
+    pub fn with_lora(mut self, adapters: Vec<lora::Adapter>, scaling: f64, frozen_trunk: bool) -> Self {
+        for adapter in adapters {
+            let (a, b) = lora::Adapter::param_names(&adapter.module);
+            self.tensors.extend([(a, adapter.a), (b, adapter.b)]);
+        }
+        (self.lora_scaling, self.frozen_trunk) = (Some(scaling), frozen_trunk);
+        self
+    }
+
     /// Their values in all.
     pub fn numel(&self) -> usize {
         self.tensors.iter().map(|(_, t)| t.elem_count()).sum()

@@ -432,6 +432,16 @@ impl PpoArgs {
         (dim > 0).then(|| lora::LoraConfig { dim, alpha: None, module_name: module_name.to_string() })
     }
 
+    /// The LoRA flags of the trained model `what` ("actor", "critic"): (what, rank, module name,
+    /// learning rate), `None` without LoRA on it.
+    pub fn lora_of<'a>(&'a self, what: &'a str) -> Option<(&'a str, usize, &'a str, f64)> {
+        let (dim, module, lr) = match what {
+            "actor" => (self.actor_lora_dim, &self.actor_lora_module_name, self.actor_lora_learning_rate),
+            _ => (self.critic_lora_dim, &self.critic_lora_module_name, self.critic_lora_learning_rate),
+        };
+        (dim > 0).then_some((what, dim, module.as_str(), lr))
+    }
+
     pub fn ppo_config(&self) -> PpoConfig {
         PpoConfig {
             kl_ctl: self.kl_ctl,

@@ -69,8 +69,9 @@ pub enum Weights {
 /// Which of step 3's models are built sharded over the data-parallel `group` (ZeRO stage 3
 /// across ranks, without tensor parallelism), as DS-Chat's `DeepSpeedRLHFEngine` decides it: the
 /// reference follows the actor's stage, the reward model the critic's. The trained models are
-/// built sharded where nothing whole comes first: no LoRA adapters (added to a whole model), and
-/// a resume only from a checkpoint that saved them sharded (else it restores whole values).
+/// built sharded (LoRA adapters beside their trunks) where nothing whole comes first: a resume
+/// only from a checkpoint that saved them sharded (else it restores whole values; a LoRA model's
+/// checkpoint holds them whole).
 ///
 /// Under tensor parallelism each rank reads its slices of the frozen models, and of the trained
 /// ones on a fresh start (a resume restores whole values, then slices them).
@@ -106,11 +107,8 @@ impl Sharding {
             sliced_trained: tp.is_some() && resume.is_none(),
             reference,
             reward,
-            actor: reference && args.actor_lora_dim == 0 && by_slices(resume.map(|ck| &ck.actor)),
-            critic: reward
-                && args.critic_lora_dim == 0
-                && args.algorithm.has_critic()
-                && by_slices(resume.and_then(|ck| ck.critic.as_ref())),
+            actor: reference && by_slices(resume.map(|ck| &ck.actor)),
+            critic: reward && args.algorithm.has_critic() && by_slices(resume.and_then(|ck| ck.critic.as_ref())),
         }
     }
 }
@@ -141,8 +139,23 @@ pub fn read_starting_models(
 ) -> Result<StartingModels> {
     let dtype = args.precision.precision().dtype.dtype();
     // `trained`: the actor or the critic; `score`: a reward model's directory.
-    let read = |name: &str, flag: &str, dropout: Option<f64>, sharded: bool, trained: bool, score: bool| {
-        let sliced = sharding.tp.as_ref().filter(|_| !sharded && (!trained || sharding.sliced_trained));
+    // A trained model built sharded gets its LoRA adapters beside its trunk (and head), drawn
+    // whole as one rank draws them and cut into shards; a whole or sliced one gets them later
+    // (`StartingModels::add_lora`).
+    let beside = |heads: Vec<(String, Tensor)>, cfg: &Gpt2Config, trained: Option<&str>| -> Result<Beside> {
+        let Some((what, dim, module, lr)) = trained.and_then(|what| args.lora_of(what)) else {
+            return Ok(Beside::heads(heads));
+        };
+        let lora = PpoArgs::lora(dim, module).expect("lora_of gives a rank above 0");
+        let (targets, adapters) = hybrid_engine::model::params::lora_adapters(cfg, &lora, args.seed, device)?;
+        println!(
+            "{what} LoRA: rank {dim} on {} linears matching {module:?}, scaling 1/{dim}, lr {lr:e}",
+            targets.len()
+        );
+        Ok(Beside::heads(heads).with_lora(adapters, lora.scaling(), args.only_optimize_lora))
+    };
+    let read = |name: &str, flag: &str, dropout: Option<f64>, sharded: bool, trained: Option<&str>, score: bool| {
+        let sliced = sharding.tp.as_ref().filter(|_| !sharded && (trained.is_none() || sharding.sliced_trained));
         if !sharded && sliced.is_none() {
             return match score {
                 false => read_model(name, flag, dropout, device).map(|(c, p, f)| (c, Weights::Whole(p), f.dir)),
@@ -176,7 +189,7 @@ pub fn read_starting_models(
                 sharding.group.clone(),
                 &config,
                 |n, r| slices.read(n, r),
-                &Beside::heads(heads),
+                &beside(heads, &config, trained)?,
                 dtype,
                 device,
             )?)),
@@ -192,18 +205,19 @@ pub fn read_starting_models(
     };
     let trained_actor = trained_actor.filter(|_| sharding.actor).unwrap_or_else(|| actor_name.clone());
     let trained_critic = trained_critic.filter(|_| sharding.critic).unwrap_or_else(|| critic_name.clone());
-    let (actor_cfg, actor, _) = read(&trained_actor, actor_flag, args.actor_dropout(), sharding.actor, true, false)?;
-    let (_, reference, actor_dir) = read(actor_name, actor_flag, Some(0.0), sharding.reference, false, false)?;
+    let (actor_cfg, actor, _) =
+        read(&trained_actor, actor_flag, args.actor_dropout(), sharding.actor, Some("actor"), false)?;
+    let (_, reference, actor_dir) = read(actor_name, actor_flag, Some(0.0), sharding.reference, None, false)?;
     let critic = args
         .algorithm
         .has_critic()
         .then(|| {
-            read(&trained_critic, critic_flag, args.critic_dropout(), sharding.critic, true, true)
+            read(&trained_critic, critic_flag, args.critic_dropout(), sharding.critic, Some("critic"), true)
                 .map(|(c, w, _)| (c, w))
         })
         .transpose()?;
     let reward = (!args.no_reward_model)
-        .then(|| read(critic_name, critic_flag, Some(0.0), sharding.reward, false, true).map(|(c, w, _)| (c, w)))
+        .then(|| read(critic_name, critic_flag, Some(0.0), sharding.reward, None, true).map(|(c, w, _)| (c, w)))
         .transpose()?;
     let said = [
         ("actor", sharding.actor),
@@ -275,7 +289,9 @@ impl StartingModels {
                 let (params, cut) = match (weights, tp) {
                     (Weights::Whole(params), _) => (params, None),
                     (Weights::Sliced(params), Some(tp)) => (params, Some(tp)),
-                    _ => bail!("internal error: the {what} was built sharded or sliced without TP, and LoRA adapters go on a whole model or its TP slices"),
+                    // Built sharded with its adapters (`read_starting_models`).
+                    (Weights::Sharded(_), _) => continue,
+                    _ => bail!("internal error: the {what} was read in slices without TP"),
                 };
                 let linears = params.add_lora_cut(cfg, &lora, args.seed, |name, whole| match cut {
                     Some(tp) => tp.cut(name, whole),
