@@ -241,6 +241,24 @@ impl ProcessGroup {
         self.on_host(t, t.elem_count(), |v| over_wire!(wire, v, |buf| self.ring.all_reduce(buf, op)))
     }
 
+    /// [`Self::all_reduce_as`] of `parts` laid end to end (flattened): CPU tensors are read in
+    /// place into the ring's buffer, each dropped once copied (what the caller no longer holds is
+    /// freed before the collective runs), not first concatenated. Stage 0's gradient buckets.
+    pub fn all_reduce_parts_as(&self, parts: Vec<Tensor>, op: ReduceOp, wire: WireDtype) -> Result<Tensor> {
+        if self.world() == 1 || parts.iter().any(|t| !t.device().is_cpu()) {
+            let flat: Vec<Tensor> = parts.iter().map(|t| t.flatten_all()).collect::<candle_core::Result<_>>()?;
+            drop(parts);
+            return self.all_reduce_as(&Tensor::cat(&flat, 0)?, op, wire);
+        }
+        let mut v = Vec::with_capacity(parts.iter().map(Tensor::elem_count).sum());
+        for t in parts {
+            extend_host_f32(&mut v, &t)?;
+        }
+        over_wire!(wire, &mut v[..], |buf| self.ring.all_reduce(buf, op))?;
+        let len = v.len();
+        Ok(Tensor::from_vec(v, len, &candle_core::Device::Cpu)?)
+    }
+
     /// The sum over ranks of this rank's chunk of `t` (flattened; its length a multiple of the
     /// world size, as NCCL requires): chunk `r` of `len / world` values on rank `r`.
     pub fn reduce_scatter(&self, t: &Tensor) -> Result<Tensor> {
@@ -503,7 +521,8 @@ mod tests {
     }
 
     /// The in-place host paths give what the plain collectives give on the concatenation: parts
-    /// contiguous, transposed (copied) and a slice at an offset, padding, 2 and 3 ranks.
+    /// contiguous, transposed (copied) and a slice at an offset, padding, 2 and 3 ranks; the
+    /// all-reduce of parts their whole sum.
     #[test]
     fn reduce_scatter_parts_and_all_gather_slice_equal_the_plain_collectives() {
         for world in [2, 3] {
@@ -534,6 +553,9 @@ mod tests {
                 let chunk = len / group.world();
                 let expected = &sum[group.rank() * chunk..(group.rank() + 1) * chunk];
                 anyhow::ensure!(got == want && got == expected, "reduce-scatter: {got:?} vs {want:?} vs {expected:?}");
+                // The all-reduce of the same parts (no padding): every rank gets the whole sum.
+                let got = group.all_reduce_parts_as(parts.to_vec(), ReduceOp::Sum, WireDtype::F32)?.to_vec1::<f32>()?;
+                anyhow::ensure!(got == sum[..14], "all-reduce of parts: {got:?} vs {:?}", &sum[..14]);
                 let mine: Vec<f32> = (0..4).map(|i| r * 10.0 + i as f32).collect();
                 let got = group.all_gather_slice(&mine, &dev)?.to_vec1::<f32>()?;
                 let want = group.all_gather(&Tensor::new(mine.as_slice(), &dev)?)?.to_vec1::<f32>()?;

@@ -377,7 +377,7 @@ impl Trainer {
             // does not outlive the micro-batch.
             let fresh = self.acc.emptied();
             let grads = std::mem::replace(&mut self.acc, fresh).finish()?;
-            let shard = zero::reduce_scatter_gradients(dp, partition, &grads)?;
+            let shard = zero::reduce_scatter_gradients(dp, partition, grads)?;
             self.grad_shard = Some(match self.grad_shard.take() {
                 Some(acc) => (acc + shard)?,
                 None => shard,
@@ -504,12 +504,10 @@ impl Trainer {
             // As held (bf16/f16 after one micro-batch in mixed precision): `step` decides.
             None => Ok(Gradients::Full(acc.finish_in_compute_dtype()?)),
             Some((dp, _)) if dp.stage == ZeroStage::Disabled => {
-                let mut grads = acc.finish()?;
-                zero::all_reduce_gradients(dp, &mut grads)?;
-                Ok(Gradients::Full(grads))
+                Ok(Gradients::Full(zero::all_reduce_gradients(dp, acc.finish()?)?))
             }
             Some((dp, partition)) if dp.stage == ZeroStage::OptimizerStates => {
-                Ok(Gradients::Shard(zero::reduce_scatter_gradients(dp, partition, &acc.finish()?)?))
+                Ok(Gradients::Shard(zero::reduce_scatter_gradients(dp, partition, acc.finish()?)?))
             }
             Some(_) => {
                 let shard = self.grad_shard.take();

@@ -201,37 +201,41 @@ impl Partition {
 
 /// Stage 0: the mean over ranks of each gradient, all-reduced in buckets of about
 /// `dp.bucket` values (a bucket holds whole parameters; one larger than a bucket goes alone).
-pub fn all_reduce_gradients(dp: &DataParallel, grads: &mut [Tensor]) -> Result<()> {
+/// The gradients are taken: on the CPU each is freed once copied into its bucket's ring buffer,
+/// and the means come back as views of the reduced buckets.
+pub fn all_reduce_gradients(dp: &DataParallel, grads: Vec<Tensor>) -> Result<Vec<Tensor>> {
     let world = dp.world();
     if world == 1 {
-        return Ok(());
+        return Ok(grads);
     }
+    let shapes: Vec<candle_core::Shape> = grads.iter().map(|g| g.shape().clone()).collect();
+    let mut grads = grads.into_iter();
+    let mut out = Vec::with_capacity(shapes.len());
     let mut start = 0;
-    while start < grads.len() {
+    while start < shapes.len() {
         let mut end = start;
         let mut values = 0;
-        while end < grads.len() && (end == start || values + grads[end].elem_count() <= dp.bucket) {
-            values += grads[end].elem_count();
+        while end < shapes.len() && (end == start || values + shapes[end].elem_count() <= dp.bucket) {
+            values += shapes[end].elem_count();
             end += 1;
         }
-        let flat: Vec<Tensor> =
-            grads[start..end].iter().map(|g| g.flatten_all()).collect::<candle_core::Result<_>>()?;
-        let bucket = Tensor::cat(&flat, 0)?;
-        let summed = (dp.group.all_reduce_as(&bucket, ReduceOp::Sum, dp.wire)? / world as f64)?;
+        let bucket: Vec<Tensor> = grads.by_ref().take(end - start).collect();
+        let summed = (dp.group.all_reduce_parts_as(bucket, ReduceOp::Sum, dp.wire)? / world as f64)?;
         let mut offset = 0;
-        for g in &mut grads[start..end] {
-            let n = g.elem_count();
-            *g = summed.narrow(0, offset, n)?.reshape(g.shape())?;
+        for shape in &shapes[start..end] {
+            let n = shape.elem_count();
+            out.push(summed.narrow(0, offset, n)?.reshape(shape)?);
             offset += n;
         }
         start = end;
     }
-    Ok(())
+    Ok(out)
 }
 
-/// Stages 1 and 2: this rank's shard of the summed gradients (not yet averaged).
-pub fn reduce_scatter_gradients(dp: &DataParallel, partition: &Partition, grads: &[Tensor]) -> Result<Tensor> {
-    dp.group.reduce_scatter_parts_as(grads.to_vec(), partition.padded(), dp.wire)
+/// Stages 1 and 2: this rank's shard of the summed gradients (not yet averaged). The gradients
+/// are taken: on the CPU each is freed once copied into the ring's buffer.
+pub fn reduce_scatter_gradients(dp: &DataParallel, partition: &Partition, grads: Vec<Tensor>) -> Result<Tensor> {
+    dp.group.reduce_scatter_parts_as(grads, partition.padded(), dp.wire)
 }
 
 /// ZeRO stage 2's gradient reduction during backward, in buckets of about `reduce_bucket_size`
