@@ -6,7 +6,8 @@
 # predicted), and the bytes and time the ranks spent communicating.
 # Usage: scripts/bench/zero-memory.sh [ITERATIONS] [RANKS]   (after cargo build --release)
 # Environment: DTYPE (fp32), STAGES ("0 1 2 3"), EXTRA (more flags, e.g. "--reduce-bucket-size
-# 5000000"), SEQ (128), MICRO (2), TRAIN (the binary: another build to compare with).
+# 5000000"), SEQ (128), MICRO (2), MODEL (gpt2; or tiny, ...), TRAIN (the binary: another build
+# to compare with).
 set -euo pipefail
 ITERS=${1:-3}
 RANKS=${2:-2}
@@ -15,6 +16,7 @@ STAGES=${STAGES:-0 1 2 3}
 EXTRA=${EXTRA:-}
 SEQ=${SEQ:-128}
 MICRO=${MICRO:-2}
+MODEL=${MODEL:-gpt2}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 TRAIN=${TRAIN:-$ROOT/target/release/train}
 WORK=$(mktemp -d)
@@ -22,7 +24,7 @@ trap 'rm -rf "$WORK"' EXIT
 ln -s "$TRAIN" "$WORK/sft"
 for STAGE in $STAGES; do
   # shellcheck disable=SC2086 # EXTRA is words
-  RLHF_NPROC_PER_NODE=$RANKS RLHF_RANK_LOG_DIR="$WORK/logs-$STAGE" "$WORK/sft" --from-scratch --model gpt2 \
+  RLHF_NPROC_PER_NODE=$RANKS RLHF_RANK_LOG_DIR="$WORK/logs-$STAGE" "$WORK/sft" --from-scratch --model "$MODEL" \
     --seq-length "$SEQ" --micro-batch-size "$MICRO" --train-iters "$ITERS" --eval-interval 0 --eval-iters 1 \
     --log-interval 1 --device cpu --dtype "$DTYPE" --zero-stage "$STAGE" $EXTRA --output-dir "$WORK/out-$STAGE" >"$WORK/stdout-$STAGE" 2>&1 \
     || { cat "$WORK/stdout-$STAGE"; exit 1; }
