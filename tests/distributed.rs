@@ -322,7 +322,8 @@ fn zero_stages_send_the_ring_volumes_of_theory() {
 /// weights' phase sends half the bytes of fp32 (gradients still reduced in fp32); training is
 /// that of whole masters (stage 0 in bf16 on the same ranks) to float rounding, and the saved
 /// checkpoint (the masters gathered on rank 0, each rank's optimizer shard) holds the same fp32
-/// weights. Stage 3 gathers its units in bf16 too: half the weights' bytes.
+/// weights. Stage 3 gathers its units in bf16 too: half the weights' bytes. Under tensor
+/// parallelism the masters of each TP rank's slices are sharded alike.
 #[test]
 fn mixed_precision_zero_shards_the_masters_and_gathers_the_weights_in_half_the_bytes() {
     let dir = tempfile::tempdir().unwrap();
@@ -361,6 +362,18 @@ fn mixed_precision_zero_shards_the_masters_and_gathers_the_weights_in_half_the_b
     let (resumed, log) = run("resumed", 2, &format!("--load {}", saved.display()));
     assert!(log.contains("resumed from") && log.contains("at iteration 3"), "{log}");
     assert_same_weights(&latest(&resumed), &latest(&whole), 1e-6, 0.0, "stage 1 in bf16 resumed at stage 2");
+    // Under tensor parallelism (TP=2 x DP=2) each rank keeps its shard of its TP slices' masters;
+    // the save puts the slices together on the first data-parallel rank, then the TP ranks'.
+    let tp = |name: &str, stage: u8| {
+        let out = dir.path().join(name);
+        let a = with(pretrain_args(&out, 3, stage), "--eval-interval 0 --dtype bf16 --tensor-model-parallel-size 2");
+        let outs = run_ranks(dir.path(), "sft", 4, &a);
+        (out, String::from_utf8_lossy(&outs[0].stdout).into_owned())
+    };
+    let (tp_whole, _) = tp("tp-s0", 0);
+    let (tp_sharded, log) = tp("tp-s1", 1);
+    assert!(log.contains("ZeRO stage 1 in bf16: each rank keeps 1/2 of the fp32 masters"), "{log}");
+    assert_same_weights(&latest(&tp_sharded), &latest(&tp_whole), 1e-6, 0.0, "TP=2 x DP=2, stage 1 in bf16");
 }
 
 /// One metric of each iteration of a pretraining run (`lm_loss`, `grad_norm`), from its metrics.
@@ -1401,6 +1414,18 @@ fn ppo_in_bf16_at_stages_1_and_2_keeps_master_shards_and_trains_as_stage_0() {
         let what = format!("PPO in bf16 at stages 1 and 2 resumed at rollout 2: {model}");
         assert_same_weights(&resumed.join(model), &whole.join(model), 1e-5, 0.0, &what);
     }
+    // Under tensor parallelism (TP=2 x DP=2): rollouts from each rank's bf16 slices, the EMA of
+    // its shard of them.
+    let tp = |name: &str, stages: (u8, u8)| {
+        let out = dir.path().join(name);
+        let a = with(ppo_args(dir.path(), &out, 4, 2, stages), "--dtype bf16 --tp-size 2");
+        let outs = run_ranks(dir.path(), "ppo", 4, &a);
+        (out, String::from_utf8_lossy(&outs[0].stdout).into_owned())
+    };
+    let (tp_whole, _) = tp("tp-s0", (0, 0));
+    let (tp_sharded, log) = tp("tp-s1-s2", (1, 2));
+    assert!(log.contains("ZeRO stage 2 in bf16: each rank keeps 1/2 of the fp32 masters"), "{log}");
+    assert_same_ppo(&tp_sharded, &tp_whole, "PPO in bf16 at TP=2 x DP=2, stages 1 and 2 against stage 0");
 }
 
 /// LoRA adapters beside trained weights under ZeRO stage 3 in both of step 3's models: the

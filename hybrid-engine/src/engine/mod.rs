@@ -70,16 +70,15 @@ pub fn check_offload(on_gpu: bool, stage: ZeroStage, world: usize) -> Result<()>
     Ok(())
 }
 
-/// Whether a model trained over `dp` keeps only its shard of the fp32 masters at ZeRO stages 1
-/// and 2, as DeepSpeed's do: in fp16/bf16 (in fp32 the masters are the weights the model runs
-/// on, whole on every rank at these stages), with every parameter trained, without LoRA and
-/// without tensor parallelism (whose saves and generation still read whole masters of the
-/// slices; said in the run's log).
-pub fn shards_masters(dp: &DataParallel, compute: DType, params: &ParamStore, tensor_parallel: bool) -> bool {
+/// Whether a model trained over `dp` keeps only its shard of the fp32 masters (under tensor
+/// parallelism, of its TP slices) at ZeRO stages 1 and 2, as DeepSpeed's do: in fp16/bf16 (in
+/// fp32 the masters are the weights the model runs on, whole on every rank at these stages),
+/// with every parameter trained and without LoRA (whose generation fuses the adapters into the
+/// fp32 masters; said in the run's log).
+pub fn shards_masters(dp: &DataParallel, compute: DType, params: &ParamStore) -> bool {
     dp.shards_optimizer()
         && dp.stage != ZeroStage::Parameters
         && compute != DType::F32
-        && !tensor_parallel
         && params.lora_scaling().is_none()
         && params.frozen().iter().all(|f| !f)
 }
@@ -184,7 +183,7 @@ impl Engine {
             }
             if dp.shards_optimizer() && dtype != DType::F32 {
                 let name = cfg.precision.dtype.name();
-                if shards_masters(&dp, dtype, &params, tensor.is_some()) {
+                if shards_masters(&dp, dtype, &params) {
                     trainer.shard_masters(&trainable)?;
                     println!(
                         "ZeRO stage {} in {name}: each rank keeps 1/{} of the fp32 masters ({} of {} values) beside the whole {name} copy; updated weights all-gathered in {name}",
@@ -195,7 +194,7 @@ impl Engine {
                     );
                 } else {
                     println!(
-                        "ZeRO stage {} in {name}: the fp32 masters stay whole on every rank (sharded only without LoRA and tensor parallelism); Adam moments sharded",
+                        "ZeRO stage {} in {name}: the fp32 masters stay whole on every rank (sharded only without LoRA); Adam moments sharded",
                         dp.stage
                     );
                 }
@@ -473,15 +472,21 @@ impl Engine {
         model.gather_params_everywhere(dtype).map(Some)
     }
 
+    /// Where a rank keeps only its shard of the fp32 masters (ZeRO-3; stages 1 and 2 in
+    /// fp16/bf16), the whole masters (under TP, this TP rank's slices) put together on the first
+    /// data-parallel rank; `None` on the others and where the masters are whole. Every rank must
+    /// call it (a collective).
+    pub fn gather_slices(&self) -> Result<Option<ParamStore>> {
+        match self.trainer.master_shard() {
+            Some((shard, _)) => self.trainer.gather_master_shards(shard),
+            None => self.model.gather_sharded_params(),
+        }
+    }
+
     /// The whole fp32 weights for a save, put together from the ZeRO-3 shards and the TP
     /// slices. Every rank must call it (collectives); see [`GatheredWeights::params`].
     pub fn gather_weights(&self) -> Result<GatheredWeights> {
-        if let Some((shard, _)) = self.trainer.master_shard() {
-            // Stages 1 and 2 in mixed precision (never under TP): the masters' shards on rank 0.
-            return Ok(GatheredWeights { whole: self.trainer.gather_master_shards(shard)?, slices: None });
-        }
-        // Under ZeRO-3 the first data-parallel rank of each TP rank gets that rank's slices.
-        let slices = self.model.gather_sharded_params()?;
+        let slices = self.gather_slices()?;
         match &self.tensor {
             None => Ok(GatheredWeights { whole: slices, slices: None }),
             Some(tp) => {

@@ -433,10 +433,9 @@ impl MemoryPlan {
         if stage >= ZeroStage::OptimizerStates {
             self.adam_bytes = shard(self.adam_bytes);
             // Under mixed precision stages 1 and 2 keep a shard of the fp32 masters beside the
-            // whole compute copy (`engine::shards_masters`: every parameter trained, no LoRA,
-            // no tensor parallelism).
+            // whole compute copy (`engine::shards_masters`: every parameter trained, no LoRA).
             let a = &self.activations;
-            let whole_masters = self.tensor_parallel.is_some() || a.lora || a.trainable != a.parameters;
+            let whole_masters = a.lora || a.trainable != a.parameters;
             if stage < ZeroStage::Parameters && self.compute_copy_bytes > 0 && !whole_masters {
                 self.param_bytes = shard(self.param_bytes);
             }

@@ -551,11 +551,11 @@ fn save(
             inventory = engine.trained_inventory();
             (engine.gather_weights()?.into_whole(), &inventory.0[..], inventory.1.clone())
         }
-        (sharded, Some(tp)) => {
+        (_, Some(tp)) => {
             // Only rank 0 writes the model and the optimizer state: its TP group gathers them,
-            // the slices first put together from the data-parallel shards under ZeRO 1-3
-            // (the first data-parallel rank of each TP rank holds them).
-            slices = sharded.map(|s| s.gather_params()).transpose()?.flatten();
+            // the slices first put together from the data-parallel shards where the masters are
+            // sharded (the first data-parallel rank of each TP rank holds them).
+            slices = engine.gather_slices()?;
             let masters = slices.as_ref().unwrap_or(masters);
             let whole = tp.gather(masters, model_cfg)?;
             // Under ZeRO 1-3 the moments come together on the first data-parallel rank of each
