@@ -194,6 +194,28 @@ impl StepArgs {
         self.zero_stage == 3 && world > 1 && !tensor_parallel
     }
 
+    /// LoRA as the flags ask, said in a line: on `params` (a whole model, or under `sliced` this
+    /// TP rank's slices), or for a model built sharded (`sharded`), beside its trunk after
+    /// `heads` ([`Self::beside_trunk`]). Returns what the sharded model holds beside its trunk
+    /// (nothing otherwise).
+    pub fn add_lora(
+        &self,
+        sharded: bool,
+        params: &mut ParamStore,
+        heads: Vec<(String, Tensor)>,
+        cfg: &Gpt2Config,
+        sliced: Option<&TensorParallel>,
+        device: &Device,
+    ) -> Result<Beside> {
+        if sharded {
+            return self.beside_trunk(heads, cfg, device);
+        }
+        if let Some(line) = self.apply_lora(params, cfg, sliced)? {
+            println!("{line}");
+        }
+        Ok(Beside::default())
+    }
+
     /// What a model built sharded holds beside its trunk: `heads`, then the LoRA adapters the
     /// flags ask for, drawn whole as one rank draws them (small: r x (in + out) a linear), with
     /// `--only-optimize-lora` the trunk frozen. Says what LoRA does in a line.
@@ -513,6 +535,16 @@ pub fn starting_model_sliced(
         (config.resid_pdrop, config.embd_pdrop, config.attn_pdrop) = (p, p, p);
     }
     Ok(StartingModel { config, params, extra, dir, description })
+}
+
+/// The parameters a step's memory plan counts, (all, trained): those of `params` (whole, or a
+/// TP rank's slices), or for a model built sharded (`sharded`) its trunk and what is `beside` it.
+pub fn parameter_counts(sharded: bool, params: &ParamStore, beside: &Beside, cfg: &Gpt2Config) -> (usize, usize) {
+    if !sharded {
+        return (params.numel(), params.trainable().numel());
+    }
+    let total = crate::model::params::parameter_count(cfg) + beside.numel();
+    (total, if beside.frozen_trunk { beside.numel() } else { total })
 }
 
 /// Where a model built sharded over the ranks (ZeRO stage 3) takes its trunk's values.

@@ -14,19 +14,18 @@ use candle_core::{Device, Tensor};
 use data::batch::{pair_batch, rank_micro_batches, PairBatch};
 use data::phases::PairSample;
 use data::Tokenizer;
+use hybrid_engine::cli::step_args::parameter_counts;
 use hybrid_engine::cli::step_args::StartingModel;
 use hybrid_engine::comm::{ProcessGroup, ReduceOp};
 use hybrid_engine::engine::epochs::{train_epochs, EpochTask, EvalAt};
 use hybrid_engine::engine::{Engine, Head, Ranks};
 use hybrid_engine::model::gpt2::{Dropout, Positions};
-use hybrid_engine::model::params::parameter_count;
 use hybrid_engine::model::reward_model::{add_score_head, sequence_classification_config, SCORE_WEIGHT};
 use hybrid_engine::training::memory::MemoryPlan;
 use hybrid_engine::training::metrics::Metrics;
 use hybrid_engine::training::tensor_parallel::data_group;
 use hybrid_engine::training::train_step::TrainedModel;
 use hybrid_engine::training::trainer::total_steps;
-use hybrid_engine::training::zero3::Beside;
 use hybrid_engine::ParamStore;
 use serde::Serialize;
 use serde_json::json;
@@ -87,31 +86,15 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
     }
     // LoRA on a whole model or its TP slices; a model built sharded gets its adapters beside the
     // trunk after the head, each rank keeping its shard of them.
-    let beside = match &shard_source {
-        Some(_) => {
-            let heads = heads.iter().map(|(n, v)| (n.to_string(), v.as_tensor().clone())).collect();
-            t.beside_trunk(heads, &config, &device)?
-        }
-        None => {
-            if let Some(line) = t.apply_lora(&mut start.params, &config, tp.as_ref())? {
-                println!("{line}");
-            }
-            Beside::default()
-        }
-    };
+    let heads = heads.iter().map(|(n, v)| (n.to_string(), v.as_tensor().clone())).collect();
+    let beside = t.add_lora(shard_source.is_some(), &mut start.params, heads, &config, tp.as_ref(), &device)?;
     let params = std::mem::take(&mut start.params);
     // Tensor parallelism: this rank trains its slices of the trunk and the whole score head.
     if let Some(tp) = &tp {
         println!("{}", tp.describe());
     }
     // What the optimizer updates: everything, or with --only-optimize-lora the adapters and head.
-    let (total, trainable) = match shard_source {
-        Some(_) => {
-            let total = parameter_count(&config) + beside.numel();
-            (total, if beside.frozen_trunk { beside.numel() } else { total })
-        }
-        None => (params.numel(), params.trainable().numel()),
-    };
+    let (total, trainable) = parameter_counts(shard_source.is_some(), &params, &beside, &config);
 
     let data_cfg = args.data.config(t.seed, t.max_seq_len, t.max_seq_len, false)?;
     let data = data::phases::reward_data(&data_cfg, &tokenizer)?;

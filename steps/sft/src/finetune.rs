@@ -11,18 +11,17 @@ use candle_core::{Device, Tensor};
 use data::batch::{rank_micro_batches, sft_batch, SftBatch};
 use data::phases::SftSample;
 use data::Tokenizer;
+use hybrid_engine::cli::step_args::parameter_counts;
 use hybrid_engine::comm::{ProcessGroup, ReduceOp};
 use hybrid_engine::engine::epochs::{train_epochs, EpochTask, EvalAt};
 use hybrid_engine::engine::{Engine, Head, Ranks};
 use hybrid_engine::model::gpt2::{Dropout, Positions};
-use hybrid_engine::model::params::parameter_count;
 use hybrid_engine::model::reward_model::causal_lm_config;
 use hybrid_engine::training::memory::MemoryPlan;
 use hybrid_engine::training::metrics::{record_parallel_usage, Metrics};
 use hybrid_engine::training::tensor_parallel::data_group;
 use hybrid_engine::training::train_step::TrainedModel;
 use hybrid_engine::training::trainer::total_steps;
-use hybrid_engine::training::zero3::Beside;
 use hybrid_engine::ParamStore;
 use serde::Serialize;
 use serde_json::json;
@@ -77,15 +76,7 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
     let engine_cfg = t.engine_config(lr, steps, &data_group)?;
     // LoRA on a whole model or its TP slices; a model built sharded gets its adapters beside the
     // trunk, each rank keeping its shard of them.
-    let beside = match &shard_source {
-        Some(_) => t.beside_trunk(Vec::new(), &config, &device)?,
-        None => {
-            if let Some(line) = t.apply_lora(&mut start.params, &config, sliced)? {
-                println!("{line}");
-            }
-            Beside::default()
-        }
-    };
+    let beside = t.add_lora(shard_source.is_some(), &mut start.params, Vec::new(), &config, sliced, &device)?;
     let params = std::mem::take(&mut start.params);
     // prompt_eval (rank 0) compares with the starting weights, which training overwrites in place.
     let baseline_weights = (args.eval_prompts.is_some() && group.is_first()).then(|| params.copy()).transpose()?;
@@ -101,13 +92,7 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
         (None, _) => params,
     };
     // What the optimizer updates: everything, or with --only-optimize-lora the adapters alone.
-    let (total, trainable) = match shard_source {
-        Some(_) => {
-            let total = parameter_count(&config) + beside.numel();
-            (total, if beside.frozen_trunk { beside.numel() } else { total })
-        }
-        None => (params.numel(), params.trainable().numel()),
-    };
+    let (total, trainable) = parameter_counts(shard_source.is_some(), &params, &beside, &config);
     println!(
         "{}",
         MemoryPlan::new(&config, t.per_device_train_batch_size, t.max_seq_len, t.gradient_checkpointing)
