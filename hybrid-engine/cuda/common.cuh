@@ -92,3 +92,24 @@ __device__ __forceinline__ float dropout_factor(uint64_t seed, uint32_t threshol
     for (uint32_t k = 0; k < blocks; ++k) s += partial[(uint64_t)k * width + j];                      \
     out[j] = FROM_F32(s);                                                                             \
   }
+
+// out[j] = the sum over blocks of partial[block][j] (f32, (blocks, width)) in a fixed order: the
+// second pass of a deterministic column sum. A block takes 32 columns (a warp reads 128 bytes of a
+// partial row), its warp w the blocks w, w + W, ... (W = COLUMN_SUM_WARPS), then warp 0 adds the
+// warps' sums in warp order. Grid (ceil(width / 32)), block (32 * COLUMN_SUM_WARPS); the launchers'
+// `column_sums_split` (cuda.rs), where COLUMN_SUMS' one thread a column walks every block alone.
+#define COLUMN_SUM_WARPS 16
+#define COLUMN_SUMS_SPLIT(NAME, T, FROM_F32)                                                          \
+  extern "C" __global__ void NAME(const float *partial, T *out, uint32_t blocks, uint32_t width) {    \
+    __shared__ float warp_sums[COLUMN_SUM_WARPS][32];                                                 \
+    const uint32_t lane = threadIdx.x % 32, w = threadIdx.x / 32, j = blockIdx.x * 32 + lane;         \
+    float s = 0.0f;                                                                                   \
+    if (j < width)                                                                                    \
+      for (uint32_t k = w; k < blocks; k += COLUMN_SUM_WARPS) s += partial[(uint64_t)k * width + j];  \
+    warp_sums[w][lane] = s;                                                                           \
+    __syncthreads();                                                                                  \
+    if (w != 0 || j >= width) return;                                                                 \
+    s = 0.0f;                                                                                         \
+    for (uint32_t k = 0; k < COLUMN_SUM_WARPS; ++k) s += warp_sums[k][lane];                          \
+    out[j] = FROM_F32(s);                                                                             \
+  }

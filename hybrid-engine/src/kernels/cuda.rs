@@ -7,6 +7,8 @@ use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig};
 use candle_core::cuda_backend::{CudaDType, CudaStorageSlice};
 use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Tensor};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::OnceLock;
 
 pub(crate) mod ptx {
     include!(concat!(env!("OUT_DIR"), "/ptx.rs"));
@@ -42,6 +44,40 @@ const ROWS_PER_BLOCK: u64 = 4;
 pub(crate) fn warp_per_row(rows: usize) -> LaunchConfig {
     let blocks = (rows as u64).div_ceil(ROWS_PER_BLOCK) as u32;
     LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (32 * ROWS_PER_BLOCK as u32, 1, 1), shared_mem_bytes: 0 }
+}
+
+/// Warps of a block of common.cuh's COLUMN_SUMS_SPLIT (its COLUMN_SUM_WARPS).
+const COLUMN_SUM_WARPS: u32 = 16;
+
+/// The launch of common.cuh's COLUMN_SUMS_SPLIT over `width` columns: a block of 32 columns.
+pub(crate) fn column_sums_split(width: usize) -> LaunchConfig {
+    let blocks = (width as u32).div_ceil(32).max(1);
+    LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (32 * COLUMN_SUM_WARPS, 1, 1), shared_mem_bytes: 0 }
+}
+
+/// Whether the row kernels (cuda/layer_norm.cu, cuda/cross_entropy.cu) may move a row of `c`
+/// values eight at a time in 16-byte accesses (`packed`; the kernels also check each pointer's
+/// alignment): the switch on (below), C a multiple of 8 and at most `most` (what a lane holds in
+/// registers; 0 for no bound).
+pub(crate) fn packed_rows(c: usize, most: usize) -> u32 {
+    u32::from(packed_rows_on() && c.is_multiple_of(8) && (most == 0 || c <= most))
+}
+
+/// Whether the packed row kernels' switch is on (it also picks LayerNorm's column sums).
+pub(crate) fn packed_rows_on() -> bool {
+    packed_rows_switch().load(Ordering::Relaxed)
+}
+
+/// Turns the packed row kernels on or off for this process (the GPU tests run both).
+/// `HYBRID_ENGINE_PACKED_ROWS=1` turns them on at start: they are off by default until a GPU run
+/// has passed their tests (they were written without a GPU at hand).
+pub fn set_packed_rows(on: bool) {
+    packed_rows_switch().store(on, Ordering::Relaxed)
+}
+
+fn packed_rows_switch() -> &'static AtomicBool {
+    static ON: OnceLock<AtomicBool> = OnceLock::new();
+    ON.get_or_init(|| AtomicBool::new(std::env::var("HYBRID_ENGINE_PACKED_ROWS").is_ok_and(|v| v == "1")))
 }
 
 /// Threads of the kernels that take a block a row (cuda/cross_entropy.cu, cuda/greedy_pick.cu:

@@ -266,7 +266,7 @@ pub fn lm_head_cross_entropy_rows(x: &Tensor, wte: &Tensor, targets: &Tensor) ->
 /// The launchers of the CUDA kernels (`cuda_fwd` above calls them).
 #[cfg(feature = "cuda")]
 pub mod cuda {
-    use crate::kernels::cuda::{block_per_row, for_float_dtype, ptx, view};
+    use crate::kernels::cuda::{block_per_row, for_float_dtype, packed_rows, ptx, view};
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
     use candle_core::cuda_backend::WrapErr;
@@ -291,8 +291,8 @@ pub mod cuda {
                 ptx::CROSS_ENTROPY,
             )?;
             let mut launch = func.builder();
-            let v32 = v as u32;
-            launch.arg(src).arg(&targets).arg(&loss).arg(&v32);
+            let (v32, packed) = (v as u32, packed_rows(v, 0));
+            launch.arg(src).arg(&targets).arg(&loss).arg(&v32).arg(&packed);
             // SAFETY: the arguments match the kernel's signature.
             unsafe { launch.launch(block_per_row(n)) }.w().map(|_| loss)
         }))
@@ -318,8 +318,8 @@ pub mod cuda {
                 ptx::CROSS_ENTROPY,
             )?;
             let mut launch = func.builder();
-            let v32 = v as u32;
-            launch.arg(src).arg(&targets).arg(&loss_grad).arg(&out).arg(&v32);
+            let (v32, packed) = (v as u32, packed_rows(v, 0));
+            launch.arg(src).arg(&targets).arg(&loss_grad).arg(&out).arg(&v32).arg(&packed);
             // SAFETY: the arguments match the kernel's signature.
             unsafe { launch.launch(block_per_row(n)) }.w().map(|_| out)
         }))
@@ -383,29 +383,43 @@ mod cuda_tests {
     #[test]
     fn cross_entropy_rows_and_their_gradient_match_the_cpu() -> Result<()> {
         let Some(gpu) = gpu() else { return Ok(()) };
-        // 37 rows over a vocabulary of 5003: a block of 256 threads strides 20 times, with a tail.
-        let (n, v) = (37, 5003);
-        let logits = (Tensor::randn(0f32, 1f32, (n, v), &Device::Cpu)? * 4.0)?;
-        let targets: Vec<u32> = (0..n as u32).map(|r| (r * 7919 + 11) % v as u32).collect();
-        let targets = Tensor::new(targets, &Device::Cpu)?;
-        let t_gpu = targets.to_device(&gpu)?;
-        let (l_cpu, g_cpu) = value_and_grads(&[&logits], &Device::Cpu, |t| cross_entropy_rows(&t[0], &targets))?;
-        let (l_gpu, g_gpu) = value_and_grads(&[&logits], &gpu, |t| cross_entropy_rows(&t[0], &t_gpu))?;
-        assert!(max_diff(&l_gpu, &l_cpu)? < 2e-5, "loss {}", max_diff(&l_gpu, &l_cpu)?);
-        // Each gradient is p * w - [target] * w with p = exp(x - lse): the two devices' lse
-        // (about 17 here, an f32 ulp of 1.9e-6) differ by a few ulp, which moves p by as many
-        // parts in 1e6 (measured on an H200: 1.25e-6).
-        assert!(max_diff(&g_gpu[0], &g_cpu[0])? < 5e-6, "gradient {}", max_diff(&g_gpu[0], &g_cpu[0])?);
-        // Half precision: the losses against the composed reference on f32 copies of the same
-        // half-precision logits (what the kernel reads), then rounded as the loss is.
-        for dtype in [DType::BF16, DType::F16] {
-            let half = logits.to_dtype(dtype)?;
-            let want = cross_entropy_rows_reference(&half.to_dtype(DType::F32)?, &targets)?;
-            let got = cross_entropy_rows(&half.to_device(&gpu)?, &t_gpu)?;
-            let scale = want.abs()?.max(0)?.to_scalar::<f32>()?;
-            let tol = if dtype == DType::BF16 { 8e-3 } else { 1e-3 } * scale;
-            assert!(max_diff(&got, &want)? <= tol, "{dtype:?} {}", max_diff(&got, &want)?);
+        // 37 rows over a vocabulary of 5003 (one value at a time: a block of 256 threads strides 20
+        // times, with a tail) and of 5008 (with the packed kernels on, a multiple of 8: eight
+        // values at a time, 626 Pack8s).
+        for (packed, v) in [(false, 5003), (false, 5008), (true, 5003), (true, 5008)] {
+            crate::kernels::cuda::set_packed_rows(packed);
+            let n = 37;
+            let logits = (Tensor::randn(0f32, 1f32, (n, v), &Device::Cpu)? * 4.0)?;
+            let targets: Vec<u32> = (0..n as u32).map(|r| (r * 7919 + 11) % v as u32).collect();
+            let targets = Tensor::new(targets, &Device::Cpu)?;
+            let t_gpu = targets.to_device(&gpu)?;
+            let (l_cpu, g_cpu) = value_and_grads(&[&logits], &Device::Cpu, |t| cross_entropy_rows(&t[0], &targets))?;
+            let (l_gpu, g_gpu) = value_and_grads(&[&logits], &gpu, |t| cross_entropy_rows(&t[0], &t_gpu))?;
+            assert!(max_diff(&l_gpu, &l_cpu)? < 2e-5, "V {v} packed {packed} loss {}", max_diff(&l_gpu, &l_cpu)?);
+            // Each gradient is p * w - [target] * w with p = exp(x - lse): the two devices' lse
+            // (about 17 here, an f32 ulp of 1.9e-6) differ by a few ulp, which moves p by as many
+            // parts in 1e6 (measured on an H200: 1.25e-6).
+            let diff = max_diff(&g_gpu[0], &g_cpu[0])?;
+            assert!(diff < 5e-6, "V {v} packed {packed} gradient {diff}");
+            // Half precision: the losses against the composed reference on f32 copies of the same
+            // half-precision logits (what the kernel reads), then rounded as the loss is; the
+            // gradient against the f32 kernel's on those copies (each a few of the dtype's ulps).
+            for dtype in [DType::BF16, DType::F16] {
+                let half = logits.to_dtype(dtype)?;
+                let want = cross_entropy_rows_reference(&half.to_dtype(DType::F32)?, &targets)?;
+                let got = cross_entropy_rows(&half.to_device(&gpu)?, &t_gpu)?;
+                let scale = want.abs()?.max(0)?.to_scalar::<f32>()?;
+                let tol = if dtype == DType::BF16 { 8e-3 } else { 1e-3 } * scale;
+                assert!(max_diff(&got, &want)? <= tol, "V {v} packed {packed} {dtype:?} {}", max_diff(&got, &want)?);
+                let (_, g_half) = value_and_grads(&[&half], &gpu, |t| cross_entropy_rows(&t[0], &t_gpu))?;
+                let (_, g_f32) =
+                    value_and_grads(&[&half.to_dtype(DType::F32)?], &gpu, |t| cross_entropy_rows(&t[0], &t_gpu))?;
+                let ulps = if dtype == DType::BF16 { 0.03 } else { 0.004 };
+                let (scale, diff) = (largest(&g_f32[0])?, max_diff(&g_half[0], &g_f32[0])?);
+                assert!(diff <= ulps * scale, "V {v} packed {packed} {dtype:?} gradient {diff} (largest {scale})");
+            }
         }
+        crate::kernels::cuda::set_packed_rows(false);
         Ok(())
     }
 }

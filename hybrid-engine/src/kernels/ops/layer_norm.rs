@@ -131,7 +131,9 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resul
 /// The launchers of the CUDA kernels (`cuda_fwd` above calls them).
 #[cfg(feature = "cuda")]
 pub mod cuda {
-    use crate::kernels::cuda::{elementwise_unstrided, for_float_dtype, ptx, view, warp_per_row};
+    use crate::kernels::cuda::{
+        column_sums_split, elementwise_unstrided, for_float_dtype, packed_rows, packed_rows_on, ptx, view, warp_per_row,
+    };
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
     use candle_core::cuda_backend::WrapErr;
@@ -155,12 +157,15 @@ pub mod cuda {
             let func =
                 dev.get_or_load_custom_func(&format!("layer_norm_{suffix}"), "rlhf_layer_norm", ptx::LAYER_NORM)?;
             let mut launch = func.builder();
-            let (rows64, c32) = (rows as u64, c as u32);
-            launch.arg(src).arg(&w).arg(&b).arg(&out).arg(&rows64).arg(&c32).arg(&eps);
+            let (rows64, c32, packed) = (rows as u64, c as u32, packed_rows(c, PACKED_MOST));
+            launch.arg(src).arg(&w).arg(&b).arg(&out).arg(&rows64).arg(&c32).arg(&eps).arg(&packed);
             // SAFETY: the arguments match the kernel's signature.
             unsafe { launch.launch(warp_per_row(rows)) }.w().map(|_| out)
         }))
     }
+
+    /// The widest row the packed kernels hold in registers (layer_norm.cu's 32 x 8 x PACKS_PER_LANE).
+    const PACKED_MOST: usize = 1024;
 
     /// Blocks of LayerNorm's backward: each adds the dw, db of its warps' rows in order.
     const LAYER_NORM_GRAD_BLOCKS: usize = 1024;
@@ -190,8 +195,8 @@ pub mod cuda {
             let grad =
                 dev.get_or_load_custom_func(&format!("layer_norm_grad_{suffix}"), "rlhf_layer_norm", ptx::LAYER_NORM)?;
             let mut launch = grad.builder();
-            let (rows64, c32) = (rows as u64, c as u32);
-            launch.arg(src).arg(&w).arg(&dy).arg(&out).arg(&partial).arg(&rows64).arg(&c32).arg(&eps);
+            let (rows64, c32, packed) = (rows as u64, c as u32, packed_rows(c, PACKED_MOST));
+            launch.arg(src).arg(&w).arg(&dy).arg(&out).arg(&partial).arg(&rows64).arg(&c32).arg(&eps).arg(&packed);
             let cfg = LaunchConfig {
                 grid_dim: (blocks as u32, 1, 1),
                 block_dim: (32 * warps as u32, 1, 1),
@@ -199,14 +204,21 @@ pub mod cuda {
             };
             // SAFETY: the arguments match the kernel's signature; shared memory holds 2C floats a warp.
             unsafe { launch.launch(cfg) }.w()?;
+            // The packed kernels' switch also picks the column sums' second pass: a block of
+            // warps for 32 columns (common.cuh's COLUMN_SUMS_SPLIT), or a thread a column.
+            let (sums_name, sums_cfg) = if packed_rows_on() {
+                ("column_sums_split", column_sums_split(2 * c))
+            } else {
+                ("column_sums", elementwise_unstrided(2 * c))
+            };
             let sums =
-                dev.get_or_load_custom_func(&format!("column_sums_{suffix}"), "rlhf_layer_norm", ptx::LAYER_NORM)?;
+                dev.get_or_load_custom_func(&format!("{sums_name}_{suffix}"), "rlhf_layer_norm", ptx::LAYER_NORM)?;
             let mut dw_db = out.slice_mut(rows * c..);
             let mut launch = sums.builder();
             let (blocks32, width) = (blocks as u32, 2 * c as u32);
             launch.arg(&partial).arg(&mut dw_db).arg(&blocks32).arg(&width);
             // SAFETY: the arguments match the kernel's signature.
-            unsafe { launch.launch(elementwise_unstrided(2 * c)) }.w()?;
+            unsafe { launch.launch(sums_cfg) }.w()?;
             Ok::<_, candle_core::Error>(out)
         }))
     }
@@ -251,29 +263,52 @@ mod cuda_tests {
     #[test]
     fn layer_norm_and_its_gradients_match_the_cpu_and_are_deterministic() -> Result<()> {
         let Some(gpu) = gpu() else { return Ok(()) };
-        // 2100 rows: more rows than backward blocks; C = 200 is not a multiple of 32.
-        let x = Tensor::randn(0f32, 1f32, (3, 700, 200), &Device::Cpu)?.affine(2.0, 0.5)?;
-        let w = Tensor::randn(1f32, 0.2, 200, &Device::Cpu)?;
-        let b = Tensor::randn(0f32, 0.2, 200, &Device::Cpu)?;
-        let ln = |t: &[Tensor]| layer_norm(&t[0], &t[1], &t[2], 1e-5);
-        let (y_cpu, g_cpu) = value_and_grads(&[&x, &w, &b], &Device::Cpu, ln)?;
-        let (y_gpu, g_gpu) = value_and_grads(&[&x, &w, &b], &gpu, ln)?;
-        assert!(max_diff(&y_gpu, &y_cpu)? < 1e-5, "output {}", max_diff(&y_gpu, &y_cpu)?);
-        for (name, gc, gg) in [("dx", &g_cpu[0], &g_gpu[0]), ("dw", &g_cpu[1], &g_gpu[1]), ("db", &g_cpu[2], &g_gpu[2])]
+        // Both kernels: packed, C = 200 and 768 take the Pack8 path (a multiple of 8 up to 1024: 25
+        // and 96 Pack8s, some lanes without a last one), 201 (not a multiple of 32 either) and 1600
+        // the value-at-a-time one, as every C does unpacked. 2100 rows: more than backward blocks.
+        for (packed, c, rows) in [200, 201, 768, 1600]
+            .into_iter()
+            .zip([700, 700, 300, 100])
+            .flat_map(|(c, rows)| [(false, c, rows), (true, c, rows)])
         {
-            let scale = largest(gc)?;
-            assert!(max_diff(gg, gc)? <= 1e-5 * scale.max(1.0), "{name}: {} (largest {scale})", max_diff(gg, gc)?);
+            crate::kernels::cuda::set_packed_rows(packed);
+            let x = Tensor::randn(0f32, 1f32, (3, rows, c), &Device::Cpu)?.affine(2.0, 0.5)?;
+            let w = Tensor::randn(1f32, 0.2, c, &Device::Cpu)?;
+            let b = Tensor::randn(0f32, 0.2, c, &Device::Cpu)?;
+            let ln = |t: &[Tensor]| layer_norm(&t[0], &t[1], &t[2], 1e-5);
+            let (y_cpu, g_cpu) = value_and_grads(&[&x, &w, &b], &Device::Cpu, ln)?;
+            let (y_gpu, g_gpu) = value_and_grads(&[&x, &w, &b], &gpu, ln)?;
+            assert!(max_diff(&y_gpu, &y_cpu)? < 1e-5, "C {c} packed {packed} output {}", max_diff(&y_gpu, &y_cpu)?);
+            for (name, gc, gg) in
+                [("dx", &g_cpu[0], &g_gpu[0]), ("dw", &g_cpu[1], &g_gpu[1]), ("db", &g_cpu[2], &g_gpu[2])]
+            {
+                let scale = largest(gc)?;
+                let diff = max_diff(gg, gc)?;
+                assert!(diff <= 1e-5 * scale.max(1.0), "C {c} packed {packed} {name}: {diff} (largest {scale})");
+            }
+            let (_, again) = value_and_grads(&[&x, &w, &b], &gpu, ln)?;
+            assert_eq!(max_diff(&again[1], &g_gpu[1])?, 0.0, "C {c} packed {packed}: dw differs between two runs");
+            // Half precision against the composed reference in that dtype (which rounds more often).
+            for dtype in [DType::BF16, DType::F16] {
+                let (xh, wh, bh) = (x.to_dtype(dtype)?, w.to_dtype(dtype)?, b.to_dtype(dtype)?);
+                let want = layer_norm_reference(&xh, &wh, &bh, 1e-5)?;
+                let got = layer_norm(&xh.to_device(&gpu)?, &wh.to_device(&gpu)?, &bh.to_device(&gpu)?, 1e-5)?;
+                let tol = if dtype == DType::BF16 { 0.1 } else { 0.01 };
+                assert!(max_diff(&got, &want)? <= tol, "C {c} packed {packed} {dtype:?} {}", max_diff(&got, &want)?);
+                // The backward in half precision against the f32 kernel's on the same inputs: the
+                // output gradient (the fixed weights) and each result rounded to the dtype, a few of
+                // its ulps (2^-8 bf16, 2^-11 f16) of the largest.
+                let up = |t: &Tensor| t.to_dtype(DType::F32);
+                let (_, g_half) = value_and_grads(&[&xh, &wh, &bh], &gpu, ln)?;
+                let (_, g_f32) = value_and_grads(&[&up(&xh)?, &up(&wh)?, &up(&bh)?], &gpu, ln)?;
+                let ulps = if dtype == DType::BF16 { 0.03 } else { 0.004 };
+                for (name, gh, gf) in [("dx", &g_half[0], &g_f32[0]), ("dw", &g_half[1], &g_f32[1])] {
+                    let (scale, diff) = (largest(gf)?, max_diff(gh, gf)?);
+                    assert!(diff <= ulps * scale, "C {c} packed {packed} {dtype:?} {name}: {diff} (largest {scale})");
+                }
+            }
         }
-        let (_, again) = value_and_grads(&[&x, &w, &b], &gpu, ln)?;
-        assert_eq!(max_diff(&again[1], &g_gpu[1])?, 0.0, "dw differs between two runs");
-        // Half precision against the composed reference in that dtype (which rounds more often).
-        for dtype in [DType::BF16, DType::F16] {
-            let (xh, wh, bh) = (x.to_dtype(dtype)?, w.to_dtype(dtype)?, b.to_dtype(dtype)?);
-            let want = layer_norm_reference(&xh, &wh, &bh, 1e-5)?;
-            let got = layer_norm(&xh.to_device(&gpu)?, &wh.to_device(&gpu)?, &bh.to_device(&gpu)?, 1e-5)?;
-            let tol = if dtype == DType::BF16 { 0.1 } else { 0.01 };
-            assert!(max_diff(&got, &want)? <= tol, "{dtype:?} {}", max_diff(&got, &want)?);
-        }
+        crate::kernels::cuda::set_packed_rows(false);
         Ok(())
     }
 }
