@@ -42,6 +42,7 @@ SDPA_FP32 = ("HF SDPA fp32 fused AdamW", ["--attn", "sdpa", "--fused-adamw"])
 SDPA_BF16 = ("HF SDPA bf16 fused AdamW", ["--attn", "sdpa", "--fused-adamw"])
 SDPA_BF16_COMPILE = ("HF SDPA bf16 fused AdamW compile", ["--attn", "sdpa", "--fused-adamw", "--compile"])
 SDPA_GEN = ("HF SDPA", ["--attn", "sdpa"])
+SDPA_GEN_COMPILE = ("HF SDPA static cache, compile", ["--attn", "sdpa", "--compile"])
 
 # label, the arguments both sides take, the PyTorch variants (label, extra arguments).
 ROWS = [
@@ -53,8 +54,8 @@ ROWS = [
      [SDPA_BF16]),
     ("generate gpt2 B1 P16+128 bf16", "generate --model gpt2 --batch 1 --prompt-len 16 --new-tokens 128 --warmup 1 --reps 3 --dtype bf16",
      [SDPA_GEN]),
-    ("generate gpt2 B32 P16+128 bf16", "generate --model gpt2 --batch 32 --prompt-len 16 --new-tokens 128 --warmup 1 --reps 3 --dtype bf16",
-     [SDPA_GEN]),
+    ("generate gpt2 B32 P16+128 bf16", "generate --model gpt2 --batch 32 --prompt-len 16 --new-tokens 128 --warmup 2 --reps 3 --dtype bf16",
+     [SDPA_GEN, SDPA_GEN_COMPILE]),
     ("generate gpt2 B32 P16+128 bf16 sampled", "generate --model gpt2 --batch 32 --prompt-len 16 --new-tokens 128 --warmup 1 --reps 3 --dtype bf16 --temperature 1.0 --top-k 50 --top-p 0.9",
      [SDPA_GEN]),
     ("generate gpt2 B32 P16+128 fp32", "generate --model gpt2 --batch 32 --prompt-len 16 --new-tokens 128 --warmup 1 --reps 3 --dtype fp32",

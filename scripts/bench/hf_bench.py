@@ -27,8 +27,9 @@ GPU options (defaults: the CPU comparison's eager float32): ``--dtype bf16`` tra
 ``torch.autocast(bfloat16)`` on float32 weights (PyTorch's mixed precision; the Rust side's bf16
 copy of fp32 masters is DeepSpeed's) and generates with bfloat16 weights; ``--attn sdpa`` uses
 ``scaled_dot_product_attention`` (flash/memory-efficient kernels); ``--fused-adamw`` the fused
-CUDA AdamW; ``--compile`` wraps the model in ``torch.compile`` (compilation happens in the warmup
-steps, outside the timing). ``impl`` names the variant (``hf-pytorch-sdpa-bf16-fused-compile``).
+CUDA AdamW; ``--compile`` wraps the model in ``torch.compile`` when training and generates with a
+static KV cache and the forward compiled (reduce-overhead: CUDA graphs), HF's fast-generation
+recipe (compilation happens in the warmup steps or calls, outside the timing). ``impl`` names the variant (``hf-pytorch-sdpa-bf16-fused-compile``).
 On a GPU, ``gpu_used_mib`` is the most device memory in use (the driver's total - free, sampled
 after each phase, as ``bench.rs``), beside PyTorch's own ``peak_gpu_mib``.
 
@@ -242,8 +243,16 @@ def bench_generate(a):
     mask = torch.ones_like(ids)
     times = []
     sampling = {"do_sample": False}
+    if a.compile:
+        # HF's fast generation recipe: a static KV cache (fixed shapes) and the forward compiled
+        # with CUDA graphs; compilation and capture happen in the warmup calls, outside the timing.
+        # transformers compiles the forward itself when the cache is static on a GPU (its
+        # CompileConfig: reduce-overhead); versions without CompileConfig need it done here.
+        sampling["cache_implementation"] = "static"
+        if not hasattr(transformers.GenerationConfig(), "compile_config"):
+            model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
     if a.temperature is not None:  # HF's defaults otherwise: no top-k, no top-p
-        sampling = {"do_sample": True, "temperature": a.temperature, "top_k": a.top_k or 0, "top_p": a.top_p or 1.0}
+        sampling |= {"do_sample": True, "temperature": a.temperature, "top_k": a.top_k or 0, "top_p": a.top_p or 1.0}
     with torch.inference_mode():
         for rep in range(a.warmup + a.reps):
             start = time.perf_counter()
@@ -310,6 +319,7 @@ def main():
     g.add_argument("--temperature", type=float, help="sample (default: greedy)")
     g.add_argument("--top-k", type=int)
     g.add_argument("--top-p", type=float)
+    g.add_argument("--compile", action="store_true", help="static cache + torch.compile (reduce-overhead)")
     a = p.parse_args()
     DEVICE, ATTN = torch.device(a.device), a.attn
     if DEVICE.type == "cuda" and not torch.cuda.is_available():
