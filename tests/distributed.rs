@@ -676,8 +676,10 @@ fn sft_with_lora_at_stage_3_and_under_tensor_parallelism_matches_one_rank() {
         assert!(log.contains("LoRA: rank 4"), "{log}");
         if stage == 3 {
             assert!(log.contains("ZeRO stage 3"), "{log}");
-            // Without TP the model is built sharded, adapters included: no rank holds it whole.
+            // Without TP the model is built sharded, adapters included, and saved block by block
+            // with the adapters fused in: no rank holds it whole.
             assert_eq!(log.contains(", drawn sharded") || log.contains(", read by slices"), tp == 1, "{log}");
+            assert_eq!(log.contains("written block by block"), tp == 1, "{log}");
         }
         let what = format!("SFT with {what} on {world} ranks, stage {stage}, TP={tp}");
         assert_same_weights(&out, &single, 1e-5, 0.0, &what);
@@ -794,6 +796,7 @@ fn reward_model_on_2_and_3_ranks_and_under_tensor_parallelism_matches_one_rank()
     let outs = run_ranks(dir.path(), "reward", 2, &with(reward_args(&start, &out, 6, 3), lora));
     let log = String::from_utf8_lossy(&outs[0].stdout);
     assert!(log.contains("read by slices") && log.contains("only LoRA is optimized"), "{log}");
+    assert!(log.contains("written block by block"), "{log}");
     assert_same_weights(&out, &single_lora, 1e-5, 0.0, "reward model with LoRA on 2 ranks, stage 3");
     // Tensor parallelism (the tiny trunk's 4 heads over 2 ranks, the score head whole on each):
     // TP=2 alone and as 2 data-parallel groups (ZeRO 0 and 3).

@@ -89,12 +89,32 @@ impl SavedModel<'_> {
 
 /// Writes `model.safetensors` of a sharded model into `dir` (on rank 0; `None` on the others),
 /// every rank taking part in the gathers: of its weights, or with `values` of every rank's
-/// shard-shaped values of its parameters (an EMA of the weights).
+/// shard-shaped values of its parameters (an EMA of the weights). Its parameters as trained
+/// (LoRA adapters apart: a checkpoint's); [`write_sharded_merged_weights`] for a model's.
 pub fn write_sharded_weights(model: &ShardedModel, values: Option<&[f32]>, dir: Option<&Path>) -> Result<()> {
+    write_streamed_weights(model, values, dir, false)
+}
+
+/// [`write_sharded_weights`] of the model as a consolidated save holds it: LoRA adapters fused
+/// into their linears, block by block ([`ShardedModel::visit_gathered_merged`]).
+pub fn write_sharded_merged_weights(model: &ShardedModel, values: Option<&[f32]>, dir: Option<&Path>) -> Result<()> {
+    write_streamed_weights(model, values, dir, true)
+}
+
+fn write_streamed_weights(
+    model: &ShardedModel,
+    values: Option<&[f32]>,
+    dir: Option<&Path>,
+    merged: bool,
+) -> Result<()> {
     let mut file = dir
         .map(|dir| {
+            let shapes: Vec<(&str, &candle_core::Shape)> = match merged {
+                true => model.merged_shapes().collect(),
+                false => model.parameter_shapes().collect(),
+            };
             let tensors: Vec<(String, Vec<usize>)> =
-                model.parameter_shapes().map(|(n, s)| (hf_io::hf_name(n), s.dims().to_vec())).collect();
+                shapes.into_iter().map(|(n, s)| (hf_io::hf_name(n), s.dims().to_vec())).collect();
             StreamedSafetensors::create(&dir.join(hf_io::WEIGHTS), &tensors, &hf_io::weights_metadata())
         })
         .transpose();
@@ -103,9 +123,10 @@ pub fn write_sharded_weights(model: &ShardedModel, values: Option<&[f32]>, dir: 
         Ok(None) => Ok(()),
         Err(e) => Err(anyhow::anyhow!("{e:#}")),
     };
-    match values {
-        Some(values) => model.visit_gathered(values, write)?,
-        None => model.visit_gathered_params(write)?,
+    match (merged, values) {
+        (true, values) => model.visit_gathered_merged(values, write)?,
+        (false, Some(values)) => model.visit_gathered(values, write)?,
+        (false, None) => model.visit_gathered_params(write)?,
     }
     file?.map_or(Ok(()), StreamedSafetensors::finish)
 }
@@ -230,9 +251,10 @@ pub fn save_model_dir(
 
 /// [`save_model_dir`] of a model sharded over `group`'s ranks (ZeRO stage 3; a collective), or
 /// with `values` of every rank's shard-shaped values of its parameters (an EMA): the
-/// units are gathered one by one and rank 0 writes each into `model.safetensors` as it arrives
-/// (its peak: its shard plus one unit), in a hidden staging directory beside `dir`, then puts
-/// the directory in place atomically with `write_extra`'s files, keeping what no save wrote.
+/// blocks are gathered one by one and rank 0 writes each into `model.safetensors` as it arrives,
+/// LoRA adapters fused into their linears (its peak: its shard plus one block), in a hidden
+/// staging directory beside `dir`, then puts the directory in place atomically with
+/// `write_extra`'s files, keeping what no save wrote.
 pub fn save_sharded_model_dir(
     group: &ProcessGroup,
     dir: &Path,
@@ -241,9 +263,6 @@ pub fn save_sharded_model_dir(
     values: Option<&[f32]>,
     write_extra: &dyn Fn(&Path) -> Result<()>,
 ) -> Result<()> {
-    if model.has_lora() {
-        bail!("internal error: a model with LoRA adapters is saved merged, from its gathered weights");
-    }
     let first = group.is_first();
     let name = dir.file_name().map_or("model".into(), |n| n.to_string_lossy().into_owned());
     let staging = dir.parent().unwrap_or(Path::new(".")).join(format!(".{name}.gathering"));
@@ -254,7 +273,9 @@ pub fn save_sharded_model_dir(
         }
         Ok(())
     })?;
-    agree(group, "write the model", || write_sharded_weights(model, values, first.then_some(staging.as_path())))?;
+    agree(group, "write the model", || {
+        write_sharded_merged_weights(model, values, first.then_some(staging.as_path()))
+    })?;
     agree(group, "save the model", || {
         if !first {
             return Ok(());

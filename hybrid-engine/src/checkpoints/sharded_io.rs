@@ -236,6 +236,69 @@ mod tests {
         Ok(())
     }
 
+    /// A LoRA model (adapters on a frozen trunk, a score head) sharded over 2 and 3 ranks, saved
+    /// block by block: the first rank visits exactly the whole model's merged parameters (each
+    /// adapter fused into its linear, bit for bit, in the model's order, no adapter itself), and
+    /// gathers exactly its trained ones (a PEFT adapter's tensors: adapters and head).
+    #[test]
+    fn lora_models_saved_block_by_block_are_the_whole_models_merged_weights() -> Result<()> {
+        let cfg = small();
+        let lora = lora::LoraConfig { dim: 2, alpha: None, module_name: "h.".into() };
+        let mut whole = ParamStore::init(&cfg, 7, &Device::Cpu)?;
+        whole.push(crate::model::reward_model::SCORE_WEIGHT, &Tensor::ones((1, 8), DType::F32, &Device::Cpu)?)?;
+        whole.add_lora(&cfg, &lora, 7)?;
+        whole.freeze_trunk();
+        // B starts at zero (the adapted linear is the original): give it values, or fusing is
+        // not tested.
+        for (name, var) in whole.iter() {
+            if name.ends_with(".lora_B.weight") {
+                var.set(&Tensor::randn(0f32, 0.5, var.shape(), &Device::Cpu)?)?;
+            }
+        }
+        let merged = whole.merged()?;
+        let want: Vec<(String, Vec<f32>)> = merged
+            .iter()
+            .map(|(n, v)| Ok((n.to_string(), v.as_tensor().flatten_all()?.to_vec1()?)))
+            .collect::<Result<_>>()?;
+        let trained = whole.trainable();
+        for world in [2, 3] {
+            let results = on_groups(world, |group| {
+                let group = Arc::new(group);
+                let model = ShardedModel::new(group.clone(), &cfg, &whole, DType::F32)?;
+                let mut got = Vec::new();
+                model.visit_gathered_merged(None, |name, t| {
+                    got.push((name.to_string(), t.flatten_all()?.to_vec1::<f32>()?));
+                    Ok(())
+                })?;
+                let shapes: Vec<&str> = model.merged_shapes().map(|(n, _)| n).collect();
+                assert_eq!(shapes, want.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>());
+                let gathered = model.gather_trained()?;
+                if !group.is_first() {
+                    assert!(got.is_empty() && gathered.is_none());
+                    return Ok(());
+                }
+                // Visited block by block, so in another order than the file's: compare by name.
+                got.sort_by(|a, b| a.0.cmp(&b.0));
+                let mut sorted = want.clone();
+                sorted.sort_by(|a, b| a.0.cmp(&b.0));
+                assert_eq!(got, sorted, "{world} ranks");
+                let gathered = gathered.expect("the first rank gathers the trained parameters");
+                assert_eq!(gathered.names, trained.names, "{world} ranks");
+                for ((name, g), (_, w)) in gathered.iter().zip(trained.iter()) {
+                    let (g, w) = (
+                        g.as_tensor().flatten_all()?.to_vec1::<f32>()?,
+                        w.as_tensor().flatten_all()?.to_vec1::<f32>()?,
+                    );
+                    assert_eq!(g, w, "{name} on {world} ranks");
+                }
+                assert_eq!(gathered.lora_scaling(), whole.lora_scaling());
+                Ok(())
+            });
+            results.into_iter().collect::<Result<Vec<()>>>()?;
+        }
+        Ok(())
+    }
+
     /// Built sharded from the initial draws (2 and 3 ranks), each rank's shard is the one cut
     /// from the whole one-rank model; written unit by unit, the consolidated file holds the whole
     /// model exactly; read back by slices on another world size, the shards are again those of

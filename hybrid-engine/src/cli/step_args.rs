@@ -360,9 +360,10 @@ impl StepArgs {
     }
 
     /// Saves the model `engine` trains as [`Self::save_step_model`] does, every rank of `group`
-    /// together: a model sharded at rest without adapters (ZeRO-3) is gathered unit by unit and
-    /// written by rank 0 as it arrives, so no rank holds it whole; otherwise rank 0 gets the
-    /// whole weights and saves them.
+    /// together: a model sharded at rest (ZeRO-3 without TP) is gathered block by block and
+    /// written by rank 0 as it arrives, LoRA adapters fused in, so no rank holds it whole (with
+    /// `--only-optimize-lora`, the PEFT adapter's tensors, small, are gathered whole onto rank 0
+    /// first); otherwise rank 0 gets the whole weights and saves them.
     pub fn save_engine_model(
         &self,
         what: &str,
@@ -373,20 +374,25 @@ impl StepArgs {
         write_extra: &dyn Fn(&Path) -> Result<()>,
     ) -> Result<()> {
         if let (Some(sharded), None) = (engine.sharded(), engine.tensor_parallel()) {
-            if !sharded.has_lora() {
-                crate::checkpoints::resume::save_sharded_model_dir(
-                    group,
-                    dir,
-                    &engine.config,
-                    sharded,
-                    None,
-                    write_extra,
-                )?;
-                if group.is_first() {
-                    println!("saved the {what} to {}", dir.display());
+            let trained = match self.lora().is_some() && self.only_optimize_lora {
+                true => sharded.gather_trained()?,
+                false => None,
+            };
+            let adapter = trained.as_ref().and_then(|params| self.peft_adapter(params, task_type));
+            crate::checkpoints::resume::save_sharded_model_dir(group, dir, &engine.config, sharded, None, &|d| {
+                write_extra(d)?;
+                match &adapter {
+                    Some(a) => lora::peft::save_peft_adapter(&d.join(ADAPTER_DIR), a),
+                    None => Ok(()),
                 }
-                return Ok(());
+            })?;
+            if group.is_first() {
+                println!("saved the {what} to {} (written block by block from the ZeRO-3 shards)", dir.display());
+                if adapter.is_some() {
+                    println!("saved the LoRA adapter (PEFT layout) to {}", dir.join(ADAPTER_DIR).display());
+                }
             }
+            return Ok(());
         }
         let gathered = engine.gather_weights()?;
         if !group.is_first() {

@@ -476,6 +476,97 @@ impl ShardedModel {
         failed.map_or(Ok(()), Err)
     }
 
+    /// The parameters a consolidated save holds (as [`ParamStore::merged`] leaves them), name and
+    /// shape in the model's order: every one but the LoRA adapters, which
+    /// [`Self::visit_gathered_merged`] fuses into their linears' weights.
+    pub fn merged_shapes(&self) -> impl Iterator<Item = (&str, &Shape)> {
+        self.parameter_shapes().filter(|(name, _)| !lora::is_adapter_name(name))
+    }
+
+    /// [`Self::visit_gathered`] of the model as a consolidated save holds it ([`Self::merged_shapes`]),
+    /// of its weights or of every rank's shard-shaped `values`: gathered part by part (a block's
+    /// trained and frozen units together: a LoRA adapter and its linear's weight are in one
+    /// part), each adapter fused into its linear's weight (`lora::fuse`, as
+    /// [`ParamStore::merged`]) and not visited itself. The first rank's peak is its shard plus one
+    /// block. Every rank must call it; errors as in `visit_gathered`.
+    pub fn visit_gathered_merged(
+        &self,
+        values: Option<&[f32]>,
+        mut visit: impl FnMut(&str, &Tensor) -> Result<()>,
+    ) -> Result<()> {
+        let shard = self.shard.borrow();
+        let values = values.unwrap_or(&shard);
+        if values.len() != self.shard_len() {
+            bail!("internal error: {} values to gather, the shard holds {}", values.len(), self.shard_len());
+        }
+        let first = self.group.is_first();
+        let (mut part, mut failed) = (Vec::new(), None);
+        for (k, unit) in self.units.iter().enumerate() {
+            let tensors =
+                self.gather_unit(unit, &values[unit.offset..unit.offset + unit.partition.shard_len], DType::F32)?;
+            if first {
+                part.extend(unit.params.iter().copied().zip(tensors));
+            }
+            if self.units.get(k + 1).is_none_or(|next| next.part != unit.part) {
+                let done = std::mem::take(&mut part);
+                if first && failed.is_none() {
+                    failed = self.visit_merged_part(done, &mut visit).err();
+                }
+            }
+        }
+        failed.map_or(Ok(()), Err)
+    }
+
+    /// One part's gathered parameters (index, values) visited in the model's order, adapters
+    /// fused into their linears.
+    fn visit_merged_part(
+        &self,
+        mut tensors: Vec<(usize, Tensor)>,
+        visit: &mut impl FnMut(&str, &Tensor) -> Result<()>,
+    ) -> Result<()> {
+        tensors.sort_by_key(|&(i, _)| i);
+        let by_name: HashMap<&str, &Tensor> = tensors.iter().map(|(i, t)| (self.names[*i].as_str(), t)).collect();
+        for (i, t) in &tensors {
+            let name = &self.names[*i];
+            if lora::is_adapter_name(name) {
+                continue;
+            }
+            let adapter = self.lora_scaling.zip(name.strip_suffix(".weight")).and_then(|(scaling, module)| {
+                let (a, b) = lora::Adapter::param_names(module);
+                Some((*by_name.get(a.as_str())?, *by_name.get(b.as_str())?, scaling))
+            });
+            match adapter {
+                Some((a, b, scaling)) => visit(name, &lora::fuse(t, a, b, scaling)?)?,
+                None => visit(name, t)?,
+            }
+        }
+        Ok(())
+    }
+
+    /// The trained parameters gathered whole onto the first rank in fp32, as a store of them
+    /// alone (`None` elsewhere): with `--only-optimize-lora` the adapters and heads, a PEFT
+    /// adapter's tensors, small beside the frozen trunk. Every rank must call it.
+    pub fn gather_trained(&self) -> Result<Option<ParamStore>> {
+        let first = self.group.is_first();
+        let shard = self.shard.borrow();
+        let mut trained = Vec::new();
+        for unit in self.units.iter().filter(|unit| unit.grad_offset.is_some()) {
+            let tensors =
+                self.gather_unit(unit, &shard[unit.offset..unit.offset + unit.partition.shard_len], DType::F32)?;
+            if first {
+                trained.extend(unit.params.iter().copied().zip(tensors));
+            }
+        }
+        if !first {
+            return Ok(None);
+        }
+        trained.sort_by_key(|&(i, _)| i);
+        let count = trained.len();
+        let mut store = ParamStore::of_tensors(trained.into_iter().map(|(i, t)| (self.names[i].clone(), t)))?;
+        store.set_layout(&vec![false; count], self.lora_scaling)?;
+        Ok(Some(store))
+    }
+
     /// Gathers each unit of the shard-shaped `values` and hands its parameters (index, values)
     /// to `take`.
     fn for_each_gathered(
