@@ -1464,19 +1464,30 @@ fn ppo_with_lora_at_stage_3_and_under_tensor_parallelism_matches_one_rank() {
         run_ranks(dir.path(), "ppo", world, &a);
         assert_same_ppo(&out, &single, &format!("PPO with LoRA at TP=2 on {world} ranks, stage {stage}"));
     }
-    // Its checkpoint after rollout 2 (adapters unmerged, the optimizers' state of the trained
-    // parameters gathered from the shards) resumes on one rank on the same trajectory.
+    // Its checkpoint after rollout 2, written sharded (each model's trunk and adapters apart,
+    // gathered block by block; the optimizers' shards per rank), resumes on one rank and, read by
+    // slices with the adapters restored beside the trunks, on 2 ranks at stage 3, on the same
+    // trajectory.
     let ckpts = out.join("checkpoints");
     std::fs::write(ckpts.join("latest"), "iter_0000002\n").unwrap();
-    let resumed = dir.path().join("resumed");
-    let mut a = ppo_args(dir.path(), &resumed, 8, 4, (0, 0));
-    a.extend(lora);
-    a.extend(["--load".into(), ckpts.display().to_string()]);
-    let outs = run_ranks(dir.path(), "ppo", 1, &a);
-    assert!(String::from_utf8_lossy(&outs[0].stdout).contains("at rollout 2"));
-    for model in ["actor", "critic", "actor_ema"] {
-        let what = format!("PPO with LoRA, 2 ranks at stage 3 resumed on 1: {model}");
-        assert_same_weights(&resumed.join(model), &single.join(model), 1e-5, 0.0, &what);
+    let saved = weights_file(&ckpts.join("iter_0000002/actor/model.safetensors"));
+    assert!(saved.keys().any(|n| n.contains("lora_A")), "{:?}", saved.keys());
+    for (world, stage) in [(1, 0u8), (2, 3)] {
+        let resumed = dir.path().join(format!("resumed-w{world}"));
+        let (generation, training) = (8 / world, 4 / world);
+        let mut a = ppo_args(dir.path(), &resumed, generation, training, (stage, stage));
+        a.extend(lora.clone());
+        a.extend(["--load".into(), ckpts.display().to_string()]);
+        let outs = run_ranks(dir.path(), "ppo", world, &a);
+        let log = String::from_utf8_lossy(&outs[0].stdout);
+        assert!(log.contains("at rollout 2"), "{log}");
+        if stage == 3 {
+            assert!(log.contains("actor LoRA: rank 4") && log.contains("restored from the checkpoint"), "{log}");
+        }
+        for model in ["actor", "critic", "actor_ema"] {
+            let what = format!("PPO with LoRA, 2 ranks at stage 3 resumed on {world} at stage {stage}: {model}");
+            assert_same_weights(&resumed.join(model), &single.join(model), 1e-5, 0.0, &what);
+        }
     }
 }
 

@@ -77,11 +77,11 @@ impl ModelSlices {
         Ok(heads)
     }
 
-    /// The values of trunk parameter `name` in `range` of its flat indices, as f32 (from f32,
-    /// f16 or bf16).
+    /// The values of parameter `name` (the trunk's, or one beside it such as a LoRA adapter of
+    /// a checkpoint) in `range` of its flat indices, as f32 (from f32, f16 or bf16).
     pub fn read(&self, name: &str, range: Range<usize>) -> Result<Vec<f32>> {
-        let stored = self.stored.get(name).ok_or_else(|| anyhow!("{} lacks tensor {name}", self.dir.display()))?;
-        let view = self.files.get(stored)?;
+        let stored = self.stored.get(name).map_or(name, String::as_str);
+        let view = self.files.get(stored).map_err(|_| anyhow!("{} lacks tensor {name}", self.dir.display()))?;
         let n: usize = view.shape().iter().product();
         if range.end > n {
             bail!("internal error: values {range:?} of {name}, which has {n}");

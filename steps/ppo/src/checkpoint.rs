@@ -9,10 +9,10 @@
 //!
 //! Across ranks a model whole on rank 0 (gathered from ZeRO-1/2 optimizer shards or TP slices)
 //! is written by rank 0: `<model>_params.safetensors` and `<model>_optimizer.safetensors`. A model
-//! sharded at rest (ZeRO stage 3 without LoRA or TP) is never gathered whole: every rank writes
-//! its optimizer shard into `<model>_optimizer/` (`optimizer_shards`' files and manifest), and
-//! rank 0 writes its HF directory unit by unit as the units are gathered (which then holds
-//! exactly its parameters: no raw file). The loop position counts global rollouts: a checkpoint
+//! sharded at rest (ZeRO stage 3 without TP) is never gathered whole: every rank writes its
+//! optimizer shard into `<model>_optimizer/` (`optimizer_shards`' files and manifest), and rank 0
+//! writes its HF directory unit by unit as the units are gathered (which then holds exactly its
+//! parameters, LoRA adapters unmerged: no raw file; a resume at stage 3 reads it by slices). The loop position counts global rollouts: a checkpoint
 //! loads into any world size, stage and TP size that keeps the global batch sizes.
 
 use anyhow::{bail, Context, Result};
@@ -135,7 +135,7 @@ pub enum ModelSave<'a> {
     /// Whole on rank 0 (`None` on the others): the weights and, for a trained model, its
     /// optimizer with whole moments.
     Whole(Option<(&'a ParamStore, Option<&'a AdamW>)>),
-    /// Sharded at rest (ZeRO stage 3 without LoRA): the weights, or with `values` every rank's
+    /// Sharded at rest (ZeRO stage 3 without TP): the weights, or with `values` every rank's
     /// shard-shaped values of its parameters (the EMA), and this rank's optimizer shard.
     Sharded { model: &'a ShardedModel, values: Option<&'a [f32]>, optimizer: Option<&'a AdamW> },
 }

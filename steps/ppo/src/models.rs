@@ -70,8 +70,7 @@ pub enum Weights {
 /// across ranks, without tensor parallelism), as DS-Chat's `DeepSpeedRLHFEngine` decides it: the
 /// reference follows the actor's stage, the reward model the critic's. The trained models are
 /// built sharded (LoRA adapters beside their trunks) where nothing whole comes first: a resume
-/// only from a checkpoint that saved them sharded (else it restores whole values; a LoRA model's
-/// checkpoint holds them whole).
+/// only from a checkpoint that saved them sharded (else it restores whole values).
 ///
 /// Under tensor parallelism each rank reads its slices of the frozen models, and of the trained
 /// ones on a fresh start (a resume restores whole values, then slices them).
@@ -140,16 +139,38 @@ pub fn read_starting_models(
     let dtype = args.precision.precision().dtype.dtype();
     // `trained`: the actor or the critic; `score`: a reward model's directory.
     // A trained model built sharded gets its LoRA adapters beside its trunk (and head), drawn
-    // whole as one rank draws them and cut into shards; a whole or sliced one gets them later
-    // (`StartingModels::add_lora`).
-    let beside = |heads: Vec<(String, Tensor)>, cfg: &Gpt2Config, trained: Option<&str>| -> Result<Beside> {
+    // whole as one rank draws them and cut into shards, or restored from the directory when it
+    // holds them (a checkpoint that saved the model sharded); a whole or sliced one gets them
+    // later (`StartingModels::add_lora`). `stored`: the directory's tensors beside the trunk.
+    let beside = |heads: Vec<(String, Tensor)>,
+                  cfg: &Gpt2Config,
+                  trained: Option<&str>,
+                  stored: &std::collections::HashMap<String, Tensor>,
+                  dir: &std::path::Path|
+     -> Result<Beside> {
         let Some((what, dim, module, lr)) = trained.and_then(|what| args.lora_of(what)) else {
             return Ok(Beside::heads(heads));
         };
         let lora = PpoArgs::lora(dim, module).expect("lora_of gives a rank above 0");
-        let (targets, adapters) = hybrid_engine::model::params::lora_adapters(cfg, &lora, args.seed, device)?;
+        let (targets, mut adapters) = hybrid_engine::model::params::lora_adapters(cfg, &lora, args.seed, device)?;
+        let mut restored = 0;
+        for adapter in &mut adapters {
+            let (a, b) = lora::Adapter::param_names(&adapter.module);
+            if let (Some(a), Some(b)) = (stored.get(&a), stored.get(&b)) {
+                if (a.dims(), b.dims()) != (adapter.a.dims(), adapter.b.dims()) {
+                    bail!("{} holds {what} LoRA adapters of another rank than --{what}-lora-dim {dim}: resume with the run's LoRA flags", dir.display());
+                }
+                let restore = |t: &Tensor| t.to_dtype(candle_core::DType::F32)?.to_device(device);
+                (adapter.a, adapter.b) = (restore(a)?, restore(b)?);
+                restored += 1;
+            }
+        }
+        if restored != 0 && restored != adapters.len() {
+            bail!("{} holds {restored} of the {} {what} LoRA adapters --{what}-lora-module-name {module:?} makes: resume with the run's LoRA flags", dir.display(), adapters.len());
+        }
+        let from = if restored > 0 { ", restored from the checkpoint" } else { "" };
         println!(
-            "{what} LoRA: rank {dim} on {} linears matching {module:?}, scaling 1/{dim}, lr {lr:e}",
+            "{what} LoRA: rank {dim} on {} linears matching {module:?}, scaling 1/{dim}, lr {lr:e}{from}",
             targets.len()
         );
         Ok(Beside::heads(heads).with_lora(adapters, lora.scaling(), args.only_optimize_lora))
@@ -170,9 +191,10 @@ pub fn read_starting_models(
         if let Some(p) = dropout {
             (config.resid_pdrop, config.embd_pdrop, config.attn_pdrop) = (p, p, p);
         }
+        let mut stored = slices.heads()?;
         let heads = match score {
             false => Vec::new(),
-            true => match slices.heads()?.remove(SCORE_WEIGHT) {
+            true => match stored.remove(SCORE_WEIGHT) {
                 Some(head) => vec![(SCORE_WEIGHT.to_string(), head)],
                 None => bail!("{flag} {name:?} has no {SCORE_WEIGHT}: pass the reward model step 2 saved (a GPT2ForSequenceClassification directory)"),
             },
@@ -189,7 +211,7 @@ pub fn read_starting_models(
                 sharding.group.clone(),
                 &config,
                 |n, r| slices.read(n, r),
-                &beside(heads, &config, trained)?,
+                &beside(heads, &config, trained, &stored, &dir)?,
                 dtype,
                 device,
             )?)),

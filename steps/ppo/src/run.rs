@@ -484,7 +484,7 @@ impl PpoLoop<'_> {
         };
         let world = self.ctx.group.world();
         let state = checkpoint_state(args, world, at, models, &self.ptx_cursor, &self.summary);
-        let gathered = GatheredModels::of(models, self.ctx.tp, Purpose::Checkpoint)?;
+        let gathered = GatheredModels::of(models, self.ctx.tp)?;
         if let Some(dir) = save_checkpoint(self.whole, &self.save_root, models, &gathered, &state, self.tokenizer)? {
             self.metrics.println(&format!(" saved a step-3 checkpoint at rollout {step} to {}", dir.display()));
         }
@@ -529,7 +529,7 @@ impl PpoLoop<'_> {
     /// (under TP), or are whole there, and rank 0 saves them.
     fn save_models(&self) -> Result<GatheredModels> {
         let (args, models) = (self.ctx.args, &self.models);
-        let gathered = GatheredModels::of(models, self.ctx.tp, Purpose::Models)?;
+        let gathered = GatheredModels::of(models, self.ctx.tp)?;
         let first = self.whole.is_first();
         let write_tok = |d: &Path| self.tokenizer.save(&d.join("tokenizer.json"));
         let save = |name: &str, config: &Gpt2Config, save: ModelSave| -> Result<()> {
@@ -570,15 +570,6 @@ impl PpoLoop<'_> {
         };
         let world = self.ctx.group.world();
         let state = checkpoint_state(args, world, at, &self.models, &self.ptx_cursor, &self.summary);
-        // A ZeRO-3 model with LoRA was saved block by block, but checkpoints hold it whole.
-        let regathered;
-        let gathered = match GatheredModels::differ(&self.models) {
-            true => {
-                regathered = GatheredModels::of(&self.models, self.ctx.tp, Purpose::Checkpoint)?;
-                &regathered
-            }
-            false => gathered,
-        };
         let written = save_checkpoint(self.whole, &self.save_root, &self.models, gathered, &state, self.tokenizer)?;
         if let Some(dir) = written {
             let size = directory_bytes(&dir) as f64 / (1u64 << 30) as f64;
@@ -1054,20 +1045,10 @@ fn save_checkpoint(
     crate::checkpoint::save(group, root, &saved, state, tokenizer)
 }
 
-/// What the models are gathered for: their HF directories, or a checkpoint.
-#[derive(Clone, Copy, PartialEq)]
-enum Purpose {
-    Models,
-    Checkpoint,
-}
-
-/// A model saved sharded, never gathered whole: at ZeRO stage 3 without TP, and for a checkpoint
-/// without LoRA (a checkpoint holds a LoRA model's base and adapters apart, gathered whole; its
-/// HF directory, merged, is written block by block).
-fn saved_sharded(engine: &Engine, purpose: Purpose) -> Option<&ShardedModel> {
-    engine
-        .sharded()
-        .filter(|model| engine.tensor_parallel().is_none() && (purpose == Purpose::Models || !model.has_lora()))
+/// A model saved sharded (ZeRO stage 3 without TP), never gathered whole: its HF directory
+/// written block by block with its LoRA adapters fused in, its checkpoint's with them apart.
+fn saved_sharded(engine: &Engine) -> Option<&ShardedModel> {
+    engine.sharded().filter(|_| engine.tensor_parallel().is_none())
 }
 
 /// The trained models' weights gathered whole on rank 0 (see [`Engine::gather_weights`]) where
@@ -1090,15 +1071,11 @@ struct Optimizers<'a> {
 
 impl GatheredModels {
     /// Every rank must call it (the gathers are collectives).
-    fn of(models: &PpoModels, tp: Option<&TensorParallel>, purpose: Purpose) -> Result<Self> {
-        let actor_sharded = saved_sharded(&models.actor, purpose).is_some();
+    fn of(models: &PpoModels, tp: Option<&TensorParallel>) -> Result<Self> {
+        let actor_sharded = saved_sharded(&models.actor).is_some();
         let actor = (!actor_sharded).then(|| models.actor.gather_weights()).transpose()?;
-        let critic = models
-            .critic
-            .as_ref()
-            .filter(|c| saved_sharded(c, purpose).is_none())
-            .map(Engine::gather_weights)
-            .transpose()?;
+        let critic =
+            models.critic.as_ref().filter(|c| saved_sharded(c).is_none()).map(Engine::gather_weights).transpose()?;
         // A ZeRO-3 EMA is gathered as the actor's weights are: from the shards (onto the first
         // data-parallel rank of each TP rank), then under TP from the TP ranks' slices.
         let ema_slices = match actor_sharded {
@@ -1117,13 +1094,6 @@ impl GatheredModels {
         Ok(Self { actor, critic, ema })
     }
 
-    /// Whether a checkpoint gathers other models than the HF directories' save (a ZeRO-3 model
-    /// with LoRA: written block by block, but whole in a checkpoint).
-    fn differ(models: &PpoModels) -> bool {
-        let lora_sharded = |e: &Engine| e.sharded().is_some_and(|m| m.has_lora()) && e.tensor_parallel().is_none();
-        lora_sharded(&models.actor) || models.critic.as_ref().is_some_and(lora_sharded)
-    }
-
     /// The actor, critic and EMA as a save writes them (HF configs with `eos` as the critic's
     /// pad), with `optimizers` for a checkpoint; `first`: this is rank 0, which holds the
     /// gathered weights.
@@ -1135,13 +1105,12 @@ impl GatheredModels {
         first: bool,
     ) -> Result<Vec<SavedModel<'a>>> {
         let checkpoint = optimizers.is_some();
-        let purpose = if checkpoint { Purpose::Checkpoint } else { Purpose::Models };
         let optimizers = optimizers.unwrap_or(Optimizers { actor: None, critic: None });
         let trained = |engine: &'a Engine,
                        gathered: Option<&'a GatheredWeights>,
                        optimizer: Option<&'a AdamW>|
          -> Result<ModelSave<'a>> {
-            Ok(match (saved_sharded(engine, purpose), gathered) {
+            Ok(match (saved_sharded(engine), gathered) {
                 (Some(model), _) => {
                     let optimizer = checkpoint.then_some(&engine.trainer().optimizer);
                     ModelSave::Sharded { model, values: None, optimizer }
@@ -1166,7 +1135,7 @@ impl GatheredModels {
                 save: trained(critic, self.critic.as_ref(), optimizers.critic)?,
             });
         }
-        let ema = match (&models.ema, saved_sharded(&models.actor, purpose)) {
+        let ema = match (&models.ema, saved_sharded(&models.actor)) {
             (None, _) => None,
             (Some(Ema::Shard(values)), Some(model)) => {
                 Some(ModelSave::Sharded { model, values: Some(values), optimizer: None })
