@@ -1386,7 +1386,7 @@ fn ppo_on_2_and_3_ranks_matches_one_rank_at_every_zero_stage() {
 /// only their shard of the fp32 masters, the rollouts generate from the bf16 copy, the EMA is
 /// kept shard by shard; the run ends with the models of whole masters (stage 0, same ranks), and
 /// its checkpoint (masters and EMA gathered on rank 0, optimizer shards) resumes on the same
-/// trajectory.
+/// trajectory. With LoRA too, and under tensor parallelism.
 #[test]
 fn ppo_in_bf16_at_stages_1_and_2_keeps_master_shards_and_trains_as_stage_0() {
     let dir = tempfile::tempdir().unwrap();
@@ -1429,6 +1429,19 @@ fn ppo_in_bf16_at_stages_1_and_2_keeps_master_shards_and_trains_as_stage_0() {
     let (tp_sharded, log) = tp("tp-s1-s2", (1, 2));
     assert!(log.contains("ZeRO stage 2 in bf16: each rank keeps 1/2 of the fp32 masters"), "{log}");
     assert_same_ppo(&tp_sharded, &tp_whole, "PPO in bf16 at TP=2 x DP=2, stages 1 and 2 against stage 0");
+    // With LoRA adapters beside the trained weights the masters stay sharded too: each rollout
+    // fuses the adapters on the fp32 shards and all-gathers the fused weights in bf16 (stage 0's
+    // fused masters cast, bit for bit); the saves put the masters together and merge.
+    let lora = "--actor-lora-dim 4 --critic-lora-dim 4 --actor-lora-learning-rate 2e-3";
+    let (lora_whole, _) = run("lora-s0", (0, 0), lora);
+    let (lora_sharded, log) = run("lora-s1-s2", (1, 2), lora);
+    for stage in [1, 2] {
+        let line = format!("ZeRO stage {stage} in bf16: each rank keeps 1/2 of the fp32 masters");
+        assert!(log.contains(&line), "{log}");
+    }
+    let saved = weights_file(&lora_sharded.join("actor/model.safetensors"));
+    assert!(saved.keys().all(|n| !n.contains("lora_")), "adapters merged: {:?}", saved.keys());
+    assert_same_ppo(&lora_sharded, &lora_whole, "PPO with LoRA in bf16 at stages 1 and 2 against stage 0");
 }
 
 /// LoRA adapters beside trained weights under ZeRO stage 3 in both of step 3's models: the

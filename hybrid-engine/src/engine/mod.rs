@@ -73,13 +73,13 @@ pub fn check_offload(on_gpu: bool, stage: ZeroStage, world: usize) -> Result<()>
 /// Whether a model trained over `dp` keeps only its shard of the fp32 masters (under tensor
 /// parallelism, of its TP slices) at ZeRO stages 1 and 2, as DeepSpeed's do: in fp16/bf16 (in
 /// fp32 the masters are the weights the model runs on, whole on every rank at these stages),
-/// with every parameter trained and without LoRA (whose generation fuses the adapters into the
-/// fp32 masters; said in the run's log).
+/// with every parameter trained (a frozen trunk, `--only-optimize-lora`, keeps them whole; said
+/// in the run's log). With LoRA, generation fuses the adapters on the shards
+/// ([`Engine::gather_fused_for_generation`]).
 pub fn shards_masters(dp: &DataParallel, compute: DType, params: &ParamStore) -> bool {
     dp.shards_optimizer()
         && dp.stage != ZeroStage::Parameters
         && compute != DType::F32
-        && params.lora_scaling().is_none()
         && params.frozen().iter().all(|f| !f)
 }
 
@@ -194,7 +194,7 @@ impl Engine {
                     );
                 } else {
                     println!(
-                        "ZeRO stage {} in {name}: the fp32 masters stay whole on every rank (sharded only without LoRA); Adam moments sharded",
+                        "ZeRO stage {} in {name}: the fp32 masters stay whole on every rank (sharded only with every parameter trained: not with --only-optimize-lora); Adam moments sharded",
                         dp.stage
                     );
                 }
@@ -472,6 +472,16 @@ impl Engine {
         model.gather_params_everywhere(dtype).map(Some)
     }
 
+    /// The hybrid engine's switch to generation at ZeRO stages 1 and 2 where a rank keeps only
+    /// its shard of the fp32 masters and they carry LoRA adapters: the whole weights with the
+    /// adapters fused in fp32 on the shards and all-gathered in the compute dtype (stage 0's fused
+    /// masters cast, bit for bit; a collective), dropped after the rollout. `None` otherwise: the
+    /// weights are [`Self::whole_weights`] (or, under ZeRO stage 3,
+    /// [`Self::gather_for_generation`]'s).
+    pub fn gather_fused_for_generation(&self) -> Result<Option<ParamStore>> {
+        self.trainer.gather_fused_masters()
+    }
+
     /// Where a rank keeps only its shard of the fp32 masters (ZeRO-3; stages 1 and 2 in
     /// fp16/bf16), the whole masters (under TP, this TP rank's slices) put together on the first
     /// data-parallel rank; `None` on the others and where the masters are whole. Every rank must
@@ -621,12 +631,9 @@ mod tests {
         train(group, stage, Dtype::Bf16, 1 << 20)
     }
 
-    /// [`train_bf16`] in `dtype` with ZeRO-2's buckets of `bucket` values.
-    fn train(group: ProcessGroup, stage: ZeroStage, dtype: Dtype, bucket: usize) -> Result<Trained> {
-        let cfg = tiny();
-        let dev = Device::Cpu;
-        let params = ParamStore::init(&cfg, 7, &dev)?;
-        let engine_cfg = EngineConfig {
+    /// The tests' training: at `stage` in `dtype` with ZeRO-2's buckets of `bucket` values.
+    fn test_config(stage: ZeroStage, dtype: Dtype, bucket: usize) -> EngineConfig {
+        EngineConfig {
             // Adam's eps at 1e-4, as the multi-rank tests: at 1e-8 it turns the rounding noise of
             // near-zero gradients summed in another order into full-size steps of either sign.
             optimizer: AdamWConfig { eps: 1e-4, ..AdamWConfig::default() },
@@ -649,7 +656,15 @@ mod tests {
                 offload: false,
                 communication_data_type: WireDtype::F32,
             },
-        };
+        }
+    }
+
+    /// [`train_bf16`] in `dtype` with ZeRO-2's buckets of `bucket` values.
+    fn train(group: ProcessGroup, stage: ZeroStage, dtype: Dtype, bucket: usize) -> Result<Trained> {
+        let cfg = tiny();
+        let dev = Device::Cpu;
+        let params = ParamStore::init(&cfg, 7, &dev)?;
+        let engine_cfg = test_config(stage, dtype, bucket);
         let rank = group.rank() as u32;
         let group = Arc::new(group);
         let mut engine = Engine::new(&engine_cfg, &cfg, Head::Lm, params, Ranks { data: group, tensor: None })?;
@@ -725,6 +740,70 @@ mod tests {
                         );
                     }
                 }
+            }
+        }
+        Ok(())
+    }
+
+    /// With LoRA at stage 1 in bf16 the masters stay sharded, and generation's weights, the
+    /// adapters fused in fp32 on each rank's shard and all-gathered in bf16, are on every rank
+    /// exactly the whole fp32 masters fused as stage 0 fuses them ([`ParamStore::merged`]) and
+    /// cast to bf16, bit for bit, adapters dropped (after training steps, so B is not zero).
+    #[test]
+    fn lora_at_stage_1_in_bf16_generates_from_the_fused_master_shards() -> Result<()> {
+        // Per rank: its fused weights' bf16 bits, and on rank 0 those of stage 0's fusion.
+        type Bits = Vec<Vec<u16>>;
+        let results = crate::comm::on_groups(2, |group| -> Result<(Bits, Option<Bits>)> {
+            let (cfg, dev) = (tiny(), Device::Cpu);
+            let mut params = ParamStore::init(&cfg, 7, &dev)?;
+            params.add_lora(&cfg, &lora::LoraConfig { dim: 2, alpha: Some(4.0), module_name: "h.".into() }, 7)?;
+            let engine_cfg = test_config(ZeroStage::OptimizerStates, Dtype::Bf16, 1 << 20);
+            let rank = group.rank() as u32;
+            let ranks = Ranks { data: Arc::new(group), tensor: None };
+            let mut engine = Engine::new(&engine_cfg, &cfg, Head::Lm, params, ranks)?;
+            engine.release_masters();
+            assert!(engine.shards_masters(), "LoRA keeps the masters sharded");
+            for step in 0..3u32 {
+                let ids: Vec<u32> = (0..8).map(|t| (t * 3 + step * 5 + rank * 7) % 16).collect();
+                let targets: Vec<u32> = ids.iter().map(|i| (i + 1) % 16).collect();
+                let (ids, targets) = (Tensor::from_vec(ids, (2, 4), &dev)?, Tensor::from_vec(targets, (2, 4), &dev)?);
+                engine.lm_forward_backward(&ids, &targets, None, 1.0)?;
+                engine.step()?;
+            }
+            let bits = |p: &ParamStore| -> Result<Vec<Vec<u16>>> {
+                p.vars
+                    .iter()
+                    .map(|v| {
+                        Ok(v.flatten_all()?
+                            .to_dtype(DType::BF16)?
+                            .to_vec1::<half::bf16>()?
+                            .iter()
+                            .map(|x| x.to_bits())
+                            .collect())
+                    })
+                    .collect()
+            };
+            let fused = engine.gather_fused_for_generation()?.expect("sharded masters with LoRA fuse on the shards");
+            assert!(fused.names.iter().all(|n| !lora::is_adapter_name(n)) && fused.lora_scaling().is_none());
+            let gathered = engine.gather_weights()?;
+            let want = gathered.whole().map(|whole| -> Result<_> {
+                let merged = whole.merged()?;
+                assert_eq!(merged.names, fused.names);
+                let moved = whole.iter().filter(|(n, _)| n.ends_with("lora_B.weight")).any(|(_, v)| {
+                    v.as_tensor().abs().and_then(|a| a.max_all()).and_then(|m| m.to_scalar::<f32>()).unwrap() > 0.0
+                });
+                assert!(moved, "B trained off zero: the fusion changes the weights");
+                bits(&merged)
+            });
+            Ok((bits(&fused)?, want.transpose()?))
+        });
+        let results = results.into_iter().collect::<Result<Vec<_>>>()?;
+        let want = results[0].1.as_ref().expect("rank 0 gets the whole masters");
+        for (rank, (got, _)) in results.iter().enumerate() {
+            assert_eq!(got.len(), want.len());
+            for (i, (g, w)) in got.iter().zip(want).enumerate() {
+                let differ = g.iter().zip(w).filter(|(a, b)| a != b).count();
+                assert_eq!(differ, 0, "rank {rank}, parameter {i}: {differ} of {} bf16 values differ", g.len());
             }
         }
         Ok(())

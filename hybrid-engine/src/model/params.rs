@@ -346,9 +346,9 @@ impl ParamStore {
     }
 
     /// The parameters the optimizer updates, sharing their `Var`s with this store: all of them
-    /// unless some are frozen.
+    /// unless some are frozen (the LoRA scaling kept: a trained adapter is still one).
     pub fn trainable(&self) -> ParamStore {
-        let mut out = ParamStore::default();
+        let mut out = ParamStore { lora_scaling: self.lora_scaling, ..Default::default() };
         for ((name, var), frozen) in self.iter().zip(&self.frozen) {
             if !frozen {
                 out.names.push(name.to_string());

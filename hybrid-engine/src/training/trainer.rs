@@ -228,6 +228,18 @@ impl Trainer {
         }
     }
 
+    /// Where this rank keeps only its shard of the fp32 masters and they carry LoRA adapters: the
+    /// whole weights generation runs on, the adapters fused in fp32 on the shards and the result
+    /// all-gathered in the compute dtype ([`zero::gather_fused_weights`]). Every rank calls it.
+    pub fn gather_fused_masters(&self) -> Result<Option<ParamStore>> {
+        match (&self.dp, &self.master_shard) {
+            (Some((dp, partition)), Some(shard)) if self.compute.lora_scaling().is_some() => {
+                zero::gather_fused_weights(dp, partition, &self.compute, shard).map(Some)
+            }
+            _ => Ok(None),
+        }
+    }
+
     /// The trained parameters in the compute dtype: the masters themselves in fp32.
     pub fn compute_params(&self) -> &ParamStore {
         &self.compute

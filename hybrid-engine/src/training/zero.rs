@@ -26,6 +26,7 @@ use crate::model::params::ParamStore;
 use crate::training::optim::AdamW;
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
+use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -415,6 +416,67 @@ pub fn all_gather_parameters(
     Ok(())
 }
 
+/// The whole weights generation runs on, from every rank's `shard` of fp32 masters with LoRA
+/// adapters (stages 1 and 2 under mixed precision): each adapted linear's weight fused with its
+/// adapter on the shard in fp32 (`W + scaling A^T B^T`, [`ParamStore::merged`]'s values bit for
+/// bit: the same delta, added value by value), then all-gathered in `like`'s dtype (the compute
+/// copy: its names, shapes and LoRA scaling), as stage 0 casts the fused masters. The adapters are
+/// first put together whole in fp32 on every rank (each rank's pieces summed with zeros: exact;
+/// they are small). Returns the fused weights without the adapters. Every rank must call it.
+pub fn gather_fused_weights(
+    dp: &DataParallel,
+    partition: &Partition,
+    like: &ParamStore,
+    shard: &[f32],
+) -> Result<ParamStore> {
+    let Some(scaling) = like.lora_scaling() else { bail!("internal error: fusing a model without LoRA adapters") };
+    let device = like.vars.first().map_or(Device::Cpu, |v| v.device().clone());
+    let pieces = partition.pieces(dp.group.rank());
+    // The adapters, whole: a buffer of all of them, this rank's pieces in place, summed.
+    let adapters: Vec<usize> = (0..like.names.len()).filter(|&i| lora::is_adapter_name(&like.names[i])).collect();
+    let mut at = HashMap::new();
+    let mut len = 0;
+    for &i in &adapters {
+        at.insert(i, len);
+        len += partition.sizes[i];
+    }
+    let mut mine = vec![0f32; len];
+    for piece in pieces.iter().filter(|p| at.contains_key(&p.param)) {
+        let start = at[&piece.param] + piece.in_param.start;
+        mine[start..start + piece.in_param.len()].copy_from_slice(&shard[piece.in_shard.clone()]);
+    }
+    let summed = dp.group.all_reduce(&Tensor::from_vec(mine, len, &Device::Cpu)?, ReduceOp::Sum)?;
+    let whole = |i: usize| -> Result<Tensor> {
+        let shape = like.vars[i].shape();
+        Ok(summed.narrow(0, at[&i], partition.sizes[i])?.reshape(shape)?.to_device(&device)?)
+    };
+    // This rank's shard with each adapted linear's values fused.
+    let mut fused = shard.to_vec();
+    for piece in &pieces {
+        let name = &like.names[piece.param];
+        let Some(module) = name.strip_suffix(".weight").filter(|_| !lora::is_adapter_name(name)) else { continue };
+        let (a, b) = lora::Adapter::param_names(module);
+        let (Some(a), Some(b)) = (like.names.iter().position(|n| *n == a), like.names.iter().position(|n| *n == b))
+        else {
+            continue;
+        };
+        let delta = lora::delta(&whole(a)?, &whole(b)?, scaling)?.flatten_all()?;
+        let delta: Vec<f32> = delta.narrow(0, piece.in_param.start, piece.in_param.len())?.to_vec1()?;
+        for (w, d) in fused[piece.in_shard.clone()].iter_mut().zip(delta) {
+            *w += d;
+        }
+    }
+    let full = dp.group.all_gather_slice_as(&fused, like.dtype(), &device)?;
+    let shapes: Vec<&candle_core::Shape> = like.vars.iter().map(|v| v.shape()).collect();
+    let mut out = ParamStore::default();
+    for ((name, t), i) in like.names.iter().zip(partition.unflatten(&full, &shapes)?).zip(0..) {
+        if !at.contains_key(&i) {
+            out.push(name, &t)?;
+        }
+    }
+    Ok(out)
+}
+
 /// One AdamW step of this rank's shard of the weights, `shard` (the partition's flat layout),
 /// from its gradient shard (averaged and clipped), in place.
 pub fn step_shard(
@@ -465,6 +527,8 @@ pub fn gather_shards_to_first(
     for (name, t) in like.names.iter().zip(partition.unflatten(&all, &shapes)?) {
         whole.push(name, &t.to_device(&device)?)?;
     }
+    // `like`'s frozen flags and LoRA scaling: a save merges the adapters it holds.
+    whole.set_layout(like.frozen(), like.lora_scaling())?;
     Ok(Some(whole))
 }
 

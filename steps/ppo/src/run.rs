@@ -744,7 +744,9 @@ fn generate_share(
     // instead cut into this rank's slices and its TP group generates all the group's rows in
     // lockstep (the same rows and tokens on every rank of the group).
     let gathered_actor = models.actor.gather_for_generation()?;
-    let whole_actor = gathered_actor.as_ref().unwrap_or(models.actor.whole_weights());
+    // At stages 1 and 2 in fp16/bf16 with LoRA, the adapters fused on the fp32 master shards.
+    let fused_actor = models.actor.gather_fused_for_generation()?;
+    let whole_actor = gathered_actor.as_ref().or(fused_actor.as_ref()).unwrap_or(models.actor.whole_weights());
     // The old log-probs come from the gathered actor too, read as the training loss reads them
     // (generation ignores `fp32_loss`). With LoRA that is with the adapters unfused: a fused
     // weight rounds differently from the training forward's `x W + s (x A^T) B^T`.
