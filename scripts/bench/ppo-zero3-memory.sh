@@ -7,9 +7,12 @@
 # RSS, start to exit). Prints each run's per-rank peaks, their ratio to the one-rank run's, and
 # ZeRO's model states (16 bytes a trained parameter, 4 a frozen one, over the ranks).
 # Usage: scripts/bench/ppo-zero3-memory.sh [ROLLOUTS]   (after cargo build --release --workspace)
-# PPO=path/to/another/ppo measures another build on the same starting models.
+# PPO=path/to/another/ppo measures another build on the same starting models; EXTRA adds flags to
+# every run (e.g. "--actor-lora-dim 8 --critic-lora-dim 8"); RUNS picks among "one two four".
 set -euo pipefail
 ROLLOUTS=${1:-2}
+EXTRA=${EXTRA:-}
+RUNS=${RUNS:-one two four}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 BIN=${BIN:-$ROOT/target/release}
 PPO=${PPO:-$BIN/ppo}
@@ -40,26 +43,29 @@ run() { # name ranks stage
       RAYON_NUM_THREADS=$(($(nproc) / $2 > 0 ? $(nproc) / $2 : 1)) \
       /usr/bin/time -f "%M %e" -o "$WORK/$1-$r.rss" "$PPO" "${COMMON[@]}" --actor-zero-stage "$3" \
       --critic-zero-stage "$3" --per-device-generation-batch-size $per --per-device-training-batch-size $per \
-      --output-dir "$WORK/out-$1" >"$WORK/$1-$r.log" 2>&1 &
+      $EXTRA --output-dir "$WORK/out-$1" >"$WORK/$1-$r.log" 2>&1 &
   done
   wait
 }
-run one 1 0
-run two 2 3
-run four 4 3
-python3 - "$WORK" <<'PY'
+# shellcheck disable=SC2086 # EXTRA is words
+[[ " $RUNS " == *" one "* ]] && run one 1 0
+[[ " $RUNS " == *" two "* ]] && run two 2 3
+[[ " $RUNS " == *" four "* ]] && run four 4 3
+python3 - "$WORK" "$RUNS" <<'PY'
 import pathlib, sys
-work = pathlib.Path(sys.argv[1])
+work, runs = pathlib.Path(sys.argv[1]), sys.argv[2].split()
 params = 124.44e6  # GPT-2 small; the critic and the reward model add a 768-value head
 def peaks(name, ranks):
     rows = [(work / f"{name}-{r}.rss").read_text().split() for r in range(ranks)]
     return [int(row[-2]) / 1024 for row in rows], max(float(row[-1]) for row in rows)
-one, _ = peaks("one", 1)
+one = peaks("one", 1)[0] if "one" in runs else None
 print("| run | peak RSS per rank, load + rollouts + train + save (MiB) | / one rank | ZeRO's model states per rank (MiB) | seconds |")
 print("|---|---|---|---|---|")
 for name, ranks, stage in [("one", 1, 0), ("two", 2, 3), ("four", 4, 3)]:
+    if name not in runs:
+        continue
     p, secs = peaks(name, ranks)
     # Actor and critic: fp32 weights, gradients and two moments; reference and reward: fp32 weights.
     states = (2 * 16 + 2 * 4) * params / 2**20 / (ranks if stage == 3 else 1)
-    print(f"| {ranks} rank(s), ZeRO-{stage} | {' / '.join(f'{x:.0f}' for x in p)} | {max(p) / one[0]:.2f}x | {states:.0f} | {secs:.0f} |")
+    print(f"| {ranks} rank(s), ZeRO-{stage} | {' / '.join(f'{x:.0f}' for x in p)} | {f"{max(p) / one[0]:.2f}x" if one else "-"} | {states:.0f} | {secs:.0f} |")
 PY

@@ -354,6 +354,7 @@ enum DeviceKind {
     Other,
 }
 
+#[derive(Clone)]
 pub struct MemoryPlan {
     pub parameters: usize,
     pub param_bytes: u64,
@@ -371,6 +372,9 @@ pub struct MemoryPlan {
     /// ZeRO stage 3 across ranks: the largest unit (the embeddings and heads, or a block)
     /// gathered whole with its whole gradient, 4 + 4 bytes a value (see [`gathered_unit_values`]).
     pub gathered_unit_bytes: u64,
+    /// On the CPU, the process itself before the model: its resident memory when planned (the
+    /// binary, the tokenizer, the loaded data), measured ([`Self::with_process_baseline`]).
+    pub process_bytes: u64,
 }
 
 /// The values of the largest unit ZeRO stage 3 gathers at once: everything outside the blocks
@@ -415,6 +419,7 @@ impl MemoryPlan {
             zero: None,
             tensor_parallel: None,
             gathered_unit_bytes: 0,
+            process_bytes: 0,
         }
     }
 
@@ -555,6 +560,17 @@ impl MemoryPlan {
         self
     }
 
+    /// On the CPU, counts the process's own resident memory now (before the model is built): the
+    /// machine holds it beside the model states and activations, and a rank's measured peak
+    /// includes it. Not on a GPU, whose memory the plan is of.
+    pub fn with_process_baseline(mut self) -> Self {
+        if self.device == DeviceKind::Cpu {
+            let mib = crate::training::metrics::current_rss_mib().unwrap_or(0.0);
+            self.process_bytes = (mib * MIB) as u64;
+        }
+        self
+    }
+
     /// A reward model: a score head instead of the LM head (no logits).
     pub fn with_score_head(mut self) -> Self {
         self.activations.lm_head = false;
@@ -610,7 +626,7 @@ impl MemoryPlan {
 
     pub fn total(&self) -> u64 {
         let transient = self.activation_bytes() + self.gathered_unit_bytes;
-        [self.param_bytes, self.grad_bytes, self.adam_bytes, self.compute_copy_bytes, transient]
+        [self.param_bytes, self.grad_bytes, self.adam_bytes, self.compute_copy_bytes, transient, self.process_bytes]
             .into_iter()
             .fold(0, u64::saturating_add)
     }
@@ -634,7 +650,7 @@ impl MemoryPlan {
             None => per_rank,
         };
         format!(
-            "{per_rank}parameters: {:.2}M\nallocating {:.1} MiB for parameters (f32)\nallocating {:.1} MiB for gradients ({})\nallocating {:.1} MiB for AdamW m and v\n{}estimated {:.1} MiB for activations per micro-batch\n{}estimated total {:.1} MiB",
+            "{per_rank}parameters: {:.2}M\nallocating {:.1} MiB for parameters (f32)\nallocating {:.1} MiB for gradients ({})\nallocating {:.1} MiB for AdamW m and v\n{}estimated {:.1} MiB for activations per micro-batch\n{}{}estimated total {:.1} MiB",
             self.parameters as f64 / 1e6,
             m(self.param_bytes),
             m(self.grad_bytes),
@@ -648,6 +664,11 @@ impl MemoryPlan {
             m(self.activation_bytes()),
             if self.gathered_unit_bytes > 0 {
                 format!("estimated {:.1} MiB for ZeRO-3's largest gathered unit and its gradient\n", m(self.gathered_unit_bytes))
+            } else {
+                String::new()
+            },
+            if self.process_bytes > 0 {
+                format!("measured {:.1} MiB for the process before the model (binary, tokenizer, data)\n", m(self.process_bytes))
             } else {
                 String::new()
             },
@@ -670,6 +691,19 @@ mod tests {
         let absurd = MemoryPlan::new(&tiny, usize::MAX, 64, false);
         assert_eq!((absurd.activation_bytes(), absurd.total()), (u64::MAX, u64::MAX), "saturates, no overflow");
         assert!(check_plan_fits(&absurd, &candle_core::Device::Cpu).is_err());
+    }
+
+    /// On the CPU the plan counts the process's own resident memory (measured: above zero for
+    /// any running test binary) in its total and says so; a GPU plan, of device memory, does not.
+    #[test]
+    fn the_process_itself_is_counted_on_the_cpu_only() {
+        let plan = MemoryPlan::new(&Gpt2Config::tiny(), 2, 32, false);
+        let counted = plan.clone().with_process_baseline();
+        assert!(counted.process_bytes > 0, "a test binary has resident memory");
+        assert_eq!(counted.total(), plan.total() + counted.process_bytes);
+        assert!(counted.report().contains("for the process before the model"), "{}", counted.report());
+        let gpu = plan.on_device_kind(DeviceKind::Cuda).with_process_baseline();
+        assert_eq!(gpu.process_bytes, 0);
     }
 
     #[test]

@@ -232,8 +232,17 @@ pub fn read_records(path: &Path) -> Result<Vec<serde_json::Value>> {
 
 /// Peak resident memory of this process in MiB (Linux `VmHWM`), if the platform reports it.
 pub fn peak_rss_mib() -> Option<f64> {
+    status_mib("VmHWM:")
+}
+
+/// Resident memory of this process now in MiB (Linux `VmRSS`), if the platform reports it.
+pub fn current_rss_mib() -> Option<f64> {
+    status_mib("VmRSS:")
+}
+
+fn status_mib(field: &str) -> Option<f64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let line = status.lines().find(|l| l.starts_with(field))?;
     let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib / 1024.0)
 }

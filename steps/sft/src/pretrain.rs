@@ -140,7 +140,8 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
         .with_compute_dtype(args.precision.dtype.dtype())
         .on_device(&device)
         .with_tensor_parallel(tp.as_ref().map_or(1, |t| t.size()))
-        .with_data_parallel(ZeroStage::from_number(args.zero_stage)?, world);
+        .with_data_parallel(ZeroStage::from_number(args.zero_stage)?, world)
+        .with_process_baseline();
     hybrid_engine::training::memory::check_plan_fits(&plan, &device)?;
     // ZeRO-3 across ranks without tensor parallelism builds the model sharded: no rank ever
     // holds it whole (DeepSpeed's zero.Init); otherwise each rank starts from the whole model
