@@ -65,7 +65,8 @@ for name, ranks, stage in [("one", 1, 0), ("two", 2, 3), ("four", 4, 3)]:
     if name not in runs:
         continue
     p, secs = peaks(name, ranks)
+    ratio = "%.2fx" % (max(p) / one[0]) if one else "-"
     # Actor and critic: fp32 weights, gradients and two moments; reference and reward: fp32 weights.
     states = (2 * 16 + 2 * 4) * params / 2**20 / (ranks if stage == 3 else 1)
-    print(f"| {ranks} rank(s), ZeRO-{stage} | {' / '.join(f'{x:.0f}' for x in p)} | {f"{max(p) / one[0]:.2f}x" if one else "-"} | {states:.0f} | {secs:.0f} |")
+    print(f"| {ranks} rank(s), ZeRO-{stage} | {' / '.join(f'{x:.0f}' for x in p)} | {ratio} | {states:.0f} | {secs:.0f} |")
 PY
