@@ -375,6 +375,9 @@ pub struct MemoryPlan {
     /// On the CPU, the process itself before the model: its resident memory when planned (the
     /// binary, the tokenizer, the loaded data), measured ([`Self::with_process_baseline`]).
     pub process_bytes: u64,
+    /// Data parallelism at stages 0-2: what a micro-batch's gradient reduction holds beyond the
+    /// held gradients ([`Self::with_reduce_bucket`]).
+    pub reduction_bytes: u64,
 }
 
 /// The values of the largest unit ZeRO stage 3 gathers at once: everything outside the blocks
@@ -420,6 +423,7 @@ impl MemoryPlan {
             tensor_parallel: None,
             gathered_unit_bytes: 0,
             process_bytes: 0,
+            reduction_bytes: 0,
         }
     }
 
@@ -560,6 +564,32 @@ impl MemoryPlan {
         self
     }
 
+    /// What reducing a micro-batch's gradient over the data-parallel ranks holds at its peak
+    /// beyond the held gradients, with buckets of `bucket` values (`--reduce-bucket-size`), as
+    /// `zero.rs` does it: the collective's f32 buffer, into which the gradients are copied while
+    /// they are still alive (stage 0: a bucket, whose mean is a second one; stages 1 and 2: the
+    /// whole flat gradient, and at stage 2, which holds only a shard, the micro-batch's whole
+    /// gradient beside it; stage 2's buckets during backward on the CPU: a bucket); under mixed
+    /// precision also backward's own half-precision gradients, converted to f32 for the
+    /// reduction. Nothing at stage 3 (its gathered unit is counted apart) or on one rank. Call
+    /// after [`Self::with_data_parallel`].
+    pub fn with_reduce_bucket(mut self, bucket: usize) -> Self {
+        let Some((stage, _)) = self.zero else { return self };
+        let p = self.activations.trainable as u64;
+        let bucket = (bucket as u64).min(p);
+        let f32_values = match stage {
+            ZeroStage::Disabled => bucket,
+            ZeroStage::OptimizerStates => p,
+            ZeroStage::Gradients if self.device == DeviceKind::Cpu && bucket < p => bucket,
+            ZeroStage::Gradients => 2 * p,
+            ZeroStage::Parameters => return self,
+        };
+        let half =
+            if self.compute_dtype == candle_core::DType::F32 { 0 } else { self.activations.dtype_bytes as u64 * p };
+        self.reduction_bytes = 4 * f32_values + half;
+        self
+    }
+
     /// On the CPU, counts the process's own resident memory now (before the model is built): the
     /// machine holds it beside the model states and activations, and a rank's measured peak
     /// includes it. Not on a GPU, whose memory the plan is of.
@@ -626,6 +656,7 @@ impl MemoryPlan {
 
     pub fn total(&self) -> u64 {
         let transient = self.activation_bytes() + self.gathered_unit_bytes;
+        let transient = transient + self.reduction_bytes;
         [self.param_bytes, self.grad_bytes, self.adam_bytes, self.compute_copy_bytes, transient, self.process_bytes]
             .into_iter()
             .fold(0, u64::saturating_add)
@@ -650,7 +681,7 @@ impl MemoryPlan {
             None => per_rank,
         };
         format!(
-            "{per_rank}parameters: {:.2}M\nallocating {:.1} MiB for parameters (f32)\nallocating {:.1} MiB for gradients ({})\nallocating {:.1} MiB for AdamW m and v\n{}estimated {:.1} MiB for activations per micro-batch\n{}{}estimated total {:.1} MiB",
+            "{per_rank}parameters: {:.2}M\nallocating {:.1} MiB for parameters (f32)\nallocating {:.1} MiB for gradients ({})\nallocating {:.1} MiB for AdamW m and v\n{}estimated {:.1} MiB for activations per micro-batch\n{}{}{}estimated total {:.1} MiB",
             self.parameters as f64 / 1e6,
             m(self.param_bytes),
             m(self.grad_bytes),
@@ -664,6 +695,11 @@ impl MemoryPlan {
             m(self.activation_bytes()),
             if self.gathered_unit_bytes > 0 {
                 format!("estimated {:.1} MiB for ZeRO-3's largest gathered unit and its gradient\n", m(self.gathered_unit_bytes))
+            } else {
+                String::new()
+            },
+            if self.reduction_bytes > 0 {
+                format!("estimated {:.1} MiB for the gradient reduction's buffers\n", m(self.reduction_bytes))
             } else {
                 String::new()
             },
@@ -691,6 +727,36 @@ mod tests {
         let absurd = MemoryPlan::new(&tiny, usize::MAX, 64, false);
         assert_eq!((absurd.activation_bytes(), absurd.total()), (u64::MAX, u64::MAX), "saturates, no overflow");
         assert!(check_plan_fits(&absurd, &candle_core::Device::Cpu).is_err());
+    }
+
+    /// The gradient reduction's buffers by stage, as zero.rs holds them (see
+    /// [`MemoryPlan::with_reduce_bucket`]), counted in the total.
+    #[test]
+    fn the_gradient_reduction_is_planned_by_stage_and_bucket() {
+        let cfg = Gpt2Config::tiny();
+        let p = parameter_count(&cfg) as u64;
+        let plan = |stage, bucket, dtype| {
+            MemoryPlan::new(&cfg, 2, 32, false)
+                .with_compute_dtype(dtype)
+                .on_device_kind(DeviceKind::Cpu)
+                .with_data_parallel(stage, 4)
+                .with_reduce_bucket(bucket)
+        };
+        let f32 = candle_core::DType::F32;
+        let big = usize::MAX;
+        assert_eq!(plan(ZeroStage::Disabled, big, f32).reduction_bytes, 4 * p);
+        assert_eq!(plan(ZeroStage::Disabled, 1000, f32).reduction_bytes, 4 * 1000);
+        assert_eq!(plan(ZeroStage::OptimizerStates, 1000, f32).reduction_bytes, 4 * p);
+        assert_eq!(plan(ZeroStage::Gradients, big, f32).reduction_bytes, 8 * p);
+        assert_eq!(plan(ZeroStage::Gradients, 1000, f32).reduction_bytes, 4 * 1000, "buckets during backward");
+        assert_eq!(plan(ZeroStage::Parameters, big, f32).reduction_bytes, 0);
+        let bf16 = plan(ZeroStage::Gradients, big, candle_core::DType::BF16);
+        assert_eq!(bf16.reduction_bytes, 8 * p + 2 * p, "backward's bf16 gradients besides");
+        let without = MemoryPlan::new(&cfg, 2, 32, false).with_data_parallel(ZeroStage::Gradients, 4);
+        assert_eq!(plan(ZeroStage::Gradients, big, f32).total(), without.total() + 8 * p);
+        assert!(plan(ZeroStage::Gradients, big, f32).report().contains("the gradient reduction's buffers"));
+        let one_rank = MemoryPlan::new(&cfg, 2, 32, false).with_reduce_bucket(big);
+        assert_eq!(one_rank.reduction_bytes, 0);
     }
 
     /// On the CPU the plan counts the process's own resident memory (measured: above zero for
