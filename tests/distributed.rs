@@ -831,9 +831,19 @@ fn a_killed_rank_fails_the_others_naming_it_and_mismatched_flags_are_refused() {
     args.extend(["--save-interval".into(), "1".into()]);
     let dist = args.iter().position(|a| a == "--dist-timeout").unwrap();
     args[dist + 1] = "20".into();
-    let rank0 = start_rank(dir.path(), "sft", 0, 2, port, &args);
+    let mut rank0 = start_rank(dir.path(), "sft", 0, 2, port, &args);
     let mut rank1 = start_rank(dir.path(), "sft", 1, 2, port, &args);
-    std::thread::sleep(Duration::from_secs(4));
+    // Killed once the first checkpoint is in place (polled, not a fixed sleep: on a loaded
+    // machine the first save can take longer than any sleep), then a little later.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !dir.path().join("k/latest").exists() {
+        if Instant::now() > deadline {
+            let _ = (rank0.kill(), rank1.kill(), rank0.wait(), rank1.wait());
+            panic!("no checkpoint within 120 s");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_millis(700));
     rank1.kill().unwrap();
     let _ = rank1.wait();
     let t0 = Instant::now();
