@@ -659,6 +659,18 @@ mod tests {
         }
     }
 
+    /// One micro-batch of rank `rank`'s rows at `step` (2 x 4 tokens of the tiny vocabulary),
+    /// forward, backward and the step.
+    fn train_step(engine: &mut Engine, step: u32, rank: u32) -> Result<()> {
+        let dev = Device::Cpu;
+        let ids: Vec<u32> = (0..8).map(|t| (t * 3 + step * 5 + rank * 7) % 16).collect();
+        let targets: Vec<u32> = ids.iter().map(|i| (i + 1) % 16).collect();
+        let (ids, targets) = (Tensor::from_vec(ids, (2, 4), &dev)?, Tensor::from_vec(targets, (2, 4), &dev)?);
+        engine.lm_forward_backward(&ids, &targets, None, 1.0)?;
+        engine.step()?;
+        Ok(())
+    }
+
     /// [`train_bf16`] in `dtype` with ZeRO-2's buckets of `bucket` values.
     fn train(group: ProcessGroup, stage: ZeroStage, dtype: Dtype, bucket: usize) -> Result<Trained> {
         let cfg = tiny();
@@ -676,11 +688,7 @@ mod tests {
                 engine.step()?;
                 continue;
             }
-            let ids: Vec<u32> = (0..8).map(|t| (t * 3 + step * 5 + rank * 7) % 16).collect();
-            let targets: Vec<u32> = ids.iter().map(|i| (i + 1) % 16).collect();
-            let (ids, targets) = (Tensor::from_vec(ids, (2, 4), &dev)?, Tensor::from_vec(targets, (2, 4), &dev)?);
-            engine.lm_forward_backward(&ids, &targets, None, 1.0)?;
-            engine.step()?;
+            train_step(&mut engine, step, rank)?;
         }
         let values = |p: &ParamStore| -> Result<Vec<Vec<f32>>> {
             p.vars.iter().map(|v| Ok(v.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?)).collect()
@@ -764,11 +772,7 @@ mod tests {
             engine.release_masters();
             assert!(engine.shards_masters(), "LoRA keeps the masters sharded");
             for step in 0..3u32 {
-                let ids: Vec<u32> = (0..8).map(|t| (t * 3 + step * 5 + rank * 7) % 16).collect();
-                let targets: Vec<u32> = ids.iter().map(|i| (i + 1) % 16).collect();
-                let (ids, targets) = (Tensor::from_vec(ids, (2, 4), &dev)?, Tensor::from_vec(targets, (2, 4), &dev)?);
-                engine.lm_forward_backward(&ids, &targets, None, 1.0)?;
-                engine.step()?;
+                train_step(&mut engine, step, rank)?;
             }
             let bits = |p: &ParamStore| -> Result<Vec<Vec<u16>>> {
                 p.vars
