@@ -138,43 +138,6 @@ pub fn read_starting_models(
 ) -> Result<StartingModels> {
     let dtype = args.precision.precision().dtype.dtype();
     // `trained`: the actor or the critic; `score`: a reward model's directory.
-    // A trained model built sharded gets its LoRA adapters beside its trunk (and head), drawn
-    // whole as one rank draws them and cut into shards, or restored from the directory when it
-    // holds them (a checkpoint that saved the model sharded); a whole or sliced one gets them
-    // later (`StartingModels::add_lora`). `stored`: the directory's tensors beside the trunk.
-    let beside = |heads: Vec<(String, Tensor)>,
-                  cfg: &Gpt2Config,
-                  trained: Option<&str>,
-                  stored: &std::collections::HashMap<String, Tensor>,
-                  dir: &std::path::Path|
-     -> Result<Beside> {
-        let Some((what, dim, module, lr)) = trained.and_then(|what| args.lora_of(what)) else {
-            return Ok(Beside::heads(heads));
-        };
-        let lora = PpoArgs::lora(dim, module).expect("lora_of gives a rank above 0");
-        let (targets, mut adapters) = hybrid_engine::model::params::lora_adapters(cfg, &lora, args.seed, device)?;
-        let mut restored = 0;
-        for adapter in &mut adapters {
-            let (a, b) = lora::Adapter::param_names(&adapter.module);
-            if let (Some(a), Some(b)) = (stored.get(&a), stored.get(&b)) {
-                if (a.dims(), b.dims()) != (adapter.a.dims(), adapter.b.dims()) {
-                    bail!("{} holds {what} LoRA adapters of another rank than --{what}-lora-dim {dim}: resume with the run's LoRA flags", dir.display());
-                }
-                let restore = |t: &Tensor| t.to_dtype(candle_core::DType::F32)?.to_device(device);
-                (adapter.a, adapter.b) = (restore(a)?, restore(b)?);
-                restored += 1;
-            }
-        }
-        if restored != 0 && restored != adapters.len() {
-            bail!("{} holds {restored} of the {} {what} LoRA adapters --{what}-lora-module-name {module:?} makes: resume with the run's LoRA flags", dir.display(), adapters.len());
-        }
-        let from = if restored > 0 { ", restored from the checkpoint" } else { "" };
-        println!(
-            "{what} LoRA: rank {dim} on {} linears matching {module:?}, scaling 1/{dim}, lr {lr:e}{from}",
-            targets.len()
-        );
-        Ok(Beside::heads(heads).with_lora(adapters, lora.scaling(), args.only_optimize_lora))
-    };
     let read = |name: &str, flag: &str, dropout: Option<f64>, sharded: bool, trained: Option<&str>, score: bool| {
         let sliced = sharding.tp.as_ref().filter(|_| !sharded && (trained.is_none() || sharding.sliced_trained));
         if !sharded && sliced.is_none() {
@@ -211,7 +174,7 @@ pub fn read_starting_models(
                 sharding.group.clone(),
                 &config,
                 |n, r| slices.read(n, r),
-                &beside(heads, &config, trained, &stored, &dir)?,
+                &sharded_beside(args, heads, &config, trained, &stored, &dir, device)?,
                 dtype,
                 device,
             )?)),
@@ -266,6 +229,48 @@ pub fn read_starting_models(
         println!("tensor parallel: the {} read in this rank's slices (no rank holds them whole)", sliced.join(", "));
     }
     Ok(StartingModels { actor_cfg, actor, actor_dir, reference, critic, reward })
+}
+
+/// What a trained model built sharded holds beside its trunk (`trained`: "actor" or "critic",
+/// `None` for a frozen one): its heads and, with LoRA, its adapters, drawn whole as one rank
+/// draws them (to be cut into shards), or restored from `dir` when its tensors beside the trunk,
+/// `stored`, hold them (a checkpoint that saved the model sharded). A whole or sliced model gets
+/// its adapters later (`StartingModels::add_lora`).
+fn sharded_beside(
+    args: &PpoArgs,
+    heads: Vec<(String, Tensor)>,
+    cfg: &Gpt2Config,
+    trained: Option<&str>,
+    stored: &std::collections::HashMap<String, Tensor>,
+    dir: &std::path::Path,
+    device: &Device,
+) -> Result<Beside> {
+    let Some((what, dim, module, lr)) = trained.and_then(|what| args.lora_of(what)) else {
+        return Ok(Beside::heads(heads));
+    };
+    let lora = PpoArgs::lora(dim, module).expect("lora_of gives a rank above 0");
+    let (targets, mut adapters) = hybrid_engine::model::params::lora_adapters(cfg, &lora, args.seed, device)?;
+    let mut restored = 0;
+    for adapter in &mut adapters {
+        let (a, b) = lora::Adapter::param_names(&adapter.module);
+        if let (Some(a), Some(b)) = (stored.get(&a), stored.get(&b)) {
+            if (a.dims(), b.dims()) != (adapter.a.dims(), adapter.b.dims()) {
+                bail!("{} holds {what} LoRA adapters of another rank than --{what}-lora-dim {dim}: resume with the run's LoRA flags", dir.display());
+            }
+            let restore = |t: &Tensor| t.to_dtype(candle_core::DType::F32)?.to_device(device);
+            (adapter.a, adapter.b) = (restore(a)?, restore(b)?);
+            restored += 1;
+        }
+    }
+    if restored != 0 && restored != adapters.len() {
+        bail!("{} holds {restored} of the {} {what} LoRA adapters --{what}-lora-module-name {module:?} makes: resume with the run's LoRA flags", dir.display(), adapters.len());
+    }
+    let from = if restored > 0 { ", restored from the checkpoint" } else { "" };
+    println!(
+        "{what} LoRA: rank {dim} on {} linears matching {module:?}, scaling 1/{dim}, lr {lr:e}{from}",
+        targets.len()
+    );
+    Ok(Beside::heads(heads).with_lora(adapters, lora.scaling(), args.only_optimize_lora))
 }
 
 impl StartingModels {
