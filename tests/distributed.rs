@@ -212,10 +212,11 @@ fn pretraining_on_2_and_3_ranks_matches_one_rank_at_every_zero_stage() {
             assert_eq!(std::fs::read_dir(&tb).unwrap().count(), 1, "one event file, from rank 0");
         }
         // Stage 2 reduce-scattering in buckets during backward (a block's gradients about one
-        // bucket; backward block by block): one rank's training, the bytes of one
-        // reduce-scatter a micro-batch.
+        // bucket, the embeddings cut into several; backward block by block) and all-gathering
+        // the updated weights in rounds: one rank's training, the bytes of one reduce-scatter a
+        // micro-batch and one all-gather a step.
         let out = dir.path().join(format!("w{world}-s2-buckets"));
-        let a = with(pretrain_args(&out, 6 / world, 2), "--reduce-bucket-size 15000");
+        let a = with(pretrain_args(&out, 6 / world, 2), "--reduce-bucket-size 15000 --allgather-bucket-size 20000");
         let outs = run_ranks(dir.path(), "sft", world, &a);
         let log = String::from_utf8_lossy(&outs[0].stdout);
         assert!(log.contains("ZeRO stage 2: gradients reduce-scattered during backward in"), "{log}");

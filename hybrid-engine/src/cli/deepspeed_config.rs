@@ -210,6 +210,7 @@ fn zero(value: &Value, set: &mut Set, ignored: &mut Vec<String>) -> Result<()> {
         match key.as_str() {
             "stage" => set("--zero-stage", Some(count(v, &full)?.to_string()), &full),
             "reduce_bucket_size" => set("--reduce-bucket-size", Some(count(v, &full)?.to_string()), &full),
+            "allgather_bucket_size" => set("--allgather-bucket-size", Some(count(v, &full)?.to_string()), &full),
             "offload_optimizer" | "offload_param" => match v.get("device").and_then(Value::as_str) {
                 None | Some("none") => {}
                 Some("cpu") => set("--offload", None, &full),
@@ -370,7 +371,7 @@ mod tests {
     fn a_deepspeed_config_becomes_the_steps_flags() -> Result<()> {
         let config = json!({
             "train_batch_size": 64, "train_micro_batch_size_per_gpu": 8, "steps_per_print": 10,
-            "zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8 as u64, "offload_param": {"device": "none"},
+            "zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8 as u64, "allgather_bucket_size": 2e8 as u64, "offload_param": {"device": "none"},
                                   "offload_optimizer": {"device": "cpu"}, "stage3_param_persistence_threshold": 1e4 as u64},
             "fp16": {"enabled": true, "loss_scale_window": 100, "initial_scale_power": 12, "hysteresis": 2},
             "gradient_clipping": 1.0, "prescale_gradients": false, "wall_clock_breakdown": false,
@@ -385,6 +386,7 @@ mod tests {
             "--gradient-accumulation-steps=4",
             "--zero-stage=2",
             "--reduce-bucket-size=500000000",
+            "--allgather-bucket-size=200000000",
             "--offload",
             "--dtype=fp16",
             "--loss-scale-window=100",

@@ -31,6 +31,11 @@ pub struct DistArgs {
     /// a rank holds a bucket of them rather than a micro-batch's whole gradient.
     #[arg(help_heading = heading::PARALLELISM, long, default_value_t = DEFAULT_BUCKET as u64, alias = "reduce_bucket_size", value_parser = clap::value_parser!(u64).range(1..))]
     pub reduce_bucket_size: u64,
+    /// Weight values per round of the all-gather that follows each step at stages 1 and 2
+    /// (DeepSpeed's allgather_bucket_size): each round's buffer is this many values, written
+    /// into the weights as it arrives, rather than the whole model's.
+    #[arg(help_heading = heading::PARALLELISM, long, default_value_t = DEFAULT_BUCKET as u64, alias = "allgather_bucket_size", value_parser = clap::value_parser!(u64).range(1..))]
+    pub allgather_bucket_size: u64,
     /// The type gradients travel in through their reductions over the data-parallel ranks
     /// (DeepSpeed's communication_data_type): fp32, or fp16/bf16 for half the bytes, added in
     /// that type at every hop (the CPU ring, or NCCL on GPUs).
@@ -144,6 +149,7 @@ impl DistArgs {
         Ok(ParallelConfig {
             zero_stage,
             reduce_bucket_size: self.reduce_bucket_size as usize,
+            allgather_bucket_size: self.allgather_bucket_size as usize,
             offload: self.offload,
             communication_data_type: self.communication_data_type,
         })

@@ -241,20 +241,26 @@ impl ProcessGroup {
         self.on_host(t, t.elem_count(), |v| over_wire!(wire, v, |buf| self.ring.all_reduce(buf, op)))
     }
 
-    /// [`Self::all_reduce_as`] of `parts` laid end to end (flattened): CPU tensors are read in
-    /// place into the ring's buffer, each dropped once copied (what the caller no longer holds is
-    /// freed before the collective runs), not first concatenated. Stage 0's gradient buckets.
-    pub fn all_reduce_parts_as(&self, parts: Vec<Tensor>, op: ReduceOp, wire: WireDtype) -> Result<Tensor> {
+    /// The mean over ranks of `parts` laid end to end (flattened), summed as `wire` values (see
+    /// [`Self::all_reduce_as`]): CPU tensors are read in place into the ring's buffer, each
+    /// dropped once copied (what the caller no longer holds is freed before the collective
+    /// runs), not first concatenated, and divided in it (the bits of `sum / world`). Stage 0's
+    /// gradient buckets.
+    pub fn all_reduce_mean_parts_as(&self, parts: Vec<Tensor>, wire: WireDtype) -> Result<Tensor> {
+        let world = self.world() as f64;
         if self.world() == 1 || parts.iter().any(|t| !t.device().is_cpu()) {
             let flat: Vec<Tensor> = parts.iter().map(|t| t.flatten_all()).collect::<candle_core::Result<_>>()?;
             drop(parts);
-            return self.all_reduce_as(&Tensor::cat(&flat, 0)?, op, wire);
+            return Ok((self.all_reduce_as(&Tensor::cat(&flat, 0)?, ReduceOp::Sum, wire)? / world)?);
         }
         let mut v = Vec::with_capacity(parts.iter().map(Tensor::elem_count).sum());
         for t in parts {
             extend_host_f32(&mut v, &t)?;
         }
-        over_wire!(wire, &mut v[..], |buf| self.ring.all_reduce(buf, op))?;
+        over_wire!(wire, &mut v[..], |buf| self.ring.all_reduce(buf, ReduceOp::Sum))?;
+        // As candle divides a tensor by a number: times the f32 reciprocal, plus zero.
+        let reciprocal = (1.0 / world) as f32;
+        v.iter_mut().for_each(|x| *x = *x * reciprocal + 0.0);
         let len = v.len();
         Ok(Tensor::from_vec(v, len, &candle_core::Device::Cpu)?)
     }
@@ -553,9 +559,11 @@ mod tests {
                 let chunk = len / group.world();
                 let expected = &sum[group.rank() * chunk..(group.rank() + 1) * chunk];
                 anyhow::ensure!(got == want && got == expected, "reduce-scatter: {got:?} vs {want:?} vs {expected:?}");
-                // The all-reduce of the same parts (no padding): every rank gets the whole sum.
-                let got = group.all_reduce_parts_as(parts.to_vec(), ReduceOp::Sum, WireDtype::F32)?.to_vec1::<f32>()?;
-                anyhow::ensure!(got == sum[..14], "all-reduce of parts: {got:?} vs {:?}", &sum[..14]);
+                // The mean of the same parts (no padding): every rank gets the whole sum divided
+                // as a tensor is.
+                let got = group.all_reduce_mean_parts_as(parts.to_vec(), WireDtype::F32)?.to_vec1::<f32>()?;
+                let mean = (Tensor::new(&sum[..14], &dev)? / group.world() as f64)?.to_vec1::<f32>()?;
+                anyhow::ensure!(got == mean, "mean of parts: {got:?} vs {mean:?}");
                 let mine: Vec<f32> = (0..4).map(|i| r * 10.0 + i as f32).collect();
                 let got = group.all_gather_slice(&mine, &dev)?.to_vec1::<f32>()?;
                 let want = group.all_gather(&Tensor::new(mine.as_slice(), &dev)?)?.to_vec1::<f32>()?;

@@ -45,6 +45,9 @@ pub struct ParallelConfig {
     pub zero_stage: ZeroStage,
     /// Gradient values per all-reduce at stage 0 (DeepSpeed's `reduce_bucket_size`).
     pub reduce_bucket_size: usize,
+    /// Values per round of stages 1 and 2's all-gather of the updated weights (DeepSpeed's
+    /// `allgather_bucket_size`).
+    pub allgather_bucket_size: usize,
     /// DS-Chat's `--offload`: the optimizer states in host memory (see [`check_offload`]).
     pub offload: bool,
     /// The type gradients travel in through their reductions (`--communication-data-type`).
@@ -143,6 +146,7 @@ impl Engine {
             check_offload(on_gpu, cfg.parallel.zero_stage, data.world())?;
         }
         let dp = DataParallel::new(data, cfg.parallel.zero_stage, cfg.parallel.reduce_bucket_size)
+            .with_gather_bucket(cfg.parallel.allgather_bucket_size)
             .with_wire(cfg.parallel.communication_data_type);
         let trainable = params.trainable();
         let (precision, dtype) = (cfg.precision, cfg.precision.dtype.dtype());
@@ -653,6 +657,7 @@ mod tests {
             parallel: ParallelConfig {
                 zero_stage: stage,
                 reduce_bucket_size: bucket,
+                allgather_bucket_size: crate::training::zero::DEFAULT_BUCKET,
                 offload: false,
                 communication_data_type: WireDtype::F32,
             },
@@ -671,12 +676,14 @@ mod tests {
         Ok(())
     }
 
-    /// [`train_bf16`] in `dtype` with ZeRO-2's buckets of `bucket` values.
+    /// [`train_bf16`] in `dtype` with ZeRO-2's buckets of `bucket` values, the updated weights
+    /// all-gathered in rounds of as many.
     fn train(group: ProcessGroup, stage: ZeroStage, dtype: Dtype, bucket: usize) -> Result<Trained> {
         let cfg = tiny();
         let dev = Device::Cpu;
         let params = ParamStore::init(&cfg, 7, &dev)?;
-        let engine_cfg = test_config(stage, dtype, bucket);
+        let mut engine_cfg = test_config(stage, dtype, bucket);
+        engine_cfg.parallel.allgather_bucket_size = bucket;
         let rank = group.rank() as u32;
         let group = Arc::new(group);
         let mut engine = Engine::new(&engine_cfg, &cfg, Head::Lm, params, Ranks { data: group, tensor: None })?;
@@ -814,7 +821,8 @@ mod tests {
     }
 
     /// ZeRO-2 reduce-scatters the gradients in buckets as backward completes them: with buckets
-    /// of 200 values a rank never holds the whole gradient of a micro-batch, and the trained
+    /// of 200 values (the embeddings cut into many; the weights all-gathered in rounds of 200
+    /// too) a rank never holds the whole gradient of a micro-batch, and the trained
     /// weights are the same bits as with one bucket as large as the model (the micro-batch's
     /// whole gradient reduce-scattered at its end: each value is summed by the same owner in
     /// the same ring order), and those of stage 0 to float rounding. A rank without rows in one micro-batch adds its

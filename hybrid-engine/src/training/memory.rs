@@ -376,7 +376,7 @@ pub struct MemoryPlan {
     /// binary, the tokenizer, the loaded data), measured ([`Self::with_process_baseline`]).
     pub process_bytes: u64,
     /// Data parallelism at stages 0-2: what a micro-batch's gradient reduction holds beyond the
-    /// held gradients ([`Self::with_reduce_bucket`]).
+    /// held gradients ([`Self::with_buckets`]).
     pub reduction_bytes: u64,
 }
 
@@ -564,19 +564,24 @@ impl MemoryPlan {
         self
     }
 
-    /// What reducing a micro-batch's gradient over the data-parallel ranks holds at its peak
-    /// beyond the held gradients, with buckets of `bucket` values (`--reduce-bucket-size`), as
-    /// `zero.rs` does it: the collective's f32 buffer, into which the gradients are copied while
-    /// they are still alive (stage 0: a bucket, whose mean is a second one; stages 1 and 2: the
-    /// whole flat gradient, and at stage 2, which holds only a shard, the micro-batch's whole
-    /// gradient beside it; stage 2's buckets during backward on the CPU: a bucket); under mixed
-    /// precision also backward's own half-precision gradients, converted to f32 for the
-    /// reduction. Nothing at stage 3 (its gathered unit is counted apart) or on one rank. Call
-    /// after [`Self::with_data_parallel`].
-    pub fn with_reduce_bucket(mut self, bucket: usize) -> Self {
-        let Some((stage, _)) = self.zero else { return self };
-        let p = self.activations.trainable as u64;
-        let bucket = (bucket as u64).min(p);
+    /// What reducing a micro-batch's gradient over the data-parallel ranks, and at stages 1 and 2
+    /// all-gathering the updated weights after the step, hold at their peak beyond the held
+    /// gradients, with buckets of `reduce` values (`--reduce-bucket-size`) and rounds of `gather`
+    /// (`--allgather-bucket-size`), as `zero.rs` does it. The reduction: the collective's f32
+    /// buffer, into which the gradients are copied while they are still alive (stage 0: a
+    /// bucket, averaged in place; stages 1 and 2: the whole flat gradient, and at stage
+    /// 2, which holds only a shard, the micro-batch's whole gradient beside it; stage 2's buckets
+    /// during backward on the CPU: a bucket); under mixed precision also backward's own
+    /// half-precision gradients, converted to f32 for the reduction. The all-gather, once the
+    /// gradient is reduced to its shard (stage 1's whole one freed): a round of weights in the
+    /// dtype they are gathered in, the ring's incoming share of it, the shard's gradient read as
+    /// f32 and, with whole masters, the shard's weights copied out to step. The larger of the
+    /// two; nothing at stage 3 (its gathered unit is counted apart) or on one rank. Call after
+    /// [`Self::with_data_parallel`].
+    pub fn with_buckets(mut self, reduce: usize, gather: usize) -> Self {
+        let Some((stage, world)) = self.zero else { return self };
+        let (p, w) = (self.activations.trainable as u64, world as u64);
+        let bucket = (reduce as u64).min(p);
         let f32_values = match stage {
             ZeroStage::Disabled => bucket,
             ZeroStage::OptimizerStates => p,
@@ -586,7 +591,20 @@ impl MemoryPlan {
         };
         let half =
             if self.compute_dtype == candle_core::DType::F32 { 0 } else { self.activations.dtype_bytes as u64 * p };
-        self.reduction_bytes = 4 * f32_values + half;
+        let reduction = 4 * f32_values + half;
+        let all_gather = if stage == ZeroStage::Disabled {
+            0
+        } else {
+            let shard = p.div_ceil(w);
+            let round = (gather as u64).min(p);
+            // Sharded masters (mixed precision, `engine::shards_masters`) step in place and
+            // gather into the compute copy; whole ones are copied out and gathered in fp32.
+            let sharded_masters = self.param_bytes < 4 * self.parameters as u64;
+            let (d, copies) = if sharded_masters { (self.activations.dtype_bytes as u64, 1) } else { (4, 2) };
+            let freed = if stage == ZeroStage::OptimizerStates { 4 * (p - shard) } else { 0 };
+            (d * (round + round.div_ceil(w)) + 4 * copies * shard).saturating_sub(freed)
+        };
+        self.reduction_bytes = reduction.max(all_gather);
         self
     }
 
@@ -730,32 +748,42 @@ mod tests {
     }
 
     /// The gradient reduction's buffers by stage, as zero.rs holds them (see
-    /// [`MemoryPlan::with_reduce_bucket`]), counted in the total.
+    /// [`MemoryPlan::with_buckets`]), counted in the total.
     #[test]
     fn the_gradient_reduction_is_planned_by_stage_and_bucket() {
         let cfg = Gpt2Config::tiny();
         let p = parameter_count(&cfg) as u64;
-        let plan = |stage, bucket, dtype| {
+        let plan_gathering = |stage, bucket, gather, dtype| {
             MemoryPlan::new(&cfg, 2, 32, false)
                 .with_compute_dtype(dtype)
                 .on_device_kind(DeviceKind::Cpu)
                 .with_data_parallel(stage, 4)
-                .with_reduce_bucket(bucket)
+                .with_buckets(bucket, gather)
         };
+        let plan = |stage, bucket, dtype| plan_gathering(stage, bucket, usize::MAX, dtype);
         let f32 = candle_core::DType::F32;
         let big = usize::MAX;
+        let shard = p.div_ceil(4);
         assert_eq!(plan(ZeroStage::Disabled, big, f32).reduction_bytes, 4 * p);
         assert_eq!(plan(ZeroStage::Disabled, 1000, f32).reduction_bytes, 4 * 1000);
-        assert_eq!(plan(ZeroStage::OptimizerStates, 1000, f32).reduction_bytes, 4 * p);
+        // Stage 1: the flat gradient's buffer, or after the step, with the whole gradient
+        // freed, the gathered weights, the ring's incoming quarter, the shard's weights and
+        // gradient copied out (the same bytes but for the shards' rounding).
+        let gathering = 4 * (p + shard) + 8 * shard - 4 * (p - shard);
+        assert_eq!(plan(ZeroStage::OptimizerStates, 1000, f32).reduction_bytes, (4 * p).max(gathering));
         assert_eq!(plan(ZeroStage::Gradients, big, f32).reduction_bytes, 8 * p);
-        assert_eq!(plan(ZeroStage::Gradients, 1000, f32).reduction_bytes, 4 * 1000, "buckets during backward");
+        // Stage 2's buckets during backward leave the step's all-gather the larger: the whole
+        // weights, or with rounds of 1000 values 1000 and the ring's 250 beside the copies.
+        assert_eq!(plan(ZeroStage::Gradients, 1000, f32).reduction_bytes, 4 * (p + shard) + 8 * shard);
+        let rounds = plan_gathering(ZeroStage::Gradients, 1000, 1000, f32).reduction_bytes;
+        assert_eq!(rounds, 4 * (1000 + 250) + 8 * shard, "buckets during backward, weights gathered in rounds");
         assert_eq!(plan(ZeroStage::Parameters, big, f32).reduction_bytes, 0);
         let bf16 = plan(ZeroStage::Gradients, big, candle_core::DType::BF16);
         assert_eq!(bf16.reduction_bytes, 8 * p + 2 * p, "backward's bf16 gradients besides");
         let without = MemoryPlan::new(&cfg, 2, 32, false).with_data_parallel(ZeroStage::Gradients, 4);
         assert_eq!(plan(ZeroStage::Gradients, big, f32).total(), without.total() + 8 * p);
         assert!(plan(ZeroStage::Gradients, big, f32).report().contains("the gradient reduction's buffers"));
-        let one_rank = MemoryPlan::new(&cfg, 2, 32, false).with_reduce_bucket(big);
+        let one_rank = MemoryPlan::new(&cfg, 2, 32, false).with_buckets(big, big);
         assert_eq!(one_rank.reduction_bytes, 0);
     }
 

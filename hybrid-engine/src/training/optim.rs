@@ -587,6 +587,35 @@ impl InplaceOp2 for InPlaceAdamW<'_> {
     }
 }
 
+/// Where `t`'s values live: tensors that share memory give the same address.
+fn memory_of(t: &Tensor) -> usize {
+    let (storage, _) = t.storage_and_layout();
+    &*storage as *const candle_core::Storage as usize
+}
+
+/// Whether `held` can be added into `formed` in place: both contiguous f32 in host memory, of
+/// one shape.
+fn adds_in_place(formed: &Tensor, held: &Tensor) -> bool {
+    let host_f32 = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32 && t.is_contiguous();
+    host_f32(formed) && host_f32(held) && formed.shape() == held.shape()
+}
+
+/// `dst += src`, both contiguous f32 in host memory ([`GradAccumulator::add_formed`]).
+struct AddInto;
+
+impl InplaceOp2 for AddInto {
+    fn name(&self) -> &'static str {
+        "add-into"
+    }
+
+    fn cpu_fwd(&self, d: &mut CpuStorage, ld: &Layout, s: &CpuStorage, ls: &Layout) -> candle_core::Result<()> {
+        let what = "a gradient added in place";
+        let (d, s) = (contiguous_f32_mut(d, ld, what)?, contiguous_f32(s, ls, what)?);
+        d.iter_mut().zip(s).for_each(|(d, s)| *d += s);
+        Ok(())
+    }
+}
+
 /// Sums gradients over micro-batches, one slot per parameter of the store the model was built
 /// from (in mixed precision, the compute-dtype copy). A slot holds the first micro-batch's
 /// gradient as backward made it (bf16/f16 in mixed precision: no copy, no cast) and the sum in
@@ -682,6 +711,42 @@ impl GradAccumulator {
                     None => g,
                 });
             }
+        }
+        let held = self.grads.iter().flatten().map(Tensor::elem_count).sum();
+        self.peak_held = self.peak_held.max(held);
+        Ok(())
+    }
+
+    /// [`Self::add`] of gradients a backward formed afresh, the store consumed: where a slot
+    /// already holds a gradient, that one is added into the new one in place (both f32 in host
+    /// memory), the same bits as their sum in a third tensor. The tied embedding's gradient meets
+    /// the LM head's so at the end of a backward run by parts (ZeRO-2's buckets, checkpointed
+    /// activations): two (V, C) tensors at once instead of three. The caller makes sure no
+    /// tensor outside the store shares a gradient's memory (an op's own backward output, as the
+    /// embedding lookup's); within the store and against the held ones it is checked here.
+    pub fn add_formed(&mut self, mut store: GradStore) -> Result<()> {
+        let formed: Vec<(usize, Tensor)> = self
+            .vars
+            .iter()
+            .enumerate()
+            .filter_map(|(i, var)| store.remove(var.as_tensor()).map(|g| (i, g.detach())))
+            .collect();
+        drop(store);
+        let memory: Vec<usize> = formed.iter().map(|(_, g)| memory_of(g)).collect();
+        for (k, (i, g)) in formed.into_iter().enumerate() {
+            let shared = |held: &Tensor| {
+                let held = memory_of(held);
+                memory.iter().enumerate().any(|(j, &m)| (j != k && m == memory[k]) || m == held)
+            };
+            let slot = &mut self.grads[i];
+            *slot = Some(match slot.take() {
+                Some(held) if adds_in_place(&g, &held) && !shared(&held) => {
+                    g.inplace_op2(&held, &AddInto)?;
+                    g
+                }
+                Some(held) => (held.to_dtype(DType::F32)? + g.to_dtype(DType::F32)?)?,
+                None => g,
+            });
         }
         let held = self.grads.iter().flatten().map(Tensor::elem_count).sum();
         self.peak_held = self.peak_held.max(held);
@@ -1056,6 +1121,49 @@ mod tests {
         for g in two.finish()? {
             assert_eq!(g.dtype(), DType::F32);
             assert!(values(&g)?.iter().all(|&v| v == 2.0 * third));
+        }
+        Ok(())
+    }
+
+    /// A gradient formed afresh takes the held one in place: the same bits as the sum, and no
+    /// tensor that shares memory with another (here the held gradient itself) is written to.
+    #[test]
+    fn formed_gradients_take_the_held_ones_in_place_without_touching_shared_memory() -> Result<()> {
+        let store = ParamStore::init(&Gpt2Config::tiny(), 1, &Device::Cpu)?;
+        let backward = |scale: f64| -> Result<GradStore> {
+            let mut loss = Tensor::zeros((), DType::F32, &Device::Cpu)?;
+            for v in &store.vars {
+                loss = (loss + v.as_tensor().sqr()?.affine(scale, 0.0)?.sum_all()?)?;
+            }
+            Ok(loss.backward()?)
+        };
+        let values = |t: &Tensor| -> Result<Vec<f32>> { Ok(t.flatten_all()?.to_vec1::<f32>()?) };
+        let (first, second) = (backward(0.3)?, backward(0.7)?);
+        let want: Vec<Vec<f32>> = store
+            .vars
+            .iter()
+            .map(|v| values(&(first.get(v.as_tensor()).unwrap() + second.get(v.as_tensor()).unwrap())?))
+            .collect::<Result<_>>()?;
+        let formed: Vec<usize> = store.vars.iter().map(|v| memory_of(second.get(v.as_tensor()).unwrap())).collect();
+        let mut acc = GradAccumulator::new(&store);
+        acc.add(&first)?;
+        acc.add_formed(second)?;
+        let slots: Vec<usize> = acc.grads.iter().map(|g| memory_of(g.as_ref().unwrap())).collect();
+        assert_eq!(slots, formed, "each sum is in the formed gradient's memory");
+        for (g, want) in acc.finish()?.iter().zip(&want) {
+            assert_eq!(&values(g)?, want, "the in-place sum is the sum");
+        }
+        // The store's own gradients handed in again share the held ones' memory: summed apart.
+        let again = backward(0.3)?;
+        let before: Vec<Vec<f32>> =
+            store.vars.iter().map(|v| values(again.get(v.as_tensor()).unwrap())).collect::<Result<_>>()?;
+        let kept: Vec<Tensor> = store.vars.iter().map(|v| again.get(v.as_tensor()).unwrap().clone()).collect();
+        let mut acc = GradAccumulator::new(&store);
+        acc.add(&again)?;
+        acc.add_formed(again)?;
+        for ((t, before), g) in kept.iter().zip(&before).zip(acc.finish()?) {
+            assert_eq!(&values(t)?, before, "memory the held gradient shares is left alone");
+            assert_eq!(values(&g)?, before.iter().map(|x| x + x).collect::<Vec<_>>());
         }
         Ok(())
     }

@@ -233,7 +233,8 @@ pub fn forward_backward(
         Some(emb) => emb,
         None => model.embed(ids, pos, 0, dropout)?,
     };
-    acc.add(&emb.mul(&grad)?.sum_all()?.backward()?)?;
+    // The lookup's dwte is formed afresh: the head's is added into it in place.
+    acc.add_formed(emb.mul(&grad)?.sum_all()?.backward()?)?;
     acc.part_done()?;
     Ok(loss.to_scalar::<f32>()?)
 }

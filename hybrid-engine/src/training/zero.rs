@@ -77,13 +77,22 @@ pub struct DataParallel {
     pub stage: ZeroStage,
     /// Values per all-reduce in stage 0 (DeepSpeed's `reduce_bucket_size`).
     pub bucket: usize,
+    /// Values per round of stages 1 and 2's all-gather of the updated weights (DeepSpeed's
+    /// `allgather_bucket_size`).
+    pub gather_bucket: usize,
     /// The type gradients travel in through their reductions.
     pub wire: WireDtype,
 }
 
 impl DataParallel {
     pub fn new(group: Arc<ProcessGroup>, stage: ZeroStage, bucket: usize) -> Self {
-        Self { group, stage, bucket: bucket.max(1), wire: WireDtype::F32 }
+        Self { group, stage, bucket: bucket.max(1), gather_bucket: DEFAULT_BUCKET, wire: WireDtype::F32 }
+    }
+
+    /// The updated weights all-gathered in rounds of `values` (`--allgather-bucket-size`).
+    pub fn with_gather_bucket(mut self, values: usize) -> Self {
+        self.gather_bucket = values.max(1);
+        self
     }
 
     /// Gradients reduced as `wire` values (`--communication-data-type`).
@@ -221,7 +230,7 @@ pub fn all_reduce_gradients(dp: &DataParallel, grads: Vec<Tensor>) -> Result<Vec
             end += 1;
         }
         let bucket: Vec<Tensor> = grads.by_ref().take(end - start).collect();
-        let summed = (dp.group.all_reduce_parts_as(bucket, ReduceOp::Sum, dp.wire)? / world as f64)?;
+        let summed = dp.group.all_reduce_mean_parts_as(bucket, dp.wire)?;
         let mut offset = 0;
         for shape in &shapes[start..end] {
             let n = shape.elem_count();
@@ -247,20 +256,30 @@ pub fn reduce_scatter_gradients(dp: &DataParallel, partition: &Partition, grads:
 /// parameters (the last block first, the embeddings, final LayerNorm and heads at the end:
 /// wte's gradient from the LM head waits for its embedding's) and are the same on every rank,
 /// whatever the pattern a rank's gradients arrive in (a rank without rows adds them all at
-/// once). Each bucket's values fall unevenly into the ranks' shards of the flat layout
+/// once). A parameter larger than a bucket is reduced in bucket-sized stretches (where
+/// DeepSpeed reduces it from its own gradient), so the collective's buffer never exceeds a
+/// bucket. Each bucket's values fall unevenly into the ranks' shards of the flat layout
 /// ([`Partition`]): its reduce-scatter's chunks are those pieces, so each value has the owner
 /// and the ring order of the one-call reduce-scatter, and the sums are the same bits.
 pub struct GradientBuckets {
     dp: DataParallel,
     partition: Partition,
-    /// The parameters of each bucket, in the flat layout's order; buckets in backward's order.
-    buckets: Vec<Vec<usize>>,
+    /// The stretches of parameters each bucket reduces, in the flat layout's order; buckets in
+    /// backward's order.
+    buckets: Vec<Vec<Stretch>>,
     /// Per bucket: it holds a parameter outside the blocks, complete only when backward ends.
     waits_for_the_end: Vec<bool>,
     /// The next bucket to reduce in this micro-batch.
     next: usize,
     /// This rank's shard of the reduced gradients since the last step.
     reduced: Option<Vec<f32>>,
+}
+
+/// Values `values` of parameter `param`'s (flattened) gradient: a bucket's share of it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Stretch {
+    param: usize,
+    values: Range<usize>,
 }
 
 impl GradientBuckets {
@@ -273,57 +292,96 @@ impl GradientBuckets {
             Some(b) => (0, std::cmp::Reverse(b), i),
             None => (1, std::cmp::Reverse(0), i),
         });
-        let sizes = &partition.sizes;
-        let (mut buckets, mut waits_for_the_end) = (Vec::new(), Vec::new());
-        let mut start = 0;
-        while start < order.len() {
-            let (mut end, mut values) = (start, 0);
-            while end < order.len() && (end == start || values + sizes[order[end]] <= dp.bucket) {
-                values += sizes[order[end]];
-                end += 1;
+        // Greedy: a parameter joins the open bucket if it fits, else opens the next; one larger
+        // than a bucket is cut into buckets of its own.
+        let mut buckets: Vec<Vec<Stretch>> = Vec::new();
+        let mut open: (Vec<Stretch>, usize) = (Vec::new(), 0);
+        for &i in &order {
+            let size = partition.sizes[i];
+            if !open.0.is_empty() && open.1 + size > dp.bucket {
+                buckets.push(std::mem::take(&mut open.0));
+                open.1 = 0;
             }
-            let mut bucket = order[start..end].to_vec();
-            waits_for_the_end.push(bucket.iter().any(|&i| block(&names[i]).is_none()));
-            bucket.sort_unstable();
-            buckets.push(bucket);
-            start = end;
+            if size > dp.bucket {
+                buckets.extend(
+                    (0..size)
+                        .step_by(dp.bucket)
+                        .map(|at| vec![Stretch { param: i, values: at..(at + dp.bucket).min(size) }]),
+                );
+            } else {
+                open.0.push(Stretch { param: i, values: 0..size });
+                open.1 += size;
+            }
         }
+        if !open.0.is_empty() {
+            buckets.push(open.0);
+        }
+        for bucket in &mut buckets {
+            bucket.sort_unstable_by_key(|s| s.param);
+        }
+        let waits_for_the_end =
+            buckets.iter().map(|bucket| bucket.iter().any(|s| block(&names[s.param]).is_none())).collect();
         Self { dp, partition, buckets, waits_for_the_end, next: 0, reduced: None }
     }
 
-    /// Reduce-scatters bucket `b`'s gradients (taken out of `grads`) into this rank's shard.
+    /// Bucket `b`'s values that fall in rank `r`'s shard, in the flat order: (parameter, its
+    /// values, where they sit in the shard).
+    fn in_shard_of(&self, b: usize, r: usize) -> Vec<(usize, Range<usize>, Range<usize>)> {
+        let mut out = Vec::new();
+        for piece in self.partition.pieces(r) {
+            for stretch in self.buckets[b].iter().filter(|s| s.param == piece.param) {
+                let (lo, hi) =
+                    (piece.in_param.start.max(stretch.values.start), piece.in_param.end.min(stretch.values.end));
+                if lo < hi {
+                    let at = piece.in_shard.start + lo - piece.in_param.start;
+                    out.push((piece.param, lo..hi, at..at + hi - lo));
+                }
+            }
+        }
+        out
+    }
+
+    /// Reduce-scatters bucket `b`'s gradients into this rank's shard; a gradient is taken out
+    /// of `grads` with its last stretch.
     fn reduce(&mut self, b: usize, grads: &mut [Option<Tensor>]) -> Result<()> {
-        let bucket = &self.buckets[b];
-        let mut values: Vec<Option<Vec<f32>>> = vec![None; grads.len()];
-        for &i in bucket {
-            let g =
-                grads[i].take().ok_or_else(|| anyhow::anyhow!("internal error: parameter {i} received no gradient"))?;
-            values[i] = Some(g.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?);
+        let missing = |i: usize| anyhow::anyhow!("internal error: parameter {i} received no gradient");
+        // Each gradient as contiguous host f32 (as backward made it in fp32; a half-precision
+        // one converted once, not per stretch), to be read in place.
+        for stretch in &self.buckets[b] {
+            let g = grads[stretch.param].take().ok_or_else(|| missing(stretch.param))?;
+            let host_f32 = g.device().is_cpu() && g.dtype() == DType::F32 && g.is_contiguous();
+            grads[stretch.param] =
+                Some(if host_f32 { g } else { g.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.contiguous()? });
         }
         // Rank r's chunk: the bucket's values in r's shard, in the flat order.
         let world = self.dp.world();
-        let mut buf = Vec::with_capacity(bucket.iter().map(|&i| self.partition.sizes[i]).sum());
+        let mut buf = Vec::with_capacity(self.buckets[b].iter().map(|s| s.values.len()).sum());
         let mut chunks = Vec::with_capacity(world);
         for r in 0..world {
             let start = buf.len();
-            for piece in self.partition.pieces(r) {
-                if let Some(v) = &values[piece.param] {
-                    buf.extend_from_slice(&v[piece.in_param]);
-                }
+            for (param, values, _) in self.in_shard_of(b, r) {
+                let grad = grads[param].as_ref().ok_or_else(|| missing(param))?;
+                let (storage, layout) = grad.storage_and_layout();
+                let candle_core::Storage::Cpu(s) = &*storage else { bail!("internal error: a gradient left the host") };
+                buf.extend_from_slice(&crate::kernels::parallel::contiguous_f32(s, layout, "a gradient")?[values]);
             }
             chunks.push(start..buf.len());
         }
-        drop(values);
-        let mine = self.dp.group.reduce_scatter_chunks_as(&mut buf, &chunks, self.dp.wire)?;
-        let reduced = self.reduced.get_or_insert_with(|| vec![0f32; self.partition.shard_len]);
-        let mut at = mine.start;
-        for piece in self.partition.pieces(self.dp.group.rank()) {
-            if bucket.binary_search(&piece.param).is_ok() {
-                let n = piece.in_shard.len();
-                reduced[piece.in_shard].iter_mut().zip(&buf[at..at + n]).for_each(|(r, v)| *r += v);
-                at += n;
+        for stretch in &self.buckets[b] {
+            if stretch.values.end == self.partition.sizes[stretch.param] {
+                grads[stretch.param] = None;
             }
         }
+        let mine = self.dp.group.reduce_scatter_chunks_as(&mut buf, &chunks, self.dp.wire)?;
+        let rank = self.dp.group.rank();
+        let mut reduced = self.reduced.take().unwrap_or_else(|| vec![0f32; self.partition.shard_len]);
+        let mut at = mine.start;
+        for (_, _, in_shard) in self.in_shard_of(b, rank) {
+            let n = in_shard.len();
+            reduced[in_shard].iter_mut().zip(&buf[at..at + n]).for_each(|(r, v)| *r += v);
+            at += n;
+        }
+        self.reduced = Some(reduced);
         Ok(())
     }
 }
@@ -332,7 +390,7 @@ impl crate::training::optim::GradientSink for GradientBuckets {
     fn take(&mut self, grads: &mut [Option<Tensor>], last: bool) -> Result<()> {
         while self.next < self.buckets.len() {
             let b = self.next;
-            let complete = self.buckets[b].iter().all(|&i| grads[i].is_some());
+            let complete = self.buckets[b].iter().all(|s| grads[s.param].is_some());
             if !last && (self.waits_for_the_end[b] || !complete) {
                 break;
             }
@@ -400,7 +458,11 @@ pub fn shard_values(partition: &Partition, rank: usize, params: &ParamStore) -> 
 
 /// Writes the all-gathered shards of updated weights into every parameter of `params`, sent in
 /// their dtype: f32 masters, or under mixed precision the compute copy, in half the bytes (as
-/// DeepSpeed all-gathers its fp16 parameters after the fp32 partitions step).
+/// DeepSpeed all-gathers its fp16 parameters after the fp32 partitions step). The gather runs in
+/// rounds of at most `dp.gather_bucket` values (DeepSpeed's `allgather_bucket_size`): each rank
+/// sends the same stretch of its shard and every piece that arrives is written straight into its
+/// parameter, so the transient buffer is a bucket, not the whole model. Any bucket gives the
+/// same weights (the values are copied, not summed).
 pub fn all_gather_parameters(
     dp: &DataParallel,
     partition: &Partition,
@@ -408,10 +470,25 @@ pub fn all_gather_parameters(
     my_shard: &[f32],
 ) -> Result<()> {
     let device = params.vars.first().map_or(Device::Cpu, |v| v.device().clone());
-    let full = dp.group.all_gather_slice_as(my_shard, params.dtype(), &device)?;
-    let shapes: Vec<&candle_core::Shape> = params.vars.iter().map(|v| v.shape()).collect();
-    for (var, t) in params.vars.iter().zip(partition.unflatten(&full, &shapes)?) {
-        var.set(&t.to_dtype(var.dtype())?)?;
+    let flat: Vec<Tensor> =
+        params.vars.iter().map(|v| v.as_tensor().flatten_all()).collect::<candle_core::Result<_>>()?;
+    let world = dp.world();
+    let round = dp.gather_bucket.div_ceil(world).clamp(1, partition.shard_len.max(1));
+    let pieces: Vec<Vec<Piece>> = (0..world).map(|r| partition.pieces(r)).collect();
+    for start in (0..partition.shard_len).step_by(round) {
+        let stretch = start..(start + round).min(partition.shard_len);
+        let gathered = dp.group.all_gather_slice_as(&my_shard[stretch.clone()], params.dtype(), &device)?;
+        for (r, pieces) in pieces.iter().enumerate() {
+            for piece in pieces {
+                let (lo, hi) = (piece.in_shard.start.max(stretch.start), piece.in_shard.end.min(stretch.end));
+                if lo >= hi {
+                    continue;
+                }
+                let src = gathered.narrow(0, r * stretch.len() + lo - stretch.start, hi - lo)?;
+                let at = piece.in_param.start + lo - piece.in_shard.start;
+                flat[piece.param].slice_set(&src, 0, at)?;
+            }
+        }
     }
     Ok(())
 }
@@ -487,7 +564,17 @@ pub fn step_shard(
     grad_shard: &Tensor,
     lr: f64,
 ) -> Result<()> {
-    let g: Vec<f32> = grad_shard.to_dtype(DType::F32)?.to_vec1()?;
+    // Read in place where it can be (a host f32 shard), not copied out.
+    let grad_shard = grad_shard.to_dtype(DType::F32)?;
+    let on_host = grad_shard.device().is_cpu() && grad_shard.is_contiguous();
+    let copied = if on_host { Vec::new() } else { grad_shard.to_vec1::<f32>()? };
+    let (storage, layout) = grad_shard.storage_and_layout();
+    let g = match &*storage {
+        candle_core::Storage::Cpu(s) if on_host => {
+            crate::kernels::parallel::contiguous_f32(s, layout, "a gradient shard")?
+        }
+        _ => &copied[..],
+    };
     optimizer.step += 1;
     for piece in partition.pieces(rank) {
         optimizer.update_held(piece.param, &mut shard[piece.in_shard.clone()], &g[piece.in_shard], lr);
@@ -612,10 +699,23 @@ mod tests {
         let group = Arc::new(ProcessGroup::single());
         let buckets = GradientBuckets::new(DataParallel::new(group, ZeroStage::Gradients, 7), partition, &names);
         // Backward completes 4, 5, 7 (block 1), 2, 3 (block 0), then 0, 1, 6; greedy buckets of
-        // at most 7 values, wte (10) alone.
-        assert_eq!(buckets.buckets, vec![vec![4], vec![5], vec![2, 3, 7], vec![0], vec![1, 6]]);
-        assert_eq!(buckets.waits_for_the_end, [false, false, false, true, true]);
-        assert_eq!(crate::training::optim::GradientSink::buckets(&buckets), 5);
+        // at most 7 values, h.1.b (8) and wte (10) cut into buckets of their own.
+        let whole = |param: usize, n: usize| Stretch { param, values: 0..n };
+        let part = |param: usize, values: Range<usize>| vec![Stretch { param, values }];
+        assert_eq!(
+            buckets.buckets,
+            vec![
+                vec![whole(4, 3)],
+                part(5, 0..7),
+                part(5, 7..8),
+                vec![whole(2, 3), whole(3, 3), whole(7, 1)],
+                part(0, 0..7),
+                part(0, 7..10),
+                vec![whole(1, 4), whole(6, 2)]
+            ]
+        );
+        assert_eq!(buckets.waits_for_the_end, [false, false, false, false, true, true, true]);
+        assert_eq!(crate::training::optim::GradientSink::buckets(&buckets), 7);
     }
 
     #[test]
