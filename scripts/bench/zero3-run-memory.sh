@@ -6,8 +6,10 @@
 # Prints each run's per-rank peaks, their ratio to the one-rank run's, and ZeRO's model states
 # (16 bytes a parameter over the ranks) for comparison.
 # Usage: scripts/bench/zero3-run-memory.sh [ITERATIONS]   (after cargo build --release)
+# Environment: EXTRA (more flags for every run, e.g. "--reduce-bucket-size 5000000").
 set -euo pipefail
 ITERS=${1:-2}
+EXTRA=${EXTRA:-}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 SFT=${SFT:-$ROOT/target/release/sft}
 WORK=$(mktemp -d)
@@ -21,10 +23,11 @@ run() { # name ranks stage micro-batch
   local port
   port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
   for ((r = 0; r < $2; r++)); do
+    # shellcheck disable=SC2086 # EXTRA is words
     RANK=$r WORLD_SIZE=$2 LOCAL_RANK=$r LOCAL_WORLD_SIZE=$2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
       RAYON_NUM_THREADS=$(( $(nproc) / $2 > 0 ? $(nproc) / $2 : 1 )) \
       /usr/bin/time -f %M -o "$WORK/$1-$r.rss" "$SFT" "${COMMON[@]}" --load "$WORK/start" --save "$WORK/$1" \
-      --train-iters $((1 + ITERS)) --zero-stage "$3" --micro-batch-size "$4" --output-dir "$WORK/out-$1" \
+      --train-iters $((1 + ITERS)) --zero-stage "$3" --micro-batch-size "$4" --output-dir "$WORK/out-$1" $EXTRA \
       >"$WORK/$1-$r.log" 2>&1 &
   done
   wait

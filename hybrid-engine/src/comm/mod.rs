@@ -306,6 +306,67 @@ impl ProcessGroup {
         self.reduce_scatter_on_host(parts, len, wire)
     }
 
+    /// [`Self::reduce_scatter_parts_as`] in rounds of at most `round` values (ZeRO-3's
+    /// `--reduce-bucket-size`): each round reduce-scatters the same stretch of every rank's chunk,
+    /// read in place from `parts` (host f32; others converted once), so the collective's buffer
+    /// is a round rather than the whole of `parts`. Each value keeps its owner and ring order:
+    /// the same sums, bit for bit, and the same bytes. The parts are dropped at the end.
+    pub fn reduce_scatter_parts_in_rounds_as(
+        &self,
+        parts: Vec<Tensor>,
+        len: usize,
+        round: usize,
+        wire: WireDtype,
+    ) -> Result<Tensor> {
+        let w = self.world();
+        let on_cpu = parts.iter().all(|t| t.device().is_cpu());
+        if !on_cpu || w == 1 || !len.is_multiple_of(w) || round >= len {
+            return self.reduce_scatter_parts_as(parts, len, wire);
+        }
+        let parts: Vec<Tensor> = parts
+            .into_iter()
+            .map(|t| {
+                let host_f32 = t.dtype() == DType::F32 && t.is_contiguous();
+                Ok(if host_f32 { t } else { t.to_dtype(DType::F32)?.contiguous()? })
+            })
+            .collect::<Result<_>>()?;
+        let guards: Vec<_> = parts.iter().map(|t| t.storage_and_layout()).collect();
+        let values: Vec<&[f32]> = guards
+            .iter()
+            .map(|(storage, layout)| match &**storage {
+                candle_core::Storage::Cpu(s) => Ok(contiguous_f32(s, layout, "a reduce-scatter's part")?),
+                _ => bail!("internal error: a host part left the host"),
+            })
+            .collect::<Result<_>>()?;
+        // The flat values from `at`, `n` of them, zero past the parts' end.
+        let read = |buf: &mut Vec<f32>, mut at: usize, mut n: usize| {
+            let mut start = 0;
+            for part in &values {
+                if n > 0 && at < start + part.len() {
+                    let take = (start + part.len() - at).min(n);
+                    buf.extend_from_slice(&part[at - start..at - start + take]);
+                    (at, n) = (at + take, n - take);
+                }
+                start += part.len();
+            }
+            buf.resize(buf.len() + n, 0.0);
+        };
+        let shard = len / w;
+        let per_round = round.div_ceil(w).max(1);
+        let mut mine = Vec::with_capacity(shard);
+        let mut buf = Vec::with_capacity(per_round * w);
+        for a in (0..shard).step_by(per_round) {
+            let n = per_round.min(shard - a);
+            buf.clear();
+            for r in 0..w {
+                read(&mut buf, r * shard + a, n);
+            }
+            let chunk = over_wire!(wire, &mut buf[..], |b| self.ring.reduce_scatter(b, ReduceOp::Sum))?;
+            mine.extend_from_slice(&buf[chunk]);
+        }
+        Ok(Tensor::from_vec(mine, shard, &candle_core::Device::Cpu)?)
+    }
+
     /// The ring reduce-scatter of CPU `parts`, end to end and zero-padded to `len`, sent as
     /// `wire` values. Each part is dropped once copied into the ring's buffer: what the caller
     /// no longer holds (ZeRO-3's gradients, taken out of their store) is freed before the
@@ -375,11 +436,9 @@ impl ProcessGroup {
             down: fn(f32) -> T,
             device: &candle_core::Device,
         ) -> Result<Tensor> {
-            let (n, w, r) = (mine.len(), group.world(), group.rank());
-            let mut all = vec![T::default(); n * w];
-            all[r * n..(r + 1) * n].iter_mut().zip(mine).for_each(|(a, &x)| *a = down(x));
-            group.ring.all_gather(&mut all)?;
-            Ok(Tensor::from_vec(all, n * w, device)?)
+            let all = group.all_gather_host(mine, down)?;
+            let len = all.len();
+            Ok(Tensor::from_vec(all, len, device)?)
         }
         match dtype {
             _ if self.world() == 1 => Ok(self.all_gather_slice(mine, device)?.to_dtype(dtype)?),
@@ -390,6 +449,65 @@ impl ProcessGroup {
             DType::F16 => gathered(self, mine, half::f16::from_f32, device),
             DType::BF16 => gathered(self, mine, half::bf16::from_f32, device),
             DType::F32 => self.all_gather_slice(mine, device),
+            other => bail!("internal error: weights gathered as {other:?}"),
+        }
+    }
+
+    /// Every rank's `mine` as `T` values (cast by `down`), in rank order: the ring's own buffer.
+    fn all_gather_host<T: tcp::Element>(&self, mine: &[f32], down: fn(f32) -> T) -> Result<Vec<T>> {
+        let (n, w, r) = (mine.len(), self.world(), self.rank());
+        let mut all = vec![T::default(); n * w];
+        all[r * n..(r + 1) * n].iter_mut().zip(mine).for_each(|(a, &x)| *a = down(x));
+        self.ring.all_gather(&mut all)?;
+        Ok(all)
+    }
+
+    /// [`Self::all_gather_slice_as`] cut into consecutive tensors of `shapes` (the padding after
+    /// them dropped), each a candle variable: ZeRO-3's trained weights gathered for a backward,
+    /// whose gradients land in them. In host memory the first keeps the ring's buffer (the outer
+    /// unit's embeddings, its largest tensor, are not copied) and the others are copied out of
+    /// it; on a device each is copied from the gathered tensor.
+    pub fn all_gather_slice_as_variables(
+        &self,
+        mine: &[f32],
+        dtype: DType,
+        shapes: &[&candle_core::Shape],
+        device: &candle_core::Device,
+    ) -> Result<Vec<candle_core::Var>> {
+        fn split<T: candle_core::WithDType>(
+            mut all: Vec<T>,
+            shapes: &[&candle_core::Shape],
+            device: &candle_core::Device,
+        ) -> Result<Vec<candle_core::Var>> {
+            let Some((first, rest)) = shapes.split_first() else { return Ok(Vec::new()) };
+            let mut at = first.elem_count();
+            let mut others = Vec::with_capacity(rest.len());
+            for &shape in rest {
+                let n = shape.elem_count();
+                others.push(candle_core::Var::from_slice(&all[at..at + n], shape, device)?);
+                at += n;
+            }
+            all.truncate(first.elem_count());
+            all.shrink_to_fit();
+            let mut vars = vec![candle_core::Var::from_vec(all, *first, device)?];
+            vars.extend(others);
+            Ok(vars)
+        }
+        if !device.is_cpu() {
+            let full = self.all_gather_slice_as(mine, dtype, device)?;
+            let mut at = 0;
+            let mut vars = Vec::with_capacity(shapes.len());
+            for &shape in shapes {
+                let n = shape.elem_count();
+                vars.push(candle_core::Var::from_tensor(&full.narrow(0, at, n)?.reshape(shape)?)?);
+                at += n;
+            }
+            return Ok(vars);
+        }
+        match dtype {
+            DType::F32 => split(self.all_gather_host(mine, |x| x)?, shapes, device),
+            DType::F16 => split(self.all_gather_host(mine, half::f16::from_f32)?, shapes, device),
+            DType::BF16 => split(self.all_gather_host(mine, half::bf16::from_f32)?, shapes, device),
             other => bail!("internal error: weights gathered as {other:?}"),
         }
     }
@@ -500,6 +618,52 @@ pub(crate) fn on_groups<T: Send>(world: usize, f: impl Fn(ProcessGroup) -> Resul
 mod tests {
     use super::*;
     use candle_core::Device;
+
+    /// ZeRO-3's reduce-scatter in rounds is the one-call reduce-scatter bit for bit in the same
+    /// bytes, whatever the round (one that divides no chunk, one value, a chunk) and the wire;
+    /// its gather into variables is the gather cut, each part a variable.
+    #[test]
+    fn rounds_and_variables_are_the_one_call_collectives() {
+        for world in [2, 3] {
+            let results = on_groups(world, |group| {
+                let r = group.rank() as f32;
+                // Parts of 7 and 4 values (one a transposed view, one bf16), padded to 12 or 15.
+                let a = Tensor::arange(0f32, 7., &Device::Cpu)?.affine(1.0 / 3.0, r as f64)?;
+                let b = Tensor::new(&[[0.1f32 + r, -2.0], [3.5, 1e-3 * r]], &Device::Cpu)?.t()?;
+                let b16 = b.to_dtype(DType::BF16)?;
+                let len = 11usize.next_multiple_of(world);
+                let bytes = || group.stats().snapshot().0;
+                for wire in [WireDtype::F32, WireDtype::Bf16] {
+                    let before = bytes();
+                    let want = group.reduce_scatter_parts_as(vec![a.clone(), b16.clone()], len, wire)?;
+                    let sent = bytes() - before;
+                    for round in [1, 5, len / world, len] {
+                        let before = bytes();
+                        let got =
+                            group.reduce_scatter_parts_in_rounds_as(vec![a.clone(), b16.clone()], len, round, wire)?;
+                        assert_eq!(bytes() - before, sent, "round {round}: the same bytes");
+                        assert_eq!(got.to_vec1::<f32>()?, want.to_vec1::<f32>()?, "round {round}, {wire:?}");
+                    }
+                }
+                let mine: Vec<f32> = (0..len / world).map(|i| i as f32 + 10.0 * r).collect();
+                let full = group.all_gather_slice_as(&mine, DType::BF16, &Device::Cpu)?;
+                let shapes = [candle_core::Shape::from((2, 3)), candle_core::Shape::from(4)];
+                let shapes: Vec<&candle_core::Shape> = shapes.iter().collect();
+                let vars = group.all_gather_slice_as_variables(&mine, DType::BF16, &shapes, &Device::Cpu)?;
+                let cut = [full.narrow(0, 0, 6)?.reshape((2, 3))?, full.narrow(0, 6, 4)?];
+                for (var, want) in vars.iter().zip(&cut) {
+                    assert!(var.as_tensor().is_variable());
+                    assert_eq!(var.shape(), want.shape());
+                    let values = |t: &Tensor| t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>();
+                    assert_eq!(values(var.as_tensor())?, values(want)?);
+                }
+                Ok(())
+            });
+            for res in results {
+                res.unwrap();
+            }
+        }
+    }
 
     /// Weights gathered as bf16 or f16 are the f32 gather cast, in half its bytes on the ring.
     #[test]

@@ -256,6 +256,7 @@ impl Engine {
     fn sharded_parts(cfg: &EngineConfig, mut sharded: ShardedModel) -> (TrainedModel, Trainer) {
         sharded.fp32_loss = cfg.precision.fp32_loss;
         sharded.gradient_wire = cfg.parallel.communication_data_type;
+        sharded.reduce_bucket = cfg.parallel.reduce_bucket_size;
         let sharded = Rc::new(sharded);
         let trainer = Trainer::sharded(
             sharded.clone(),
@@ -468,22 +469,32 @@ impl Engine {
     /// The hybrid engine's switch to generation: under ZeRO stage 3 the whole weights (this
     /// rank's TP slices under tensor parallelism) gathered on every rank (a collective), which
     /// the caller drops before training resumes; `None` where [`Self::masters`] are them. In the
-    /// compute dtype, which generation runs in (DS-Chat gathers the fp16 parameters); with LoRA
-    /// in fp32, as the masters the adapters are fused into.
+    /// compute dtype, which generation runs in (DS-Chat gathers the fp16 parameters), LoRA
+    /// adapters unfused (the training forward's weights, for the old log-probs; generation's
+    /// fused ones are [`Self::gather_fused_for_generation`]'s); with LoRA under tensor
+    /// parallelism in fp32, as the masters the adapters are fused into.
     pub fn gather_for_generation(&self) -> Result<Option<ParamStore>> {
         let Some(model) = self.sharded() else { return Ok(None) };
-        let dtype = if model.has_lora() { DType::F32 } else { model.compute_dtype() };
+        let fp32_for_fusion = model.has_lora() && !model.fuses_lora_on_shards();
+        let dtype = if fp32_for_fusion { DType::F32 } else { model.compute_dtype() };
         model.gather_params_everywhere(dtype).map(Some)
     }
 
-    /// The hybrid engine's switch to generation at ZeRO stages 1 and 2 where a rank keeps only
-    /// its shard of the fp32 masters and they carry LoRA adapters: the whole weights with the
-    /// adapters fused in fp32 on the shards and all-gathered in the compute dtype (stage 0's fused
-    /// masters cast, bit for bit; a collective), dropped after the rollout. `None` otherwise: the
-    /// weights are [`Self::whole_weights`] (or, under ZeRO stage 3,
-    /// [`Self::gather_for_generation`]'s).
+    /// The hybrid engine's switch to generation where a rank keeps only its shard of the fp32
+    /// masters and they carry LoRA adapters (ZeRO stage 3, and stages 1 and 2 in fp16/bf16): the
+    /// whole weights with the adapters fused in fp32 on the shards and all-gathered in the
+    /// compute dtype (stage 0's fused masters cast, bit for bit; a collective), dropped after
+    /// the rollout. `None` otherwise: the weights are [`Self::whole_weights`] (or, under ZeRO
+    /// stage 3 in fp32 or with tensor parallelism, [`Self::gather_for_generation`]'s, fused
+    /// after).
     pub fn gather_fused_for_generation(&self) -> Result<Option<ParamStore>> {
-        self.trainer.gather_fused_masters()
+        match self.sharded() {
+            Some(model) if model.fuses_lora_on_shards() => {
+                model.gather_fused_everywhere(model.compute_dtype()).map(Some)
+            }
+            Some(_) => Ok(None),
+            None => self.trainer.gather_fused_masters(),
+        }
     }
 
     /// Where a rank keeps only its shard of the fp32 masters (ZeRO-3; stages 1 and 2 in
@@ -760,19 +771,27 @@ mod tests {
         Ok(())
     }
 
-    /// With LoRA at stage 1 in bf16 the masters stay sharded, and generation's weights, the
-    /// adapters fused in fp32 on each rank's shard and all-gathered in bf16, are on every rank
-    /// exactly the whole fp32 masters fused as stage 0 fuses them ([`ParamStore::merged`]) and
-    /// cast to bf16, bit for bit, adapters dropped (after training steps, so B is not zero).
+    /// With LoRA at stages 1 and 3 in bf16 the masters stay sharded, and generation's weights,
+    /// the adapters fused in fp32 on each rank's shard and all-gathered in bf16, are on every
+    /// rank exactly the whole fp32 masters fused as stage 0 fuses them ([`ParamStore::merged`])
+    /// and cast to bf16, bit for bit, adapters dropped (after training steps, so B is not zero).
+    /// At stage 3 the unfused weights for the old log-probs are gathered in bf16 too.
     #[test]
-    fn lora_at_stage_1_in_bf16_generates_from_the_fused_master_shards() -> Result<()> {
+    fn lora_on_sharded_masters_in_bf16_generates_from_the_fused_shards() -> Result<()> {
+        for stage in [ZeroStage::OptimizerStates, ZeroStage::Parameters] {
+            lora_generates_from_the_fused_shards(stage)?;
+        }
+        Ok(())
+    }
+
+    fn lora_generates_from_the_fused_shards(stage: ZeroStage) -> Result<()> {
         // Per rank: its fused weights' bf16 bits, and on rank 0 those of stage 0's fusion.
         type Bits = Vec<Vec<u16>>;
         let results = crate::comm::on_groups(2, |group| -> Result<(Bits, Option<Bits>)> {
             let (cfg, dev) = (tiny(), Device::Cpu);
             let mut params = ParamStore::init(&cfg, 7, &dev)?;
             params.add_lora(&cfg, &lora::LoraConfig { dim: 2, alpha: Some(4.0), module_name: "h.".into() }, 7)?;
-            let engine_cfg = test_config(ZeroStage::OptimizerStates, Dtype::Bf16, 1 << 20);
+            let engine_cfg = test_config(stage, Dtype::Bf16, 1 << 20);
             let rank = group.rank() as u32;
             let ranks = Ranks { data: Arc::new(group), tensor: None };
             let mut engine = Engine::new(&engine_cfg, &cfg, Head::Lm, params, ranks)?;
@@ -795,6 +814,10 @@ mod tests {
                     .collect()
             };
             let fused = engine.gather_fused_for_generation()?.expect("sharded masters with LoRA fuse on the shards");
+            if let Some(unfused) = engine.gather_for_generation()? {
+                assert_eq!(stage, ZeroStage::Parameters);
+                assert!(unfused.lora_scaling().is_some() && unfused.dtype() == DType::BF16, "unfused, in bf16");
+            }
             assert!(fused.names.iter().all(|n| !lora::is_adapter_name(n)) && fused.lora_scaling().is_none());
             let gathered = engine.gather_weights()?;
             let want = gathered.whole().map(|whole| -> Result<_> {
@@ -814,7 +837,7 @@ mod tests {
             assert_eq!(got.len(), want.len());
             for (i, (g, w)) in got.iter().zip(want).enumerate() {
                 let differ = g.iter().zip(w).filter(|(a, b)| a != b).count();
-                assert_eq!(differ, 0, "rank {rank}, parameter {i}: {differ} of {} bf16 values differ", g.len());
+                assert_eq!(differ, 0, "{stage:?}, rank {rank}, parameter {i}: {differ} of {} values differ", g.len());
             }
         }
         Ok(())

@@ -566,6 +566,45 @@ pub struct Gpt2 {
     tp: Option<Arc<ProcessGroup>>,
 }
 
+/// The gradients of `wte` and `wpe` (in that order) from `grad`, the gradient of
+/// [`Gpt2::embed`]'s output for `ids` (B, T) at positions `pos` (no cache), without the
+/// tables: the lookups' backward reads only the ids and the gradient reaching them. The sum and
+/// dropout run on leaves standing for the lookups' outputs (their backward reads no values);
+/// the same bits as `embed`'s own backward. ZeRO-3's embedding backward, which so gathers no
+/// weights.
+pub fn embedding_gradients(
+    cfg: &Gpt2Config,
+    ids: &Tensor,
+    pos: &Positions,
+    dropout: Option<&Dropout>,
+    grad: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    let (b, t) = ids.dims2()?;
+    let (c, dtype, device) = (cfg.n_embd, grad.dtype(), grad.device());
+    let tok = candle_core::Var::zeros((b, t, c), dtype, device)?;
+    let rows = if pos.position_ids.is_some() { b } else { 1 };
+    let pos_emb = candle_core::Var::zeros((rows, t, c), dtype, device)?;
+    let x = tok.as_tensor().broadcast_add(pos_emb.as_tensor())?;
+    let x = match dropout {
+        Some(d) => ops::dropout(&x, d.embd, &d.key, u64::MAX, 0)?,
+        None => x,
+    };
+    let store = x.mul(grad)?.sum_all()?.backward()?;
+    let reached = |leaf: &candle_core::Var| {
+        store
+            .get(leaf.as_tensor())
+            .cloned()
+            .ok_or_else(|| candle_core::Error::Msg("no gradient reached the embeddings".into()))
+    };
+    let dwte = ops::embedding_grad(cfg.vocab_size, &ids.flatten_all()?, &reached(&tok)?.reshape((b * t, c))?)?;
+    let positions = match pos.position_ids {
+        Some(p) => p.flatten_all()?,
+        None => Tensor::arange(0u32, t as u32, device)?,
+    };
+    let dwpe = ops::embedding_grad(cfg.n_positions, &positions, &reached(&pos_emb)?.reshape((rows * t, c))?)?;
+    Ok((dwte, dwpe))
+}
+
 impl Gpt2 {
     /// Builds the model from tensors named as in HF without the `transformer.` prefix
     /// (`wte.weight`, `h.0.attn.c_attn.weight`, ...).
@@ -861,6 +900,43 @@ impl Gpt2 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The tables' gradients from the output's gradient alone are the embeddings' own backward,
+    /// bit for bit: f32 and bf16, with dropout, with default positions and with position ids
+    /// (ids repeated, so rows add up).
+    #[test]
+    fn embedding_gradients_without_the_tables_are_the_embeddings_backward() -> anyhow::Result<()> {
+        let cfg = Gpt2Config { embd_pdrop: 0.25, ..Gpt2Config::tiny() };
+        let dev = Device::Cpu;
+        let ids = Tensor::new(&[[3u32, 7, 3, 1], [7, 7, 0, 3]], &dev)?;
+        let position_ids = Tensor::new(&[[0u32, 1, 2, 3], [5, 6, 7, 8]], &dev)?;
+        let dropout = Dropout::from_config(&cfg, DropoutKey { seed: 11, step: 2, micro_batch: 0 });
+        for dtype in [DType::F32, DType::BF16] {
+            let store = crate::model::params::ParamStore::init(&cfg, 5, &dev)?.compute_copy(dtype)?;
+            let model = store.model(&cfg)?;
+            let grad = Tensor::randn(0f32, 1.0, (2, 4, cfg.n_embd), &dev)?.to_dtype(dtype)?;
+            for pos in [Positions::default(), Positions { position_ids: Some(&position_ids), attention_mask: None }] {
+                for dropout in [None, Some(&dropout)] {
+                    let backward = model.embed(&ids, &pos, 0, dropout)?.mul(&grad)?.sum_all()?.backward()?;
+                    let (dwte, dwpe) = embedding_gradients(&cfg, &ids, &pos, dropout, &grad)?;
+                    for (name, got) in [("wte.weight", dwte), ("wpe.weight", dwpe)] {
+                        let want = backward.get(store.get(name).unwrap().as_tensor()).unwrap();
+                        let bits = |t: &Tensor| -> anyhow::Result<Vec<u32>> {
+                            Ok(t.to_dtype(DType::F32)?
+                                .flatten_all()?
+                                .to_vec1::<f32>()?
+                                .iter()
+                                .map(|x| x.to_bits())
+                                .collect())
+                        };
+                        assert_eq!(got.dims(), want.dims());
+                        assert_eq!(bits(&got)?, bits(want)?, "{name}, {dtype:?}, dropout {}", dropout.is_some());
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
 
     #[test]
     fn the_checked_parameter_count_matches_the_inventory_and_refuses_overflow() {

@@ -23,7 +23,7 @@
 //! data-parallel group): the gathered units build the TP rank's layers, and the gradient norm
 //! adds the TP ranks' shares ([`crate::tensor_parallel::shard::norm_share`]).
 
-use crate::comm::ProcessGroup;
+use crate::comm::{ProcessGroup, ReduceOp};
 use crate::model::gpt2::{Block, Dropout, Gpt2, Gpt2Config, Positions};
 use crate::model::params::{attach_adapters, ParamStore};
 use crate::model::reward_model::{Heads, SCORE_WEIGHT};
@@ -142,6 +142,8 @@ pub struct ShardedModel {
     pub fp32_loss: bool,
     /// The type gradients travel in through their reduce-scatters (`--communication-data-type`).
     pub gradient_wire: crate::comm::WireDtype,
+    /// Gradient values per round of a unit's reduce-scatter (`--reduce-bucket-size`).
+    pub reduce_bucket: usize,
     /// The tensor-parallel group the sharded slices belong to.
     tp: Option<Arc<ProcessGroup>>,
     /// This rank's fp32 master weights: its shard of every unit, end to end.
@@ -289,6 +291,7 @@ impl ShardedModel {
             device: device.clone(),
             fp32_loss: false,
             gradient_wire: crate::comm::WireDtype::F32,
+            reduce_bucket: crate::training::zero::DEFAULT_BUCKET,
             tp: None,
             shard: RefCell::new(vec![0.0; shard_len]),
             grads: RefCell::new(vec![None; unit_count]),
@@ -543,6 +546,78 @@ impl ShardedModel {
         Ok(())
     }
 
+    /// Whether PPO's rollouts fuse the LoRA adapters on the fp32 shards and gather the fused
+    /// weights in the compute dtype ([`Self::gather_fused_everywhere`]): with adapters in fp16 or
+    /// bf16, outside tensor parallelism. Otherwise the weights are gathered with their adapters
+    /// in fp32 and fused whole.
+    pub fn fuses_lora_on_shards(&self) -> bool {
+        self.has_lora() && self.dtype != DType::F32 && self.tp.is_none()
+    }
+
+    /// The whole weights generation runs on, in `dtype` on every rank (a collective): part by
+    /// part, each LoRA adapter fused into its linear's weight on this rank's fp32 shard, then
+    /// the fused shard all-gathered in `dtype`, half the bytes of fp32 in fp16/bf16. Bit for
+    /// bit the whole fp32 masters fused ([`ParamStore::merged`]) and cast, as stage 0 makes
+    /// them; the adapters (summed from every rank's pieces, small) are not in the result.
+    pub fn gather_fused_everywhere(&self, dtype: DType) -> Result<ParamStore> {
+        let Some(scaling) = self.lora_scaling else { bail!("internal error: fusing a model without LoRA adapters") };
+        let shard = self.shard.borrow();
+        let rank = self.group.rank();
+        let index: HashMap<&str, usize> = self.names.iter().enumerate().map(|(i, n)| (n.as_str(), i)).collect();
+        let mut full: Vec<Option<Tensor>> = vec![None; self.names.len()];
+        for part in 0..=self.cfg.n_layer {
+            let units: Vec<&Unit> = self.units.iter().filter(|unit| unit.part == part).collect();
+            // The part's adapters, whole: a buffer of all of them, this rank's pieces in place,
+            // summed over ranks.
+            let mut at = HashMap::new();
+            let mut len = 0;
+            for &i in units.iter().flat_map(|unit| &unit.params) {
+                if lora::is_adapter_name(&self.names[i]) {
+                    at.insert(i, len);
+                    len += self.shapes[i].elem_count();
+                }
+            }
+            let mut mine = vec![0f32; len];
+            for unit in &units {
+                for piece in unit.partition.pieces(rank) {
+                    if let Some(&start) = at.get(&unit.params[piece.param]) {
+                        let held = unit.offset + piece.in_shard.start..unit.offset + piece.in_shard.end;
+                        mine[start + piece.in_param.start..start + piece.in_param.end].copy_from_slice(&shard[held]);
+                    }
+                }
+            }
+            // (Every rank has the same layout: a part without adapters makes no collective.)
+            let mine = Tensor::from_vec(mine, len, &Device::Cpu)?;
+            let adapters = if len == 0 { mine } else { self.group.all_reduce(&mine, ReduceOp::Sum)? };
+            let whole = |i: usize| -> Result<Tensor> {
+                Ok(adapters.narrow(0, at[&i], self.shapes[i].elem_count())?.reshape(&self.shapes[i])?)
+            };
+            for unit in &units {
+                let mut fused = shard[unit.offset..unit.offset + unit.partition.shard_len].to_vec();
+                for piece in unit.partition.pieces(rank) {
+                    let name = &self.names[unit.params[piece.param]];
+                    let Some(module) = name.strip_suffix(".weight").filter(|_| !lora::is_adapter_name(name)) else {
+                        continue;
+                    };
+                    let (a, b) = lora::Adapter::param_names(module);
+                    let (Some(&a), Some(&b)) = (index.get(a.as_str()), index.get(b.as_str())) else { continue };
+                    let delta = lora::delta(&whole(a)?, &whole(b)?, scaling)?.flatten_all()?;
+                    let delta: Vec<f32> = delta.narrow(0, piece.in_param.start, piece.in_param.len())?.to_vec1()?;
+                    fused[piece.in_shard].iter_mut().zip(delta).for_each(|(w, d)| *w += d);
+                }
+                for (&i, t) in unit.params.iter().zip(self.gather_unit(unit, &fused, dtype)?) {
+                    if !at.contains_key(&i) {
+                        full[i] = Some(t);
+                    }
+                }
+            }
+        }
+        let named = self.names.iter().zip(full).filter(|(name, _)| !lora::is_adapter_name(name)).map(|(name, t)| {
+            t.map(|t| (name.clone(), t)).ok_or_else(|| anyhow!("internal error: {name} is in no unit"))
+        });
+        ParamStore::of_tensors(named.collect::<Result<Vec<_>>>()?)
+    }
+
     /// The trained parameters gathered whole onto the first rank in fp32, as a store of them
     /// alone (`None` elsewhere): with `--only-optimize-lora` the adapters and heads, a PEFT
     /// adapter's tensors, small beside the frozen trunk. Every rank must call it.
@@ -618,32 +693,33 @@ impl ShardedModel {
     }
 
     /// Part `part`'s weights, gathered in the compute dtype. With `Pass::Backward` the trained
-    /// ones go into fresh variables (gradients computed through them land there: a copy each);
-    /// the frozen ones, and all of them for a forward without gradients, are constants (views
-    /// of the gathered buffer).
+    /// ones are variables (gradients computed through them land there), the first of a unit in
+    /// the gathered buffer itself, the others copied out of it
+    /// ([`ProcessGroup::all_gather_slice_as_variables`]); the frozen ones, and all of them for a
+    /// forward without gradients, are constants (views of the gathered buffer).
     fn gather(&self, part: usize, pass: Pass) -> Result<Gathered> {
         let mut trained = Vec::new();
         let mut named = HashMap::new();
         for (u, unit) in self.units.iter().enumerate().filter(|(_, unit)| unit.part == part) {
+            if unit.grad_offset.is_some() && pass == Pass::Backward {
+                let shapes: Vec<&Shape> = unit.params.iter().map(|&i| &self.shapes[i]).collect();
+                let vars = {
+                    let shard = self.shard.borrow();
+                    let mine = &shard[unit.offset..unit.offset + unit.partition.shard_len];
+                    self.group.all_gather_slice_as_variables(mine, self.dtype, &shapes, &self.device)?
+                };
+                for (&i, var) in unit.params.iter().zip(&vars) {
+                    named.insert(self.names[i].clone(), var.as_tensor().clone());
+                }
+                trained.push((u, vars));
+                continue;
+            }
             let tensors = {
                 let shard = self.shard.borrow();
                 self.gather_unit(unit, &shard[unit.offset..unit.offset + unit.partition.shard_len], self.dtype)?
             };
-            let with_grad = unit.grad_offset.is_some() && pass == Pass::Backward;
-            let mut vars = Vec::new();
             for (&i, t) in unit.params.iter().zip(tensors) {
-                let t = t.to_dtype(self.dtype)?;
-                let value = if with_grad {
-                    let var = Var::from_tensor(&t)?;
-                    vars.push(var.clone());
-                    var.as_tensor().clone()
-                } else {
-                    t
-                };
-                named.insert(self.names[i].clone(), value);
-            }
-            if with_grad {
-                trained.push((u, vars));
+                named.insert(self.names[i].clone(), t.to_dtype(self.dtype)?);
             }
         }
         Ok(Gathered { trained, named })
@@ -740,12 +816,40 @@ impl ShardedModel {
         }
 
         // The embeddings; wte's gradient from the head was reduce-scattered above and adds up.
-        let (outer, gathered) = self.outer()?;
-        let emb = outer.embed(ids, pos, 0, dropout)?;
-        let store = emb.mul(&grad)?.sum_all()?.backward()?;
-        drop((emb, outer, grad));
-        self.reduce_scatter_gradients(gathered, store)?;
+        // Their backward reads only the ids and the gradient reaching them: the outer unit is
+        // not gathered again (under tensor parallelism, whose vocabulary-parallel lookup has
+        // its own backward, it is).
+        if self.tp.is_none() {
+            let (dwte, dwpe) = crate::model::gpt2::embedding_gradients(&self.cfg, ids, pos, dropout, &grad)?;
+            drop(grad);
+            let mut formed = HashMap::from([("wte.weight", dwte), ("wpe.weight", dwpe)]);
+            let taken = self.units_of(OUTER, |i, shape| match formed.remove(self.names[i].as_str()) {
+                Some(grad) => Ok(grad.to_dtype(DType::F32)?),
+                None => Ok(Tensor::zeros(shape, DType::F32, &self.device)?),
+            })?;
+            drop(formed);
+            self.reduce_scatter_units(taken)?;
+        } else {
+            let (outer, gathered) = self.outer()?;
+            let emb = outer.embed(ids, pos, 0, dropout)?;
+            let store = emb.mul(&grad)?.sum_all()?.backward()?;
+            drop((emb, outer, grad));
+            self.reduce_scatter_gradients(gathered, store)?;
+        }
         Ok(loss_value)
+    }
+
+    /// Part `part`'s trained units, each with its parameters' gradients made by `grad` (the
+    /// parameter's index and shape).
+    fn units_of(
+        &self,
+        part: usize,
+        mut grad: impl FnMut(usize, &Shape) -> Result<Tensor>,
+    ) -> Result<Vec<(usize, Vec<Tensor>)>> {
+        let trained = self.units.iter().enumerate().filter(|(_, unit)| unit.part == part && unit.grad_offset.is_some());
+        trained
+            .map(|(u, unit)| Ok((u, unit.params.iter().map(|&i| grad(i, &self.shapes[i])).collect::<Result<_>>()?)))
+            .collect()
     }
 
     /// Adds this rank's shard of the gradients `store` holds for a gathered part's trained
@@ -765,9 +869,16 @@ impl ShardedModel {
             taken.push((u, grads));
         }
         drop((g.named, store));
+        self.reduce_scatter_units(taken)
+    }
+
+    /// Reduce-scatters each unit's whole gradients (`taken`: unit, its parameters' gradients in
+    /// f32) into its gradient shard, adding to what earlier micro-batches left there.
+    fn reduce_scatter_units(&self, taken: Vec<(usize, Vec<Tensor>)>) -> Result<()> {
         for (u, grads) in taken {
+            let padded = self.units[u].partition.padded();
             let mine =
-                self.group.reduce_scatter_parts_as(grads, self.units[u].partition.padded(), self.gradient_wire)?;
+                self.group.reduce_scatter_parts_in_rounds_as(grads, padded, self.reduce_bucket, self.gradient_wire)?;
             let mut slots = self.grads.borrow_mut();
             slots[u] = Some(match slots[u].take() {
                 Some(acc) => (acc + mine)?,

@@ -737,16 +737,17 @@ fn generate_share(
         LeftPadded::new(&batch, args.max_prompt_seq_len, ctx.eos).with_keys(share.iter().map(|&i| i as u64).collect());
     let sampling = sampling_config(args, ctx.eos, ctx.vocab, step);
     // Generation mode, once per rollout: gather, fuse, dropout off. Under ZeRO stage 3 every
-    // rank gathers the whole actor here (one collective per rollout; in the compute dtype, in
-    // fp32 with LoRA) and drops it when this function returns, before training. Each rank then generates its own rows with its full
+    // rank gathers the whole actor here (one collective per rollout, in the compute dtype; with
+    // LoRA in fp16/bf16 twice, fused for generation and unfused for the old log-probs, in fp32
+    // once under TP) and drops it when this function returns, before training. Each rank then generates its own rows with its full
     // copy: generation makes no collective, so a rank whose answers all ended early, or that
     // has no prompt at all, cannot leave another waiting. With --inference-tp-size the actor is
     // instead cut into this rank's slices and its TP group generates all the group's rows in
     // lockstep (the same rows and tokens on every rank of the group).
     let gathered_actor = models.actor.gather_for_generation()?;
-    // At stages 1 and 2 in fp16/bf16 with LoRA, the adapters fused on the fp32 master shards.
+    // With LoRA on sharded masters in fp16/bf16, the adapters fused on the fp32 shards.
     let fused_actor = models.actor.gather_fused_for_generation()?;
-    let whole_actor = gathered_actor.as_ref().or(fused_actor.as_ref()).unwrap_or(models.actor.whole_weights());
+    let whole_actor = fused_actor.as_ref().or(gathered_actor.as_ref()).unwrap_or(models.actor.whole_weights());
     // The old log-probs come from the gathered actor too, read as the training loss reads them
     // (generation ignores `fp32_loss`). With LoRA that is with the adapters unfused: a fused
     // weight rounds differently from the training forward's `x W + s (x A^T) B^T`.

@@ -153,6 +153,14 @@ pub fn embedding(weight: &Tensor, ids: &Tensor) -> Result<Tensor> {
     weight.contiguous()?.apply_op2(&ids.contiguous()?, Embedding { grouped })
 }
 
+/// The gradient [`embedding`]'s backward gives a table of `vocab` rows from the ids (N,) u32 and
+/// the gradient of its output, `grad` (N, C), alone: the table's values are not read (ZeRO-3's
+/// embedding backward gathers no weights for it). f32 on the CPU, f32/bf16/f16 on a GPU.
+pub fn embedding_grad(vocab: usize, ids: &Tensor, grad: &Tensor) -> Result<Tensor> {
+    let op = EmbeddingGrad { vocab, ids: ids.contiguous()?, grouped: None };
+    grad.contiguous()?.apply_op1_no_bwd(&op)
+}
+
 /// The launchers of the CUDA kernels (`cuda_fwd` above calls them).
 #[cfg(feature = "cuda")]
 pub mod cuda {

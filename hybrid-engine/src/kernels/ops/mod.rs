@@ -184,6 +184,21 @@ pub fn embedding(weight: &Tensor, ids: &Tensor) -> Result<Tensor> {
     }
 }
 
+/// The gradient of [`embedding`]'s table (`vocab` rows) from `ids` (N,) and the gradient of its
+/// output `grad` (N, C), without the table: what its backward computes, bit for bit (the
+/// custom op's on a GPU; on the CPU candle's index-select backward, zeros with the rows added in
+/// the order of the positions, which the custom op's f32 kernel reproduces in one buffer).
+pub fn embedding_grad(vocab: usize, ids: &Tensor, grad: &Tensor) -> Result<Tensor> {
+    let custom =
+        ids.dtype() == DType::U32 && (on_cuda(&[grad]) || (grad.device().is_cpu() && grad.dtype() == DType::F32));
+    if custom {
+        embedding::embedding_grad(vocab, ids, grad)
+    } else {
+        let c = grad.dim(1)?;
+        Tensor::zeros((vocab, c), grad.dtype(), grad.device())?.index_add(&ids.contiguous()?, grad, 0)
+    }
+}
+
 /// `x W + b` for `x` (.., in), `w` (in, out) (Hugging Face's Conv1D layout), `b` (out,).
 pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
     let one_dtype = w.dtype() == x.dtype() && b.dtype() == x.dtype();
