@@ -76,6 +76,9 @@ pub struct ActivationShape {
     pub lora: bool,
     /// Tensor-parallel ranks splitting each layer (1: none).
     pub tp: usize,
+    /// ZeRO stage 3 across ranks: each unit's weights and gradients are gathered and
+    /// reduce-scattered one unit at a time and counted apart ([`MemoryPlan::gathered_unit_bytes`]).
+    pub sharded: bool,
 }
 
 /// What one micro-batch of B x T tokens allocates beyond the weights, their compute copy, the
@@ -104,7 +107,10 @@ pub struct ActivationShape {
 /// tensors with its own); the embedding's gradient, formed in a backward of its own, and its
 /// sum with the head's meet as two W beside one block's recomputed activations (accumulating
 /// too, with or without the head's). A frozen model (`--only-optimize-lora`) forms no W and no
-/// gradient but the adapters'.
+/// gradient but the adapters'. Under ZeRO stage 3 the formed gradients are a gathered unit's, the
+/// plan's line apart with the unit's weights: the head's phase keeps (N, V), L + 5 (N, C) and
+/// dwte^T (W), which the unit's gradient is copied from; a recomputed block's as with
+/// checkpointing; the embeddings' dwte is formed from the ids alone, within the unit's line.
 ///
 /// [`Kernels::FusedGpu`], counted from the CUDA ops of `kernels/ops/*.rs`, candle's backward and
 /// `train_step`, then checked against the CUDA pool's measured peak (bench train, H200,
@@ -186,7 +192,16 @@ pub fn activation_bytes(a: &ActivationShape) -> u64 {
             let head_w = if a.lm_head { w } else { 0.0 };
             // An adapter keeps about 3 (N, out) tensors; on all four linears, 27 (N, C) a block.
             let lora = if a.lora { 27.0 } else { 0.0 };
-            let floats = if a.checkpoint {
+            let floats = if a.sharded {
+                // ZeRO-3 (checkpointed): no whole gradient is ever formed or held, and the
+                // gathered unit's weights with its gradient are the plan's line apart (the LM
+                // head's dwte; the embeddings' dwte, formed from the ids without the unit). Left:
+                // the kept inputs, the head's logits, turned in place into their gradient, dx,
+                // and beside the unit's gradient the transposed dwte^T it is copied from (a
+                // variable's first gradient is a copy of its own: measured, one W); or a
+                // recomputed block's activations as below.
+                (n * v + head_w + (l + 5.0) * nc).max((l + 15.0 + lora) * nc)
+            } else if a.checkpoint {
                 let head = n * v + head_w + (l + 4.0) * nc;
                 if a.accumulating {
                     head.max(2.0 * w + (l + 17.0 + lora) * nc)
@@ -416,6 +431,7 @@ impl MemoryPlan {
                 grad_bytes: 4,
                 lora: false,
                 tp: 1,
+                sharded: false,
             },
             compute_dtype: candle_core::DType::F32,
             device: DeviceKind::Cpu,
@@ -456,6 +472,7 @@ impl MemoryPlan {
             self.param_bytes = shard(self.param_bytes);
             self.compute_copy_bytes = shard(self.compute_copy_bytes);
             self.activations.checkpoint = true;
+            self.activations.sharded = true;
             let extra = self.parameters.saturating_sub(parameter_count(&self.activations.cfg));
             let unit = gathered_unit_values(&self.activations.cfg, extra) as u64;
             let unit = match self.tensor_parallel {
@@ -820,6 +837,7 @@ mod tests {
                 grad_bytes: 4,
                 lora: false,
                 tp: 1,
+                sharded: false,
             };
             let (full, ckpt) = (activation_bytes(&shape(false)), activation_bytes(&shape(true)));
             assert!(
