@@ -564,22 +564,26 @@ pub fn step_shard(
     grad_shard: &Tensor,
     lr: f64,
 ) -> Result<()> {
-    // Read in place where it can be (a host f32 shard), not copied out.
-    let grad_shard = grad_shard.to_dtype(DType::F32)?;
-    let on_host = grad_shard.device().is_cpu() && grad_shard.is_contiguous();
-    let copied = if on_host { Vec::new() } else { grad_shard.to_vec1::<f32>()? };
-    let (storage, layout) = grad_shard.storage_and_layout();
-    let g = match &*storage {
-        candle_core::Storage::Cpu(s) if on_host => {
-            crate::kernels::parallel::contiguous_f32(s, layout, "a gradient shard")?
+    with_host_f32(grad_shard, |g| {
+        optimizer.step += 1;
+        for piece in partition.pieces(rank) {
+            optimizer.update_held(piece.param, &mut shard[piece.in_shard.clone()], &g[piece.in_shard], lr);
         }
-        _ => &copied[..],
-    };
-    optimizer.step += 1;
-    for piece in partition.pieces(rank) {
-        optimizer.update_held(piece.param, &mut shard[piece.in_shard.clone()], &g[piece.in_shard], lr);
+        Ok(())
+    })
+}
+
+/// Runs `f` on `t`'s values (flattened) as f32: read in place from a contiguous f32 tensor in
+/// host memory (a gradient shard at the step: no copy of it), else copied out.
+pub fn with_host_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> Result<R>) -> Result<R> {
+    let t = t.to_dtype(DType::F32)?;
+    let on_host = t.device().is_cpu() && t.is_contiguous();
+    let copied = if on_host { Vec::new() } else { t.flatten_all()?.to_vec1::<f32>()? };
+    let (storage, layout) = t.storage_and_layout();
+    match &*storage {
+        candle_core::Storage::Cpu(s) if on_host => f(crate::kernels::parallel::contiguous_f32(s, layout, "a tensor")?),
+        _ => f(&copied),
     }
-    Ok(())
 }
 
 /// Stages 1 and 2 with whole fp32 masters: one AdamW step of this rank's shard of `params`

@@ -938,15 +938,21 @@ impl ShardedModel {
     /// One AdamW step of this rank's weight shard with its (averaged, clipped) gradient shard.
     /// Nothing is gathered: the next forward gathers the updated weights.
     pub fn adamw_step(&self, optimizer: &mut AdamW, grad_shard: &Tensor, lr: f64) -> Result<()> {
-        let g: Vec<f32> = grad_shard.to_dtype(DType::F32)?.to_vec1()?;
         let mut shard = self.shard.borrow_mut();
-        optimizer.step += 1;
-        for (unit, trained, piece) in self.trained_pieces() {
-            let (at, from) = (unit.offset, unit.grad_offset.expect("a trained unit"));
-            let grad = &g[from + piece.in_shard.start..from + piece.in_shard.end];
-            optimizer.update_held(trained, &mut shard[at + piece.in_shard.start..at + piece.in_shard.end], grad, lr);
-        }
-        Ok(())
+        crate::training::zero::with_host_f32(grad_shard, |g| {
+            optimizer.step += 1;
+            for (unit, trained, piece) in self.trained_pieces() {
+                let (at, from) = (unit.offset, unit.grad_offset.expect("a trained unit"));
+                let grad = &g[from + piece.in_shard.start..from + piece.in_shard.end];
+                optimizer.update_held(
+                    trained,
+                    &mut shard[at + piece.in_shard.start..at + piece.in_shard.end],
+                    grad,
+                    lr,
+                );
+            }
+            Ok(())
+        })
     }
 
     /// A copy of `optimizer` with the full moments gathered from every rank onto the group's
