@@ -529,19 +529,10 @@ pub fn gather_fused_weights(
     };
     // This rank's shard with each adapted linear's values fused.
     let mut fused = shard.to_vec();
+    let adapter = |name: &str| like.names.iter().position(|n| n == name).map(whole);
     for piece in &pieces {
-        let name = &like.names[piece.param];
-        let Some(module) = name.strip_suffix(".weight").filter(|_| !lora::is_adapter_name(name)) else { continue };
-        let (a, b) = lora::Adapter::param_names(module);
-        let (Some(a), Some(b)) = (like.names.iter().position(|n| *n == a), like.names.iter().position(|n| *n == b))
-        else {
-            continue;
-        };
-        let delta = lora::delta(&whole(a)?, &whole(b)?, scaling)?.flatten_all()?;
-        let delta: Vec<f32> = delta.narrow(0, piece.in_param.start, piece.in_param.len())?.to_vec1()?;
-        for (w, d) in fused[piece.in_shard.clone()].iter_mut().zip(delta) {
-            *w += d;
-        }
+        let values = &mut fused[piece.in_shard.clone()];
+        add_lora_delta(values, &like.names[piece.param], piece.in_param.start, scaling, adapter)?;
     }
     let full = dp.group.all_gather_slice_as(&fused, like.dtype(), &device)?;
     let shapes: Vec<&candle_core::Shape> = like.vars.iter().map(|v| v.shape()).collect();
@@ -552,6 +543,26 @@ pub fn gather_fused_weights(
         }
     }
     Ok(out)
+}
+
+/// Adds to `values`, weight `name`'s values from `start` (flattened), its LoRA adapter's delta
+/// (`lora::delta`, the fusion of `ParamStore::merged` in fp32), the adapter's A and B whole from
+/// `adapter(name)`; nothing where `name` is no adapted weight. Sharded masters fuse so, piece by
+/// piece, before gathering the fused weights (stages 1-2 here, ZeRO-3's
+/// `ShardedModel::gather_fused_everywhere`).
+pub fn add_lora_delta(
+    values: &mut [f32],
+    name: &str,
+    start: usize,
+    scaling: f64,
+    adapter: impl Fn(&str) -> Option<Result<Tensor>>,
+) -> Result<()> {
+    let Some(module) = name.strip_suffix(".weight").filter(|_| !lora::is_adapter_name(name)) else { return Ok(()) };
+    let (a, b) = lora::Adapter::param_names(module);
+    let (Some(a), Some(b)) = (adapter(&a), adapter(&b)) else { return Ok(()) };
+    let delta = lora::delta(&a?, &b?, scaling)?.flatten_all()?.narrow(0, start, values.len())?.to_vec1::<f32>()?;
+    values.iter_mut().zip(delta).for_each(|(w, d)| *w += d);
+    Ok(())
 }
 
 /// One AdamW step of this rank's shard of the weights, `shard` (the partition's flat layout),

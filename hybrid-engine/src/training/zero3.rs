@@ -594,16 +594,11 @@ impl ShardedModel {
             };
             for unit in &units {
                 let mut fused = shard[unit.offset..unit.offset + unit.partition.shard_len].to_vec();
+                let adapter = |name: &str| index.get(name).map(|&i| whole(i));
                 for piece in unit.partition.pieces(rank) {
                     let name = &self.names[unit.params[piece.param]];
-                    let Some(module) = name.strip_suffix(".weight").filter(|_| !lora::is_adapter_name(name)) else {
-                        continue;
-                    };
-                    let (a, b) = lora::Adapter::param_names(module);
-                    let (Some(&a), Some(&b)) = (index.get(a.as_str()), index.get(b.as_str())) else { continue };
-                    let delta = lora::delta(&whole(a)?, &whole(b)?, scaling)?.flatten_all()?;
-                    let delta: Vec<f32> = delta.narrow(0, piece.in_param.start, piece.in_param.len())?.to_vec1()?;
-                    fused[piece.in_shard].iter_mut().zip(delta).for_each(|(w, d)| *w += d);
+                    let values = &mut fused[piece.in_shard];
+                    crate::training::zero::add_lora_delta(values, name, piece.in_param.start, scaling, adapter)?;
                 }
                 for (&i, t) in unit.params.iter().zip(self.gather_unit(unit, &fused, dtype)?) {
                     if !at.contains_key(&i) {
