@@ -17,8 +17,8 @@
 #      stages 1-3 against one rank (loss curves).
 # Three measuring stages run only when named in STAGES:
 #   ab: gpt2 B8 T1024 bf16 training as built against the same build with AB_ENV set (default
-#      HYBRID_ENGINE_CUBLASLT=0: the linears without cuBLASLt's epilogues; HYBRID_ENGINE_PACKED_ROWS=1
-#      the packed LayerNorm and cross-entropy kernels, CANDLE_UPSTREAM_BINARY_GRID=1 candle's binary
+#      HYBRID_ENGINE_CUBLASLT=0: the linears without cuBLASLt's epilogues; HYBRID_ENGINE_PACKED_ROWS=0
+#      without the packed LayerNorm and cross-entropy kernels, CANDLE_UPSTREAM_BINARY_GRID=1 candle's binary
 #      ops on upstream's grid), alternating, AB_ROUNDS
 #      times (default 2): each run's tokens/s, its phases, the host's and the GPU's times at the
 #      step's marks (bench's `timeline`), the matmuls with and without the epilogues; then the

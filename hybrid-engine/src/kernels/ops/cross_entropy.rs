@@ -383,6 +383,7 @@ mod cuda_tests {
     #[test]
     fn cross_entropy_rows_and_their_gradient_match_the_cpu() -> Result<()> {
         let Some(gpu) = gpu() else { return Ok(()) };
+        let was_on = crate::kernels::cuda::packed_rows_on();
         // 37 rows over a vocabulary of 5003 (one value at a time: a block of 256 threads strides 20
         // times, with a tail) and of 5008 (with the packed kernels on, a multiple of 8: eight
         // values at a time, 626 Pack8s).
@@ -419,7 +420,7 @@ mod cuda_tests {
                 assert!(diff <= ulps * scale, "V {v} packed {packed} {dtype:?} gradient {diff} (largest {scale})");
             }
         }
-        crate::kernels::cuda::set_packed_rows(false);
+        crate::kernels::cuda::set_packed_rows(was_on);
         Ok(())
     }
 }

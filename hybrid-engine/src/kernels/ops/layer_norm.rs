@@ -263,6 +263,7 @@ mod cuda_tests {
     #[test]
     fn layer_norm_and_its_gradients_match_the_cpu_and_are_deterministic() -> Result<()> {
         let Some(gpu) = gpu() else { return Ok(()) };
+        let was_on = crate::kernels::cuda::packed_rows_on();
         // Both kernels: packed, C = 200 and 768 take the Pack8 path (a multiple of 8 up to 1024: 25
         // and 96 Pack8s, some lanes without a last one), 201 (not a multiple of 32 either) and 1600
         // the value-at-a-time one, as every C does unpacked. 2100 rows: more than backward blocks.
@@ -308,7 +309,7 @@ mod cuda_tests {
                 }
             }
         }
-        crate::kernels::cuda::set_packed_rows(false);
+        crate::kernels::cuda::set_packed_rows(was_on);
         Ok(())
     }
 }
