@@ -71,7 +71,7 @@ cat "$here/VERSION" | tee -a "$summary"
 if [[ " $stages " == *" unit "* ]]; then
   # --test-threads 1: the GPU tests would share one device; the CPU ones take seconds anyway.
   stage unit-tests 120 "$bin" unit-tests --test-threads 1
-  grep -E '^test (kernels::ops::[a-z_]+::cuda_tests|training::optim::tests::adamw_cuda|.*FAILED)|^test result' "$work/unit-tests.log" | tee -a "$summary"
+  grep -E '^test (kernels::ops::[a-z_]+::cuda_tests|training::optim::tests::adamw_cuda|training::zero::tests::master_shard_cuda|.*FAILED)|^test result' "$work/unit-tests.log" | tee -a "$summary"
   ! grep -q 'no GPU, the CUDA kernel test' "$work/unit-tests.log" || { echo "unit-tests: the CUDA tests saw no GPU" | tee -a "$summary"; failed=1; }
 fi
 
@@ -215,21 +215,28 @@ fi
 if [[ " $stages " == *" ranks "* ]]; then
   # Two ranks sharing the one GPU over the TCP ring (--distributed-backend gloo: device tensors
   # through host memory; NCCL refuses two ranks on one GPU) at ZeRO stages 1-3 (fp32; stage 2 in
-  # buckets; stage 1 also in bf16, its fp32 masters sharded) against one rank at the same global
-  # batch: each loss curve's largest relative difference.
+  # buckets; stage 1 also in bf16, its fp32 masters sharded; stage 2 in bf16 with --offload)
+  # against one rank at the same global batch: each loss curve's largest relative difference,
+  # and where each run's optimizer states lived (its log's line).
   tiny=(--from-scratch --num-layers 2 --hidden-size 64 --num-attention-heads 2 --seq-length 32 --train-iters 8
     --gradient-accumulation-steps 2 --lr 3e-3 --lr-warmup-iters 1 --dropout 0 --eval-interval 0 --eval-iters 1
     --log-interval 1 --adam-eps 1e-4 --device cuda:0)
   for dtype in fp32 bf16; do
     stage "ranks-one-$dtype" 90 "$bin" sft "${tiny[@]}" --dtype "$dtype" --micro-batch-size 6 --output-dir "$work/ranks-one-$dtype"
   done
-  for run in "1 fp32" "2 fp32 --reduce-bucket-size 20000" "3 fp32" "1 bf16"; do
+  # Each run: its name, stage, dtype and flags. Stages 1 and 2 step each rank's shard on the GPU
+  # (the pieces in the fp32 weights, or in bf16 the shard of the fp32 masters), with --offload
+  # in host memory; stage 3 steps in host memory.
+  for run in "s1-fp32 1 fp32" "s2-fp32 2 fp32 --reduce-bucket-size 20000" "s3-fp32 3 fp32" "s1-bf16 1 bf16" \
+    "s2-bf16-offload 2 bf16 --offload"; do
     set -- $run
-    zs=$1 dtype=$2
-    shift 2
-    RLHF_NPROC_PER_NODE=2 RLHF_RANK_LOG_DIR="$work/ranks-s$zs-$dtype-logs" stage "ranks-gloo-s$zs-$dtype" 120 \
+    name=$1 zs=$2 dtype=$3
+    shift 3
+    RLHF_NPROC_PER_NODE=2 RLHF_RANK_LOG_DIR="$work/ranks-$name-logs" stage "ranks-gloo-$name" 120 \
       "$bin" sft "${tiny[@]}" --dtype "$dtype" --micro-batch-size 3 --zero-stage "$zs" --distributed-backend gloo "$@" \
-      --output-dir "$work/ranks-s$zs-$dtype"
+      --output-dir "$work/ranks-$name"
+    grep -h -m1 "optimizer states" "$work/ranks-gloo-$name.log" "$work/ranks-$name-logs"/* 2>/dev/null | head -1 \
+      | sed "s/^/$name: /" | tee -a "$summary"
   done
   python3 - "$work" <<'PY' | tee -a "$summary"
 import json, os, sys
@@ -238,11 +245,12 @@ def curve(d):
     p = os.path.join(work, d, "metrics.jsonl")
     rows = [json.loads(l) for l in open(p) if l.strip()] if os.path.exists(p) else []
     return {r["iteration"]: r["lm_loss"] for r in rows if "lm_loss" in r}
-for zs, dtype in [(1, "fp32"), (2, "fp32"), (3, "fp32"), (1, "bf16")]:
-    one, two = curve(f"ranks-one-{dtype}"), curve(f"ranks-s{zs}-{dtype}")
+for name in ["s1-fp32", "s2-fp32", "s3-fp32", "s1-bf16", "s2-bf16-offload"]:
+    dtype = name.split("-")[1]
+    one, two = curve(f"ranks-one-{dtype}"), curve(f"ranks-{name}")
     common = sorted(set(one) & set(two))
     d = max((abs(two[i] - one[i]) / abs(one[i]) for i in common), default=float("nan"))
-    print(f"2 ranks on one GPU (gloo), stage {zs} {dtype} vs 1 rank: {len(common)} iterations, max relative |diff| {d:.2e}")
+    print(f"2 ranks on one GPU (gloo), {name} vs 1 rank: {len(common)} iterations, max relative |diff| {d:.2e}")
 PY
 fi
 

@@ -41,9 +41,11 @@ pub struct DistArgs {
     /// that type at every hop (the CPU ring, or NCCL on GPUs).
     #[arg(help_heading = heading::PARALLELISM, long, default_value = "fp32", alias = "communication_data_type", value_parser = parse_wire)]
     pub communication_data_type: WireDtype,
-    /// DS-Chat's ZeRO-Offload: the fp32 masters and Adam moments in host memory, stepped there;
-    /// on GPUs at ZeRO stages 1-3 across ranks (each rank's shard). Refused on a CPU run (all in
-    /// host memory) and on a GPU at stage 0 or alone (the optimizer stays on the GPU).
+    /// DS-Chat's ZeRO-Offload (DeepSpeed's offload_optimizer: cpu): each rank's shard of the
+    /// fp32 masters and its Adam moments in host memory, stepped there, on GPUs at ZeRO stages
+    /// 1-3 across ranks; without it stages 1 and 2 keep them on the GPU and step them there
+    /// (stage 3 keeps them in host memory either way, for now). Refused on a CPU run (all in host
+    /// memory) and on a GPU at stage 0 or alone (the optimizer stays on the GPU).
     #[arg(help_heading = heading::PARALLELISM, long)]
     pub offload: bool,
     /// Megatron's tensor parallelism: every layer split over this many consecutive ranks (on one

@@ -147,7 +147,8 @@ impl Engine {
         }
         let dp = DataParallel::new(data, cfg.parallel.zero_stage, cfg.parallel.reduce_bucket_size)
             .with_gather_bucket(cfg.parallel.allgather_bucket_size)
-            .with_wire(cfg.parallel.communication_data_type);
+            .with_wire(cfg.parallel.communication_data_type)
+            .with_offload(cfg.parallel.offload);
         let trainable = params.trainable();
         let (precision, dtype) = (cfg.precision, cfg.precision.dtype.dtype());
         let accumulation = cfg.gradient_accumulation_steps;
@@ -203,6 +204,17 @@ impl Engine {
                     );
                 }
             }
+            if dp.shards_optimizer() && params.vars.first().is_some_and(|v| v.device().is_cuda()) {
+                println!(
+                    "ZeRO stage {}: this rank's optimizer states (Adam moments{}) {}",
+                    dp.stage,
+                    if trainer.shards_masters() { ", its shard of the fp32 masters" } else { "" },
+                    match dp.offload {
+                        false => "live and step on the GPU (--offload keeps them in host memory)",
+                        true => "live and step in host memory (--offload)",
+                    }
+                );
+            }
             (model, trainer, compute.trainable())
         };
         // Under tensor parallelism the gradient norm is the whole model's.
@@ -254,6 +266,11 @@ impl Engine {
 
     /// The model and trainer of a sharded model (ZeRO stage 3).
     fn sharded_parts(cfg: &EngineConfig, mut sharded: ShardedModel) -> (TrainedModel, Trainer) {
+        if sharded.device().is_cuda() {
+            println!(
+                "ZeRO stage 3: this rank's optimizer states (Adam moments, its shard of the fp32 masters) live and step in host memory, as --offload asks (on the GPU at stages 1 and 2 only)"
+            );
+        }
         sharded.fp32_loss = cfg.precision.fp32_loss;
         sharded.gradient_wire = cfg.parallel.communication_data_type;
         sharded.reduce_bucket = cfg.parallel.reduce_bucket_size;
@@ -345,11 +362,11 @@ impl Engine {
 
     /// This rank's shard of the fp32 masters' values where it keeps only that
     /// ([`Self::shards_masters`]): what an elementwise companion (step 3's EMA) keeps too.
-    pub fn master_shard_values(&self) -> Option<Vec<f32>> {
-        match self.sharded() {
+    pub fn master_shard_values(&self) -> Result<Option<Vec<f32>>> {
+        Ok(match self.sharded() {
             Some(model) => Some(model.shard_values()),
-            None => self.trainer.master_shard().map(|(shard, _)| shard.to_vec()),
-        }
+            None => self.trainer.master_shard().map(|(shard, _)| shard.with_values(|v| Ok(v.to_vec()))).transpose()?,
+        })
     }
 
     /// This rank's shard of `store` (the same parameters as the masters, whole) in
@@ -503,7 +520,7 @@ impl Engine {
     /// call it (a collective).
     pub fn gather_slices(&self) -> Result<Option<ParamStore>> {
         match self.trainer.master_shard() {
-            Some((shard, _)) => self.trainer.gather_master_shards(shard),
+            Some((shard, _)) => shard.with_values(|values| self.trainer.gather_master_shards(values)),
             None => self.model.gather_sharded_params(),
         }
     }

@@ -393,6 +393,8 @@ pub struct MemoryPlan {
     /// Data parallelism at stages 0-2: what a micro-batch's gradient reduction holds beyond the
     /// held gradients ([`Self::with_buckets`]).
     pub reduction_bytes: u64,
+    /// The optimizer states are in host memory, not in this (GPU) plan ([`Self::with_offload`]).
+    pub offloaded: bool,
 }
 
 /// The values of the largest unit ZeRO stage 3 gathers at once: everything outside the blocks
@@ -440,6 +442,7 @@ impl MemoryPlan {
             gathered_unit_bytes: 0,
             process_bytes: 0,
             reduction_bytes: 0,
+            offloaded: false,
         }
     }
 
@@ -481,6 +484,32 @@ impl MemoryPlan {
             };
             self.gathered_unit_bytes = 8 * unit;
         }
+        self
+    }
+
+    /// Where the optimizer states are on a GPU: `--offload` (DeepSpeed's `offload_optimizer:
+    /// cpu`) at ZeRO stages 1 and 2 keeps the Adam moments, and the fp32 masters where each rank
+    /// keeps only its shard of them, in host memory; stage 3 keeps its shard of the masters and
+    /// its moments there always (its units are gathered to the GPU from them, in the compute
+    /// dtype: [`Self::gathered_unit_bytes`]). What is in host memory leaves the GPU's plan.
+    /// Nothing changes on the CPU, where all of it is host memory. Call after
+    /// [`Self::with_data_parallel`].
+    pub fn with_offload(mut self, offload: bool) -> Self {
+        if self.device != DeviceKind::Cuda {
+            return self;
+        }
+        match self.zero.map(|(stage, _)| stage) {
+            Some(ZeroStage::OptimizerStates | ZeroStage::Gradients) if offload => {
+                let sharded_masters = self.param_bytes < 4 * self.parameters as u64;
+                self.adam_bytes = 0;
+                if sharded_masters {
+                    self.param_bytes = 0;
+                }
+            }
+            Some(ZeroStage::Parameters) => (self.adam_bytes, self.param_bytes, self.compute_copy_bytes) = (0, 0, 0),
+            _ => return self,
+        }
+        self.offloaded = true;
         self
     }
 
@@ -716,12 +745,13 @@ impl MemoryPlan {
             None => per_rank,
         };
         format!(
-            "{per_rank}parameters: {:.2}M\nallocating {:.1} MiB for parameters (f32)\nallocating {:.1} MiB for gradients ({})\nallocating {:.1} MiB for AdamW m and v\n{}estimated {:.1} MiB for activations per micro-batch\n{}{}{}estimated total {:.1} MiB",
+            "{per_rank}parameters: {:.2}M\nallocating {:.1} MiB for parameters (f32)\nallocating {:.1} MiB for gradients ({})\nallocating {:.1} MiB for AdamW m and v{}\n{}estimated {:.1} MiB for activations per micro-batch\n{}{}{}estimated total {:.1} MiB",
             self.parameters as f64 / 1e6,
             m(self.param_bytes),
             m(self.grad_bytes),
             if self.activations.grad_bytes == 4 { "f32" } else { "in the compute dtype" },
             m(self.adam_bytes),
+            if self.offloaded { " (the optimizer states in host memory: not in this GPU plan)" } else { "" },
             if self.compute_copy_bytes > 0 {
                 format!("allocating {:.1} MiB for the fp16/bf16 compute copy of the weights\n", m(self.compute_copy_bytes))
             } else {
@@ -802,6 +832,41 @@ mod tests {
         assert!(plan(ZeroStage::Gradients, big, f32).report().contains("the gradient reduction's buffers"));
         let one_rank = MemoryPlan::new(&cfg, 2, 32, false).with_buckets(big, big);
         assert_eq!(one_rank.reduction_bytes, 0);
+    }
+
+    /// `--offload` on a GPU at stages 1 and 2, and stage 3 on a GPU always, take the Adam
+    /// moments and the sharded fp32 masters out of the GPU's plan (the report says where they
+    /// are); nothing changes on the CPU.
+    #[test]
+    fn offload_takes_the_optimizer_states_off_the_gpus_plan() {
+        let cfg = Gpt2Config::tiny();
+        let plan = |stage, device, offload| {
+            MemoryPlan::new(&cfg, 2, 32, false)
+                .with_compute_dtype(candle_core::DType::BF16)
+                .on_device_kind(device)
+                .with_data_parallel(stage, 4)
+                .with_offload(offload)
+        };
+        for stage in [ZeroStage::OptimizerStates, ZeroStage::Gradients] {
+            let (kept, offloaded) = (plan(stage, DeviceKind::Cuda, false), plan(stage, DeviceKind::Cuda, true));
+            assert!(kept.adam_bytes > 0 && kept.param_bytes > 0, "{stage:?}");
+            assert_eq!((offloaded.adam_bytes, offloaded.param_bytes), (0, 0), "{stage:?}: sharded masters and moments");
+            assert_eq!(offloaded.total(), kept.total() - kept.adam_bytes - kept.param_bytes);
+            assert!(offloaded.report().contains("the optimizer states in host memory"), "{}", offloaded.report());
+            assert_eq!(plan(stage, DeviceKind::Cpu, true).total(), plan(stage, DeviceKind::Cpu, false).total());
+        }
+        // Whole masters (fp32: they are the weights) stay on the GPU; the moments go.
+        let fp32 = MemoryPlan::new(&cfg, 2, 32, false)
+            .on_device_kind(DeviceKind::Cuda)
+            .with_data_parallel(ZeroStage::OptimizerStates, 4)
+            .with_offload(true);
+        assert_eq!((fp32.adam_bytes, fp32.param_bytes), (0, 4 * parameter_count(&cfg) as u64));
+        // Stage 3 keeps its shards and moments in host memory with or without --offload.
+        for offload in [false, true] {
+            let stage3 = plan(ZeroStage::Parameters, DeviceKind::Cuda, offload);
+            assert_eq!((stage3.adam_bytes, stage3.param_bytes, stage3.compute_copy_bytes), (0, 0, 0));
+            assert!(stage3.gathered_unit_bytes > 0);
+        }
     }
 
     /// On the CPU the plan counts the process's own resident memory (measured: above zero for

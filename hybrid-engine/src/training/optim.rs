@@ -264,6 +264,29 @@ impl AdamW {
         adamw_update(p, g, &mut self.exp_avg[i], &mut self.exp_avg_sq[i], lr, wd, self.step, &self.config);
     }
 
+    /// [`Self::update_held`] where the piece lives: `p`, the held piece of parameter `i` (an f32
+    /// view into a shard or a parameter, updated in place), from its gradient `g` (f32, as many
+    /// values), in the current step. The moments stay on `p`'s device between steps (uploaded
+    /// from the host at the first): on a GPU, ZeRO's shard steps there (cuda/adamw.cu's two
+    /// passes); on the CPU the same arithmetic as [`Self::update_held`], bit for bit.
+    pub fn update_held_in_place(&mut self, i: usize, p: &Tensor, g: &Tensor, lr: f64) -> Result<()> {
+        if p.elem_count() != self.held[i].len() || g.elem_count() != p.elem_count() {
+            bail!(
+                "internal error: a shard's piece of {} values with {} gradients, where {} are held",
+                p.elem_count(),
+                g.elem_count(),
+                self.held[i].len()
+            );
+        }
+        let wd = if self.decay[i] { self.config.weight_decay } else { 0.0 };
+        let k = StepCoefficients::new(lr * self.lr_scale[i], wd, self.step, &self.config);
+        let mv = self.take_device_moments(i, p.device())?;
+        let updated = adamw_update_in_place(p, g, &mv, &k);
+        // Kept whether or not the passes ran: they are the moments' truth.
+        self.on_device[i] = Some(mv);
+        updated
+    }
+
     /// Puts the LoRA adapters among the optimizer's parameters `names` in DS-Chat's LoRA group: learning rate `lora_lr` where
     /// the schedule peaks at `max_lr`. torch's `LambdaLR` multiplies every group's initial lr by
     /// the same factor, so the adapters run at `lr(step) * lora_lr / max_lr` throughout. Weight

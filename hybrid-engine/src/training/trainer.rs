@@ -88,7 +88,7 @@ pub struct Trainer {
     /// ZeRO stages 1 and 2 under mixed precision ([`Self::shard_masters`]): this rank's shard of
     /// the fp32 masters in the partition's flat layout; the whole model is then only the
     /// compute copy.
-    master_shard: Option<Vec<f32>>,
+    master_shard: Option<zero::MasterShard>,
     /// ZeRO stage 3: the sharded model, which holds the master shard and the gradient shard.
     zero3: Option<Rc<ShardedModel>>,
     /// Tensor parallelism: the TP group and the parameters' names (which say how each is cut),
@@ -194,7 +194,9 @@ impl Trainer {
         if self.compute.dtype() == DType::F32 || self.compute.names != params.names {
             bail!("internal error: fp32 masters are sharded beside a whole fp16/bf16 compute copy of them only");
         }
-        self.master_shard = Some(zero::shard_values(partition, dp.group.rank(), params)?);
+        let device = self.compute.vars.first().map_or(candle_core::Device::Cpu, |v| v.device().clone());
+        let values = zero::shard_values(partition, dp.group.rank(), params)?;
+        self.master_shard = Some(zero::MasterShard::new(values, dp, &device)?);
         Ok(())
     }
 
@@ -204,9 +206,9 @@ impl Trainer {
     }
 
     /// This rank's shard of the fp32 masters ([`Self::shard_masters`]) and its partition.
-    pub fn master_shard(&self) -> Option<(&[f32], &Partition)> {
+    pub fn master_shard(&self) -> Option<(&zero::MasterShard, &Partition)> {
         let (_, partition) = self.dp.as_ref()?;
-        Some((self.master_shard.as_deref()?, partition))
+        Some((self.master_shard.as_ref()?, partition))
     }
 
     /// This rank's shard, in [`Self::master_shard`]'s layout, of `store` (the same parameters as
@@ -234,7 +236,7 @@ impl Trainer {
     pub fn gather_fused_masters(&self) -> Result<Option<ParamStore>> {
         match (&self.dp, &self.master_shard) {
             (Some((dp, partition)), Some(shard)) if self.compute.lora_scaling().is_some() => {
-                zero::gather_fused_weights(dp, partition, &self.compute, shard).map(Some)
+                shard.with_values(|values| zero::gather_fused_weights(dp, partition, &self.compute, values)).map(Some)
             }
             _ => Ok(None),
         }
@@ -479,8 +481,9 @@ impl Trainer {
                 (Gradients::Shard(shard), _, Some(model)) => model.adamw_step(&mut self.optimizer, shard, lr)?,
                 (Gradients::Shard(shard), Some((dp, partition)), None) => match &mut self.master_shard {
                     Some(masters) => {
-                        zero::step_shard(dp.group.rank(), partition, &mut self.optimizer, masters, shard, lr)?;
-                        zero::all_gather_parameters(dp, partition, &self.compute, masters)?
+                        masters.step(dp.group.rank(), partition, &mut self.optimizer, shard, lr)?;
+                        masters
+                            .with_values(|values| zero::all_gather_parameters(dp, partition, &self.compute, values))?
                     }
                     None => zero::sharded_adamw_step(dp, partition, &mut self.optimizer, params, shard, lr)?,
                 },

@@ -82,11 +82,34 @@ pub struct DataParallel {
     pub gather_bucket: usize,
     /// The type gradients travel in through their reductions.
     pub wire: WireDtype,
+    /// `--offload` (DeepSpeed's `offload_optimizer: cpu`): on a GPU, stages 1 and 2 keep this
+    /// rank's optimizer states (its shard of the fp32 masters, its Adam moments) in host memory
+    /// and step them there, where by default they live and step on the GPU.
+    pub offload: bool,
 }
 
 impl DataParallel {
     pub fn new(group: Arc<ProcessGroup>, stage: ZeroStage, bucket: usize) -> Self {
-        Self { group, stage, bucket: bucket.max(1), gather_bucket: DEFAULT_BUCKET, wire: WireDtype::F32 }
+        Self {
+            group,
+            stage,
+            bucket: bucket.max(1),
+            gather_bucket: DEFAULT_BUCKET,
+            wire: WireDtype::F32,
+            offload: false,
+        }
+    }
+
+    /// The optimizer states in host memory on a GPU (`--offload`).
+    pub fn with_offload(mut self, offload: bool) -> Self {
+        self.offload = offload;
+        self
+    }
+
+    /// Whether stages 1 and 2 step this rank's shard where the weights on `device` are: on a
+    /// GPU unless `--offload` (a CPU run's states are in host memory either way).
+    pub fn steps_on_device(&self, device: &Device) -> bool {
+        device.is_cuda() && !self.offload
     }
 
     /// The updated weights all-gathered in rounds of `values` (`--allgather-bucket-size`).
@@ -584,6 +607,104 @@ pub fn step_shard(
     })
 }
 
+/// [`step_shard`] of a shard held as an f32 tensor where it lives (the GPU's: DeepSpeed's default
+/// place for the optimizer states), updated in place piece by piece with the moments beside it
+/// ([`AdamW::update_held_in_place`]); the gradient shard is brought to it (nothing moves where it
+/// is there already). The same values as [`step_shard`] (bit for bit on the CPU).
+pub fn step_shard_in_place(
+    rank: usize,
+    partition: &Partition,
+    optimizer: &mut AdamW,
+    shard: &Tensor,
+    grad_shard: &Tensor,
+    lr: f64,
+) -> Result<()> {
+    let grad = grad_shard.to_device(shard.device())?.to_dtype(DType::F32)?.contiguous()?;
+    optimizer.step += 1;
+    for piece in partition.pieces(rank) {
+        let (at, n) = (piece.in_shard.start, piece.in_shard.len());
+        optimizer.update_held_in_place(piece.param, &shard.narrow(0, at, n)?, &grad.narrow(0, at, n)?, lr)?;
+    }
+    Ok(())
+}
+
+/// [`step_shard_in_place`] where the shard is this rank's pieces of whole f32 `params` (stages 1
+/// and 2 with whole masters): each piece updated in place in its parameter, the moments beside
+/// it on the parameters' device.
+pub fn step_shard_in_params(
+    rank: usize,
+    partition: &Partition,
+    optimizer: &mut AdamW,
+    params: &ParamStore,
+    grad_shard: &Tensor,
+    lr: f64,
+) -> Result<()> {
+    let device = params.vars.first().map_or(Device::Cpu, |v| v.device().clone());
+    let grad = grad_shard.to_device(&device)?.to_dtype(DType::F32)?.contiguous()?;
+    optimizer.step += 1;
+    for piece in partition.pieces(rank) {
+        // A view of the parameter's own storage: the update lands in the weights.
+        let weights = params.vars[piece.param].as_tensor().flatten_all()?;
+        let values = weights.narrow(0, piece.in_param.start, piece.in_param.len())?;
+        let g = grad.narrow(0, piece.in_shard.start, piece.in_shard.len())?;
+        optimizer.update_held_in_place(piece.param, &values, &g, lr)?;
+    }
+    Ok(())
+}
+
+/// This rank's shard of the fp32 masters at ZeRO stages 1 and 2 under mixed precision, in the
+/// partition's flat layout: in host memory (a CPU run; a GPU's with `--offload`), or on the GPU
+/// (DeepSpeed's default), where it steps with its moments and never crosses to the host but to
+/// be all-gathered or saved.
+pub enum MasterShard {
+    Host(Vec<f32>),
+    Device(Tensor),
+}
+
+impl MasterShard {
+    /// `values` kept where `dp` steps them for weights on `device`.
+    pub fn new(values: Vec<f32>, dp: &DataParallel, device: &Device) -> Result<Self> {
+        Ok(match dp.steps_on_device(device) {
+            true => {
+                let n = values.len();
+                Self::Device(Tensor::from_vec(values, n, device)?)
+            }
+            false => Self::Host(values),
+        })
+    }
+
+    /// Runs `f` on the values: in place in host memory, or a copy of the device's.
+    pub fn with_values<R>(&self, f: impl FnOnce(&[f32]) -> Result<R>) -> Result<R> {
+        match self {
+            Self::Host(values) => f(values),
+            Self::Device(t) => with_host_f32(t, f),
+        }
+    }
+
+    /// One AdamW step of the shard from its gradient shard (averaged, clipped) where it lives.
+    pub fn step(
+        &mut self,
+        rank: usize,
+        partition: &Partition,
+        optimizer: &mut AdamW,
+        grad_shard: &Tensor,
+        lr: f64,
+    ) -> Result<()> {
+        match self {
+            Self::Host(values) => step_shard(rank, partition, optimizer, values, grad_shard, lr),
+            Self::Device(t) => step_shard_in_place(rank, partition, optimizer, t, grad_shard, lr),
+        }
+    }
+
+    /// Where the shard lives, for the log.
+    pub fn place(&self) -> &'static str {
+        match self {
+            Self::Host(_) => "host memory",
+            Self::Device(_) => "the GPU",
+        }
+    }
+}
+
 /// Runs `f` on `t`'s values (flattened) as f32: read in place from a contiguous f32 tensor in
 /// host memory (a gradient shard at the step: no copy of it), else copied out.
 pub fn with_host_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> Result<R>) -> Result<R> {
@@ -598,7 +719,9 @@ pub fn with_host_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> Result<R>) -> Resu
 }
 
 /// Stages 1 and 2 with whole fp32 masters: one AdamW step of this rank's shard of `params`
-/// from its gradient shard, then the updated weights all-gathered into every parameter.
+/// from its gradient shard, then the updated weights all-gathered into every parameter. On a
+/// GPU (without `--offload`) the shard's pieces step in place in the parameters with their
+/// moments on the GPU; else copied to the host, stepped and gathered from there.
 pub fn sharded_adamw_step(
     dp: &DataParallel,
     partition: &Partition,
@@ -608,6 +731,13 @@ pub fn sharded_adamw_step(
     lr: f64,
 ) -> Result<()> {
     let rank = dp.group.rank();
+    let device = params.vars.first().map_or(Device::Cpu, |v| v.device().clone());
+    if dp.steps_on_device(&device) {
+        // Each piece of this rank's shard stepped in place in its parameter on the GPU, the
+        // moments beside it; then copied out for the all-gather.
+        step_shard_in_params(rank, partition, optimizer, params, grad_shard, lr)?;
+        return all_gather_parameters(dp, partition, params, &shard_values(partition, rank, params)?);
+    }
     let mut shard = shard_values(partition, rank, params)?;
     step_shard(rank, partition, optimizer, &mut shard, grad_shard, lr)?;
     all_gather_parameters(dp, partition, params, &shard)
@@ -731,6 +861,110 @@ mod tests {
         );
         assert_eq!(buckets.waits_for_the_end, [false, false, false, false, true, true, true]);
         assert_eq!(crate::training::optim::GradientSink::buckets(&buckets), 7);
+    }
+
+    /// Three parameters over 2 ranks (rank 1's shard: the end of one, a bias, the start of a
+    /// third), a weight-decayed and a bias, the LoRA learning-rate scale on one.
+    fn shard_fixture(rank: usize) -> (Partition, AdamW, Vec<String>) {
+        let names: Vec<String> = ["h.0.attn.c_attn.weight", "h.0.attn.c_attn.bias", "h.0.mlp.c_fc.lora_right_weight"]
+            .map(String::from)
+            .to_vec();
+        let partition = Partition::new(vec![9, 4, 6], 2);
+        let config = crate::training::optim::AdamWConfig { weight_decay: 0.1, ..Default::default() };
+        let mut optimizer = AdamW::over_ranges(config, &names, partition.ranges(rank));
+        optimizer.set_lora_lr(&names, 5e-3, 1e-3);
+        (partition, optimizer, names)
+    }
+
+    fn random(n: usize, seed: u64) -> Vec<f32> {
+        (0..n).map(|i| (((i as u64 * 2654435761 + seed * 97) % 1000) as f32 / 500.0 - 1.0) * 0.3).collect()
+    }
+
+    /// A master shard held as a tensor and stepped in place piece by piece
+    /// ([`step_shard_in_place`], how it steps on a GPU) gives the host step's values and moments
+    /// bit for bit over three steps, on either rank.
+    #[test]
+    fn a_master_shard_stepped_in_place_is_the_host_step() -> Result<()> {
+        for rank in 0..2 {
+            let (partition, mut on_host, _) = shard_fixture(rank);
+            let (_, mut in_place, _) = shard_fixture(rank);
+            let mut host = MasterShard::Host(random(partition.shard_len, 1));
+            let mut tensor = MasterShard::Device(Tensor::new(random(partition.shard_len, 1), &Device::Cpu)?);
+            for step in 0..3 {
+                let grad = Tensor::new(random(partition.shard_len, 10 + step), &Device::Cpu)?;
+                host.step(rank, &partition, &mut on_host, &grad, 1e-3)?;
+                tensor.step(rank, &partition, &mut in_place, &grad, 1e-3)?;
+            }
+            let (a, b) = (host.with_values(|v| Ok(v.to_vec()))?, tensor.with_values(|v| Ok(v.to_vec()))?);
+            assert_eq!(a, b, "rank {rank}: the weights");
+            assert_ne!(a, random(partition.shard_len, 1), "rank {rank}: the steps moved the weights");
+            for piece in partition.pieces(rank) {
+                let (m, v) = on_host.held_moments(piece.param)?;
+                let (m2, v2) = in_place.held_moments(piece.param)?;
+                assert_eq!((m.to_vec(), v.to_vec()), (m2.to_vec(), v2.to_vec()), "rank {rank}: moments of {piece:?}");
+            }
+        }
+        Ok(())
+    }
+
+    /// Stages 1 and 2 with whole masters: the pieces stepped in place in the parameters
+    /// ([`step_shard_in_params`], a GPU's path) are the host step of the same shard, and the
+    /// parameters' values outside this rank's shard are untouched.
+    #[test]
+    fn a_shard_stepped_in_the_parameters_is_the_host_step() -> Result<()> {
+        for rank in 0..2 {
+            let (partition, mut on_host, names) = shard_fixture(rank);
+            let (_, mut in_place, _) = shard_fixture(rank);
+            let whole = random(partition.total(), 3);
+            let mut params = ParamStore::default();
+            let mut at = 0;
+            for (name, &n) in names.iter().zip(&partition.sizes) {
+                params.push(name, &Tensor::new(&whole[at..at + n], &Device::Cpu)?)?;
+                at += n;
+            }
+            let mut shard = shard_values(&partition, rank, &params)?;
+            for step in 0..3 {
+                let grad = Tensor::new(random(partition.shard_len, 20 + step), &Device::Cpu)?;
+                step_shard(rank, &partition, &mut on_host, &mut shard, &grad, 1e-3)?;
+                step_shard_in_params(rank, &partition, &mut in_place, &params, &grad, 1e-3)?;
+            }
+            assert_eq!(shard_values(&partition, rank, &params)?, shard, "rank {rank}");
+            let other = shard_values(&partition, 1 - rank, &params)?;
+            let mut untouched = ParamStore::default();
+            let mut at = 0;
+            for (name, &n) in names.iter().zip(&partition.sizes) {
+                untouched.push(name, &Tensor::new(&whole[at..at + n], &Device::Cpu)?)?;
+                at += n;
+            }
+            assert_eq!(other, shard_values(&partition, 1 - rank, &untouched)?, "rank {rank}: the other shard moved");
+        }
+        Ok(())
+    }
+
+    /// On a GPU: the shard on the device stepped with cuda/adamw.cu's passes against the host
+    /// step, three steps (the same arithmetic; the GPU may fuse a multiply-add: within 1e-6 of
+    /// the largest weight).
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn master_shard_cuda_steps_as_the_host() -> Result<()> {
+        let Some(gpu) = crate::kernels::ops::test_support::gpu() else { return Ok(()) };
+        let (partition, mut on_host, _) = shard_fixture(1);
+        let (_, mut on_gpu, _) = shard_fixture(1);
+        let dp = DataParallel::new(Arc::new(ProcessGroup::single()), ZeroStage::OptimizerStates, DEFAULT_BUCKET);
+        let mut host = MasterShard::new(random(partition.shard_len, 1), &dp, &Device::Cpu)?;
+        let mut device = MasterShard::new(random(partition.shard_len, 1), &dp, &gpu)?;
+        assert_eq!((host.place(), device.place()), ("host memory", "the GPU"));
+        assert_eq!(MasterShard::new(vec![0.0], &dp.clone().with_offload(true), &gpu)?.place(), "host memory");
+        for step in 0..3 {
+            let grad = Tensor::new(random(partition.shard_len, 10 + step), &Device::Cpu)?;
+            host.step(1, &partition, &mut on_host, &grad, 1e-3)?;
+            device.step(1, &partition, &mut on_gpu, &grad.to_device(&gpu)?, 1e-3)?;
+        }
+        let (a, b) = (host.with_values(|v| Ok(v.to_vec()))?, device.with_values(|v| Ok(v.to_vec()))?);
+        let largest = a.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let diff = a.iter().zip(&b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        assert!(diff <= 1e-6 * largest, "weights differ by {diff} (largest {largest})");
+        Ok(())
     }
 
     #[test]

@@ -577,7 +577,7 @@ impl Ema {
 
     /// One step of DS-Chat's `moving_average` towards the actor's weights.
     pub fn update(&mut self, actor: &Engine) -> Result<()> {
-        match (self, actor.master_shard_values()) {
+        match (self, actor.master_shard_values()?) {
             (Self::Whole(ema), None) => update_ema(ema, actor.masters()),
             (Self::Shard(ema), Some(shard)) => {
                 ppo::ema_update(ema, &shard, EMA_BETA);

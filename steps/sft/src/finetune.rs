@@ -104,6 +104,7 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
             .with_tensor_parallel(tp.as_ref().map_or(1, |t| t.size()))
             .with_data_parallel(engine_cfg.parallel.zero_stage, world)
             .with_buckets(engine_cfg.parallel.reduce_bucket_size, engine_cfg.parallel.allgather_bucket_size)
+            .with_offload(engine_cfg.parallel.offload)
             .report()
     );
     // Read now, so a bad prompts file fails before training rather than after it.

@@ -142,6 +142,7 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
         .with_tensor_parallel(tp.as_ref().map_or(1, |t| t.size()))
         .with_data_parallel(ZeroStage::from_number(args.zero_stage)?, world)
         .with_buckets(args.dist.reduce_bucket_size as usize, args.dist.allgather_bucket_size as usize)
+        .with_offload(args.dist.offload)
         .with_process_baseline();
     hybrid_engine::training::memory::check_plan_fits(&plan, &device)?;
     // ZeRO-3 across ranks without tensor parallelism builds the model sharded: no rank ever

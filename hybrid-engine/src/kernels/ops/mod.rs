@@ -27,7 +27,7 @@ pub mod linear;
 pub mod sample_pick;
 pub mod softmax;
 #[cfg(test)]
-mod test_support;
+pub(crate) mod test_support;
 
 use candle_core::{DType, Result, Tensor, D};
 use std::cell::Cell;
