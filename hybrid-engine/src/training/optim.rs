@@ -485,6 +485,25 @@ impl AdamW {
     }
 }
 
+/// An optimizer a save writes: the trainer's own where it holds the whole state (one rank, or
+/// stage 0), borrowed, not copied (a copy of both moments is 8 bytes a parameter: on a GPU the
+/// whole model's moments again on the device), or one put together from the ranks' shards.
+pub enum SavedOptimizer<'a> {
+    Held(&'a AdamW),
+    Gathered(AdamW),
+}
+
+impl std::ops::Deref for SavedOptimizer<'_> {
+    type Target = AdamW;
+
+    fn deref(&self) -> &AdamW {
+        match self {
+            Self::Held(optimizer) => optimizer,
+            Self::Gathered(optimizer) => optimizer,
+        }
+    }
+}
+
 /// A device's moments buffer (m then v, f32) as host vectors.
 fn split_moments(mv: &Tensor) -> Result<(Vec<f32>, Vec<f32>)> {
     let n = mv.elem_count() / 2;

@@ -7,7 +7,9 @@ use crate::comm::ProcessGroup;
 use crate::model::params::ParamStore;
 use crate::tensor_parallel::shard::grad_norm_squared;
 use crate::training::metrics::Metrics;
-use crate::training::optim::{clip_coefficient, clip_to_norm, global_grad_norm, AdamW, AdamWConfig, GradAccumulator};
+use crate::training::optim::{
+    clip_coefficient, clip_to_norm, global_grad_norm, AdamW, AdamWConfig, GradAccumulator, SavedOptimizer,
+};
 use crate::training::precision::{has_overflow, Dtype, LossScaler, LossScaling, Precision, ScaleUpdate};
 use crate::training::schedule::LrSchedule;
 use crate::training::zero::{self, DataParallel, Partition, ZeroStage};
@@ -267,13 +269,17 @@ impl Trainer {
     /// The optimizer with its full state, gathered from the ranks' shards under ZeRO onto the
     /// data-parallel group's first rank (every rank must call it, together; `None` on the
     /// others): what a checkpoint saves.
-    pub fn consolidated_optimizer(&self) -> Result<Option<crate::training::optim::AdamW>> {
-        match (&self.dp, &self.zero3) {
-            (_, Some(model)) => model.consolidate(&self.optimizer),
+    pub fn consolidated_optimizer(&self) -> Result<Option<SavedOptimizer<'_>>> {
+        let gathered = match (&self.dp, &self.zero3) {
+            (_, Some(model)) => model.consolidate(&self.optimizer)?,
             // The compute copy has the masters' shapes (and is there when they are sharded).
-            (Some((dp, partition)), None) => zero::consolidate(dp, partition, &self.optimizer, &self.compute),
-            (None, None) => self.optimizer.try_clone().map(Some),
-        }
+            (Some((dp, partition)), None) if dp.shards_optimizer() => {
+                zero::consolidate(dp, partition, &self.optimizer, &self.compute)?
+            }
+            // Whole on every rank: the save reads it where it is.
+            _ => return Ok(Some(SavedOptimizer::Held(&self.optimizer))),
+        };
+        Ok(gathered.map(SavedOptimizer::Gathered))
     }
 
     /// Computes in `precision` on `compute`, the compute-dtype copy of the whole store the

@@ -1043,7 +1043,7 @@ fn save_checkpoint(
         (Some(critic), Some(weights)) => critic.gather_optimizer(weights)?,
         _ => None,
     };
-    let optimizers = Optimizers { actor: actor_opt.as_ref(), critic: critic_opt.as_ref() };
+    let optimizers = Optimizers { actor: actor_opt.as_deref(), critic: critic_opt.as_deref() };
     let saved = gathered.saved_models(models, Some(optimizers), tokenizer.eos_id(), group.is_first())?;
     crate::checkpoint::save(group, root, &saved, state, tokenizer)
 }

@@ -564,15 +564,10 @@ fn save(
             // Under ZeRO 1-3 the moments come together on the first data-parallel rank of each
             // TP rank; the TP groups of the other data-parallel ranks (none of whose members
             // holds them) write nothing and gather nothing.
-            let consolidated;
-            let local = match trainer.shards_optimizer() {
-                true => {
-                    consolidated = trainer.consolidated_optimizer()?;
-                    consolidated.as_ref()
-                }
-                false => Some(&trainer.optimizer),
-            };
-            if let Some(gathered) = local.map(|l| tp.gather_optimizer(l, masters, model_cfg)).transpose()?.flatten() {
+            let consolidated = trainer.consolidated_optimizer()?;
+            if let Some(gathered) =
+                consolidated.as_deref().map(|l| tp.gather_optimizer(l, masters, model_cfg)).transpose()?.flatten()
+            {
                 whole_optimizer = gathered;
                 optimizer = &whole_optimizer;
             }
