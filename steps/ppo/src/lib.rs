@@ -1,13 +1,14 @@
 //! Step 3 of the pipeline: PPO (DS-Chat `step3_rlhf_finetuning`): PPO's math as pure functions
 //! (`ppo`), the rollout record (`experience`), its advantages (`advantages`: GAE, GRPO's and
 //! RLOO's), rewards from outside the reward model (`reward_fn`), one PPO update over the four
-//! models (`trainer`), and the loop (`run`).
+//! models (`trainer`), the step's memory plan (`memory_plan`), and the loop (`run`).
 
 pub mod advantages;
 pub mod args;
 pub mod checkpoint;
 pub mod eval;
 pub mod experience;
+pub mod memory_plan;
 pub mod models;
 pub mod ppo;
 pub mod reward_fn;

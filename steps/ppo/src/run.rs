@@ -43,7 +43,7 @@ use candle_core::{Device, Tensor};
 use data::{PackedCorpus, Tokenizer};
 use hybrid_engine::checkpoints::resume::{save_model_dir, save_sharded_model_dir};
 use hybrid_engine::comm::{ProcessGroup, ReduceOp};
-use hybrid_engine::engine::{Engine, GatheredWeights, Ranks};
+use hybrid_engine::engine::{Engine, EngineConfig, GatheredWeights, Ranks};
 use hybrid_engine::generation::engine::GenerationMode;
 use hybrid_engine::generation::generate::{Generation, LeftPadded, SamplingConfig};
 use hybrid_engine::kernels::ops::DropoutKey;
@@ -94,6 +94,8 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
     // Models: actor and reference from step 1, critic and reward from step 2.
     // Resume: the trained models' values and optimizers from the checkpoint (the frozen ones
     // from their directories).
+    // The plan counts the process itself before the models (on the CPU, where it shares memory).
+    let process_mib = hybrid_engine::training::metrics::current_rss_mib().unwrap_or(0.0);
     let resume = args.load.as_deref().map(|root| read_checkpoint(args, root, world, &device)).transpose()?;
     let sharding = Sharding::of(args, &data, tp.as_ref(), resume.as_ref());
     let start = read_starting_models(args, &sharding, resume.as_ref(), &device)?;
@@ -124,6 +126,11 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
     let critic_engine = args.engine_config(true, steps, &data)?;
     let ranks = Ranks { data: data.clone(), tensor: tp.clone() };
     let models = build_models(args, start, resume.as_ref(), ranks, (&actor_engine, &critic_engine), &device)?;
+    let layout = (world, tp.as_ref().map_or(1, |t| t.size()));
+    let plan =
+        step3_plan(args, &models, reward_cfg.as_ref(), (&actor_engine, &critic_engine), layout, &device, process_mib);
+    println!("{}", plan.report());
+    plan.check_fits(&device)?;
     let dtype = args.precision.precision().dtype.dtype();
     let engine = GenerationMode::new(args.max_prompt_seq_len, args.max_answer_seq_len, args.release_inference_cache)
         .with_dtype(dtype)
@@ -195,6 +202,55 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
     };
     ppo_loop.run_epochs(at.epoch, at.batches_done, global_generation)?;
     ppo_loop.finish(batches_per_epoch, eval_prompts.as_deref(), reward_cfg.as_ref())
+}
+
+/// Step 3's memory plan for the models as built (see [`crate::memory_plan`]).
+fn step3_plan(
+    args: &PpoArgs,
+    models: &PpoModels,
+    reward: Option<&Gpt2Config>,
+    (actor_engine, critic_engine): (&EngineConfig, &EngineConfig),
+    (world, tp): (usize, usize),
+    device: &Device,
+    process_mib: f64,
+) -> crate::memory_plan::Step3Plan {
+    use crate::memory_plan::{Step3Plan, Step3Shapes, TrainedShape};
+    // Trained parameters from the engine; with `--only-optimize-lora` the frozen trunk beside.
+    fn shape<'a>(args: &PpoArgs, engine: &'a Engine, tp: usize, lora_dim: usize, checkpoint: bool) -> TrainedShape<'a> {
+        let trainable: usize = engine.trained_inventory().1.iter().sum::<usize>() * tp;
+        let frozen = if args.only_optimize_lora && lora_dim > 0 {
+            hybrid_engine::model::params::parameter_count(&engine.config)
+        } else {
+            0
+        };
+        TrainedShape { cfg: &engine.config, total: trainable + frozen, trainable, lora: lora_dim > 0, checkpoint }
+    }
+    let precision = args.precision.precision();
+    Step3Plan::new(&Step3Shapes {
+        actor: shape(args, &models.actor, tp, args.actor_lora_dim, args.actor_gradient_checkpointing),
+        critic: models
+            .critic
+            .as_ref()
+            .map(|c| shape(args, c, tp, args.critic_lora_dim, args.critic_gradient_checkpointing)),
+        reward,
+        generation_rows: args.per_device_generation_batch_size * args.num_samples_per_prompt,
+        training_rows: args.per_device_training_batch_size,
+        positions: args.max_prompt_seq_len + args.max_answer_seq_len,
+        answer_positions: args.max_answer_seq_len,
+        dtype: precision.dtype.dtype(),
+        fp32_loss: precision.fp32_loss,
+        device,
+        world,
+        actor_stage: actor_engine.parallel.zero_stage,
+        critic_stage: critic_engine.parallel.zero_stage,
+        buckets: (actor_engine.parallel.reduce_bucket_size, actor_engine.parallel.allgather_bucket_size),
+        tensor_parallel: tp,
+        gradient_accumulation: args.gradient_accumulation_steps,
+        offload: actor_engine.parallel.offload,
+        offload_reference: args.offload_reference_model,
+        ema: args.enable_ema,
+        process_bytes: (process_mib * 1024.0 * 1024.0) as u64,
+    })
 }
 
 /// The actor's and the critic's optimizer steps over the run: each rollout (its prompts'
@@ -1544,7 +1600,7 @@ fn print_answers(
 mod tests {
     use super::*;
     use clap::Parser;
-    use hybrid_engine::engine::{EngineConfig, Head};
+    use hybrid_engine::engine::Head;
     use hybrid_engine::model::reward_model::add_score_head;
     use hybrid_engine::training::optim::AdamW;
     use hybrid_engine::training::optim::AdamWConfig;
