@@ -791,7 +791,7 @@ mod tests {
     /// A save reads a whole optimizer (one rank; stage 0 on two) where it is, not a copy of its
     /// moments (8 bytes a parameter; measured: step 3's one-rank run peaked 1.8 GiB higher while
     /// the actor's and critic's copies were saved); at stage 1 the moments are put together on
-    /// rank 0 from the shards, with the trained values the whole one has.
+    /// rank 0 from the shards (both moments of every parameter), and rank 1 saves none.
     #[test]
     fn a_whole_optimizer_is_saved_in_place_and_shards_are_gathered() -> Result<()> {
         let (cfg, dev) = (tiny(), Device::Cpu);
