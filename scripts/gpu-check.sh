@@ -12,7 +12,9 @@
 #      curve in REFERENCE_DIR/pretrain-fp32/metrics.jsonl when given (the CPU run of the same
 #      command: `sft ... --device cpu`), else against the CUDA fp32 curve;
 #   3. the three-step demo (`train --device cuda`), then gpu_check on its SFT actor and `chat`
-#      on its step-3 actor;
+#      on its step-3 actor; with REFERENCE_DIR/demo (the CPU's `train --output-dir` at the same
+#      build) each step's training curve against the CPU's (how many steps agree to 1e-4) and
+#      both held-out summaries;
 #   4. ranks: 2 ranks sharing the GPU over the TCP ring (--distributed-backend gloo) at ZeRO
 #      stages 1-3 against one rank (loss curves).
 # Three measuring stages run only when named in STAGES:
@@ -117,6 +119,29 @@ if [[ " $stages " == *" demo "* ]]; then
     stage gpu_check-sft-actor 60 "$bin" gpu_check --path "$work/demo/actor" --device cuda
     grep -E '^(PASS|FAIL)' "$work/gpu_check-sft-actor.log" | cut -c1-200
   fi
+  # Each step's training curve against the CPU's demo (REFERENCE_DIR/demo: `train --device cpu
+  # --output-dir REFERENCE_DIR/demo` at the same build): the steps over which the two agree to
+  # rounding (1e-4 relative), then the largest difference; and both held-out summaries.
+  [ -d "${ref:-}/demo" ] && python3 - "$work/demo" "$ref/demo" <<'PY' | tee -a "$summary"
+import json, os, sys
+gpu, cpu = sys.argv[1], sys.argv[2]
+def rows(d, step):
+    p = os.path.join(d, step, "metrics.jsonl")
+    return [json.loads(l) for l in open(p) if l.strip()] if os.path.exists(p) else []
+for step, key in (("actor", "loss"), ("reward", "loss"), ("step3", "actor_loss")):
+    a = [r[key] for r in rows(gpu, step) if key in r]
+    b = [r[key] for r in rows(cpu, step) if key in r]
+    n = min(len(a), len(b))
+    rel = [abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a[:n], b[:n])]
+    agree = next((i for i, d in enumerate(rel) if d > 1e-4), n)
+    worst = max(rel, default=float("nan"))
+    print(f"demo {step} {key}: {n} steps, the first {agree} within 1e-4 of the CPU's, largest relative |diff| {worst:.2e}")
+for name, d in (("cuda", gpu), ("cpu", cpu)):
+    end = [r for r in rows(d, "step3") if r.get("event") == "end"]
+    summary = end[-1].get("summary", {}) if end else {}
+    scores = [(e.get("reward_mean"), e.get("task_success")) for e in (summary.get("sft_eval") or {}, summary.get("ppo_eval") or {})]
+    print(f"demo {name}: held-out reward-model score and task score, SFT actor {scores[0]}, PPO actor {scores[1]}")
+PY
   actor=$work/demo/step3/actor
   [ -d "$actor" ] || actor=$work/demo/actor
   if [ -d "$actor" ]; then
