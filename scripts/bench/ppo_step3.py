@@ -132,6 +132,8 @@ def run_ours(a, prompts):
         "steps": [{"generate": r["generate_secs"], "experience": r["experience_secs"], "train": r["training_secs"],
                    "answer_len": r["rollout"]["answer_len_mean"]} for r in steps],
         "gpu_mib": mem.peak,
+        # The plan `ppo` prints before its first rollout, to hold against the measured memory.
+        "memory_plan": next((l for l in proc.stdout.splitlines() if l.startswith("step 3 memory plan")), None),
         "process_s": wall,
     }
 
