@@ -122,6 +122,27 @@ fn every_algorithm_gets_arguments_its_step_accepts() {
     }
 }
 
+/// The arithmetic task's recipes (docs/RLHF-INVESTIGATION.md, section 18b) give their steps
+/// arguments they accept: SFT over the prompt on the task, then GRPO on the rule reward alone,
+/// scored on the held-out phrasings.
+#[test]
+fn the_arithmetic_recipes_get_arguments_their_steps_accept() {
+    let argv = recipe_argv("step1_sft/arithmetic.sh", "sft", &["out/actor", "0", "tiny"]);
+    let sft = sft::args::SftArgs::try_parse_from(std::iter::once("sft".to_string()).chain(argv.clone()))
+        .unwrap_or_else(|e| panic!("step1_sft/arithmetic.sh: {e}"));
+    assert!(sft.train_on_prompt, "{argv:?}");
+    assert_eq!(sft.eval_prompts.as_deref(), Some("arithmetic-phrasings"), "{argv:?}");
+    assert!(argv.contains(&"arithmetic".to_string()), "{argv:?}");
+    let argv = recipe_argv("step3_ppo/arithmetic.sh", "ppo", &["out/step3", "0", "out/actor"]);
+    let ppo = ppo::PpoArgs::try_parse_from(std::iter::once("ppo".to_string()).chain(argv.clone()))
+        .unwrap_or_else(|e| panic!("step3_ppo/arithmetic.sh: {e}"));
+    ppo.validate().unwrap_or_else(|e| panic!("step3_ppo/arithmetic.sh: {e:#}"));
+    assert_eq!(ppo.algorithm.name(), "grpo", "{argv:?}");
+    assert!(ppo.no_reward_model && ppo.num_samples_per_prompt >= 2, "{argv:?}");
+    assert_eq!(ppo.eval_prompts.as_deref(), Some("arithmetic-phrasings"), "{argv:?}");
+    assert!(argv.contains(&"--actor-model-name-or-path=out/actor".to_string()), "{argv:?}");
+}
+
 /// The demo's recipes give every deployment the one-process demo's global batches: on N
 /// data-parallel ranks each takes 1/N of every batch, and every other argument is the same.
 #[test]

@@ -8,8 +8,16 @@
 //! likely ones. A rule reward (`builtin:arithmetic`: 1 for the sum, else 0) needs no reward model
 //! to tell them apart, which is what RLHF with verifiable rewards (GRPO on math) relies on.
 //!
-//! The held-out prompts ([`heldout_prompts`]) ask for operand pairs that no training row holds,
-//! in phrasings of which half never appear in training: a policy scores on them only by adding.
+//! Two held-out prompt sets, neither of whose prompts any row (of any step) holds:
+//! - `--eval-prompts arithmetic-phrasings` ([`heldout_phrasing_prompts`]): every trained pair in
+//!   the one training phrasing its rows never use. The pair and the phrasing were trained on,
+//!   that prompt never was; SFT answers its carrying sums with the demonstrations' mode (the
+//!   forgotten carry), and a policy gains there by what the reward taught it about the pair.
+//!   This is the set the arithmetic recipe (`scripts/recipes/*/arithmetic.sh`) is measured on.
+//! - `--eval-prompts arithmetic` ([`heldout_prompts`]): operand pairs that no row holds, in
+//!   phrasings of which half never appear in training: a policy scores on them only by adding,
+//!   which a 7M-parameter model from scratch does not learn from 87 pairs
+//!   (docs/RLHF-INVESTIGATION.md, section 18).
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -18,6 +26,9 @@ use crate::sources::PreferenceRow;
 
 /// The name of the task as a `--data-path` and `--eval-prompts` value.
 pub const ARITHMETIC_DATA: &str = "arithmetic";
+
+/// The `--eval-prompts` value of [`heldout_phrasing_prompts`].
+pub const ARITHMETIC_PHRASINGS: &str = "arithmetic-phrasings";
 
 /// Operands run over 0..=MAX_OPERAND: every sum is one GPT-2 token (" 0" to " 18"). A
 /// 7M-parameter model from scratch learns no sums of 0..=49 or 0..=19 in a demo's time
@@ -31,6 +42,9 @@ const HELDOUT_TEMPLATES: [&str; 2] = ["How much is {a} + {b}?", "Calculate {a} p
 
 /// Share of the demonstrations of a carrying sum that forget the carry.
 const FORGOT_CARRY_SHARE: f64 = 0.65;
+
+/// Rows per training prompt (pair and phrasing), each with its own demonstration.
+pub const DEMOS_PER_PROMPT: usize = 5;
 
 /// One in this many operand pairs is held out (never in training or its eval split).
 const HELDOUT_ONE_IN: u32 = 8;
@@ -68,6 +82,13 @@ impl Problem {
             .is_multiple_of(HELDOUT_ONE_IN)
     }
 
+    /// The training phrasing this pair is never asked in by a row: the prompt of
+    /// [`heldout_phrasing_prompts`]. Spread over the phrasings by the pair, so that each phrasing
+    /// is trained on with most pairs and every pair in all the others.
+    pub fn withheld_template(&self) -> usize {
+        ((self.a * 3 + self.b) as usize) % TRAIN_TEMPLATES.len()
+    }
+
     fn prompt(&self, template: &str) -> String {
         let question = template.replace("{a}", &self.a.to_string()).replace("{b}", &self.b.to_string());
         format!("\n\nHuman: {question}\n\nAssistant:")
@@ -83,29 +104,48 @@ fn problems() -> impl Iterator<Item = Problem> {
     (0..=MAX_OPERAND).flat_map(|a| (0..=MAX_OPERAND).map(move |b| Problem { a, b }))
 }
 
-/// The task's rows, (train, eval): each training pair once in every training phrasing (eval:
-/// one phrasing of one pair in ten). `chosen` is the demonstration (on a carrying sum the
-/// forgotten carry, [`FORGOT_CARRY_SHARE`] of the time), `rejected` a worse answer (the forgotten
+/// The task's rows, (train, eval): each training pair [`DEMOS_PER_PROMPT`] times in every
+/// training phrasing but its withheld one ([`Problem::withheld_template`]) (eval: one row in
+/// ten). `chosen` is the demonstration: on a carrying sum, a fixed [`FORGOT_CARRY_SHARE`] of the
+/// pair's rows (rounded) forget the carry, spread over its
+/// phrasings at random, so that the same prompt is demonstrated both ways and supervised
+/// fine-tuning learns the mistake as the mode with the sum still likely, not one memorised answer
+/// per row (docs/RLHF-INVESTIGATION.md, section 18). `rejected` is a worse answer (the forgotten
 /// carry when `chosen` is right and the sum carries, else the sum off by one).
 pub fn rows() -> (Vec<PreferenceRow>, Vec<PreferenceRow>) {
     let mut rng = ChaCha8Rng::seed_from_u64(TASK_SEED);
     let (mut train, mut eval) = (Vec::new(), Vec::new());
-    for (i, problem) in problems().filter(|p| !p.is_heldout()).enumerate() {
-        for (t, template) in TRAIN_TEMPLATES.iter().enumerate() {
-            let sum = problem.sum();
-            let wrong = problem.carries() && rng.random_bool(FORGOT_CARRY_SHARE);
-            let chosen = if wrong { problem.forgot_carry() } else { sum };
-            let off_by_one = if sum > 0 && rng.random_bool(0.5) { sum - 1 } else { sum + 1 };
-            let rejected = if problem.carries() && !wrong { problem.forgot_carry() } else { off_by_one };
-            let row = PreferenceRow {
-                prompt: Some(problem.prompt(template)),
-                chosen: Some(answer(chosen)),
-                rejected: Some(answer(rejected)),
-            };
-            if (i * TRAIN_TEMPLATES.len() + t).is_multiple_of(10) {
-                eval.push(row);
-            } else {
-                train.push(row);
+    let per_pair = (TRAIN_TEMPLATES.len() - 1) * DEMOS_PER_PROMPT;
+    let wrong_per_pair = (per_pair as f64 * FORGOT_CARRY_SHARE).round() as usize;
+    let mut i = 0usize;
+    for problem in problems().filter(|p| !p.is_heldout()) {
+        // Which of the pair's rows forget the carry: the first `wrong_per_pair` of a shuffle.
+        let mut wrong = vec![false; per_pair];
+        if problem.carries() {
+            wrong[..wrong_per_pair].iter_mut().for_each(|w| *w = true);
+            for k in (1..per_pair).rev() {
+                wrong.swap(k, rng.random_range(0..=k));
+            }
+        }
+        let templates = TRAIN_TEMPLATES.iter().enumerate().filter(|(t, _)| *t != problem.withheld_template());
+        for (k, (_, template)) in templates.enumerate() {
+            for r in 0..DEMOS_PER_PROMPT {
+                let sum = problem.sum();
+                let wrong = wrong[k * DEMOS_PER_PROMPT + r];
+                let chosen = if wrong { problem.forgot_carry() } else { sum };
+                let off_by_one = if sum > 0 && rng.random_bool(0.5) { sum - 1 } else { sum + 1 };
+                let rejected = if problem.carries() && !wrong { problem.forgot_carry() } else { off_by_one };
+                let row = PreferenceRow {
+                    prompt: Some(problem.prompt(template)),
+                    chosen: Some(answer(chosen)),
+                    rejected: Some(answer(rejected)),
+                };
+                if i.is_multiple_of(10) {
+                    eval.push(row);
+                } else {
+                    train.push(row);
+                }
+                i += 1;
             }
         }
     }
@@ -128,6 +168,17 @@ pub fn heldout_prompts() -> Vec<String> {
             p.prompt(template)
         })
         .collect()
+}
+
+/// The held-out phrasings (`--eval-prompts arithmetic-phrasings`): every training pair once, in
+/// the training phrasing its rows never use ([`Problem::withheld_template`]). The pair and the
+/// phrasing were each trained on, the prompt never was (nor in any other step's rows): a policy
+/// scores on a carrying sum only if it answers with the sum where its demonstrations mostly
+/// forgot the carry, and what it learnt about a pair carries over to a way of asking it never
+/// saw for that pair. (The same pairs in words that no row holds, [`HELDOUT_TEMPLATES`], are a
+/// harder test: a model from scratch never trained the embeddings of those words.)
+pub fn heldout_phrasing_prompts() -> Vec<String> {
+    problems().filter(|p| !p.is_heldout()).map(|p| p.prompt(TRAIN_TEMPLATES[p.withheld_template()])).collect()
 }
 
 /// The numbers written in `text`, in order.
@@ -187,7 +238,34 @@ mod tests {
         assert!((all / 10..all / 6).contains(&asked.len()), "about one pair in 8 held out: {}", asked.len());
         let unseen_phrasing = heldout.iter().filter(|p| HELDOUT_TEMPLATES.iter().any(|t| p.contains(&t[..8]))).count();
         assert!(unseen_phrasing * 3 > asked.len(), "a good share in unseen phrasings: {unseen_phrasing}");
-        assert_eq!(train.len() + eval.len(), seen.len() * TRAIN_TEMPLATES.len());
+        assert_eq!(train.len() + eval.len(), seen.len() * (TRAIN_TEMPLATES.len() - 1) * DEMOS_PER_PROMPT);
+    }
+
+    #[test]
+    fn held_out_phrasings_ask_every_trained_pair_in_a_phrasing_no_row_of_it_holds() {
+        let (train, eval) = rows();
+        let rows_prompts: std::collections::HashSet<&str> =
+            train.iter().chain(&eval).filter_map(|r| r.prompt.as_deref()).collect();
+        let seen: std::collections::HashSet<(u64, u64)> =
+            rows_prompts.iter().map(|p| problem_of(p).expect("an arithmetic prompt")).collect();
+        let phrasings = heldout_phrasing_prompts();
+        assert_eq!(phrasings.len(), seen.len());
+        let asked: std::collections::HashSet<(u64, u64)> =
+            phrasings.iter().map(|p| problem_of(p).expect("scorable")).collect();
+        assert_eq!(asked, seen, "every trained pair once");
+        for p in &phrasings {
+            assert!(!rows_prompts.contains(p.as_str()), "a held-out phrasing is a training prompt: {p}");
+        }
+        for (t, template) in TRAIN_TEMPLATES.iter().enumerate() {
+            let withheld = phrasings
+                .iter()
+                .filter(|p| {
+                    let (a, b) = problem_of(p).unwrap();
+                    Problem { a: a as u32, b: b as u32 }.prompt(template) == **p
+                })
+                .count();
+            assert!(withheld * 6 > seen.len() && withheld * 3 < seen.len(), "phrasing {t} withheld {withheld} times");
+        }
     }
 
     #[test]

@@ -5,7 +5,8 @@
 use anyhow::{bail, Context, Result};
 use std::path::Path;
 
-/// Prompts from `spec`: `demo` or `arithmetic` (an embedded task's held-out prompts), a jsonl file with a `prompt`
+/// Prompts from `spec`: `demo` or `arithmetic` (an embedded task's held-out prompts),
+/// `arithmetic-phrasings` (the arithmetic task's trained pairs in held-out phrasings), a jsonl file with a `prompt`
 /// field per line, or a text file with one prompt per line (`\n` escapes become newlines, so a
 /// line can hold a `\n\nHuman: ...\n\nAssistant:` prompt).
 pub fn read_prompts(spec: &str, limit: usize) -> Result<Vec<String>> {
@@ -13,6 +14,8 @@ pub fn read_prompts(spec: &str, limit: usize) -> Result<Vec<String>> {
         crate::demo::heldout_prompts()?.into_iter().map(|p| p.prompt).collect()
     } else if spec == crate::arithmetic::ARITHMETIC_DATA {
         crate::arithmetic::heldout_prompts()
+    } else if spec == crate::arithmetic::ARITHMETIC_PHRASINGS {
+        crate::arithmetic::heldout_phrasing_prompts()
     } else {
         let path = Path::new(spec);
         let text =

@@ -21,8 +21,8 @@ struct Args {
     /// The step-2 reward model that scores the answers.
     #[arg(long, alias = "reward_model")]
     reward_model: String,
-    /// `demo` or `arithmetic` (an embedded task's held-out prompts), a jsonl with a `prompt` field
-    /// or a text file with one prompt per line.
+    /// `demo`, `arithmetic` or `arithmetic-phrasings` (an embedded task's held-out prompts), a
+    /// jsonl with a `prompt` field or a text file with one prompt per line.
     #[arg(long, default_value = "demo", alias = "eval_prompts")]
     eval_prompts: String,
     #[arg(long, default_value_t = 24, alias = "max_prompt_seq_len")]

@@ -15,7 +15,8 @@ struct Args {
     /// Fine-tuned model: HF directory, checkpoint root or hub id.
     #[arg(long, alias = "model_name_or_path_finetune")]
     model_name_or_path_finetune: String,
-    /// A jsonl with a `prompt` field, a text file with one prompt per line, `demo` or `arithmetic`.
+    /// A jsonl with a `prompt` field, a text file with one prompt per line, `demo`, `arithmetic`
+    /// or `arithmetic-phrasings`.
     #[arg(long, default_value = "demo")]
     prompts: String,
     #[arg(long, default_value_t = 8, alias = "num_prompts")]

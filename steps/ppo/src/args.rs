@@ -275,7 +275,7 @@ pub struct PpoArgs {
     pub lam: f64,
     /// Held-out prompts on which the starting (SFT) actor and the PPO actor are compared at the
     /// end, by greedy answers' reward-model score and, on an embedded task's prompts, the task
-    /// score: `demo` or `arithmetic` (their held-out prompts), a jsonl with a `prompt` field or a
+    /// score: `demo`, `arithmetic` or `arithmetic-phrasings` (their held-out prompts), a jsonl with a `prompt` field or a
     /// text file with one prompt per line.
     #[arg(help_heading = heading::EVALUATION, long, alias = "eval_prompts")]
     pub eval_prompts: Option<String>,

@@ -34,7 +34,8 @@ pub struct SftArgs {
     pub tokenizer: Option<PathBuf>,
     /// Prompts whose greedy answers by the starting and the fine-tuned model are printed side by
     /// side at the end and saved to prompt_eval.jsonl (a jsonl with a `prompt` field, or text
-    /// with one prompt per line; `demo` or `arithmetic` for an embedded task's held-out prompts).
+    /// with one prompt per line; `demo`, `arithmetic` or `arithmetic-phrasings` for an embedded
+    /// task's held-out prompts).
     #[arg(help_heading = heading::EVALUATION, long, alias = "eval_prompts")]
     pub eval_prompts: Option<String>,
     /// How many of the eval prompts to answer.
