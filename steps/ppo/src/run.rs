@@ -94,7 +94,6 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
     // Models: actor and reference from step 1, critic and reward from step 2.
     // Resume: the trained models' values and optimizers from the checkpoint (the frozen ones
     // from their directories).
-    // The plan counts the process itself before the models (on the CPU, where it shares memory).
     let process_mib = hybrid_engine::training::metrics::current_rss_mib().unwrap_or(0.0);
     let resume = args.load.as_deref().map(|root| read_checkpoint(args, root, world, &device)).transpose()?;
     let sharding = Sharding::of(args, &data, tp.as_ref(), resume.as_ref());
@@ -126,11 +125,8 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
     let critic_engine = args.engine_config(true, steps, &data)?;
     let ranks = Ranks { data: data.clone(), tensor: tp.clone() };
     let models = build_models(args, start, resume.as_ref(), ranks, (&actor_engine, &critic_engine), &device)?;
-    let layout = (world, tp.as_ref().map_or(1, |t| t.size()));
-    let plan =
-        step3_plan(args, &models, reward_cfg.as_ref(), (&actor_engine, &critic_engine), layout, &device, process_mib);
-    println!("{}", plan.report());
-    plan.check_fits(&device)?;
+    let (tp_size, engines) = (tp.as_ref().map_or(1, |t| t.size()), (&actor_engine, &critic_engine));
+    check_memory_plan(args, &models, reward_cfg.as_ref(), engines, (world, tp_size), &device, process_mib)?;
     let dtype = args.precision.precision().dtype.dtype();
     let engine = GenerationMode::new(args.max_prompt_seq_len, args.max_answer_seq_len, args.release_inference_cache)
         .with_dtype(dtype)
@@ -204,8 +200,10 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
     ppo_loop.finish(batches_per_epoch, eval_prompts.as_deref(), reward_cfg.as_ref())
 }
 
-/// Step 3's memory plan for the models as built (see [`crate::memory_plan`]).
-fn step3_plan(
+/// Prints step 3's memory plan for the models as built (see [`crate::memory_plan`]) and on the
+/// CPU refuses one beyond the machine; `process_mib`, the process's memory measured before the
+/// models were read, is counted where it shares the plan's memory (the CPU).
+fn check_memory_plan(
     args: &PpoArgs,
     models: &PpoModels,
     reward: Option<&Gpt2Config>,
@@ -213,7 +211,7 @@ fn step3_plan(
     (world, tp): (usize, usize),
     device: &Device,
     process_mib: f64,
-) -> crate::memory_plan::Step3Plan {
+) -> Result<()> {
     use crate::memory_plan::{Step3Plan, Step3Shapes, TrainedShape};
     // Trained parameters from the engine; with `--only-optimize-lora` the frozen trunk beside.
     fn shape<'a>(args: &PpoArgs, engine: &'a Engine, tp: usize, lora_dim: usize, checkpoint: bool) -> TrainedShape<'a> {
@@ -226,7 +224,7 @@ fn step3_plan(
         TrainedShape { cfg: &engine.config, total: trainable + frozen, trainable, lora: lora_dim > 0, checkpoint }
     }
     let precision = args.precision.precision();
-    Step3Plan::new(&Step3Shapes {
+    let plan = Step3Plan::new(&Step3Shapes {
         actor: shape(args, &models.actor, tp, args.actor_lora_dim, args.actor_gradient_checkpointing),
         critic: models
             .critic
@@ -250,7 +248,9 @@ fn step3_plan(
         offload_reference: args.offload_reference_model,
         ema: args.enable_ema,
         process_bytes: (process_mib * 1024.0 * 1024.0) as u64,
-    })
+    });
+    println!("{}", plan.report());
+    plan.check_fits(device)
 }
 
 /// The actor's and the critic's optimizer steps over the run: each rollout (its prompts'
