@@ -619,13 +619,9 @@ pub fn step_shard_in_place(
     grad_shard: &Tensor,
     lr: f64,
 ) -> Result<()> {
-    let grad = grad_shard.to_device(shard.device())?.to_dtype(DType::F32)?.contiguous()?;
-    optimizer.step += 1;
-    for piece in partition.pieces(rank) {
-        let (at, n) = (piece.in_shard.start, piece.in_shard.len());
-        optimizer.update_held_in_place(piece.param, &shard.narrow(0, at, n)?, &grad.narrow(0, at, n)?, lr)?;
-    }
-    Ok(())
+    step_pieces_in_place(rank, partition, optimizer, (grad_shard, shard.device()), lr, |piece| {
+        Ok(shard.narrow(0, piece.in_shard.start, piece.in_shard.len())?)
+    })
 }
 
 /// [`step_shard_in_place`] where the shard is this rank's pieces of whole f32 `params` (stages 1
@@ -640,14 +636,28 @@ pub fn step_shard_in_params(
     lr: f64,
 ) -> Result<()> {
     let device = params.vars.first().map_or(Device::Cpu, |v| v.device().clone());
-    let grad = grad_shard.to_device(&device)?.to_dtype(DType::F32)?.contiguous()?;
-    optimizer.step += 1;
-    for piece in partition.pieces(rank) {
+    step_pieces_in_place(rank, partition, optimizer, (grad_shard, &device), lr, |piece| {
         // A view of the parameter's own storage: the update lands in the weights.
         let weights = params.vars[piece.param].as_tensor().flatten_all()?;
-        let values = weights.narrow(0, piece.in_param.start, piece.in_param.len())?;
+        Ok(weights.narrow(0, piece.in_param.start, piece.in_param.len())?)
+    })
+}
+
+/// One AdamW step of each of this rank's pieces, `values(piece)` (an f32 view updated in place),
+/// from its part of the gradient shard brought to `device`.
+fn step_pieces_in_place(
+    rank: usize,
+    partition: &Partition,
+    optimizer: &mut AdamW,
+    (grad_shard, device): (&Tensor, &Device),
+    lr: f64,
+    values: impl Fn(&Piece) -> Result<Tensor>,
+) -> Result<()> {
+    let grad = grad_shard.to_device(device)?.to_dtype(DType::F32)?.contiguous()?;
+    optimizer.step += 1;
+    for piece in partition.pieces(rank) {
         let g = grad.narrow(0, piece.in_shard.start, piece.in_shard.len())?;
-        optimizer.update_held_in_place(piece.param, &values, &g, lr)?;
+        optimizer.update_held_in_place(piece.param, &values(&piece)?, &g, lr)?;
     }
     Ok(())
 }
