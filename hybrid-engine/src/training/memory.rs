@@ -209,7 +209,7 @@ pub fn activation_bytes(a: &ActivationShape) -> u64 {
                     (head - kept).max(head_w + w + (l + 15.0 + lora) * nc)
                 }
             } else {
-                let acts = ((20.0 + lora) * l + 6.0) * nc;
+                let acts = forward_kept_values(&a.cfg, n, a.lora);
                 let head = acts + n * v + nc + head_w;
                 let rest = formed - w;
                 let embedding = acts + nc + 2.0 * w + rest;
@@ -228,6 +228,15 @@ pub fn activation_bytes(a: &ActivationShape) -> u64 {
     };
     // `as` saturates: beyond u64 is u64::MAX.
     bytes as u64
+}
+
+/// The values a forward of `rows` positions keeps for backward with the fused CPU kernels, as
+/// [`activation_bytes`] counts them: about (20 L + 6) (N, C) tensors, 27 more a block with LoRA
+/// adapters. Also what a forward without backward keeps where the weights are variables (step
+/// 3's experience: candle keeps every op's output on the graph until the result is dropped).
+pub fn forward_kept_values(cfg: &Gpt2Config, rows: f64, lora: bool) -> f64 {
+    let lora = if lora { 27.0 } else { 0.0 };
+    ((20.0 + lora) * cfg.n_layer as f64 + 6.0) * (rows * cfg.n_embd as f64)
 }
 
 /// [`activation_bytes`] for [`Kernels::FusedGpu`] (see there), in bytes.

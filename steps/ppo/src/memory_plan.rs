@@ -129,10 +129,10 @@ impl Step3Plan {
         let cast = if f != d { f } else { 0 };
         let rows_g = (s.generation_rows * s.positions) as u64;
         // The trained actor's forward keeps what a training forward keeps (its weights are
-        // variables: every op's output stays on the graph until the log-probs are read), about
-        // (20 L + 6) (N, C) tensors, 27 more a block with LoRA; then the logits' chain.
-        let lora = if s.actor.lora { 27 } else { 0 };
-        let trunk = ((20 + lora) * l + 6) * rows_g * c / tp * d;
+        // variables: every op's output stays on the graph until the log-probs are read), then
+        // the logits' chain.
+        let kept = hybrid_engine::training::memory::forward_kept_values(a, rows_g as f64, s.actor.lora);
+        let trunk = kept as u64 / tp * d;
         let experience_bytes = trunk + rows_g * v / tp * (d + cast + 2 * f) + actor.gathered_unit_bytes;
         let rows_t = (s.training_rows * s.answer_positions) as u64;
         // Kept: logits, cast, log-softmax; backward: the gradients of the log-softmax, of its
