@@ -43,8 +43,8 @@ pub struct DistArgs {
     pub communication_data_type: WireDtype,
     /// DS-Chat's ZeRO-Offload (DeepSpeed's offload_optimizer: cpu): each rank's shard of the
     /// fp32 masters and its Adam moments in host memory, stepped there, on GPUs at ZeRO stages
-    /// 1-3 across ranks; without it stages 1 and 2 keep them on the GPU and step them there
-    /// (stage 3 keeps them in host memory either way, for now). Refused on a CPU run (all in host
+    /// 1-3 across ranks; without it they stay on the GPU and step there (stage 3 gathers its units
+    /// from them there). Refused on a CPU run (all in host
     /// memory) and on a GPU at stage 0 or alone (the optimizer stays on the GPU).
     #[arg(help_heading = heading::PARALLELISM, long)]
     pub offload: bool,

@@ -453,6 +453,39 @@ impl ProcessGroup {
         }
     }
 
+    /// [`Self::all_gather_slice_as`] of values held as a tensor where they live (a ZeRO-3 shard
+    /// kept on the GPU: fp32 masters, or a frozen model's in its compute dtype), the result on
+    /// `mine`'s device: NCCL gathers them there in
+    /// `dtype` without a trip through host memory; in host memory (and over the TCP ring from a
+    /// GPU) the same bytes as from a slice. Always a fresh tensor, never a view of `mine`.
+    pub fn all_gather_tensor_as(&self, mine: &Tensor, dtype: DType) -> Result<Tensor> {
+        let device = mine.device();
+        if device.is_cpu() {
+            return self.all_gather_slice_as(&host_f32(mine)?, dtype, device);
+        }
+        let cast = match dtype {
+            DType::F32 => mine.flatten_all()?.copy()?,
+            _ => mine.flatten_all()?.to_dtype(dtype)?,
+        };
+        Ok(self.all_gather(&cast)?.to_dtype(dtype)?)
+    }
+
+    /// [`Self::all_gather_slice_as_variables`] of values held as a tensor, as
+    /// [`Self::all_gather_tensor_as`].
+    pub fn all_gather_tensor_as_variables(
+        &self,
+        mine: &Tensor,
+        dtype: DType,
+        shapes: &[&candle_core::Shape],
+    ) -> Result<Vec<candle_core::Var>> {
+        let device = mine.device();
+        if device.is_cpu() {
+            return self.all_gather_slice_as_variables(&host_f32(mine)?, dtype, shapes, device);
+        }
+        let full = self.all_gather_tensor_as(mine, dtype)?;
+        split_variables(&full, shapes)
+    }
+
     /// Every rank's `mine` as `T` values (cast by `down`), in rank order: the ring's own buffer.
     fn all_gather_host<T: tcp::Element>(&self, mine: &[f32], down: fn(f32) -> T) -> Result<Vec<T>> {
         let (n, w, r) = (mine.len(), self.world(), self.rank());
@@ -494,15 +527,7 @@ impl ProcessGroup {
             Ok(vars)
         }
         if !device.is_cpu() {
-            let full = self.all_gather_slice_as(mine, dtype, device)?;
-            let mut at = 0;
-            let mut vars = Vec::with_capacity(shapes.len());
-            for &shape in shapes {
-                let n = shape.elem_count();
-                vars.push(candle_core::Var::from_tensor(&full.narrow(0, at, n)?.reshape(shape)?)?);
-                at += n;
-            }
-            return Ok(vars);
+            return split_variables(&self.all_gather_slice_as(mine, dtype, device)?, shapes);
         }
         match dtype {
             DType::F32 => split(self.all_gather_host(mine, |x| x)?, shapes, device),
@@ -601,6 +626,24 @@ fn extend_host_f32(out: &mut Vec<f32>, t: &Tensor) -> Result<()> {
     }
     out.extend(t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?);
     Ok(())
+}
+
+/// `t`'s values (any float dtype) as f32 in host memory.
+fn host_f32(t: &Tensor) -> Result<Vec<f32>> {
+    Ok(t.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?)
+}
+
+/// Consecutive variables of `shapes` copied out of the gathered `full` (its padding after them
+/// dropped): a unit's weights gathered on a device for a backward.
+fn split_variables(full: &Tensor, shapes: &[&candle_core::Shape]) -> Result<Vec<candle_core::Var>> {
+    let mut at = 0;
+    let mut vars = Vec::with_capacity(shapes.len());
+    for &shape in shapes {
+        let n = shape.elem_count();
+        vars.push(candle_core::Var::from_tensor(&full.narrow(0, at, n)?.reshape(shape)?)?);
+        at += n;
+    }
+    Ok(vars)
 }
 
 /// `world` process groups on loopback (one node), one per thread, each running `f`: multi-rank

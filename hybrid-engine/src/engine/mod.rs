@@ -157,7 +157,7 @@ impl Engine {
             if let Some(tp) = &tensor {
                 sharded = sharded.with_tensor_parallel(tp.tp().clone());
             }
-            let (model, trainer) = Self::sharded_parts(cfg, sharded);
+            let (model, trainer) = Self::sharded_parts(cfg, sharded)?;
             (model, trainer, ParamStore::default())
         } else {
             // Forward and backward run on a copy in the compute dtype (the masters stay fp32).
@@ -248,7 +248,7 @@ impl Engine {
         let config = config.clone();
         let lora = sharded.has_lora();
         let trained = sharded.trained_names().to_vec();
-        let (model, mut trainer) = Self::sharded_parts(cfg, sharded);
+        let (model, mut trainer) = Self::sharded_parts(cfg, sharded)?;
         if let Some(lr) = cfg.lora_learning_rate.filter(|_| lora) {
             trainer.set_lora_learning_rate_of(&trained, lr);
         }
@@ -265,10 +265,18 @@ impl Engine {
     }
 
     /// The model and trainer of a sharded model (ZeRO stage 3).
-    fn sharded_parts(cfg: &EngineConfig, mut sharded: ShardedModel) -> (TrainedModel, Trainer) {
+    fn sharded_parts(cfg: &EngineConfig, mut sharded: ShardedModel) -> Result<(TrainedModel, Trainer)> {
         if sharded.device().is_cuda() {
+            if !cfg.parallel.offload {
+                sharded = sharded.with_shard_on_device(DType::F32)?;
+            }
             println!(
-                "ZeRO stage 3: this rank's optimizer states (Adam moments, its shard of the fp32 masters) live and step in host memory, as --offload asks (on the GPU at stages 1 and 2 only)"
+                "ZeRO stage 3: this rank's optimizer states (Adam moments, its shard of the fp32 masters) {}",
+                match cfg.parallel.offload {
+                    false =>
+                        "live and step on the GPU, units gathered from them there (--offload keeps them in host memory)",
+                    true => "live and step in host memory (--offload), units gathered to the GPU from there",
+                }
             );
         }
         sharded.fp32_loss = cfg.precision.fp32_loss;
@@ -284,7 +292,7 @@ impl Engine {
             cfg.precision,
             cfg.loss_scaling,
         );
-        (TrainedModel::Sharded(sharded), trainer)
+        Ok((TrainedModel::Sharded(sharded), trainer))
     }
 
     /// The model, whole or sharded, for forwards outside training (evaluation, rollouts).
@@ -364,7 +372,7 @@ impl Engine {
     /// ([`Self::shards_masters`]): what an elementwise companion (step 3's EMA) keeps too.
     pub fn master_shard_values(&self) -> Result<Option<Vec<f32>>> {
         Ok(match self.sharded() {
-            Some(model) => Some(model.shard_values()),
+            Some(model) => Some(model.shard_values()?),
             None => self.trainer.master_shard().map(|(shard, _)| shard.with_values(|v| Ok(v.to_vec()))).transpose()?,
         })
     }

@@ -497,12 +497,11 @@ impl MemoryPlan {
     }
 
     /// Where the optimizer states are on a GPU: `--offload` (DeepSpeed's `offload_optimizer:
-    /// cpu`) at ZeRO stages 1 and 2 keeps the Adam moments, and the fp32 masters where each rank
-    /// keeps only its shard of them, in host memory; stage 3 keeps its shard of the masters and
-    /// its moments there always (its units are gathered to the GPU from them, in the compute
-    /// dtype: [`Self::gathered_unit_bytes`]). What is in host memory leaves the GPU's plan.
-    /// Nothing changes on the CPU, where all of it is host memory. Call after
-    /// [`Self::with_data_parallel`].
+    /// cpu`) keeps the Adam moments, and the fp32 masters where each rank keeps only its shard
+    /// of them (mixed precision at stages 1 and 2; stage 3 always, whose units are then gathered
+    /// to the GPU from host memory), in host memory; what is there leaves the GPU's plan.
+    /// Without it they are on the GPU. Nothing changes on the CPU, where all of it is host
+    /// memory. Call after [`Self::with_data_parallel`].
     pub fn with_offload(mut self, offload: bool) -> Self {
         if self.device != DeviceKind::Cuda {
             return self;
@@ -515,7 +514,9 @@ impl MemoryPlan {
                     self.param_bytes = 0;
                 }
             }
-            Some(ZeroStage::Parameters) => (self.adam_bytes, self.param_bytes, self.compute_copy_bytes) = (0, 0, 0),
+            Some(ZeroStage::Parameters) if offload => {
+                (self.adam_bytes, self.param_bytes, self.compute_copy_bytes) = (0, 0, 0)
+            }
             _ => return self,
         }
         self.offloaded = true;
@@ -843,9 +844,8 @@ mod tests {
         assert_eq!(one_rank.reduction_bytes, 0);
     }
 
-    /// `--offload` on a GPU at stages 1 and 2, and stage 3 on a GPU always, take the Adam
-    /// moments and the sharded fp32 masters out of the GPU's plan (the report says where they
-    /// are); nothing changes on the CPU.
+    /// `--offload` on a GPU takes the Adam moments and the sharded fp32 masters out of the GPU's
+    /// plan at stages 1-3 (the report says where they are); nothing changes on the CPU.
     #[test]
     fn offload_takes_the_optimizer_states_off_the_gpus_plan() {
         let cfg = Gpt2Config::tiny();
@@ -870,12 +870,14 @@ mod tests {
             .with_data_parallel(ZeroStage::OptimizerStates, 4)
             .with_offload(true);
         assert_eq!((fp32.adam_bytes, fp32.param_bytes), (0, 4 * parameter_count(&cfg) as u64));
-        // Stage 3 keeps its shards and moments in host memory with or without --offload.
-        for offload in [false, true] {
-            let stage3 = plan(ZeroStage::Parameters, DeviceKind::Cuda, offload);
-            assert_eq!((stage3.adam_bytes, stage3.param_bytes, stage3.compute_copy_bytes), (0, 0, 0));
-            assert!(stage3.gathered_unit_bytes > 0);
-        }
+        // Stage 3 keeps its shards and moments on the GPU; --offload takes them to host memory.
+        let (kept, offloaded) =
+            (plan(ZeroStage::Parameters, DeviceKind::Cuda, false), plan(ZeroStage::Parameters, DeviceKind::Cuda, true));
+        let on_cpu = plan(ZeroStage::Parameters, DeviceKind::Cpu, false);
+        assert_eq!((kept.adam_bytes, kept.param_bytes), (on_cpu.adam_bytes, on_cpu.param_bytes));
+        assert!(kept.adam_bytes > 0 && kept.param_bytes > 0 && !kept.offloaded);
+        assert_eq!((offloaded.adam_bytes, offloaded.param_bytes, offloaded.compute_copy_bytes), (0, 0, 0));
+        assert!(offloaded.gathered_unit_bytes > 0 && offloaded.offloaded);
     }
 
     /// On the CPU the plan counts the process's own resident memory (measured: above zero for

@@ -619,9 +619,14 @@ pub fn step_shard_in_place(
     grad_shard: &Tensor,
     lr: f64,
 ) -> Result<()> {
-    step_pieces_in_place(rank, partition, optimizer, (grad_shard, shard.device()), lr, |piece| {
-        Ok(shard.narrow(0, piece.in_shard.start, piece.in_shard.len())?)
-    })
+    let pieces = partition.pieces(rank).into_iter().map(|piece| {
+        Ok(InPlacePiece {
+            param: piece.param,
+            values: shard.narrow(0, piece.in_shard.start, piece.in_shard.len())?,
+            grad: piece.in_shard,
+        })
+    });
+    step_pieces_in_place(optimizer, (grad_shard, shard.device()), lr, pieces)
 }
 
 /// [`step_shard_in_place`] where the shard is this rank's pieces of whole f32 `params` (stages 1
@@ -636,28 +641,41 @@ pub fn step_shard_in_params(
     lr: f64,
 ) -> Result<()> {
     let device = params.vars.first().map_or(Device::Cpu, |v| v.device().clone());
-    step_pieces_in_place(rank, partition, optimizer, (grad_shard, &device), lr, |piece| {
+    let pieces = partition.pieces(rank).into_iter().map(|piece| {
         // A view of the parameter's own storage: the update lands in the weights.
         let weights = params.vars[piece.param].as_tensor().flatten_all()?;
-        Ok(weights.narrow(0, piece.in_param.start, piece.in_param.len())?)
-    })
+        Ok(InPlacePiece {
+            param: piece.param,
+            values: weights.narrow(0, piece.in_param.start, piece.in_param.len())?,
+            grad: piece.in_shard,
+        })
+    });
+    step_pieces_in_place(optimizer, (grad_shard, &device), lr, pieces)
 }
 
-/// One AdamW step of each of this rank's pieces, `values(piece)` (an f32 view updated in place),
-/// from its part of the gradient shard brought to `device`.
-fn step_pieces_in_place(
-    rank: usize,
-    partition: &Partition,
+/// A piece of a shard stepped where it lives.
+pub struct InPlacePiece {
+    /// The parameter's index in the optimizer.
+    pub param: usize,
+    /// The piece's values: an f32 view updated in place.
+    pub values: Tensor,
+    /// Where its gradient is in the gradient shard.
+    pub grad: Range<usize>,
+}
+
+/// One AdamW step of each of `pieces` from its part of the gradient shard brought to `device`.
+pub fn step_pieces_in_place(
     optimizer: &mut AdamW,
     (grad_shard, device): (&Tensor, &Device),
     lr: f64,
-    values: impl Fn(&Piece) -> Result<Tensor>,
+    pieces: impl Iterator<Item = Result<InPlacePiece>>,
 ) -> Result<()> {
     let grad = grad_shard.to_device(device)?.to_dtype(DType::F32)?.contiguous()?;
     optimizer.step += 1;
-    for piece in partition.pieces(rank) {
-        let g = grad.narrow(0, piece.in_shard.start, piece.in_shard.len())?;
-        optimizer.update_held_in_place(piece.param, &values(&piece)?, &g, lr)?;
+    for piece in pieces {
+        let piece = piece?;
+        let g = grad.narrow(0, piece.grad.start, piece.grad.len())?;
+        optimizer.update_held_in_place(piece.param, &piece.values, &g, lr)?;
     }
     Ok(())
 }
@@ -704,6 +722,14 @@ impl MasterShard {
             Self::Host(values) => step_shard(rank, partition, optimizer, values, grad_shard, lr),
             Self::Device(t) => step_shard_in_place(rank, partition, optimizer, t, grad_shard, lr),
         }
+    }
+
+    /// The values in host memory: borrowed there, copied from the device.
+    pub fn to_host(&self) -> Result<std::borrow::Cow<'_, [f32]>> {
+        Ok(match self {
+            Self::Host(values) => std::borrow::Cow::Borrowed(values),
+            Self::Device(t) => std::borrow::Cow::Owned(t.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?),
+        })
     }
 
     /// Where the shard lives, for the log.

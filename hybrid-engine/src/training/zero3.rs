@@ -28,7 +28,7 @@ use crate::model::gpt2::{Block, Dropout, Gpt2, Gpt2Config, Positions};
 use crate::model::params::{attach_adapters, ParamStore};
 use crate::model::reward_model::{Heads, SCORE_WEIGHT};
 use crate::training::optim::AdamW;
-use crate::training::zero::Partition;
+use crate::training::zero::{InPlacePiece, MasterShard, Partition};
 use anyhow::{anyhow, bail, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Shape, Tensor, Var};
@@ -146,8 +146,9 @@ pub struct ShardedModel {
     pub reduce_bucket: usize,
     /// The tensor-parallel group the sharded slices belong to.
     tp: Option<Arc<ProcessGroup>>,
-    /// This rank's fp32 master weights: its shard of every unit, end to end.
-    shard: RefCell<Vec<f32>>,
+    /// This rank's fp32 master weights: its shard of every unit, end to end, in host memory or
+    /// on the device ([`Self::with_shard_on_device`]).
+    shard: RefCell<MasterShard>,
     /// Per unit, this rank's shard of the gradients summed over ranks and micro-batches (always
     /// `None` for a frozen unit).
     grads: RefCell<Vec<Option<Tensor>>>,
@@ -293,7 +294,7 @@ impl ShardedModel {
             gradient_wire: crate::comm::WireDtype::F32,
             reduce_bucket: crate::training::zero::DEFAULT_BUCKET,
             tp: None,
-            shard: RefCell::new(vec![0.0; shard_len]),
+            shard: RefCell::new(MasterShard::Host(vec![0.0; shard_len])),
             grads: RefCell::new(vec![None; unit_count]),
         })
     }
@@ -304,8 +305,32 @@ impl ShardedModel {
         if values.len() != range.len() {
             bail!("{}: {} values read for the {} this rank holds", self.names[i], values.len(), range.len());
         }
-        self.shard.borrow_mut()[at..at + range.len()].copy_from_slice(values);
+        match &mut *self.shard.borrow_mut() {
+            MasterShard::Host(shard) => shard[at..at + range.len()].copy_from_slice(values),
+            MasterShard::Device(_) => bail!("internal error: filling a shard already on the device"),
+        }
         Ok(())
+    }
+
+    /// Keeps this rank's shard on the device the model computes on, as a `dtype` tensor: on a
+    /// GPU, DeepSpeed's default place for ZeRO-3's fp32 master shard (`dtype` f32), whose Adam
+    /// moments then live and step beside it ([`AdamW::update_held_in_place`]) and whose units are
+    /// gathered from it by NCCL with no trip through host memory; a frozen model's shard in its
+    /// compute dtype (PPO's reference and reward models: what their gathers send, nothing more).
+    /// Without it (a CPU run, `--offload`) the shard stays in host memory. The same values
+    /// either way: the same gathers, the same steps bit for bit on the CPU.
+    pub fn with_shard_on_device(self, dtype: DType) -> Result<Self> {
+        let tensor = match &*self.shard.borrow() {
+            MasterShard::Host(values) => Tensor::from_slice(values, values.len(), &self.device)?.to_dtype(dtype)?,
+            MasterShard::Device(t) => t.to_dtype(dtype)?,
+        };
+        *self.shard.borrow_mut() = MasterShard::Device(tensor);
+        Ok(self)
+    }
+
+    /// Where this rank's shard lives, for the log.
+    pub fn shard_place(&self) -> &'static str {
+        self.shard.borrow().place()
     }
 
     /// The model as a frozen one (PPO's reference and reward models at ZeRO stage 3): every
@@ -362,7 +387,7 @@ impl ShardedModel {
 
     /// Values in this rank's shard (padding included).
     pub fn shard_len(&self) -> usize {
-        self.shard.borrow().len()
+        self.units.last().map_or(0, |unit| unit.offset + unit.partition.shard_len)
     }
 
     /// The names of the parameters the optimizer trains (all but the frozen ones), in the
@@ -381,7 +406,7 @@ impl ShardedModel {
     /// so only rank 0 ever holds the whole model.
     pub fn gather_params(&self) -> Result<Option<ParamStore>> {
         let shard = self.shard.borrow();
-        self.gather_values(&shard, self.group.is_first(), DType::F32)
+        self.gather_values(&Values::of(&shard), self.group.is_first(), DType::F32)
     }
 
     /// Every parameter's values in `dtype` on every rank (a collective): PPO's generation mode,
@@ -391,13 +416,14 @@ impl ShardedModel {
     /// one unit in fp32.
     pub fn gather_params_everywhere(&self, dtype: DType) -> Result<ParamStore> {
         let shard = self.shard.borrow();
-        self.gather_values(&shard, true, dtype)?.ok_or_else(|| anyhow!("internal error: a gather kept nothing"))
+        self.gather_values(&Values::of(&shard), true, dtype)?
+            .ok_or_else(|| anyhow!("internal error: a gather kept nothing"))
     }
 
-    /// A copy of this rank's fp32 weight shard (padding included): what a sharded actor's EMA
-    /// follows, value by value.
-    pub fn shard_values(&self) -> Vec<f32> {
-        self.shard.borrow().clone()
+    /// A copy of this rank's fp32 weight shard (padding included) in host memory: what a sharded
+    /// actor's EMA follows, value by value.
+    pub fn shard_values(&self) -> Result<Vec<f32>> {
+        Ok(self.shard.borrow().to_host()?.into_owned())
     }
 
     /// This rank's shard of `store`, a whole model with this model's parameters (an EMA resumed
@@ -439,7 +465,7 @@ impl ShardedModel {
         if values.len() != self.shard_len() {
             bail!("internal error: {} values to gather, the shard holds {}", values.len(), self.shard_len());
         }
-        self.gather_values(values, self.group.is_first(), DType::F32)
+        self.gather_values(&Values::Host(values), self.group.is_first(), DType::F32)
     }
 
     /// Whether LoRA adapters are attached.
@@ -459,15 +485,20 @@ impl ShardedModel {
     /// the error, so no rank waits on it.
     pub fn visit_gathered_params(&self, visit: impl FnMut(&str, &Tensor) -> Result<()>) -> Result<()> {
         let shard = self.shard.borrow();
-        self.visit_gathered(&shard, visit)
+        self.visit_gathered_values(&Values::of(&shard), visit)
     }
 
-    /// [`Self::visit_gathered_params`] of every rank's shard-shaped `values` (the weights, or
-    /// an EMA of them).
-    pub fn visit_gathered(&self, values: &[f32], mut visit: impl FnMut(&str, &Tensor) -> Result<()>) -> Result<()> {
+    /// [`Self::visit_gathered_params`] of every rank's shard-shaped `values` (an EMA of the
+    /// weights).
+    pub fn visit_gathered(&self, values: &[f32], visit: impl FnMut(&str, &Tensor) -> Result<()>) -> Result<()> {
         if values.len() != self.shard_len() {
             bail!("internal error: {} values to gather, the shard holds {}", values.len(), self.shard_len());
         }
+        self.visit_gathered_values(&Values::Host(values), visit)
+    }
+
+    /// [`Self::visit_gathered`] of `values` as they are held.
+    fn visit_gathered_values(&self, values: &Values, mut visit: impl FnMut(&str, &Tensor) -> Result<()>) -> Result<()> {
         let first = self.group.is_first();
         let mut failed = None;
         self.for_each_gathered(values, DType::F32, |i, t| {
@@ -498,15 +529,17 @@ impl ShardedModel {
         mut visit: impl FnMut(&str, &Tensor) -> Result<()>,
     ) -> Result<()> {
         let shard = self.shard.borrow();
-        let values = values.unwrap_or(&shard);
-        if values.len() != self.shard_len() {
-            bail!("internal error: {} values to gather, the shard holds {}", values.len(), self.shard_len());
-        }
+        let values = match values {
+            Some(values) if values.len() != self.shard_len() => {
+                bail!("internal error: {} values to gather, the shard holds {}", values.len(), self.shard_len())
+            }
+            Some(values) => Values::Host(values),
+            None => Values::of(&shard),
+        };
         let first = self.group.is_first();
         let (mut part, mut failed) = (Vec::new(), None);
         for (k, unit) in self.units.iter().enumerate() {
-            let tensors =
-                self.gather_unit(unit, &values[unit.offset..unit.offset + unit.partition.shard_len], DType::F32)?;
+            let tensors = self.gather_unit(unit, values.unit(unit)?, DType::F32)?;
             if first {
                 part.extend(unit.params.iter().copied().zip(tensors));
             }
@@ -561,7 +594,10 @@ impl ShardedModel {
     /// them; the adapters (summed from every rank's pieces, small) are not in the result.
     pub fn gather_fused_everywhere(&self, dtype: DType) -> Result<ParamStore> {
         let Some(scaling) = self.lora_scaling else { bail!("internal error: fusing a model without LoRA adapters") };
-        let shard = self.shard.borrow();
+        // The adapters are fused on the host (a GPU's shard copied there once a rollout: a
+        // shard of fp32 values, small beside the gathered model).
+        let held = self.shard.borrow();
+        let shard = held.to_host()?;
         let rank = self.group.rank();
         let index: HashMap<&str, usize> = self.names.iter().enumerate().map(|(i, n)| (n.as_str(), i)).collect();
         let mut full: Vec<Option<Tensor>> = vec![None; self.names.len()];
@@ -600,7 +636,7 @@ impl ShardedModel {
                     let values = &mut fused[piece.in_shard];
                     crate::training::zero::add_lora_delta(values, name, piece.in_param.start, scaling, adapter)?;
                 }
-                for (&i, t) in unit.params.iter().zip(self.gather_unit(unit, &fused, dtype)?) {
+                for (&i, t) in unit.params.iter().zip(self.gather_unit(unit, Values::Host(&fused), dtype)?) {
                     if !at.contains_key(&i) {
                         full[i] = Some(t);
                     }
@@ -619,10 +655,10 @@ impl ShardedModel {
     pub fn gather_trained(&self) -> Result<Option<ParamStore>> {
         let first = self.group.is_first();
         let shard = self.shard.borrow();
+        let values = Values::of(&shard);
         let mut trained = Vec::new();
         for unit in self.units.iter().filter(|unit| unit.grad_offset.is_some()) {
-            let tensors =
-                self.gather_unit(unit, &shard[unit.offset..unit.offset + unit.partition.shard_len], DType::F32)?;
+            let tensors = self.gather_unit(unit, values.unit(unit)?, DType::F32)?;
             if first {
                 trained.extend(unit.params.iter().copied().zip(tensors));
             }
@@ -641,13 +677,12 @@ impl ShardedModel {
     /// to `take`.
     fn for_each_gathered(
         &self,
-        values: &[f32],
+        values: &Values,
         dtype: DType,
         mut take: impl FnMut(usize, Tensor) -> Result<()>,
     ) -> Result<()> {
         for unit in &self.units {
-            let tensors =
-                self.gather_unit(unit, &values[unit.offset..unit.offset + unit.partition.shard_len], dtype)?;
+            let tensors = self.gather_unit(unit, values.unit(unit)?, dtype)?;
             for (&i, t) in unit.params.iter().zip(tensors) {
                 take(i, t)?;
             }
@@ -657,7 +692,7 @@ impl ShardedModel {
 
     /// Gathers each unit of the shard-shaped `values`; keeps the whole model in `dtype` when
     /// `keep`.
-    fn gather_values(&self, values: &[f32], keep: bool, dtype: DType) -> Result<Option<ParamStore>> {
+    fn gather_values(&self, values: &Values, keep: bool, dtype: DType) -> Result<Option<ParamStore>> {
         let mut full: Vec<Option<Tensor>> = vec![None; self.names.len()];
         // Every rank gathers in `dtype` (the same bytes), kept or not.
         self.for_each_gathered(values, dtype, |i, t| {
@@ -677,12 +712,15 @@ impl ShardedModel {
         Ok(Some(store))
     }
 
-    /// A unit's parameters from every rank's `values` (this rank's shard of some per-value
+    /// A unit's parameters from every rank's `mine` (this rank's shard of some per-value
     /// quantity of the unit: weights or moments), full on the compute device, gathered in
     /// `dtype` (weights in the compute dtype: half fp32's bytes in fp16/bf16, as DeepSpeed
     /// gathers its fp16 parameters; fp32 for saves).
-    fn gather_unit(&self, unit: &Unit, values: &[f32], dtype: DType) -> Result<Vec<Tensor>> {
-        let full = self.group.all_gather_slice_as(values, dtype, &self.device)?;
+    fn gather_unit(&self, unit: &Unit, mine: Values, dtype: DType) -> Result<Vec<Tensor>> {
+        let full = match mine {
+            Values::Host(mine) => self.group.all_gather_slice_as(mine, dtype, &self.device)?,
+            Values::Tensor(mine) => self.group.all_gather_tensor_as(&mine, dtype)?,
+        };
         let shapes: Vec<&Shape> = unit.params.iter().map(|&i| &self.shapes[i]).collect();
         unit.partition.unflatten(&full, &shapes)
     }
@@ -698,10 +736,11 @@ impl ShardedModel {
         for (u, unit) in self.units.iter().enumerate().filter(|(_, unit)| unit.part == part) {
             if unit.grad_offset.is_some() && pass == Pass::Backward {
                 let shapes: Vec<&Shape> = unit.params.iter().map(|&i| &self.shapes[i]).collect();
-                let vars = {
-                    let shard = self.shard.borrow();
-                    let mine = &shard[unit.offset..unit.offset + unit.partition.shard_len];
-                    self.group.all_gather_slice_as_variables(mine, self.dtype, &shapes, &self.device)?
+                let vars = match Values::of(&self.shard.borrow()).unit(unit)? {
+                    Values::Host(mine) => {
+                        self.group.all_gather_slice_as_variables(mine, self.dtype, &shapes, &self.device)?
+                    }
+                    Values::Tensor(mine) => self.group.all_gather_tensor_as_variables(&mine, self.dtype, &shapes)?,
                 };
                 for (&i, var) in unit.params.iter().zip(&vars) {
                     named.insert(self.names[i].clone(), var.as_tensor().clone());
@@ -709,10 +748,7 @@ impl ShardedModel {
                 trained.push((u, vars));
                 continue;
             }
-            let tensors = {
-                let shard = self.shard.borrow();
-                self.gather_unit(unit, &shard[unit.offset..unit.offset + unit.partition.shard_len], self.dtype)?
-            };
+            let tensors = self.gather_unit(unit, Values::of(&self.shard.borrow()).unit(unit)?, self.dtype)?;
             for (&i, t) in unit.params.iter().zip(tensors) {
                 named.insert(self.names[i].clone(), t.to_dtype(self.dtype)?);
             }
@@ -932,8 +968,28 @@ impl ShardedModel {
 
     /// One AdamW step of this rank's weight shard with its (averaged, clipped) gradient shard.
     /// Nothing is gathered: the next forward gathers the updated weights.
+    /// A shard on the device steps there, piece by piece in place with its moments beside it.
     pub fn adamw_step(&self, optimizer: &mut AdamW, grad_shard: &Tensor, lr: f64) -> Result<()> {
-        let mut shard = self.shard.borrow_mut();
+        let mut held = self.shard.borrow_mut();
+        let shard = match &mut *held {
+            MasterShard::Host(shard) => shard,
+            MasterShard::Device(shard) => {
+                let pieces = self.trained_pieces().map(|(unit, trained, piece)| {
+                    let (at, from) = (unit.offset, unit.grad_offset.expect("a trained unit"));
+                    Ok(InPlacePiece {
+                        param: trained,
+                        values: shard.narrow(0, at + piece.in_shard.start, piece.in_shard.len())?,
+                        grad: from + piece.in_shard.start..from + piece.in_shard.end,
+                    })
+                });
+                return crate::training::zero::step_pieces_in_place(
+                    optimizer,
+                    (grad_shard, shard.device()),
+                    lr,
+                    pieces,
+                );
+            }
+        };
         crate::training::zero::with_host_f32(grad_shard, |g| {
             optimizer.step += 1;
             for (unit, trained, piece) in self.trained_pieces() {
@@ -981,6 +1037,33 @@ impl ShardedModel {
         }
         let [exp_avg, exp_avg_sq] = moments;
         Ok(Some(optimizer.with_full_moments(exp_avg, exp_avg_sq)))
+    }
+}
+
+/// Shard-shaped values (the weight shard, or values laid out as it: an EMA's) as they are held,
+/// or a unit's stretch of them ([`Values::unit`]).
+#[derive(Clone)]
+enum Values<'a> {
+    Host(&'a [f32]),
+    /// A tensor where it lives (a view for a unit's stretch).
+    Tensor(Tensor),
+}
+
+impl<'a> Values<'a> {
+    fn of(shard: &'a MasterShard) -> Self {
+        match shard {
+            MasterShard::Host(values) => Self::Host(values),
+            MasterShard::Device(t) => Self::Tensor(t.clone()),
+        }
+    }
+
+    /// This rank's shard of `unit`.
+    fn unit(&self, unit: &Unit) -> Result<Values<'a>> {
+        let (at, len) = (unit.offset, unit.partition.shard_len);
+        Ok(match self {
+            Self::Host(values) => Self::Host(&values[at..at + len]),
+            Self::Tensor(t) => Self::Tensor(t.narrow(0, at, len)?),
+        })
     }
 }
 
@@ -1068,9 +1151,9 @@ mod tests {
         }
         // The shard of the whole store is the shard itself; gathering it, or the shard-shaped
         // values, gives the whole store back.
-        assert_eq!(sharded.shard_of(&params)?, sharded.shard_values());
+        assert_eq!(sharded.shard_of(&params)?, sharded.shard_values()?);
         let everywhere = sharded.gather_params_everywhere(DType::F32)?;
-        let from_values = sharded.gather_shard_values(&sharded.shard_values())?.expect("rank 0 of one");
+        let from_values = sharded.gather_shard_values(&sharded.shard_values()?)?.expect("rank 0 of one");
         for ((a, b), want) in everywhere.vars.iter().zip(&from_values.vars).zip(&params.vars) {
             let want = want.flatten_all()?.to_vec1::<f32>()?;
             assert_eq!(a.flatten_all()?.to_vec1::<f32>()?, want);
@@ -1099,7 +1182,7 @@ mod tests {
         let group = Arc::new(ProcessGroup::single());
         let trained = ShardedModel::new(group.clone(), &cfg, &params, DType::F32)?;
         let frozen = ShardedModel::new(group, &cfg, &params, DType::F32)?.freeze();
-        assert_eq!(frozen.shard_values(), trained.shard_values(), "the same layout");
+        assert_eq!(frozen.shard_values()?, trained.shard_values()?, "the same layout");
         assert!(frozen.trained_names().is_empty() && frozen.held_ranges().is_empty());
         assert!(frozen.units.iter().all(|u| u.grad_offset.is_none()));
         let ids = Tensor::new(&[[1u32, 2, 3, 4], [5, 6, 7, 8]], &Device::Cpu)?;
@@ -1156,6 +1239,103 @@ mod tests {
         assert_eq!(gathered.trainable().names, trainable.names);
         for ((name, a), (_, b)) in gathered.merged()?.iter().zip(params.merged()?.iter()) {
             assert_eq!(a.flatten_all()?.to_vec1::<f32>()?, b.flatten_all()?.to_vec1::<f32>()?, "{name}");
+        }
+        Ok(())
+    }
+
+    /// Three AdamW steps of a small GPT-2 with LoRA adapters (trunk and adapters trained) at
+    /// stage 3 in bf16 over `group`, its shard on `device` and kept in host memory or, with
+    /// `on_device`, as a tensor there; then every way it is gathered: the weights in bf16 for a
+    /// rollout and LoRA-fused, in fp32 for a save (whole, trained, merged), the consolidated
+    /// moments, and a frozen model's forward from a shard kept in its compute dtype. Returns
+    /// the losses, the shard and all those values, in order.
+    fn train_and_gather(group: Arc<ProcessGroup>, device: &Device, on_device: bool) -> Result<Vec<Vec<f32>>> {
+        use crate::training::optim::AdamWConfig;
+        let cfg = Gpt2Config { n_layer: 2, n_embd: 8, n_head: 2, n_positions: 8, vocab_size: 16, ..Gpt2Config::tiny() };
+        let mut params = ParamStore::init(&cfg, 3, device)?;
+        let lora = lora::LoraConfig { dim: 2, alpha: Some(4.0), module_name: "h.".into() };
+        params.add_lora(&cfg, &lora, 5)?;
+        for (i, (name, var)) in params.iter().filter(|(n, _)| n.ends_with(lora::LORA_B)).enumerate() {
+            let values: Vec<f32> = (0..var.elem_count()).map(|k| ((k * 7 + i * 3) % 11) as f32 / 50.0 - 0.1).collect();
+            var.set(&Tensor::from_vec(values, var.shape(), device)?).map_err(|e| anyhow!("{name}: {e}"))?;
+        }
+        let ids = Tensor::new(&[[1u32, 2, 3, 4], [5, 6, 7, 8]], device)?;
+        let targets = Tensor::new(&[[2u32, 3, 4, 5], [6, 7, 8, 9]], device)?.flatten_all()?;
+        let flat = |t: &Tensor| -> Result<Vec<f32>> { Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?) };
+        let stores = |store: &ParamStore| -> Result<Vec<Vec<f32>>> { store.vars.iter().map(|v| flat(v)).collect() };
+
+        let mut model = ShardedModel::new(group.clone(), &cfg, &params, DType::BF16)?;
+        if on_device {
+            model = model.with_shard_on_device(DType::F32)?;
+            assert_eq!(model.shard_place(), "the GPU");
+        }
+        let mut optimizer = model.optimizer(AdamWConfig { weight_decay: 0.1, ..AdamWConfig::default() });
+        let mut out = vec![];
+        for _ in 0..3 {
+            let loss = model
+                .forward_backward(&ids, &Positions::default(), None, 1.0, |w, h| w.trunk.lm_head_loss(h, &targets))?;
+            let grad = model.take_gradient_shard()?;
+            model.adamw_step(&mut optimizer, &grad, 1e-2)?;
+            out.push(vec![loss]);
+        }
+        out.push(model.shard_values()?);
+        out.extend(stores(&model.gather_params_everywhere(DType::BF16)?)?);
+        out.extend(stores(&model.gather_fused_everywhere(DType::BF16)?)?);
+        out.extend(model.gather_params()?.map(|s| stores(&s)).transpose()?.unwrap_or_default());
+        out.extend(model.gather_trained()?.map(|s| stores(&s)).transpose()?.unwrap_or_default());
+        model.visit_gathered_merged(None, |_, t| {
+            out.push(flat(t)?);
+            Ok(())
+        })?;
+        if let Some(saved) = model.consolidate(&optimizer)? {
+            for i in 0..model.trained_names().len() {
+                let (m, v) = saved.held_moments(i)?;
+                out.extend([m.to_vec(), v.to_vec()]);
+            }
+        }
+        let frozen = ShardedModel::new(group, &cfg, &params, DType::BF16)?.freeze();
+        let frozen = if on_device { frozen.with_shard_on_device(DType::BF16)? } else { frozen };
+        out.push(flat(&frozen.forward_blocks(&ids, &Positions::default())?)?);
+        Ok(out)
+    }
+
+    /// A shard kept as a tensor where the model computes (a GPU's: DeepSpeed's default) trains,
+    /// gathers and saves as the host shard does, bit for bit, on 3 ranks. The tensor here is on
+    /// the CPU, which runs every path a GPU's takes but NCCL itself: the gathers of a tensor
+    /// (weights in bf16 for the forward and as variables for the backward), the AdamW step in
+    /// place with the moments beside the shard, and everything [`train_and_gather`] gathers.
+    #[test]
+    fn a_shard_on_the_device_is_the_host_shard_bit_for_bit() -> Result<()> {
+        for outcome in crate::comm::on_groups(3, |group| {
+            let group = Arc::new(group);
+            let host = train_and_gather(group.clone(), &Device::Cpu, false)?;
+            let device = train_and_gather(group.clone(), &Device::Cpu, true)?;
+            assert!(host[0] != host[2], "the steps train");
+            assert_eq!(host, device, "rank {}", group.rank());
+            Ok(())
+        }) {
+            outcome?;
+        }
+        Ok(())
+    }
+
+    /// On a GPU, the shard kept there (stepped by the in-place AdamW kernels) trains as the shard
+    /// kept in host memory (stepped on the CPU): the same losses, weights and moments to
+    /// rounding.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn a_shard_on_the_gpu_trains_as_the_host_shard() -> Result<()> {
+        let Some(gpu) = crate::kernels::ops::test_support::gpu() else { return Ok(()) };
+        let group = Arc::new(ProcessGroup::single());
+        let host = train_and_gather(group.clone(), &gpu, false)?;
+        let device = train_and_gather(group, &gpu, true)?;
+        assert_eq!(host.len(), device.len());
+        for (k, (a, b)) in host.iter().zip(&device).enumerate() {
+            assert_eq!(a.len(), b.len(), "value set {k}");
+            for (x, y) in a.iter().zip(b) {
+                // bf16 gathers may round a last-bit difference of the masters another way.
+                assert!((x - y).abs() <= 1e-5 + 1e-2 * x.abs().max(y.abs()), "value set {k}: {x} vs {y}");
+            }
         }
         Ok(())
     }

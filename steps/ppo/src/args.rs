@@ -60,9 +60,9 @@ pub struct PpoArgs {
     /// steps (default 1 with it, as DS-Chat; without it, every 10).
     #[arg(help_heading = heading::EVALUATION, long, alias = "print_answers")]
     pub print_answers: bool,
-    /// DS-Chat's `--offload_reference_model`: on a GPU the frozen reference stays in host memory
-    /// between rollouts, brought to the GPU for each rollout's log-probs (on the CPU it is there
-    /// already).
+    /// DS-Chat's `--offload_reference_model`: on a GPU the frozen reference (at ZeRO stage 3,
+    /// its shard) stays in host memory between rollouts, brought to the GPU for each rollout's
+    /// log-probs (on the CPU it is there already).
     #[arg(help_heading = heading::PARALLELISM, long, alias = "offload_reference_model")]
     pub offload_reference_model: bool,
     /// The actor's dropout off (earlier DS-Chat's `--disable_actor_dropout`): `--actor-dropout 0`.

@@ -410,7 +410,7 @@ pub fn build_models(
     models.ema = match (ema, models.actor.sharded()) {
         (None, Some(sharded)) if args.enable_ema => Some(Ema::Shard(match saved_ema {
             Some(saved) => saved.read_shard(sharded)?,
-            None => sharded.shard_values(),
+            None => sharded.shard_values()?,
         })),
         (None, _) => None,
         (Some(ema), _) => match models.actor.master_shard_of(&ema)? {
@@ -464,7 +464,13 @@ fn frozen_reference(
 ) -> Result<Reference> {
     let precision = args.precision.precision();
     let reference = match weights {
-        Weights::Sharded(model) => return Ok(Reference::Loaded(frozen_sharded(*model, precision.fp32_loss))),
+        Weights::Sharded(model) => {
+            let offload = args.offload_reference_model && !model.device().is_cpu();
+            if offload {
+                println!("--offload-reference-model: this rank's shard of the reference stays in host memory, its units gathered to the device for each rollout's log-probs");
+            }
+            return Ok(Reference::Loaded(frozen_sharded(*model, precision.fp32_loss, offload)?));
+        }
         Weights::Whole(params) | Weights::Sliced(params) => params.compute_copy(precision.dtype.dtype())?,
     };
     let device = reference.vars.first().map_or(Device::Cpu, |v| v.device().clone());
@@ -491,7 +497,7 @@ fn frozen_reward_model(
 ) -> Result<TrainedModel> {
     let precision = args.precision.precision();
     match weights {
-        Weights::Sharded(model) => Ok(frozen_sharded(*model, precision.fp32_loss)),
+        Weights::Sharded(model) => frozen_sharded(*model, precision.fp32_loss, false),
         Weights::Whole(params) | Weights::Sliced(params) => {
             let compute = params.compute_copy(precision.dtype.dtype())?;
             Ok(TrainedModel::reward(reward_model_on(&compute, cfg, precision.fp32_loss, tp)?))
@@ -499,12 +505,17 @@ fn frozen_reward_model(
     }
 }
 
-/// A frozen model sharded at rest (ZeRO stage 3): its shard stays in host memory, each unit
-/// gathered as a forward runs (a collective every rank makes).
-fn frozen_sharded(model: ShardedModel, fp32_loss: bool) -> TrainedModel {
+/// A frozen model sharded at rest (ZeRO stage 3), each unit gathered as a forward runs (a
+/// collective every rank makes): on a GPU its shard lives there in the compute dtype, unless
+/// `offload` keeps it in host memory.
+fn frozen_sharded(model: ShardedModel, fp32_loss: bool, offload: bool) -> Result<TrainedModel> {
     let mut model = model.freeze();
+    if model.device().is_cuda() && !offload {
+        let dtype = model.compute_dtype();
+        model = model.with_shard_on_device(dtype)?;
+    }
     model.fp32_loss = fp32_loss;
-    TrainedModel::Sharded(Rc::new(model))
+    Ok(TrainedModel::Sharded(Rc::new(model)))
 }
 
 /// The frozen reference model: on the device, or with `--offload-reference-model` in host
