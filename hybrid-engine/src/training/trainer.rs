@@ -488,8 +488,7 @@ impl Trainer {
                 (Gradients::Shard(shard), Some((dp, partition)), None) => match &mut self.master_shard {
                     Some(masters) => {
                         masters.step(dp.group.rank(), partition, &mut self.optimizer, shard, lr)?;
-                        masters
-                            .with_values(|values| zero::all_gather_parameters(dp, partition, &self.compute, values))?
+                        zero::all_gather_parameters(dp, partition, &self.compute, zero::Held::of(masters))?
                     }
                     None => zero::sharded_adamw_step(dp, partition, &mut self.optimizer, params, shard, lr)?,
                 },

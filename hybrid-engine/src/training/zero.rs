@@ -479,6 +479,74 @@ pub fn shard_values(partition: &Partition, rank: usize, params: &ParamStore) -> 
     Ok(shard)
 }
 
+/// [`shard_values`] as an f32 tensor where the parameters are: their pieces copied there, the
+/// padding 0.
+pub fn shard_tensor(partition: &Partition, rank: usize, params: &ParamStore) -> Result<Tensor> {
+    let device = params.vars.first().map_or(Device::Cpu, |v| v.device().clone());
+    let mut parts = Vec::new();
+    let mut filled = 0;
+    for piece in partition.pieces(rank) {
+        let range = piece.in_param;
+        parts.push(params.vars[piece.param].flatten_all()?.narrow(0, range.start, range.len())?.to_dtype(DType::F32)?);
+        filled = piece.in_shard.end;
+    }
+    if filled < partition.shard_len {
+        parts.push(Tensor::zeros(partition.shard_len - filled, DType::F32, &device)?);
+    }
+    Ok(Tensor::cat(&parts, 0)?)
+}
+
+/// Shard-shaped values as they are held: in host memory, or a tensor where they live (a GPU's
+/// shard, which NCCL gathers from there with no trip through host memory); or a stretch of them.
+#[derive(Clone)]
+pub enum Held<'a> {
+    Host(&'a [f32]),
+    /// A tensor (a view for a stretch).
+    Tensor(Tensor),
+}
+
+impl<'a> Held<'a> {
+    /// A master shard's values where it keeps them.
+    pub fn of(shard: &'a MasterShard) -> Self {
+        match shard {
+            MasterShard::Host(values) => Self::Host(values),
+            MasterShard::Device(t) => Self::Tensor(t.clone()),
+        }
+    }
+
+    /// The values in `range`.
+    pub fn range(&self, range: Range<usize>) -> Result<Held<'a>> {
+        Ok(match self {
+            Self::Host(values) => Self::Host(&values[range]),
+            Self::Tensor(t) => Self::Tensor(t.narrow(0, range.start, range.len())?),
+        })
+    }
+
+    /// Every rank's values of `group`, in rank order, sent and returned as `dtype` on `device`
+    /// (a tensor's own device).
+    pub fn all_gather_as(&self, group: &ProcessGroup, dtype: DType, device: &Device) -> Result<Tensor> {
+        match self {
+            Self::Host(values) => group.all_gather_slice_as(values, dtype, device),
+            Self::Tensor(t) => group.all_gather_tensor_as(t, dtype),
+        }
+    }
+
+    /// [`Self::all_gather_as`] cut into variables of `shapes` (ZeRO-3's trained weights for a
+    /// backward).
+    pub fn all_gather_as_variables(
+        &self,
+        group: &ProcessGroup,
+        dtype: DType,
+        shapes: &[&candle_core::Shape],
+        device: &Device,
+    ) -> Result<Vec<candle_core::Var>> {
+        match self {
+            Self::Host(values) => group.all_gather_slice_as_variables(values, dtype, shapes, device),
+            Self::Tensor(t) => group.all_gather_tensor_as_variables(t, dtype, shapes),
+        }
+    }
+}
+
 /// Writes the all-gathered shards of updated weights into every parameter of `params`, sent in
 /// their dtype: f32 masters, or under mixed precision the compute copy, in half the bytes (as
 /// DeepSpeed all-gathers its fp16 parameters after the fp32 partitions step). The gather runs in
@@ -490,7 +558,7 @@ pub fn all_gather_parameters(
     dp: &DataParallel,
     partition: &Partition,
     params: &ParamStore,
-    my_shard: &[f32],
+    my_shard: Held,
 ) -> Result<()> {
     let device = params.vars.first().map_or(Device::Cpu, |v| v.device().clone());
     let flat: Vec<Tensor> =
@@ -500,7 +568,7 @@ pub fn all_gather_parameters(
     let pieces: Vec<Vec<Piece>> = (0..world).map(|r| partition.pieces(r)).collect();
     for start in (0..partition.shard_len).step_by(round) {
         let stretch = start..(start + round).min(partition.shard_len);
-        let gathered = dp.group.all_gather_slice_as(&my_shard[stretch.clone()], params.dtype(), &device)?;
+        let gathered = my_shard.range(stretch.clone())?.all_gather_as(&dp.group, params.dtype(), &device)?;
         for (r, pieces) in pieces.iter().enumerate() {
             for piece in pieces {
                 let (lo, hi) = (piece.in_shard.start.max(stretch.start), piece.in_shard.end.min(stretch.end));
@@ -770,13 +838,13 @@ pub fn sharded_adamw_step(
     let device = params.vars.first().map_or(Device::Cpu, |v| v.device().clone());
     if dp.steps_on_device(&device) {
         // Each piece of this rank's shard stepped in place in its parameter on the GPU, the
-        // moments beside it; then copied out for the all-gather.
+        // moments beside it; then gathered from there.
         step_shard_in_params(rank, partition, optimizer, params, grad_shard, lr)?;
-        return all_gather_parameters(dp, partition, params, &shard_values(partition, rank, params)?);
+        return all_gather_parameters(dp, partition, params, Held::Tensor(shard_tensor(partition, rank, params)?));
     }
     let mut shard = shard_values(partition, rank, params)?;
     step_shard(rank, partition, optimizer, &mut shard, grad_shard, lr)?;
-    all_gather_parameters(dp, partition, params, &shard)
+    all_gather_parameters(dp, partition, params, Held::Host(&shard))
 }
 
 /// The whole fp32 weights put together from every rank's `shard` of them on the group's first
@@ -914,6 +982,55 @@ mod tests {
 
     fn random(n: usize, seed: u64) -> Vec<f32> {
         (0..n).map(|i| (((i as u64 * 2654435761 + seed * 97) % 1000) as f32 / 500.0 - 1.0) * 0.3).collect()
+    }
+
+    /// The updated weights all-gathered from a shard held as a tensor (a GPU's, gathered by NCCL
+    /// where it lives) are those gathered from the same shard in host memory, in f32 and bf16 and
+    /// in rounds of any bucket, on 3 ranks; the shard taken out of whole weights as a tensor
+    /// ([`shard_tensor`]) is [`shard_values`], padding included.
+    #[test]
+    fn weights_gathered_from_a_tensor_shard_are_those_from_the_host() -> Result<()> {
+        let sizes = vec![9, 4, 6];
+        for outcome in crate::comm::on_groups(3, |group| {
+            let rank = group.rank();
+            let partition = Partition::new(sizes.clone(), 3);
+            let mine = random(partition.shard_len, rank as u64 + 1);
+            let tensor = Tensor::new(mine.as_slice(), &Device::Cpu)?;
+            let group = Arc::new(group);
+            for (dtype, bucket) in [(DType::F32, 1 << 20), (DType::BF16, 1 << 20), (DType::F32, 4)] {
+                let dp = DataParallel::new(group.clone(), ZeroStage::OptimizerStates, DEFAULT_BUCKET)
+                    .with_gather_bucket(bucket);
+                let gathered = |held: Held| -> Result<Vec<Vec<f32>>> {
+                    let params = ParamStore::of_tensors(
+                        sizes
+                            .iter()
+                            .enumerate()
+                            .map(|(i, &n)| Ok((format!("p{i}"), Tensor::zeros(n, dtype, &Device::Cpu)?)))
+                            .collect::<Result<Vec<_>>>()?,
+                    )?;
+                    all_gather_parameters(&dp, &partition, &params, held)?;
+                    params.vars.iter().map(|v| Ok(v.to_dtype(DType::F32)?.to_vec1::<f32>()?)).collect()
+                };
+                let from_host = gathered(Held::Host(&mine))?;
+                assert!(from_host.iter().flatten().any(|&x| x != 0.0));
+                assert_eq!(from_host, gathered(Held::Tensor(tensor.clone()))?, "{dtype:?}, bucket {bucket}");
+                let whole = ParamStore::of_tensors(
+                    from_host
+                        .iter()
+                        .enumerate()
+                        .map(|(i, v)| Ok((format!("p{i}"), Tensor::new(v.as_slice(), &Device::Cpu)?)))
+                        .collect::<Result<Vec<_>>>()?,
+                )?;
+                assert_eq!(
+                    shard_tensor(&partition, rank, &whole)?.to_vec1::<f32>()?,
+                    shard_values(&partition, rank, &whole)?
+                );
+            }
+            Ok(())
+        }) {
+            outcome?;
+        }
+        Ok(())
     }
 
     /// A master shard held as a tensor and stepped in place piece by piece

@@ -28,7 +28,7 @@ use crate::model::gpt2::{Block, Dropout, Gpt2, Gpt2Config, Positions};
 use crate::model::params::{attach_adapters, ParamStore};
 use crate::model::reward_model::{Heads, SCORE_WEIGHT};
 use crate::training::optim::AdamW;
-use crate::training::zero::{InPlacePiece, MasterShard, Partition};
+use crate::training::zero::{Held, InPlacePiece, MasterShard, Partition};
 use anyhow::{anyhow, bail, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Shape, Tensor, Var};
@@ -61,6 +61,13 @@ struct Unit {
     /// Where this rank's shard of the unit's gradient starts in the gradient shard; `None` for
     /// a unit of frozen parameters.
     grad_offset: Option<usize>,
+}
+
+impl Unit {
+    /// Where this rank's shard of the unit is in the model's shard.
+    fn shard(&self) -> Range<usize> {
+        self.offset..self.offset + self.partition.shard_len
+    }
 }
 
 /// What a sharded model is laid out from: its parameters without their values.
@@ -406,7 +413,7 @@ impl ShardedModel {
     /// so only rank 0 ever holds the whole model.
     pub fn gather_params(&self) -> Result<Option<ParamStore>> {
         let shard = self.shard.borrow();
-        self.gather_values(&Values::of(&shard), self.group.is_first(), DType::F32)
+        self.gather_values(&Held::of(&shard), self.group.is_first(), DType::F32)
     }
 
     /// Every parameter's values in `dtype` on every rank (a collective): PPO's generation mode,
@@ -416,7 +423,7 @@ impl ShardedModel {
     /// one unit in fp32.
     pub fn gather_params_everywhere(&self, dtype: DType) -> Result<ParamStore> {
         let shard = self.shard.borrow();
-        self.gather_values(&Values::of(&shard), true, dtype)?
+        self.gather_values(&Held::of(&shard), true, dtype)?
             .ok_or_else(|| anyhow!("internal error: a gather kept nothing"))
     }
 
@@ -465,7 +472,7 @@ impl ShardedModel {
         if values.len() != self.shard_len() {
             bail!("internal error: {} values to gather, the shard holds {}", values.len(), self.shard_len());
         }
-        self.gather_values(&Values::Host(values), self.group.is_first(), DType::F32)
+        self.gather_values(&Held::Host(values), self.group.is_first(), DType::F32)
     }
 
     /// Whether LoRA adapters are attached.
@@ -485,7 +492,7 @@ impl ShardedModel {
     /// the error, so no rank waits on it.
     pub fn visit_gathered_params(&self, visit: impl FnMut(&str, &Tensor) -> Result<()>) -> Result<()> {
         let shard = self.shard.borrow();
-        self.visit_gathered_values(&Values::of(&shard), visit)
+        self.visit_gathered_values(&Held::of(&shard), visit)
     }
 
     /// [`Self::visit_gathered_params`] of every rank's shard-shaped `values` (an EMA of the
@@ -494,11 +501,11 @@ impl ShardedModel {
         if values.len() != self.shard_len() {
             bail!("internal error: {} values to gather, the shard holds {}", values.len(), self.shard_len());
         }
-        self.visit_gathered_values(&Values::Host(values), visit)
+        self.visit_gathered_values(&Held::Host(values), visit)
     }
 
     /// [`Self::visit_gathered`] of `values` as they are held.
-    fn visit_gathered_values(&self, values: &Values, mut visit: impl FnMut(&str, &Tensor) -> Result<()>) -> Result<()> {
+    fn visit_gathered_values(&self, values: &Held, mut visit: impl FnMut(&str, &Tensor) -> Result<()>) -> Result<()> {
         let first = self.group.is_first();
         let mut failed = None;
         self.for_each_gathered(values, DType::F32, |i, t| {
@@ -533,13 +540,13 @@ impl ShardedModel {
             Some(values) if values.len() != self.shard_len() => {
                 bail!("internal error: {} values to gather, the shard holds {}", values.len(), self.shard_len())
             }
-            Some(values) => Values::Host(values),
-            None => Values::of(&shard),
+            Some(values) => Held::Host(values),
+            None => Held::of(&shard),
         };
         let first = self.group.is_first();
         let (mut part, mut failed) = (Vec::new(), None);
         for (k, unit) in self.units.iter().enumerate() {
-            let tensors = self.gather_unit(unit, values.unit(unit)?, DType::F32)?;
+            let tensors = self.gather_unit(unit, values.range(unit.shard())?, DType::F32)?;
             if first {
                 part.extend(unit.params.iter().copied().zip(tensors));
             }
@@ -636,7 +643,7 @@ impl ShardedModel {
                     let values = &mut fused[piece.in_shard];
                     crate::training::zero::add_lora_delta(values, name, piece.in_param.start, scaling, adapter)?;
                 }
-                for (&i, t) in unit.params.iter().zip(self.gather_unit(unit, Values::Host(&fused), dtype)?) {
+                for (&i, t) in unit.params.iter().zip(self.gather_unit(unit, Held::Host(&fused), dtype)?) {
                     if !at.contains_key(&i) {
                         full[i] = Some(t);
                     }
@@ -655,10 +662,10 @@ impl ShardedModel {
     pub fn gather_trained(&self) -> Result<Option<ParamStore>> {
         let first = self.group.is_first();
         let shard = self.shard.borrow();
-        let values = Values::of(&shard);
+        let values = Held::of(&shard);
         let mut trained = Vec::new();
         for unit in self.units.iter().filter(|unit| unit.grad_offset.is_some()) {
-            let tensors = self.gather_unit(unit, values.unit(unit)?, DType::F32)?;
+            let tensors = self.gather_unit(unit, values.range(unit.shard())?, DType::F32)?;
             if first {
                 trained.extend(unit.params.iter().copied().zip(tensors));
             }
@@ -677,12 +684,12 @@ impl ShardedModel {
     /// to `take`.
     fn for_each_gathered(
         &self,
-        values: &Values,
+        values: &Held,
         dtype: DType,
         mut take: impl FnMut(usize, Tensor) -> Result<()>,
     ) -> Result<()> {
         for unit in &self.units {
-            let tensors = self.gather_unit(unit, values.unit(unit)?, dtype)?;
+            let tensors = self.gather_unit(unit, values.range(unit.shard())?, dtype)?;
             for (&i, t) in unit.params.iter().zip(tensors) {
                 take(i, t)?;
             }
@@ -692,7 +699,7 @@ impl ShardedModel {
 
     /// Gathers each unit of the shard-shaped `values`; keeps the whole model in `dtype` when
     /// `keep`.
-    fn gather_values(&self, values: &Values, keep: bool, dtype: DType) -> Result<Option<ParamStore>> {
+    fn gather_values(&self, values: &Held, keep: bool, dtype: DType) -> Result<Option<ParamStore>> {
         let mut full: Vec<Option<Tensor>> = vec![None; self.names.len()];
         // Every rank gathers in `dtype` (the same bytes), kept or not.
         self.for_each_gathered(values, dtype, |i, t| {
@@ -716,11 +723,8 @@ impl ShardedModel {
     /// quantity of the unit: weights or moments), full on the compute device, gathered in
     /// `dtype` (weights in the compute dtype: half fp32's bytes in fp16/bf16, as DeepSpeed
     /// gathers its fp16 parameters; fp32 for saves).
-    fn gather_unit(&self, unit: &Unit, mine: Values, dtype: DType) -> Result<Vec<Tensor>> {
-        let full = match mine {
-            Values::Host(mine) => self.group.all_gather_slice_as(mine, dtype, &self.device)?,
-            Values::Tensor(mine) => self.group.all_gather_tensor_as(&mine, dtype)?,
-        };
+    fn gather_unit(&self, unit: &Unit, mine: Held, dtype: DType) -> Result<Vec<Tensor>> {
+        let full = mine.all_gather_as(&self.group, dtype, &self.device)?;
         let shapes: Vec<&Shape> = unit.params.iter().map(|&i| &self.shapes[i]).collect();
         unit.partition.unflatten(&full, &shapes)
     }
@@ -736,19 +740,17 @@ impl ShardedModel {
         for (u, unit) in self.units.iter().enumerate().filter(|(_, unit)| unit.part == part) {
             if unit.grad_offset.is_some() && pass == Pass::Backward {
                 let shapes: Vec<&Shape> = unit.params.iter().map(|&i| &self.shapes[i]).collect();
-                let vars = match Values::of(&self.shard.borrow()).unit(unit)? {
-                    Values::Host(mine) => {
-                        self.group.all_gather_slice_as_variables(mine, self.dtype, &shapes, &self.device)?
-                    }
-                    Values::Tensor(mine) => self.group.all_gather_tensor_as_variables(&mine, self.dtype, &shapes)?,
-                };
+                let shard = self.shard.borrow();
+                let mine = Held::of(&shard).range(unit.shard())?;
+                let vars = mine.all_gather_as_variables(&self.group, self.dtype, &shapes, &self.device)?;
+                drop(shard);
                 for (&i, var) in unit.params.iter().zip(&vars) {
                     named.insert(self.names[i].clone(), var.as_tensor().clone());
                 }
                 trained.push((u, vars));
                 continue;
             }
-            let tensors = self.gather_unit(unit, Values::of(&self.shard.borrow()).unit(unit)?, self.dtype)?;
+            let tensors = self.gather_unit(unit, Held::of(&self.shard.borrow()).range(unit.shard())?, self.dtype)?;
             for (&i, t) in unit.params.iter().zip(tensors) {
                 named.insert(self.names[i].clone(), t.to_dtype(self.dtype)?);
             }
@@ -1037,33 +1039,6 @@ impl ShardedModel {
         }
         let [exp_avg, exp_avg_sq] = moments;
         Ok(Some(optimizer.with_full_moments(exp_avg, exp_avg_sq)))
-    }
-}
-
-/// Shard-shaped values (the weight shard, or values laid out as it: an EMA's) as they are held,
-/// or a unit's stretch of them ([`Values::unit`]).
-#[derive(Clone)]
-enum Values<'a> {
-    Host(&'a [f32]),
-    /// A tensor where it lives (a view for a unit's stretch).
-    Tensor(Tensor),
-}
-
-impl<'a> Values<'a> {
-    fn of(shard: &'a MasterShard) -> Self {
-        match shard {
-            MasterShard::Host(values) => Self::Host(values),
-            MasterShard::Device(t) => Self::Tensor(t.clone()),
-        }
-    }
-
-    /// This rank's shard of `unit`.
-    fn unit(&self, unit: &Unit) -> Result<Values<'a>> {
-        let (at, len) = (unit.offset, unit.partition.shard_len);
-        Ok(match self {
-            Self::Host(values) => Self::Host(&values[at..at + len]),
-            Self::Tensor(t) => Self::Tensor(t.narrow(0, at, len)?),
-        })
     }
 }
 
