@@ -23,7 +23,8 @@ pub const INFERENCE_TP_SIZE_ENV: &str = "RLHF_INFERENCE_TP_SIZE";
 #[derive(Args, Clone, Debug)]
 pub struct DistArgs {
     /// Seconds to wait for another rank, at the rendezvous and in every collective; a rank that
-    /// died or hangs makes the others fail after this long, naming it.
+    /// died or hangs makes the others fail after this long, naming it (on GPUs NCCL's watchdog:
+    /// the collective named, the communicator aborted).
     #[arg(help_heading = heading::PARALLELISM, long, default_value_t = 300, alias = "dist_timeout", value_parser = clap::value_parser!(u64).range(1..))]
     pub dist_timeout: u64,
     /// Gradient values per bucket (DeepSpeed's reduce_bucket_size): stage 0's all-reduces, and at

@@ -1,5 +1,6 @@
 //! Communication between the ranks of a job: who this process is (`env`), how the ranks find
-//! each other (`store`), and the collectives (`tcp`: the CPU ring, `nccl`: CUDA tensors).
+//! each other (`store`), and the collectives (`tcp`: the CPU ring, `nccl`: CUDA tensors, watched
+//! by `watchdog`).
 //! [`ProcessGroup`] is what the rest of the engine sees: all-reduce, reduce-scatter, all-gather,
 //! broadcast and barrier on candle tensors, each routed to the backend that owns the tensor's
 //! device, plus the scalar reductions (losses, norms, flags) that always go over the ring.
@@ -9,6 +10,7 @@ pub mod env;
 pub mod nccl;
 pub mod store;
 pub mod tcp;
+pub mod watchdog;
 
 pub use env::RankEnv;
 pub use tcp::{chunk, CommStats, ReduceOp};

@@ -1,57 +1,109 @@
-//! The GPU backend: NCCL through cudarc, one communicator per group, created on the stream candle
-//! computes on so that every collective is ordered after the kernels that produce its input
-//! (no synchronisation needed). The unique id is made by rank 0 and sent to the others over the
-//! CPU ring that the rendezvous built (NCCL's own bootstrap needs exactly this side channel).
+//! The GPU backend: NCCL through cudarc's result API, one communicator per group. Collectives
+//! run on a stream of their own, ordered by events: the communication stream waits for the
+//! compute stream's work so far (the kernels that produced the input), and the compute stream
+//! waits for the collective before it uses the result, so no host synchronisation is needed and
+//! a collective can later overlap compute that does not read it. The unique id is made by rank 0
+//! and sent to the others over the CPU ring that the rendezvous built (NCCL's own bootstrap
+//! needs exactly this side channel).
 //!
 //! Each collective is a candle custom op whose CUDA forward calls NCCL into a fresh buffer, as
 //! candle's `llama_multiprocess` example does, in the tensor's dtype (f32, bf16 or f16: tensor
 //! parallelism's all-reduces in the compute dtype, half-precision gradient reductions); the CPU
-//! forward refuses (CPU tensors go over the ring). `cudarc::nccl::Comm` is neither Send nor Sync; NCCL allows a communicator to be used
-//! from any thread but not from two at once, so it sits behind a mutex, which makes process
-//! groups shareable by the ops that tensor parallelism stores in candle's graph.
+//! forward refuses (CPU tensors go over the ring). NCCL allows a communicator to be used from
+//! any thread but not from two at once, so it sits behind a mutex, which makes process groups
+//! shareable by the ops that tensor parallelism stores in candle's graph.
+//!
+//! A [`Watchdog`] watches every collective through an event recorded after it: one still
+//! incomplete after `--dist-timeout` (a peer died, hangs or called another collective) has its
+//! communicator's asynchronous error read (`ncclCommGetAsyncError`), the communicator aborted
+//! (`ncclCommAbort`) and the process ended with one line naming the collective and the rank.
 
 use crate::comm::tcp::{ReduceOp, TcpRing};
+use crate::comm::watchdog::{poll_interval, Stuck, Watchdog};
 use anyhow::{anyhow, Result};
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc;
-use candle_core::cuda_backend::cudarc::nccl::safe::{Comm, Id, NcclType, ReduceOp as NcclOp};
+use candle_core::cuda_backend::cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
+use candle_core::cuda_backend::cudarc::nccl::{result, sys, NcclType};
+use candle_core::cuda_backend::{cudarc, CudaError};
 use candle_core::{CpuStorage, CudaStorage, CustomOp1, DType, Device, Layout, Shape, Tensor};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
-/// One NCCL communicator for the ranks of a group, on `device`'s stream.
+/// One NCCL communicator for the ranks of a group, with its stream and its watchdog.
 pub struct NcclComm {
-    comm: Mutex<SendComm>,
+    comm: Mutex<RawComm>,
+    /// The stream collectives run on.
+    stream: Arc<CudaStream>,
+    rank: usize,
+    world: usize,
+    /// `None` for a wait without end (a group of one).
+    watchdog: Option<Watchdog>,
 }
 
-/// A communicator that may move between threads: NCCL forbids concurrent use of one
-/// communicator, not use from another thread, and the mutex rules out concurrent use.
-struct SendComm(Comm);
+/// The communicator's handle. NCCL forbids concurrent use of one communicator, not use from
+/// another thread: every collective goes through `NcclComm::comm`'s lock; the watchdog uses
+/// its copy only to abort, which NCCL allows from another thread while a collective hangs.
+#[derive(Clone, Copy)]
+struct RawComm(sys::ncclComm_t);
 
-// SAFETY: see `SendComm`; every use goes through `NcclComm::comm`'s lock.
-unsafe impl Send for SendComm {}
+// SAFETY: see `RawComm`.
+unsafe impl Send for RawComm {}
+
+/// NCCL's name for `code`.
+fn nccl_error(code: sys::ncclResult_t) -> String {
+    // SAFETY: NCCL returns a static string for every code.
+    let text = unsafe { std::ffi::CStr::from_ptr(sys::ncclGetErrorString(code)) };
+    format!("{} ({code:?})", text.to_string_lossy())
+}
 
 impl NcclComm {
     /// Creates the communicator collectively: every rank of `ring` calls this in the same order.
+    /// A collective still incomplete after the ring's timeout (`--dist-timeout`) ends the
+    /// process with one line naming it.
     pub fn new(ring: &TcpRing, device: &Device) -> Result<Self> {
+        let (rank, world) = (ring.rank(), ring.world());
+        let comm = Self::create(ring, device)?;
+        let timeout = ring.timeout();
+        let comm = comm.watched(timeout, move |stuck, raw| exit_on_stuck(stuck, raw, rank, world, timeout));
+        Ok(comm)
+    }
+
+    /// The communicator, unwatched.
+    fn create(ring: &TcpRing, device: &Device) -> Result<Self> {
         let cuda = device.as_cuda_device()?;
-        let mut bytes = [0u8; 128];
-        if ring.rank() == 0 {
-            let id = Id::new().map_err(|e| anyhow!("NCCL could not make a unique id: {e:?}"))?;
-            for (b, c) in bytes.iter_mut().zip(id.internal()) {
-                *b = *c as u8;
-            }
-        }
+        let mut id = match ring.rank() {
+            0 => result::get_uniqueid().map_err(|e| anyhow!("NCCL could not make a unique id: {}", nccl_error(e.0)))?,
+            _ => sys::ncclUniqueId { internal: [0; 128] },
+        };
+        let mut bytes = id.internal.map(|c| c as u8);
         ring.broadcast_bytes(&mut bytes, 0)?;
-        let id = Id::uninit(bytes.map(|b| b as core::ffi::c_char));
-        let comm = Comm::from_rank(cuda.cuda_stream(), ring.rank(), ring.world(), id)
-            .map_err(|e| anyhow!("NCCL could not create the communicator of rank {}: {e:?}", ring.rank()))?;
-        Ok(Self { comm: Mutex::new(SendComm(comm)) })
+        id.internal = bytes.map(|b| b as core::ffi::c_char);
+        let stream = cuda.cuda_stream().context().new_stream()?;
+        let mut comm = std::mem::MaybeUninit::uninit();
+        // SAFETY: `comm` is written by a successful init; rank and world are the ring's.
+        let comm = unsafe {
+            result::comm_init_rank(comm.as_mut_ptr(), ring.world() as i32, id, ring.rank() as i32).map_err(|e| {
+                anyhow!("NCCL could not create the communicator of rank {}: {}", ring.rank(), nccl_error(e.0))
+            })?;
+            comm.assume_init()
+        };
+        Ok(Self { comm: Mutex::new(RawComm(comm)), stream, rank: ring.rank(), world: ring.world(), watchdog: None })
+    }
+
+    /// Watched: a collective in flight past `timeout` goes to `on_stuck` with the communicator
+    /// (none for a timeout without end: a group of one).
+    fn watched(mut self, timeout: Duration, on_stuck: impl FnOnce(Stuck, RawComm) + Send + 'static) -> Self {
+        if timeout != Duration::MAX {
+            let raw = *self.comm.lock().unwrap_or_else(|e| e.into_inner());
+            self.watchdog = Some(Watchdog::start(timeout, poll_interval(timeout), move |stuck| on_stuck(stuck, raw)));
+        }
+        self
     }
 
     fn run(&self, t: &Tensor, kind: Kind) -> Result<Tensor> {
         let t = t.flatten_all()?.contiguous()?;
         let comm = self.comm.lock().map_err(|_| anyhow!("an NCCL collective panicked earlier"))?;
-        Ok(t.apply_op1_no_bwd(&Collective { comm: &comm.0, kind })?)
+        Ok(t.apply_op1_no_bwd(&Collective { comm: *comm, nccl: self, kind })?)
     }
 
     pub fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
@@ -80,8 +132,20 @@ enum Kind {
 }
 
 struct Collective<'a> {
-    comm: &'a Comm,
+    comm: RawComm,
+    nccl: &'a NcclComm,
     kind: Kind,
+}
+
+impl Kind {
+    fn name(self) -> &'static str {
+        match self {
+            Kind::AllReduce(_) => "all-reduce",
+            Kind::ReduceScatter => "reduce-scatter",
+            Kind::AllGather => "all-gather",
+            Kind::Broadcast(_) => "broadcast",
+        }
+    }
 }
 
 impl CustomOp1 for Collective<'_> {
@@ -108,7 +172,8 @@ impl CustomOp1 for Collective<'_> {
 
 impl Collective<'_> {
     /// The collective on `s`'s values `range` of element type `T` (f32, bf16, f16: NCCL adds
-    /// half-precision values in their type), into a fresh buffer of the same type.
+    /// half-precision values in their type), into a fresh buffer of the same type, on the
+    /// communicator's stream between two events (see the module's comment).
     fn on<T>(&self, s: &CudaStorage, range: std::ops::Range<usize>) -> candle_core::Result<(CudaStorage, Shape)>
     where
         T: NcclType
@@ -117,36 +182,140 @@ impl Collective<'_> {
             + cudarc::driver::ValidAsZeroBits,
     {
         let dev = s.device();
-        let n = range.len();
-        let world = self.comm.world_size();
+        let (compute, stream) = (dev.cuda_stream(), &self.nccl.stream);
+        let (n, world) = (range.len(), self.nccl.world);
         let src = s.as_cuda_slice::<T>()?.slice(range);
-        let err = |e| candle_core::Error::Cuda(format!("NCCL failed: {e:?}").into());
-        let (out_len, out) = match self.kind {
-            Kind::AllReduce(op) => {
-                let mut dst = dev.alloc_zeros::<T>(n)?;
-                let op = if op == ReduceOp::Sum { NcclOp::Sum } else { NcclOp::Max };
-                self.comm.all_reduce(&src, &mut dst, &op).map_err(err)?;
-                (n, dst)
+        let out_len = match self.kind {
+            Kind::AllReduce(_) | Kind::Broadcast(_) => n,
+            Kind::ReduceScatter if !n.is_multiple_of(world) => {
+                candle_core::bail!("reduce-scatter of {n} values over {world} ranks: pad to a multiple")
             }
-            Kind::ReduceScatter => {
-                if !n.is_multiple_of(world) {
-                    candle_core::bail!("reduce-scatter of {n} values over {world} ranks: pad to a multiple");
+            Kind::ReduceScatter => n / world,
+            Kind::AllGather => n * world,
+        };
+        // Allocated (and zeroed) on the compute stream, before the event the collective waits on.
+        let mut dst = dev.alloc_zeros::<T>(out_len)?;
+        let no_timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING);
+        stream.wait(&compute.record_event(no_timing).map_err(CudaError::from)?).map_err(CudaError::from)?;
+        let status = {
+            let (send, _read) = src.device_ptr(stream);
+            let (recv, _written) = dst.device_ptr_mut(stream);
+            let (send, recv) = (send as *const core::ffi::c_void, recv as *mut core::ffi::c_void);
+            let (comm, on) = (self.comm.0, stream.cu_stream() as _);
+            let ty = T::as_nccl_type();
+            let op = |op: ReduceOp| match op {
+                ReduceOp::Sum => sys::ncclRedOp_t::ncclSum,
+                ReduceOp::Max => sys::ncclRedOp_t::ncclMax,
+            };
+            // SAFETY: both buffers live on this device for `n` and `out_len` values, and the
+            // compute stream waits for the collective before anything reads or frees them.
+            unsafe {
+                match self.kind {
+                    Kind::AllReduce(reduce) => result::all_reduce(send, recv, n, ty, op(reduce), comm, on),
+                    Kind::ReduceScatter => result::reduce_scatter(send, recv, out_len, ty, op(ReduceOp::Sum), comm, on),
+                    Kind::AllGather => result::all_gather(send, recv, n, ty, comm, on),
+                    Kind::Broadcast(root) => result::broadcast(send, recv, n, ty, root as i32, comm, on),
                 }
-                let mut dst = dev.alloc_zeros::<T>(n / world)?;
-                self.comm.reduce_scatter(&src, &mut dst, &NcclOp::Sum).map_err(err)?;
-                (n / world, dst)
-            }
-            Kind::AllGather => {
-                let mut dst = dev.alloc_zeros::<T>(n * world)?;
-                self.comm.all_gather(&src, &mut dst).map_err(err)?;
-                (n * world, dst)
-            }
-            Kind::Broadcast(root) => {
-                let mut dst = dev.alloc_zeros::<T>(n)?;
-                self.comm.broadcast(Some(&src), &mut dst, root as i32).map_err(err)?;
-                (n, dst)
             }
         };
-        Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), Shape::from(out_len)))
+        status.map_err(|e| {
+            candle_core::Error::Cuda(
+                format!(
+                    "NCCL {} of {n} values failed on rank {}: {}",
+                    self.kind.name(),
+                    self.nccl.rank,
+                    nccl_error(e.0)
+                )
+                .into(),
+            )
+        })?;
+        let done = stream.record_event(no_timing).map_err(CudaError::from)?;
+        compute.wait(&done).map_err(CudaError::from)?;
+        if let Some(watchdog) = &self.nccl.watchdog {
+            let what = format!("{} of {n} {:?} values", self.kind.name(), s.dtype());
+            // The watchdog's thread queries the event in the device's context.
+            let context = stream.context().clone();
+            watchdog.watch(what, move || context.bind_to_thread().is_ok() && done.is_complete());
+        }
+        Ok((CudaStorage::wrap_cuda_slice(dst, dev.clone()), Shape::from(out_len)))
+    }
+}
+
+/// What a rank does with a collective stuck past `--dist-timeout`: one line naming it, the
+/// rank and NCCL's asynchronous error (a network failure, or none: a peer that hangs or never
+/// called it), the communicator aborted so that nothing waits on it, and the process ended
+/// (the launcher then stops the other ranks).
+fn exit_on_stuck(stuck: Stuck, comm: RawComm, rank: usize, world: usize, timeout: Duration) {
+    let mut code = sys::ncclResult_t::ncclSuccess;
+    // SAFETY: the communicator is alive (the watchdog stops before it is destroyed).
+    let asked = unsafe { sys::ncclCommGetAsyncError(comm.0, &mut code) };
+    let error = match (asked, code) {
+        (sys::ncclResult_t::ncclSuccess, sys::ncclResult_t::ncclSuccess) => {
+            "no NCCL error: a peer rank is hung, died or called another collective".to_string()
+        }
+        (sys::ncclResult_t::ncclSuccess, code) => format!("NCCL's asynchronous error: {}", nccl_error(code)),
+        (failed, _) => format!("NCCL's error could not be read: {}", nccl_error(failed)),
+    };
+    // SAFETY: as above; NCCL allows an abort while a collective of the communicator hangs.
+    let _ = unsafe { result::comm_abort(comm.0) };
+    eprintln!(
+        "error: rank {rank} of {world}: NCCL {} did not complete within --dist-timeout {}s ({} waited; {error}); the communicator was aborted. Check the other ranks' logs, or raise --dist-timeout if a rank is only slow",
+        stuck.what,
+        timeout.as_secs(),
+        humantime(stuck.waited)
+    );
+    std::process::exit(1);
+}
+
+fn humantime(d: Duration) -> String {
+    format!("{:.1}s", d.as_secs_f64())
+}
+
+impl Drop for NcclComm {
+    fn drop(&mut self) {
+        // The watchdog first: it holds the communicator's handle.
+        self.watchdog.take();
+        let comm = self.comm.lock().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: nothing uses the communicator after this; an abort never waits on a peer.
+        let _ = unsafe { result::comm_abort(comm.0) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// At world size 1 (one GPU), a collective runs on the communicator's stream and its result
+    /// is ordered before the compute stream's next use; the watchdog sees it complete. A
+    /// collective that never completes (an event that is never recorded done) reaches the
+    /// stuck handler with its name, which aborts the communicator.
+    #[test]
+    fn a_watched_collective_completes_and_a_stuck_one_is_reported() -> Result<()> {
+        let Some(gpu) = crate::kernels::ops::test_support::gpu() else { return Ok(()) };
+        let ring = TcpRing::single();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let comm = NcclComm::create(&ring, &gpu)?.watched(Duration::from_millis(300), move |stuck, raw| {
+            // SAFETY: the test's communicator is alive until it is dropped below.
+            let aborted = unsafe { result::comm_abort(raw.0) }.is_ok();
+            tx.send((stuck.what, aborted)).unwrap();
+        });
+        let x = Tensor::arange(0f32, 6f32, &gpu)?;
+        let summed = comm.all_reduce(&(&x * 2.0)?, ReduceOp::Sum)?;
+        assert_eq!(summed.to_vec1::<f32>()?, vec![0.0, 2.0, 4.0, 6.0, 8.0, 10.0]);
+        let gathered = comm.all_gather(&x.to_dtype(DType::BF16)?)?;
+        assert_eq!(gathered.to_dtype(DType::F32)?.to_vec1::<f32>()?, x.to_vec1::<f32>()?);
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let dog = comm.watchdog.as_ref().expect("watched");
+        while dog.in_flight() > 0 && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(dog.in_flight(), 0, "both collectives seen complete");
+        dog.watch("all-gather of 8 BF16 values", || false);
+        let (what, aborted) = rx.recv_timeout(Duration::from_secs(10)).expect("the stuck collective is reported");
+        assert_eq!(what, "all-gather of 8 BF16 values");
+        assert!(aborted);
+        // Aborted already: dropping it must not abort twice.
+        std::mem::forget(comm);
+        Ok(())
     }
 }

@@ -111,6 +111,11 @@ impl TcpRing {
         Self { rank: 0, world: 1, links: None, addrs: Vec::new(), timeout: Duration::MAX, stats: CommStats::default() }
     }
 
+    /// How long a peer is waited for (`--dist-timeout`; without end for a world of one).
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
     /// Connects rank `rank` to the next rank's listener and accepts the previous rank on
     /// `listener`, each within `timeout`.
     pub fn connect(rank: usize, addrs: Vec<SocketAddr>, listener: TcpListener, timeout: Duration) -> Result<Self> {
