@@ -472,6 +472,24 @@ impl ProcessGroup {
         Ok(self.all_gather(&cast)?.to_dtype(dtype)?)
     }
 
+    /// [`Self::all_gather_tensor_as`] begun, to be read later ([`PendingGather::ready`]): over
+    /// NCCL it runs on the communicator's stream while the compute stream goes on (ZeRO-3's
+    /// prefetch of the next unit); elsewhere it is done at once.
+    pub fn begin_all_gather_tensor_as(&self, mine: &Tensor, dtype: DType) -> Result<PendingGather> {
+        #[cfg(feature = "nccl")]
+        if self.world() > 1 {
+            if let Some(c) = self.nccl_for(mine)? {
+                let (tensor, deferred) = c.all_gather_deferred(&mine.flatten_all()?.to_dtype(dtype)?)?;
+                return Ok(PendingGather { tensor, deferred: Some(deferred) });
+            }
+        }
+        Ok(PendingGather {
+            tensor: self.all_gather_tensor_as(mine, dtype)?,
+            #[cfg(feature = "nccl")]
+            deferred: None,
+        })
+    }
+
     /// [`Self::all_gather_slice_as_variables`] of values held as a tensor, as
     /// [`Self::all_gather_tensor_as`].
     pub fn all_gather_tensor_as_variables(
@@ -628,6 +646,27 @@ fn extend_host_f32(out: &mut Vec<f32>, t: &Tensor) -> Result<()> {
     }
     out.extend(t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?);
     Ok(())
+}
+
+/// An all-gather begun ([`ProcessGroup::begin_all_gather_tensor_as`]).
+pub struct PendingGather {
+    tensor: Tensor,
+    #[cfg(feature = "nccl")]
+    deferred: Option<nccl::Deferred>,
+}
+
+impl PendingGather {
+    /// The gathered values, once the compute stream is ordered after the gather.
+    pub fn ready(self) -> Tensor {
+        #[cfg(feature = "nccl")]
+        drop(self.deferred);
+        self.tensor
+    }
+
+    /// [`Self::ready`] cut into variables of `shapes`, copied out of the gathered buffer.
+    pub fn ready_as_variables(self, shapes: &[&candle_core::Shape]) -> Result<Vec<candle_core::Var>> {
+        split_variables(&self.ready(), shapes)
+    }
 }
 
 /// `t`'s values (any float dtype) as f32 in host memory.

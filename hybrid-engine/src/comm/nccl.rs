@@ -22,7 +22,7 @@ use crate::comm::tcp::{ReduceOp, TcpRing};
 use crate::comm::watchdog::{poll_interval, Stuck, Watchdog};
 use anyhow::{anyhow, Result};
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
+use candle_core::cuda_backend::cudarc::driver::{CudaEvent, CudaStream, DevicePtr, DevicePtrMut};
 use candle_core::cuda_backend::cudarc::nccl::{result, sys, NcclType};
 use candle_core::cuda_backend::{cudarc, CudaError};
 use candle_core::{CpuStorage, CudaStorage, CustomOp1, DType, Device, Layout, Shape, Tensor};
@@ -38,6 +38,25 @@ pub struct NcclComm {
     world: usize,
     /// `None` for a wait without end (a group of one).
     watchdog: Option<Watchdog>,
+}
+
+/// A collective the compute stream has not yet waited for. Dropping it makes the compute stream
+/// wait (no host synchronisation); until then the input is kept, so that its memory is not
+/// reused while NCCL reads it.
+pub struct Deferred {
+    done: Arc<CudaEvent>,
+    compute: Arc<CudaStream>,
+    _input: Tensor,
+}
+
+impl Drop for Deferred {
+    fn drop(&mut self) {
+        if let Err(e) = self.compute.wait(&self.done) {
+            // Without the wait the result could be read before it is written: nothing can go on.
+            eprintln!("error: the compute stream could not wait for an NCCL all-gather: {e:?}");
+            std::process::exit(1);
+        }
+    }
 }
 
 /// The communicator's handle. NCCL forbids concurrent use of one communicator, not use from
@@ -101,9 +120,38 @@ impl NcclComm {
     }
 
     fn run(&self, t: &Tensor, kind: Kind) -> Result<Tensor> {
+        Ok(self.launch(t, kind, None)?.0)
+    }
+
+    /// The collective `kind` of `t` enqueued on the communicator's stream; with `deferred`, the
+    /// compute stream does not wait for it here (the caller's [`Deferred`] does), else it does.
+    /// Returns the result and the flattened input.
+    fn launch(
+        &self,
+        t: &Tensor,
+        kind: Kind,
+        deferred: Option<&Mutex<Option<Arc<CudaEvent>>>>,
+    ) -> Result<(Tensor, Tensor)> {
         let t = t.flatten_all()?.contiguous()?;
         let comm = self.comm.lock().map_err(|_| anyhow!("an NCCL collective panicked earlier"))?;
-        Ok(t.apply_op1_no_bwd(&Collective { comm: *comm, nccl: self, kind })?)
+        let out = t.apply_op1_no_bwd(&Collective { comm: *comm, nccl: self, kind, deferred })?;
+        Ok((out, t))
+    }
+
+    /// [`Self::all_gather`] begun on the communicator's stream while the compute stream goes on
+    /// (ZeRO-3's prefetch of the next unit while the current one computes): the result may be
+    /// read only after [`Deferred`] is dropped, which orders the compute stream after the
+    /// gather.
+    pub fn all_gather_deferred(&self, t: &Tensor) -> Result<(Tensor, Deferred)> {
+        let slot = Mutex::new(None);
+        let (out, input) = self.launch(t, Kind::AllGather, Some(&slot))?;
+        let done = slot
+            .into_inner()
+            .ok()
+            .flatten()
+            .ok_or_else(|| anyhow!("internal error: a deferred gather recorded no event"))?;
+        let compute = t.device().as_cuda_device()?.cuda_stream();
+        Ok((out, Deferred { done, compute, _input: input }))
     }
 
     pub fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
@@ -135,6 +183,9 @@ struct Collective<'a> {
     comm: RawComm,
     nccl: &'a NcclComm,
     kind: Kind,
+    /// Where a deferred collective leaves its completion event (the compute stream then does
+    /// not wait for it).
+    deferred: Option<&'a Mutex<Option<Arc<CudaEvent>>>>,
 }
 
 impl Kind {
@@ -229,8 +280,11 @@ impl Collective<'_> {
                 .into(),
             )
         })?;
-        let done = stream.record_event(no_timing).map_err(CudaError::from)?;
-        compute.wait(&done).map_err(CudaError::from)?;
+        let done = Arc::new(stream.record_event(no_timing).map_err(CudaError::from)?);
+        match self.deferred {
+            Some(slot) => *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(done.clone()),
+            None => compute.wait(&done).map_err(CudaError::from)?,
+        }
         if let Some(watchdog) = &self.nccl.watchdog {
             let what = format!("{} of {n} {:?} values", self.kind.name(), s.dtype());
             // The watchdog's thread queries the event in the device's context.
@@ -304,12 +358,16 @@ mod tests {
         assert_eq!(summed.to_vec1::<f32>()?, vec![0.0, 2.0, 4.0, 6.0, 8.0, 10.0]);
         let gathered = comm.all_gather(&x.to_dtype(DType::BF16)?)?;
         assert_eq!(gathered.to_dtype(DType::F32)?.to_vec1::<f32>()?, x.to_vec1::<f32>()?);
+        // Deferred: the compute stream goes on, then waits when the handle is dropped.
+        let (prefetched, deferred) = comm.all_gather_deferred(&(&x + 1.0)?)?;
+        drop(deferred);
+        assert_eq!(prefetched.to_vec1::<f32>()?, vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         let dog = comm.watchdog.as_ref().expect("watched");
         while dog.in_flight() > 0 && std::time::Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(5));
         }
-        assert_eq!(dog.in_flight(), 0, "both collectives seen complete");
+        assert_eq!(dog.in_flight(), 0, "the collectives seen complete");
         dog.watch("all-gather of 8 BF16 values", || false);
         let (what, aborted) = rx.recv_timeout(Duration::from_secs(10)).expect("the stuck collective is reported");
         assert_eq!(what, "all-gather of 8 BF16 values");

@@ -394,7 +394,8 @@ pub struct MemoryPlan {
     /// Tensor parallelism: (ranks per layer, parameters held by each).
     pub tensor_parallel: Option<(usize, usize)>,
     /// ZeRO stage 3 across ranks: the largest unit (the embeddings and heads, or a block)
-    /// gathered whole with its whole gradient, 4 + 4 bytes a value (see [`gathered_unit_values`]).
+    /// gathered whole with its whole gradient, 4 + 4 bytes a value (see [`gathered_unit_values`]);
+    /// on a GPU without `--offload`, the next block prefetched beside it.
     pub gathered_unit_bytes: u64,
     /// On the CPU, the process itself before the model: its resident memory when planned (the
     /// binary, the tokenizer, the loaded data), measured ([`Self::with_process_baseline`]).
@@ -413,8 +414,14 @@ pub struct MemoryPlan {
 pub fn gathered_unit_values(cfg: &Gpt2Config, extra: usize) -> usize {
     let c = cfg.n_embd;
     let outer = cfg.vocab_size * c + cfg.n_positions * c + 2 * c + extra;
-    let block = (parameter_count(cfg) - (outer - extra)) / cfg.n_layer.max(1);
-    outer.max(block)
+    outer.max(block_values(cfg))
+}
+
+/// The values of one transformer block.
+fn block_values(cfg: &Gpt2Config) -> usize {
+    let c = cfg.n_embd;
+    let outer = cfg.vocab_size * c + cfg.n_positions * c + 2 * c;
+    (parameter_count(cfg) - outer) / cfg.n_layer.max(1)
 }
 
 impl MemoryPlan {
@@ -516,6 +523,17 @@ impl MemoryPlan {
             }
             Some(ZeroStage::Parameters) if offload => {
                 (self.adam_bytes, self.param_bytes, self.compute_copy_bytes) = (0, 0, 0)
+            }
+            Some(ZeroStage::Parameters) => {
+                // Gathered from shards on the GPU, the next block is prefetched while a unit
+                // computes: one more block in the compute dtype (this rank's TP slices of it).
+                let block = block_values(&self.activations.cfg) as u64;
+                let block = match self.tensor_parallel {
+                    Some((_, held)) => block * held as u64 / self.parameters.max(1) as u64,
+                    None => block,
+                };
+                self.gathered_unit_bytes += self.compute_dtype.size_in_bytes() as u64 * block;
+                return self;
             }
             _ => return self,
         }
@@ -769,7 +787,10 @@ impl MemoryPlan {
             },
             m(self.activation_bytes()),
             if self.gathered_unit_bytes > 0 {
-                format!("estimated {:.1} MiB for ZeRO-3's largest gathered unit and its gradient\n", m(self.gathered_unit_bytes))
+                format!(
+                    "estimated {:.1} MiB for ZeRO-3's largest gathered unit and its gradient (on a GPU, with the next block prefetched)\n",
+                    m(self.gathered_unit_bytes)
+                )
             } else {
                 String::new()
             },
@@ -876,6 +897,9 @@ mod tests {
         let on_cpu = plan(ZeroStage::Parameters, DeviceKind::Cpu, false);
         assert_eq!((kept.adam_bytes, kept.param_bytes), (on_cpu.adam_bytes, on_cpu.param_bytes));
         assert!(kept.adam_bytes > 0 && kept.param_bytes > 0 && !kept.offloaded);
+        // Gathered from the GPU's shards, the next block is prefetched: one more block in bf16.
+        assert_eq!(kept.gathered_unit_bytes, offloaded.gathered_unit_bytes + 2 * block_values(&cfg) as u64);
+        assert_eq!(offloaded.gathered_unit_bytes, on_cpu.gathered_unit_bytes);
         assert_eq!((offloaded.adam_bytes, offloaded.param_bytes, offloaded.compute_copy_bytes), (0, 0, 0));
         assert!(offloaded.gathered_unit_bytes > 0 && offloaded.offloaded);
     }

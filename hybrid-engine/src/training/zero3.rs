@@ -23,7 +23,7 @@
 //! data-parallel group): the gathered units build the TP rank's layers, and the gradient norm
 //! adds the TP ranks' shares ([`crate::tensor_parallel::shard::norm_share`]).
 
-use crate::comm::{ProcessGroup, ReduceOp};
+use crate::comm::{PendingGather, ProcessGroup, ReduceOp};
 use crate::model::gpt2::{Block, Dropout, Gpt2, Gpt2Config, Positions};
 use crate::model::params::{attach_adapters, ParamStore};
 use crate::model::reward_model::{Heads, SCORE_WEIGHT};
@@ -735,27 +735,81 @@ impl ShardedModel {
     /// ([`ProcessGroup::all_gather_slice_as_variables`]); the frozen ones, and all of them for a
     /// forward without gradients, are constants (views of the gathered buffer).
     fn gather(&self, part: usize, pass: Pass) -> Result<Gathered> {
+        self.finish_gather(self.begin_gather(part)?, pass)
+    }
+
+    /// Part `part`'s gather begun: from a shard on the GPU, NCCL gathers it on its own stream
+    /// while the compute stream goes on (DeepSpeed's prefetch of the next unit while the
+    /// current one computes); from a shard in host memory it is gathered when finished.
+    fn begin_gather(&self, part: usize) -> Result<PendingPart> {
+        let shard = self.shard.borrow();
+        let mut units = Vec::new();
+        for (u, unit) in self.units.iter().enumerate().filter(|(_, unit)| unit.part == part) {
+            let begun = match Held::of(&shard).range(unit.shard())? {
+                Held::Tensor(mine) => Some(self.group.begin_all_gather_tensor_as(&mine, self.dtype)?),
+                Held::Host(_) => None,
+            };
+            units.push((u, begun));
+        }
+        Ok(PendingPart { units })
+    }
+
+    /// A begun gather's weights for `pass` (see [`Self::gather`]).
+    fn finish_gather(&self, pending: PendingPart, pass: Pass) -> Result<Gathered> {
         let mut trained = Vec::new();
         let mut named = HashMap::new();
-        for (u, unit) in self.units.iter().enumerate().filter(|(_, unit)| unit.part == part) {
+        for (u, begun) in pending.units {
+            let unit = &self.units[u];
+            let shapes: Vec<&Shape> = unit.params.iter().map(|&i| &self.shapes[i]).collect();
             if unit.grad_offset.is_some() && pass == Pass::Backward {
-                let shapes: Vec<&Shape> = unit.params.iter().map(|&i| &self.shapes[i]).collect();
-                let shard = self.shard.borrow();
-                let mine = Held::of(&shard).range(unit.shard())?;
-                let vars = mine.all_gather_as_variables(&self.group, self.dtype, &shapes, &self.device)?;
-                drop(shard);
+                let vars = match begun {
+                    Some(begun) => begun.ready_as_variables(&shapes)?,
+                    None => {
+                        let shard = self.shard.borrow();
+                        let mine = Held::of(&shard).range(unit.shard())?;
+                        mine.all_gather_as_variables(&self.group, self.dtype, &shapes, &self.device)?
+                    }
+                };
                 for (&i, var) in unit.params.iter().zip(&vars) {
                     named.insert(self.names[i].clone(), var.as_tensor().clone());
                 }
                 trained.push((u, vars));
                 continue;
             }
-            let tensors = self.gather_unit(unit, Held::of(&self.shard.borrow()).range(unit.shard())?, self.dtype)?;
+            let tensors = match begun {
+                Some(begun) => unit.partition.unflatten(&begun.ready(), &shapes)?,
+                None => self.gather_unit(unit, Held::of(&self.shard.borrow()).range(unit.shard())?, self.dtype)?,
+            };
             for (&i, t) in unit.params.iter().zip(tensors) {
                 named.insert(self.names[i].clone(), t.to_dtype(self.dtype)?);
             }
         }
         Ok(Gathered { trained, named })
+    }
+
+    /// Runs `f` on each of `blocks` in turn, gathered for `pass`, the next one's gather begun
+    /// before the current one runs (the first's may be begun already: `first`), and `then`'s
+    /// after the last; returns `then`'s begun gather. At most two parts are gathered at once.
+    fn for_blocks_prefetched(
+        &self,
+        blocks: &[usize],
+        pass: Pass,
+        first: Option<PendingPart>,
+        then: Option<usize>,
+        mut f: impl FnMut(usize, Block, Gathered) -> Result<()>,
+    ) -> Result<Option<PendingPart>> {
+        let part_after = |k: usize| blocks.get(k).map(|&i| i + 1).or(then);
+        let mut next = match first {
+            Some(begun) => Some(begun),
+            None => part_after(0).map(|part| self.begin_gather(part)).transpose()?,
+        };
+        for (k, &i) in blocks.iter().enumerate() {
+            let current = next.take().ok_or_else(|| anyhow!("internal error: block {i} was not gathered"))?;
+            next = part_after(k + 1).map(|part| self.begin_gather(part)).transpose()?;
+            let (block, gathered) = self.block_from(i, self.finish_gather(current, pass)?)?;
+            f(i, block, gathered)?;
+        }
+        Ok(next)
     }
 
     /// Embeddings, final LayerNorm and heads, gathered: a GPT-2 without blocks, for the
@@ -766,7 +820,11 @@ impl ShardedModel {
 
     /// [`Self::outer`] for `pass`.
     fn outer_for(&self, pass: Pass) -> Result<(Gpt2, Gathered)> {
-        let g = self.gather(OUTER, pass)?;
+        self.outer_from(self.gather(OUTER, pass)?)
+    }
+
+    /// The outer part's model on its gathered weights `g`.
+    fn outer_from(&self, g: Gathered) -> Result<(Gpt2, Gathered)> {
         let cfg = Gpt2Config { n_layer: 0, ..self.cfg.clone() };
         let mut model = match &self.tp {
             Some(tp) => Gpt2::load_tensor_parallel(g.var_builder(self), &cfg, tp)?,
@@ -776,9 +834,8 @@ impl ShardedModel {
         Ok((model, g))
     }
 
-    /// Block `i`, gathered, with its LoRA adapters attached.
-    fn block(&self, i: usize, pass: Pass) -> Result<(Block, Gathered)> {
-        let g = self.gather(i + 1, pass)?;
+    /// Block `i` on its gathered weights `g`, with its LoRA adapters attached.
+    fn block_from(&self, i: usize, g: Gathered) -> Result<(Block, Gathered)> {
         let mut block = Gpt2::load_block(g.var_builder(self), &self.cfg, i, self.tp.as_ref())?;
         if let Some(scaling) = self.lora_scaling {
             attach_adapters(block.linears_mut(), &g.named, scaling);
@@ -793,9 +850,11 @@ impl ShardedModel {
         let bias = outer.attention_bias(b, t, 0, pos, ids.device())?;
         let mut x = outer.embed(ids, pos, 0, None)?;
         drop(outer);
-        for i in 0..self.cfg.n_layer {
-            x = self.block(i, Pass::Forward)?.0.forward(&x, &bias, None, None)?.detach();
-        }
+        let blocks: Vec<usize> = (0..self.cfg.n_layer).collect();
+        self.for_blocks_prefetched(&blocks, Pass::Forward, None, None, |_, block, _| {
+            x = block.forward(&x, &bias, None, None)?.detach();
+            Ok(())
+        })?;
         Ok(x)
     }
 
@@ -819,16 +878,22 @@ impl ShardedModel {
         let mut x = outer.embed(ids, pos, 0, dropout)?.detach();
         drop(outer);
         let mut inputs = Vec::with_capacity(self.cfg.n_layer);
-        for i in 0..self.cfg.n_layer {
+        let blocks: Vec<usize> = (0..self.cfg.n_layer).collect();
+        // The outer unit's gather for the head begins while the last block runs.
+        let head_weights = self.for_blocks_prefetched(&blocks, Pass::Forward, None, Some(OUTER), |_, block, _| {
             inputs.push(x.clone());
-            x = self.block(i, Pass::Forward)?.0.forward(&x, &bias, None, dropout)?.detach();
-        }
+            x = block.forward(&x, &bias, None, dropout)?.detach();
+            Ok(())
+        })?;
 
         // The head, with the last hidden state as a leaf so its gradient comes back. Each
         // part's graph, gathered weights and gradients are dropped as soon as they are used, so
         // that a rank holds at most one gathered unit and its gradient at a time (the head's
         // graph would otherwise keep the gathered embedding through every block's backward).
-        let (outer, gathered) = self.outer()?;
+        let head_weights = head_weights.ok_or_else(|| anyhow!("internal error: the head was not gathered"))?;
+        // The last block's gather for its backward begins while the head runs.
+        let last_block = self.cfg.n_layer.checked_sub(1).map(|i| self.begin_gather(i + 1)).transpose()?;
+        let (outer, gathered) = self.outer_from(self.finish_gather(head_weights, Pass::Backward)?)?;
         let last = Var::from_tensor(&x)?;
         let score = gathered.tensor(SCORE_WEIGHT);
         let loss = head(&Heads { trunk: &outer, score: score.as_ref() }, last.as_tensor())?;
@@ -838,15 +903,15 @@ impl ShardedModel {
         let mut grad = take_leaf_grad(&mut store, &last)?;
         self.reduce_scatter_gradients(gathered, store)?;
 
-        for (i, input) in inputs.iter().enumerate().rev() {
-            let (block, gathered) = self.block(i, Pass::Backward)?;
-            let input = Var::from_tensor(input)?;
+        let backwards: Vec<usize> = (0..self.cfg.n_layer).rev().collect();
+        self.for_blocks_prefetched(&backwards, Pass::Backward, last_block, None, |i, block, gathered| {
+            let input = Var::from_tensor(&inputs[i])?;
             let out = block.forward(input.as_tensor(), &bias, None, dropout)?;
             let mut store = out.mul(&grad)?.sum_all()?.backward()?;
             drop((out, block));
             grad = take_leaf_grad(&mut store, &input)?;
-            self.reduce_scatter_gradients(gathered, store)?;
-        }
+            self.reduce_scatter_gradients(gathered, store)
+        })?;
 
         // The embeddings; wte's gradient from the head was reduce-scattered above and adds up.
         // Their backward reads only the ids and the gradient reaching them: the outer unit is
@@ -1040,6 +1105,12 @@ impl ShardedModel {
         let [exp_avg, exp_avg_sq] = moments;
         Ok(Some(optimizer.with_full_moments(exp_avg, exp_avg_sq)))
     }
+}
+
+/// A part's gather begun ([`ShardedModel::begin_gather`]): per unit, the gather in flight from a
+/// shard on the GPU, or `None` for one gathered when finished.
+struct PendingPart {
+    units: Vec<(usize, Option<PendingGather>)>,
 }
 
 /// A part's gathered weights: alive while this is.
