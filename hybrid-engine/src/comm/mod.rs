@@ -472,22 +472,40 @@ impl ProcessGroup {
         Ok(self.all_gather(&cast)?.to_dtype(dtype)?)
     }
 
-    /// [`Self::all_gather_tensor_as`] begun, to be read later ([`PendingGather::ready`]): over
-    /// NCCL it runs on the communicator's stream while the compute stream goes on (ZeRO-3's
-    /// prefetch of the next unit); elsewhere it is done at once.
-    pub fn begin_all_gather_tensor_as(&self, mine: &Tensor, dtype: DType) -> Result<PendingGather> {
+    /// [`Self::all_gather_tensor_as`] begun, to be read later ([`Pending::ready`]): over NCCL
+    /// it runs on the communicator's stream while the compute stream goes on (ZeRO-3's prefetch
+    /// of the next unit); elsewhere it is done at once.
+    pub fn begin_all_gather_tensor_as(&self, mine: &Tensor, dtype: DType) -> Result<Pending> {
         #[cfg(feature = "nccl")]
         if self.world() > 1 {
             if let Some(c) = self.nccl_for(mine)? {
                 let (tensor, deferred) = c.all_gather_deferred(&mine.flatten_all()?.to_dtype(dtype)?)?;
-                return Ok(PendingGather { tensor, deferred: Some(deferred) });
+                return Ok(Pending { tensor, dtype, deferred: Some(deferred) });
             }
         }
-        Ok(PendingGather {
-            tensor: self.all_gather_tensor_as(mine, dtype)?,
-            #[cfg(feature = "nccl")]
-            deferred: None,
-        })
+        Ok(Pending::done(self.all_gather_tensor_as(mine, dtype)?))
+    }
+
+    /// [`Self::reduce_scatter_parts_in_rounds_as`] begun, read later as f32: over NCCL it runs
+    /// on the communicator's stream while the compute stream goes on (ZeRO-3's reduce-scatter
+    /// of a unit's gradient during the next unit's backward); elsewhere it is done at once.
+    pub fn begin_reduce_scatter_parts_in_rounds_as(
+        &self,
+        parts: Vec<Tensor>,
+        len: usize,
+        round: usize,
+        wire: WireDtype,
+    ) -> Result<Pending> {
+        #[cfg(feature = "nccl")]
+        if self.world() > 1 && len.is_multiple_of(self.world()) {
+            if let Some(c) = parts.first().map(|t| self.nccl_for(t)).transpose()?.flatten() {
+                let padded = concat_padded(&parts, len)?.to_dtype(wire.dtype())?;
+                drop(parts);
+                let (tensor, deferred) = c.reduce_scatter_deferred(&padded)?;
+                return Ok(Pending { tensor, dtype: DType::F32, deferred: Some(deferred) });
+            }
+        }
+        Ok(Pending::done(self.reduce_scatter_parts_in_rounds_as(parts, len, round, wire)?))
     }
 
     /// [`Self::all_gather_slice_as_variables`] of values held as a tensor, as
@@ -648,24 +666,38 @@ fn extend_host_f32(out: &mut Vec<f32>, t: &Tensor) -> Result<()> {
     Ok(())
 }
 
-/// An all-gather begun ([`ProcessGroup::begin_all_gather_tensor_as`]).
-pub struct PendingGather {
+/// A collective begun ([`ProcessGroup::begin_all_gather_tensor_as`],
+/// [`ProcessGroup::begin_reduce_scatter_parts_in_rounds_as`]).
+pub struct Pending {
     tensor: Tensor,
+    /// The dtype it is read in.
+    dtype: DType,
     #[cfg(feature = "nccl")]
     deferred: Option<nccl::Deferred>,
 }
 
-impl PendingGather {
-    /// The gathered values, once the compute stream is ordered after the gather.
-    pub fn ready(self) -> Tensor {
+impl Pending {
+    /// A collective done already.
+    fn done(tensor: Tensor) -> Self {
+        let dtype = tensor.dtype();
+        Self {
+            tensor,
+            dtype,
+            #[cfg(feature = "nccl")]
+            deferred: None,
+        }
+    }
+
+    /// Its result, once the compute stream is ordered after the collective.
+    pub fn ready(self) -> Result<Tensor> {
         #[cfg(feature = "nccl")]
         drop(self.deferred);
-        self.tensor
+        Ok(self.tensor.to_dtype(self.dtype)?)
     }
 
     /// [`Self::ready`] cut into variables of `shapes`, copied out of the gathered buffer.
     pub fn ready_as_variables(self, shapes: &[&candle_core::Shape]) -> Result<Vec<candle_core::Var>> {
-        split_variables(&self.ready(), shapes)
+        split_variables(&self.ready()?, shapes)
     }
 }
 

@@ -53,7 +53,7 @@ impl Drop for Deferred {
     fn drop(&mut self) {
         if let Err(e) = self.compute.wait(&self.done) {
             // Without the wait the result could be read before it is written: nothing can go on.
-            eprintln!("error: the compute stream could not wait for an NCCL all-gather: {e:?}");
+            eprintln!("error: the compute stream could not wait for an NCCL collective: {e:?}");
             std::process::exit(1);
         }
     }
@@ -143,13 +143,23 @@ impl NcclComm {
     /// read only after [`Deferred`] is dropped, which orders the compute stream after the
     /// gather.
     pub fn all_gather_deferred(&self, t: &Tensor) -> Result<(Tensor, Deferred)> {
+        self.deferred(t, Kind::AllGather)
+    }
+
+    /// [`Self::reduce_scatter`] begun as [`Self::all_gather_deferred`] (ZeRO-3's gradient
+    /// reduce-scatter while the next unit's backward computes).
+    pub fn reduce_scatter_deferred(&self, t: &Tensor) -> Result<(Tensor, Deferred)> {
+        self.deferred(t, Kind::ReduceScatter)
+    }
+
+    fn deferred(&self, t: &Tensor, kind: Kind) -> Result<(Tensor, Deferred)> {
         let slot = Mutex::new(None);
-        let (out, input) = self.launch(t, Kind::AllGather, Some(&slot))?;
+        let (out, input) = self.launch(t, kind, Some(&slot))?;
         let done = slot
             .into_inner()
             .ok()
             .flatten()
-            .ok_or_else(|| anyhow!("internal error: a deferred gather recorded no event"))?;
+            .ok_or_else(|| anyhow!("internal error: a deferred collective recorded no event"))?;
         let compute = t.device().as_cuda_device()?.cuda_stream();
         Ok((out, Deferred { done, compute, _input: input }))
     }
@@ -362,6 +372,9 @@ mod tests {
         let (prefetched, deferred) = comm.all_gather_deferred(&(&x + 1.0)?)?;
         drop(deferred);
         assert_eq!(prefetched.to_vec1::<f32>()?, vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
+        let (scattered, deferred) = comm.reduce_scatter_deferred(&(&x * 3.0)?)?;
+        drop(deferred);
+        assert_eq!(scattered.to_vec1::<f32>()?, vec![0.0, 3.0, 6.0, 9.0, 12.0, 15.0]);
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         let dog = comm.watchdog.as_ref().expect("watched");
         while dog.in_flight() > 0 && std::time::Instant::now() < deadline {

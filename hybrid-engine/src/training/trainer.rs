@@ -352,7 +352,7 @@ impl Trainer {
         let mut grads = self.acc.partial()?;
         grads.extend(self.grad_shard.clone());
         if let Some(model) = &self.zero3 {
-            grads.extend(model.partial_gradients());
+            grads.extend(model.partial_gradients()?);
         }
         let local = has_overflow(&grads)?;
         match self.group() {

@@ -23,7 +23,7 @@
 //! data-parallel group): the gathered units build the TP rank's layers, and the gradient norm
 //! adds the TP ranks' shares ([`crate::tensor_parallel::shard::norm_share`]).
 
-use crate::comm::{PendingGather, ProcessGroup, ReduceOp};
+use crate::comm::{Pending, ProcessGroup, ReduceOp};
 use crate::model::gpt2::{Block, Dropout, Gpt2, Gpt2Config, Positions};
 use crate::model::params::{attach_adapters, ParamStore};
 use crate::model::reward_model::{Heads, SCORE_WEIGHT};
@@ -159,6 +159,9 @@ pub struct ShardedModel {
     /// Per unit, this rank's shard of the gradients summed over ranks and micro-batches (always
     /// `None` for a frozen unit).
     grads: RefCell<Vec<Option<Tensor>>>,
+    /// The last unit's gradient reduce-scatter, begun (on GPUs still running while the next
+    /// unit's backward computes) and not yet added to its shard.
+    reducing: RefCell<Option<(usize, Pending)>>,
 }
 
 impl ShardedModel {
@@ -303,6 +306,7 @@ impl ShardedModel {
             tp: None,
             shard: RefCell::new(MasterShard::Host(vec![0.0; shard_len])),
             grads: RefCell::new(vec![None; unit_count]),
+            reducing: RefCell::new(None),
         })
     }
 
@@ -777,7 +781,7 @@ impl ShardedModel {
                 continue;
             }
             let tensors = match begun {
-                Some(begun) => unit.partition.unflatten(&begun.ready(), &shapes)?,
+                Some(begun) => unit.partition.unflatten(&begun.ready()?, &shapes)?,
                 None => self.gather_unit(unit, Held::of(&self.shard.borrow()).range(unit.shard())?, self.dtype)?,
             };
             for (&i, t) in unit.params.iter().zip(tensors) {
@@ -971,29 +975,46 @@ impl ShardedModel {
     }
 
     /// Reduce-scatters each unit's whole gradients (`taken`: unit, its parameters' gradients in
-    /// f32) into its gradient shard, adding to what earlier micro-batches left there.
+    /// f32) into its gradient shard, adding to what earlier micro-batches left there. Each
+    /// reduce-scatter is begun and added when the next one begins (or the shard is read): over
+    /// NCCL it runs while the next unit's backward computes.
     fn reduce_scatter_units(&self, taken: Vec<(usize, Vec<Tensor>)>) -> Result<()> {
         for (u, grads) in taken {
+            self.add_reduced_gradient()?;
             let padded = self.units[u].partition.padded();
-            let mine =
-                self.group.reduce_scatter_parts_in_rounds_as(grads, padded, self.reduce_bucket, self.gradient_wire)?;
-            let mut slots = self.grads.borrow_mut();
-            slots[u] = Some(match slots[u].take() {
-                Some(acc) => (acc + mine)?,
-                None => mine,
-            });
+            let begun = self.group.begin_reduce_scatter_parts_in_rounds_as(
+                grads,
+                padded,
+                self.reduce_bucket,
+                self.gradient_wire,
+            )?;
+            *self.reducing.borrow_mut() = Some((u, begun));
         }
         Ok(())
     }
 
+    /// Adds the reduce-scatter in flight, if any, to its unit's gradient shard.
+    fn add_reduced_gradient(&self) -> Result<()> {
+        let Some((u, begun)) = self.reducing.borrow_mut().take() else { return Ok(()) };
+        let mine = begun.ready()?;
+        let mut slots = self.grads.borrow_mut();
+        slots[u] = Some(match slots[u].take() {
+            Some(acc) => (acc + mine)?,
+            None => mine,
+        });
+        Ok(())
+    }
+
     /// The gradient shards accumulated so far (for an overflow check).
-    pub fn partial_gradients(&self) -> Vec<Tensor> {
-        self.grads.borrow().iter().flatten().cloned().collect()
+    pub fn partial_gradients(&self) -> Result<Vec<Tensor>> {
+        self.add_reduced_gradient()?;
+        Ok(self.grads.borrow().iter().flatten().cloned().collect())
     }
 
     /// This rank's gradient shard (summed over ranks and micro-batches): the trained units'
     /// shards end to end, each at its `grad_offset`; the accumulation is emptied.
     pub fn take_gradient_shard(&self) -> Result<Tensor> {
+        self.add_reduced_gradient()?;
         let mut grads = self.grads.borrow_mut();
         let parts: Vec<Tensor> = self
             .units
@@ -1110,7 +1131,7 @@ impl ShardedModel {
 /// A part's gather begun ([`ShardedModel::begin_gather`]): per unit, the gather in flight from a
 /// shard on the GPU, or `None` for one gathered when finished.
 struct PendingPart {
-    units: Vec<(usize, Option<PendingGather>)>,
+    units: Vec<(usize, Option<Pending>)>,
 }
 
 /// A part's gathered weights: alive while this is.
