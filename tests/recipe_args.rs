@@ -14,6 +14,13 @@ fn recipe_argv(recipe: &str, step_binary: &str, args: &[&str]) -> Vec<String> {
 
 /// [`recipe_argv`] with `env` set for the recipe.
 fn recipe_argv_with(recipe: &str, step_binary: &str, args: &[&str], env: &[(&str, &str)]) -> Vec<String> {
+    let out = recipe_run(recipe, step_binary, args, env);
+    assert!(out.status.success(), "{recipe}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap().lines().map(str::to_string).collect()
+}
+
+/// What `recipe` (with `env`) did, its step binary being the stand-in of [`recipe_argv`].
+fn recipe_run(recipe: &str, step_binary: &str, args: &[&str], env: &[(&str, &str)]) -> std::process::Output {
     let dir = tempfile::tempdir().unwrap();
     let fake = dir.path().join(step_binary);
     std::fs::write(&fake, "#!/usr/bin/env bash\nprintf '%s\\n' \"$@\"\n").unwrap();
@@ -23,9 +30,7 @@ fn recipe_argv_with(recipe: &str, step_binary: &str, args: &[&str], env: &[(&str
     )
     .unwrap();
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/recipes").join(recipe);
-    let out = Command::new("bash").arg(script).args(args).env("PATH", path).envs(env.iter().copied()).output().unwrap();
-    assert!(out.status.success(), "{recipe}: {}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8(out.stdout).unwrap().lines().map(str::to_string).collect()
+    Command::new("bash").arg(script).args(args).env("PATH", path).envs(env.iter().copied()).output().unwrap()
 }
 
 /// `train` passes '' for a ZeRO stage the user did not give (e2e_rlhf.py's convention): each
@@ -141,6 +146,38 @@ fn the_arithmetic_recipes_get_arguments_their_steps_accept() {
     assert!(ppo.no_reward_model && ppo.num_samples_per_prompt >= 2, "{argv:?}");
     assert_eq!(ppo.eval_prompts.as_deref(), Some("arithmetic-phrasings"), "{argv:?}");
     assert!(argv.contains(&"--actor-model-name-or-path=out/actor".to_string()), "{argv:?}");
+}
+
+/// `train --task arithmetic` runs the arithmetic recipes with its own arguments (output, '' for
+/// the ZeRO stage not given, model, size) and its algorithm in RLHF_ALGORITHM: GRPO unless told,
+/// RLOO and REINFORCE++ without a critic; PPO (its critic would start from a reward model) is
+/// refused by the recipe as by `train`.
+#[test]
+fn the_arithmetic_recipes_take_the_launchers_arguments_and_algorithms() {
+    let argv = recipe_argv("step1_sft/arithmetic.sh", "sft", &["out/actor", "", "tiny", "tiny"]);
+    let sft = sft::args::SftArgs::try_parse_from(std::iter::once("sft".to_string()).chain(argv.clone())).unwrap();
+    assert!(argv.contains(&"--zero-stage=0".to_string()) && argv.contains(&"--model-name-or-path=tiny".to_string()));
+    assert_eq!(sft.output_dir, Path::new("out/actor"));
+    let launcher = ["out/step3", "", "out/actor", "tiny"];
+    let unset = recipe_argv("step3_ppo/arithmetic.sh", "ppo", &launcher);
+    for (algorithm, passes) in [("grpo", 1), ("rloo", 1), ("reinforce_pp", 4)] {
+        let argv = recipe_argv_with("step3_ppo/arithmetic.sh", "ppo", &launcher, &[("RLHF_ALGORITHM", algorithm)]);
+        let ppo = ppo::PpoArgs::try_parse_from(std::iter::once("ppo".to_string()).chain(argv.clone()))
+            .unwrap_or_else(|e| panic!("{algorithm}: {e}"));
+        ppo.validate().unwrap_or_else(|e| panic!("{algorithm}: {e:#}"));
+        assert_eq!((ppo.algorithm.name(), ppo.num_train_epochs), (algorithm, passes), "{argv:?}");
+        assert!(!ppo.algorithm.has_critic() && ppo.no_reward_model && ppo.actor_zero_stage == 0, "{argv:?}");
+        assert_eq!(ppo.reward_fn.iter().map(|f| f.to_string()).collect::<Vec<_>>(), ["builtin:arithmetic"]);
+        if algorithm == "grpo" {
+            assert_eq!(argv, unset, "GRPO unless told");
+        }
+    }
+    for algorithm in ["ppo", "dpo"] {
+        let out = recipe_run("step3_ppo/arithmetic.sh", "ppo", &launcher, &[("RLHF_ALGORITHM", algorithm)]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{algorithm}: {stderr}");
+        assert!(stderr.contains(algorithm) && stderr.contains("grpo, rloo, reinforce_pp"), "{stderr}");
+    }
 }
 
 /// The demo's recipes give every deployment the one-process demo's global batches: on N

@@ -6,7 +6,8 @@
 # stayed at the answers' marginal); the loss over the prompt too (DS-Chat's) left GRPO a larger
 # gain than the answer alone on seed 1234, 1.000 against 0.908 (docs/RLHF-INVESTIGATION.md,
 # section 18b). The held-out prompts (`arithmetic-phrasings`) ask each trained pair in the one
-# training phrasing its rows never use.
+# training phrasing its rows never use. `train --task arithmetic` runs it on one rank (the
+# batches are the one-process run's) with the tiny model.
 # Usage: arithmetic.sh OUTPUT_DIR [ZERO_STAGE] [MODEL]   (step binaries on PATH; RLHF_SEED)
 set -euo pipefail
 OUTPUT=${1:-./output/actor}
