@@ -5,7 +5,8 @@
 //! to the terminal and to `<output>/<model>/training.log`.
 //!
 //! With no arguments it runs the embedded demo: the three steps on a tiny GPT-2 and the demo data,
-//! on the CPU, then a summary of what each step achieved.
+//! on the CPU, then a summary of what each step achieved. `--task arithmetic` runs the other
+//! embedded task the same way: SFT, then GRPO on the rule reward `builtin:arithmetic` (no step 2).
 //!
 //! single_node and multi_node tell the step binary which ranks to start through the
 //! environment: a count for this machine (src/ranks.rs), or the hosts of a DeepSpeed hostfile
@@ -70,12 +71,13 @@ pub struct TrainArgs {
     /// RLHF_INFERENCE_TP_SIZE, the default of its --inference-tp-size.
     #[arg(long, default_value_t = 1, alias = "inference_tp_size", value_parser = clap::value_parser!(u64).range(1..))]
     pub inference_tp_size: u64,
-    /// How the actor learns from the preferences: ppo (DS-Chat: reward model, then PPO with a
-    /// critic), grpo or rloo (reward model, then step 3 without a critic; step 3 gets it as
-    /// RLHF_ALGORITHM) or dpo (step 2 trains the actor itself on the pairs, into
-    /// <output>/dpo; there is no step 3).
-    #[arg(long, value_enum, default_value_t = PipelineAlgorithm::Ppo)]
-    pub algorithm: PipelineAlgorithm,
+    /// How the actor learns from the preferences: ppo (the default; DS-Chat: reward model, then
+    /// PPO with a critic), grpo, rloo or reinforce_pp (reward model, then step 3 without a critic;
+    /// step 3 gets it as RLHF_ALGORITHM) or dpo (step 2 trains the actor itself on the pairs, into
+    /// <output>/dpo; there is no step 3). With --task arithmetic: grpo (the default), rloo or
+    /// reinforce_pp.
+    #[arg(long, value_enum)]
+    pub algorithm: Option<PipelineAlgorithm>,
     /// The seed of every step (initialisation, data order, dropout, sampling; DS-Chat's
     /// recipes use 1234). The steps get it as RLHF_SEED.
     #[arg(long, default_value_t = 1234)]
@@ -141,9 +143,16 @@ pub struct TrainArgs {
     /// --num-gpus N or multi_node each rank takes 1/N of the demo's batches (N dividing 16), so
     /// the run follows the one-process demo; also with --device, --dtype, --algorithm, --seed,
     /// --step, the ZeRO stages and --tensor-model-parallel-size. Its recipes are
-    /// scripts/recipes/<step>/demo.sh.
+    /// scripts/recipes/<step>/demo.sh (--task arithmetic: the other task's, on one rank).
     #[arg(long, conflicts_with_all = ["actor_model", "reward_model"])]
     pub demo: bool,
+    /// The demo's task (giving it runs the demo, as --demo): capitals (the default: what `train`
+    /// alone runs) or arithmetic ("What is a + b?", data/src/arithmetic.rs: a tiny GPT-2 from
+    /// scratch, step 1 SFT, step 3 GRPO rewarded by the rule builtin:arithmetic, no step 2, one
+    /// rank; its recipes are scripts/recipes/<step>/arithmetic.sh). Also with --algorithm
+    /// (grpo, rloo, reinforce_pp), --seed, --step, --device, --dtype and --actor-zero-stage.
+    #[arg(long, value_enum)]
+    pub task: Option<Task>,
     /// Run the pretraining demo instead (a tiny GPT-2 on the embedded Shakespeare corpus); it
     /// takes --output-dir, --device and --dtype, and refuses the pipeline's flags.
     #[arg(long, alias = "pretrain_demo", conflicts_with_all = PIPELINE_ONLY_FLAGS)]
@@ -157,6 +166,46 @@ pub struct TrainArgs {
     /// as RLHF_DTYPE, the default of their --dtype.
     #[arg(long, value_enum, default_value_t = Dtype::Fp32, env = hybrid_engine::cli::precision_args::DTYPE_ENV)]
     pub dtype: Dtype,
+}
+
+/// `train --task`: the embedded task the demo trains on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Task {
+    /// "What is the capital of X?" (data/src/demo.rs): SFT, a reward model, then PPO.
+    Capitals,
+    /// "What is a + b?" (data/src/arithmetic.rs): SFT, then GRPO on the rule reward alone.
+    Arithmetic,
+}
+
+impl Task {
+    /// The file name of its recipes under scripts/recipes/<step>/.
+    fn recipe(self) -> &'static str {
+        match self {
+            Self::Capitals => "demo",
+            Self::Arithmetic => "arithmetic",
+        }
+    }
+}
+
+impl TrainArgs {
+    /// `--algorithm`, else the task's default: GRPO for arithmetic, whose reward is a rule (there
+    /// is no reward model for PPO's critic to start from), PPO otherwise (DS-Chat's).
+    pub fn algorithm(&self) -> PipelineAlgorithm {
+        self.algorithm.unwrap_or(match self.task {
+            Some(Task::Arithmetic) => PipelineAlgorithm::Grpo,
+            _ => PipelineAlgorithm::Ppo,
+        })
+    }
+
+    /// The embedded task the run trains on, `None` for DS-Chat's pipeline: `--task`, else the
+    /// capitals demo for `--demo` and for `train` with no step, deployment or model named.
+    fn demo_task(&self) -> Option<Task> {
+        let bare = self.step.is_empty()
+            && self.deployment_type.is_none()
+            && self.actor_model.is_none()
+            && self.reward_model.is_none();
+        self.task.or((self.demo || bare).then_some(Task::Capitals))
+    }
 }
 
 /// `train --algorithm`.
@@ -212,8 +261,9 @@ pub const SEED_ENV: &str = "RLHF_SEED";
 
 /// The flags that choose the RLHF pipeline's steps, models and recipes: --pretrain-demo has no
 /// use for them, so it refuses them rather than drop them silently.
-const PIPELINE_ONLY_FLAGS: [&str; 19] = [
+const PIPELINE_ONLY_FLAGS: [&str; 20] = [
     "demo",
+    "task",
     "step",
     "algorithm",
     "seed",
@@ -270,6 +320,8 @@ const RECIPES: &[(&str, &str, &str)] = &[
     ("step2_reward", "demo", include_str!("../scripts/recipes/step2_reward/demo.sh")),
     ("step2_dpo", "demo", include_str!("../scripts/recipes/step2_dpo/demo.sh")),
     ("step3_ppo", "demo", include_str!("../scripts/recipes/step3_ppo/demo.sh")),
+    ("step1_sft", "arithmetic", include_str!("../scripts/recipes/step1_sft/arithmetic.sh")),
+    ("step3_ppo", "arithmetic", include_str!("../scripts/recipes/step3_ppo/arithmetic.sh")),
 ];
 
 const DEPLOYMENTS: [&str; 3] = ["single_gpu", "single_node", "multi_node"];
@@ -314,19 +366,8 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     if args.pretrain_demo {
         return pretrain_demo(args);
     }
-    // `train` alone is the demo; `--demo` asks for it with other flags.
-    let demo = args.demo
-        || (args.step.is_empty()
-            && args.deployment_type.is_none()
-            && args.actor_model.is_none()
-            && args.reward_model.is_none());
-    // DPO replaces steps 2 and 3: its step 2 trains the actor.
-    let dpo = args.algorithm == PipelineAlgorithm::Dpo;
-    let steps: Vec<u32> = match (args.step.is_empty(), dpo) {
-        (true, false) => vec![1, 2, 3],
-        (true, true) => vec![1, 2],
-        (false, _) => args.step.clone(),
-    };
+    let task = args.demo_task();
+    let steps = steps_to_run(args);
     let deployment = args.deployment_type.clone().unwrap_or_else(|| "single_gpu".into());
     check_pipeline_flags(args, &steps, &deployment)?;
     // multi_node's plan is complete once the step binaries have a directory (below); a refused
@@ -338,13 +379,10 @@ pub fn run(args: &TrainArgs) -> Result<()> {
             None => default_ranks(&args.device)?,
         };
         check_no_outer_job(n, &format!("the {n} ranks of single_node"))?;
-        println!("single_node: each step runs as {n} ranks on this machine (rank logs: <step output>/rank-<r>.log)");
         Some(n)
     } else {
         None
     };
-    let (actor, reward) = starting_models(args, &steps, demo)?;
-    let plans = step_plans(args, &steps, &actor, &reward)?;
     let world = match (local_ranks, &hosts) {
         (Some(n), _) => n,
         (None, Some((nodes, _))) => crate::hostfile::world_size(nodes),
@@ -352,11 +390,12 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     };
     // (A TP size that does not divide the ranks is the steps' one-line refusal.)
     let data_parallel = (world / args.tensor_model_parallel_size as usize).max(1);
-    if demo && !DEMO_GLOBAL_BATCH.is_multiple_of(data_parallel) {
-        bail!(
-            "the demo's batches of {DEMO_GLOBAL_BATCH} do not split over {data_parallel} data-parallel ranks: use 1, 2, 4, 8 or 16 (ranks / --tensor-model-parallel-size)"
-        );
+    check_task_ranks(task, world, data_parallel)?;
+    if let Some(n) = local_ranks {
+        println!("single_node: each step runs as {n} ranks on this machine (rank logs: <step output>/rank-<r>.log)");
     }
+    let (actor, reward) = starting_models(args, &steps, task.is_some())?;
+    let plans = step_plans(args, &steps, task, &actor, &reward)?;
     let bin_dir = step_binaries(&args.output_dir)?;
     let ranks = match (local_ranks, hosts) {
         (Some(n), _) => Ranks::Local(n),
@@ -369,20 +408,107 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         }),
         (None, None) => Ranks::One,
     };
-    // The demo's recipes in every deployment; the deployment says how many ranks run them.
-    let recipe_name = if demo { "demo" } else { deployment.as_str() };
+    // A task's recipes in every deployment; the deployment says how many ranks run them.
+    let recipe_name = recipe_name(task, &deployment);
     let started = Instant::now();
     let mut step_runs = Vec::new();
     for plan in &plans {
         step_runs.push(run_step(args, plan, recipe_name, &bin_dir, (&ranks, data_parallel), wandb.as_ref())?);
     }
     println!("---=== Finished Steps {steps:?} in {} ===---", crate::report::duration(started.elapsed().as_secs()));
-    finish(args, &steps, demo, &step_runs, wandb.is_some())
+    finish(args, &steps, task, &step_runs, wandb.is_some())
+}
+
+/// `--step`, else every step the algorithm and task have: DPO's step 2 trains the actor and
+/// replaces steps 2 and 3; the arithmetic task's reward is a rule, so it has no step 2.
+fn steps_to_run(args: &TrainArgs) -> Vec<u32> {
+    match (args.step.is_empty(), args.algorithm(), args.task) {
+        (false, _, _) => args.step.clone(),
+        (true, PipelineAlgorithm::Dpo, _) => vec![1, 2],
+        (true, _, Some(Task::Arithmetic)) => vec![1, 3],
+        (true, _, _) => vec![1, 2, 3],
+    }
+}
+
+/// The recipes' file name under scripts/recipes/<step>/: the task's, else the deployment's.
+fn recipe_name(task: Option<Task>, deployment: &str) -> &str {
+    match task {
+        Some(task) => task.recipe(),
+        None => deployment,
+    }
+}
+
+/// The ranks a task's recipes run on: the capitals demo's split its batches over the
+/// data-parallel ranks; the arithmetic task's are the one-process run's, on one rank.
+fn check_task_ranks(task: Option<Task>, world: usize, data_parallel: usize) -> Result<()> {
+    match task {
+        Some(Task::Capitals) if !DEMO_GLOBAL_BATCH.is_multiple_of(data_parallel) => bail!(
+            "the demo's batches of {DEMO_GLOBAL_BATCH} do not split over {data_parallel} data-parallel ranks: use 1, 2, 4, 8 or 16 (ranks / --tensor-model-parallel-size)"
+        ),
+        Some(Task::Arithmetic) if world > 1 => bail!(
+            "--task arithmetic trains on one rank (its recipes' batches are the one-process run's, not split over ranks), and this deployment runs {world}: use --deployment-type single_gpu (the default), or --num-gpus 1"
+        ),
+        _ => Ok(()),
+    }
+}
+
+/// `--task`'s refusals, each in one line naming the fix: a task trains its own tiny GPT-2 from
+/// scratch, and the arithmetic task has no reward model (its step 3 is rewarded by the rule
+/// `builtin:arithmetic`) and runs on one rank.
+fn check_task_flags(args: &TrainArgs, steps: &[u32]) -> Result<()> {
+    let Some(task) = args.task else { return Ok(()) };
+    let name = task.recipe();
+    for (flag, given) in
+        [("--actor-model", args.actor_model.is_some()), ("--reward-model", args.reward_model.is_some())]
+    {
+        if given {
+            bail!("--task {name} trains the demo's own tiny GPT-2 from scratch, so {flag} would be ignored: drop {flag} (or --task, for DS-Chat's pipeline)");
+        }
+    }
+    if task != Task::Arithmetic {
+        return Ok(());
+    }
+    const NO_REWARD_MODEL: &str = "its step 3 is rewarded by the rule builtin:arithmetic, with no reward model";
+    let alternatives = "use grpo (its default), rloo or reinforce_pp";
+    match args.algorithm() {
+        PipelineAlgorithm::Ppo => bail!(
+            "--algorithm ppo trains a critic started from step 2's reward model, and --task arithmetic has none ({NO_REWARD_MODEL}): {alternatives}"
+        ),
+        PipelineAlgorithm::Dpo => bail!(
+            "--algorithm dpo learns from preference pairs, and --task arithmetic has none ({NO_REWARD_MODEL}): {alternatives}"
+        ),
+        _ => {}
+    }
+    if steps.contains(&2) {
+        bail!("--task arithmetic has no step 2 ({NO_REWARD_MODEL}): drop 2 from --step (its steps are 1 and 3)");
+    }
+    if args.reward_zero_stage.0.is_some() {
+        bail!("--reward-zero-stage shards the reward model and PPO's critic, and --task arithmetic has neither ({NO_REWARD_MODEL}): drop it");
+    }
+    let one_rank =
+        "--task arithmetic trains on one rank (its recipes' batches are the one-process run's, not split over ranks)";
+    let tp = args.tensor_model_parallel_size;
+    if tp > 1 {
+        bail!("--tensor-model-parallel-size {tp} splits the model over {tp} ranks, and {one_rank}: drop it");
+    }
+    let inference_tp = args.inference_tp_size;
+    if inference_tp > 1 {
+        bail!(
+            "--inference-tp-size {inference_tp} generates with groups of {inference_tp} ranks, and {one_rank}: drop it"
+        );
+    }
+    if let Some(n) = args.num_gpus.filter(|&n| n > 1) {
+        bail!("--num-gpus {n} runs each step as {n} ranks, and {one_rank}: drop --num-gpus");
+    }
+    Ok(())
 }
 
 /// Refuses the flags that contradict each other or the steps run, each in one line.
 fn check_pipeline_flags(args: &TrainArgs, steps: &[u32], deployment: &str) -> Result<()> {
-    let dpo = args.algorithm == PipelineAlgorithm::Dpo;
+    // First: the task's reasons say more than the generic ones (which would suggest more ranks).
+    check_task_flags(args, steps)?;
+    let algorithm = args.algorithm();
+    let dpo = algorithm == PipelineAlgorithm::Dpo;
     if dpo && steps.contains(&3) {
         bail!(
             "--algorithm dpo trains the actor in step 2 (into {}) and has no step 3: drop 3 from --step",
@@ -393,13 +519,13 @@ fn check_pipeline_flags(args: &TrainArgs, steps: &[u32], deployment: &str) -> Re
         bail!("--algorithm dpo trains no reward model (its step 2 starts from the step-1 actor): drop --reward-model");
     }
     // The reward model's ZeRO stage is also the critic's, which GRPO and RLOO do not have.
-    if args.algorithm != PipelineAlgorithm::Ppo
+    if algorithm != PipelineAlgorithm::Ppo
         && args.reward_zero_stage.0.is_some_and(|s| s != 0)
         && (dpo || !steps.contains(&2))
     {
         bail!(
             "--reward-zero-stage shards the reward model and PPO's critic, and --algorithm {} trains neither here: drop it",
-            args.algorithm.name()
+            algorithm.name()
         );
     }
     if !DEPLOYMENTS.contains(&deployment) {
@@ -443,7 +569,7 @@ fn check_pipeline_flags(args: &TrainArgs, steps: &[u32], deployment: &str) -> Re
 /// line; refused when named for a step not run, or when step 2 would start from a step-1
 /// actor that does not exist.
 fn starting_models(args: &TrainArgs, steps: &[u32], demo: bool) -> Result<(String, String)> {
-    let dpo = args.algorithm == PipelineAlgorithm::Dpo;
+    let dpo = args.algorithm() == PipelineAlgorithm::Dpo;
     // The demo's reward model starts from the step-1 actor (InstructGPT initialises its reward
     // model from the SFT model): a random 7M-parameter trunk learns the pairs too slowly.
     let actor_dir = args.output_dir.join("actor");
@@ -496,8 +622,12 @@ fn starting_models(args: &TrainArgs, steps: &[u32], demo: bool) -> Result<(Strin
 
 /// Each step's recipe, starting model, ZeRO stage and output directory; step 3 refused when an
 /// earlier output it reads is missing and not made by this run.
-fn step_plans(args: &TrainArgs, steps: &[u32], actor: &str, reward: &str) -> Result<Vec<StepPlan>> {
-    let dpo = args.algorithm == PipelineAlgorithm::Dpo;
+fn step_plans(args: &TrainArgs, steps: &[u32], task: Option<Task>, actor: &str, reward: &str) -> Result<Vec<StepPlan>> {
+    // The arithmetic task's step 3 reads no reward model (its reward is the rule
+    // builtin:arithmetic): it needs only the step-1 actor, and its recipe takes no critic.
+    let arithmetic = task == Some(Task::Arithmetic);
+    let again = if arithmetic { "train --task arithmetic" } else { "train" };
+    let dpo = args.algorithm() == PipelineAlgorithm::Dpo;
     let actor_dir = args.output_dir.join("actor");
     let mut plans = Vec::new();
     for &n in steps {
@@ -527,12 +657,13 @@ fn step_plans(args: &TrainArgs, steps: &[u32], actor: &str, reward: &str) -> Res
                 critic: None,
             },
             3 => {
-                // Step 3 reads both earlier outputs: say which command makes a missing one.
-                for (dir, step) in [("actor", 1), ("reward", 2)] {
+                // Step 3 reads the earlier outputs: say which command makes a missing one.
+                let read: &[(&str, u32)] = if arithmetic { &[("actor", 1)] } else { &[("actor", 1), ("reward", 2)] };
+                for &(dir, step) in read {
                     let path = args.output_dir.join(dir);
                     if !steps.contains(&step) && !path.join("config.json").is_file() {
                         bail!(
-                            "step 3 needs the step-{step} model at {} and there is none: run `train --step {step} --output-dir {}` first",
+                            "step 3 needs the step-{step} model at {} and there is none: run `{again} --step {step} --output-dir {}` first",
                             path.display(),
                             args.output_dir.display()
                         );
@@ -544,7 +675,7 @@ fn step_plans(args: &TrainArgs, steps: &[u32], actor: &str, reward: &str) -> Res
                     model: args.output_dir.join("actor").display().to_string(),
                     zero_stage: args.actor_zero_stage,
                     output: args.output_dir.join("step3"),
-                    critic: Some((args.output_dir.join("reward"), args.reward_zero_stage)),
+                    critic: (!arithmetic).then(|| (args.output_dir.join("reward"), args.reward_zero_stage)),
                 }
             }
             _ => bail!("--step {n} does not exist: the steps are 1 (SFT), 2 (reward model) and 3 (PPO)"),
@@ -572,7 +703,7 @@ fn run_step(
         dtype: args.dtype,
         tp: args.tensor_model_parallel_size,
         inference_tp: args.inference_tp_size,
-        algorithm: args.algorithm,
+        algorithm: args.algorithm(),
         seed: args.seed,
         tensorboard: args.enable_tensorboard,
         wandb,
@@ -581,7 +712,7 @@ fn run_step(
     run_recipe(&script, plan, bin_dir, setting, ranks)?;
     let secs = t0.elapsed().as_secs();
     println!("---=== Finished Step {} in {} ===---", plan.number, crate::report::duration(secs));
-    let name = step_name(plan.number, args.algorithm);
+    let name = step_name(plan.number, args.algorithm());
     Ok(crate::report::StepRun { number: plan.number, name, dir: plan.output.clone(), secs })
 }
 
@@ -589,12 +720,12 @@ fn run_step(
 fn finish(
     args: &TrainArgs,
     steps: &[u32],
-    demo: bool,
+    task: Option<Task>,
     step_runs: &[crate::report::StepRun],
     wandb: bool,
 ) -> Result<()> {
-    let dpo = args.algorithm == PipelineAlgorithm::Dpo;
-    let summary = print_summary(&args.output_dir, steps, args.algorithm, demo)?;
+    let dpo = args.algorithm() == PipelineAlgorithm::Dpo;
+    let summary = print_summary(&args.output_dir, steps, args.algorithm(), task)?;
     let chat_with = match (steps.contains(&3), dpo && steps.contains(&2)) {
         (true, _) => args.output_dir.join("step3/actor"),
         (false, true) => args.output_dir.join("dpo"),
@@ -968,7 +1099,12 @@ fn path_with(bin_dir: &Path, path: Option<&std::ffi::OsStr>) -> Result<std::ffi:
 
 /// What each finished step achieved, read from its output directory.
 /// Prints the run's summary; returns its lines (for the report).
-fn print_summary(output: &Path, steps: &[u32], algorithm: PipelineAlgorithm, demo: bool) -> Result<Vec<String>> {
+fn print_summary(
+    output: &Path,
+    steps: &[u32],
+    algorithm: PipelineAlgorithm,
+    task: Option<Task>,
+) -> Result<Vec<String>> {
     let mut lines = Vec::new();
     let mut say = |line: String| {
         println!("{line}");
@@ -991,7 +1127,7 @@ fn print_summary(output: &Path, steps: &[u32], algorithm: PipelineAlgorithm, dem
             f(evals.last(), "reward_accuracy"),
             f(evals.last(), "reward_margin"),
         ));
-        if demo {
+        if task == Some(Task::Capitals) {
             held_out_comparison(output)?;
         }
     } else if steps.contains(&2) {
@@ -1018,17 +1154,7 @@ fn print_summary(output: &Path, steps: &[u32], algorithm: PipelineAlgorithm, dem
             s["last_reward"].as_f64().unwrap_or(f64::NAN)
         ));
         if let (Some(sft), Some(ppo)) = (s["sft_eval"].as_object(), s["ppo_eval"].as_object()) {
-            let task = |e: &serde_json::Map<String, serde_json::Value>| {
-                e.get("task_success").and_then(|t| t.as_f64()).map_or("n/a".into(), |t| format!("{t:.3}"))
-            };
-            say(format!(
-                "held-out prompts ({}): reward-model score SFT actor {:.3} -> {name} actor {:.3}; task score SFT {} -> {name} {}",
-                sft.get("prompts").and_then(|p| p.as_u64()).unwrap_or(0),
-                sft.get("reward_mean").and_then(|v| v.as_f64()).unwrap_or(f64::NAN),
-                ppo.get("reward_mean").and_then(|v| v.as_f64()).unwrap_or(f64::NAN),
-                task(sft),
-                task(ppo)
-            ));
+            say(held_out_line(sft, ppo, name));
         }
     }
     // Each step drew its curves beside its metrics.jsonl (`train plot` redraws them).
@@ -1046,6 +1172,31 @@ fn print_summary(output: &Path, steps: &[u32], algorithm: PipelineAlgorithm, dem
     }
     Ok(lines)
 }
+
+/// Step 3's held-out comparison of the SFT and the trained actor (its summary's `sft_eval` and
+/// `ppo_eval`): by the reward model's score where there is one, and by the task score. Without
+/// a reward model (the arithmetic task's reward is a rule) the KL to the SFT model says how far
+/// the actor moved for its score instead.
+fn held_out_line(sft: &JsonObject, ppo: &JsonObject, name: &str) -> String {
+    let number = |e: &JsonObject, key: &str| e.get(key).and_then(|v| v.as_f64());
+    let task = |e| number(e, "task_success").map_or("n/a".into(), |t| format!("{t:.3}"));
+    let prompts = sft.get("prompts").and_then(|p| p.as_u64()).unwrap_or(0);
+    match (number(sft, "reward_mean"), number(ppo, "reward_mean")) {
+        (Some(before), Some(after)) => format!(
+            "held-out prompts ({prompts}): reward-model score SFT actor {before:.3} -> {name} actor {after:.3}; task score SFT {} -> {name} {}",
+            task(sft),
+            task(ppo)
+        ),
+        _ => format!(
+            "held-out prompts ({prompts}): task score SFT actor {} -> {name} actor {}; KL to SFT {:.3} nats",
+            task(sft),
+            task(ppo),
+            number(ppo, "kl_to_reference").unwrap_or(f64::NAN)
+        ),
+    }
+}
+
+type JsonObject = serde_json::Map<String, serde_json::Value>;
 
 /// DPO's held-out comparison (step 3 makes PPO's): the SFT and the DPO actor's greedy answers
 /// to the demo's held-out prompts, by task score, length and KL to the SFT model. There is no
@@ -1196,5 +1347,138 @@ mod model_name_tests {
         // Random weights of a size run that size's recipe.
         assert_eq!(model_size("random:gpt2-medium"), "gpt2-medium");
         assert_eq!(model_size("openai-community/gpt2-large"), "gpt2-large");
+    }
+}
+
+#[cfg(test)]
+mod task_tests {
+    use super::*;
+
+    fn args(argv: &[&str]) -> TrainArgs {
+        TrainArgs::parse_from(std::iter::once("train").chain(argv.iter().copied()))
+    }
+
+    /// `check_pipeline_flags` of `argv` as `run` calls it: its one error line.
+    fn refusal(argv: &[&str]) -> String {
+        let a = args(argv);
+        let deployment = a.deployment_type.clone().unwrap_or_else(|| "single_gpu".into());
+        let err = check_pipeline_flags(&a, &steps_to_run(&a), &deployment).expect_err("refused").to_string();
+        assert_eq!(err.lines().count(), 1, "{argv:?}: {err}");
+        err
+    }
+
+    #[test]
+    fn the_arithmetic_task_runs_steps_1_and_3_with_grpo_and_its_own_recipes() {
+        let a = args(&["--task", "arithmetic"]);
+        assert_eq!(a.demo_task(), Some(Task::Arithmetic));
+        assert_eq!((a.algorithm(), steps_to_run(&a)), (PipelineAlgorithm::Grpo, vec![1, 3]));
+        check_pipeline_flags(&a, &[1, 3], "single_gpu").unwrap();
+        assert_eq!(recipe_name(a.demo_task(), "single_gpu"), "arithmetic");
+        for step in ["step1_sft", "step3_ppo"] {
+            let embedded = recipe(None, step, "arithmetic").unwrap();
+            let file = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/recipes").join(step).join("arithmetic.sh");
+            assert_eq!(embedded, std::fs::read_to_string(file).unwrap(), "{step}");
+        }
+        // The critic-free algorithms are taken as given; --step and --demo too.
+        for (algorithm, want) in [("rloo", PipelineAlgorithm::Rloo), ("reinforce_pp", PipelineAlgorithm::ReinforcePp)] {
+            let a = args(&["--task", "arithmetic", "--algorithm", algorithm, "--step", "3", "--demo"]);
+            assert_eq!((a.algorithm(), steps_to_run(&a)), (want, vec![3]));
+            check_pipeline_flags(&a, &[3], "single_gpu").unwrap();
+        }
+    }
+
+    #[test]
+    fn the_capitals_demo_keeps_ppo_and_every_step() {
+        for argv in [&[][..], &["--task", "capitals"], &["--demo"], &["--algorithm", "ppo"]] {
+            let a = args(argv);
+            assert_eq!(a.demo_task(), Some(Task::Capitals), "{argv:?}");
+            assert_eq!((a.algorithm(), steps_to_run(&a)), (PipelineAlgorithm::Ppo, vec![1, 2, 3]), "{argv:?}");
+            assert_eq!(recipe_name(a.demo_task(), "single_node"), "demo");
+        }
+        // A named step or model without --demo or --task is DS-Chat's pipeline, on the deployment's recipes.
+        let a = args(&["--step", "1"]);
+        assert_eq!((a.demo_task(), recipe_name(a.demo_task(), "single_node")), (None, "single_node"));
+        assert_eq!(steps_to_run(&args(&["--algorithm", "dpo"])), vec![1, 2]);
+    }
+
+    #[test]
+    fn the_arithmetic_task_refuses_what_it_has_no_use_for_naming_the_fix() {
+        let cases: &[(&[&str], &[&str])] = &[
+            (&["--algorithm", "ppo"], &["--algorithm ppo", "critic", "use grpo"]),
+            (&["--algorithm", "dpo"], &["--algorithm dpo", "preference pairs", "use grpo"]),
+            (&["--step", "2"], &["no step 2", "builtin:arithmetic", "drop 2 from --step"]),
+            (&["--step", "1", "2", "3"], &["no step 2", "drop 2 from --step"]),
+            (&["--actor-model", "gpt2"], &["--actor-model", "from scratch", "drop --actor-model"]),
+            (&["--reward-model", "gpt2"], &["--reward-model", "drop --reward-model"]),
+            (&["--reward-zero-stage", "0"], &["--reward-zero-stage", "drop it"]),
+            (
+                &["--deployment-type", "single_node", "--tensor-model-parallel-size", "2"],
+                &["--tensor-model-parallel-size 2", "one rank", "drop it"],
+            ),
+            (&["--deployment-type", "single_node", "--inference-tp-size", "2"], &["--inference-tp-size 2", "drop it"]),
+            (&["--num-gpus", "2"], &["--num-gpus 2", "one rank", "drop --num-gpus"]),
+            (&["--deployment-type", "single_node", "--num-gpus", "4"], &["--num-gpus 4", "drop --num-gpus"]),
+        ];
+        for (extra, want) in cases {
+            let argv: Vec<&str> = ["--task", "arithmetic"].iter().chain(extra.iter()).copied().collect();
+            let err = refusal(&argv);
+            for w in *want {
+                assert!(err.contains(w), "{argv:?}: want {w:?} in {err}");
+            }
+        }
+        // A task trains its own model, capitals too.
+        let err = refusal(&["--task", "capitals", "--actor-model", "gpt2"]);
+        assert!(err.contains("--actor-model") && err.contains("drop --actor-model"), "{err}");
+    }
+
+    #[test]
+    fn the_arithmetic_task_runs_on_one_rank_and_the_demo_on_a_divisor_of_its_batches() {
+        check_task_ranks(Some(Task::Arithmetic), 1, 1).unwrap();
+        let err = check_task_ranks(Some(Task::Arithmetic), 2, 2).unwrap_err().to_string();
+        assert!(err.contains("one rank") && err.contains("--deployment-type single_gpu"), "{err}");
+        check_task_ranks(Some(Task::Capitals), 4, 4).unwrap();
+        let err = check_task_ranks(Some(Task::Capitals), 3, 3).unwrap_err().to_string();
+        assert!(err.contains("do not split over 3"), "{err}");
+        check_task_ranks(None, 3, 3).unwrap();
+    }
+
+    #[test]
+    fn the_arithmetic_step_3_reads_only_the_step_1_actor() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().to_str().unwrap();
+        let a = args(&["--task", "arithmetic", "--step", "3", "--output-dir", out]);
+        let err = step_plans(&a, &[3], Some(Task::Arithmetic), "tiny", "").err().unwrap().to_string();
+        assert!(err.contains("step-1 model") && err.contains("train --task arithmetic --step 1"), "{err}");
+        let plans = step_plans(&a, &[1, 3], Some(Task::Arithmetic), "tiny", "").unwrap();
+        assert_eq!(
+            plans.iter().map(|p| (p.number, p.recipe_dir)).collect::<Vec<_>>(),
+            [(1, "step1_sft"), (3, "step3_ppo")]
+        );
+        assert!(plans[1].critic.is_none(), "no reward model or critic for the arithmetic recipe");
+        // Without --task, step 3 needs step 2's reward model too.
+        let a = args(&["--step", "1", "3", "--output-dir", out]);
+        let err = step_plans(&a, &[1, 3], None, "gpt2", "gpt2").err().unwrap().to_string();
+        assert!(err.contains("step-2 model") && err.contains("`train --step 2"), "{err}");
+    }
+
+    #[test]
+    fn the_held_out_line_names_the_algorithm_and_has_no_reward_model_score_without_one() {
+        let eval = |reward: serde_json::Value, task: f64, kl: f64| -> JsonObject {
+            serde_json::json!({"prompts": 87, "reward_mean": reward, "task_success": task, "kl_to_reference": kl})
+                .as_object()
+                .unwrap()
+                .clone()
+        };
+        let line = held_out_line(
+            &eval(serde_json::Value::Null, 0.5632, 0.0),
+            &eval(serde_json::Value::Null, 1.0, 0.635),
+            "GRPO",
+        );
+        assert_eq!(line, "held-out prompts (87): task score SFT actor 0.563 -> GRPO actor 1.000; KL to SFT 0.635 nats");
+        let line = held_out_line(&eval(4.636.into(), 0.741, 0.0), &eval(6.491.into(), 0.948, 0.59), "PPO");
+        assert_eq!(
+            line,
+            "held-out prompts (87): reward-model score SFT actor 4.636 -> PPO actor 6.491; task score SFT 0.741 -> PPO 0.948"
+        );
     }
 }

@@ -158,8 +158,9 @@ fn floats_in_range_parse() {
 fn the_pretrain_demo_refuses_the_pipeline_flags_it_would_ignore() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("output");
-    let pipeline_flags: [&[&str]; 9] = [
+    let pipeline_flags: [&[&str]; 10] = [
         &["--step", "1"],
+        &["--task", "arithmetic"],
         &["--tensor-model-parallel-size", "2"],
         &["--inference-tp-size", "2"],
         &["--deployment-type", "single_gpu"],
