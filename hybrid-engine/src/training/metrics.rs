@@ -240,6 +240,21 @@ pub fn current_rss_mib() -> Option<f64> {
     status_mib("VmRSS:")
 }
 
+/// The process's resident memory that is live: its RSS less the freed memory its heap keeps
+/// for reuse ([`crate::runtime::retain_freed_memory`]: reading a model's files leaves buffers
+/// there that later allocations take), by glibc's own count (`mallinfo2`).
+pub fn live_rss_mib() -> Option<f64> {
+    let rss = current_rss_mib()?;
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        // SAFETY: mallinfo2 only reads the allocator's statistics.
+        let info = unsafe { libc::mallinfo2() };
+        Some((rss - info.fordblks as f64 / (1024.0 * 1024.0)).max(0.0))
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    Some(rss)
+}
+
 fn status_mib(field: &str) -> Option<f64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
     let line = status.lines().find(|l| l.starts_with(field))?;

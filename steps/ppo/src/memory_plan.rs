@@ -62,7 +62,8 @@ pub struct Step3Shapes<'a> {
     pub offload: bool,
     pub offload_reference: bool,
     pub ema: bool,
-    /// On the CPU, the process's resident memory before the models were read (measured).
+    /// On the CPU, the process's own live memory: measured once its inputs are read, less the
+    /// models' values and the freed memory its heap keeps.
     pub process_bytes: u64,
 }
 
@@ -77,7 +78,7 @@ pub struct Step3Plan {
     pub experience_bytes: u64,
     /// The actor's log-prob head at its training peak (beside its trunk's activations).
     pub actor_head_bytes: u64,
-    /// On the CPU, the process itself before the models (binary, tokenizer, data), measured.
+    /// On the CPU, the process itself (binary, tokenizer, data), measured.
     pub process_bytes: u64,
 }
 
@@ -215,7 +216,7 @@ impl Step3Plan {
             m(self.ema_bytes),
         );
         if self.process_bytes > 0 {
-            out += &format!(", the process before the models {:.0}", m(self.process_bytes));
+            out += &format!(", the process itself {:.0}", m(self.process_bytes));
         }
         out += "; phases:";
         for (name, bytes) in phases {

@@ -274,6 +274,30 @@ fn sharded_beside(
 }
 
 impl StartingModels {
+    /// The bytes of the models' values held in host memory as read (a tensor the actor and
+    /// the reference share counted once): what the process's resident memory holds of them
+    /// before they are built into engines.
+    pub fn host_bytes(&self) -> u64 {
+        let mut seen = std::collections::HashSet::new();
+        let mut bytes = 0u64;
+        let critic = self.critic.iter().map(|(_, w)| w);
+        let reward = self.reward.iter().map(|(_, w)| w);
+        for weights in [&self.actor, &self.reference].into_iter().chain(critic).chain(reward) {
+            match weights {
+                Weights::Whole(params) | Weights::Sliced(params) => {
+                    for var in params.vars.iter().filter(|v| v.device().is_cpu() && seen.insert(v.id())) {
+                        bytes += (var.elem_count() * var.dtype().size_in_bytes()) as u64;
+                    }
+                }
+                Weights::Sharded(model) if model.shard_place() == "host memory" => {
+                    bytes += 4 * model.shard_len() as u64
+                }
+                Weights::Sharded(_) => {}
+            }
+        }
+        bytes
+    }
+
     /// The actor and the reward model must hold a prompt and its answer and embed every token.
     pub fn check_fits(&self, args: &PpoArgs, tokenizer: &Tokenizer) -> Result<()> {
         let context = args.max_prompt_seq_len + args.max_answer_seq_len;
