@@ -17,12 +17,12 @@ Usage: scripts/bench/zero-projection.py [MODEL] [STEP_MS]
   450 GB/s, the order nccl-tests reports for all-reduce, all-gather and reduce-scatter at these
   sizes (a published figure: not measured here, one GPU being all this project was lent).
 - Time of a collective = bytes a rank sends / bus bandwidth. Efficiency = compute / (compute +
-  exposed communication). Two bounds: none overlapped (as implemented: NCCL on the compute
-  stream), and every collective overlapped that does not wait on the end of backward or the
-  step (DeepSpeed's `overlap_comm`, stage 3's prefetch; see the table's code).
-Not counted: ZeRO 1-3 on GPUs step the optimizer on the host today (issue 41 item 5), a cost per
-step of copying the gradient shard down and the weights up that device-resident states remove;
-the projection is of the design with the states on the device.
+  exposed communication). Two bounds: none overlapped, and every collective overlapped that does
+  not wait on the end of backward or the step (DeepSpeed's `overlap_comm`, stage 3's prefetch; see
+  the table's code). As implemented, NCCL runs on a stream of its own: stage 3 prefetches the next
+  unit's all-gather and overlaps each unit's gradient reduce-scatter with the next unit's
+  backward (the overlapped column), stages 0-2 reduce after backward (the other column).
+The optimizer states are on the device at every stage (as implemented since issue 41 item 5).
 """
 import sys
 
