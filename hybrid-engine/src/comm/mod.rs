@@ -457,17 +457,17 @@ impl ProcessGroup {
 
     /// [`Self::all_gather_slice_as`] of values held as a tensor where they live (a ZeRO-3 shard
     /// kept on the GPU: fp32 masters, or a frozen model's in its compute dtype), the result on
-    /// `mine`'s device: NCCL gathers them there in
-    /// `dtype` without a trip through host memory; in host memory (and over the TCP ring from a
-    /// GPU) the same bytes as from a slice. Always a fresh tensor, never a view of `mine`.
+    /// `mine`'s device: NCCL gathers them there in `dtype` without a trip through host memory;
+    /// in host memory (and over the TCP ring from a GPU) the same bytes as from a slice. Always
+    /// a fresh tensor, never a view of `mine`.
     pub fn all_gather_tensor_as(&self, mine: &Tensor, dtype: DType) -> Result<Tensor> {
         let device = mine.device();
         if device.is_cpu() {
             return self.all_gather_slice_as(&host_f32(mine)?, dtype, device);
         }
-        let cast = match dtype {
-            DType::F32 => mine.flatten_all()?.copy()?,
-            _ => mine.flatten_all()?.to_dtype(dtype)?,
+        let cast = match mine.dtype() == dtype {
+            true => mine.flatten_all()?.copy()?,
+            false => mine.flatten_all()?.to_dtype(dtype)?,
         };
         Ok(self.all_gather(&cast)?.to_dtype(dtype)?)
     }
