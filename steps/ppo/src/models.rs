@@ -289,10 +289,8 @@ impl StartingModels {
                         bytes += (var.elem_count() * var.dtype().size_in_bytes()) as u64;
                     }
                 }
-                Weights::Sharded(model) if model.shard_place() == "host memory" => {
-                    bytes += 4 * model.shard_len() as u64
-                }
-                Weights::Sharded(_) => {}
+                // Built in host memory; moved to a GPU, if at all, when the engines are made.
+                Weights::Sharded(model) => bytes += 4 * model.shard_len() as u64,
             }
         }
         bytes
