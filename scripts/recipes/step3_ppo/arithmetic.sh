@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Step 3 of the arithmetic task (`train --task arithmetic`): GRPO on the rule reward alone
 # (`builtin:arithmetic`, 1 for the sum, else 0; no reward model, so step 2 is skipped), 4 sampled
-# answers per prompt, KL 0.05, one pass over step 3's ~470 prompts. The held-out task score is
+# answers per prompt, KL 0.05, one pass over step 3's 352 training prompts. The held-out task score is
 # measured greedily on `arithmetic-phrasings`, for the SFT actor and the trained one
 # (docs/RLHF-INVESTIGATION.md, section 18b: 0.52-0.56 -> 0.95-1.00 on seeds 1234, 2 and 3). One
 # rank: the batches are the one-process run's (`train` refuses more).
