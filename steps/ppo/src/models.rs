@@ -274,10 +274,17 @@ fn sharded_beside(
 }
 
 impl StartingModels {
+    /// The process's own memory for step 3's plan, once its inputs are read (tokenizer, data):
+    /// all it holds live but these models' values.
+    pub fn process_mib(&self) -> f64 {
+        let live = hybrid_engine::training::metrics::live_rss_mib().unwrap_or(0.0);
+        (live - self.host_bytes() as f64 / (1024.0 * 1024.0)).max(0.0)
+    }
+
     /// The bytes of the models' values held in host memory as read (a tensor the actor and
     /// the reference share counted once): what the process's resident memory holds of them
     /// before they are built into engines.
-    pub fn host_bytes(&self) -> u64 {
+    fn host_bytes(&self) -> u64 {
         let mut seen = std::collections::HashSet::new();
         let mut bytes = 0u64;
         let critic = self.critic.iter().map(|(_, w)| w);

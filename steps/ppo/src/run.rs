@@ -94,7 +94,6 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
     // Models: actor and reference from step 1, critic and reward from step 2.
     // Resume: the trained models' values and optimizers from the checkpoint (the frozen ones
     // from their directories).
-    let process_at_start = hybrid_engine::training::metrics::current_rss_mib().unwrap_or(0.0);
     let resume = args.load.as_deref().map(|root| read_checkpoint(args, root, world, &device)).transpose()?;
     let sharding = Sharding::of(args, &data, tp.as_ref(), resume.as_ref());
     let start = read_starting_models(args, &sharding, resume.as_ref(), &device)?;
@@ -115,10 +114,7 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
     println!("{}", prompts.summary);
     let unsupervised =
         args.unsupervised_dataset_name.as_deref().map(|name| ptx_corpus(args, name, &tokenizer)).transpose()?;
-    // The process's own memory for the plan, once its inputs are read (tokenizer, data): all
-    // it holds live but the models' values.
-    let live_mib = hybrid_engine::training::metrics::live_rss_mib().unwrap_or(0.0);
-    let process_mib = (live_mib - start.host_bytes() as f64 / (1024.0 * 1024.0)).max(process_at_start);
+    let process_mib = start.process_mib();
     // The global batches: a rollout's prompts and a PPO micro-batch's rows over all ranks.
     let global_generation = args.per_device_generation_batch_size * world;
     let global_micro = args.per_device_training_batch_size * world;
