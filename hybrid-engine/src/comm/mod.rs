@@ -701,9 +701,11 @@ impl Pending {
     }
 }
 
-/// `t`'s values (any float dtype) as f32 in host memory.
+/// `t`'s values (any float dtype) as f32 in host memory ([`extend_host_f32`]).
 fn host_f32(t: &Tensor) -> Result<Vec<f32>> {
-    Ok(t.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?)
+    let mut values = Vec::with_capacity(t.elem_count());
+    extend_host_f32(&mut values, t)?;
+    Ok(values)
 }
 
 /// Consecutive variables of `shapes` copied out of the gathered `full` (its padding after them
