@@ -395,6 +395,10 @@ mod tests {
     use super::*;
     use std::collections::HashMap;
 
+    /// Held by the tests that pick a rendezvous port, which run on parallel threads: one test's
+    /// pick must not land on the port another has just picked and is about to bind.
+    static PORT_PICKS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
     fn get<'a>(env: &'a [(&str, String)], k: &str) -> Option<&'a str> {
         env.iter().find(|(key, _)| *key == k).map(|(_, v)| v.as_str())
     }
@@ -477,6 +481,7 @@ mod tests {
             .next()
             .and_then(|v| v.parse().ok())
             .expect("the ephemeral range's low end");
+        let _picking = PORT_PICKS.lock().unwrap_or_else(|e| e.into_inner());
         for _ in 0..16 {
             let port = free_port()?;
             assert!((10000..low).contains(&port) && port != 29500, "port {port}");
@@ -488,6 +493,7 @@ mod tests {
     #[test]
     fn who_launches_what() -> Result<()> {
         // A rank never launches; one rank alone runs as itself; single_node picks a free port.
+        let _picking = PORT_PICKS.lock().unwrap_or_else(|e| e.into_inner());
         assert_eq!(node(&[(NPROC_ENV, "2"), ("RANK", "0")])?, None);
         assert_eq!(node(&[])?, None);
         assert_eq!(node(&[(NPROC_ENV, "1")])?, None);
