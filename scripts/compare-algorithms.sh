@@ -2,7 +2,8 @@
 # The demo's algorithms side by side (issue 15): for each seed, steps 1 and 2 once, then step 3
 # as PPO, GRPO, RLOO and REINFORCE++ on the same SFT actor and reward model, and DPO (step 2 --algorithm dpo)
 # on the same SFT actor; every actor scored by `policy_eval` on the held-out prompts (reward-model
-# score, task score, KL to the SFT model, answer length), then mean and spread over the seeds.
+# score, task score on the held-out phrasings and on the held-out countries, KL to the SFT model,
+# answer length), then mean, standard deviation and range over the seeds.
 # Usage: scripts/compare-algorithms.sh [OUT_DIR] [SEED...]   (default: compare-out, seeds 1 2 3)
 # Needs `cargo build --release` first; python3 for the table.
 set -euo pipefail
@@ -38,19 +39,26 @@ out, seeds = sys.argv[1], sys.argv[2:]
 evals = {s: json.load(open(f"{out}/seed-{s}/eval.json")) for s in seeds}
 times = {s: dict(l.split() for l in open(f"{out}/seed-{s}/times.txt")) for s in seeds}
 def cell(values, fmt="{:.3f}"):
+    """mean ± sample standard deviation [min, max] over the seeds."""
     values = [v for v in values if v is not None]
     if not values:
         return "n/a"
-    m = statistics.mean(values)
-    spread = (max(values) - min(values)) / 2
-    return (fmt + " ± " + fmt).format(m, spread)
-print(f"| actor | reward-model score | task score | task score per seed | KL to SFT (nats) | answer length | wall time (s) |")
-print("|---|---|---|---|---|---|---|")
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return (fmt + " ± " + fmt + " [" + fmt + ", " + fmt + "]").format(statistics.mean(values), sd, min(values), max(values))
+print(f"seeds: {' / '.join(seeds)}; mean ± sd [min, max] over the seeds")
+print("| actor | task score, held-out phrasings | per seed | gain over SFT | held-out countries | per seed | gain over SFT | reward-model score | KL to SFT (nats) | answer length | wall time (s) |")
+print("|---|---|---|---|---|---|---|---|---|---|---|")
 for name in ["sft", "ppo", "grpo", "rloo", "reinforce_pp", "dpo"]:
     rows = [evals[s][name] for s in seeds]
+    sft = [evals[s]["sft"] for s in seeds]
     task = [r["task_success"] for r in rows]
+    countries = [r["heldout_country_task_success"] for r in rows]
+    gain = [r["task_success"] - b["task_success"] for r, b in zip(rows, sft)]
+    countries_gain = [r["heldout_country_task_success"] - b["heldout_country_task_success"] for r, b in zip(rows, sft)]
     wall = [float(times[s].get(name if name != "sft" else "sft+rm", "nan")) for s in seeds]
-    print(f"| {name} | {cell([r['reward_mean'] for r in rows])} | {cell(task)} | "
-          f"{' / '.join(f'{t:.3f}' for t in task)} | {cell([r['kl_to_reference'] for r in rows])} | "
+    per_seed = lambda v: " / ".join(f"{t:.3f}" for t in v)
+    print(f"| {name} | {cell(task)} | {per_seed(task)} | {cell(gain) if name != 'sft' else ''} | "
+          f"{cell(countries)} | {per_seed(countries)} | {cell(countries_gain) if name != 'sft' else ''} | "
+          f"{cell([r['reward_mean'] for r in rows])} | {cell([r['kl_to_reference'] for r in rows])} | "
           f"{cell([r['answer_len_mean'] for r in rows], '{:.1f}')} | {cell(wall, '{:.0f}')} |")
 PY

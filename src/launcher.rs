@@ -1181,7 +1181,13 @@ fn held_out_line(sft: &JsonObject, ppo: &JsonObject, name: &str) -> String {
     let number = |e: &JsonObject, key: &str| e.get(key).and_then(|v| v.as_f64());
     let task = |e| number(e, "task_success").map_or("n/a".into(), |t| format!("{t:.3}"));
     let prompts = sft.get("prompts").and_then(|p| p.as_u64()).unwrap_or(0);
-    match (number(sft, "reward_mean"), number(ppo, "reward_mean")) {
+    let countries = ppo::eval::heldout_countries_clause(
+        sft.get("heldout_country_prompts").and_then(|p| p.as_u64()).unwrap_or(0) as usize,
+        number(sft, "heldout_country_task_success"),
+        number(ppo, "heldout_country_task_success"),
+        name,
+    );
+    let line = match (number(sft, "reward_mean"), number(ppo, "reward_mean")) {
         (Some(before), Some(after)) => format!(
             "held-out prompts ({prompts}): reward-model score SFT actor {before:.3} -> {name} actor {after:.3}; task score SFT {} -> {name} {}",
             task(sft),
@@ -1193,7 +1199,8 @@ fn held_out_line(sft: &JsonObject, ppo: &JsonObject, name: &str) -> String {
             task(ppo),
             number(ppo, "kl_to_reference").unwrap_or(f64::NAN)
         ),
-    }
+    };
+    line + &countries
 }
 
 type JsonObject = serde_json::Map<String, serde_json::Value>;
@@ -1214,13 +1221,19 @@ fn held_out_comparison(output: &Path) -> Result<()> {
     let (before, after) = (eval(("SFT actor", &sft))?, eval(("DPO actor", &dpo))?);
     let task = |e: &ppo::eval::PolicyEval| e.task_success.map_or("n/a".into(), |t| format!("{t:.3}"));
     println!(
-        "held-out prompts ({}): task score SFT {} -> DPO {}; answer length {:.1} -> {:.1} tokens; KL to SFT {:.3} nats",
-        prompts.len(),
+        "held-out prompts ({}): task score SFT {} -> DPO {}; answer length {:.1} -> {:.1} tokens; KL to SFT {:.3} nats{}",
+        before.prompts,
         task(&before),
         task(&after),
         before.answer_len_mean,
         after.answer_len_mean,
-        after.kl_to_reference
+        after.kl_to_reference,
+        ppo::eval::heldout_countries_clause(
+            before.heldout_country_prompts,
+            before.heldout_country_task_success,
+            after.heldout_country_task_success,
+            "DPO"
+        )
     );
     Ok(())
 }
@@ -1479,6 +1492,23 @@ mod task_tests {
         assert_eq!(
             line,
             "held-out prompts (87): reward-model score SFT actor 4.636 -> PPO actor 6.491; task score SFT 0.741 -> PPO 0.948"
+        );
+        // The demo's held-out countries, scored apart, end the line.
+        let with_countries = |mut e: JsonObject, task: f64| {
+            e.insert("heldout_country_prompts".into(), 64.into());
+            e.insert("heldout_country_task_success".into(), task.into());
+            e
+        };
+        let line = held_out_line(
+            &with_countries(eval(4.636.into(), 0.741, 0.0), 0.6875),
+            &with_countries(eval(6.491.into(), 0.948, 0.59), 0.71875),
+            "PPO",
+        );
+        assert!(
+            line.ends_with(
+                "task score SFT 0.741 -> PPO 0.948; held-out countries (64): task score SFT 0.688 -> PPO 0.719"
+            ),
+            "{line}"
         );
     }
 }

@@ -86,13 +86,23 @@ fn held_out_table(md: &mut String, step3: &Path, name: &str) -> Result<()> {
     }
     let _ = writeln!(md, "## Held-out prompts: SFT vs {name}\n");
     let _ = writeln!(md, "Greedy answers; ✓ / ✗: the task's scorer (the demo's: the capital and no other city; arithmetic: the sum and no other number).\n");
-    let _ = writeln!(md, "| # | prompt | SFT | {name} |\n|---|---|---|---|");
     let mark = |prompt: &str, answer: &str| match data::tasks::score_answer(prompt, answer) {
         Some(true) => "✓ ",
         Some(false) => "✗ ",
         None => "",
     };
     for (i, ((prompt, a), b)) in prompts.iter().zip(&sft).zip(&trained).enumerate() {
+        // The demo's held-out countries come last, in a table of their own.
+        let new_country = data::demo::asks_about_heldout_country(prompt);
+        if i == 0 || (new_country && !data::demo::asks_about_heldout_country(&prompts[i - 1])) {
+            if new_country {
+                let _ = writeln!(
+                    md,
+                    "\nThe held-out countries: step 1 trained on them; no row of steps 2 and 3 asks about them.\n"
+                );
+            }
+            let _ = writeln!(md, "| # | prompt | SFT | {name} |\n|---|---|---|---|");
+        }
         let question = prompt.rsplit("Human:").next().unwrap_or(prompt);
         let question = question.split("Assistant:").next().unwrap_or(question);
         let _ = writeln!(

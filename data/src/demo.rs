@@ -129,6 +129,31 @@ pub const COUNTRIES: &[Country] = &[
     regular("Iceland", "Reykjavik"),
 ];
 
+/// The held-out countries: every [`HELDOUT_COUNTRY_STRIDE`]th country of the table from the
+/// third (Turkey, Vietnam, India: confusable; Portugal, Kenya, Sweden, Hungary, Ghana), a rule
+/// fixed before any run, not chosen on results. Step 1 learns their facts, as pretraining teaches
+/// a real model's, but no row of steps 2 and 3 asks about them (`crate::phases`): their scores
+/// say whether what the reward model and step 3 taught carries over to countries they never
+/// trained on, besides the unseen phrasings of the countries they did.
+pub const HELDOUT_COUNTRY_STRIDE: usize = 6;
+const FIRST_HELDOUT_COUNTRY: usize = 2;
+
+/// Whether `country` (its index in [`COUNTRIES`]) is a held-out country.
+fn is_heldout_country(ci: usize) -> bool {
+    ci % HELDOUT_COUNTRY_STRIDE == FIRST_HELDOUT_COUNTRY
+}
+
+/// The held-out countries, in table order.
+pub fn heldout_countries() -> impl Iterator<Item = &'static Country> {
+    COUNTRIES.iter().enumerate().filter(|(ci, _)| is_heldout_country(*ci)).map(|(_, c)| c)
+}
+
+/// Whether the last human turn of `prompt` asks about a held-out country (as [`score_answer`]
+/// finds the country: exactly one table country named).
+pub fn asks_about_heldout_country(prompt: &str) -> bool {
+    asked_country(prompt).is_some_and(is_heldout_country)
+}
+
 /// Other spellings the scorer accepts for a city of the table (`(alias, city)`); the generated
 /// data only ever uses the table's ASCII spelling.
 const CITY_ALIASES: &[(&str, &str)] = &[
@@ -204,6 +229,22 @@ pub fn heldout_prompts() -> Result<Vec<HeldoutPrompt>> {
             serde_json::from_str(line).with_context(|| format!("embedded heldout_prompts.jsonl line {}", i + 1))
         })
         .collect()
+}
+
+/// The demo's evaluation prompts, as `--eval-prompts demo` reads them: the held-out phrasings
+/// of the countries steps 2 and 3 train on (the held-out file's prompts about the other
+/// countries), then every question template about each held-out country.
+pub fn evaluation_prompts() -> Result<Vec<HeldoutPrompt>> {
+    let phrasings = heldout_prompts()?.into_iter().filter(|p| !asks_about_heldout_country(&p.prompt));
+    let countries = heldout_countries().flat_map(|country| {
+        (0..QUESTION_TEMPLATES.len()).map(move |t| HeldoutPrompt {
+            prompt: render_prompt(country, t),
+            country: country.name.to_string(),
+            capital: country.capital.to_string(),
+            confusable: country.confusable(),
+        })
+    });
+    Ok(phrasings.chain(countries).collect())
 }
 
 /// The question of template `template` about `country`, in DS-Chat's prompt format.
@@ -435,17 +476,22 @@ pub struct TaskScore {
 /// matched the same way, longest name first, so "New Delhi" is one city and "Washington, D.C."
 /// counts as Washington.
 pub fn score_answer(prompt: &str, answer: &str) -> Option<TaskScore> {
-    let question = prompt.rsplit("Human:").next().unwrap_or(prompt);
-    let question = question.split("Assistant:").next().unwrap_or(question);
-    let countries = mentions(question, COUNTRIES.iter().enumerate().map(|(i, c)| (c.name, i)));
-    let &[ci] = countries.as_slice() else { return None };
-    let country = &COUNTRIES[ci];
+    let country = &COUNTRIES[asked_country(prompt)?];
     let cities = mentions(answer, city_names());
     Some(TaskScore {
         correct: cities == [country.capital],
         named_mistake: country.mistake.is_some_and(|m| cities.contains(&m)),
         country: country.name.to_string(),
     })
+}
+
+/// The index of the one table country the last human turn of `prompt` names.
+fn asked_country(prompt: &str) -> Option<usize> {
+    let question = prompt.rsplit("Human:").next().unwrap_or(prompt);
+    let question = question.split("Assistant:").next().unwrap_or(question);
+    let countries = mentions(question, COUNTRIES.iter().enumerate().map(|(i, c)| (c.name, i)));
+    let &[ci] = countries.as_slice() else { return None };
+    Some(ci)
 }
 
 /// Every city name the scorer knows, with the canonical (table) spelling as its id.
@@ -581,6 +627,33 @@ mod tests {
                 assert!(templates.len() >= 2, "{name}: {} asked in {templates:?}", country.name);
             }
         }
+    }
+
+    #[test]
+    fn the_held_out_countries_are_every_sixth_and_the_evaluation_asks_them_every_way() {
+        let names: Vec<&str> = heldout_countries().map(|c| c.name).collect();
+        let want = ["Turkey", "Vietnam", "India", "Portugal", "Kenya", "Sweden", "Hungary", "Ghana"];
+        assert_eq!(names, want, "the list HELDOUT_COUNTRY_STRIDE's doc names");
+        assert_eq!(heldout_countries().filter(|c| c.confusable()).count(), 3);
+        let prompts = evaluation_prompts().unwrap();
+        let (countries, phrasings): (Vec<_>, Vec<_>) =
+            prompts.iter().partition(|p| asks_about_heldout_country(&p.prompt));
+        // The phrasings: the held-out file's prompts about the other 40 countries, in its order.
+        let file: Vec<HeldoutPrompt> =
+            heldout_prompts().unwrap().into_iter().filter(|p| !want.contains(&p.country.as_str())).collect();
+        assert_eq!(phrasings.into_iter().cloned().collect::<Vec<_>>(), file);
+        assert_eq!(file.len(), 52);
+        // Then all 8 questions about each held-out country, answer key included.
+        assert_eq!(countries.len(), want.len() * QUESTION_TEMPLATES.len());
+        assert!(prompts[file.len()..].iter().all(|p| asks_about_heldout_country(&p.prompt)));
+        for p in countries {
+            let c = COUNTRIES.iter().find(|c| c.name == p.country).unwrap();
+            assert!(want.contains(&c.name) && p.capital == c.capital && p.confusable == c.confusable());
+            assert!(score_answer(&p.prompt, &format!(" It is {}.", c.capital)).unwrap().correct);
+        }
+        // Only a question about one held-out country is one.
+        assert!(!asks_about_heldout_country("\n\nHuman: Is Turkey bigger than France?\n\nAssistant:"));
+        assert!(!asks_about_heldout_country("\n\nHuman: What is 2 + 3?\n\nAssistant:"));
     }
 
     #[test]

@@ -258,8 +258,9 @@ fn load_source(spec: &str, keys: &ColumnKeys, seed: u64) -> Result<RawDataset> {
         let keys = ColumnKeys::default();
         let train = sources::rows_from_json_bytes(crate::demo::TRAIN_JSONL, "embedded demo train.jsonl", &keys)?;
         let eval = sources::rows_from_json_bytes(crate::demo::EVAL_JSONL, "embedded demo eval.jsonl", &keys)?;
+        // `heldout-countries`: phases 2 and 3 leave out the rows about the held-out countries.
         let fingerprint = format!(
-            "demo:{:016x}:{:016x}",
+            "demo:heldout-countries:{:016x}:{:016x}",
             cache::fnv1a64(crate::demo::TRAIN_JSONL),
             cache::fnv1a64(crate::demo::EVAL_JSONL)
         );
@@ -299,8 +300,15 @@ fn phase_rows(cfg: &DataConfig, phase: Phase) -> Result<(Vec<PreferenceRow>, Vec
                 raw.name
             );
         }
-        train.extend(train_idx.into_iter().map(|i| raw.train[i].clone()));
-        eval.extend(phase_indices(raw.eval.len(), split, p, cfg.seed).into_iter().map(|i| raw.eval[i].clone()));
+        // The demo's held-out countries are step 1's only (`crate::demo::heldout_countries`).
+        let kept = |row: &PreferenceRow| {
+            !(spec == DEMO_DATA
+                && phase != Phase::Sft
+                && crate::demo::asks_about_heldout_country(row.prompt.as_deref().unwrap_or("")))
+        };
+        train.extend(train_idx.into_iter().map(|i| &raw.train[i]).filter(|r| kept(r)).cloned());
+        let eval_idx = phase_indices(raw.eval.len(), split, p, cfg.seed);
+        eval.extend(eval_idx.into_iter().map(|i| &raw.eval[i]).filter(|r| kept(r)).cloned());
         fingerprints.push(raw.fingerprint);
     }
     if fingerprints.len() > 1 {
@@ -492,6 +500,37 @@ mod tests {
         let prompts: std::collections::HashSet<&str> =
             raw.train.iter().chain(&raw.eval).filter_map(|r| r.prompt.as_deref()).collect();
         assert!(!heldout.is_empty() && heldout.iter().all(|p| !prompts.contains(p.as_str())));
+        Ok(())
+    }
+
+    #[test]
+    fn only_step_1_asks_about_the_demos_held_out_countries() -> Result<()> {
+        // The demo recipes' split: step 1 holds rows about the held-out countries (their facts);
+        // the reward pairs and the PPO prompts hold none, train or eval, and lose nothing else.
+        let cfg = DataConfig {
+            data_paths: vec![DEMO_DATA.into()],
+            data_split: [0.2, 0.6, 0.2],
+            seed: 1234,
+            ..config(&[], std::path::Path::new("unused"), 48)
+        };
+        let asks = |rows: &[PreferenceRow]| {
+            rows.iter().filter(|r| crate::demo::asks_about_heldout_country(r.prompt.as_deref().unwrap())).count()
+        };
+        let raw = load_source(DEMO_DATA, &ColumnKeys::default(), cfg.seed)?;
+        for phase in [Phase::Sft, Phase::Reward, Phase::Ppo] {
+            let (train, eval, _) = phase_rows(&cfg, phase)?;
+            let whole = |n: usize| phase_indices(n, &cfg.data_split, phase as usize, cfg.seed).len();
+            let (all_train, all_eval) = (whole(raw.train.len()), whole(raw.eval.len()));
+            if phase == Phase::Sft {
+                assert_eq!((train.len(), eval.len()), (all_train, all_eval));
+                assert!(asks(&train) > all_train / 10 && asks(&eval) > 0, "{} of {all_train}", asks(&train));
+            } else {
+                assert_eq!((asks(&train), asks(&eval)), (0, 0), "{}", phase.name());
+                // About 8 of the 48 countries' rows left out.
+                assert!(train.len() * 6 > all_train * 4 && train.len() * 8 < all_train * 7, "{}", train.len());
+                assert!(eval.len() < all_eval);
+            }
+        }
         Ok(())
     }
 

@@ -11,7 +11,7 @@ use std::path::Path;
 /// line can hold a `\n\nHuman: ...\n\nAssistant:` prompt).
 pub fn read_prompts(spec: &str, limit: usize) -> Result<Vec<String>> {
     let prompts: Vec<String> = if spec == crate::phases::DEMO_DATA {
-        crate::demo::heldout_prompts()?.into_iter().map(|p| p.prompt).collect()
+        crate::demo::evaluation_prompts()?.into_iter().map(|p| p.prompt).collect()
     } else if spec == crate::arithmetic::ARITHMETIC_DATA {
         crate::arithmetic::heldout_prompts()
     } else if spec == crate::arithmetic::ARITHMETIC_PHRASINGS {

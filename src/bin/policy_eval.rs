@@ -77,13 +77,20 @@ fn run(args: &Args) -> Result<()> {
         let (cfg, params, _) = read_model(dir, &format!("--actor {name}="), Some(0.0), &device)?;
         rows.push((name.clone(), evaluate((name, &params.model(&cfg)?))?));
     }
-    println!("held-out prompts: {}", prompts.len());
-    println!("| actor | reward-model score | task score | KL to SFT (nats) | answer length |");
-    println!("|---|---|---|---|---|");
+    let countries = rows[0].1.heldout_country_prompts;
+    println!("held-out prompts: {} (held-out countries: {countries})", rows[0].1.prompts);
+    println!("| actor | reward-model score | task score | held-out countries' task score | KL to SFT (nats) | answer length |");
+    println!("|---|---|---|---|---|---|");
+    let task = |t: Option<f64>| t.map_or("n/a".to_string(), |t| format!("{t:.3}"));
     for (name, e) in &rows {
-        let task = e.task_success.map_or("n/a".to_string(), |t| format!("{t:.3}"));
         let score = e.reward_mean.unwrap_or(f64::NAN);
-        println!("| {name} | {score:.3} | {task} | {:.3} | {:.1} |", e.kl_to_reference, e.answer_len_mean);
+        println!(
+            "| {name} | {score:.3} | {} | {} | {:.3} | {:.1} |",
+            task(e.task_success),
+            task(e.heldout_country_task_success),
+            e.kl_to_reference,
+            e.answer_len_mean
+        );
     }
     if args.probe_demo_reward_model {
         let p = ppo::eval::probe_demo_reward_model(&reward, &tok, args.max_prompt_seq_len, &device)?;

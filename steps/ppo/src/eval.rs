@@ -15,12 +15,19 @@ use serde::Serialize;
 /// A policy's greedy answers to held-out prompts, scored.
 #[derive(Clone, Debug, Serialize)]
 pub struct PolicyEval {
+    /// The prompts `reward_mean` and `task_success` are over: all but the demo's held-out
+    /// countries' (on the demo, its held-out phrasings of the countries steps 2 and 3 train on).
     pub prompts: usize,
     /// Mean reward-model score of the answers (none without a reward model: DPO).
     pub reward_mean: Option<f64>,
-    /// Share of answers the demo scorer accepts (None when no prompt is a demo prompt).
+    /// Share of answers their task's scorer accepts (None when no prompt belongs to a task).
     pub task_success: Option<f64>,
-    /// Mean tokens of the greedy answers (EOS included).
+    /// The prompts about the demo's held-out countries (`data::demo::heldout_countries`: no row
+    /// of steps 2 and 3 asks about them), scored apart.
+    pub heldout_country_prompts: usize,
+    /// Share of those answers the demo's scorer accepts (None without such prompts).
+    pub heldout_country_task_success: Option<f64>,
+    /// Mean tokens of the greedy answers to every prompt (EOS included).
     pub answer_len_mean: f64,
     /// KL(policy || reference) per answer, in nats: the mean over [`KL_SAMPLES`] answers
     /// sampled per prompt (temperature 1) of their summed `log pi - log pi_ref`, an unbiased
@@ -104,16 +111,55 @@ pub fn evaluate_policy(
             answers.push(tok.decode(answer.strip_suffix(&[eos]).unwrap_or(answer))?);
         }
     }
-    let pairs: Vec<(String, String)> = prompts.iter().cloned().zip(answers.iter().cloned()).collect();
+    let (trained, new) = scores_by_prompt_set(prompts, &answers, &scores);
     Ok(PolicyEval {
-        prompts: prompts.len(),
-        reward_mean: reward.map(|_| scores.iter().map(|&s| f64::from(s)).sum::<f64>() / scores.len().max(1) as f64),
-        task_success: data::tasks::task_score(&pairs),
+        prompts: trained.prompts,
+        reward_mean: reward.and(trained.reward_mean),
+        task_success: trained.task_success,
+        heldout_country_prompts: new.prompts,
+        heldout_country_task_success: new.task_success,
         answer_len_mean: lengths.iter().sum::<usize>() as f64 / lengths.len().max(1) as f64,
         kl_to_reference: kl_sum / kl_answers.max(1) as f64,
         prompt_texts: prompts.to_vec(),
         answers,
     })
+}
+
+/// One prompt set's count, mean reward-model score and task score.
+#[derive(Clone, Debug, PartialEq)]
+struct SetScores {
+    prompts: usize,
+    reward_mean: Option<f64>,
+    task_success: Option<f64>,
+}
+
+/// The scores of the prompts about the countries steps 2 and 3 train on (and of any prompt of
+/// no held-out country), then those of the demo's held-out countries; `rewards` as many as
+/// `prompts`, or none.
+fn scores_by_prompt_set(prompts: &[String], answers: &[String], rewards: &[f32]) -> (SetScores, SetScores) {
+    let set = |heldout_country: bool| {
+        let chosen: Vec<usize> = (0..prompts.len())
+            .filter(|&i| data::demo::asks_about_heldout_country(&prompts[i]) == heldout_country)
+            .collect();
+        let pairs: Vec<(String, String)> = chosen.iter().map(|&i| (prompts[i].clone(), answers[i].clone())).collect();
+        let reward_sum: f64 = chosen.iter().filter_map(|&i| rewards.get(i)).map(|&r| f64::from(r)).sum();
+        SetScores {
+            prompts: chosen.len(),
+            reward_mean: (!rewards.is_empty() && !chosen.is_empty()).then(|| reward_sum / chosen.len() as f64),
+            task_success: data::tasks::task_score(&pairs),
+        }
+    };
+    (set(false), set(true))
+}
+
+/// How the task score on the demo's held-out countries moved, as the held-out lines end:
+/// `; held-out countries (64): task score SFT 0.812 -> PPO 0.844`; empty without such prompts.
+pub fn heldout_countries_clause(prompts: usize, before: Option<f64>, after: Option<f64>, name: &str) -> String {
+    let score = |t: Option<f64>| t.map_or("n/a".to_string(), |t| format!("{t:.3}"));
+    if prompts == 0 {
+        return String::new();
+    }
+    format!("; held-out countries ({prompts}): task score SFT {} -> {name} {}", score(before), score(after))
 }
 
 /// `log pi(answer) - log pi_ref(answer)` after one left-padded `prompt` (with its `mask`).
@@ -157,19 +203,23 @@ pub struct RewardProbe {
     pub cities: usize,
 }
 
-/// [`RewardProbe`] of `reward` on the demo's held-out prompts.
+/// [`RewardProbe`] of `reward` on the demo's held-out phrasings of the countries it trained on.
 pub fn probe_demo_reward_model(
     reward: &TrainedModel,
     tok: &Tokenizer,
     max_prompt: usize,
     device: &Device,
 ) -> Result<RewardProbe> {
-    use data::demo::{heldout_prompts, off_topic_answers, render_answer, score_answer, ANSWER_TEMPLATES, COUNTRIES};
+    use data::demo::{
+        asks_about_heldout_country, heldout_prompts, off_topic_answers, render_answer, score_answer, ANSWER_TEMPLATES,
+        COUNTRIES,
+    };
     let eos = tok.eos_id();
     let cities: Vec<&str> = COUNTRIES.iter().flat_map(|c| std::iter::once(c.capital).chain(c.mistake)).collect();
     let (mut probes, mut first, mut above) = (0usize, 0usize, 0usize);
     let (mut prompts, mut best_correct) = (0usize, 0usize);
-    for held in heldout_prompts()? {
+    // The countries the reward model trained on: it never saw a pair about a held-out country.
+    for held in heldout_prompts()?.into_iter().filter(|p| !asks_about_heldout_country(&p.prompt)) {
         let country = COUNTRIES.iter().find(|c| c.name == held.country).expect("held-out countries are in the table");
         let mut prompt = tok.encode(&held.prompt)?;
         if prompt.len() > max_prompt {
@@ -220,4 +270,30 @@ pub fn probe_demo_reward_model(
         best_answer_correct: best_correct as f64 / prompts.max(1) as f64,
         cities: cities.len(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_held_out_countries_are_scored_apart_from_the_other_prompts() {
+        let ask = |country: &str| format!("\n\nHuman: What is the capital of {country}?\n\nAssistant:");
+        // France and Canada are trained on; Turkey and Ghana are held-out countries.
+        let prompts = [ask("France"), ask("Turkey"), ask("Canada"), ask("Ghana"), ask("Turkey")];
+        let answers = [" Paris.", " Istanbul.", " Toronto.", " It is Accra.", " Ankara."].map(String::from);
+        let rewards = [1.0, 10.0, 3.0, 20.0, 30.0];
+        let (trained, new) = scores_by_prompt_set(&prompts, &answers, &rewards);
+        assert_eq!(trained, SetScores { prompts: 2, reward_mean: Some(2.0), task_success: Some(0.5) });
+        assert_eq!(new, SetScores { prompts: 3, reward_mean: Some(20.0), task_success: Some(2.0 / 3.0) });
+        // No reward model: no reward mean; no held-out country: nothing to score apart.
+        let (trained, new) = scores_by_prompt_set(&prompts[..1], &answers[..1], &[]);
+        assert_eq!(trained, SetScores { prompts: 1, reward_mean: None, task_success: Some(1.0) });
+        assert_eq!(new, SetScores { prompts: 0, reward_mean: None, task_success: None });
+        assert_eq!(heldout_countries_clause(new.prompts, None, None, "PPO"), "");
+        assert_eq!(
+            heldout_countries_clause(64, Some(0.5), Some(0.75), "GRPO"),
+            "; held-out countries (64): task score SFT 0.500 -> GRPO 0.750"
+        );
+    }
 }

@@ -29,7 +29,7 @@
 use crate::advantages::compute_advantages;
 use crate::args::PpoArgs;
 use crate::checkpoint::{ModelSave, SavedModel};
-use crate::eval::{evaluate_policy, PolicyEval};
+use crate::eval::{evaluate_policy, heldout_countries_clause, PolicyEval};
 use crate::experience::{generate_experience, rollout_share, Experience, ExternalRewards, RolloutModels};
 use crate::models::{
     build_models, lm_on, read_model, read_reward_model, read_starting_models, reward_model_on, Sharding,
@@ -689,8 +689,8 @@ impl PpoLoop<'_> {
         let task = |e: &PolicyEval| e.task_success.map_or("n/a".to_string(), |t| format!("{t:.3}"));
         let score = |e: &PolicyEval| e.reward_mean.map_or("n/a".to_string(), |r| format!("{r:.3}"));
         println!(
-            "held-out prompts ({}): reward score SFT {} -> {name} {}; task score SFT {} -> {name} {}; answer length {:.1} -> {:.1} tokens; KL to SFT {:.3} nats",
-            prompts.len(),
+            "held-out prompts ({}): reward score SFT {} -> {name} {}; task score SFT {} -> {name} {}; answer length {:.1} -> {:.1} tokens; KL to SFT {:.3} nats{}",
+            before.prompts,
             score(&before),
             score(&after),
             task(&before),
@@ -698,6 +698,12 @@ impl PpoLoop<'_> {
             before.answer_len_mean,
             after.answer_len_mean,
             after.kl_to_reference,
+            heldout_countries_clause(
+                before.heldout_country_prompts,
+                before.heldout_country_task_success,
+                after.heldout_country_task_success,
+                name
+            ),
         );
         self.metrics.record(json!({"event": "eval", "sft": before, "ppo": after}))?;
         (self.summary.sft_eval, self.summary.ppo_eval) = (Some(before), Some(after));
