@@ -240,3 +240,41 @@ fn the_demo_splits_its_batches_over_the_data_parallel_ranks() {
         assert!(one.iter().any(|a| a.ends_with("zero-stage=0")), "{recipe}: {one:?}");
     }
 }
+
+/// `single_gpu.sh`'s `tiny` size is the demo in one process: for every step and algorithm it
+/// gives its step the same settings as the demo's own recipe (the flags may come in another
+/// order or repeat; what the step parses is the same).
+#[test]
+fn the_single_gpu_tiny_recipes_are_the_demos() {
+    let parsed = |recipe: &str, args: &[&str], algorithm: &str| -> String {
+        let argv = recipe_argv_with(recipe, "ppo", args, &[("RLHF_ALGORITHM", algorithm)]);
+        let args = ppo::PpoArgs::try_parse_from(std::iter::once("ppo".to_string()).chain(argv))
+            .unwrap_or_else(|e| panic!("{recipe} {algorithm}: {e}"));
+        format!("{args:?}")
+    };
+    let args = ["out/step3", "0", "out/actor", "tiny", "out/reward", "0"];
+    for algorithm in ["ppo", "grpo", "rloo", "reinforce_pp"] {
+        assert_eq!(
+            parsed("step3_ppo/single_gpu.sh", &args, algorithm),
+            parsed("step3_ppo/demo.sh", &args, algorithm),
+            "step 3, {algorithm}"
+        );
+    }
+    let parsed = |recipe: &str, binary: &str, args: &[&str]| -> String {
+        // A recipe may say something before it runs its step (step 2's demo names its start).
+        let argv = recipe_argv(recipe, binary, args).into_iter().skip_while(|a| !a.starts_with("--"));
+        let argv = std::iter::once(binary.to_string()).chain(argv);
+        match binary {
+            "sft" => format!("{:?}", sft::args::SftArgs::try_parse_from(argv).unwrap()),
+            _ => format!("{:?}", reward::RewardArgs::try_parse_from(argv).unwrap()),
+        }
+    };
+    for (step, binary, args) in [
+        ("step1_sft", "sft", ["out/actor", "0", "tiny", "tiny"]),
+        ("step2_reward", "reward", ["out/reward", "0", "out/actor", "tiny"]),
+        ("step2_dpo", "reward", ["out/dpo", "0", "out/actor", "tiny"]),
+    ] {
+        let (one, demo) = (format!("{step}/single_gpu.sh"), format!("{step}/demo.sh"));
+        assert_eq!(parsed(&one, binary, &args), parsed(&demo, binary, &args), "{step}");
+    }
+}

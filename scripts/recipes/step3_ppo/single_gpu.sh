@@ -27,7 +27,7 @@ case "$SIZE" in
           --per-device-generation-batch-size 16 --per-device-training-batch-size 16
           --generation-batches 1 --ppo-epochs 2 --num-train-epochs 3
           --actor-learning-rate 2e-4 --num-warmup-steps 10 --kl-ctl 0.3 --normalize-reward
-          --do-sample --top-k 2 --print-answers-interval 25 --eval-prompts demo)
+          --do-sample --print-answers-interval 25 --eval-prompts demo)
     CRITIC_ARGS=(--critic-learning-rate 5e-4) ;;
   gpt2|gpt2-medium|gpt2-large|gpt2-xl|custom)
     # DS-Chat single GPU (its --actor-lora-dim 128 and --only-optimize-lora arrive with LoRA).
@@ -55,6 +55,9 @@ case "$ALGORITHM" in
     if [ "$SIZE" = tiny ]; then ARGS+=(--num-train-epochs 3); fi ;;
   *) echo "no step-3 recipe for algorithm $ALGORITHM (ppo, grpo, rloo, reinforce_pp)" >&2; exit 2 ;;
 esac
+# The demo samples top-k 2 but for REINFORCE++, whose only brake is the KL penalty on the sampled
+# tokens, which top-k 2 never lets reach the tail (docs/RLHF-INVESTIGATION.md, section 19).
+if [ "$SIZE" = tiny ] && [ "$ALGORITHM" != reinforce_pp ]; then ARGS+=(--top-k 2); fi
 
 # The critic's path also names the reward model, which every algorithm reads.
 exec ppo --actor-model-name-or-path="$ACTOR" --critic-model-name-or-path="$CRITIC" \
