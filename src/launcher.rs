@@ -143,14 +143,15 @@ pub struct TrainArgs {
     /// --num-gpus N or multi_node each rank takes 1/N of the demo's batches (N dividing 16), so
     /// the run follows the one-process demo; also with --device, --dtype, --algorithm, --seed,
     /// --step, the ZeRO stages and --tensor-model-parallel-size. Its recipes are
-    /// scripts/recipes/<step>/demo.sh (--task arithmetic: the other task's, on one rank).
+    /// scripts/recipes/<step>/demo.sh (--task arithmetic: the other task's).
     #[arg(long, conflicts_with_all = ["actor_model", "reward_model"])]
     pub demo: bool,
     /// The demo's task (giving it runs the demo, as --demo): capitals (the default: what `train`
     /// alone runs) or arithmetic ("What is a + b?", data/src/arithmetic.rs: a tiny GPT-2 from
-    /// scratch, step 1 SFT, step 3 GRPO rewarded by the rule builtin:arithmetic, no step 2, one
-    /// rank; its recipes are scripts/recipes/<step>/arithmetic.sh). Also with --algorithm
-    /// (grpo, rloo, reinforce_pp), --seed, --step, --device, --dtype and --actor-zero-stage.
+    /// scratch, step 1 SFT, step 3 GRPO rewarded by the rule builtin:arithmetic, no step 2; its
+    /// recipes are scripts/recipes/<step>/arithmetic.sh). Also with --algorithm (grpo, rloo,
+    /// reinforce_pp), --seed, --step, --device, --dtype, --actor-zero-stage and, as the demo, any
+    /// deployment and --tensor-model-parallel-size.
     #[arg(long, value_enum)]
     pub task: Option<Task>,
     /// Run the pretraining demo instead (a tiny GPT-2 on the embedded Shakespeare corpus); it
@@ -390,7 +391,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     };
     // (A TP size that does not divide the ranks is the steps' one-line refusal.)
     let data_parallel = (world / args.tensor_model_parallel_size as usize).max(1);
-    check_task_ranks(task, world, data_parallel)?;
+    check_task_ranks(task, data_parallel)?;
     if let Some(n) = local_ranks {
         println!("single_node: each step runs as {n} ranks on this machine (rank logs: <step output>/rank-<r>.log)");
     }
@@ -438,15 +439,13 @@ fn recipe_name(task: Option<Task>, deployment: &str) -> &str {
     }
 }
 
-/// The ranks a task's recipes run on: the capitals demo's split its batches over the
-/// data-parallel ranks; the arithmetic task's are the one-process run's, on one rank.
-fn check_task_ranks(task: Option<Task>, world: usize, data_parallel: usize) -> Result<()> {
+/// The ranks a task's recipes run on: each task's recipes split its batches over the
+/// data-parallel ranks, which must divide them.
+fn check_task_ranks(task: Option<Task>, data_parallel: usize) -> Result<()> {
     match task {
-        Some(Task::Capitals) if !DEMO_GLOBAL_BATCH.is_multiple_of(data_parallel) => bail!(
-            "the demo's batches of {DEMO_GLOBAL_BATCH} do not split over {data_parallel} data-parallel ranks: use 1, 2, 4, 8 or 16 (ranks / --tensor-model-parallel-size)"
-        ),
-        Some(Task::Arithmetic) if world > 1 => bail!(
-            "--task arithmetic trains on one rank (its recipes' batches are the one-process run's, not split over ranks), and this deployment runs {world}: use --deployment-type single_gpu (the default), or --num-gpus 1"
+        Some(task) if !DEMO_GLOBAL_BATCH.is_multiple_of(data_parallel) => bail!(
+            "the {} batches of {DEMO_GLOBAL_BATCH} do not split over {data_parallel} data-parallel ranks: use 1, 2, 4, 8 or 16 (ranks / --tensor-model-parallel-size)",
+            if task == Task::Capitals { "demo's" } else { "arithmetic task's" }
         ),
         _ => Ok(()),
     }
@@ -454,7 +453,7 @@ fn check_task_ranks(task: Option<Task>, world: usize, data_parallel: usize) -> R
 
 /// `--task`'s refusals, each in one line naming the fix: a task trains its own tiny GPT-2 from
 /// scratch, and the arithmetic task has no reward model (its step 3 is rewarded by the rule
-/// `builtin:arithmetic`) and runs on one rank.
+/// `builtin:arithmetic`).
 fn check_task_flags(args: &TrainArgs, steps: &[u32]) -> Result<()> {
     let Some(task) = args.task else { return Ok(()) };
     let name = task.recipe();
@@ -484,21 +483,6 @@ fn check_task_flags(args: &TrainArgs, steps: &[u32]) -> Result<()> {
     }
     if args.reward_zero_stage.0.is_some() {
         bail!("--reward-zero-stage shards the reward model and PPO's critic, and --task arithmetic has neither ({NO_REWARD_MODEL}): drop it");
-    }
-    let one_rank =
-        "--task arithmetic trains on one rank (its recipes' batches are the one-process run's, not split over ranks)";
-    let tp = args.tensor_model_parallel_size;
-    if tp > 1 {
-        bail!("--tensor-model-parallel-size {tp} splits the model over {tp} ranks, and {one_rank}: drop it");
-    }
-    let inference_tp = args.inference_tp_size;
-    if inference_tp > 1 {
-        bail!(
-            "--inference-tp-size {inference_tp} generates with groups of {inference_tp} ranks, and {one_rank}: drop it"
-        );
-    }
-    if let Some(n) = args.num_gpus.filter(|&n| n > 1) {
-        bail!("--num-gpus {n} runs each step as {n} ranks, and {one_rank}: drop --num-gpus");
     }
     Ok(())
 }
@@ -1424,13 +1408,6 @@ mod task_tests {
             (&["--actor-model", "gpt2"], &["--actor-model", "from scratch", "drop --actor-model"]),
             (&["--reward-model", "gpt2"], &["--reward-model", "drop --reward-model"]),
             (&["--reward-zero-stage", "0"], &["--reward-zero-stage", "drop it"]),
-            (
-                &["--deployment-type", "single_node", "--tensor-model-parallel-size", "2"],
-                &["--tensor-model-parallel-size 2", "one rank", "drop it"],
-            ),
-            (&["--deployment-type", "single_node", "--inference-tp-size", "2"], &["--inference-tp-size 2", "drop it"]),
-            (&["--num-gpus", "2"], &["--num-gpus 2", "one rank", "drop --num-gpus"]),
-            (&["--deployment-type", "single_node", "--num-gpus", "4"], &["--num-gpus 4", "drop --num-gpus"]),
         ];
         for (extra, want) in cases {
             let argv: Vec<&str> = ["--task", "arithmetic"].iter().chain(extra.iter()).copied().collect();
@@ -1439,20 +1416,30 @@ mod task_tests {
                 assert!(err.contains(w), "{argv:?}: want {w:?} in {err}");
             }
         }
+        // Any deployment, as the demo: its recipes split their batches over the ranks.
+        for extra in [
+            &["--deployment-type", "single_node", "--num-gpus", "2"][..],
+            &["--deployment-type", "single_node", "--num-gpus", "4", "--tensor-model-parallel-size", "2"],
+        ] {
+            let argv: Vec<&str> = ["--task", "arithmetic"].iter().chain(extra).copied().collect();
+            let a = args(&argv);
+            check_pipeline_flags(&a, &steps_to_run(&a), "single_node").unwrap_or_else(|e| panic!("{argv:?}: {e}"));
+        }
         // A task trains its own model, capitals too.
         let err = refusal(&["--task", "capitals", "--actor-model", "gpt2"]);
         assert!(err.contains("--actor-model") && err.contains("drop --actor-model"), "{err}");
     }
 
     #[test]
-    fn the_arithmetic_task_runs_on_one_rank_and_the_demo_on_a_divisor_of_its_batches() {
-        check_task_ranks(Some(Task::Arithmetic), 1, 1).unwrap();
-        let err = check_task_ranks(Some(Task::Arithmetic), 2, 2).unwrap_err().to_string();
-        assert!(err.contains("one rank") && err.contains("--deployment-type single_gpu"), "{err}");
-        check_task_ranks(Some(Task::Capitals), 4, 4).unwrap();
-        let err = check_task_ranks(Some(Task::Capitals), 3, 3).unwrap_err().to_string();
-        assert!(err.contains("do not split over 3"), "{err}");
-        check_task_ranks(None, 3, 3).unwrap();
+    fn each_task_runs_on_a_divisor_of_its_batches() {
+        for task in [Task::Capitals, Task::Arithmetic] {
+            for data_parallel in [1, 2, 4, 8, 16] {
+                check_task_ranks(Some(task), data_parallel).unwrap();
+            }
+            let err = check_task_ranks(Some(task), 3).unwrap_err().to_string();
+            assert!(err.contains("do not split over 3") && err.contains("use 1, 2, 4"), "{err}");
+        }
+        check_task_ranks(None, 3).unwrap();
     }
 
     #[test]

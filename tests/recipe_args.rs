@@ -180,10 +180,11 @@ fn the_arithmetic_recipes_take_the_launchers_arguments_and_algorithms() {
     }
 }
 
-/// The demo's recipes give every deployment the one-process demo's global batches: on N
-/// data-parallel ranks each takes 1/N of every batch, and every other argument is the same.
+/// The tasks' recipes (the capitals demo's, the arithmetic task's) give every deployment the
+/// one-process run's global batches: on N data-parallel ranks each takes 1/N of every batch,
+/// and every other argument is the same.
 #[test]
-fn the_demo_splits_its_batches_over_the_data_parallel_ranks() {
+fn the_tasks_split_their_batches_over_the_data_parallel_ranks() {
     let per_device = |argv: &[String], flag: &str| -> usize {
         let at = argv.iter().position(|a| a == flag).unwrap_or_else(|| panic!("{flag} in {argv:?}"));
         argv[at + 1].parse().unwrap()
@@ -211,6 +212,19 @@ fn the_demo_splits_its_batches_over_the_data_parallel_ranks() {
             "step3_ppo/demo.sh",
             "ppo",
             vec!["out/step3", "", "out/actor", "tiny", "out/reward", ""],
+            vec!["--per-device-generation-batch-size", "--per-device-training-batch-size"],
+        ),
+        // The arithmetic task's recipes, with the launcher's arguments.
+        (
+            "step1_sft/arithmetic.sh",
+            "sft",
+            vec!["out/actor", "", "tiny", "tiny"],
+            vec!["--per-device-train-batch-size", "--per-device-eval-batch-size"],
+        ),
+        (
+            "step3_ppo/arithmetic.sh",
+            "ppo",
+            vec!["out/step3", "", "out/actor", "tiny"],
             vec!["--per-device-generation-batch-size", "--per-device-training-batch-size"],
         ),
     ];

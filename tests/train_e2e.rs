@@ -320,14 +320,14 @@ fn unsupported_requests_are_one_clear_error_line() {
         &["the demo's batches of 16 do not split over 3 data-parallel ranks"],
     );
     check(&["--demo", "--actor-model", "gpt2"], &["--demo", "--actor-model"]);
-    // The arithmetic task's reward is a rule (no reward model, no step 2) and its recipes run on one rank.
+    // The arithmetic task's reward is a rule (no reward model, no step 2); its batches split as the demo's.
     check(&["--task", "arithmetic", "--algorithm", "ppo"], &["--algorithm ppo", "use grpo"]);
     check(&["--task", "arithmetic", "--step", "2"], &["no step 2", "drop 2 from --step"]);
     check(&["--task", "arithmetic", "--step", "3"], &["step-1 model", "train --task arithmetic --step 1"]);
     check(&["--task", "arithmetic", "--actor-model", "gpt2"], &["drop --actor-model"]);
     check(
-        &["--task", "arithmetic", "--deployment-type", "single_node", "--num-gpus", "2"],
-        &["--num-gpus 2", "one rank"],
+        &["--task", "arithmetic", "--deployment-type", "single_node", "--num-gpus", "3"],
+        &["the arithmetic task's batches of 16 do not split over 3 data-parallel ranks"],
     );
     check(&["--algorithm", "sac"], &["sac"]);
     check(&["--algorithm", "dpo", "--reward-zero-stage", "2"], &["--reward-zero-stage", "dpo"]);

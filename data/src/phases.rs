@@ -8,8 +8,10 @@
 //!
 //! Every `--data-path` gives each phase its `--data-split` share of its train and of its eval
 //! rows; several are blended (concatenated, then a seeded shuffle); `--sft-only-data-path`
-//! datasets go wholly to phase 1. Rows with a missing field or empty text are skipped and
-//! counted, never silently. Tokenized datasets are cached (see [`crate::cache`]).
+//! datasets go wholly to phase 1; the embedded demo's rows about its held-out countries
+//! (`crate::demo::heldout_countries`) go to phase 1 only. Rows with a missing field or empty
+//! text are skipped and counted, never silently. Tokenized datasets are cached (see
+//! [`crate::cache`]).
 
 use std::path::PathBuf;
 

@@ -14,11 +14,13 @@ OUTPUT=${1:-./output/actor}
 ZERO_STAGE=${2:-0}
 MODEL=${3:-tiny}
 DATA_CACHE="$(dirname -- "$OUTPUT")/data_files"
+# On N data-parallel ranks (`train` sets it) each takes 1/N of every batch: the one-process run's.
+DP=${RLHF_DATA_PARALLEL_SIZE:-1}
 
 exec sft --model-name-or-path="$MODEL" --zero-stage="$ZERO_STAGE" --seed "${RLHF_SEED:-1234}" \
   --data-output-path="$DATA_CACHE" --output-dir="$OUTPUT" \
   --data-path arithmetic --data-split 6,1,3 --max-seq-len 32 --train-on-prompt \
-  --per-device-train-batch-size 16 --per-device-eval-batch-size 32 \
+  --per-device-train-batch-size $((16 / DP)) --per-device-eval-batch-size $((32 / DP)) \
   --learning-rate 1e-3 --weight-decay 0 --num-train-epochs 50 --num-warmup-steps 20 \
   --lr-scheduler-type cosine --dropout 0 --gradient-accumulation-steps 1 \
   --eval-prompts arithmetic-phrasings --num-eval-prompts 4 --log-interval 100

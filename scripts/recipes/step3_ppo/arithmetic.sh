@@ -11,6 +11,8 @@ OUTPUT=${1:-./output/step3}
 ACTOR_ZERO_STAGE=${2:-0}
 ACTOR=${3:-./output/actor}
 DATA_CACHE="$(dirname -- "$OUTPUT")/data_files"
+# On N data-parallel ranks (`train` sets it) each takes 1/N of every batch: the one-process run's.
+DP=${RLHF_DATA_PARALLEL_SIZE:-1}
 # `train --algorithm` sets it: grpo (the default), rloo or reinforce_pp, none with a critic.
 ALGORITHM=${RLHF_ALGORITHM:-grpo}
 
@@ -27,7 +29,7 @@ exec ppo --actor-model-name-or-path="$ACTOR" --critic-model-name-or-path="$ACTOR
   --actor-zero-stage="$ACTOR_ZERO_STAGE" --seed "${RLHF_SEED:-1234}" \
   --data-output-path="$DATA_CACHE" --output-dir="$OUTPUT" \
   --data-path arithmetic --data-split 6,1,3 --max-prompt-seq-len 24 --max-answer-seq-len 8 \
-  --per-device-generation-batch-size 16 --per-device-training-batch-size 16 --generation-batches 1 \
+  --per-device-generation-batch-size $((16 / DP)) --per-device-training-batch-size $((16 / DP)) --generation-batches 1 \
   --ppo-epochs 1 --actor-learning-rate 2e-4 --num-warmup-steps 5 --kl-ctl 0.05 --do-sample \
   --no-reward-model --reward-fn builtin:arithmetic "${ARGS[@]}" \
   --print-answers-interval 10 --eval-prompts arithmetic-phrasings
