@@ -395,6 +395,25 @@ fn grpo_and_rloo_train_without_a_critic_and_resume_exactly() {
     assert_ne!(first_std["grpo"], first_std["grpo-unscaled"], "--scale-rewards none took no effect");
 }
 
+/// REINFORCE++: one answer per prompt, no critic read, trained, logged or saved, its returns
+/// normalised over the rollout (mean 0 over the answer tokens); with --normalize-reward, whose
+/// running moments are part of the state, a resumed run ends exactly where the uninterrupted
+/// one does.
+#[test]
+fn reinforce_pp_trains_without_a_critic_and_resumes_exactly() {
+    let (dir, full) = resume_is_exact(&["--algorithm", "reinforce_pp", "--ppo-epochs", "2", "--normalize-reward"]);
+    let steps = rollout_records(&dir.path().join("full"));
+    assert_eq!(steps.len(), 7, "{full}");
+    let rows: f64 = steps.iter().map(|s| s["rollout"]["rows"].as_f64().unwrap()).sum();
+    assert_eq!(rows, 54.0, "one answer per prompt, each of the 54 prompts once");
+    for step in &steps {
+        let rollout = &step["rollout"];
+        let (mean, std) = (rollout["advantage_mean"].as_f64().unwrap(), rollout["advantage_std"].as_f64().unwrap());
+        assert!(mean.abs() < 1e-4 && std > 0.5, "normalised returns: {rollout}");
+        assert!(step["critic_loss"].is_null(), "{step}");
+    }
+}
+
 #[test]
 fn a_resume_over_a_changed_ptx_corpus_is_one_clear_error_line() {
     let dir = tempfile::tempdir().unwrap();
