@@ -132,13 +132,18 @@ fn count(key: &str, value: &str, min: usize) -> Result<usize> {
 /// use". Below the ephemeral range the kernel hands out nothing on its own; a random candidate
 /// there that binds now is taken only by someone choosing that very number.
 pub fn free_port() -> Result<u16> {
-    use rand::Rng;
     let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
         .ok()
         .and_then(|range| range.split_whitespace().next()?.parse::<u16>().ok())
         .unwrap_or(32768);
     // Clear of the registered services below 10000 and of the launcher's default, 29500.
-    let candidates = 10000..ephemeral_low.max(10001);
+    free_port_in(10000..ephemeral_low.max(10001))
+}
+
+/// A random port of `candidates` (never the launcher's default) that binds now; an ephemeral
+/// one if 64 tries find none (everything tried is taken, or the range is tiny).
+fn free_port_in(candidates: std::ops::Range<u16>) -> Result<u16> {
+    use rand::Rng;
     let mut rng = rand::rng();
     for _ in 0..64 {
         let port = rng.random_range(candidates.clone());
@@ -148,7 +153,6 @@ pub fn free_port() -> Result<u16> {
             return Ok(port);
         }
     }
-    // Everything tried is taken (or the range is tiny): an ephemeral port, as a last resort.
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
@@ -395,10 +399,6 @@ mod tests {
     use super::*;
     use std::collections::HashMap;
 
-    /// Held by the tests that pick a rendezvous port, which run on parallel threads: one test's
-    /// pick must not land on the port another has just picked and is about to bind.
-    static PORT_PICKS: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
     fn get<'a>(env: &'a [(&str, String)], k: &str) -> Option<&'a str> {
         env.iter().find(|(key, _)| *key == k).map(|(_, v)| v.as_str())
     }
@@ -475,25 +475,38 @@ mod tests {
     fn the_rendezvous_port_is_one_the_kernel_never_hands_out_on_its_own() -> Result<()> {
         // The ephemeral range is where every bind(0) and outgoing connection lands (the ranks'
         // peer listeners, other jobs' clients): a port from there can be taken between the
-        // launcher's choice and rank 0's bind. Ours is below it, and rank 0 can bind it.
+        // launcher's choice and rank 0's bind. Ours is below it. (That rank 0 can bind it is
+        // free_port's own probe; binding it again here raced with something outside the test
+        // in two CI runs, which no pick can prevent.)
         let low: u16 = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")?
             .split_whitespace()
             .next()
             .and_then(|v| v.parse().ok())
             .expect("the ephemeral range's low end");
-        let _picking = PORT_PICKS.lock().unwrap_or_else(|e| e.into_inner());
         for _ in 0..16 {
             let port = free_port()?;
             assert!((10000..low).contains(&port) && port != 29500, "port {port}");
-            std::net::TcpListener::bind(("0.0.0.0", port))?;
         }
+        Ok(())
+    }
+
+    #[test]
+    fn a_taken_port_is_never_picked() -> Result<()> {
+        // The only candidate is held: the pick falls back to a port the kernel hands out.
+        let held = std::net::TcpListener::bind("0.0.0.0:0")?;
+        let taken = held.local_addr()?.port();
+        for _ in 0..4 {
+            assert_ne!(free_port_in(taken..taken + 1)?, taken);
+        }
+        // Nor is the launcher's default, free or not.
+        let default = hybrid_engine::comm::env::DEFAULT_MASTER_PORT;
+        assert_ne!(free_port_in(default..default + 1)?, default);
         Ok(())
     }
 
     #[test]
     fn who_launches_what() -> Result<()> {
         // A rank never launches; one rank alone runs as itself; single_node picks a free port.
-        let _picking = PORT_PICKS.lock().unwrap_or_else(|e| e.into_inner());
         assert_eq!(node(&[(NPROC_ENV, "2"), ("RANK", "0")])?, None);
         assert_eq!(node(&[])?, None);
         assert_eq!(node(&[(NPROC_ENV, "1")])?, None);
