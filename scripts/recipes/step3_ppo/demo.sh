@@ -33,7 +33,7 @@ case "$ALGORITHM" in
   rloo) ARGS+=(--top-k 2 --algorithm rloo --num-samples-per-prompt 4 --num-train-epochs 2) ;;
   # No critic and no groups: one answer per prompt, PPO's three passes. Sampled from the whole
   # distribution: its only brake is the KL penalty on the sampled tokens, which top-k 2 never
-  # lets reach the tail (KL to SFT 2-13 nats with it, 0.3-0.4 without: section 19).
+  # lets reach the tail (KL to SFT 2-44 nats with it, 0.3-0.4 without: section 19).
   reinforce_pp) ARGS+=(--algorithm reinforce_pp --num-train-epochs 3) ;;
   *) echo "no step-3 recipe for algorithm $ALGORITHM (ppo, grpo, rloo, reinforce_pp)" >&2; exit 2 ;;
 esac
