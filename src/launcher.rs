@@ -1119,7 +1119,7 @@ fn print_summary(
         let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
         let v: serde_json::Value =
             serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))?;
-        let acc = |k: &str| v[k]["accuracy"].as_f64().map_or("n/a".into(), |a| format!("{a:.3}"));
+        let acc = |k: &str| ppo::eval::score_text(v[k]["accuracy"].as_f64());
         say(format!(
             "step 2 (reward): eval accuracy {} -> {}, mean chosen score {:.3}, mean rejected score {:.3}",
             acc("before_training"),
@@ -1163,7 +1163,7 @@ fn print_summary(
 /// the actor moved for its score instead.
 fn held_out_line(sft: &JsonObject, ppo: &JsonObject, name: &str) -> String {
     let number = |e: &JsonObject, key: &str| e.get(key).and_then(|v| v.as_f64());
-    let task = |e| number(e, "task_success").map_or("n/a".into(), |t| format!("{t:.3}"));
+    let task = |e| ppo::eval::score_text(number(e, "task_success"));
     let prompts = sft.get("prompts").and_then(|p| p.as_u64()).unwrap_or(0);
     let countries = ppo::eval::heldout_countries_clause(
         sft.get("heldout_country_prompts").and_then(|p| p.as_u64()).unwrap_or(0) as usize,
@@ -1203,7 +1203,7 @@ fn held_out_comparison(output: &Path) -> Result<()> {
     let (sft, dpo) = (sft.model(&sft_cfg)?, dpo.model(&dpo_cfg)?);
     let eval = |actor| ppo::eval::evaluate_policy(actor, &sft, None, &tok, &prompts, 24, 16, 16, &device);
     let (before, after) = (eval(("SFT actor", &sft))?, eval(("DPO actor", &dpo))?);
-    let task = |e: &ppo::eval::PolicyEval| e.task_success.map_or("n/a".into(), |t| format!("{t:.3}"));
+    let task = |e: &ppo::eval::PolicyEval| ppo::eval::score_text(e.task_success);
     println!(
         "held-out prompts ({}): task score SFT {} -> DPO {}; answer length {:.1} -> {:.1} tokens; KL to SFT {:.3} nats{}",
         before.prompts,

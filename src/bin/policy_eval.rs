@@ -81,13 +81,12 @@ fn run(args: &Args) -> Result<()> {
     println!("held-out prompts: {} (held-out countries: {countries})", rows[0].1.prompts);
     println!("| actor | reward-model score | task score | held-out countries' task score | KL to SFT (nats) | answer length |");
     println!("|---|---|---|---|---|---|");
-    let task = |t: Option<f64>| t.map_or("n/a".to_string(), |t| format!("{t:.3}"));
     for (name, e) in &rows {
         let score = e.reward_mean.unwrap_or(f64::NAN);
         println!(
             "| {name} | {score:.3} | {} | {} | {:.3} | {:.1} |",
-            task(e.task_success),
-            task(e.heldout_country_task_success),
+            ppo::eval::score_text(e.task_success),
+            ppo::eval::score_text(e.heldout_country_task_success),
             e.kl_to_reference,
             e.answer_len_mean
         );

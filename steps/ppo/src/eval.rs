@@ -152,14 +152,18 @@ fn scores_by_prompt_set(prompts: &[String], answers: &[String], rewards: &[f32])
     (set(false), set(true))
 }
 
+/// A score as the held-out lines print it: three decimals, or `n/a` where there is none.
+pub fn score_text(score: Option<f64>) -> String {
+    score.map_or("n/a".to_string(), |s| format!("{s:.3}"))
+}
+
 /// How the task score on the demo's held-out countries moved, as the held-out lines end:
 /// `; held-out countries (64): task score SFT 0.812 -> PPO 0.844`; empty without such prompts.
 pub fn heldout_countries_clause(prompts: usize, before: Option<f64>, after: Option<f64>, name: &str) -> String {
-    let score = |t: Option<f64>| t.map_or("n/a".to_string(), |t| format!("{t:.3}"));
     if prompts == 0 {
         return String::new();
     }
-    format!("; held-out countries ({prompts}): task score SFT {} -> {name} {}", score(before), score(after))
+    format!("; held-out countries ({prompts}): task score SFT {} -> {name} {}", score_text(before), score_text(after))
 }
 
 /// `log pi(answer) - log pi_ref(answer)` after one left-padded `prompt` (with its `mask`).

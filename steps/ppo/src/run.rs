@@ -29,7 +29,7 @@
 use crate::advantages::compute_advantages;
 use crate::args::PpoArgs;
 use crate::checkpoint::{ModelSave, SavedModel};
-use crate::eval::{evaluate_policy, heldout_countries_clause, PolicyEval};
+use crate::eval::{evaluate_policy, heldout_countries_clause, score_text, PolicyEval};
 use crate::experience::{generate_experience, rollout_share, Experience, ExternalRewards, RolloutModels};
 use crate::models::{
     build_models, lm_on, read_model, read_reward_model, read_starting_models, reward_model_on, Sharding,
@@ -686,8 +686,8 @@ impl PpoLoop<'_> {
         let name = args.algorithm.label();
         let trained = self.engine.model(final_actor, actor_cfg)?;
         let (before, after) = (evaluate(("SFT actor", reference))?, evaluate((&format!("{name} actor"), &trained))?);
-        let task = |e: &PolicyEval| e.task_success.map_or("n/a".to_string(), |t| format!("{t:.3}"));
-        let score = |e: &PolicyEval| e.reward_mean.map_or("n/a".to_string(), |r| format!("{r:.3}"));
+        let task = |e: &PolicyEval| score_text(e.task_success);
+        let score = |e: &PolicyEval| score_text(e.reward_mean);
         println!(
             "held-out prompts ({}): reward score SFT {} -> {name} {}; task score SFT {} -> {name} {}; answer length {:.1} -> {:.1} tokens; KL to SFT {:.3} nats{}",
             before.prompts,
