@@ -508,6 +508,33 @@ impl ProcessGroup {
         Ok(Pending::done(self.reduce_scatter_parts_in_rounds_as(parts, len, round, wire)?))
     }
 
+    /// The sums over ranks of `bucket`'s consecutive `chunks` (one per rank, any lengths,
+    /// together the whole bucket), rank r's delivered to rank r only and read later as f32 on
+    /// `bucket`'s device (empty where this rank has no chunk): ZeRO-2's gradient bucket during
+    /// backward. Sent and added as `wire` values. Over NCCL a reduce per chunk to its rank, on
+    /// the communicator's stream while the compute stream goes on; elsewhere the ring's uneven
+    /// reduce-scatter ([`Self::reduce_scatter_chunks_as`]) on a host copy, done at once.
+    pub fn begin_reduce_chunks_as(
+        &self,
+        bucket: &Tensor,
+        chunks: &[std::ops::Range<usize>],
+        wire: WireDtype,
+    ) -> Result<Pending> {
+        #[cfg(feature = "nccl")]
+        if let Some(c) = self.nccl_for(bucket)? {
+            let (tensor, deferred) = c.reduce_chunks_deferred(&bucket.to_dtype(wire.dtype())?, chunks)?;
+            return Ok(Pending { tensor, dtype: DType::F32, deferred: Some(deferred) });
+        }
+        let mut values = host_f32(bucket)?;
+        let mine = self.reduce_scatter_chunks_as(&mut values, chunks, wire)?;
+        let n = mine.len();
+        values.truncate(mine.end);
+        values.drain(..mine.start);
+        // An empty result is never read: kept off the device (no zero-length upload).
+        let device = if n == 0 { &candle_core::Device::Cpu } else { bucket.device() };
+        Ok(Pending::done(Tensor::from_vec(values, n, device)?))
+    }
+
     /// [`Self::all_gather_slice_as_variables`] of values held as a tensor, as
     /// [`Self::all_gather_tensor_as`].
     pub fn all_gather_tensor_as_variables(
@@ -686,6 +713,13 @@ impl Pending {
             #[cfg(feature = "nccl")]
             deferred: None,
         }
+    }
+
+    /// Orders the compute stream after the collective without reading its result (a bucket
+    /// reduce that delivered nothing to this rank).
+    pub fn wait(self) {
+        #[cfg(feature = "nccl")]
+        drop(self.deferred);
     }
 
     /// Its result, once the compute stream is ordered after the collective.

@@ -119,7 +119,7 @@ impl NcclComm {
         self
     }
 
-    fn run(&self, t: &Tensor, kind: Kind) -> Result<Tensor> {
+    fn run(&self, t: &Tensor, kind: Kind<'_>) -> Result<Tensor> {
         Ok(self.launch(t, kind, None)?.0)
     }
 
@@ -129,7 +129,7 @@ impl NcclComm {
     fn launch(
         &self,
         t: &Tensor,
-        kind: Kind,
+        kind: Kind<'_>,
         deferred: Option<&Mutex<Option<Arc<CudaEvent>>>>,
     ) -> Result<(Tensor, Tensor)> {
         let t = t.flatten_all()?.contiguous()?;
@@ -152,7 +152,18 @@ impl NcclComm {
         self.deferred(t, Kind::ReduceScatter)
     }
 
-    fn deferred(&self, t: &Tensor, kind: Kind) -> Result<(Tensor, Deferred)> {
+    /// The sums over ranks of `t`'s consecutive `chunks` (one per rank, any lengths, together
+    /// the whole of `t`), each delivered to its rank only, begun as [`Self::all_gather_deferred`]:
+    /// ZeRO-2's gradient bucket during backward, whose values fall unevenly into the ranks'
+    /// shards (NCCL's reduce-scatter takes equal chunks only). One `ncclReduce` per rank's
+    /// chunk, rooted at that rank, in one NCCL group, as DeepSpeed's stage 2 reduces a bucket;
+    /// as many bytes on the wire as a reduce-scatter. The result: this rank's chunk (empty
+    /// where it has none: then never read it).
+    pub fn reduce_chunks_deferred(&self, t: &Tensor, chunks: &[std::ops::Range<usize>]) -> Result<(Tensor, Deferred)> {
+        self.deferred(t, Kind::ReduceChunks(chunks))
+    }
+
+    fn deferred(&self, t: &Tensor, kind: Kind<'_>) -> Result<(Tensor, Deferred)> {
         let slot = Mutex::new(None);
         let (out, input) = self.launch(t, kind, Some(&slot))?;
         let done = slot
@@ -182,31 +193,42 @@ impl NcclComm {
 }
 
 #[derive(Clone, Copy)]
-enum Kind {
+enum Kind<'a> {
     AllReduce(ReduceOp),
     ReduceScatter,
     AllGather,
     Broadcast(usize),
+    /// Rank r receives the sum of chunk r (see [`NcclComm::reduce_chunks_deferred`]).
+    ReduceChunks(&'a [std::ops::Range<usize>]),
 }
 
 struct Collective<'a> {
     comm: RawComm,
     nccl: &'a NcclComm,
-    kind: Kind,
+    kind: Kind<'a>,
     /// Where a deferred collective leaves its completion event (the compute stream then does
     /// not wait for it).
     deferred: Option<&'a Mutex<Option<Arc<CudaEvent>>>>,
 }
 
-impl Kind {
+impl Kind<'_> {
     fn name(self) -> &'static str {
         match self {
             Kind::AllReduce(_) => "all-reduce",
             Kind::ReduceScatter => "reduce-scatter",
             Kind::AllGather => "all-gather",
             Kind::Broadcast(_) => "broadcast",
+            Kind::ReduceChunks(_) => "bucket reduce",
         }
     }
+}
+
+/// Whether `chunks` are one per rank of `world`, consecutive from 0, together `n` values.
+fn chunks_cover(chunks: &[std::ops::Range<usize>], world: usize, n: usize) -> bool {
+    chunks.len() == world
+        && chunks.first().is_some_and(|c| c.start == 0)
+        && chunks.windows(2).all(|w| w[0].end == w[1].start && w[0].start <= w[0].end)
+        && chunks.last().is_some_and(|c| c.start <= c.end && c.end == n)
 }
 
 impl CustomOp1 for Collective<'_> {
@@ -253,9 +275,14 @@ impl Collective<'_> {
             }
             Kind::ReduceScatter => n / world,
             Kind::AllGather => n * world,
+            Kind::ReduceChunks(chunks) if !chunks_cover(chunks, world, n) => {
+                candle_core::bail!("internal error: bucket chunks {chunks:?} do not cut {n} values among {world} ranks")
+            }
+            Kind::ReduceChunks(chunks) => chunks[self.nccl.rank].len(),
         };
-        // Allocated (and zeroed) on the compute stream, before the event the collective waits on.
-        let mut dst = dev.alloc_zeros::<T>(out_len)?;
+        // Allocated (and zeroed) on the compute stream, before the event the collective waits on;
+        // never empty (a rank without a chunk of a bucket still takes part in its reduces).
+        let mut dst = dev.alloc_zeros::<T>(out_len.max(1))?;
         let no_timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING);
         stream.wait(&compute.record_event(no_timing).map_err(CudaError::from)?).map_err(CudaError::from)?;
         let status = {
@@ -276,6 +303,7 @@ impl Collective<'_> {
                     Kind::ReduceScatter => result::reduce_scatter(send, recv, out_len, ty, op(ReduceOp::Sum), comm, on),
                     Kind::AllGather => result::all_gather(send, recv, n, ty, comm, on),
                     Kind::Broadcast(root) => result::broadcast(send, recv, n, ty, root as i32, comm, on),
+                    Kind::ReduceChunks(chunks) => reduce_chunks(send, recv, chunks, ty, size_of::<T>(), comm, on),
                 }
             }
         };
@@ -303,6 +331,36 @@ impl Collective<'_> {
         }
         Ok((CudaStorage::wrap_cuda_slice(dst, dev.clone()), Shape::from(out_len)))
     }
+}
+
+/// One `ncclReduce` of each non-empty chunk of `send` (values of NCCL type `ty`, `size` bytes
+/// each) to the rank it belongs to, into `recv` there, grouped so that NCCL runs them as one
+/// operation.
+///
+/// # Safety
+/// `send` holds every chunk's values and `recv` this rank's chunk (at least one value), both on
+/// the communicator's device and alive until the stream `on` has run the group.
+unsafe fn reduce_chunks(
+    send: *const core::ffi::c_void,
+    recv: *mut core::ffi::c_void,
+    chunks: &[std::ops::Range<usize>],
+    ty: sys::ncclDataType_t,
+    size: usize,
+    comm: sys::ncclComm_t,
+    on: sys::cudaStream_t,
+) -> Result<result::NcclStatus, result::NcclError> {
+    result::group_start()?;
+    let mut status = Ok(result::NcclStatus::Success);
+    for (root, chunk) in chunks.iter().enumerate().filter(|(_, c)| !c.is_empty()) {
+        let from = send.cast::<u8>().add(chunk.start * size).cast::<core::ffi::c_void>();
+        status = result::reduce(from, recv, chunk.len(), ty, sys::ncclRedOp_t::ncclSum, root as i32, comm, on);
+        if status.is_err() {
+            break;
+        }
+    }
+    // The group is closed whatever happened inside it (NCCL reports a failed member here too).
+    let ended = result::group_end();
+    status.and(ended)
 }
 
 /// What a rank does with a collective stuck past `--dist-timeout`: one line naming it, the
@@ -375,6 +433,16 @@ mod tests {
         let (scattered, deferred) = comm.reduce_scatter_deferred(&(&x * 3.0)?)?;
         drop(deferred);
         assert_eq!(scattered.to_vec1::<f32>()?, vec![0.0, 3.0, 6.0, 9.0, 12.0, 15.0]);
+        // A bucket's uneven chunks: at world size 1 the one chunk is the whole bucket, reduced
+        // to rank 0 (in the wire's bf16 too); chunks that do not cut the bucket are refused.
+        let whole = std::slice::from_ref(&(0..6));
+        let (bucket, deferred) = comm.reduce_chunks_deferred(&(&x * 5.0)?, whole)?;
+        drop(deferred);
+        assert_eq!(bucket.to_vec1::<f32>()?, vec![0.0, 5.0, 10.0, 15.0, 20.0, 25.0]);
+        let (bucket, deferred) = comm.reduce_chunks_deferred(&(&x - 1.0)?.to_dtype(DType::BF16)?, whole)?;
+        drop(deferred);
+        assert_eq!(bucket.to_dtype(DType::F32)?.to_vec1::<f32>()?, vec![-1.0, 0.0, 1.0, 2.0, 3.0, 4.0]);
+        assert!(comm.reduce_chunks_deferred(&x, std::slice::from_ref(&(0..5))).is_err());
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         let dog = comm.watchdog.as_ref().expect("watched");
         while dog.in_flight() > 0 && std::time::Instant::now() < deadline {

@@ -645,7 +645,8 @@ impl MemoryPlan {
     /// buffer, into which the gradients are copied while they are still alive (stage 0: a
     /// bucket, averaged in place; stages 1 and 2: the whole flat gradient, and at stage
     /// 2, which holds only a shard, the micro-batch's whole gradient beside it; stage 2's buckets
-    /// during backward on the CPU: a bucket); under mixed precision also backward's own
+    /// during backward: a bucket on the CPU, two on a GPU, a bucket's buffer and the sums it
+    /// delivers, or the next bucket's buffer being filled); under mixed precision also backward's own
     /// half-precision gradients, converted to f32 for the reduction. The all-gather, once the
     /// gradient is reduced to its shard (stage 1's whole one freed): a round of weights in the
     /// dtype they are gathered in, the ring's incoming share of it, the shard's gradient read as
@@ -659,7 +660,8 @@ impl MemoryPlan {
         let f32_values = match stage {
             ZeroStage::Disabled => bucket,
             ZeroStage::OptimizerStates => p,
-            ZeroStage::Gradients if self.device == DeviceKind::Cpu && bucket < p => bucket,
+            ZeroStage::Gradients if bucket < p && self.device == DeviceKind::Cpu => bucket,
+            ZeroStage::Gradients if bucket < p => 2 * bucket,
             ZeroStage::Gradients => 2 * p,
             ZeroStage::Parameters => return self,
         };
@@ -855,6 +857,17 @@ mod tests {
         assert_eq!(plan(ZeroStage::Gradients, 1000, f32).reduction_bytes, 4 * (p + shard) + 8 * shard);
         let rounds = plan_gathering(ZeroStage::Gradients, 1000, 1000, f32).reduction_bytes;
         assert_eq!(rounds, 4 * (1000 + 250) + 8 * shard, "buckets during backward, weights gathered in rounds");
+        // On a GPU a bucket is reduced while the next is filled: two buckets.
+        let on_gpu = |bucket: usize| {
+            MemoryPlan::new(&cfg, 2, 32, false)
+                .on_device_kind(DeviceKind::Cuda)
+                .with_data_parallel(ZeroStage::Gradients, 4)
+                .with_buckets(bucket, 1000)
+        };
+        assert_eq!(on_gpu(big).reduction_bytes, 8 * p, "no bucket smaller than the model: its whole gradient");
+        let half = (p / 2) as usize;
+        assert!(8 * half as u64 > 4 * (1000 + 250) + 8 * shard, "the buckets larger than the all-gather");
+        assert_eq!(on_gpu(half).reduction_bytes, 8 * half as u64);
         assert_eq!(plan(ZeroStage::Parameters, big, f32).reduction_bytes, 0);
         let bf16 = plan(ZeroStage::Gradients, big, candle_core::DType::BF16);
         assert_eq!(bf16.reduction_bytes, 8 * p + 2 * p, "backward's bf16 gradients besides");

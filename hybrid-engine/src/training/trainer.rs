@@ -170,13 +170,12 @@ impl Trainer {
             if dp.shards_optimizer() {
                 self.optimizer.keep_only(&partition.ranges(dp.group.rank()));
             }
-            // Stage 2 on CPU ranks reduce-scatters gradients in buckets as backward completes
-            // them where a bucket is smaller than the model (the ring takes uneven chunks;
-            // NCCL's reduce-scatter does not, so GPUs reduce-scatter a micro-batch's whole
-            // gradient at its end, as one bucket does).
-            let on_cpu = self.compute.vars.first().is_some_and(|v| v.device().is_cpu());
-            if dp.stage == ZeroStage::Gradients && on_cpu && dp.bucket < partition.total() {
-                let buckets = zero::GradientBuckets::new(dp.clone(), partition.clone(), &self.compute.names);
+            // Stage 2 reduces gradients in buckets as backward completes them where a bucket is
+            // smaller than the model (else a micro-batch's whole gradient at its end, as one
+            // bucket does).
+            let device = self.compute.vars.first().map_or(candle_core::Device::Cpu, |v| v.device().clone());
+            if dp.stage == ZeroStage::Gradients && dp.bucket < partition.total() {
+                let buckets = zero::GradientBuckets::new(dp.clone(), partition.clone(), &self.compute.names, &device);
                 self.acc = GradAccumulator::new(&self.compute).with_sink(Box::new(buckets));
             }
             self.dp = Some((dp, partition));

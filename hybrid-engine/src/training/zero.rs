@@ -13,8 +13,9 @@
 //!   Under mixed precision each rank keeps only its shard of the fp32 masters too, as
 //!   DeepSpeed's stage 1 does: the whole model is the fp16/bf16 compute copy, into which the
 //!   updated shards are all-gathered in that dtype (half the bytes of fp32).
-//! - stage 2: as stage 1, but every micro-batch's gradient is reduce-scattered at once into a
-//!   shard-sized accumulator, so no rank keeps a full fp32 gradient across micro-batches.
+//! - stage 2: as stage 1, but every micro-batch's gradient is reduced into a shard-sized
+//!   accumulator, in buckets of `reduce_bucket_size` values as backward completes them
+//!   ([`GradientBuckets`], on CPU ranks and GPUs alike), so no rank holds a full gradient.
 //!
 //! Stage 3 (the parameters sharded at rest too) is in [`crate::training::zero3`].
 //!
@@ -284,6 +285,13 @@ pub fn reduce_scatter_gradients(dp: &DataParallel, partition: &Partition, grads:
 /// bucket. Each bucket's values fall unevenly into the ranks' shards of the flat layout
 /// ([`Partition`]): its reduce-scatter's chunks are those pieces, so each value has the owner
 /// and the ring order of the one-call reduce-scatter, and the sums are the same bits.
+///
+/// Gradients in host memory take the ring's path straight from their memory. Gradients on a
+/// GPU stay there: a bucket is their pieces copied into one buffer in rank order (in the wire's
+/// dtype), reduced to each piece's owner (over NCCL a reduce per rank's chunk, as DeepSpeed's
+/// stage 2 reduces a bucket, on the communicator's stream: the next block's backward computes
+/// meanwhile) and added into this rank's shard on the GPU when the next bucket begins, so a
+/// rank holds its shard, one bucket in flight and the part of backward running.
 pub struct GradientBuckets {
     dp: DataParallel,
     partition: Partition,
@@ -295,7 +303,19 @@ pub struct GradientBuckets {
     /// The next bucket to reduce in this micro-batch.
     next: usize,
     /// This rank's shard of the reduced gradients since the last step.
-    reduced: Option<Vec<f32>>,
+    reduced: Option<Reduced>,
+    /// Where the trained parameters (and the shard handed to the step) are.
+    device: Device,
+    /// The gradients are reduced from host memory, not as tensors on their device.
+    on_host: bool,
+    /// The bucket whose reduce was begun last and is not yet added to the shard.
+    in_flight: Option<(usize, crate::comm::Pending)>,
+}
+
+/// [`GradientBuckets`]' shard of the reduced gradients: in host memory, or on the device.
+enum Reduced {
+    Host(Vec<f32>),
+    Device(Tensor),
 }
 
 /// Values `values` of parameter `param`'s (flattened) gradient: a bucket's share of it.
@@ -306,8 +326,9 @@ struct Stretch {
 }
 
 impl GradientBuckets {
-    /// Buckets over the trained parameters `names` (the partition's, in its order).
-    pub fn new(dp: DataParallel, partition: Partition, names: &[String]) -> Self {
+    /// Buckets over the trained parameters `names` (the partition's, in its order), which live
+    /// on `device`.
+    pub fn new(dp: DataParallel, partition: Partition, names: &[String], device: &Device) -> Self {
         let block = |name: &str| -> Option<usize> { name.strip_prefix("h.")?.split('.').next()?.parse().ok() };
         // Backward's order: the blocks from the last, then everything else.
         let mut order: Vec<usize> = (0..names.len()).collect();
@@ -344,7 +365,15 @@ impl GradientBuckets {
         }
         let waits_for_the_end =
             buckets.iter().map(|bucket| bucket.iter().any(|s| block(&names[s.param]).is_none())).collect();
-        Self { dp, partition, buckets, waits_for_the_end, next: 0, reduced: None }
+        let (device, on_host) = (device.clone(), device.is_cpu());
+        Self { dp, partition, buckets, waits_for_the_end, next: 0, reduced: None, device, on_host, in_flight: None }
+    }
+
+    /// Reduces as tensors even in host memory: the GPU's path, on CPU ranks (tests).
+    #[cfg(test)]
+    fn reducing_as_tensors(mut self) -> Self {
+        self.on_host = false;
+        self
     }
 
     /// Bucket `b`'s values that fall in rank `r`'s shard, in the flat order: (parameter, its
@@ -367,6 +396,76 @@ impl GradientBuckets {
     /// Reduce-scatters bucket `b`'s gradients into this rank's shard; a gradient is taken out
     /// of `grads` with its last stretch.
     fn reduce(&mut self, b: usize, grads: &mut [Option<Tensor>]) -> Result<()> {
+        match self.on_host {
+            true => self.reduce_on_host(b, grads),
+            false => self.begin_as_tensors(b, grads),
+        }
+    }
+
+    /// The gradients whose last stretch bucket `b` holds, dropped from `grads`.
+    fn drop_finished(&self, b: usize, grads: &mut [Option<Tensor>]) {
+        for stretch in &self.buckets[b] {
+            if stretch.values.end == self.partition.sizes[stretch.param] {
+                grads[stretch.param] = None;
+            }
+        }
+    }
+
+    /// [`Self::reduce`] of gradients on a device: the bucket in one buffer of the wire's dtype,
+    /// rank r's chunk its values in r's shard, its reduce begun once the one before it is added
+    /// to the shard.
+    fn begin_as_tensors(&mut self, b: usize, grads: &mut [Option<Tensor>]) -> Result<()> {
+        self.add_in_flight()?;
+        let wire = self.dp.wire.dtype();
+        let mut pieces = Vec::new();
+        let mut chunks = Vec::with_capacity(self.dp.world());
+        let mut len = 0;
+        for r in 0..self.dp.world() {
+            let start = len;
+            for (param, values, _) in self.in_shard_of(b, r) {
+                let grad = grads[param]
+                    .as_ref()
+                    .ok_or_else(|| anyhow::anyhow!("internal error: parameter {param} received no gradient"))?;
+                pieces.push(grad.flatten_all()?.narrow(0, values.start, values.len())?.to_dtype(wire)?);
+                len += values.len();
+            }
+            chunks.push(start..len);
+        }
+        let bucket = Tensor::cat(&pieces, 0)?;
+        drop(pieces);
+        self.drop_finished(b, grads);
+        self.in_flight = Some((b, self.dp.group.begin_reduce_chunks_as(&bucket, &chunks, self.dp.wire)?));
+        Ok(())
+    }
+
+    /// Adds the bucket in flight, if any, to this rank's shard on the device.
+    fn add_in_flight(&mut self) -> Result<()> {
+        let Some((b, pending)) = self.in_flight.take() else { return Ok(()) };
+        let pieces = self.in_shard_of(b, self.dp.group.rank());
+        if pieces.is_empty() {
+            pending.wait();
+            return Ok(());
+        }
+        let mine = pending.ready()?;
+        let reduced = match self.reduced.take() {
+            Some(Reduced::Device(t)) => t,
+            Some(Reduced::Host(_)) => bail!("internal error: gradient buckets reduced on the host and as tensors"),
+            None => Tensor::zeros(self.partition.shard_len, DType::F32, mine.device())?,
+        };
+        let mut at = 0;
+        for (_, _, in_shard) in pieces {
+            let n = in_shard.len();
+            let sum = (reduced.narrow(0, in_shard.start, n)? + mine.narrow(0, at, n)?)?;
+            reduced.slice_set(&sum, 0, in_shard.start)?;
+            at += n;
+        }
+        self.reduced = Some(Reduced::Device(reduced));
+        Ok(())
+    }
+
+    /// [`Self::reduce`] from host memory: each gradient read in place as f32, rank r's chunk
+    /// copied into the ring's buffer, the ring's uneven reduce-scatter, this rank's sums added.
+    fn reduce_on_host(&mut self, b: usize, grads: &mut [Option<Tensor>]) -> Result<()> {
         let missing = |i: usize| anyhow::anyhow!("internal error: parameter {i} received no gradient");
         // Each gradient as contiguous host f32 (as backward made it in fp32; a half-precision
         // one converted once, not per stretch), to be read in place.
@@ -390,21 +489,21 @@ impl GradientBuckets {
             }
             chunks.push(start..buf.len());
         }
-        for stretch in &self.buckets[b] {
-            if stretch.values.end == self.partition.sizes[stretch.param] {
-                grads[stretch.param] = None;
-            }
-        }
+        self.drop_finished(b, grads);
         let mine = self.dp.group.reduce_scatter_chunks_as(&mut buf, &chunks, self.dp.wire)?;
         let rank = self.dp.group.rank();
-        let mut reduced = self.reduced.take().unwrap_or_else(|| vec![0f32; self.partition.shard_len]);
+        let mut reduced = match self.reduced.take() {
+            Some(Reduced::Host(v)) => v,
+            Some(Reduced::Device(_)) => bail!("internal error: gradient buckets reduced on the host and as tensors"),
+            None => vec![0f32; self.partition.shard_len],
+        };
         let mut at = mine.start;
         for (_, _, in_shard) in self.in_shard_of(b, rank) {
             let n = in_shard.len();
             reduced[in_shard].iter_mut().zip(&buf[at..at + n]).for_each(|(r, v)| *r += v);
             at += n;
         }
-        self.reduced = Some(reduced);
+        self.reduced = Some(Reduced::Host(reduced));
         Ok(())
     }
 }
@@ -421,19 +520,29 @@ impl crate::training::optim::GradientSink for GradientBuckets {
             self.next += 1;
         }
         if last {
+            // The micro-batch's reduces all added: its shard is whole for the step or a check.
+            self.add_in_flight()?;
             self.next = 0;
         }
         Ok(())
     }
 
     fn take_reduced(&mut self) -> Result<Tensor> {
-        let reduced = self.reduced.take().unwrap_or_else(|| vec![0f32; self.partition.shard_len]);
-        Ok(Tensor::from_vec(reduced, self.partition.shard_len, &Device::Cpu)?)
+        self.add_in_flight()?;
+        let n = self.partition.shard_len;
+        Ok(match self.reduced.take() {
+            Some(Reduced::Device(t)) => t,
+            Some(Reduced::Host(v)) => Tensor::from_vec(v, n, &Device::Cpu)?.to_device(&self.device)?,
+            None => Tensor::zeros(n, DType::F32, &self.device)?,
+        })
     }
 
     fn partial(&self) -> Result<Option<Tensor>> {
-        let reduced = self.reduced.as_ref().map(|r| Tensor::from_slice(r, r.len(), &Device::Cpu)).transpose()?;
-        Ok(reduced)
+        Ok(match &self.reduced {
+            Some(Reduced::Device(t)) => Some(t.clone()),
+            Some(Reduced::Host(v)) => Some(Tensor::from_slice(v, v.len(), &Device::Cpu)?),
+            None => None,
+        })
     }
 
     fn buckets(&self) -> usize {
@@ -946,7 +1055,8 @@ mod tests {
             ["wte", "wpe", "h.0.a", "h.0.b", "h.1.a", "h.1.b", "ln_f", "h.1.lora"].map(String::from).to_vec();
         let partition = Partition::new(vec![10, 4, 3, 3, 3, 8, 2, 1], 2);
         let group = Arc::new(ProcessGroup::single());
-        let buckets = GradientBuckets::new(DataParallel::new(group, ZeroStage::Gradients, 7), partition, &names);
+        let buckets =
+            GradientBuckets::new(DataParallel::new(group, ZeroStage::Gradients, 7), partition, &names, &Device::Cpu);
         // Backward completes 4, 5, 7 (block 1), 2, 3 (block 0), then 0, 1, 6; greedy buckets of
         // at most 7 values, h.1.b (8) and wte (10) cut into buckets of their own.
         let whole = |param: usize, n: usize| Stretch { param, values: 0..n };
@@ -965,6 +1075,73 @@ mod tests {
         );
         assert_eq!(buckets.waits_for_the_end, [false, false, false, false, true, true, true]);
         assert_eq!(crate::training::optim::GradientSink::buckets(&buckets), 7);
+    }
+
+    /// Stage 2's buckets reduced as tensors (the GPU's path: a bucket's pieces in one buffer,
+    /// the group's bucket reduce, the sums added into a shard tensor when the next bucket
+    /// begins) give the host path's shard bit for bit, on 3 ranks whose shards cut parameters
+    /// unevenly, over two micro-batches, in fp32 and with bf16 on the wire; and the sums are
+    /// those of every rank's gradients added here (fp32, within rounding: the ring adds in its
+    /// own order).
+    #[test]
+    fn gradient_buckets_reduced_as_tensors_are_the_host_buckets() -> Result<()> {
+        let names: Vec<String> =
+            ["wte", "wpe", "h.0.a", "h.0.b", "h.1.a", "h.1.b", "ln_f", "h.1.lora"].map(String::from).to_vec();
+        let sizes = vec![10, 4, 3, 3, 3, 8, 2, 1];
+        let world = 3;
+        // Backward's parts: block 1, block 0, then the embeddings and what is outside the blocks.
+        let parts: [&[usize]; 3] = [&[4, 5, 7], &[2, 3], &[0, 1, 6]];
+        let grad = |rank: usize, micro: usize, i: usize| random(sizes[i], (100 * rank + 10 * micro + i) as u64);
+        for outcome in crate::comm::on_groups(world, |group| {
+            let group = Arc::new(group);
+            let rank = group.rank();
+            let mut shards = Vec::new();
+            for wire in [WireDtype::F32, WireDtype::Bf16] {
+                for as_tensors in [false, true] {
+                    let dp = DataParallel::new(group.clone(), ZeroStage::Gradients, 7).with_wire(wire);
+                    let buckets = GradientBuckets::new(dp, Partition::new(sizes.clone(), world), &names, &Device::Cpu);
+                    let mut buckets = if as_tensors { buckets.reducing_as_tensors() } else { buckets };
+                    for micro in 0..2 {
+                        let mut grads: Vec<Option<Tensor>> = vec![None; sizes.len()];
+                        for (k, part) in parts.iter().enumerate() {
+                            for &i in *part {
+                                grads[i] = Some(Tensor::new(grad(rank, micro, i), &Device::Cpu)?);
+                            }
+                            crate::training::optim::GradientSink::take(&mut buckets, &mut grads, k == parts.len() - 1)?;
+                        }
+                        assert!(grads.iter().all(Option::is_none), "every gradient handed on");
+                    }
+                    let shard = crate::training::optim::GradientSink::take_reduced(&mut buckets)?;
+                    shards.push((wire, as_tensors, shard.to_vec1::<f32>()?));
+                }
+            }
+            Ok((rank, shards))
+        }) {
+            let (rank, shards) = outcome?;
+            for pair in shards.chunks(2) {
+                let ((wire, _, host), (_, _, tensors)) = (&pair[0], &pair[1]);
+                assert_eq!(
+                    host.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    tensors.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    "rank {rank}, {wire:?}"
+                );
+            }
+            let partition = Partition::new(sizes.clone(), world);
+            let mut expected = vec![0f32; partition.shard_len];
+            for piece in partition.pieces(rank) {
+                for (r, micro) in (0..world).flat_map(|r| (0..2).map(move |m| (r, m))) {
+                    let g = grad(r, micro, piece.param);
+                    expected[piece.in_shard.clone()]
+                        .iter_mut()
+                        .zip(&g[piece.in_param.clone()])
+                        .for_each(|(e, v)| *e += v);
+                }
+            }
+            let fp32 = &shards[1].2;
+            let diff = expected.iter().zip(fp32).fold(0f32, |m, (e, v)| m.max((e - v).abs()));
+            assert!(diff < 1e-6, "rank {rank}: the sums differ from every rank's gradients by {diff}");
+        }
+        Ok(())
     }
 
     /// Three parameters over 2 ranks (rank 1's shard: the end of one, a bias, the start of a
@@ -1117,6 +1294,46 @@ mod tests {
         let largest = a.iter().fold(0f32, |m, x| m.max(x.abs()));
         let diff = a.iter().zip(&b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
         assert!(diff <= 1e-6 * largest, "weights differ by {diff} (largest {largest})");
+        Ok(())
+    }
+
+    /// On a GPU: stage 2's buckets of gradients on the device (their pieces copied into a buffer
+    /// there, reduced over NCCL with the feature, else through host memory as over gloo, added
+    /// into a shard on the device) give the host buckets' shard bit for bit, fp32 and bf16
+    /// gradients, fp32 and bf16 on the wire, over two micro-batches (one rank: the bucket reduce
+    /// is a copy to rank 0; the chunks of several ranks are the CPU test's above).
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn gradient_buckets_on_the_gpu_are_the_host_buckets() -> Result<()> {
+        let Some(gpu) = crate::kernels::ops::test_support::gpu() else { return Ok(()) };
+        let names: Vec<String> = ["wte", "h.0.a", "h.1.a", "h.1.b", "ln_f"].map(String::from).to_vec();
+        let sizes = vec![9, 5, 3, 8, 2];
+        let parts: [&[usize]; 3] = [&[2, 3], &[1], &[0, 4]];
+        let group = Arc::new(ProcessGroup::single());
+        for (dtype, wire) in
+            [(DType::F32, WireDtype::F32), (DType::BF16, WireDtype::F32), (DType::F32, WireDtype::Bf16)]
+        {
+            let mut shards = Vec::new();
+            for device in [Device::Cpu, gpu.clone()] {
+                let dp = DataParallel::new(group.clone(), ZeroStage::Gradients, 6).with_wire(wire);
+                let mut buckets = GradientBuckets::new(dp, Partition::new(sizes.clone(), 1), &names, &device);
+                for micro in 0..2 {
+                    let mut grads: Vec<Option<Tensor>> = vec![None; sizes.len()];
+                    for (k, part) in parts.iter().enumerate() {
+                        for &i in *part {
+                            let g = Tensor::new(random(sizes[i], (10 * micro + i) as u64), &Device::Cpu)?;
+                            grads[i] = Some(g.to_dtype(dtype)?.to_device(&device)?);
+                        }
+                        crate::training::optim::GradientSink::take(&mut buckets, &mut grads, k == parts.len() - 1)?;
+                    }
+                }
+                let shard = crate::training::optim::GradientSink::take_reduced(&mut buckets)?;
+                assert!(shard.device().same_device(&device), "the shard where the parameters are");
+                shards.push(shard.to_device(&Device::Cpu)?.to_vec1::<f32>()?);
+            }
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&shards[0]), bits(&shards[1]), "{dtype:?} gradients, {wire:?} on the wire");
+        }
         Ok(())
     }
 
