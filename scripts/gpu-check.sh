@@ -17,7 +17,11 @@
 #      both held-out summaries;
 #   4. ranks: 2 ranks sharing the GPU over the TCP ring (--distributed-backend gloo) at ZeRO
 #      stages 1-3 against one rank (loss curves).
-# Three measuring stages run only when named in STAGES:
+# Four measuring stages run only when named in STAGES:
+#   graph: generation with the decoding step replayed from a CUDA graph (HYBRID_ENGINE_DECODE_GRAPH=1)
+#      against the host's loop, alternating, two rounds: gpt2 B32 P16+128 and gpt2-medium B16
+#      P256+256 in bf16, greedy and (gpt2) sampled; tokens/s, ms and host ms a token step, steps
+#      replayed (0: the capture failed, its warning in the log);
 #   ab: gpt2 B8 T1024 bf16 training as built against the same build with AB_ENV set (default
 #      HYBRID_ENGINE_CUBLASLT=0: the linears without cuBLASLt's epilogues; HYBRID_ENGINE_PACKED_ROWS=0
 #      without the packed LayerNorm and cross-entropy kernels, CANDLE_UPSTREAM_BINARY_GRID=1 candle's binary
@@ -73,7 +77,7 @@ cat "$here/VERSION" | tee -a "$summary"
 if [[ " $stages " == *" unit "* ]]; then
   # --test-threads 1: the GPU tests would share one device; the CPU ones take seconds anyway.
   stage unit-tests 120 "$bin" unit-tests --test-threads 1
-  grep -E '^test (kernels::ops::[a-z_]+::cuda_tests|training::optim::tests::adamw_cuda|training::zero::tests::(master_shard_cuda|gradient_buckets_on_the_gpu)|.*FAILED)|^test result' "$work/unit-tests.log" | tee -a "$summary"
+  grep -E '^test (kernels::ops::[a-z_]+::cuda_tests|training::optim::tests::adamw_cuda|training::zero::tests::(master_shard_cuda|gradient_buckets_on_the_gpu)|generation::decode_graph::tests|comm::nccl::tests|.*FAILED)|^test result' "$work/unit-tests.log" | tee -a "$summary"
   ! grep -q 'no GPU, the CUDA kernel test' "$work/unit-tests.log" || { echo "unit-tests: the CUDA tests saw no GPU" | tee -a "$summary"; failed=1; }
 fi
 
@@ -187,6 +191,28 @@ r = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
 print("  generate gpt2-medium B16 P256+256 bf16: %.0f tokens/s, %.2f ms a token step, cpu %.2f ms a token step"
       % (r["tokens_per_s"], r["ms_per_token_step"], r["cpu_ms_per_token_step"]))
 PY
+fi
+
+if [[ " $stages " == *" graph "* ]]; then
+  for round in 1 2; do
+    for shape in "gpt2 32 16 128" "gpt2-medium 16 256 256" "gpt2 32 16 128 sampled"; do
+      set -- $shape
+      sampling=()
+      [ "${5:-}" = sampled ] && sampling=(--temperature 1 --top-k 50 --top-p 0.9)
+      for graph in 0 1; do
+        label="graph-$round-$1-$2${5:+-$5}-$graph"
+        stage "$label" 120 env HYBRID_ENGINE_DECODE_GRAPH=$graph "$bin" bench generate --model "$1" --batch "$2" \
+          --prompt-len "$3" --new-tokens "$4" --warmup 1 --reps 3 --dtype bf16 --device cuda "${sampling[@]}"
+        python3 - "$work/$label.log" "$label" <<'PY' 2>/dev/null | tee -a "$summary"
+import json, sys
+r = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
+print("  %s: %.0f tokens/s, %.3f ms a token step, cpu %.3f ms a token step, %d steps replayed, %.0f MiB"
+      % (sys.argv[2], r["tokens_per_s"], r["ms_per_token_step"], r["cpu_ms_per_token_step"],
+         r.get("decode_graph_replayed_steps", 0), r.get("gpu_used_mib") or 0))
+PY
+      done
+    done
+  done
 fi
 
 if [[ " $stages " == *" bench "* ]]; then

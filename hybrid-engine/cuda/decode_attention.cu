@@ -10,6 +10,10 @@
 // to [start, start + T). bias: (B or 1, 1, T, S) f32 with S = start + T, 0 where a key is
 // visible, gpt2.rs's MASKED (-1e9) where not. y: (B, T, C). The softmax runs in f32 with the
 // running maximum and sum (FlashAttention's online softmax), and the products accumulate in f32.
+//
+// start_at: null, or where `start` is read on the device (a decoding step captured as a CUDA
+// graph serves every position: generation/decode_graph.rs). The attention's bias is then read
+// with rows of bias_stride values (a buffer over the cache's whole capacity), else of S.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
@@ -28,8 +32,10 @@
 #define KV_CACHE_APPEND(SUFFIX, T, TO_F32, FROM_F32)                                               \
   extern "C" __global__ void kv_cache_append_##SUFFIX(const T *qkv, const T *qkv_bias, T *kv,      \
                                                       uint32_t b, uint32_t t, uint32_t nh,          \
-                                                      uint32_t hd, uint32_t cap, uint32_t start) {  \
+                                                      uint32_t hd, uint32_t cap, uint32_t start_arg, \
+                                                      const uint32_t *start_at) {                   \
     const uint64_t c = (uint64_t)nh * hd, n = 2ull * b * t * c;                                    \
+    const uint64_t start = start_at ? *start_at : start_arg;                                       \
     for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < n;                      \
          i += (uint64_t)blockDim.x * gridDim.x) {                                                  \
       const uint64_t ch = i % c, row = i / c; /* row: (which, b, t) */                             \
@@ -50,9 +56,10 @@
 #define DECODE_ATTENTION(SUFFIX, T, TO_F32, FROM_F32)                                              \
   extern "C" __global__ void decode_attention_##SUFFIX(                                             \
       const T *qkv, const T *qkv_bias, const T *kv, const float *bias, T *y, uint32_t b,          \
-      uint32_t t, uint32_t nh, uint32_t hd, uint32_t cap, uint32_t s, uint32_t bias_batches,        \
-      float scale) {                                                                               \
+      uint32_t t, uint32_t nh, uint32_t hd, uint32_t cap, uint32_t s_arg, uint32_t bias_batches,    \
+      float scale, const uint32_t *start_at, uint32_t bias_stride) {                               \
     __shared__ float query[DECODE_WARPS][128];                                                     \
+    const uint32_t s = start_at ? *start_at + t : s_arg;                                           \
     const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, per_lane = hd / 32;           \
     const uint64_t row = blockIdx.x * (uint64_t)(blockDim.x / 32) + warp;                          \
     if (row >= (uint64_t)b * nh * t) return;                                                       \
@@ -61,7 +68,7 @@
     const uint64_t q0 = (bi * t + ti) * 3 * c + h * hd;                                            \
     const T *keys = kv + (bi * nh + h) * cap * hd;                                                 \
     const T *values = kv + ((1ull * b + bi) * nh + h) * cap * hd;                                  \
-    const float *mask = bias + ((bias_batches == 1 ? 0 : bi) * t + ti) * s;                        \
+    const float *mask = bias + ((bias_batches == 1 ? 0 : bi) * t + ti) * (start_at ? bias_stride : s); \
     float *q = query[warp];                                                                        \
     _Pragma("unroll") for (uint32_t e = 0; e < 4; e++)                                             \
       if (e < per_lane) q[lane + 32 * e] = TO_F32(QKV(q0 + lane + 32 * e, h * hd + lane + 32 * e, TO_F32, FROM_F32)); \

@@ -587,7 +587,16 @@ fn bench_generate(a: &GenerateArgs, device: &Device) -> Result<serde_json::Value
         "cpu_ms_per_token_step": median(&cpu_times) * 1e3 / a.new_tokens as f64,
         "peak_rss_mib": peak_rss_mib(),
         "gpu_used_mib": memory.max_mib,
+        "decode_graph_replayed_steps": replayed_decoding_steps(),
     }))
+}
+
+/// Decoding steps replayed from a CUDA graph so far (`HYBRID_ENGINE_DECODE_GRAPH=1`).
+fn replayed_decoding_steps() -> u64 {
+    #[cfg(feature = "cuda")]
+    return hybrid_engine::generation::decode_graph::REPLAYED_STEPS.load(std::sync::atomic::Ordering::Relaxed);
+    #[cfg(not(feature = "cuda"))]
+    0
 }
 
 /// The median milliseconds of `f` (after one warmup call), the device synchronised around each

@@ -49,7 +49,7 @@ impl SamplingConfig {
     }
 
     /// What the sampler takes, or `None` for greedy decoding.
-    fn sampling_params(&self) -> Option<ops::SamplingParams> {
+    pub(crate) fn sampling_params(&self) -> Option<ops::SamplingParams> {
         (!self.is_greedy()).then(|| ops::SamplingParams {
             vocab_limit: self.vocab_limit,
             temperature: self.temperature.unwrap_or(1.0),
@@ -199,13 +199,20 @@ pub fn generate_observed(
         bail!("prompt of {p} tokens leaves no room to generate: the model's context is {n_pos} tokens");
     }
     let max_new = cfg.max_new_tokens.min(n_pos - p);
+    if cache.capacity() < p + max_new {
+        bail!("the KV cache holds {} positions but this rollout needs {}", cache.capacity(), p + max_new);
+    }
+    #[cfg(feature = "cuda")]
+    if crate::generation::decode_graph::enabled() {
+        if let Some(generation) = crate::generation::decode_graph::generate(model, batch, cfg, cache, device, on_token)?
+        {
+            return Ok(generation);
+        }
+    }
     let mut rngs: Vec<ChaCha8Rng> = batch.keys.iter().map(|&k| row_rng(cfg.seed, k)).collect();
 
     let mut mask: Vec<Vec<u32>> = batch.mask.chunks(p).map(<[u32]>::to_vec).collect();
     let mut next_pos: Vec<u32> = mask.iter().map(|m| m.iter().sum()).collect();
-    if cache.capacity() < p + max_new {
-        bail!("the KV cache holds {} positions but this rollout needs {}", cache.capacity(), p + max_new);
-    }
     cache.reset();
     let mut input = Tensor::from_slice(&batch.ids, (b, p), device)?;
     let mut pos_t = Tensor::from_vec(batch.position_ids(), (b, p), device)?;

@@ -343,6 +343,11 @@ impl Gpt2Cache {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+    /// Sets every layer's cached positions to `len` (after decoding steps made at positions on
+    /// the device).
+    pub fn set_len(&mut self, len: usize) -> Result<()> {
+        self.layers.iter_mut().try_for_each(|c| c.set_len(len))
+    }
 }
 
 pub struct Attention {
@@ -479,18 +484,27 @@ impl Block {
     /// inside the launch that adds to the residual and makes the next LayerNorm (`next_ln`: the
     /// next block's ln_1, or ln_f). The values of [`Self::forward`] on a GPU, each rounded where
     /// that rounds it (tested). Returns the new residual stream and `next_ln` of it.
+    /// With `start_at` (a u32 on the device: a step captured as a CUDA graph), the new tokens
+    /// go to the cache at the position it holds and `bias` spans the cache's capacity.
     fn forward_decoding_on_cuda(
         &self,
         x: &Tensor,
         h: &Tensor,
         bias: &Tensor,
         cache: &mut KvCache,
+        start_at: Option<&Tensor>,
         next_ln: &LayerNorm,
     ) -> Result<(Tensor, Tensor)> {
         let (attn, mlp) = (&self.attn, &self.mlp);
         let qkv = attn.c_attn.gemm(h)?; // (B, T, 3C), without the bias
         let qkv_bias = Some(&attn.c_attn.bias);
-        let (kv, start) = cache.append_qkv(&qkv, qkv_bias, attn.n_head)?;
+        let (kv, start) = match start_at {
+            None => {
+                let (kv, start) = cache.append_qkv(&qkv, qkv_bias, attn.n_head)?;
+                (kv, ops::CacheStart::Host(start))
+            }
+            Some(at) => (cache.append_qkv_at(&qkv, qkv_bias, attn.n_head, at)?, ops::CacheStart::Device(at.clone())),
+        };
         let y = ops::decode_attention(&qkv, qkv_bias, &kv, start, bias, attn.n_head, attn.scale)?; // (B, T, C)
         let (x, h) = self.ln_2.after_bias_and_residual(&attn.c_proj.gemm(&y)?, &attn.c_proj.bias, x)?;
         let g = ops::bias_gelu(&mlp.c_fc.gemm(&h)?, &mlp.c_fc.bias)?; // (B, T, 4C)
@@ -756,7 +770,7 @@ impl Gpt2 {
         }
         let bias = self.attention_bias(b, t, past, pos, ids.device())?;
         if let Some(cache) = cache.as_deref_mut().filter(|_| self.decodes_fused_on_cuda(&bias, dropout)) {
-            return self.forward_blocks_decoding_on_cuda(ids, pos, past, &bias, cache);
+            return self.forward_blocks_decoding_on_cuda(ids, pos, past, &bias, cache, None);
         }
         let mut x = self.embed(ids, pos, past, dropout)?;
         for (i, block) in self.h.iter().enumerate() {
@@ -787,6 +801,7 @@ impl Gpt2 {
         past: usize,
         bias: &Tensor,
         cache: &mut Gpt2Cache,
+        start_at: Option<&Tensor>,
     ) -> Result<Tensor> {
         let Some(first) = self.h.first() else { return self.embed(ids, pos, past, None) };
         let (mut x, mut h) = match pos.position_ids {
@@ -802,9 +817,32 @@ impl Gpt2 {
         };
         for (i, (block, layer_cache)) in self.h.iter().zip(cache.layers.iter_mut()).enumerate() {
             let next_ln = self.h.get(i + 1).map_or(&self.ln_f, |next| &next.ln_1);
-            (x, h) = block.forward_decoding_on_cuda(&x, &h, bias, layer_cache, next_ln)?;
+            (x, h) = block.forward_decoding_on_cuda(&x, &h, bias, layer_cache, start_at, next_ln)?;
         }
         Ok(x)
+    }
+
+    /// A decoding step of one new token a row (`ids` and `positions` (B, 1) u32) at the position
+    /// of the KV cache that `start_at` ((1,) u32) holds on the device, with `bias` (B, 1, 1,
+    /// capacity) f32 over the cache's positions: nothing in it depends on a number the host
+    /// knows, so one capture of it as a CUDA graph serves every step
+    /// (generation/decode_graph.rs). The cache's length is left as it is ([`Gpt2Cache::set_len`]
+    /// after the steps). The last hidden state (B, 1, C), as [`Self::forward_blocks`]'s.
+    pub fn decoding_step_at(
+        &self,
+        ids: &Tensor,
+        positions: &Tensor,
+        start_at: &Tensor,
+        bias: &Tensor,
+        cache: &mut Gpt2Cache,
+    ) -> Result<Tensor> {
+        if !self.decodes_fused_on_cuda(bias, None) {
+            candle_core::bail!(
+                "a decoding step at a position on the device runs on a GPU with the fused decoding blocks"
+            );
+        }
+        let pos = Positions { position_ids: Some(positions), attention_mask: None };
+        self.forward_blocks_decoding_on_cuda(ids, &pos, 0, bias, cache, Some(start_at))
     }
 
     /// Logits at every position: (B, T) ids -> (B, T, V).

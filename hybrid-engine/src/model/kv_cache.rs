@@ -96,6 +96,36 @@ impl KvCache {
         self.len += t;
         Ok((kv, start))
     }
+
+    /// [`Self::append_qkv`] at the position a u32 on the device holds (`start_at`, (1,)): a
+    /// decoding step captured as a CUDA graph, which serves every position. The length here does
+    /// not move: the caller sets it once the steps are made ([`Self::set_len`]) and has made sure
+    /// that they fit. Returns the whole buffer.
+    pub fn append_qkv_at(
+        &mut self,
+        qkv: &Tensor,
+        qkv_bias: Option<&Tensor>,
+        n_head: usize,
+        start_at: &Tensor,
+    ) -> Result<Tensor> {
+        let (b, _, c3) = qkv.dims3()?;
+        let Some(kv) = self.buffer.clone().filter(|kv| kv.dims() == [2, b, n_head, self.capacity, c3 / 3 / n_head])
+        else {
+            candle_core::bail!("a decoding step at a position on the device needs the cache its prompt filled");
+        };
+        let start = crate::kernels::ops::CacheStart::Device(start_at.clone());
+        crate::kernels::ops::kv_cache_append(&kv, qkv, qkv_bias, n_head, start)?;
+        Ok(kv)
+    }
+
+    /// Sets the positions cached to `len` (after steps appended at positions on the device).
+    pub fn set_len(&mut self, len: usize) -> Result<()> {
+        if len > self.capacity || (len > 0 && self.buffer.is_none()) {
+            candle_core::bail!("a KV cache of {} positions cannot hold {len}", self.capacity);
+        }
+        self.len = len;
+        Ok(())
+    }
 }
 
 #[cfg(test)]

@@ -6,11 +6,64 @@
 
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 
+/// How many positions a KV cache holds before a decoding step's new tokens: a number the host
+/// knows, or a u32 on the device (a step captured as a CUDA graph, which serves every position:
+/// generation/decode_graph.rs), read there by the kernels.
+#[derive(Clone, Debug)]
+pub enum CacheStart {
+    Host(usize),
+    /// (1,) u32 on the GPU.
+    Device(Tensor),
+}
+
+impl From<usize> for CacheStart {
+    fn from(start: usize) -> Self {
+        Self::Host(start)
+    }
+}
+
+impl CacheStart {
+    /// The host's number (0 for the device's: the kernels read theirs).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    fn on_host(&self) -> usize {
+        match self {
+            Self::Host(start) => *start,
+            Self::Device(_) => 0,
+        }
+    }
+
+    /// The device's u32, if that is where it is.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    fn on_device(&self) -> Option<&Tensor> {
+        match self {
+            Self::Host(_) => None,
+            Self::Device(t) => Some(t),
+        }
+    }
+}
+
+/// Runs `f` with the CUDA storages of an op's optional operands `bias` (c_attn's) and the
+/// device's cache length in `start`, each `None` where absent.
+#[cfg(feature = "cuda")]
+fn with_bias_and_start<R>(
+    bias: Option<&Tensor>,
+    start: &CacheStart,
+    f: impl FnOnce(Option<(&candle_core::CudaStorage, &Layout)>, Option<(&candle_core::CudaStorage, &Layout)>) -> Result<R>,
+) -> Result<R> {
+    let operands: Vec<&Tensor> = bias.into_iter().chain(start.on_device()).collect();
+    crate::kernels::cuda::with_cuda_operands(&operands, |v| {
+        let mut v = v.iter().copied();
+        let bias = bias.and_then(|_| v.next());
+        let start = start.on_device().and_then(|_| v.next());
+        f(bias, start)
+    })
+}
+
 /// Writes the new tokens' keys and values of c_attn's output into a KV cache buffer in place.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // read by cuda_fwd
 struct KvCacheAppend {
     n_head: usize,
-    start: usize,
+    start: CacheStart,
     /// c_attn's bias, when the output is the gemm's alone.
     qkv_bias: Option<Tensor>,
 }
@@ -32,31 +85,32 @@ impl candle_core::InplaceOp2 for KvCacheAppend {
         qkv: &candle_core::CudaStorage,
         lq: &Layout,
     ) -> Result<()> {
-        crate::kernels::cuda::with_cuda_operands(&self.qkv_bias.iter().collect::<Vec<_>>(), |bias| {
-            cuda::kv_cache_append((kv, lkv), (qkv, lq), bias.first().copied(), self.n_head, self.start)
+        with_bias_and_start(self.qkv_bias.as_ref(), &self.start, |bias, start_at| {
+            cuda::kv_cache_append((kv, lkv), (qkv, lq), bias, self.n_head, self.start.on_host(), start_at)
         })
     }
 }
 
 /// Writes the keys and values of `qkv` (B, T, 3C) into `kv` (2, B, NH, capacity, HD), keys then
 /// values, at positions [start, start + T): one launch on a GPU. With `qkv_bias` (3C), c_attn's
-/// bias is added to them first (`qkv` is then the gemm's output alone).
+/// bias is added to them first (`qkv` is then the gemm's output alone). With the start on the
+/// device, the caller has made sure that start + T is within the capacity.
 pub fn kv_cache_append(
     kv: &Tensor,
     qkv: &Tensor,
     qkv_bias: Option<&Tensor>,
     n_head: usize,
-    start: usize,
+    start: impl Into<CacheStart>,
 ) -> Result<()> {
     let qkv_bias = qkv_bias.map(Tensor::contiguous).transpose()?;
-    kv.inplace_op2(&qkv.contiguous()?, &KvCacheAppend { n_head, start, qkv_bias })
+    kv.inplace_op2(&qkv.contiguous()?, &KvCacheAppend { n_head, start: start.into(), qkv_bias })
 }
 
 /// Attention of the new tokens' queries over a KV cache buffer, from c_attn's output.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // read by cuda_fwd
 struct DecodeAttention {
     n_head: usize,
-    start: usize,
+    start: CacheStart,
     scale: f32,
     /// c_attn's bias, when the output is the gemm's alone.
     qkv_bias: Option<Tensor>,
@@ -89,8 +143,8 @@ impl CustomOp3 for DecodeAttention {
         bias: &candle_core::CudaStorage,
         lb: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let y = crate::kernels::cuda::with_cuda_operands(&self.qkv_bias.iter().collect::<Vec<_>>(), |qkv_bias| {
-            let (qkv_bias, n_head, start, scale) = (qkv_bias.first().copied(), self.n_head, self.start, self.scale);
+        let y = with_bias_and_start(self.qkv_bias.as_ref(), &self.start, |qkv_bias, start_at| {
+            let (n_head, start, scale) = (self.n_head, (self.start.on_host(), start_at), self.scale);
             cuda::decode_attention((qkv, lq), qkv_bias, (kv, lkv), (bias, lb), n_head, start, scale)
         })?;
         let (b, t, c3) = lq.shape().dims3()?;
@@ -100,20 +154,20 @@ impl CustomOp3 for DecodeAttention {
 
 /// `softmax(q k^T * scale + bias) v` per head for the new tokens' queries in `qkv` (B, T, 3C)
 /// over the first start + T positions of `kv` (2, B, NH, capacity, HD), where
-/// [`kv_cache_append`] has put their own keys and values; bias (B or 1, 1, T, start + T) f32:
-/// (B, T, C). With `qkv_bias` (3C), c_attn's bias is added to the queries first. No gradient
-/// (generation).
+/// [`kv_cache_append`] has put their own keys and values; bias (B or 1, 1, T, start + T) f32, or
+/// with the start on the device (B or 1, 1, T, capacity), read up to start + T: (B, T, C). With
+/// `qkv_bias` (3C), c_attn's bias is added to the queries first. No gradient (generation).
 pub fn decode_attention(
     qkv: &Tensor,
     qkv_bias: Option<&Tensor>,
     kv: &Tensor,
-    start: usize,
+    start: impl Into<CacheStart>,
     bias: &Tensor,
     n_head: usize,
     scale: f64,
 ) -> Result<Tensor> {
     let qkv_bias = qkv_bias.map(Tensor::contiguous).transpose()?;
-    let op = DecodeAttention { n_head, start, scale: scale as f32, qkv_bias };
+    let op = DecodeAttention { n_head, start: start.into(), scale: scale as f32, qkv_bias };
     qkv.contiguous()?.apply_op3_no_bwd(kv, &bias.contiguous()?, &op)
 }
 
@@ -229,12 +283,60 @@ pub fn bias_gelu(y: &Tensor, b: &Tensor) -> Result<Tensor> {
     y.contiguous()?.apply_op2_no_bwd(&b.contiguous()?, &BiasGelu)
 }
 
+/// What a decoding step captured as a CUDA graph reads and writes besides the model and its KV
+/// cache (generation/decode_graph.rs), all on the GPU, in fixed buffers that every replay of the
+/// graph finds where the capture left them.
+pub struct DecodeState {
+    /// (B, 1) u32: the next step's input tokens.
+    pub ids: Tensor,
+    /// (B, 1) u32: their positions.
+    pub positions: Tensor,
+    /// (B,) u32: 1 for a row that has emitted EOS.
+    pub done: Tensor,
+    /// (3,) u32: the positions cached before the next step, the step being made, the rows still
+    /// running.
+    pub state: Tensor,
+    /// (steps, B) u32 and f32: each step's token and log-probability per row.
+    pub tokens: Tensor,
+    pub logprobs: Tensor,
+    /// Sampling: (B,) f64, the uniform draws the next step's pick reads, and (steps, B) f64 every
+    /// step's.
+    pub draws: Option<(Tensor, Tensor)>,
+}
+
+/// The end of a decoding step on the device (cuda/decode_graph.cu, one launch): from the step's
+/// `picks` (B, 2) f32 (`greedy_pick_in_place`, `sample_pick_in_place`), a finished row's token
+/// replaced by `pad`, each row's token and log-probability recorded at the step, the rows that
+/// emit `eos` marked done, the tokens made the next input one position further, the KV cache's
+/// length after `p` prompt positions advanced, the next step's draws put in place, and the rows
+/// still running counted: what generate.rs's loop does on the host between two steps.
+pub fn advance_decoding(picks: &Tensor, s: &DecodeState, p: usize, pad: u32, eos: Option<u32>) -> Result<()> {
+    let (b, two) = picks.dims2()?;
+    let steps = s.tokens.dim(0)?;
+    if two != 2 || s.tokens.dims() != [steps, b] || s.ids.elem_count() != b || s.state.dims() != [3] {
+        candle_core::bail!("advancing decoding: picks {:?} for tokens {:?}", picks.dims(), s.tokens.dims());
+    }
+    #[cfg(feature = "cuda")]
+    {
+        let fixed = [picks, &s.ids, &s.positions, &s.done, &s.state, &s.tokens, &s.logprobs];
+        let draws = s.draws.iter().flat_map(|(now, all)| [now, all]);
+        let operands: Vec<&Tensor> = fixed.into_iter().chain(draws).collect();
+        let eos = eos.unwrap_or(u32::MAX);
+        crate::kernels::cuda::with_cuda_operands(&operands, |v| cuda::advance_decoding(v, [b, steps, p], pad, eos))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (p, pad, eos);
+        candle_core::bail!("decoding steps advance on the device on a GPU only")
+    }
+}
+
 /// The launchers of the CUDA kernels (`cuda_fwd` above calls them).
 #[cfg(feature = "cuda")]
 pub mod cuda {
     use crate::kernels::cuda::{elementwise, for_float_dtype, ptx, view, warp_per_row};
     use candle_core::backend::BackendStorage;
-    use candle_core::cuda_backend::cudarc::driver::{CudaView, PushKernelArg};
+    use candle_core::cuda_backend::cudarc::driver::{CudaView, LaunchConfig, PushKernelArg};
     use candle_core::cuda_backend::CudaDType;
     use candle_core::cuda_backend::WrapErr;
     use candle_core::{CudaStorage, DType, Layout, Result};
@@ -291,14 +393,18 @@ pub mod cuda {
     /// Writes the new tokens' keys and values of qkv (B, T, 3C) into the KV cache buffer `kv`
     /// (2, B, NH, capacity, HD) at positions [start, start + T), in place (one launch); with
     /// `qkv_bias`, c_attn's bias (3C) is added to them first (qkv is then the gemm's output alone).
+    /// With `start_at` (a u32 on the device), the kernel reads the start there (`start` is then
+    /// ignored; the caller has checked that every start it will hold leaves room for T).
     pub fn kv_cache_append(
         (kv, lkv): (&mut CudaStorage, &Layout),
         (qkv, lq): (&CudaStorage, &Layout),
         qkv_bias: Option<(&CudaStorage, &Layout)>,
         n_head: usize,
         start: usize,
+        start_at: Option<(&CudaStorage, &Layout)>,
     ) -> Result<()> {
         let shape = DecodeShape::of(lq, lkv, n_head, start)?;
+        let start_at = start_at.map(|(s, l)| view::<u32>(s, l, "the KV cache's length")).transpose()?;
         let [b, t, nh, hd, cap, start] = shape.args();
         let n = 2 * shape.b * shape.t * shape.n_head * shape.head_dim;
         let dev = kv.device().clone();
@@ -319,8 +425,13 @@ pub mod cuda {
                     None => launch.arg(&NULL),
                 };
                 launch.arg(&mut dst).arg(&b).arg(&t).arg(&nh).arg(&hd).arg(&cap).arg(&start);
+                match &start_at {
+                    Some(at) => launch.arg(at),
+                    None => launch.arg(&NULL),
+                };
                 // SAFETY: the arguments match the kernel's signature; it writes 2 B T C values of
-                // the buffer, at positions the shape check keeps below its capacity.
+                // the buffer, at positions the shape check (or the caller, for a start on the
+                // device) keeps below its capacity.
                 unsafe { launch.launch(elementwise(n)) }.w().map(|_| ())
             }};
         }
@@ -336,18 +447,22 @@ pub mod cuda {
     /// the KV cache buffer `kv` (2, B, NH, capacity, HD), with the additive mask `bias` (B or 1, 1,
     /// T, start + T) f32: (B, T, C), heads side by side (cuda/decode_attention.cu, one warp a row, a
     /// lane a key).
-    /// With `qkv_bias`, c_attn's bias (3C) is added to the queries first.
+    /// With `qkv_bias`, c_attn's bias (3C) is added to the queries first. With the start on the
+    /// device (`start`'s second half, a u32 there; the first is then ignored), `bias` is (B or 1,
+    /// 1, T, capacity), read up to start + T.
     pub fn decode_attention(
         (qkv, lq): (&CudaStorage, &Layout),
         qkv_bias: Option<(&CudaStorage, &Layout)>,
         (kv, lkv): (&CudaStorage, &Layout),
         (bias, lb): (&CudaStorage, &Layout),
         n_head: usize,
-        start: usize,
+        (start, start_at): (usize, Option<(&CudaStorage, &Layout)>),
         scale: f32,
     ) -> Result<CudaStorage> {
         let shape = DecodeShape::of(lq, lkv, n_head, start)?;
-        let s = start + shape.t;
+        let start_at = start_at.map(|(s, l)| view::<u32>(s, l, "the KV cache's length")).transpose()?;
+        // The bias's row: the positions attended to, or the whole capacity when the device says how many.
+        let s = if start_at.is_some() { shape.capacity } else { start + shape.t };
         let (bias_batches, one, bt, bs) = lb.shape().dims4()?;
         if (bias_batches != 1 && bias_batches != shape.b) || one != 1 || bt != shape.t || bs != s {
             candle_core::bail!(
@@ -380,9 +495,54 @@ pub mod cuda {
             };
             launch.arg(&cache).arg(&bias).arg(&y);
             launch.arg(&b).arg(&t).arg(&nh).arg(&hd).arg(&cap).arg(&s32).arg(&bb32).arg(&scale);
-            // SAFETY: the arguments match the kernel's signature; it reads the first s positions.
+            match &start_at {
+                Some(at) => launch.arg(at),
+                None => launch.arg(&NULL),
+            };
+            launch.arg(&s32);
+            // SAFETY: the arguments match the kernel's signature; it reads the first s positions
+            // (start + T, at most the capacity, with the start on the device).
             unsafe { launch.launch(warp_per_row(rows)) }.w().map(|_| y)
         }))
+    }
+
+    /// cuda/decode_graph.cu's `decode_graph_advance` on [picks, ids, positions, done, state,
+    /// tokens, logprobs, and with sampling draws and all_draws] (see `super::DecodeState`), for
+    /// [B, steps, p]: one block.
+    pub fn advance_decoding(
+        operands: &[(&CudaStorage, &Layout)],
+        [b, steps, p]: [usize; 3],
+        pad: u32,
+        eos: u32,
+    ) -> Result<()> {
+        let u32s = |i: usize, what: &str| view::<u32>(operands[i].0, operands[i].1, what);
+        let picks = view::<f32>(operands[0].0, operands[0].1, "the picks")?;
+        let (ids, positions, done) = (u32s(1, "the ids")?, u32s(2, "the positions")?, u32s(3, "the rows done")?);
+        let (state, tokens) = (u32s(4, "the decoding state")?, u32s(5, "the tokens")?);
+        let logprobs = view::<f32>(operands[6].0, operands[6].1, "the log-probabilities")?;
+        let draws = match operands.len() {
+            9 => Some((
+                view::<f64>(operands[7].0, operands[7].1, "the draws")?,
+                view::<f64>(operands[8].0, operands[8].1, "every step's draws")?,
+            )),
+            _ => None,
+        };
+        let dev = operands[0].0.device();
+        let func = dev.get_or_load_custom_func("decode_graph_advance", "rlhf_decode_graph", ptx::DECODE_GRAPH)?;
+        let mut launch = func.builder();
+        launch.arg(&picks).arg(&ids).arg(&positions).arg(&done).arg(&state).arg(&tokens).arg(&logprobs);
+        match &draws {
+            Some((now, all)) => launch.arg(now).arg(all),
+            None => launch.arg(&NULL).arg(&NULL),
+        };
+        let [b32, steps32, p32] = [b, steps, p].map(|v| v as u32);
+        launch.arg(&b32).arg(&steps32).arg(&p32).arg(&pad).arg(&eos);
+        let threads = (b32.next_multiple_of(32)).clamp(32, 1024);
+        let config = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: the arguments match the kernel's signature; the buffers are the decoding state's
+        // own (written through views: no tensor outside the state reads them while it runs), of
+        // the sizes `super::advance_decoding` checked.
+        unsafe { launch.launch(config) }.w().map(|_| ())
     }
 
     /// A decoding step's epilogue after c_proj's gemm (cuda/decode_layer.cu, one warp a row): from

@@ -41,10 +41,15 @@ impl CustomOp1 for GreedyPick {
 /// `x[token] - logsumexp(x)` with the exponentials summed in f64. On a GPU one launch, and two
 /// numbers a row come to the host instead of the row's V logits.
 pub fn greedy_pick(logits: &Tensor, vocab_limit: usize) -> Result<(Vec<u32>, Vec<f32>)> {
+    crate::kernels::ops::sample_pick::picks_to_host(&greedy_pick_in_place(logits, vocab_limit)?)
+}
+
+/// [`greedy_pick`] with the picks left on the logits' device: (B, 2) f32, each row's token (an
+/// exact integer) and its log-probability.
+pub fn greedy_pick_in_place(logits: &Tensor, vocab_limit: usize) -> Result<Tensor> {
     let (_, v) = logits.dims2()?;
     let logits = crate::kernels::ops::sample_pick::logits_for_pick(logits, "greedy pick")?;
-    let op = GreedyPick { limit: vocab_limit.clamp(1, v) };
-    crate::kernels::ops::sample_pick::picks_to_host(&logits.apply_op1_no_bwd(&op)?)
+    logits.apply_op1_no_bwd(&GreedyPick { limit: vocab_limit.clamp(1, v) })
 }
 
 /// The launchers of the CUDA kernels (`cuda_fwd` above calls them).

@@ -280,15 +280,18 @@ fn decoding_kernels_take(x: &Tensor, bias: &Tensor, head_dim: usize) -> bool {
         && (32..=128).contains(&head_dim)
 }
 
-pub use self::decode::{bias_gelu, bias_residual_layer_norm, decode_attention, embed_layer_norm, kv_cache_append};
+pub use self::decode::{
+    advance_decoding, bias_gelu, bias_residual_layer_norm, decode_attention, embed_layer_norm, kv_cache_append,
+    CacheStart, DecodeState,
+};
 
 /// Greedy decoding's token and log-probability per row of logits, on either device (on a GPU in
 /// one launch, two numbers a row to the host).
-pub use self::greedy_pick::greedy_pick;
+pub use self::greedy_pick::{greedy_pick, greedy_pick_in_place};
 
 /// Sampling's token and log-probability per row of logits for the row's uniform draw, on either
 /// device (the same token on both; on a GPU one launch, two numbers a row to the host).
-pub use self::sample_pick::{sample_pick, sample_with_draw, SamplingParams};
+pub use self::sample_pick::{sample_pick, sample_pick_in_place, sample_with_draw, SamplingParams};
 
 /// The tied LM head `x wte^T`: (N, C), (V, C) -> (N, V). For the few rows of a decoding step
 /// on the CPU, [`crate::kernels::decode::lm_head`] (1.4-3.5x the matmul's speed there); the plain

@@ -118,10 +118,18 @@ impl CustomOp2 for SamplePick {
 /// temperature, top-k or top-p), `x[token] - logsumexp(x)` with the exponentials summed in f64.
 /// On a GPU one launch, and two numbers a row come to the host.
 pub fn sample_pick(logits: &Tensor, draws: &[f64], params: &SamplingParams) -> Result<(Vec<u32>, Vec<f32>)> {
+    let draws = Tensor::from_slice(draws, draws.len(), logits.device())?;
+    picks_to_host(&sample_pick_in_place(logits, &draws, params)?)
+}
+
+/// [`sample_pick`] with the draws (B,) f64 on the logits' device, the picks left there: (B, 2)
+/// f32, each row's token (an exact integer) and its log-probability (a decoding step captured as
+/// a CUDA graph reads them on the device).
+pub fn sample_pick_in_place(logits: &Tensor, draws: &Tensor, params: &SamplingParams) -> Result<Tensor> {
     let (b, v) = logits.dims2()?;
     let logits = logits_for_pick(logits, "sampling")?;
-    if draws.len() != b {
-        candle_core::bail!("sampling {b} rows with {} draws", draws.len());
+    if draws.dims() != [b] || draws.dtype() != candle_core::DType::F64 {
+        candle_core::bail!("sampling {b} rows with draws {:?} {:?}: one f64 a row", draws.dims(), draws.dtype());
     }
     if params.temperature.is_nan() || params.temperature <= 0.0 {
         candle_core::bail!(
@@ -129,9 +137,8 @@ pub fn sample_pick(logits: &Tensor, draws: &[f64], params: &SamplingParams) -> R
             params.temperature
         );
     }
-    let draws = Tensor::from_slice(draws, b, logits.device())?;
     let op = SamplePick { params: SamplingParams { vocab_limit: params.vocab_limit.clamp(1, v), ..*params } };
-    picks_to_host(&logits.apply_op2_no_bwd(&draws, &op)?)
+    logits.apply_op2_no_bwd(draws, &op)
 }
 
 /// The (B, V) logits a pick (greedy or sampled) reads, contiguous: f32 for the CPU kernel, in
