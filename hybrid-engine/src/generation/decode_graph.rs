@@ -21,15 +21,24 @@
 //! what outlives a step is in the fixed buffers. Where the capture fails, the steps go on without
 //! a graph (the same code, launched from the host), after a one-line warning.
 //!
-//! Opt-in (`HYBRID_ENGINE_DECODE_GRAPH=1`) until measured on a GPU.
+//! Opt-in (`HYBRID_ENGINE_DECODE_GRAPH=1`) until measured on a GPU. The same loop runs on the
+//! CPU in f32, without a graph (the decoding ops' CPU forwards): its tests hold the bookkeeping to
+//! the host loop's without a GPU.
+
+// Without CUDA only the tests run the loop (on the CPU).
+#![cfg_attr(not(feature = "cuda"), allow(dead_code))]
 
 use crate::generation::generate::{row_rng, Generation, LeftPadded, SamplingConfig};
 use crate::kernels::ops::{self, DecodeState};
 use crate::model::gpt2::{Gpt2, Gpt2Cache, Positions, MASKED};
-use anyhow::{anyhow, Result};
+#[cfg(feature = "cuda")]
+use anyhow::anyhow;
+use anyhow::Result;
+#[cfg(feature = "cuda")]
 use candle_core::cuda_backend::cudarc::driver::{sys, CudaGraph, CudaStream};
 use candle_core::{DType, Device, Tensor};
 use rand::Rng;
+#[cfg(feature = "cuda")]
 use std::sync::Arc;
 
 /// Steps between two reads of the rows still running: at most this many steps are made after
@@ -58,7 +67,32 @@ pub fn generate(
     device: &Device,
     on_token: &mut dyn FnMut(),
 ) -> Result<Option<Generation>> {
-    let Device::Cuda(cuda) = device else { return Ok(None) };
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(cuda) = device {
+        return decode_with_state_in_memory(model, batch, cfg, cache, device, on_token, Some(cuda));
+    }
+    let _ = (model, batch, cfg, cache, device, on_token);
+    Ok(None)
+}
+
+/// The GPU's device for the capture, or none: the steps launched from the host (the CPU runs
+/// them so, in f32, to test the bookkeeping without a GPU).
+#[cfg(feature = "cuda")]
+type Capture<'a> = Option<&'a candle_core::CudaDevice>;
+#[cfg(not(feature = "cuda"))]
+type Capture<'a> = Option<&'a std::convert::Infallible>;
+
+/// [`generate`]'s decoding: the state in memory on `device`, each step replayed from a graph
+/// captured on `capture`'s GPU after the first, or launched from the host without one.
+fn decode_with_state_in_memory(
+    model: &Gpt2,
+    batch: &LeftPadded,
+    cfg: &SamplingConfig,
+    cache: &mut Gpt2Cache,
+    device: &Device,
+    on_token: &mut dyn FnMut(),
+    capture_on: Capture,
+) -> Result<Option<Generation>> {
     let (b, p, n_pos) = (batch.b, batch.p, model.cfg.n_positions);
     if b == 0 || p == 0 || p >= n_pos {
         return Ok(None);
@@ -69,13 +103,17 @@ pub fn generate(
         return Ok(None);
     }
     let bias = mask_over_capacity(batch, capacity, device)?;
-    if !model.decodes_fused_on_cuda(&bias, None) {
+    let fused = match device {
+        Device::Cpu => model.fuses_decoding_blocks() && model.dtype() == DType::F32,
+        _ => model.decodes_fused_on_cuda(&bias, None),
+    };
+    if !fused {
         return Ok(None);
     }
     let state = decode_state(batch, cfg, steps, device)?;
 
-    // The prompt: its own shape, run as the host loop runs it, then its picks advanced on the
-    // device as every later step's are.
+    // The prompt: its own shape, run as the host loop runs it, then its picks advanced in
+    // memory as every later step's are.
     cache.reset();
     let input = Tensor::from_slice(&batch.ids, (b, p), device)?;
     let positions = Tensor::from_vec(batch.position_ids(), (b, p), device)?;
@@ -91,32 +129,42 @@ pub fn generate(
         let hidden = model.decoding_step_at(&state.ids, &state.positions, &start, &bias, cache)?; // (B, 1, C)
         pick_and_advance(model, &hidden.squeeze(1)?, cfg, &state, p)
     };
-    let stream = cuda.cuda_stream();
-    let _cached_uploads = cuda.enable_cuda_graph_htod_cache();
+    #[cfg(feature = "cuda")]
+    let _cached_uploads = capture_on.map(|cuda| cuda.enable_cuda_graph_htod_cache());
+    #[cfg(feature = "cuda")]
     let mut graph: Option<CudaGraph> = None;
     let mut made = 1;
     while made < steps {
         if (made == 1 || made.is_multiple_of(CHECK_EVERY)) && running(&state)? == 0 {
             break;
         }
-        match &graph {
+        #[cfg(feature = "cuda")]
+        let replayed = match &graph {
             Some(graph) => {
                 graph.launch().map_err(|e| anyhow!("replaying the decoding step's CUDA graph: {e:?}"))?;
                 REPLAYED_STEPS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                true
             }
-            None => step(cache)?,
+            None => false,
+        };
+        #[cfg(not(feature = "cuda"))]
+        let replayed = false;
+        if !replayed {
+            step(cache)?;
         }
         made += 1;
         on_token();
-        if made == 2 && made < steps {
+        #[cfg(feature = "cuda")]
+        if let Some(cuda) = capture_on.filter(|_| made == 2 && made < steps) {
             // The first decoding step ran the code: its kernels are loaded and its uploads cached.
-            match capture(&stream, || step(cache)) {
+            match capture(&cuda.cuda_stream(), || step(cache)) {
                 Ok(captured) => graph = Some(captured),
                 Err(e) => eprintln!("warning: decoding without a CUDA graph (its capture failed: {e})"),
             }
         }
     }
-    drop(graph);
+    #[cfg(not(feature = "cuda"))]
+    let _ = capture_on;
     cache.set_len(p + made - 1)?;
     Ok(Some(generation_of(&state, made, cfg)?))
 }
@@ -184,6 +232,7 @@ fn running(state: &DecodeState) -> Result<u32> {
     Ok(state.state.narrow(0, 2, 1)?.to_vec1::<u32>()?[0])
 }
 
+#[cfg(feature = "cuda")]
 /// `record` captured on `stream` as a CUDA graph, instantiated. Whatever happens in `record`, the
 /// capture is ended, so that the stream runs work again.
 fn capture(stream: &Arc<CudaStream>, record: impl FnOnce() -> Result<()>) -> Result<CudaGraph> {
@@ -220,11 +269,85 @@ mod tests {
     use super::*;
     use crate::generation::generate::generate_with_cache;
 
+    /// The decoding loop with its state in memory, on the CPU without a graph (the decoding
+    /// ops' CPU forwards), against the host loop: the same tokens and log-probabilities within
+    /// rounding (the fused ops add in another order than the split heads), greedy and sampled,
+    /// left-padded rows stopping at EOS at different steps, more steps than the stop test's
+    /// period, the KV cache's length at the end; and a rollout the cache cannot hold is left to
+    /// the host loop.
+    #[test]
+    fn the_loop_with_its_state_in_memory_is_the_host_loop_on_the_cpu() -> Result<()> {
+        let dev = Device::Cpu;
+        let cfg = crate::Gpt2Config { n_layer: 2, vocab_size: 300, n_positions: 64, ..crate::Gpt2Config::tiny() };
+        let model = crate::ParamStore::init(&cfg, 5, &dev)?.model(&cfg)?;
+        let prompts = vec![vec![5, 6, 7], vec![9], vec![1, 2, 3, 4, 5], vec![200, 3]];
+        let batch = LeftPadded::new(&prompts, 5, 0).with_keys(vec![4, 9, 2, 7]);
+        let max_new = 3 * CHECK_EVERY + 2;
+        let sampled = |temperature, top_k, top_p| SamplingConfig {
+            temperature: Some(temperature),
+            top_k,
+            top_p,
+            seed: 17,
+            ..SamplingConfig::greedy(max_new, None, 0, cfg.vocab_size)
+        };
+        let configs = [
+            SamplingConfig::greedy(max_new, None, 0, cfg.vocab_size),
+            sampled(1.0, Some(40), Some(0.9)),
+            sampled(0.7, None, None),
+        ];
+        let mut stopped_early = 0;
+        for sampling in &configs {
+            let host = |sampling: &SamplingConfig| {
+                let mut cache = Gpt2Cache::new(&cfg, batch.p + max_new);
+                generate_with_cache(&model, &batch, sampling, &mut cache, &dev)
+            };
+            // EOS: the token row 0 makes fourth without one, so that it stops early.
+            let eos = host(sampling)?.tokens[0][3];
+            let sampling = SamplingConfig { eos_token_id: Some(eos), ..sampling.clone() };
+            let expected = host(&sampling)?;
+            let mut cache = Gpt2Cache::new(&cfg, batch.p + max_new);
+            let mut tokens_seen = 0;
+            let in_memory = decode_with_state_in_memory(
+                &model,
+                &batch,
+                &sampling,
+                &mut cache,
+                &dev,
+                &mut || tokens_seen += 1,
+                None,
+            )?
+            .expect("it applies on the CPU in f32");
+            let what = format!("{sampling:?}");
+            assert_eq!(in_memory.tokens, expected.tokens, "{what}");
+            for (a, b) in in_memory.logprobs.iter().flatten().zip(expected.logprobs.iter().flatten()) {
+                assert!((a - b).abs() < 1e-4, "{what}: log-prob {a} vs {b}");
+            }
+            assert_eq!(
+                in_memory.logprobs.iter().map(Vec::len).collect::<Vec<_>>(),
+                expected.logprobs.iter().map(Vec::len).collect::<Vec<_>>()
+            );
+            let longest = expected.tokens.iter().map(Vec::len).max().unwrap_or(0);
+            // The steps made: every row's, and at most a stop-test period more once all stopped.
+            assert!(
+                tokens_seen >= longest && tokens_seen < longest + CHECK_EVERY,
+                "{what}: {tokens_seen} steps for {longest}"
+            );
+            assert_eq!(cache.len(), batch.p + tokens_seen - 1, "{what}: the cache's length");
+            stopped_early += usize::from(expected.tokens.iter().any(|t| t.len() < max_new));
+        }
+        assert!(stopped_early > 0, "some row stopped at its EOS");
+        let mut small = Gpt2Cache::new(&cfg, batch.p + 2);
+        let sampling = SamplingConfig::greedy(max_new, None, 0, cfg.vocab_size);
+        assert!(decode_with_state_in_memory(&model, &batch, &sampling, &mut small, &dev, &mut || {}, None)?.is_none());
+        Ok(())
+    }
+
     /// On a GPU: generation with the decoding step replayed from a CUDA graph gives the host
     /// loop's tokens and log-probabilities bit for bit (the same kernels on the same values),
     /// greedy and sampled (temperature, top-k, top-p), for left-padded rows that stop at EOS at
     /// different steps, over more steps than the stop test's period, in f32 and bf16; and the
     /// graph did replay steps.
+    #[cfg(feature = "cuda")]
     #[test]
     fn the_graph_decodes_the_host_loops_tokens() -> Result<()> {
         let Some(gpu) = crate::kernels::ops::test_support::gpu() else { return Ok(()) };

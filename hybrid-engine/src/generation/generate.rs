@@ -202,7 +202,6 @@ pub fn generate_observed(
     if cache.capacity() < p + max_new {
         bail!("the KV cache holds {} positions but this rollout needs {}", cache.capacity(), p + max_new);
     }
-    #[cfg(feature = "cuda")]
     if crate::generation::decode_graph::enabled() {
         if let Some(generation) = crate::generation::decode_graph::generate(model, batch, cfg, cache, device, on_token)?
         {

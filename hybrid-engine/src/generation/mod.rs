@@ -2,7 +2,6 @@
 //! the engine that switches one trained model into generation mode once per rollout (`engine`);
 //! on a GPU, the decoding step replayed from a CUDA graph (`decode_graph`).
 
-#[cfg(feature = "cuda")]
 pub mod decode_graph;
 pub mod engine;
 pub mod generate;

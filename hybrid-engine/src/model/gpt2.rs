@@ -486,7 +486,7 @@ impl Block {
     /// that rounds it (tested). Returns the new residual stream and `next_ln` of it.
     /// With `start_at` (a u32 on the device: a step captured as a CUDA graph), the new tokens
     /// go to the cache at the position it holds and `bias` spans the cache's capacity.
-    fn forward_decoding_on_cuda(
+    fn forward_decoding_fused(
         &self,
         x: &Tensor,
         h: &Tensor,
@@ -511,7 +511,7 @@ impl Block {
         next_ln.after_bias_and_residual(&mlp.c_proj.gemm(&g)?, &mlp.c_proj.bias, &x)
     }
 
-    /// Whether [`Self::forward_decoding_on_cuda`] computes this block: GPT-2's tanh GELU and no
+    /// Whether [`Self::forward_decoding_fused`] computes this block: GPT-2's tanh GELU and no
     /// unfused LoRA adapter.
     fn fuses_decoding(&self) -> bool {
         let linears = [&self.attn.c_attn, &self.attn.c_proj, &self.mlp.c_fc, &self.mlp.c_proj];
@@ -770,7 +770,7 @@ impl Gpt2 {
         }
         let bias = self.attention_bias(b, t, past, pos, ids.device())?;
         if let Some(cache) = cache.as_deref_mut().filter(|_| self.decodes_fused_on_cuda(&bias, dropout)) {
-            return self.forward_blocks_decoding_on_cuda(ids, pos, past, &bias, cache, None);
+            return self.forward_blocks_decoding_fused(ids, pos, past, &bias, cache, None);
         }
         let mut x = self.embed(ids, pos, past, dropout)?;
         for (i, block) in self.h.iter().enumerate() {
@@ -780,21 +780,26 @@ impl Gpt2 {
         Ok(x)
     }
 
-    /// Whether a decoding step's blocks take [`Block::forward_decoding_on_cuda`]: on a GPU (the
+    /// Whether a decoding step's blocks take [`Block::forward_decoding_fused`]: on a GPU (the
     /// decoding kernels' dtypes, heads and mask), without dropout, tensor parallelism, the exact
     /// GELU or unfused LoRA adapters.
     pub(crate) fn decodes_fused_on_cuda(&self, bias: &Tensor, dropout: Option<&Dropout>) -> bool {
         dropout.is_none()
-            && self.tp.is_none()
             && ops::fused_decoding_on_cuda(&self.wte, bias, self.cfg.head_dim())
-            && self.h.iter().all(Block::fuses_decoding)
+            && self.fuses_decoding_blocks()
     }
 
-    /// The blocks of a decoding step on a GPU ([`Block::forward_decoding_on_cuda`]), after the
+    /// Whether every block computes a decoding step with the fused ops (no tensor parallelism,
+    /// GPT-2's tanh GELU, no unfused LoRA adapter), whatever the device.
+    pub(crate) fn fuses_decoding_blocks(&self) -> bool {
+        self.tp.is_none() && self.h.iter().all(Block::fuses_decoding)
+    }
+
+    /// The blocks of a decoding step on a GPU ([`Block::forward_decoding_fused`]), after the
     /// embeddings and ln_1 in one launch when the position ids are given: the last block's
     /// residual stream, as [`Self::forward_blocks`] returns it (its last launch also makes ln_f
     /// of it, which `lm_head` makes again).
-    fn forward_blocks_decoding_on_cuda(
+    fn forward_blocks_decoding_fused(
         &self,
         ids: &Tensor,
         pos: &Positions,
@@ -817,7 +822,7 @@ impl Gpt2 {
         };
         for (i, (block, layer_cache)) in self.h.iter().zip(cache.layers.iter_mut()).enumerate() {
             let next_ln = self.h.get(i + 1).map_or(&self.ln_f, |next| &next.ln_1);
-            (x, h) = block.forward_decoding_on_cuda(&x, &h, bias, layer_cache, start_at, next_ln)?;
+            (x, h) = block.forward_decoding_fused(&x, &h, bias, layer_cache, start_at, next_ln)?;
         }
         Ok(x)
     }
@@ -836,13 +841,14 @@ impl Gpt2 {
         bias: &Tensor,
         cache: &mut Gpt2Cache,
     ) -> Result<Tensor> {
-        if !self.decodes_fused_on_cuda(bias, None) {
-            candle_core::bail!(
-                "a decoding step at a position on the device runs on a GPU with the fused decoding blocks"
-            );
+        // On the CPU in f32 too (its forwards of the fused ops: the graph's bookkeeping tested
+        // without a GPU).
+        let on_cpu = bias.device().is_cpu() && self.dtype() == DType::F32 && self.fuses_decoding_blocks();
+        if !on_cpu && !self.decodes_fused_on_cuda(bias, None) {
+            candle_core::bail!("a decoding step at a position in memory runs the fused decoding blocks");
         }
         let pos = Positions { position_ids: Some(positions), attention_mask: None };
-        self.forward_blocks_decoding_on_cuda(ids, &pos, 0, bias, cache, Some(start_at))
+        self.forward_blocks_decoding_fused(ids, &pos, 0, bias, cache, Some(start_at))
     }
 
     /// Logits at every position: (B, T) ids -> (B, T, V).

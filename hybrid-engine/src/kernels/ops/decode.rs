@@ -1,9 +1,12 @@
 //! A decoding step's ops on a GPU (generation; no gradient): the KV cache's append from c_attn's
 //! output and the attention over the cache (cuda/decode_attention.cu, c_attn's bias added there
 //! when given apart), and the fused epilogues of cuda/decode_layer.cu: c_proj's bias + the
-//! residual + the next LayerNorm, the embeddings + ln_1, c_fc's bias + GELU. The CPU keeps
-//! the split heads and `kernels::decode`'s kernels.
+//! residual + the next LayerNorm, the embeddings + ln_1, c_fc's bias + GELU. The CPU's
+//! generation keeps the split heads and `kernels::decode`'s kernels; these ops' CPU forwards
+//! (`cpu` below, f32) are their reference and run a decoding step at a position in memory on
+//! the CPU (generation/decode_graph.rs's bookkeeping, tested without a GPU).
 
+use crate::kernels::parallel::{contiguous_f32, contiguous_f32_mut, contiguous_u32};
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 
 /// How many positions a KV cache holds before a decoding step's new tokens: a number the host
@@ -24,7 +27,6 @@ impl From<usize> for CacheStart {
 
 impl CacheStart {
     /// The host's number (0 for the device's: the kernels read theirs).
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     fn on_host(&self) -> usize {
         match self {
             Self::Host(start) => *start,
@@ -33,13 +35,34 @@ impl CacheStart {
     }
 
     /// The device's u32, if that is where it is.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     fn on_device(&self) -> Option<&Tensor> {
         match self {
             Self::Host(_) => None,
             Self::Device(t) => Some(t),
         }
     }
+}
+
+/// The start as a number: the host's, or read from the u32 in memory (a CPU tensor).
+fn start_on_cpu(start: &CacheStart) -> Result<usize> {
+    match start.on_device() {
+        Some(t) => Ok(t.flatten_all()?.to_vec1::<u32>()?.first().copied().unwrap_or(0) as usize),
+        None => Ok(start.on_host()),
+    }
+}
+
+/// Runs `f` with the f32 values of `tensors`, contiguous in host memory, read-locked meanwhile:
+/// the operands a CPU forward holds beside its arguments.
+fn with_cpu_operands<R>(tensors: &[&Tensor], f: impl FnOnce(&[&[f32]]) -> Result<R>) -> Result<R> {
+    let locked: Vec<_> = tensors.iter().map(|t| t.storage_and_layout()).collect();
+    let values = locked
+        .iter()
+        .map(|(storage, layout)| match &**storage {
+            candle_core::Storage::Cpu(s) => contiguous_f32(s, layout, "a decoding op's operand"),
+            _ => candle_core::bail!("an operand of a CPU op is not in host memory"),
+        })
+        .collect::<Result<Vec<_>>>()?;
+    f(&values)
 }
 
 /// Runs `f` with the CUDA storages of an op's optional operands `bias` (c_attn's) and the
@@ -60,7 +83,6 @@ fn with_bias_and_start<R>(
 }
 
 /// Writes the new tokens' keys and values of c_attn's output into a KV cache buffer in place.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // read by cuda_fwd
 struct KvCacheAppend {
     n_head: usize,
     start: CacheStart,
@@ -73,8 +95,22 @@ impl candle_core::InplaceOp2 for KvCacheAppend {
         "kv-cache-append"
     }
 
-    fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<()> {
-        candle_core::bail!("the KV cache's one-launch append runs on a GPU; the CPU appends the split heads")
+    fn cpu_fwd(&self, kv: &mut CpuStorage, lkv: &Layout, qkv: &CpuStorage, lq: &Layout) -> Result<()> {
+        let shape = cpu::Shape::of(lq, lkv, self.n_head)?;
+        let start = start_on_cpu(&self.start)?;
+        if start + shape.t > shape.capacity {
+            candle_core::bail!(
+                "KV cache overflow: {start} cached + {} new positions exceed {}",
+                shape.t,
+                shape.capacity
+            );
+        }
+        let qkv = contiguous_f32(qkv, lq, "the decoding step's qkv")?;
+        let kv = contiguous_f32_mut(kv, lkv, "the KV cache")?;
+        with_cpu_operands(&self.qkv_bias.iter().collect::<Vec<_>>(), |bias| {
+            cpu::kv_cache_append(kv, qkv, bias.first().copied(), shape, start);
+            Ok(())
+        })
     }
 
     #[cfg(feature = "cuda")]
@@ -107,7 +143,6 @@ pub fn kv_cache_append(
 }
 
 /// Attention of the new tokens' queries over a KV cache buffer, from c_attn's output.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // read by cuda_fwd
 struct DecodeAttention {
     n_head: usize,
     start: CacheStart,
@@ -123,14 +158,36 @@ impl CustomOp3 for DecodeAttention {
 
     fn cpu_fwd(
         &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
+        qkv: &CpuStorage,
+        lq: &Layout,
+        kv: &CpuStorage,
+        lkv: &Layout,
+        bias: &CpuStorage,
+        lb: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        candle_core::bail!("decode attention from qkv runs on a GPU; the CPU runs decode::cached_attention")
+        let shape = cpu::Shape::of(lq, lkv, self.n_head)?;
+        let start = start_on_cpu(&self.start)?;
+        // The mask's rows: over the positions attended to, or over the whole capacity.
+        let stride = match self.start.on_device() {
+            Some(_) => shape.capacity,
+            None => start + shape.t,
+        };
+        let (bias_batches, one, bt, bs) = lb.shape().dims4()?;
+        let fits = (bias_batches == 1 || bias_batches == shape.b) && one == 1 && bt == shape.t && bs == stride;
+        if !fits || start + shape.t > shape.capacity {
+            candle_core::bail!("decode attention: a bias {:?} for {start} + {} positions", lb.dims(), shape.t);
+        }
+        let qkv = contiguous_f32(qkv, lq, "the decoding step's qkv")?;
+        let kv = contiguous_f32(kv, lkv, "the KV cache")?;
+        let mask = cpu::Mask {
+            values: contiguous_f32(bias, lb, "the decoding step's bias")?,
+            per_row: bias_batches > 1,
+            stride,
+        };
+        let y = with_cpu_operands(&self.qkv_bias.iter().collect::<Vec<_>>(), |qkv_bias| {
+            Ok(cpu::decode_attention(qkv, qkv_bias.first().copied(), kv, &mask, shape, start, self.scale))
+        })?;
+        Ok((CpuStorage::F32(y), Shape::from((shape.b, shape.t, shape.c()))))
     }
 
     #[cfg(feature = "cuda")]
@@ -172,7 +229,6 @@ pub fn decode_attention(
 }
 
 /// A decoding step's launch that makes a new residual stream and a LayerNorm of it: (2, .., C).
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // read by cuda_fwd
 enum ResidualThenLayerNorm {
     /// After c_proj's gemm y, on the residual stream x: c_proj's bias and the LayerNorm's weight
     /// and bias.
@@ -186,8 +242,28 @@ impl CustomOp2 for ResidualThenLayerNorm {
         "residual-then-layer-norm"
     }
 
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
-        candle_core::bail!("the decoding step's fused epilogues run on a GPU")
+    fn cpu_fwd(&self, a: &CpuStorage, la: &Layout, b: &CpuStorage, lb: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (out, rows) = match self {
+            Self::AfterBias([bias, w, beta], eps) => {
+                let (y, x) = (contiguous_f32(a, la, "c_proj's output")?, contiguous_f32(b, lb, "the residual")?);
+                if la.dims() != lb.dims() {
+                    candle_core::bail!("bias, residual and LayerNorm: y {:?}, x {:?}", la.dims(), lb.dims());
+                }
+                let out = with_cpu_operands(&[bias, w, beta], |v| {
+                    cpu::bias_residual_layer_norm(y, x, [v[0], v[1], v[2]], *eps)
+                })?;
+                (out, la.dims().to_vec())
+            }
+            Self::Embeddings([wte, wpe, w, beta], eps) => {
+                let (ids, positions) =
+                    (contiguous_u32(a, la, "the token ids")?, contiguous_u32(b, lb, "the positions")?);
+                let out = with_cpu_operands(&[wte, wpe, w, beta], |t| {
+                    cpu::embed_layer_norm(ids, positions, [t[0], t[1]], [t[2], t[3]], *eps)
+                })?;
+                (out, [la.dims(), &[wte.dim(1)?]].concat())
+            }
+        };
+        Ok((CpuStorage::F32(out), Shape::from([&[2], &rows[..]].concat())))
     }
 
     #[cfg(feature = "cuda")]
@@ -261,8 +337,12 @@ impl CustomOp2 for BiasGelu {
         "bias-gelu"
     }
 
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
-        candle_core::bail!("the decoding step's fused epilogues run on a GPU")
+    fn cpu_fwd(&self, y: &CpuStorage, ly: &Layout, b: &CpuStorage, lb: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (y_values, b_values) = (contiguous_f32(y, ly, "c_fc's output")?, contiguous_f32(b, lb, "c_fc's bias")?);
+        if b_values.is_empty() || !y_values.len().is_multiple_of(b_values.len()) {
+            candle_core::bail!("bias and GELU: y {:?}, bias {:?}", ly.dims(), lb.dims());
+        }
+        Ok((CpuStorage::F32(cpu::bias_gelu(y_values, b_values)), ly.shape().clone()))
     }
 
     #[cfg(feature = "cuda")]
@@ -316,6 +396,9 @@ pub fn advance_decoding(picks: &Tensor, s: &DecodeState, p: usize, pad: u32, eos
     if two != 2 || s.tokens.dims() != [steps, b] || s.ids.elem_count() != b || s.state.dims() != [3] {
         candle_core::bail!("advancing decoding: picks {:?} for tokens {:?}", picks.dims(), s.tokens.dims());
     }
+    if picks.device().is_cpu() {
+        return advance_decoding_on_cpu(picks, s, [b, steps, p], pad, eos);
+    }
     #[cfg(feature = "cuda")]
     {
         let fixed = [picks, &s.ids, &s.positions, &s.done, &s.state, &s.tokens, &s.logprobs];
@@ -325,10 +408,47 @@ pub fn advance_decoding(picks: &Tensor, s: &DecodeState, p: usize, pad: u32, eos
         crate::kernels::cuda::with_cuda_operands(&operands, |v| cuda::advance_decoding(v, [b, steps, p], pad, eos))
     }
     #[cfg(not(feature = "cuda"))]
-    {
-        let _ = (p, pad, eos);
-        candle_core::bail!("decoding steps advance on the device on a GPU only")
+    candle_core::bail!("the picks are on a device this build has no kernels for")
+}
+
+/// [`advance_decoding`] of a state in host memory: read, advanced as the kernel does, written back.
+fn advance_decoding_on_cpu(
+    picks: &Tensor,
+    s: &DecodeState,
+    shape: [usize; 3],
+    pad: u32,
+    eos: Option<u32>,
+) -> Result<()> {
+    let u32s = |t: &Tensor| t.flatten_all()?.to_vec1::<u32>();
+    let (mut ids, mut positions, mut done) = (u32s(&s.ids)?, u32s(&s.positions)?, u32s(&s.done)?);
+    let (mut state, mut tokens) = (u32s(&s.state)?, u32s(&s.tokens)?);
+    let mut logprobs = s.logprobs.flatten_all()?.to_vec1::<f32>()?;
+    let mut draws = match &s.draws {
+        Some((now, all)) => Some((now.to_vec1::<f64>()?, all.flatten_all()?.to_vec1::<f64>()?)),
+        None => None,
+    };
+    let advance = cpu::Advance {
+        ids: &mut ids,
+        positions: &mut positions,
+        done: &mut done,
+        state: &mut state,
+        tokens: &mut tokens,
+        logprobs: &mut logprobs,
+        draws: draws.as_mut().map(|(now, all)| (now.as_mut_slice(), all.as_slice())),
+    };
+    cpu::advance_decoding(&picks.flatten_all()?.to_vec1::<f32>()?, advance, shape, pad, eos);
+    let write = |t: &Tensor, values: Tensor| t.slice_set(&values.reshape(t.shape())?, 0, 0);
+    let device = picks.device();
+    write(&s.ids, Tensor::new(ids, device)?)?;
+    write(&s.positions, Tensor::new(positions, device)?)?;
+    write(&s.done, Tensor::new(done, device)?)?;
+    write(&s.state, Tensor::new(state, device)?)?;
+    write(&s.tokens, Tensor::new(tokens, device)?)?;
+    write(&s.logprobs, Tensor::new(logprobs, device)?)?;
+    if let (Some((now, _)), Some((values, _))) = (&s.draws, draws) {
+        write(now, Tensor::new(values, device)?)?;
     }
+    Ok(())
 }
 
 /// The launchers of the CUDA kernels (`cuda_fwd` above calls them).
@@ -657,6 +777,218 @@ pub mod cuda {
 
 /// On a GPU against the CPU (the CUDA build's unit tests, which `scripts/gpu-check.sh` runs from
 /// the package); without one they pass after saying so on stderr.
+/// The CPU's forward of the decoding ops, in f32, the arithmetic the GPU's kernels do (each
+/// product and sum in f32; the attention's softmax in one pass over its scores, where the GPU
+/// keeps a running maximum: the same values within rounding).
+mod cpu {
+    use crate::kernels::rowops;
+    use candle_core::{Layout, Result};
+
+    /// A decoding step's shape: B rows of T new tokens, NH heads of HD values, a cache of
+    /// `capacity` positions.
+    #[derive(Clone, Copy, Debug)]
+    pub struct Shape {
+        pub b: usize,
+        pub t: usize,
+        pub n_head: usize,
+        pub head_dim: usize,
+        pub capacity: usize,
+    }
+
+    impl Shape {
+        /// From c_attn's output (B, T, 3C) and the cache (2, B, NH, capacity, HD).
+        pub fn of(lq: &Layout, lkv: &Layout, n_head: usize) -> Result<Self> {
+            let (b, t, c3) = lq.shape().dims3()?;
+            let (two, kb, nh, capacity, head_dim) = lkv.shape().dims5()?;
+            if two != 2 || kb != b || nh != n_head || c3 != 3 * nh * head_dim {
+                candle_core::bail!(
+                    "a decoding step's qkv {:?} and a cache {:?} of {n_head} heads",
+                    lq.dims(),
+                    lkv.dims()
+                );
+            }
+            Ok(Self { b, t, n_head, head_dim, capacity })
+        }
+
+        pub fn c(&self) -> usize {
+            self.n_head * self.head_dim
+        }
+
+        /// Where value d of head h of row bi at position j of keys (`which` 0) or values (1) sits.
+        fn at(&self, which: usize, bi: usize, h: usize, j: usize, d: usize) -> usize {
+            (((which * self.b + bi) * self.n_head + h) * self.capacity + j) * self.head_dim + d
+        }
+    }
+
+    /// c_attn's output channel `ch` of row (bi, ti), its bias added when given apart.
+    fn qkv_value(qkv: &[f32], bias: Option<&[f32]>, shape: Shape, bi: usize, ti: usize, ch: usize) -> f32 {
+        let v = qkv[(bi * shape.t + ti) * 3 * shape.c() + ch];
+        match bias {
+            Some(bias) => v + bias[ch],
+            None => v,
+        }
+    }
+
+    /// The new tokens' keys and values into the cache at positions [start, start + T).
+    pub fn kv_cache_append(kv: &mut [f32], qkv: &[f32], bias: Option<&[f32]>, shape: Shape, start: usize) {
+        let c = shape.c();
+        for which in 0..2 {
+            for bi in 0..shape.b {
+                for ti in 0..shape.t {
+                    for ch in 0..c {
+                        let (h, d) = (ch / shape.head_dim, ch % shape.head_dim);
+                        kv[shape.at(which, bi, h, start + ti, d)] =
+                            qkv_value(qkv, bias, shape, bi, ti, (1 + which) * c + ch);
+                    }
+                }
+            }
+        }
+    }
+
+    /// The additive mask of a decoding step: a row (of `stride` values) per new token, one per
+    /// batch row or one for all.
+    pub struct Mask<'a> {
+        pub values: &'a [f32],
+        pub per_row: bool,
+        pub stride: usize,
+    }
+
+    /// `softmax(q k^T * scale + mask) v` per head of each new token over the first start + T
+    /// positions of the cache: (B, T, C).
+    pub fn decode_attention(
+        qkv: &[f32],
+        bias: Option<&[f32]>,
+        kv: &[f32],
+        mask: &Mask,
+        shape: Shape,
+        start: usize,
+        scale: f32,
+    ) -> Vec<f32> {
+        let (c, hd, s) = (shape.c(), shape.head_dim, start + shape.t);
+        let mut y = vec![0f32; shape.b * shape.t * c];
+        let mut scores = vec![0f32; s];
+        for bi in 0..shape.b {
+            for ti in 0..shape.t {
+                let row = (if mask.per_row { bi } else { 0 }) * shape.t + ti;
+                let mask_row = &mask.values[row * mask.stride..row * mask.stride + s];
+                for h in 0..shape.n_head {
+                    let q: Vec<f32> = (0..hd).map(|d| qkv_value(qkv, bias, shape, bi, ti, h * hd + d)).collect();
+                    for (j, score) in scores.iter_mut().enumerate() {
+                        let key = &kv[shape.at(0, bi, h, j, 0)..shape.at(0, bi, h, j, 0) + hd];
+                        *score = q.iter().zip(key).map(|(a, b)| a * b).sum::<f32>() * scale + mask_row[j];
+                    }
+                    let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    scores.iter_mut().for_each(|x| *x = (*x - max).exp());
+                    let sum: f32 = scores.iter().sum();
+                    let out = &mut y[(bi * shape.t + ti) * c + h * hd..(bi * shape.t + ti) * c + (h + 1) * hd];
+                    for (j, p) in scores.iter().enumerate() {
+                        let value = &kv[shape.at(1, bi, h, j, 0)..shape.at(1, bi, h, j, 0) + hd];
+                        out.iter_mut().zip(value).for_each(|(o, v)| *o += p * v);
+                    }
+                    out.iter_mut().for_each(|o| *o /= sum);
+                }
+            }
+        }
+        y
+    }
+
+    /// The LayerNorm of each row of `x` (C values) after it: (2, N, C) as one buffer.
+    fn with_layer_norm(x: Vec<f32>, w: &[f32], beta: &[f32], eps: f32) -> Result<Vec<f32>> {
+        let c = w.len();
+        if c == 0 || beta.len() != c || !x.len().is_multiple_of(c) {
+            candle_core::bail!("a LayerNorm of {c} values on rows of {} values in all", x.len());
+        }
+        let mut out = x;
+        let n = out.len();
+        out.resize(2 * n, 0.0);
+        let (x, normed) = out.split_at_mut(n);
+        for (row, o) in x.chunks(c).zip(normed.chunks_mut(c)) {
+            rowops::layer_norm(row, w, beta, eps, o);
+        }
+        Ok(out)
+    }
+
+    /// `x + (y + b)` and its LayerNorm with `w`, `beta`.
+    pub fn bias_residual_layer_norm(y: &[f32], x: &[f32], [b, w, beta]: [&[f32]; 3], eps: f32) -> Result<Vec<f32>> {
+        let c = b.len();
+        if c == 0 || y.len() != x.len() || !y.len().is_multiple_of(c) {
+            candle_core::bail!("bias, residual and LayerNorm: {} and {} values, a bias of {c}", y.len(), x.len());
+        }
+        let residual = y.iter().zip(x).enumerate().map(|(i, (y, x))| x + (y + b[i % c])).collect();
+        with_layer_norm(residual, w, beta, eps)
+    }
+
+    /// `wte[id] + wpe[position]` of each row and its LayerNorm (rows of NaN for an id or position
+    /// outside its table, as the GPU's kernel).
+    pub fn embed_layer_norm(
+        ids: &[u32],
+        positions: &[u32],
+        [wte, wpe]: [&[f32]; 2],
+        [w, beta]: [&[f32]; 2],
+        eps: f32,
+    ) -> Result<Vec<f32>> {
+        let c = w.len();
+        if ids.len() != positions.len() || c == 0 {
+            candle_core::bail!("embeddings and LayerNorm: {} ids, {} positions", ids.len(), positions.len());
+        }
+        let mut x = Vec::with_capacity(ids.len() * c);
+        for (&id, &pos) in ids.iter().zip(positions) {
+            let (id, pos) = (id as usize, pos as usize);
+            match (wte.get(id * c..(id + 1) * c), wpe.get(pos * c..(pos + 1) * c)) {
+                (Some(tok), Some(at)) => x.extend(tok.iter().zip(at).map(|(a, b)| a + b)),
+                _ => x.extend(std::iter::repeat_n(f32::NAN, c)),
+            }
+        }
+        with_layer_norm(x, w, beta, eps)
+    }
+
+    /// `gelu_new(y + b)`, `b` repeated along each row.
+    pub fn bias_gelu(y: &[f32], b: &[f32]) -> Vec<f32> {
+        let h: Vec<f32> = y.iter().enumerate().map(|(i, y)| y + b[i % b.len()]).collect();
+        let mut out = vec![0f32; h.len()];
+        rowops::gelu(&h, &mut out);
+        out
+    }
+
+    /// The state a decoding step ends with (cuda/decode_graph.cu, which says what each is).
+    pub struct Advance<'a> {
+        pub ids: &'a mut [u32],
+        pub positions: &'a mut [u32],
+        pub done: &'a mut [u32],
+        pub state: &'a mut [u32],
+        pub tokens: &'a mut [u32],
+        pub logprobs: &'a mut [f32],
+        pub draws: Option<(&'a mut [f64], &'a [f64])>,
+    }
+
+    /// cuda/decode_graph.cu's `decode_graph_advance` for `picks` (B, 2).
+    pub fn advance_decoding(picks: &[f32], s: Advance, [b, steps, p]: [usize; 3], pad: u32, eos: Option<u32>) {
+        let step = s.state[1] as usize;
+        let mut running = 0;
+        for r in 0..b {
+            let was_done = s.done[r] != 0;
+            let token = if was_done { pad } else { picks[2 * r] as u32 };
+            if step < steps {
+                s.tokens[step * b + r] = token;
+                s.logprobs[step * b + r] = picks[2 * r + 1];
+            }
+            let now_done = was_done || eos == Some(token);
+            s.done[r] = u32::from(now_done);
+            running += u32::from(!now_done);
+            s.ids[r] = token;
+            s.positions[r] += 1;
+        }
+        if let Some((now, all)) = s.draws {
+            if step + 1 < steps {
+                now.copy_from_slice(&all[(step + 1) * b..(step + 2) * b]);
+            }
+        }
+        s.state[0] = (p + step) as u32;
+        s.state[1] = step as u32 + 1;
+        s.state[2] = running;
+    }
+}
+
 #[cfg(test)]
 #[cfg(feature = "cuda")]
 mod cuda_tests {
