@@ -28,7 +28,7 @@
 // Without CUDA only the tests run the loop (on the CPU).
 #![cfg_attr(not(feature = "cuda"), allow(dead_code))]
 
-use crate::generation::generate::{row_rng, Generation, LeftPadded, SamplingConfig};
+use crate::generation::batch::{row_rng, Generation, LeftPadded, SamplingConfig};
 use crate::kernels::ops::{self, DecodeState};
 use crate::model::gpt2::{Gpt2, Gpt2Cache, Positions, MASKED};
 #[cfg(feature = "cuda")]
