@@ -37,7 +37,7 @@ extern "C" __global__ void decode_graph_advance(const float *picks, uint32_t *id
     done[r] = now_done ? 1u : 0u;
     mine += now_done ? 0u : 1u;
     ids[r] = token;
-    positions[r] += 1;
+    positions[r] += 1;  // wraps: a row without prompt tokens starts at 0xffffffff
     if (all_draws != nullptr && step + 1 < steps) draws[r] = all_draws[(uint64_t)(step + 1) * b + r];
   }
   atomicAdd(&running, mine);

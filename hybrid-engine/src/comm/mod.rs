@@ -696,11 +696,13 @@ fn extend_host_f32(out: &mut Vec<f32>, t: &Tensor) -> Result<()> {
 /// A collective begun ([`ProcessGroup::begin_all_gather_tensor_as`],
 /// [`ProcessGroup::begin_reduce_scatter_parts_in_rounds_as`]).
 pub struct Pending {
+    /// First, so that it is dropped first (fields drop in order): the compute stream then waits
+    /// for the collective before the result's memory can be freed and handed to another kernel.
+    #[cfg(feature = "nccl")]
+    deferred: Option<nccl::Deferred>,
     tensor: Tensor,
     /// The dtype it is read in.
     dtype: DType,
-    #[cfg(feature = "nccl")]
-    deferred: Option<nccl::Deferred>,
 }
 
 impl Pending {

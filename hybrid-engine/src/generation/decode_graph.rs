@@ -35,7 +35,7 @@ use crate::model::gpt2::{Gpt2, Gpt2Cache, Positions, MASKED};
 use anyhow::anyhow;
 use anyhow::Result;
 #[cfg(feature = "cuda")]
-use candle_core::cuda_backend::cudarc::driver::{sys, CudaGraph, CudaStream};
+use candle_core::cuda_backend::cudarc::driver::{result, sys, CudaGraph, CudaStream};
 use candle_core::{DType, Device, Tensor};
 use rand::Rng;
 #[cfg(feature = "cuda")]
@@ -190,7 +190,9 @@ fn mask_over_capacity(batch: &LeftPadded, capacity: usize, device: &Device) -> R
 /// (`cumsum(mask) - 1`, which the step advances), and with sampling every step's draws.
 fn decode_state(batch: &LeftPadded, cfg: &SamplingConfig, steps: usize, device: &Device) -> Result<DecodeState> {
     let (b, p) = (batch.b, batch.p);
-    let last_positions: Vec<u32> = batch.mask.chunks(p).map(|m| m.iter().sum::<u32>().saturating_sub(1)).collect();
+    // A row without prompt tokens is at position u32::MAX, which the advance wraps to 0, as the
+    // host loop's first decoding step is (its `sum(mask)`).
+    let last_positions: Vec<u32> = batch.mask.chunks(p).map(|m| m.iter().sum::<u32>().wrapping_sub(1)).collect();
     let u32s = |values: Vec<u32>, shape: &[usize]| Tensor::from_vec(values, shape, device);
     let draws = match cfg.sampling_params() {
         None => None,
@@ -232,16 +234,33 @@ fn running(state: &DecodeState) -> Result<u32> {
     Ok(state.state.narrow(0, 2, 1)?.to_vec1::<u32>()?[0])
 }
 
-#[cfg(feature = "cuda")]
 /// `record` captured on `stream` as a CUDA graph, instantiated. Whatever happens in `record`, the
-/// capture is ended, so that the stream runs work again.
+/// capture is ended, so that the stream runs work again: an invalidated capture makes every later
+/// call on the stream fail, among them the frees of what `record` made, which cudarc stores in
+/// the context and returns first from its next call (end_capture's included), so they are cleared
+/// before the capture is ended, and it is ended again directly if it is still on.
+#[cfg(feature = "cuda")]
 fn capture(stream: &Arc<CudaStream>, record: impl FnOnce() -> Result<()>) -> Result<CudaGraph> {
     let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
     stream.begin_capture(mode).map_err(|e| anyhow!("beginning the capture: {e:?}"))?;
     let recorded = record();
-    let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0));
+    let stored = stream.context().check_err();
+    let ended = stream.end_capture(sys::CUgraphInstantiate_flags(0));
+    if ended.is_err() {
+        let _ = stream.context().check_err();
+        let none = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        if stream.capture_status() != Ok(none) {
+            // SAFETY: the stream is this device's; the graph it returns, if any, is destroyed here.
+            if let Ok(graph) = unsafe { result::stream::end_capture(stream.cu_stream()) } {
+                if !graph.is_null() {
+                    let _ = unsafe { result::graph::destroy(graph) };
+                }
+            }
+        }
+    }
     recorded?;
-    graph.map_err(|e| anyhow!("ending the capture: {e:?}"))?.ok_or_else(|| anyhow!("the capture recorded nothing"))
+    stored.map_err(|e| anyhow!("during the capture: {e:?}"))?;
+    ended.map_err(|e| anyhow!("ending the capture: {e:?}"))?.ok_or_else(|| anyhow!("the capture recorded nothing"))
 }
 
 /// Each row's tokens and log-probabilities from the first `made` steps' records: up to and with
@@ -272,16 +291,17 @@ mod tests {
     /// The decoding loop with its state in memory, on the CPU without a graph (the decoding
     /// ops' CPU forwards), against the host loop: the same tokens and log-probabilities within
     /// rounding (the fused ops add in another order than the split heads), greedy and sampled,
-    /// left-padded rows stopping at EOS at different steps, more steps than the stop test's
-    /// period, the KV cache's length at the end; and a rollout the cache cannot hold is left to
-    /// the host loop.
+    /// left-padded rows (one all padding) stopping at EOS at different steps, more steps than the
+    /// stop test's period, the KV cache's length at the end; and a rollout the cache cannot hold
+    /// is left to the host loop.
     #[test]
     fn the_loop_with_its_state_in_memory_is_the_host_loop_on_the_cpu() -> Result<()> {
         let dev = Device::Cpu;
         let cfg = crate::Gpt2Config { n_layer: 2, vocab_size: 300, n_positions: 64, ..crate::Gpt2Config::tiny() };
         let model = crate::ParamStore::init(&cfg, 5, &dev)?.model(&cfg)?;
-        let prompts = vec![vec![5, 6, 7], vec![9], vec![1, 2, 3, 4, 5], vec![200, 3]];
-        let batch = LeftPadded::new(&prompts, 5, 0).with_keys(vec![4, 9, 2, 7]);
+        // Row 4 has no prompt token at all (every position padding: the host loop starts it at 0).
+        let prompts = vec![vec![5, 6, 7], vec![9], vec![1, 2, 3, 4, 5], vec![200, 3], vec![]];
+        let batch = LeftPadded::new(&prompts, 5, 0).with_keys(vec![4, 9, 2, 7, 1]);
         let max_new = 3 * CHECK_EVERY + 2;
         let sampled = |temperature, top_k, top_p| SamplingConfig {
             temperature: Some(temperature),
@@ -353,8 +373,9 @@ mod tests {
         let Some(gpu) = crate::kernels::ops::test_support::gpu() else { return Ok(()) };
         let cfg = crate::Gpt2Config { n_layer: 2, vocab_size: 300, n_positions: 64, ..crate::Gpt2Config::tiny() };
         let params = crate::ParamStore::init(&cfg, 5, &Device::Cpu)?;
-        let prompts = vec![vec![5, 6, 7], vec![9], vec![1, 2, 3, 4, 5], vec![200, 3]];
-        let batch = LeftPadded::new(&prompts, 5, 0).with_keys(vec![4, 9, 2, 7]);
+        // Row 4 has no prompt token at all (every position padding: the host loop starts it at 0).
+        let prompts = vec![vec![5, 6, 7], vec![9], vec![1, 2, 3, 4, 5], vec![200, 3], vec![]];
+        let batch = LeftPadded::new(&prompts, 5, 0).with_keys(vec![4, 9, 2, 7, 1]);
         let max_new = 3 * CHECK_EVERY + 2;
         let sampled = |temperature, top_k, top_p| SamplingConfig {
             temperature: Some(temperature),

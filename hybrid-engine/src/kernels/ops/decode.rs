@@ -976,7 +976,7 @@ mod cpu {
             s.done[r] = u32::from(now_done);
             running += u32::from(!now_done);
             s.ids[r] = token;
-            s.positions[r] += 1;
+            s.positions[r] = s.positions[r].wrapping_add(1);
         }
         if let Some((now, all)) = s.draws {
             if step + 1 < steps {
