@@ -288,6 +288,45 @@ mod tests {
     use super::*;
     use crate::generation::generate::generate_with_cache;
 
+    /// The tests' rollouts: a small model's config, left-padded rows with their own streams (row
+    /// 4 has no prompt token at all: every position padding, which the host loop starts at 0),
+    /// more steps than the stop test's period, greedy and sampled settings.
+    fn rollouts() -> (crate::Gpt2Config, LeftPadded, usize, [SamplingConfig; 3]) {
+        let cfg = crate::Gpt2Config { n_layer: 2, vocab_size: 300, n_positions: 64, ..crate::Gpt2Config::tiny() };
+        let prompts = vec![vec![5, 6, 7], vec![9], vec![1, 2, 3, 4, 5], vec![200, 3], vec![]];
+        let batch = LeftPadded::new(&prompts, 5, 0).with_keys(vec![4, 9, 2, 7, 1]);
+        let max_new = 3 * CHECK_EVERY + 2;
+        let greedy = SamplingConfig::greedy(max_new, None, 0, cfg.vocab_size);
+        let sampled = |temperature, top_k, top_p| SamplingConfig {
+            temperature: Some(temperature),
+            top_k,
+            top_p,
+            seed: 17,
+            ..greedy.clone()
+        };
+        let settings = [greedy.clone(), sampled(1.0, Some(40), Some(0.9)), sampled(0.7, None, None)];
+        (cfg, batch, max_new, settings)
+    }
+
+    /// `sampling` with its EOS at the token row 0 makes fourth without one (so that it stops
+    /// early), and the host loop's generation under it.
+    fn with_early_eos(
+        model: &Gpt2,
+        batch: &LeftPadded,
+        sampling: &SamplingConfig,
+        device: &Device,
+    ) -> Result<(SamplingConfig, Generation)> {
+        let host = |sampling: &SamplingConfig| {
+            let mut cache = Gpt2Cache::new(&model.cfg, batch.p + sampling.max_new_tokens);
+            generate_with_cache(model, batch, sampling, &mut cache, device)
+        };
+        let eos = host(sampling)?.tokens[0][3];
+        let sampling = SamplingConfig { eos_token_id: Some(eos), ..sampling.clone() };
+        let expected = host(&sampling)?;
+        assert!(expected.tokens[0].len() <= 4, "row 0 stops at its EOS");
+        Ok((sampling, expected))
+    }
+
     /// The decoding loop with its state in memory, on the CPU without a graph (the decoding
     /// ops' CPU forwards), against the host loop: the same tokens and log-probabilities within
     /// rounding (the fused ops add in another order than the split heads), greedy and sampled,
@@ -297,34 +336,10 @@ mod tests {
     #[test]
     fn the_loop_with_its_state_in_memory_is_the_host_loop_on_the_cpu() -> Result<()> {
         let dev = Device::Cpu;
-        let cfg = crate::Gpt2Config { n_layer: 2, vocab_size: 300, n_positions: 64, ..crate::Gpt2Config::tiny() };
+        let (cfg, batch, max_new, settings) = rollouts();
         let model = crate::ParamStore::init(&cfg, 5, &dev)?.model(&cfg)?;
-        // Row 4 has no prompt token at all (every position padding: the host loop starts it at 0).
-        let prompts = vec![vec![5, 6, 7], vec![9], vec![1, 2, 3, 4, 5], vec![200, 3], vec![]];
-        let batch = LeftPadded::new(&prompts, 5, 0).with_keys(vec![4, 9, 2, 7, 1]);
-        let max_new = 3 * CHECK_EVERY + 2;
-        let sampled = |temperature, top_k, top_p| SamplingConfig {
-            temperature: Some(temperature),
-            top_k,
-            top_p,
-            seed: 17,
-            ..SamplingConfig::greedy(max_new, None, 0, cfg.vocab_size)
-        };
-        let configs = [
-            SamplingConfig::greedy(max_new, None, 0, cfg.vocab_size),
-            sampled(1.0, Some(40), Some(0.9)),
-            sampled(0.7, None, None),
-        ];
-        let mut stopped_early = 0;
-        for sampling in &configs {
-            let host = |sampling: &SamplingConfig| {
-                let mut cache = Gpt2Cache::new(&cfg, batch.p + max_new);
-                generate_with_cache(&model, &batch, sampling, &mut cache, &dev)
-            };
-            // EOS: the token row 0 makes fourth without one, so that it stops early.
-            let eos = host(sampling)?.tokens[0][3];
-            let sampling = SamplingConfig { eos_token_id: Some(eos), ..sampling.clone() };
-            let expected = host(&sampling)?;
+        for sampling in &settings {
+            let (sampling, expected) = with_early_eos(&model, &batch, sampling, &dev)?;
             let mut cache = Gpt2Cache::new(&cfg, batch.p + max_new);
             let mut tokens_seen = 0;
             let in_memory = decode_with_state_in_memory(
@@ -353,12 +368,10 @@ mod tests {
                 "{what}: {tokens_seen} steps for {longest}"
             );
             assert_eq!(cache.len(), batch.p + tokens_seen - 1, "{what}: the cache's length");
-            stopped_early += usize::from(expected.tokens.iter().any(|t| t.len() < max_new));
         }
-        assert!(stopped_early > 0, "some row stopped at its EOS");
         let mut small = Gpt2Cache::new(&cfg, batch.p + 2);
-        let sampling = SamplingConfig::greedy(max_new, None, 0, cfg.vocab_size);
-        assert!(decode_with_state_in_memory(&model, &batch, &sampling, &mut small, &dev, &mut || {}, None)?.is_none());
+        let greedy = &settings[0];
+        assert!(decode_with_state_in_memory(&model, &batch, greedy, &mut small, &dev, &mut || {}, None)?.is_none());
         Ok(())
     }
 
@@ -371,24 +384,8 @@ mod tests {
     #[test]
     fn the_graph_decodes_the_host_loops_tokens() -> Result<()> {
         let Some(gpu) = crate::kernels::ops::test_support::gpu() else { return Ok(()) };
-        let cfg = crate::Gpt2Config { n_layer: 2, vocab_size: 300, n_positions: 64, ..crate::Gpt2Config::tiny() };
+        let (cfg, batch, max_new, settings) = rollouts();
         let params = crate::ParamStore::init(&cfg, 5, &Device::Cpu)?;
-        // Row 4 has no prompt token at all (every position padding: the host loop starts it at 0).
-        let prompts = vec![vec![5, 6, 7], vec![9], vec![1, 2, 3, 4, 5], vec![200, 3], vec![]];
-        let batch = LeftPadded::new(&prompts, 5, 0).with_keys(vec![4, 9, 2, 7, 1]);
-        let max_new = 3 * CHECK_EVERY + 2;
-        let sampled = |temperature, top_k, top_p| SamplingConfig {
-            temperature: Some(temperature),
-            top_k,
-            top_p,
-            seed: 17,
-            ..SamplingConfig::greedy(max_new, None, 0, cfg.vocab_size)
-        };
-        let configs = [
-            SamplingConfig::greedy(max_new, None, 0, cfg.vocab_size),
-            sampled(1.0, Some(40), Some(0.9)),
-            sampled(0.7, None, None),
-        ];
         for dtype in [DType::F32, DType::BF16] {
             let weights = params
                 .tensors()
@@ -396,16 +393,8 @@ mod tests {
                 .map(|(k, v)| Ok((k, v.to_dtype(dtype)?.to_device(&gpu)?)))
                 .collect::<Result<std::collections::HashMap<_, _>>>()?;
             let model = Gpt2::load(candle_nn::VarBuilder::from_tensors(weights, dtype, &gpu), &cfg)?;
-            for sampling in &configs {
-                let host = |sampling: &SamplingConfig| {
-                    let mut cache = Gpt2Cache::new(&cfg, batch.p + max_new);
-                    generate_with_cache(&model, &batch, sampling, &mut cache, &gpu)
-                };
-                // EOS: the token row 0 makes fourth without one, so that it stops early.
-                let eos = host(sampling)?.tokens[0][3];
-                let sampling = SamplingConfig { eos_token_id: Some(eos), ..sampling.clone() };
-                let expected = host(&sampling)?;
-                assert!(expected.tokens[0].len() <= 4, "row 0 stops at its EOS");
+            for sampling in &settings {
+                let (sampling, expected) = with_early_eos(&model, &batch, sampling, &gpu)?;
                 let replayed = REPLAYED_STEPS.load(std::sync::atomic::Ordering::Relaxed);
                 let mut cache = Gpt2Cache::new(&cfg, batch.p + max_new);
                 let graphed = generate(&model, &batch, &sampling, &mut cache, &gpu, &mut || {})?.expect("it applies");
