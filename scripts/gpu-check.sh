@@ -266,7 +266,8 @@ fi
 if [[ " $stages " == *" ranks "* ]]; then
   # Two ranks sharing the one GPU over the TCP ring (--distributed-backend gloo: device tensors
   # through host memory; NCCL refuses two ranks on one GPU) at ZeRO stages 1-3 (fp32; stage 2 in
-  # buckets; stage 1 also in bf16, its fp32 masters sharded; stage 2 in bf16 with --offload;
+  # buckets; stage 1 also in bf16, its fp32 masters sharded; stage 2 in bf16 with --offload, and
+  # in buckets of the GPU's gradients sent as bf16;
   # stage 3 in bf16, its shards on the GPU and with --offload in host memory)
   # against one rank at the same global batch: each loss curve's largest relative difference,
   # and where each run's optimizer states lived (its log's line).
@@ -280,7 +281,8 @@ if [[ " $stages " == *" ranks "* ]]; then
   # (the pieces in the fp32 weights, or in bf16 the shard of the fp32 masters; at stage 3 the
   # shard the units are gathered from), with --offload in host memory.
   for run in "s1-fp32 1 fp32" "s2-fp32 2 fp32 --reduce-bucket-size 20000" "s3-fp32 3 fp32" "s1-bf16 1 bf16" \
-    "s2-bf16-offload 2 bf16 --offload" "s3-bf16 3 bf16" "s3-bf16-offload 3 bf16 --offload"; do
+    "s2-bf16-offload 2 bf16 --offload" "s2-bf16-buckets 2 bf16 --reduce-bucket-size 20000 --communication-data-type bf16" \
+    "s3-bf16 3 bf16" "s3-bf16-offload 3 bf16 --offload"; do
     set -- $run
     name=$1 zs=$2 dtype=$3
     shift 3
@@ -297,7 +299,7 @@ def curve(d):
     p = os.path.join(work, d, "metrics.jsonl")
     rows = [json.loads(l) for l in open(p) if l.strip()] if os.path.exists(p) else []
     return {r["iteration"]: r["lm_loss"] for r in rows if "lm_loss" in r}
-for name in ["s1-fp32", "s2-fp32", "s3-fp32", "s1-bf16", "s2-bf16-offload", "s3-bf16", "s3-bf16-offload"]:
+for name in ["s1-fp32", "s2-fp32", "s3-fp32", "s1-bf16", "s2-bf16-offload", "s2-bf16-buckets", "s3-bf16", "s3-bf16-offload"]:
     dtype = name.split("-")[1]
     one, two = curve(f"ranks-one-{dtype}"), curve(f"ranks-{name}")
     common = sorted(set(one) & set(two))
