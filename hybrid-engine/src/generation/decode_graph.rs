@@ -158,7 +158,13 @@ fn decode_with_state_in_memory(
         if let Some(cuda) = capture_on.filter(|_| made == 2 && made < steps) {
             // The first decoding step ran the code: its kernels are loaded and its uploads cached.
             match capture(&cuda.cuda_stream(), || step(cache)) {
-                Ok(captured) => graph = Some(captured),
+                Ok(captured) => {
+                    static SAID: std::sync::Once = std::sync::Once::new();
+                    SAID.call_once(|| {
+                        println!("decoding: each step replayed from a CUDA graph (HYBRID_ENGINE_DECODE_GRAPH=1)")
+                    });
+                    graph = Some(captured);
+                }
                 Err(e) => eprintln!("warning: decoding without a CUDA graph (its capture failed: {e})"),
             }
         }

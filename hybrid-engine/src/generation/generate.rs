@@ -90,6 +90,12 @@ pub fn generate_observed(
         {
             return Ok(generation);
         }
+        static SAID: std::sync::Once = std::sync::Once::new();
+        SAID.call_once(|| {
+            println!(
+                "note: HYBRID_ENGINE_DECODE_GRAPH=1 has no effect on this generation (the graph needs a GPU, the fused decoding blocks: no tensor parallelism or unfused LoRA, and room for the answers in the context)"
+            )
+        });
     }
     let mut rngs: Vec<ChaCha8Rng> = batch.keys.iter().map(|&k| row_rng(cfg.seed, k)).collect();
 
