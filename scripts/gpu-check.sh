@@ -17,7 +17,11 @@
 #      both held-out summaries;
 #   4. ranks: 2 ranks sharing the GPU over the TCP ring (--distributed-backend gloo) at ZeRO
 #      stages 1-3 against one rank (loss curves).
-# Four measuring stages run only when named in STAGES:
+# Five measuring stages run only when named in STAGES:
+#   nsys: Nsight Systems (when the machine has `nsys`) over a gpt2 B8 T1024 bf16 training run (3
+#      steps) and gpt2 B32 P16+64 generation with and without the CUDA graph: per run the GPU's
+#      kernel time and launches, the host's time in the CUDA API calls that cost most (launches,
+#      graph launches, synchronisations, allocations), the largest kernels (WORK_DIR/nsys-*.csv);
 #   graph: generation with the decoding step replayed from a CUDA graph (HYBRID_ENGINE_DECODE_GRAPH=1)
 #      against the host's loop, alternating, two rounds: gpt2 B32 P16+128 and gpt2-medium B16
 #      P256+256 in bf16, greedy and (gpt2) sampled; tokens/s, ms and host ms a token step, steps
@@ -213,6 +217,24 @@ PY
       done
     done
   done
+fi
+
+if [[ " $stages " == *" nsys "* ]]; then
+  if ! command -v nsys >/dev/null; then
+    echo "nsys: not on this machine" | tee -a "$summary"
+  else
+    for run in "train|0|bench train --model gpt2 --batch 8 --seq 1024 --dtype bf16 --device cuda --steps 3 --warmup 1" \
+      "generate|0|bench generate --model gpt2 --batch 32 --prompt-len 16 --new-tokens 64 --warmup 1 --reps 1 --dtype bf16 --device cuda" \
+      "generate-graph|1|bench generate --model gpt2 --batch 32 --prompt-len 16 --new-tokens 64 --warmup 1 --reps 1 --dtype bf16 --device cuda"; do
+      IFS='|' read -r label graph command <<<"$run"
+      # shellcheck disable=SC2086 # the command's words
+      stage "nsys-$label" 180 env HYBRID_ENGINE_DECODE_GRAPH=$graph nsys profile --force-overwrite true \
+        --trace cuda --output "$work/nsys-$label" "$bin" $command
+      nsys stats --force-export true --report cuda_gpu_kern_sum,cuda_api_sum --format csv \
+        --output "$work/nsys-$label" "$work/nsys-$label.nsys-rep" >"$work/nsys-$label-stats.log" 2>&1
+      python3 "$here/scripts/bench/nsys_summary.py" "$label" "$work/nsys-$label" | tee -a "$summary"
+    done
+  fi
 fi
 
 if [[ " $stages " == *" bench "* ]]; then

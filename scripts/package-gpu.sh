@@ -48,7 +48,8 @@ done
 strip -o "$stage/$name/unit-tests" "$unit_tests"
 cp "$root/scripts/gpu-check.sh" "$stage/$name/"
 cp "$root/scripts/bench/run.sh" "$root/scripts/bench/hf_bench.py" "$root/scripts/bench/gpu_table.py" \
-  "$root/scripts/bench/ppo_step3.py" "$root/assets/gpt2-tokenizer/tokenizer.json" "$stage/$name/scripts/bench/"
+  "$root/scripts/bench/ppo_step3.py" "$root/scripts/bench/nsys_summary.py" \
+  "$root/assets/gpt2-tokenizer/tokenizer.json" "$stage/$name/scripts/bench/"
 cp -L "$CUDA_HOME/lib/libcudart.so.13" "$stage/$name/lib/"
 cat > "$stage/$name/run-gpu.sh" <<'EOF'
 #!/usr/bin/env bash
