@@ -189,44 +189,23 @@ fn the_tasks_split_their_batches_over_the_data_parallel_ranks() {
         let at = argv.iter().position(|a| a == flag).unwrap_or_else(|| panic!("{flag} in {argv:?}"));
         argv[at + 1].parse().unwrap()
     };
+    // Each step's per-device batch flags.
+    const TRAIN_AND_EVAL: [&str; 2] = ["--per-device-train-batch-size", "--per-device-eval-batch-size"];
+    const GENERATION_AND_TRAINING: [&str; 2] =
+        ["--per-device-generation-batch-size", "--per-device-training-batch-size"];
     let steps = [
-        (
-            "step1_sft/demo.sh",
-            "sft",
-            vec!["out/actor", "", "tiny", "tiny"],
-            vec!["--per-device-train-batch-size", "--per-device-eval-batch-size"],
-        ),
-        (
-            "step2_reward/demo.sh",
-            "reward",
-            vec!["out/reward", "", "out/actor", "tiny"],
-            vec!["--per-device-train-batch-size", "--per-device-eval-batch-size"],
-        ),
-        (
-            "step2_dpo/demo.sh",
-            "reward",
-            vec!["out/dpo", "", "out/actor", "tiny"],
-            vec!["--per-device-train-batch-size", "--per-device-eval-batch-size"],
-        ),
+        ("step1_sft/demo.sh", "sft", vec!["out/actor", "", "tiny", "tiny"], TRAIN_AND_EVAL),
+        ("step2_reward/demo.sh", "reward", vec!["out/reward", "", "out/actor", "tiny"], TRAIN_AND_EVAL),
+        ("step2_dpo/demo.sh", "reward", vec!["out/dpo", "", "out/actor", "tiny"], TRAIN_AND_EVAL),
         (
             "step3_ppo/demo.sh",
             "ppo",
             vec!["out/step3", "", "out/actor", "tiny", "out/reward", ""],
-            vec!["--per-device-generation-batch-size", "--per-device-training-batch-size"],
+            GENERATION_AND_TRAINING,
         ),
         // The arithmetic task's recipes, with the launcher's arguments.
-        (
-            "step1_sft/arithmetic.sh",
-            "sft",
-            vec!["out/actor", "", "tiny", "tiny"],
-            vec!["--per-device-train-batch-size", "--per-device-eval-batch-size"],
-        ),
-        (
-            "step3_ppo/arithmetic.sh",
-            "ppo",
-            vec!["out/step3", "", "out/actor", "tiny"],
-            vec!["--per-device-generation-batch-size", "--per-device-training-batch-size"],
-        ),
+        ("step1_sft/arithmetic.sh", "sft", vec!["out/actor", "", "tiny", "tiny"], TRAIN_AND_EVAL),
+        ("step3_ppo/arithmetic.sh", "ppo", vec!["out/step3", "", "out/actor", "tiny"], GENERATION_AND_TRAINING),
     ];
     for (recipe, step, args, batch_flags) in steps {
         let one = recipe_argv_with(recipe, step, &args, &[("RLHF_DATA_PARALLEL_SIZE", "1")]);

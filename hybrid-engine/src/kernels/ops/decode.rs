@@ -43,6 +43,38 @@ impl CacheStart {
     }
 }
 
+/// A decoding step's shape, what both backends' kernels take: B rows of T new tokens, NH heads
+/// of HD values, a KV cache of `capacity` positions.
+#[derive(Clone, Copy, Debug)]
+struct StepShape {
+    b: usize,
+    t: usize,
+    n_head: usize,
+    head_dim: usize,
+    capacity: usize,
+}
+
+impl StepShape {
+    /// From c_attn's output (B, T, 3C) and the cache (2, B, NH, capacity, HD).
+    fn of(lq: &Layout, lkv: &Layout, n_head: usize) -> Result<Self> {
+        let (b, t, c3) = lq.shape().dims3()?;
+        let (two, kb, nh, capacity, head_dim) = lkv.shape().dims5()?;
+        if two != 2 || kb != b || nh != n_head || c3 != 3 * nh * head_dim {
+            candle_core::bail!("a decoding step's qkv {:?} and a cache {:?} of {n_head} heads", lq.dims(), lkv.dims());
+        }
+        Ok(Self { b, t, n_head, head_dim, capacity })
+    }
+
+    fn c(&self) -> usize {
+        self.n_head * self.head_dim
+    }
+
+    /// Where value d of head h of row bi at position j of keys (`which` 0) or values (1) sits.
+    fn at(&self, which: usize, bi: usize, h: usize, j: usize, d: usize) -> usize {
+        (((which * self.b + bi) * self.n_head + h) * self.capacity + j) * self.head_dim + d
+    }
+}
+
 /// The start as a number: the host's, or read from the u32 in memory (a CPU tensor).
 fn start_on_cpu(start: &CacheStart) -> Result<usize> {
     match start.on_device() {
@@ -96,7 +128,7 @@ impl candle_core::InplaceOp2 for KvCacheAppend {
     }
 
     fn cpu_fwd(&self, kv: &mut CpuStorage, lkv: &Layout, qkv: &CpuStorage, lq: &Layout) -> Result<()> {
-        let shape = cpu::Shape::of(lq, lkv, self.n_head)?;
+        let shape = StepShape::of(lq, lkv, self.n_head)?;
         let start = start_on_cpu(&self.start)?;
         if start + shape.t > shape.capacity {
             candle_core::bail!(
@@ -165,7 +197,7 @@ impl CustomOp3 for DecodeAttention {
         bias: &CpuStorage,
         lb: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let shape = cpu::Shape::of(lq, lkv, self.n_head)?;
+        let shape = StepShape::of(lq, lkv, self.n_head)?;
         let start = start_on_cpu(&self.start)?;
         // The mask's rows: over the positions attended to, or over the whole capacity.
         let stride = match self.start.on_device() {
@@ -461,38 +493,26 @@ pub mod cuda {
     use candle_core::cuda_backend::WrapErr;
     use candle_core::{CudaStorage, DType, Layout, Result};
 
-    /// A decoding step's shape (cuda/decode_attention.cu): B rows of T new tokens, NH heads of HD
-    /// values, a KV cache of `capacity` positions with `start` of them cached before these tokens.
-    #[derive(Clone, Copy, Debug)]
-    pub struct DecodeShape {
-        pub b: usize,
-        pub t: usize,
-        pub n_head: usize,
-        pub head_dim: usize,
-        pub capacity: usize,
-        pub start: usize,
+    /// A decoding step's shape ([`super::StepShape`]) where cuda/decode_attention.cu takes it:
+    /// heads of 32 to 128 values by 32, and room in the cache for `start` + T positions (an error
+    /// naming what does not fit).
+    fn decode_shape(lq: &Layout, lkv: &Layout, n_head: usize, start: usize) -> Result<super::StepShape> {
+        let shape = super::StepShape::of(lq, lkv, n_head)?;
+        let hd = shape.head_dim;
+        if hd % 32 != 0 || hd > 128 || start + shape.t > shape.capacity {
+            candle_core::bail!(
+                "decode attention on CUDA: qkv {:?} and a cache {:?} of {n_head} heads (of 32, 64, 96 or 128 values) with {start} + {} positions",
+                lq.dims(),
+                lkv.dims(),
+                shape.t
+            );
+        }
+        Ok(shape)
     }
 
-    impl DecodeShape {
-        /// From c_attn's output qkv (B, T, 3C) and the cache buffer (2, B, NH, capacity, HD), both
-        /// contiguous (an error naming what does not fit).
-        fn of(lq: &Layout, lkv: &Layout, n_head: usize, start: usize) -> Result<Self> {
-            let (b, t, c3) = lq.shape().dims3()?;
-            let (two, kb, nh, capacity, head_dim) = lkv.shape().dims5()?;
-            let shaped = two == 2 && kb == b && nh == n_head && c3 == 3 * nh * head_dim;
-            if !shaped || head_dim % 32 != 0 || head_dim > 128 || start + t > capacity {
-                candle_core::bail!(
-                    "decode attention on CUDA: qkv {:?} and a cache {:?} of {n_head} heads (of 32, 64, 96 or 128 values) with {start} + {t} positions",
-                    lq.dims(),
-                    lkv.dims()
-                );
-            }
-            Ok(Self { b, t, n_head, head_dim, capacity, start })
-        }
-
-        fn args(&self) -> [u32; 6] {
-            [self.b, self.t, self.n_head, self.head_dim, self.capacity, self.start].map(|v| v as u32)
-        }
+    /// The kernels' shape arguments: B, T, NH, HD, capacity, start.
+    fn shape_args(shape: &super::StepShape, start: usize) -> [u32; 6] {
+        [shape.b, shape.t, shape.n_head, shape.head_dim, shape.capacity, start].map(|v| v as u32)
     }
 
     /// A null pointer, for a kernel's optional operand.
@@ -523,9 +543,9 @@ pub mod cuda {
         start: usize,
         start_at: Option<(&CudaStorage, &Layout)>,
     ) -> Result<()> {
-        let shape = DecodeShape::of(lq, lkv, n_head, start)?;
+        let shape = decode_shape(lq, lkv, n_head, start)?;
         let start_at = start_at.map(|(s, l)| view::<u32>(s, l, "the KV cache's length")).transpose()?;
-        let [b, t, nh, hd, cap, start] = shape.args();
+        let [b, t, nh, hd, cap, start] = shape_args(&shape, start);
         let n = 2 * shape.b * shape.t * shape.n_head * shape.head_dim;
         let dev = kv.device().clone();
         macro_rules! launch {
@@ -579,7 +599,7 @@ pub mod cuda {
         (start, start_at): (usize, Option<(&CudaStorage, &Layout)>),
         scale: f32,
     ) -> Result<CudaStorage> {
-        let shape = DecodeShape::of(lq, lkv, n_head, start)?;
+        let shape = decode_shape(lq, lkv, n_head, start)?;
         let start_at = start_at.map(|(s, l)| view::<u32>(s, l, "the KV cache's length")).transpose()?;
         // The bias's row: the positions attended to, or the whole capacity when the device says how many.
         let s = if start_at.is_some() { shape.capacity } else { start + shape.t };
@@ -593,7 +613,7 @@ pub mod cuda {
             );
         }
         let bias = view::<f32>(bias, lb, "the decoding step's bias")?;
-        let [b, t, nh, hd, cap, _] = shape.args();
+        let [b, t, nh, hd, cap, _] = shape_args(&shape, start);
         let (s32, bb32) = (s as u32, bias_batches as u32);
         let rows = shape.b * shape.n_head * shape.t;
         Ok(for_float_dtype!(qkv, lq, "decode attention", |src: Elem, suffix| {
@@ -781,44 +801,9 @@ pub mod cuda {
 /// product and sum in f32; the attention's softmax in one pass over its scores, where the GPU
 /// keeps a running maximum: the same values within rounding).
 mod cpu {
+    use super::StepShape as Shape;
     use crate::kernels::rowops;
-    use candle_core::{Layout, Result};
-
-    /// A decoding step's shape: B rows of T new tokens, NH heads of HD values, a cache of
-    /// `capacity` positions.
-    #[derive(Clone, Copy, Debug)]
-    pub struct Shape {
-        pub b: usize,
-        pub t: usize,
-        pub n_head: usize,
-        pub head_dim: usize,
-        pub capacity: usize,
-    }
-
-    impl Shape {
-        /// From c_attn's output (B, T, 3C) and the cache (2, B, NH, capacity, HD).
-        pub fn of(lq: &Layout, lkv: &Layout, n_head: usize) -> Result<Self> {
-            let (b, t, c3) = lq.shape().dims3()?;
-            let (two, kb, nh, capacity, head_dim) = lkv.shape().dims5()?;
-            if two != 2 || kb != b || nh != n_head || c3 != 3 * nh * head_dim {
-                candle_core::bail!(
-                    "a decoding step's qkv {:?} and a cache {:?} of {n_head} heads",
-                    lq.dims(),
-                    lkv.dims()
-                );
-            }
-            Ok(Self { b, t, n_head, head_dim, capacity })
-        }
-
-        pub fn c(&self) -> usize {
-            self.n_head * self.head_dim
-        }
-
-        /// Where value d of head h of row bi at position j of keys (`which` 0) or values (1) sits.
-        fn at(&self, which: usize, bi: usize, h: usize, j: usize, d: usize) -> usize {
-            (((which * self.b + bi) * self.n_head + h) * self.capacity + j) * self.head_dim + d
-        }
-    }
+    use candle_core::Result;
 
     /// c_attn's output channel `ch` of row (bi, ti), its bias added when given apart.
     fn qkv_value(qkv: &[f32], bias: Option<&[f32]>, shape: Shape, bi: usize, ti: usize, ch: usize) -> f32 {
