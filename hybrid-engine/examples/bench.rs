@@ -26,7 +26,8 @@
 //!   op of the model (embeddings, LayerNorm, the four linears, the attention core, GELU, the
 //!   residual dropout, the LM head with the cross-entropy) alone at the step's shapes, forward
 //!   and forward+backward (median of R after one warmup, the device synchronised around each),
-//!   with how many times a step runs it and the sum over the step (`step_ms_from_ops`).
+//!   with how many times a step runs it and the sum over the step (`step_ms_from_ops`); the
+//!   attention core also without its dropout (a probe of the dropout's cost, 0 times a step).
 //! * `peak --size N --reps R`: the f32 matmul rate of candle (gemm) on (N, N) x (N, N), the
 //!   machine's measured peak for MFU.
 //!
@@ -675,6 +676,12 @@ fn bench_ops(a: &OpsArgs, device: &Device) -> Result<serde_json::Value> {
             "attention core",
             l,
             Box::new(|| Ok(ops::attention(qkv.as_tensor(), &bias, cfg.n_head, scale, Some(key.mask(p, 0, 1)))?)),
+        ),
+        // Not part of the step (0 a step): beside the row above, what its in-kernel dropout costs.
+        (
+            "attention core without dropout",
+            0,
+            Box::new(|| Ok(ops::attention(qkv.as_tensor(), &bias, cfg.n_head, scale, None)?)),
         ),
         ("linear attn c_proj", l, Box::new(|| Ok(run_linear(&attn_proj)?))),
         (

@@ -173,11 +173,13 @@ fn open_cuda(spec: &str, n: usize) -> Result<Device> {
 /// and making and destroying them is host time on each of the thousands of allocations of a
 /// training step.
 #[cfg(feature = "cuda")]
-fn new_cuda(n: usize) -> candle_core::Result<Device> {
+pub(crate) fn new_cuda(n: usize) -> candle_core::Result<Device> {
     let device = Device::new_cuda(n)?;
     if let Device::Cuda(cuda) = &device {
-        // SAFETY: nothing allocated on this device yet; candle and this crate create no second
-        // stream on it (cudarc would then order work across streams by these events).
+        // SAFETY: nothing allocated on this device yet. candle runs all its work on one stream;
+        // the only second stream is an NCCL communicator's (comm/nccl.rs), whose collectives
+        // order themselves against the compute stream by events of their own, recorded where
+        // cudarc would have recorded these.
         unsafe { cuda.disable_event_tracking() };
         keep_pool_memory(cuda)?;
     }

@@ -13,10 +13,12 @@
 //! any thread but not from two at once, so it sits behind a mutex, which makes process groups
 //! shareable by the ops that tensor parallelism stores in candle's graph.
 //!
-//! A [`Watchdog`] watches every collective through an event recorded after it: one still
-//! incomplete after `--dist-timeout` (a peer died, hangs or called another collective) has its
-//! communicator's asynchronous error read (`ncclCommGetAsyncError`), the communicator aborted
-//! (`ncclCommAbort`) and the process ended with one line naming the collective and the rank.
+//! A [`Watchdog`] watches the communicator's creation and every collective, from before NCCL is
+//! called (its host calls can block too: `ncclCommInitRank` until every rank joins) to an event
+//! recorded after it: one still incomplete after `--dist-timeout` (a peer died, hangs or called
+//! another collective) has its communicator's asynchronous error read (`ncclCommGetAsyncError`),
+//! the communicator aborted (`ncclCommAbort`) and the process ended with one line naming the
+//! collective and the rank.
 
 use crate::comm::tcp::{ReduceOp, TcpRing};
 use crate::comm::watchdog::{poll_interval, Stuck, Watchdog};
@@ -26,7 +28,8 @@ use candle_core::cuda_backend::cudarc::driver::{CudaEvent, CudaStream, DevicePtr
 use candle_core::cuda_backend::cudarc::nccl::{result, sys, NcclType};
 use candle_core::cuda_backend::{cudarc, CudaError};
 use candle_core::{CpuStorage, CudaStorage, CustomOp1, DType, Device, Layout, Shape, Tensor};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 /// One NCCL communicator for the ranks of a group, with its stream and its watchdog.
@@ -65,8 +68,9 @@ impl Drop for Deferred {
 #[derive(Clone, Copy)]
 struct RawComm(sys::ncclComm_t);
 
-// SAFETY: see `RawComm`.
+// SAFETY: see `RawComm`; shared, it is only copied (the watchdog's copy, set once created).
 unsafe impl Send for RawComm {}
+unsafe impl Sync for RawComm {}
 
 /// NCCL's name for `code`.
 fn nccl_error(code: sys::ncclResult_t) -> String {
@@ -80,15 +84,24 @@ impl NcclComm {
     /// A collective still incomplete after the ring's timeout (`--dist-timeout`) ends the
     /// process with one line naming it.
     pub fn new(ring: &TcpRing, device: &Device) -> Result<Self> {
-        let (rank, world) = (ring.rank(), ring.world());
-        let comm = Self::create(ring, device)?;
-        let timeout = ring.timeout();
-        let comm = comm.watched(timeout, move |stuck, raw| exit_on_stuck(stuck, raw, rank, world, timeout));
-        Ok(comm)
+        let (rank, world, timeout) = (ring.rank(), ring.world(), ring.timeout());
+        Self::create(ring, device, timeout, move |stuck, raw| exit_on_stuck(stuck, raw, rank, world, timeout))
     }
 
-    /// The communicator, unwatched.
-    fn create(ring: &TcpRing, device: &Device) -> Result<Self> {
+    /// The communicator, watched from its creation on: whatever is in flight past `timeout` goes
+    /// to `on_stuck` with the communicator (`None` while it is being created), unwatched where
+    /// the timeout has no end (a group of one).
+    fn create(
+        ring: &TcpRing,
+        device: &Device,
+        timeout: Duration,
+        on_stuck: impl FnOnce(Stuck, Option<RawComm>) + Send + 'static,
+    ) -> Result<Self> {
+        let created = Arc::new(OnceLock::new());
+        let watchdog = (timeout != Duration::MAX).then(|| {
+            let created = created.clone();
+            Watchdog::start(timeout, poll_interval(timeout), move |stuck| on_stuck(stuck, created.get().copied()))
+        });
         let cuda = device.as_cuda_device()?;
         let mut id = match ring.rank() {
             0 => result::get_uniqueid().map_err(|e| anyhow!("NCCL could not make a unique id: {}", nccl_error(e.0)))?,
@@ -98,6 +111,13 @@ impl NcclComm {
         ring.broadcast_bytes(&mut bytes, 0)?;
         id.internal = bytes.map(|b| b as core::ffi::c_char);
         let stream = cuda.cuda_stream().context().new_stream()?;
+        // The init waits for every rank to join: a peer that died since the id went round would
+        // hold it forever.
+        let joined = Arc::new(AtomicBool::new(false));
+        if let Some(watchdog) = &watchdog {
+            let joined = joined.clone();
+            watchdog.watch("communicator creation (ncclCommInitRank)", move || joined.load(Ordering::Acquire));
+        }
         let mut comm = std::mem::MaybeUninit::uninit();
         // SAFETY: `comm` is written by a successful init; rank and world are the ring's.
         let comm = unsafe {
@@ -106,17 +126,9 @@ impl NcclComm {
             })?;
             comm.assume_init()
         };
-        Ok(Self { comm: Mutex::new(RawComm(comm)), stream, rank: ring.rank(), world: ring.world(), watchdog: None })
-    }
-
-    /// Watched: a collective in flight past `timeout` goes to `on_stuck` with the communicator
-    /// (none for a timeout without end: a group of one).
-    fn watched(mut self, timeout: Duration, on_stuck: impl FnOnce(Stuck, RawComm) + Send + 'static) -> Self {
-        if timeout != Duration::MAX {
-            let raw = *self.comm.lock().unwrap_or_else(|e| e.into_inner());
-            self.watchdog = Some(Watchdog::start(timeout, poll_interval(timeout), move |stuck| on_stuck(stuck, raw)));
-        }
-        self
+        let _ = created.set(RawComm(comm));
+        joined.store(true, Ordering::Release);
+        Ok(Self { comm: Mutex::new(RawComm(comm)), stream, rank: ring.rank(), world: ring.world(), watchdog })
     }
 
     fn run(&self, t: &Tensor, kind: Kind<'_>) -> Result<Tensor> {
@@ -285,6 +297,19 @@ impl Collective<'_> {
         let mut dst = dev.alloc_zeros::<T>(out_len.max(1))?;
         let no_timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING);
         stream.wait(&compute.record_event(no_timing).map_err(CudaError::from)?).map_err(CudaError::from)?;
+        // Watched from before the call, which may block on the host (NCCL connects to its peers
+        // at a communicator's first collectives), to the event recorded after it; a call that
+        // fails is not watched (the error goes back to the caller).
+        let recorded: Arc<OnceLock<Option<Arc<CudaEvent>>>> = Arc::new(OnceLock::new());
+        if let Some(watchdog) = &self.nccl.watchdog {
+            let what = format!("{} of {n} {:?} values", self.kind.name(), s.dtype());
+            let (recorded, context) = (recorded.clone(), stream.context().clone());
+            watchdog.watch(what, move || match recorded.get() {
+                None => false,
+                Some(None) => true,
+                Some(Some(done)) => completed(&context, done),
+            });
+        }
         let status = {
             let (send, _read) = src.device_ptr(stream);
             let (recv, _written) = dst.device_ptr_mut(stream);
@@ -308,6 +333,7 @@ impl Collective<'_> {
             }
         };
         status.map_err(|e| {
+            let _ = recorded.set(None);
             candle_core::Error::Cuda(
                 format!(
                     "NCCL {} of {n} values failed on rank {}: {}",
@@ -318,19 +344,34 @@ impl Collective<'_> {
                 .into(),
             )
         })?;
-        let done = Arc::new(stream.record_event(no_timing).map_err(CudaError::from)?);
+        let done = match stream.record_event(no_timing) {
+            Ok(done) => Arc::new(done),
+            Err(e) => {
+                // The collective is enqueued: its buffers are freed on the compute stream when
+                // this returns, so it must be over first.
+                let _ = stream.synchronize();
+                let _ = recorded.set(None);
+                return Err(CudaError::from(e).into());
+            }
+        };
+        let _ = recorded.set(Some(done.clone()));
         match self.deferred {
             Some(slot) => *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(done.clone()),
             None => compute.wait(&done).map_err(CudaError::from)?,
         }
-        if let Some(watchdog) = &self.nccl.watchdog {
-            let what = format!("{} of {n} {:?} values", self.kind.name(), s.dtype());
-            // The watchdog's thread queries the event in the device's context.
-            let context = stream.context().clone();
-            watchdog.watch(what, move || context.bind_to_thread().is_ok() && done.is_complete());
-        }
         Ok((CudaStorage::wrap_cuda_slice(dst, dev.clone()), Shape::from(out_len)))
     }
+}
+
+/// Whether the work before `done` has completed, asked from the watchdog's thread: bound to the
+/// device's context directly (cudarc's `bind_to_thread` would first take the errors its other
+/// calls stored for the main thread to find), and an error counts as completed (the main thread's
+/// next call reports it; waiting it out would name a hung peer instead).
+fn completed(context: &cudarc::driver::CudaContext, done: &CudaEvent) -> bool {
+    // SAFETY: the context is alive (held by the caller); making it current changes only this
+    // thread's binding.
+    let bound = unsafe { cudarc::driver::result::ctx::set_current(context.cu_ctx()) }.is_ok();
+    bound && !matches!(done.try_is_complete(), Ok(false))
 }
 
 /// One `ncclReduce` of each non-empty chunk of `send` (values of NCCL type `ty`, `size` bytes
@@ -366,27 +407,36 @@ unsafe fn reduce_chunks(
 /// What a rank does with a collective stuck past `--dist-timeout`: one line naming it, the
 /// rank and NCCL's asynchronous error (a network failure, or none: a peer that hangs or never
 /// called it), the communicator aborted so that nothing waits on it, and the process ended
-/// (the launcher then stops the other ranks).
-fn exit_on_stuck(stuck: Stuck, comm: RawComm, rank: usize, world: usize, timeout: Duration) {
-    let mut code = sys::ncclResult_t::ncclSuccess;
-    // SAFETY: the communicator is alive (the watchdog stops before it is destroyed).
-    let asked = unsafe { sys::ncclCommGetAsyncError(comm.0, &mut code) };
-    let error = match (asked, code) {
-        (sys::ncclResult_t::ncclSuccess, sys::ncclResult_t::ncclSuccess) => {
-            "no NCCL error: a peer rank is hung, died or called another collective".to_string()
+/// (the launcher then stops the other ranks). `comm` is `None` while the communicator is being
+/// created (a peer that never joined). The process ends without its exit handlers: the CUDA
+/// runtime's and NCCL's teardown could wait on the main thread, which may be stuck in a call.
+fn exit_on_stuck(stuck: Stuck, comm: Option<RawComm>, rank: usize, world: usize, timeout: Duration) {
+    let error = match comm {
+        None => "no communicator yet: a peer rank did not join".to_string(),
+        Some(comm) => {
+            let mut code = sys::ncclResult_t::ncclSuccess;
+            // SAFETY: the communicator is alive (the watchdog stops before it is destroyed).
+            let asked = unsafe { sys::ncclCommGetAsyncError(comm.0, &mut code) };
+            let error = match (asked, code) {
+                (sys::ncclResult_t::ncclSuccess, sys::ncclResult_t::ncclSuccess) => {
+                    "no NCCL error: a peer rank is hung, died or called another collective".to_string()
+                }
+                (sys::ncclResult_t::ncclSuccess, code) => format!("NCCL's asynchronous error: {}", nccl_error(code)),
+                (failed, _) => format!("NCCL's error could not be read: {}", nccl_error(failed)),
+            };
+            // SAFETY: as above; NCCL allows an abort while a collective of the communicator hangs.
+            let _ = unsafe { result::comm_abort(comm.0) };
+            format!("{error}; the communicator was aborted")
         }
-        (sys::ncclResult_t::ncclSuccess, code) => format!("NCCL's asynchronous error: {}", nccl_error(code)),
-        (failed, _) => format!("NCCL's error could not be read: {}", nccl_error(failed)),
     };
-    // SAFETY: as above; NCCL allows an abort while a collective of the communicator hangs.
-    let _ = unsafe { result::comm_abort(comm.0) };
     eprintln!(
-        "error: rank {rank} of {world}: NCCL {} did not complete within --dist-timeout {}s ({} waited; {error}); the communicator was aborted. Check the other ranks' logs, or raise --dist-timeout if a rank is only slow",
+        "error: rank {rank} of {world}: NCCL {} did not complete within --dist-timeout {}s ({} waited; {error}). Check the other ranks' logs, or raise --dist-timeout if a rank is only slow",
         stuck.what,
         timeout.as_secs(),
         humantime(stuck.waited)
     );
-    std::process::exit(1);
+    // SAFETY: ends the process at once; the line above is written (stderr is unbuffered).
+    unsafe { libc::_exit(1) };
 }
 
 fn humantime(d: Duration) -> String {
@@ -416,11 +466,12 @@ mod tests {
         let Some(gpu) = crate::kernels::ops::test_support::gpu() else { return Ok(()) };
         let ring = TcpRing::single();
         let (tx, rx) = std::sync::mpsc::channel();
-        let comm = NcclComm::create(&ring, &gpu)?.watched(Duration::from_millis(300), move |stuck, raw| {
+        let comm = NcclComm::create(&ring, &gpu, Duration::from_millis(300), move |stuck, raw| {
+            let raw = raw.expect("the communicator was created");
             // SAFETY: the test's communicator is alive until it is dropped below.
             let aborted = unsafe { result::comm_abort(raw.0) }.is_ok();
             tx.send((stuck.what, aborted)).unwrap();
-        });
+        })?;
         let x = Tensor::arange(0f32, 6f32, &gpu)?;
         let summed = comm.all_reduce(&(&x * 2.0)?, ReduceOp::Sum)?;
         assert_eq!(summed.to_vec1::<f32>()?, vec![0.0, 2.0, 4.0, 6.0, 8.0, 10.0]);

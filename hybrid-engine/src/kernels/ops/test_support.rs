@@ -123,9 +123,12 @@ pub(crate) fn causal_bias(rows: usize, t: usize, pad: &[usize]) -> Result<Tensor
     Tensor::from_vec(bias, (rows, 1, t, t), &dev())
 }
 
+/// The first GPU, opened as the binaries open it (cudarc's event tracking off, the memory pool
+/// kept: `device::new_cuda`), so that a test of work on two streams relies on the same ordering
+/// as a run does; `None` without a GPU.
 #[cfg(feature = "cuda")]
 pub(crate) fn gpu() -> Option<Device> {
-    match Device::new_cuda(0) {
+    match crate::device::new_cuda(0) {
         Ok(d) => Some(d),
         Err(e) => {
             eprintln!("no GPU, the CUDA kernel test checks nothing: {e}");
