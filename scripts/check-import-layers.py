@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
 """Checks that a crate's modules import one way: builds the graph of `crate::` paths in non-test
-code (each file up to its `#[cfg(test)]` module) and prints any cycle, between files and between
-top-level modules. Exit 1 on a cycle. Usage: scripts/check-import-layers.py CRATE_SRC_DIR..."""
+code (each file up to its `#[cfg(test)]` module; modules declared `#[cfg(test)] mod name;` are
+test support, left out) and prints any cycle, between files and between top-level modules. Exit 1 on a cycle. Usage: scripts/check-import-layers.py CRATE_SRC_DIR..."""
 import os, re, sys
 
+# A module declared for tests only (`#[cfg(test)] mod name;`): test support, not a layer.
+TEST_MODULE = re.compile(r"#\[cfg\(test\)\]\s*(?:pub(?:\([^)]*\))?\s+)?mod\s+(\w+)\s*;")
+
 def modules(src):
-    out = {}
+    out, test_only = {}, set()
     for root, _, files in os.walk(src):
         for f in files:
             if not f.endswith(".rs"):
@@ -17,10 +20,11 @@ def modules(src):
             if rel and rel[0] == "bin":
                 continue
             text = open(path).read()
-            text = text.split("#[cfg(test)]")[0]
+            test_only.update("::".join(rel + [name]) for name in TEST_MODULE.findall(text))
+            text = TEST_MODULE.sub("", text).split("#[cfg(test)]")[0]
             text = re.sub(r"//[^\n]*", "", text)  # comments and doc links are not imports
             out["::".join(rel)] = text
-    return out
+    return {m: text for m, text in out.items() if m not in test_only}
 
 def edges(mods):
     graph = {m: set() for m in mods}

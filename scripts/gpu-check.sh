@@ -290,7 +290,8 @@ if [[ " $stages " == *" ranks "* ]]; then
   # through host memory; NCCL refuses two ranks on one GPU) at ZeRO stages 1-3 (fp32; stage 2 in
   # buckets; stage 1 also in bf16, its fp32 masters sharded; stage 2 in bf16 with --offload, and
   # in buckets of the GPU's gradients sent as bf16;
-  # stage 3 in bf16, its shards on the GPU and with --offload in host memory)
+  # stage 3 in fp32 at once and in rounds of its gradients' reduce-scatter cut on the GPU, in
+  # bf16 with its shards on the GPU and with --offload in host memory)
   # against one rank at the same global batch: each loss curve's largest relative difference,
   # and where each run's optimizer states lived (its log's line).
   tiny=(--from-scratch --num-layers 2 --hidden-size 64 --num-attention-heads 2 --seq-length 32 --train-iters 8
@@ -302,7 +303,8 @@ if [[ " $stages " == *" ranks "* ]]; then
   # Each run: its name, stage, dtype and flags. Stages 1-3 step each rank's shard on the GPU
   # (the pieces in the fp32 weights, or in bf16 the shard of the fp32 masters; at stage 3 the
   # shard the units are gathered from), with --offload in host memory.
-  for run in "s1-fp32 1 fp32" "s2-fp32 2 fp32 --reduce-bucket-size 20000" "s3-fp32 3 fp32" "s1-bf16 1 bf16" \
+  for run in "s1-fp32 1 fp32" "s2-fp32 2 fp32 --reduce-bucket-size 20000" "s3-fp32 3 fp32" \
+    "s3-fp32-rounds 3 fp32 --reduce-bucket-size 20000" "s1-bf16 1 bf16" \
     "s2-bf16-offload 2 bf16 --offload" "s2-bf16-buckets 2 bf16 --reduce-bucket-size 20000 --communication-data-type bf16" \
     "s3-bf16 3 bf16" "s3-bf16-offload 3 bf16 --offload"; do
     set -- $run
@@ -321,7 +323,7 @@ def curve(d):
     p = os.path.join(work, d, "metrics.jsonl")
     rows = [json.loads(l) for l in open(p) if l.strip()] if os.path.exists(p) else []
     return {r["iteration"]: r["lm_loss"] for r in rows if "lm_loss" in r}
-for name in ["s1-fp32", "s2-fp32", "s3-fp32", "s1-bf16", "s2-bf16-offload", "s2-bf16-buckets", "s3-bf16", "s3-bf16-offload"]:
+for name in ["s1-fp32", "s2-fp32", "s3-fp32", "s3-fp32-rounds", "s1-bf16", "s2-bf16-offload", "s2-bf16-buckets", "s3-bf16", "s3-bf16-offload"]:
     dtype = name.split("-")[1]
     one, two = curve(f"ranks-one-{dtype}"), curve(f"ranks-{name}")
     common = sorted(set(one) & set(two))

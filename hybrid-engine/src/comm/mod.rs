@@ -340,19 +340,7 @@ impl ProcessGroup {
                 _ => bail!("internal error: a host part left the host"),
             })
             .collect::<Result<_>>()?;
-        // The flat values from `at`, `n` of them, zero past the parts' end.
-        let read = |buf: &mut Vec<f32>, mut at: usize, mut n: usize| {
-            let mut start = 0;
-            for part in &values {
-                if n > 0 && at < start + part.len() {
-                    let take = (start + part.len() - at).min(n);
-                    buf.extend_from_slice(&part[at - start..at - start + take]);
-                    (at, n) = (at + take, n - take);
-                }
-                start += part.len();
-            }
-            buf.resize(buf.len() + n, 0.0);
-        };
+        let lens: Vec<usize> = values.iter().map(|v| v.len()).collect();
         let shard = len / w;
         let per_round = round.div_ceil(w).max(1);
         let mut mine = Vec::with_capacity(shard);
@@ -360,13 +348,69 @@ impl ProcessGroup {
         for a in (0..shard).step_by(per_round) {
             let n = per_round.min(shard - a);
             buf.clear();
-            for r in 0..w {
-                read(&mut buf, r * shard + a, n);
+            for stretch in round_of_parts(&lens, shard, w, a, n) {
+                match stretch {
+                    Stretch::Part { part, at, n } => buf.extend_from_slice(&values[part][at..at + n]),
+                    Stretch::Zeros(n) => buf.resize(buf.len() + n, 0.0),
+                }
             }
             let chunk = over_wire!(wire, &mut buf[..], |b| self.ring.reduce_scatter(b, ReduceOp::Sum))?;
             mine.extend_from_slice(&buf[chunk]);
         }
         Ok(Tensor::from_vec(mine, shard, &candle_core::Device::Cpu)?)
+    }
+
+    /// [`Self::reduce_scatter_parts_in_rounds_as`] of device tensors, begun: each round's buffer
+    /// is cut from `parts` by tensor copies on their device (the whole of them concatenated
+    /// only where one round holds them), then reduce-scattered over NCCL on the communicator's stream, at most
+    /// [`ROUNDS_IN_FLIGHT`] at a time (the compute stream waits for the oldest before a round
+    /// beyond them is cut, so that a bucket's memory, not the unit's, is in flight), or over
+    /// the ring through host memory, done at once. The same values in the same order as the
+    /// host's rounds: the same sums and bytes.
+    fn begin_reduce_scatter_rounds_of_tensors(
+        &self,
+        parts: Vec<Tensor>,
+        len: usize,
+        round: usize,
+        wire: WireDtype,
+    ) -> Result<Pending> {
+        let w = self.world();
+        let (shard, per_round) = (len / w, round.div_ceil(w).max(1));
+        let flat: Vec<Tensor> =
+            parts.iter().map(|t| t.flatten_all()?.to_dtype(DType::F32)).collect::<candle_core::Result<_>>()?;
+        drop(parts);
+        let lens: Vec<usize> = flat.iter().map(Tensor::elem_count).collect();
+        let device = flat.first().map_or(candle_core::Device::Cpu, |t| t.device().clone());
+        #[cfg(feature = "nccl")]
+        let nccl = match flat.first() {
+            Some(t) => self.nccl_for(t)?,
+            None => None,
+        };
+        let mut pending = Pending::in_pieces(DType::F32);
+        for a in (0..shard).step_by(per_round) {
+            let n = per_round.min(shard - a);
+            #[cfg(feature = "nccl")]
+            if nccl.is_some() {
+                pending.wait_for_all_but(ROUNDS_IN_FLIGHT - 1);
+            }
+            let pieces = round_of_parts(&lens, shard, w, a, n)
+                .into_iter()
+                .map(|stretch| match stretch {
+                    Stretch::Part { part, at, n } => flat[part].narrow(0, at, n),
+                    Stretch::Zeros(n) => Tensor::zeros(n, DType::F32, &device),
+                })
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            let buf = Tensor::cat(&pieces, 0)?;
+            drop(pieces);
+            #[cfg(feature = "nccl")]
+            if let Some(c) = nccl {
+                let (mine, deferred) = c.reduce_scatter_deferred(&buf.to_dtype(wire.dtype())?)?;
+                pending.push(mine, Some(deferred));
+                continue;
+            }
+            pending.push(self.reduce_scatter_on_host(vec![buf], w * n, wire)?, None);
+        }
+        Ok(pending)
     }
 
     /// The ring reduce-scatter of CPU `parts`, end to end and zero-padded to `len`, sent as
@@ -480,7 +524,7 @@ impl ProcessGroup {
         if self.world() > 1 {
             if let Some(c) = self.nccl_for(mine)? {
                 let (tensor, deferred) = c.all_gather_deferred(&mine.flatten_all()?.to_dtype(dtype)?)?;
-                return Ok(Pending { tensor, dtype, deferred: Some(deferred) });
+                return Ok(Pending::deferred(tensor, dtype, deferred));
             }
         }
         Ok(Pending::done(self.all_gather_tensor_as(mine, dtype)?))
@@ -489,6 +533,9 @@ impl ProcessGroup {
     /// [`Self::reduce_scatter_parts_in_rounds_as`] begun, read later as f32: over NCCL it runs
     /// on the communicator's stream while the compute stream goes on (ZeRO-3's reduce-scatter
     /// of a unit's gradient during the next unit's backward); elsewhere it is done at once.
+    /// Device tensors are cut into rounds on their device
+    /// ([`Self::begin_reduce_scatter_rounds_of_tensors`]; one round where `round` holds them
+    /// all, DeepSpeed's default), host tensors read in place.
     pub fn begin_reduce_scatter_parts_in_rounds_as(
         &self,
         parts: Vec<Tensor>,
@@ -496,14 +543,10 @@ impl ProcessGroup {
         round: usize,
         wire: WireDtype,
     ) -> Result<Pending> {
-        #[cfg(feature = "nccl")]
-        if self.world() > 1 && len.is_multiple_of(self.world()) {
-            if let Some(c) = parts.first().map(|t| self.nccl_for(t)).transpose()?.flatten() {
-                let padded = concat_padded(&parts, len)?.to_dtype(wire.dtype())?;
-                drop(parts);
-                let (tensor, deferred) = c.reduce_scatter_deferred(&padded)?;
-                return Ok(Pending { tensor, dtype: DType::F32, deferred: Some(deferred) });
-            }
+        let w = self.world();
+        let on_device = !parts.is_empty() && parts.iter().all(|t| !t.device().is_cpu());
+        if w > 1 && len.is_multiple_of(w) && on_device {
+            return self.begin_reduce_scatter_rounds_of_tensors(parts, len, round, wire);
         }
         Ok(Pending::done(self.reduce_scatter_parts_in_rounds_as(parts, len, round, wire)?))
     }
@@ -523,7 +566,7 @@ impl ProcessGroup {
         #[cfg(feature = "nccl")]
         if let Some(c) = self.nccl_for(bucket)? {
             let (tensor, deferred) = c.reduce_chunks_deferred(&bucket.to_dtype(wire.dtype())?, chunks)?;
-            return Ok(Pending { tensor, dtype: DType::F32, deferred: Some(deferred) });
+            return Ok(Pending::deferred(tensor, DType::F32, deferred));
         }
         let mut values = host_f32(bucket)?;
         let mine = self.reduce_scatter_chunks_as(&mut values, chunks, wire)?;
@@ -694,47 +737,121 @@ fn extend_host_f32(out: &mut Vec<f32>, t: &Tensor) -> Result<()> {
 }
 
 /// A collective begun ([`ProcessGroup::begin_all_gather_tensor_as`],
-/// [`ProcessGroup::begin_reduce_scatter_parts_in_rounds_as`]).
+/// [`ProcessGroup::begin_reduce_scatter_parts_in_rounds_as`]), or several whose results are
+/// consecutive pieces of one (a reduce-scatter in rounds).
 pub struct Pending {
-    /// First, so that it is dropped first (fields drop in order): the compute stream then waits
-    /// for the collective before the result's memory can be freed and handed to another kernel.
+    /// First, so that they are dropped first (fields drop in order): the compute stream then
+    /// waits for the collectives before their results' memory can be freed and handed to
+    /// another kernel.
     #[cfg(feature = "nccl")]
-    deferred: Option<nccl::Deferred>,
-    tensor: Tensor,
+    deferred: std::collections::VecDeque<nccl::Deferred>,
+    /// The result, in pieces read as one.
+    pieces: Vec<Tensor>,
     /// The dtype it is read in.
     dtype: DType,
 }
+
+/// Rounds of a reduce-scatter in flight at once over NCCL: one reduced while the next is cut.
+pub const ROUNDS_IN_FLIGHT: usize = 2;
 
 impl Pending {
     /// A collective done already.
     fn done(tensor: Tensor) -> Self {
         let dtype = tensor.dtype();
+        let mut done = Self::in_pieces(dtype);
+        done.pieces.push(tensor);
+        done
+    }
+
+    /// Nothing yet; results to be read in `dtype`.
+    fn in_pieces(dtype: DType) -> Self {
         Self {
-            tensor,
-            dtype,
             #[cfg(feature = "nccl")]
-            deferred: None,
+            deferred: std::collections::VecDeque::new(),
+            pieces: Vec::new(),
+            dtype,
         }
     }
 
-    /// Orders the compute stream after the collective without reading its result (a bucket
+    /// A collective on NCCL's stream, its result `tensor` read in `dtype`.
+    #[cfg(feature = "nccl")]
+    fn deferred(tensor: Tensor, dtype: DType, deferred: nccl::Deferred) -> Self {
+        let mut pending = Self::in_pieces(dtype);
+        pending.push(tensor, Some(deferred));
+        pending
+    }
+
+    /// The next piece of the result, and the collective that makes it where it is not done.
+    #[cfg(feature = "nccl")]
+    fn push(&mut self, piece: Tensor, deferred: Option<nccl::Deferred>) {
+        self.pieces.push(piece);
+        self.deferred.extend(deferred);
+    }
+    #[cfg(not(feature = "nccl"))]
+    fn push(&mut self, piece: Tensor, _done: Option<std::convert::Infallible>) {
+        self.pieces.push(piece);
+    }
+
+    /// Orders the compute stream after all but the last `left` collectives.
+    #[cfg(feature = "nccl")]
+    fn wait_for_all_but(&mut self, left: usize) {
+        while self.deferred.len() > left {
+            self.deferred.pop_front();
+        }
+    }
+
+    /// Orders the compute stream after the collectives without reading their result (a bucket
     /// reduce that delivered nothing to this rank).
     pub fn wait(self) {
         #[cfg(feature = "nccl")]
         drop(self.deferred);
     }
 
-    /// Its result, once the compute stream is ordered after the collective.
+    /// Its result, once the compute stream is ordered after the collectives.
     pub fn ready(self) -> Result<Tensor> {
-        #[cfg(feature = "nccl")]
-        drop(self.deferred);
-        Ok(self.tensor.to_dtype(self.dtype)?)
+        let Self { pieces, dtype, .. } = self;
+        let whole = match pieces.len() {
+            1 => pieces.into_iter().next().expect("one piece"),
+            _ => Tensor::cat(&pieces, 0)?,
+        };
+        Ok(whole.to_dtype(dtype)?)
     }
 
     /// [`Self::ready`] cut into variables of `shapes`, copied out of the gathered buffer.
     pub fn ready_as_variables(self, shapes: &[&candle_core::Shape]) -> Result<Vec<candle_core::Var>> {
         split_variables(&self.ready()?, shapes)
     }
+}
+
+/// Where values of a reduce-scatter in rounds come from ([`round_of_parts`]).
+#[derive(Debug, PartialEq)]
+enum Stretch {
+    /// `n` values of part `part` from its value `at`.
+    Part { part: usize, at: usize, n: usize },
+    /// `n` zeros (the padding past the parts' end).
+    Zeros(usize),
+}
+
+/// The buffer of the round at `a` of a reduce-scatter in rounds of `n` values a rank, of parts
+/// of `lens` values laid end to end and zero-padded to `world` chunks of `shard`: for each rank
+/// in order, the `n` values from `r * shard + a`.
+fn round_of_parts(lens: &[usize], shard: usize, world: usize, a: usize, n: usize) -> Vec<Stretch> {
+    let mut stretches = Vec::new();
+    for r in 0..world {
+        let (mut at, mut left, mut start) = (r * shard + a, n, 0);
+        for (part, &len) in lens.iter().enumerate() {
+            if left > 0 && at < start + len {
+                let take = (start + len - at).min(left);
+                stretches.push(Stretch::Part { part, at: at - start, n: take });
+                (at, left) = (at + take, left - take);
+            }
+            start += len;
+        }
+        if left > 0 {
+            stretches.push(Stretch::Zeros(left));
+        }
+    }
+    stretches
 }
 
 /// `t`'s values (any float dtype) as f32 in host memory ([`extend_host_f32`]).
@@ -797,6 +914,15 @@ mod tests {
                             group.reduce_scatter_parts_in_rounds_as(vec![a.clone(), b16.clone()], len, round, wire)?;
                         assert_eq!(bytes() - before, sent, "round {round}: the same bytes");
                         assert_eq!(got.to_vec1::<f32>()?, want.to_vec1::<f32>()?, "round {round}, {wire:?}");
+                        // A device's rounds, cut by tensor copies (here of CPU tensors).
+                        let before = bytes();
+                        let parts = vec![a.clone(), b16.clone()];
+                        let got = group.begin_reduce_scatter_rounds_of_tensors(parts, len, round, wire)?.ready()?;
+                        assert_eq!(bytes() - before, sent, "round {round} as tensors: the same bytes");
+                        let bits = |t: &Tensor| {
+                            Ok::<_, anyhow::Error>(t.to_vec1::<f32>()?.iter().map(|x| x.to_bits()).collect::<Vec<_>>())
+                        };
+                        assert_eq!(bits(&got)?, bits(&want)?, "round {round} as tensors, {wire:?}");
                     }
                 }
                 let mine: Vec<f32> = (0..len / world).map(|i| i as f32 + 10.0 * r).collect();
@@ -817,6 +943,19 @@ mod tests {
                 res.unwrap();
             }
         }
+    }
+
+    /// A round's buffer, by hand: parts of 3 and 2 values padded to 2 chunks of 3, in rounds of
+    /// 2 values a rank: each rank's stretch in rank order, cut where a part ends, the padding
+    /// as zeros.
+    #[test]
+    fn a_rounds_buffer_is_each_ranks_stretch_of_the_parts() {
+        let (part, zeros) = (|part, at, n| Stretch::Part { part, at, n }, Stretch::Zeros);
+        assert_eq!(round_of_parts(&[3, 2], 3, 2, 0, 2), vec![part(0, 0, 2), part(1, 0, 2)]);
+        assert_eq!(round_of_parts(&[3, 2], 3, 2, 2, 1), vec![part(0, 2, 1), zeros(1)]);
+        // A stretch across two parts, and the whole in one round (the padded concatenation).
+        assert_eq!(round_of_parts(&[2, 1, 2], 3, 2, 0, 3), vec![part(0, 0, 2), part(1, 0, 1), part(2, 0, 2), zeros(1)]);
+        assert_eq!(round_of_parts(&[4], 2, 3, 1, 1), vec![part(0, 1, 1), part(0, 3, 1), zeros(1)]);
     }
 
     /// Weights gathered as bf16 or f16 are the f32 gather cast, in half its bytes on the ring.
