@@ -228,14 +228,18 @@ fn pretraining_on_2_and_3_ranks_matches_one_rank_at_every_zero_stage() {
             (sent - want).abs() <= 1e-5 * want,
             "{world} ranks, stage 2 in buckets: {sent} bytes sent, {want} in one"
         );
-        // Stage 3 reduce-scattering each unit's gradients in rounds of a bucket: the default's
-        // weights bit for bit, in the same bytes.
-        let out = dir.path().join(format!("w{world}-s3-rounds"));
-        run_ranks(dir.path(), "sft", world, &with(pretrain_args(&out, 6 / world, 3), "--reduce-bucket-size 3000"));
-        let whole = dir.path().join(format!("w{world}-s3"));
-        assert!(weights(&latest(&out)) == weights(&latest(&whole)), "{world} ranks, stage 3 in rounds: other weights");
-        let (sent, want) = (comm_bytes(&out), comm_bytes(&whole));
-        assert!((sent - want).abs() <= 1e-5 * want, "{world} ranks, stage 3 in rounds: {sent} bytes, {want} in one");
+        // Stages 1 and 3 reduce-scattering the gradients (stage 3 each unit's) in rounds of a
+        // bucket: the default's weights bit for bit, in the same bytes.
+        for stage in [1, 3] {
+            let out = dir.path().join(format!("w{world}-s{stage}-rounds"));
+            let a = with(pretrain_args(&out, 6 / world, stage), "--reduce-bucket-size 3000");
+            run_ranks(dir.path(), "sft", world, &a);
+            let whole = dir.path().join(format!("w{world}-s{stage}"));
+            let what = format!("{world} ranks, stage {stage} in rounds");
+            assert!(weights(&latest(&out)) == weights(&latest(&whole)), "{what}: other weights");
+            let (sent, want) = (comm_bytes(&out), comm_bytes(&whole));
+            assert!((sent - want).abs() <= 1e-5 * want, "{what}: {sent} bytes, {want} in one");
+        }
     }
 }
 

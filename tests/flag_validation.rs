@@ -3,7 +3,7 @@
 //! usage exit code 2; a value in range parses. And a flag that would have no effect is refused:
 //! `train --pretrain-demo` with the pipeline's flags, sampling flags without sampling, LoRA
 //! options without a LoRA rank, `--unsup-coef` without PTX data, fp16's loss-scaling flags in
-//! another dtype.
+//! another dtype, NCCL on the CPU, a weights' gather bucket without the gather.
 
 use clap::Parser;
 use std::path::{Path, PathBuf};
@@ -213,6 +213,20 @@ fn flags_that_would_have_no_effect_are_refused_naming_what_they_need() {
     let stderr = usage_error(dir.path(), "sft", &[&args[..], &[out_arg]].concat());
     assert!(stderr.contains("--offload moves the optimizer states off a GPU, and this run is on the CPU"), "{stderr}");
     assert!(!out.exists(), "nothing saved");
+    // NCCL on a CPU run would carry nothing; the weights' all-gather bucket sizes a gather that
+    // only stages 1 and 2 make (step 3: neither model at those stages). One line each, before
+    // any training.
+    let out = dir.path().join("nccl");
+    let out_arg = out.to_str().unwrap();
+    let nccl = ["--distributed-backend", "nccl", "--device", "cpu", "--data-path", "demo", "--output-dir", out_arg];
+    let stderr = usage_error(dir.path(), "sft", &nccl);
+    assert!(stderr.contains("--distributed-backend nccl carries CUDA tensors"), "{stderr}");
+    let gather = ["--allgather-bucket-size", "1000", "--actor-zero-stage", "3", "--output-dir", out_arg];
+    let stderr = usage_error(dir.path(), "ppo", &gather);
+    assert!(stderr.contains("--allgather-bucket-size") && stderr.contains("stages 1 and 2"), "{stderr}");
+    assert!(!out.exists(), "nothing saved");
+    let critic_gathers = ["ppo", "--allgather-bucket-size", "1000", "--critic-zero-stage", "2"];
+    ppo::args::PpoArgs::try_parse_from(critic_gathers).unwrap().validate().expect("the critic's stage 2 gathers");
     // With what they need, the same flags parse.
     assert!(ppo::args::PpoArgs::try_parse_from(["ppo", "--do-sample", "--top-k", "5", "--top-p", "0.9"]).is_ok());
     assert!(ppo::args::PpoArgs::try_parse_from(["ppo", "--actor-lora-dim", "4", "--actor-lora-module-name", "attn"])

@@ -149,14 +149,17 @@ pub fn settings(config: &Value, data_parallel: usize) -> Result<Settings> {
             "zero_optimization" => zero(value, &mut set, &mut ignored)?,
             "fp16" => fp16(value, &mut set, &mut ignored)?,
             "bf16" => {
-                if enabled(value) {
+                if enabled(value, key)? {
+                    if top.get("fp16").map(|v| enabled(v, "fp16")).transpose()? == Some(true) {
+                        bail!("fp16.enabled and bf16.enabled are both true: enable one of them");
+                    }
                     set("--dtype", Some("bf16".into()), "bf16.enabled");
                 }
             }
             "optimizer" => optimizer(value, &mut set)?,
             "scheduler" => scheduler(value, &mut set, &mut ignored)?,
             "tensorboard" => {
-                if enabled(value) {
+                if enabled(value, key)? {
                     set("--enable-tensorboard", None, "tensorboard.enabled");
                     if let Some(dir) = value.get("output_path").and_then(Value::as_str) {
                         set("--tensorboard-path", Some(dir.into()), "tensorboard.output_path");
@@ -205,11 +208,15 @@ fn batch_sizes(top: &serde_json::Map<String, Value>, dp: usize, set: &mut Set) -
 
 fn zero(value: &Value, set: &mut Set, ignored: &mut Vec<String>) -> Result<()> {
     let Value::Object(zero) = value else { bail!("zero_optimization is not an object") };
+    // DeepSpeed reads allgather_bucket_size at stages 1 and 2 only (the gather after the step).
+    let stage = zero.get("stage").map(|v| count(v, "zero_optimization.stage")).transpose()?;
+    let gathers_after_the_step = stage.is_none_or(|s| s == 1 || s == 2);
     for (key, v) in zero {
         let full = format!("zero_optimization.{key}");
         match key.as_str() {
             "stage" => set("--zero-stage", Some(count(v, &full)?.to_string()), &full),
             "reduce_bucket_size" => set("--reduce-bucket-size", Some(count(v, &full)?.to_string()), &full),
+            "allgather_bucket_size" if !gathers_after_the_step => ignored.push(full),
             "allgather_bucket_size" => set("--allgather-bucket-size", Some(count(v, &full)?.to_string()), &full),
             "offload_optimizer" | "offload_param" => match v.get("device").and_then(Value::as_str) {
                 None | Some("none") => {}
@@ -223,7 +230,7 @@ fn zero(value: &Value, set: &mut Set, ignored: &mut Vec<String>) -> Result<()> {
 }
 
 fn fp16(value: &Value, set: &mut Set, ignored: &mut Vec<String>) -> Result<()> {
-    if !enabled(value) {
+    if !enabled(value, "fp16")? {
         return Ok(());
     }
     set("--dtype", Some("fp16".into()), "fp16.enabled");
@@ -300,8 +307,15 @@ fn scheduler(value: &Value, set: &mut Set, ignored: &mut Vec<String>) -> Result<
     Ok(())
 }
 
-fn enabled(value: &Value) -> bool {
-    value.get("enabled").and_then(Value::as_bool).unwrap_or(false)
+/// Whether a block (`fp16`, `bf16`, `tensorboard`, named `key`) is enabled: off without
+/// `enabled`; anything but a boolean (Hugging Face's `"auto"`, which its trainer fills in before
+/// DeepSpeed reads it) is refused rather than read as off.
+fn enabled(value: &Value, key: &str) -> Result<bool> {
+    match value.get("enabled") {
+        None => Ok(false),
+        Some(Value::Bool(on)) => Ok(*on),
+        Some(other) => bail!("{key}.enabled {other} is not true or false (\"auto\" is filled in by Hugging Face's trainer, not here): write true or false"),
+    }
 }
 
 fn number(v: &Value, key: &str) -> Result<f64> {
@@ -437,6 +451,24 @@ mod tests {
         assert!(err(json!({"optimizer": {"type": "AdamW", "params": {"betas": [0.9]}}}), 1).contains("not two numbers"));
         assert!(err(json!([1, 2]), 1).contains("not a JSON object"));
         assert!(err(json!({"gradient_clipping": "big"}), 1).contains("gradient_clipping \"big\" is not a number"));
+        // Half precision on or off, never both, never "auto" read as off.
+        assert!(err(json!({"bf16": {"enabled": "auto"}}), 1).contains("bf16.enabled \"auto\" is not true or false"));
+        assert!(err(json!({"fp16": {"enabled": "auto"}}), 1).contains("fp16.enabled"));
+        let both = json!({"fp16": {"enabled": true}, "bf16": {"enabled": true}});
+        assert!(err(both, 1).contains("both true"));
+        assert_eq!(f(json!({"fp16": {"enabled": false}, "bf16": {"enabled": true}}), 1).unwrap(), ["--dtype=bf16"]);
+    }
+
+    /// DeepSpeed reads `allgather_bucket_size` at stages 1 and 2 only: at stages 0 and 3 it is
+    /// listed as ignored rather than becoming a flag the command would refuse.
+    #[test]
+    fn the_gather_bucket_is_read_at_stages_1_and_2_only() -> Result<()> {
+        for (stage, kept) in [(0, false), (1, true), (2, true), (3, false)] {
+            let s = settings(&json!({"zero_optimization": {"stage": stage, "allgather_bucket_size": 1000}}), 1)?;
+            assert_eq!(flags(&s).contains(&"--allgather-bucket-size=1000".to_string()), kept, "stage {stage}");
+            assert_eq!(s.ignored.contains(&"zero_optimization.allgather_bucket_size".to_string()), !kept);
+        }
+        Ok(())
     }
 
     /// A command without a setting's flag lists its key as ignored; one without Adam's betas

@@ -27,14 +27,16 @@ pub struct DistArgs {
     /// the collective named, the communicator aborted).
     #[arg(help_heading = heading::PARALLELISM, long, default_value_t = 300, alias = "dist_timeout", value_parser = clap::value_parser!(u64).range(1..))]
     pub dist_timeout: u64,
-    /// Gradient values per bucket (DeepSpeed's reduce_bucket_size): stage 0's all-reduces, and at
-    /// stage 2 on CPU ranks the reduce-scatters made during backward as gradients complete, so
-    /// a rank holds a bucket of them rather than a micro-batch's whole gradient.
+    /// Gradient values per bucket (DeepSpeed's reduce_bucket_size): stage 0's all-reduces, stage
+    /// 1's reduce-scatter in rounds, stage 2's reduce-scatters made during backward as gradients
+    /// complete (a rank holds a bucket of them rather than a micro-batch's whole gradient), and
+    /// stage 3's reduce-scatter of each block's gradients in rounds.
     #[arg(help_heading = heading::PARALLELISM, long, default_value_t = DEFAULT_BUCKET as u64, alias = "reduce_bucket_size", value_parser = clap::value_parser!(u64).range(1..))]
     pub reduce_bucket_size: u64,
     /// Weight values per round of the all-gather that follows each step at stages 1 and 2
     /// (DeepSpeed's allgather_bucket_size): each round's buffer is this many values, written
-    /// into the weights as it arrives, rather than the whole model's.
+    /// into the weights as it arrives, rather than the whole model's. Refused at stages 0 and 3,
+    /// which have no such gather.
     #[arg(help_heading = heading::PARALLELISM, long, default_value_t = DEFAULT_BUCKET as u64, alias = "allgather_bucket_size", value_parser = clap::value_parser!(u64).range(1..))]
     pub allgather_bucket_size: u64,
     /// The type gradients travel in through their reductions over the data-parallel ranks
@@ -64,11 +66,12 @@ pub struct DistArgs {
     /// both models. See cli/deepspeed_config.rs.
     #[arg(help_heading = heading::PARALLELISM, long, aliases = ["deepspeed_config", "deepscale-config", "deepscale_config"])]
     pub deepspeed_config: Option<std::path::PathBuf>,
-    /// What carries collectives between GPUs (Megatron's --distributed-backend): nccl, or gloo,
-    /// the TCP ring through host memory (ranks sharing one GPU, which NCCL refuses). CPU
-    /// tensors always take the ring.
-    #[arg(help_heading = heading::PARALLELISM, long, value_enum, default_value = "nccl", alias = "distributed_backend")]
-    pub distributed_backend: Backend,
+    /// What carries collectives between GPUs (Megatron's --distributed-backend): nccl (the
+    /// default where this build has it), or gloo, the TCP ring through host memory (ranks
+    /// sharing one GPU, which NCCL refuses). CPU tensors always take the ring, so nccl is refused
+    /// with --device cpu.
+    #[arg(help_heading = heading::PARALLELISM, long, value_enum, alias = "distributed_backend")]
+    pub distributed_backend: Option<Backend>,
     /// The rank on this node, as DeepSpeed's and torch.distributed.launch's launchers pass it: it
     /// must agree with the environment's LOCAL_RANK (the ranks are read from the environment).
     #[arg(help_heading = heading::PARALLELISM, long, alias = "local_rank")]
@@ -98,9 +101,18 @@ fn without_local_rank(args: impl Iterator<Item = String>) -> Vec<String> {
 }
 
 impl DistArgs {
-    /// Joins the job the environment describes (one rank when none does). Every rank's
-    /// command line must match rank 0's: the store compares their hashes.
-    pub fn join(&self) -> Result<Arc<ProcessGroup>> {
+    /// Joins the job the environment describes (one rank when none does), its collectives
+    /// carried for tensors on `device`. Every rank's command line must match rank 0's: the store
+    /// compares their hashes.
+    pub fn join(&self, device: &candle_core::Device) -> Result<Arc<ProcessGroup>> {
+        if self.distributed_backend == Some(Backend::Nccl) {
+            if device.is_cpu() {
+                bail!("--distributed-backend nccl carries CUDA tensors, and this run's are on the CPU (they take the TCP ring): drop the flag, or use --device cuda");
+            }
+            if !cfg!(feature = "nccl") {
+                bail!("--distributed-backend nccl: this build has no NCCL; rebuild with --features cuda,nccl, or use --distributed-backend gloo");
+            }
+        }
         let env = RankEnv::from_process()?;
         if let Some(local) = self.local_rank.filter(|&l| l != env.local_rank) {
             let from = match env.source {
@@ -114,7 +126,7 @@ impl DistArgs {
         // The ranks' command lines must match, but for the one flag a launcher gives each its own.
         let flags = without_local_rank(std::env::args().skip(1));
         let group = ProcessGroup::init(env, Duration::from_secs(self.dist_timeout), &flags.join("\0"))?;
-        Ok(Arc::new(group.with_backend(self.distributed_backend)))
+        Ok(Arc::new(group.with_backend(self.distributed_backend.unwrap_or_default())))
     }
 
     /// The tensor-parallel layout of `world` (`None` without `--tensor-model-parallel-size`);
@@ -128,9 +140,34 @@ impl DistArgs {
     pub fn parallel_config(&self, group: &ProcessGroup, stage: u8, model: &str) -> Result<ParallelConfig> {
         let zero_stage = ZeroStage::from_number(stage)?;
         let prefix = if model.is_empty() { String::new() } else { format!("{model}: ") };
-        if group.world() == 1 && stage > 0 {
-            println!("{prefix}ZeRO stage {stage} with 1 process: nothing to shard, training as stage 0");
-        } else if group.world() > 1 {
+        let gathers_after_the_step = matches!(zero_stage, ZeroStage::OptimizerStates | ZeroStage::Gradients);
+        let gather_bucket_set = self.allgather_bucket_size != DEFAULT_BUCKET as u64;
+        if group.world() == 1 {
+            if stage > 0 {
+                println!("{prefix}ZeRO stage {stage} with 1 process: nothing to shard, training as stage 0");
+            }
+            // Set for a script shared with runs on several ranks: said once, not refused.
+            let unused: Vec<&str> = [
+                (self.reduce_bucket_size != DEFAULT_BUCKET as u64, "--reduce-bucket-size"),
+                (gather_bucket_set, "--allgather-bucket-size"),
+                (self.communication_data_type != WireDtype::F32, "--communication-data-type"),
+            ]
+            .into_iter()
+            .filter_map(|(set, flag)| set.then_some(flag))
+            .collect();
+            if !unused.is_empty() {
+                println!("{prefix}{}: no effect with one data-parallel rank (nothing is reduced)", unused.join(", "));
+            }
+        } else if gather_bucket_set && !gathers_after_the_step {
+            // Step 3's models are checked together (one of them may gather).
+            if model.is_empty() {
+                bail!(
+                    "--allgather-bucket-size sizes the weights' all-gather after each step of ZeRO stages 1 and 2; stage {stage} has none (stage 3 gathers each block when it runs): drop the flag"
+                );
+            }
+            println!("{prefix}--allgather-bucket-size: no effect at ZeRO stage {stage} (only stages 1 and 2 gather after the step)");
+        }
+        if group.world() > 1 {
             let what = match zero_stage {
                 ZeroStage::Disabled => "gradients all-reduced, every rank updates the whole model",
                 ZeroStage::OptimizerStates => {
@@ -162,6 +199,39 @@ impl DistArgs {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        dist: DistArgs,
+    }
+
+    /// `--allgather-bucket-size` sizes the gather after the step of stages 1 and 2: at stages 0
+    /// and 3 across ranks a step with one model refuses it in one line, step 3's models each
+    /// say so (their check is together, in ppo's arguments); on one rank it only says it has no
+    /// effect, as the other communication flags do.
+    #[test]
+    fn a_gather_bucket_is_refused_where_no_gather_follows_the_step() {
+        let dist = |extra: &[&str]| Cli::try_parse_from([&["x"], extra].concat()).unwrap().dist;
+        let set = dist(&["--allgather-bucket-size", "1000", "--reduce-bucket-size", "1000"]);
+        for result in crate::comm::on_groups(2, |group| {
+            for stage in [0, 3] {
+                let refused = set.parallel_config(&group, stage, "").unwrap_err().to_string();
+                assert!(refused.contains("--allgather-bucket-size") && refused.contains(&format!("stage {stage}")));
+                set.parallel_config(&group, stage, "critic")?;
+            }
+            for stage in [1, 2] {
+                assert_eq!(set.parallel_config(&group, stage, "")?.allgather_bucket_size, 1000);
+            }
+            dist(&[]).parallel_config(&group, 3, "")?;
+            Ok(())
+        }) {
+            result.unwrap();
+        }
+        let one = set.parallel_config(&ProcessGroup::single(), 3, "").unwrap();
+        assert_eq!((one.reduce_bucket_size, one.allgather_bucket_size), (1000, 1000));
+    }
 
     #[test]
     fn the_ranks_command_lines_compare_without_the_launchers_local_rank() {

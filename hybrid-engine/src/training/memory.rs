@@ -659,6 +659,10 @@ impl MemoryPlan {
         let bucket = (reduce as u64).min(p);
         let f32_values = match stage {
             ZeroStage::Disabled => bucket,
+            // Stage 1 reduce-scatters after backward in rounds of a bucket (two in flight over
+            // NCCL).
+            ZeroStage::OptimizerStates if bucket < p && self.device == DeviceKind::Cpu => bucket,
+            ZeroStage::OptimizerStates if bucket < p => 2 * bucket,
             ZeroStage::OptimizerStates => p,
             ZeroStage::Gradients if bucket < p && self.device == DeviceKind::Cpu => bucket,
             ZeroStage::Gradients if bucket < p => 2 * bucket,
@@ -850,7 +854,9 @@ mod tests {
         // freed, the gathered weights, the ring's incoming quarter, the shard's weights and
         // gradient copied out (the same bytes but for the shards' rounding).
         let gathering = 4 * (p + shard) + 8 * shard - 4 * (p - shard);
-        assert_eq!(plan(ZeroStage::OptimizerStates, 1000, f32).reduction_bytes, (4 * p).max(gathering));
+        assert_eq!(plan(ZeroStage::OptimizerStates, big, f32).reduction_bytes, (4 * p).max(gathering));
+        // In rounds of a bucket the reduce-scatter's buffer is a round: the gathering is larger.
+        assert_eq!(plan(ZeroStage::OptimizerStates, 1000, f32).reduction_bytes, (4 * 1000).max(gathering));
         assert_eq!(plan(ZeroStage::Gradients, big, f32).reduction_bytes, 8 * p);
         // Stage 2's buckets during backward leave the step's all-gather the larger: the whole
         // weights, or with rounds of 1000 values 1000 and the ring's 250 beside the copies.

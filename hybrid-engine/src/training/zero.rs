@@ -266,10 +266,12 @@ pub fn all_reduce_gradients(dp: &DataParallel, grads: Vec<Tensor>) -> Result<Vec
     Ok(out)
 }
 
-/// Stages 1 and 2: this rank's shard of the summed gradients (not yet averaged). The gradients
-/// are taken: on the CPU each is freed once copied into the ring's buffer.
+/// Stages 1 and 2: this rank's shard of the summed gradients (not yet averaged), reduce-scattered
+/// in rounds of `--reduce-bucket-size` values (DeepSpeed's `reduce_bucket_size`; one round at its
+/// default): the collective's buffer is a round, the same sums in the same bytes. The gradients
+/// are taken.
 pub fn reduce_scatter_gradients(dp: &DataParallel, partition: &Partition, grads: Vec<Tensor>) -> Result<Tensor> {
-    dp.group.reduce_scatter_parts_as(grads, partition.padded(), dp.wire)
+    dp.group.begin_reduce_scatter_parts_in_rounds_as(grads, partition.padded(), dp.bucket, dp.wire)?.ready()
 }
 
 /// ZeRO stage 2's gradient reduction during backward, in buckets of about `reduce_bucket_size`

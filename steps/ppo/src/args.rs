@@ -473,6 +473,17 @@ impl PpoArgs {
         if let Some(name) = &self.unsupervised_dataset_name {
             self.ptx_source(name)?;
         }
+        let gathers_after_the_step = |stage: u8| matches!(stage, 1 | 2);
+        if self.dist.allgather_bucket_size != hybrid_engine::training::zero::DEFAULT_BUCKET as u64
+            && !gathers_after_the_step(self.actor_zero_stage)
+            && !gathers_after_the_step(self.critic_zero_stage)
+        {
+            bail!(
+                "--allgather-bucket-size sizes the weights' all-gather after each step of ZeRO stages 1 and 2; the actor's stage {} and the critic's {} have none: drop the flag",
+                self.actor_zero_stage,
+                self.critic_zero_stage
+            );
+        }
         let positive = [
             ("--per-device-generation-batch-size", self.per_device_generation_batch_size),
             ("--per-device-training-batch-size", self.per_device_training_batch_size),

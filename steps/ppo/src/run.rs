@@ -82,7 +82,7 @@ pub struct PpoSummary {
 pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
     args.validate()?;
     let device = hybrid_engine::device::parse_device(&args.device)?;
-    let group = args.dist.join()?;
+    let group = args.dist.join(&device)?;
     // Under tensor parallelism the ranks of a TP group hold the same rows: the rollouts and
     // the micro-batches are split over the data-parallel group (every rank without TP).
     let tp = tensor_parallel(args, &group)?;

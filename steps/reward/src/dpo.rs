@@ -220,7 +220,7 @@ pub fn run(args: &RewardArgs) -> Result<DpoSummary> {
     let (beta, loss_kind) = (args.beta.unwrap_or(DEFAULT_BETA), args.dpo_loss.unwrap_or(DpoLoss::Sigmoid));
     let rpo_alpha = args.rpo_alpha.unwrap_or(0.0);
     let device = t.device()?;
-    let group = t.dist.join()?;
+    let group = t.dist.join(&device)?;
     let tp = t.dist.tensor_parallel(&group)?;
     let data_group = data_group(&group, tp.as_ref());
     let world = data_group.world();

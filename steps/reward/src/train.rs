@@ -63,7 +63,7 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
     t.validate(lr)?;
     args.data.refuse_sft_only_data("the reward model's step 2")?;
     let device = t.device()?;
-    let group = t.dist.join()?;
+    let group = t.dist.join(&device)?;
     // Under tensor parallelism the ranks of a TP group train on the same pairs: the data is split
     // over the data-parallel group (every rank without TP).
     let tp = t.dist.tensor_parallel(&group)?;

@@ -45,7 +45,7 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
     let lr = t.learning_rate.unwrap_or(DEFAULT_LR);
     t.validate(lr)?;
     let device = t.device()?;
-    let group = t.dist.join()?;
+    let group = t.dist.join(&device)?;
     // Under tensor parallelism the ranks of a TP group train on the same rows: the data is split
     // over the data-parallel group (every rank without TP).
     let tp = t.dist.tensor_parallel(&group)?;

@@ -97,7 +97,7 @@ impl DataLayout {
 pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     let cfg = args.pretrain_config()?;
     let device = hybrid_engine::device::parse_device(&args.device)?;
-    let group = args.dist.join()?;
+    let group = args.dist.join(&device)?;
     // Tensor parallelism: the ranks of a TP group train on the same data, so the data is split
     // over the data-parallel group (the whole world without TP).
     let tp = args.dist.tensor_parallel(&group)?;
