@@ -31,7 +31,7 @@ pub struct ChatArgs {
     #[arg(long)]
     pub prompt: Option<String>,
     /// With --prompt: wrap the text as a chat turn ("\n\nHuman: TEXT\n\nAssistant:").
-    #[arg(long, alias = "chat_format")]
+    #[arg(long, alias = "chat_format", requires = "prompt")]
     pub chat_format: bool,
     /// Greedy decoding instead of sampling (the sampling flags are refused with it).
     #[arg(long)]

@@ -200,6 +200,13 @@ fn flags_that_would_have_no_effect_are_refused_naming_what_they_need() {
         ("chat", &["--path", "gpt2", "--greedy", "--temperature", "0.5"], "--greedy"),
         ("chat", &["--path", "gpt2", "--greedy", "--top-k", "5"], "--greedy"),
         ("chat", &["--path", "gpt2", "--greedy", "--top-p", "0.5"], "--greedy"),
+        ("ppo", &["--reward-fn-timeout", "10"], "--reward-fn exec:CMD"),
+        ("ppo", &["--reward-fn", "builtin:capitals", "--reward-fn-timeout", "10"], "built-in scorers"),
+        ("ppo", &["--no-final-checkpoint", "--save", "ck"], "--save-interval"),
+        ("ppo", &["--whiten-advantages", "--algorithm", "reinforce_pp"], "always whitens"),
+        ("sft", &["--no-data-cache", "--data-output-path", "cache"], "--no-data-cache"),
+        ("sft", &["--num-eval-prompts", "3"], "--eval-prompts"),
+        ("sft", &["--max-new-tokens", "3"], "--eval-prompts"),
     ];
     for (name, args, want) in cases {
         let stderr = usage_error(dir.path(), name, args);
@@ -227,6 +234,18 @@ fn flags_that_would_have_no_effect_are_refused_naming_what_they_need() {
     assert!(!out.exists(), "nothing saved");
     let critic_gathers = ["ppo", "--allgather-bucket-size", "1000", "--critic-zero-stage", "2"];
     ppo::args::PpoArgs::try_parse_from(critic_gathers).unwrap().validate().expect("the critic's stage 2 gathers");
+    // A critic's path that neither a critic nor a reward model reads; --chat-format without the
+    // --prompt it formats.
+    let no_critic = ["--algorithm", "grpo", "--num-samples-per-prompt", "4", "--do-sample", "--no-reward-model"];
+    let scorer = ["--reward-fn", "builtin:capitals", "--critic-model-name-or-path", "reward"];
+    let stderr = usage_error(dir.path(), "ppo", &[&no_critic[..], &scorer].concat());
+    assert!(stderr.contains("--critic-model-name-or-path") && stderr.contains("trains no critic"), "{stderr}");
+    let offload = ["--offload-reference-model", "--device", "cpu", "--output-dir", out_arg];
+    let stderr = usage_error(dir.path(), "ppo", &offload);
+    assert!(stderr.contains("--offload-reference-model") && stderr.contains("on the CPU"), "{stderr}");
+    assert!(!out.exists(), "nothing saved");
+    let stderr = usage_error(dir.path(), "chat", &["--path", "gpt2", "--chat-format"]);
+    assert!(stderr.contains("--chat-format") && stderr.contains("--prompt"), "{stderr}");
     // With what they need, the same flags parse.
     assert!(ppo::args::PpoArgs::try_parse_from(["ppo", "--do-sample", "--top-k", "5", "--top-p", "0.9"]).is_ok());
     assert!(ppo::args::PpoArgs::try_parse_from(["ppo", "--actor-lora-dim", "4", "--actor-lora-module-name", "attn"])

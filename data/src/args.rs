@@ -29,7 +29,7 @@ pub struct DataArgs {
     /// Where tokenized datasets are cached (shared by runs and steps). Default: a private
     /// per-user directory, `$XDG_CACHE_HOME/rlhf-rs/data_files` or `~/.cache/rlhf-rs/data_files`
     /// (DS-Chat's `/tmp/data_files` is writable by every local user).
-    #[arg(long, alias = "data_output_path")]
+    #[arg(long, alias = "data_output_path", conflicts_with = "no_data_cache")]
     pub data_output_path: Option<PathBuf>,
     /// Never read or write the tokenized-data cache.
     #[arg(long, alias = "no_data_cache")]

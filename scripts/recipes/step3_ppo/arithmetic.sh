@@ -24,8 +24,8 @@ case "$ALGORITHM" in
   *) echo "no arithmetic step-3 recipe for algorithm $ALGORITHM (grpo, rloo, reinforce_pp): PPO's critic would start from a reward model, and the task has none" >&2; exit 2 ;;
 esac
 
-# The critic's path is the actor's: with --no-reward-model and no critic, neither is read.
-exec ppo --actor-model-name-or-path="$ACTOR" --critic-model-name-or-path="$ACTOR" \
+# No critic and --no-reward-model: no critic path (ppo refuses one it would not read).
+exec ppo --actor-model-name-or-path="$ACTOR" \
   --actor-zero-stage="$ACTOR_ZERO_STAGE" --seed "${RLHF_SEED:-1234}" \
   --data-output-path="$DATA_CACHE" --output-dir="$OUTPUT" \
   --data-path arithmetic --data-split 6,1,3 --max-prompt-seq-len 24 --max-answer-seq-len 8 \

@@ -62,7 +62,7 @@ pub struct PpoArgs {
     pub print_answers: bool,
     /// DS-Chat's `--offload_reference_model`: on a GPU the frozen reference (at ZeRO stage 3,
     /// its shard) stays in host memory between rollouts, brought to the GPU for each rollout's
-    /// log-probs (on the CPU it is there already).
+    /// log-probs (on the CPU it is there already: refused there).
     #[arg(help_heading = heading::PARALLELISM, long, alias = "offload_reference_model")]
     pub offload_reference_model: bool,
     /// The actor's dropout off (earlier DS-Chat's `--disable_actor_dropout`): `--actor-dropout 0`.
@@ -208,7 +208,8 @@ pub struct PpoArgs {
     #[arg(help_heading = heading::ALGORITHM, long, value_enum, default_value_t = LossType::Bnpo, alias = "loss_type")]
     pub loss_type: LossType,
     /// Centre and scale each rollout's advantages over its answer tokens, every rank's together
-    /// (TRL's and OpenRLHF's default for PPO; DS-Chat does not): (A - mean) / std.
+    /// (TRL's and OpenRLHF's default for PPO; DS-Chat does not): (A - mean) / std. REINFORCE++
+    /// always does (refused with it).
     #[arg(help_heading = heading::ALGORITHM, long, alias = "whiten_advantages")]
     pub whiten_advantages: bool,
     /// A reward from outside the reward model, added to its score (repeat for several, summed):
@@ -219,11 +220,13 @@ pub struct PpoArgs {
     /// `builtin:arithmetic` (the embedded tasks' exact-match scorers: 1 for a right answer, else 0).
     #[arg(help_heading = heading::REWARDS, long = "reward-fn", alias = "reward_fn", value_name = "SPEC")]
     pub reward_fn: Vec<crate::reward_fn::RewardFnSpec>,
-    /// Seconds a --reward-fn may take to score one rollout's answers (OpenRLHF's 180).
+    /// Seconds an `exec:` or `http` --reward-fn may take to score one rollout's answers
+    /// (OpenRLHF's 180).
     #[arg(help_heading = heading::REWARDS, long, default_value_t = 180.0, alias = "reward_fn_timeout", value_parser = cli::positive())]
     pub reward_fn_timeout: f64,
     /// Score with the --reward-fn alone: no reward model is read (PPO's critic still starts from
-    /// --critic-model-name-or-path; GRPO, RLOO and REINFORCE++ then read nothing there).
+    /// --critic-model-name-or-path; GRPO, RLOO and REINFORCE++ then read nothing there and
+    /// refuse the flag).
     #[arg(help_heading = heading::REWARDS, long, alias = "no_reward_model")]
     pub no_reward_model: bool,
     /// Leave the action that emits EOS out of the losses and KL terms, as DS-Chat's mask
@@ -311,7 +314,7 @@ pub struct PpoArgs {
     /// Save a resumable checkpoint every this many rollouts (0: none), under --save.
     #[arg(help_heading = heading::OUTPUT, long, default_value_t = 0, alias = "save_interval")]
     pub save_interval: u64,
-    /// Checkpoint root (default: <output-dir>/checkpoints).
+    /// Checkpoint root (default: <output-dir>/checkpoints; refused when no checkpoint is saved).
     #[arg(help_heading = heading::OUTPUT, long)]
     pub save: Option<PathBuf>,
     /// Skip the resumable checkpoint a run otherwise ends with (about 9x the actor's size: four
@@ -515,6 +518,7 @@ impl PpoArgs {
         if self.no_reward_model && self.reward_fn.is_empty() {
             bail!("--no-reward-model leaves nothing to score the answers: add a --reward-fn (e.g. --reward-fn builtin:capitals)");
         }
+        self.refuse_flags_without_effect()?;
         self.refuse_critic_flags_without_a_critic()?;
         self.precision.validate()?;
         self.log.validate()?;
@@ -533,6 +537,33 @@ impl PpoArgs {
             }
         }
         hybrid_engine::device::check_device(&self.device)?;
+        Ok(())
+    }
+
+    /// Flags the rest of the command makes without effect: each one line naming what it needs.
+    fn refuse_flags_without_effect(&self) -> Result<()> {
+        let defaults = PpoArgs::parse_from(["ppo"]);
+        let external = self.reward_fn.iter().any(|spec| !matches!(spec, crate::reward_fn::RewardFnSpec::Builtin(_)));
+        if self.reward_fn_timeout != defaults.reward_fn_timeout && !external {
+            bail!("--reward-fn-timeout bounds a command's or a server's answer, and no --reward-fn is one (built-in scorers answer at once): drop it, or add --reward-fn exec:CMD or http://URL");
+        }
+        if self.no_reward_model
+            && !self.algorithm.has_critic()
+            && self.critic_model_name_or_path != defaults.critic_model_name_or_path
+        {
+            bail!(
+                "--critic-model-name-or-path is read for the critic or the reward model, and --algorithm {} trains no critic and --no-reward-model reads none: drop it",
+                self.algorithm.name()
+            );
+        }
+        if self.save.is_some() && self.no_final_checkpoint && self.save_interval == 0 {
+            bail!("--save is where checkpoints go, and --no-final-checkpoint with --save-interval 0 saves none: drop --save, or add --save-interval N");
+        }
+        if self.whiten_advantages && self.algorithm == Algorithm::ReinforcePp {
+            bail!(
+                "--whiten-advantages: --algorithm reinforce_pp always whitens its advantages over the batch: drop it"
+            );
+        }
         Ok(())
     }
 

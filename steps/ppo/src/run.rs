@@ -82,6 +82,9 @@ pub struct PpoSummary {
 pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
     args.validate()?;
     let device = hybrid_engine::device::parse_device(&args.device)?;
+    if args.offload_reference_model && device.is_cpu() {
+        bail!("--offload-reference-model keeps the reference model in host memory off a GPU, and this run is on the CPU, where it is already: drop it, or use --device cuda");
+    }
     let group = args.dist.join(&device)?;
     // Under tensor parallelism the ranks of a TP group hold the same rows: the rollouts and
     // the micro-batches are split over the data-parallel group (every rank without TP).

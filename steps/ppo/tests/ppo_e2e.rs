@@ -71,9 +71,12 @@ fn ppo_with_env(dir: &Path, out: &str, extra: &[&str], env: &[(&str, &str)]) -> 
     .iter()
     .map(|s| s.to_string())
     .collect();
-    // GRPO and RLOO refuse the critic's flags.
+    // GRPO and RLOO refuse the critic's flags, and without a reward model too its path.
     if !critic_free(extra) {
         args.extend(["--critic-learning-rate".to_string(), "1e-3".to_string()]);
+    } else if extra.contains(&"--no-reward-model") {
+        let at = args.iter().position(|a| a == "--critic-model-name-or-path").expect("the critic's path");
+        args.drain(at..at + 2);
     }
     args.extend(extra.iter().map(|s| s.to_string()));
     Command::new(env!("CARGO_BIN_EXE_ppo")).args(&args).envs(env.iter().copied()).output().expect("spawn ppo")

@@ -39,9 +39,9 @@ pub struct SftArgs {
     #[arg(help_heading = heading::EVALUATION, long, alias = "eval_prompts")]
     pub eval_prompts: Option<String>,
     /// How many of the eval prompts to answer.
-    #[arg(help_heading = heading::EVALUATION, long, default_value_t = 8, alias = "num_eval_prompts")]
+    #[arg(help_heading = heading::EVALUATION, long, default_value_t = 8, alias = "num_eval_prompts", requires = "eval_prompts")]
     pub num_eval_prompts: usize,
     /// New tokens per eval-prompt answer.
-    #[arg(help_heading = heading::EVALUATION, long, default_value_t = 32, alias = "max_new_tokens")]
+    #[arg(help_heading = heading::EVALUATION, long, default_value_t = 32, alias = "max_new_tokens", requires = "eval_prompts")]
     pub max_new_tokens: usize,
 }
