@@ -3,7 +3,8 @@
 //! usage exit code 2; a value in range parses. And a flag that would have no effect is refused:
 //! `train --pretrain-demo` with the pipeline's flags, sampling flags without sampling, LoRA
 //! options without a LoRA rank, `--unsup-coef` without PTX data, fp16's loss-scaling flags in
-//! another dtype, NCCL on the CPU, a weights' gather bucket without the gather.
+//! another dtype, NCCL on the CPU, a weights' gather bucket without the gather, a warm-up or a
+//! decay's shape for a constant learning rate, and the others each case names.
 
 use clap::Parser;
 use std::path::{Path, PathBuf};
@@ -207,6 +208,11 @@ fn flags_that_would_have_no_effect_are_refused_naming_what_they_need() {
         ("sft", &["--no-data-cache", "--data-output-path", "cache"], "--no-data-cache"),
         ("sft", &["--num-eval-prompts", "3"], "--eval-prompts"),
         ("sft", &["--max-new-tokens", "3"], "--eval-prompts"),
+        ("sft", &["--lr-scheduler-type", "constant", "--num-warmup-steps", "5"], "constant_with_warmup"),
+        ("reward", &["--lr-scheduler-type", "constant", "--num-warmup-steps", "5"], "constant_with_warmup"),
+        ("ppo", &["--lr-scheduler-type", "constant", "--num-warmup-steps", "5"], "constant_with_warmup"),
+        ("sft", &["--from-scratch", "--lr-decay-style", "constant", "--min-lr", "0"], "--lr-decay-style constant"),
+        ("sft", &["--from-scratch", "--lr-decay-style", "constant", "--lr-decay-iters", "9"], "has none"),
     ];
     for (name, args, want) in cases {
         let stderr = usage_error(dir.path(), name, args);

@@ -146,6 +146,9 @@ impl StepArgs {
         if self.zero_stage > 3 {
             bail!("--zero-stage {} does not exist: use 0, 1, 2 or 3", self.zero_stage);
         }
+        if self.lr_scheduler_type == HfScheduler::Constant && self.num_warmup_steps > 0 {
+            bail!("--num-warmup-steps warms up the learning rate, and --lr-scheduler-type constant has no warm-up: use constant_with_warmup, or drop --num-warmup-steps");
+        }
         self.precision.validate()?;
         self.log.validate()?;
         if let Some(lora) = self.lora() {

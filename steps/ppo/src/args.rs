@@ -559,6 +559,9 @@ impl PpoArgs {
         if self.save.is_some() && self.no_final_checkpoint && self.save_interval == 0 {
             bail!("--save is where checkpoints go, and --no-final-checkpoint with --save-interval 0 saves none: drop --save, or add --save-interval N");
         }
+        if self.lr_scheduler_type == HfScheduler::Constant && self.num_warmup_steps != defaults.num_warmup_steps {
+            bail!("--num-warmup-steps warms up the learning rates, and --lr-scheduler-type constant has no warm-up: use constant_with_warmup, or drop --num-warmup-steps");
+        }
         if self.whiten_advantages && self.algorithm == Algorithm::ReinforcePp {
             bail!(
                 "--whiten-advantages: --algorithm reinforce_pp always whitens its advantages over the batch: drop it"

@@ -231,6 +231,12 @@ impl PretrainArgs {
                 bail!("{flag} must be at least 1");
             }
         }
+        let defaults = PretrainArgs::parse_from(["sft", "--from-scratch"]);
+        if self.lr_decay_style == DecayStyle::Constant
+            && (self.lr_decay_iters.is_some() || self.min_lr != defaults.min_lr)
+        {
+            bail!("--lr-decay-iters and --min-lr shape the decay, and --lr-decay-style constant has none: drop them, or use linear or cosine");
+        }
         if self.min_lr > self.lr {
             bail!(
                 "--min-lr {} is above --lr {}: the decay ends at --min-lr, so it must be at most --lr",
