@@ -512,6 +512,26 @@ fn check_pipeline_flags(args: &TrainArgs, steps: &[u32], deployment: &str) -> Re
             algorithm.name()
         );
     }
+    // Each flag of a step not run would do nothing.
+    let trains_the_reward_model = steps.contains(&2) && !dpo;
+    if args.reward_zero_stage.0.is_some() && !trains_the_reward_model && !steps.contains(&3) {
+        bail!("--reward-zero-stage shards the reward model (step 2) and PPO's critic (step 3), and neither is run: drop it");
+    }
+    let trains_the_actor = steps.contains(&1) || steps.contains(&3) || (dpo && steps.contains(&2));
+    if args.actor_zero_stage.0.is_some() && !trains_the_actor {
+        bail!(
+            "--actor-zero-stage shards the actor in steps 1 and 3 (and DPO's step 2), and none of them is run: drop it"
+        );
+    }
+    match args.algorithm {
+        Some(PipelineAlgorithm::Dpo) if !steps.contains(&2) => {
+            bail!("--algorithm dpo is how step 2 trains the actor, and step 2 is not run: drop it or add --step 2")
+        }
+        Some(other) if other != PipelineAlgorithm::Dpo && !steps.contains(&3) => {
+            bail!("--algorithm {} is how step 3 trains, and step 3 is not run: drop it or add --step 3", other.name())
+        }
+        _ => {}
+    }
     if !DEPLOYMENTS.contains(&deployment) {
         bail!("--deployment-type {deployment:?} is not one of single_gpu, single_node, multi_node");
     }

@@ -332,6 +332,13 @@ fn unsupported_requests_are_one_clear_error_line() {
     check(&["--algorithm", "sac"], &["sac"]);
     check(&["--algorithm", "dpo", "--reward-zero-stage", "2"], &["--reward-zero-stage", "dpo"]);
     check(&["--algorithm", "grpo", "--step", "3", "--reward-zero-stage", "2"], &["--reward-zero-stage", "grpo"]);
+    // A step's flags when the step is not run.
+    check(&["--step", "1", "--reward-zero-stage", "1"], &["--reward-zero-stage", "neither is run"]);
+    check(
+        &["--step", "2", "--reward-model", "gpt2", "--actor-zero-stage", "2"],
+        &["--actor-zero-stage", "none of them"],
+    );
+    check(&["--step", "1", "--algorithm", "grpo"], &["--algorithm grpo", "step 3 is not run"]);
     // wandb: a setting without wandb on; no key; one run id for three runs.
     check(&["--wandb-group", "g"], &["--wandb-group", "--enable-wandb"]);
     let home = dir.path().to_str().unwrap();
