@@ -44,7 +44,7 @@ pub struct ChatArgs {
     pub top_k: usize,
     #[arg(long, default_value_t = 0.9, alias = "top_p", value_parser = hybrid_engine::cli::top_p(), conflicts_with = "greedy")]
     pub top_p: f64,
-    #[arg(long, default_value_t = 42)]
+    #[arg(long, default_value_t = 42, conflicts_with = "greedy")]
     pub seed: u64,
     /// auto (CUDA device 0 when built with --features cuda and a GPU opens, else the CPU), cpu,
     /// cuda or cuda:N.

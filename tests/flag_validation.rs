@@ -213,6 +213,11 @@ fn flags_that_would_have_no_effect_are_refused_naming_what_they_need() {
         ("ppo", &["--lr-scheduler-type", "constant", "--num-warmup-steps", "5"], "constant_with_warmup"),
         ("sft", &["--from-scratch", "--lr-decay-style", "constant", "--min-lr", "0"], "--lr-decay-style constant"),
         ("sft", &["--from-scratch", "--lr-decay-style", "constant", "--lr-decay-iters", "9"], "has none"),
+        ("sft", &["--lora-dim", "0", "--lora-module-name", "attn"], "--lora-dim is 0"),
+        ("reward", &["--lora-dim", "0", "--lora-learning-rate", "1e-3"], "--lora-dim is 0"),
+        ("ppo", &["--actor-lora-dim", "0", "--actor-lora-module-name", "attn"], "--actor-lora-dim is 0"),
+        ("ppo", &["--critic-lora-dim", "0", "--critic-lora-learning-rate", "1e-3"], "--critic-lora-dim is 0"),
+        ("chat", &["--path", "gpt2", "--greedy", "--seed", "3"], "--greedy"),
     ];
     for (name, args, want) in cases {
         let stderr = usage_error(dir.path(), name, args);
@@ -250,6 +255,13 @@ fn flags_that_would_have_no_effect_are_refused_naming_what_they_need() {
     let stderr = usage_error(dir.path(), "ppo", &offload);
     assert!(stderr.contains("--offload-reference-model") && stderr.contains("on the CPU"), "{stderr}");
     assert!(!out.exists(), "nothing saved");
+    let prompt_eval = Command::new(env!("CARGO_BIN_EXE_prompt_eval"))
+        .args(["--model-name-or-path-baseline", "a", "--model-name-or-path-finetune", "b", "--dist-timeout", "5"])
+        .output()
+        .expect("spawn prompt_eval");
+    let stderr = String::from_utf8_lossy(&prompt_eval.stderr).to_string();
+    assert!(!prompt_eval.status.success() && stderr.lines().count() == 1, "{stderr}");
+    assert!(stderr.contains("--dist-timeout") && stderr.contains("--tensor-model-parallel-size is 1"), "{stderr}");
     let stderr = usage_error(dir.path(), "chat", &["--path", "gpt2", "--chat-format"]);
     assert!(stderr.contains("--chat-format") && stderr.contains("--prompt"), "{stderr}");
     // With what they need, the same flags parse.

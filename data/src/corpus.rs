@@ -83,6 +83,9 @@ impl CorpusFormat {
     }
 }
 
+/// The jsonl field or parquet column of a document's text by default.
+pub const DEFAULT_TEXT_KEY: &str = "text";
+
 /// All non-empty documents of `src`; `text_key` names the jsonl field or parquet column.
 pub fn read_documents(src: &CorpusSource, text_key: &str) -> Result<Vec<String>> {
     read_documents_in(src, text_key, &HubAccess::from_env())
@@ -119,6 +122,9 @@ fn read_documents_in(src: &CorpusSource, text_key: &str, hub: &HubAccess) -> Res
             })?;
             let docs = match CorpusFormat::from_path(path) {
                 CorpusFormat::Jsonl => read_jsonl(BufReader::new(file), &name, text_key)?,
+                CorpusFormat::Text if text_key != DEFAULT_TEXT_KEY => bail!(
+                    "--text-key {text_key} names a jsonl field or a parquet column, and {name} is plain text (read whole): drop --text-key"
+                ),
                 CorpusFormat::Text => read_text(file, &name)?,
                 CorpusFormat::Parquet => read_parquet(file, &name, text_key)?,
             };
@@ -406,12 +412,16 @@ mod tests {
         Ok(())
     }
 
+    /// A text file is one document, read whole; a --text-key, which it has no use for, is
+    /// refused naming it.
     #[test]
     fn text_file_is_one_document() -> Result<()> {
         let dir = tempfile::tempdir()?;
         let body = "line one\n\nline {\"not\": json}\n";
         let path = write(&dir, "play.txt", body)?;
-        assert_eq!(read_documents(&CorpusSource::File(path), "ignored")?, vec![body]);
+        assert_eq!(read_documents(&CorpusSource::File(path.clone()), DEFAULT_TEXT_KEY)?, vec![body]);
+        let err = read_documents(&CorpusSource::File(path), "body").unwrap_err().to_string();
+        assert!(err.contains("--text-key body") && err.contains("plain text"), "{err}");
         Ok(())
     }
 

@@ -32,11 +32,14 @@ struct Args {
     #[arg(long, default_value_t = 1, aliases = ["tensor_model_parallel_size", "tp-size", "tp_size"], value_parser = clap::value_parser!(u64).range(1..))]
     tensor_model_parallel_size: u64,
     /// Seconds a rank waits for another (rendezvous and every collective).
-    #[arg(long, default_value_t = 300, alias = "dist_timeout", value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, default_value_t = DEFAULT_DIST_TIMEOUT, alias = "dist_timeout", value_parser = clap::value_parser!(u64).range(1..))]
     dist_timeout: u64,
 }
 
 fn run(args: &Args) -> Result<()> {
+    if args.tensor_model_parallel_size == 1 && args.dist_timeout != DEFAULT_DIST_TIMEOUT {
+        anyhow::bail!("--dist-timeout bounds the waits between tensor-parallel ranks, and --tensor-model-parallel-size is 1 (one process): drop it");
+    }
     let device = hybrid_engine::device::parse_device(&args.device)?;
     // Memory-mapped: the configs now, the values when the models are built (whole, or this
     // rank's slices under tensor parallelism).
@@ -75,6 +78,9 @@ fn run(args: &Args) -> Result<()> {
         }
     }
 }
+
+/// Seconds by default (torch.distributed's 300).
+const DEFAULT_DIST_TIMEOUT: u64 = 300;
 
 fn main() {
     let args: Args = hybrid_engine::cli::parse_or_exit();

@@ -110,7 +110,7 @@ pub struct StepArgs {
     pub lora_dim: usize,
     /// LoRA goes on the linears whose names (h.0.attn.c_attn, h.0.mlp.c_fc, ...) contain this:
     /// h. selects every block, attn the attention only.
-    #[arg(help_heading = heading::LORA, long, default_value = "h.", alias = "lora_module_name", requires = "lora_dim")]
+    #[arg(help_heading = heading::LORA, long, default_value = DEFAULT_LORA_MODULES, alias = "lora_module_name", requires = "lora_dim")]
     pub lora_module_name: String,
     /// PEFT's lora_alpha: scaling alpha/r instead of DS-Chat's 1/r.
     #[arg(help_heading = heading::LORA, long, alias = "lora_alpha", value_parser = crate::cli::positive(), requires = "lora_dim")]
@@ -119,7 +119,7 @@ pub struct StepArgs {
     #[arg(help_heading = heading::LORA, long, alias = "only_optimize_lora")]
     pub only_optimize_lora: bool,
     /// Learning rate of the LoRA adapters' parameter group, scheduled like --learning-rate.
-    #[arg(help_heading = heading::LORA, long, default_value_t = 5e-4, alias = "lora_learning_rate", value_parser = crate::cli::positive(), requires = "lora_dim")]
+    #[arg(help_heading = heading::LORA, long, default_value_t = DEFAULT_LORA_LEARNING_RATE, alias = "lora_learning_rate", value_parser = crate::cli::positive(), requires = "lora_dim")]
     pub lora_learning_rate: f64,
 }
 
@@ -159,6 +159,8 @@ impl StepArgs {
             bail!(
                 "--lora-alpha scales LoRA adapters, but --lora-dim is 0: add --lora-dim (e.g. 8) or drop --lora-alpha"
             );
+        } else if let Some(flag) = lora_flag_set(&self.lora_module_name, self.lora_learning_rate, "") {
+            bail!("{flag} sets LoRA adapters, but --lora-dim is 0 (none): add --lora-dim (e.g. 8) or drop {flag}");
         }
         crate::device::check_device(&self.device)?;
         Ok(())
@@ -617,6 +619,23 @@ fn resolve_files(name_or_path: &str, source: &str) -> Result<PathBuf> {
             Gpt2Config::PRESETS
         )
     })
+}
+
+/// Where LoRA adapters go by default: every linear of the blocks (`h.N.`).
+pub const DEFAULT_LORA_MODULES: &str = "h.";
+/// The adapters' learning rate by default (DS-Chat's).
+pub const DEFAULT_LORA_LEARNING_RATE: f64 = 5e-4;
+
+/// The LoRA flag (of `--{prefix}lora-...`) set away from its default, for a refusal where the
+/// rank is 0: clap's `requires` accepts an explicit `--lora-dim 0`.
+pub fn lora_flag_set(module_name: &str, learning_rate: f64, prefix: &str) -> Option<String> {
+    if module_name != DEFAULT_LORA_MODULES {
+        Some(format!("--{prefix}lora-module-name"))
+    } else if learning_rate != DEFAULT_LORA_LEARNING_RATE {
+        Some(format!("--{prefix}lora-learning-rate"))
+    } else {
+        None
+    }
 }
 
 #[cfg(test)]

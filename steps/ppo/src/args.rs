@@ -10,6 +10,7 @@ use hybrid_engine::cli;
 use hybrid_engine::cli::dist_args::DistArgs;
 use hybrid_engine::cli::heading;
 use hybrid_engine::cli::precision_args::PrecisionArgs;
+use hybrid_engine::cli::step_args::{lora_flag_set, DEFAULT_LORA_LEARNING_RATE, DEFAULT_LORA_MODULES};
 use hybrid_engine::comm::ProcessGroup;
 use hybrid_engine::engine::EngineConfig;
 use hybrid_engine::training::optim::AdamWConfig;
@@ -134,22 +135,22 @@ pub struct PpoArgs {
     pub actor_lora_dim: usize,
     /// The actor's linears that get adapters: those whose name contains this (`h.`: every
     /// block's).
-    #[arg(help_heading = heading::LORA, long, default_value = "h.", alias = "actor_lora_module_name", requires = "actor_lora_dim")]
+    #[arg(help_heading = heading::LORA, long, default_value = DEFAULT_LORA_MODULES, alias = "actor_lora_module_name", requires = "actor_lora_dim")]
     pub actor_lora_module_name: String,
     /// LoRA rank on the critic (0: none).
     #[arg(help_heading = heading::LORA, long, default_value_t = 0, alias = "critic_lora_dim")]
     pub critic_lora_dim: usize,
     /// The critic's linears that get adapters, as --actor-lora-module-name.
-    #[arg(help_heading = heading::LORA, long, default_value = "h.", alias = "critic_lora_module_name", requires = "critic_lora_dim")]
+    #[arg(help_heading = heading::LORA, long, default_value = DEFAULT_LORA_MODULES, alias = "critic_lora_module_name", requires = "critic_lora_dim")]
     pub critic_lora_module_name: String,
     /// Train only the LoRA adapters (and the critic's score head).
     #[arg(help_heading = heading::LORA, long, alias = "only_optimize_lora")]
     pub only_optimize_lora: bool,
     /// The learning rate of the actor's LoRA adapters (DS-Chat's 5e-4).
-    #[arg(help_heading = heading::LORA, long, default_value_t = 5e-4, alias = "actor_lora_learning_rate", value_parser = cli::positive(), requires = "actor_lora_dim")]
+    #[arg(help_heading = heading::LORA, long, default_value_t = DEFAULT_LORA_LEARNING_RATE, alias = "actor_lora_learning_rate", value_parser = cli::positive(), requires = "actor_lora_dim")]
     pub actor_lora_learning_rate: f64,
     /// The learning rate of the critic's LoRA adapters (DS-Chat's 5e-4).
-    #[arg(help_heading = heading::LORA, long, default_value_t = 5e-4, alias = "critic_lora_learning_rate", value_parser = cli::positive(), requires = "critic_lora_dim")]
+    #[arg(help_heading = heading::LORA, long, default_value_t = DEFAULT_LORA_LEARNING_RATE, alias = "critic_lora_learning_rate", value_parser = cli::positive(), requires = "critic_lora_dim")]
     pub critic_lora_learning_rate: f64,
     /// Keep an exponential moving average of the actor (saved as actor_ema).
     #[arg(help_heading = heading::TRAINING, long, alias = "enable_ema")]
@@ -561,6 +562,14 @@ impl PpoArgs {
         }
         if self.lr_scheduler_type == HfScheduler::Constant && self.num_warmup_steps != defaults.num_warmup_steps {
             bail!("--num-warmup-steps warms up the learning rates, and --lr-scheduler-type constant has no warm-up: use constant_with_warmup, or drop --num-warmup-steps");
+        }
+        for (who, rank, modules, lr) in [
+            ("actor", self.actor_lora_dim, &self.actor_lora_module_name, self.actor_lora_learning_rate),
+            ("critic", self.critic_lora_dim, &self.critic_lora_module_name, self.critic_lora_learning_rate),
+        ] {
+            if let Some(flag) = lora_flag_set(modules, lr, &format!("{who}-")).filter(|_| rank == 0) {
+                bail!("{flag} sets the {who}'s LoRA adapters, but --{who}-lora-dim is 0 (none): add --{who}-lora-dim (e.g. 8) or drop {flag}");
+            }
         }
         if self.whiten_advantages && self.algorithm == Algorithm::ReinforcePp {
             bail!(

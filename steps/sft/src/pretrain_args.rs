@@ -48,7 +48,7 @@ pub struct PretrainArgs {
     #[arg(help_heading = heading::DATA, long, default_value = "shakespeare", alias = "data_path")]
     pub data_path: String,
     /// Field (jsonl) or column (parquet) holding the text.
-    #[arg(help_heading = heading::DATA, long, default_value = "text", alias = "text_key")]
+    #[arg(help_heading = heading::DATA, long, default_value = data::corpus::DEFAULT_TEXT_KEY, alias = "text_key")]
     pub text_key: String,
     /// Tokens per training sequence.
     #[arg(help_heading = heading::DATA, long, default_value_t = 128, alias = "seq_length", alias = "max-seq-len", alias = "max_seq_len")]
