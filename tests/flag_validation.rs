@@ -251,6 +251,9 @@ fn flags_that_would_have_no_effect_are_refused_naming_what_they_need() {
     let scorer = ["--reward-fn", "builtin:capitals", "--critic-model-name-or-path", "reward"];
     let stderr = usage_error(dir.path(), "ppo", &[&no_critic[..], &scorer].concat());
     assert!(stderr.contains("--critic-model-name-or-path") && stderr.contains("trains no critic"), "{stderr}");
+    let keys = ["--data-path", "demo", "--max-seq-len", "64", "--prompt-key", "q", "--output-dir", out_arg];
+    let stderr = usage_error(dir.path(), "sft", &keys);
+    assert!(stderr.contains("--prompt-key") && stderr.contains("embedded (demo)"), "{stderr}");
     let offload = ["--offload-reference-model", "--device", "cpu", "--output-dir", out_arg];
     let stderr = usage_error(dir.path(), "ppo", &offload);
     assert!(stderr.contains("--offload-reference-model") && stderr.contains("on the CPU"), "{stderr}");

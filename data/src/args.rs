@@ -92,15 +92,21 @@ impl DataArgs {
         if self.data_path.iter().chain(&self.sft_only_data_path).any(|p| p.trim().is_empty()) {
             bail!("--data-path and --sft-only-data-path values must not be empty");
         }
+        let embedded = |p: &String| p == crate::phases::DEMO_DATA || p == crate::arithmetic::ARITHMETIC_DATA;
+        let keys = ColumnKeys {
+            prompt: self.prompt_key.clone(),
+            chosen: self.chosen_key.clone(),
+            rejected: self.rejected_key.clone(),
+        };
+        let paths: Vec<&String> = self.data_path.iter().chain(&self.sft_only_data_path).collect();
+        if !paths.is_empty() && paths.iter().all(|p| embedded(p)) && keys != ColumnKeys::default() {
+            bail!("--prompt-key, --chosen-key and --rejected-key name the columns of local files and hub datasets, and every --data-path here is embedded ({}): drop them", paths.iter().map(|p| p.as_str()).collect::<Vec<_>>().join(", "));
+        }
         Ok(DataConfig {
             data_paths: self.data_path.clone(),
             sft_only_data_paths: self.sft_only_data_path.clone(),
             data_split: crate::split::parse_data_split(&self.data_split)?,
-            keys: ColumnKeys {
-                prompt: self.prompt_key.clone(),
-                chosen: self.chosen_key.clone(),
-                rejected: self.rejected_key.clone(),
-            },
+            keys,
             seed,
             max_seq_len,
             max_prompt_seq_len,
