@@ -63,7 +63,7 @@ pub struct PpoArgs {
     pub print_answers: bool,
     /// DS-Chat's `--offload_reference_model`: on a GPU the frozen reference (at ZeRO stage 3,
     /// its shard) stays in host memory between rollouts, brought to the GPU for each rollout's
-    /// log-probs (on the CPU it is there already: refused there).
+    /// log-probs (on the CPU it is there already: the run says so).
     #[arg(help_heading = heading::PARALLELISM, long, alias = "offload_reference_model")]
     pub offload_reference_model: bool,
     /// The actor's dropout off (earlier DS-Chat's `--disable_actor_dropout`): `--actor-dropout 0`.

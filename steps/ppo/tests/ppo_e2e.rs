@@ -135,6 +135,7 @@ fn ds_chats_script_flags_run_and_the_test_mode_stops_early() {
     ];
     let log = ok(&ppo(dir.path(), "out", &ds_chat));
     assert!(log.contains("--enable-test-mode: stopping after 2 rollouts"), "{log}");
+    assert!(log.contains("--offload-reference-model: no effect on the CPU"), "{log}");
     let out = dir.path().join("out");
     assert_eq!(rollout_records(&out).len(), 2, "two rollouts, not the epoch's 8");
     assert!(out.join("actor/model.safetensors").is_file() && out.join("critic/model.safetensors").is_file());
