@@ -362,11 +362,11 @@ impl ProcessGroup {
 
     /// [`Self::reduce_scatter_parts_in_rounds_as`] of device tensors, begun: each round's buffer
     /// is cut from `parts` by tensor copies on their device (the whole of them concatenated
-    /// only where one round holds them), then reduce-scattered over NCCL on the communicator's stream, at most
-    /// [`ROUNDS_IN_FLIGHT`] at a time (the compute stream waits for the oldest before a round
-    /// beyond them is cut, so that a bucket's memory, not the unit's, is in flight), or over
-    /// the ring through host memory, done at once. The same values in the same order as the
-    /// host's rounds: the same sums and bytes.
+    /// only where one round holds them), then reduce-scattered over NCCL on the communicator's
+    /// stream, at most [`ROUNDS_IN_FLIGHT`] at a time (the compute stream waits for the oldest
+    /// before a round beyond them is cut, so that a bucket's memory, not the unit's, is in
+    /// flight), or over the ring through host memory, done at once. The same values in the same
+    /// order as the host's rounds: the same sums and bytes.
     fn begin_reduce_scatter_rounds_of_tensors(
         &self,
         parts: Vec<Tensor>,
@@ -807,14 +807,16 @@ impl Pending {
         drop(self.deferred);
     }
 
-    /// Its result, once the compute stream is ordered after the collectives.
-    pub fn ready(self) -> Result<Tensor> {
-        let Self { pieces, dtype, .. } = self;
-        let whole = match pieces.len() {
-            1 => pieces.into_iter().next().expect("one piece"),
-            _ => Tensor::cat(&pieces, 0)?,
+    /// Its result, once the compute stream is ordered after the collectives (their handles
+    /// dropped first: the pieces are read after).
+    pub fn ready(mut self) -> Result<Tensor> {
+        #[cfg(feature = "nccl")]
+        self.deferred.clear();
+        let whole = match self.pieces.len() {
+            1 => self.pieces.pop().expect("one piece"),
+            _ => Tensor::cat(&self.pieces, 0)?,
         };
-        Ok(whole.to_dtype(dtype)?)
+        Ok(whole.to_dtype(self.dtype)?)
     }
 
     /// [`Self::ready`] cut into variables of `shapes`, copied out of the gathered buffer.
