@@ -13,6 +13,7 @@
 //! missing one derived from the other two.
 
 use crate::comm::RankEnv;
+use crate::training::zero::ZeroStage;
 use anyhow::{anyhow, bail, Context, Result};
 use serde_json::Value;
 use std::ffi::OsString;
@@ -210,7 +211,7 @@ fn zero(value: &Value, set: &mut Set, ignored: &mut Vec<String>) -> Result<()> {
     let Value::Object(zero) = value else { bail!("zero_optimization is not an object") };
     // DeepSpeed reads allgather_bucket_size at stages 1 and 2 only (the gather after the step).
     let stage = zero.get("stage").map(|v| count(v, "zero_optimization.stage")).transpose()?;
-    let gathers_after_the_step = stage.is_none_or(|s| s == 1 || s == 2);
+    let gathers_after_the_step = stage.is_none_or(ZeroStage::number_gathers_after_the_step);
     for (key, v) in zero {
         let full = format!("zero_optimization.{key}");
         match key.as_str() {

@@ -140,7 +140,6 @@ impl DistArgs {
     pub fn parallel_config(&self, group: &ProcessGroup, stage: u8, model: &str) -> Result<ParallelConfig> {
         let zero_stage = ZeroStage::from_number(stage)?;
         let prefix = if model.is_empty() { String::new() } else { format!("{model}: ") };
-        let gathers_after_the_step = matches!(zero_stage, ZeroStage::OptimizerStates | ZeroStage::Gradients);
         let gather_bucket_set = self.allgather_bucket_size != DEFAULT_BUCKET as u64;
         if group.world() == 1 {
             if stage > 0 {
@@ -158,7 +157,7 @@ impl DistArgs {
             if !unused.is_empty() {
                 println!("{prefix}{}: no effect with one data-parallel rank (nothing is reduced)", unused.join(", "));
             }
-        } else if gather_bucket_set && !gathers_after_the_step {
+        } else if gather_bucket_set && !zero_stage.gathers_after_the_step() {
             // Step 3's models are checked together (one of them may gather).
             if model.is_empty() {
                 bail!(

@@ -63,6 +63,18 @@ impl ZeroStage {
     pub fn number(self) -> u8 {
         self as u8
     }
+
+    /// Whether the updated weights are all-gathered after each step (stages 1 and 2, in
+    /// rounds of `--allgather-bucket-size`); stage 0 has every weight already, stage 3 gathers
+    /// each block when it runs.
+    pub fn gathers_after_the_step(self) -> bool {
+        matches!(self, Self::OptimizerStates | Self::Gradients)
+    }
+
+    /// [`Self::gathers_after_the_step`] of a stage number (none for one that does not exist).
+    pub fn number_gathers_after_the_step(stage: u64) -> bool {
+        u8::try_from(stage).ok().and_then(|s| Self::from_number(s).ok()).is_some_and(Self::gathers_after_the_step)
+    }
 }
 
 impl std::fmt::Display for ZeroStage {

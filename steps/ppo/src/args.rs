@@ -16,6 +16,7 @@ use hybrid_engine::engine::EngineConfig;
 use hybrid_engine::training::optim::AdamWConfig;
 use hybrid_engine::training::precision::Dtype;
 use hybrid_engine::training::schedule::HfScheduler;
+use hybrid_engine::training::zero::ZeroStage;
 use std::path::PathBuf;
 
 #[derive(Parser, Debug, Clone)]
@@ -477,17 +478,6 @@ impl PpoArgs {
         if let Some(name) = &self.unsupervised_dataset_name {
             self.ptx_source(name)?;
         }
-        let gathers_after_the_step = |stage: u8| matches!(stage, 1 | 2);
-        if self.dist.allgather_bucket_size != hybrid_engine::training::zero::DEFAULT_BUCKET as u64
-            && !gathers_after_the_step(self.actor_zero_stage)
-            && !gathers_after_the_step(self.critic_zero_stage)
-        {
-            bail!(
-                "--allgather-bucket-size sizes the weights' all-gather after each step of ZeRO stages 1 and 2; the actor's stage {} and the critic's {} have none: drop the flag",
-                self.actor_zero_stage,
-                self.critic_zero_stage
-            );
-        }
         let positive = [
             ("--per-device-generation-batch-size", self.per_device_generation_batch_size),
             ("--per-device-training-batch-size", self.per_device_training_batch_size),
@@ -544,6 +534,17 @@ impl PpoArgs {
     /// Flags the rest of the command makes without effect: each one line naming what it needs.
     fn refuse_flags_without_effect(&self) -> Result<()> {
         let defaults = PpoArgs::parse_from(["ppo"]);
+        let gathers = |stage: u8| ZeroStage::number_gathers_after_the_step(stage.into());
+        if self.dist.allgather_bucket_size != defaults.dist.allgather_bucket_size
+            && !gathers(self.actor_zero_stage)
+            && !gathers(self.critic_zero_stage)
+        {
+            bail!(
+                "--allgather-bucket-size sizes the weights' all-gather after each step of ZeRO stages 1 and 2; the actor's stage {} and the critic's {} have none: drop the flag",
+                self.actor_zero_stage,
+                self.critic_zero_stage
+            );
+        }
         let external = self.reward_fn.iter().any(|spec| !matches!(spec, crate::reward_fn::RewardFnSpec::Builtin(_)));
         if self.reward_fn_timeout != defaults.reward_fn_timeout && !external {
             bail!("--reward-fn-timeout bounds a command's or a server's answer, and no --reward-fn is one (built-in scorers answer at once): drop it, or add --reward-fn exec:CMD or http://URL");

@@ -483,6 +483,18 @@ fn restore_optimizer(
     }
 }
 
+/// Whether the reference model waits in host memory between rollouts: on a GPU with
+/// `--offload-reference-model`. On the CPU the flag says it has no effect instead of being
+/// refused: DS-Chat's scripts pass it, and run here on any device.
+fn offloads_reference(args: &PpoArgs, device: &Device) -> bool {
+    if args.offload_reference_model && device.is_cpu() {
+        println!(
+            "--offload-reference-model: no effect on the CPU, where the reference model is in host memory already"
+        );
+    }
+    args.offload_reference_model && !device.is_cpu()
+}
+
 /// The frozen reference in the compute dtype: whole (or this rank's TP slices) on the device,
 /// with `--offload-reference-model` in host memory between uses, or sharded at rest.
 fn frozen_reference(
@@ -494,7 +506,7 @@ fn frozen_reference(
     let precision = args.precision.precision();
     let reference = match weights {
         Weights::Sharded(model) => {
-            let offload = args.offload_reference_model && !model.device().is_cpu();
+            let offload = offloads_reference(args, model.device());
             if offload {
                 println!("--offload-reference-model: this rank's shard of the reference stays in host memory, its units gathered to the device for each rollout's log-probs");
             }
@@ -503,7 +515,7 @@ fn frozen_reference(
         Weights::Whole(params) | Weights::Sliced(params) => params.compute_copy(precision.dtype.dtype())?,
     };
     let device = reference.vars.first().map_or(Device::Cpu, |v| v.device().clone());
-    if !args.offload_reference_model || device.is_cpu() {
+    if !offloads_reference(args, &device) {
         return Ok(Reference::Loaded(TrainedModel::lm(lm_on(&reference, cfg, precision.fp32_loss, tp)?)));
     }
     println!("--offload-reference-model: the reference stays in host memory, on the device only for each rollout's log-probs");

@@ -82,12 +82,6 @@ pub struct PpoSummary {
 pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
     args.validate()?;
     let device = hybrid_engine::device::parse_device(&args.device)?;
-    if args.offload_reference_model && device.is_cpu() {
-        // Said, not refused: DS-Chat's scripts pass it, and run here on any device.
-        println!(
-            "--offload-reference-model: no effect on the CPU, where the reference model is in host memory already"
-        );
-    }
     let group = args.dist.join(&device)?;
     // Under tensor parallelism the ranks of a TP group hold the same rows: the rollouts and
     // the micro-batches are split over the data-parallel group (every rank without TP).
