@@ -14,7 +14,8 @@
 
 use anyhow::{anyhow, bail, Context, Result};
 use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, Command, Stdio};
+use std::os::unix::process::CommandExt;
+use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
@@ -188,12 +189,16 @@ fn score_http(client: &reqwest::blocking::Client, url: &str, answers: &[Answer])
 }
 
 /// A scorer process: its stdin, and its stdout's lines as a reader thread receives them (so
-/// that a reply can be waited for with a deadline, and a silent process times out).
+/// that a reply can be waited for with a deadline, and a silent process times out). `sh` leads
+/// a process group of its own, so that what the command starts (`sh -c` forks it) is ended
+/// with it: a scorer killed at its time-out leaves no process behind.
 struct ExecScorer {
     child: Child,
     stdin: Option<ChildStdin>,
     lines: Receiver<std::io::Result<String>>,
     command: String,
+    /// `sh`'s status once reaped (after its group was killed).
+    status: Option<ExitStatus>,
 }
 
 impl ExecScorer {
@@ -203,6 +208,7 @@ impl ExecScorer {
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
+            .process_group(0)
             .spawn()
             .with_context(|| format!("starting `{command}`"))?;
         let stdout = child.stdout.take().expect("stdout is piped");
@@ -214,19 +220,43 @@ impl ExecScorer {
                 }
             }
         });
-        Ok(Self { stdin: child.stdin.take(), child, lines, command: command.to_string() })
+        Ok(Self { stdin: child.stdin.take(), child, lines, command: command.to_string(), status: None })
+    }
+
+    /// Whether `sh` has ended, without reaping it: while it is unreaped its pid, the process
+    /// group's id, cannot be taken by another process, so the group can still be signalled.
+    fn has_ended(&self) -> bool {
+        // SAFETY: a zeroed siginfo_t is a valid value; waitid only writes into it.
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        let options = libc::WEXITED | libc::WNOHANG | libc::WNOWAIT;
+        // SAFETY: waitid on our own child, writing into `info` on this frame.
+        let rc = unsafe { libc::waitid(libc::P_PID, self.child.id(), &mut info, options) };
+        // An error (ECHILD: already reaped) counts as ended; else ended when it names the child.
+        rc != 0 || unsafe { info.si_pid() } != 0
+    }
+
+    /// Waits up to `patience` for `sh` to end, then kills its process group (`sh` and whatever
+    /// it started) and reaps it: `sh`'s status when it ended by itself.
+    fn end(&mut self, patience: Duration) -> Option<ExitStatus> {
+        if self.status.is_none() {
+            let deadline = Instant::now() + patience;
+            while !self.has_ended() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let ended = self.has_ended();
+            // SAFETY: signals the process group of our child, which is not reaped yet.
+            unsafe { libc::kill(-(self.child.id() as libc::pid_t), libc::SIGKILL) };
+            self.status = self.child.wait().ok().filter(|_| ended);
+        }
+        self.status
     }
 
     /// Why the process can answer no more: its exit status when it ends within a second (its
     /// output closes a moment before it is reaped).
     fn ended(&mut self) -> String {
-        let deadline = Instant::now() + Duration::from_secs(1);
-        loop {
-            match self.child.try_wait() {
-                Ok(Some(status)) => return format!("`{}` exited ({status})", self.command),
-                Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(10)),
-                _ => return format!("`{}` closed its output", self.command),
-            }
+        match self.end(Duration::from_secs(1)) {
+            Some(status) => format!("`{}` exited ({status})", self.command),
+            None => format!("`{}` closed its output", self.command),
         }
     }
 
@@ -273,18 +303,11 @@ impl ExecScorer {
 }
 
 impl Drop for ExecScorer {
-    /// Closing stdin ends a well-behaved scorer; one that does not stop is killed.
+    /// Closing stdin ends a well-behaved scorer; one that does not stop within 2 s is killed,
+    /// and so is anything it left running.
     fn drop(&mut self) {
         drop(self.stdin.take());
-        let deadline = Instant::now() + Duration::from_secs(2);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.end(Duration::from_secs(2));
     }
 }
 
@@ -368,6 +391,42 @@ mod tests {
         assert!(e.contains("no answer asked for"), "{e}");
         let e = error(start("exec:echo nan; cat > /dev/null", 10.0).score(&answers(&[" Paris."])));
         assert!(e.contains("JSON number"), "{e}");
+    }
+
+    /// Whether process `pid` is gone (or a zombie, which its new parent reaps).
+    fn gone(pid: u32) -> bool {
+        match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+            // The state follows the command's closing parenthesis.
+            Ok(stat) => stat.rsplit_once(')').is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')),
+            Err(_) => true,
+        }
+    }
+
+    fn wait_until_gone(pid: u32) -> bool {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !gone(pid) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        gone(pid)
+    }
+
+    #[test]
+    fn what_a_scorer_started_ends_with_it() {
+        // The scorer's first reply is the pid of a process it started and left running: a
+        // scorer that hangs (here at its second rollout) is killed with all it started.
+        let scorer = "exec:sleep 60 & echo $!; read l; read l; sleep 60";
+        let mut hung = start(scorer, 0.3);
+        let child = hung.score(&answers(&[" Paris."])).unwrap()[0] as u32;
+        assert!(!gone(child), "the scorer's child runs");
+        let e = error(hung.score(&answers(&[" Paris."])));
+        assert!(e.contains("within 0.3 s"), "{e}");
+        drop(hung);
+        assert!(wait_until_gone(child), "the timed-out scorer's child {child} was left running");
+        // A scorer that ends at the end of its input leaves nothing running either.
+        let mut done = start("exec:sleep 60 & echo $!; cat > /dev/null", 10.0);
+        let child = done.score(&answers(&[" Paris."])).unwrap()[0] as u32;
+        drop(done);
+        assert!(wait_until_gone(child), "the ended scorer's child {child} was left running");
     }
 
     /// A one-request HTTP server on a free port: replies `status` and `body`, hands back the
