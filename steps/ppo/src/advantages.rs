@@ -72,8 +72,8 @@ pub fn reinforce_pp_returns(rewards: &[f32], start: usize, gamma: f64) -> Vec<f3
 /// `--whiten-advantages`: the rollout's advantages centred and scaled over every rank's answer
 /// tokens ([`ppo::whiten`]; the returns, the critic's targets, are left as they are).
 fn whiten_advantages(exp: &mut Experience, group: &ProcessGroup) -> Result<()> {
-    let width = exp.actions() - exp.start;
     let mask: Vec<f32> = (0..exp.b).flat_map(|r| exp.row(&exp.action_mask, r)[exp.start..].to_vec()).collect();
+    assert_eq!(mask.len(), exp.advantages.len(), "an advantage per answer action");
     let mut sums = [0f64; 3];
     for (&a, &m) in exp.advantages.iter().zip(&mask) {
         if m > 0.0 {
@@ -82,7 +82,6 @@ fn whiten_advantages(exp: &mut Experience, group: &ProcessGroup) -> Result<()> {
         }
     }
     group.all_reduce_scalars(&mut sums, ReduceOp::Sum)?;
-    debug_assert_eq!(exp.advantages.len(), exp.b * width);
     ppo::whiten(&mut exp.advantages, &mask, sums);
     Ok(())
 }
@@ -307,6 +306,71 @@ mod tests {
         let rewards = [Some(1.0), Some(1.0), Some(1.0), Some(2.0), Some(3.0), None, Some(5.0), Some(5.0)];
         assert!((share_of_groups_without_spread(&rewards, 2) - 2.0 / 3.0).abs() < 1e-12);
         assert_eq!(share_of_groups_without_spread(&[Some(1.0), None], 2), 0.0);
+    }
+
+    /// The smallest group that teaches, two answers scored 1 and 3: GRPO's -1 and 1 over the
+    /// sample std sqrt(2) (or unscaled), RLOO's 1 - 3 and 3 - 1.
+    #[test]
+    fn groups_of_two_answers_are_compared() {
+        let two = [Some(1.0), Some(3.0)];
+        assert_eq!(group_advantages(&two, RewardScaling::None, 0.0), [Some(-1.0), Some(1.0)]);
+        let scale = 2f64.sqrt() + 1e-4;
+        assert_eq!(group_normalized_advantages(&two), [Some(-1.0 / scale), Some(1.0 / scale)]);
+        assert_eq!(leave_one_out_advantages(&two), [Some(-2.0), Some(2.0)]);
+    }
+
+    /// Two kept rows of 3 actions from action 1 (width 2): row 0 answers on both actions, row 1
+    /// on its first only (its second is padding). Scores 1 and 3; the policy's log-probs are
+    /// 0.25 above the reference's on every action (0.5 and 0.25 summed over the answers).
+    fn two_rows(algorithm: Algorithm) -> (Experience, PpoConfig) {
+        let exp = Experience {
+            seq: vec![0; 8],
+            b: 2,
+            rewards: vec![9.0, 1.0, 2.0, 9.0, 4.0, 0.0],
+            values: vec![0.0; 6],
+            action_mask: vec![0.0, 1.0, 1.0, 0.0, 1.0, 0.0],
+            logprobs: vec![-1.0; 6],
+            ref_logprobs: vec![-1.25; 6],
+            advantages: vec![0.0; 4],
+            returns: vec![0.0; 4],
+            reward_scores: vec![1.0, 3.0],
+            positions: vec![0, 1],
+            l: 4,
+            ..Experience::empty(2, 2) // prompts of 2 tokens: the answer from action 1
+        };
+        (exp, PpoConfig { algorithm, gamma: 1.0, kl_ctl: 0.1, ..PpoConfig::default() })
+    }
+
+    /// REINFORCE++ whitens its returns over the answer actions alone: the returns-to-go 3 and
+    /// 2 (row 0) and 4 (row 1) have mean 3 and sample std 1; row 1's padding keeps its 0.
+    #[test]
+    fn whitening_reads_only_the_answer_actions() -> Result<()> {
+        let (mut exp, cfg) = two_rows(Algorithm::ReinforcePp);
+        assert_eq!(compute_advantages(&mut exp, &ProcessGroup::single(), 1, &cfg)?, None);
+        let scale = 1.0 / (1.0f64 + 1e-8).sqrt();
+        close(&exp.advantages, &[0.0, (-scale) as f32, scale as f32, 0.0]);
+        Ok(())
+    }
+
+    /// GRPO compares the clipped scores alone; RLOO's sequence rewards take the KL penalty,
+    /// 0.1 x the summed log-ratio: 1 - 0.05 and 3 - 0.025. Each row's advantage fills its
+    /// actions; no returns without a critic.
+    #[test]
+    fn grpo_ignores_the_kl_penalty_and_rloo_takes_it() -> Result<()> {
+        let (mut exp, cfg) = two_rows(Algorithm::Grpo);
+        assert_eq!(group_rewards(&exp, &cfg), [1.0, 3.0]);
+        assert_eq!(compute_advantages(&mut exp, &ProcessGroup::single(), 2, &cfg)?, Some(0.0));
+        let a = (1.0 / (2f64.sqrt() + 1e-4)) as f32;
+        close(&exp.advantages, &[-a, -a, a, a]);
+        assert_eq!(exp.returns, [0.0; 4]);
+
+        let (mut exp, cfg) = two_rows(Algorithm::Rloo);
+        let want = [1.0 - 0.05, 3.0 - 0.025];
+        assert!(group_rewards(&exp, &cfg).iter().zip(want).all(|(r, w)| (r - w).abs() < 1e-12));
+        compute_advantages(&mut exp, &ProcessGroup::single(), 2, &cfg)?;
+        let a = (want[0] - want[1]) as f32;
+        close(&exp.advantages, &[a, a, -a, -a]);
+        Ok(())
     }
 
     /// Rewards 1, 2, 6: baselines (2 + 6) / 2 = 4, (1 + 6) / 2 = 3.5, (1 + 2) / 2 = 1.5.

@@ -469,6 +469,15 @@ mod tests {
         let mut one = [5f32];
         whiten(&mut one, &[1.], [1.0, 5.0, 25.0]);
         assert_eq!(one, [5.0], "fewer than two values have no spread to scale by");
+        // Two values 1 and 5: mean 3, unbiased variance 8, each 2 / sqrt(8 + 1e-8) from 0.
+        let mut two = [1f32, 5.];
+        whiten(&mut two, &[1., 1.], [2.0, 6.0, 26.0]);
+        let d = (2.0 / (8.0f64 + 1e-8).sqrt()) as f32;
+        assert_eq!(two, [-d, d]);
+        // Equal values have no spread: they centre to 0 (the 1e-8 keeps the scale finite).
+        let mut flat = [2f32, 2.];
+        whiten(&mut flat, &[1., 1.], [2.0, 4.0, 8.0]);
+        assert_eq!(flat, [0.0, 0.0]);
     }
 
     #[test]
@@ -532,17 +541,18 @@ mod tests {
         let g = loss.backward()?.get(logp.as_tensor()).map(|g| g.to_vec2::<f32>()).transpose()?;
         assert_eq!(g.unwrap_or_default().concat().iter().map(|x| x.abs()).sum::<f32>(), 0.0);
 
-        // Inside the clip range the gradient is -A * ratio / sum(mask).
-        let logp = Var::new(&[[0.1f32, 0.0]], &dev)?;
+        // Inside the clip range the gradient is -A * ratio / sum(mask); the ratio is the new
+        // policy's over the old one's: log-ratios 0.1 and -0.1.
+        let logp = Var::new(&[[0.3f32, 0.1]], &dev)?;
         let loss = actor_loss(
             logp.as_tensor(),
-            &Tensor::new(&[[0.0f32, 0.0]], &dev)?,
+            &Tensor::new(&[[0.2f32, 0.2]], &dev)?,
             &Tensor::new(&[[2.0f32, 1.0]], &dev)?,
             &Tensor::new(&[[1.0f32, 1.0]], &dev)?,
             &cfg,
         )?;
         let g = loss.backward()?.get(logp.as_tensor()).expect("gradient").to_vec2::<f32>()?;
-        close(&g[0], &[-2.0 * 0.1f32.exp() / 2.0, -1.0 / 2.0]);
+        close(&g[0], &[-2.0 * 0.1f32.exp() / 2.0, -(-0.1f32).exp() / 2.0]);
         Ok(())
     }
 
@@ -636,6 +646,11 @@ mod tests {
         let cfg = PpoConfig::default();
         let r = sequence_reward(7.0, &[0.5, -1.0, 9.0], &[0.2, -1.5, 0.0], &[1.0, 1.0, 0.0], &cfg);
         assert!((r - (5.0 - 0.1 * 0.8)).abs() < 1e-6, "{r}");
+        // Clipped from below as well; inside the range the score is kept.
+        let r = sequence_reward(-7.0, &[0.5], &[0.2], &[1.0], &cfg);
+        assert!((r - (-5.0 - 0.1 * 0.3)).abs() < 1e-6, "{r}");
+        let r = sequence_reward(2.0, &[0.5], &[0.2], &[1.0], &cfg);
+        assert!((r - (2.0 - 0.1 * 0.3)).abs() < 1e-6, "{r}");
     }
 
     /// d = ref - logp = -0.5, 1 and 3: k3 = e^-0.5 + 0.5 - 1, e - 2 and e^3 - 4 = 16.09, the
