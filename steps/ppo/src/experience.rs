@@ -489,6 +489,9 @@ mod tests {
         assert_eq!(exp.micro_batch_rows(0, 4), 0..3);
         assert_eq!(exp.micro_batch_rows(1, 4), 3..4);
         assert_eq!(exp.micro_batch_rows(2, 4), 4..4, "none of the last micro-batch's rows is here");
+        // A row at a micro-batch's first position belongs to it, not to the one before.
+        let exp = Experience { positions: vec![3, 4, 8], ..Experience::empty(4, 9) };
+        assert_eq!([0, 1, 2].map(|k| exp.micro_batch_rows(k, 4)), [0..1, 1..2, 2..3]);
     }
 
     #[test]
@@ -499,6 +502,23 @@ mod tests {
         assert!(!answer_is_learnable(&[4], eos), "one token at the length limit");
         assert!(answer_is_learnable(&[4, 5, eos], eos));
         assert!(answer_is_learnable(&[4, 5], eos));
+    }
+
+    /// Prompts of 2 tokens in rows of 6, pad 0: row 0's answer is 3 tokens then padding, row
+    /// 1's (a left-padded prompt) runs to the length limit, row 2's is empty. The scores are
+    /// the reward model's values at positions 4, 5 and 1 of their rows.
+    #[test]
+    fn the_reward_models_score_is_read_before_the_answers_first_pad() -> Result<()> {
+        let (dev, cfg) = (Device::Cpu, small());
+        let mut store = ParamStore::init(&cfg, 5, &dev)?;
+        add_score_head(&mut store, &cfg, 5, &dev)?;
+        let reward = TrainedModel::reward(RewardModel::new(&store, &cfg)?);
+        let seq = [5, 6, 7, 8, 9, 0, 0, 6, 7, 8, 9, 10, 5, 6, 0, 0, 0, 0];
+        let mask: Vec<u32> = seq.iter().map(|&t| u32::from(t != 0)).collect();
+        let inputs = ForwardInputs::new(&seq, &mask, 3, 6, &dev)?;
+        let all = inputs.token_values(&reward)?;
+        assert_eq!(inputs.end_scores(&reward, &seq, 2, 0)?, [all[4], all[6 + 5], all[12 + 1]]);
+        Ok(())
     }
 
     #[test]

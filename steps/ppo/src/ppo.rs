@@ -641,6 +641,22 @@ mod tests {
     }
 
     /// Score 7 clipped to 5; KL over the two unmasked tokens (0.5 - 0.2) + (-1 + 1.5) = 0.8.
+    /// A checkpoint's run fingerprint holds the config: the options added since the first
+    /// checkpoints are left out at their defaults, so those checkpoints resume with the flags
+    /// they were started with; set, they are written (a resume must give them again).
+    #[test]
+    fn later_options_are_written_into_the_fingerprint_only_when_set() {
+        let written = |cfg: &PpoConfig| serde_json::to_value(cfg).unwrap();
+        let default = written(&PpoConfig::default());
+        assert!(default.get("loss_type").is_none() && default.get("whiten_advantages").is_none(), "{default}");
+        let set = written(&PpoConfig { loss_type: LossType::Grpo, whiten_advantages: true, ..PpoConfig::default() });
+        assert_eq!(
+            (&set["loss_type"], &set["whiten_advantages"]),
+            (&serde_json::json!("grpo"), &serde_json::json!(true))
+        );
+        assert!(LossType::Grpo.per_answer() && LossType::DrGrpo.per_answer() && !LossType::Bnpo.per_answer());
+    }
+
     #[test]
     fn sequence_reward_is_the_clipped_score_minus_the_summed_kl() {
         let cfg = PpoConfig::default();
