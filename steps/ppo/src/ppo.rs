@@ -423,11 +423,12 @@ pub fn explained_variance(values: &[f32], returns: &[f32], mask: &[f32]) -> f64 
     let pick = |f: &dyn Fn(usize) -> f64| -> Vec<f64> { (0..mask.len()).filter(|&i| mask[i] > 0.0).map(f).collect() };
     let ret = pick(&|i| f64::from(returns[i]));
     let err = pick(&|i| f64::from(returns[i] - values[i]));
-    let var = |x: &[f64]| {
+    // The two variances' 1/n cancels: their sums of squared deviations from the mean.
+    let squared_deviations = |x: &[f64]| {
         let m = x.iter().sum::<f64>() / x.len().max(1) as f64;
-        x.iter().map(|v| (v - m).powi(2)).sum::<f64>() / x.len().max(1) as f64
+        x.iter().map(|v| (v - m).powi(2)).sum::<f64>()
     };
-    1.0 - var(&err) / var(&ret)
+    1.0 - squared_deviations(&err) / squared_deviations(&ret)
 }
 
 #[cfg(test)]
@@ -615,6 +616,10 @@ mod tests {
         assert!((k3 - ((-0.5f64).exp() - 1.0 + 0.5) / 2.0).abs() < 1e-12);
         assert!((explained_variance(&[1.0, 2.0, 3.0], &[1.0, 2.0, 3.0], &[1.0; 3]) - 1.0).abs() < 1e-12);
         assert!(explained_variance(&[2.0, 2.0, 2.0], &[1.0, 2.0, 3.0], &[1.0; 3]).abs() < 1e-12);
+        // Masked actions do not count; errors 1, -1 against returns 1, 3 (variance 1): 1 - 1 / 1.
+        let masked = [1.0, 1.0, 0.0];
+        assert!((explained_variance(&[1.0, 2.0, 100.0], &[1.0, 2.0, 0.0], &masked) - 1.0).abs() < 1e-12);
+        assert!(explained_variance(&[0.0, 4.0, 100.0], &[1.0, 3.0, 0.0], &masked).abs() < 1e-12);
     }
 
     /// rho = 2: (2 - 1) - ln 2; rho = 1/2: (1/2 - 1) + ln 2. `d^2 / 2` would give both 0.240.
@@ -697,5 +702,10 @@ mod tests {
         assert_eq!(m.count, 5.0);
         assert!((m.mean - 3.0).abs() < 1e-12 && (m.var - 2.0).abs() < 1e-12, "{m:?}");
         assert!((m.normalize(3.0 + 2f64.sqrt()) - 1.0).abs() < 1e-7);
+        assert_eq!(m.normalize(3.0), 0.0);
+        // Equal scores have no spread: the 1e-8 keeps the scale finite and the sign.
+        let mut flat = RunningMoments::default();
+        flat.update(2.0, 4.0, 8.0);
+        assert_eq!(flat.normalize(2.5), 0.5 / 1e-8);
     }
 }
