@@ -312,3 +312,34 @@ fn policy_stats(
         entropy: h / total,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two answer actions of this rank (a third masked) in a global micro-batch of 4 tokens:
+    /// log-ratios 0.1 (inside [0.8, 1.2]) and -0.3 (ratio 0.741, clipped); each sum over 4.
+    #[test]
+    fn policy_stats_sum_this_ranks_answer_actions_over_the_global_tokens() -> Result<()> {
+        let dev = Device::Cpu;
+        let new = Tensor::new(&[[0.1f32, -0.3, 5.0]], &dev)?;
+        let old = Tensor::zeros((1, 3), candle_core::DType::F32, &dev)?;
+        let entropy = Tensor::new(&[[1.0f32, 2.0, 9.0]], &dev)?;
+        let mask = Tensor::new(&[[1.0f32, 1.0, 0.0]], &dev)?;
+        let losses = [(2.0, 0.5), (4.0, 0.25)];
+        let s = policy_stats(&new, &old, &entropy, &mask, &PpoConfig::default(), losses, 4.0)?;
+        let (d0, d1) = (f64::from(0.1f32), f64::from(-0.3f32));
+        let want = UpdateStats {
+            actor_loss: 1.0,
+            critic_loss: 1.0,
+            ratio_mean: (d0.exp() + d1.exp()) / 4.0,
+            clip_fraction: 0.25,
+            approx_kl: (ppo::approx_kl(d0) + ppo::approx_kl(d1)) / 4.0,
+            entropy: 0.75,
+        };
+        for (got, want) in s.to_array().into_iter().zip(want.to_array()) {
+            assert!((got - want).abs() < 1e-12, "{s:?} vs {want:?}");
+        }
+        Ok(())
+    }
+}
