@@ -433,22 +433,22 @@ mod tests {
         assert_eq!(mask, [0.0, 1.0, 1.0, 0.0, /* rejected */ 0.0, 1.0, 1.0, 1.0]);
     }
 
-    /// One pair, beta 0.1: policy (-1, -3), reference (-2, -2): h = (1) - (-1) = 2.
-    /// Sigmoid: -log sigmoid(0.2) = ln(1 + e^-0.2); IPO: (2 - 5)^2 = 9.
+    /// One pair, beta 0.1: policy (-1, -3), reference (-2, -2.5): h = (1) - (-0.5) = 1.5.
+    /// Sigmoid: -log sigmoid(0.15) = ln(1 + e^-0.15); IPO: (1.5 - 5)^2 = 12.25.
     /// The sigmoid loss's gradient in the policy's chosen log-prob is -beta sigmoid(-beta h).
     #[test]
     fn dpo_and_ipo_losses_hand_computed() -> candle_core::Result<()> {
         let dev = Device::Cpu;
         let policy = Var::new(&[-1.0f32, -3.0], &dev)?;
-        let reference = Tensor::new(&[-2.0f32, -2.0], &dev)?;
+        let reference = Tensor::new(&[-2.0f32, -2.5], &dev)?;
         let loss = dpo_loss(policy.as_tensor(), &reference, 0.1, DpoLoss::Sigmoid)?;
-        let want = (1.0 + (-0.2f64).exp()).ln();
+        let want = (1.0 + (-0.15f64).exp()).ln();
         assert!((f64::from(loss.to_scalar::<f32>()?) - want).abs() < 1e-6);
         let g = loss.backward()?.get(policy.as_tensor()).expect("gradient").to_vec1::<f32>()?;
-        let sig = 1.0 / (1.0 + 0.2f32.exp());
+        let sig = 1.0 / (1.0 + 0.15f32.exp());
         assert!((g[0] + 0.1 * sig).abs() < 1e-6 && (g[1] - 0.1 * sig).abs() < 1e-6, "{g:?}");
         let ipo: f32 = dpo_loss(policy.as_tensor(), &reference, 0.1, DpoLoss::Ipo)?.to_scalar()?;
-        assert!((ipo - 9.0).abs() < 1e-5, "{ipo}");
+        assert!((ipo - 12.25).abs() < 1e-5, "{ipo}");
         Ok(())
     }
 
@@ -485,5 +485,23 @@ mod tests {
         assert!((e.reward_chosen - 0.05).abs() < 1e-9 && (e.reward_rejected - 0.0).abs() < 1e-9, "{e:?}");
         assert!((e.reward_accuracy - 0.5).abs() < 1e-12 && (e.reward_margin - 0.05).abs() < 1e-9);
         assert!((e.loss - 0.5).abs() < 1e-12);
+    }
+
+    /// Three pairs, beta 0.1, reference -2 throughout: chosen rewards 0.1, 0, -0.2 against
+    /// rejected -0.1, 0.05, -0.2 (a tie: not a win); then a batch of one more pair (0.3
+    /// against 0.1) added: 4 pairs, 2 wins, the losses' sums.
+    #[test]
+    fn the_logged_sums_add_over_batches() {
+        let mut s = DpoSums::of(&[-1.0, -2.0, -4.0, -3.0, -1.5, -4.0], &[-2.0; 6], 0.1, 0.5);
+        let e = s.means();
+        assert_eq!((e.pairs, e.reward_accuracy), (3, 1.0 / 3.0));
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-7;
+        assert!(close(e.reward_chosen, -0.1 / 3.0) && close(e.reward_rejected, -0.25 / 3.0), "{e:?}");
+        assert!(close(e.reward_margin, 0.05), "{e:?}");
+        s.add(&DpoSums::of(&[1.0, -1.0], &[-2.0; 2], 0.1, 2.0));
+        let e = s.means();
+        assert_eq!((e.pairs, e.reward_accuracy), (4, 0.5));
+        assert!(close(e.loss, (1.5 + 2.0) / 4.0) && close(e.reward_chosen, 0.2 / 4.0), "{e:?}");
+        assert!(close(e.reward_rejected, -0.15 / 4.0) && close(e.reward_margin, 0.35 / 4.0), "{e:?}");
     }
 }

@@ -163,6 +163,11 @@ mod tests {
         assert_eq!(pair_span_after(&[PAD, 5, PAD], &[PAD, 6, PAD], PAD, 2).chosen_end, 2);
         let ids = [PAD, 5, 7, PAD, PAD, PAD, 5, 8, 8, PAD];
         assert_eq!(batch_spans_after(&ids, 1, 5, PAD, 1), vec![want]);
+        // Two pairs: the chosen rows first, each pair's rejected row B rows later.
+        let ids = [[5, 7, PAD], [5, 6, 6], [5, 8, 8], [5, 6, PAD]].concat();
+        let spans = batch_spans(&ids, 2, 3, PAD);
+        assert_eq!(spans[0], PairSpan { divergence: 1, end: 3, chosen_end: 2, rejected_end: 3 });
+        assert_eq!(spans[1], PairSpan { divergence: 2, end: 3, chosen_end: 3, rejected_end: 2 });
     }
 
     #[test]
@@ -192,7 +197,7 @@ mod tests {
             PairSpan { divergence: 2, end: 4, chosen_end: 4, rejected_end: 3 },
         ];
         let scores = [
-            [0.0f32, 1.0, 2.0, 9.0], // chosen 0
+            [0.0f32, 1.0, 2.0, 8.0], // chosen 0
             [0.0, 0.5, -1.0, 9.0],   // chosen 1
             [0.0, 0.0, 3.0, -9.0],   // rejected 0
             [0.0, 0.5, 1.0, 0.0],    // rejected 1
@@ -212,6 +217,13 @@ mod tests {
         let want_last = (softplus_neg(1.0 - 3.0) + softplus_neg(9.0 - 1.0)) / 2.0;
         assert!((last as f64 - want_last).abs() < 1e-6, "{last} vs {want_last}");
         assert_eq!(accuracy(&[1.0, 9.0], &[3.0, 1.0]), 0.5);
+        // A tie is not a win (DS-Chat's strict >).
+        assert_eq!(accuracy(&[1.0, 9.0, 2.0], &[3.0, 1.0, 2.0]), 1.0 / 3.0);
+        assert_eq!(accuracy(&[9.0, 9.0, 0.0], &[1.0, 1.0, 3.0]), 2.0 / 3.0);
+        // A row that starts with pad is read at its last position, as DS-Chat's index -1.
+        let at_once = [PairSpan { divergence: 0, end: 4, chosen_end: 0, rejected_end: 2 }];
+        let (c, r) = end_scores(&s.narrow(0, 1, 2)?, &at_once)?;
+        assert_eq!((c.to_vec1::<f32>()?, r.to_vec1::<f32>()?), (vec![9.0], vec![0.0]));
         Ok(())
     }
 
