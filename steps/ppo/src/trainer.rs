@@ -317,29 +317,29 @@ fn policy_stats(
 mod tests {
     use super::*;
 
-    /// Two answer actions of this rank (a third masked) in a global micro-batch of 4 tokens:
-    /// log-ratios 0.1 (inside [0.8, 1.2]) and -0.3 (ratio 0.741, clipped); each sum over 4.
+    /// Four answer actions of this rank (a fifth masked) in a global micro-batch of 8 tokens:
+    /// log-ratios 0.1 and 0.05 inside the ratio's range [0.8, 1.2], -0.3 below it (ratio
+    /// 0.741) and 0.4 above it (1.492): two clipped; each sum over 8.
     #[test]
     fn policy_stats_sum_this_ranks_answer_actions_over_the_global_tokens() -> Result<()> {
         let dev = Device::Cpu;
-        let new = Tensor::new(&[[0.1f32, -0.3, 5.0]], &dev)?;
-        let old = Tensor::zeros((1, 3), candle_core::DType::F32, &dev)?;
-        let entropy = Tensor::new(&[[1.0f32, 2.0, 9.0]], &dev)?;
-        let mask = Tensor::new(&[[1.0f32, 1.0, 0.0]], &dev)?;
+        let d = [0.1f32, -0.3, 0.05, 0.4];
+        let new = Tensor::new(&[[d[0], d[1], d[2], d[3], 5.0]], &dev)?;
+        let old = Tensor::zeros((1, 5), candle_core::DType::F32, &dev)?;
+        let entropy = Tensor::new(&[[1.0f32, 2.0, 3.0, 4.0, 9.0]], &dev)?;
+        let mask = Tensor::new(&[[1.0f32, 1.0, 1.0, 1.0, 0.0]], &dev)?;
         let losses = [(2.0, 0.5), (4.0, 0.25)];
-        let s = policy_stats(&new, &old, &entropy, &mask, &PpoConfig::default(), losses, 4.0)?;
-        let (d0, d1) = (f64::from(0.1f32), f64::from(-0.3f32));
-        let want = UpdateStats {
-            actor_loss: 1.0,
-            critic_loss: 1.0,
-            ratio_mean: (d0.exp() + d1.exp()) / 4.0,
-            clip_fraction: 0.25,
-            approx_kl: (ppo::approx_kl(d0) + ppo::approx_kl(d1)) / 4.0,
-            entropy: 0.75,
-        };
-        for (got, want) in s.to_array().into_iter().zip(want.to_array()) {
-            assert!((got - want).abs() < 1e-12, "{s:?} vs {want:?}");
-        }
+        let s = policy_stats(&new, &old, &entropy, &mask, &PpoConfig::default(), losses, 8.0)?;
+        let d = d.map(f64::from);
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-12;
+        assert!(close(s.actor_loss, 1.0) && close(s.critic_loss, 1.0), "{s:?}");
+        assert!(close(s.ratio_mean, d.iter().map(|d| d.exp()).sum::<f64>() / 8.0), "{s:?}");
+        assert!(close(s.clip_fraction, 2.0 / 8.0), "{s:?}");
+        assert!(close(s.approx_kl, d.iter().map(|&d| ppo::approx_kl(d)).sum::<f64>() / 8.0), "{s:?}");
+        assert!(close(s.entropy, 10.0 / 8.0), "{s:?}");
+        // What the ranks' reduction moves, in a fixed order.
+        assert_eq!(UpdateStats::from_array([1.0, 2.0, 3.0, 4.0, 5.0, 6.0]).to_array(), [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
+        assert_eq!(s.to_array(), [s.actor_loss, s.critic_loss, s.ratio_mean, s.clip_fraction, s.approx_kl, s.entropy]);
         Ok(())
     }
 }
