@@ -286,3 +286,31 @@ fn dpo_trains_the_actor_on_the_pairs_against_its_frozen_copy() {
         serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
     assert_eq!(config["architectures"][0], "GPT2LMHeadModel");
 }
+
+/// `--rpo-alpha` (RPO: DPO plus alpha times the chosen answers' NLL per token). At the first
+/// step the policy is its reference, so the DPO term is ln 2 and the rest is alpha x the NLL:
+/// twice the alpha, twice the excess, and for the untrained tiny model about ln(vocabulary).
+#[test]
+fn rpo_adds_alpha_times_the_chosen_answers_nll() {
+    let dir = tempfile::tempdir().unwrap();
+    let first_loss = |alpha: &str| {
+        let out = dir.path().join(format!("rpo-{alpha}"));
+        #[rustfmt::skip]
+        let run = reward(&[
+            "--algorithm", "dpo", "--rpo-alpha", alpha, "--data-path", "demo", "--data-split", "98,1,1",
+            "--model-name-or-path", "tiny", "--max-seq-len", "48", "--per-device-train-batch-size", "16",
+            "--num-train-epochs", "1", "--dropout", "0", "--no-data-cache", "--output-dir", out.to_str().unwrap(),
+        ]);
+        assert!(run.status.success(), "rpo {alpha}: {}", String::from_utf8_lossy(&run.stderr));
+        let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+        let step1 = metrics
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .find(|r| r["step"] == 1 && r.get("loss").is_some())
+            .expect("a first step");
+        step1["loss"].as_f64().unwrap() - std::f64::consts::LN_2
+    };
+    let (one, two) = (first_loss("1"), first_loss("2"));
+    assert!((two - 2.0 * one).abs() < 1e-4 * two, "alpha 1: ln 2 + {one}, alpha 2: ln 2 + {two}");
+    assert!((one - 50257f64.ln()).abs() < 1.0, "the tiny model's NLL per token {one} is not about ln(50257)");
+}
