@@ -194,6 +194,24 @@ fn fp16_with_aligned_overflow_logs_its_loss_scale_and_resumes_exactly() {
     assert!(last["actor_loss_scale"].as_f64().unwrap() < 2f64.powi(24), "{last}");
 }
 
+/// A run that ends inside an accumulated step applies what it accumulated: one rollout of 8
+/// prompts is 2 micro-batches of 4, fewer than `--gradient-accumulation-steps 3`, so only the
+/// end of the run's flush trains the actor and the critic.
+#[test]
+fn a_run_ending_inside_an_accumulated_step_applies_it() {
+    let dir = tempfile::tempdir().unwrap();
+    setup(dir.path());
+    let partial = ["--enable-test-mode", "--test-stop-step", "1", "--gradient-accumulation-steps", "3"];
+    ok(&ppo(dir.path(), "out", &[&partial[..], &["--no-final-checkpoint"]].concat()));
+    let load = |d: &str| hybrid_engine::checkpoints::hf_io::load_model_dir(&dir.path().join(d), &Device::Cpu).unwrap();
+    for (model, start) in [("out/actor", "actor"), ("out/critic", "reward")] {
+        let (saved, start) = (load(model), load(start));
+        let name = "h.0.mlp.c_fc.weight";
+        let moved = (&saved.tensors[name] - &start.tensors[name]).unwrap().abs().unwrap().max_all().unwrap();
+        assert!(moved.to_scalar::<f32>().unwrap() > 0.0, "{model}'s {name} did not train");
+    }
+}
+
 /// Runs 7 rollouts with checkpoints, resumes from the one after rollout 2, and checks that both
 /// runs end with the same weights. Returns the directory and the full run's log.
 fn resume_is_exact(extra: &[&str]) -> (tempfile::TempDir, String) {
