@@ -197,8 +197,8 @@ struct ExecScorer {
     stdin: Option<ChildStdin>,
     lines: Receiver<std::io::Result<String>>,
     command: String,
-    /// `sh`'s status once reaped (after its group was killed).
-    status: Option<ExitStatus>,
+    /// Once `sh` is reaped (after its group was killed): its status if it had ended by itself.
+    reaped: Option<Option<ExitStatus>>,
 }
 
 impl ExecScorer {
@@ -220,7 +220,7 @@ impl ExecScorer {
                 }
             }
         });
-        Ok(Self { stdin: child.stdin.take(), child, lines, command: command.to_string(), status: None })
+        Ok(Self { stdin: child.stdin.take(), child, lines, command: command.to_string(), reaped: None })
     }
 
     /// Whether `sh` has ended, without reaping it: while it is unreaped its pid, the process
@@ -238,17 +238,19 @@ impl ExecScorer {
     /// Waits up to `patience` for `sh` to end, then kills its process group (`sh` and whatever
     /// it started) and reaps it: `sh`'s status when it ended by itself.
     fn end(&mut self, patience: Duration) -> Option<ExitStatus> {
-        if self.status.is_none() {
-            let deadline = Instant::now() + patience;
-            while !self.has_ended() && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            let ended = self.has_ended();
-            // SAFETY: signals the process group of our child, which is not reaped yet.
-            unsafe { libc::kill(-(self.child.id() as libc::pid_t), libc::SIGKILL) };
-            self.status = self.child.wait().ok().filter(|_| ended);
+        if let Some(status) = self.reaped {
+            return status; // the group is not signalled again: its id may be another's by now
         }
-        self.status
+        let deadline = Instant::now() + patience;
+        while !self.has_ended() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let ended = self.has_ended();
+        // SAFETY: signals the process group of our child, which is not reaped yet.
+        unsafe { libc::kill(-(self.child.id() as libc::pid_t), libc::SIGKILL) };
+        let status = self.child.wait().ok().filter(|_| ended);
+        self.reaped = Some(status);
+        status
     }
 
     /// Why the process can answer no more: its exit status when it ends within a second (its
