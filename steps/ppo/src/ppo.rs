@@ -456,6 +456,8 @@ mod tests {
         assert_eq!(loss(LossType::Grpo, 0)?, 3.0, "(6 / 3 + 4 / 1) / 2 answers");
         assert_eq!(loss(LossType::DrGrpo, 4)?, 1.25, "10 / (2 answers x 4)");
         assert!((loss(LossType::DrGrpo, 0)? - 10.0 / 6.0).abs() < 1e-6, "the width when no length is given");
+        // The two that divide by answers: a rank's share of them weighs its part on many ranks.
+        assert!(LossType::Grpo.per_answer() && LossType::DrGrpo.per_answer() && !LossType::Bnpo.per_answer());
         Ok(())
     }
 
@@ -659,7 +661,6 @@ mod tests {
             (&set["loss_type"], &set["whiten_advantages"]),
             (&serde_json::json!("grpo"), &serde_json::json!(true))
         );
-        assert!(LossType::Grpo.per_answer() && LossType::DrGrpo.per_answer() && !LossType::Bnpo.per_answer());
     }
 
     #[test]
