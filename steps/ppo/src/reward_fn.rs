@@ -242,10 +242,11 @@ impl ExecScorer {
             return status; // the group is not signalled again: its id may be another's by now
         }
         let deadline = Instant::now() + patience;
-        while !self.has_ended() && Instant::now() < deadline {
+        let mut ended = self.has_ended();
+        while !ended && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(10));
+            ended = self.has_ended();
         }
-        let ended = self.has_ended();
         // SAFETY: signals the process group of our child, which is not reaped yet.
         unsafe { libc::kill(-(self.child.id() as libc::pid_t), libc::SIGKILL) };
         let status = self.child.wait().ok().filter(|_| ended);
