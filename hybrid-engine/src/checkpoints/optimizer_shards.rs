@@ -244,10 +244,39 @@ mod tests {
     #[test]
     fn a_manifest_cannot_name_a_file_outside_the_checkpoint() -> Result<()> {
         let dir = tempfile::tempdir()?;
+        // Each name breaks exactly one of the rules, so each rule is tested on its own.
+        for name in ["../../etc/passwd", "sub/file", "sub\\file", ".hidden", "line\nbreak"] {
+            let mut m = manifest(1, 1, &[], &[]);
+            m.files = vec![name.into()];
+            std::fs::write(dir.path().join(MANIFEST), serde_json::to_string(&m)?)?;
+            let err = read_manifest(dir.path()).unwrap_err().to_string();
+            assert!(err.contains("not a plain file name"), "{name:?}: {err}");
+        }
         let mut m = manifest(1, 1, &[], &[]);
-        m.files = vec!["../../etc/passwd".into()];
+        m.files = vec!["optimizer-rank-000-of-001.safetensors".into()];
         std::fs::write(dir.path().join(MANIFEST), serde_json::to_string(&m)?)?;
-        assert!(read_manifest(dir.path()).unwrap_err().to_string().contains("not a plain file name"));
+        assert_eq!(read_manifest(dir.path())?, m);
+        Ok(())
+    }
+
+    /// A shard whose `range.<param>` lies outside its parameter is refused by name, even where
+    /// its values would cover what a rank holds: a damaged range must not load silently.
+    #[test]
+    fn a_shard_whose_range_lies_outside_its_parameter_is_refused() -> Result<()> {
+        let names = vec!["w".to_string()];
+        let numels = [6usize];
+        let dir = tempfile::tempdir()?;
+        let m = manifest(1, 1, &names, &numels);
+        for bounds in [[0i64, 7], [-1, 5], [4, 2]] {
+            let n = (bounds[1] - bounds[0]).max(0) as usize;
+            let piece = Tensor::from_vec(vec![1f32; n], n, &Device::Cpu)?;
+            let range = Tensor::from_slice(&bounds, 2, &Device::Cpu)?;
+            let tensors = [("exp_avg.w", piece.clone()), ("exp_avg_sq.w", piece), ("range.w", range)];
+            safetensors::serialize_to_file(tensors, None, &dir.path().join(shard_file(0, 1)))?;
+            let mut opt = AdamW::over_ranges(AdamWConfig::default(), &names, vec![0..6]);
+            let err = load_into(dir.path(), &m, &mut opt, &names, &numels).unwrap_err().to_string();
+            assert!(err.contains(&format!("w's range {bounds:?} is not within its 6 values")), "{bounds:?}: {err}");
+        }
         Ok(())
     }
 }

@@ -363,3 +363,101 @@ pub fn load_training_state(root: &Path, device: &Device) -> Result<(PathBuf, Opt
     };
     Ok((dir, optimizer, state))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::comm::on_groups;
+    use crate::training::optim::AdamWConfig;
+
+    /// A rank that fails fails every rank: itself with its own error, the others naming it (the
+    /// highest such rank when several fail), so no rank goes on to a collective the failed one
+    /// will never join.
+    #[test]
+    fn a_step_that_fails_on_one_rank_fails_on_every_rank_naming_it() {
+        for failing in [vec![1], vec![0, 2], vec![]] {
+            let results = on_groups(3, |group| {
+                agree(&group, "write its shard", || match failing.contains(&group.rank()) {
+                    true => bail!("disk full on rank {}", group.rank()),
+                    false => Ok(()),
+                })
+            });
+            for (r, result) in results.into_iter().enumerate() {
+                match (failing.contains(&r), failing.iter().max(), result) {
+                    (true, _, Err(e)) => assert_eq!(e.to_string(), format!("disk full on rank {r}")),
+                    (false, Some(worst), Err(e)) => assert_eq!(
+                        e.to_string(),
+                        format!("rank {worst} could not write its shard; no checkpoint was written")
+                    ),
+                    (false, None, Ok(())) => {}
+                    (_, _, result) => panic!("rank {r} with {failing:?} failing: {result:?}"),
+                }
+            }
+        }
+    }
+
+    fn state(iteration: u64) -> TrainerState {
+        let run = serde_json::json!({});
+        TrainerState {
+            format_version: FORMAT_VERSION,
+            iteration,
+            consumed_samples: 0,
+            data_cursor: run.clone(),
+            seed: 1,
+            run,
+        }
+    }
+
+    /// Two ranks save their halves of the moments together and the checkpoint restores them
+    /// into one rank; a later save that fails on rank 0 fails on both ranks and leaves `latest`
+    /// at the first checkpoint, whole.
+    #[test]
+    fn ranks_save_their_shards_together_and_a_failed_save_keeps_the_last() -> Result<()> {
+        let config =
+            Gpt2Config { n_layer: 1, n_embd: 8, n_head: 2, n_positions: 8, vocab_size: 12, ..Gpt2Config::tiny() };
+        let params = ParamStore::init(&config, 3, &Device::Cpu)?;
+        let names = params.names.clone();
+        let numels: Vec<usize> = params.vars.iter().map(|v| v.elem_count()).collect();
+        // Moment j of parameter i is (i, j) in a number of its own, so a misplaced value shows.
+        let moments = |i: usize, r: std::ops::Range<usize>| -> (Vec<f32>, Vec<f32>) {
+            r.map(|j| (i as f32 * 1000.0 + j as f32, -(i as f32) - j as f32 / 1000.0)).unzip()
+        };
+        let root = tempfile::tempdir()?;
+        let save = |iteration: u64, fail_on_first: bool| {
+            on_groups(2, |group| {
+                let halves =
+                    numels.iter().map(|&n| if group.rank() == 0 { 0..n / 2 } else { n / 2..n }).collect::<Vec<_>>();
+                let mut optimizer = AdamW::over_ranges(AdamWConfig::default(), &names, halves.clone());
+                for (i, held) in halves.into_iter().enumerate() {
+                    let (m, v) = moments(i, held.clone());
+                    optimizer.fill_held(i, held, &m, &v)?;
+                }
+                let shard = OptimizerShard { optimizer: &optimizer, names: &names, numels: &numels, sharded: true };
+                let model = SavedModel::Whole(group.is_first().then_some(&params));
+                let tokenizer = |_: &Path| match fail_on_first {
+                    true => bail!("no space left for tokenizer.json"),
+                    false => Ok(()),
+                };
+                save_checkpoint_across(&group, root.path(), &config, model, shard, &state(iteration), &tokenizer)
+            })
+        };
+        let saved: Vec<Option<PathBuf>> = save(1, false).into_iter().collect::<Result<_>>()?;
+        assert_eq!(saved, [Some(root.path().join("iter_0000001")), None]);
+        let failed = save(2, true);
+        assert_eq!(failed[0].as_ref().unwrap_err().to_string(), "no space left for tokenizer.json");
+        let on_second = failed[1].as_ref().unwrap_err().to_string();
+        assert_eq!(on_second, "rank 0 could not assemble the checkpoint; no checkpoint was written");
+        assert!(!root.path().join("iter_0000002").exists(), "no partial checkpoint is left in place");
+
+        let (dir, optimizer, trainer) = load_training_state(root.path(), &Device::Cpu)?;
+        assert_eq!((dir, trainer), (root.path().join("iter_0000001"), state(1)));
+        let whole: Vec<_> = numels.iter().map(|&n| 0..n).collect();
+        let mut restored = AdamW::over_ranges(AdamWConfig::default(), &names, whole.clone());
+        optimizer.restore(&mut restored, &names, &numels)?;
+        for (i, held) in whole.into_iter().enumerate() {
+            let (m, v) = restored.held_moments(i)?;
+            assert_eq!((m.to_vec(), v.to_vec()), moments(i, held), "{}", names[i]);
+        }
+        Ok(())
+    }
+}

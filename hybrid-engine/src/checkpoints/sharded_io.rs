@@ -113,11 +113,16 @@ fn release_pages(bytes: &[u8]) {
         // its pages changes no byte any reader sees.
         unsafe {
             let page = libc::sysconf(libc::_SC_PAGESIZE).max(1) as usize;
-            let (start, end) = (bytes.as_ptr() as usize, bytes.as_ptr() as usize + bytes.len());
-            let from = start / page * page;
-            libc::madvise(from as *mut libc::c_void, end.div_ceil(page) * page - from, libc::MADV_DONTNEED);
+            let pages = whole_pages(bytes.as_ptr() as usize, bytes.len(), page);
+            libc::madvise(pages.start as *mut libc::c_void, pages.len(), libc::MADV_DONTNEED);
         }
     }
+}
+
+/// The addresses of the whole pages (of `page` bytes) that hold `len` bytes from `start`: no
+/// page more, none less.
+fn whole_pages(start: usize, len: usize, page: usize) -> Range<usize> {
+    start / page * page..(start + len).div_ceil(page) * page
 }
 
 /// A safetensors file of f32 tensors whose names and shapes are known before their values: the
@@ -354,6 +359,74 @@ mod tests {
             Ok(())
         });
         results.into_iter().collect::<Result<Vec<()>>>()?;
+        Ok(())
+    }
+
+    /// Beside the trunk a file's heads are read whole (a reward model's score), and neither the
+    /// tied `lm_head.weight` nor an old checkpoint's causal-mask buffers count as heads.
+    #[test]
+    fn the_heads_are_the_tensors_beside_the_trunk_that_are_parameters() -> Result<()> {
+        let cfg = small();
+        let whole = ParamStore::init(&cfg, 1, &Device::Cpu)?;
+        let score = Tensor::arange(0f32, 8.0, &Device::Cpu)?.reshape((1, 8))?;
+        let mut tensors: Vec<(String, Tensor)> =
+            whole.iter().map(|(n, v)| (hf_io::hf_name(n), v.as_tensor().clone())).collect();
+        tensors.push(("score.weight".into(), score.clone()));
+        tensors.push(("lm_head.weight".into(), whole.get("wte.weight").unwrap().as_tensor().clone()));
+        tensors.push(("transformer.h.0.attn.bias".into(), Tensor::ones((1, 1, 8, 8), DType::F32, &Device::Cpu)?));
+        tensors.push(("h.1.attn.masked_bias".into(), Tensor::new(-1e4f32, &Device::Cpu)?));
+        let dir = tempfile::tempdir()?;
+        safetensors::serialize_to_file(tensors, None, &dir.path().join(WEIGHTS))?;
+        hf_io::write_config_files(dir.path(), &cfg)?;
+        let heads = ModelSlices::open(dir.path())?.heads()?;
+        assert_eq!(heads.keys().collect::<Vec<_>>(), ["score.weight"]);
+        assert_eq!(heads["score.weight"].to_vec2::<f32>()?, score.to_vec2::<f32>()?);
+        Ok(())
+    }
+
+    #[test]
+    fn the_pages_released_after_a_read_are_exactly_those_that_hold_it() {
+        let page = 4096;
+        assert_eq!(whole_pages(3 * page + 5, 10, page), 3 * page..4 * page);
+        assert_eq!(whole_pages(2 * page, page, page), 2 * page..3 * page);
+        assert_eq!(whole_pages(100, 5000, page), 0..2 * page);
+        assert_eq!(whole_pages(2 * page - 1, 2, page), page..3 * page);
+        assert_eq!(whole_pages(2 * page, 0, page), 2 * page..2 * page);
+    }
+
+    /// A streamed file is a valid safetensors file whatever its header's length (the data
+    /// 8-byte aligned, as safetensors aligns it), and a tensor written twice, with the wrong
+    /// number of values or under another name, or never written, is an error naming it.
+    #[test]
+    fn streamed_files_are_aligned_and_every_tensor_is_written_once() -> Result<()> {
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join(WEIGHTS);
+        for name_len in 1..=8 {
+            let tensors = [("a".repeat(name_len), vec![2, 3]), ("b".into(), vec![5])];
+            let mut file = StreamedSafetensors::create(&path, &tensors, &HashMap::new())?;
+            let a = Tensor::arange(0f32, 6.0, &Device::Cpu)?.reshape((2, 3))?;
+            let b = Tensor::arange(10f32, 15.0, &Device::Cpu)?.to_dtype(DType::BF16)?;
+            file.write("b", &b)?;
+            file.write(&tensors[0].0, &a)?;
+            file.finish()?;
+            let bytes = std::fs::read(&path)?;
+            let header_len = u64::from_le_bytes(bytes[..8].try_into()?) as usize;
+            assert_eq!(header_len % 8, 0, "names of {name_len}: the data starts 8-byte aligned");
+            let read = safetensors::SafeTensors::deserialize(&bytes)?;
+            assert_eq!(
+                read.tensor(&tensors[0].0)?.data(),
+                &*a.flatten_all()?.to_vec1::<f32>()?.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<_>>()
+            );
+            assert_eq!(read.tensor("b")?.shape(), [5]);
+        }
+        let tensors = [("a".to_string(), vec![2]), ("b".to_string(), vec![1])];
+        let two = Tensor::new(&[1f32, 2.0], &Device::Cpu)?;
+        let mut file = StreamedSafetensors::create(&path, &tensors, &HashMap::new())?;
+        assert!(file.write("c", &two).unwrap_err().to_string().contains("writing c into"));
+        assert!(file.write("b", &two).unwrap_err().to_string().contains("2 values for 1 places"));
+        file.write("a", &two)?;
+        assert!(file.write("a", &two).unwrap_err().to_string().contains("written before: true"));
+        assert!(file.finish().unwrap_err().to_string().contains("lacks tensor b"));
         Ok(())
     }
 

@@ -255,27 +255,38 @@ pub fn all_reduce_gradients(dp: &DataParallel, grads: Vec<Tensor>) -> Result<Vec
         return Ok(grads);
     }
     let shapes: Vec<candle_core::Shape> = grads.iter().map(|g| g.shape().clone()).collect();
+    let sizes: Vec<usize> = shapes.iter().map(|s| s.elem_count()).collect();
     let mut grads = grads.into_iter();
     let mut out = Vec::with_capacity(shapes.len());
-    let mut start = 0;
-    while start < shapes.len() {
-        let mut end = start;
-        let mut values = 0;
-        while end < shapes.len() && (end == start || values + shapes[end].elem_count() <= dp.bucket) {
-            values += shapes[end].elem_count();
-            end += 1;
-        }
-        let bucket: Vec<Tensor> = grads.by_ref().take(end - start).collect();
-        let summed = dp.group.all_reduce_mean_parts_as(bucket, dp.wire)?;
+    for bucket in all_reduce_buckets(&sizes, dp.bucket) {
+        let parts: Vec<Tensor> = grads.by_ref().take(bucket.len()).collect();
+        let summed = dp.group.all_reduce_mean_parts_as(parts, dp.wire)?;
         let mut offset = 0;
-        for shape in &shapes[start..end] {
+        for shape in &shapes[bucket] {
             let n = shape.elem_count();
             out.push(summed.narrow(0, offset, n)?.reshape(shape)?);
             offset += n;
         }
-        start = end;
     }
     Ok(out)
+}
+
+/// Stage 0's buckets: runs of consecutive parameters (of `sizes` values) of at most `bucket`
+/// values together, a parameter larger than a bucket alone in its own.
+fn all_reduce_buckets(sizes: &[usize], bucket: usize) -> Vec<Range<usize>> {
+    let mut buckets = Vec::new();
+    let mut start = 0;
+    while start < sizes.len() {
+        let mut end = start + 1;
+        let mut values = sizes[start];
+        while end < sizes.len() && values + sizes[end] <= bucket {
+            values += sizes[end];
+            end += 1;
+        }
+        buckets.push(start..end);
+        start = end;
+    }
+    buckets
 }
 
 /// Stages 1 and 2: this rank's shard of the summed gradients (not yet averaged), reduce-scattered
@@ -1031,6 +1042,109 @@ pub fn consolidate(
 mod tests {
     use super::*;
 
+    /// Stages read and print as DeepSpeed numbers them; what a stage shards depends on there
+    /// being ranks to shard over; stages 1-3 step on a GPU unless offloaded, never on the CPU.
+    #[test]
+    fn stages_are_deepspeeds_numbers_and_shard_only_over_several_ranks() -> Result<()> {
+        for n in 0..4u8 {
+            let stage = ZeroStage::from_number(n)?;
+            assert_eq!((stage.number(), stage.to_string()), (n, n.to_string()));
+            assert_eq!(ZeroStage::number_gathers_after_the_step(n as u64), n == 1 || n == 2);
+        }
+        assert!(ZeroStage::from_number(4).unwrap_err().to_string().contains("--zero-stage 4 does not exist"));
+        assert!(!ZeroStage::number_gathers_after_the_step(257), "257 is not stage 1");
+        let shards = |dp: &DataParallel| (dp.shards_optimizer(), dp.shards_parameters());
+        let one = Arc::new(ProcessGroup::single());
+        for n in 0..4 {
+            let dp = DataParallel::new(one.clone(), ZeroStage::from_number(n)?, 10);
+            assert_eq!(shards(&dp), (false, false), "stage {n} on one rank");
+            for offload in [false, true] {
+                assert!(!dp.clone().with_offload(offload).steps_on_device(&Device::Cpu));
+            }
+        }
+        let results = crate::comm::on_groups(2, |group| {
+            let group = Arc::new(group);
+            (0..4).map(|n| Ok(shards(&DataParallel::new(group.clone(), ZeroStage::from_number(n)?, 10)))).collect()
+        });
+        for result in results {
+            let got: Vec<(bool, bool)> = result?;
+            assert_eq!(got, [(false, false), (true, false), (true, false), (true, true)]);
+        }
+        Ok(())
+    }
+
+    /// Stage 0 packs consecutive parameters into buckets up to the bucket's size, exactly full
+    /// included; a parameter larger than a bucket is a bucket of its own.
+    #[test]
+    fn all_reduce_buckets_pack_consecutive_parameters_up_to_the_bucket() {
+        assert_eq!(all_reduce_buckets(&[5, 3, 2, 10, 1], 5), [0..1, 1..3, 3..4, 4..5]);
+        assert_eq!(all_reduce_buckets(&[1, 1, 1, 1], 3), [0..3, 3..4]);
+        assert_eq!(all_reduce_buckets(&[4, 4], 100), [0..2]);
+        assert_eq!(all_reduce_buckets(&[], 100), Vec::<Range<usize>>::new());
+    }
+
+    /// Stage 0's all-reduce gives every rank the mean of every gradient in its shape, whatever
+    /// the buckets (one parameter each, several together, one for all); on 2 and 4 ranks, where
+    /// the mean of these small integers is exact.
+    #[test]
+    fn all_reduced_gradients_are_the_ranks_mean_in_any_buckets() -> Result<()> {
+        let shapes: [&[usize]; 3] = [&[2, 3], &[5], &[1]];
+        for world in [2, 4] {
+            for bucket in [1, 6, 100] {
+                let results = crate::comm::on_groups(world, |group| {
+                    let dp = DataParallel::new(Arc::new(group), ZeroStage::Disabled, bucket);
+                    let r = dp.group.rank();
+                    let grads = shapes
+                        .iter()
+                        .enumerate()
+                        .map(|(p, &shape)| {
+                            let n: usize = shape.iter().product();
+                            let values = (0..n).map(|i| (8 * r + 10 * p + i) as f32).collect::<Vec<_>>();
+                            Ok(Tensor::from_vec(values, shape, &Device::Cpu)?)
+                        })
+                        .collect::<Result<Vec<_>>>()?;
+                    all_reduce_gradients(&dp, grads)
+                });
+                for result in results {
+                    for (p, (mean, &shape)) in result?.iter().zip(&shapes).enumerate() {
+                        assert_eq!(mean.dims(), shape, "world {world} bucket {bucket}");
+                        let want: Vec<f32> = (0..shape.iter().product::<usize>())
+                            .map(|i| (4 * (world - 1) + 10 * p + i) as f32)
+                            .collect();
+                        assert_eq!(mean.flatten_all()?.to_vec1::<f32>()?, want, "world {world} bucket {bucket}");
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The global norm of sharded gradients sums every rank's squares; under tensor parallelism
+    /// a replicated parameter counts once and each TP rank's slice of a split one counts (4 ranks:
+    /// TP 2 by data-parallel 2, the flat layout of a 2-value LayerNorm and a 3-value slice).
+    #[test]
+    fn sharded_gradient_norms_count_every_value_once() -> Result<()> {
+        let names = ["h.0.ln_1.weight".to_string(), "h.0.mlp.c_fc.weight".to_string()];
+        let partition = Partition::new(vec![2, 3], 2);
+        let results = crate::comm::on_groups(4, |world| {
+            let plain = sharded_grad_norm(&world, &Tensor::new(&[world.rank() as f32 + 1.0], &Device::Cpu)?)?;
+            let layout = crate::tensor_parallel::layout::ParallelLayout::new(&world, 2)?;
+            let t = layout.tp.rank() as f32;
+            let flat = [1.0, 2.0, 3.0 + t, 4.0 + t, 5.0 + t, 0.0];
+            let d = layout.dp.rank();
+            let shard = Tensor::new(&flat[d * 3..(d + 1) * 3], &Device::Cpu)?;
+            let tp = sharded_grad_norm_tensor_parallel(&layout.dp, &layout.tp, (&names, &partition), &shard)?;
+            Ok((plain, tp))
+        });
+        for result in results {
+            let (plain, tp) = result?;
+            assert!((plain - 30f64.sqrt()).abs() < 1e-12, "{plain}");
+            // 1 + 4 once; 9 + 16 + 25 from TP rank 0's slice, 16 + 25 + 36 from rank 1's.
+            assert!((tp - 132f64.sqrt()).abs() < 1e-12, "{tp}");
+        }
+        Ok(())
+    }
+
     #[test]
     fn shards_cover_every_parameter_once_even_when_uneven() {
         // 3 ranks over 4 + 5 + 1 = 10 values: shards of 4, the last ends in 2 values of padding.
@@ -1154,6 +1268,41 @@ mod tests {
             let fp32 = &shards[1].2;
             let diff = expected.iter().zip(fp32).fold(0f32, |m, (e, v)| m.max((e - v).abs()));
             assert!(diff < 1e-6, "rank {rank}: the sums differ from every rank's gradients by {diff}");
+        }
+        Ok(())
+    }
+
+    /// Gradients in half precision (bf16 backward) or laid out non-contiguously are read as the
+    /// same f32 values contiguous ones are: the buckets' shards are bit for bit the same.
+    #[test]
+    fn gradient_buckets_read_half_precision_and_strided_gradients_as_f32() -> Result<()> {
+        let names: Vec<String> = ["h.0.a", "h.0.b"].map(String::from).to_vec();
+        let sizes = vec![6, 4];
+        for outcome in crate::comm::on_groups(2, |group| {
+            let group = Arc::new(group);
+            let r = group.rank() as f32;
+            // Small integers: exact in bf16, so the conversion must give the same sums.
+            let a = Tensor::new(&[[1f32, 2.0], [3.0, 4.0], [5.0, 6.0]], &Device::Cpu)?.affine(1.0, r as f64)?;
+            let b = Tensor::new(&[-1f32, 0.5, 7.0, 8.0], &Device::Cpu)?.affine(1.0, 2.0 * r as f64)?;
+            let mut shards = Vec::new();
+            let plain = [a.t()?.contiguous()?, b.clone()];
+            let odd = [a.t()?, b.to_dtype(DType::BF16)?];
+            assert!(!odd[0].is_contiguous());
+            for grads in [plain, odd] {
+                let dp = DataParallel::new(group.clone(), ZeroStage::Gradients, 3);
+                let mut buckets = GradientBuckets::new(dp, Partition::new(sizes.clone(), 2), &names, &Device::Cpu);
+                let mut grads: Vec<Option<Tensor>> = grads.into_iter().map(Some).collect();
+                crate::training::optim::GradientSink::take(&mut buckets, &mut grads, true)?;
+                let shard = crate::training::optim::GradientSink::take_reduced(&mut buckets)?;
+                shards.push(shard.to_vec1::<f32>()?);
+            }
+            Ok((group.rank(), shards))
+        }) {
+            let (rank, shards) = outcome?;
+            // Both ranks' a^T then b, summed: [3, 7, 11, 5, 9, 13] and [0, 3, 16, 18], in shards of 5.
+            let sums = [3f32, 7.0, 11.0, 5.0, 9.0, 13.0, 0.0, 3.0, 16.0, 18.0];
+            assert_eq!(shards[0], sums[5 * rank..5 * rank + 5]);
+            assert_eq!(shards[1], shards[0]);
         }
         Ok(())
     }
