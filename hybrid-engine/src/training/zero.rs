@@ -1307,6 +1307,65 @@ mod tests {
         Ok(())
     }
 
+    /// LoRA adapters fused on each rank's fp32 shard and gathered are the whole model's merged
+    /// weights bit for bit, on 2, 5 and 7 ranks, where shard boundaries fall inside adapters too.
+    #[test]
+    fn weights_fused_on_the_shards_are_the_whole_models_merged_weights() -> Result<()> {
+        let cfg = crate::Gpt2Config {
+            n_layer: 2,
+            n_embd: 8,
+            n_head: 2,
+            n_positions: 8,
+            vocab_size: 12,
+            ..crate::Gpt2Config::tiny()
+        };
+        let mut whole = ParamStore::init(&cfg, 3, &Device::Cpu)?;
+        whole.add_lora(&cfg, &lora::LoraConfig { dim: 2, alpha: Some(4.0), module_name: "h.".into() }, 3)?;
+        for (name, var) in whole.iter() {
+            if name.ends_with(".lora_B.weight") {
+                var.set(&Tensor::randn(0f32, 0.5, var.shape(), &Device::Cpu)?)?;
+            }
+        }
+        let bits = |p: &ParamStore| -> Result<Vec<(String, Vec<u32>)>> {
+            p.iter()
+                .map(|(n, v)| {
+                    Ok((n.to_string(), v.flatten_all()?.to_vec1::<f32>()?.iter().map(|x| x.to_bits()).collect()))
+                })
+                .collect()
+        };
+        let want = bits(&whole.merged()?)?;
+        let mut split_adapters = 0;
+        // 5 and 7 ranks cut an adapter between two shards (counted below).
+        for world in [2, 5, 7] {
+            let partition = Partition::of(&whole, world);
+            split_adapters += (0..world)
+                .flat_map(|r| partition.pieces(r))
+                .filter(|p| lora::is_adapter_name(&whole.names[p.param]) && p.in_param.start > 0)
+                .count();
+            for result in crate::comm::on_groups(world, |group| {
+                let dp = DataParallel::new(Arc::new(group), ZeroStage::OptimizerStates, 1000);
+                let shard = shard_values(&partition, dp.group.rank(), &whole)?;
+                bits(&gather_fused_weights(&dp, &partition, &whole, &shard)?)
+            }) {
+                assert_eq!(result?, want, "{world} ranks");
+            }
+        }
+        assert!(split_adapters > 0, "some shard begins inside an adapter");
+        Ok(())
+    }
+
+    /// A tensor's values as f32 in its logical order: read in place from contiguous f32, copied
+    /// out of a strided or half-precision one.
+    #[test]
+    fn host_f32_values_are_in_logical_order_whatever_the_layout() -> Result<()> {
+        let t = Tensor::new(&[[1f32, 2.0, 3.0], [4.0, 5.0, 6.0]], &Device::Cpu)?;
+        for (what, t) in [("contiguous", t.clone()), ("transposed", t.t()?), ("bf16", t.to_dtype(DType::BF16)?)] {
+            let want = t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+            assert_eq!(with_host_f32(&t, |v| Ok(v.to_vec()))?, want, "{what}");
+        }
+        Ok(())
+    }
+
     /// Three parameters over 2 ranks (rank 1's shard: the end of one, a bias, the start of a
     /// third), a weight-decayed and a bias, the LoRA learning-rate scale on one.
     fn shard_fixture(rank: usize) -> (Partition, AdamW, Vec<String>) {
