@@ -1200,7 +1200,17 @@ mod tests {
         let want = model.lm_loss(&ids, &targets.reshape((2, 4))?, None)?;
         assert!((loss - want.to_scalar::<f32>()?).abs() < 1e-6);
         let store = want.backward()?;
-        let shard: Vec<f32> = sharded.take_gradient_shard()?.to_vec1()?;
+        let shard_tensor = sharded.take_gradient_shard()?;
+        let shard: Vec<f32> = shard_tensor.to_vec1()?;
+        // The gradient's norm is the whole model's, and every parameter is trained.
+        let mut squares = 0f64;
+        for var in &params.vars {
+            let g: Vec<f32> = store.get(var.as_tensor()).unwrap().flatten_all()?.to_vec1()?;
+            squares += g.iter().map(|&x| x as f64 * x as f64).sum::<f64>();
+        }
+        let norm = sharded.grad_norm(&shard_tensor)?;
+        assert!((norm - squares.sqrt()).abs() <= 1e-5 * squares.sqrt(), "{norm} vs {}", squares.sqrt());
+        assert_eq!(sharded.trained_numels(), params.vars.iter().map(|v| v.elem_count()).collect::<Vec<_>>());
         // The shard is laid out unit by unit: compare each parameter's piece.
         for unit in &sharded.units {
             for piece in unit.partition.pieces(0) {
