@@ -458,6 +458,17 @@ mod tests {
             let (m, v) = restored.held_moments(i)?;
             assert_eq!((m.to_vec(), v.to_vec()), moments(i, held), "{}", names[i]);
         }
+
+        // A model with LoRA adapters is refused (its saved weights would be merged), and the
+        // refusal leaves `latest` where it was.
+        let mut adapted = ParamStore::init(&config, 3, &Device::Cpu)?;
+        adapted.add_lora(&config, &lora::LoraConfig { dim: 2, alpha: None, module_name: "h.".into() }, 3)?;
+        let optimizer = AdamW::new(AdamWConfig::default(), &adapted)?;
+        let err = save_checkpoint(root.path(), &config, &adapted, &optimizer, &state(3), &|_: &Path| Ok(()))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("checkpoints of a model with LoRA adapters are not supported"), "{err}");
+        assert_eq!(load_training_state(root.path(), &Device::Cpu)?.2, state(1));
         Ok(())
     }
 }
