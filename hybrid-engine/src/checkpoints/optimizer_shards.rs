@@ -273,7 +273,7 @@ mod tests {
             let range = Tensor::from_slice(&bounds, 2, &Device::Cpu)?;
             let tensors = [("exp_avg.w", piece.clone()), ("exp_avg_sq.w", piece), ("range.w", range)];
             safetensors::serialize_to_file(tensors, None, &dir.path().join(shard_file(0, 1)))?;
-            let mut opt = AdamW::over_ranges(AdamWConfig::default(), &names, vec![0..6]);
+            let mut opt = AdamW::over_ranges(AdamWConfig::default(), &names, numels.iter().map(|&n| 0..n).collect());
             let err = load_into(dir.path(), &m, &mut opt, &names, &numels).unwrap_err().to_string();
             assert!(err.contains(&format!("w's range {bounds:?} is not within its 6 values")), "{bounds:?}: {err}");
         }
