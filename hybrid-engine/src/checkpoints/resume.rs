@@ -410,7 +410,7 @@ mod tests {
 
     /// Two ranks save their halves of the moments together and the checkpoint restores them
     /// into one rank; a later save that fails on rank 0 fails on both ranks and leaves `latest`
-    /// at the first checkpoint, whole.
+    /// at the first checkpoint, whole, as does the refused save of a model with LoRA adapters.
     #[test]
     fn ranks_save_their_shards_together_and_a_failed_save_keeps_the_last() -> Result<()> {
         let config =
