@@ -233,13 +233,6 @@ impl AdamW {
         Ok(hi - lo)
     }
 
-    /// Replaces every moment with full ones (consolidating a sharded optimizer).
-    pub fn set_full_moments(&mut self, exp_avg: Vec<Vec<f32>>, exp_avg_sq: Vec<Vec<f32>>) {
-        self.held = exp_avg.iter().map(|m| 0..m.len()).collect();
-        self.on_device = vec![None; exp_avg.len()];
-        (self.exp_avg, self.exp_avg_sq) = (exp_avg, exp_avg_sq);
-    }
-
     /// This optimizer's configuration, step and groups with the full moments `exp_avg` and
     /// `exp_avg_sq` (a consolidated copy of a sharded one).
     pub fn with_full_moments(&self, exp_avg: Vec<Vec<f32>>, exp_avg_sq: Vec<Vec<f32>>) -> Self {
@@ -967,6 +960,140 @@ mod tests {
             .collect::<candle_core::Result<_>>()?;
         for (got, want) in moved.iter().zip([0.5e-3f32, 0.25e-3, 0.25e-3]) {
             assert!((got - want).abs() < 1e-8, "moved {got}, want {want}");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn ds_chat_runs_adam_with_its_betas_and_megatron_with_torchs() {
+        // DS-Chat's `get_optimizer` passes betas=(0.9, 0.95); Megatron keeps torch's (0.9, 0.999).
+        let ds = AdamWConfig::ds_chat(1e-6, 0.1);
+        assert_eq!(ds, AdamWConfig { beta1: 0.9, beta2: 0.95, eps: 1e-6, weight_decay: 0.1 });
+        assert_eq!(AdamWConfig::default(), AdamWConfig { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 });
+    }
+
+    /// One parameter's range (a literal one-range `vec!` reads as a mistake to clippy).
+    fn only(range: Range<usize>) -> Vec<Range<usize>> {
+        vec![range]
+    }
+
+    /// The moments of one parameter 0..10 after a step: m = (1-b1) g, v = (1-b2) g^2 with g = i.
+    fn stepped_moments_0_to_10() -> AdamW {
+        let names = vec!["h.0.mlp.c_fc.weight".to_string()];
+        let mut opt = AdamW::over_ranges(AdamWConfig::default(), &names, only(0..10));
+        opt.step = 1;
+        let g: Vec<f32> = (0..10).map(|i| i as f32).collect();
+        opt.update_held(0, &mut [0f32; 10], &g, 1e-3);
+        opt
+    }
+
+    /// Keeping a range of a range already kept keeps those indices' moments, counted from the
+    /// parameter's start, not from the held range's.
+    #[test]
+    fn keeping_part_of_a_kept_range_keeps_those_values() -> Result<()> {
+        let mut opt = stepped_moments_0_to_10();
+        let full = opt.held_moments(0)?.0.into_owned();
+        opt.keep_only(&only(3..9));
+        opt.keep_only(&only(5..8));
+        assert_eq!(opt.held(0), 5..8);
+        assert_eq!(opt.held_moments(0)?.0.as_ref(), &full[5..8]);
+        Ok(())
+    }
+
+    /// Moments kept on a parameter's device since its last step (`update_held_in_place`) are
+    /// brought back before a fill writes the host buffers: the fill lands, and the values it
+    /// does not cover keep what the step made of them.
+    #[test]
+    fn filling_moments_kept_on_the_device_keeps_the_step_and_the_fill() -> Result<()> {
+        let mut opt = stepped_moments_0_to_10();
+        opt.step = 2;
+        let (p, g) = (Tensor::zeros(10, DType::F32, &Device::Cpu)?, Tensor::ones(10, DType::F32, &Device::Cpu)?);
+        opt.update_held_in_place(0, &p, &g, 1e-3)?;
+        assert!(opt.on_device[0].is_some(), "the moments stay with the parameter");
+        let (m_stepped, v_stepped) = {
+            let (m, v) = opt.held_moments(0)?;
+            (m.into_owned(), v.into_owned())
+        };
+        // A fill of 8..12 overlaps the held 0..10 in 8..10: two values copied.
+        assert_eq!(opt.fill_held(0, 8..12, &[-1.0, -2.0, -3.0, -4.0], &[1.0, 2.0, 3.0, 4.0])?, 2);
+        let (m, v) = opt.held_moments(0)?;
+        assert_eq!(&m[..8], &m_stepped[..8], "the step's moments stay");
+        assert_eq!(&v[..8], &v_stepped[..8]);
+        assert_eq!((&m[8..], &v[8..]), (&[-1.0f32, -2.0][..], &[1.0f32, 2.0][..]), "the fill lands");
+        assert_eq!(opt.fill_held(0, 10..12, &[0.0, 0.0], &[0.0, 0.0])?, 0, "no overlap, nothing copied");
+        Ok(())
+    }
+
+    /// ZeRO's per-shard updates (`update_held` on host slices, `update_held_in_place` on a
+    /// shard's tensor) run LoRA adapters at their own learning rate, as `step` does: Adam's
+    /// first step moves each value by its learning rate.
+    #[test]
+    fn shard_updates_run_adapters_at_their_own_learning_rate() -> Result<()> {
+        let names: Vec<String> =
+            ["h.0.attn.c_attn.weight", "h.0.attn.c_attn.lora_A.weight", "h.0.attn.c_attn.lora_B.weight"]
+                .map(String::from)
+                .to_vec();
+        let config = AdamWConfig { weight_decay: 0.0, ..AdamWConfig::default() };
+        let mut opt = AdamW::over_ranges(config, &names, vec![2..5, 0..3, 0..3]);
+        opt.set_lora_lr(&names, 2.5e-4, 1e-3);
+        opt.step = 1;
+        let (mut base, mut lora_a) = ([0f32; 3], [0f32; 3]);
+        opt.update_held(0, &mut base, &[1.0; 3], 1e-3);
+        opt.update_held(1, &mut lora_a, &[1.0; 3], 1e-3);
+        let lora_b = Tensor::zeros(3, DType::F32, &Device::Cpu)?;
+        opt.update_held_in_place(2, &lora_b, &Tensor::ones(3, DType::F32, &Device::Cpu)?, 1e-3)?;
+        // Within f32's rounding of `sqrt(v) / sqrt(bc2)` (about 1e-5 of the step).
+        for (got, want) in [(base[0], -1e-3f32), (lora_a[0], -2.5e-4), (lora_b.to_vec1::<f32>()?[0], -2.5e-4)] {
+            assert!((got / want - 1.0).abs() < 1e-4, "moved {got}, want {want}");
+        }
+        // A piece that is not the held range is refused, whichever side is wrong.
+        let (two, three) = (Tensor::zeros(2, DType::F32, &Device::Cpu)?, Tensor::zeros(3, DType::F32, &Device::Cpu)?);
+        for (p, g) in [(&two, &two), (&three, &two), (&two, &three)] {
+            let err = opt.update_held_in_place(2, p, g, 1e-3).unwrap_err().to_string();
+            assert!(err.contains("where 3 are held"), "{err}");
+        }
+        Ok(())
+    }
+
+    /// What the in-place update cannot take steps through candle's ops, to the same bits: a
+    /// strided gradient, and a bf16 one (a half-precision compute copy's) of the same values.
+    #[test]
+    fn strided_and_half_gradients_step_as_contiguous_f32_ones() -> Result<()> {
+        let start = Tensor::arange(0f32, 6.0, &Device::Cpu)?.reshape((2, 3))?;
+        let grad = Tensor::new(&[[1f32, -2.0, 3.0], [0.5, 4.0, -1.0]], &Device::Cpu)?;
+        let strided = grad.t()?.contiguous()?.t()?;
+        assert!(!strided.is_contiguous());
+        let mut moved = vec![];
+        for g in [&grad, &strided, &grad.to_dtype(DType::BF16)?] {
+            let mut params = ParamStore::default();
+            params.push("h.0.mlp.c_fc.weight", &start)?;
+            let mut opt = AdamW::new(AdamWConfig::default(), &params)?;
+            for _ in 0..2 {
+                opt.step(&params, std::slice::from_ref(g), 1e-2)?;
+            }
+            let (m, v) = opt.held_moments(0)?;
+            moved.push((params.vars[0].flatten_all()?.to_vec1::<f32>()?, m.into_owned(), v.into_owned()));
+        }
+        assert_ne!(moved[0].0, start.flatten_all()?.to_vec1::<f32>()?, "the steps move the parameter");
+        assert_eq!(moved[1], moved[0], "a strided gradient");
+        assert_eq!(moved[2], moved[0], "a bf16 gradient");
+        Ok(())
+    }
+
+    /// A checkpoint's moments are whole: a ZeRO shard's optimizer is refused until consolidated,
+    /// whether its range starts late or ends early.
+    #[test]
+    fn a_sharded_optimizers_state_is_refused() -> Result<()> {
+        let mut params = ParamStore::default();
+        params.push("h.0.mlp.c_fc.weight", &Tensor::zeros((2, 3), DType::F32, &Device::Cpu)?)?;
+        let whole = AdamW::over_ranges(AdamWConfig::default(), &params.names, only(0..6));
+        assert_eq!(whole.state_tensors(&params)?.len(), 2);
+        for held in [2..6, 0..4] {
+            let err = AdamW::over_ranges(AdamWConfig::default(), &params.names, only(held))
+                .state_tensors(&params)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("after training::zero::consolidate"), "{err}");
         }
         Ok(())
     }

@@ -236,18 +236,18 @@ mod tests {
     fn sliced_weights_and_moments_gather_back_whole() -> Result<()> {
         let cfg = Gpt2Config { n_layer: 1, n_embd: 8, n_head: 2, n_positions: 8, vocab_size: 20, ..Gpt2Config::tiny() };
         let whole = ParamStore::init(&cfg, 5, &Device::Cpu)?;
-        let mut optimizer = AdamW::new(AdamWConfig::default(), &whole)?;
         let fake = |p: &ParamStore| -> Vec<Vec<f32>> {
             p.vars
                 .iter()
                 .map(|v| v.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x * 3.0).collect())
                 .collect()
         };
-        optimizer.set_full_moments(
+        let mut optimizer = AdamW::new(AdamWConfig::default(), &whole)?.with_full_moments(
             fake(&whole),
             fake(&whole).into_iter().map(|m| m.iter().map(|x| x * x).collect()).collect(),
         );
         optimizer.step = 7;
+        assert_eq!(optimizer.held_moments(0)?.0.as_ref(), fake(&whole)[0], "the moments compared are not zeros");
         for res in on_groups(2, |tp| {
             let mut local = ParamStore::default();
             for (name, var) in whole.iter() {

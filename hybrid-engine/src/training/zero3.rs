@@ -1326,7 +1326,12 @@ mod tests {
     /// rollout and LoRA-fused, in fp32 for a save (whole, trained, merged), the consolidated
     /// moments, and a frozen model's forward from a shard kept in its compute dtype. Returns
     /// the losses, the shard and all those values, in order.
-    fn train_and_gather(group: Arc<ProcessGroup>, device: &Device, on_device: bool) -> Result<Vec<Vec<f32>>> {
+    fn train_and_gather(
+        group: Arc<ProcessGroup>,
+        device: &Device,
+        on_device: bool,
+        dtype: DType,
+    ) -> Result<Vec<Vec<f32>>> {
         use crate::training::optim::AdamWConfig;
         let cfg = Gpt2Config { n_layer: 2, n_embd: 8, n_head: 2, n_positions: 8, vocab_size: 16, ..Gpt2Config::tiny() };
         let mut params = ParamStore::init(&cfg, 3, device)?;
@@ -1341,7 +1346,7 @@ mod tests {
         let flat = |t: &Tensor| -> Result<Vec<f32>> { Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?) };
         let stores = |store: &ParamStore| -> Result<Vec<Vec<f32>>> { store.vars.iter().map(|v| flat(v)).collect() };
 
-        let mut model = ShardedModel::new(group.clone(), &cfg, &params, DType::BF16)?;
+        let mut model = ShardedModel::new(group.clone(), &cfg, &params, dtype)?;
         if on_device {
             model = model.with_shard_on_device(DType::F32)?;
             assert_eq!(model.shard_place(), "the GPU");
@@ -1349,8 +1354,10 @@ mod tests {
         let mut optimizer = model.optimizer(AdamWConfig { weight_decay: 0.1, ..AdamWConfig::default() });
         let mut out = vec![];
         for _ in 0..3 {
+            // Each rank's share of the mean over ranks (the reduce-scatter sums).
+            let share = 1.0 / group.world() as f64;
             let loss = model
-                .forward_backward(&ids, &Positions::default(), None, 1.0, |w, h| w.trunk.lm_head_loss(h, &targets))?;
+                .forward_backward(&ids, &Positions::default(), None, share, |w, h| w.trunk.lm_head_loss(h, &targets))?;
             let grad = model.take_gradient_shard()?;
             model.adamw_step(&mut optimizer, &grad, 1e-2)?;
             out.push(vec![loss]);
@@ -1370,7 +1377,7 @@ mod tests {
                 out.extend([m.to_vec(), v.to_vec()]);
             }
         }
-        let frozen = ShardedModel::new(group, &cfg, &params, DType::BF16)?.freeze();
+        let frozen = ShardedModel::new(group, &cfg, &params, dtype)?.freeze();
         let frozen = if on_device { frozen.with_shard_on_device(DType::BF16)? } else { frozen };
         out.push(flat(&frozen.forward_blocks(&ids, &Positions::default())?)?);
         Ok(out)
@@ -1385,13 +1392,50 @@ mod tests {
     fn a_shard_on_the_device_is_the_host_shard_bit_for_bit() -> Result<()> {
         for outcome in crate::comm::on_groups(3, |group| {
             let group = Arc::new(group);
-            let host = train_and_gather(group.clone(), &Device::Cpu, false)?;
-            let device = train_and_gather(group.clone(), &Device::Cpu, true)?;
+            let host = train_and_gather(group.clone(), &Device::Cpu, false, DType::BF16)?;
+            let device = train_and_gather(group.clone(), &Device::Cpu, true, DType::BF16)?;
             assert!(host[0] != host[2], "the steps train");
             assert_eq!(host, device, "rank {}", group.rank());
             Ok(())
         }) {
             outcome?;
+        }
+        Ok(())
+    }
+
+    /// Two and four ranks train, gather and consolidate as one rank does, bit for bit, in fp32
+    /// and bf16: the losses, every gathered weight (bf16 for a rollout, LoRA-fused, fp32 for a
+    /// save, trained only, merged), the consolidated moments and a frozen model's forward
+    /// (all [`train_and_gather`] returns but the rank's own shard). Every rank computes the same
+    /// micro-batch at a power-of-two share, so the sums over ranks are exact. The other ranks
+    /// hold what is gathered everywhere, not what rank 0 saves.
+    #[test]
+    fn ranks_train_and_gather_as_one_rank_bit_for_bit() -> Result<()> {
+        for dtype in [DType::F32, DType::BF16] {
+            let one = train_and_gather(Arc::new(ProcessGroup::single()), &Device::Cpu, false, dtype)?;
+            for world in [2, 4] {
+                for outcome in crate::comm::on_groups(world, |group| {
+                    let group = Arc::new(group);
+                    let many = train_and_gather(group.clone(), &Device::Cpu, false, dtype)?;
+                    let at = format!("{dtype:?} on {world} ranks, rank {}", group.rank());
+                    assert!(many[3].len() < one[3].len(), "{at}: a rank holds a part of the shard");
+                    if group.is_first() {
+                        let without_shard = |v: &[Vec<f32>]| -> Vec<Vec<f32>> { [&v[..3], &v[4..]].concat() };
+                        assert_eq!(without_shard(&many), without_shard(&one), "{at}");
+                    } else {
+                        // The losses, the gathers everywhere (bf16, then LoRA-fused), the frozen forward.
+                        let everywhere = 4..many.len() - 1;
+                        assert!(everywhere.len() > 8, "the gathers everywhere are compared");
+                        for k in (0..3).chain(everywhere) {
+                            assert_eq!(many[k], one[k], "{at}: value set {k}");
+                        }
+                        assert_eq!(many.last(), one.last(), "{at}: the frozen forward");
+                    }
+                    Ok(())
+                }) {
+                    outcome?;
+                }
+            }
         }
         Ok(())
     }
@@ -1404,8 +1448,8 @@ mod tests {
     fn a_shard_on_the_gpu_trains_as_the_host_shard() -> Result<()> {
         let Some(gpu) = crate::kernels::ops::test_support::gpu() else { return Ok(()) };
         let group = Arc::new(ProcessGroup::single());
-        let host = train_and_gather(group.clone(), &gpu, false)?;
-        let device = train_and_gather(group, &gpu, true)?;
+        let host = train_and_gather(group.clone(), &gpu, false, DType::BF16)?;
+        let device = train_and_gather(group, &gpu, true, DType::BF16)?;
         assert_eq!(host.len(), device.len());
         for (k, (a, b)) in host.iter().zip(&device).enumerate() {
             assert_eq!(a.len(), b.len(), "value set {k}");
