@@ -663,6 +663,8 @@ mod tests {
         sharded: bool,
         /// The most gradient values the rank held at once.
         peak_held: usize,
+        /// How many reduce-scatters a micro-batch's gradients go in (stage 2's buckets).
+        buckets: Option<usize>,
     }
 
     /// Trains a tiny GPT-2 over `group` at `stage` in bf16 for 3 steps of 2 micro-batches (each
@@ -743,8 +745,8 @@ mod tests {
             (None, false) => Some(values(engine.masters())?),
         };
         let compute = values(engine.trainer().compute_params())?;
-        let peak_held = engine.trainer.grads().peak_held_values();
-        Ok(Trained { saved, compute, sharded: engine.shards_masters(), peak_held })
+        let (peak_held, buckets) = (engine.trainer.grads().peak_held_values(), engine.trainer.grads().sink_buckets());
+        Ok(Trained { saved, compute, sharded: engine.shards_masters(), peak_held, buckets })
     }
 
     /// DeepSpeed's stages 1 and 2 under mixed precision: each rank keeps only its shard of the
@@ -930,6 +932,11 @@ mod tests {
         // at once): it held a block's gradients beside the head's, never the whole gradient.
         let peak = small[0].peak_held;
         assert!(peak >= block && peak < total * 3 / 4, "buckets of 200: held {peak} of {total} (a block {block})");
+        // The count the run's log line gives. Stage 0, and a bucket the model's size (one
+        // reduce-scatter at the micro-batch's end), hand nothing on during backward.
+        assert_eq!((whole[0].buckets, one_bucket[0].buckets), (None, None));
+        let buckets = small[0].buckets.expect("stage 2 has buckets");
+        assert!(buckets >= total / 200 && buckets <= params.vars.len() + total / 200, "{buckets} buckets of 200");
         let saved = |r: &[Trained]| r[0].saved.clone().expect("rank 0 saves");
         assert_eq!(saved(&small), saved(&one_bucket), "the buckets change no bit");
         for (g, w) in saved(&small).iter().zip(&saved(&whole)) {

@@ -1080,6 +1080,21 @@ mod tests {
         Ok(())
     }
 
+    /// The in-place passes refuse moments that are not two values per parameter value, naming
+    /// the pass, rather than update a part.
+    #[test]
+    fn in_place_passes_refuse_moments_of_another_size() -> Result<()> {
+        let k = StepCoefficients::new(1e-3, 0.0, 1, &AdamWConfig::default());
+        let (p, g) = (Tensor::zeros(3, DType::F32, &Device::Cpu)?, Tensor::ones(3, DType::F32, &Device::Cpu)?);
+        let wrong = Tensor::zeros(8, DType::F32, &Device::Cpu)?;
+        let err = adamw_update_in_place(&p, &g, &wrong, &k).unwrap_err().to_string();
+        assert!(err.contains("adamw-moments: 8 values from 3"), "{err}");
+        let err = p.inplace_op2(&wrong, &InPlacePass::Param(&k)).unwrap_err().to_string();
+        assert!(err.contains("adamw-param: 3 values from 8"), "{err}");
+        assert_eq!(wrong.to_vec1::<f32>()?, [0.0; 8], "nothing was written");
+        Ok(())
+    }
+
     /// A checkpoint's moments are whole: a ZeRO shard's optimizer is refused until consolidated,
     /// whether its range starts late or ends early.
     #[test]
@@ -1319,6 +1334,8 @@ mod tests {
         acc.add_formed(second)?;
         let slots: Vec<usize> = acc.grads.iter().map(|g| memory_of(g.as_ref().unwrap())).collect();
         assert_eq!(slots, formed, "each sum is in the formed gradient's memory");
+        let apart: std::collections::HashSet<usize> = formed.iter().copied().collect();
+        assert_eq!(apart.len(), formed.len(), "each formed gradient has memory of its own");
         for (g, want) in acc.finish()?.iter().zip(&want) {
             assert_eq!(&values(g)?, want, "the in-place sum is the sum");
         }
@@ -1333,6 +1350,22 @@ mod tests {
         for ((t, before), g) in kept.iter().zip(&before).zip(acc.finish()?) {
             assert_eq!(&values(t)?, before, "memory the held gradient shares is left alone");
             assert_eq!(values(&g)?, before.iter().map(|x| x + x).collect::<Vec<_>>());
+        }
+        // Gradients of a bf16 compute copy are summed apart, in f32.
+        let half = store.compute_copy(DType::BF16)?;
+        let backward = || -> Result<GradStore> {
+            let mut loss = Tensor::zeros((), DType::BF16, &Device::Cpu)?;
+            for v in &half.vars {
+                loss = (loss + v.as_tensor().sum_all()?)?;
+            }
+            Ok(loss.backward()?)
+        };
+        let mut acc = GradAccumulator::new(&half);
+        acc.add(&backward()?)?;
+        acc.add_formed(backward()?)?;
+        for g in acc.finish_in_compute_dtype()? {
+            assert_eq!(g.dtype(), DType::F32);
+            assert!(values(&g)?.iter().all(|&x| x == 2.0));
         }
         Ok(())
     }
