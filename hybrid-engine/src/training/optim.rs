@@ -1379,6 +1379,33 @@ mod tests {
         let mut small = vec![Tensor::new(&[0.3f32], &Device::Cpu)?];
         clip_grad_norm(&mut small, 1.0)?;
         assert_eq!(small[0].to_vec1::<f32>()?, [0.3]);
+        // `max_norm` 0 turns clipping off (DS-Chat's `gradient_clipping: 0`), it does not zero.
+        assert_eq!(clip_coefficient(5.0, 0.0), 1.0);
+        assert_eq!(clip_coefficient(5.0, 1.0), 1.0 / (5.0 + 1e-6));
+        Ok(())
+    }
+
+    /// A single process's step: the norm before clipping returned, AdamW on the clipped f32
+    /// gradients (from bf16 ones), the bf16 compute copy refreshed from the masters.
+    #[test]
+    fn clip_and_step_returns_the_norm_and_refreshes_the_compute_copy() -> Result<()> {
+        let mut params = ParamStore::default();
+        params.push("h.0.mlp.c_fc.weight", &Tensor::new(&[[1f32, 2.0], [3.0, 4.0]], &Device::Cpu)?)?;
+        let compute = params.compute_copy(DType::BF16)?;
+        let mut opt = AdamW::new(AdamWConfig { weight_decay: 0.0, ..AdamWConfig::default() }, &params)?;
+        let grads = vec![Tensor::new(&[[3f32, 0.0], [0.0, -4.0]], &Device::Cpu)?.to_dtype(DType::BF16)?];
+        let norm = clip_and_step(&mut opt, &params, &compute, grads, 0.5, 1.0)?;
+        assert_eq!(norm, 5.0);
+        // Adam's first step moves by the learning rate where the gradient is not zero (its sign
+        // survives the clipping), and the clipped gradient is in the first moment.
+        let masters = params.vars[0].flatten_all()?.to_vec1::<f32>()?;
+        for (got, want) in masters.iter().zip([0.5f32, 2.0, 3.0, 4.5]) {
+            assert!((got - want).abs() < 1e-5, "{masters:?}");
+        }
+        let m = opt.held_moments(0)?.0.into_owned();
+        assert!((m[0] - 0.1 * 3.0 / 5.0).abs() < 1e-6, "{m:?}");
+        let copy = compute.vars[0].to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        assert_eq!(copy, masters.iter().map(|&x| half::bf16::from_f32(x).to_f32()).collect::<Vec<_>>());
         Ok(())
     }
 }
