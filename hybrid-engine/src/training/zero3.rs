@@ -1320,8 +1320,22 @@ mod tests {
         Ok(())
     }
 
-    /// Three AdamW steps of a small GPT-2 with LoRA adapters (trunk and adapters trained) at
-    /// stage 3 in bf16 over `group`, its shard on `device` and kept in host memory or, with
+    /// A small GPT-2 with LoRA adapters on every block's linears, their B not zero (so that
+    /// fusing them changes the weights).
+    fn small_lora_gpt2(device: &Device) -> Result<(Gpt2Config, ParamStore)> {
+        let cfg = Gpt2Config { n_layer: 2, n_embd: 8, n_head: 2, n_positions: 8, vocab_size: 16, ..Gpt2Config::tiny() };
+        let mut params = ParamStore::init(&cfg, 3, device)?;
+        let lora = lora::LoraConfig { dim: 2, alpha: Some(4.0), module_name: "h.".into() };
+        params.add_lora(&cfg, &lora, 5)?;
+        for (i, (name, var)) in params.iter().filter(|(n, _)| n.ends_with(lora::LORA_B)).enumerate() {
+            let values: Vec<f32> = (0..var.elem_count()).map(|k| ((k * 7 + i * 3) % 11) as f32 / 50.0 - 0.1).collect();
+            var.set(&Tensor::from_vec(values, var.shape(), device)?).map_err(|e| anyhow!("{name}: {e}"))?;
+        }
+        Ok((cfg, params))
+    }
+
+    /// Three AdamW steps of [`small_lora_gpt2`] (trunk and adapters trained) at stage 3 in
+    /// `dtype` over `group`, its shard on `device` and kept in host memory or, with
     /// `on_device`, as a tensor there; then every way it is gathered: the weights in bf16 for a
     /// rollout and LoRA-fused, in fp32 for a save (whole, trained, merged), the consolidated
     /// moments, and a frozen model's forward from a shard kept in its compute dtype. Returns
@@ -1333,14 +1347,7 @@ mod tests {
         dtype: DType,
     ) -> Result<Vec<Vec<f32>>> {
         use crate::training::optim::AdamWConfig;
-        let cfg = Gpt2Config { n_layer: 2, n_embd: 8, n_head: 2, n_positions: 8, vocab_size: 16, ..Gpt2Config::tiny() };
-        let mut params = ParamStore::init(&cfg, 3, device)?;
-        let lora = lora::LoraConfig { dim: 2, alpha: Some(4.0), module_name: "h.".into() };
-        params.add_lora(&cfg, &lora, 5)?;
-        for (i, (name, var)) in params.iter().filter(|(n, _)| n.ends_with(lora::LORA_B)).enumerate() {
-            let values: Vec<f32> = (0..var.elem_count()).map(|k| ((k * 7 + i * 3) % 11) as f32 / 50.0 - 0.1).collect();
-            var.set(&Tensor::from_vec(values, var.shape(), device)?).map_err(|e| anyhow!("{name}: {e}"))?;
-        }
+        let (cfg, params) = small_lora_gpt2(device)?;
         let ids = Tensor::new(&[[1u32, 2, 3, 4], [5, 6, 7, 8]], device)?;
         let targets = Tensor::new(&[[2u32, 3, 4, 5], [6, 7, 8, 9]], device)?.flatten_all()?;
         let flat = |t: &Tensor| -> Result<Vec<f32>> { Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?) };
@@ -1437,6 +1444,81 @@ mod tests {
                 }
             }
         }
+        Ok(())
+    }
+
+    /// On 2 ranks (shards cut parameters): shard-shaped values read by ranges are the shard;
+    /// visiting gathered values gives rank 0 every parameter whole (merged: adapters fused)
+    /// and the other ranks nothing; values of another length, or a read of another length,
+    /// are refused; a visit that fails stops visiting, its error returned after the gathers.
+    #[test]
+    fn shard_shaped_values_are_read_visited_and_refused_on_two_ranks() -> Result<()> {
+        use std::collections::BTreeMap;
+        let (cfg, whole) = small_lora_gpt2(&Device::Cpu)?;
+        let merged = whole.merged()?;
+        let values = |store: &ParamStore| -> Result<Vec<Vec<f32>>> {
+            store.vars.iter().map(|v| Ok(v.flatten_all()?.to_vec1::<f32>()?)).collect()
+        };
+        let (whole_values, merged_values) = (values(&whole)?, values(&merged)?);
+        for outcome in crate::comm::on_groups(2, |group| {
+            let model = ShardedModel::new(Arc::new(group), &cfg, &whole, DType::BF16)?;
+            let read = |name: &str, range: Range<usize>| -> Result<Vec<f32>> {
+                Ok(whole_values[whole.names.iter().position(|n| n == name).unwrap()][range].to_vec())
+            };
+            let shard = model.shard_values()?;
+            assert_eq!(model.read_shard_values(read)?, shard, "read by ranges, the shard");
+            let err = model.read_shard_values(|name, range| Ok(read(name, range)?[1..].to_vec())).unwrap_err();
+            assert!(err.to_string().contains("values read for the"), "{err}");
+
+            let mut visited = vec![];
+            model.visit_gathered(&shard, |name, t| {
+                visited.push((name.to_string(), t.flatten_all()?.to_vec1::<f32>()?));
+                Ok(())
+            })?;
+            let mut merged_visits = vec![];
+            model.visit_gathered_merged(Some(&shard), |name, t| {
+                merged_visits.push((name.to_string(), t.flatten_all()?.to_vec1::<f32>()?));
+                Ok(())
+            })?;
+            if model.group().is_first() {
+                // In the units' order (the outer unit first): compared by name, each once.
+                let by_name = |v: &[(String, Vec<f32>)]| v.iter().cloned().collect::<BTreeMap<_, _>>();
+                let (got, merged_got) = (by_name(&visited), by_name(&merged_visits));
+                assert_eq!((got.len(), merged_got.len()), (visited.len(), merged_visits.len()), "each once");
+                assert!(got == whole.names.iter().cloned().zip(whole_values.clone()).collect(), "the whole model");
+                let want: BTreeMap<_, _> = merged.names.iter().cloned().zip(merged_values.clone()).collect();
+                assert!(merged_got == want, "the merged model");
+            } else {
+                assert!(visited.is_empty() && merged_visits.is_empty(), "only rank 0 visits");
+            }
+            for err in [
+                model.visit_gathered(&shard[1..], |_, _| Ok(())).unwrap_err(),
+                model.visit_gathered_merged(Some(&shard[1..]), |_, _| Ok(())).unwrap_err(),
+            ] {
+                assert!(err.to_string().contains("values to gather, the shard holds"), "{err}");
+            }
+            let mut calls = 0;
+            let outcome = model.visit_gathered_merged(None, |_, _| {
+                calls += 1;
+                bail!("disk full")
+            });
+            if model.group().is_first() {
+                assert_eq!((calls, outcome.unwrap_err().to_string()), (1, "disk full".to_string()));
+            } else {
+                assert_eq!(calls, 0);
+                outcome?;
+            }
+            assert!(model.has_lora() && model.fuses_lora_on_shards(), "bf16 adapters fuse on the shards");
+            Ok(())
+        }) {
+            outcome?;
+        }
+        let single = Arc::new(ProcessGroup::single());
+        let plain = ParamStore::init(&cfg, 3, &Device::Cpu)?;
+        let without = ShardedModel::new(single.clone(), &cfg, &plain, DType::BF16)?;
+        assert!(!without.has_lora() && !without.fuses_lora_on_shards());
+        let in_fp32 = ShardedModel::new(single, &cfg, &whole, DType::F32)?;
+        assert!(in_fp32.has_lora() && !in_fp32.fuses_lora_on_shards(), "fp32 adapters are fused whole");
         Ok(())
     }
 
