@@ -1522,6 +1522,37 @@ mod tests {
         Ok(())
     }
 
+    /// The weights a rollout generates with, LoRA fused on the shards and gathered, are the
+    /// whole model's `merged()` bit for bit on 2, 3 and 5 ranks, where shards cut adapters
+    /// (each rank sums the adapters from every rank's pieces).
+    #[test]
+    fn adapters_fused_on_shards_cut_through_them_are_the_merged_model() -> Result<()> {
+        let (cfg, whole) = small_lora_gpt2(&Device::Cpu)?;
+        let merged = whole.merged()?;
+        let mut cut = false;
+        for world in [2, 3, 5] {
+            for outcome in crate::comm::on_groups(world, |group| {
+                let model = ShardedModel::new(Arc::new(group), &cfg, &whole, DType::BF16)?;
+                let fused = model.gather_fused_everywhere(DType::F32)?;
+                assert_eq!(fused.names, merged.names);
+                for ((name, a), b) in fused.iter().zip(&merged.vars) {
+                    assert_eq!(a.flatten_all()?.to_vec1::<f32>()?, b.flatten_all()?.to_vec1::<f32>()?, "{name}");
+                }
+                // Whether this rank's shard begins inside an adapter.
+                let rank = model.group().rank();
+                Ok(model.units.iter().any(|unit| {
+                    unit.partition.pieces(rank).iter().any(|piece| {
+                        lora::is_adapter_name(&model.names[unit.params[piece.param]]) && piece.in_param.start > 0
+                    })
+                }))
+            }) {
+                cut |= outcome?;
+            }
+        }
+        assert!(cut, "some shard begins inside an adapter");
+        Ok(())
+    }
+
     /// On a GPU, the shard kept there (stepped by the in-place AdamW kernels) trains as the shard
     /// kept in host memory (stepped on the CPU): the same losses, weights and moments to
     /// rounding.
