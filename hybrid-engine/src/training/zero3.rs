@@ -1200,7 +1200,11 @@ mod tests {
         let want = model.lm_loss(&ids, &targets.reshape((2, 4))?, None)?;
         assert!((loss - want.to_scalar::<f32>()?).abs() < 1e-6);
         let store = want.backward()?;
+        // What an overflow check reads before the step: the gradient shard so far, all of it.
+        let partial = crate::training::optim::global_grad_norm(&sharded.partial_gradients()?)?;
         let shard_tensor = sharded.take_gradient_shard()?;
+        let taken = crate::training::optim::global_grad_norm(std::slice::from_ref(&shard_tensor))?;
+        assert!(partial > 0.0 && (partial - taken).abs() <= 1e-6 * taken, "{partial} vs {taken}");
         let shard: Vec<f32> = shard_tensor.to_vec1()?;
         // The gradient's norm is the whole model's, and every parameter is trained.
         let mut squares = 0f64;
@@ -1246,6 +1250,43 @@ mod tests {
         let hidden = sharded.forward_blocks(&ids, &Positions::default())?;
         let want = model.forward_blocks(&ids, &Positions::default(), None, None)?;
         assert!((hidden - want)?.abs()?.max_all()?.to_scalar::<f32>()? < 1e-6);
+        Ok(())
+    }
+
+    /// A reward model's head (`score.weight`, after the trunk) is gathered with the outer unit
+    /// for the loss, and its gradient comes back into the shard: for the loss
+    /// `sum(hidden @ score^T)` that is the sum of the hidden states, checked against the whole
+    /// model's.
+    #[test]
+    fn a_score_head_is_gathered_for_the_loss_and_gets_its_gradient() -> Result<()> {
+        let cfg = Gpt2Config { n_layer: 1, n_embd: 8, n_head: 2, n_positions: 8, vocab_size: 16, ..Gpt2Config::tiny() };
+        let mut params = ParamStore::init(&cfg, 3, &Device::Cpu)?;
+        let score: Vec<f32> = vec![0.5, -0.25, 0.0, 1.0, 0.0, 0.0, 2.0, -1.0];
+        params.push(SCORE_WEIGHT, &Tensor::from_slice(&score, (1, 8), &Device::Cpu)?)?;
+        let sharded = ShardedModel::new(Arc::new(ProcessGroup::single()), &cfg, &params, DType::F32)?;
+        let ids = Tensor::new(&[[1u32, 2, 3], [4, 5, 6]], &Device::Cpu)?;
+        let seen = std::cell::RefCell::new(Vec::new());
+        let loss = sharded.forward_backward(&ids, &Positions::default(), None, 1.0, |w, h| {
+            let s = w.score.expect("the score head is gathered");
+            *seen.borrow_mut() = s.flatten_all()?.to_vec1::<f32>()?;
+            h.broadcast_matmul(&s.t()?)?.sum_all()
+        })?;
+        assert_eq!(*seen.borrow(), score);
+        let hidden = params.model(&cfg)?.forward_blocks(&ids, &Positions::default(), None, None)?;
+        let want = hidden.broadcast_matmul(&Tensor::from_slice(&score, (8, 1), &Device::Cpu)?)?.sum_all()?;
+        assert!((loss - want.to_scalar::<f32>()?).abs() < 1e-5, "{loss} vs {want}");
+        let grad_want: Vec<f32> = hidden.sum((0, 1))?.to_vec1()?;
+        let shard: Vec<f32> = sharded.take_gradient_shard()?.to_vec1()?;
+        let head = params.names.iter().position(|n| n == SCORE_WEIGHT).unwrap();
+        let (unit, piece) = sharded
+            .units
+            .iter()
+            .find_map(|u| u.partition.pieces(0).into_iter().find(|p| u.params[p.param] == head).map(|p| (u, p)))
+            .expect("the head is in a unit");
+        let got = &shard[unit.offset + piece.in_shard.start..unit.offset + piece.in_shard.end];
+        for (a, b) in got.iter().zip(&grad_want) {
+            assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{got:?} vs {grad_want:?}");
+        }
         Ok(())
     }
 
@@ -1378,9 +1419,15 @@ mod tests {
             out.push(flat(t)?);
             Ok(())
         })?;
-        if let Some(saved) = model.consolidate(&optimizer)? {
+        let consolidated = model.consolidate(&optimizer)?;
+        assert_eq!(consolidated.is_some(), group.is_first(), "the moments consolidate on rank 0 alone");
+        if let Some(saved) = consolidated {
             for i in 0..model.trained_names().len() {
                 let (m, v) = saved.held_moments(i)?;
+                if group.world() == 1 {
+                    // One rank holds them all: the consolidated moments are its own, in order.
+                    assert_eq!((&m, &v), (&optimizer.held_moments(i)?.0, &optimizer.held_moments(i)?.1));
+                }
                 out.extend([m.to_vec(), v.to_vec()]);
             }
         }
