@@ -26,22 +26,6 @@ use tcp::TcpRing;
 /// The default wait for a peer, at rendezvous and in every collective (`--dist-timeout`).
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 
-/// Refuses to run `what` as one of several ranks, for the steps that do not train data-parallel
-/// yet: each rank would train alone and all would write the same output.
-pub fn refuse_distributed(what: &str) -> Result<()> {
-    let env = RankEnv::from_process()?;
-    if env.is_distributed() {
-        bail!(
-            "{what} does not train across ranks yet (this process is rank {} of {} from the {} environment): \
-             run it as one process (--deployment-type single_gpu)",
-            env.rank,
-            env.world,
-            env.source
-        );
-    }
-    Ok(())
-}
-
 /// The type values travel in through a reduction (DeepSpeed's `communication_data_type`):
 /// fp32, or half precision for half the bytes, added in that type at every hop.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -895,6 +879,25 @@ mod tests {
     /// ZeRO-3's reduce-scatter in rounds is the one-call reduce-scatter bit for bit in the same
     /// bytes, whatever the round (one that divides no chunk, one value, a chunk) and the wire;
     /// its gather into variables is the gather cut, each part a variable.
+    /// `--communication-data-type` takes DeepSpeed's names and torch's, and names its value
+    /// as DeepSpeed does; anything else is refused naming the choices.
+    #[test]
+    fn wire_types_parse_deepspeeds_and_torchs_names() {
+        for (names, wire, dtype) in [
+            (&["fp32", "float32", "float"][..], WireDtype::F32, DType::F32),
+            (&["fp16", "float16", "half"], WireDtype::F16, DType::F16),
+            (&["bf16", "bfloat16"], WireDtype::Bf16, DType::BF16),
+        ] {
+            for name in names {
+                assert_eq!(WireDtype::parse(name).unwrap(), wire, "{name}");
+            }
+            assert_eq!((WireDtype::parse(wire.name()).unwrap(), wire.dtype()), (wire, dtype));
+        }
+        assert_eq!(WireDtype::default(), WireDtype::F32);
+        let err = WireDtype::parse("fp8").unwrap_err().to_string();
+        assert_eq!(err, "communication data type \"fp8\": use fp32, fp16 or bf16");
+    }
+
     #[test]
     fn rounds_and_variables_are_the_one_call_collectives() {
         for world in [2, 3] {
