@@ -974,6 +974,8 @@ mod tests {
                 let before = bytes();
                 let f32s = group.all_gather_slice(&mine, &Device::Cpu)?;
                 let f32_bytes = bytes() - before;
+                // The ring's volume: each rank sends the other ranks' 5 values on, 4 bytes each.
+                assert_eq!(f32_bytes, (world as u64 - 1) * 5 * 4, "{world} ranks");
                 for dtype in [DType::BF16, DType::F16] {
                     let before = bytes();
                     let got = group.all_gather_slice_as(&mine, dtype, &Device::Cpu)?;
