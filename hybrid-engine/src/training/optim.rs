@@ -1351,7 +1351,8 @@ mod tests {
             assert_eq!(&values(t)?, before, "memory the held gradient shares is left alone");
             assert_eq!(values(&g)?, before.iter().map(|x| x + x).collect::<Vec<_>>());
         }
-        // Gradients of a bf16 compute copy are summed apart, in f32.
+        // Gradients of a bf16 compute copy are summed apart, in f32: onto a bf16 first
+        // gradient, and onto an f32 sum of two.
         let half = store.compute_copy(DType::BF16)?;
         let backward = || -> Result<GradStore> {
             let mut loss = Tensor::zeros((), DType::BF16, &Device::Cpu)?;
@@ -1360,12 +1361,16 @@ mod tests {
             }
             Ok(loss.backward()?)
         };
-        let mut acc = GradAccumulator::new(&half);
-        acc.add(&backward()?)?;
-        acc.add_formed(backward()?)?;
-        for g in acc.finish_in_compute_dtype()? {
-            assert_eq!(g.dtype(), DType::F32);
-            assert!(values(&g)?.iter().all(|&x| x == 2.0));
+        for held in 1..=2 {
+            let mut acc = GradAccumulator::new(&half);
+            for _ in 0..held {
+                acc.add(&backward()?)?;
+            }
+            acc.add_formed(backward()?)?;
+            for g in acc.finish_in_compute_dtype()? {
+                assert_eq!(g.dtype(), DType::F32);
+                assert!(values(&g)?.iter().all(|&x| x == (held + 1) as f32), "{held} held");
+            }
         }
         Ok(())
     }
