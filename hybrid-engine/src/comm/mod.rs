@@ -876,9 +876,6 @@ mod tests {
     use super::*;
     use candle_core::Device;
 
-    /// ZeRO-3's reduce-scatter in rounds is the one-call reduce-scatter bit for bit in the same
-    /// bytes, whatever the round (one that divides no chunk, one value, a chunk) and the wire;
-    /// its gather into variables is the gather cut, each part a variable.
     /// `--communication-data-type` takes DeepSpeed's names and torch's, and names its value
     /// as DeepSpeed does; anything else is refused naming the choices.
     #[test]
@@ -898,6 +895,9 @@ mod tests {
         assert_eq!(err, "communication data type \"fp8\": use fp32, fp16 or bf16");
     }
 
+    /// ZeRO-3's reduce-scatter in rounds is the one-call reduce-scatter bit for bit in the same
+    /// bytes, whatever the round (one that divides no chunk, one value, a chunk) and the wire;
+    /// its gather into variables is the gather cut, each part a variable.
     #[test]
     fn rounds_and_variables_are_the_one_call_collectives() {
         for world in [2, 3] {
