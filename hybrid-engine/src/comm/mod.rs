@@ -562,22 +562,6 @@ impl ProcessGroup {
         Ok(Pending::done(Tensor::from_vec(values, n, device)?))
     }
 
-    /// [`Self::all_gather_slice_as_variables`] of values held as a tensor, as
-    /// [`Self::all_gather_tensor_as`].
-    pub fn all_gather_tensor_as_variables(
-        &self,
-        mine: &Tensor,
-        dtype: DType,
-        shapes: &[&candle_core::Shape],
-    ) -> Result<Vec<candle_core::Var>> {
-        let device = mine.device();
-        if device.is_cpu() {
-            return self.all_gather_slice_as_variables(&host_f32(mine)?, dtype, shapes, device);
-        }
-        let full = self.all_gather_tensor_as(mine, dtype)?;
-        split_variables(&full, shapes)
-    }
-
     /// Every rank's `mine` as `T` values (cast by `down`), in rank order: the ring's own buffer.
     fn all_gather_host<T: tcp::Element>(&self, mine: &[f32], down: fn(f32) -> T) -> Result<Vec<T>> {
         let (n, w, r) = (mine.len(), self.world(), self.rank());
@@ -649,7 +633,8 @@ impl ProcessGroup {
         Ok(all.map(|all| Tensor::from_vec(all, len, &candle_core::Device::Cpu)).transpose()?)
     }
 
-    /// Rank `root`'s `t` (flattened) on every rank.
+    /// Rank `root`'s `t` (flattened, in its dtype) on every rank. The ring carries it as f32,
+    /// which holds f16 and bf16 values exactly.
     pub fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
         if self.world() == 1 {
             return Ok(t.flatten_all()?);
@@ -658,7 +643,7 @@ impl ProcessGroup {
         if let Some(c) = self.nccl_for(t)? {
             return c.broadcast(t, root);
         }
-        self.on_host(t, t.elem_count(), |v| self.ring.broadcast(v, root))
+        Ok(self.on_host(t, t.elem_count(), |v| self.ring.broadcast(v, root))?.to_dtype(t.dtype())?)
     }
 
     /// Reduces host scalars (losses, squared norms, counts, flags) in f64 over the ring.
@@ -875,6 +860,48 @@ pub(crate) fn on_groups<T: Send>(world: usize, f: impl Fn(ProcessGroup) -> Resul
 mod tests {
     use super::*;
     use candle_core::Device;
+
+    /// A broadcast gives every rank the root's tensor, flattened, in its own dtype (bf16 here,
+    /// carried exactly as f32), and the root's bytes; a barrier returns on no rank before the
+    /// last one has reached it (the late rank arrives 100 ms after the others).
+    #[test]
+    fn broadcasts_reach_every_rank_and_a_barrier_waits_for_the_last() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let arrived = AtomicUsize::new(0);
+        let values = |r: usize| (0..6).map(|i| i as f32 * 0.5 - 10.0 * r as f32).collect::<Vec<f32>>();
+        let results = on_groups(3, |group| {
+            let r = group.rank();
+            let mine = Tensor::from_vec(values(r), (2, 3), &Device::Cpu)?.to_dtype(DType::BF16)?;
+            let got = group.broadcast(&mine, 1)?;
+            let mut bytes = [r as u8; 5];
+            group.broadcast_bytes(&mut bytes, 2)?;
+            if r == 2 {
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+            arrived.fetch_add(1, Ordering::SeqCst);
+            group.barrier()?;
+            let seen = arrived.load(Ordering::SeqCst);
+            Ok((got.dtype(), got.dims().to_vec(), got.to_dtype(DType::F32)?.to_vec1::<f32>()?, bytes, seen))
+        });
+        for (r, res) in results.into_iter().enumerate() {
+            let (dtype, dims, got, bytes, seen) = res.unwrap();
+            assert_eq!((dtype, dims, got), (DType::BF16, vec![6], values(1)), "rank {r}: rank 1's tensor");
+            assert_eq!(bytes, [2; 5], "rank {r}: rank 2's bytes");
+            assert_eq!(seen, 3, "rank {r} left the barrier before every rank reached it");
+        }
+    }
+
+    /// Parts laid end to end: padded with zeros to the length asked, exactly that length
+    /// without padding, refused when longer.
+    #[test]
+    fn concat_padded_pads_to_the_length_and_refuses_more() -> Result<()> {
+        let parts = [Tensor::new(&[[1f32, 2.], [3., 4.]], &Device::Cpu)?, Tensor::new(&[5f32], &Device::Cpu)?];
+        assert_eq!(concat_padded(&parts, 7)?.to_vec1::<f32>()?, [1., 2., 3., 4., 5., 0., 0.]);
+        assert_eq!(concat_padded(&parts, 5)?.to_vec1::<f32>()?, [1., 2., 3., 4., 5.]);
+        let err = concat_padded(&parts, 4).unwrap_err().to_string();
+        assert_eq!(err, "internal error: 5 values to pad to 4");
+        Ok(())
+    }
 
     /// `--communication-data-type` takes DeepSpeed's names and torch's, and names its value
     /// as DeepSpeed does; anything else is refused naming the choices.

@@ -664,21 +664,6 @@ impl<'a> Held<'a> {
             Self::Tensor(t) => group.all_gather_tensor_as(t, dtype),
         }
     }
-
-    /// [`Self::all_gather_as`] cut into variables of `shapes` (ZeRO-3's trained weights for a
-    /// backward).
-    pub fn all_gather_as_variables(
-        &self,
-        group: &ProcessGroup,
-        dtype: DType,
-        shapes: &[&candle_core::Shape],
-        device: &Device,
-    ) -> Result<Vec<candle_core::Var>> {
-        match self {
-            Self::Host(values) => group.all_gather_slice_as_variables(values, dtype, shapes, device),
-            Self::Tensor(t) => group.all_gather_tensor_as_variables(t, dtype, shapes),
-        }
-    }
 }
 
 /// Writes the all-gathered shards of updated weights into every parameter of `params`, sent in

@@ -770,8 +770,10 @@ impl ShardedModel {
                     Some(begun) => begun.ready_as_variables(&shapes)?,
                     None => {
                         let shard = self.shard.borrow();
-                        let mine = Held::of(&shard).range(unit.shard())?;
-                        mine.all_gather_as_variables(&self.group, self.dtype, &shapes, &self.device)?
+                        let Held::Host(mine) = Held::of(&shard).range(unit.shard())? else {
+                            bail!("internal error: a shard on the device finished a gather it never began");
+                        };
+                        self.group.all_gather_slice_as_variables(mine, self.dtype, &shapes, &self.device)?
                     }
                 };
                 for (&i, var) in unit.params.iter().zip(&vars) {
