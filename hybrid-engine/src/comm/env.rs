@@ -282,7 +282,7 @@ mod tests {
             ("MASTER_ADDR", "node0"),
             ("MASTER_PORT", "1234"),
         ])?;
-        assert_eq!((e.rank, e.world, e.local_rank, e.local_world), (3, 4, 1, 2));
+        assert_eq!((e.rank, e.world, e.local_rank, e.local_world, e.is_distributed()), (3, 4, 1, 2, true));
         assert_eq!((e.master_addr.as_str(), e.master_port, e.source), ("node0", 1234, "torchrun"));
         let e = env(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h")])?;
         assert_eq!((e.local_rank, e.local_world, e.master_port), (0, 2, DEFAULT_MASTER_PORT));
@@ -293,6 +293,7 @@ mod tests {
             (vec![("RANK", "0"), ("WORLD_SIZE", "2")], "MASTER_ADDR is not set"),
             (vec![("WORLD_SIZE", "2"), ("MASTER_ADDR", "h")], "RANK is not set"),
             (vec![("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "70000")], "MASTER_PORT"),
+            (vec![("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "0")], "MASTER_PORT=\"0\""),
             (
                 vec![
                     ("RANK", "0"),
@@ -383,6 +384,11 @@ mod tests {
         assert_eq!(e.master_addr, "m");
         let e = env(&[("SLURM_PROCID", "1"), ("SLURM_NTASKS", "2"), ("RANK", "0"), ("WORLD_SIZE", "1")])?;
         assert_eq!((e.rank, e.world, e.source), (0, 1, "torchrun"));
+        // SLURM_PROCID without SLURM_NTASKS gives no world to be a rank of: MPICH's variables
+        // are read, or it is one rank.
+        assert_eq!(env(&[("SLURM_PROCID", "1")])?, RankEnv::single());
+        let e = env(&[("SLURM_PROCID", "0"), ("PMI_RANK", "1"), ("PMI_SIZE", "2")])?;
+        assert_eq!((e.rank, e.world, e.source), (1, 2, "mpirun (MPICH)"));
         Ok(())
     }
 }

@@ -264,13 +264,40 @@ mod tests {
         })
     }
 
+    /// The flags' hash is 64-bit FNV-1a, as its published test vectors give it.
+    #[test]
+    fn the_config_hash_is_fnv_1a() {
+        assert_eq!(config_hash(""), "cbf29ce484222325");
+        assert_eq!(config_hash("a"), "af63dc4c8601ec8c");
+        assert_eq!(config_hash("foobar"), "85944171f73967e8");
+    }
+
     #[test]
     fn every_rank_gets_the_address_table() -> Result<()> {
-        for res in rendezvous(vec![reg(0, 3, "a"), reg(1, 3, "a"), reg(2, 3, "a")], Duration::from_secs(5)) {
-            let ports: Vec<u16> = res?.addrs.iter().map(|a| a.port()).collect();
-            assert_eq!(ports, [1000, 1001, 1002]);
+        for world in 2..=4 {
+            let regs = (0..world).map(|r| reg(r, world, "a")).collect();
+            for res in rendezvous(regs, Duration::from_secs(5)) {
+                let ports: Vec<u16> = res?.addrs.iter().map(|a| a.port()).collect();
+                assert_eq!(ports, (0..world as u16).map(|r| 1000 + r).collect::<Vec<_>>(), "world {world}");
+            }
         }
         Ok(())
+    }
+
+    /// A rank registered twice, or one past the world, is refused by rank 0 naming it; the
+    /// process it refused gets no table and times out.
+    #[test]
+    fn a_rank_twice_or_outside_the_world_is_refused() {
+        for (regs, needle) in [
+            (vec![reg(0, 3, "a"), reg(1, 3, "a"), reg(1, 3, "a")], "two processes registered as rank 1"),
+            (vec![reg(0, 3, "a"), reg(3, 3, "a")], "registered as rank 3, outside ranks 1..3"),
+            (vec![reg(0, 2, "a"), Registration { port: 1005, ..reg(0, 2, "a") }], "registered as rank 0, outside"),
+        ] {
+            let results = rendezvous(regs, Duration::from_secs(1));
+            let err = results[0].as_ref().unwrap_err().to_string();
+            assert!(err.contains(needle), "{err}");
+            assert!(results.iter().all(Result::is_err), "every process of the group fails");
+        }
     }
 
     #[test]
@@ -287,6 +314,41 @@ mod tests {
                 assert!(err.contains(needle), "{err}");
             }
         }
+    }
+
+    /// A rank started before rank 0 keeps knocking until the store is served.
+    #[test]
+    fn a_rank_started_first_waits_for_the_store() -> Result<()> {
+        let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        let store = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            serve(&bind_store(port)?, &reg(0, 2, "a"), "127.0.0.1", Duration::from_secs(5))
+        });
+        let peers = join(("127.0.0.1", port), &reg(1, 2, "a"), Duration::from_secs(5))?;
+        assert_eq!(peers, store.join().unwrap()?);
+        Ok(())
+    }
+
+    /// A store that answers with a table of another size, or with no JSON, is refused in one
+    /// line saying so.
+    #[test]
+    fn a_wrong_answer_from_the_store_is_refused() -> Result<()> {
+        for (answer, needle) in [
+            (&b"{\"peers\":{\"addrs\":[\"127.0.0.1:1\"]}}\n"[..], "rank 0 answered with 1 ranks, this rank expects 2"),
+            (b"HTTP/1.1 400\n", "malformed rendezvous message"),
+        ] {
+            let listener = TcpListener::bind("127.0.0.1:0")?;
+            let port = listener.local_addr()?.port();
+            let store = std::thread::spawn(move || -> Result<()> {
+                let (mut stream, _) = listener.accept()?;
+                let _: Registration = read_line(&stream)?;
+                Ok(stream.write_all(answer)?)
+            });
+            let err = join(("127.0.0.1", port), &reg(1, 2, "a"), Duration::from_secs(5)).unwrap_err().to_string();
+            assert!(err.contains(needle), "{err}");
+            store.join().unwrap()?;
+        }
+        Ok(())
     }
 
     #[test]

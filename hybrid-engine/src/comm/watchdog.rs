@@ -151,7 +151,8 @@ mod tests {
         assert_eq!(dog.in_flight(), 0, "seen complete");
         std::thread::sleep(Duration::from_millis(200));
         drop(dog);
-        assert!(rx.try_recv().is_err(), "nothing reported");
+        // The watch thread has ended (joined by the drop), and with it the sender it held.
+        assert_eq!(rx.try_recv().unwrap_err(), mpsc::TryRecvError::Disconnected, "nothing reported");
     }
 
     #[test]
