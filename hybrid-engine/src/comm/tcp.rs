@@ -596,6 +596,51 @@ pub(crate) mod tests {
         Ok(())
     }
 
+    /// A maximum over ranks in each element type: the largest value, and NaN wherever one rank
+    /// holds a NaN (an overflow flag or a norm is never lost to a comparison that NaN fails).
+    #[test]
+    fn a_max_is_the_largest_value_and_nan_wins_in_every_type() -> Result<()> {
+        fn max_over_ranks<T: Element + std::fmt::Debug>(of: fn(f32) -> T) -> Result<()> {
+            let results = on_ring(3, |ring| {
+                let r = ring.rank() as f32;
+                // Rank 1 holds the NaN of value 0, and rank 2 the largest of value 1.
+                let mut buf = [if r == 1.0 { f32::NAN } else { r }, r, 5.0 - r].map(of);
+                ring.all_reduce(&mut buf, ReduceOp::Max)?;
+                Ok(buf)
+            });
+            for res in results {
+                let [nan, largest, first] = res?;
+                assert!(nan.is_nan(), "{nan:?}");
+                assert_eq!((largest, first), (of(2.0), of(5.0)));
+                assert!(!largest.is_nan() && !first.is_nan());
+            }
+            Ok(())
+        }
+        max_over_ranks(|x| x)?;
+        max_over_ranks(f64::from)?;
+        max_over_ranks(half::bf16::from_f32)?;
+        max_over_ranks(half::f16::from_f32)
+    }
+
+    /// The statistics a collective leaves: one call, its seconds (within the wall time it took),
+    /// and the group's timeout (without end for a world of one).
+    #[test]
+    fn a_collective_is_counted_and_timed_and_the_timeout_kept() -> Result<()> {
+        assert_eq!(TcpRing::single().timeout(), Duration::MAX);
+        for res in on_ring(2, |ring| {
+            let t0 = Instant::now();
+            ring.all_gather(&mut [0f32; 1000])?;
+            let wall = t0.elapsed().as_secs_f64();
+            let (_, seconds, calls) = ring.stats.snapshot();
+            Ok((seconds, wall, calls, ring.timeout()))
+        }) {
+            let (seconds, wall, calls, timeout) = res?;
+            assert!(seconds > 0.0 && seconds <= wall, "{seconds} s in a call of {wall} s");
+            assert_eq!((calls, timeout), (1, Duration::from_secs(5)));
+        }
+        Ok(())
+    }
+
     #[test]
     fn a_rank_that_dies_fails_the_others_with_its_name_and_one_that_hangs_times_them_out() {
         let results = on_ring(3, |ring| {
