@@ -596,6 +596,46 @@ pub(crate) mod tests {
         Ok(())
     }
 
+    /// A ring forms past connections that are not its previous rank's (another program's
+    /// greeting from the right rank, ours from a rank that is not the previous one), with a
+    /// rank whose listener opens late; a rank that never listens fails the ring's first rank
+    /// at the timeout, naming it.
+    #[test]
+    fn a_ring_forms_past_strays_and_a_late_rank_and_not_without_one() -> Result<()> {
+        let first = TcpListener::bind("127.0.0.1:0")?;
+        // Free until rank 1 binds it.
+        let late = SocketAddr::from(([127, 0, 0, 1], TcpListener::bind("127.0.0.1:0")?.local_addr()?.port()));
+        let addrs = vec![first.local_addr()?, late];
+        let hello = |magic: u64, rank: u64| [magic.to_le_bytes(), rank.to_le_bytes()].concat();
+        let mut strays = Vec::new();
+        for greeting in [hello(HELLO, 5), hello(!HELLO, 1)] {
+            let mut stray = TcpStream::connect(addrs[0])?;
+            stray.write_all(&greeting)?;
+            strays.push(stray);
+        }
+        let sum_over = |ring: TcpRing| -> Result<f32> {
+            let mut x = [ring.rank() as f32 + 1.0];
+            ring.all_reduce(&mut x, ReduceOp::Sum)?;
+            Ok(x[0])
+        };
+        let timeout = Duration::from_secs(5);
+        let (sum0, sum1) = std::thread::scope(|s| {
+            let rank0 = s.spawn(|| sum_over(TcpRing::connect(0, addrs.clone(), first, timeout)?));
+            let rank1 = s.spawn(|| {
+                std::thread::sleep(Duration::from_millis(300));
+                sum_over(TcpRing::connect(1, addrs.clone(), TcpListener::bind(late)?, timeout)?)
+            });
+            (rank0.join().unwrap(), rank1.join().unwrap())
+        });
+        assert_eq!((sum0?, sum1?), (3.0, 3.0));
+        drop(strays);
+        let alone = TcpListener::bind("127.0.0.1:0")?;
+        let addrs = vec![alone.local_addr()?, late];
+        let err = TcpRing::connect(0, addrs, alone, Duration::from_millis(300)).err().expect("no ring").to_string();
+        assert!(err.contains("cannot connect to rank 1"), "{err}");
+        Ok(())
+    }
+
     /// A maximum over ranks in each element type: the largest value, and NaN wherever one rank
     /// holds a NaN (an overflow flag or a norm is never lost to a comparison that NaN fails).
     #[test]
@@ -639,6 +679,20 @@ pub(crate) mod tests {
             assert_eq!((calls, timeout), (1, Duration::from_secs(5)));
         }
         Ok(())
+    }
+
+    /// The rank after a dead one (rank 0, after rank 2 of 3) reads the end of its connection
+    /// first, and names that rank and its address.
+    #[test]
+    fn the_rank_after_a_dead_one_names_it() {
+        let results = on_ring(3, |ring| {
+            if ring.rank() == 2 {
+                return Ok(());
+            }
+            ring.all_reduce(&mut [1.0; 100], ReduceOp::Sum)
+        });
+        let err = results[0].as_ref().unwrap_err().to_string();
+        assert!(err.starts_with("rank 0: lost rank 2 at 127.0.0.1:"), "{err}");
     }
 
     #[test]
