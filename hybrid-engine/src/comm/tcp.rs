@@ -446,6 +446,12 @@ pub(crate) mod tests {
             assert_eq!(got, sums(chunks[r].clone()), "rank {r}");
             assert_eq!(sent, 4 * (7 - chunks[r].len()) as u64, "rank {r} sends every chunk but its own");
         }
+        // Chunks that are not one a rank, or that leave part of the buffer out, are refused.
+        let single = TcpRing::single();
+        for chunks in [&[0..2, 2..3][..], &[0..2]] {
+            let err = single.reduce_scatter_chunks(&mut [0f32; 3], chunks, ReduceOp::Sum).unwrap_err();
+            assert!(err.to_string().starts_with("internal error: a reduce-scatter of 3 values"), "{chunks:?}");
+        }
         Ok(())
     }
 
