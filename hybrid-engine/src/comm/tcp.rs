@@ -649,7 +649,7 @@ pub(crate) mod tests {
         fn max_over_ranks<T: Element + std::fmt::Debug>(of: fn(f32) -> T) -> Result<()> {
             let results = on_ring(3, |ring| {
                 let r = ring.rank() as f32;
-                // Rank 1 holds the NaN of value 0, and rank 2 the largest of value 1.
+                // Slot 0: rank 1 holds a NaN. Slot 1: rank 2 holds the largest. Slot 2: rank 0 does.
                 let mut buf = [if r == 1.0 { f32::NAN } else { r }, r, 5.0 - r].map(of);
                 ring.all_reduce(&mut buf, ReduceOp::Max)?;
                 Ok(buf)
