@@ -548,11 +548,25 @@ pub fn starting_model_sliced(
     Ok(StartingModel { config, params, extra, dir, description })
 }
 
-/// The parameters a step's memory plan counts, (all, trained): those of `params` (whole, or a
-/// TP rank's slices), or for a model built sharded (`sharded`) its trunk and what is `beside` it.
-pub fn parameter_counts(sharded: bool, params: &ParamStore, beside: &Beside, cfg: &Gpt2Config) -> (usize, usize) {
+/// The parameters a step's memory plan counts, (all, trained), of the whole model as
+/// [`crate::training::memory::MemoryPlan::with_parameters`] takes them: those of `params` (whole,
+/// or a rank's slices over `tp` tensor-parallel ranks, counted whole), or for a model built
+/// sharded (`sharded`) its trunk and what is `beside` it.
+pub fn parameter_counts(
+    sharded: bool,
+    params: &ParamStore,
+    beside: &Beside,
+    cfg: &Gpt2Config,
+    tp: usize,
+) -> (usize, usize) {
     if !sharded {
-        return (params.numel(), params.trainable().numel());
+        let whole = |store: &ParamStore| -> usize {
+            store
+                .iter()
+                .map(|(name, v)| crate::tensor_parallel::shard::whole_numel(name, v.elem_count(), tp, cfg.vocab_size))
+                .sum()
+        };
+        return (whole(params), whole(&params.trainable()));
     }
     let total = crate::model::params::parameter_count(cfg) + beside.numel();
     (total, if beside.frozen_trunk { beside.numel() } else { total })

@@ -167,6 +167,15 @@ pub fn whole_shape(name: &str, local: &[usize], ranks: usize, vocab: usize) -> V
     shape
 }
 
+/// [`whole_shape`] by element counts: the whole parameter's from `local`, a rank's slice's.
+pub fn whole_numel(name: &str, local: usize, ranks: usize, vocab: usize) -> usize {
+    match split_of(name) {
+        Split::Whole => local,
+        Split::Columns { .. } | Split::Rows { .. } => local * ranks,
+        Split::VocabRows => local / (crate::tensor_parallel::vocab::padded_vocab_size(vocab, ranks) / ranks) * vocab,
+    }
+}
+
 /// Whether a GPT-2 of `n_head` heads and an MLP `inner` wide splits over `ranks` TP ranks.
 pub fn check_divides(n_head: usize, inner: usize, ranks: usize) -> Result<()> {
     if !n_head.is_multiple_of(ranks) {
@@ -217,8 +226,9 @@ mod tests {
         Ok(())
     }
 
-    /// `unshard` inverts `shard` for every split, over 1 to 4 ranks; gathered over real ranks
-    /// the slices give the whole parameter, and the gradient norm counts whole parameters once.
+    /// `unshard` inverts `shard` for every split, over 1 to 4 ranks, and `whole_numel` counts the
+    /// whole from a slice; gathered over real ranks the slices give the whole parameter, and the
+    /// gradient norm counts whole parameters once.
     #[test]
     fn slices_put_back_together_give_the_whole_parameter() -> Result<()> {
         let cpu = Device::Cpu;
@@ -245,6 +255,8 @@ mod tests {
                     t.flatten_all()?.to_vec1::<f32>()?,
                     "{name} / {ranks}"
                 );
+                let whole = whole_numel(name, pieces[0].elem_count(), ranks, t.dim(0)?);
+                assert_eq!(whole, t.elem_count(), "{name} / {ranks}: the whole count from a slice's");
             }
         }
         let w = Tensor::arange(0f32, 8.0 * 24.0, &cpu)?.reshape((8, 24))?;

@@ -515,7 +515,7 @@ impl MemoryPlan {
         }
         match self.zero.map(|(stage, _)| stage) {
             Some(ZeroStage::OptimizerStates | ZeroStage::Gradients) if offload => {
-                let sharded_masters = self.param_bytes < 4 * self.parameters as u64;
+                let sharded_masters = self.masters_sharded();
                 self.adam_bytes = 0;
                 if sharded_masters {
                     self.param_bytes = 0;
@@ -544,7 +544,10 @@ impl MemoryPlan {
     /// Tensor parallelism over `ranks` ranks per layer: each holds its slices of the split
     /// parameters (the vocabulary padded to 128 x T rows) and the replicated ones whole, with
     /// their gradients, moments and compute copy; activations by Megatron's formula (see
-    /// [`megatron_activation_bytes`]). Call after [`Self::with_parameters`] and
+    /// [`megatron_activation_bytes`]). What is not in the GPT-2 inventory (LoRA adapters, a
+    /// score head) is counted whole on every rank: an upper bound, by the adapters' cut halves.
+    /// A frozen trunk (`--only-optimize-lora`) trains only those, so they alone have gradients
+    /// and moments. Call after [`Self::with_parameters`] (whole-model counts) and
     /// [`Self::with_compute_dtype`], before [`Self::with_data_parallel`].
     pub fn with_tensor_parallel(mut self, ranks: usize) -> Self {
         if ranks <= 1 {
@@ -560,17 +563,18 @@ impl MemoryPlan {
                 crate::tensor_parallel::shard::local_shape(name, shape, ranks).iter().product::<usize>()
             })
             .sum();
-        // Whatever is not in the GPT-2 inventory (a score head) stays whole.
         let held = held + self.parameters.saturating_sub(parameter_count(cfg));
-        let per_param = |bytes: u64| bytes / self.parameters.max(1) as u64 * held as u64;
-        (self.param_bytes, self.grad_bytes, self.adam_bytes, self.compute_copy_bytes) = (
-            per_param(self.param_bytes),
-            per_param(self.grad_bytes),
-            per_param(self.adam_bytes),
-            per_param(self.compute_copy_bytes),
+        let (total, trainable) = (self.activations.parameters, self.activations.trainable);
+        let trained_held = if trainable < total { trainable } else { held };
+        // Each state's bytes a value (exact: every count is a whole number of bytes a value).
+        let per_value = |bytes: u64, values: usize| bytes / values.max(1) as u64;
+        (self.param_bytes, self.compute_copy_bytes) =
+            (per_value(self.param_bytes, total) * held as u64, per_value(self.compute_copy_bytes, total) * held as u64);
+        (self.grad_bytes, self.adam_bytes) = (
+            per_value(self.grad_bytes, trainable) * trained_held as u64,
+            per_value(self.adam_bytes, trainable) * trained_held as u64,
         );
-        let frozen = self.activations.parameters - self.activations.trainable;
-        (self.activations.parameters, self.activations.trainable) = (held, held.saturating_sub(frozen));
+        (self.activations.parameters, self.activations.trainable) = (held, trained_held);
         self.tensor_parallel = Some((ranks, held));
         self
     }
@@ -679,13 +683,20 @@ impl MemoryPlan {
             let round = (gather as u64).min(p);
             // Sharded masters (mixed precision, `engine::shards_masters`) step in place and
             // gather into the compute copy; whole ones are copied out and gathered in fp32.
-            let sharded_masters = self.param_bytes < 4 * self.parameters as u64;
+            let sharded_masters = self.masters_sharded();
             let (d, copies) = if sharded_masters { (self.activations.dtype_bytes as u64, 1) } else { (4, 2) };
             let freed = if stage == ZeroStage::OptimizerStates { 4 * (p - shard) } else { 0 };
             (d * (round + round.div_ceil(w)) + 4 * copies * shard).saturating_sub(freed)
         };
         self.reduction_bytes = reduction.max(all_gather);
         self
+    }
+
+    /// Whether the ranks of a data-parallel group each keep a shard of the fp32 masters
+    /// (mixed precision at stages 1 and 2, `engine::shards_masters`; always at stage 3): fewer
+    /// than 4 bytes for each parameter this rank holds (all, or its tensor-parallel slices).
+    fn masters_sharded(&self) -> bool {
+        self.param_bytes < 4 * self.activations.parameters as u64
     }
 
     /// On the CPU, counts the process's own resident memory now (before the model is built): the
@@ -917,7 +928,7 @@ mod tests {
         assert_eq!((kept.adam_bytes, kept.param_bytes), (on_cpu.adam_bytes, on_cpu.param_bytes));
         assert!(kept.adam_bytes > 0 && kept.param_bytes > 0 && !kept.offloaded);
         // Gathered from the GPU's shards, the next block is prefetched: one more block in bf16.
-        assert_eq!(kept.gathered_unit_bytes, offloaded.gathered_unit_bytes + 2 * block_values(&cfg) as u64);
+        assert_eq!(kept.gathered_unit_bytes, offloaded.gathered_unit_bytes + 2 * (12 * 128 * 128 + 13 * 128));
         assert_eq!(offloaded.gathered_unit_bytes, on_cpu.gathered_unit_bytes);
         assert_eq!((offloaded.adam_bytes, offloaded.param_bytes, offloaded.compute_copy_bytes), (0, 0, 0));
         assert!(offloaded.gathered_unit_bytes > 0 && offloaded.offloaded);
@@ -982,11 +993,7 @@ mod tests {
         assert!(scored.activation_bytes() < lm.activation_bytes(), "a score head keeps no logits");
         let split = MemoryPlan::new(&cfg, 2, 64, false).with_tensor_parallel(2);
         let (_, held) = split.tensor_parallel.unwrap();
-        // tiny: C = 128, 4 layers, 256 positions; the vocabulary 50257 padded to 50432 rows.
-        let (c, l) = (128, 4);
-        let whole = 256 * c + l * (4 * c + 2 * c) + 2 * c; // wpe, LayerNorms, c_proj biases, ln_f
-        let sliced = 50432 * c + l * (c * 3 * c + 3 * c + c * c + c * 4 * c + 4 * c + 4 * c * c);
-        assert_eq!(held, whole + sliced / 2);
+        assert_eq!(held, tiny_held_by_one_of_two_tp_ranks());
         assert_eq!(split.param_bytes, 4 * held as u64);
         let four = MemoryPlan::new(&cfg, 2, 64, false).with_tensor_parallel(4);
         assert!(four.activation_bytes() < split.activation_bytes(), "more ranks split more of each layer");
@@ -996,6 +1003,151 @@ mod tests {
             4 * plan.parameters as u64,
             "from the second micro-batch on, backward's gradients meet the accumulated ones"
         );
+    }
+
+    /// Megatron's formula by hand under 2-way tensor parallelism: 3 blocks, s 8, b 2, h 64 in 2
+    /// heads, V 1000 padded to 1024 rows (128 x 2), in bf16 (the formula's 16-bit unit).
+    #[test]
+    fn tensor_parallel_activations_by_megatrons_formula_by_hand() {
+        let cfg =
+            Gpt2Config { n_layer: 3, n_embd: 64, n_head: 2, n_positions: 8, vocab_size: 1000, ..Gpt2Config::tiny() };
+        let shape = |checkpoint, dtype_bytes, lm_head, trainable| ActivationShape {
+            cfg: cfg.clone(),
+            b: 2,
+            t: 8,
+            checkpoint,
+            kernels: Kernels::FusedCpu,
+            lm_head,
+            dtype_bytes,
+            parameters: 5000,
+            trainable,
+            accumulating: false,
+            grad_bytes: 4,
+            lora: false,
+            tp: 2,
+            sharded: false,
+        };
+        // A layer: s b h (10 + 24/2 + 5 a s / (h 2)) = 1024 x (22 + 0.625) bytes.
+        let layer = 23_168;
+        // The head's fp32 logits, 4 s b V / T; the embedding slice's gradient, 4 (V / T) h.
+        let (logits, embedding) = (4 * 8 * 2 * 1024 / 2, 4 * (1024 / 2) * 64);
+        let rest = logits + 4 * 5000 + 2 * embedding;
+        assert_eq!(activation_bytes(&shape(false, 2, true, 5000)), 3 * layer + rest);
+        // Checkpointed: each layer keeps its input, 2 s b h, and one is rebuilt in backward.
+        assert_eq!(activation_bytes(&shape(true, 2, true, 5000)), 3 * 2 * 1024 + layer + rest);
+        // f32 doubles the 16-bit terms, not the fp32 logits or gradients.
+        assert_eq!(activation_bytes(&shape(false, 4, true, 5000)), 2 * 3 * layer + rest);
+        // A score head keeps no logits; a frozen embedding (`--only-optimize-lora`) forms no
+        // gradient, and only the trainable parameters' gradients are formed.
+        assert_eq!(activation_bytes(&shape(false, 2, false, 5000)), 3 * layer + rest - logits);
+        assert_eq!(activation_bytes(&shape(false, 2, true, 1000)), 3 * layer + logits + 4 * 1000);
+    }
+
+    /// ZeRO-3's largest gathered unit by hand: a block is 12 C^2 + 13 C values (c_attn, c_proj,
+    /// c_fc, the MLP's c_proj and two LayerNorms); gpt2's outer unit, V C + 1024 C + 2 C, is the
+    /// larger, with a score head's parameters in it; with 10 tokens and 8 positions a block is.
+    #[test]
+    fn the_largest_gathered_unit_by_hand() {
+        let gpt2 = Gpt2Config::gpt2();
+        assert_eq!(block_values(&gpt2), 12 * 768 * 768 + 13 * 768);
+        let outer = 50257 * 768 + 1024 * 768 + 2 * 768;
+        assert_eq!(gathered_unit_values(&gpt2, 0), outer);
+        assert_eq!(gathered_unit_values(&gpt2, 769), outer + 769);
+        let p = parameter_count(&gpt2);
+        let scored = MemoryPlan::new(&gpt2, 1, 64, false)
+            .with_score_head()
+            .with_parameters(p + 769, p + 769)
+            .with_data_parallel(ZeroStage::Parameters, 4);
+        assert_eq!(scored.gathered_unit_bytes, 8 * (outer + 769) as u64, "the head's f32 values and gradient");
+        let narrow = Gpt2Config { vocab_size: 10, n_positions: 8, n_embd: 64, ..Gpt2Config::tiny() };
+        assert_eq!(gathered_unit_values(&narrow, 0), 12 * 64 * 64 + 13 * 64);
+        assert_eq!(block_values(&Gpt2Config::tiny()), 12 * 128 * 128 + 13 * 128);
+    }
+
+    /// Stage 3 divides each model state once by the world size: in bf16 the fp32 masters, their
+    /// gradient, the two moments and the bf16 copy, 18 bytes a parameter over 4 ranks (ZeRO's
+    /// 16 P / N with our f32 gradients for its fp16 ones). Under tensor parallelism the gathered
+    /// unit is this rank's slices of it: the unit scaled by the share of the parameters held.
+    #[test]
+    fn stage_3_shards_every_model_state_once() {
+        let cfg = Gpt2Config::tiny();
+        let p = parameter_count(&cfg) as u64;
+        let bf16 = candle_core::DType::BF16;
+        let plan = MemoryPlan::new(&cfg, 2, 32, false).with_compute_dtype(bf16);
+        let stage_3 = plan.clone().with_data_parallel(ZeroStage::Parameters, 4);
+        let states = (stage_3.param_bytes, stage_3.grad_bytes, stage_3.adam_bytes, stage_3.compute_copy_bytes);
+        assert_eq!(p % 4, 0, "tiny's 7.26M parameters split evenly");
+        assert_eq!(states, (p, p, 2 * p, p / 2));
+        assert_eq!(stage_3.model_state_bytes(), 18 * p / 4);
+        let split = plan.with_tensor_parallel(2);
+        let (_, held) = split.tensor_parallel.unwrap();
+        let both = split.with_data_parallel(ZeroStage::Parameters, 4);
+        let unit = gathered_unit_values(&cfg, 0) as u64;
+        assert_eq!(both.gathered_unit_bytes, 8 * (unit * held as u64 / p));
+        assert!(both.gathered_unit_bytes < stage_3.gathered_unit_bytes);
+    }
+
+    /// What one of 2 tensor-parallel ranks holds of tiny, by hand: C = 128, 4 layers, 256
+    /// positions; the vocabulary 50257 padded to 50432 rows.
+    fn tiny_held_by_one_of_two_tp_ranks() -> usize {
+        let (c, l) = (128, 4);
+        let whole = 256 * c + l * (4 * c + 2 * c) + 2 * c; // wpe, LayerNorms, c_proj biases, ln_f
+        let sliced = 50432 * c + l * (c * 3 * c + 3 * c + c * c + c * 4 * c + 4 * c + 4 * c * c);
+        whole + sliced / 2
+    }
+
+    /// Under tensor parallelism the trunk is split and what is beyond it (adapters, a score
+    /// head) counted whole; a frozen trunk has no gradient or moment, only the adapters do.
+    /// Before, a frozen trunk's adapters lost theirs: the states were scaled by the share of
+    /// trainable values in whole bytes (`4 x trainable / total`, 0 for LoRA), and the trained
+    /// count became the slices held less the whole frozen trunk (0).
+    #[test]
+    fn tensor_parallel_keeps_the_adapters_states_beside_a_frozen_trunk() {
+        let cfg = Gpt2Config::tiny();
+        let (p, trunk) = (parameter_count(&cfg), tiny_held_by_one_of_two_tp_ranks());
+        let adapters = 32_768;
+        let lora = MemoryPlan::new(&cfg, 2, 64, false)
+            .with_parameters(p + adapters, adapters)
+            .with_lora(true)
+            .with_tensor_parallel(2);
+        assert_eq!(lora.tensor_parallel, Some((2, trunk + adapters)));
+        let states = (lora.param_bytes, lora.grad_bytes, lora.adam_bytes);
+        assert_eq!(states, (4 * (trunk + adapters) as u64, 4 * adapters as u64, 8 * adapters as u64));
+        assert_eq!((lora.activations.parameters, lora.activations.trainable), (trunk + adapters, adapters));
+        let head = 129;
+        let scored = MemoryPlan::new(&cfg, 2, 64, false)
+            .with_parameters(p + head, p + head)
+            .with_compute_dtype(candle_core::DType::BF16)
+            .with_tensor_parallel(2);
+        let held = (trunk + head) as u64;
+        let states = (scored.param_bytes, scored.grad_bytes, scored.adam_bytes, scored.compute_copy_bytes);
+        assert_eq!(states, (4 * held, 4 * held, 8 * held, 2 * held));
+        assert_eq!(scored.activations.trainable, trunk + head);
+    }
+
+    /// Under tensor parallelism a rank's slices in fp32 are its masters, whole over the
+    /// data-parallel ranks at stage 1: `--offload` moves the moments alone, and the step's
+    /// all-gather copies the masters out in f32 (not a shard of sharded masters in bf16).
+    #[test]
+    fn tensor_parallel_masters_stay_whole_at_stage_1_in_fp32() {
+        let cfg = Gpt2Config::tiny();
+        let trunk = tiny_held_by_one_of_two_tp_ranks() as u64;
+        let plan = |dtype| {
+            MemoryPlan::new(&cfg, 2, 64, false)
+                .with_compute_dtype(dtype)
+                .on_device_kind(DeviceKind::Cuda)
+                .with_tensor_parallel(2)
+                .with_data_parallel(ZeroStage::OptimizerStates, 2)
+        };
+        let fp32 = plan(candle_core::DType::F32).with_offload(true);
+        assert_eq!((fp32.param_bytes, fp32.adam_bytes), (4 * trunk, 0), "whole masters stay on the GPU");
+        let bf16 = plan(candle_core::DType::BF16).with_offload(true);
+        assert_eq!((bf16.param_bytes, bf16.adam_bytes), (0, 0), "sharded masters go with the moments");
+        // The all-gather after the step: rounds of the whole slices, the ring's half of them,
+        // and the shard's masters and gradient copied out in f32.
+        let shard = trunk.div_ceil(2);
+        let gathering = 4 * (trunk + shard) + 8 * shard - 4 * (trunk - shard);
+        assert_eq!(plan(candle_core::DType::F32).with_buckets(usize::MAX, usize::MAX).reduction_bytes, gathering);
     }
 
     /// A CUDA plan for `cfg` with its vocabulary padded to 128 (as `bench` pads it: 50304).

@@ -216,7 +216,12 @@ fn check_memory_plan(
     use crate::memory_plan::{Step3Plan, Step3Shapes, TrainedShape};
     // Trained parameters from the engine; with `--only-optimize-lora` the frozen trunk beside.
     fn shape<'a>(args: &PpoArgs, engine: &'a Engine, tp: usize, lora_dim: usize, checkpoint: bool) -> TrainedShape<'a> {
-        let trainable: usize = engine.trained_inventory().1.iter().sum::<usize>() * tp;
+        // Counted whole, as MemoryPlan takes them: under tensor parallelism the engine trains slices.
+        let (names, numels) = engine.trained_inventory();
+        let whole = |(name, n): (&String, &usize)| {
+            hybrid_engine::tensor_parallel::shard::whole_numel(name, *n, tp, engine.config.vocab_size)
+        };
+        let trainable: usize = names.iter().zip(&numels).map(whole).sum();
         let frozen = if args.only_optimize_lora && lora_dim > 0 {
             hybrid_engine::model::params::parameter_count(&engine.config)
         } else {

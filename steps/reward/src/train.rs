@@ -94,7 +94,8 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
         println!("{}", tp.describe());
     }
     // What the optimizer updates: everything, or with --only-optimize-lora the adapters and head.
-    let (total, trainable) = parameter_counts(shard_source.is_some(), &params, &beside, &config);
+    let (total, trainable) =
+        parameter_counts(shard_source.is_some(), &params, &beside, &config, tp.as_ref().map_or(1, |t| t.size()));
 
     let data_cfg = args.data.config(t.seed, t.max_seq_len, t.max_seq_len, false)?;
     let data = data::phases::reward_data(&data_cfg, &tokenizer)?;

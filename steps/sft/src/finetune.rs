@@ -92,7 +92,8 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
         (None, _) => params,
     };
     // What the optimizer updates: everything, or with --only-optimize-lora the adapters alone.
-    let (total, trainable) = parameter_counts(shard_source.is_some(), &params, &beside, &config);
+    let (total, trainable) =
+        parameter_counts(shard_source.is_some(), &params, &beside, &config, tp.as_ref().map_or(1, |t| t.size()));
     println!(
         "{}",
         MemoryPlan::new(&config, t.per_device_train_batch_size, t.max_seq_len, t.gradient_checkpointing)
