@@ -895,6 +895,33 @@ mod tests {
         assert_eq!(one_rank.reduction_bytes, 0);
     }
 
+    /// The reduction's buffers in rounds of a bucket, where the step's all-gather runs in small
+    /// rounds and so is not the larger: one bucket on the CPU, two in flight on a GPU, the whole
+    /// flat gradient (stage 2: with the micro-batch's beside it) where the bucket is not smaller
+    /// than the model; backward's bf16 gradients beside them in every case.
+    #[test]
+    fn the_reduction_in_rounds_of_a_bucket_by_stage_and_device() {
+        let cfg = Gpt2Config::tiny();
+        let p = parameter_count(&cfg) as u64;
+        let reduction = |stage, device, bucket| {
+            MemoryPlan::new(&cfg, 2, 32, false)
+                .with_compute_dtype(candle_core::DType::BF16)
+                .on_device_kind(device)
+                .with_data_parallel(stage, 4)
+                .with_buckets(bucket, 1000)
+                .reduction_bytes
+        };
+        let (cpu, gpu, whole) = (DeviceKind::Cpu, DeviceKind::Cuda, p as usize);
+        for stage in [ZeroStage::OptimizerStates, ZeroStage::Gradients] {
+            assert_eq!(reduction(stage, cpu, 1000), 4 * 1000 + 2 * p, "{stage:?}");
+            assert_eq!(reduction(stage, gpu, 1000), 8 * 1000 + 2 * p, "{stage:?}");
+        }
+        for device in [cpu, gpu] {
+            assert_eq!(reduction(ZeroStage::OptimizerStates, device, whole), 4 * p + 2 * p);
+            assert_eq!(reduction(ZeroStage::Gradients, device, whole), 8 * p + 2 * p);
+        }
+    }
+
     /// `--offload` on a GPU takes the Adam moments and the sharded fp32 masters out of the GPU's
     /// plan at stages 1-3 (the report says where they are); nothing changes on the CPU.
     #[test]
@@ -941,8 +968,14 @@ mod tests {
         let plan = MemoryPlan::new(&Gpt2Config::tiny(), 2, 32, false);
         let counted = plan.clone().with_process_baseline();
         assert!(counted.process_bytes > 0, "a test binary has resident memory");
+        // In bytes: the resident memory read again now, in MiB, within a half of it.
+        let now = crate::training::metrics::current_rss_mib().expect("this process's resident memory");
+        let planned = counted.process_bytes as f64 / MIB;
+        assert!((planned - now).abs() < 0.5 * now, "planned {planned:.1} MiB, resident {now:.1} MiB");
         assert_eq!(counted.total(), plan.total() + counted.process_bytes);
         assert!(counted.report().contains("for the process before the model"), "{}", counted.report());
+        // tiny's 7,259,008 f32 parameters: 29,036,032 bytes.
+        assert!(plan.report().contains("allocating 27.7 MiB for parameters (f32)\n"), "{}", plan.report());
         let gpu = plan.on_device_kind(DeviceKind::Cuda).with_process_baseline();
         assert_eq!(gpu.process_bytes, 0);
     }
@@ -982,6 +1015,8 @@ mod tests {
         let cfg = Gpt2Config::tiny();
         let plan = MemoryPlan::new(&cfg, 2, 64, false);
         assert_eq!(plan.activations.kernels, Kernels::FusedCpu);
+        let on_cpu = plan.clone().on_device_kind(DeviceKind::Other).on_device(&candle_core::Device::Cpu);
+        assert_eq!(on_cpu.activations.kernels, Kernels::FusedCpu, "the CPU's own kernels, not another device's");
         let half = MemoryPlan::new(&cfg, 2, 64, false).with_compute_dtype(candle_core::DType::BF16);
         assert_eq!(
             (half.activations.kernels, half.compute_copy_bytes),
@@ -997,6 +1032,8 @@ mod tests {
         assert_eq!(split.param_bytes, 4 * held as u64);
         let four = MemoryPlan::new(&cfg, 2, 64, false).with_tensor_parallel(4);
         assert!(four.activation_bytes() < split.activation_bytes(), "more ranks split more of each layer");
+        let one_step = MemoryPlan::new(&cfg, 2, 64, false).with_gradient_accumulation(1);
+        assert_eq!(one_step.activation_bytes(), plan.activation_bytes(), "one micro-batch a step accumulates nothing");
         let accumulating = MemoryPlan::new(&cfg, 2, 64, false).with_gradient_accumulation(2);
         assert_eq!(
             accumulating.activation_bytes() - plan.activation_bytes(),
@@ -1079,12 +1116,23 @@ mod tests {
         assert_eq!(p % 4, 0, "tiny's 7.26M parameters split evenly");
         assert_eq!(states, (p, p, 2 * p, p / 2));
         assert_eq!(stage_3.model_state_bytes(), 18 * p / 4);
+        let transient = stage_3.activation_bytes() + stage_3.gathered_unit_bytes;
+        assert_eq!(stage_3.total(), 18 * p / 4 + transient, "the gathered unit beside the activations");
         let split = plan.with_tensor_parallel(2);
         let (_, held) = split.tensor_parallel.unwrap();
         let both = split.with_data_parallel(ZeroStage::Parameters, 4);
         let unit = gathered_unit_values(&cfg, 0) as u64;
         assert_eq!(both.gathered_unit_bytes, 8 * (unit * held as u64 / p));
         assert!(both.gathered_unit_bytes < stage_3.gathered_unit_bytes);
+        // On a GPU the next block is prefetched beside it: this rank's slices of it in bf16.
+        let on_gpu = MemoryPlan::new(&cfg, 2, 32, false)
+            .with_compute_dtype(bf16)
+            .on_device_kind(DeviceKind::Cuda)
+            .with_tensor_parallel(2)
+            .with_data_parallel(ZeroStage::Parameters, 4)
+            .with_offload(false);
+        let block = block_values(&cfg) as u64;
+        assert_eq!(on_gpu.gathered_unit_bytes, both.gathered_unit_bytes + 2 * (block * held as u64 / p));
     }
 
     /// What one of 2 tensor-parallel ranks holds of tiny, by hand: C = 128, 4 layers, 256
