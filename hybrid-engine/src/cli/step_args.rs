@@ -669,6 +669,29 @@ mod tests {
 
     /// Size names are the hub's pretrained checkpoints, as `from_pretrained` reads them; random
     /// weights only when asked for.
+    /// The plan's counts are the whole model's, from a whole store and from a tensor-parallel
+    /// rank's slices of it (the vocabulary's padding left out): all of them, and the adapters
+    /// alone trained on a frozen trunk.
+    #[test]
+    fn parameter_counts_are_the_whole_models_from_a_tp_ranks_slices() -> Result<()> {
+        use crate::tensor_parallel::shard::{shard, split_of};
+        let cfg = Gpt2Config::tiny();
+        let mut whole = ParamStore::init(&cfg, 0, &Device::Cpu)?;
+        whole.add_lora(&cfg, &lora::LoraConfig { dim: 2, alpha: None, module_name: "h.".into() }, 1)?;
+        whole.freeze_trunk();
+        let beside = Beside::heads(Vec::new());
+        let counts = parameter_counts(false, &whole, &beside, &cfg, 1);
+        let adapters = whole.trainable().numel();
+        assert!(adapters > 0);
+        assert_eq!(counts, (crate::model::params::parameter_count(&cfg) + adapters, adapters));
+        let cut = whole.iter().map(|(name, v)| Ok((name.to_string(), shard(v.as_tensor(), split_of(name), 1, 2)?)));
+        let mut slices = ParamStore::of_tensors(cut.collect::<Result<Vec<_>>>()?)?;
+        slices.set_layout(whole.frozen(), whole.lora_scaling())?;
+        assert!(slices.numel() < whole.numel() && slices.trainable().numel() < adapters, "cut");
+        assert_eq!(parameter_counts(false, &slices, &beside, &cfg, 2), counts);
+        Ok(())
+    }
+
     #[test]
     fn size_names_mean_pretrained_weights_and_random_ones_are_explicit() {
         let files = |s: &str| Ok::<_, anyhow::Error>(ModelSource::Files(s.into()));

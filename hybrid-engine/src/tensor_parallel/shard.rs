@@ -167,9 +167,12 @@ pub fn whole_shape(name: &str, local: &[usize], ranks: usize, vocab: usize) -> V
     shape
 }
 
-/// [`whole_shape`] by element counts: the whole parameter's from `local`, a rank's slice's.
+/// [`whole_shape`] by element counts: the whole parameter's from `local`, a rank's slice's over
+/// `ranks` ranks; on one rank, which holds every parameter whole (the embedding unpadded),
+/// `local` itself.
 pub fn whole_numel(name: &str, local: usize, ranks: usize, vocab: usize) -> usize {
     match split_of(name) {
+        _ if ranks <= 1 => local,
         Split::Whole => local,
         Split::Columns { .. } | Split::Rows { .. } => local * ranks,
         Split::VocabRows => local / (crate::tensor_parallel::vocab::padded_vocab_size(vocab, ranks) / ranks) * vocab,
@@ -255,10 +258,16 @@ mod tests {
                     t.flatten_all()?.to_vec1::<f32>()?,
                     "{name} / {ranks}"
                 );
-                let whole = whole_numel(name, pieces[0].elem_count(), ranks, t.dim(0)?);
-                assert_eq!(whole, t.elem_count(), "{name} / {ranks}: the whole count from a slice's");
+                if ranks > 1 {
+                    let whole = whole_numel(name, pieces[0].elem_count(), ranks, t.dim(0)?);
+                    assert_eq!(whole, t.elem_count(), "{name} / {ranks}: the whole count from a slice's");
+                }
             }
         }
+        // Without tensor parallelism every parameter is whole, the embedding unpadded (50257
+        // rows, not a multiple of 128).
+        assert_eq!(whole_numel("wte.weight", 50257 * 8, 1, 50257), 50257 * 8);
+        assert_eq!(whole_numel("h.0.mlp.c_fc.weight", 8 * 32, 1, 50257), 8 * 32);
         let w = Tensor::arange(0f32, 8.0 * 24.0, &cpu)?.reshape((8, 24))?;
         let ln = Tensor::new(&[3f32, 4.0], &cpu)?;
         let names = ["h.0.attn.c_attn.weight".to_string(), "h.0.ln_1.weight".to_string()];
