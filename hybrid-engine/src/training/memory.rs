@@ -1074,6 +1074,7 @@ mod tests {
         assert_eq!(activation_bytes(&shape(true, 2, true, 5000)), 3 * 2 * 1024 + layer + rest);
         // f32 doubles the 16-bit terms, not the fp32 logits or gradients.
         assert_eq!(activation_bytes(&shape(false, 4, true, 5000)), 2 * 3 * layer + rest);
+        assert_eq!(activation_bytes(&shape(true, 4, true, 5000)), 2 * (3 * 2 * 1024 + layer) + rest);
         // A score head keeps no logits; a frozen embedding (`--only-optimize-lora`) forms no
         // gradient, and only the trainable parameters' gradients are formed.
         assert_eq!(activation_bytes(&shape(false, 2, false, 5000)), 3 * layer + rest - logits);
