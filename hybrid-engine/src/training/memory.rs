@@ -840,6 +840,10 @@ mod tests {
         let absurd = MemoryPlan::new(&tiny, usize::MAX, 64, false);
         assert_eq!((absurd.activation_bytes(), absurd.total()), (u64::MAX, u64::MAX), "saturates, no overflow");
         assert!(check_plan_fits(&absurd, &candle_core::Device::Cpu).is_err());
+        // The line's numbers in GiB: u64::MAX bytes are 2^34 GiB; 3 x 2^30 bytes, 3 GiB.
+        let err = plan_fits(&absurd, 3 << 30).unwrap_err().to_string();
+        let want = "needs an estimated 17179869184.0 GiB (17179869184.0 GiB of it activations";
+        assert!(err.contains(want) && err.contains("more than this machine's 3.0 GiB of memory"), "{err}");
     }
 
     /// The gradient reduction's buffers by stage, as zero.rs holds them (see
