@@ -548,17 +548,28 @@ pub fn starting_model_sliced(
     Ok(StartingModel { config, params, extra, dir, description })
 }
 
-/// The parameters a step's memory plan counts, (all, trained), of the whole model as
-/// [`crate::training::memory::MemoryPlan::with_parameters`] takes them: those of `params` (whole,
-/// or a rank's slices over `tp` tensor-parallel ranks, counted whole), or for a model built
-/// sharded (`sharded`) its trunk and what is `beside` it.
+/// The parameters a step's memory plan counts.
+#[derive(Debug, PartialEq)]
+pub struct ParameterCounts {
+    /// Of the whole model, as [`crate::training::memory::MemoryPlan::with_parameters`] takes
+    /// them: all of them and the trained ones.
+    pub total: usize,
+    pub trainable: usize,
+    /// What this rank holds beyond the trunk (heads, LoRA adapters; under tensor parallelism its
+    /// slices of them), as [`crate::training::memory::MemoryPlan::with_tensor_parallel`] takes it.
+    pub held_beside: usize,
+}
+
+/// The parameters a step's memory plan counts: those of `params` (whole, or a rank's slices over
+/// `tp` tensor-parallel ranks, counted whole), or for a model built sharded (`sharded`) its
+/// trunk and what is `beside` it.
 pub fn parameter_counts(
     sharded: bool,
     params: &ParamStore,
     beside: &Beside,
     cfg: &Gpt2Config,
     tp: usize,
-) -> (usize, usize) {
+) -> ParameterCounts {
     if !sharded {
         let whole = |store: &ParamStore| -> usize {
             store
@@ -566,10 +577,12 @@ pub fn parameter_counts(
                 .map(|(name, v)| crate::tensor_parallel::shard::whole_numel(name, v.elem_count(), tp, cfg.vocab_size))
                 .sum()
         };
-        return (whole(params), whole(&params.trainable()));
+        let held_beside = crate::model::params::numel_beside_trunk(params.iter().map(|(n, v)| (n, v.elem_count())));
+        return ParameterCounts { total: whole(params), trainable: whole(&params.trainable()), held_beside };
     }
     let total = crate::model::params::parameter_count(cfg) + beside.numel();
-    (total, if beside.frozen_trunk { beside.numel() } else { total })
+    let trainable = if beside.frozen_trunk { beside.numel() } else { total };
+    ParameterCounts { total, trainable, held_beside: beside.numel() }
 }
 
 /// Where a model built sharded over the ranks (ZeRO stage 3) takes its trunk's values.
@@ -667,11 +680,9 @@ mod tests {
         Cli::try_parse_from(std::iter::once("step").chain(args.iter().copied())).expect("flags parse").step
     }
 
-    /// Size names are the hub's pretrained checkpoints, as `from_pretrained` reads them; random
-    /// weights only when asked for.
     /// The plan's counts are the whole model's, from a whole store and from a tensor-parallel
     /// rank's slices of it (the vocabulary's padding left out): all of them, and the adapters
-    /// alone trained on a frozen trunk.
+    /// alone trained on a frozen trunk; what is held beside the trunk is the rank's own slices.
     #[test]
     fn parameter_counts_are_the_whole_models_from_a_tp_ranks_slices() -> Result<()> {
         use crate::tensor_parallel::shard::{shard, split_of};
@@ -681,17 +692,26 @@ mod tests {
         whole.freeze_trunk();
         let beside = Beside::heads(Vec::new());
         let counts = parameter_counts(false, &whole, &beside, &cfg, 1);
-        let adapters = whole.trainable().numel();
-        assert!(adapters > 0);
-        assert_eq!(counts, (crate::model::params::parameter_count(&cfg) + adapters, adapters));
+        // r (in + out) an adapter, on c_attn, attn.c_proj, c_fc and mlp.c_proj of 4 blocks.
+        let adapters = 4 * 2 * ((128 + 384) + (128 + 128) + (128 + 512) + (512 + 128));
+        assert_eq!(whole.trainable().numel(), adapters);
+        let p = crate::model::params::parameter_count(&cfg);
+        assert_eq!(counts, ParameterCounts { total: p + adapters, trainable: adapters, held_beside: adapters });
         let cut = whole.iter().map(|(name, v)| Ok((name.to_string(), shard(v.as_tensor(), split_of(name), 1, 2)?)));
         let mut slices = ParamStore::of_tensors(cut.collect::<Result<Vec<_>>>()?)?;
         slices.set_layout(whole.frozen(), whole.lora_scaling())?;
-        assert!(slices.numel() < whole.numel() && slices.trainable().numel() < adapters, "cut");
-        assert_eq!(parameter_counts(false, &slices, &beside, &cfg, 2), counts);
+        // A rank's slices: the column-parallel linears' (c_attn, c_fc) A (r, in) whole and half of
+        // B (out, r), the row-parallel ones' (the c_projs) half of A and B whole.
+        let held = 4 * 2 * ((128 + 384 / 2) + (128 / 2 + 128) + (128 + 512 / 2) + (512 / 2 + 128));
+        assert!(slices.numel() < whole.numel(), "the trunk cut too");
+        assert_eq!(slices.trainable().numel(), held);
+        let sliced = parameter_counts(false, &slices, &beside, &cfg, 2);
+        assert_eq!(sliced, ParameterCounts { held_beside: held, ..counts });
         Ok(())
     }
 
+    /// Size names are the hub's pretrained checkpoints, as `from_pretrained` reads them; random
+    /// weights only when asked for.
     #[test]
     fn size_names_mean_pretrained_weights_and_random_ones_are_explicit() {
         let files = |s: &str| Ok::<_, anyhow::Error>(ModelSource::Files(s.into()));

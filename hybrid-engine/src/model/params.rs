@@ -462,6 +462,12 @@ pub fn is_trunk_name(name: &str) -> bool {
     trunk && !lora::is_adapter_name(name)
 }
 
+/// The values of the named tensors beyond a GPT-2 trunk (heads, LoRA adapters), as held: under
+/// tensor parallelism a rank's slices of them.
+pub fn numel_beside_trunk<'a>(tensors: impl IntoIterator<Item = (&'a str, usize)>) -> usize {
+    tensors.into_iter().filter(|(name, _)| !is_trunk_name(name)).map(|(_, n)| n).sum()
+}
+
 /// Total parameter count (the tied LM head counted once).
 pub fn parameter_count(cfg: &Gpt2Config) -> usize {
     parameter_shapes(cfg).iter().map(|(_, s)| s.iter().product::<usize>()).sum()

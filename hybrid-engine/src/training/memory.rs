@@ -544,12 +544,13 @@ impl MemoryPlan {
     /// Tensor parallelism over `ranks` ranks per layer: each holds its slices of the split
     /// parameters (the vocabulary padded to 128 x T rows) and the replicated ones whole, with
     /// their gradients, moments and compute copy; activations by Megatron's formula (see
-    /// [`megatron_activation_bytes`]). What is not in the GPT-2 inventory (LoRA adapters, a
-    /// score head) is counted whole on every rank: an upper bound, by the adapters' cut halves.
-    /// A frozen trunk (`--only-optimize-lora`) trains only those, so they alone have gradients
-    /// and moments. Call after [`Self::with_parameters`] (whole-model counts) and
+    /// [`megatron_activation_bytes`]). `held_beside` is what one rank holds beyond the GPT-2
+    /// inventory, counted from its own tensors: its slices of the LoRA adapters (cut as their
+    /// linears) and a score head whole ([`crate::model::params::numel_beside_trunk`]). A frozen
+    /// trunk (`--only-optimize-lora`) trains only those, so they alone have gradients and
+    /// moments. Call after [`Self::with_parameters`] (whole-model counts) and
     /// [`Self::with_compute_dtype`], before [`Self::with_data_parallel`].
-    pub fn with_tensor_parallel(mut self, ranks: usize) -> Self {
+    pub fn with_tensor_parallel(mut self, ranks: usize, held_beside: usize) -> Self {
         if ranks <= 1 {
             return self;
         }
@@ -557,15 +558,15 @@ impl MemoryPlan {
         self.activations.tp = ranks;
         self.set_gradient_bytes();
         let cfg = &self.activations.cfg;
-        let held: usize = crate::model::params::parameter_shapes(cfg)
+        let trunk: usize = crate::model::params::parameter_shapes(cfg)
             .iter()
             .map(|(name, shape)| {
                 crate::tensor_parallel::shard::local_shape(name, shape, ranks).iter().product::<usize>()
             })
             .sum();
-        let held = held + self.parameters.saturating_sub(parameter_count(cfg));
+        let held = trunk + held_beside;
         let (total, trainable) = (self.activations.parameters, self.activations.trainable);
-        let trained_held = if trainable < total { trainable } else { held };
+        let trained_held = if trainable < total { held_beside } else { held };
         // Each state's bytes a value (exact: every count is a whole number of bytes a value).
         let per_value = |bytes: u64, values: usize| bytes / values.max(1) as u64;
         (self.param_bytes, self.compute_copy_bytes) =
@@ -1030,11 +1031,11 @@ mod tests {
         // does, for a score head as for the LM head: tests/memory_plan.rs measures both equal).
         let (lm, scored) = (MemoryPlan::new(&cfg, 8, 64, false), MemoryPlan::new(&cfg, 8, 64, false).with_score_head());
         assert!(scored.activation_bytes() < lm.activation_bytes(), "a score head keeps no logits");
-        let split = MemoryPlan::new(&cfg, 2, 64, false).with_tensor_parallel(2);
+        let split = MemoryPlan::new(&cfg, 2, 64, false).with_tensor_parallel(2, 0);
         let (_, held) = split.tensor_parallel.unwrap();
         assert_eq!(held, tiny_held_by_one_of_two_tp_ranks());
         assert_eq!(split.param_bytes, 4 * held as u64);
-        let four = MemoryPlan::new(&cfg, 2, 64, false).with_tensor_parallel(4);
+        let four = MemoryPlan::new(&cfg, 2, 64, false).with_tensor_parallel(4, 0);
         assert!(four.activation_bytes() < split.activation_bytes(), "more ranks split more of each layer");
         let one_step = MemoryPlan::new(&cfg, 2, 64, false).with_gradient_accumulation(1);
         assert_eq!(one_step.activation_bytes(), plan.activation_bytes(), "one micro-batch a step accumulates nothing");
@@ -1123,7 +1124,7 @@ mod tests {
         assert_eq!(stage_3.model_state_bytes(), 18 * p / 4);
         let transient = stage_3.activation_bytes() + stage_3.gathered_unit_bytes;
         assert_eq!(stage_3.total(), 18 * p / 4 + transient, "the gathered unit beside the activations");
-        let split = plan.with_tensor_parallel(2);
+        let split = plan.with_tensor_parallel(2, 0);
         let (_, held) = split.tensor_parallel.unwrap();
         let both = split.with_data_parallel(ZeroStage::Parameters, 4);
         let unit = gathered_unit_values(&cfg, 0) as u64;
@@ -1133,7 +1134,7 @@ mod tests {
         let on_gpu = MemoryPlan::new(&cfg, 2, 32, false)
             .with_compute_dtype(bf16)
             .on_device_kind(DeviceKind::Cuda)
-            .with_tensor_parallel(2)
+            .with_tensor_parallel(2, 0)
             .with_data_parallel(ZeroStage::Parameters, 4)
             .with_offload(false);
         let block = block_values(&cfg) as u64;
@@ -1149,29 +1150,33 @@ mod tests {
         whole + sliced / 2
     }
 
-    /// Under tensor parallelism the trunk is split and what is beyond it (adapters, a score
-    /// head) counted whole; a frozen trunk has no gradient or moment, only the adapters do.
-    /// Before, a frozen trunk's adapters lost theirs: the states were scaled by the share of
-    /// trainable values in whole bytes (`4 x trainable / total`, 0 for LoRA), and the trained
-    /// count became the slices held less the whole frozen trunk (0).
+    /// Under tensor parallelism the trunk is split and what is beyond it counted as the rank
+    /// holds it: its slices of the adapters, a score head whole; a frozen trunk has no gradient
+    /// or moment, only the adapters do. Before, a frozen trunk's adapters lost theirs: the states
+    /// were scaled by the share of trainable values in whole bytes (`4 x trainable / total`, 0
+    /// for LoRA), and the trained count became the slices held less the whole frozen trunk (0).
     #[test]
     fn tensor_parallel_keeps_the_adapters_states_beside_a_frozen_trunk() {
         let cfg = Gpt2Config::tiny();
         let (p, trunk) = (parameter_count(&cfg), tiny_held_by_one_of_two_tp_ranks());
-        let adapters = 32_768;
+        // LoRA of rank 4 on the four linears of tiny's 4 blocks: r (in + out) an adapter whole;
+        // one of 2 ranks holds the column-parallel linears' (c_attn, c_fc) A (r, in) whole and
+        // half of B (out, r), the row-parallel ones' (the c_projs) half of A and B whole.
+        let adapters = 4 * 4 * ((128 + 384) + (128 + 128) + (128 + 512) + (512 + 128));
+        let held = 4 * 4 * ((128 + 384 / 2) + (128 / 2 + 128) + (128 + 512 / 2) + (512 / 2 + 128));
         let lora = MemoryPlan::new(&cfg, 2, 64, false)
             .with_parameters(p + adapters, adapters)
             .with_lora(true)
-            .with_tensor_parallel(2);
-        assert_eq!(lora.tensor_parallel, Some((2, trunk + adapters)));
+            .with_tensor_parallel(2, held);
+        assert_eq!(lora.tensor_parallel, Some((2, trunk + held)));
         let states = (lora.param_bytes, lora.grad_bytes, lora.adam_bytes);
-        assert_eq!(states, (4 * (trunk + adapters) as u64, 4 * adapters as u64, 8 * adapters as u64));
-        assert_eq!((lora.activations.parameters, lora.activations.trainable), (trunk + adapters, adapters));
+        assert_eq!(states, (4 * (trunk + held) as u64, 4 * held as u64, 8 * held as u64));
+        assert_eq!((lora.activations.parameters, lora.activations.trainable), (trunk + held, held));
         let head = 129;
         let scored = MemoryPlan::new(&cfg, 2, 64, false)
             .with_parameters(p + head, p + head)
             .with_compute_dtype(candle_core::DType::BF16)
-            .with_tensor_parallel(2);
+            .with_tensor_parallel(2, head);
         let held = (trunk + head) as u64;
         let states = (scored.param_bytes, scored.grad_bytes, scored.adam_bytes, scored.compute_copy_bytes);
         assert_eq!(states, (4 * held, 4 * held, 8 * held, 2 * held));
@@ -1189,7 +1194,7 @@ mod tests {
             MemoryPlan::new(&cfg, 2, 64, false)
                 .with_compute_dtype(dtype)
                 .on_device_kind(DeviceKind::Cuda)
-                .with_tensor_parallel(2)
+                .with_tensor_parallel(2, 0)
                 .with_data_parallel(ZeroStage::OptimizerStates, 2)
         };
         let fp32 = plan(candle_core::DType::F32).with_offload(true);
@@ -1254,7 +1259,7 @@ mod tests {
         let outer = gpt2.vocab_size * 768 + 1024 * 768 + 2 * 768;
         assert_eq!(stage_3.gathered_unit_bytes, 8 * outer as u64);
         assert!(stage_3.report().contains("for ZeRO-3's largest gathered unit and its gradient"));
-        let split = cuda_plan(cfg.clone(), 2, 64, false, BF16).with_tensor_parallel(2);
+        let split = cuda_plan(cfg.clone(), 2, 64, false, BF16).with_tensor_parallel(2, 0);
         let (_, held) = split.tensor_parallel.unwrap();
         assert_eq!(split.grad_bytes, 4 * held as u64);
         let frozen = cuda_plan(cfg.clone(), 2, 64, false, BF16).with_parameters(p as usize, 1000);

@@ -32,6 +32,9 @@ pub struct TrainedShape<'a> {
     pub cfg: &'a Gpt2Config,
     pub total: usize,
     pub trainable: usize,
+    /// What one rank holds beyond the trunk (LoRA adapters, the critic's head; under tensor
+    /// parallelism its slices of them).
+    pub held_beside: usize,
     pub lora: bool,
     pub checkpoint: bool,
 }
@@ -96,7 +99,7 @@ impl Step3Plan {
                 .with_compute_dtype(s.dtype)
                 .on_device(s.device)
                 .with_score_head()
-                .with_tensor_parallel(s.tensor_parallel)
+                .with_tensor_parallel(s.tensor_parallel, m.held_beside)
                 .with_data_parallel(stage, s.world)
                 .with_buckets(s.buckets.0, s.buckets.1)
                 .with_offload(s.offload)
@@ -236,7 +239,14 @@ mod tests {
 
     fn shapes<'a>(cfg: &'a Gpt2Config, device: &'a Device, world: usize, stage: ZeroStage) -> Step3Shapes<'a> {
         let p = hybrid_engine::model::params::parameter_count(cfg);
-        let trained = |total| TrainedShape { cfg, total, trainable: total, lora: false, checkpoint: false };
+        let trained = |total| TrainedShape {
+            cfg,
+            total,
+            trainable: total,
+            held_beside: total - p,
+            lora: false,
+            checkpoint: false,
+        };
         Step3Shapes {
             actor: trained(p),
             critic: Some(trained(p + cfg.n_embd)),

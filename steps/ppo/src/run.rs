@@ -227,7 +227,17 @@ fn check_memory_plan(
         } else {
             0
         };
-        TrainedShape { cfg: &engine.config, total: trainable + frozen, trainable, lora: lora_dim > 0, checkpoint }
+        let held_beside = hybrid_engine::model::params::numel_beside_trunk(
+            names.iter().map(String::as_str).zip(numels.iter().copied()),
+        );
+        TrainedShape {
+            cfg: &engine.config,
+            total: trainable + frozen,
+            trainable,
+            held_beside,
+            lora: lora_dim > 0,
+            checkpoint,
+        }
     }
     let precision = args.precision.precision();
     let plan = Step3Plan::new(&Step3Shapes {

@@ -92,17 +92,17 @@ pub fn run(args: &SftArgs) -> Result<SftSummary> {
         (None, _) => params,
     };
     // What the optimizer updates: everything, or with --only-optimize-lora the adapters alone.
-    let (total, trainable) =
+    let counts =
         parameter_counts(shard_source.is_some(), &params, &beside, &config, tp.as_ref().map_or(1, |t| t.size()));
     println!(
         "{}",
         MemoryPlan::new(&config, t.per_device_train_batch_size, t.max_seq_len, t.gradient_checkpointing)
-            .with_parameters(total, trainable)
+            .with_parameters(counts.total, counts.trainable)
             .with_gradient_accumulation(t.gradient_accumulation_steps)
             .with_lora(t.lora().is_some())
             .with_compute_dtype(t.precision.dtype.dtype())
             .on_device(&device)
-            .with_tensor_parallel(tp.as_ref().map_or(1, |t| t.size()))
+            .with_tensor_parallel(tp.as_ref().map_or(1, |t| t.size()), counts.held_beside)
             .with_data_parallel(engine_cfg.parallel.zero_stage, world)
             .with_buckets(engine_cfg.parallel.reduce_bucket_size, engine_cfg.parallel.allgather_bucket_size)
             .with_offload(engine_cfg.parallel.offload)

@@ -139,7 +139,8 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
         .with_gradient_accumulation(accumulation)
         .with_compute_dtype(args.precision.dtype.dtype())
         .on_device(&device)
-        .with_tensor_parallel(tp.as_ref().map_or(1, |t| t.size()))
+        // Pretraining trains the trunk alone: nothing beside it.
+        .with_tensor_parallel(tp.as_ref().map_or(1, |t| t.size()), 0)
         .with_data_parallel(ZeroStage::from_number(args.zero_stage)?, world)
         .with_buckets(args.dist.reduce_bucket_size as usize, args.dist.allgather_bucket_size as usize)
         .with_offload(args.dist.offload)
