@@ -1339,4 +1339,159 @@ mod tests {
         assert_eq!(plan.activation_bytes(), (add - 4 * p) as u64);
         assert_eq!(plan.activation_bytes(), 310_784);
     }
+
+    /// A one-block CUDA plan in bf16 for B x T tokens: `heads` heads of C / `heads`, V rows.
+    fn one_block_gpu_plan(c: usize, heads: usize, vocab_size: usize, b: usize, t: usize) -> MemoryPlan {
+        let cfg =
+            Gpt2Config { n_layer: 1, n_embd: c, n_head: heads, n_positions: 64, vocab_size, ..Gpt2Config::tiny() };
+        MemoryPlan::new(&cfg, b, t, false)
+    }
+
+    fn on_a_gpu_in_bf16(plan: MemoryPlan) -> MemoryPlan {
+        plan.with_compute_dtype(candle_core::DType::BF16).on_device_kind(DeviceKind::Cuda)
+    }
+
+    /// The composed attention (heads of 16, not the flash kernel's 64) by hand: C 64 in 4
+    /// heads, V 16, B 2 x T 64 (N 128), where the first block's backward is the peak (the
+    /// attention's two (B, NH, T, T) gradients); with LoRA adapters; and with a frozen trunk,
+    /// whose formed gradients are the adapters' alone beside what the untracked dwte^T holds.
+    #[test]
+    fn the_fused_gpu_estimate_by_hand_with_the_composed_attention() {
+        let plan = on_a_gpu_in_bf16(one_block_gpu_plan(64, 4, 16, 2, 64));
+        assert_eq!(plan.activations.kernels, Kernels::FusedGpu { flash_attention: false });
+        // P: the block's 12 C^2 + 13 C, the embeddings (16 + 64) x C, ln_f 2C.
+        let p = 12 * 64 * 64 + 13 * 64 + 80 * 64 + 128;
+        assert_eq!(plan.parameters, p);
+        let (nc, nv, w, scores) = (128 * 64, 128 * 16, 16 * 64, 2 * 4 * 64 * 64);
+        // A in bf16: the block's 19 + 8 (N, C) and 3 (B, NH, T, T), the embeddings and ln_f 4
+        // (N, C), the logits; the (T, T) f32 mask.
+        let kept = 2 * (27 * nc + 3 * scores) + 2 * (4 * nc + nv) + 4 * 64 * 64;
+        assert_eq!(kept, 724_992);
+        // The block's transient: 2 (B, NH, T, T) and 2 (N, C), above the MLP's 9 (N, C).
+        let transient = 2 * (2 * scores + 2 * nc);
+        assert!(transient > 2 * 9 * nc);
+        let blocks = kept + 2 * p + transient;
+        let (head, embedding, add) = (kept + 2 * (nv + nc + 3 * w), kept + 2 * (p + 2 * w + nc), kept + 2 * p);
+        assert_eq!((blocks, head, embedding, add), (999_296, 751_616, 855_936, 835_456));
+        assert_eq!(plan.activation_bytes(), (blocks - 2 * p) as u64);
+        // LoRA: 27 (N, C) more a block, in every phase.
+        let lora = on_a_gpu_in_bf16(one_block_gpu_plan(64, 4, 16, 2, 64).with_lora(true));
+        assert_eq!(lora.activation_bytes(), (blocks + 2 * 27 * nc - 2 * p) as u64);
+        assert_eq!(lora.activation_bytes(), 1_331_200);
+        // A frozen trunk with 1000 adapter values: no W formed, but dwte^T (V, C) and d(logits)
+        // left under the untracked node; the formed gradients are the adapters'.
+        let adapters = 1000;
+        let frozen = on_a_gpu_in_bf16(
+            one_block_gpu_plan(64, 4, 16, 2, 64).with_parameters(p + adapters, adapters).with_lora(true),
+        );
+        let kept = kept + 2 * 27 * nc;
+        let leftover = 2 * (nv + w);
+        let blocks = kept + leftover + 2 * adapters + transient;
+        let head = kept + 2 * (nv + nc + w);
+        let (embedding, add) = (kept + leftover + 2 * (adapters + nc), kept + leftover + 2 * adapters);
+        assert_eq!((blocks, head, embedding, add), (1_339_344, 1_189_888, 1_191_888, 1_175_504));
+        assert_eq!(frozen.activation_bytes(), (blocks - 2 * adapters) as u64);
+    }
+
+    /// The flash attention with 2 heads of 64 by hand, where the LM head's backward is the peak:
+    /// C 128, V 1000, B 4 x T 64 (N 256), in bf16.
+    #[test]
+    fn the_fused_gpu_estimate_by_hand_where_the_lm_head_peaks() {
+        let plan = on_a_gpu_in_bf16(one_block_gpu_plan(128, 2, 1000, 4, 64));
+        assert_eq!(plan.activations.kernels, Kernels::FusedGpu { flash_attention: true });
+        let p = 12 * 128 * 128 + 13 * 128 + 1064 * 128 + 256;
+        assert_eq!(plan.parameters, p);
+        let (nc, nv, w) = (256 * 128, 256 * 1000, 1000 * 128);
+        // The block's 20 (N, C) in bf16 and its row maxima and 1/sums, 2 (B, NH, T) in f32.
+        let block = 2 * 20 * nc + 2 * 4 * (4 * 2 * 64);
+        let kept = block + 2 * (4 * nc + nv) + 4 * 64 * 64;
+        assert_eq!(kept, 2_105_344);
+        let head = kept + 2 * (nv + nc + 3 * w);
+        let (blocks, embedding) = (kept + 2 * p + 2 * 9 * nc, kept + 2 * (p + 2 * w + nc));
+        assert_eq!((head, blocks, embedding), (3_450_880, 3_364_608, 3_352_320));
+        assert_eq!(plan.activation_bytes(), (head - 2 * p) as u64);
+    }
+
+    /// Accumulating with f32 gradients in bf16 by hand, where adding to the held gradients is the
+    /// peak: C 128 in 2 heads (flash), V 256, B 2 x T 64 (N 128). Every phase carries the held
+    /// f32 gradients; the add phase, the largest tensor's cast copy and sum beside them, the MLP's
+    /// (C, 4C) weight, larger than the (V, C) embedding here.
+    #[test]
+    fn the_fused_gpu_estimate_by_hand_accumulating() {
+        let plan = on_a_gpu_in_bf16(one_block_gpu_plan(128, 2, 256, 2, 64).with_gradient_accumulation(2));
+        assert_eq!(plan.activations.grad_bytes, 4);
+        let p = 12 * 128 * 128 + 13 * 128 + 320 * 128 + 256;
+        let (nc, nv, w, largest) = (128 * 128, 128 * 256, 256 * 128, 128 * 512);
+        let kept = 2 * 20 * nc + 2 * 4 * (2 * 2 * 64) + 2 * (4 * nc + nv) + 4 * 64 * 64;
+        assert_eq!(kept, 870_400);
+        let held = 4 * p;
+        let head = kept + 2 * (nv + nc + 3 * w) + held;
+        let blocks = kept + 2 * p + 2 * 9 * nc + held;
+        let embedding = kept + 2 * (p + 2 * w + nc) + held;
+        let add = kept + 2 * p + held + 2 * 4 * largest;
+        assert_eq!((head, blocks, embedding, add), (2_123_264, 2_602_240, 2_471_168, 2_831_616));
+        assert_eq!(plan.activation_bytes(), (add - held) as u64);
+    }
+
+    /// Checkpointing on a GPU by hand, each case with another phase as the peak. Kept through
+    /// backward: 3 + L (N, C), the logits and the f32 mask; the held gradients sit in every phase
+    /// but the LM head's, which has them only when accumulating.
+    #[test]
+    fn the_fused_gpu_estimate_by_hand_checkpointed() {
+        let checkpointed = |c, heads, vocab_size, b, t| {
+            let cfg =
+                Gpt2Config { n_layer: 1, n_embd: c, n_head: heads, n_positions: 64, vocab_size, ..Gpt2Config::tiny() };
+            MemoryPlan::new(&cfg, b, t, true)
+        };
+        // A recomputed block, the peak: the composed attention's plan above (C 64 in 4 heads,
+        // V 16, B 2 x T 64), gradients held in bf16.
+        let plan = on_a_gpu_in_bf16(checkpointed(64, 4, 16, 2, 64));
+        let p = 12 * 64 * 64 + 13 * 64 + 80 * 64 + 128;
+        let (nc, nv, w, scores) = (128 * 64, 128 * 16, 16 * 64, 2 * 4 * 64 * 64);
+        let kept = 2 * (4 * nc + nv) + 4 * 64 * 64;
+        let (block, transient, held) = (2 * (27 * nc + 3 * scores), 2 * (2 * scores + 2 * nc), 2 * p);
+        // Its activations, 5 (N, C) for its input's copy, the surrogate and the gradients.
+        let recomputed = kept + block + 2 * 5 * nc + transient + held;
+        let head = kept + 2 * (nv + nc + 3 * w);
+        // The embeddings: 8 (N, C) and wte's gradient added to zeros, 3 W (above its W and its
+        // sum with the head's, bf16 on bf16: 2 W).
+        let embedding = kept + 2 * 8 * nc + 2 * 3 * w + held;
+        assert_eq!((recomputed, head, embedding), (1_081_216, 112_640, 333_696));
+        assert_eq!(plan.activation_bytes(), (recomputed - held) as u64);
+        // The LM head's backward, the peak for a large vocabulary: C 64 in 1 head (flash), V
+        // 16384, B 8 x T 64 (N 512), accumulating f32 gradients.
+        let plan = on_a_gpu_in_bf16(checkpointed(64, 1, 16384, 8, 64).with_gradient_accumulation(2));
+        let p = 12 * 64 * 64 + 13 * 64 + 16448 * 64 + 128;
+        let (nc, nv, w) = (512 * 64, 512 * 16384, 16384 * 64);
+        let (kept, held) = (2 * (4 * nc + nv) + 4 * 64 * 64, 4 * p);
+        let head = kept + 2 * (nv + nc + 3 * w) + held;
+        // The head's gradients added: wte's bf16 W cast and summed into the held one (2 x 4 W).
+        let head_add = kept + 2 * (nc + w) + held + 2 * 4 * w;
+        let block = 2 * 20 * nc + 2 * 4 * 512;
+        let recomputed = kept + block + 2 * 5 * nc + 2 * 9 * nc + held;
+        // wte's gradient: its W and its cast and sum into the held one, above 3 W in bf16.
+        let embedding = kept + 2 * 8 * nc + (2 * w + 2 * 4 * w) + held;
+        assert_eq!((head, head_add, recomputed, embedding), (44_601_088, 32_018_176, 23_699_200, 32_476_928));
+        assert_eq!(plan.activation_bytes(), (head - held) as u64);
+        // The embeddings' backward, the peak: V 1000, B 8 x T 16 (N 128), accumulating.
+        let plan = on_a_gpu_in_bf16(checkpointed(64, 1, 1000, 8, 16).with_gradient_accumulation(2));
+        let p = 12 * 64 * 64 + 13 * 64 + 1064 * 64 + 128;
+        let (nc, nv, w) = (128 * 64, 128 * 1000, 1000 * 64);
+        let (kept, held) = (2 * (4 * nc + nv) + 4 * 16 * 16, 4 * p);
+        let embedding = kept + 2 * 8 * nc + (2 * w + 2 * 4 * w) + held;
+        let head = kept + 2 * (nv + nc + 3 * w) + held;
+        let head_add = kept + 2 * (nc + w) + held + 2 * 4 * w;
+        let recomputed = kept + (2 * 20 * nc + 2 * 4 * 128) + 2 * 5 * nc + 2 * 9 * nc + held;
+        assert_eq!((embedding, head, head_add, recomputed), (1_566_464, 1_451_776, 1_451_776, 1_353_472));
+        assert_eq!(plan.activation_bytes(), (embedding - held) as u64);
+    }
+
+    /// What a forward keeps on the CPU by hand: tiny's 4 layers of C 128 over 10 rows, 20 (N, C)
+    /// a block and 6 beside, 27 more a block with LoRA adapters.
+    #[test]
+    fn forward_kept_values_by_hand() {
+        let cfg = Gpt2Config::tiny();
+        assert_eq!(forward_kept_values(&cfg, 10.0, false), ((20 * 4 + 6) * 10 * 128) as f64);
+        assert_eq!(forward_kept_values(&cfg, 10.0, true), ((47 * 4 + 6) * 10 * 128) as f64);
+    }
 }
