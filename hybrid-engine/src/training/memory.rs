@@ -151,11 +151,15 @@ pub struct ActivationShape {
 /// With checkpointing, kept through backward: each block's input, the last block's output and
 /// the head's leaf (a copy of it), and the head's graph, ln_f's output and the logits (the loss
 /// lives until the end): (L + 3) (N, C) and (N, V). The phases: the head's backward as above
-/// (the logits twice: the peak for gpt2 B8 T1024), its gradients added, a recomputed block with
-/// its surrogate out * grad (5 (N, C) beside the block's: its input's copy, the product, its
-/// gradient, candle's gradient for the untracked incoming gradient, which holds that, and the
-/// incoming gradient) and the held gradients, and the embeddings recomputed with wte's gradient
-/// (3 W in a store of its own, or in `add` the stored W and its sum with the held one).
+/// (the logits twice: the peak for gpt2 B8 T1024), a recomputed block with its surrogate
+/// out * grad (5 (N, C) beside the block's: its input's copy, the product, its gradient,
+/// candle's gradient for the untracked incoming gradient, which holds that, and the incoming
+/// gradient) and the held gradients, and the embeddings recomputed with wte's gradient (3 W in a
+/// store of its own, or in `add` the stored W and its sum with the held one). Adding the head's
+/// gradients between them (the leaf's (N, C), wte's W, and its sum into the held one where
+/// accumulating or cast) is not a term: the embeddings' phase holds as much and 7 (N, C) more
+/// (with a score head, not accumulating: 3 W, and the held gradients with wte's among them,
+/// against W and its cast), and with a frozen trunk it equals the head's backward.
 ///
 /// A frozen wte (`--only-optimize-lora`): candle still forms dwte^T, under an untracked node
 /// that backward never processes, so it and d(logits) stay until backward returns. Not counted:
@@ -318,17 +322,6 @@ fn fused_gpu_activation_bytes(a: &ActivationShape, flash_attention: bool) -> f64
         // output and the logits.
         let kept = d * ((l + 3.0) * nc + nv) + mask;
         let head = kept + head + held_before;
-        // The head's gradients added (wte's, cast) beside the leaf's gradient.
-        let head_add = kept
-            + head_leftover
-            + d * (nc + w)
-            + if a.accumulating {
-                held + sum_into_held(w)
-            } else if cast {
-                g * w
-            } else {
-                0.0
-            };
         // A recomputed block: its activations, its input's copy (the leaf), the surrogate
         // out * grad, its gradient and candle's gradient for the (untracked) incoming gradient,
         // which holds it, the incoming gradient; the held gradients bound those added so far.
@@ -340,7 +333,7 @@ fn fused_gpu_activation_bytes(a: &ActivationShape, flash_attention: bool) -> f64
         let occupied = a.lm_head || a.accumulating;
         let wte = (3.0 * d * w).max(d * w + if occupied { sum_into_held(w) } else { 0.0 });
         let embedding = kept + d * 8.0 * nc + wte + held;
-        head.max(head_add).max(kept + recomputed).max(embedding)
+        head.max(kept + recomputed).max(embedding)
     };
     // The held gradients are the plan's own line.
     peak - held
@@ -1431,6 +1424,105 @@ mod tests {
         let add = kept + 2 * p + held + 2 * 4 * largest;
         assert_eq!((head, blocks, embedding, add), (2_123_264, 2_602_240, 2_471_168, 2_831_616));
         assert_eq!(plan.activation_bytes(), (add - held) as u64);
+
+        // In f32 (the composed attention; no cast: the largest tensor's sum alone), adding is
+        // the peak for C 64 in 1 head, V 16, B 1 x T 8 (N 8)...
+        let f32_plan = |c, heads, vocab_size| {
+            one_block_gpu_plan(c, heads, vocab_size, 1, 8)
+                .with_gradient_accumulation(2)
+                .on_device_kind(DeviceKind::Cuda)
+        };
+        let plan = f32_plan(64, 1, 16);
+        assert_eq!(plan.activations.kernels, Kernels::FusedGpu { flash_attention: false });
+        let p = 12 * 64 * 64 + 13 * 64 + 80 * 64 + 128;
+        let (nc, nv, w, scores) = (8 * 64, 8 * 16, 16 * 64, 8 * 8);
+        let kept = 4 * (27 * nc + 3 * scores) + 4 * (4 * nc + nv) + 4 * 8 * 8;
+        let held = 4 * p;
+        let add = kept + 4 * p + held + 4 * (64 * 256);
+        let blocks = kept + 4 * p + 4 * 9 * nc + held;
+        let embedding = kept + 4 * (p + 2 * w + nc) + held;
+        assert_eq!((add, blocks, embedding), (572_416, 525_312, 517_120));
+        assert_eq!(plan.activation_bytes(), (add - held) as u64);
+        // ...the embedding's backward for C 128 in 2 heads, V 1000 (W above the MLP's weight)...
+        let plan = f32_plan(128, 2, 1000);
+        let p = 12 * 128 * 128 + 13 * 128 + 1064 * 128 + 256;
+        let (nc, nv, w, scores) = (8 * 128, 8 * 1000, 1000 * 128, 2 * 8 * 8);
+        let kept = 4 * (27 * nc + 3 * scores) + 4 * (4 * nc + nv) + 4 * 8 * 8;
+        let held = 4 * p;
+        let embedding = kept + 4 * (p + 2 * w + nc) + held;
+        let (add, head) = (kept + 4 * p + held + 4 * w, kept + 4 * (nv + nc + 3 * w) + held);
+        assert_eq!((embedding, add, head), (3_866_624, 3_350_528, 3_071_744));
+        assert_eq!(plan.activation_bytes(), (embedding - held) as u64);
+        // ...and in bf16 the LM head's backward for V 16384, C 64 in 1 head, B 8 x T 64 (N 512).
+        let plan = on_a_gpu_in_bf16(one_block_gpu_plan(64, 1, 16384, 8, 64).with_gradient_accumulation(2));
+        let p = 12 * 64 * 64 + 13 * 64 + 16448 * 64 + 128;
+        let (nc, nv, w) = (512 * 64, 512 * 16384, 16384 * 64);
+        let kept = 2 * 20 * nc + 2 * 4 * 512 + 2 * (4 * nc + nv) + 4 * 64 * 64;
+        let held = 4 * p;
+        let (head, add) = (kept + 2 * (nv + nc + 3 * w) + held, kept + 2 * p + held + 2 * 4 * w);
+        assert_eq!((head, add), (45_915_904, 33_375_872));
+        assert_eq!(plan.activation_bytes(), (head - held) as u64);
+    }
+
+    /// The first block's backward as the peak by hand (every other gradient formed, in bf16,
+    /// and the block's largest transient): with the flash attention (C 128 in 2 heads, V 256,
+    /// B 2 x T 64), where the MLP's 9 (N, C) are the transient; with the composed attention (C
+    /// 64 in 2 heads of 32, V 16, B 2 x T 16), whose 9 (N, C) exceed its two (B, NH, T, T); and
+    /// with accumulated f32 gradients held beside it (the composed attention's plan above).
+    #[test]
+    fn the_fused_gpu_estimate_by_hand_where_a_block_peaks() {
+        let plan = on_a_gpu_in_bf16(one_block_gpu_plan(128, 2, 256, 2, 64));
+        let p = 12 * 128 * 128 + 13 * 128 + 320 * 128 + 256;
+        let (nc, nv, w) = (128 * 128, 128 * 256, 256 * 128);
+        let kept = 2 * 20 * nc + 2 * 4 * (2 * 2 * 64) + 2 * (4 * nc + nv) + 4 * 64 * 64;
+        let blocks = kept + 2 * p + 2 * 9 * nc;
+        let (head, embedding, add) = (kept + 2 * (nv + nc + 3 * w), kept + 2 * (p + 2 * w + nc), kept + 2 * p);
+        assert_eq!((blocks, head, embedding, add), (1_644_288, 1_165_312, 1_513_216, 1_349_376));
+        assert_eq!(plan.activation_bytes(), (blocks - 2 * p) as u64);
+
+        let plan = on_a_gpu_in_bf16(one_block_gpu_plan(64, 2, 16, 2, 16));
+        assert_eq!(plan.activations.kernels, Kernels::FusedGpu { flash_attention: false });
+        let p = 12 * 64 * 64 + 13 * 64 + 80 * 64 + 128;
+        let (nc, nv, scores) = (32 * 64, 32 * 16, 2 * 2 * 16 * 16);
+        let kept = 2 * (27 * nc + 3 * scores) + 2 * (4 * nc + nv) + 4 * 16 * 16;
+        assert!(2 * 9 * nc > 2 * (2 * scores + 2 * nc));
+        let blocks = kept + 2 * p + 2 * 9 * nc;
+        assert_eq!(blocks, 282_496);
+        assert_eq!(plan.activation_bytes(), (blocks - 2 * p) as u64);
+
+        let plan = on_a_gpu_in_bf16(one_block_gpu_plan(64, 4, 16, 2, 64).with_gradient_accumulation(2));
+        let p = 12 * 64 * 64 + 13 * 64 + 80 * 64 + 128;
+        let (nc, nv, w, scores) = (128 * 64, 128 * 16, 16 * 64, 2 * 4 * 64 * 64);
+        let kept = 2 * (27 * nc + 3 * scores) + 2 * (4 * nc + nv) + 4 * 64 * 64;
+        let (transient, held) = (2 * (2 * scores + 2 * nc), 4 * p);
+        let blocks = kept + 2 * p + transient + held;
+        // Adding: the MLP's (C, 4C) weight, cast and summed beside the held gradients.
+        let add = kept + 2 * p + held + 2 * 4 * (64 * 256);
+        let (head, embedding) = (kept + 2 * (nv + nc + 3 * w) + held, kept + 2 * (p + 2 * w + nc) + held);
+        assert_eq!((blocks, add, head, embedding), (1_220_224, 1_187_456, 972_544, 1_076_864));
+        assert_eq!(plan.activation_bytes(), (blocks - held) as u64);
+    }
+
+    /// A frozen trunk's adapters with f32 gradients held in a bf16 run (as over several ranks),
+    /// by hand, where adding them is the peak: C 64 in 1 head (flash), V 16, B 1 x T 16, 8192
+    /// adapter values. Beside every phase but the LM head's, the logits' gradient and dwte^T that
+    /// the untracked node keeps.
+    #[test]
+    fn the_fused_gpu_estimate_by_hand_for_a_frozen_trunk_with_f32_gradients() {
+        let p = 12 * 64 * 64 + 13 * 64 + 80 * 64 + 128;
+        let adapters = 8192;
+        let mut plan = on_a_gpu_in_bf16(
+            one_block_gpu_plan(64, 1, 16, 1, 16).with_parameters(p + adapters, adapters).with_lora(true),
+        );
+        plan.hold_gradients_in(4);
+        let (nc, nv, table) = (16 * 64, 16 * 16, 16 * 64);
+        let kept = 2 * (20 + 27) * nc + 2 * 4 * 16 + 2 * (4 * nc + nv) + 4 * 16 * 16;
+        let (leftover, held) = (2 * (nv + table), 4 * adapters);
+        let add = kept + leftover + 2 * adapters + held;
+        let blocks = kept + leftover + 2 * adapters + 2 * 9 * nc;
+        let (embedding, head) = (kept + leftover + 2 * (adapters + nc), kept + 2 * (nv + nc + table));
+        assert_eq!((add, blocks, embedding, head), (157_824, 143_488, 127_104, 110_720));
+        assert_eq!(plan.activation_bytes(), (add - held) as u64);
     }
 
     /// Checkpointing on a GPU by hand, each case with another phase as the peak. Kept through
@@ -1465,13 +1557,11 @@ mod tests {
         let (nc, nv, w) = (512 * 64, 512 * 16384, 16384 * 64);
         let (kept, held) = (2 * (4 * nc + nv) + 4 * 64 * 64, 4 * p);
         let head = kept + 2 * (nv + nc + 3 * w) + held;
-        // The head's gradients added: wte's bf16 W cast and summed into the held one (2 x 4 W).
-        let head_add = kept + 2 * (nc + w) + held + 2 * 4 * w;
         let block = 2 * 20 * nc + 2 * 4 * 512;
         let recomputed = kept + block + 2 * 5 * nc + 2 * 9 * nc + held;
         // wte's gradient: its W and its cast and sum into the held one, above 3 W in bf16.
         let embedding = kept + 2 * 8 * nc + (2 * w + 2 * 4 * w) + held;
-        assert_eq!((head, head_add, recomputed, embedding), (44_601_088, 32_018_176, 23_699_200, 32_476_928));
+        assert_eq!((head, recomputed, embedding), (44_601_088, 23_699_200, 32_476_928));
         assert_eq!(plan.activation_bytes(), (head - held) as u64);
         // The embeddings' backward, the peak: V 1000, B 8 x T 16 (N 128), accumulating.
         let plan = on_a_gpu_in_bf16(checkpointed(64, 1, 1000, 8, 16).with_gradient_accumulation(2));
@@ -1480,10 +1570,41 @@ mod tests {
         let (kept, held) = (2 * (4 * nc + nv) + 4 * 16 * 16, 4 * p);
         let embedding = kept + 2 * 8 * nc + (2 * w + 2 * 4 * w) + held;
         let head = kept + 2 * (nv + nc + 3 * w) + held;
-        let head_add = kept + 2 * (nc + w) + held + 2 * 4 * w;
         let recomputed = kept + (2 * 20 * nc + 2 * 4 * 128) + 2 * 5 * nc + 2 * 9 * nc + held;
-        assert_eq!((embedding, head, head_add, recomputed), (1_566_464, 1_451_776, 1_451_776, 1_353_472));
+        assert_eq!((embedding, head, recomputed), (1_566_464, 1_451_776, 1_353_472));
         assert_eq!(plan.activation_bytes(), (embedding - held) as u64);
+        // Not accumulating, for C 128 in 2 heads, V 1000, B 1 x T 8: wte's gradient added to
+        // zeros (3 W in bf16) above its W and its sum with the head's (2 W)...
+        let plan = on_a_gpu_in_bf16(checkpointed(128, 2, 1000, 1, 8));
+        let p = 12 * 128 * 128 + 13 * 128 + 1064 * 128 + 256;
+        let (nc, nv, w) = (8 * 128, 8 * 1000, 1000 * 128);
+        let (kept, held) = (2 * (4 * nc + nv) + 4 * 8 * 8, 2 * p);
+        let embedding = kept + 2 * 8 * nc + 2 * 3 * w + held;
+        let head = kept + 2 * (nv + nc + 3 * w);
+        assert_eq!((embedding, head), (1_478_272, 810_496));
+        assert_eq!(plan.activation_bytes(), (embedding - held) as u64);
+        // ...and with f32 gradients held (as over several ranks) for V 4096 the W, its cast and
+        // its sum into the head's, 2 + 2 x 4 bytes a value, above 3 W in bf16.
+        let mut plan = on_a_gpu_in_bf16(checkpointed(128, 2, 4096, 1, 8));
+        plan.hold_gradients_in(4);
+        let p = 12 * 128 * 128 + 13 * 128 + 4160 * 128 + 256;
+        let (nc, nv, w) = (8 * 128, 8 * 4096, 4096 * 128);
+        let (kept, held) = (2 * (4 * nc + nv) + 4 * 8 * 8, 4 * p);
+        let embedding = kept + 2 * 8 * nc + (2 * w + 2 * 4 * w) + held;
+        let head = kept + 2 * (nv + nc + 3 * w);
+        assert_eq!((embedding, head), (8_257_280, 3_287_296));
+        assert_eq!(plan.activation_bytes(), (embedding - held) as u64);
+        // A frozen trunk with 1000 adapter values, C 64 in 1 head, V 4096, B 2 x T 16: the LM
+        // head's backward forms dwte^T (V, C) for no gradient, beside d(logits) and dx.
+        let p = 12 * 64 * 64 + 13 * 64 + 4160 * 64 + 128;
+        let plan = on_a_gpu_in_bf16(checkpointed(64, 1, 4096, 2, 16).with_parameters(p + 1000, 1000).with_lora(true));
+        let (nc, nv, table) = (32 * 64, 32 * 4096, 4096 * 64);
+        let (kept, held) = (2 * (4 * nc + nv) + 4 * 16 * 16, 2 * 1000);
+        let head = kept + 2 * (nv + nc + table);
+        let recomputed = kept + (2 * 47 * nc + 2 * 4 * 32) + 2 * 5 * nc + 2 * 9 * nc + held;
+        let embedding = kept + 2 * 8 * nc + held;
+        assert_eq!((head, recomputed, embedding), (1_070_080, 531_664, 314_320));
+        assert_eq!(plan.activation_bytes(), (head - held) as u64);
     }
 
     /// What a forward keeps on the CPU by hand: tiny's 4 layers of C 128 over 10 rows, 20 (N, C)
