@@ -1344,6 +1344,12 @@ mod tests {
         plan.with_compute_dtype(candle_core::DType::BF16).on_device_kind(DeviceKind::Cuda)
     }
 
+    /// The parameters of those one-block models by hand: the block's 12 C^2 + 13 C, the
+    /// embeddings (V + 64 positions) x C, ln_f 2C.
+    fn one_block_parameters(c: usize, vocab_size: usize) -> usize {
+        12 * c * c + 13 * c + (vocab_size + 64) * c + 2 * c
+    }
+
     /// The composed attention (heads of 16, not the flash kernel's 64) by hand: C 64 in 4
     /// heads, V 16, B 2 x T 64 (N 128), where the first block's backward is the peak (the
     /// attention's two (B, NH, T, T) gradients); with LoRA adapters; and with a frozen trunk,
@@ -1352,8 +1358,7 @@ mod tests {
     fn the_fused_gpu_estimate_by_hand_with_the_composed_attention() {
         let plan = on_a_gpu_in_bf16(one_block_gpu_plan(64, 4, 16, 2, 64));
         assert_eq!(plan.activations.kernels, Kernels::FusedGpu { flash_attention: false });
-        // P: the block's 12 C^2 + 13 C, the embeddings (16 + 64) x C, ln_f 2C.
-        let p = 12 * 64 * 64 + 13 * 64 + 80 * 64 + 128;
+        let p = one_block_parameters(64, 16);
         assert_eq!(plan.parameters, p);
         let (nc, nv, w, scores) = (128 * 64, 128 * 16, 16 * 64, 2 * 4 * 64 * 64);
         // A in bf16: the block's 19 + 8 (N, C) and 3 (B, NH, T, T), the embeddings and ln_f 4
@@ -1392,7 +1397,7 @@ mod tests {
     fn the_fused_gpu_estimate_by_hand_where_the_lm_head_peaks() {
         let plan = on_a_gpu_in_bf16(one_block_gpu_plan(128, 2, 1000, 4, 64));
         assert_eq!(plan.activations.kernels, Kernels::FusedGpu { flash_attention: true });
-        let p = 12 * 128 * 128 + 13 * 128 + 1064 * 128 + 256;
+        let p = one_block_parameters(128, 1000);
         assert_eq!(plan.parameters, p);
         let (nc, nv, w) = (256 * 128, 256 * 1000, 1000 * 128);
         // The block's 20 (N, C) in bf16 and its row maxima and 1/sums, 2 (B, NH, T) in f32.
@@ -1413,7 +1418,7 @@ mod tests {
     fn the_fused_gpu_estimate_by_hand_accumulating() {
         let plan = on_a_gpu_in_bf16(one_block_gpu_plan(128, 2, 256, 2, 64).with_gradient_accumulation(2));
         assert_eq!(plan.activations.grad_bytes, 4);
-        let p = 12 * 128 * 128 + 13 * 128 + 320 * 128 + 256;
+        let p = one_block_parameters(128, 256);
         let (nc, nv, w, largest) = (128 * 128, 128 * 256, 256 * 128, 128 * 512);
         let kept = 2 * 20 * nc + 2 * 4 * (2 * 2 * 64) + 2 * (4 * nc + nv) + 4 * 64 * 64;
         assert_eq!(kept, 870_400);
@@ -1434,7 +1439,7 @@ mod tests {
         };
         let plan = f32_plan(64, 1, 16);
         assert_eq!(plan.activations.kernels, Kernels::FusedGpu { flash_attention: false });
-        let p = 12 * 64 * 64 + 13 * 64 + 80 * 64 + 128;
+        let p = one_block_parameters(64, 16);
         let (nc, nv, w, scores) = (8 * 64, 8 * 16, 16 * 64, 8 * 8);
         let kept = 4 * (27 * nc + 3 * scores) + 4 * (4 * nc + nv) + 4 * 8 * 8;
         let held = 4 * p;
@@ -1445,7 +1450,7 @@ mod tests {
         assert_eq!(plan.activation_bytes(), (add - held) as u64);
         // ...the embedding's backward for C 128 in 2 heads, V 1000 (W above the MLP's weight)...
         let plan = f32_plan(128, 2, 1000);
-        let p = 12 * 128 * 128 + 13 * 128 + 1064 * 128 + 256;
+        let p = one_block_parameters(128, 1000);
         let (nc, nv, w, scores) = (8 * 128, 8 * 1000, 1000 * 128, 2 * 8 * 8);
         let kept = 4 * (27 * nc + 3 * scores) + 4 * (4 * nc + nv) + 4 * 8 * 8;
         let held = 4 * p;
@@ -1455,7 +1460,7 @@ mod tests {
         assert_eq!(plan.activation_bytes(), (embedding - held) as u64);
         // ...and in bf16 the LM head's backward for V 16384, C 64 in 1 head, B 8 x T 64 (N 512).
         let plan = on_a_gpu_in_bf16(one_block_gpu_plan(64, 1, 16384, 8, 64).with_gradient_accumulation(2));
-        let p = 12 * 64 * 64 + 13 * 64 + 16448 * 64 + 128;
+        let p = one_block_parameters(64, 16384);
         let (nc, nv, w) = (512 * 64, 512 * 16384, 16384 * 64);
         let kept = 2 * 20 * nc + 2 * 4 * 512 + 2 * (4 * nc + nv) + 4 * 64 * 64;
         let held = 4 * p;
@@ -1472,7 +1477,7 @@ mod tests {
     #[test]
     fn the_fused_gpu_estimate_by_hand_where_a_block_peaks() {
         let plan = on_a_gpu_in_bf16(one_block_gpu_plan(128, 2, 256, 2, 64));
-        let p = 12 * 128 * 128 + 13 * 128 + 320 * 128 + 256;
+        let p = one_block_parameters(128, 256);
         let (nc, nv, w) = (128 * 128, 128 * 256, 256 * 128);
         let kept = 2 * 20 * nc + 2 * 4 * (2 * 2 * 64) + 2 * (4 * nc + nv) + 4 * 64 * 64;
         let blocks = kept + 2 * p + 2 * 9 * nc;
@@ -1482,7 +1487,7 @@ mod tests {
 
         let plan = on_a_gpu_in_bf16(one_block_gpu_plan(64, 2, 16, 2, 16));
         assert_eq!(plan.activations.kernels, Kernels::FusedGpu { flash_attention: false });
-        let p = 12 * 64 * 64 + 13 * 64 + 80 * 64 + 128;
+        let p = one_block_parameters(64, 16);
         let (nc, nv, scores) = (32 * 64, 32 * 16, 2 * 2 * 16 * 16);
         let kept = 2 * (27 * nc + 3 * scores) + 2 * (4 * nc + nv) + 4 * 16 * 16;
         assert!(2 * 9 * nc > 2 * (2 * scores + 2 * nc));
@@ -1491,7 +1496,7 @@ mod tests {
         assert_eq!(plan.activation_bytes(), (blocks - 2 * p) as u64);
 
         let plan = on_a_gpu_in_bf16(one_block_gpu_plan(64, 4, 16, 2, 64).with_gradient_accumulation(2));
-        let p = 12 * 64 * 64 + 13 * 64 + 80 * 64 + 128;
+        let p = one_block_parameters(64, 16);
         let (nc, nv, w, scores) = (128 * 64, 128 * 16, 16 * 64, 2 * 4 * 64 * 64);
         let kept = 2 * (27 * nc + 3 * scores) + 2 * (4 * nc + nv) + 4 * 64 * 64;
         let (transient, held) = (2 * (2 * scores + 2 * nc), 4 * p);
@@ -1509,7 +1514,7 @@ mod tests {
     /// the untracked node keeps.
     #[test]
     fn the_fused_gpu_estimate_by_hand_for_a_frozen_trunk_with_f32_gradients() {
-        let p = 12 * 64 * 64 + 13 * 64 + 80 * 64 + 128;
+        let p = one_block_parameters(64, 16);
         let adapters = 8192;
         let mut plan = on_a_gpu_in_bf16(
             one_block_gpu_plan(64, 1, 16, 1, 16).with_parameters(p + adapters, adapters).with_lora(true),
@@ -1538,7 +1543,7 @@ mod tests {
         // A recomputed block, the peak: the composed attention's plan above (C 64 in 4 heads,
         // V 16, B 2 x T 64), gradients held in bf16.
         let plan = on_a_gpu_in_bf16(checkpointed(64, 4, 16, 2, 64));
-        let p = 12 * 64 * 64 + 13 * 64 + 80 * 64 + 128;
+        let p = one_block_parameters(64, 16);
         let (nc, nv, w, scores) = (128 * 64, 128 * 16, 16 * 64, 2 * 4 * 64 * 64);
         let kept = 2 * (4 * nc + nv) + 4 * 64 * 64;
         let (block, transient, held) = (2 * (27 * nc + 3 * scores), 2 * (2 * scores + 2 * nc), 2 * p);
@@ -1553,7 +1558,7 @@ mod tests {
         // The LM head's backward, the peak for a large vocabulary: C 64 in 1 head (flash), V
         // 16384, B 8 x T 64 (N 512), accumulating f32 gradients.
         let plan = on_a_gpu_in_bf16(checkpointed(64, 1, 16384, 8, 64).with_gradient_accumulation(2));
-        let p = 12 * 64 * 64 + 13 * 64 + 16448 * 64 + 128;
+        let p = one_block_parameters(64, 16384);
         let (nc, nv, w) = (512 * 64, 512 * 16384, 16384 * 64);
         let (kept, held) = (2 * (4 * nc + nv) + 4 * 64 * 64, 4 * p);
         let head = kept + 2 * (nv + nc + 3 * w) + held;
@@ -1565,7 +1570,7 @@ mod tests {
         assert_eq!(plan.activation_bytes(), (head - held) as u64);
         // The embeddings' backward, the peak: V 1000, B 8 x T 16 (N 128), accumulating.
         let plan = on_a_gpu_in_bf16(checkpointed(64, 1, 1000, 8, 16).with_gradient_accumulation(2));
-        let p = 12 * 64 * 64 + 13 * 64 + 1064 * 64 + 128;
+        let p = one_block_parameters(64, 1000);
         let (nc, nv, w) = (128 * 64, 128 * 1000, 1000 * 64);
         let (kept, held) = (2 * (4 * nc + nv) + 4 * 16 * 16, 4 * p);
         let embedding = kept + 2 * 8 * nc + (2 * w + 2 * 4 * w) + held;
@@ -1576,7 +1581,7 @@ mod tests {
         // Not accumulating, for C 128 in 2 heads, V 1000, B 1 x T 8: wte's gradient added to
         // zeros (3 W in bf16) above its W and its sum with the head's (2 W)...
         let plan = on_a_gpu_in_bf16(checkpointed(128, 2, 1000, 1, 8));
-        let p = 12 * 128 * 128 + 13 * 128 + 1064 * 128 + 256;
+        let p = one_block_parameters(128, 1000);
         let (nc, nv, w) = (8 * 128, 8 * 1000, 1000 * 128);
         let (kept, held) = (2 * (4 * nc + nv) + 4 * 8 * 8, 2 * p);
         let embedding = kept + 2 * 8 * nc + 2 * 3 * w + held;
@@ -1587,7 +1592,7 @@ mod tests {
         // its sum into the head's, 2 + 2 x 4 bytes a value, above 3 W in bf16.
         let mut plan = on_a_gpu_in_bf16(checkpointed(128, 2, 4096, 1, 8));
         plan.hold_gradients_in(4);
-        let p = 12 * 128 * 128 + 13 * 128 + 4160 * 128 + 256;
+        let p = one_block_parameters(128, 4096);
         let (nc, nv, w) = (8 * 128, 8 * 4096, 4096 * 128);
         let (kept, held) = (2 * (4 * nc + nv) + 4 * 8 * 8, 4 * p);
         let embedding = kept + 2 * 8 * nc + (2 * w + 2 * 4 * w) + held;
@@ -1596,7 +1601,7 @@ mod tests {
         assert_eq!(plan.activation_bytes(), (embedding - held) as u64);
         // A frozen trunk with 1000 adapter values, C 64 in 1 head, V 4096, B 2 x T 16: the LM
         // head's backward forms dwte^T (V, C) for no gradient, beside d(logits) and dx.
-        let p = 12 * 64 * 64 + 13 * 64 + 4160 * 64 + 128;
+        let p = one_block_parameters(64, 4096);
         let plan = on_a_gpu_in_bf16(checkpointed(64, 1, 4096, 2, 16).with_parameters(p + 1000, 1000).with_lora(true));
         let (nc, nv, table) = (32 * 64, 32 * 4096, 4096 * 64);
         let (kept, held) = (2 * (4 * nc + nv) + 4 * 16 * 16, 2 * 1000);
