@@ -1612,6 +1612,169 @@ mod tests {
         assert_eq!(plan.activation_bytes(), (head - held) as u64);
     }
 
+    /// A CPU plan's shape (f32, the fused CPU kernels, trained whole) of 3 blocks of C 32 in 2
+    /// heads, V `vocab_size`, 16 positions, for B x T tokens.
+    fn three_block_cpu_shape(vocab_size: usize, b: usize, t: usize, checkpoint: bool) -> ActivationShape {
+        let cfg = Gpt2Config { n_layer: 3, n_embd: 32, n_head: 2, n_positions: 16, vocab_size, ..Gpt2Config::tiny() };
+        let shape = MemoryPlan::new(&cfg, b, t, checkpoint).activations;
+        assert_eq!(shape.kernels, Kernels::FusedCpu);
+        assert_eq!(shape.parameters, 3 * (12 * 32 * 32 + 13 * 32) + (vocab_size + 16) * 32 + 2 * 32);
+        shape
+    }
+
+    /// The fused CPU estimate by hand, f32 (4 bytes a value), L 3, C 32, V 500 (P 54,688, W
+    /// 16,000): A is (20 L + 6) (N, C), 47 L + 6 with LoRA; the LM head's phase A, the logits, dx
+    /// and dwte (W); the embedding's A, an (N, C), the rest of the gradients (P - W) and 2 W. Less
+    /// the gradients that become the held ones where not accumulating (P, or the adapters').
+    #[test]
+    fn the_fused_cpu_estimate_by_hand() {
+        let p = 54_688;
+        let w = 500 * 32;
+        let kept = |n: usize, per_block: usize| (per_block * 3 + 6) * n * 32;
+        // B 2 x T 16 (N 32): the embedding's backward is the peak (P above the logits' N V).
+        let (nc, nv, a) = (32 * 32, 32 * 500, kept(32, 20));
+        let (head, embedding) = (a + nv + nc + w, a + nc + 2 * w + (p - w));
+        assert_eq!((a, head, embedding), (67_584, 100_608, 139_296));
+        assert_eq!(activation_bytes(&three_block_cpu_shape(500, 2, 16, false)), 4 * (embedding - p) as u64);
+        // Accumulating: the fresh gradients are not the held ones, so nothing is taken off.
+        let accumulating = ActivationShape { accumulating: true, ..three_block_cpu_shape(500, 2, 16, false) };
+        assert_eq!(activation_bytes(&accumulating), 4 * embedding as u64);
+        assert_eq!(activation_bytes(&accumulating), 557_184);
+        // B 8 x T 16 (N 128): the LM head's backward is the peak.
+        let (nc, nv, a) = (128 * 32, 128 * 500, kept(128, 20));
+        let (head, embedding) = (a + nv + nc + w, a + nc + 2 * w + (p - w));
+        assert_eq!((a, head, embedding), (270_336, 354_432, 345_120));
+        assert_eq!(activation_bytes(&three_block_cpu_shape(500, 8, 16, false)), 4 * (head - p) as u64);
+        assert_eq!(activation_bytes(&three_block_cpu_shape(500, 8, 16, false)), 1_198_976);
+        // A score head: no logits and no head's dwte; the embedding's dwte is wte's gradient,
+        // copied (2 W).
+        let scored = ActivationShape { lm_head: false, ..three_block_cpu_shape(500, 8, 16, false) };
+        let (head, embedding) = (a + nc, a + nc + 2 * w + (p - w));
+        assert_eq!((head, embedding), (274_432, 345_120));
+        assert_eq!(activation_bytes(&scored), 4 * (embedding - p) as u64);
+        // A frozen trunk with 3000 adapter values and LoRA (B 2 x T 16): no W is formed; the
+        // gradients formed are the adapters'.
+        let adapters = 3000;
+        let frozen = ActivationShape {
+            parameters: p + adapters,
+            trainable: adapters,
+            lora: true,
+            ..three_block_cpu_shape(500, 2, 16, false)
+        };
+        let (nc, nv, a) = (32 * 32, 32 * 500, kept(32, 47));
+        let (head, embedding) = (a + nv + nc, a + nc + adapters);
+        assert_eq!((a, head, embedding), (150_528, 167_552, 154_552));
+        assert_eq!(activation_bytes(&frozen), 4 * (head - adapters) as u64);
+        assert_eq!(activation_bytes(&frozen), 658_208);
+    }
+
+    /// Checkpointed on the CPU by hand (the model above; L 3, so L + 4 = 7 (N, C) beside the LM
+    /// head's logits and W; a recomputed block with the embeddings' gradients: 2 W and L + 17
+    /// (N, C) accumulating, else the head's W, wte's and L + 15; 27 (N, C) more with LoRA),
+    /// each phase where it is the peak.
+    #[test]
+    fn the_fused_cpu_estimate_by_hand_checkpointed() {
+        let (p, w) = (54_688, 500 * 32);
+        let phases = |n: usize, lm: usize, w: usize, lora: usize| {
+            let (nc, nv) = (n * 32, n * 500 * lm);
+            (nv + lm * w + 7 * nc, 2 * w + (20 + lora) * nc, lm * w + w + (18 + lora) * nc)
+        };
+        let shape = |b, accumulating| ActivationShape { accumulating, ..three_block_cpu_shape(500, b, 16, true) };
+        // Accumulating, B 2 x T 16 (N 32): the embeddings' phase...
+        let (head, accumulated, _) = phases(32, 1, w, 0);
+        assert_eq!((head, accumulated), (39_168, 52_480));
+        assert_eq!(activation_bytes(&shape(2, true)), 4 * accumulated as u64);
+        // ...and at N 256 the LM head's.
+        let (head, accumulated, _) = phases(256, 1, w, 0);
+        assert_eq!((head, accumulated), (201_344, 195_840));
+        assert_eq!(activation_bytes(&shape(16, true)), 4 * head as u64);
+        // Not accumulating, the head's phase less the gradients that are then the held ones: at
+        // N 256 the embeddings' phase...
+        let (head, _, embedding) = phases(256, 1, w, 0);
+        assert_eq!((head - p, embedding), (146_656, 179_456));
+        assert_eq!(activation_bytes(&shape(16, false)), 4 * embedding as u64);
+        // ...and at N 512 the LM head's.
+        let (head, _, embedding) = phases(512, 1, w, 0);
+        assert_eq!((head - p, embedding), (332_000, 326_912));
+        assert_eq!(activation_bytes(&shape(32, false)), 4 * (head - p) as u64);
+        // With LoRA, a recomputed block's 27 (N, C) more; with a score head, no logits nor the
+        // head's W.
+        let lora = ActivationShape { lora: true, ..shape(2, false) };
+        let (_, _, embedding) = phases(32, 1, w, 27);
+        assert_eq!(embedding, 78_080);
+        assert_eq!(activation_bytes(&lora), 4 * embedding as u64);
+        let lora = ActivationShape { lora: true, ..shape(2, true) };
+        let (_, accumulated, _) = phases(32, 1, w, 27);
+        assert_eq!(activation_bytes(&lora), 4 * accumulated as u64);
+        let scored = ActivationShape { lm_head: false, ..shape(2, false) };
+        let (head, _, embedding) = phases(32, 0, w, 0);
+        assert_eq!((head, embedding), (7168, 34_432));
+        assert_eq!(activation_bytes(&scored), 4 * embedding as u64);
+        // A frozen trunk (3000 adapter values, LoRA) with V 5000: no W, the LM head's phase the
+        // peak, less the adapters' gradients where not accumulating.
+        let adapters = 3000;
+        let frozen = |accumulating| {
+            let shape = three_block_cpu_shape(5000, 2, 16, true);
+            ActivationShape {
+                parameters: shape.parameters + adapters,
+                trainable: adapters,
+                lora: true,
+                accumulating,
+                ..shape
+            }
+        };
+        let (nc, nv) = (32 * 32, 32 * 5000);
+        let head = nv + 7 * nc;
+        assert_eq!((head, 20 * nc + 27 * nc, 18 * nc + 27 * nc), (167_168, 48_128, 46_080));
+        assert_eq!(activation_bytes(&frozen(false)), 4 * (head - adapters) as u64);
+        assert_eq!(activation_bytes(&frozen(true)), 4 * head as u64);
+    }
+
+    /// ZeRO-3 on the CPU by hand (the model above, B 2 x T 16): the LM head's phase keeps the
+    /// logits, the transposed dwte^T (W) and L + 5 (N, C); a recomputed block L + 15, 27 more
+    /// with LoRA. No gradient is held apart from the unit's, so nothing is taken off.
+    #[test]
+    fn the_fused_cpu_estimate_by_hand_sharded() {
+        let (nc, nv, w) = (32 * 32, 32 * 500, 500 * 32);
+        let sharded =
+            |lm_head, lora| ActivationShape { sharded: true, lm_head, lora, ..three_block_cpu_shape(500, 2, 16, true) };
+        let (head, block) = (nv + w + 8 * nc, 18 * nc);
+        assert_eq!((head, block), (40_192, 18_432));
+        assert_eq!(activation_bytes(&sharded(true, false)), 4 * head as u64);
+        // A score head: the recomputed block is the peak, with LoRA's 27 (N, C) too.
+        assert_eq!(activation_bytes(&sharded(false, false)), 4 * block as u64);
+        assert_eq!(activation_bytes(&sharded(false, true)), 4 * (block + 27 * nc) as u64);
+        assert_eq!(activation_bytes(&sharded(false, true)), 184_320);
+        // A frozen trunk forms no dwte^T for a gradient (V 5000: the head's phase the peak).
+        let shape = three_block_cpu_shape(5000, 2, 16, true);
+        let frozen = ActivationShape {
+            parameters: shape.parameters + 3000,
+            trainable: 3000,
+            lora: true,
+            sharded: true,
+            ..shape
+        };
+        assert_eq!(activation_bytes(&frozen), 4 * (32 * 5000 + 8 * nc) as u64);
+    }
+
+    /// The composed kernels' graph count by hand in bf16 (the model above, B 4 x T 8, N 32):
+    /// per block 30 (N, C) and 5 (B, NH, T, T), the head's 4 (N, V) and 6 (N, C); with
+    /// checkpointing one block's and the L blocks' inputs.
+    #[test]
+    fn the_composed_estimate_by_hand() {
+        let composed = |checkpoint| ActivationShape {
+            kernels: Kernels::Composed,
+            dtype_bytes: 2,
+            ..three_block_cpu_shape(500, 4, 8, checkpoint)
+        };
+        let (nc, nv, scores) = (32 * 32, 32 * 500, 4 * 2 * 8 * 8);
+        let (block, head) = (30 * nc + 5 * scores, 4 * nv + 6 * nc);
+        assert_eq!((block, head), (33_280, 70_144));
+        assert_eq!(activation_bytes(&composed(false)), 2 * (3 * block + head) as u64);
+        assert_eq!(activation_bytes(&composed(true)), 2 * (3 * nc + block + head) as u64);
+        assert_eq!(activation_bytes(&composed(true)), 212_992);
+    }
+
     /// What a forward keeps on the CPU by hand: tiny's 4 layers of C 128 over 10 rows, 20 (N, C)
     /// a block and 6 beside, 27 more a block with LoRA adapters.
     #[test]
