@@ -125,3 +125,45 @@ pub fn position_ids(mask: &[u32], b: usize, t: usize) -> Vec<u32> {
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::Rng;
+
+    /// Left padding by hand: pads first, the mask 0 on them, positions counting the real tokens
+    /// before each (pads at 0), each row keyed by its index.
+    #[test]
+    fn left_padding_and_position_ids_by_hand() {
+        let batch = LeftPadded::new(&[vec![5, 6, 7], vec![8], vec![1, 2, 3, 4]], 4, 0);
+        assert_eq!(batch.ids, [0, 5, 6, 7, 0, 0, 0, 8, 1, 2, 3, 4]);
+        assert_eq!(batch.mask, [0, 1, 1, 1, 0, 0, 0, 1, 1, 1, 1, 1]);
+        assert_eq!(batch.position_ids(), [0, 0, 1, 2, 0, 0, 0, 0, 0, 1, 2, 3]);
+        assert_eq!((batch.b, batch.p, batch.keys), (3, 4, vec![0, 1, 2]));
+        // A mask with a gap (a decoding step's appended 1s after a padded prompt) counts on.
+        assert_eq!(position_ids(&[0, 1, 0, 1, 1], 1, 5), [0, 0, 0, 1, 2]);
+    }
+
+    /// Greedy unless a temperature above 0 is given; then the sampler gets the settings as they
+    /// are.
+    #[test]
+    fn sampling_settings_greedy_unless_a_temperature_above_zero() {
+        let greedy = SamplingConfig::greedy(4, Some(2), 0, 50);
+        assert_eq!(greedy.sampling_params(), None);
+        for temperature in [Some(0.0), Some(-1.0)] {
+            assert_eq!(SamplingConfig { temperature, ..greedy.clone() }.sampling_params(), None, "{temperature:?}");
+        }
+        let sampled = SamplingConfig { temperature: Some(0.7), top_k: Some(5), top_p: Some(0.9), ..greedy };
+        let want = ops::SamplingParams { vocab_limit: 50, temperature: 0.7, top_k: Some(5), top_p: Some(0.9) };
+        assert_eq!(sampled.sampling_params(), Some(want));
+    }
+
+    /// Key 0 is the seed's own stream; other keys and seeds are other streams.
+    #[test]
+    fn a_rows_stream_is_its_seeds_stream_of_its_key() {
+        let draws = |mut rng: ChaCha8Rng| (0..4).map(|_| rng.random::<u64>()).collect::<Vec<_>>();
+        assert_eq!(draws(row_rng(7, 0)), draws(ChaCha8Rng::seed_from_u64(7)));
+        assert_ne!(draws(row_rng(7, 1)), draws(row_rng(7, 0)));
+        assert_ne!(draws(row_rng(8, 1)), draws(row_rng(7, 1)));
+    }
+}

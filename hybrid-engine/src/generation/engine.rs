@@ -168,8 +168,21 @@ mod tests {
         let observed = generate_observed(&model, &prompts, &sampling, &mut cache, &dev, &mut || ticks += 1)?;
         assert_eq!(observed, a);
         assert_eq!(ticks, a.tokens.iter().map(Vec::len).max().unwrap_or(0), "one tick a decoding step");
-        // Generation mode turns dropout off whatever the training config says.
-        assert_eq!(model.cfg.attn_pdrop, 0.0);
+        // Generation mode turns dropout off whatever the training config says (tiny's is 0.1),
+        // laid out for tensor parallelism too (here one rank, generating what the whole model
+        // generates).
+        assert_eq!((cfg.resid_pdrop, cfg.embd_pdrop, cfg.attn_pdrop), (0.1, 0.1, 0.1));
+        let tp = Arc::new(ProcessGroup::single());
+        let split = kept.model_tensor_parallel(&params, &cfg, &tp)?;
+        let mut slices = ParamStore::default();
+        for (name, v) in params.iter() {
+            slices.push(name, &shard(v, split_of(name), 0, 1)?)?;
+        }
+        let sliced = kept.model_of_slices(&slices, &cfg, &tp)?;
+        for m in [&model, &split, &sliced] {
+            assert_eq!((m.cfg.resid_pdrop, m.cfg.embd_pdrop, m.cfg.attn_pdrop), (0.0, 0.0, 0.0));
+            assert_eq!(kept.generate(m, &prompts, &sampling, &dev)?, a);
+        }
         // And reads the training weights unchanged when there is nothing to fuse.
         let training = params.model(&cfg)?;
         let ids = Tensor::new(&[[1u32, 2, 3]], &dev)?;

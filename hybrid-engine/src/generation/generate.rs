@@ -217,6 +217,59 @@ mod tests {
         Ok(())
     }
 
+    /// `generate` left-pads prompts of any lengths itself: each row's greedy answer is, token by
+    /// token, the argmax of a full forward without cache over its prompt and answer so far, and it
+    /// ends at (and with) EOS. An empty batch gives nothing; an empty prompt, a prompt that fills
+    /// the context, and a cache too small for the rollout are refused; answers stop at the
+    /// context's end.
+    #[test]
+    fn generate_pads_and_decodes_what_full_forwards_pick() -> Result<()> {
+        use candle_core::IndexOp;
+        let dev = Device::Cpu;
+        let cfg = crate::Gpt2Config {
+            n_layer: 2,
+            n_embd: 16,
+            n_head: 2,
+            n_positions: 12,
+            vocab_size: 64,
+            ..crate::Gpt2Config::tiny()
+        };
+        let model = crate::ParamStore::init(&cfg, 5, &dev)?.model(&cfg)?;
+        let sampling = SamplingConfig::greedy(5, None, 0, 64);
+        let prompts = [vec![3, 4, 5], vec![9], vec![7, 8, 1, 2]];
+        let answers = generate(&model, &prompts, &sampling, &dev)?;
+        for (prompt, answer) in prompts.iter().zip(&answers) {
+            assert_eq!(answer.len(), 5);
+            let mut ids = prompt.clone();
+            for &token in answer {
+                let x = Tensor::new(ids.as_slice(), &dev)?.unsqueeze(0)?;
+                let logits = model.forward(&x, &Positions::default(), None, None)?.i((0, ids.len() - 1))?;
+                assert_eq!(token as usize, crate::kernels::rowops::argmax(&logits.to_vec1::<f32>()?), "{ids:?}");
+                ids.push(token);
+            }
+        }
+        let eos = answers[0][1];
+        let stopped =
+            generate(&model, &prompts, &SamplingConfig { eos_token_id: Some(eos), ..sampling.clone() }, &dev)?;
+        for (answer, stopped) in answers.iter().zip(&stopped) {
+            let end = answer.iter().position(|&t| t == eos).map_or(answer.len(), |i| i + 1);
+            assert_eq!(stopped, &answer[..end]);
+        }
+        assert!(stopped[0].len() <= 2, "EOS, its second token, ends row 0");
+        assert!(generate(&model, &[], &sampling, &dev)?.is_empty());
+        let refused = generate(&model, &[vec![1], vec![]], &sampling, &dev).unwrap_err().to_string();
+        assert_eq!(refused, "cannot generate from an empty prompt");
+        let full = generate(&model, &[vec![1; 12]], &sampling, &dev).unwrap_err().to_string();
+        assert!(full.contains("prompt of 12 tokens leaves no room"), "{full}");
+        assert_eq!(generate(&model, &[vec![3; 9]], &sampling, &dev)?[0].len(), 3, "the context ends at 12");
+        let batch = LeftPadded::new(&prompts, 4, 0);
+        let small = generate_with_cache(&model, &batch, &sampling, &mut Gpt2Cache::new(&cfg, 8), &dev);
+        assert_eq!(small.unwrap_err().to_string(), "the KV cache holds 8 positions but this rollout needs 9");
+        let fits = generate_with_cache(&model, &batch, &sampling, &mut Gpt2Cache::new(&cfg, 9), &dev)?;
+        assert_eq!(fits.tokens, answers);
+        Ok(())
+    }
+
     /// A sampled row depends on its prompt and its key only: generated among other rows, alone or
     /// in another order, it is the same answer; the same prompt under another key is another.
     #[test]
@@ -258,6 +311,24 @@ mod tests {
             let same = (0..300).filter(|_| sample_token(&logits, &cfg, &mut a) == sample_token(&nudged, &cfg, &mut b));
             assert_eq!(same.count(), 300, "top-k {top_k:?}");
         }
+    }
+
+    /// Each position's logits score the next id, by hand: log-softmax of (0, ln 3, 0) is
+    /// (ln 1/5, ln 3/5, ln 1/5), of (ln 2, 0, ln 2) is (ln 2/5, ln 1/5, ln 2/5); the last
+    /// position scores nothing.
+    #[test]
+    fn gather_log_probs_by_hand() -> Result<()> {
+        let (l2, l3) = (2f32.ln(), 3f32.ln());
+        let row = [[0.0, l3, 0.0], [l2, 0.0, l2], [9.0, 9.0, 9.0]];
+        let logits = Tensor::new(&[row, row], &Device::Cpu)?;
+        let ids = Tensor::new(&[[0u32, 1, 2], [2, 0, 1]], &Device::Cpu)?;
+        let got = gather_log_probs(&logits, &ids)?.to_vec2::<f32>()?;
+        let want = [[0.6f32.ln(), 0.4f32.ln()], [0.2f32.ln(), 0.2f32.ln()]];
+        for (got, want) in got.iter().flatten().zip(want.iter().flatten()) {
+            assert!((got - want).abs() < 1e-6, "{got} vs {want}");
+        }
+        assert_eq!(got[0].len(), 2);
+        Ok(())
     }
 
     #[test]

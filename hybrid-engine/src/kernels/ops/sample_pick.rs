@@ -274,6 +274,69 @@ pub(crate) mod tests {
         assert_eq!(sample_with_draw(&logits, &p, 0.3), 2);
         assert_eq!(sample_with_draw(&logits, &p, 0.34), 3);
     }
+
+    /// The temperature divides the logits before the weights: ids with logits 0 and ln 4 weigh
+    /// 1 and 4 at temperature 1 (id 0's share 1/5), 1 and 2 at 2 (1/3), 1 and 16 at 0.5 (1/17).
+    /// Logits of 400 (whose exponentials overflow f64) weigh as their differences from the
+    /// maximum. A top-k of 0, like None, keeps every id.
+    #[test]
+    fn temperature_scales_the_logits_and_large_logits_stay_finite() {
+        let p = |temperature, top_k| SamplingParams { vocab_limit: 2, temperature, top_k, top_p: None };
+        let logits = [0.0, 4f32.ln()];
+        let edges = [(1.0, 0.19, 0), (1.0, 0.21, 1), (2.0, 0.32, 0), (2.0, 0.34, 1), (0.5, 0.058, 0), (0.5, 0.06, 1)];
+        for (temperature, u, want) in edges {
+            assert_eq!(sample_with_draw(&logits, &p(temperature, None), u), want, "t {temperature} u {u}");
+        }
+        let large = [400.0, 400.0 + 3f32.ln()];
+        assert_eq!(sample_with_draw(&large, &p(1.0, None), 0.24), 0);
+        assert_eq!(sample_with_draw(&large, &p(1.0, None), 0.26), 1);
+        let weights: Vec<f32> = [1f32, 2.0, 4.0, 8.0].iter().map(|w| w.ln()).collect();
+        let all = SamplingParams { vocab_limit: 4, temperature: 1.0, top_k: Some(0), top_p: None };
+        assert_eq!(sample_with_draw(&weights, &all, 0.05), 0, "id 0's share, 1/15");
+        assert_eq!(sample_with_draw(&weights, &all, 0.15), 1, "id 1's, from 1/15 to 3/15");
+    }
+
+    /// Boundaries: each id's share of the draw is half-open, [start, end), so a draw on a
+    /// boundary picks the id above it; top-p keeps ids while the share before them is below p,
+    /// so of two equal ids top-p 0.5 keeps the first alone (transformers drops the ids whose
+    /// cumulative share, ascending, is at most 1 - p).
+    #[test]
+    fn a_draw_on_a_boundary_and_a_share_equal_to_top_p() {
+        let p = SamplingParams { vocab_limit: 2, temperature: 1.0, top_k: None, top_p: None };
+        let equal = [0.0f32, 0.0];
+        assert_eq!([0.0, 0.4999, 0.5].map(|u| sample_with_draw(&equal, &p, u)), [0, 0, 1]);
+        let half = SamplingParams { top_p: Some(0.5), ..p };
+        assert_eq!(sample_with_draw(&equal, &half, 0.9), 0);
+    }
+
+    /// The op refuses draws that are not one f64 a row, a temperature that is not above 0 and an
+    /// empty vocabulary, each in one line; a vocabulary limit of 0 is taken as 1 (id 0 alone).
+    #[test]
+    fn sampling_refuses_bad_draws_temperatures_and_vocabularies() -> Result<()> {
+        let logits = Tensor::new(&[[0f32, 1.0, 2.0], [2.0, 1.0, 0.0]], &Device::Cpu)?;
+        let p = SamplingParams { vocab_limit: 3, temperature: 1.0, top_k: None, top_p: None };
+        let refused = |logits: &Tensor, draws: Tensor, p: &SamplingParams| {
+            sample_pick_in_place(logits, &draws, p).unwrap_err().to_string()
+        };
+        let short = refused(&logits, Tensor::new(&[0.5f64], &Device::Cpu)?, &p);
+        assert!(short.starts_with("sampling 2 rows with draws [1] F64: one f64 a row"), "{short}");
+        let f32_draws = refused(&logits, Tensor::new(&[0.5f32, 0.5], &Device::Cpu)?, &p);
+        assert!(f32_draws.starts_with("sampling 2 rows with draws [2] F32: one f64 a row"), "{f32_draws}");
+        for temperature in [0.0, -1.0, f64::NAN] {
+            let cold =
+                refused(&logits, Tensor::new(&[0.5f64, 0.5], &Device::Cpu)?, &SamplingParams { temperature, ..p });
+            assert!(cold.starts_with(&format!("sampling at temperature {temperature}: it must be above 0")), "{cold}");
+        }
+        let empty = refused(
+            &Tensor::zeros((2, 0), candle_core::DType::F32, &Device::Cpu)?,
+            Tensor::new(&[0.5f64, 0.5], &Device::Cpu)?,
+            &p,
+        );
+        assert!(empty.starts_with("sampling over a vocabulary of 0 ids"), "{empty}");
+        let (tokens, _) = sample_pick(&logits, &[0.9, 0.9], &SamplingParams { vocab_limit: 0, ..p })?;
+        assert_eq!(tokens, [0, 0]);
+        Ok(())
+    }
 }
 
 /// On a GPU against the CPU (the CUDA build's unit tests); without one it passes after saying
