@@ -140,7 +140,7 @@ mod tests {
         assert_eq!(batch.mask, [0, 1, 1, 1, 0, 0, 0, 1, 1, 1, 1, 1]);
         assert_eq!(batch.position_ids(), [0, 0, 1, 2, 0, 0, 0, 0, 0, 1, 2, 3]);
         assert_eq!((batch.b, batch.p, batch.keys), (3, 4, vec![0, 1, 2]));
-        // A mask with a gap (a decoding step's appended 1s after a padded prompt) counts on.
+        // A 0 inside a row (not left padding's layout, but the rule is the same) takes no position.
         assert_eq!(position_ids(&[0, 1, 0, 1, 1], 1, 5), [0, 0, 0, 1, 2]);
     }
 
