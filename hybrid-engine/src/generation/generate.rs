@@ -188,6 +188,13 @@ mod tests {
         }
     }
 
+    /// A random GPT-2 of `n_layer` blocks of C 16 in 2 heads, 64 ids and `n_positions`.
+    fn small_random_model(n_layer: usize, n_positions: usize) -> Result<Gpt2> {
+        let base = crate::Gpt2Config::tiny();
+        let cfg = crate::Gpt2Config { n_layer, n_embd: 16, n_head: 2, n_positions, vocab_size: 64, ..base };
+        crate::ParamStore::init(&cfg, 5, &Device::Cpu)?.model(&cfg)
+    }
+
     /// The decoding kernels (`decode.rs`: linears of up to 8 rows, the LM head's tiles and its
     /// transposed gemm, attention over the cache in place) against the composed candle ops on a
     /// random tiny GPT-2, for left-padded batches of 1, 3 and 12 rows: the same greedy tokens and
@@ -226,15 +233,8 @@ mod tests {
     fn generate_pads_and_decodes_what_full_forwards_pick() -> Result<()> {
         use candle_core::IndexOp;
         let dev = Device::Cpu;
-        let cfg = crate::Gpt2Config {
-            n_layer: 2,
-            n_embd: 16,
-            n_head: 2,
-            n_positions: 12,
-            vocab_size: 64,
-            ..crate::Gpt2Config::tiny()
-        };
-        let model = crate::ParamStore::init(&cfg, 5, &dev)?.model(&cfg)?;
+        let model = small_random_model(2, 12)?;
+        let cfg = model.cfg.clone();
         let sampling = SamplingConfig::greedy(5, None, 0, 64);
         let prompts = [vec![3, 4, 5], vec![9], vec![7, 8, 1, 2]];
         let answers = generate(&model, &prompts, &sampling, &dev)?;
@@ -275,15 +275,7 @@ mod tests {
     #[test]
     fn a_sampled_row_depends_on_its_key_not_on_its_batch_mates() -> Result<()> {
         let dev = Device::Cpu;
-        let cfg = crate::Gpt2Config {
-            n_layer: 1,
-            n_embd: 16,
-            n_head: 2,
-            n_positions: 32,
-            vocab_size: 64,
-            ..crate::Gpt2Config::tiny()
-        };
-        let model = crate::ParamStore::init(&cfg, 5, &dev)?.model(&cfg)?;
+        let model = small_random_model(1, 32)?;
         let sampling = SamplingConfig { temperature: Some(1.0), seed: 11, ..SamplingConfig::greedy(8, None, 0, 64) };
         let prompts = [vec![3, 4, 5], vec![9], vec![7, 8], vec![1, 2, 3, 4]];
         let all = generate_left_padded(&model, &LeftPadded::new(&prompts, 6, 0), &sampling, &dev)?;
