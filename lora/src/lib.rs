@@ -197,6 +197,31 @@ mod tests {
         assert!(err(LoraConfig { alpha: Some(-1.0), ..Default::default() }).contains("--lora-alpha"));
         assert!(err(LoraConfig { module_name: String::new(), ..Default::default() }).contains("--lora-module-name"));
         assert!(LoraConfig::default().validate().is_ok());
+        for alpha in [0.0, -0.0, f64::NAN, f64::INFINITY, f64::NEG_INFINITY] {
+            let e = err(LoraConfig { alpha: Some(alpha), ..Default::default() });
+            assert!(e.contains("--lora-alpha must be a positive number"), "{alpha}: {e}");
+        }
+        for alpha in [f64::MIN_POSITIVE, 0.5, 2.0, 16.0] {
+            assert!(LoraConfig { alpha: Some(alpha), ..Default::default() }.validate().is_ok(), "{alpha}");
+        }
+    }
+
+    #[test]
+    fn adapter_names_are_pefts_and_only_they_count_as_adapters() {
+        let (a, b) = Adapter::param_names("h.3.mlp.c_fc");
+        assert_eq!((a.as_str(), b.as_str()), ("h.3.mlp.c_fc.lora_A.weight", "h.3.mlp.c_fc.lora_B.weight"));
+        assert!(is_adapter_name(&a) && is_adapter_name(&b));
+        for trunk in ["h.3.mlp.c_fc.weight", "h.3.mlp.c_fc.bias", "score.weight", "lora_A.weight", "h.0.lora_A.bias"] {
+            assert!(!is_adapter_name(trunk), "{trunk} is not an adapter tensor");
+        }
+    }
+
+    #[test]
+    fn fnv1a64_matches_the_published_test_vectors() {
+        // Fowler, Noll, Vo's FNV-1a 64-bit test vectors.
+        assert_eq!(fnv1a64(b""), 0xcbf2_9ce4_8422_2325);
+        assert_eq!(fnv1a64(b"a"), 0xaf63_dc4c_8601_ec8c);
+        assert_eq!(fnv1a64(b"foobar"), 0x8594_4171_f739_67e8);
     }
 
     #[test]
@@ -215,6 +240,25 @@ mod tests {
         assert_eq!(max_abs(&(ad.a.clone() - again.a)?), 0.0, "same seed, same A");
         let other = init_adapter("h.1.mlp.c_fc", 64, 256, 8, 3, &d)?;
         assert!(max_abs(&(ad.a - other.a)?) > 0.0, "another module draws another A");
+        Ok(())
+    }
+
+    #[test]
+    fn every_seed_draws_another_a_for_every_module() -> Result<()> {
+        // The seed is mixed with each module's hash, losing none of its bits: across gpt2's 48
+        // linears, seeds 0..32 give 32 different A each (the first values are enough to tell).
+        let d = Device::Cpu;
+        for block in 0..12 {
+            for linear in ["attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"] {
+                let module = format!("h.{block}.{linear}");
+                let mut firsts = std::collections::BTreeSet::new();
+                for seed in 0..32 {
+                    let a: Vec<f32> = init_adapter(&module, 4, 4, 1, seed, &d)?.a.flatten_all()?.to_vec1()?;
+                    firsts.insert(a.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+                }
+                assert_eq!(firsts.len(), 32, "{module}: two seeds drew the same A");
+            }
+        }
         Ok(())
     }
 

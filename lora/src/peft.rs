@@ -304,4 +304,71 @@ mod tests {
         assert!(err(&path).contains("not valid JSON"));
         Ok(())
     }
+
+    #[test]
+    fn the_rank_and_alpha_must_be_positive_and_alpha_defaults_to_pefts_8() -> Result<()> {
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("adapter");
+        save_peft_adapter(&path, &sample()?)?;
+        let config = path.join(ADAPTER_CONFIG);
+        let original = std::fs::read_to_string(&config)?;
+        assert!(original.contains("\"r\": 2,") && original.contains("\"lora_alpha\": 4.0,"), "{original}");
+        let load = |from: &str, to: &str| -> Result<PeftAdapter> {
+            std::fs::write(&config, original.replace(from, to))?;
+            load_peft_adapter(&path, &Device::Cpu)
+        };
+        for r in ["0", "-2", "2.5", "\"2\""] {
+            let e = format!("{:#}", load("\"r\": 2,", &format!("\"r\": {r},")).unwrap_err());
+            assert!(e.contains("lacks a positive integer `r`"), "r {r}: {e}");
+        }
+        for alpha in ["0.0", "-4.0", "\"4\"", "null"] {
+            let e = format!("{:#}", load("\"lora_alpha\": 4.0,", &format!("\"lora_alpha\": {alpha},")).unwrap_err());
+            assert!(e.contains("invalid lora_alpha"), "lora_alpha {alpha}: {e}");
+        }
+        let tiny = load("\"lora_alpha\": 4.0,", "\"lora_alpha\": 1e-300,")?;
+        assert_eq!((tiny.rank, tiny.lora_alpha), (2, 1e-300));
+        let absent = load("\"lora_alpha\": 4.0,", "")?;
+        assert_eq!((absent.lora_alpha, absent.scaling()), (8.0, 4.0), "PEFT's LoraConfig default lora_alpha is 8");
+        Ok(())
+    }
+
+    #[test]
+    fn weights_that_are_not_a_whole_lora_adapter_are_clear_errors() -> Result<()> {
+        let d = Device::Cpu;
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("adapter");
+        save_peft_adapter(&path, &sample()?)?;
+        let name = |module: &str, suffix: &str| format!("{PREFIX}{TRUNK}{module}.{suffix}");
+        let zeros = |shape: (usize, usize)| Tensor::zeros(shape, DType::F32, &d);
+        let one =
+            |suffix: &str, shape| Ok::<_, candle_core::Error>(vec![(name("h.0.attn.c_proj", suffix), zeros(shape)?)]);
+        let pair = |a, b| Ok::<_, candle_core::Error>([one(LORA_A, a)?, one(LORA_B, b)?].concat());
+        let only_one = "only one of h.0.attn.c_proj's lora_A and lora_B";
+        let shapes = "do not have the shapes (r, in) and (out, r) with r = 2";
+        // Each case rewrites the weights beside a valid config (r 2) and names what must be said.
+        let cases: Vec<(Vec<(String, Tensor)>, &str)> = vec![
+            (one(LORA_A, (2, 8))?, only_one),
+            (one(LORA_B, (8, 2))?, only_one),
+            // Only one factor's rank is wrong: both must have the adapter's rank.
+            (pair((2, 8), (8, 3))?, shapes),
+            (pair((3, 8), (8, 2))?, shapes),
+            (vec![("transformer.h.0.attn.c_proj.weight".into(), zeros((8, 8))?)], "not a PEFT adapter tensor"),
+            (vec![(name("wte", "lora_embedding_A"), zeros((2, 8))?)], "only lora_A/lora_B pairs on linear layers"),
+            (vec![(format!("{PREFIX}score.weight"), zeros((1, 8))?)], "holds no lora_A/lora_B tensors"),
+        ];
+        for (tensors, want) in cases {
+            safetensors::serialize_to_file(tensors, None, &path.join(ADAPTER_WEIGHTS))?;
+            let e = format!("{:#}", load_peft_adapter(&path, &d).unwrap_err());
+            assert!(e.contains(want), "want {want:?}: {e}");
+        }
+        // PEFT on a bare GPT2Model names its blocks without `transformer.`: they read the same.
+        let bare = vec![
+            (format!("{PREFIX}h.0.attn.c_proj.{LORA_A}"), zeros((2, 8))?),
+            (format!("{PREFIX}h.0.attn.c_proj.{LORA_B}"), zeros((8, 2))?),
+        ];
+        safetensors::serialize_to_file(bare, None, &path.join(ADAPTER_WEIGHTS))?;
+        let read = load_peft_adapter(&path, &d)?;
+        assert_eq!(read.adapters.iter().map(|a| a.module.as_str()).collect::<Vec<_>>(), ["h.0.attn.c_proj"]);
+        Ok(())
+    }
 }
