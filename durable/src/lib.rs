@@ -458,9 +458,25 @@ mod tests {
         std::fs::create_dir(root.path().join(format!(".tmp-model-{}", std::process::id())))?;
         std::fs::create_dir(root.path().join(".tmp-model-1"))?;
         std::fs::create_dir(root.path().join(".tmp-model-x"))?;
+        // A user's hidden files that only look like ours: another kind, or no name before the pid.
+        std::fs::create_dir(root.path().join(format!(".bak-model-{dead}")))?;
+        std::fs::write(root.path().join(format!(".tmp--{dead}")), "mine")?;
         recover_leftovers(&dir)?;
         assert_eq!(std::fs::read_to_string(dir.join("weights"))?, "old", "the old directory is restored");
-        assert_eq!(names(root.path()), [".tmp-model-1", ".tmp-model-x", "model"]);
+        let kept =
+            [format!(".bak-model-{dead}"), format!(".tmp--{dead}"), ".tmp-model-1".into(), ".tmp-model-x".into()];
+        assert_eq!(names(root.path()), [&kept[..], &["model".to_string()]].concat());
+        Ok(())
+    }
+
+    #[test]
+    fn a_path_that_cannot_be_synced_is_an_error() -> Result<()> {
+        let root = tempfile::tempdir()?;
+        let missing = root.path().join("missing");
+        let e = format!("{:#}", sync_path(&missing).unwrap_err());
+        assert!(e.contains("cannot flush") && e.contains("missing"), "{e}");
+        let e = format!("{:#}", sync_tree(&missing).unwrap_err());
+        assert!(e.contains("cannot list") && e.contains("missing"), "{e}");
         Ok(())
     }
 }
