@@ -560,6 +560,13 @@ mod tests {
         let cut = sft_samples(&rows[..1], &tok, p.len() + 1, false, &mut counts)?;
         assert_eq!(cut[0].ids, want[..p.len() + 1]);
         assert_eq!((counts.kept, counts.truncated), (1, 1));
+        // An exact fit keeps its EOS and is not truncated; one token less cuts the EOS.
+        let mut counts = RowCounts::default();
+        assert_eq!(sft_samples(&rows[..1], &tok, want.len(), false, &mut counts)?[0].ids, want);
+        assert_eq!((counts.kept, counts.truncated), (1, 0));
+        let mut counts = RowCounts::default();
+        assert_eq!(sft_samples(&rows[..1], &tok, want.len() - 1, false, &mut counts)?[0].ids, want[..want.len() - 1]);
+        assert_eq!((counts.kept, counts.truncated), (1, 1));
         // The prompt fills the whole length: nothing to learn unless the prompt is trained on.
         let mut counts = RowCounts::default();
         assert!(sft_samples(&rows[..1], &tok, p.len(), false, &mut counts)?.is_empty());
@@ -580,12 +587,40 @@ mod tests {
         assert_eq!(*pairs[0].chosen.last().unwrap(), tok.eos_id());
         assert_eq!(*pairs[0].rejected.last().unwrap(), tok.eos_id());
 
-        let rows = [row(Some("short"), None, None), row(Some("a much longer prompt than that"), None, None)];
+        // A pair counts as truncated when either answer is cut: only the rejected (row 0), only
+        // the chosen (row 1), neither (row 2, the shorter pair).
+        let rows = [
+            row(Some("Q:"), Some(" yes"), Some(" no, not at all")),
+            row(Some("Q:"), Some(" no, not at all"), Some(" yes")),
+            row(Some("Q:"), Some(" ok"), Some(" no")),
+        ];
+        let fit = tok.encode("Q: yes")?.len() + 1;
+        assert!(tok.encode("Q: no, not at all")?.len() + 1 > fit);
         let mut counts = RowCounts::default();
-        let prompts = prompt_samples(&rows, &tok, 3, &mut counts)?;
+        let pairs = pair_samples(&rows, &tok, fit, &mut counts)?;
+        assert_eq!(counts, RowCounts { kept: 3, truncated: 2, ..Default::default() });
+        let mut whole = tok.encode("Q: yes")?;
+        whole.push(tok.eos_id());
+        assert_eq!(pairs[0].chosen, whole, "an exact fit keeps its EOS");
+        assert_eq!(pairs[0].rejected, tok.encode("Q: no, not at all")?[..fit], "the cut answer loses its EOS");
+
+        // A prompt of exactly --max-prompt-seq-len tokens is kept, one token more is too long.
+        let rows = [row(Some("short"), None, None), row(Some("a much longer prompt than that"), None, None)];
+        let short = tok.encode("short")?.len();
+        let mut counts = RowCounts::default();
+        let prompts = prompt_samples(&rows, &tok, short, &mut counts)?;
         assert_eq!(prompts, [PromptSample { ids: tok.encode("short")? }]);
         assert_eq!((counts.kept, counts.too_long), (1, 1));
+        let mut counts = RowCounts::default();
+        assert!(prompt_samples(&rows[..1], &tok, short - 1, &mut counts)?.is_empty());
+        assert_eq!((counts.kept, counts.too_long), (0, 1));
         Ok(())
+    }
+
+    #[test]
+    fn row_counts_describe_the_skips_and_their_sum() {
+        let counts = RowCounts { kept: 7, missing_field: 2, empty_text: 3, too_long: 4, truncated: 1 };
+        assert_eq!(counts.describe(), "skipped 9 (missing field 2, empty text 3, too long 4), truncated 1");
     }
 
     fn write_jsonl(path: &std::path::Path, n: usize, answer: &str) -> Result<()> {
@@ -721,6 +756,46 @@ mod tests {
     }
 
     #[test]
+    fn one_source_keeps_its_split_order_and_several_are_shuffled_together() -> Result<()> {
+        let dir = tempfile::tempdir()?;
+        let (a, b) = (dir.path().join("a.jsonl"), dir.path().join("b.jsonl"));
+        write_jsonl(&a, 100, " yes")?;
+        write_jsonl(&b, 50, " sure")?;
+        let cfg = config(&[&a], &dir.path().join("cache"), 16);
+        // One source: phase 1's rows of its train split, in the split's order.
+        let raw = load_source(&a.display().to_string(), &cfg.keys, cfg.seed)?;
+        let (train, _, _) = phase_rows(&cfg, Phase::Sft)?;
+        let want: Vec<_> = phase_indices(raw.train.len(), &cfg.data_split, 1, cfg.seed)
+            .into_iter()
+            .map(|i| raw.train[i].clone())
+            .collect();
+        assert_eq!(train, want);
+        // Two sources: the same rows as each alone, shuffled together (DS-Chat's blend).
+        let blended = phase_rows(&config(&[&a, &b], &dir.path().join("cache"), 16), Phase::Sft)?.0;
+        let alone_b = phase_rows(&config(&[&b], &dir.path().join("cache"), 16), Phase::Sft)?.0;
+        let prompts = |rows: &[PreferenceRow]| rows.iter().filter_map(|r| r.prompt.clone()).collect::<Vec<_>>();
+        let (mut got, concatenated) = (prompts(&blended), [prompts(&train), prompts(&alone_b)].concat());
+        assert_ne!(got, concatenated, "several sources are shuffled together");
+        got.sort();
+        let mut sorted = concatenated;
+        sorted.sort();
+        assert_eq!(got, sorted);
+
+        // No --data-path: refused, unless phase 1 has --sft-only-data-path.
+        let mut none = config(&[], &dir.path().join("cache"), 16);
+        for phase in [Phase::Sft, Phase::Reward, Phase::Ppo] {
+            let e = phase_rows(&none, phase).unwrap_err().to_string();
+            assert!(e.starts_with("no --data-path given"), "{e}");
+        }
+        none.sft_only_data_paths = vec![b.display().to_string()];
+        assert_eq!(phase_rows(&none, Phase::Sft)?.0.len(), 45);
+        for phase in [Phase::Reward, Phase::Ppo] {
+            assert!(phase_rows(&none, phase).is_err(), "SFT-only data feeds phase 1 only");
+        }
+        Ok(())
+    }
+
+    #[test]
     fn phases_get_their_shares_and_sources_blend() -> Result<()> {
         let dir = tempfile::tempdir()?;
         let (a, b) = (dir.path().join("a.jsonl"), dir.path().join("b.jsonl"));
@@ -729,23 +804,36 @@ mod tests {
         let tok = tok();
         let cache = dir.path().join("cache");
         let one = sft_data(&config(&[&a], &cache, 16), &tok)?;
+        let cache_file = one.cache.as_ref().map(|c| c.0.display().to_string()).unwrap_or_default();
+        let none_skipped = "skipped 0 (missing field 0, empty text 0, too long 0), truncated 0";
+        let want = format!("data phase 1 (SFT): 18 train / 2 eval rows from {}; {none_skipped}", a.display());
+        assert_eq!(one.summary, format!("{want}; cache written {cache_file}"));
         let both = sft_data(&config(&[&a, &b], &cache, 16), &tok)?;
         // a single file is split 9:1 into train/eval, then each phase takes its 2/10.
         assert_eq!(one.train.len(), 18);
         assert_eq!(both.train.len(), 18 + 9);
         let prompts = prompt_data(&config(&[&a], &cache, 16), &tok)?;
         assert_eq!(prompts.train.len(), 36);
+        assert!(
+            prompts.summary.starts_with("data phase 3 (PPO prompts): 36 train / 4 eval rows"),
+            "{}",
+            prompts.summary
+        );
 
         // SFT-only data goes wholly to phase 1 (its 9:1 train share: 45 rows) and nowhere else.
         let mut with_sft_only = config(&[&a], &cache, 16);
         with_sft_only.sft_only_data_paths = vec![b.display().to_string()];
         assert_eq!(sft_data(&with_sft_only, &tok)?.train.len(), 18 + 45);
-        assert_eq!(reward_data(&with_sft_only, &tok)?.train.len(), 36);
+        let reward = reward_data(&with_sft_only, &tok)?;
+        assert_eq!(reward.train.len(), 36);
+        let from_a = format!("data phase 2 (reward): 36 train / 4 eval rows from {}; ", a.display());
+        assert!(reward.summary.starts_with(&from_a), "{}", reward.summary);
 
         let mut nothing = config(&[&a], &cache, 16);
         nothing.data_split = [0.5, 0.5, 0.0];
         let err = prompt_data(&nothing, &tok).unwrap_err().to_string();
-        assert!(err.contains("--data-split") && err.contains("phase 3"), "{err}");
+        assert!(err.contains("--data-split gives phase 3 (PPO prompts) none of the 90 training rows"), "{err}");
+        assert!(err.contains("give phase 3 a positive weight"), "{err}");
         Ok(())
     }
 }

@@ -570,6 +570,71 @@ mod tests {
     }
 
     #[test]
+    fn data_files_are_listed_four_levels_deep_without_hidden_or_metadata_files() -> Result<()> {
+        let dir = tempfile::tempdir()?;
+        let files = [
+            "a.jsonl",
+            "b.JSON",
+            ".hidden.jsonl",
+            "dataset_info.json",
+            "dataset_dict.json",
+            "state.json",
+            "notes.txt",
+            ".cache/c.jsonl",
+            "train/d.parquet",
+            "train/dataset_infos.json",
+            "1/2/3/4/deep.json",
+            "1/2/3/4/5/too_deep.json",
+        ];
+        for f in files {
+            let path = dir.path().join(f);
+            std::fs::create_dir_all(path.parent().expect("a parent"))?;
+            std::fs::write(path, "[]")?;
+        }
+        let mut listed = Vec::new();
+        list_data_files(dir.path(), "", 0, &mut listed);
+        assert_eq!(listed, ["1/2/3/4/deep.json", "a.jsonl", "b.JSON", "train/d.parquet"]);
+        Ok(())
+    }
+
+    #[test]
+    fn the_9_to_1_shuffle_draws_every_order_about_equally_often() {
+        // Three rows all go to train (round(2.7) = 3), in the shuffle's order: over 600 seeds each
+        // of the 6 orders should come about 100 times (a standard deviation of about 9).
+        let rows: Vec<PreferenceRow> = (0..3).map(|i| row(&format!("p{i}"), " c", " r")).collect();
+        let mut counts: std::collections::BTreeMap<Vec<String>, usize> = Default::default();
+        for seed in 0..600 {
+            let (train, eval) = split_nine_to_one(rows.clone(), seed);
+            assert!(eval.is_empty());
+            *counts.entry(train.into_iter().filter_map(|r| r.prompt).collect()).or_default() += 1;
+        }
+        assert_eq!(counts.len(), 6, "{counts:?}");
+        assert!(counts.values().all(|&n| (60..=140).contains(&n)), "{counts:?}");
+    }
+
+    #[test]
+    fn fingerprints_are_fnv1a_128_over_the_version_and_each_part() {
+        // Computed by a separate implementation of FNV-1a 128 (offset basis and prime from the
+        // FNV specification) over "raw-sources-v1", then each part, each followed by 0xff. They
+        // name the users' cache files: changing them must come with a new FINGERPRINT_VERSION.
+        assert_eq!(fingerprint(&[]), "c501cf5e32ad08113052f9244fa4cbf9");
+        let parts = ["local:a.jsonl".to_string(), "split 9:1 seed 1".to_string()];
+        assert_eq!(fingerprint(&parts), "fc7b9f8735a2f29b40bdc297c7be8907");
+    }
+
+    #[test]
+    fn a_parquet_value_that_is_not_text_names_its_row() -> Result<()> {
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("scores.parquet");
+        write_webgpt_parquet(&path, &[("Q", " a", " b", 1.0, 0.0), ("R", " c", " d", 0.0, 1.0)])?;
+        let numbers_as_prompts =
+            ColumnKeys { prompt: "score_0".into(), chosen: "answer_0".into(), rejected: "answer_1".into() };
+        let e = format!("{:#}", load(&path, &numbers_as_prompts, 0).unwrap_err());
+        assert!(e.contains("scores.parquet row 1: ") && e.contains("--prompt-key"), "{e}");
+        Ok(())
+    }
+
+    #[test]
     fn single_file_splits_9_to_1_deterministically_by_seed() -> Result<()> {
         let dir = tempfile::tempdir()?;
         let path = dir.path().join("pairs.jsonl");

@@ -171,6 +171,18 @@ mod tests {
     use super::*;
 
     #[test]
+    fn only_the_eos_token_is_eos_and_debug_shows_the_sizes() -> Result<()> {
+        let tok = Tokenizer::gpt2_default()?;
+        assert!(tok.is_eos("<|endoftext|>"));
+        // "Hello" is token 15496; the others are not tokens of the vocabulary at all.
+        for not_eos in ["Hello", "", "</s>", "<|endoftext|> "] {
+            assert!(!tok.is_eos(not_eos), "{not_eos:?}");
+        }
+        assert_eq!(format!("{tok:?}"), "Tokenizer { vocab_size: 50257, eos_id: 50256 }");
+        Ok(())
+    }
+
+    #[test]
     fn gpt2_encodes_known_ids() -> Result<()> {
         let tok = Tokenizer::gpt2_default()?;
         assert_eq!(tok.encode("Hello world")?, vec![15496, 995]);
