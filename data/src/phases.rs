@@ -755,13 +755,19 @@ mod tests {
         Ok(())
     }
 
+    /// Two local sources in `dir`: `a.jsonl` of 100 rows and `b.jsonl` of 50.
+    fn two_sources(dir: &std::path::Path) -> Result<(std::path::PathBuf, std::path::PathBuf)> {
+        let (a, b) = (dir.join("a.jsonl"), dir.join("b.jsonl"));
+        write_jsonl(&a, 100, " yes")?;
+        write_jsonl(&b, 50, " sure")?;
+        Ok((a, b))
+    }
+
     #[test]
     fn one_source_keeps_its_split_order_and_several_are_shuffled_together() -> Result<()> {
         let dir = tempfile::tempdir()?;
-        let (a, b) = (dir.path().join("a.jsonl"), dir.path().join("b.jsonl"));
-        write_jsonl(&a, 100, " yes")?;
-        write_jsonl(&b, 50, " sure")?;
-        let cfg = config(&[&a], &dir.path().join("cache"), 16);
+        let ((a, b), cache) = (two_sources(dir.path())?, dir.path().join("cache"));
+        let cfg = config(&[&a], &cache, 16);
         // One source: phase 1's rows of its train split, in the split's order.
         let raw = load_source(&a.display().to_string(), &cfg.keys, cfg.seed)?;
         let (train, _, _) = phase_rows(&cfg, Phase::Sft)?;
@@ -771,8 +777,8 @@ mod tests {
             .collect();
         assert_eq!(train, want);
         // Two sources: the same rows as each alone, shuffled together (DS-Chat's blend).
-        let blended = phase_rows(&config(&[&a, &b], &dir.path().join("cache"), 16), Phase::Sft)?.0;
-        let alone_b = phase_rows(&config(&[&b], &dir.path().join("cache"), 16), Phase::Sft)?.0;
+        let blended = phase_rows(&config(&[&a, &b], &cache, 16), Phase::Sft)?.0;
+        let alone_b = phase_rows(&config(&[&b], &cache, 16), Phase::Sft)?.0;
         let prompts = |rows: &[PreferenceRow]| rows.iter().filter_map(|r| r.prompt.clone()).collect::<Vec<_>>();
         let (mut got, concatenated) = (prompts(&blended), [prompts(&train), prompts(&alone_b)].concat());
         assert_ne!(got, concatenated, "several sources are shuffled together");
@@ -782,7 +788,7 @@ mod tests {
         assert_eq!(got, sorted);
 
         // No --data-path: refused, unless phase 1 has --sft-only-data-path.
-        let mut none = config(&[], &dir.path().join("cache"), 16);
+        let mut none = config(&[], &cache, 16);
         for phase in [Phase::Sft, Phase::Reward, Phase::Ppo] {
             let e = phase_rows(&none, phase).unwrap_err().to_string();
             assert!(e.starts_with("no --data-path given"), "{e}");
@@ -798,11 +804,8 @@ mod tests {
     #[test]
     fn phases_get_their_shares_and_sources_blend() -> Result<()> {
         let dir = tempfile::tempdir()?;
-        let (a, b) = (dir.path().join("a.jsonl"), dir.path().join("b.jsonl"));
-        write_jsonl(&a, 100, " yes")?;
-        write_jsonl(&b, 50, " sure")?;
+        let ((a, b), cache) = (two_sources(dir.path())?, dir.path().join("cache"));
         let tok = tok();
-        let cache = dir.path().join("cache");
         let one = sft_data(&config(&[&a], &cache, 16), &tok)?;
         let cache_file = one.cache.as_ref().map(|c| c.0.display().to_string()).unwrap_or_default();
         let none_skipped = "skipped 0 (missing field 0, empty text 0, too long 0), truncated 0";
