@@ -246,7 +246,7 @@ mod tests {
     #[test]
     fn every_seed_draws_another_a_for_every_module() -> Result<()> {
         // The seed is mixed with each module's hash, losing none of its bits: across gpt2's 48
-        // linears, seeds 0..32 give 32 different A each (the first values are enough to tell).
+        // linears, seeds 0..32 give 32 different A each (an A of 1 x 4 values is enough to tell).
         let d = Device::Cpu;
         for block in 0..12 {
             for linear in ["attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"] {
