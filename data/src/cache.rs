@@ -285,6 +285,13 @@ mod tests {
         std::fs::create_dir(root.path().join("elsewhere"))?;
         let err = check_cache_dir(&link).unwrap_err().to_string();
         assert!(err.contains("symlink"), "{err}");
+        // A regular file where the directory should be is refused when it is created; the
+        // `!is_dir()` beside `is_symlink()` covers it being swapped in between the two calls.
+        let file = root.path().join("file");
+        std::fs::write(&file, b"not a directory")?;
+        let err = check_cache_dir(&file).unwrap_err().to_string();
+        assert!(err.contains("cannot create the data cache directory") && err.contains("--data-output-path"), "{err}");
+        assert_eq!(std::fs::read(&file)?, b"not a directory", "the file is left as it was");
 
         // SAFETY: geteuid cannot fail.
         if unsafe { libc::geteuid() } == 0 {
@@ -307,6 +314,12 @@ mod tests {
         // The XDG spec ignores a relative XDG_CACHE_HOME.
         assert_eq!(default_cache_dir(os("rel"), os("/home/u"))?, Path::new("/home/u/.cache/rlhf-rs/data_files"));
         let err = default_cache_dir(None, None).unwrap_err().to_string();
+        assert!(err.contains("--data-output-path"), "{err}");
+        // An empty HOME is no home: `.cache` relative to the working directory would be a cache
+        // shared with whoever else runs there.
+        let err = default_cache_dir(None, os("")).unwrap_err().to_string();
+        assert!(err.contains("neither XDG_CACHE_HOME nor HOME is set"), "{err}");
+        let err = default_cache_dir(os(""), os("")).unwrap_err().to_string();
         assert!(err.contains("--data-output-path"), "{err}");
         Ok(())
     }
