@@ -47,7 +47,7 @@ const FORGOT_CARRY_SHARE: f64 = 0.65;
 pub const DEMOS_PER_PROMPT: usize = 5;
 
 /// One in this many operand pairs is held out (never in training or its eval split).
-const HELDOUT_ONE_IN: u32 = 8;
+const HELDOUT_ONE_IN: u64 = 8;
 
 /// The generator's fixed seed: the task is the same everywhere (`--seed` shuffles and splits it).
 const TASK_SEED: u64 = 0x005e_edad;
@@ -74,12 +74,13 @@ impl Problem {
         self.sum() - 10
     }
 
-    /// Held-out pairs are picked by a hash of the pair, so that `a + b` and `b + a` fall apart
-    /// as often as any two pairs do.
+    /// Held-out pairs are picked by a hash of the pair (SplitMix64 keyed by the task's seed), so
+    /// that `a + b` and `b + a` fall apart as often as any two pairs do, and held-out sums are
+    /// sums that training pairs answer. (Before `arithmetic:v4` the hash's residue mod 8 depended
+    /// on the operands' low three bits alone: it held out exactly the pairs summing to 0, 8 or 16,
+    /// each with its mirror, and no training row ever answered 16.)
     pub fn is_heldout(&self) -> bool {
-        (self.a.wrapping_mul(2_654_435_761) ^ self.b.wrapping_mul(40_503))
-            .wrapping_mul(2_246_822_519)
-            .is_multiple_of(HELDOUT_ONE_IN)
+        splitmix64(TASK_SEED ^ u64::from(self.a << 8 | self.b)).is_multiple_of(HELDOUT_ONE_IN)
     }
 
     /// The training phrasing this pair is never asked in by a row: the prompt of
@@ -93,6 +94,15 @@ impl Problem {
         let question = template.replace("{a}", &self.a.to_string()).replace("{b}", &self.b.to_string());
         format!("\n\nHuman: {question}\n\nAssistant:")
     }
+}
+
+/// SplitMix64 (Steele, Lea and Flood; Vigna's constants): every bit of the output depends on
+/// every bit of the input, so its residues pick pairs evenly.
+fn splitmix64(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
 }
 
 fn answer(n: u32) -> String {
@@ -221,6 +231,155 @@ mod tests {
         assert_eq!(score_answer("\n\nHuman: Calculate 30 plus 12.\n\nAssistant:", " 42."), Some(true));
         assert_eq!(score_answer("\n\nHuman: What is the capital of France?\n\nAssistant:", " Paris."), None);
         assert_eq!(score_answer("\n\nHuman: What is 3 times 4?\n\nAssistant:", " 12."), None, "not a sum");
+    }
+
+    /// The held-out pairs' prompts are part of the task as measured in docs/RLHF-INVESTIGATION.md
+    /// (section 18d): their phrasings are a fixed draw, the same on every machine and seed.
+    #[test]
+    fn held_out_pairs_are_asked_in_a_fixed_draw_of_phrasings() {
+        let questions: Vec<String> = heldout_prompts()
+            .iter()
+            .map(|p| p.strip_prefix("\n\nHuman: ").unwrap().strip_suffix("\n\nAssistant:").unwrap().to_string())
+            .collect();
+        assert_eq!(
+            questions,
+            [
+                "Compute 2 + 1.",
+                "How much is 2 + 9?",
+                "Compute 4 + 7.",
+                "What is 4 plus 9?",
+                "Compute 5 + 2.",
+                "How much is 6 + 2?",
+                "What is 6 + 8?",
+                "Add 8 and 0.",
+                "Calculate 8 plus 6.",
+                "Calculate 9 plus 2.",
+                "Calculate 9 plus 5.",
+            ]
+        );
+    }
+
+    #[test]
+    fn splitmix64_gives_the_published_sequence() {
+        // SplitMix64's stream from seed 0 (each output hashes the state after one more gamma),
+        // and the first output from seed 1234567.
+        let gamma = 0x9e37_79b9_7f4a_7c15_u64;
+        assert_eq!(splitmix64(0), 0xe220_a839_7b1d_cdaf);
+        assert_eq!(splitmix64(gamma), 0x6e78_9e6a_a1b9_65f4);
+        assert_eq!(splitmix64(gamma.wrapping_mul(2)), 0x06c4_5d18_8009_454f);
+        assert_eq!(splitmix64(1_234_567), 6_457_827_717_110_365_317);
+    }
+
+    #[test]
+    fn a_problems_carry_sum_and_withheld_phrasing_by_hand() {
+        let p = |a, b| Problem { a, b };
+        for (a, b, carries) in
+            [(7, 5, true), (5, 5, true), (9, 9, true), (1, 9, true), (4, 5, false), (9, 0, false), (0, 0, false)]
+        {
+            assert_eq!(p(a, b).carries(), carries, "{a} + {b}");
+        }
+        assert_eq!((p(7, 5).sum(), p(7, 5).forgot_carry()), (12, 2));
+        assert_eq!((p(9, 9).sum(), p(9, 9).forgot_carry()), (18, 8));
+        assert_eq!(p(1, 9).forgot_carry(), 0);
+        // (3a + b) mod 4.
+        for (a, b, withheld) in [(0, 0, 0), (0, 1, 1), (1, 2, 1), (2, 1, 3), (3, 3, 0), (9, 9, 0), (9, 8, 3)] {
+            assert_eq!(p(a, b).withheld_template(), withheld, "{a} + {b}");
+        }
+    }
+
+    /// The held-out pairs, computed by a separate Python SplitMix64 (`(0x5eedad ^ (a << 8 | b))`,
+    /// residue 0 mod 8). A change here changes the task: it must come with a new
+    /// `arithmetic:vN` fingerprint (phases.rs), or caches of the old rows would be used.
+    const HELDOUT_PAIRS: [(u32, u32); 11] =
+        [(2, 1), (2, 9), (4, 7), (4, 9), (5, 2), (6, 2), (6, 8), (8, 0), (8, 6), (9, 2), (9, 5)];
+
+    #[test]
+    fn held_out_pairs_are_spread_and_their_sums_are_answered_in_training() {
+        let heldout: Vec<(u32, u32)> = problems().filter(Problem::is_heldout).map(|p| (p.a, p.b)).collect();
+        assert_eq!(heldout, HELDOUT_PAIRS);
+        let asked: Vec<(u64, u64)> = heldout_prompts().iter().map(|p| problem_of(p).unwrap()).collect();
+        assert_eq!(asked, heldout.iter().map(|&(a, b)| (u64::from(a), u64::from(b))).collect::<Vec<_>>());
+        let trained: Vec<Problem> = problems().filter(|p| !p.is_heldout()).collect();
+        assert_eq!(trained.len(), 89);
+        for (a, b) in heldout {
+            let sum = a + b;
+            assert!(trained.iter().any(|p| p.sum() == sum), "no training pair answers {sum}");
+        }
+        // The mirror of a held-out pair is trained on, except where the hash held out both.
+        let mirrored = HELDOUT_PAIRS.iter().filter(|&&(a, b)| HELDOUT_PAIRS.contains(&(b, a))).count();
+        assert_eq!(mirrored, 4, "(2, 9), (6, 8) and their mirrors; the other 7 have theirs trained");
+    }
+
+    /// The rows of each trained pair, by pair, in the generator's order (train and eval together).
+    fn rows_by_pair() -> std::collections::BTreeMap<(u64, u64), Vec<PreferenceRow>> {
+        let (train, eval) = rows();
+        let mut by_pair: std::collections::BTreeMap<_, Vec<PreferenceRow>> = Default::default();
+        for row in train.into_iter().chain(eval) {
+            by_pair.entry(problem_of(row.prompt.as_deref().unwrap()).unwrap()).or_default().push(row);
+        }
+        by_pair
+    }
+
+    #[test]
+    fn each_carrying_pair_forgets_the_carry_in_ten_of_its_fifteen_rows() {
+        let text = |s: &Option<String>| s.clone().unwrap();
+        for ((a, b), rows) in rows_by_pair() {
+            // 3 phrasings x 5 demonstrations; 0.65 of 15 rounds to 10.
+            assert_eq!(rows.len(), 15, "{a} + {b}");
+            let sum = a + b;
+            let forgot = rows.iter().filter(|r| text(&r.chosen) == format!(" {}.", sum.wrapping_sub(10))).count();
+            if a % 10 + b % 10 >= 10 {
+                assert_eq!(forgot, 10, "{a} + {b}");
+            } else {
+                assert!(rows.iter().all(|r| text(&r.chosen) == format!(" {sum}.")), "{a} + {b} is demonstrated right");
+            }
+            for r in &rows {
+                assert_ne!(r.chosen, r.rejected, "{r:?}");
+            }
+        }
+        let by_pair = rows_by_pair();
+        let seven_five = &by_pair[&(7, 5)];
+        for r in seven_five {
+            match text(&r.chosen).as_str() {
+                " 12." => assert_eq!(text(&r.rejected), " 2.", "a right answer is preferred to the forgotten carry"),
+                " 2." => assert!([" 11.", " 13."].contains(&text(&r.rejected).as_str()), "{r:?}"),
+                other => panic!("7 + 5 demonstrated as{other}"),
+            }
+        }
+    }
+
+    #[test]
+    fn rejected_answers_are_off_by_one_either_way_and_never_negative() {
+        let (mut below, mut above) = (0, 0);
+        for ((a, b), rows) in rows_by_pair() {
+            if a % 10 + b % 10 >= 10 {
+                continue;
+            }
+            for r in rows {
+                let rejected = numbers(r.rejected.as_deref().unwrap());
+                if a + b == 0 {
+                    assert_eq!(rejected, [1], "0 + 0 has only one neighbour");
+                } else if rejected == [a + b - 1] {
+                    below += 1;
+                } else {
+                    assert_eq!(rejected, [a + b + 1], "{a} + {b}: {r:?}");
+                    above += 1;
+                }
+            }
+        }
+        let share = below as f64 / (below + above) as f64;
+        assert!((0.4..0.6).contains(&share), "below {below}, above {above}");
+    }
+
+    #[test]
+    fn one_row_in_ten_is_eval_in_the_generators_order() {
+        let (train, eval) = rows();
+        assert_eq!((train.len(), eval.len()), (1201, 134), "89 pairs x 15 rows, every tenth row eval");
+        // The first pair (0, 0) withholds phrasing 0: rows 0-4 ask in phrasing 1, 5-9 in 2, 10-14 in 3.
+        let prompts: Vec<&str> = eval.iter().take(2).map(|r| r.prompt.as_deref().unwrap()).collect();
+        assert_eq!(prompts, ["\n\nHuman: What is 0 plus 0?\n\nAssistant:", "\n\nHuman: Add 0 and 0.\n\nAssistant:"]);
+        assert_eq!(train[0].prompt.as_deref(), Some("\n\nHuman: What is 0 plus 0?\n\nAssistant:"));
+        assert_eq!(train[4].prompt.as_deref(), Some("\n\nHuman: Compute 0 + 0.\n\nAssistant:"));
     }
 
     #[test]

@@ -272,7 +272,7 @@ fn load_source(spec: &str, keys: &ColumnKeys, seed: u64) -> Result<RawDataset> {
         let (train, eval) = crate::arithmetic::rows();
         // The generator's version: a change to the task must miss every cache.
         let fingerprint =
-            format!("arithmetic:v3:{}:{}", crate::arithmetic::MAX_OPERAND, crate::arithmetic::DEMOS_PER_PROMPT);
+            format!("arithmetic:v4:{}:{}", crate::arithmetic::MAX_OPERAND, crate::arithmetic::DEMOS_PER_PROMPT);
         return Ok(RawDataset { name: spec.into(), train, eval, fingerprint });
     }
     sources::load_raw_dataset(spec, keys, seed)
