@@ -183,13 +183,19 @@ mod tests {
         let packed = PackedCorpus::pack(&[vec![1, 2, 3], vec![], vec![4, 5]], 0, 2);
         assert_eq!(packed.tokens, vec![1, 2, 3, 0, 0, 4, 5, 0]);
         assert_eq!(packed.num_tokens(), 8);
+        // One allocation of exactly the stream's length (`with_capacity` gives exactly what is
+        // asked): a pretraining corpus is the largest buffer of the run, and regrowing it would
+        // briefly hold it twice.
+        assert_eq!(packed.tokens.capacity(), 8);
+        let lone_empty = PackedCorpus::pack(&[vec![]], 7, 1);
+        assert_eq!((lone_empty.tokens.as_slice(), lone_empty.tokens.capacity()), (&[7][..], 1));
     }
 
     #[test]
     fn blocks_overlap_by_one_token_and_count_is_tokens_minus_one_over_seq() {
         // Stream 1 2 3 9 4 5 6 9 7 9 (10 tokens), seq 3 -> (10 - 1) / 3 = 3 blocks.
         let packed = PackedCorpus::pack(&[vec![1, 2, 3], vec![4, 5, 6], vec![7]], 9, 3);
-        assert_eq!(packed.num_blocks(), 3);
+        assert_eq!((packed.num_blocks(), packed.seq_length()), (3, 3));
         assert_eq!(packed.block(0), &[1, 2, 3, 9]);
         assert_eq!(packed.block(1), &[9, 4, 5, 6]);
         assert_eq!(packed.block(2), &[6, 9, 7, 9]);
