@@ -75,10 +75,10 @@ impl Problem {
     }
 
     /// Held-out pairs are picked by a hash of the pair (SplitMix64 keyed by the task's seed), so
-    /// that `a + b` and `b + a` fall apart as often as any two pairs do, and held-out sums are
-    /// sums that training pairs answer. (Before `arithmetic:v4` the hash's residue mod 8 depended
-    /// on the operands' low three bits alone: it held out exactly the pairs summing to 0, 8 or 16,
-    /// each with its mirror, and no training row ever answered 16.)
+    /// that `a + b` and `b + a` fall apart as often as any two pairs do; every held-out sum is
+    /// also a training pair's sum (tested). (Before `arithmetic:v4` the hash's residue mod 8
+    /// depended on the operands' low three bits alone: it held out exactly the pairs summing to
+    /// 0, 8 or 16, each with its mirror, and no training row demonstrated 16.)
     pub fn is_heldout(&self) -> bool {
         splitmix64(TASK_SEED ^ u64::from(self.a << 8 | self.b)).is_multiple_of(HELDOUT_ONE_IN)
     }
