@@ -323,7 +323,8 @@ mod tests {
     #[test]
     fn each_carrying_pair_forgets_the_carry_in_ten_of_its_fifteen_rows() {
         let text = |s: &Option<String>| s.clone().unwrap();
-        for ((a, b), rows) in rows_by_pair() {
+        let by_pair = rows_by_pair();
+        for (&(a, b), rows) in &by_pair {
             // 3 phrasings x 5 demonstrations; 0.65 of 15 rounds to 10.
             assert_eq!(rows.len(), 15, "{a} + {b}");
             let sum = a + b;
@@ -333,11 +334,10 @@ mod tests {
             } else {
                 assert!(rows.iter().all(|r| text(&r.chosen) == format!(" {sum}.")), "{a} + {b} is demonstrated right");
             }
-            for r in &rows {
+            for r in rows {
                 assert_ne!(r.chosen, r.rejected, "{r:?}");
             }
         }
-        let by_pair = rows_by_pair();
         let seven_five = &by_pair[&(7, 5)];
         for r in seven_five {
             match text(&r.chosen).as_str() {
