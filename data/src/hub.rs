@@ -10,6 +10,7 @@
 //! caller's plan (`sources::plan_splits`), so only those files are downloaded.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::ffi::OsString;
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 
@@ -41,7 +42,13 @@ impl HubAccess {
     /// Resolved as the Python `huggingface_hub` does: the cache is `HF_HUB_CACHE`, else
     /// `HF_HOME/hub`, else `~/.cache/huggingface/hub` (hf-hub 0.4 itself reads only `HF_HOME`).
     pub(crate) fn from_env() -> Self {
-        let non_empty = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty());
+        Self::from_vars(|name| std::env::var_os(name), std::io::stderr().is_terminal())
+    }
+
+    /// [`Self::from_env`] over the variables `var` gives (a test's, or the process's).
+    fn from_vars(var: impl Fn(&str) -> Option<OsString>, progress: bool) -> Self {
+        let non_empty = |name: &str| var(name).filter(|v| !v.is_empty());
+        let text = |name: &str| var(name).and_then(|v| v.into_string().ok());
         let cache_dir = if let Some(dir) = non_empty("HF_HUB_CACHE") {
             PathBuf::from(dir)
         } else if let Some(home) = non_empty("HF_HOME") {
@@ -51,10 +58,10 @@ impl HubAccess {
             let home = non_empty("HOME").map(PathBuf::from).unwrap_or_default();
             home.join(".cache").join("huggingface").join("hub")
         };
-        let offline = std::env::var("HF_HUB_OFFLINE")
-            .is_ok_and(|v| ["1", "true", "yes", "on"].contains(&v.trim().to_ascii_lowercase().as_str()));
-        let endpoint = std::env::var("HF_ENDPOINT").ok().filter(|e| !e.trim().is_empty());
-        Self { cache: Cache::new(cache_dir), offline, endpoint, progress: std::io::stderr().is_terminal() }
+        let offline = text("HF_HUB_OFFLINE")
+            .is_some_and(|v| ["1", "true", "yes", "on"].contains(&v.trim().to_ascii_lowercase().as_str()));
+        let endpoint = text("HF_ENDPOINT").filter(|e| !e.trim().is_empty());
+        Self { cache: Cache::new(cache_dir), offline, endpoint, progress }
     }
 }
 
@@ -283,13 +290,14 @@ fn download_snapshot(
         let reuse = cached_commit.trim() == info.sha;
         let cache = access.cache.repo(Repo::with_revision(id.to_string(), RepoType::Dataset, revision.into()));
         let fetch = |file: &String| -> Result<PathBuf> {
-            // On a terminal hf-hub draws a bar; a log gets a line.
-            let cached = reuse && cache.get(file).is_some();
-            if !access.progress && !cached {
-                eprintln!("downloading {file} of hub dataset {id} from {endpoint}");
+            // What `repo.get` does, but only for a file of this very commit.
+            if let Some(path) = cache.get(file).filter(|_| reuse) {
+                return Ok(path);
             }
-            let got = if reuse { repo.get(file) } else { repo.download(file) };
-            got.map_err(|e| {
+            if let Some(line) = download_line(access, file, id, endpoint) {
+                eprintln!("{line}");
+            }
+            repo.download(file).map_err(|e| {
                 anyhow!(
                     "downloading {file} of hub dataset {id} from {endpoint} failed ({e}); check \
                      your network and disk space, or pass a local directory or file with its data"
@@ -308,6 +316,11 @@ fn download_snapshot(
     }
     // Unreachable in practice: the conversion either lists parquet files or fails above.
     bail!("hub dataset {id} has no parquet files; download its data and pass a local directory or file")
+}
+
+/// The line a download writes to the log; none on a terminal, where hf-hub draws a bar.
+fn download_line(access: &HubAccess, file: &str, id: &str, endpoint: &str) -> Option<String> {
+    (!access.progress).then(|| format!("downloading {file} of hub dataset {id} from {endpoint}"))
 }
 
 /// A repo path that stays inside the snapshot directory once joined to it.
@@ -336,6 +349,7 @@ mod tests {
         }
     }
     use std::net::{TcpListener, TcpStream};
+    use std::sync::{Arc, Mutex};
 
     /// Train = paths with `train`, eval = paths with `test`; a stand-in for `sources::plan_splits`.
     fn train_test(files: &[String]) -> Result<SplitPlan, String> {
@@ -462,17 +476,29 @@ mod tests {
     /// `/datasets/<id>/resolve/<rev>/<path>` serves them with the headers hf-hub reads
     /// (`x-repo-commit`, `etag`, `content-range`). One request per connection.
     fn serve_hub(id: &'static str, revisions: Vec<FakeRevision>) -> Result<String> {
-        let listener = TcpListener::bind("127.0.0.1:0")?;
-        let addr = listener.local_addr()?;
-        std::thread::spawn(move || {
-            for stream in listener.incoming().flatten() {
-                let _ = answer(stream, id, &revisions);
-            }
-        });
-        Ok(format!("http://{addr}"))
+        Ok(serve_hub_logged(id, revisions)?.0)
     }
 
-    fn answer(mut stream: TcpStream, id: &str, revisions: &[FakeRevision]) -> std::io::Result<()> {
+    /// [`serve_hub`], with the paths it was asked for, in order.
+    fn serve_hub_logged(id: &'static str, revisions: Vec<FakeRevision>) -> Result<(String, Arc<Mutex<Vec<String>>>)> {
+        let listener = TcpListener::bind("127.0.0.1:0")?;
+        let addr = listener.local_addr()?;
+        let asked = Arc::new(Mutex::new(Vec::new()));
+        let log = Arc::clone(&asked);
+        std::thread::spawn(move || {
+            for stream in listener.incoming().flatten() {
+                let _ = answer(stream, id, &revisions, &log);
+            }
+        });
+        Ok((format!("http://{addr}"), asked))
+    }
+
+    fn answer(
+        mut stream: TcpStream,
+        id: &str,
+        revisions: &[FakeRevision],
+        asked: &Mutex<Vec<String>>,
+    ) -> std::io::Result<()> {
         let mut reader = BufReader::new(stream.try_clone()?);
         let mut request = String::new();
         reader.read_line(&mut request)?;
@@ -487,6 +513,7 @@ mod tests {
             }
         }
         let path = request.split_whitespace().nth(1).unwrap_or("");
+        asked.lock().expect("the log").push(path.to_string());
         for FakeRevision { revision, commit, files } in revisions {
             let escaped = revision.replace('/', "%2F");
             if path == format!("/api/datasets/{id}/revision/{escaped}") {
@@ -559,6 +586,143 @@ mod tests {
             .to_string();
         assert!(err.contains("cannot list hub dataset org/missing at") && err.contains(&endpoint), "{err}");
         assert!(err.contains("check the id and your network"), "{err}");
+        Ok(())
+    }
+
+    #[test]
+    fn the_environment_resolves_as_huggingface_hub_resolves_it() {
+        let resolve = |vars: &[(&str, &str)]| {
+            HubAccess::from_vars(|name| vars.iter().find(|(k, _)| *k == name).map(|(_, v)| OsString::from(v)), false)
+        };
+        let cache = |vars| resolve(vars).cache.path().clone();
+        assert_eq!(cache(&[("HF_HUB_CACHE", "/c"), ("HF_HOME", "/h"), ("HOME", "/u")]), PathBuf::from("/c"));
+        // Set but empty is unset, as in huggingface_hub.
+        assert_eq!(cache(&[("HF_HUB_CACHE", ""), ("HF_HOME", "/h")]), PathBuf::from("/h/hub"));
+        assert_eq!(cache(&[("HF_HOME", ""), ("HOME", "/u")]), PathBuf::from("/u/.cache/huggingface/hub"));
+        assert_eq!(cache(&[]), PathBuf::from(".cache/huggingface/hub"));
+
+        for on in ["1", "true", "TRUE", " yes ", "On"] {
+            assert!(resolve(&[("HF_HUB_OFFLINE", on)]).offline, "{on:?}");
+        }
+        for off in ["0", "false", "", "offline"] {
+            assert!(!resolve(&[("HF_HUB_OFFLINE", off)]).offline, "{off:?}");
+        }
+        assert!(!resolve(&[]).offline);
+
+        assert_eq!(resolve(&[("HF_ENDPOINT", "http://mirror:8080")]).endpoint.as_deref(), Some("http://mirror:8080"));
+        assert_eq!(resolve(&[("HF_ENDPOINT", "  ")]).endpoint, None);
+        assert_eq!(resolve(&[]).endpoint, None);
+    }
+
+    #[test]
+    fn a_log_gets_a_line_per_download_and_a_terminal_gets_hf_hubs_bar() {
+        let mut to = access(Path::new("/c"), false, None);
+        assert_eq!(
+            download_line(&to, "data/train.parquet", "org/name", "https://huggingface.co").as_deref(),
+            Some("downloading data/train.parquet of hub dataset org/name from https://huggingface.co")
+        );
+        to.progress = true;
+        assert_eq!(download_line(&to, "data/train.parquet", "org/name", "https://huggingface.co"), None);
+    }
+
+    #[test]
+    fn only_parquet_files_are_listed_and_hidden_or_broken_ones_are_not() -> Result<()> {
+        let dir = tempfile::tempdir()?;
+        let root = dir.path();
+        for file in ["a.parquet", "B.PARQUET", "train.txt", ".hidden.parquet", "sub/c.parquet", ".git/d.parquet"] {
+            std::fs::create_dir_all(root.join(file).parent().ok_or_else(|| anyhow!("no parent"))?)?;
+            std::fs::write(root.join(file), "x")?;
+        }
+        std::fs::create_dir_all(root.join("x.parquet"))?;
+        std::fs::write(root.join("x.parquet/e.parquet"), "x")?;
+        // An interrupted download: the snapshot's link into blobs/ points nowhere.
+        std::os::unix::fs::symlink(root.join("blobs/never-written"), root.join("broken.parquet"))?;
+        std::os::unix::fs::symlink(root.join("a.parquet"), root.join("linked.parquet"))?;
+        let mut files = Vec::new();
+        list_parquet(root, "", &mut files);
+        assert_eq!(files, ["B.PARQUET", "a.parquet", "linked.parquet", "sub/c.parquet", "x.parquet/e.parquet"]);
+        Ok(())
+    }
+
+    #[test]
+    fn a_ref_that_is_empty_or_a_path_is_not_followed() -> Result<()> {
+        let dir = tempfile::tempdir()?;
+        let repo = dir.path().join("datasets--org--odd");
+        // A snapshot the refs below would reach if they were taken as paths.
+        fake_snapshot(dir.path(), "org/odd", "other", "real", &["train.parquet"])?;
+        std::fs::create_dir_all(dir.path().join("elsewhere"))?;
+        std::fs::write(dir.path().join("elsewhere/train.parquet"), "x")?;
+        for commit in ["", "\n", "../../elsewhere", "real/..", "..\\real"] {
+            std::fs::write(repo.join("refs/main"), commit)?;
+            let err =
+                fetch_dataset("org/odd", None, &access(dir.path(), true, None), &train_test).unwrap_err().to_string();
+            assert!(err.contains("is not in the Hugging Face cache"), "{commit:?}: {err}");
+        }
+        // A ref as hf-hub and huggingface_hub write it, and one with a newline, are followed.
+        for commit in ["real", "real\n"] {
+            std::fs::write(repo.join("refs/main"), commit)?;
+            let got = fetch_dataset("org/odd", None, &access(dir.path(), true, None), &train_test)?;
+            assert_eq!(got.commit, "real");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn a_cache_missing_a_shard_reuses_its_commits_files_and_a_new_commit_is_downloaded_whole() -> Result<()> {
+        let dir = tempfile::tempdir()?;
+        let shards = ["data/train-00000-of-00002.parquet", "data/train-00001-of-00002.parquet"];
+        let hub = |commit: &'static str, bytes: [&[u8]; 2]| {
+            let files = shards.iter().zip(bytes).map(|(f, b)| (*f, b.to_vec())).collect();
+            serve_hub_logged("org/moving", vec![FakeRevision { revision: "main", commit, files }])
+        };
+        let fetch = |endpoint: String| {
+            fetch_dataset("org/moving", None, &access(dir.path(), false, Some(endpoint)), &train_test)
+        };
+        let downloaded = |asked: &Mutex<Vec<String>>| -> BTreeSet<String> {
+            let asked = asked.lock().expect("the log");
+            asked.iter().filter_map(|p| p.split_once("/resolve/").map(|(_, f)| f.to_string())).collect()
+        };
+        let contents =
+            |got: &HubSnapshot| -> Result<Vec<Vec<u8>>> { got.train.iter().map(|p| Ok(std::fs::read(p)?)).collect() };
+
+        let (endpoint, asked) = hub("one", [b"a1", b"b1"])?;
+        let got = fetch(endpoint)?;
+        assert_eq!(contents(&got)?, [b"a1", b"b1"]);
+        assert_eq!(downloaded(&asked).len(), 2, "{asked:?}");
+
+        // A complete cache is used as it is, without asking the hub (the hub is at a new commit).
+        let (endpoint, asked) = hub("two", [b"a2", b"b2"])?;
+        assert_eq!(fetch(endpoint)?.commit, "one");
+        assert!(asked.lock().expect("the log").is_empty(), "{asked:?}");
+
+        // A shard lost from the cache, the hub still at its commit: only that shard is fetched.
+        std::fs::remove_file(&got.train[1])?;
+        let (endpoint, asked) = hub("one", [b"a1", b"b1"])?;
+        let again = fetch(endpoint)?;
+        assert_eq!((again.commit.as_str(), contents(&again)?), ("one", vec![b"a1".to_vec(), b"b1".to_vec()]));
+        assert_eq!(downloaded(&asked), BTreeSet::from([format!("main/{}", shards[1])]), "{asked:?}");
+
+        // Lost again, the hub now at a new commit: both shards from it, never one of each.
+        std::fs::remove_file(&again.train[1])?;
+        let (endpoint, asked) = hub("two", [b"a2", b"b2"])?;
+        let new = fetch(endpoint)?;
+        assert_eq!((new.commit.as_str(), contents(&new)?), ("two", vec![b"a2".to_vec(), b"b2".to_vec()]));
+        assert_eq!(downloaded(&asked).len(), 2, "{asked:?}");
+        Ok(())
+    }
+
+    #[test]
+    fn a_dataset_without_parquet_or_conversion_is_a_clear_error() -> Result<()> {
+        let endpoint = serve_hub(
+            "org/script",
+            vec![FakeRevision { revision: "main", commit: "s", files: vec![("script.py", b"print()".to_vec())] }],
+        )?;
+        let dir = tempfile::tempdir()?;
+        let err = fetch_dataset("org/script", None, &access(dir.path(), false, Some(endpoint)), &train_test)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("hub dataset org/script has no parquet files on its main branch"), "{err}");
+        assert!(err.contains("and no parquet conversion (refs/convert/parquet:"), "{err}");
         Ok(())
     }
 }
