@@ -129,15 +129,41 @@ mod tests {
             "seed": {"value": null, "desc": null},
         });
         let got = of_config(config.as_object().unwrap());
+        // Spelled out, not through the constructors the code under test uses.
         let want: BTreeMap<String, HParam> = [
-            ("data_path", HParam::text(r#"["a","b"]"#)),
-            ("do_sample", HParam::bool(true)),
-            ("dtype", HParam::text("bf16")),
-            ("gamma", HParam::number(1.0)),
+            ("data_path", Kind::Text(r#"["a","b"]"#.into())),
+            ("do_sample", Kind::Bool(true)),
+            ("dtype", Kind::Text("bf16".into())),
+            ("gamma", Kind::Number(1.0)),
         ]
         .into_iter()
-        .map(|(k, v)| (k.to_string(), v))
+        .map(|(k, kind)| (k.to_string(), HParam { kind: Some(kind) }))
         .collect();
         assert_eq!(got, want);
+    }
+
+    #[test]
+    fn the_constructors_make_their_kinds() {
+        assert_eq!(HParam::number(0.5).kind, Some(Kind::Number(0.5)));
+        assert_eq!(HParam::text("x").kind, Some(Kind::Text("x".into())));
+        assert_eq!(HParam::bool(false).kind, Some(Kind::Bool(false)));
+    }
+
+    /// The bytes TensorBoard's own protos give (tensorboard 2.21.0, protobuf 7.36.2:
+    /// `HParamsPluginData(version=0, session_end_info=SessionEndInfo(status=STATUS_FAILURE,
+    /// end_time_secs=2.0)).SerializeToString()`, and a start with `hparams["lr"].bool_value =
+    /// True`). By the wire format: field 4, length 11; in it field 1 varint 2, field 2 the
+    /// double 2.0.
+    #[test]
+    fn plugin_content_is_the_wire_format_tensorboard_reads() {
+        let content =
+            plugin_content(Data::SessionEndInfo(SessionEndInfo { status: STATUS_FAILURE, end_time_secs: 2.0 }));
+        assert_eq!(content, [0x22, 11, 0x08, 2, 0x11, 0, 0, 0, 0, 0, 0, 0, 0x40]);
+        let start = plugin_content(Data::SessionStartInfo(SessionStartInfo {
+            hparams: [("lr".to_string(), HParam::bool(true))].into(),
+            start_time_secs: 0.0,
+        }));
+        // Field 3, length 10: one map entry (field 1, length 8: key "lr", value {field 4: true}).
+        assert_eq!(start, [0x1a, 10, 0x0a, 8, 0x0a, 2, b'l', b'r', 0x12, 2, 0x20, 1]);
     }
 }

@@ -23,10 +23,17 @@ pub fn host_name() -> String {
     // the name fits (and the last byte stays 0 when it does not).
     let ok = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len() - 1) } == 0;
     let name = ok.then(|| std::ffi::CStr::from_bytes_until_nul(&buf).ok()).flatten();
-    match name.map(|n| n.to_string_lossy().trim().to_string()) {
-        Some(n) if !n.is_empty() => n,
-        _ => "localhost".into(),
-    }
+    or_localhost(name.map(|n| n.to_string_lossy().trim().to_string()))
+}
+
+/// `name`, or "localhost" where there is none or it is empty.
+fn or_localhost(name: Option<String>) -> String {
+    name.filter(|n| !n.is_empty()).unwrap_or_else(|| "localhost".into())
+}
+
+/// The host name as an event file's name carries it: letters, digits, '-' and '_' only.
+pub(crate) fn file_name_host(name: &str) -> String {
+    or_localhost(Some(name.chars().filter(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_')).collect()))
 }
 
 /// `text` as one cell of a Markdown table (report.md's answers, TensorBoard's rollout samples):
@@ -40,6 +47,21 @@ mod tests {
     #[test]
     fn a_markdown_cell_stays_one_cell_on_one_line() {
         assert_eq!(super::markdown_cell("\n\nHuman: a | b\n\nAssistant:"), "Human: a \\| b Assistant:");
+    }
+
+    #[test]
+    fn a_missing_or_empty_host_name_is_localhost() {
+        assert_eq!(super::or_localhost(None), "localhost");
+        assert_eq!(super::or_localhost(Some(String::new())), "localhost");
+        assert_eq!(super::or_localhost(Some("node-1".into())), "node-1");
+    }
+
+    #[test]
+    fn an_event_files_host_keeps_letters_digits_dashes_and_underscores() {
+        assert_eq!(super::file_name_host("gpu_node-07.cluster.local"), "gpu_node-07clusterlocal");
+        assert_eq!(super::file_name_host("a b/c\\d"), "abcd");
+        assert_eq!(super::file_name_host("..."), "localhost");
+        assert_eq!(super::file_name_host("höst"), "hst");
     }
 
     #[test]

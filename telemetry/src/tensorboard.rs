@@ -125,7 +125,7 @@ impl EventWriter {
         std::fs::create_dir_all(dir)
             .with_context(|| format!("cannot create TensorBoard directory {}", dir.display()))?;
         let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
-        let host = hostname();
+        let host = crate::file_name_host(&crate::host_name());
         let pid = std::process::id();
         let (path, file) = (0u32..)
             .map(|n| dir.join(format!("events.out.tfevents.{secs:010}.{host}.{pid}.{n}")))
@@ -212,17 +212,6 @@ impl EventWriter {
 
 fn now() -> f64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
-}
-
-/// The host name as an event file's name carries it: letters, digits, '-' and '_' only.
-fn hostname() -> String {
-    let name: String =
-        crate::host_name().chars().filter(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_')).collect();
-    if name.is_empty() {
-        "localhost".into()
-    } else {
-        name
-    }
 }
 
 /// The events of an event file, every checksum verified; a last event cut short by a crash is
@@ -443,5 +432,72 @@ mod tests {
         let Some(Value::Tensor(t)) = &v.value else { panic!("a tensor") };
         assert_eq!((t.dtype, t.string_val.clone()), (DT_STRING, vec![b"`--lr 1e-3`".to_vec()]));
         assert_eq!(read_texts(w.path()).unwrap(), vec![(0, "flags".to_string(), "`--lr 1e-3`".to_string())]);
+    }
+
+    #[test]
+    fn a_sessions_hyperparameters_and_its_end_read_back_as_the_hparams_plugin_holds_them() {
+        use crate::hparams::{HParam, Session, SESSION_END_TAG, SESSION_START_TAG, STATUS_FAILURE, STATUS_SUCCESS};
+        let dir = tempfile::tempdir().unwrap();
+        let hparams: BTreeMap<String, HParam> =
+            [("lr".to_string(), HParam::number(1e-3)), ("dtype".into(), HParam::text("bf16"))].into();
+        let before = now();
+        let mut w = EventWriter::create(dir.path()).unwrap();
+        // A text summary first: another plugin's summary is not the session.
+        w.text(0, "flags", "`--lr 1e-3`").unwrap();
+        w.hparams_start(hparams.clone()).unwrap();
+        assert_eq!(
+            read_hparams(w.path()).unwrap(),
+            Some(Session { hparams: hparams.clone(), status: None }),
+            "started, not ended"
+        );
+        w.hparams_end(false).unwrap();
+        let after = now();
+        assert_eq!(read_hparams(w.path()).unwrap(), Some(Session { hparams, status: Some(STATUS_FAILURE) }));
+
+        // Each a summary of the plugin, metadata only, at step 0, under the plugin's tags.
+        let events = read_events(w.path()).unwrap();
+        for (event, tag) in events[2..].iter().zip([SESSION_START_TAG, SESSION_END_TAG]) {
+            let Some(What::Summary(summary)) = &event.what else { panic!("a summary: {event:?}") };
+            let v = &summary.value[0];
+            assert_eq!((event.step, v.tag.as_str(), v.value.is_none()), (0, tag, true));
+            let plugin = v.metadata.as_ref().and_then(|m| m.plugin_data.as_ref()).expect("plugin data");
+            assert_eq!(plugin.plugin_name, crate::hparams::PLUGIN_NAME);
+        }
+        // Every event carries the time it was written.
+        assert!(events.iter().all(|e| (before..=after).contains(&e.wall_time)), "{before} {after} {events:?}");
+
+        let mut ok = EventWriter::create(dir.path()).unwrap();
+        ok.hparams_end(true).unwrap();
+        assert_eq!(read_hparams(ok.path()).unwrap(), None, "an end without a start is no session");
+        ok.hparams_start(BTreeMap::new()).unwrap();
+        let session = read_hparams(ok.path()).unwrap().expect("a session");
+        assert_eq!(session.status, Some(STATUS_SUCCESS));
+    }
+
+    #[test]
+    fn only_the_text_plugins_tensors_are_text() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut w = EventWriter::create(dir.path()).unwrap();
+        let tensor = TensorProto { dtype: DT_STRING, tensor_shape: None, string_val: vec![b"not text".to_vec()] };
+        let other = SummaryMetadata {
+            plugin_data: Some(PluginData { plugin_name: "pr_curves".into(), content: Vec::new() }),
+            ..Default::default()
+        };
+        for metadata in [None, Some(other)] {
+            let value = vec![SummaryValue { tag: "t".into(), metadata, value: Some(Value::Tensor(tensor.clone())) }];
+            w.write(&Event { wall_time: 0.0, step: 1, what: Some(What::Summary(Summary { value })) }).unwrap();
+        }
+        w.text(2, "flags", "yes").unwrap();
+        assert_eq!(read_texts(w.path()).unwrap(), vec![(2, "flags".to_string(), "yes".to_string())]);
+    }
+
+    #[test]
+    fn a_directory_that_takes_no_file_is_an_error_not_a_search_for_a_free_name() {
+        // /proc/self exists and is a directory, and no one can create a file in it; only a name
+        // already taken moves the writer on to the next number.
+        let Ok(meta) = std::fs::metadata("/proc/self") else { return };
+        assert!(meta.is_dir());
+        let err = EventWriter::create(Path::new("/proc/self")).err().expect("no file in /proc/self");
+        assert!(format!("{err:#}").contains("cannot create /proc/self/events.out.tfevents."), "{err:#}");
     }
 }
