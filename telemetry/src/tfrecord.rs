@@ -65,9 +65,9 @@ pub fn read_records(bytes: &[u8]) -> Result<Records> {
             bail!("record at byte {at}: the length's checksum does not match (the file is damaged)");
         }
         let len = u64::from_le_bytes(len_bytes.try_into().expect("8 bytes"));
-        let len = usize::try_from(len).ok().filter(|&l| l <= rest - 12).map(|l| (l, l + 16 <= rest));
-        match len {
-            Some((len, true)) => {
+        // The whole record is here: its length, the data and the data's checksum.
+        match usize::try_from(len).ok().filter(|&l| l.saturating_add(16) <= rest) {
+            Some(len) => {
                 let data = &bytes[at + 12..at + 12 + len];
                 if masked_crc32c(data) != u32_at(at + 12 + len) {
                     bail!("record at byte {at}: the data's checksum does not match (the file is damaged)");
@@ -75,7 +75,7 @@ pub fn read_records(bytes: &[u8]) -> Result<Records> {
                 records.push(data.to_vec());
                 at += 16 + len;
             }
-            _ => return Ok(Records { records, torn_tail: true }),
+            None => return Ok(Records { records, torn_tail: true }),
         }
     }
     Ok(Records { records, torn_tail: false })
@@ -143,5 +143,32 @@ mod tests {
         let mut bad = file.clone();
         bad[21] ^= 1;
         assert!(read_records(&bad).unwrap_err().to_string().contains("record at byte 21"));
+    }
+
+    #[test]
+    fn a_tail_of_a_length_and_its_checksum_alone_is_torn_or_damaged_by_its_checksum() {
+        let mut file = frame(b"one");
+        let next = frame(b"two");
+        // 12 bytes of the next record: its length and the length's checksum, no data yet.
+        file.extend_from_slice(&next[..12]);
+        let read = read_records(&file).unwrap();
+        assert_eq!((read.records, read.torn_tail), (vec![b"one".to_vec()], true));
+        // The same 12 bytes with a wrong checksum were never a record's beginning: damage.
+        let at = file.len() - 12;
+        file[at] ^= 1;
+        let err = read_records(&file).unwrap_err().to_string();
+        assert!(err.contains(&format!("record at byte {at}: the length's checksum")), "{err}");
+    }
+
+    #[test]
+    fn a_length_past_any_file_is_a_torn_tail_not_an_overflow() {
+        for len in [u64::MAX, u64::MAX - 15, 1 << 40] {
+            let mut file = frame(b"one");
+            file.extend_from_slice(&len.to_le_bytes());
+            file.extend_from_slice(&masked_crc32c(&len.to_le_bytes()).to_le_bytes());
+            file.extend_from_slice(b"some bytes");
+            let read = read_records(&file).unwrap();
+            assert_eq!((read.records, read.torn_tail), (vec![b"one".to_vec()], true), "length {len}");
+        }
     }
 }

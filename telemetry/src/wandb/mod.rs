@@ -521,6 +521,44 @@ mod tests {
     }
 
     #[test]
+    fn a_run_id_is_letters_digits_dashes_and_underscores_up_to_128() -> Result<()> {
+        let resolve = |id: String| {
+            let env = move |name: &str| match name {
+                "WANDB_MODE" => Some("offline".to_string()),
+                "WANDB_RUN_ID" => Some(id.clone()),
+                _ => None,
+            };
+            Settings::resolve(&Flags::default(), Path::new("out"), env, None)
+        };
+        for id in ["a-b_C9".to_string(), "x".repeat(128)] {
+            assert_eq!(resolve(id.clone())?.run_id, Some(id));
+        }
+        for id in ["x".repeat(129), "a.b".into(), "a b".into(), "ü".into()] {
+            let err = resolve(id.clone()).unwrap_err().to_string();
+            assert!(err.contains("a run id is letters, digits, - and _ (at most 128)"), "{id:?}: {err}");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn a_wandb_flag_while_wandb_is_off_is_refused_naming_it() {
+        assert!(refuse_flags_when_off(&[("--wandb-entity", false), ("--wandb-group", false)]).is_ok());
+        let err = refuse_flags_when_off(&[("--wandb-entity", false), ("--wandb-group", true), ("--wandb-dir", true)])
+            .unwrap_err()
+            .to_string();
+        assert!(err.starts_with("--wandb-group is a wandb setting, and wandb is off"), "{err}");
+        assert!(err.contains("add --enable-wandb"), "{err}");
+    }
+
+    #[test]
+    fn the_parsers_config_is_kept_for_the_run() {
+        let config: serde_json::Map<String, Value> =
+            [("seed".to_string(), config_entry(json!(1234), Some("Seed".into())))].into_iter().collect();
+        set_flags_config(config.clone());
+        assert_eq!(flags_config(), Some(config));
+    }
+
+    #[test]
     fn the_key_comes_from_the_netrc_entry_of_the_services_host() -> Result<()> {
         let home = tempfile::tempdir()?;
         std::fs::write(
