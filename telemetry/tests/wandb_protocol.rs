@@ -313,7 +313,14 @@ fn offline_runs_send_nothing_and_keep_every_row_for_sync() {
     let id = run_id(&run);
     log_rows(&mut run, 5, 25);
     run.finish(0).unwrap();
+    let ended = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs_f64();
     assert!(service.requests().is_empty());
+    // Each row's `_runtime` is its `_timestamp` less the run's start, both within the run.
+    let started = store::RunDir::open(run.dir()).unwrap().record.started_at;
+    for row in local_history(run.dir()) {
+        let (runtime, at) = (row["_runtime"].as_f64().unwrap(), row["_timestamp"].as_f64().unwrap());
+        assert!((runtime - (at - started)).abs() < 1e-6 && (started..=ended).contains(&at), "{row} {started}");
+    }
     assert!(said.lock().unwrap()[0].contains("train wandb-sync"), "{:?}", said.lock().unwrap());
     sync_dir(&out.path().join("wandb"), Some(&service.url), KEY, &fast_policy()).unwrap();
     let history = service.history(&id);
@@ -433,4 +440,32 @@ fn a_resumed_training_run_continues_its_wandb_run_including_rows_never_sent() {
     assert_ne!(run_id(&run), id);
     assert_ne!(run.dir(), first_dir.as_path());
     assert_eq!(local_history(&first_dir).len(), 12);
+}
+
+/// `train wandb-sync` retries a service that fails (not one that refuses) three times, then
+/// names the run it could not upload.
+#[test]
+fn sync_retries_a_failing_service_three_times_then_names_the_run() {
+    let out = tempfile::tempdir().unwrap();
+    let (say, _) = collector();
+    let s = settings(Mode::Offline, "http://127.0.0.1:9", &out.path().join("sft"));
+    let mut run = WandbRun::start(&s, false, Default::default(), fast_policy(), say).unwrap().unwrap();
+    let (id, dir) = (run_id(&run), run.dir().to_path_buf());
+    log_rows(&mut run, 0, 5);
+    run.finish(0).unwrap();
+    let streams = |service: &FakeWandb| service.requests().iter().filter(|r| r.path.ends_with("/file_stream")).count();
+
+    let down = FakeWandb::start();
+    down.set(|b| b.fail_stream = Some((503, 1000)));
+    let err = sync_dir(&dir, Some(&down.url), KEY, &fast_policy()).unwrap_err().to_string();
+    assert!(err.starts_with(&format!("uploading {}: ", dir.display())) && err.contains("HTTP 503"), "{err}");
+    assert_eq!(streams(&down), 4, "one try and three retries");
+    assert!(down.history(&id).is_empty());
+
+    let flaky = FakeWandb::start();
+    flaky.set(|b| b.fail_stream = Some((503, 3)));
+    let synced = sync_dir(&dir, Some(&flaky.url), KEY, &fast_policy()).unwrap();
+    assert_eq!((synced[0].sent, synced[0].completed), (5, Some(0)));
+    assert_eq!(flaky.history(&id), local_history(&dir));
+    assert_eq!(flaky.exit_code(&id), Some(0));
 }

@@ -124,19 +124,7 @@ impl Api {
                 "displayName": run.display_name, "config": config, "host": run.host, "program": "rlhf-rs",
             },
         });
-        let answer = self.post(&format!("{}/graphql", self.base_url), &body)?;
-        if let Some(errors) = answer.get("errors").filter(|e| e.as_array().is_some_and(|a| !a.is_empty())) {
-            return Err(ApiError::Refused(format!("the service refused to create the run: {errors}")));
-        }
-        let bucket = &answer["data"]["upsertBucket"]["bucket"];
-        let text = |v: &Value| v.as_str().map(str::to_string);
-        let (Some(entity), Some(project)) =
-            (text(&bucket["project"]["entity"]["name"]), text(&bucket["project"]["name"]))
-        else {
-            return Err(ApiError::Refused(format!("the service's answer names no project and entity: {answer}")));
-        };
-        let history_line_count = bucket["historyLineCount"].as_u64().unwrap_or(0);
-        Ok(Bucket { entity, project, history_line_count })
+        bucket_of(&self.post(&format!("{}/graphql", self.base_url), &body)?)
     }
 
     /// Sends one file_stream request of the run `id` in `bucket`.
@@ -163,6 +151,22 @@ impl Api {
             s => Err(ApiError::Failed(format!("{url} answered HTTP {s}: {excerpt}"))),
         }
     }
+}
+
+/// The run's bucket in the service's answer to `upsertBucket`; its GraphQL errors, or an answer
+/// without the project, as a refusal (retrying would get the same answer).
+fn bucket_of(answer: &Value) -> Result<Bucket, ApiError> {
+    if let Some(errors) = answer.get("errors").filter(|e| e.as_array().is_some_and(|a| !a.is_empty())) {
+        return Err(ApiError::Refused(format!("the service refused to create the run: {errors}")));
+    }
+    let bucket = &answer["data"]["upsertBucket"]["bucket"];
+    let text = |v: &Value| v.as_str().map(str::to_string);
+    let (Some(entity), Some(project)) = (text(&bucket["project"]["entity"]["name"]), text(&bucket["project"]["name"]))
+    else {
+        return Err(ApiError::Refused(format!("the service's answer names no project and entity: {answer}")));
+    };
+    let history_line_count = bucket["historyLineCount"].as_u64().unwrap_or(0);
+    Ok(Bucket { entity, project, history_line_count })
 }
 
 /// reqwest's error with its causes ("error sending request: connection refused").
@@ -207,5 +211,54 @@ mod tests {
         );
         assert_eq!(file_stream_body(0, &[], None), json!({"files": {}}));
         assert_eq!(complete_body(3), json!({"complete": true, "exitcode": 3}));
+    }
+
+    #[test]
+    fn the_bucket_is_read_from_the_answer_and_graphql_errors_are_a_refusal() {
+        let answer = |errors: Value| {
+            json!({"errors": errors, "data": {"upsertBucket": {"bucket": {
+                "historyLineCount": 12, "project": {"name": "proj", "entity": {"name": "ent"}}}}}})
+        };
+        let want = Bucket { entity: "ent".into(), project: "proj".into(), history_line_count: 12 };
+        // No errors, or an empty list of them (as some GraphQL servers send), is the bucket.
+        assert_eq!(bucket_of(&answer(Value::Null)).unwrap(), want);
+        assert_eq!(bucket_of(&answer(json!([]))).unwrap(), want);
+        let refused = |answer: &Value| match bucket_of(answer) {
+            Err(ApiError::Refused(m)) => m,
+            other => panic!("a refusal: {other:?}"),
+        };
+        let m = refused(&answer(json!([{"message": "project is archived"}])));
+        assert!(m.contains("refused to create the run") && m.contains("project is archived"), "{m}");
+        let m = refused(&json!({"data": {"upsertBucket": {"bucket": {"project": {"name": "proj"}}}}}));
+        assert!(m.contains("names no project and entity"), "{m}");
+        // A new run's bucket may leave the count out: no line yet.
+        let new = json!({"data": {"upsertBucket": {"bucket": {"project": {"name": "p", "entity": {"name": "e"}}}}}});
+        assert_eq!(bucket_of(&new).unwrap().history_line_count, 0);
+    }
+
+    #[test]
+    fn an_error_is_written_with_each_of_its_causes() {
+        #[derive(Debug)]
+        struct Layer(&'static str, Option<Box<Layer>>);
+        impl std::fmt::Display for Layer {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.0)
+            }
+        }
+        impl std::error::Error for Layer {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                self.1.as_deref().map(|e| e as _)
+            }
+        }
+        let inner = Layer("tcp connect error", Some(Box::new(Layer("Connection refused (os error 111)", None))));
+        let e = Layer("error sending request", Some(Box::new(inner)));
+        assert_eq!(error_chain(&e), "error sending request: tcp connect error: Connection refused (os error 111)");
+        assert_eq!(error_chain(&Layer("alone", None)), "alone");
+    }
+
+    #[test]
+    fn the_base_url_is_kept_without_its_trailing_slashes() {
+        let api = Api::new("http://127.0.0.1:8080//", "k", Duration::from_secs(1)).unwrap();
+        assert_eq!(api.base_url(), "http://127.0.0.1:8080");
     }
 }

@@ -468,8 +468,13 @@ fn find_run_dirs(dir: &Path, depth: usize) -> Result<Vec<PathBuf>> {
 
 /// The default timings, with `finish_timeout` from RLHF_WANDB_FINISH_TIMEOUT (seconds) when set.
 pub fn policy_from_env() -> Result<Policy> {
+    policy_with_finish_timeout(std::env::var("RLHF_WANDB_FINISH_TIMEOUT").ok())
+}
+
+/// [`policy_from_env`] given RLHF_WANDB_FINISH_TIMEOUT's value.
+fn policy_with_finish_timeout(finish_timeout: Option<String>) -> Result<Policy> {
     let mut policy = Policy::default();
-    if let Ok(text) = std::env::var("RLHF_WANDB_FINISH_TIMEOUT") {
+    if let Some(text) = finish_timeout {
         let secs: f64 =
             text.trim().parse().ok().filter(|s: &f64| s.is_finite() && *s >= 0.0).with_context(|| {
                 format!("RLHF_WANDB_FINISH_TIMEOUT={text:?} is not a number of seconds: use e.g. 60")
@@ -556,6 +561,39 @@ mod tests {
             [("seed".to_string(), config_entry(json!(1234), Some("Seed".into())))].into_iter().collect();
         set_flags_config(config.clone());
         assert_eq!(flags_config(), Some(config));
+    }
+
+    #[test]
+    fn the_finish_timeout_is_a_non_negative_number_of_seconds() -> Result<()> {
+        assert_eq!(policy_with_finish_timeout(None)?.finish_timeout, Policy::default().finish_timeout);
+        for (text, secs) in [("60", 60.0), (" 2.5 ", 2.5), ("0", 0.0)] {
+            let got = policy_with_finish_timeout(Some(text.into()))?.finish_timeout;
+            assert_eq!(got, Duration::from_secs_f64(secs), "{text:?}");
+        }
+        for text in ["-1", "NaN", "inf", "a minute", ""] {
+            let err = policy_with_finish_timeout(Some(text.into())).unwrap_err().to_string();
+            assert!(err.contains("RLHF_WANDB_FINISH_TIMEOUT") && err.contains("use e.g. 60"), "{text:?}: {err}");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn runs_are_found_at_most_four_levels_down_in_name_order() -> Result<()> {
+        let root = tempfile::tempdir()?;
+        let run_at = |path: &str| -> Result<PathBuf> {
+            let dir = root.path().join(path);
+            std::fs::create_dir_all(&dir)?;
+            std::fs::write(dir.join(store::RUN_FILE), "{}")?;
+            Ok(dir)
+        };
+        let (deep, b, a) = (run_at("1/2/3/4")?, run_at("b/run")?, run_at("a")?);
+        run_at("1/2/3/4/5/too-deep")?;
+        // A run directory's own subdirectories are not searched.
+        run_at("a/inside")?;
+        assert_eq!(find_run_dirs(root.path(), 4)?, [deep, a.clone(), b]);
+        assert_eq!(find_run_dirs(&a, 4)?, [a]);
+        assert!(find_run_dirs(&root.path().join("1"), 2)?.is_empty());
+        Ok(())
     }
 
     #[test]

@@ -117,6 +117,21 @@ mod tests {
     }
 
     #[test]
+    fn a_login_account_or_port_spelled_like_a_keyword_is_a_value() {
+        let text = "machine a.io login machine account password port default password real\n";
+        assert_eq!(password_in(text, "a.io").as_deref(), Some("real"));
+        assert_eq!(password_in(text, "machine"), None);
+    }
+
+    #[test]
+    fn a_quote_left_open_runs_to_the_end_of_the_file() {
+        assert_eq!(password_in("machine a.io password \"p w", "a.io").as_deref(), Some("p w"));
+        // A backslash with nothing after it is itself.
+        assert_eq!(password_in("machine a.io password \"p\\", "a.io").as_deref(), Some("p\\"));
+        assert_eq!(password_in("machine a.io password \"\\n\\t\\r\\x\"", "a.io").as_deref(), Some("\n\t\rx"));
+    }
+
+    #[test]
     fn the_default_entry_serves_hosts_without_their_own() {
         let text = "machine a.io password one\ndefault login anyone password fallback\n";
         assert_eq!(password_in(text, "b.io").as_deref(), Some("fallback"));
