@@ -7,7 +7,8 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use telemetry::wandb::stream::{Policy, Say};
+use telemetry::wandb::api::{Api, RunInfo};
+use telemetry::wandb::stream::{Policy, Say, Stream, Uploader};
 use telemetry::wandb::{config_of_args, store, sync_dir, Flags, Mode, Settings, WandbRun};
 
 const KEY: &str = "testkey";
@@ -405,6 +406,7 @@ fn server_errors_are_retried_without_duplicates_and_refusals_are_not() {
     assert_eq!(refusing.requests().len(), 1);
     let warned = warnings(&said);
     assert!(warned[0].contains("HTTP 403") && warned[0].contains("not retrying"), "{warned:?}");
+    assert!(warned[1].contains("not finished on the service (10 rows not uploaded)"), "{warned:?}");
     assert_eq!(local_history(run.dir()).len(), 10);
 }
 
@@ -468,4 +470,108 @@ fn sync_retries_a_failing_service_three_times_then_names_the_run() {
     assert_eq!((synced[0].sent, synced[0].completed), (5, Some(0)));
     assert_eq!(flaky.history(&id), local_history(&dir));
     assert_eq!(flaky.exit_code(&id), Some(0));
+}
+
+/// Rows reach the service while the run goes on (each log wakes the upload), and an idle run
+/// sends a heartbeat: an empty request that tells the service the run is alive.
+#[test]
+fn rows_go_up_as_they_are_logged_and_an_idle_run_sends_heartbeats() {
+    let service = FakeWandb::start();
+    let out = tempfile::tempdir().unwrap();
+    let (say, _) = collector();
+    let s = settings(Mode::Online, &service.url, &out.path().join("actor"));
+    let policy = Policy { heartbeat: Duration::from_millis(300), ..fast_policy() };
+    let mut run = WandbRun::start(&s, false, Default::default(), policy, say).unwrap().unwrap();
+    let id = run_id(&run);
+    let until = |deadline: Duration, done: &dyn Fn() -> bool| {
+        let start = Instant::now();
+        while !done() && start.elapsed() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        done()
+    };
+    // Six steps write five rows (the sixth waits for its step's other records).
+    log_rows(&mut run, 0, 6);
+    assert!(until(Duration::from_secs(3), &|| service.history(&id).len() == 5), "{:?}", service.history(&id));
+    let empty = || service.requests().iter().filter(|r| r.body == json!({"files": {}})).count();
+    assert!(until(Duration::from_secs(3), &|| empty() >= 2), "{} heartbeats", empty());
+    run.finish(0).unwrap();
+    assert_eq!(service.history(&id).len(), 6);
+}
+
+/// At the end of a run, a service that keeps failing is retried until the policy's finish
+/// deadline, then the upload reports what it did not send, rather than running on.
+#[test]
+fn at_the_end_a_failing_service_is_retried_until_the_finish_deadline() {
+    let service = FakeWandb::start();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join(store::HISTORY_FILE), "{\"_step\":0}\n{\"_step\":1}\n").unwrap();
+    let run = RunInfo {
+        id: "deadline1".into(),
+        project: "proj".into(),
+        entity: None,
+        display_name: "actor".into(),
+        group: None,
+        config: Default::default(),
+        host: "h".into(),
+    };
+    let policy = Policy { finish_timeout: Duration::from_millis(400), ..fast_policy() };
+    let api = Api::new(&service.url, KEY, policy.request_timeout).unwrap();
+    service.set(|b| b.fail_stream = Some((503, 100_000)));
+    let (say, _) = collector();
+    let uploader = Uploader::spawn(Stream::new(api, run, dir.path()), policy, say);
+    let started = Instant::now();
+    // Waiting far longer than the deadline: the upload ends by itself at about 0.4 s.
+    let outcome = uploader.finish(0, Duration::from_secs(10)).expect("the upload ended");
+    assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
+    assert_eq!((outcome.completed, outcome.sent), (false, 0));
+    let streams = service.requests().iter().filter(|r| r.path.ends_with("/file_stream")).count();
+    assert!(streams >= 2, "retried: {streams} requests");
+}
+
+/// Rows logged in a burst go up together: after a request the upload gathers rows for the
+/// policy's `batch_interval` (the service is not sent one request a row), and the end of the
+/// run cuts that wait short. The margins are wide: a slower machine only batches more.
+#[test]
+fn rows_are_gathered_for_the_batch_interval_and_the_end_cuts_it_short() {
+    let service = FakeWandb::start();
+    let out = tempfile::tempdir().unwrap();
+    let (say, _) = collector();
+    let s = settings(Mode::Online, &service.url, &out.path().join("actor"));
+    let policy = Policy { batch_interval: Duration::from_secs(4), ..fast_policy() };
+    let mut run = WandbRun::start(&s, false, Default::default(), policy, say).unwrap().unwrap();
+    let id = run_id(&run);
+    for i in 0..20 {
+        log_rows(&mut run, i, 1);
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let ending = Instant::now();
+    run.finish(0).unwrap();
+    assert!(ending.elapsed() < Duration::from_secs(2), "the end waited {:?} for the batch", ending.elapsed());
+    assert_eq!(service.history(&id).len(), 20);
+    let with_rows = service.requests().iter().filter(|r| r.body["files"].get("wandb-history.jsonl").is_some()).count();
+    assert!(with_rows <= 4, "20 rows in {with_rows} requests");
+}
+
+/// A failing service is retried with a backoff that doubles (20, 40, 80 ... 640 ms): in 1.5 s a
+/// handful of tries, not one every 20 ms.
+#[test]
+fn retries_back_off() {
+    let service = FakeWandb::start();
+    service.set(|b| b.fail_stream = Some((503, 100_000)));
+    let out = tempfile::tempdir().unwrap();
+    let (say, _) = collector();
+    let s = settings(Mode::Online, &service.url, &out.path().join("actor"));
+    let policy = Policy {
+        backoff_base: Duration::from_millis(20),
+        backoff_max: Duration::from_millis(640),
+        finish_timeout: Duration::from_millis(300),
+        ..fast_policy()
+    };
+    let mut run = WandbRun::start(&s, false, Default::default(), policy, say).unwrap().unwrap();
+    log_rows(&mut run, 0, 3);
+    std::thread::sleep(Duration::from_millis(1500));
+    let tries = service.requests().iter().filter(|r| r.path.ends_with("/file_stream")).count();
+    assert!((2..=12).contains(&tries), "{tries} tries in 1.5 s");
+    run.finish(0).unwrap();
 }

@@ -369,9 +369,14 @@ impl WandbRun {
             Some(Outcome { url, sent, completed: true, .. }) => {
                 (self.say)(&format!("wandb: uploaded {sent} rows; run finished: {}", url.unwrap_or_default()))
             }
-            Some(Outcome { pending, .. }) => (self.say)(&format!(
-                "warning: wandb: the run is not finished on the service ({pending} rows not uploaded); upload it with: train wandb-sync {dir}"
-            )),
+            Some(Outcome { sent, .. }) => {
+                // Counted now, not where the upload stopped: rows logged after a refusal (and
+                // the last row, written above) are not uploaded either.
+                let pending = store::read_history(&self.run.history_path(), sent).map_or(0, |lines| lines.len());
+                (self.say)(&format!(
+                    "warning: wandb: the run is not finished on the service ({pending} rows not uploaded); upload it with: train wandb-sync {dir}"
+                ))
+            }
             None => (self.say)(&format!(
                 "warning: wandb: the upload did not end within {} s; upload the rest with: train wandb-sync {dir}",
                 self.policy.finish_timeout.as_secs()

@@ -132,6 +132,14 @@ mod tests {
     }
 
     #[test]
+    fn the_last_token_of_a_file_without_a_final_newline_is_read() {
+        assert_eq!(password_in("machine a.io password p", "a.io").as_deref(), Some("p"));
+        // A macro may run to the end of the file, and an empty quoted value is a value.
+        let text = "machine a.io login \"\" password p\nmacdef init\ncd /tmp";
+        assert_eq!(password_in(text, "a.io").as_deref(), Some("p"));
+    }
+
+    #[test]
     fn the_default_entry_serves_hosts_without_their_own() {
         let text = "machine a.io password one\ndefault login anyone password fallback\n";
         assert_eq!(password_in(text, "b.io").as_deref(), Some("fallback"));

@@ -175,4 +175,44 @@ mod tests {
         assert!(RunDir::latest(parent.path()).is_err());
         Ok(())
     }
+
+    #[test]
+    fn the_latest_pointer_names_one_directory_of_the_parent_or_nothing() -> Result<()> {
+        let parent = tempfile::tempdir()?;
+        assert!(RunDir::latest(parent.path())?.is_none(), "no pointer, no latest run");
+        let run = RunDir::create(parent.path(), record("dddd-4_4"))?;
+        std::fs::write(
+            parent.path().join(LATEST_FILE),
+            format!("{}\n", run.dir.file_name().unwrap().to_string_lossy()),
+        )?;
+        assert_eq!(RunDir::latest(parent.path())?.expect("the run").dir, run.dir);
+        for name in ["", " \n", "a/b", "a\\b", ".."] {
+            std::fs::write(parent.path().join(LATEST_FILE), name)?;
+            let err = RunDir::latest(parent.path()).err().expect("refused").to_string();
+            assert!(err.contains("does not name a run directory") && err.contains("remove it"), "{name:?}: {err}");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn a_run_id_of_letters_digits_dashes_and_underscores_opens_and_no_other() -> Result<()> {
+        let parent = tempfile::tempdir()?;
+        let run = RunDir::create(parent.path(), record("Ab9-_x"))?;
+        assert_eq!(RunDir::open(&run.dir)?.record.id, "Ab9-_x");
+        for id in ["", "a.b", "a b", "ü"] {
+            std::fs::write(run.dir.join(RUN_FILE), serde_json::to_string(&record(id))?)?;
+            let err = format!("{:#}", RunDir::open(&run.dir).err().expect("refused"));
+            assert!(err.contains("is not letters, digits, - and _"), "{id:?}: {err}");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn a_history_that_cannot_be_read_is_an_error_and_a_missing_one_is_empty() -> Result<()> {
+        let dir = tempfile::tempdir()?;
+        assert!(read_history(&dir.path().join("absent.jsonl"), 0)?.is_empty());
+        let err = format!("{:#}", read_history(dir.path(), 0).expect_err("a directory is no history"));
+        assert!(err.contains("cannot read"), "{err}");
+        Ok(())
+    }
 }

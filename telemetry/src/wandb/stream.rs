@@ -145,11 +145,6 @@ impl Stream {
         Ok(lines.len())
     }
 
-    /// Lines of the history file the service lacks.
-    pub fn pending(&self) -> usize {
-        read_history(&self.history, self.sent).map_or(0, |l| l.len())
-    }
-
     /// An empty request: the run is alive.
     pub fn heartbeat(&self) -> Result<(), ApiError> {
         let bucket = self.bucket.as_ref().ok_or_else(|| ApiError::Failed("not connected".into()))?;
@@ -188,8 +183,6 @@ fn fold_summary(summary: &mut serde_json::Map<String, Value>, line: &str) {
 pub struct Outcome {
     pub url: Option<String>,
     pub sent: usize,
-    /// Lines the service did not get (they stay on disk for `train wandb-sync`).
-    pub pending: usize,
     /// Whether the run was marked finished.
     pub completed: bool,
 }
@@ -298,5 +291,33 @@ fn upload(mut stream: Stream, policy: &Policy, say: &Say, wake: &Receiver<()>, f
             Err(RecvTimeoutError::Timeout) => drop(stream.heartbeat()),
         }
     };
-    Outcome { url: stream.url(), sent: stream.sent(), pending: stream.pending(), completed }
+    Outcome { url: stream.url(), sent: stream.sent(), completed }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_runs_page_is_on_the_app_host_once_connected() {
+        let run = RunInfo {
+            id: "abcd1234".into(),
+            project: "proj".into(),
+            entity: None,
+            display_name: "actor".into(),
+            group: None,
+            config: Default::default(),
+            host: "h".into(),
+        };
+        let page = |base_url: &str| {
+            let api = Api::new(base_url, "k", Duration::from_secs(1)).unwrap();
+            let mut stream = Stream::new(api, run.clone(), std::path::Path::new("unused"));
+            assert_eq!(stream.url(), None, "not connected");
+            stream.bucket = Some(Bucket { entity: "ent".into(), project: "proj".into(), history_line_count: 0 });
+            stream.url()
+        };
+        assert_eq!(page("https://api.wandb.ai").as_deref(), Some("https://wandb.ai/ent/proj/runs/abcd1234"));
+        // A local server has no api. host: its own address serves the page.
+        assert_eq!(page("http://127.0.0.1:8080/").as_deref(), Some("http://127.0.0.1:8080/ent/proj/runs/abcd1234"));
+    }
 }
