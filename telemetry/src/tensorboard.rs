@@ -440,7 +440,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let hparams: BTreeMap<String, HParam> =
             [("lr".to_string(), HParam::number(1e-3)), ("dtype".into(), HParam::text("bf16"))].into();
-        let before = now();
+        // The clock read here, not through the `now` under test.
+        let clock = || std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs_f64();
+        let before = clock();
         let mut w = EventWriter::create(dir.path()).unwrap();
         // A text summary first: another plugin's summary is not the session.
         w.text(0, "flags", "`--lr 1e-3`").unwrap();
@@ -451,7 +453,7 @@ mod tests {
             "started, not ended"
         );
         w.hparams_end(false).unwrap();
-        let after = now();
+        let after = clock();
         assert_eq!(read_hparams(w.path()).unwrap(), Some(Session { hparams, status: Some(STATUS_FAILURE) }));
 
         // Each a summary of the plugin, metadata only, at step 0, under the plugin's tags.

@@ -602,6 +602,34 @@ mod tests {
     }
 
     #[test]
+    fn a_resumed_run_continues_the_latest_run_unless_wandb_run_id_names_another() -> Result<()> {
+        let out = tempfile::tempdir()?;
+        let output = out.path().join("sft");
+        // The directory and the run's start: a run continued keeps its start, one created in
+        // the same second under the same id would have the same directory but a new start.
+        let start = |id: &'static str, resume: bool| -> Result<(PathBuf, f64)> {
+            let env = move |name: &str| match name {
+                "WANDB_MODE" => Some("offline".to_string()),
+                "WANDB_RUN_ID" => Some(id.to_string()),
+                _ => None,
+            };
+            let settings = Settings::resolve(&Flags::default(), &output, env, None)?;
+            let say: Say = std::sync::Arc::new(|_: &str| {});
+            let mut run = WandbRun::start(&settings, resume, Default::default(), Policy::default(), say)?
+                .ok_or_else(|| anyhow::anyhow!("wandb is on"))?;
+            run.finish(0)?;
+            let record = store::RunDir::open(run.dir())?.record;
+            assert_eq!(record.id, id);
+            Ok((run.dir().to_path_buf(), record.started_at))
+        };
+        let first = start("first-id", false)?;
+        assert_eq!(start("first-id", true)?, first, "the same run id: the same run");
+        let other = start("other-id", true)?;
+        assert!(other.0 != first.0 && other.1 > first.1, "another run id: a run of its own");
+        Ok(())
+    }
+
+    #[test]
     fn the_key_comes_from_the_netrc_entry_of_the_services_host() -> Result<()> {
         let home = tempfile::tempdir()?;
         std::fs::write(
