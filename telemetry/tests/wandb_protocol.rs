@@ -196,6 +196,13 @@ fn warnings(lines: &Mutex<Vec<String>>) -> Vec<String> {
     lines.lock().unwrap().iter().filter(|l| l.starts_with("warning:")).cloned().collect()
 }
 
+/// A new wandb run in `mode` for the output directory `output`, and the messages it prints.
+fn start_run(mode: Mode, base_url: &str, output: &Path, policy: Policy) -> (WandbRun, Arc<Mutex<Vec<String>>>) {
+    let (say, said) = collector();
+    let s = settings(mode, base_url, output);
+    (WandbRun::start(&s, false, Default::default(), policy, say).unwrap().unwrap(), said)
+}
+
 /// Logs `n` rows (step `start + i`, loss 1/(i+1)); the longest a `log` call took.
 fn log_rows(run: &mut WandbRun, start: i64, n: usize) -> Duration {
     let mut slowest = Duration::ZERO;
@@ -272,9 +279,7 @@ fn the_service_down_slows_nothing_and_sync_uploads_everything_later() {
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let down = format!("http://127.0.0.1:{port}"); // nothing listens there now
     let out = tempfile::tempdir().unwrap();
-    let (say, said) = collector();
-    let s = settings(Mode::Online, &down, &out.path().join("reward"));
-    let mut run = WandbRun::start(&s, false, Default::default(), fast_policy(), say).unwrap().unwrap();
+    let (mut run, said) = start_run(Mode::Online, &down, &out.path().join("reward"), fast_policy());
     let started = Instant::now();
     let slowest = log_rows(&mut run, 0, 300);
     std::thread::sleep(Duration::from_millis(300)); // a few retries
@@ -308,9 +313,7 @@ fn the_service_down_slows_nothing_and_sync_uploads_everything_later() {
 fn offline_runs_send_nothing_and_keep_every_row_for_sync() {
     let service = FakeWandb::start();
     let out = tempfile::tempdir().unwrap();
-    let (say, said) = collector();
-    let s = settings(Mode::Offline, &service.url, &out.path().join("step3"));
-    let mut run = WandbRun::start(&s, false, Default::default(), fast_policy(), say).unwrap().unwrap();
+    let (mut run, said) = start_run(Mode::Offline, &service.url, &out.path().join("step3"), fast_policy());
     let id = run_id(&run);
     log_rows(&mut run, 5, 25);
     run.finish(0).unwrap();
@@ -336,9 +339,7 @@ fn offline_runs_send_nothing_and_keep_every_row_for_sync() {
 #[test]
 fn each_step_is_one_row() {
     let out = tempfile::tempdir().unwrap();
-    let (say, _) = collector();
-    let s = settings(Mode::Offline, "http://127.0.0.1:9", &out.path().join("sft"));
-    let mut run = WandbRun::start(&s, false, Default::default(), fast_policy(), say).unwrap().unwrap();
+    let (mut run, _) = start_run(Mode::Offline, "http://127.0.0.1:9", &out.path().join("sft"), fast_policy());
     run.log(10, &[("loss".into(), 2.0), ("lr".into(), 1e-3)]).unwrap();
     run.log(10, &[("eval_loss".into(), 2.5)]).unwrap();
     run.log(20, &[("loss".into(), 1.0)]).unwrap();
@@ -361,9 +362,7 @@ fn a_slow_service_does_not_hold_training_up() {
     let service = FakeWandb::start();
     service.set(|b| b.delay = Duration::from_millis(250));
     let out = tempfile::tempdir().unwrap();
-    let (say, _) = collector();
-    let s = settings(Mode::Online, &service.url, &out.path().join("actor"));
-    let mut run = WandbRun::start(&s, false, Default::default(), fast_policy(), say).unwrap().unwrap();
+    let (mut run, _) = start_run(Mode::Online, &service.url, &out.path().join("actor"), fast_policy());
     let id = run_id(&run);
     let mut slowest = Duration::ZERO;
     for i in 0..60 {
@@ -381,9 +380,7 @@ fn server_errors_are_retried_without_duplicates_and_refusals_are_not() {
     let service = FakeWandb::start();
     service.set(|b| b.fail_stream = Some((503, 3)));
     let out = tempfile::tempdir().unwrap();
-    let (say, said) = collector();
-    let s = settings(Mode::Online, &service.url, &out.path().join("actor"));
-    let mut run = WandbRun::start(&s, false, Default::default(), fast_policy(), say).unwrap().unwrap();
+    let (mut run, said) = start_run(Mode::Online, &service.url, &out.path().join("actor"), fast_policy());
     let id = run_id(&run);
     log_rows(&mut run, 0, 50);
     run.finish(0).unwrap();
@@ -397,9 +394,7 @@ fn server_errors_are_retried_without_duplicates_and_refusals_are_not() {
     // A refused key: one request, no retries, the rows on disk.
     let refusing = FakeWandb::start();
     refusing.set(|b| b.refuse_graphql = Some(403));
-    let (say, said) = collector();
-    let s = settings(Mode::Online, &refusing.url, &out.path().join("reward"));
-    let mut run = WandbRun::start(&s, false, Default::default(), fast_policy(), say).unwrap().unwrap();
+    let (mut run, said) = start_run(Mode::Online, &refusing.url, &out.path().join("reward"), fast_policy());
     log_rows(&mut run, 0, 10);
     std::thread::sleep(Duration::from_millis(200));
     run.finish(0).unwrap();
@@ -416,9 +411,7 @@ fn a_resumed_training_run_continues_its_wandb_run_including_rows_never_sent() {
     let out = tempfile::tempdir().unwrap();
     let output = out.path().join("step3");
     // First attempt: the service is down and the run dies (dropped without finishing).
-    let (say, _) = collector();
-    let s = settings(Mode::Online, &format!("http://127.0.0.1:{port}"), &output);
-    let mut run = WandbRun::start(&s, false, Default::default(), fast_policy(), say).unwrap().unwrap();
+    let (mut run, _) = start_run(Mode::Online, &format!("http://127.0.0.1:{port}"), &output, fast_policy());
     let (id, first_dir) = (run_id(&run), run.dir().to_path_buf());
     log_rows(&mut run, 0, 7);
     drop(run);
@@ -449,9 +442,7 @@ fn a_resumed_training_run_continues_its_wandb_run_including_rows_never_sent() {
 #[test]
 fn sync_retries_a_failing_service_three_times_then_names_the_run() {
     let out = tempfile::tempdir().unwrap();
-    let (say, _) = collector();
-    let s = settings(Mode::Offline, "http://127.0.0.1:9", &out.path().join("sft"));
-    let mut run = WandbRun::start(&s, false, Default::default(), fast_policy(), say).unwrap().unwrap();
+    let (mut run, _) = start_run(Mode::Offline, "http://127.0.0.1:9", &out.path().join("sft"), fast_policy());
     let (id, dir) = (run_id(&run), run.dir().to_path_buf());
     log_rows(&mut run, 0, 5);
     run.finish(0).unwrap();
@@ -478,10 +469,8 @@ fn sync_retries_a_failing_service_three_times_then_names_the_run() {
 fn rows_go_up_as_they_are_logged_and_an_idle_run_sends_heartbeats() {
     let service = FakeWandb::start();
     let out = tempfile::tempdir().unwrap();
-    let (say, _) = collector();
-    let s = settings(Mode::Online, &service.url, &out.path().join("actor"));
     let policy = Policy { heartbeat: Duration::from_millis(300), ..fast_policy() };
-    let mut run = WandbRun::start(&s, false, Default::default(), policy, say).unwrap().unwrap();
+    let (mut run, _) = start_run(Mode::Online, &service.url, &out.path().join("actor"), policy);
     let id = run_id(&run);
     let until = |deadline: Duration, done: &dyn Fn() -> bool| {
         let start = Instant::now();
@@ -536,10 +525,8 @@ fn at_the_end_a_failing_service_is_retried_until_the_finish_deadline() {
 fn rows_are_gathered_for_the_batch_interval_and_the_end_cuts_it_short() {
     let service = FakeWandb::start();
     let out = tempfile::tempdir().unwrap();
-    let (say, _) = collector();
-    let s = settings(Mode::Online, &service.url, &out.path().join("actor"));
     let policy = Policy { batch_interval: Duration::from_secs(4), ..fast_policy() };
-    let mut run = WandbRun::start(&s, false, Default::default(), policy, say).unwrap().unwrap();
+    let (mut run, _) = start_run(Mode::Online, &service.url, &out.path().join("actor"), policy);
     let id = run_id(&run);
     for i in 0..20 {
         log_rows(&mut run, i, 1);
