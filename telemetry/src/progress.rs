@@ -183,8 +183,9 @@ pub struct Phase {
     bar: Option<ProgressBar>,
     started: Instant,
     last_log: Instant,
-    /// Off a terminal, no status lines (a phase a run's own log already reports).
-    quiet: bool,
+    /// Whether the phase writes status and end lines: off a terminal, unless it is a phase a
+    /// run's own log already reports ([`Self::bar_only`]).
+    logs: bool,
 }
 
 impl Phase {
@@ -193,7 +194,7 @@ impl Phase {
         let template = format!("{label}: {{bar:30}} {{pos}}/{{len}} {unit} [{{elapsed_precise}} < {{eta_precise}}]");
         let now = Instant::now();
         let bar = bar(total, 0, &template);
-        Self { label: label.into(), unit, total, done: 0, bar, started: now, last_log: now, quiet: false }
+        Self { label: label.into(), unit, total, done: 0, bar, started: now, last_log: now, logs: !on_terminal() }
     }
 
     /// [`Self::start`] without the status lines off a terminal: a bar only (on a terminal, or
@@ -201,7 +202,7 @@ impl Phase {
     /// (each PPO rollout's generation, which its step line times).
     pub fn bar_only(label: &str, unit: &'static str, total: u64) -> Self {
         let mut phase = Self::start(label, unit, total);
-        phase.quiet = true;
+        phase.logs = false;
         phase
     }
 
@@ -218,10 +219,24 @@ impl Phase {
         if let Some(bar) = &self.bar {
             bar.inc(n);
         }
-        if !self.quiet && !on_terminal() && self.last_log.elapsed() >= LOG_EVERY {
-            self.last_log = Instant::now();
-            eprintln!("{}", status_line(&self.label, self.unit, self.done, self.total, self.started.elapsed()));
+        if let Some(line) = self.status_line_due(Instant::now()) {
+            eprintln!("{line}");
         }
+    }
+
+    /// The status line due at `now`, [`LOG_EVERY`] after the last one (or the start).
+    fn status_line_due(&mut self, now: Instant) -> Option<String> {
+        if !self.logs || now.saturating_duration_since(self.last_log) < LOG_EVERY {
+            return None;
+        }
+        self.last_log = now;
+        Some(status_line(&self.label, self.unit, self.done, self.total, now.saturating_duration_since(self.started)))
+    }
+
+    /// The end line, when the phase ending at `now` took at least [`LOG_IF_LONGER`].
+    fn end_line_due(&self, now: Instant) -> Option<String> {
+        let elapsed = now.saturating_duration_since(self.started);
+        (self.logs && elapsed >= LOG_IF_LONGER).then(|| end_line(&self.label, self.unit, self.done, elapsed))
     }
 }
 
@@ -243,8 +258,8 @@ impl Drop for Phase {
         if let Some(bar) = self.bar.take() {
             remove(&bar);
         }
-        if !self.quiet && !on_terminal() && self.started.elapsed() >= LOG_IF_LONGER {
-            eprintln!("{}", end_line(&self.label, self.unit, self.done, self.started.elapsed()));
+        if let Some(line) = self.end_line_due(Instant::now()) {
+            eprintln!("{line}");
         }
     }
 }
@@ -307,6 +322,28 @@ mod tests {
             end_line("tokenizing", "texts", 5000, Duration::from_millis(48_400)),
             "tokenizing: 5000 texts in 48 s"
         );
+    }
+
+    #[test]
+    fn off_a_terminal_a_phase_logs_every_30_s_and_at_its_end_after_2_s() {
+        let mut phase = Phase::start("tokenizing", "texts", 10);
+        assert_eq!(phase.logs, !on_terminal(), "status lines off a terminal only");
+        phase.logs = true;
+        let t0 = phase.started;
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        phase.inc(4);
+        assert_eq!(phase.status_line_due(at(29_999)), None, "not before 30 s");
+        let line = phase.status_line_due(at(30_000));
+        assert_eq!(line.as_deref(), Some("tokenizing: 4/10 texts (40%), 30 s so far, about 45 s left"));
+        assert_eq!(phase.status_line_due(at(59_999)), None, "30 s after the last line, not after the start");
+        assert!(phase.status_line_due(at(60_000)).is_some());
+        assert_eq!(phase.end_line_due(at(1_999)), None, "a short phase ends without a line");
+        assert_eq!(phase.end_line_due(at(2_000)).as_deref(), Some("tokenizing: 4 texts in 2 s"));
+
+        let mut quiet = Phase::bar_only("generating", "prompts", 10);
+        assert!(!quiet.logs);
+        assert_eq!(quiet.status_line_due(at(600_000)), None, "a bar-only phase writes no status line");
+        assert_eq!(quiet.end_line_due(at(600_000)), None, "nor an end line");
     }
 
     #[test]
