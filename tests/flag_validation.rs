@@ -532,7 +532,7 @@ fn step_3_and_pretraining_read_a_deepspeed_config_in_their_own_flags() {
         "pretrain.json",
         r#"{"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3, "gradient_clipping": 0.25,
             "optimizer": {"type": "Adam", "params": {"lr": 6e-4, "betas": [0.9, 0.999], "weight_decay": 0.05}},
-            "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 7}}}"#,
+            "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 7, "warmup_type": "linear"}}}"#,
     );
     let expanded =
         expand::<sft::pretrain_args::PretrainArgs>(argv("sft", &megatron, &["--from-scratch", "--train-iters", "9"]))

@@ -283,6 +283,10 @@ fn optimizer(value: &Value, set: &mut Set) -> Result<()> {
     Ok(())
 }
 
+/// DeepSpeed's three warmup schedulers as Hugging Face's (which the steps implement, stepped as
+/// DS-Chat steps them). Where DeepSpeed's default differs from what runs here (a log warmup; a
+/// cosine ending at 1e-4 of the peak) the key must say what runs; DeepSpeed's default warmup of
+/// 1000 steps, and at least 2, carries over.
 fn scheduler(value: &Value, set: &mut Set, ignored: &mut Vec<String>) -> Result<()> {
     let kind = value.get("type").and_then(Value::as_str).unwrap_or("");
     let hf = match kind {
@@ -292,15 +296,37 @@ fn scheduler(value: &Value, set: &mut Set, ignored: &mut Vec<String>) -> Result<
         _ => bail!("scheduler.type {kind:?} is not implemented: WarmupLR, WarmupDecayLR or WarmupCosineLR"),
     };
     set("--lr-scheduler-type", Some(hf.into()), "scheduler.type");
-    let Some(Value::Object(params)) = value.get("params") else { return Ok(()) };
+    let no_params = serde_json::Map::new();
+    let params = match value.get("params") {
+        None => &no_params,
+        Some(Value::Object(params)) => params,
+        Some(other) => bail!("scheduler.params {other} is not an object"),
+    };
+    if params.get("warmup_type").and_then(Value::as_str) != Some("linear") {
+        let given = params.get("warmup_type").map_or("absent (DeepSpeed's default: log)".into(), Value::to_string);
+        bail!(
+            "scheduler.params.warmup_type {given}: DeepSpeed's log warmup is not implemented, the warmup here is \
+             linear: add \"warmup_type\": \"linear\""
+        );
+    }
+    if kind == "WarmupCosineLR" && !params.contains_key("cos_min_ratio") {
+        bail!("scheduler.params.cos_min_ratio absent (DeepSpeed's default: 0.0001): the cosine decays to 0 here: add \"cos_min_ratio\": 0");
+    }
+    let warmup = match params.get("warmup_num_steps") {
+        Some(v) => (count(v, "scheduler.params.warmup_num_steps")?, "scheduler.params.warmup_num_steps"),
+        None => (1000, "scheduler.params.warmup_num_steps (absent: DeepSpeed's default)"),
+    };
+    set("--num-warmup-steps", Some(warmup.0.max(2).to_string()), warmup.1);
     for (key, v) in params {
         let full = format!("scheduler.params.{key}");
         match key.as_str() {
-            "warmup_num_steps" => set("--num-warmup-steps", Some(count(v, &full)?.to_string()), &full),
+            "warmup_type" | "warmup_num_steps" => {}
             "warmup_max_lr" => set("--learning-rate", Some(number(v, &full)?.to_string()), &full),
-            "warmup_min_lr" if number(v, &full)? != 0.0 => {
+            "warmup_min_lr" | "warmup_min_ratio" if number(v, &full)? != 0.0 => {
                 bail!("{full} {v}: the warmup starts at 0 here: use 0")
             }
+            "cos_min_ratio" if number(v, &full)? != 0.0 => bail!("{full} {v}: the cosine decays to 0 here: use 0"),
+            "warmup_min_lr" | "warmup_min_ratio" | "cos_min_ratio" => {}
             // The schedule spans the run's own steps.
             _ => ignored.push(full),
         }
@@ -392,7 +418,7 @@ mod tests {
             "gradient_clipping": 1.0, "prescale_gradients": false, "wall_clock_breakdown": false,
             "communication_data_type": "bf16",
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
-            "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10, "total_num_steps": 1000}},
+            "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10, "total_num_steps": 1000, "warmup_type": "linear"}},
         });
         let s = settings(&config, 2)?;
         let f = flags(&s);
@@ -458,6 +484,42 @@ mod tests {
         let both = json!({"fp16": {"enabled": true}, "bf16": {"enabled": true}});
         assert!(err(both, 1).contains("both true"));
         assert_eq!(f(json!({"fp16": {"enabled": false}, "bf16": {"enabled": true}}), 1).unwrap(), ["--dtype=bf16"]);
+    }
+
+    /// DeepSpeed's schedulers run here as Hugging Face's with a linear warmup: DeepSpeed's
+    /// defaults that differ (its log warmup, a cosine's floor) are refused unless the config
+    /// says what runs here; its default warmup (1000 steps, at least 2) carries over.
+    #[test]
+    fn schedulers_are_refused_where_deepspeeds_defaults_differ() -> Result<()> {
+        let f = |scheduler: Value| settings(&json!({ "scheduler": scheduler }), 1).map(|s| flags(&s));
+        let err = |scheduler: Value| f(scheduler).unwrap_err().to_string();
+        assert!(err(json!({"type": "WarmupLR"})).contains("warmup_type absent (DeepSpeed's default: log)"));
+        let log = json!({"type": "WarmupDecayLR", "params": {"warmup_type": "log"}});
+        assert!(err(log).contains("add \"warmup_type\": \"linear\""));
+        let linear = |kind: &str, params: Value| {
+            let mut params = params;
+            params["warmup_type"] = json!("linear");
+            json!({"type": kind, "params": params})
+        };
+        assert_eq!(
+            f(linear("WarmupLR", json!({})))?,
+            ["--lr-scheduler-type=constant_with_warmup", "--num-warmup-steps=1000"]
+        );
+        assert_eq!(
+            f(linear("WarmupDecayLR", json!({"warmup_num_steps": 0, "warmup_max_lr": 0.5})))?,
+            ["--lr-scheduler-type=linear", "--num-warmup-steps=2", "--learning-rate=0.5"]
+        );
+        assert!(err(linear("WarmupCosineLR", json!({}))).contains("cos_min_ratio absent (DeepSpeed's default: 0.0001)"));
+        assert!(err(linear("WarmupCosineLR", json!({"cos_min_ratio": 0.1}))).contains("decays to 0 here: use 0"));
+        let ratio = linear("WarmupCosineLR", json!({"cos_min_ratio": 0, "warmup_min_ratio": 0.2}));
+        assert!(err(ratio).contains("warmup_min_ratio 0.2: the warmup starts at 0 here"));
+        assert!(err(linear("WarmupLR", json!({"warmup_min_lr": 1e-6}))).contains("warmup starts at 0"));
+        assert_eq!(
+            f(linear("WarmupCosineLR", json!({"cos_min_ratio": 0, "warmup_min_ratio": 0, "warmup_num_steps": 5})))?,
+            ["--lr-scheduler-type=cosine", "--num-warmup-steps=5"]
+        );
+        assert!(err(json!({"type": "WarmupLR", "params": [1]})).contains("scheduler.params [1] is not an object"));
+        Ok(())
     }
 
     /// DeepSpeed reads `allgather_bucket_size` at stages 1 and 2 only: at stages 0 and 3 it is
