@@ -589,8 +589,10 @@ fn pretraining_resumes_at_another_world_size_and_stage_on_the_same_trajectory() 
 /// clipping or Adam's usual 1e-8 would normalise the scale away. Step 1's share of the demo data
 /// is a tenth (`--data-split 1,8,1`): 25 optimizer steps at a global micro-batch of 8 rows, 34 at
 /// 6 (a last micro-batch of 4 rows), every one of which must agree with the one-rank run.
+/// 396 training rows: a multiple of 2, 3 and 4 ranks, so that no rank pads its share with
+/// repeated rows (as torch's `DistributedSampler` does), which one rank would not see.
 fn sft_args(out: &Path, per_device: usize, stage: u8) -> Vec<String> {
-    let mut a = args("--data-path demo --data-split 1,8,1 --max-seq-len 48 --learning-rate 2e-3 --num-train-epochs 1 --dropout 0 --gradient-accumulation-steps 2 --device cpu --dist-timeout 60 --log-interval 100 --adam-eps 1e-2 --gradient-clipping 0");
+    let mut a = args("--data-path demo --data-split 99,801,100 --max-seq-len 48 --learning-rate 2e-3 --num-train-epochs 1 --dropout 0 --gradient-accumulation-steps 2 --device cpu --dist-timeout 60 --log-interval 100 --adam-eps 1e-2 --gradient-clipping 0");
     a.extend([
         "--per-device-train-batch-size".into(),
         per_device.to_string(),
@@ -710,8 +712,9 @@ fn sft_with_lora_at_stage_3_and_under_tensor_parallelism_matches_one_rank() {
 /// Step 2 on 54 pairs (5 eval pairs: uneven shares on 2 and 3 ranks) at a global batch of 12
 /// pairs with 2 micro-batches per step: 4 full micro-batches, a last one of 6 pairs, and a final
 /// step flushed from one micro-batch. Large Adam epsilon and no clipping, as [`sft_args`].
+/// 36 training pairs: a multiple of 2, 3 and 4 ranks (see [`sft_args`]).
 fn reward_args(start: &Path, out: &Path, per_device: usize, stage: u8) -> Vec<String> {
-    let mut a = args("--data-path demo --data-split 9865,135,0 --max-seq-len 48 --learning-rate 2e-3 --num-train-epochs 1 --dropout 0 --gradient-accumulation-steps 2 --per-device-eval-batch-size 4 --device cpu --dist-timeout 60 --log-interval 100 --adam-eps 1e-2 --gradient-clipping 0");
+    let mut a = args("--data-path demo --data-split 9877,123,0 --max-seq-len 48 --learning-rate 2e-3 --num-train-epochs 1 --dropout 0 --gradient-accumulation-steps 2 --per-device-eval-batch-size 4 --device cpu --dist-timeout 60 --log-interval 100 --adam-eps 1e-2 --gradient-clipping 0");
     a.extend([
         "--per-device-train-batch-size".into(),
         per_device.to_string(),
@@ -1467,10 +1470,17 @@ fn ppo_in_bf16_at_stages_1_and_2_keeps_master_shards_and_trains_as_stage_0() {
     assert_same_ppo(&lora_sharded, &lora_whole, "PPO with LoRA in bf16 at stages 1 and 2 against stage 0");
     // At stage 3 the same fusion: the fused weights gathered in bf16 for generation, the unfused
     // ones in bf16 for the old log-probs, nothing in fp32. Stage 3 in bf16 forms and sums the
-    // gradients otherwise than stage 0 (unit by unit, the tied embedding's two parts apart):
-    // measured at most 2.6e-4 apart here, exactly as when the rollouts gathered the actor in
-    // fp32 and fused it whole (the build before this fusion).
-    let (lora_stage_3, _) = run("lora-s3", (3, 3), lora);
+    // gradients otherwise than stage 0 (unit by unit, the tied embedding's two parts apart), and
+    // sampling from bf16 weights that differ by that rounding can draw another token, after
+    // which the two runs train on other rollouts (seen at rollout 3 of 4). So the runs stop
+    // after rollout 2, whose samples are the same (asserted through their rewards).
+    let two_rollouts = format!("{lora} --enable-test-mode --test-stop-step 2");
+    let (lora_whole, _) = run("lora-s0-2", (0, 0), &two_rollouts);
+    let (lora_stage_3, _) = run("lora-s3-2", (3, 3), &two_rollouts);
+    let rewards =
+        |out: &Path| ppo_metrics(out).0.iter().map(|s| s["rollout"]["reward_mean"].clone()).collect::<Vec<_>>();
+    assert_eq!(rewards(&lora_stage_3), rewards(&lora_whole), "the same samples at stages 3 and 0");
+    assert_eq!(rewards(&lora_whole).len(), 2);
     for model in ["actor", "critic", "actor_ema"] {
         let what = format!("PPO with LoRA in bf16 at stage 3 against stage 0: {model}");
         assert_same_weights(&lora_stage_3.join(model), &lora_whole.join(model), 1e-3, 2.6e-4, &what);

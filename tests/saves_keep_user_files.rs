@@ -99,6 +99,10 @@ fn every_step_saving_into_a_directory_of_user_files_keeps_them() {
             "16",
             "--num-train-epochs",
             "1",
+            // Near the random start: a tiny model trained on these one-token answers answers
+            // with EOS at once, and step 3 refuses a first rollout of empty answers.
+            "--learning-rate",
+            "1e-5",
         ];
         for _ in 0..2 {
             run_like_ds_chat(root, step, dir, &args);

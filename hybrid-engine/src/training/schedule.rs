@@ -85,8 +85,10 @@ pub struct LrSchedule {
 }
 
 impl LrSchedule {
-    /// Learning rate for the update made at 1-based `iteration` (Megatron numbering: the first
-    /// update is iteration 1, so the warmup's first step is already non-zero).
+    /// Learning rate of the update made after `iteration` updates. Hugging Face's schedulers (as
+    /// DS-Chat steps them) and Megatron's `OptimizerParamScheduler` both step after the
+    /// optimizer, so the first update runs at the schedule's value at 0 (0 during a warmup, which
+    /// only fills Adam's moments) and the last of a run of T at T - 1 (above the floor).
     pub fn lr(&self, iteration: u64) -> f64 {
         if self.warmup_iters > 0 && iteration <= self.warmup_iters {
             return self.max_lr * iteration as f64 / self.warmup_iters as f64;
@@ -134,9 +136,59 @@ mod tests {
         assert!("cosine_restarts".parse::<HfScheduler>().unwrap_err().contains("cosine_with_restarts"));
     }
 
+    /// Each update's rate as `transformers.get_scheduler` gives it when stepped after the
+    /// optimizer, as DS-Chat steps it: peak 1, 3 warmup steps, 10 updates
+    /// (`scripts/fixtures/hf_schedules.py`, transformers 5.24.0). The first update runs at 0, the
+    /// last above 0.
     #[test]
-    fn warmup_is_linear_from_the_first_iteration() {
+    fn hf_schedulers_match_transformers_update_by_update() {
+        let warmup = [0.0, 0.3333333333333333, 0.6666666666666666, 1.0];
+        let cosine = [
+            0.9504844339512095,
+            0.8117449009293668,
+            0.6112604669781572,
+            0.38873953302184283,
+            0.18825509907063326,
+            0.04951556604879048,
+        ];
+        let linear = [
+            0.8571428571428571,
+            0.7142857142857143,
+            0.5714285714285714,
+            0.42857142857142855,
+            0.2857142857142857,
+            0.14285714285714285,
+        ];
+        let polynomial = [
+            0.8571428714285715,
+            0.7142857428571429,
+            0.5714286142857142,
+            0.42857148571428577,
+            0.28571435714285714,
+            0.14285722857142863,
+        ];
+        let then = |decay: &[f64]| [&warmup[..], decay].concat();
+        let expected = [
+            ("linear", then(&linear)),
+            ("cosine", then(&cosine)),
+            ("cosine_with_restarts", then(&cosine)),
+            ("polynomial", then(&polynomial)),
+            ("constant", vec![1.0; 10]),
+            ("constant_with_warmup", then(&[1.0; 6])),
+        ];
+        for (name, want) in expected {
+            let schedule = name.parse::<HfScheduler>().unwrap().schedule(1.0, 3, 10);
+            let got: Vec<f64> = (0..10).map(|done| schedule.lr(done)).collect();
+            for (update, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert!((g - w).abs() <= 1e-15, "{name}, update {}: {g} where transformers gives {w}", update + 1);
+            }
+        }
+    }
+
+    #[test]
+    fn warmup_is_linear_from_0() {
         let s = sched(DecayStyle::Cosine);
+        assert_eq!(s.lr(0), 0.0);
         assert_eq!(s.lr(1), 0.1);
         assert_eq!(s.lr(5), 0.5);
         assert_eq!(s.lr(10), 1.0);

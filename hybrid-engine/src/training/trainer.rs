@@ -340,6 +340,11 @@ impl Trainer {
         Ok(())
     }
 
+    /// The learning rate of the latest update (of the first, before any).
+    pub fn latest_lr(&self) -> f64 {
+        self.schedule.lr(self.optimizer.step.saturating_sub(1))
+    }
+
     /// Updates skipped so far.
     pub fn skipped_steps(&self) -> u64 {
         self.scaler.as_ref().map_or(0, |s| s.skipped_steps) + self.forced_skips
@@ -476,7 +481,7 @@ impl Trainer {
         let loss_scale = self.dynamic_loss_scale();
         // A skipped step leaves the weights, the moments and the schedule where they were, as
         // DeepSpeed does on overflow.
-        let lr = self.schedule.lr(self.optimizer.step + 1);
+        let lr = self.schedule.lr(self.optimizer.step);
         if !skipped && fused {
             let scale = fix * clip_coefficient(grad_norm, self.clip);
             self.optimizer.step_fused(params, gradients.tensors_mut(), lr, scale, &self.compute)?;
@@ -697,6 +702,38 @@ mod tests {
             assert_eq!(ta.scaler.as_ref().unwrap().skipped_steps, 1);
             assert_eq!(tb.scaler.as_ref().unwrap().skipped_steps, 0);
         }
+        Ok(())
+    }
+
+    /// As Hugging Face's schedulers and Megatron's step after the optimizer: the first update
+    /// of a warmup runs at 0 (the weights stay, Adam's moments fill), the last of the run above
+    /// the floor.
+    #[test]
+    fn each_update_runs_at_the_schedule_of_the_updates_before_it() -> Result<()> {
+        let cfg = Gpt2Config { n_layer: 1, n_embd: 8, n_head: 2, n_positions: 8, vocab_size: 16, ..Gpt2Config::tiny() };
+        let cfg = Gpt2Config { resid_pdrop: 0.0, embd_pdrop: 0.0, attn_pdrop: 0.0, ..cfg };
+        let params = ParamStore::init(&cfg, 0, &Device::Cpu)?;
+        let schedule =
+            LrSchedule { max_lr: 0.1, min_lr: 0.0, warmup_iters: 2, decay_iters: 4, style: DecayStyle::Linear };
+        let mut t = Trainer::new(&params, AdamWConfig::default(), schedule, 1, 0.0)?;
+        let ids = Tensor::new(&[[1u32, 2, 3]], &Device::Cpu)?;
+        let values = |p: &ParamStore| -> Result<Vec<f32>> {
+            let flat: Result<Vec<Vec<f32>>> =
+                p.vars.iter().map(|v| Ok(v.as_tensor().flatten_all()?.to_vec1::<f32>()?)).collect();
+            Ok(flat?.concat())
+        };
+        let mut rates = Vec::new();
+        for update in 1..=4 {
+            let before = values(&params)?;
+            let loss = (params.model(&cfg)?.lm_loss(&ids, &ids, None)? * t.loss_scale())?;
+            t.grads().add(&loss.backward()?)?;
+            let report = t.micro_batch_done(&params)?.expect("every micro-batch is a boundary");
+            assert_eq!(report.lr, t.latest_lr(), "the latest rate, as step 3 logs it");
+            let moved = values(&params)? != before;
+            assert_eq!(moved, update > 1, "update {update} at {} moved the weights: {moved}", report.lr);
+            rates.push(report.lr);
+        }
+        assert_eq!(rates, [0.0, 0.05, 0.1, 0.05]);
         Ok(())
     }
 

@@ -1543,8 +1543,8 @@ fn log_step(
         "updates_stopped_early": updates.stopped_early.map(|(done, planned)| json!({"done": done, "planned": planned})),
         "entropy": u.entropy,
         "ptx_loss": updates.ptx_loss,
-        "actor_lr": models.actor.trainer().schedule.lr(models.actor.trainer().optimizer.step.max(1)),
-        "critic_lr": critic.map(|c| c.trainer().schedule.lr(c.trainer().optimizer.step.max(1))),
+        "actor_lr": models.actor.trainer().latest_lr(),
+        "critic_lr": critic.map(|c| c.trainer().latest_lr()),
         "actor_loss_scale": models.actor.trainer().dynamic_loss_scale(),
         "critic_loss_scale": critic.map(|c| c.trainer().dynamic_loss_scale()),
         "actor_skipped_steps": models.actor.trainer().skipped_steps(),
@@ -1736,7 +1736,8 @@ mod tests {
     #[test]
     fn the_ratio_is_1_until_the_policy_moves() {
         for (lr, moves) in [(0.0, false), (1e-2, true)] {
-            let (args, mut models, _) = tiny_models("--gradient-accumulation-steps 1", lr);
+            // No warmup: DS-Chat's default of 100 steps makes the first update's rate 0.
+            let (args, mut models, _) = tiny_models("--gradient-accumulation-steps 1 --num-warmup-steps 0", lr);
             let exp = tiny_experience(actor_trunk(&models));
             let first = models.train_rlhf(&micro_batch(&exp, 1), &args.ppo_config(), 7, None, &Device::Cpu).unwrap();
             assert!(first.actor_step.is_some(), "one micro-batch per step");
@@ -1794,7 +1795,8 @@ mod tests {
     #[test]
     fn the_eos_action_trains_the_actor_and_the_critic_unless_masked() {
         for (flags, trains) in [("", true), ("--mask-eos-action", false)] {
-            let (args, mut models, start) = tiny_models(&format!("--gradient-accumulation-steps 1 {flags}"), 1e-2);
+            let flags = format!("--gradient-accumulation-steps 1 --num-warmup-steps 0 {flags}");
+            let (args, mut models, start) = tiny_models(&flags, 1e-2);
             let cfg = args.ppo_config();
             assert_eq!(cfg.eos_action, trains);
             let mut exp = tiny_experience(actor_trunk(&models));
@@ -1888,7 +1890,7 @@ mod tests {
         let grads: Vec<Tensor> = start.vars.iter().map(|v| grads.get(v.as_tensor()).unwrap().clone()).collect();
         let adam = AdamWConfig::ds_chat(1e-6, 0.0);
         let mut optimizer = AdamW::new(adam, &start).unwrap();
-        let lr = models.actor.trainer().schedule.lr(1);
+        let lr = models.actor.trainer().schedule.lr(0);
         let before = values(&start);
         optimizer.step(&start, &grads, lr).unwrap();
         let (want, got) = (values(&start), values(models.actor.masters()));

@@ -201,7 +201,16 @@ fn fp16_with_aligned_overflow_logs_its_loss_scale_and_resumes_exactly() {
 fn a_run_ending_inside_an_accumulated_step_applies_it() {
     let dir = tempfile::tempdir().unwrap();
     setup(dir.path());
-    let partial = ["--enable-test-mode", "--test-stop-step", "1", "--gradient-accumulation-steps", "3"];
+    // No warmup: the run's one update would run at its first rate, 0.
+    let partial = [
+        "--enable-test-mode",
+        "--test-stop-step",
+        "1",
+        "--gradient-accumulation-steps",
+        "3",
+        "--num-warmup-steps",
+        "0",
+    ];
     ok(&ppo(dir.path(), "out", &[&partial[..], &["--no-final-checkpoint"]].concat()));
     let load = |d: &str| hybrid_engine::checkpoints::hf_io::load_model_dir(&dir.path().join(d), &Device::Cpu).unwrap();
     for (model, start) in [("out/actor", "actor"), ("out/critic", "reward")] {
