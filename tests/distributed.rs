@@ -587,10 +587,10 @@ fn pretraining_resumes_at_another_world_size_and_stage_on_the_same_trajectory() 
 /// `--adam-eps 1e-2` and no clipping make the update proportional to the gradient for most
 /// values, so a gradient scaled wrongly (a missing average over ranks) changes the weights;
 /// clipping or Adam's usual 1e-8 would normalise the scale away. Step 1's share of the demo data
-/// is a tenth (`--data-split 1,8,1`): 25 optimizer steps at a global micro-batch of 8 rows, 34 at
-/// 6 (a last micro-batch of 4 rows), every one of which must agree with the one-rank run.
-/// 396 training rows: a multiple of 2, 3 and 4 ranks, so that no rank pads its share with
-/// repeated rows (as torch's `DistributedSampler` does), which one rank would not see.
+/// is about a tenth (`--data-split 99,801,100`): 396 training rows, 25 optimizer steps at a global
+/// micro-batch of 8 rows (a last micro-batch of 4 rows), 33 at 6, every one of which must agree
+/// with the one-rank run. 396 is a multiple of 2, 3 and 4 ranks: a rank pads its share with
+/// repeated rows otherwise (as torch's `DistributedSampler` does), which one rank does not see.
 fn sft_args(out: &Path, per_device: usize, stage: u8) -> Vec<String> {
     let mut a = args("--data-path demo --data-split 99,801,100 --max-seq-len 48 --learning-rate 2e-3 --num-train-epochs 1 --dropout 0 --gradient-accumulation-steps 2 --device cpu --dist-timeout 60 --log-interval 100 --adam-eps 1e-2 --gradient-clipping 0");
     a.extend([
@@ -709,12 +709,12 @@ fn sft_with_lora_at_stage_3_and_under_tensor_parallelism_matches_one_rank() {
     }
 }
 
-/// Step 2 on 54 pairs (5 eval pairs: uneven shares on 2 and 3 ranks) at a global batch of 12
-/// pairs with 2 micro-batches per step: 4 full micro-batches, a last one of 6 pairs, and a final
-/// step flushed from one micro-batch. Large Adam epsilon and no clipping, as [`sft_args`].
-/// 36 training pairs: a multiple of 2, 3 and 4 ranks (see [`sft_args`]).
+/// Step 2 on 54 pairs, a multiple of 2 and 3 ranks (see [`sft_args`]; 7 eval pairs: uneven shares
+/// on 2 and 3 ranks) at a global batch of 12 pairs with 2 micro-batches per step: 4 full
+/// micro-batches, a last one of 6 pairs, and a final step flushed from one micro-batch. Large Adam
+/// epsilon and no clipping, as [`sft_args`].
 fn reward_args(start: &Path, out: &Path, per_device: usize, stage: u8) -> Vec<String> {
-    let mut a = args("--data-path demo --data-split 9877,123,0 --max-seq-len 48 --learning-rate 2e-3 --num-train-epochs 1 --dropout 0 --gradient-accumulation-steps 2 --per-device-eval-batch-size 4 --device cpu --dist-timeout 60 --log-interval 100 --adam-eps 1e-2 --gradient-clipping 0");
+    let mut a = args("--data-path demo --data-split 9812,188,0 --max-seq-len 48 --learning-rate 2e-3 --num-train-epochs 1 --dropout 0 --gradient-accumulation-steps 2 --per-device-eval-batch-size 4 --device cpu --dist-timeout 60 --log-interval 100 --adam-eps 1e-2 --gradient-clipping 0");
     a.extend([
         "--per-device-train-batch-size".into(),
         per_device.to_string(),
