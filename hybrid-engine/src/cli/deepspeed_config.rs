@@ -230,12 +230,17 @@ fn zero(value: &Value, set: &mut Set, ignored: &mut Vec<String>) -> Result<()> {
     Ok(())
 }
 
+/// DeepSpeed's dynamic loss scaling. Its config's defaults carry over where the steps' differ:
+/// a window of 1000 steps (the steps' 100 is DS-Chat's, which writes it into its config).
 fn fp16(value: &Value, set: &mut Set, ignored: &mut Vec<String>) -> Result<()> {
     if !enabled(value, "fp16")? {
         return Ok(());
     }
     set("--dtype", Some("fp16".into()), "fp16.enabled");
     let Value::Object(fp16) = value else { unreachable!("enabled() read an object") };
+    if !fp16.contains_key("loss_scale_window") {
+        set("--loss-scale-window", Some("1000".into()), "fp16.loss_scale_window (absent: DeepSpeed's default)");
+    }
     for (key, v) in fp16 {
         let full = format!("fp16.{key}");
         match key.as_str() {
@@ -251,7 +256,10 @@ fn fp16(value: &Value, set: &mut Set, ignored: &mut Vec<String>) -> Result<()> {
                 bail!("{full} {v}: the scale halves after 2 overflows here: use 2")
             }
             "min_loss_scale" if number(v, &full)? != 1.0 => bail!("{full} {v}: the minimum scale is 1 here: use 1"),
-            "hysteresis" | "min_loss_scale" => {}
+            "consecutive_hysteresis" if v.as_bool() != Some(false) => bail!(
+                "{full} {v}: the hysteresis refills only when the scale grows here (DeepSpeed's default): use false"
+            ),
+            "hysteresis" | "min_loss_scale" | "consecutive_hysteresis" => {}
             _ => ignored.push(full),
         }
     }
@@ -473,6 +481,12 @@ mod tests {
             .contains("is not train_micro_batch_size_per_gpu 4 x gradient_accumulation_steps 2 x 4"));
         assert!(err(json!({"train_batch_size": 30}), 4).contains("does not split over 4"));
         assert!(err(json!({"fp16": {"enabled": true, "loss_scale": 128}}), 1).contains("static loss scale"));
+        let refill = json!({"fp16": {"enabled": true, "consecutive_hysteresis": true}});
+        assert!(err(refill, 1)
+            .contains("fp16.consecutive_hysteresis true: the hysteresis refills only when the scale grows"));
+        // DeepSpeed's own defaults where the config is silent: a window of 1000, not DS-Chat's 100.
+        let defaults = json!({"fp16": {"enabled": true, "consecutive_hysteresis": false, "hysteresis": 2}});
+        assert_eq!(f(defaults, 1).unwrap(), ["--dtype=fp16", "--loss-scale-window=1000"]);
         assert!(err(json!({"optimizer": {"type": "Lamb"}}), 1).contains("AdamW is"));
         assert!(err(json!({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}), 1).contains("\"nvme\""));
         assert!(err(json!({"optimizer": {"type": "AdamW", "params": {"betas": [0.9]}}}), 1).contains("not two numbers"));

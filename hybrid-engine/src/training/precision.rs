@@ -65,10 +65,15 @@ impl Default for LossScaling {
     }
 }
 
-/// DeepSpeed's `DynamicLossScaler` with `consecutive_hysteresis`: the scale is halved after
-/// `hysteresis` consecutive overflows (a clean step restores the allowance), doubled after
-/// `window` clean steps in a row, and never goes below `min_scale`; an overflow at the minimum
-/// scale with no allowance left is fatal.
+/// DeepSpeed's `DynamicLossScaler` with its config's defaults (`consecutive_hysteresis: false`),
+/// which is also Megatron's `DynamicGradScaler`: the first `hysteresis - 1` overflows are only
+/// skipped, each later one halves the scale (never below `min_scale`) until the scale grows
+/// again; `window` clean steps in a row double it and refill the allowance. A clean step alone
+/// does not: isolated overflows a few steps apart spend it as surely as a burst does. An
+/// overflow at the minimum scale with no allowance left is fatal.
+///
+/// DeepSpeed 0.17.1 and later double the scale one clean step later (after `window + 1`); this
+/// is Megatron's and the earlier DeepSpeed's count, which DS-Chat was written against.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct LossScaler {
     pub scale: f64,
@@ -77,7 +82,7 @@ pub struct LossScaler {
     pub min_scale: f64,
     /// Clean steps since the last overflow or scale increase.
     clean_steps: u64,
-    /// Overflows still tolerated before the scale is halved.
+    /// Overflows still tolerated before the scale is halved (refilled when the scale grows).
     hysteresis_left: u32,
     /// Updates skipped for overflow, over the run.
     pub skipped_steps: u64,
@@ -113,11 +118,11 @@ impl LossScaler {
     /// Records one step's outcome and adjusts the scale.
     pub fn update(&mut self, overflow: bool) -> Result<ScaleUpdate> {
         if !overflow {
-            self.hysteresis_left = self.hysteresis;
             self.clean_steps += 1;
             if self.clean_steps >= self.window {
                 self.scale *= 2.0;
                 self.clean_steps = 0;
+                self.hysteresis_left = self.hysteresis;
             }
             return Ok(ScaleUpdate::Apply);
         }
@@ -154,24 +159,47 @@ mod tests {
         // First overflow: skipped, the hysteresis absorbs it.
         assert_eq!(s.update(true)?, ScaleUpdate::Skip);
         assert_eq!((s.scale, s.skipped_steps), (65536.0, 1));
-        // Second consecutive overflow: skipped and halved.
-        assert_eq!(s.update(true)?, ScaleUpdate::Skip);
-        assert_eq!((s.scale, s.skipped_steps), (32768.0, 2));
-        // Hysteresis is spent until a clean step: the next overflow halves at once.
-        assert_eq!(s.update(true)?, ScaleUpdate::Skip);
-        assert_eq!(s.scale, 16384.0);
-        // A clean step restores the allowance: an isolated overflow does not halve.
+        // A clean step does not refill the allowance: the next overflow, isolated as it is, halves.
         assert_eq!(s.update(false)?, ScaleUpdate::Apply);
         assert_eq!(s.update(true)?, ScaleUpdate::Skip);
+        assert_eq!((s.scale, s.skipped_steps), (32768.0, 2));
+        // Spent until the scale grows: every overflow halves.
+        assert_eq!(s.update(true)?, ScaleUpdate::Skip);
         assert_eq!(s.scale, 16384.0);
-        // Three clean steps in a row (the window) double the scale.
+        // Three clean steps in a row (the window) double the scale and refill the allowance.
         for _ in 0..2 {
             s.update(false)?;
         }
         assert_eq!(s.scale, 16384.0);
         s.update(false)?;
         assert_eq!(s.scale, 32768.0);
-        assert_eq!(s.skipped_steps, 4);
+        assert_eq!(s.update(true)?, ScaleUpdate::Skip);
+        assert_eq!((s.scale, s.skipped_steps), (32768.0, 4));
+        Ok(())
+    }
+
+    /// Step by step against DeepSpeed 0.17.0's `DynamicLossScaler` as its config builds it
+    /// (hysteresis 2, `consecutive_hysteresis` false, minimum 1; window 3 and 2^8 here), driven
+    /// by the same overflows (`scripts/fixtures/ds_loss_scaler.py`): the scale after each step.
+    /// A refill on every clean step would end this at 32, not 8.
+    #[test]
+    fn the_scaler_follows_deepspeeds_defaults_step_by_step() -> Result<()> {
+        #[rustfmt::skip]
+        let deepspeed = [
+            (false, 256.0), (false, 256.0), (false, 512.0), (false, 512.0), (true, 512.0), (false, 512.0),
+            (false, 512.0), (true, 256.0), (false, 256.0), (false, 256.0), (false, 512.0), (true, 512.0),
+            (true, 256.0), (false, 256.0), (false, 256.0), (false, 512.0), (true, 512.0), (true, 256.0),
+            (true, 128.0), (true, 64.0), (true, 32.0), (true, 16.0), (false, 16.0), (false, 16.0),
+            (true, 8.0), (false, 8.0), (false, 8.0), (false, 16.0), (false, 16.0), (false, 16.0),
+            (true, 16.0), (true, 8.0), (false, 8.0),
+        ];
+        let mut s = LossScaler::new(LossScaling { initial_scale_power: 8, window: 3 });
+        for (step, &(overflow, scale)) in deepspeed.iter().enumerate() {
+            let expected = if overflow { ScaleUpdate::Skip } else { ScaleUpdate::Apply };
+            assert_eq!(s.update(overflow)?, expected, "step {step}");
+            assert_eq!(s.scale, scale, "the scale after step {step}");
+        }
+        assert_eq!(s.skipped_steps, deepspeed.iter().filter(|(overflow, _)| *overflow).count() as u64);
         Ok(())
     }
 
