@@ -1,6 +1,7 @@
 //! AdamW with decoupled weight decay (Loshchilov & Hutter; `torch.optim.AdamW` arithmetic),
 //! DS-Chat's parameter groups (`get_optimizer_grouped_parameters`: no decay on biases and
-//! LayerNorm, as Megatron; LoRA adapters at their own learning rate), gradient accumulation and
+//! LayerNorm, as Megatron; LoRA adapters at their own learning rate; DS-Chat's name list misses
+//! GPT-2's `ln_1`/`ln_2` weights, which it decays: docs/steps.md), gradient accumulation and
 //! clipping by the global gradient norm. Moments are f32 whatever the compute dtype (candle's
 //! AdamW in f16 diverges: g^2 underflows).
 
