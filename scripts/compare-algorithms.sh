@@ -5,32 +5,41 @@
 # score, task score on the held-out phrasings and on the held-out countries, KL to the SFT model,
 # answer length), then mean, standard deviation and range over the seeds.
 # Usage: scripts/compare-algorithms.sh [OUT_DIR] [SEED...]   (default: compare-out, seeds 1 2 3)
+# ALGORITHMS="ppo grpo" runs only those (of ppo grpo rloo reinforce_pp dpo, the default all);
+# TABLE_ONLY=1 runs nothing and prints the table of the seeds already in OUT_DIR.
 # Needs `cargo build --release` first; python3 for the table.
 set -euo pipefail
 OUT=${1:-compare-out}
 shift || true
 if [ $# -gt 0 ]; then SEEDS=("$@"); else SEEDS=(1 2 3); fi
+read -r -a ALGS <<< "${ALGORITHMS:-ppo grpo rloo reinforce_pp dpo}"
+for alg in "${ALGS[@]}"; do
+  case "$alg" in ppo|grpo|rloo|reinforce_pp|dpo) ;; *) echo "ALGORITHMS: unknown $alg (ppo grpo rloo reinforce_pp dpo)" >&2; exit 2 ;; esac
+done
 BIN="$(cd "$(dirname -- "$0")/.." && pwd)/target/release"
 mkdir -p "$OUT"
 secs() { local t0=$1; echo $(( $(date +%s) - t0 )); }
 for seed in "${SEEDS[@]}"; do
+  [ -n "${TABLE_ONLY:-}" ] && break
   dir="$OUT/seed-$seed"
   times="$dir/times.txt"
   mkdir -p "$dir"; : > "$times"
   t0=$(date +%s); "$BIN/train" --seed "$seed" --step 1 2 --actor-model tiny --reward-model "$dir/actor" --output-dir "$dir" > "$dir/steps12.log" 2>&1
   echo "sft+rm $(secs "$t0")" >> "$times"
-  for alg in ppo grpo rloo reinforce_pp; do
+  actors=()
+  for alg in "${ALGS[@]}"; do
     t0=$(date +%s)
-    "$BIN/train" --seed "$seed" --step 3 --algorithm "$alg" --output-dir "$dir" > "$dir/step3-$alg.log" 2>&1
-    rm -rf "$dir/step3-$alg"; mv "$dir/step3" "$dir/step3-$alg"
+    if [ "$alg" = dpo ]; then
+      "$BIN/train" --seed "$seed" --step 2 --algorithm dpo --output-dir "$dir" > "$dir/dpo.log" 2>&1
+      actors+=(--actor dpo="$dir/dpo")
+    else
+      "$BIN/train" --seed "$seed" --step 3 --algorithm "$alg" --output-dir "$dir" > "$dir/step3-$alg.log" 2>&1
+      rm -rf "$dir/step3-$alg"; mv "$dir/step3" "$dir/step3-$alg"
+      actors+=(--actor "$alg=$dir/step3-$alg/actor")
+    fi
     echo "$alg $(secs "$t0")" >> "$times"
   done
-  t0=$(date +%s); "$BIN/train" --seed "$seed" --step 2 --algorithm dpo --output-dir "$dir" > "$dir/dpo.log" 2>&1
-  echo "dpo $(secs "$t0")" >> "$times"
-  "$BIN/policy_eval" --reference "$dir/actor" --reward-model "$dir/reward" \
-    --actor ppo="$dir/step3-ppo/actor" --actor grpo="$dir/step3-grpo/actor" \
-    --actor rloo="$dir/step3-rloo/actor" --actor reinforce_pp="$dir/step3-reinforce_pp/actor" \
-    --actor dpo="$dir/dpo" --json "$dir/eval.json" \
+  "$BIN/policy_eval" --reference "$dir/actor" --reward-model "$dir/reward" "${actors[@]}" --json "$dir/eval.json" \
     --probe-demo-reward-model | tee "$dir/eval.md"
 done
 python3 - "$OUT" "${SEEDS[@]}" <<'PY'
@@ -49,6 +58,8 @@ print(f"seeds: {' / '.join(seeds)}; mean ± sd [min, max] over the seeds")
 print("| actor | task score, held-out phrasings | per seed | gain over SFT | held-out countries | per seed | gain over SFT | reward-model score | KL to SFT (nats) | answer length | wall time (s) |")
 print("|---|---|---|---|---|---|---|---|---|---|---|")
 for name in ["sft", "ppo", "grpo", "rloo", "reinforce_pp", "dpo"]:
+    if any(name not in evals[s] for s in seeds):
+        continue
     rows = [evals[s][name] for s in seeds]
     sft = [evals[s]["sft"] for s in seeds]
     task = [r["task_success"] for r in rows]
