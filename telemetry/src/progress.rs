@@ -280,6 +280,26 @@ pub fn end_line(label: &str, unit: &str, done: u64, elapsed: Duration) -> String
     format!("{label}: {done} {unit} in {}", seconds(elapsed.as_secs_f64()))
 }
 
+/// Whether `line` is a phase's [`status_line`] or [`end_line`]: the log's timing, which a
+/// reader of a step's stderr looking for its error line sets apart (a loaded machine makes even
+/// a short phase last long enough to print its end line).
+pub fn is_phase_line(line: &str) -> bool {
+    let count = |t: &str| !t.is_empty() && t.bytes().all(|b| b.is_ascii_digit());
+    !line.starts_with("error")
+        && line.match_indices(": ").any(|(at, _)| {
+            let words: Vec<&str> = line[at + 2..].split(' ').collect();
+            match words.as_slice() {
+                [done, _unit, "in", ..] => count(done),
+                [progress, _unit, share, ..] => {
+                    progress.split_once('/').is_some_and(|(d, t)| count(d) && count(t))
+                        && share.ends_with("%),")
+                        && line.contains(" so far, ")
+                }
+                _ => false,
+            }
+        })
+}
+
 /// "48 s", "3 min 05 s".
 fn seconds(secs: f64) -> String {
     let s = secs.round() as u64;
@@ -292,6 +312,29 @@ fn seconds(secs: f64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn phase_lines_are_told_from_other_lines() {
+        let (s, min) = (Duration::from_secs(3), Duration::from_secs(185));
+        for line in [
+            end_line("tokenizing", "texts", 8, s),
+            end_line("evaluating: reward", "batches", 12, min),
+            status_line("tokenizing", "texts", 1200, 5000, s),
+            status_line("generating", "prompts", 0, 64, s),
+        ] {
+            assert!(is_phase_line(&line), "{line}");
+        }
+        for line in [
+            "error: the checkpoint has n_embd (--hidden-size) = 32 but the flags ask for 64: resume with them",
+            "error: 3 texts in 2 s",
+            "step 1: loss 2.5 in 3 s",
+            "tokenizing: done",
+            "warning: 12/40 rows (30%), dropped",
+            "",
+        ] {
+            assert!(!is_phase_line(line), "{line}");
+        }
+    }
 
     #[test]
     fn a_step_counts_when_its_work_is_done() {
