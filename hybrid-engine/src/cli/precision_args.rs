@@ -21,10 +21,11 @@ pub struct PrecisionArgs {
     #[arg(help_heading = heading::PRECISION, long, alias = "compute_fp32_loss")]
     pub compute_fp32_loss: bool,
     /// fp16 only: double the loss scale after this many steps without overflow (default 100,
-    /// DS-Chat's).
+    /// DS-Chat's; in pretraining 1000, Megatron's).
     #[arg(help_heading = heading::PRECISION, long, alias = "loss_scale_window")]
     pub loss_scale_window: Option<u64>,
-    /// fp16 only: the loss scale starts at 2^this (DeepSpeed's initial_scale_power; default 16).
+    /// fp16 only: the loss scale starts at 2^this (DeepSpeed's initial_scale_power; default 16;
+    /// in pretraining 32, Megatron's).
     #[arg(help_heading = heading::PRECISION, long, alias = "initial_scale_power")]
     pub initial_scale_power: Option<u32>,
 }

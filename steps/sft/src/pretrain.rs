@@ -95,6 +95,9 @@ impl DataLayout {
 
 /// Runs `sft --from-scratch`.
 pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
+    let mut folded = args.clone();
+    folded.fold_megatron_precision()?;
+    let args = &folded;
     let cfg = args.pretrain_config()?;
     let device = hybrid_engine::device::parse_device(&args.device)?;
     let group = args.dist.join(&device)?;

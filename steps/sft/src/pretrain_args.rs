@@ -9,6 +9,7 @@ use hybrid_engine::comm::ProcessGroup;
 use hybrid_engine::engine::EngineConfig;
 use hybrid_engine::model::gpt2::Gpt2Config;
 use hybrid_engine::training::optim::AdamWConfig;
+use hybrid_engine::training::precision::{Dtype, LossScaling};
 use hybrid_engine::training::schedule::{DecayStyle, LrSchedule};
 use std::path::PathBuf;
 
@@ -154,6 +155,16 @@ pub struct PretrainArgs {
     /// --dtype, --compute-fp32-loss, --loss-scale-window, --initial-scale-power.
     #[command(flatten)]
     pub precision: hybrid_engine::cli::precision_args::PrecisionArgs,
+    /// Megatron's --fp16: compute in fp16, the same as --dtype fp16.
+    #[arg(help_heading = heading::PRECISION, long, conflicts_with_all = ["bf16", "dtype"])]
+    pub fp16: bool,
+    /// Megatron's --bf16: compute in bf16, the same as --dtype bf16.
+    #[arg(help_heading = heading::PRECISION, long, conflicts_with = "dtype")]
+    pub bf16: bool,
+    /// Megatron's --initial-loss-scale: fp16's first loss scale, a power of two from 1 to 2^32
+    /// (--initial-scale-power of its log2; pretraining's default is Megatron's 2^32).
+    #[arg(help_heading = heading::PRECISION, long, alias = "initial_loss_scale", conflicts_with = "initial_scale_power")]
+    pub initial_loss_scale: Option<f64>,
     /// ZeRO stage across data-parallel ranks: 0 (gradients all-reduced), 1 (+ optimizer state
     /// sharded), 2 (+ gradients sharded), 3 (+ weights sharded, each block gathered when it runs,
     /// with activation recomputation). Each rank trains on its own --micro-batch-size blocks:
@@ -175,7 +186,42 @@ pub struct PretrainConfig {
     pub split: [f64; 3],
 }
 
+/// Megatron's fp16 loss-scale defaults (`--initial-loss-scale` 2^32, `--loss-scale-window`
+/// 1000), pretraining's; the fine-tuning steps start from DS-Chat's (2^16, 100).
+pub const MEGATRON_LOSS_SCALING: LossScaling = LossScaling { initial_scale_power: 32, window: 1000 };
+
 impl PretrainArgs {
+    /// Folds Megatron's precision flags into `--dtype` and `--initial-scale-power` (clap has
+    /// refused their conflicts), and gives fp16 Megatron's loss-scale defaults where no flag set
+    /// them. [`crate::pretrain::run`] calls it first; the run reads `precision` alone.
+    pub fn fold_megatron_precision(&mut self) -> Result<()> {
+        if self.fp16 {
+            self.precision.dtype = Dtype::Fp16;
+        }
+        if self.bf16 {
+            self.precision.dtype = Dtype::Bf16;
+        }
+        if let Some(scale) = self.initial_loss_scale {
+            let power = scale.log2();
+            if !(1.0..=2f64.powi(32)).contains(&scale) || power.fract() != 0.0 {
+                bail!("--initial-loss-scale {scale}: the loss scale here is a power of two from 1 to 2^32: use one, e.g. 65536");
+            }
+            if self.precision.dtype != Dtype::Fp16 {
+                bail!(
+                    "--initial-loss-scale tunes fp16's loss scale, and the dtype is {}: add --fp16 or drop it",
+                    self.precision.dtype.name()
+                );
+            }
+            self.precision.initial_scale_power = Some(power as u32);
+        }
+        if self.precision.dtype == Dtype::Fp16 {
+            let p = &mut self.precision;
+            p.initial_scale_power.get_or_insert(MEGATRON_LOSS_SCALING.initial_scale_power);
+            p.loss_scale_window.get_or_insert(MEGATRON_LOSS_SCALING.window);
+        }
+        Ok(())
+    }
+
     /// Micro-batches per iteration on each of `world` ranks: --gradient-accumulation-steps, or
     /// derived from --global-batch-size as Megatron does.
     pub fn gradient_accumulation(&self, world: usize) -> Result<usize> {
@@ -307,6 +353,38 @@ fn model_config(name: &str) -> Result<Gpt2Config> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Megatron's `--fp16`, `--bf16` and `--initial-loss-scale` take effect as `--dtype` and
+    /// `--initial-scale-power`; fp16 starts from Megatron's scaler defaults unless a flag says
+    /// otherwise; conflicting or impossible values are one error each.
+    #[test]
+    fn megatrons_precision_flags_fold_into_the_engines() {
+        let fold = |extra: &[&str]| -> Result<PretrainArgs> {
+            let mut a = PretrainArgs::try_parse_from(["sft", "--from-scratch"].iter().chain(extra))?;
+            a.fold_megatron_precision()?;
+            Ok(a)
+        };
+        let scaling = |a: &PretrainArgs| (a.precision.dtype, a.precision.loss_scaling());
+        let megatron = MEGATRON_LOSS_SCALING;
+        assert_eq!(scaling(&fold(&["--fp16"]).unwrap()), (Dtype::Fp16, megatron));
+        assert_eq!(scaling(&fold(&["--dtype", "fp16"]).unwrap()), (Dtype::Fp16, megatron));
+        let tuned = fold(&["--fp16", "--initial-loss-scale", "65536", "--loss-scale-window", "4"]).unwrap();
+        assert_eq!(scaling(&tuned), (Dtype::Fp16, LossScaling { initial_scale_power: 16, window: 4 }));
+        let bf16 = fold(&["--bf16"]).unwrap();
+        assert_eq!(bf16.precision.dtype, Dtype::Bf16);
+        assert_eq!((bf16.precision.initial_scale_power, bf16.precision.loss_scale_window), (None, None));
+        bf16.pretrain_config().expect("bf16 sets no loss-scale flag");
+        assert_eq!(fold(&[]).unwrap().precision.dtype, Dtype::Fp32);
+        for conflict in [&["--fp16", "--bf16"][..], &["--fp16", "--dtype", "bf16"], &["--bf16", "--dtype", "fp32"]] {
+            assert!(fold(conflict).is_err(), "{conflict:?}");
+        }
+        let both = ["--fp16", "--initial-loss-scale", "1024", "--initial-scale-power", "10"];
+        assert!(fold(&both).is_err());
+        let err = |extra: &[&str]| fold(extra).unwrap_err().to_string();
+        assert!(err(&["--fp16", "--initial-loss-scale", "1000"]).contains("a power of two from 1 to 2^32"));
+        assert!(err(&["--fp16", "--initial-loss-scale", "0.5"]).contains("a power of two from 1 to 2^32"));
+        assert!(err(&["--bf16", "--initial-loss-scale", "1024"]).contains("the dtype is bf16: add --fp16"));
+    }
 
     #[test]
     fn the_global_batch_size_sets_the_accumulation_per_world_size_or_is_refused() {
