@@ -230,16 +230,21 @@ fn zero(value: &Value, set: &mut Set, ignored: &mut Vec<String>) -> Result<()> {
     Ok(())
 }
 
-/// DeepSpeed's dynamic loss scaling. Its config's defaults carry over where the steps' differ:
-/// a window of 1000 steps (the steps' 100 is DS-Chat's, which writes it into its config).
+/// DeepSpeed's dynamic loss scaling. Its config's defaults carry over where the commands' differ:
+/// a window of 1000 steps (the steps' 100 is DS-Chat's, which writes it into its config), and a
+/// first scale of 2^16 (pretraining's own default is Megatron's 2^32).
 fn fp16(value: &Value, set: &mut Set, ignored: &mut Vec<String>) -> Result<()> {
     if !enabled(value, "fp16")? {
         return Ok(());
     }
     set("--dtype", Some("fp16".into()), "fp16.enabled");
     let Value::Object(fp16) = value else { unreachable!("enabled() read an object") };
-    if !fp16.contains_key("loss_scale_window") {
-        set("--loss-scale-window", Some("1000".into()), "fp16.loss_scale_window (absent: DeepSpeed's default)");
+    for (key, flag, default) in
+        [("loss_scale_window", "--loss-scale-window", "1000"), ("initial_scale_power", "--initial-scale-power", "16")]
+    {
+        if !fp16.contains_key(key) {
+            set(flag, Some(default.into()), &format!("fp16.{key} (absent: DeepSpeed's default)"));
+        }
     }
     for (key, v) in fp16 {
         let full = format!("fp16.{key}");
@@ -484,9 +489,11 @@ mod tests {
         let refill = json!({"fp16": {"enabled": true, "consecutive_hysteresis": true}});
         assert!(err(refill, 1)
             .contains("fp16.consecutive_hysteresis true: the hysteresis refills only when the scale grows"));
-        // DeepSpeed's own defaults where the config is silent: a window of 1000, not DS-Chat's 100.
+        // DeepSpeed's own defaults where the config is silent: a window of 1000, not DS-Chat's 100,
+        // and 2^16, not pretraining's Megatron 2^32.
         let defaults = json!({"fp16": {"enabled": true, "consecutive_hysteresis": false, "hysteresis": 2}});
-        assert_eq!(f(defaults, 1).unwrap(), ["--dtype=fp16", "--loss-scale-window=1000"]);
+        let flags = ["--dtype=fp16", "--loss-scale-window=1000", "--initial-scale-power=16"];
+        assert_eq!(f(defaults, 1).unwrap(), flags);
         assert!(err(json!({"optimizer": {"type": "Lamb"}}), 1).contains("AdamW is"));
         assert!(err(json!({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}), 1).contains("\"nvme\""));
         assert!(err(json!({"optimizer": {"type": "AdamW", "params": {"betas": [0.9]}}}), 1).contains("not two numbers"));
