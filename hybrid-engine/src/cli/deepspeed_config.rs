@@ -492,8 +492,18 @@ mod tests {
         // DeepSpeed's own defaults where the config is silent: a window of 1000, not DS-Chat's 100,
         // and 2^16, not pretraining's Megatron 2^32.
         let defaults = json!({"fp16": {"enabled": true, "consecutive_hysteresis": false, "hysteresis": 2}});
-        let flags = ["--dtype=fp16", "--loss-scale-window=1000", "--initial-scale-power=16"];
-        assert_eq!(f(defaults, 1).unwrap(), flags);
+        let want = ["--dtype=fp16", "--loss-scale-window=1000", "--initial-scale-power=16"];
+        assert_eq!(f(defaults, 1).unwrap(), want);
+        // The scaler's fixed settings: DeepSpeed's values accepted, others refused.
+        let hysteresis = json!({"fp16": {"enabled": true, "hysteresis": 3}});
+        assert!(err(hysteresis, 1).contains("fp16.hysteresis 3: the scale halves after 2 overflows here"));
+        let floor = json!({"fp16": {"enabled": true, "min_loss_scale": 2}});
+        assert!(err(floor, 1).contains("fp16.min_loss_scale 2: the minimum scale is 1 here"));
+        // A loss scale of 0 is DeepSpeed's dynamic scaling: accepted, neither refused nor ignored,
+        // as are the scaler's fixed settings at DeepSpeed's values.
+        let dynamic = json!({"fp16": {"enabled": true, "loss_scale": 0, "hysteresis": 2, "min_loss_scale": 1}});
+        let dynamic = settings(&dynamic, 1).unwrap();
+        assert_eq!((flags(&dynamic), dynamic.ignored), (want.map(String::from).to_vec(), Vec::<String>::new()));
         assert!(err(json!({"optimizer": {"type": "Lamb"}}), 1).contains("AdamW is"));
         assert!(err(json!({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}), 1).contains("\"nvme\""));
         assert!(err(json!({"optimizer": {"type": "AdamW", "params": {"betas": [0.9]}}}), 1).contains("not two numbers"));
