@@ -1,7 +1,7 @@
 //! Property-based fuzzing of every reader of untrusted files: dataset rows (jsonl/json), parquet
 //! (preference datasets and pretraining corpora), `config.json`, safetensors weights, a
-//! checkpoint's `trainer_state.json` and `latest`, a user's `tokenizer.json` and the
-//! tokenized-data cache. Inputs are valid files mutated
+//! checkpoint's `trainer_state.json` and `latest`, a user's `tokenizer.json`, Megatron's
+//! `.bin`/`.idx` corpora and the tokenized-data cache. Inputs are valid files mutated
 //! by proptest (byte flips, truncation, inserted bytes, splices of two seeds) plus random bytes.
 //! Every input must give `Ok` or an error of one line naming the file; no panic. Each reader gets
 //! `RLHF_FUZZ_SECS` seconds (default 3) and the test prints how many inputs it tried.
@@ -297,6 +297,33 @@ fn a_checkpoints_trainer_state() {
         });
         std::fs::write(&path, seed).unwrap();
     }
+}
+
+/// Megatron's pre-tokenized corpus: its `.idx` mutated beside the `.bin` it indexes (megatron-
+/// core's own files, `data/tests/fixtures/megatron`), then every token, sequence and document
+/// index read, as pretraining reads them.
+#[test]
+fn a_megatron_indexed_dataset() {
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("data/tests/fixtures/megatron");
+    let dir = tempfile::tempdir().unwrap();
+    let prefix = dir.path().join("megatron_corpus");
+    std::fs::copy(fixtures.join("corpus_text_document.bin"), prefix.with_extension("bin")).unwrap();
+    let seeds: Vec<Vec<u8>> = ["corpus_text_document.idx", "corpus_sentences_int32.idx"]
+        .iter()
+        .map(|name| std::fs::read(fixtures.join(name)).unwrap())
+        .collect();
+    let read = |idx: &[u8]| -> Result<()> {
+        std::fs::write(prefix.with_extension("idx"), idx)?;
+        let dataset = data::IndexedDataset::open(&prefix)?;
+        dataset.read(0..dataset.num_tokens(), 50304)?;
+        for i in 0..dataset.num_sequences() {
+            dataset.sequence(i, 50304)?;
+        }
+        assert_eq!(dataset.document_indices().len(), dataset.num_documents() + 1);
+        Ok(())
+    };
+    read(&seeds[0]).expect("the seed is a valid dataset");
+    fuzz("Megatron .bin/.idx", "megatron_corpus", seeds, read);
 }
 
 /// A user's `tokenizer.json` (`--tokenizer`, or one in a model directory): loaded, then used to

@@ -1,5 +1,5 @@
 //! Raw pretraining documents from a jsonl, plain-text or parquet file, or the embedded
-//! Shakespeare corpus. Mirrors Megatron's `tools/preprocess_data.py` input: one JSON object per
+//! Shakespeare corpus, and any of them (or Megatron's pre-tokenized pair) as a packed corpus. Mirrors Megatron's `tools/preprocess_data.py` input: one JSON object per
 //! line with the document under `--json-keys` (our `--text-key`), or a HF-datasets parquet shard.
 
 use std::fs::File;
@@ -7,6 +7,9 @@ use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 
 use crate::hub::HubAccess;
+use crate::indexed_dataset::IndexedDataset;
+use crate::pretrain::{tokenize_documents, PackedCorpus};
+use crate::tokenizer::Tokenizer;
 use anyhow::{anyhow, bail, Result};
 use parquet::basic::Type as PhysicalType;
 use parquet::file::reader::{FileReader, SerializedFileReader};
@@ -26,12 +29,19 @@ pub enum CorpusSource {
     /// The train split of a hub dataset (its parquet files, from the Hugging Face cache or
     /// downloaded), of configuration `config` when given: `load_dataset(id, config)["train"]`.
     Hub { id: String, config: Option<String> },
+    /// Megatron's pre-tokenized `PREFIX.bin` + `PREFIX.idx` (`crate::indexed_dataset`): no text,
+    /// read by [`read_packed_corpus`] only.
+    Indexed(PathBuf),
 }
 
 impl CorpusSource {
-    /// `"shakespeare"` or `"embedded"` is the embedded corpus; an existing path or a name with a
-    /// corpus file's extension is a file; `org/name` otherwise is a hub dataset.
+    /// `"shakespeare"` or `"embedded"` is the embedded corpus; a Megatron dataset's prefix (or
+    /// its `.bin` or `.idx`) is that dataset; an existing path or a name with a corpus file's
+    /// extension is a file; `org/name` otherwise is a hub dataset.
     pub fn parse(s: &str) -> Self {
+        if let Some(prefix) = crate::indexed_dataset::indexed_prefix(s) {
+            return Self::Indexed(prefix);
+        }
         let path = Path::new(s);
         let is_file_name = path.extension().is_some_and(|e| {
             ["jsonl", "json", "txt", "parquet"].contains(&e.to_string_lossy().to_ascii_lowercase().as_str())
@@ -54,6 +64,9 @@ impl CorpusSource {
             Self::EmbeddedShakespeare => bail!("the embedded corpus {s} has no configuration {config:?}: drop it"),
             Self::File(path) if path.exists() => {
                 bail!("{s} is a local file, and configuration {config:?} picks part of a hub dataset: drop one of them")
+            }
+            Self::Indexed(_) => {
+                bail!("{s} is a local Megatron dataset, and configuration {config:?} picks part of a hub dataset: drop one of them")
             }
             _ => Ok(Self::Hub { id: s.to_string(), config: Some(config.to_string()) }),
         }
@@ -83,6 +96,27 @@ impl CorpusFormat {
     }
 }
 
+/// `src` as a [`PackedCorpus`] of `seq_length`-token blocks, and its document count: text
+/// tokenized by `tokenizer` with its EOS after each document, or a Megatron indexed dataset's
+/// stream as its files hold it (`--append-eod` put the EOS there), each token checked below
+/// `vocab_size` as it is read.
+pub fn read_packed_corpus(
+    src: &CorpusSource,
+    text_key: &str,
+    tokenizer: &Tokenizer,
+    seq_length: usize,
+    vocab_size: usize,
+) -> Result<(PackedCorpus, usize)> {
+    if let CorpusSource::Indexed(prefix) = src {
+        let dataset = IndexedDataset::open(prefix)?;
+        let documents = dataset.num_documents();
+        return Ok((PackedCorpus::indexed(dataset, seq_length, vocab_size), documents));
+    }
+    let docs = read_documents(src, text_key)?;
+    let tokens = tokenize_documents(tokenizer, &docs)?;
+    Ok((PackedCorpus::pack(&tokens, tokenizer.eos_id(), seq_length), docs.len()))
+}
+
 /// The jsonl field or parquet column of a document's text by default.
 pub const DEFAULT_TEXT_KEY: &str = "text";
 
@@ -94,6 +128,10 @@ pub fn read_documents(src: &CorpusSource, text_key: &str) -> Result<Vec<String>>
 /// [`read_documents`] with the hub cache, offline flag and endpoint given.
 fn read_documents_in(src: &CorpusSource, text_key: &str, hub: &HubAccess) -> Result<Vec<String>> {
     let (docs, name) = match src {
+        CorpusSource::Indexed(prefix) => bail!(
+            "{} is Megatron's pre-tokenized data (.bin/.idx), which holds no text: pretraining reads it (sft --from-scratch --data-path); here give a .jsonl, .txt or .parquet file",
+            prefix.display()
+        ),
         CorpusSource::Hub { id, config } => {
             let snapshot = crate::hub::fetch_dataset(id, config.as_deref(), hub, &train_split)?;
             let mut docs = Vec::new();
@@ -246,6 +284,36 @@ fn read_parquet_uncontained(file: File, name: &str, text_key: &str) -> Result<Ve
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Megatron's preprocess_data.py with --append-eod and our own tokenizing and packing of
+    /// the same jsonl make the same stream, so pretraining on either trains the same: the
+    /// fixture's .bin/.idx pairs were written by megatron-core's builder
+    /// (`scripts/fixtures/megatron_indexed.py`), in uint16 a document a sequence and in int32
+    /// split in two sequences a document.
+    #[test]
+    fn megatrons_indexed_dataset_packs_as_its_jsonl_does() -> Result<()> {
+        let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/megatron");
+        let tok = Tokenizer::gpt2_default()?;
+        let (text, docs) =
+            read_packed_corpus(&CorpusSource::File(fixtures.join("corpus.jsonl")), "text", &tok, 16, 50257)?;
+        assert_eq!((docs, text.num_tokens(), text.num_blocks()), (12, 239, 14));
+        for prefix in ["corpus_text_document", "corpus_sentences_int32"] {
+            let src = CorpusSource::parse(fixtures.join(prefix).to_str().unwrap());
+            assert_eq!(src, CorpusSource::Indexed(fixtures.join(prefix)));
+            let (indexed, docs) = read_packed_corpus(&src, "ignored", &tok, 16, 50257)?;
+            assert_eq!((docs, indexed.num_tokens(), indexed.num_blocks()), (12, 239, 14), "{prefix}");
+            for i in 0..text.num_blocks() {
+                assert_eq!(indexed.block(i)?, text.block(i)?, "{prefix} block {i}");
+                assert!(matches!(indexed.block(i)?, std::borrow::Cow::Owned(_)));
+                assert!(matches!(text.block(i)?, std::borrow::Cow::Borrowed(_)));
+            }
+            // A model whose vocabulary lacks <|endoftext|>: the first block holding one fails.
+            let (small, _) = read_packed_corpus(&src, "text", &tok, 16, 50256)?;
+            let err = small.block(0).unwrap_err().to_string();
+            assert!(err.contains("token 10 of") && err.contains(prefix), "{err}");
+        }
+        Ok(())
+    }
     use parquet::data_type::{ByteArray, ByteArrayType, Int64Type};
     use parquet::file::properties::WriterProperties;
     use parquet::file::writer::SerializedFileWriter;

@@ -1,5 +1,5 @@
 //! Data for every training step: the GPT-2 tokenizer; raw pretraining corpora (jsonl / text /
-//! parquet) with Megatron-style packing, splits and the resumable block sampler; DS-Chat's
+//! parquet, or Megatron's pre-tokenized .bin/.idx) with Megatron-style packing, splits and the resumable block sampler; DS-Chat's
 //! preference datasets (named, local, hub), their phase split and phase datasets, batching and
 //! the tokenized-data cache; and the embedded demo data with its scorer.
 
@@ -11,6 +11,7 @@ pub mod corpus;
 pub mod demo;
 pub mod file_splits;
 pub mod hub;
+pub mod indexed_dataset;
 pub mod panics;
 pub mod phases;
 pub mod pretrain;
@@ -20,7 +21,8 @@ pub mod split;
 pub mod tasks;
 pub mod tokenizer;
 
-pub use corpus::{read_documents, CorpusFormat, CorpusSource, SHAKESPEARE_JSONL};
+pub use corpus::{read_documents, read_packed_corpus, CorpusFormat, CorpusSource, SHAKESPEARE_JSONL};
+pub use indexed_dataset::IndexedDataset;
 pub use pretrain::{eval_indices, tokenize_documents, BlockSampler, PackedCorpus, SamplerCursor};
 pub use sources::{load_raw_dataset, rows_from_json_bytes, ColumnKeys, PreferenceRow, RawDataset};
 pub use split::{check_split, parse_split, split_ranges};

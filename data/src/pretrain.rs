@@ -2,7 +2,10 @@
 //! documents joined into one token stream with EOS after each, cut into `seq_length + 1`-token
 //! blocks that overlap by one token (input = first `seq_length`, target = last `seq_length`),
 //! and a seeded per-epoch shuffle of block indices whose cursor goes into resume checkpoints.
+//! The stream is either tokenized here from text, or Megatron's own pre-tokenized
+//! `.bin`/`.idx` pair read in place.
 
+use std::borrow::Cow;
 use std::ops::Range;
 
 use anyhow::{bail, Result};
@@ -10,6 +13,7 @@ use rand::{RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
+use crate::indexed_dataset::IndexedDataset;
 use crate::tokenizer::Tokenizer;
 
 /// Token ids of each document (no EOS added; [`PackedCorpus::pack`] adds it).
@@ -17,10 +21,19 @@ pub fn tokenize_documents(tok: &Tokenizer, docs: &[String]) -> Result<Vec<Vec<u3
     tok.encode_batch(docs)
 }
 
+/// Where a [`PackedCorpus`]'s token stream lives.
+#[derive(Debug)]
+enum Stream {
+    /// Tokenized here.
+    Owned(Vec<u32>),
+    /// A Megatron indexed dataset's files, mapped; each read is checked below `vocab_size`.
+    Indexed { dataset: IndexedDataset, vocab_size: usize },
+}
+
 /// All documents as one token stream, each followed by EOS, read as fixed-length blocks.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Debug)]
 pub struct PackedCorpus {
-    tokens: Vec<u32>,
+    tokens: Stream,
     seq_length: usize,
 }
 
@@ -34,29 +47,42 @@ impl PackedCorpus {
             tokens.extend_from_slice(doc);
             tokens.push(eos_id);
         }
-        Self { tokens, seq_length }
+        Self { tokens: Stream::Owned(tokens), seq_length }
+    }
+
+    /// A Megatron indexed dataset's sequences, in order, as the stream (read in place).
+    pub fn indexed(dataset: IndexedDataset, seq_length: usize, vocab_size: usize) -> Self {
+        assert!(seq_length > 0, "PackedCorpus::indexed: seq_length must be > 0");
+        Self { tokens: Stream::Indexed { dataset, vocab_size }, seq_length }
     }
 
     /// Number of whole blocks: each needs `seq_length + 1` tokens and shares its last token with
     /// the next block, so `(tokens - 1) / seq_length` (Megatron's `num_samples` for one epoch).
     pub fn num_blocks(&self) -> usize {
-        self.tokens.len().saturating_sub(1) / self.seq_length
+        self.num_tokens().saturating_sub(1) / self.seq_length
     }
 
     /// Block `i`: `tokens[i * seq_length ..= (i + 1) * seq_length]`, `seq_length + 1` tokens.
-    pub fn block(&self, i: usize) -> &[u32] {
+    /// Only an indexed dataset's read can fail (a token beyond the vocabulary).
+    pub fn block(&self, i: usize) -> Result<Cow<'_, [u32]>> {
         assert!(
             i < self.num_blocks(),
             "PackedCorpus::block: index {i} out of range, corpus has {} blocks",
             self.num_blocks()
         );
-        let start = i * self.seq_length;
-        &self.tokens[start..start + self.seq_length + 1]
+        let range = i * self.seq_length..(i + 1) * self.seq_length + 1;
+        Ok(match &self.tokens {
+            Stream::Owned(tokens) => Cow::Borrowed(&tokens[range]),
+            Stream::Indexed { dataset, vocab_size } => Cow::Owned(dataset.read(range, *vocab_size)?),
+        })
     }
 
     /// Tokens in the stream, EOS included.
     pub fn num_tokens(&self) -> usize {
-        self.tokens.len()
+        match &self.tokens {
+            Stream::Owned(tokens) => tokens.len(),
+            Stream::Indexed { dataset, .. } => dataset.num_tokens(),
+        }
     }
 
     /// Tokens per training sequence (the block holds one more for the shifted target).
@@ -178,17 +204,28 @@ pub fn eval_indices(range: &Range<usize>, batches: usize, batch_size: usize) -> 
 mod tests {
     use super::*;
 
+    fn owned(corpus: &PackedCorpus) -> &Vec<u32> {
+        match &corpus.tokens {
+            Stream::Owned(tokens) => tokens,
+            Stream::Indexed { .. } => panic!("an indexed corpus"),
+        }
+    }
+
+    fn block(corpus: &PackedCorpus, i: usize) -> Vec<u32> {
+        corpus.block(i).unwrap().into_owned()
+    }
+
     #[test]
     fn pack_puts_eos_after_every_document() {
         let packed = PackedCorpus::pack(&[vec![1, 2, 3], vec![], vec![4, 5]], 0, 2);
-        assert_eq!(packed.tokens, vec![1, 2, 3, 0, 0, 4, 5, 0]);
+        assert_eq!(owned(&packed), &vec![1, 2, 3, 0, 0, 4, 5, 0]);
         assert_eq!(packed.num_tokens(), 8);
         // One allocation of exactly the stream's length (`with_capacity` gives exactly what is
         // asked): a pretraining corpus is the largest buffer of the run, and regrowing it would
         // briefly hold it twice.
-        assert_eq!(packed.tokens.capacity(), 8);
+        assert_eq!(owned(&packed).capacity(), 8);
         let lone_empty = PackedCorpus::pack(&[vec![]], 7, 1);
-        assert_eq!((lone_empty.tokens.as_slice(), lone_empty.tokens.capacity()), (&[7][..], 1));
+        assert_eq!((owned(&lone_empty).as_slice(), owned(&lone_empty).capacity()), (&[7][..], 1));
     }
 
     #[test]
@@ -196,11 +233,11 @@ mod tests {
         // Stream 1 2 3 9 4 5 6 9 7 9 (10 tokens), seq 3 -> (10 - 1) / 3 = 3 blocks.
         let packed = PackedCorpus::pack(&[vec![1, 2, 3], vec![4, 5, 6], vec![7]], 9, 3);
         assert_eq!((packed.num_blocks(), packed.seq_length()), (3, 3));
-        assert_eq!(packed.block(0), &[1, 2, 3, 9]);
-        assert_eq!(packed.block(1), &[9, 4, 5, 6]);
-        assert_eq!(packed.block(2), &[6, 9, 7, 9]);
+        assert_eq!(block(&packed, 0), [1, 2, 3, 9]);
+        assert_eq!(block(&packed, 1), [9, 4, 5, 6]);
+        assert_eq!(block(&packed, 2), [6, 9, 7, 9]);
         for i in 0..2 {
-            assert_eq!(packed.block(i).last(), packed.block(i + 1).first());
+            assert_eq!(block(&packed, i).last(), block(&packed, i + 1).first());
         }
         // One token short of a fourth block: 12 tokens would be needed, 10 suffice for 3.
         let packed = PackedCorpus::pack(&[vec![1, 2]], 9, 3);
@@ -212,7 +249,7 @@ mod tests {
     #[test]
     #[should_panic(expected = "out of range")]
     fn block_past_the_end_panics() {
-        PackedCorpus::pack(&[vec![1, 2, 3]], 9, 3).block(1);
+        let _ = PackedCorpus::pack(&[vec![1, 2, 3]], 9, 3).block(1);
     }
 
     fn sorted(mut v: Vec<usize>) -> Vec<usize> {
@@ -350,9 +387,9 @@ mod tests {
         let docs = vec!["Hello world".to_string(), "Hello world".to_string()];
         let ids = tokenize_documents(&tok, &docs)?;
         let packed = PackedCorpus::pack(&ids, tok.eos_id(), 2);
-        assert_eq!(packed.tokens, vec![15496, 995, 50256, 15496, 995, 50256]);
+        assert_eq!(owned(&packed), &vec![15496, 995, 50256, 15496, 995, 50256]);
         assert_eq!(packed.num_blocks(), 2);
-        assert_eq!(packed.block(1), &[50256, 15496, 995]);
+        assert_eq!(block(&packed, 1), [50256, 15496, 995]);
         Ok(())
     }
 }

@@ -6,7 +6,7 @@
 use std::fs;
 use std::path::Path;
 
-use anyhow::{anyhow, Result};
+use anyhow::{anyhow, bail, Result};
 
 /// The GPT-2 `tokenizer.json` (HF `gpt2`), vendored under `assets/gpt2-tokenizer/`.
 pub const GPT2_TOKENIZER_JSON: &[u8] = include_bytes!("../../assets/gpt2-tokenizer/tokenizer.json");
@@ -49,6 +49,78 @@ impl Tokenizer {
             )
         })?;
         Self::from_json_bytes(&bytes, &path.display().to_string())
+    }
+
+    /// Megatron's `--tokenizer-type GPT2BPETokenizer`: GPT-2's byte-level BPE from its
+    /// `vocab.json` and `merges.txt` (`--vocab-file`, `--merge-file`), built as HF's
+    /// `GPT2TokenizerFast` builds it from the same two files (the embedded GPT-2 tokenizer's
+    /// pre-tokenizer, decoder and post-processor, `<|endoftext|>` a special token).
+    pub fn from_gpt2_bpe_files(vocab_file: &Path, merge_file: &Path) -> Result<Self> {
+        let read = |path: &Path, flag: &str| {
+            fs::read(path).map_err(|e| {
+                anyhow!(
+                    "cannot read {flag} {} ({e}); pass GPT-2's {}",
+                    path.display(),
+                    if flag == "--vocab-file" { "vocab.json" } else { "merges.txt" }
+                )
+            })
+        };
+        let (vocab_bytes, merge_bytes) = (read(vocab_file, "--vocab-file")?, read(merge_file, "--merge-file")?);
+        let vocab: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&vocab_bytes).map_err(|e| {
+            anyhow!(
+                "--vocab-file {} is not a JSON object of tokens and ids, as GPT-2's vocab.json ({e})",
+                vocab_file.display()
+            )
+        })?;
+        if let Some((token, id)) = vocab.iter().find(|(_, id)| id.as_u64().is_none_or(|id| id > u64::from(u32::MAX))) {
+            bail!(
+                "--vocab-file {}: token {:?} has id {id}, not a token id",
+                vocab_file.display(),
+                crate::printable_list(&[token])
+            );
+        }
+        let eos = vocab.get(EOS_TOKEN).cloned().ok_or_else(|| {
+            anyhow!(
+                "--vocab-file {} has no {EOS_TOKEN}, GPT-2's end of document: use GPT-2's vocab.json",
+                vocab_file.display()
+            )
+        })?;
+        let text = std::str::from_utf8(&merge_bytes)
+            .map_err(|e| anyhow!("--merge-file {} is not UTF-8 text ({e})", merge_file.display()))?;
+        let mut merges = Vec::new();
+        for (n, line) in text.lines().enumerate() {
+            if (n == 0 && line.starts_with("#version")) || line.is_empty() {
+                continue;
+            }
+            match line.split_once(' ') {
+                Some((a, b)) if !a.is_empty() && !b.is_empty() && !b.contains(' ') => {
+                    if let Some(missing) = [a, b, &format!("{a}{b}")].into_iter().find(|t| !vocab.contains_key(*t)) {
+                        bail!(
+                            "--merge-file {} line {}: {:?} is not in --vocab-file {}: the two files are not one tokenizer's",
+                            merge_file.display(),
+                            n + 1,
+                            crate::printable_list(&[missing]),
+                            vocab_file.display()
+                        );
+                    }
+                    merges.push(serde_json::json!([a, b]))
+                }
+                _ => bail!(
+                    "--merge-file {} line {}: {:?} is not a merge of two tokens separated by a space, as in GPT-2's merges.txt",
+                    merge_file.display(),
+                    n + 1,
+                    crate::printable_list(&[line])
+                ),
+            }
+        }
+        let mut json: serde_json::Value =
+            serde_json::from_slice(GPT2_TOKENIZER_JSON).map_err(|e| anyhow!("the embedded tokenizer.json: {e}"))?;
+        json["model"]["vocab"] = serde_json::Value::Object(vocab);
+        json["model"]["merges"] = serde_json::Value::Array(merges);
+        json["added_tokens"][0]["id"] = eos;
+        let source =
+            format!("GPT-2 BPE from --vocab-file {} and --merge-file {}", vocab_file.display(), merge_file.display());
+        Self::from_json_bytes(&serde_json::to_vec(&json)?, &source)
     }
 
     /// `dir/tokenizer.json` when the model directory has one (a fine-tuned HF checkpoint), else
@@ -179,6 +251,53 @@ mod tests {
             assert!(!tok.is_eos(not_eos), "{not_eos:?}");
         }
         assert_eq!(format!("{tok:?}"), "Tokenizer { vocab_size: 50257, eos_id: 50256 }");
+        Ok(())
+    }
+
+    /// GPT-2's vocab.json and merges.txt (written here from the embedded tokenizer.json, whose
+    /// vocabulary and merges HF converted from those two files) make the same tokenizer.
+    #[test]
+    fn gpt2_bpe_from_vocab_and_merge_files_is_the_embedded_tokenizer() -> Result<()> {
+        let dir = tempfile::tempdir()?;
+        let json: serde_json::Value = serde_json::from_slice(GPT2_TOKENIZER_JSON)?;
+        let (vocab, merges) = (dir.path().join("gpt2-vocab.json"), dir.path().join("gpt2-merges.txt"));
+        fs::write(&vocab, serde_json::to_vec(&json["model"]["vocab"])?)?;
+        let mut lines = String::from("#version: 0.2\n");
+        for pair in json["model"]["merges"].as_array().unwrap() {
+            lines += &format!("{} {}\n", pair[0].as_str().unwrap(), pair[1].as_str().unwrap());
+        }
+        fs::write(&merges, &lines)?;
+        let (files, embedded) = (Tokenizer::from_gpt2_bpe_files(&vocab, &merges)?, Tokenizer::gpt2_default()?);
+        assert_eq!((files.vocab_size(), files.eos_id()), (50257, 50256));
+        for text in ["Hello world", " naïve café 東京 🙂", "a<|endoftext|>b", "  two  spaces\n\ttab", "12345 * 6789"]
+        {
+            assert_eq!(files.encode(text)?, embedded.encode(text)?, "{text:?}");
+        }
+        assert_eq!(files.fingerprint(), embedded.fingerprint(), "the same tokenizer.json");
+
+        // Bad files: one line each, naming the file.
+        let write = |name: &str, text: &str| {
+            let p = dir.path().join(name);
+            fs::write(&p, text).unwrap();
+            p
+        };
+        let cases = [
+            (write("list.json", "[1, 2]"), merges.clone(), "not a JSON object"),
+            (write("neg.json", r#"{"a": -1, "<|endoftext|>": 0}"#), merges.clone(), "has id -1"),
+            (write("noeos.json", r#"{"a": 0}"#), merges.clone(), "has no <|endoftext|>"),
+            (vocab.clone(), write("bad.txt", "#version: 0.2\nĠ t\nlonely\n"), "line 3"),
+            (vocab.clone(), write("three.txt", "a b c\n"), "line 1"),
+            (dir.path().join("missing.json"), merges.clone(), "cannot read --vocab-file"),
+            (
+                vocab.clone(),
+                write("unknown.txt", "#version: 0.2\nĠ t\nzzzq qqqz\n"),
+                "line 3: \"zzzq\" is not in --vocab-file",
+            ),
+        ];
+        for (v, m, want) in cases {
+            let err = format!("{:#}", Tokenizer::from_gpt2_bpe_files(&v, &m).unwrap_err());
+            assert!(err.contains(want) && err.lines().count() == 1, "{want}: {err}");
+        }
         Ok(())
     }
 

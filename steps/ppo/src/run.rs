@@ -112,8 +112,11 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
     let data_cfg = args.data.config(args.seed, context, args.max_prompt_seq_len, false)?;
     let prompts = data::phases::prompt_data(&data_cfg, &tokenizer)?;
     println!("{}", prompts.summary);
-    let unsupervised =
-        args.unsupervised_dataset_name.as_deref().map(|name| ptx_corpus(args, name, &tokenizer)).transpose()?;
+    let unsupervised = args
+        .unsupervised_dataset_name
+        .as_deref()
+        .map(|name| ptx_corpus(args, name, &tokenizer, actor_cfg.vocab_size))
+        .transpose()?;
     let process_mib = start.process_mib();
     // The global batches: a rollout's prompts and a PPO micro-batch's rows over all ranks.
     let global_generation = args.per_device_generation_batch_size * world;
@@ -299,12 +302,11 @@ fn inference_tp_group(args: &PpoArgs, group: &ProcessGroup, actor: &Gpt2Config) 
     }
 }
 
-/// `--unsupervised-dataset-name`: the PTX corpus packed in blocks of a prompt and an answer.
-fn ptx_corpus(args: &PpoArgs, name: &str, tokenizer: &Tokenizer) -> Result<PackedCorpus> {
+/// `--unsupervised-dataset-name`: the PTX corpus packed in blocks of a prompt and an answer
+/// (text, or a Megatron `.bin`/`.idx` whose tokens must fit the actor's `vocab_size`).
+fn ptx_corpus(args: &PpoArgs, name: &str, tokenizer: &Tokenizer, vocab_size: usize) -> Result<PackedCorpus> {
     let context = args.max_prompt_seq_len + args.max_answer_seq_len;
-    let docs = data::read_documents(&args.ptx_source(name)?, "text")?;
-    let tokens = data::tokenize_documents(tokenizer, &docs)?;
-    let corpus = PackedCorpus::pack(&tokens, tokenizer.eos_id(), context);
+    let (corpus, _) = data::read_packed_corpus(&args.ptx_source(name)?, "text", tokenizer, context, vocab_size)?;
     if corpus.num_blocks() == 0 {
         bail!("--unsupervised-dataset-name {name}: the corpus is shorter than one block of {context} tokens");
     }
@@ -1320,7 +1322,7 @@ fn ptx_batch(corpus: &PackedCorpus, idx: &[usize], device: &Device) -> Result<(T
     let t = corpus.seq_length();
     let (mut x, mut y) = (Vec::new(), Vec::new());
     for &i in idx {
-        let block = corpus.block(i);
+        let block = corpus.block(i)?;
         x.extend_from_slice(&block[..t]);
         y.extend_from_slice(&block[1..]);
     }

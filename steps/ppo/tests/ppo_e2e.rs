@@ -465,6 +465,31 @@ fn a_resume_over_a_changed_ptx_corpus_is_one_clear_error_line() {
     assert!(stderr.contains("--unsupervised-dataset-name") && stderr.contains("now makes"), "{stderr}");
 }
 
+/// PTX from Megatron's pre-tokenized corpus (its `.bin`/`.idx` prefix) trains as the same
+/// documents given as jsonl do: the same blocks, so the same run, step for step.
+#[test]
+fn ptx_reads_megatrons_preprocessed_corpus_as_its_jsonl() {
+    let dir = tempfile::tempdir().unwrap();
+    setup(dir.path());
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/tests/fixtures/megatron");
+    let run = |out: &str, corpus: &str| {
+        let path = fixtures.join(corpus);
+        let stdout = ok(&ppo(dir.path(), out, &["--unsupervised-dataset-name", path.to_str().unwrap()]));
+        // Each step's losses (the records' timings differ from run to run).
+        let losses: Vec<[f64; 3]> = rollout_records(&dir.path().join(out))
+            .iter()
+            .map(|r| ["ptx_loss", "actor_loss", "critic_loss"].map(|k| r[k].as_f64().unwrap()))
+            .collect();
+        (losses, stdout)
+    };
+    let (text, text_log) = run("jsonl", "corpus.jsonl");
+    let (indexed, log) = run("indexed", "corpus_text_document");
+    // 239 tokens in blocks of 24 + 6: 7 blocks.
+    assert!(text_log.contains("PTX: 7 blocks of 30 tokens") && log.contains("PTX: 7 blocks of 30 tokens"), "{log}");
+    assert_eq!(text.len(), 7, "{text:?}");
+    assert_eq!(indexed, text, "the same PTX blocks, the same run");
+}
+
 /// Several minibatches and PPO epochs per rollout make PPO's mechanics visible: after the
 /// phase's first update the ratio departs from 1 and clipping acts. `--kl-target` adapts the KL
 /// coefficient after every rollout as the controller's formula says, `--target-kl` stops a

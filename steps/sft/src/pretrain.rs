@@ -115,10 +115,7 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     println!("device: {}", hybrid_engine::device::describe(&device));
 
     // Data: tokenize, pack, split. Every failure here happens before any training.
-    let tokenizer = match &args.tokenizer {
-        Some(p) => Tokenizer::from_file(p)?,
-        None => Tokenizer::gpt2_default()?,
-    };
+    let tokenizer = args.tokenizer()?;
     let (corpus, [train, valid, test]) = read_corpus(args, &cfg, &tokenizer)?;
     let layout = DataLayout {
         data_path: args.data_path.clone(),
@@ -211,22 +208,24 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     run.finish(start, train_secs, &test)
 }
 
-/// `--data-path` tokenized, packed in blocks of `--seq-length` tokens and split into the
-/// train, valid and test ranges of blocks (said in a line). Every failure here happens before
-/// any training.
+/// `--data-path` tokenized (or Megatron's pre-tokenized `.bin`/`.idx`), packed in blocks of
+/// `--seq-length` tokens and split into the train, valid and test ranges of blocks (said in a
+/// line). Every failure here happens before any training, but a token of a Megatron dataset
+/// beyond the model's vocabulary, found when its block is read.
 fn read_corpus(
     args: &PretrainArgs,
     cfg: &PretrainConfig,
     tokenizer: &Tokenizer,
 ) -> Result<(PackedCorpus, [Range<usize>; 3])> {
-    let docs = data::read_documents(&CorpusSource::parse(&args.data_path), &args.text_key)?;
-    let tokens = data::tokenize_documents(tokenizer, &docs)?;
-    let corpus = PackedCorpus::pack(&tokens, tokenizer.eos_id(), args.seq_length);
+    let source = CorpusSource::parse(&args.data_path);
+    let (corpus, documents) =
+        data::read_packed_corpus(&source, &args.text_key, tokenizer, args.seq_length, cfg.model.vocab_size)?;
     let ranges = data::split_ranges(corpus.num_blocks(), &cfg.split);
     data::check_split(corpus.num_blocks(), &cfg.split, &ranges)?;
+    let kind =
+        if matches!(source, CorpusSource::Indexed(_)) { " (Megatron's indexed dataset, read in place)" } else { "" };
     println!(
-        "corpus: {} documents, {} tokens, {} blocks of {} tokens: train {}, valid {}, test {}",
-        docs.len(),
+        "corpus{kind}: {documents} documents, {} tokens, {} blocks of {} tokens: train {}, valid {}, test {}",
         corpus.num_tokens(),
         corpus.num_blocks(),
         args.seq_length,
@@ -598,7 +597,7 @@ fn batch(corpus: &PackedCorpus, idx: &[usize], device: &Device) -> Result<(Tenso
     let mut x = Vec::with_capacity(idx.len() * t);
     let mut y = Vec::with_capacity(idx.len() * t);
     for &i in idx {
-        let block = corpus.block(i); // T + 1 tokens
+        let block = corpus.block(i)?; // T + 1 tokens
         x.extend_from_slice(&block[..t]);
         y.extend_from_slice(&block[1..]);
     }

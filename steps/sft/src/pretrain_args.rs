@@ -43,11 +43,26 @@ pub struct PretrainArgs {
     #[arg(help_heading = heading::MODEL, long, default_value_t = 128, alias = "make_vocab_size_divisible_by")]
     pub make_vocab_size_divisible_by: usize,
     /// tokenizer.json to use (default: the embedded GPT-2 tokenizer).
-    #[arg(help_heading = heading::MODEL, long)]
+    #[arg(help_heading = heading::MODEL, long, conflicts_with_all = ["vocab_file", "merge_file"])]
     pub tokenizer: Option<PathBuf>,
-    /// Corpus: a .jsonl/.json, .parquet or plain text file, or `shakespeare` (embedded).
+    /// Megatron's GPT-2 BPE vocabulary (gpt2-vocab.json), with --merge-file.
+    #[arg(help_heading = heading::MODEL, long, alias = "vocab_file", requires = "merge_file")]
+    pub vocab_file: Option<PathBuf>,
+    /// Megatron's GPT-2 BPE merges (gpt2-merges.txt), with --vocab-file.
+    #[arg(help_heading = heading::MODEL, long, alias = "merge_file", requires = "vocab_file")]
+    pub merge_file: Option<PathBuf>,
+    /// Megatron's tokenizer type: GPT2BPETokenizer (GPT-2's byte-level BPE) is the one taken.
+    #[arg(help_heading = heading::MODEL, long, alias = "tokenizer_type", conflicts_with = "tokenizer")]
+    pub tokenizer_type: Option<String>,
+    /// Corpus: a .jsonl/.json, .parquet or plain text file, `shakespeare` (embedded), or
+    /// Megatron's pre-tokenized PREFIX of PREFIX.bin and PREFIX.idx (preprocess_data.py's
+    /// output, read in place).
     #[arg(help_heading = heading::DATA, long, default_value = "shakespeare", alias = "data_path")]
     pub data_path: String,
+    /// Megatron-DeepSpeed's --data-impl: mmap (or infer) reads --data-path as an indexed
+    /// dataset; the older lazy and cached formats are not read.
+    #[arg(help_heading = heading::DATA, long, alias = "data_impl")]
+    pub data_impl: Option<String>,
     /// Field (jsonl) or column (parquet) holding the text.
     #[arg(help_heading = heading::DATA, long, default_value = data::corpus::DEFAULT_TEXT_KEY, alias = "text_key")]
     pub text_key: String,
@@ -100,6 +115,10 @@ pub struct PretrainArgs {
         alias = "num_warmup_steps"
     )]
     pub lr_warmup_iters: u64,
+    /// Megatron's --lr-warmup-fraction: the warm-up as a fraction of --lr-decay-iters (a whole
+    /// number of iterations; instead of --lr-warmup-iters).
+    #[arg(help_heading = heading::OPTIMIZER, long, alias = "lr_warmup_fraction", conflicts_with = "lr_warmup_iters", value_parser = cli::unit_interval())]
+    pub lr_warmup_fraction: Option<f64>,
     /// Iteration where the decay reaches --min-lr (default: --train-iters).
     #[arg(help_heading = heading::OPTIMIZER, long, alias = "lr_decay_iters")]
     pub lr_decay_iters: Option<u64>,
@@ -315,13 +334,21 @@ impl PretrainArgs {
                 model.n_positions
             );
         }
+        if let Some(kind) = self.tokenizer_type.as_deref().filter(|&t| t != "GPT2BPETokenizer") {
+            bail!("--tokenizer-type {kind}: pretraining takes GPT2BPETokenizer (GPT-2's BPE, from --vocab-file and --merge-file or embedded), or a HF tokenizer.json with --tokenizer");
+        }
+        self.check_data_impl()?;
         let decay_iters = self.lr_decay_iters.unwrap_or(self.train_iters);
+        let warmup_iters = match self.lr_warmup_fraction {
+            None => self.lr_warmup_iters,
+            Some(fraction) => warmup_of_fraction(fraction, decay_iters)?,
+        };
         Ok(PretrainConfig {
             model,
             schedule: LrSchedule {
                 max_lr: self.lr,
                 min_lr: self.min_lr,
-                warmup_iters: self.lr_warmup_iters,
+                warmup_iters,
                 decay_iters,
                 style: self.lr_decay_style,
             },
@@ -335,6 +362,50 @@ impl PretrainArgs {
             split: data::parse_split(&self.split)?,
         })
     }
+}
+
+impl PretrainArgs {
+    /// The tokenizer the flags name: `--tokenizer`'s tokenizer.json, GPT-2's BPE from
+    /// `--vocab-file` and `--merge-file` (Megatron's), or the embedded GPT-2 tokenizer.
+    pub fn tokenizer(&self) -> Result<data::Tokenizer> {
+        match (&self.tokenizer, &self.vocab_file, &self.merge_file) {
+            (Some(path), _, _) => data::Tokenizer::from_file(path),
+            (None, Some(vocab), Some(merges)) => data::Tokenizer::from_gpt2_bpe_files(vocab, merges),
+            _ => data::Tokenizer::gpt2_default(),
+        }
+    }
+
+    /// `--data-impl`: mmap (or infer) must find Megatron's indexed dataset at `--data-path`.
+    fn check_data_impl(&self) -> Result<()> {
+        match self.data_impl.as_deref() {
+            None => Ok(()),
+            Some("mmap" | "infer") => match data::CorpusSource::parse(&self.data_path) {
+                data::CorpusSource::Indexed(_) => Ok(()),
+                _ => bail!(
+                    "--data-impl reads Megatron's indexed dataset, and --data-path {} is not the PREFIX of a PREFIX.bin and PREFIX.idx pair: give that prefix, or drop --data-impl for text",
+                    self.data_path
+                ),
+            },
+            Some(old @ ("lazy" | "cached")) => bail!(
+                "--data-impl {old}: Megatron's older {old} format is not read; write the corpus with preprocess_data.py's default (mmap)"
+            ),
+            Some(other) => bail!("--data-impl {other}: the choices are mmap and infer"),
+        }
+    }
+}
+
+/// Megatron's `--lr-warmup-fraction`: that fraction of the decay's iterations, which must come
+/// to a whole number here (Megatron warms up over a fractional count, which this schedule does
+/// not represent).
+fn warmup_of_fraction(fraction: f64, decay_iters: u64) -> Result<u64> {
+    let iters = fraction * decay_iters as f64;
+    let whole = iters.round();
+    if (iters - whole).abs() > 1e-6 * whole.max(1.0) {
+        bail!(
+            "--lr-warmup-fraction {fraction} of {decay_iters} decay iterations is {iters} iterations, and the warm-up here is a whole number: give --lr-warmup-iters {whole}, or a fraction that makes a whole number"
+        );
+    }
+    Ok(whole as u64)
 }
 
 /// A preset name or a config.json path.
@@ -384,6 +455,51 @@ mod tests {
         assert!(err(&["--fp16", "--initial-loss-scale", "1000"]).contains("a power of two from 1 to 2^32"));
         assert!(err(&["--fp16", "--initial-loss-scale", "0.5"]).contains("a power of two from 1 to 2^32"));
         assert!(err(&["--bf16", "--initial-loss-scale", "1024"]).contains("the dtype is bf16: add --fp16"));
+    }
+
+    #[test]
+    fn megatrons_data_and_schedule_flags_take_effect_or_are_refused() {
+        let parse = |more: &[&str]| PretrainArgs::parse_from([&["sft", "--from-scratch"][..], more].concat());
+        let config = |more: &[&str]| parse(more).pretrain_config();
+        // 1% of 500 decay iterations: 5, as Megatron's lr_warmup_steps.
+        let warmup = |more: &[&str]| config(more).unwrap().schedule.warmup_iters;
+        assert_eq!(warmup(&["--train-iters", "500", "--lr-warmup-fraction", ".01"]), 5);
+        assert_eq!(warmup(&["--train-iters", "50", "--lr-decay-iters", "300", "--lr-warmup-fraction", "0.1"]), 30);
+        assert_eq!(warmup(&["--lr-warmup-fraction", "0"]), 0);
+        assert_eq!(warmup(&["--lr-warmup-iters", "7"]), 7);
+        let err = config(&["--train-iters", "123", "--lr-warmup-fraction", ".01"]).err().unwrap().to_string();
+        assert!(err.contains("1.23 iterations") && err.contains("--lr-warmup-iters 1"), "{err}");
+        let both = PretrainArgs::try_parse_from(["sft", "--lr-warmup-fraction", ".1", "--lr-warmup-iters", "3"]);
+        assert!(both.is_err(), "one warm-up flag or the other");
+
+        let fixture = concat!(env!("CARGO_MANIFEST_DIR"), "/../../data/tests/fixtures/megatron/");
+        let indexed = format!("{fixture}corpus_text_document");
+        let jsonl = format!("{fixture}corpus.jsonl");
+        for imp in ["mmap", "infer"] {
+            assert!(config(&["--data-path", &indexed, "--data-impl", imp]).is_ok(), "{imp}");
+            let err = config(&["--data-path", &jsonl, "--data-impl", imp]).err().unwrap().to_string();
+            assert!(err.contains("is not the PREFIX of a PREFIX.bin and PREFIX.idx pair"), "{err}");
+        }
+        for (imp, want) in [
+            ("lazy", "older lazy format"),
+            ("cached", "older cached format"),
+            ("mmaps", "the choices are mmap and infer"),
+        ] {
+            let err = config(&["--data-path", &indexed, "--data-impl", imp]).err().unwrap().to_string();
+            assert!(err.contains(want), "{err}");
+        }
+
+        assert!(config(&["--tokenizer-type", "GPT2BPETokenizer"]).is_ok());
+        let err = config(&["--tokenizer-type", "SentencePieceTokenizer"]).err().unwrap().to_string();
+        assert!(err.contains("--tokenizer-type SentencePieceTokenizer") && err.contains("GPT2BPETokenizer"), "{err}");
+        for alone in [&["sft", "--vocab-file", "v.json"][..], &["sft", "--merge-file", "m.txt"]] {
+            assert!(PretrainArgs::try_parse_from(alone).is_err(), "{alone:?}: both files or neither");
+        }
+        let with_json = ["sft", "--tokenizer", "t.json", "--vocab-file", "v.json", "--merge-file", "m.txt"];
+        assert!(PretrainArgs::try_parse_from(with_json).is_err(), "a tokenizer.json or the BPE files");
+        // The files themselves are read (and checked) by `tokenizer()`.
+        let missing = parse(&["--vocab-file", "/nonexistent/v.json", "--merge-file", "m.txt"]).tokenizer();
+        assert!(missing.unwrap_err().to_string().contains("cannot read --vocab-file /nonexistent/v.json"));
     }
 
     #[test]

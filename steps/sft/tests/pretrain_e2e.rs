@@ -535,3 +535,77 @@ fn corrupt_checkpoint_is_a_clear_error_and_leaves_other_checkpoints_intact() {
     let e = error_line(&sft(&args(SMALL, &["--train-iters", "4", "--load", "/no/such/ckpt", "--output-dir", r]), &[]));
     assert!(e.contains("/no/such/ckpt"), "{e}");
 }
+
+/// Megatron's pre-tokenized corpus (a `.bin`/`.idx` pair written by megatron-core's builder, as
+/// preprocess_data.py with --append-eod writes it; `scripts/fixtures/megatron_indexed.py`) with
+/// a Megatron script's flags trains exactly as the same documents given as jsonl do: the same
+/// blocks, the same schedule, the same losses, the same saved tokenizer.
+#[test]
+fn megatrons_preprocessed_corpus_and_script_flags_train_as_its_jsonl() {
+    let tmp = tempfile::tempdir().unwrap();
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/tests/fixtures/megatron");
+    let path = |name: &str| fixtures.join(name).to_str().unwrap().to_string();
+    // GPT-2's gpt2-vocab.json and gpt2-merges.txt, as Megatron's scripts pass them.
+    let tokenizer: Value = serde_json::from_slice(data::GPT2_TOKENIZER_JSON).unwrap();
+    let (vocab, merges) = (tmp.path().join("gpt2-vocab.json"), tmp.path().join("gpt2-merges.txt"));
+    std::fs::write(&vocab, serde_json::to_vec(&tokenizer["model"]["vocab"]).unwrap()).unwrap();
+    let pairs = tokenizer["model"]["merges"].as_array().unwrap();
+    let lines: String =
+        pairs.iter().map(|p| format!("{} {}\n", p[0].as_str().unwrap(), p[1].as_str().unwrap())).collect();
+    std::fs::write(&merges, format!("#version: 0.2\n{lines}")).unwrap();
+    let common = ["--train-iters", "6", "--lr-decay-iters", "30", "--split", "10,2,2", "--eval-interval", "3"];
+    let run = |name: &str, more: &[&str]| {
+        let out = tmp.path().join(name);
+        let stdout = ok(&sft(&args(SMALL, &args(&common, &args(&["--output-dir", out.to_str().unwrap()], more))), &[]));
+        (out, stdout)
+    };
+    let (text, text_log) = run("jsonl", &["--data-path", &path("corpus.jsonl"), "--lr-warmup-iters", "3"]);
+    assert!(text_log.contains("corpus: 12 documents, 239 tokens, 14 blocks of 16 tokens"), "{text_log}");
+    let megatron = [
+        "--data-impl",
+        "mmap",
+        "--tokenizer-type",
+        "GPT2BPETokenizer",
+        "--vocab-file",
+        vocab.to_str().unwrap(),
+        "--merge-file",
+        merges.to_str().unwrap(),
+        "--lr-warmup-fraction",
+        ".1",
+    ];
+    for prefix in ["corpus_text_document", "corpus_sentences_int32"] {
+        let (indexed, log) = run(prefix, &args(&["--data-path", &path(prefix)], &megatron));
+        let line =
+            "corpus (Megatron's indexed dataset, read in place): 12 documents, 239 tokens, 14 blocks of 16 tokens";
+        assert!(log.contains(line), "{log}");
+        assert_eq!(losses(&indexed), losses(&text), "{prefix}");
+        assert_eq!(losses(&indexed).len(), 6);
+        let saved = |dir: &Path| read(dir.join(latest(dir)).join("tokenizer.json"));
+        assert_eq!(saved(&indexed), saved(&text), "{prefix}: the BPE files make the embedded tokenizer");
+    }
+
+    // A pair that does not match is refused before training; a token the model's vocabulary
+    // lacks fails the run when its block is read, naming the token and the file. Both one line.
+    let broken = tmp.path().join("broken");
+    std::fs::copy(fixtures.join("corpus_text_document.bin"), broken.with_extension("bin")).unwrap();
+    let idx = read(fixtures.join("corpus_text_document.idx"));
+    std::fs::write(broken.with_extension("idx"), &idx[..idx.len() - 8]).unwrap();
+    let o = tmp.path().join("refused");
+    let e = error_line(&sft(
+        &args(SMALL, &args(&common, &["--data-path", broken.to_str().unwrap(), "--output-dir", o.to_str().unwrap()])),
+        &[],
+    ));
+    assert!(e.contains("broken.idx is not a Megatron indexed dataset's index") && e.contains("truncated"), "{e}");
+    // Token 0 set to 60000, past the 50304 rows (50257 padded to a multiple of 128): the first
+    // training block, which an epoch of 6 iterations of 2 over 10 training blocks reads.
+    let beyond = tmp.path().join("beyond");
+    let mut bin = read(fixtures.join("corpus_text_document.bin"));
+    bin[..2].copy_from_slice(&60000u16.to_le_bytes());
+    std::fs::write(beyond.with_extension("bin"), bin).unwrap();
+    std::fs::write(beyond.with_extension("idx"), &idx).unwrap();
+    let e = error_line(&sft(
+        &args(SMALL, &args(&common, &["--data-path", beyond.to_str().unwrap(), "--output-dir", o.to_str().unwrap()])),
+        &[],
+    ));
+    assert!(e.contains("token 0 of") && e.contains("beyond.bin is 60000") && e.contains("50304-row vocabulary"), "{e}");
+}
