@@ -154,6 +154,7 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
         .then(|| (data_group.clone(), dtype));
     let (weights, start, cursor, resume) =
         start_or_resume(args, &layout, &mut model_cfg, tp.as_ref(), shard_over, &device)?;
+    let resumed = resume.is_some();
     if tokenizer.vocab_size() > model_cfg.vocab_size {
         bail!(
             "the tokenizer has {} tokens but the model's embedding only {} rows: use a matching --tokenizer",
@@ -202,7 +203,7 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
             test_loss: None,
             checkpoint: None,
         },
-        last_saved: args.load.as_ref().map(|_| start),
+        last_saved: resumed.then_some(start),
     };
     let train_secs = run.train(start)?;
     run.finish(start, train_secs, &test)
@@ -256,7 +257,19 @@ fn start_or_resume(
     shard_over: Option<(Arc<ProcessGroup>, DType)>,
     device: &Device,
 ) -> Result<(StartingWeights, u64, SamplerCursor, Option<Resume>)> {
-    let Some(root) = &args.load else {
+    // Megatron's scripts pass --save DIR --load DIR from the first run on: a root without a
+    // checkpoint yet is a fresh start there (unless --exit-on-missing-checkpoint).
+    let load = match &args.load {
+        Some(root) if !root.join(hf_io::LATEST).is_file() && !args.exit_on_missing_checkpoint => {
+            println!(
+                "--load {}: no checkpoint there yet (no `latest`): starting from iteration 0, as Megatron does (--exit-on-missing-checkpoint makes this an error)",
+                root.display()
+            );
+            None
+        }
+        load => load.as_ref(),
+    };
+    let Some(root) = load else {
         // Under tensor parallelism each rank draws the same weights but keeps its slices; under
         // ZeRO-3 its shard.
         let weights = match (tp, shard_over) {

@@ -137,6 +137,14 @@ pub struct PretrainArgs {
     /// AdamW's epsilon, added to the root of the second moment.
     #[arg(help_heading = heading::OPTIMIZER, long, default_value_t = 1e-8, alias = "adam_eps", value_parser = cli::positive())]
     pub adam_eps: f64,
+    /// Standard deviation of the initial weights (Megatron's --init-method-std, HF's
+    /// initializer_range; the residual projections' is this over sqrt(2 x layers)).
+    #[arg(help_heading = heading::MODEL, long, default_value_t = 0.02, alias = "init_method_std", value_parser = cli::positive())]
+    pub init_method_std: f64,
+    /// Megatron's pipeline parallelism: only 1 (none) is taken; tensor parallelism and ZeRO
+    /// split the model here.
+    #[arg(help_heading = heading::PARALLELISM, long, default_value_t = 1, alias = "pipeline_model_parallel_size")]
+    pub pipeline_model_parallel_size: u64,
     /// Dropout for embeddings, attention and residuals (default: the model config's, 0.1).
     #[arg(help_heading = heading::MODEL, long, value_parser = cli::dropout())]
     pub dropout: Option<f64>,
@@ -158,9 +166,13 @@ pub struct PretrainArgs {
     /// Save a checkpoint every this many iterations (and always at the end).
     #[arg(help_heading = heading::OUTPUT, long, default_value_t = 0, alias = "save_interval")]
     pub save_interval: u64,
-    /// Resume from the checkpoint root's `latest` checkpoint.
+    /// Resume from the checkpoint root's `latest` checkpoint; a root with none yet starts from
+    /// scratch, as Megatron's does (so one script with --save DIR --load DIR starts, then resumes).
     #[arg(help_heading = heading::OUTPUT, long)]
     pub load: Option<PathBuf>,
+    /// Megatron's: a --load root without a checkpoint is an error, not a fresh start.
+    #[arg(help_heading = heading::OUTPUT, long, alias = "exit_on_missing_checkpoint", requires = "load")]
+    pub exit_on_missing_checkpoint: bool,
     /// Where metrics.jsonl (and by default the checkpoints) go.
     #[arg(help_heading = heading::OUTPUT, long, default_value = "output/pretrain", alias = "output_dir")]
     pub output_dir: PathBuf,
@@ -325,6 +337,7 @@ impl PretrainArgs {
         if let Some(p) = self.dropout {
             (model.resid_pdrop, model.embd_pdrop, model.attn_pdrop) = (p, p, p);
         }
+        model.initializer_range = self.init_method_std;
         model.pad_vocab(self.make_vocab_size_divisible_by);
         model.validate()?;
         if self.seq_length > model.n_positions {
@@ -338,6 +351,12 @@ impl PretrainArgs {
             bail!("--tokenizer-type {kind}: pretraining takes GPT2BPETokenizer (GPT-2's BPE, from --vocab-file and --merge-file or embedded), or a HF tokenizer.json with --tokenizer");
         }
         self.check_data_impl()?;
+        if self.pipeline_model_parallel_size != 1 {
+            bail!(
+                "--pipeline-model-parallel-size {}: pipeline parallelism is not implemented; split the model with --tensor-model-parallel-size and --zero-stage 3 instead",
+                self.pipeline_model_parallel_size
+            );
+        }
         let decay_iters = self.lr_decay_iters.unwrap_or(self.train_iters);
         let warmup_iters = match self.lr_warmup_fraction {
             None => self.lr_warmup_iters,
@@ -488,6 +507,13 @@ mod tests {
             let err = config(&["--data-path", &indexed, "--data-impl", imp]).err().unwrap().to_string();
             assert!(err.contains(want), "{err}");
         }
+
+        assert_eq!(config(&[]).unwrap().model.initializer_range, 0.02);
+        assert_eq!(config(&["--init-method-std", "0.006"]).unwrap().model.initializer_range, 0.006);
+        assert!(config(&["--pipeline-model-parallel-size", "1"]).is_ok());
+        let err = config(&["--pipeline-model-parallel-size", "2"]).err().unwrap().to_string();
+        assert!(err.contains("pipeline parallelism is not implemented"), "{err}");
+        assert!(PretrainArgs::try_parse_from(["sft", "--exit-on-missing-checkpoint"]).is_err(), "only with --load");
 
         assert!(config(&["--tokenizer-type", "GPT2BPETokenizer"]).is_ok());
         let err = config(&["--tokenizer-type", "SentencePieceTokenizer"]).err().unwrap().to_string();

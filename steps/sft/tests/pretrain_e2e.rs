@@ -532,8 +532,33 @@ fn corrupt_checkpoint_is_a_clear_error_and_leaves_other_checkpoints_intact() {
     assert_eq!(read(root.join("iter_0000001/model.safetensors")), good, "other checkpoints untouched");
     assert_eq!(latest(&root), "iter_0000002", "a failed run does not move `latest`");
 
-    let e = error_line(&sft(&args(SMALL, &["--train-iters", "4", "--load", "/no/such/ckpt", "--output-dir", r]), &[]));
-    assert!(e.contains("/no/such/ckpt"), "{e}");
+    // A root without a checkpoint is a fresh start as Megatron's (next test), and an error with
+    // Megatron's --exit-on-missing-checkpoint.
+    let missing = ["--train-iters", "4", "--load", "/no/such/ckpt", "--exit-on-missing-checkpoint", "--output-dir", r];
+    let e = error_line(&sft(&args(SMALL, &missing), &[]));
+    assert!(e.contains("/no/such/ckpt holds no checkpoint"), "{e}");
+}
+
+/// Megatron's scripts pass `--save DIR --load DIR` from the first run on: the first run finds no
+/// checkpoint and starts from scratch, saying so; the same command again resumes where it ended
+/// and continues the same trajectory as one run of the whole length.
+#[test]
+fn one_script_with_save_and_load_of_the_same_directory_starts_then_resumes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("ckpt");
+    let r = root.to_str().unwrap();
+    let common = ["--lr-decay-iters", "8", "--eval-interval", "0", "--save", r, "--load", r];
+    let first = ok(&sft(&args(SMALL, &args(&common, &["--train-iters", "4", "--output-dir", r])), &[]));
+    assert!(first.contains(&format!("--load {r}: no checkpoint there yet")), "{first}");
+    assert_eq!(latest(&root), "iter_0000004");
+    let again = ok(&sft(&args(SMALL, &args(&common, &["--train-iters", "8", "--output-dir", r])), &[]));
+    assert!(again.contains("resumed from") && again.contains("at iteration 4"), "{again}");
+    assert_eq!(latest(&root), "iter_0000008");
+    let whole = tmp.path().join("whole");
+    let w = whole.to_str().unwrap();
+    let whole_args = ["--lr-decay-iters", "8", "--eval-interval", "0", "--train-iters", "8", "--output-dir", w];
+    ok(&sft(&args(SMALL, &whole_args), &[]));
+    assert_eq!(losses(&root), losses(&whole), "the two runs are the one run");
 }
 
 /// Megatron's pre-tokenized corpus (a `.bin`/`.idx` pair written by megatron-core's builder, as
