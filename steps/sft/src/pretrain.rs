@@ -96,7 +96,7 @@ impl DataLayout {
 /// Runs `sft --from-scratch`.
 pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     let mut folded = args.clone();
-    folded.fold_megatron_precision()?;
+    folded.fold_megatron_flags()?;
     let args = &folded;
     let cfg = args.pretrain_config()?;
     let device = hybrid_engine::device::parse_device(&args.device)?;
@@ -308,7 +308,7 @@ fn start_or_resume(
         (Some((group, dtype)), _) => {
             let slices = ModelSlices::open(&dir)?;
             check_same_shape(&slices.config, model_cfg)?;
-            *model_cfg = with_dropout(slices.config.clone(), args.dropout);
+            *model_cfg = args.with_dropout(slices.config.clone());
             let source = ShardSource::Slices(Box::new(slices));
             StartingWeights::Sharded(Box::new(source.build(group, model_cfg, &Default::default(), dtype, device)?))
         }
@@ -317,27 +317,19 @@ fn start_or_resume(
         (None, Some(tp)) => {
             let slices = ModelSlices::open(&dir)?;
             check_same_shape(&slices.config, model_cfg)?;
-            *model_cfg = with_dropout(slices.config.clone(), args.dropout);
+            *model_cfg = args.with_dropout(slices.config.clone());
             StartingWeights::Whole(tp.read(model_cfg, device, |n, r| slices.read(n, r))?)
         }
         (None, None) => {
             let model = hf_io::load_model_dir(&dir, device)?;
             check_same_shape(&model.config, model_cfg)?;
-            *model_cfg = with_dropout(model.config.clone(), args.dropout);
+            *model_cfg = args.with_dropout(model.config.clone());
             StartingWeights::Whole(ParamStore::from_tensors(model_cfg, &model.tensors, device)?)
         }
     };
     println!("resumed from {} at iteration {}", dir.display(), state.iteration);
     let resume = Resume { optimizer, optimizer_step, progress: run.trainer };
     Ok((weights, state.iteration, cursor, Some(resume)))
-}
-
-/// A checkpoint's `config` with `--dropout`, when given, in place of its dropout.
-fn with_dropout(mut config: hybrid_engine::Gpt2Config, dropout: Option<f64>) -> hybrid_engine::Gpt2Config {
-    if let Some(p) = dropout {
-        (config.resid_pdrop, config.embd_pdrop, config.attn_pdrop) = (p, p, p);
-    }
-    config
 }
 
 /// The engine that trains `weights`, with a resumed checkpoint's optimizer state (`resume`,

@@ -148,6 +148,13 @@ pub struct PretrainArgs {
     /// Dropout for embeddings, attention and residuals (default: the model config's, 0.1).
     #[arg(help_heading = heading::MODEL, long, value_parser = cli::dropout())]
     pub dropout: Option<f64>,
+    /// Megatron's --attention-dropout: the attention probabilities' dropout (HF's attn_pdrop).
+    #[arg(help_heading = heading::MODEL, long, alias = "attention_dropout", conflicts_with = "dropout", value_parser = cli::dropout())]
+    pub attention_dropout: Option<f64>,
+    /// Megatron's --hidden-dropout: the embeddings' and residual branches' dropout (HF's
+    /// embd_pdrop and resid_pdrop).
+    #[arg(help_heading = heading::MODEL, long, alias = "hidden_dropout", conflicts_with = "dropout", value_parser = cli::dropout())]
+    pub hidden_dropout: Option<f64>,
     /// Seed of the initialisation, the data order and dropout.
     #[arg(help_heading = heading::TRAINING, long, default_value_t = 1234)]
     pub seed: u64,
@@ -202,6 +209,10 @@ pub struct PretrainArgs {
     /// the global batch is micro-batch x ranks x accumulation, as Megatron's.
     #[arg(help_heading = heading::PARALLELISM, long, default_value_t = 0, alias = "zero_stage")]
     pub zero_stage: u8,
+    /// Megatron's distributed optimizer: the fp32 masters and Adam moments sharded over the
+    /// data-parallel ranks, which is ZeRO stage 1 here (the same as --zero-stage 1).
+    #[arg(help_heading = heading::PARALLELISM, long, alias = "use_distributed_optimizer", conflicts_with = "zero_stage")]
+    pub use_distributed_optimizer: bool,
     #[command(flatten)]
     pub dist: hybrid_engine::cli::dist_args::DistArgs,
     #[command(flatten)]
@@ -222,10 +233,14 @@ pub struct PretrainConfig {
 pub const MEGATRON_LOSS_SCALING: LossScaling = LossScaling { initial_scale_power: 32, window: 1000 };
 
 impl PretrainArgs {
-    /// Folds Megatron's precision flags into `--dtype` and `--initial-scale-power` (clap has
-    /// refused their conflicts), and gives fp16 Megatron's loss-scale defaults where no flag set
-    /// them. [`crate::pretrain::run`] calls it first; the run reads `precision` alone.
-    pub fn fold_megatron_precision(&mut self) -> Result<()> {
+    /// Folds Megatron's flags into ours (clap has refused their conflicts): `--fp16`, `--bf16`
+    /// and `--initial-loss-scale` into `--dtype` and `--initial-scale-power`, with Megatron's
+    /// loss-scale defaults for fp16 where no flag set them; `--use-distributed-optimizer` into
+    /// `--zero-stage 1`. [`crate::pretrain::run`] calls it first; the run reads ours alone.
+    pub fn fold_megatron_flags(&mut self) -> Result<()> {
+        if self.use_distributed_optimizer {
+            self.zero_stage = 1;
+        }
         if self.fp16 {
             self.precision.dtype = Dtype::Fp16;
         }
@@ -321,7 +336,7 @@ impl PretrainArgs {
                 self.lr
             );
         }
-        let mut model = model_config(&self.model)?;
+        let mut model = self.with_dropout(model_config(&self.model)?);
         if let Some(n) = self.num_layers {
             model.n_layer = n;
         }
@@ -333,9 +348,6 @@ impl PretrainArgs {
         }
         if let Some(n) = self.max_position_embeddings {
             model.n_positions = n;
-        }
-        if let Some(p) = self.dropout {
-            (model.resid_pdrop, model.embd_pdrop, model.attn_pdrop) = (p, p, p);
         }
         model.initializer_range = self.init_method_std;
         model.pad_vocab(self.make_vocab_size_divisible_by);
@@ -384,6 +396,22 @@ impl PretrainArgs {
 }
 
 impl PretrainArgs {
+    /// `config` with the dropout flags given (`--dropout`, or Megatron's `--attention-dropout`
+    /// and `--hidden-dropout`) in place of its own: a preset's, or a resumed checkpoint's.
+    pub fn with_dropout(&self, mut config: Gpt2Config) -> Gpt2Config {
+        let (hidden, attention) = match self.dropout {
+            Some(p) => (Some(p), Some(p)),
+            None => (self.hidden_dropout, self.attention_dropout),
+        };
+        if let Some(p) = hidden {
+            (config.resid_pdrop, config.embd_pdrop) = (p, p);
+        }
+        if let Some(p) = attention {
+            config.attn_pdrop = p;
+        }
+        config
+    }
+
     /// The tokenizer the flags name: `--tokenizer`'s tokenizer.json, GPT-2's BPE from
     /// `--vocab-file` and `--merge-file` (Megatron's), or the embedded GPT-2 tokenizer.
     pub fn tokenizer(&self) -> Result<data::Tokenizer> {
@@ -451,7 +479,7 @@ mod tests {
     fn megatrons_precision_flags_fold_into_the_engines() {
         let fold = |extra: &[&str]| -> Result<PretrainArgs> {
             let mut a = PretrainArgs::try_parse_from(["sft", "--from-scratch"].iter().chain(extra))?;
-            a.fold_megatron_precision()?;
+            a.fold_megatron_flags()?;
             Ok(a)
         };
         let scaling = |a: &PretrainArgs| (a.precision.dtype, a.precision.loss_scaling());
@@ -508,6 +536,19 @@ mod tests {
             assert!(err.contains(want), "{err}");
         }
 
+        let dropouts = |more: &[&str]| {
+            let m = config(more).unwrap().model;
+            (m.embd_pdrop, m.resid_pdrop, m.attn_pdrop)
+        };
+        assert_eq!(dropouts(&[]), (0.1, 0.1, 0.1));
+        assert_eq!(dropouts(&["--dropout", "0.2"]), (0.2, 0.2, 0.2));
+        assert_eq!(dropouts(&["--hidden-dropout", "0.3"]), (0.3, 0.3, 0.1));
+        assert_eq!(dropouts(&["--attention-dropout", "0", "--hidden-dropout", "0.05"]), (0.05, 0.05, 0.0));
+        assert!(PretrainArgs::try_parse_from(["sft", "--dropout", "0.1", "--hidden-dropout", "0.1"]).is_err());
+        let mut distributed = parse(&["--use-distributed-optimizer"]);
+        distributed.fold_megatron_flags().unwrap();
+        assert_eq!(distributed.zero_stage, 1, "Megatron's distributed optimizer is ZeRO stage 1");
+        assert!(PretrainArgs::try_parse_from(["sft", "--use-distributed-optimizer", "--zero-stage", "2"]).is_err());
         assert_eq!(config(&[]).unwrap().model.initializer_range, 0.02);
         assert_eq!(config(&["--init-method-std", "0.006"]).unwrap().model.initializer_range, 0.006);
         assert!(config(&["--pipeline-model-parallel-size", "1"]).is_ok());

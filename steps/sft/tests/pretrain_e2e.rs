@@ -597,6 +597,16 @@ fn megatrons_preprocessed_corpus_and_script_flags_train_as_its_jsonl() {
         merges.to_str().unwrap(),
         "--lr-warmup-fraction",
         ".1",
+        // Megatron's defaults, said explicitly as its scripts do: no change.
+        "--init-method-std",
+        "0.02",
+        "--attention-dropout",
+        "0.1",
+        "--hidden-dropout",
+        "0.1",
+        "--pipeline-model-parallel-size",
+        "1",
+        "--use-distributed-optimizer",
     ];
     for prefix in ["corpus_text_document", "corpus_sentences_int32"] {
         let (indexed, log) = run(prefix, &args(&["--data-path", &path(prefix)], &megatron));
