@@ -16,6 +16,7 @@ use hybrid_engine::comm::{ProcessGroup, ReduceOp};
 use hybrid_engine::engine::{Engine, Head, Ranks};
 use hybrid_engine::kernels::ops::DropoutKey;
 use hybrid_engine::model::gpt2::{Dropout, Positions};
+use hybrid_engine::training::early_exit::{ExitPolicy, ExitReason};
 use hybrid_engine::training::memory::MemoryPlan;
 use hybrid_engine::training::metrics::{peak_rss_mib, record_parallel_usage, Metrics};
 use hybrid_engine::training::optim::{AdamW, AdamWConfig};
@@ -95,6 +96,10 @@ impl DataLayout {
 
 /// Runs `sft --from-scratch`.
 pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
+    let started = Instant::now();
+    if args.exit_signal_handler {
+        hybrid_engine::training::early_exit::catch_sigterm()?;
+    }
     let mut folded = args.clone();
     folded.fold_megatron_flags()?;
     let args = &folded;
@@ -204,6 +209,8 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
             checkpoint: None,
         },
         last_saved: resumed.then_some(start),
+        exit_policy: args.exit_policy(),
+        started,
     };
     let train_secs = run.train(start)?;
     run.finish(start, train_secs, &test)
@@ -387,6 +394,9 @@ struct Pretraining<'a> {
     summary: PretrainSummary,
     /// The iteration of the last checkpoint this run saved or resumed from.
     last_saved: Option<u64>,
+    /// Megatron's early exits, and when the run started (their clock).
+    exit_policy: ExitPolicy,
+    started: Instant,
 }
 
 impl Pretraining<'_> {
@@ -444,8 +454,29 @@ impl Pretraining<'_> {
                     self.metrics.println(&format!(" saved checkpoint at iteration {iteration} to {}", dir.display()));
                 }
             }
+            if let Some(reason) = self.exit_requested(iteration)? {
+                if self.last_saved != Some(iteration) {
+                    if let Some(dir) = self.save(iteration)? {
+                        self.metrics
+                            .println(&format!(" saved checkpoint at iteration {iteration} to {}", dir.display()));
+                    }
+                }
+                self.metrics.println(&format!(" exiting program at iteration {iteration}: {reason}"));
+                break;
+            }
         }
         Ok(train_secs)
+    }
+
+    /// Whether to stop after `iteration` (Megatron's early exits): every rank decides alike,
+    /// agreeing on the clock and the signal by a maximum over the world when they are asked for.
+    fn exit_requested(&self, iteration: u64) -> Result<Option<ExitReason>> {
+        let policy = self.exit_policy;
+        let mut vote = [policy.local_vote(self.started.elapsed())];
+        if policy.needs_agreement() {
+            self.group.all_reduce_scalars(&mut vote, ReduceOp::Max)?;
+        }
+        Ok(policy.decide(iteration, vote[0]))
     }
 
     /// One iteration: every micro-batch's forward and backward, then the optimizer step.

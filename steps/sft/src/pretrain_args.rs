@@ -8,6 +8,7 @@ use hybrid_engine::cli::heading;
 use hybrid_engine::comm::ProcessGroup;
 use hybrid_engine::engine::EngineConfig;
 use hybrid_engine::model::gpt2::Gpt2Config;
+use hybrid_engine::training::early_exit::ExitPolicy;
 use hybrid_engine::training::optim::AdamWConfig;
 use hybrid_engine::training::precision::{Dtype, LossScaling};
 use hybrid_engine::training::schedule::{DecayStyle, LrSchedule};
@@ -177,6 +178,18 @@ pub struct PretrainArgs {
     /// scratch, as Megatron's does (so one script with --save DIR --load DIR starts, then resumes).
     #[arg(help_heading = heading::OUTPUT, long)]
     pub load: Option<PathBuf>,
+    /// Megatron's --exit-interval: save a checkpoint and stop after an iteration divisible by
+    /// this (the same command with --load resumes).
+    #[arg(help_heading = heading::OUTPUT, long, alias = "exit_interval", value_parser = clap::value_parser!(u64).range(1..))]
+    pub exit_interval: Option<u64>,
+    /// Megatron's --exit-duration-in-mins: save a checkpoint and stop after the first iteration
+    /// that ends this many minutes after the start (every rank at the same iteration).
+    #[arg(help_heading = heading::OUTPUT, long, alias = "exit_duration_in_mins", value_parser = cli::positive())]
+    pub exit_duration_in_mins: Option<f64>,
+    /// Megatron's --exit-signal-handler: SIGTERM (a scheduler's warning before it kills the
+    /// job) saves a checkpoint after the current iteration and stops, instead of killing.
+    #[arg(help_heading = heading::OUTPUT, long, alias = "exit_signal_handler")]
+    pub exit_signal_handler: bool,
     /// Megatron's: a --load root without a checkpoint is an error, not a fresh start.
     #[arg(help_heading = heading::OUTPUT, long, alias = "exit_on_missing_checkpoint", requires = "load")]
     pub exit_on_missing_checkpoint: bool,
@@ -396,6 +409,15 @@ impl PretrainArgs {
 }
 
 impl PretrainArgs {
+    /// Megatron's early exits as the flags ask for them.
+    pub fn exit_policy(&self) -> ExitPolicy {
+        ExitPolicy {
+            interval: self.exit_interval,
+            duration: self.exit_duration_in_mins.map(|m| std::time::Duration::from_secs_f64(m * 60.0)),
+            on_sigterm: self.exit_signal_handler,
+        }
+    }
+
     /// `config` with the dropout flags given (`--dropout`, or Megatron's `--attention-dropout`
     /// and `--hidden-dropout`) in place of its own: a preset's, or a resumed checkpoint's.
     pub fn with_dropout(&self, mut config: Gpt2Config) -> Gpt2Config {

@@ -644,3 +644,89 @@ fn megatrons_preprocessed_corpus_and_script_flags_train_as_its_jsonl() {
     ));
     assert!(e.contains("token 0 of") && e.contains("beyond.bin is 60000") && e.contains("50304-row vocabulary"), "{e}");
 }
+
+/// Megatron's early exits: each saves a checkpoint and stops with exit code 0 at an iteration
+/// the same command resumes from, and the pieces make the one uninterrupted run.
+#[test]
+fn early_exits_save_and_stop_where_the_same_command_resumes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let schedule = ["--lr-decay-iters", "400", "--eval-interval", "0"];
+    let uninterrupted = |iters: &str| {
+        let dir = tmp.path().join(format!("whole-{iters}"));
+        ok(&sft(&args(SMALL, &args(&schedule, &["--train-iters", iters, "--output-dir", dir.to_str().unwrap()])), &[]));
+        losses(&dir)
+    };
+
+    // --exit-interval 3 over 8 iterations: three runs of one command, stopping at 3 and 6.
+    let root = tmp.path().join("interval");
+    let r = root.to_str().unwrap();
+    let command = args(
+        SMALL,
+        &args(&schedule, &["--train-iters", "8", "--exit-interval", "3", "--save", r, "--load", r, "--output-dir", r]),
+    );
+    for stop in ["3", "6"] {
+        let out = ok(&sft(&command, &[]));
+        assert!(out.contains(&format!("exiting program at iteration {stop}: --exit-interval 3")), "{out}");
+        assert_eq!(latest(&root), format!("iter_000000{stop}"));
+    }
+    let last = ok(&sft(&command, &[]));
+    assert!(!last.contains("exiting program") && latest(&root) == "iter_0000008", "{last}");
+    assert_eq!(losses(&root), uninterrupted("8"));
+
+    // --exit-duration-in-mins: the first iteration already ends past 6 ms after the start.
+    let quick = tmp.path().join("duration");
+    let q = quick.to_str().unwrap();
+    let out = ok(&sft(
+        &args(
+            SMALL,
+            &args(
+                &schedule,
+                &["--train-iters", "400", "--exit-duration-in-mins", "0.0001", "--save", q, "--output-dir", q],
+            ),
+        ),
+        &[],
+    ));
+    assert!(out.contains("exiting program at iteration 1: --exit-duration-in-mins reached"), "{out}");
+    assert_eq!(latest(&quick), "iter_0000001");
+
+    // --exit-signal-handler: SIGTERM in the middle of a long run saves after the iteration it
+    // arrived in and stops; resumed for two more iterations it is the uninterrupted run.
+    let signal = tmp.path().join("signal");
+    let s = signal.to_str().unwrap();
+    let long = args(
+        SMALL,
+        &args(&schedule, &["--train-iters", "400", "--exit-signal-handler", "--save", s, "--output-dir", s]),
+    );
+    let mut child = Command::new(env!("CARGO_BIN_EXE_sft"))
+        .args(&long)
+        .env_remove("RLHF_FAILPOINT")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while !signal.join("metrics.jsonl").is_file() || losses(&signal).len() < 2 {
+        assert!(std::time::Instant::now() < deadline, "no iteration within 120 s");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    // SAFETY: signalling the child this test started.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
+    let (status, mut stdout) = (child.wait().unwrap(), String::new());
+    std::io::Read::read_to_string(child.stdout.as_mut().unwrap(), &mut stdout).unwrap();
+    assert!(status.success(), "{status:?}: {stdout}");
+    let stopped: u64 = stdout
+        .split("exiting program at iteration ")
+        .nth(1)
+        .and_then(|rest| rest.split(':').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no exit line: {stdout}"));
+    assert!(stdout.contains(&format!("exiting program at iteration {stopped}: SIGTERM received")), "{stdout}");
+    assert!((2..400).contains(&stopped), "{stopped}");
+    assert_eq!(latest(&signal), format!("iter_{stopped:07}"));
+    let total = (stopped + 2).to_string();
+    ok(&sft(
+        &args(SMALL, &args(&schedule, &["--train-iters", &total, "--load", s, "--save", s, "--output-dir", s])),
+        &[],
+    ));
+    assert_eq!(losses(&signal), uninterrupted(&total));
+}
