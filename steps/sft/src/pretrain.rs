@@ -123,7 +123,7 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     let tokenizer = args.tokenizer()?;
     let (corpus, [train, valid, test]) = read_corpus(args, &cfg, &tokenizer)?;
     let layout = DataLayout {
-        data_path: args.data_path.clone(),
+        data_path: args.corpus()?.to_string(),
         seq_length: args.seq_length,
         num_blocks: corpus.num_blocks(),
         train: train.clone(),
@@ -225,7 +225,7 @@ fn read_corpus(
     cfg: &PretrainConfig,
     tokenizer: &Tokenizer,
 ) -> Result<(PackedCorpus, [Range<usize>; 3])> {
-    let source = CorpusSource::parse(&args.data_path);
+    let source = CorpusSource::parse(args.corpus()?);
     let (corpus, documents) =
         data::read_packed_corpus(&source, &args.text_key, tokenizer, args.seq_length, cfg.model.vocab_size)?;
     let ranges = data::split_ranges(corpus.num_blocks(), &cfg.split);

@@ -58,8 +58,9 @@ pub struct PretrainArgs {
     /// Corpus: a .jsonl/.json, .parquet or plain text file, `shakespeare` (embedded), or
     /// Megatron's pre-tokenized PREFIX of PREFIX.bin and PREFIX.idx (preprocess_data.py's
     /// output, read in place).
-    #[arg(help_heading = heading::DATA, long, default_value = "shakespeare", alias = "data_path")]
-    pub data_path: String,
+    /// (Megatron's blend of several, `0.3 A 0.7 B`, is refused in one line: not implemented.)
+    #[arg(help_heading = heading::DATA, long, default_value = "shakespeare", alias = "data_path", num_args = 1.., value_name = "DATA_PATH")]
+    pub data_path: Vec<String>,
     /// Megatron-DeepSpeed's --data-impl: mmap (or infer) reads --data-path as an indexed
     /// dataset; the older lazy and cached formats are not read.
     #[arg(help_heading = heading::DATA, long, alias = "data_impl")]
@@ -375,6 +376,7 @@ impl PretrainArgs {
         if let Some(kind) = self.tokenizer_type.as_deref().filter(|&t| t != "GPT2BPETokenizer") {
             bail!("--tokenizer-type {kind}: pretraining takes GPT2BPETokenizer (GPT-2's BPE, from --vocab-file and --merge-file or embedded), or a HF tokenizer.json with --tokenizer");
         }
+        self.corpus()?;
         self.check_data_impl()?;
         if self.pipeline_model_parallel_size != 1 {
             bail!(
@@ -444,15 +446,28 @@ impl PretrainArgs {
         }
     }
 
+    /// `--data-path`'s one corpus. Megatron's `--data-path` also takes a blend of several
+    /// (weights and prefixes, or prefixes alone), which is refused here in one line.
+    pub fn corpus(&self) -> Result<&str> {
+        match self.data_path.as_slice() {
+            [one] => Ok(one),
+            many => bail!(
+                "--data-path {}: this is a blend of {} corpora (Megatron's weights and prefixes), and pretraining here reads one corpus: give one, or join them into one .bin/.idx (Megatron's tools/merge_datasets.py)",
+                many.join(" "),
+                many.len() - many.iter().filter(|p| p.parse::<f64>().is_ok()).count()
+            ),
+        }
+    }
+
     /// `--data-impl`: mmap (or infer) must find Megatron's indexed dataset at `--data-path`.
     fn check_data_impl(&self) -> Result<()> {
         match self.data_impl.as_deref() {
             None => Ok(()),
-            Some("mmap" | "infer") => match data::CorpusSource::parse(&self.data_path) {
+            Some("mmap" | "infer") => match data::CorpusSource::parse(self.corpus()?) {
                 data::CorpusSource::Indexed(_) => Ok(()),
                 _ => bail!(
                     "--data-impl reads Megatron's indexed dataset, and --data-path {} is not the PREFIX of a PREFIX.bin and PREFIX.idx pair: give that prefix, or drop --data-impl for text",
-                    self.data_path
+                    self.corpus()?
                 ),
             },
             Some(old @ ("lazy" | "cached")) => bail!(
@@ -577,6 +592,11 @@ mod tests {
         let err = config(&["--pipeline-model-parallel-size", "2"]).err().unwrap().to_string();
         assert!(err.contains("pipeline parallelism is not implemented"), "{err}");
         assert!(PretrainArgs::try_parse_from(["sft", "--exit-on-missing-checkpoint"]).is_err(), "only with --load");
+
+        for blend in [&["--data-path", "0.3", &indexed, "0.7", &jsonl][..], &["--data-path", &indexed, &jsonl]] {
+            let err = config(blend).err().unwrap().to_string();
+            assert!(err.contains("a blend of 2 corpora") && err.contains("merge_datasets.py"), "{err}");
+        }
 
         assert!(config(&["--tokenizer-type", "GPT2BPETokenizer"]).is_ok());
         let err = config(&["--tokenizer-type", "SentencePieceTokenizer"]).err().unwrap().to_string();
