@@ -454,7 +454,9 @@ impl Pretraining<'_> {
                     self.metrics.println(&format!(" saved checkpoint at iteration {iteration} to {}", dir.display()));
                 }
             }
-            if let Some(reason) = self.exit_requested(iteration)? {
+            // An early exit stops before --train-iters; at it the run ends anyway.
+            let early_exit = if iteration < args.train_iters { self.exit_requested(iteration)? } else { None };
+            if let Some(reason) = early_exit {
                 if self.last_saved != Some(iteration) {
                     if let Some(dir) = self.save(iteration)? {
                         self.metrics

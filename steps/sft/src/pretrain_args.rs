@@ -57,8 +57,7 @@ pub struct PretrainArgs {
     pub tokenizer_type: Option<String>,
     /// Corpus: a .jsonl/.json, .parquet or plain text file, `shakespeare` (embedded), or
     /// Megatron's pre-tokenized PREFIX of PREFIX.bin and PREFIX.idx (preprocess_data.py's
-    /// output, read in place).
-    /// (Megatron's blend of several, `0.3 A 0.7 B`, is refused in one line: not implemented.)
+    /// output, read in place). One corpus: Megatron's blend of several (`0.3 A 0.7 B`) is refused.
     #[arg(help_heading = heading::DATA, long, default_value = "shakespeare", alias = "data_path", num_args = 1.., value_name = "DATA_PATH")]
     pub data_path: Vec<String>,
     /// Megatron-DeepSpeed's --data-impl: mmap (or infer) reads --data-path as an indexed
@@ -408,9 +407,7 @@ impl PretrainArgs {
             split: data::parse_split(&self.split)?,
         })
     }
-}
 
-impl PretrainArgs {
     /// Megatron's early exits as the flags ask for them.
     pub fn exit_policy(&self) -> ExitPolicy {
         ExitPolicy {
