@@ -396,6 +396,23 @@ mod tests {
         assert_eq!(indexed_prefix(&s(&fixture("corpus.jsonl"))), None);
         assert_eq!(indexed_prefix(&s(&fixture("missing"))), None);
         assert_eq!(indexed_paths(Path::new("a/b.c")), (PathBuf::from("a/b.c.bin"), PathBuf::from("a/b.c.idx")));
+        // A prefix that itself ends in .bin names its own pair, not a file of that name.
+        let dir = tempfile::tempdir().unwrap();
+        for ext in ["bin", "idx"] {
+            std::fs::write(dir.path().join(format!("odd.bin.{ext}")), b"").unwrap();
+        }
+        let odd = dir.path().join("odd.bin");
+        assert_eq!(indexed_prefix(&s(&odd)), Some(odd));
+    }
+
+    #[test]
+    fn debug_shows_what_was_opened() -> Result<()> {
+        let ds = IndexedDataset::open(&fixture("corpus_sentences_int32"))?;
+        let shown = format!("{ds:?}");
+        for part in ["corpus_sentences_int32", "dtype: I32", "sequences: 24", "documents: 12", "tokens: 239"] {
+            assert!(shown.contains(part), "{part}: {shown}");
+        }
+        Ok(())
     }
 
     /// Writes `idx` and `bin` as a dataset in `dir` and opens it.
