@@ -403,6 +403,9 @@ mod tests {
         }
         let odd = dir.path().join("odd.bin");
         assert_eq!(indexed_prefix(&s(&odd)), Some(odd));
+        // Half a pair is not a dataset.
+        std::fs::write(dir.path().join("half.bin"), b"").unwrap();
+        assert_eq!(indexed_prefix(&s(&dir.path().join("half"))), None);
     }
 
     #[test]
