@@ -1,6 +1,7 @@
 //! Raw pretraining documents from a jsonl, plain-text or parquet file, or the embedded
-//! Shakespeare corpus, and any of them (or Megatron's pre-tokenized pair) as a packed corpus. Mirrors Megatron's `tools/preprocess_data.py` input: one JSON object per
-//! line with the document under `--json-keys` (our `--text-key`), or a HF-datasets parquet shard.
+//! Shakespeare corpus, and any of them (or Megatron's pre-tokenized pair) as a packed corpus.
+//! Mirrors Megatron's `tools/preprocess_data.py` input: one JSON object per line with the
+//! document under `--json-keys` (our `--text-key`), or a HF-datasets parquet shard.
 
 use std::fs::File;
 use std::io::{BufRead, BufReader};
@@ -39,6 +40,9 @@ impl CorpusSource {
     /// its `.bin` or `.idx`) is that dataset; an existing path or a name with a corpus file's
     /// extension is a file; `org/name` otherwise is a hub dataset.
     pub fn parse(s: &str) -> Self {
+        if matches!(s, "shakespeare" | "embedded") {
+            return Self::EmbeddedShakespeare;
+        }
         if let Some(prefix) = crate::indexed_dataset::indexed_prefix(s) {
             return Self::Indexed(prefix);
         }
@@ -46,12 +50,10 @@ impl CorpusSource {
         let is_file_name = path.extension().is_some_and(|e| {
             ["jsonl", "json", "txt", "parquet"].contains(&e.to_string_lossy().to_ascii_lowercase().as_str())
         });
-        match s {
-            "shakespeare" | "embedded" => Self::EmbeddedShakespeare,
-            s if !path.exists() && !is_file_name && crate::sources::looks_like_hub_id(s) => {
-                Self::Hub { id: s.to_string(), config: None }
-            }
-            path => Self::File(PathBuf::from(path)),
+        if !path.exists() && !is_file_name && crate::sources::looks_like_hub_id(s) {
+            Self::Hub { id: s.to_string(), config: None }
+        } else {
+            Self::File(PathBuf::from(s))
         }
     }
 
