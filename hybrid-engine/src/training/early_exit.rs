@@ -121,6 +121,12 @@ mod tests {
         assert_eq!(all.decide(7, 2.0), Some(ExitReason::Signal));
         assert_eq!(all.decide(7, 1.0), Some(ExitReason::Duration));
         assert_eq!(all.decide(7, 0.0), Some(ExitReason::Interval(7)));
+        // What the run's "exiting program at iteration N: ..." line says.
+        let said = [ExitReason::Interval(7), ExitReason::Duration, ExitReason::Signal].map(|r| r.to_string());
+        assert_eq!(
+            said,
+            ["--exit-interval 7", "--exit-duration-in-mins reached", "SIGTERM received (--exit-signal-handler)"]
+        );
     }
 
     #[test]
