@@ -65,7 +65,7 @@ impl ExitPolicy {
         } else if agreed_vote >= 1.0 {
             Some(ExitReason::Duration)
         } else {
-            self.interval.filter(|&n| n > 0 && iteration.is_multiple_of(n)).map(ExitReason::Interval)
+            self.interval.filter(|&n| iteration.is_multiple_of(n)).map(ExitReason::Interval)
         }
     }
 }
@@ -107,6 +107,7 @@ mod tests {
         let stops: Vec<u64> = (1..=12).filter(|&i| every_5.decide(i, 0.0).is_some()).collect();
         assert_eq!(stops, [5, 10]);
         assert_eq!(every_5.decide(10, 0.0), Some(ExitReason::Interval(5)));
+        // An interval of 0 (the flag refuses it) stops nowhere: iterations start at 1.
         assert_eq!(ExitPolicy { interval: Some(0), ..off }.decide(3, 0.0), None);
 
         let hour = ExitPolicy { duration: Some(Duration::from_secs(3600)), ..off };
