@@ -112,11 +112,7 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
     let data_cfg = args.data.config(args.seed, context, args.max_prompt_seq_len, false)?;
     let prompts = data::phases::prompt_data(&data_cfg, &tokenizer)?;
     println!("{}", prompts.summary);
-    let unsupervised = args
-        .unsupervised_dataset_name
-        .as_deref()
-        .map(|name| ptx_corpus(args, name, &tokenizer, actor_cfg.vocab_size))
-        .transpose()?;
+    let unsupervised = ptx_corpus(args, &tokenizer, actor_cfg.vocab_size)?;
     let process_mib = start.process_mib();
     // The global batches: a rollout's prompts and a PPO micro-batch's rows over all ranks.
     let global_generation = args.per_device_generation_batch_size * world;
@@ -302,16 +298,17 @@ fn inference_tp_group(args: &PpoArgs, group: &ProcessGroup, actor: &Gpt2Config) 
     }
 }
 
-/// `--unsupervised-dataset-name`: the PTX corpus packed in blocks of a prompt and an answer
-/// (text, or a Megatron `.bin`/`.idx` whose tokens must fit the actor's `vocab_size`).
-fn ptx_corpus(args: &PpoArgs, name: &str, tokenizer: &Tokenizer, vocab_size: usize) -> Result<PackedCorpus> {
+/// `--unsupervised-dataset-name`, when given: the PTX corpus packed in blocks of a prompt and an
+/// answer (text, or a Megatron `.bin`/`.idx` whose tokens must fit the actor's `vocab_size`).
+fn ptx_corpus(args: &PpoArgs, tokenizer: &Tokenizer, vocab_size: usize) -> Result<Option<PackedCorpus>> {
+    let Some(name) = args.unsupervised_dataset_name.as_deref() else { return Ok(None) };
     let context = args.max_prompt_seq_len + args.max_answer_seq_len;
     let (corpus, _) = data::read_packed_corpus(&args.ptx_source(name)?, "text", tokenizer, context, vocab_size)?;
     if corpus.num_blocks() == 0 {
         bail!("--unsupervised-dataset-name {name}: the corpus is shorter than one block of {context} tokens");
     }
     println!("PTX: {} blocks of {context} tokens from {name}, coefficient {}", corpus.num_blocks(), args.unsup_coef);
-    Ok(corpus)
+    Ok(Some(corpus))
 }
 
 /// `--load`'s checkpoint, refused when made with other training flags (on `world` ranks).
