@@ -1,11 +1,12 @@
 //! Data for every training step: the GPT-2 tokenizer; raw pretraining corpora (jsonl / text /
-//! parquet, or Megatron's pre-tokenized .bin/.idx) with Megatron-style packing, splits and the resumable block sampler; DS-Chat's
+//! parquet, or Megatron's pre-tokenized .bin/.idx) with Megatron-style packing, splits, blends and the resumable block sampler; DS-Chat's
 //! preference datasets (named, local, hub), their phase split and phase datasets, batching and
 //! the tokenized-data cache; and the embedded demo data with its scorer.
 
 pub mod args;
 pub mod arithmetic;
 pub mod batch;
+pub mod blend;
 pub mod cache;
 pub mod corpus;
 pub mod demo;
@@ -21,6 +22,7 @@ pub mod split;
 pub mod tasks;
 pub mod tokenizer;
 
+pub use blend::{parse_blend, read_blend, BlendEntry, BlendedCorpus, BlendedSampler, DataCursor};
 pub use corpus::{read_documents, read_packed_corpus, CorpusFormat, CorpusSource, SHAKESPEARE_JSONL};
 pub use indexed_dataset::IndexedDataset;
 pub use pretrain::{eval_indices, tokenize_documents, BlockSampler, PackedCorpus, SamplerCursor};

@@ -111,6 +111,8 @@ pub struct SamplerCursor {
 pub struct BlockSampler {
     range: Range<usize>,
     seed: u64,
+    /// Which corpus of a blend this samples (0 for a lone corpus): each shuffles on its own.
+    stream: u64,
     cursor: SamplerCursor,
     /// The current epoch's order, a permutation of `range`.
     order: Vec<usize>,
@@ -121,7 +123,7 @@ impl BlockSampler {
     pub fn new(range: Range<usize>, seed: u64) -> Self {
         let cursor = SamplerCursor { blocks: Some(range.len()), ..SamplerCursor::default() };
         let order = epoch_order(&range, seed, cursor.epoch);
-        Self { range, seed, cursor, order }
+        Self { range, seed, stream: 0, cursor, order }
     }
 
     /// A sampler that continues exactly where the one that produced `cursor` stood, given the
@@ -129,6 +131,12 @@ impl BlockSampler {
     /// data changed since the checkpoint (corpus, split or sequence length), and continuing
     /// would neither repeat the saved run nor start the new data's epoch afresh.
     pub fn with_cursor(range: Range<usize>, seed: u64, cursor: SamplerCursor) -> Result<Self> {
+        Self::of_corpus(range, seed, 0, cursor)
+    }
+
+    /// [`BlockSampler::with_cursor`] for corpus `corpus` of a blend, whose shuffles are its own
+    /// (corpus 0's are a lone corpus's, so a blend of one draws as that corpus alone).
+    pub fn of_corpus(range: Range<usize>, seed: u64, corpus: u64, cursor: SamplerCursor) -> Result<Self> {
         let blocks = range.len();
         if let Some(saved) = cursor.blocks.filter(|&saved| saved != blocks) {
             bail!("the checkpoint was drawing from {saved} blocks of data and the data now makes {blocks}");
@@ -136,8 +144,18 @@ impl BlockSampler {
         if cursor.position > blocks {
             bail!("the checkpoint had drawn {} blocks of this epoch and the data now makes {blocks}", cursor.position);
         }
-        let order = epoch_order(&range, seed, cursor.epoch);
-        Ok(Self { range, seed, cursor: SamplerCursor { blocks: Some(blocks), ..cursor }, order })
+        let order = epoch_order_of(&range, seed, cursor.epoch, corpus);
+        Ok(Self { range, seed, stream: corpus, cursor: SamplerCursor { blocks: Some(blocks), ..cursor }, order })
+    }
+
+    /// The next index (see [`BlockSampler::next_indices`]).
+    pub fn next_index(&mut self) -> usize {
+        self.next_indices(1)[0]
+    }
+
+    /// Indices drawn so far, over every epoch.
+    pub fn drawn(&self) -> u64 {
+        self.cursor.epoch * self.range.len() as u64 + self.cursor.position as u64
     }
 
     /// The next `n` indices, moving into the next epoch (a new shuffle) as often as needed.
@@ -151,7 +169,7 @@ impl BlockSampler {
         while out.len() < n {
             if self.cursor.position == self.order.len() {
                 self.cursor = SamplerCursor { epoch: self.cursor.epoch + 1, position: 0, ..self.cursor };
-                self.order = epoch_order(&self.range, self.seed, self.cursor.epoch);
+                self.order = epoch_order_of(&self.range, self.seed, self.cursor.epoch, self.stream);
             }
             let take = (n - out.len()).min(self.order.len() - self.cursor.position);
             out.extend_from_slice(&self.order[self.cursor.position..self.cursor.position + take]);
@@ -171,14 +189,20 @@ impl BlockSampler {
     }
 }
 
-/// The shuffle of `range` for `epoch`. ChaCha8 is seeded with `seed` and `epoch` side by side in
-/// its 32-byte key, so no two (seed, epoch) pairs share a stream. Fisher-Yates is written out
-/// (rather than rand's `shuffle`) so the order, and thus resume, cannot change with a rand
-/// upgrade.
+/// The shuffle of `range` for `epoch` (of a lone corpus: [`epoch_order_of`] corpus 0).
 pub fn epoch_order(range: &Range<usize>, seed: u64, epoch: u64) -> Vec<usize> {
+    epoch_order_of(range, seed, epoch, 0)
+}
+
+/// The shuffle of `range` for `epoch` of corpus `corpus` of a blend. ChaCha8 is seeded with
+/// `seed`, `epoch` and `corpus` side by side in its 32-byte key, so no two such triples share a
+/// stream. Fisher-Yates is written out (rather than rand's `shuffle`) so the order, and thus
+/// resume, cannot change with a rand upgrade.
+pub fn epoch_order_of(range: &Range<usize>, seed: u64, epoch: u64, corpus: u64) -> Vec<usize> {
     let mut key = [0u8; 32];
     key[..8].copy_from_slice(&seed.to_le_bytes());
     key[8..16].copy_from_slice(&epoch.to_le_bytes());
+    key[16..24].copy_from_slice(&corpus.to_le_bytes());
     let mut rng = ChaCha8Rng::from_seed(key);
     let mut order: Vec<usize> = range.clone().collect();
     for i in (1..order.len()).rev() {
@@ -339,6 +363,9 @@ mod tests {
             epoch_order(&(5..25), u64::MAX, 1),
             [18, 11, 5, 20, 19, 15, 12, 24, 9, 8, 6, 10, 13, 22, 14, 21, 23, 17, 7, 16]
         );
+        // A blend's corpora 1 and 2: their own streams (corpus 0 is the lone corpus above).
+        assert_eq!(epoch_order_of(&(0..10), 42, 0, 1), [8, 6, 0, 2, 5, 4, 1, 3, 7, 9]);
+        assert_eq!(epoch_order_of(&(0..10), 42, 3, 2), [7, 6, 8, 3, 0, 9, 4, 2, 1, 5]);
         assert_eq!(epoch_order(&(3..3), 42, 0), Vec::<usize>::new());
         assert_eq!(epoch_order(&(3..4), 42, 0), [3]);
     }

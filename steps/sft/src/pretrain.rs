@@ -7,7 +7,7 @@
 use crate::pretrain_args::{PretrainArgs, PretrainConfig};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
-use data::{BlockSampler, CorpusSource, PackedCorpus, SamplerCursor, Tokenizer};
+use data::{BlendedCorpus, BlendedSampler, CorpusSource, DataCursor, Tokenizer};
 use hybrid_engine::checkpoints::hf_io;
 use hybrid_engine::checkpoints::resume::{self, OptimizerShard, SavedModel, TrainerState, FORMAT_VERSION};
 use hybrid_engine::checkpoints::sharded_io::ModelSlices;
@@ -63,9 +63,12 @@ struct PretrainRunState {
 /// The data-dependent facts a resumed run must agree with, stored in the trainer state.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 struct DataLayout {
+    /// A lone corpus's path, or a blend's `--data-path` words.
     data_path: String,
     seq_length: usize,
+    /// Over all corpora.
     num_blocks: usize,
+    /// A lone corpus's train blocks; empty for a blend, whose corpora's are in `blend`.
     train: Range<usize>,
     /// Per rank.
     micro_batch_size: usize,
@@ -74,6 +77,19 @@ struct DataLayout {
     /// parallelism, which ran one rank (micro-batch x accumulation).
     #[serde(default)]
     global_batch_size: usize,
+    /// Each corpus of a blend (absent for a lone corpus).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    blend: Option<Vec<BlendPartLayout>>,
+}
+
+/// One corpus of a blend, as a resumed run must find it again.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct BlendPartLayout {
+    data_path: String,
+    weight: Option<f64>,
+    num_blocks: usize,
+    /// In the blend's block numbers.
+    train: Range<usize>,
 }
 
 impl DataLayout {
@@ -89,8 +105,8 @@ impl DataLayout {
     /// ranks and micro-batches does not matter (Megatron resumes at another data-parallel size
     /// the same way).
     fn continues(&self, saved: &DataLayout) -> bool {
-        (&self.data_path, self.seq_length, self.num_blocks, &self.train, self.global_batch())
-            == (&saved.data_path, saved.seq_length, saved.num_blocks, &saved.train, saved.global_batch())
+        (&self.data_path, self.seq_length, self.num_blocks, &self.train, self.global_batch(), &self.blend)
+            == (&saved.data_path, saved.seq_length, saved.num_blocks, &saved.train, saved.global_batch(), &saved.blend)
     }
 }
 
@@ -121,15 +137,12 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
 
     // Data: tokenize, pack, split. Every failure here happens before any training.
     let tokenizer = args.tokenizer()?;
-    let (corpus, [train, valid, test]) = read_corpus(args, &cfg, &tokenizer)?;
+    let corpus = read_corpus(args, &cfg, &tokenizer)?;
     let layout = DataLayout {
-        data_path: args.corpus()?.to_string(),
-        seq_length: args.seq_length,
-        num_blocks: corpus.num_blocks(),
-        train: train.clone(),
         micro_batch_size: args.micro_batch_size,
         gradient_accumulation_steps: accumulation,
         global_batch_size: args.micro_batch_size * world * accumulation,
+        ..DataLayout::of(&corpus, args)?
     };
 
     // Model and optimizer: fresh, or exactly as the checkpoint left them.
@@ -173,7 +186,7 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     let engine_cfg = args.engine_config(&cfg, accumulation, &data_group)?;
     let ranks = Ranks { data: data_group.clone(), tensor: tp.clone() };
     let engine = start_engine(&engine_cfg, &model_cfg, weights, ranks, resume.as_ref(), start)?;
-    let sampler = BlockSampler::with_cursor(train.clone(), args.seed, cursor).context(
+    let sampler = corpus.train_sampler(args.seed, &cursor).context(
         "cannot resume: --data-path, --split or --seq-length differ from the run that saved the checkpoint (use the same, or start anew without --load)",
     )?;
     println!("{}", plan.report());
@@ -195,7 +208,7 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
         data_group: &data_group,
         tokenizer: &tokenizer,
         device: &device,
-        eval_batches: data::eval_indices(&valid, args.eval_iters, args.micro_batch_size),
+        eval_batches: corpus.eval_batches(1, args.eval_iters, args.micro_batch_size),
         engine,
         metrics,
         sampler,
@@ -213,35 +226,64 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
         started,
     };
     let train_secs = run.train(start)?;
-    run.finish(start, train_secs, &test)
+    run.finish(start, train_secs)
 }
 
 /// `--data-path` tokenized (or Megatron's pre-tokenized `.bin`/`.idx`), packed in blocks of
-/// `--seq-length` tokens and split into the train, valid and test ranges of blocks (said in a
-/// line). Every failure here happens before any training, but a token of a Megatron dataset
-/// beyond the model's vocabulary, found when its block is read.
-fn read_corpus(
-    args: &PretrainArgs,
-    cfg: &PretrainConfig,
-    tokenizer: &Tokenizer,
-) -> Result<(PackedCorpus, [Range<usize>; 3])> {
-    let source = CorpusSource::parse(args.corpus()?);
-    let (corpus, documents) =
-        data::read_packed_corpus(&source, &args.text_key, tokenizer, args.seq_length, cfg.model.vocab_size)?;
-    let ranges = data::split_ranges(corpus.num_blocks(), &cfg.split);
-    data::check_split(corpus.num_blocks(), &cfg.split, &ranges)?;
-    let kind =
-        if matches!(source, CorpusSource::Indexed(_)) { " (Megatron's indexed dataset, read in place)" } else { "" };
-    println!(
-        "corpus{kind}: {documents} documents, {} tokens, {} blocks of {} tokens: train {}, valid {}, test {}",
-        corpus.num_tokens(),
-        corpus.num_blocks(),
-        args.seq_length,
-        ranges[0].len(),
-        ranges[1].len(),
-        ranges[2].len()
-    );
-    Ok((corpus, ranges))
+/// `--seq-length` tokens and split into train, valid and test blocks, each corpus of a blend on
+/// its own (said in a line each). Every failure here happens before any training, but a token
+/// of a Megatron dataset beyond the model's vocabulary, found when its block is read.
+fn read_corpus(args: &PretrainArgs, cfg: &PretrainConfig, tokenizer: &Tokenizer) -> Result<BlendedCorpus> {
+    let blend = args.blend()?;
+    let corpus =
+        data::read_blend(&blend, &args.text_key, tokenizer, args.seq_length, cfg.model.vocab_size, &cfg.split)?;
+    let weights = corpus.split_weights(0);
+    for (part, weight) in corpus.parts().iter().zip(weights) {
+        let kind = if matches!(part.source, CorpusSource::Indexed(_)) {
+            " (Megatron's indexed dataset, read in place)"
+        } else {
+            ""
+        };
+        let name =
+            if blend.len() > 1 { format!(" {} at {weight:.3} of the train samples", part.name) } else { String::new() };
+        let [train, valid, test] = [0, 1, 2].map(|s| part.split(s).len());
+        println!(
+            "corpus{name}{kind}: {} documents, {} tokens, {} blocks of {} tokens: train {train}, valid {valid}, test {test}",
+            part.documents,
+            part.corpus.num_tokens(),
+            part.corpus.num_blocks(),
+            args.seq_length,
+        );
+    }
+    Ok(corpus)
+}
+
+impl DataLayout {
+    /// The data facts of `corpus` read for `args` (the batch fields left 0, for the caller).
+    fn of(corpus: &BlendedCorpus, args: &PretrainArgs) -> Result<Self> {
+        let parts = corpus.parts();
+        let blend = (parts.len() > 1).then(|| {
+            parts
+                .iter()
+                .map(|p| BlendPartLayout {
+                    data_path: p.name.clone(),
+                    weight: p.weight,
+                    num_blocks: p.corpus.num_blocks(),
+                    train: p.split(0),
+                })
+                .collect()
+        });
+        Ok(DataLayout {
+            data_path: args.data_path_text()?,
+            seq_length: args.seq_length,
+            num_blocks: corpus.num_blocks(),
+            train: if blend.is_some() { 0..0 } else { parts[0].split(0) },
+            micro_batch_size: 0,
+            gradient_accumulation_steps: 0,
+            global_batch_size: 0,
+            blend,
+        })
+    }
 }
 
 /// What a checkpoint restores beyond the weights: the optimizer state, its step (fewer than
@@ -263,7 +305,7 @@ fn start_or_resume(
     tp: Option<&TensorParallel>,
     shard_over: Option<(Arc<ProcessGroup>, DType)>,
     device: &Device,
-) -> Result<(StartingWeights, u64, SamplerCursor, Option<Resume>)> {
+) -> Result<(StartingWeights, u64, DataCursor, Option<Resume>)> {
     // Megatron's scripts pass --save DIR --load DIR from the first run on: a root without a
     // checkpoint yet is a fresh start there (unless --exit-on-missing-checkpoint).
     let load = match &args.load {
@@ -290,7 +332,7 @@ fn start_or_resume(
             (Some(tp), None) => StartingWeights::Whole(tp.init(model_cfg, args.seed, device)?),
             (None, None) => StartingWeights::Whole(ParamStore::init(model_cfg, args.seed, device)?),
         };
-        return Ok((weights, 0, SamplerCursor::default(), None));
+        return Ok((weights, 0, DataCursor::default(), None));
     };
     let (dir, optimizer, state) = resume::load_training_state(root, device)?;
     let run: PretrainRunState = serde_json::from_value(state.run.clone())
@@ -304,11 +346,8 @@ fn start_or_resume(
             saved.global_batch()
         );
     }
-    let cursor: SamplerCursor =
+    let cursor: DataCursor =
         serde_json::from_value(state.data_cursor.clone()).context("checkpoint's data cursor is malformed")?;
-    if cursor.position > layout.train.len() {
-        bail!("checkpoint's data cursor is past the end of the training split: the corpus changed since it was saved");
-    }
     let optimizer_step = run.optimizer_step.unwrap_or(state.iteration);
     // Under ZeRO-3 a rank reads only its shard of each tensor from the memory-mapped weights.
     let weights = match (shard_over, tp) {
@@ -379,7 +418,7 @@ struct Pretraining<'a> {
     args: &'a PretrainArgs,
     cfg: &'a PretrainConfig,
     layout: &'a DataLayout,
-    corpus: &'a PackedCorpus,
+    corpus: &'a BlendedCorpus,
     /// Every rank (checkpoints are collectives over all of them).
     group: &'a ProcessGroup,
     /// The ranks the data is split over.
@@ -390,7 +429,7 @@ struct Pretraining<'a> {
     eval_batches: Vec<Vec<usize>>,
     engine: Engine,
     metrics: Metrics,
-    sampler: BlockSampler,
+    sampler: BlendedSampler,
     summary: PretrainSummary,
     /// The iteration of the last checkpoint this run saved or resumed from.
     last_saved: Option<u64>,
@@ -525,7 +564,7 @@ impl Pretraining<'_> {
 
     /// After the loop: what training used, the last checkpoint, the last validation and the
     /// test evaluation, the summary.
-    fn finish(mut self, start: u64, train_secs: f64, test: &Range<usize>) -> Result<PretrainSummary> {
+    fn finish(mut self, start: u64, train_secs: f64) -> Result<PretrainSummary> {
         let (args, group) = (self.args, self.group);
         self.metrics.finish();
         // Before saving, which gathers the model under ZeRO-3: what training itself used.
@@ -553,7 +592,7 @@ impl Pretraining<'_> {
             self.metrics.record(json!({"iteration": end, "valid_loss": l, "valid_ppl": l.exp()}))?;
             (self.summary.valid_loss, self.summary.valid_ppl) = (Some(l), Some(l.exp()));
         }
-        let test_batches = data::eval_indices(test, args.eval_iters, args.micro_batch_size);
+        let test_batches = self.corpus.eval_batches(2, args.eval_iters, args.micro_batch_size);
         if !test_batches.is_empty() {
             let l = evaluate(&self.engine, self.corpus, &test_batches, "test", self.device)?;
             report_eval(&self.metrics, "test", end, l);
@@ -630,7 +669,7 @@ fn save(
 }
 
 /// Inputs and next-token targets for the blocks `idx`: (B, T) each.
-fn batch(corpus: &PackedCorpus, idx: &[usize], device: &Device) -> Result<(Tensor, Tensor)> {
+fn batch(corpus: &BlendedCorpus, idx: &[usize], device: &Device) -> Result<(Tensor, Tensor)> {
     let t = corpus.seq_length();
     let mut x = Vec::with_capacity(idx.len() * t);
     let mut y = Vec::with_capacity(idx.len() * t);
@@ -645,7 +684,7 @@ fn batch(corpus: &PackedCorpus, idx: &[usize], device: &Device) -> Result<(Tenso
 /// Mean LM loss over the given batches of `split` ("validation", "test"), dropout off.
 fn evaluate(
     engine: &Engine,
-    corpus: &PackedCorpus,
+    corpus: &BlendedCorpus,
     batches: &[Vec<usize>],
     split: &str,
     device: &Device,
@@ -677,7 +716,7 @@ fn report_eval(metrics: &Metrics, split: &str, iteration: u64, loss: f64) {
 fn trainer_state(
     iteration: u64,
     args: &PretrainArgs,
-    sampler: &BlockSampler,
+    sampler: &BlendedSampler,
     cfg: &PretrainConfig,
     layout: &DataLayout,
     trainer: &Trainer,

@@ -57,7 +57,8 @@ pub struct PretrainArgs {
     pub tokenizer_type: Option<String>,
     /// Corpus: a .jsonl/.json, .parquet or plain text file, `shakespeare` (embedded), or
     /// Megatron's pre-tokenized PREFIX of PREFIX.bin and PREFIX.idx (preprocess_data.py's
-    /// output, read in place). One corpus: Megatron's blend of several (`0.3 A 0.7 B`) is refused.
+    /// output, read in place). Or Megatron's blend of several: weights and corpora alternating
+    /// (`0.3 A 0.7 B`), or corpora alone (`A B`, weighted by their sizes).
     #[arg(help_heading = heading::DATA, long, default_value = "shakespeare", alias = "data_path", num_args = 1.., value_name = "DATA_PATH")]
     pub data_path: Vec<String>,
     /// Megatron-DeepSpeed's --data-impl: mmap (or infer) reads --data-path as an indexed
@@ -375,7 +376,7 @@ impl PretrainArgs {
         if let Some(kind) = self.tokenizer_type.as_deref().filter(|&t| t != "GPT2BPETokenizer") {
             bail!("--tokenizer-type {kind}: pretraining takes GPT2BPETokenizer (GPT-2's BPE, from --vocab-file and --merge-file or embedded), or a HF tokenizer.json with --tokenizer");
         }
-        self.corpus()?;
+        self.blend()?;
         self.check_data_impl()?;
         if self.pipeline_model_parallel_size != 1 {
             bail!(
@@ -443,30 +444,33 @@ impl PretrainArgs {
         }
     }
 
-    /// `--data-path`'s one corpus. Megatron's `--data-path` also takes a blend of several
-    /// (weights and prefixes, or prefixes alone), which is refused here in one line.
-    pub fn corpus(&self) -> Result<&str> {
-        match self.data_path.as_slice() {
-            [one] => Ok(one),
-            many => bail!(
-                "--data-path {}: this is a blend of {} corpora (Megatron's weights and prefixes), and pretraining here reads one corpus: give one, or join them into one .bin/.idx (Megatron's tools/merge_datasets.py)",
-                many.join(" "),
-                many.len() - many.iter().filter(|p| p.parse::<f64>().is_ok()).count()
-            ),
-        }
+    /// `--data-path`'s corpora and their weights (Megatron's blend when there are several).
+    pub fn blend(&self) -> Result<Vec<data::BlendEntry>> {
+        data::parse_blend(&self.data_path)
+    }
+
+    /// `--data-path` as a checkpoint records it: a lone corpus's path, or the blend's words.
+    pub fn data_path_text(&self) -> Result<String> {
+        Ok(match &self.blend()?[..] {
+            [one] => one.path.clone(),
+            _ => self.data_path.join(" "),
+        })
     }
 
     /// `--data-impl`: mmap (or infer) must find Megatron's indexed dataset at `--data-path`.
     fn check_data_impl(&self) -> Result<()> {
         match self.data_impl.as_deref() {
             None => Ok(()),
-            Some("mmap" | "infer") => match data::CorpusSource::parse(self.corpus()?) {
-                data::CorpusSource::Indexed(_) => Ok(()),
-                _ => bail!(
-                    "--data-impl reads Megatron's indexed dataset, and --data-path {} is not the PREFIX of a PREFIX.bin and PREFIX.idx pair: give that prefix, or drop --data-impl for text",
-                    self.corpus()?
-                ),
-            },
+            Some("mmap" | "infer") => {
+                let blend = self.blend()?;
+                match blend.iter().find(|e| !matches!(data::CorpusSource::parse(&e.path), data::CorpusSource::Indexed(_))) {
+                    None => Ok(()),
+                    Some(text) => bail!(
+                        "--data-impl reads Megatron's indexed dataset, and --data-path's {} is not the PREFIX of a PREFIX.bin and PREFIX.idx pair: give that prefix, or drop --data-impl for text",
+                        text.path
+                    ),
+                }
+            }
             Some(old @ ("lazy" | "cached")) => bail!(
                 "--data-impl {old}: Megatron's older {old} format is not read; write the corpus with preprocess_data.py's default (mmap)"
             ),
@@ -590,10 +594,18 @@ mod tests {
         assert!(err.contains("pipeline parallelism is not implemented"), "{err}");
         assert!(PretrainArgs::try_parse_from(["sft", "--exit-on-missing-checkpoint"]).is_err(), "only with --load");
 
-        for blend in [&["--data-path", "0.3", &indexed, "0.7", &jsonl][..], &["--data-path", &indexed, &jsonl]] {
-            let err = config(blend).err().unwrap().to_string();
-            assert!(err.contains("a blend of 2 corpora") && err.contains("merge_datasets.py"), "{err}");
-        }
+        // Megatron's blends: weights and corpora, or corpora alone; --data-impl wants each indexed.
+        let blend = parse(&["--data-path", "0.3", &indexed, "0.7", &jsonl]);
+        let weights: Vec<Option<f64>> = blend.blend().unwrap().iter().map(|e| e.weight).collect();
+        assert_eq!(weights, [Some(0.3), Some(0.7)]);
+        assert_eq!(blend.data_path_text().unwrap(), format!("0.3 {indexed} 0.7 {jsonl}"));
+        assert_eq!(parse(&["--data-path", "1", &indexed]).data_path_text().unwrap(), indexed, "a blend of one");
+        assert!(config(&["--data-path", &indexed, &jsonl]).is_ok());
+        assert!(config(&["--data-path", "0.3", &indexed, "0.7", &indexed, "--data-impl", "mmap"]).is_ok());
+        let err = config(&["--data-path", &indexed, &jsonl, "--data-impl", "mmap"]).err().unwrap().to_string();
+        assert!(err.contains(&format!("--data-path's {jsonl} is not the PREFIX")), "{err}");
+        let err = config(&["--data-path", "0.3", &indexed, "0.7"]).err().unwrap().to_string();
+        assert!(err.contains("not weights and corpora in pairs"), "{err}");
 
         assert!(config(&["--tokenizer-type", "GPT2BPETokenizer"]).is_ok());
         let err = config(&["--tokenizer-type", "SentencePieceTokenizer"]).err().unwrap().to_string();

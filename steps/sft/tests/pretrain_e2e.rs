@@ -730,3 +730,65 @@ fn early_exits_save_and_stop_where_the_same_command_resumes() {
     ));
     assert_eq!(losses(&signal), uninterrupted(&total));
 }
+
+/// Megatron's blend of corpora (`--data-path 0.3 A 0.7 B`): each corpus split on its own and
+/// said in a line; a blend of one is that corpus; a blended run stopped and resumed by the same
+/// command is the uninterrupted run; another blend does not resume it; and a corpus too small
+/// for the split is named. Which corpus each sample comes from is Megatron's own order (pinned
+/// in `data::blend` against megatron-core's helper).
+#[test]
+fn megatrons_blend_of_corpora_trains_and_resumes_exactly() {
+    let tmp = tempfile::tempdir().unwrap();
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/tests/fixtures/megatron");
+    let (indexed, jsonl) = (fixtures.join("corpus_text_document"), fixtures.join("corpus.jsonl"));
+    let (indexed, jsonl) = (indexed.to_str().unwrap(), jsonl.to_str().unwrap());
+    // The same 12 documents twice, as Megatron's pair and as jsonl: 10 train blocks each, which
+    // 6 iterations of 2 blocks pass through at 0.7 (8.4 blocks) and not at 0.3.
+    let common = ["--lr-decay-iters", "30", "--split", "10,2,2", "--eval-interval", "3"];
+    let run = |name: &str, more: &[&str]| {
+        let out = tmp.path().join(name);
+        let stdout = ok(&sft(&args(SMALL, &args(&common, &args(&["--output-dir", out.to_str().unwrap()], more))), &[]));
+        (out, stdout)
+    };
+    let blend = ["--data-path", "30", indexed, "70", jsonl];
+    let (whole, log) = run("whole", &args(&blend, &["--train-iters", "6"]));
+    let lines = [
+        format!("corpus {indexed} at 0.300 of the train samples (Megatron's indexed dataset, read in place): 12 documents, 239 tokens, 14 blocks of 16 tokens: train 10, valid 2, test 2"),
+        format!("corpus {jsonl} at 0.700 of the train samples: 12 documents, 239 tokens, 14 blocks of 16 tokens: train 10, valid 2, test 2"),
+    ];
+    for line in &lines {
+        assert!(log.contains(line.as_str()), "{line}\n{log}");
+    }
+    assert_eq!(losses(&whole).len(), 6);
+    let (lone, _) = run("lone", &["--data-path", jsonl, "--train-iters", "6"]);
+    let (one, one_log) = run("one", &["--data-path", "1", jsonl, "--train-iters", "6"]);
+    assert!(one_log.contains("corpus: 12 documents, 239 tokens"), "{one_log}");
+    assert_eq!(losses(&one), losses(&lone), "a blend of one corpus is that corpus");
+    assert_ne!(losses(&whole), losses(&lone), "the blend draws other blocks than one corpus");
+
+    // --exit-interval 3 twice with --save and --load of one directory: the pieces are the whole.
+    let root = tmp.path().join("pieces");
+    let r = root.to_str().unwrap();
+    let command = args(&blend, &["--train-iters", "6", "--exit-interval", "3", "--save", r, "--load", r]);
+    let (_, first) = run("pieces", &command);
+    assert!(first.contains("exiting program at iteration 3"), "{first}");
+    let state: Value = serde_json::from_slice(&read(root.join("iter_0000003").join("trainer_state.json"))).unwrap();
+    assert_eq!(state["data_cursor"]["blend"].as_array().map(Vec::len), Some(2), "{state}");
+    run("pieces", &command);
+    assert_eq!(losses(&root), losses(&whole), "stopped at 3 and resumed: the uninterrupted blend");
+
+    // Other weights do not resume it; a corpus too small for a block is named.
+    let reweighed = ["--data-path", "50", indexed, "50", jsonl, "--train-iters", "8", "--load", r];
+    let o = tmp.path().join("refused");
+    let e =
+        error_line(&sft(&args(SMALL, &args(&common, &args(&reweighed, &["--output-dir", o.to_str().unwrap()]))), &[]));
+    assert!(e.contains("trained on different data"), "{e}");
+    let small = tmp.path().join("small.jsonl");
+    std::fs::write(&small, "{\"text\": \"Only a few words here, twenty tokens or so, in one document.\"}\n").unwrap();
+    let small_blend = ["--data-path", "0.5", jsonl, "0.5", small.to_str().unwrap(), "--train-iters", "2"];
+    let e = error_line(&sft(
+        &args(SMALL, &args(&common, &args(&small_blend, &["--output-dir", o.to_str().unwrap()]))),
+        &[],
+    ));
+    assert!(e.contains(&format!("corpus {} of --data-path: the corpus gives 0 blocks", small.display())), "{e}");
+}
