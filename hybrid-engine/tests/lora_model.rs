@@ -11,7 +11,7 @@ use hybrid_engine::checkpoints::resume::save_model_dir;
 use hybrid_engine::model::gpt2::{Gpt2Config, Positions};
 use hybrid_engine::model::reward_model::{add_score_head, SCORE_WEIGHT};
 use hybrid_engine::training::optim::{AdamWConfig, GradAccumulator};
-use hybrid_engine::training::schedule::{DecayStyle, LrSchedule};
+use hybrid_engine::training::schedule::LrSchedule;
 use hybrid_engine::training::train_step::{lm_forward_backward, Backward};
 use hybrid_engine::training::trainer::Trainer;
 use hybrid_engine::ParamStore;
@@ -153,8 +153,7 @@ fn only_optimize_lora_changes_nothing_but_the_adapters_and_the_head() -> Result<
         let has = store.get(var.as_tensor()).is_some();
         assert_eq!(has, lora::is_adapter_name(name), "{name}: gradient only for adapters");
     }
-    let schedule =
-        LrSchedule { max_lr: 1e-2, min_lr: 0.0, warmup_iters: 0, decay_iters: 10, style: DecayStyle::Constant };
+    let schedule = LrSchedule::constant(1e-2);
     let adam = AdamWConfig { weight_decay: 0.1, ..AdamWConfig::default() }; // decay would show on frozen weights
     let mut trainer = Trainer::new(&trainable, adam, schedule, 1, 1.0)?;
     trainer.set_lora_learning_rate(&trainable, 5e-3);

@@ -6,13 +6,13 @@ use candle_core::{DType, Device, Tensor};
 use hybrid_engine::model::gpt2::Gpt2Config;
 use hybrid_engine::training::optim::AdamWConfig;
 use hybrid_engine::training::precision::{Dtype, LossScaling, Precision};
-use hybrid_engine::training::schedule::{DecayStyle, LrSchedule};
+use hybrid_engine::training::schedule::LrSchedule;
 use hybrid_engine::training::train_step::{lm_forward_backward, Backward};
 use hybrid_engine::training::trainer::Trainer;
 use hybrid_engine::ParamStore;
 
 fn schedule(lr: f64) -> LrSchedule {
-    LrSchedule { max_lr: lr, min_lr: 0.0, warmup_iters: 0, decay_iters: 100, style: DecayStyle::Constant }
+    LrSchedule::constant(lr)
 }
 
 fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {

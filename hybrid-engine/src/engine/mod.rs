@@ -679,13 +679,7 @@ mod tests {
             // Adam's eps at 1e-4, as the multi-rank tests: at 1e-8 it turns the rounding noise of
             // near-zero gradients summed in another order into full-size steps of either sign.
             optimizer: AdamWConfig { eps: 1e-4, ..AdamWConfig::default() },
-            schedule: LrSchedule {
-                max_lr: 1e-2,
-                min_lr: 0.0,
-                warmup_iters: 0,
-                decay_iters: 3,
-                style: crate::training::schedule::DecayStyle::Constant,
-            },
+            schedule: LrSchedule::constant(1e-2),
             gradient_accumulation_steps: 2,
             gradient_clipping: 1.0,
             precision: Precision { dtype, fp32_loss: false },

@@ -69,7 +69,7 @@ impl HfScheduler {
             Self::Constant => (DecayStyle::Constant, 0.0, 0),
             Self::ConstantWithWarmup => (DecayStyle::Constant, 0.0, warmup),
         };
-        LrSchedule { max_lr, min_lr, warmup_iters, decay_iters: total, style }
+        LrSchedule { max_lr, min_lr, warmup_iters, decay_iters: total, style, samples_per_iteration: 1 }
     }
 }
 
@@ -82,14 +82,42 @@ pub struct LrSchedule {
     /// run's length).
     pub decay_iters: u64,
     pub style: DecayStyle,
+    /// 1: `warmup_iters` and `decay_iters` count iterations. Above 1 they count samples, each
+    /// iteration consuming this many (the global batch): Megatron's `--train-samples` runs,
+    /// with `--lr-warmup-samples` and `--lr-decay-samples`.
+    #[serde(default = "one_per_iteration", skip_serializing_if = "is_one_per_iteration")]
+    pub samples_per_iteration: u64,
+}
+
+fn one_per_iteration() -> u64 {
+    1
+}
+
+fn is_one_per_iteration(n: &u64) -> bool {
+    *n == 1
 }
 
 impl LrSchedule {
+    /// `lr` for every update: no warm-up, no decay.
+    pub fn constant(lr: f64) -> Self {
+        Self {
+            max_lr: lr,
+            min_lr: lr,
+            warmup_iters: 0,
+            decay_iters: 0,
+            style: DecayStyle::Constant,
+            samples_per_iteration: 1,
+        }
+    }
+
     /// Learning rate of the update made after `iteration` updates. Hugging Face's schedulers (as
     /// DS-Chat steps them) and Megatron's `OptimizerParamScheduler` both step after the
     /// optimizer, so the first update runs at the schedule's value at 0 (0 during a warmup, which
     /// only fills Adam's moments) and the last of a run of T at T - 1 (above the floor).
+    /// A schedule counting samples, Megatron's `OptimizerParamScheduler` stepped by the global
+    /// batch, gives the update after `iteration` updates the value at `iteration x global batch`.
     pub fn lr(&self, iteration: u64) -> f64 {
+        let iteration = iteration * self.samples_per_iteration;
         if self.warmup_iters > 0 && iteration <= self.warmup_iters {
             return self.max_lr * iteration as f64 / self.warmup_iters as f64;
         }
@@ -115,7 +143,7 @@ mod tests {
     use super::*;
 
     fn sched(style: DecayStyle) -> LrSchedule {
-        LrSchedule { max_lr: 1.0, min_lr: 0.1, warmup_iters: 10, decay_iters: 110, style }
+        LrSchedule { max_lr: 1.0, min_lr: 0.1, warmup_iters: 10, decay_iters: 110, style, samples_per_iteration: 1 }
     }
 
     /// HF's six names: `constant` ignores the warmup, `constant_with_warmup` does not, the
@@ -183,6 +211,22 @@ mod tests {
                 assert!((g - w).abs() <= 1e-15, "{name}, update {}: {g} where transformers gives {w}", update + 1);
             }
         }
+    }
+
+    #[test]
+    fn a_schedule_in_samples_of_whole_iterations_is_the_schedule_in_iterations() {
+        for style in [DecayStyle::Linear, DecayStyle::Cosine, DecayStyle::Constant] {
+            let iterations = sched(style);
+            let samples =
+                LrSchedule { warmup_iters: 80, decay_iters: 880, samples_per_iteration: 8, ..iterations.clone() };
+            for done in 0..120 {
+                assert_eq!(samples.lr(done), iterations.lr(done), "{style:?} after {done}");
+            }
+        }
+        // Between whole iterations: a warm-up over 20 samples of batches of 8 is at 8/20 after one.
+        let s = LrSchedule { warmup_iters: 20, decay_iters: 90, samples_per_iteration: 8, ..sched(DecayStyle::Linear) };
+        assert_eq!((s.lr(1), s.lr(2)), (0.4, 0.8));
+        assert_eq!(s.lr(12), 0.1, "past the decay's 90 samples");
     }
 
     #[test]

@@ -666,8 +666,7 @@ mod tests {
         let params = ParamStore::init(&cfg, seed, &Device::Cpu)?;
         let compute = params.compute_copy(candle_core::DType::F16)?;
         let model = compute.model(&cfg)?;
-        let schedule =
-            LrSchedule { max_lr: 0.1, min_lr: 0.0, warmup_iters: 0, decay_iters: 10, style: DecayStyle::Constant };
+        let schedule = LrSchedule::constant(0.1);
         let precision = Precision { dtype: Dtype::Fp16, fp32_loss: false };
         let t = Trainer::new(&params, AdamWConfig::default(), schedule, 1, 0.0)?.with_precision(
             precision,
@@ -713,8 +712,14 @@ mod tests {
         let cfg = Gpt2Config { n_layer: 1, n_embd: 8, n_head: 2, n_positions: 8, vocab_size: 16, ..Gpt2Config::tiny() };
         let cfg = Gpt2Config { resid_pdrop: 0.0, embd_pdrop: 0.0, attn_pdrop: 0.0, ..cfg };
         let params = ParamStore::init(&cfg, 0, &Device::Cpu)?;
-        let schedule =
-            LrSchedule { max_lr: 0.1, min_lr: 0.0, warmup_iters: 2, decay_iters: 4, style: DecayStyle::Linear };
+        let schedule = LrSchedule {
+            max_lr: 0.1,
+            min_lr: 0.0,
+            warmup_iters: 2,
+            decay_iters: 4,
+            style: DecayStyle::Linear,
+            samples_per_iteration: 1,
+        };
         let mut t = Trainer::new(&params, AdamWConfig::default(), schedule, 1, 0.0)?;
         let ids = Tensor::new(&[[1u32, 2, 3]], &Device::Cpu)?;
         let values = |p: &ParamStore| -> Result<Vec<f32>> {
@@ -742,8 +747,7 @@ mod tests {
         assert_eq!(total_steps(5, 2, 3), 4);
         let cfg = Gpt2Config { n_layer: 1, n_embd: 8, n_head: 2, n_positions: 8, vocab_size: 16, ..Gpt2Config::tiny() };
         let params = ParamStore::init(&cfg, 0, &Device::Cpu)?;
-        let schedule =
-            LrSchedule { max_lr: 0.1, min_lr: 0.0, warmup_iters: 0, decay_iters: 10, style: DecayStyle::Constant };
+        let schedule = LrSchedule::constant(0.1);
         let mut t = Trainer::new(&params, AdamWConfig::default(), schedule, 2, 0.0)?;
         let ids = Tensor::new(&[[1u32, 2, 3]], &Device::Cpu)?;
         let model = params.model(&cfg)?;

@@ -33,7 +33,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 /// What a pretraining run reports at the end (also the last record of metrics.jsonl).
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Default, Serialize)]
 pub struct PretrainSummary {
     pub iterations: u64,
     pub first_loss: Option<f32>,
@@ -118,13 +118,12 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     }
     let mut folded = args.clone();
     folded.fold_megatron_flags()?;
-    let args = &folded;
-    let cfg = args.pretrain_config()?;
-    let device = hybrid_engine::device::parse_device(&args.device)?;
-    let group = args.dist.join(&device)?;
+    let mut cfg = folded.pretrain_config()?;
+    let device = hybrid_engine::device::parse_device(&folded.device)?;
+    let group = folded.dist.join(&device)?;
     // Tensor parallelism: the ranks of a TP group train on the same data, so the data is split
     // over the data-parallel group (the whole world without TP).
-    let tp = args.dist.tensor_parallel(&group)?;
+    let tp = folded.dist.tensor_parallel(&group)?;
     if let Some(tp) = &tp {
         // Refused before the corpus is tokenized (a checkpoint to resume has this shape too).
         tp.check_model(&cfg.model)?;
@@ -132,7 +131,13 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     }
     let data_group = data_group(&group, tp.as_ref());
     let world = data_group.world();
-    let accumulation = args.gradient_accumulation(world)?;
+    let accumulation = folded.gradient_accumulation(world)?;
+    // --train-samples becomes iterations, the schedule counting samples, once the batch is known.
+    if let Some(line) = folded.count_in_samples(folded.micro_batch_size * world * accumulation)? {
+        println!("{line}");
+        cfg.schedule = folded.schedule()?;
+    }
+    let args = &folded;
     println!("device: {}", hybrid_engine::device::describe(&device));
 
     // Data: tokenize, pack, split. Every failure here happens before any training.
@@ -212,15 +217,7 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
         engine,
         metrics,
         sampler,
-        summary: PretrainSummary {
-            iterations: start,
-            first_loss: None,
-            last_loss: None,
-            valid_loss: None,
-            valid_ppl: None,
-            test_loss: None,
-            checkpoint: None,
-        },
+        summary: PretrainSummary { iterations: start, ..PretrainSummary::default() },
         last_saved: resumed.then_some(start),
         exit_policy: args.exit_policy(),
         started,

@@ -93,6 +93,19 @@ pub struct PretrainArgs {
     /// Optimizer iterations to run (the data wraps around by epoch as needed).
     #[arg(help_heading = heading::TRAINING, long, default_value_t = 200, alias = "train_iters")]
     pub train_iters: u64,
+    /// Megatron's --train-samples: train on this many blocks, as whole iterations of the global
+    /// batch (the rest dropped, as Megatron does), the schedule then counting samples (instead of
+    /// --train-iters).
+    #[arg(help_heading = heading::TRAINING, long, alias = "train_samples", conflicts_with_all = ["train_iters", "lr_decay_iters", "lr_warmup_iters"])]
+    pub train_samples: Option<u64>,
+    /// Megatron's --rampup-batch-size START INCREMENT SAMPLES: refused (the global batch is fixed
+    /// here).
+    #[arg(help_heading = heading::TRAINING, long, alias = "rampup_batch_size", num_args = 3, value_names = ["START", "INCREMENT", "SAMPLES"])]
+    pub rampup_batch_size: Option<Vec<String>>,
+    /// The global batch a --train-samples run counts its schedule in, once the ranks are known
+    /// (see `count_in_samples`).
+    #[arg(skip)]
+    samples_per_iteration: Option<u64>,
     /// Peak learning rate, reached after --lr-warmup-iters.
     #[arg(help_heading = heading::OPTIMIZER, long, default_value_t = 1e-3, alias = "learning-rate", alias = "learning_rate", value_parser = cli::positive())]
     pub lr: f64,
@@ -118,12 +131,21 @@ pub struct PretrainArgs {
     )]
     pub lr_warmup_iters: u64,
     /// Megatron's --lr-warmup-fraction: the warm-up as a fraction of --lr-decay-iters (a whole
-    /// number of iterations; instead of --lr-warmup-iters).
+    /// number of iterations; instead of --lr-warmup-iters), or of --lr-decay-samples (a whole
+    /// number of samples) with --train-samples.
     #[arg(help_heading = heading::OPTIMIZER, long, alias = "lr_warmup_fraction", conflicts_with = "lr_warmup_iters", value_parser = cli::unit_interval())]
     pub lr_warmup_fraction: Option<f64>,
     /// Iteration where the decay reaches --min-lr (default: --train-iters).
     #[arg(help_heading = heading::OPTIMIZER, long, alias = "lr_decay_iters")]
     pub lr_decay_iters: Option<u64>,
+    /// Megatron's --lr-warmup-samples, with --train-samples: the warm-up in samples (default 0,
+    /// Megatron's).
+    #[arg(help_heading = heading::OPTIMIZER, long, alias = "lr_warmup_samples", requires = "train_samples", conflicts_with = "lr_warmup_fraction")]
+    pub lr_warmup_samples: Option<u64>,
+    /// Megatron's --lr-decay-samples, with --train-samples: the sample where the decay reaches
+    /// --min-lr (default: --train-samples).
+    #[arg(help_heading = heading::OPTIMIZER, long, alias = "lr_decay_samples", requires = "train_samples")]
+    pub lr_decay_samples: Option<u64>,
     /// AdamW's decoupled weight decay (biases and LayerNorms never decay).
     #[arg(help_heading = heading::OPTIMIZER, long, default_value_t = 0.1, alias = "weight_decay", value_parser = cli::non_negative())]
     pub weight_decay: f64,
@@ -339,9 +361,12 @@ impl PretrainArgs {
         }
         let defaults = PretrainArgs::parse_from(["sft", "--from-scratch"]);
         if self.lr_decay_style == DecayStyle::Constant
-            && (self.lr_decay_iters.is_some() || self.min_lr != defaults.min_lr)
+            && (self.lr_decay_iters.is_some() || self.lr_decay_samples.is_some() || self.min_lr != defaults.min_lr)
         {
-            bail!("--lr-decay-iters and --min-lr shape the decay, and --lr-decay-style constant has none: drop them, or use linear or cosine");
+            bail!("--lr-decay-iters (or -samples) and --min-lr shape the decay, and --lr-decay-style constant has none: drop them, or use linear or cosine");
+        }
+        if self.train_samples == Some(0) {
+            bail!("--train-samples must be at least 1");
         }
         if self.min_lr > self.lr {
             bail!(
@@ -384,20 +409,15 @@ impl PretrainArgs {
                 self.pipeline_model_parallel_size
             );
         }
-        let decay_iters = self.lr_decay_iters.unwrap_or(self.train_iters);
-        let warmup_iters = match self.lr_warmup_fraction {
-            None => self.lr_warmup_iters,
-            Some(fraction) => warmup_of_fraction(fraction, decay_iters)?,
-        };
+        if let Some(ramp) = &self.rampup_batch_size {
+            bail!(
+                "--rampup-batch-size {}: the global batch is fixed for the whole run here (its accumulation steps are set once): drop it and train at --global-batch-size",
+                ramp.join(" ")
+            );
+        }
         Ok(PretrainConfig {
             model,
-            schedule: LrSchedule {
-                max_lr: self.lr,
-                min_lr: self.min_lr,
-                warmup_iters,
-                decay_iters,
-                style: self.lr_decay_style,
-            },
+            schedule: self.schedule()?,
             adam: AdamWConfig {
                 beta1: self.adam_beta1,
                 beta2: self.adam_beta2,
@@ -407,6 +427,57 @@ impl PretrainArgs {
             save_dir: self.save.clone().unwrap_or_else(|| self.output_dir.clone()),
             split: data::parse_split(&self.split)?,
         })
+    }
+
+    /// The learning-rate schedule: in iterations, or with `--train-samples` in samples (as
+    /// Megatron counts it: `--lr-warmup-samples`, `--lr-decay-samples`, their fraction).
+    pub fn schedule(&self) -> Result<LrSchedule> {
+        let (decay, warmup, unit) = match self.train_samples {
+            None => {
+                let decay = self.lr_decay_iters.unwrap_or(self.train_iters);
+                let warmup = match self.lr_warmup_fraction {
+                    None => self.lr_warmup_iters,
+                    Some(fraction) => warmup_of_fraction(fraction, decay, WarmupUnit::Iterations)?,
+                };
+                (decay, warmup, 1)
+            }
+            Some(samples) => {
+                let decay = self.lr_decay_samples.unwrap_or(samples);
+                let warmup = match self.lr_warmup_fraction {
+                    None => self.lr_warmup_samples.unwrap_or(0),
+                    Some(fraction) => warmup_of_fraction(fraction, decay, WarmupUnit::Samples)?,
+                };
+                // Before the ranks are known (flags checked early), one sample an iteration.
+                (decay, warmup, self.samples_per_iteration.unwrap_or(1))
+            }
+        };
+        Ok(LrSchedule {
+            max_lr: self.lr,
+            min_lr: self.min_lr,
+            warmup_iters: warmup,
+            decay_iters: decay,
+            style: self.lr_decay_style,
+            samples_per_iteration: unit,
+        })
+    }
+
+    /// With `--train-samples`, the iterations and the schedule's count once the global batch
+    /// (`global_batch` blocks an iteration over all ranks) is known; said in a line. Nothing
+    /// without it.
+    pub fn count_in_samples(&mut self, global_batch: usize) -> Result<Option<String>> {
+        let Some(samples) = self.train_samples else { return Ok(None) };
+        let batch = global_batch as u64;
+        if samples < batch {
+            bail!("--train-samples {samples} is less than one global batch of {batch} samples: raise it, or lower the batch");
+        }
+        self.train_iters = samples / batch;
+        self.samples_per_iteration = Some(batch);
+        let dropped = samples % batch;
+        let rest = if dropped > 0 { format!(" (the last {dropped} dropped, as Megatron does)") } else { String::new() };
+        Ok(Some(format!(
+            "--train-samples {samples}: {} iterations of {batch} samples{rest}; the learning rate counts samples",
+            self.train_iters
+        )))
     }
 
     /// Megatron's early exits as the flags ask for them.
@@ -479,15 +550,26 @@ impl PretrainArgs {
     }
 }
 
-/// Megatron's `--lr-warmup-fraction`: that fraction of the decay's iterations, which must come
-/// to a whole number here (Megatron warms up over a fractional count, which this schedule does
-/// not represent).
-fn warmup_of_fraction(fraction: f64, decay_iters: u64) -> Result<u64> {
-    let iters = fraction * decay_iters as f64;
-    let whole = iters.round();
-    if (iters - whole).abs() > 1e-6 * whole.max(1.0) {
+/// What a schedule counts: iterations, or samples (`--train-samples`).
+#[derive(Clone, Copy)]
+enum WarmupUnit {
+    Iterations,
+    Samples,
+}
+
+/// Megatron's `--lr-warmup-fraction`: that fraction of the decay's `decay` iterations or
+/// samples, which must come to a whole number here (Megatron warms up over a fractional count,
+/// which this schedule does not represent).
+fn warmup_of_fraction(fraction: f64, decay: u64, unit: WarmupUnit) -> Result<u64> {
+    let (name, flag) = match unit {
+        WarmupUnit::Iterations => ("iterations", "--lr-warmup-iters"),
+        WarmupUnit::Samples => ("samples", "--lr-warmup-samples"),
+    };
+    let count = fraction * decay as f64;
+    let whole = count.round();
+    if (count - whole).abs() > 1e-6 * whole.max(1.0) {
         bail!(
-            "--lr-warmup-fraction {fraction} of {decay_iters} decay iterations is {iters} iterations, and the warm-up here is a whole number: give --lr-warmup-iters {whole}, or a fraction that makes a whole number"
+            "--lr-warmup-fraction {fraction} of {decay} decay {name} is {count} {name}, and the warm-up here is a whole number: give {flag} {whole}, or a fraction that makes a whole number"
         );
     }
     Ok(whole as u64)
@@ -540,6 +622,92 @@ mod tests {
         assert!(err(&["--fp16", "--initial-loss-scale", "1000"]).contains("a power of two from 1 to 2^32"));
         assert!(err(&["--fp16", "--initial-loss-scale", "0.5"]).contains("a power of two from 1 to 2^32"));
         assert!(err(&["--bf16", "--initial-loss-scale", "1024"]).contains("the dtype is bf16: add --fp16"));
+    }
+
+    /// A `--train-samples` run's rates, update by update, against megatron-core 0.9.0's own
+    /// `OptimizerParamScheduler` stepped by the global batch as Megatron's `train_step` steps it
+    /// (`scripts/fixtures/megatron_sample_schedule.py`): a global batch of 8, 100 samples (12
+    /// updates), a decay over 90 samples to 0.1, a warm-up of 20 samples or of 0.1 of the decay.
+    #[test]
+    fn sample_based_schedules_are_megatrons_update_by_update() {
+        #[rustfmt::skip]
+        let megatron: [(&str, &str, [f64; 12]); 4] = [
+            ("linear", "samples", [0.0, 0.4, 0.8, 0.9485714285714285, 0.8457142857142856, 0.7428571428571429, 0.64, 0.5371428571428573, 0.4342857142857143, 0.3314285714285714, 0.22857142857142862, 0.12571428571428572]),
+            ("linear", "fraction", [0.0, 0.8888888888888888, 0.9222222222222223, 0.8333333333333334, 0.7444444444444445, 0.6555555555555557, 0.5666666666666668, 0.47777777777777775, 0.38888888888888884, 0.3, 0.2111111111111111, 0.12222222222222223]),
+            ("cosine", "samples", [0.0, 0.4, 0.8, 0.9927683148693833, 0.9363019571208397, 0.8305704108364301, 0.6890576474687263, 0.5298108263422685, 0.3731387357557344, 0.2390218079559109, 0.14456400944391146, 0.10181156770214242]),
+            ("cosine", "fraction", [0.0, 0.8888888888888888, 0.9835168953771461, 0.9259695151358214, 0.8325154561024444, 0.7120799761621197, 0.5761651730097141, 0.4377514851739085, 0.31005800523923904, 0.20528000059645996, 0.13342421382899936, 0.1013531764744936]),
+        ];
+        for (style, warmup, want) in megatron {
+            let warmup =
+                if warmup == "samples" { ["--lr-warmup-samples", "20"] } else { ["--lr-warmup-fraction", "0.1"] };
+            let flags = ["--train-samples", "100", "--lr-decay-samples", "90", "--lr", "1", "--min-lr", "0.1"];
+            let mut args = PretrainArgs::parse_from(
+                [&["sft", "--from-scratch", "--lr-decay-style", style][..], &flags, &warmup].concat(),
+            );
+            let line = args.count_in_samples(8).unwrap().unwrap();
+            assert_eq!(line, "--train-samples 100: 12 iterations of 8 samples (the last 4 dropped, as Megatron does); the learning rate counts samples");
+            assert_eq!(args.train_iters, 12);
+            let schedule = args.pretrain_config().unwrap().schedule;
+            for (done, w) in want.iter().enumerate() {
+                let got = schedule.lr(done as u64);
+                assert!(
+                    (got - w).abs() <= 1e-15,
+                    "{style} {warmup:?}, update {}: {got} where Megatron gives {w}",
+                    done + 1
+                );
+            }
+        }
+        // Without --train-samples nothing changes; a batch larger than the samples is refused.
+        let mut iterations = PretrainArgs::parse_from(["sft", "--from-scratch", "--train-iters", "7"]);
+        assert_eq!(iterations.count_in_samples(8).unwrap(), None);
+        assert_eq!((iterations.train_iters, iterations.schedule().unwrap().samples_per_iteration), (7, 1));
+        let mut few = PretrainArgs::parse_from(["sft", "--from-scratch", "--train-samples", "7"]);
+        let err = few.count_in_samples(8).err().unwrap().to_string();
+        assert!(err.contains("--train-samples 7 is less than one global batch of 8 samples"), "{err}");
+        let mut exact = PretrainArgs::parse_from(["sft", "--from-scratch", "--train-samples", "16"]);
+        assert_eq!(
+            exact.count_in_samples(8).unwrap().unwrap(),
+            "--train-samples 16: 2 iterations of 8 samples; the learning rate counts samples"
+        );
+        let schedule = exact.schedule().unwrap();
+        assert_eq!(
+            (schedule.warmup_iters, schedule.decay_iters),
+            (0, 16),
+            "Megatron's defaults: no warm-up, decay over the run"
+        );
+
+        let config =
+            |more: &[&str]| PretrainArgs::parse_from([&["sft", "--from-scratch"][..], more].concat()).pretrain_config();
+        let err = config(&["--train-samples", "100", "--lr-warmup-fraction", "0.15", "--lr-decay-samples", "90"])
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains("0.15 of 90 decay samples is 13.5 samples") && err.contains("--lr-warmup-samples 14"),
+            "{err}"
+        );
+        let err = config(&["--rampup-batch-size", "16", "16", "1000"]).err().unwrap().to_string();
+        assert!(err.contains("--rampup-batch-size 16 16 1000: the global batch is fixed"), "{err}");
+        let err = config(&["--train-samples", "100", "--lr-decay-samples", "90", "--lr-decay-style", "constant"])
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("constant has none"), "{err}");
+        assert!(config(&["--train-samples", "0"])
+            .err()
+            .unwrap()
+            .to_string()
+            .contains("--train-samples must be at least 1"));
+        for mixed in [
+            &["sft", "--train-samples", "100", "--train-iters", "5"][..],
+            &["sft", "--train-samples", "100", "--lr-decay-iters", "5"],
+            &["sft", "--train-samples", "100", "--lr-warmup-iters", "5"],
+            &["sft", "--lr-decay-samples", "5"],
+            &["sft", "--lr-warmup-samples", "5"],
+            &["sft", "--train-samples", "100", "--lr-warmup-samples", "5", "--lr-warmup-fraction", "0.1"],
+        ] {
+            assert!(PretrainArgs::try_parse_from(mixed).is_err(), "{mixed:?}: samples and iterations do not mix");
+        }
     }
 
     #[test]

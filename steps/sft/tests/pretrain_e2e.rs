@@ -792,3 +792,27 @@ fn megatrons_blend_of_corpora_trains_and_resumes_exactly() {
     ));
     assert!(e.contains(&format!("corpus {} of --data-path: the corpus gives 0 blocks", small.display())), "{e}");
 }
+
+/// Megatron's sample-based run (`--train-samples`, `--lr-warmup-samples`, `--lr-decay-samples`)
+/// whose counts are whole global batches is the iteration-based run of those batches, loss for
+/// loss; the samples past the last whole batch are dropped, as Megatron drops them.
+#[test]
+fn a_sample_based_run_is_its_iteration_based_twin() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = |name: &str, more: &[&str]| {
+        let out = tmp.path().join(name);
+        let stdout =
+            ok(&sft(&args(SMALL, &args(&["--eval-interval", "0", "--output-dir", out.to_str().unwrap()], more)), &[]));
+        (out, stdout)
+    };
+    // Micro-batch 2 on one rank: 13 samples are 6 iterations, 4 and 12 samples 2 and 6.
+    let (samples, log) =
+        run("samples", &["--train-samples", "13", "--lr-warmup-samples", "4", "--lr-decay-samples", "12"]);
+    assert!(
+        log.contains("--train-samples 13: 6 iterations of 2 samples (the last 1 dropped, as Megatron does)"),
+        "{log}"
+    );
+    let (iterations, _) = run("iterations", &["--train-iters", "6", "--lr-warmup-iters", "2", "--lr-decay-iters", "6"]);
+    assert_eq!(losses(&samples).len(), 6);
+    assert_eq!(losses(&samples), losses(&iterations));
+}
