@@ -93,6 +93,33 @@ struct BlendPartLayout {
 }
 
 impl DataLayout {
+    /// The layout of `corpus` read for `args`, drawn `accumulation` micro-batches an
+    /// iteration on each of `world` data-parallel ranks.
+    fn of(corpus: &BlendedCorpus, args: &PretrainArgs, world: usize, accumulation: usize) -> Result<Self> {
+        let parts = corpus.parts();
+        let blend = (parts.len() > 1).then(|| {
+            parts
+                .iter()
+                .map(|p| BlendPartLayout {
+                    data_path: p.name.clone(),
+                    weight: p.weight,
+                    num_blocks: p.corpus.num_blocks(),
+                    train: p.split(0),
+                })
+                .collect()
+        });
+        Ok(DataLayout {
+            data_path: args.data_path_text()?,
+            seq_length: args.seq_length,
+            num_blocks: corpus.num_blocks(),
+            train: if blend.is_some() { 0..0 } else { parts[0].split(0) },
+            micro_batch_size: args.micro_batch_size,
+            gradient_accumulation_steps: accumulation,
+            global_batch_size: args.micro_batch_size * world * accumulation,
+            blend,
+        })
+    }
+
     fn global_batch(&self) -> usize {
         match self.global_batch_size {
             0 => self.micro_batch_size * self.gradient_accumulation_steps,
@@ -143,12 +170,7 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     // Data: tokenize, pack, split. Every failure here happens before any training.
     let tokenizer = args.tokenizer()?;
     let corpus = read_corpus(args, &cfg, &tokenizer)?;
-    let layout = DataLayout {
-        micro_batch_size: args.micro_batch_size,
-        gradient_accumulation_steps: accumulation,
-        global_batch_size: args.micro_batch_size * world * accumulation,
-        ..DataLayout::of(&corpus, args)?
-    };
+    let layout = DataLayout::of(&corpus, args, world, accumulation)?;
 
     // Model and optimizer: fresh, or exactly as the checkpoint left them.
     let mut model_cfg = cfg.model.clone();
@@ -253,34 +275,6 @@ fn read_corpus(args: &PretrainArgs, cfg: &PretrainConfig, tokenizer: &Tokenizer)
         );
     }
     Ok(corpus)
-}
-
-impl DataLayout {
-    /// The data facts of `corpus` read for `args` (the batch fields left 0, for the caller).
-    fn of(corpus: &BlendedCorpus, args: &PretrainArgs) -> Result<Self> {
-        let parts = corpus.parts();
-        let blend = (parts.len() > 1).then(|| {
-            parts
-                .iter()
-                .map(|p| BlendPartLayout {
-                    data_path: p.name.clone(),
-                    weight: p.weight,
-                    num_blocks: p.corpus.num_blocks(),
-                    train: p.split(0),
-                })
-                .collect()
-        });
-        Ok(DataLayout {
-            data_path: args.data_path_text()?,
-            seq_length: args.seq_length,
-            num_blocks: corpus.num_blocks(),
-            train: if blend.is_some() { 0..0 } else { parts[0].split(0) },
-            micro_batch_size: 0,
-            gradient_accumulation_steps: 0,
-            global_batch_size: 0,
-            blend,
-        })
-    }
 }
 
 /// What a checkpoint restores beyond the weights: the optimizer state, its step (fewer than
