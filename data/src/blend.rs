@@ -349,6 +349,9 @@ mod tests {
         assert_eq!(parse_blend(&words("30 A 70 B"))?, [entry(Some(30.0), "A"), entry(Some(70.0), "B")]);
         assert_eq!(parse_blend(&words("A B"))?, [entry(None, "A"), entry(None, "B")]);
         assert_eq!(parse_blend(&words("A B C"))?, [entry(None, "A"), entry(None, "B"), entry(None, "C")]);
+        // A lone word is a corpus even when it reads as a number (Megatron: an odd count is
+        // corpora alone).
+        assert_eq!(parse_blend(&words("7"))?, [entry(None, "7")]);
         // A weighted lone corpus is that corpus.
         assert_eq!(parse_blend(&words("1 A"))?, [entry(Some(1.0), "A")]);
         let refused = [

@@ -146,6 +146,11 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     let mut folded = args.clone();
     folded.fold_megatron_flags()?;
     let mut cfg = folded.pretrain_config()?;
+    // Megatron's --finetune: the model, its shape included, from --load's weights.
+    let finetune = folded.finetune_dir()?;
+    if let Some(dir) = &finetune {
+        cfg.model = folded.finetune_model(dir)?;
+    }
     let device = hybrid_engine::device::parse_device(&folded.device)?;
     let group = folded.dist.join(&device)?;
     // Tensor parallelism: the ranks of a TP group train on the same data, so the data is split
@@ -198,7 +203,7 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     let shard_over = (ZeroStage::from_number(args.zero_stage)? == ZeroStage::Parameters && world > 1 && tp.is_none())
         .then(|| (data_group.clone(), dtype));
     let (weights, start, cursor, resume) =
-        start_or_resume(args, &layout, &mut model_cfg, tp.as_ref(), shard_over, &device)?;
+        start_or_resume(args, &layout, finetune.as_deref(), &mut model_cfg, tp.as_ref(), shard_over, &device)?;
     let resumed = resume.is_some();
     if tokenizer.vocab_size() > model_cfg.vocab_size {
         bail!(
@@ -286,17 +291,23 @@ struct Resume {
 }
 
 /// The weights to train (this rank's slices under tensor parallelism), the iteration they are
-/// at, the data cursor and what else to restore: fresh weights of `model_cfg`, or `--load`'s
-/// checkpoint (whose config then replaces `model_cfg`, with `--dropout` applied), checked
-/// against this run's `layout`.
+/// at, the data cursor and what else to restore: fresh weights of `model_cfg`, `--finetune`'s
+/// model directory `finetune` at iteration 0, or `--load`'s checkpoint (whose config then
+/// replaces `model_cfg`, with `--dropout` applied), checked against this run's `layout`.
 fn start_or_resume(
     args: &PretrainArgs,
     layout: &DataLayout,
+    finetune: Option<&std::path::Path>,
     model_cfg: &mut hybrid_engine::Gpt2Config,
     tp: Option<&TensorParallel>,
     shard_over: Option<(Arc<ProcessGroup>, DType)>,
     device: &Device,
 ) -> Result<(StartingWeights, u64, DataCursor, Option<Resume>)> {
+    if let Some(dir) = finetune {
+        let weights = read_weights(dir, args, model_cfg, tp, shard_over, device)?;
+        println!("--finetune: the weights of {} at iteration 0, with a fresh optimizer and data", dir.display());
+        return Ok((weights, 0, DataCursor::default(), None));
+    }
     // Megatron's scripts pass --save DIR --load DIR from the first run on: a root without a
     // checkpoint yet is a fresh start there (unless --exit-on-missing-checkpoint).
     let load = match &args.load {
@@ -340,10 +351,27 @@ fn start_or_resume(
     let cursor: DataCursor =
         serde_json::from_value(state.data_cursor.clone()).context("checkpoint's data cursor is malformed")?;
     let optimizer_step = run.optimizer_step.unwrap_or(state.iteration);
+    let weights = read_weights(&dir, args, model_cfg, tp, shard_over, device)?;
+    println!("resumed from {} at iteration {}", dir.display(), state.iteration);
+    let resume = Resume { optimizer, optimizer_step, progress: run.trainer };
+    Ok((weights, state.iteration, cursor, Some(resume)))
+}
+
+/// The weights of the model directory `dir` (`model_cfg`'s shape, which its config then
+/// replaces, with the dropout flags): whole, this rank's tensor-parallel slices, or its ZeRO-3
+/// shard.
+fn read_weights(
+    dir: &std::path::Path,
+    args: &PretrainArgs,
+    model_cfg: &mut hybrid_engine::Gpt2Config,
+    tp: Option<&TensorParallel>,
+    shard_over: Option<(Arc<ProcessGroup>, DType)>,
+    device: &Device,
+) -> Result<StartingWeights> {
     // Under ZeRO-3 a rank reads only its shard of each tensor from the memory-mapped weights.
-    let weights = match (shard_over, tp) {
+    Ok(match (shard_over, tp) {
         (Some((group, dtype)), _) => {
-            let slices = ModelSlices::open(&dir)?;
+            let slices = ModelSlices::open(dir)?;
             check_same_shape(&slices.config, model_cfg)?;
             *model_cfg = args.with_dropout(slices.config.clone());
             let source = ShardSource::Slices(Box::new(slices));
@@ -352,21 +380,18 @@ fn start_or_resume(
         // Checkpoints are consolidated: under tensor parallelism each rank reads its slices of
         // the memory-mapped weights, tensor by tensor.
         (None, Some(tp)) => {
-            let slices = ModelSlices::open(&dir)?;
+            let slices = ModelSlices::open(dir)?;
             check_same_shape(&slices.config, model_cfg)?;
             *model_cfg = args.with_dropout(slices.config.clone());
             StartingWeights::Whole(tp.read(model_cfg, device, |n, r| slices.read(n, r))?)
         }
         (None, None) => {
-            let model = hf_io::load_model_dir(&dir, device)?;
+            let model = hf_io::load_model_dir(dir, device)?;
             check_same_shape(&model.config, model_cfg)?;
             *model_cfg = args.with_dropout(model.config.clone());
             StartingWeights::Whole(ParamStore::from_tensors(model_cfg, &model.tensors, device)?)
         }
-    };
-    println!("resumed from {} at iteration {}", dir.display(), state.iteration);
-    let resume = Resume { optimizer, optimizer_step, progress: run.trainer };
-    Ok((weights, state.iteration, cursor, Some(resume)))
+    })
 }
 
 /// The engine that trains `weights`, with a resumed checkpoint's optimizer state (`resume`,

@@ -1,7 +1,7 @@
 //! Command-line flags of `sft --from-scratch` (Megatron's pretraining names, DS-Chat's where they overlap; the
 //! snake_case spellings are accepted too), and their validation into a [`PretrainConfig`].
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use clap::Parser;
 use hybrid_engine::cli;
 use hybrid_engine::cli::heading;
@@ -25,7 +25,7 @@ pub struct PretrainArgs {
     #[arg(help_heading = heading::MODEL, long, alias = "from_scratch")]
     pub from_scratch: bool,
     /// Model shape: a preset (tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl) or a config.json.
-    #[arg(help_heading = heading::MODEL, long, default_value = "tiny", alias = "model-name-or-path", alias = "model_name_or_path")]
+    #[arg(help_heading = heading::MODEL, long, default_value = "tiny", alias = "model-name-or-path", alias = "model_name_or_path", conflicts_with = "finetune")]
     pub model: String,
     /// Override the preset's layer count.
     #[arg(help_heading = heading::MODEL, long, alias = "num_layers")]
@@ -41,7 +41,7 @@ pub struct PretrainArgs {
     pub max_position_embeddings: Option<usize>,
     /// Pad the embedding to a multiple of this many rows (fast matmuls); the saved config
     /// records the padded size.
-    #[arg(help_heading = heading::MODEL, long, default_value_t = 128, alias = "make_vocab_size_divisible_by")]
+    #[arg(help_heading = heading::MODEL, long, default_value_t = 128, alias = "make_vocab_size_divisible_by", conflicts_with = "finetune")]
     pub make_vocab_size_divisible_by: usize,
     /// tokenizer.json to use (default: the embedded GPT-2 tokenizer).
     #[arg(help_heading = heading::MODEL, long, conflicts_with_all = ["vocab_file", "merge_file"])]
@@ -163,7 +163,7 @@ pub struct PretrainArgs {
     pub adam_eps: f64,
     /// Standard deviation of the initial weights (Megatron's --init-method-std, HF's
     /// initializer_range; the residual projections' is this over sqrt(2 x layers)).
-    #[arg(help_heading = heading::MODEL, long, default_value_t = 0.02, alias = "init_method_std", value_parser = cli::positive())]
+    #[arg(help_heading = heading::MODEL, long, default_value_t = 0.02, alias = "init_method_std", value_parser = cli::positive(), conflicts_with = "finetune")]
     pub init_method_std: f64,
     /// Megatron's pipeline parallelism: only 1 (none) is taken; tensor parallelism and ZeRO
     /// split the model here.
@@ -201,6 +201,11 @@ pub struct PretrainArgs {
     /// scratch, as Megatron's does (so one script with --save DIR --load DIR starts, then resumes).
     #[arg(help_heading = heading::OUTPUT, long)]
     pub load: Option<PathBuf>,
+    /// Megatron's --finetune: start from --load's weights (its latest checkpoint, a Hugging Face
+    /// model directory, or a hub id such as gpt2) at iteration 0, with a fresh optimizer and
+    /// data, the model's shape taken from it.
+    #[arg(help_heading = heading::OUTPUT, long, requires = "load", conflicts_with = "exit_on_missing_checkpoint")]
+    pub finetune: bool,
     /// Megatron's --exit-interval: save a checkpoint and stop after an iteration divisible by
     /// this (the same command with --load resumes).
     #[arg(help_heading = heading::OUTPUT, long, alias = "exit_interval", value_parser = clap::value_parser!(u64).range(1..))]
@@ -478,6 +483,47 @@ impl PretrainArgs {
             "--train-samples {samples}: {} iterations of {batch} samples{rest}; the learning rate counts samples",
             self.train_iters
         )))
+    }
+
+    /// With `--finetune`, the model directory `--load` names (a checkpoint root's latest, a model
+    /// directory, or a hub id, downloaded when online).
+    pub fn finetune_dir(&self) -> Result<Option<PathBuf>> {
+        match (&self.load, self.finetune) {
+            (Some(load), true) => {
+                let name = load.to_str().with_context(|| format!("--load {} is not UTF-8", load.display()))?;
+                Ok(Some(hybrid_engine::checkpoints::hf_io::resolve_model_dir(name)?))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// The model `--finetune` starts from: `dir`'s config (with the dropout flags), which the
+    /// shape flags given must agree with, and which must hold `--seq-length` positions.
+    pub fn finetune_model(&self, dir: &std::path::Path) -> Result<Gpt2Config> {
+        let model = self.with_dropout(hybrid_engine::checkpoints::hf_io::read_config(&dir.join("config.json"))?);
+        let given = [
+            ("--num-layers", self.num_layers, "n_layer", model.n_layer),
+            ("--hidden-size", self.hidden_size, "n_embd", model.n_embd),
+            ("--num-attention-heads", self.num_attention_heads, "n_head", model.n_head),
+            ("--max-position-embeddings", self.max_position_embeddings, "n_positions", model.n_positions),
+        ];
+        for (flag, value, field, has) in given {
+            if let Some(v) = value.filter(|&v| v != has) {
+                bail!(
+                    "{flag} {v}: --finetune takes the model from {}, whose {field} is {has}: drop the flag",
+                    dir.display()
+                );
+            }
+        }
+        if self.seq_length > model.n_positions {
+            bail!(
+                "--seq-length {} is longer than the {} positions of the model --finetune starts from ({}): lower --seq-length",
+                self.seq_length,
+                model.n_positions,
+                dir.display()
+            );
+        }
+        Ok(model)
     }
 
     /// Megatron's early exits as the flags ask for them.
