@@ -99,16 +99,31 @@ impl Default for DataCursor {
     }
 }
 
+/// The flags that give each split its own corpora (Megatron's), by split.
+pub const SPLIT_DATA_FLAGS: [&str; 3] = ["--train-data-path", "--valid-data-path", "--test-data-path"];
+
+/// Where the splits' corpora come from.
+#[derive(Clone, Debug, PartialEq)]
+pub enum BlendPlan {
+    /// One blend, each corpus split by `--split`'s fractions (Megatron's `--data-path`).
+    Split { entries: Vec<BlendEntry>, fractions: [f64; 3] },
+    /// A blend per split (train, validation, test; an empty one for none), each corpus whole in
+    /// its split (Megatron's `--train-data-path`, `--valid-data-path`, `--test-data-path`).
+    PerSplit([Vec<BlendEntry>; 3]),
+}
+
 /// One corpus of a blend: its blocks sit at `offset..offset + corpus.num_blocks()` of the
 /// blend's block numbers.
 #[derive(Debug)]
 pub struct BlendPart {
     pub source: CorpusSource,
-    /// `--data-path`'s word for it.
+    /// The flag's word for it.
     pub name: String,
     pub weight: Option<f64>,
     pub corpus: PackedCorpus,
     pub documents: usize,
+    /// The split it serves whole (a per-split blend's), or `None`: split by `--split`.
+    pub serves: Option<usize>,
     offset: usize,
     /// Train, validation and test, in the blend's block numbers.
     splits: [Range<usize>; 3],
@@ -125,50 +140,70 @@ impl BlendPart {
 #[derive(Debug)]
 pub struct BlendedCorpus {
     parts: Vec<BlendPart>,
-    /// Normalized; `None` when `--data-path` gave corpora alone.
-    weights: Option<Vec<f64>>,
     seq_length: usize,
 }
 
-/// `--data-path`'s corpora (from [`parse_blend`]), each read as [`read_packed_corpus`] reads it
-/// and split by `split` (`--split`'s fractions) on its own.
+/// A corpus read for a blend: its entry, where it came from, its blocks and documents, and the
+/// split it serves whole (or `None`: split by `--split`).
+pub struct ReadCorpus {
+    pub entry: BlendEntry,
+    pub source: CorpusSource,
+    pub corpus: PackedCorpus,
+    pub documents: usize,
+    pub serves: Option<usize>,
+}
+
+/// `plan`'s corpora (from [`parse_blend`]), each read as [`read_packed_corpus`] reads it.
 pub fn read_blend(
-    entries: &[BlendEntry],
+    plan: &BlendPlan,
     text_key: &str,
     tokenizer: &Tokenizer,
     seq_length: usize,
     vocab_size: usize,
-    split: &[f64; 3],
 ) -> Result<BlendedCorpus> {
-    let mut parts = Vec::with_capacity(entries.len());
-    for entry in entries {
+    let (listed, fractions): (Vec<(&BlendEntry, Option<usize>)>, [f64; 3]) = match plan {
+        BlendPlan::Split { entries, fractions } => (entries.iter().map(|e| (e, None)).collect(), *fractions),
+        BlendPlan::PerSplit(per_split) => (
+            per_split.iter().enumerate().flat_map(|(which, es)| es.iter().map(move |e| (e, Some(which)))).collect(),
+            [0.0; 3],
+        ),
+    };
+    let mut parts = Vec::with_capacity(listed.len());
+    for (entry, serves) in listed {
         let source = CorpusSource::parse(&entry.path);
         let (corpus, documents) = read_packed_corpus(&source, text_key, tokenizer, seq_length, vocab_size)?;
-        parts.push((entry.clone(), source, corpus, documents));
+        parts.push(ReadCorpus { entry: entry.clone(), source, corpus, documents, serves });
     }
-    BlendedCorpus::new(parts, split)
+    BlendedCorpus::new(parts, &fractions)
 }
 
 impl BlendedCorpus {
-    /// The blend of `parts` (each with its entry, source, packed corpus and document count),
-    /// each split by `split`. A corpus too small for a split with a positive weight is an error
-    /// naming it.
-    pub fn new(parts: Vec<(BlendEntry, CorpusSource, PackedCorpus, usize)>, split: &[f64; 3]) -> Result<Self> {
-        let seq_length = parts.first().map_or(1, |(_, _, c, _)| c.seq_length());
-        let given: Vec<f64> = parts.iter().filter_map(|(e, ..)| e.weight).collect();
-        let weights = (given.len() == parts.len() && !given.is_empty()).then(|| normalize(&given));
-        let (many, mut offset) = (parts.len() > 1, 0);
-        let mut blended = Vec::with_capacity(parts.len());
-        for (entry, source, corpus, documents) in parts {
+    /// The blend of `parts`, each split by `split` or whole in the split it serves. A corpus too
+    /// small for a split with a positive weight (or for one block, serving a split) is an error
+    /// naming it; so is a blend without a train corpus.
+    pub fn new(parts: Vec<ReadCorpus>, split: &[f64; 3]) -> Result<Self> {
+        let seq_length = parts.first().map_or(1, |p| p.corpus.seq_length());
+        let named = parts.len() > 1 || parts.iter().any(|p| p.serves.is_some());
+        if !parts.iter().any(|p| p.serves.is_none_or(|s| s == 0)) {
+            bail!("no corpus for the train split: give --data-path, or --train-data-path with the others");
+        }
+        let (mut blended, mut offset) = (Vec::with_capacity(parts.len()), 0);
+        for ReadCorpus { entry, source, corpus, documents, serves } in parts {
             assert_eq!(corpus.seq_length(), seq_length, "BlendedCorpus::new: corpora of different block lengths");
             let n = corpus.num_blocks();
-            let ranges = split_ranges(n, split);
-            check_split(n, split, &ranges).map_err(|e| {
-                if many {
-                    anyhow::anyhow!("corpus {} of --data-path: {e}", entry.path)
-                } else {
-                    e
-                }
+            let ranges = match serves {
+                None => split_ranges(n, split),
+                Some(which) => std::array::from_fn(|s| if s == which { 0..n } else { 0..0 }),
+            };
+            let checked = match serves {
+                None => check_split(n, split, &ranges),
+                Some(_) if n == 0 => check_split(0, split, &ranges),
+                Some(_) => Ok(()),
+            };
+            checked.map_err(|e| match (named, serves) {
+                (false, _) => e,
+                (true, None) => anyhow::anyhow!("corpus {} of --data-path: {e}", entry.path),
+                (true, Some(which)) => anyhow::anyhow!("corpus {} of {}: {e}", entry.path, SPLIT_DATA_FLAGS[which]),
             })?;
             let splits = ranges.map(|r| offset + r.start..offset + r.end);
             blended.push(BlendPart {
@@ -177,12 +212,13 @@ impl BlendedCorpus {
                 weight: entry.weight,
                 corpus,
                 documents,
+                serves,
                 offset,
                 splits,
             });
             offset += n;
         }
-        Ok(Self { parts: blended, weights, seq_length })
+        Ok(Self { parts: blended, seq_length })
     }
 
     pub fn parts(&self) -> &[BlendPart] {
@@ -212,20 +248,21 @@ impl BlendedCorpus {
         part.corpus.block(i - part.offset)
     }
 
-    /// The weight each corpus has in split `which`: the given weights, or each corpus's share of
-    /// the split's blocks when `--data-path` gave none (Megatron weighs such a blend by its
-    /// datasets' lengths).
-    pub fn split_weights(&self, which: usize) -> Vec<f64> {
-        match &self.weights {
-            Some(w) => w.clone(),
-            None => normalize(&self.parts.iter().map(|p| p.splits[which].len() as f64).collect::<Vec<_>>()),
-        }
+    /// The corpora with blocks in split `which` (their indices in [`Self::parts`]) and their
+    /// weights there, normalized: the given weights, or each corpus's share of the split's blocks
+    /// when its blend gave none (Megatron weighs such a blend by its datasets' lengths).
+    pub fn split_weights(&self, which: usize) -> (Vec<usize>, Vec<f64>) {
+        let members: Vec<usize> = (0..self.parts.len()).filter(|&i| !self.parts[i].splits[which].is_empty()).collect();
+        let given: Option<Vec<f64>> = members.iter().map(|&i| self.parts[i].weight).collect();
+        let raw = given.unwrap_or_else(|| members.iter().map(|&i| self.parts[i].splits[which].len() as f64).collect());
+        (members, normalize(&raw))
     }
 
     /// The training sampler, where `cursor` left it (the default: the start). A cursor saved
     /// over another number of corpora or blocks is an error.
     pub fn train_sampler(&self, seed: u64, cursor: &DataCursor) -> Result<BlendedSampler> {
-        let cursors = match (cursor, self.parts.len()) {
+        let (members, weights) = self.split_weights(0);
+        let cursors = match (cursor, members.len()) {
             (DataCursor::One(c), 1) => vec![*c],
             (DataCursor::One(c), n) if *c == SamplerCursor::default() => vec![*c; n],
             (DataCursor::Blend { blend }, n) if blend.len() == n => blend.clone(),
@@ -235,17 +272,17 @@ impl BlendedCorpus {
                     DataCursor::Blend { blend } => blend.len(),
                 };
                 let corpora = |n: usize| if n == 1 { "1 corpus".to_string() } else { format!("{n} corpora") };
-                bail!("the checkpoint was drawing from {} and --data-path now gives {}", corpora(saved), corpora(n))
+                bail!("the checkpoint was drawing from {} and the data flags now give {}", corpora(saved), corpora(n))
             }
         };
-        let samplers = self
-            .parts
+        // The k-th train corpus shuffles in stream k: a lone train corpus as it always has.
+        let samplers = members
             .iter()
             .zip(cursors)
             .enumerate()
-            .map(|(i, (part, c))| BlockSampler::of_corpus(part.split(0), seed, i as u64, c))
+            .map(|(k, (&i, c))| BlockSampler::of_corpus(self.parts[i].split(0), seed, k as u64, c))
             .collect::<Result<Vec<_>>>()?;
-        Ok(BlendedSampler::new(self.split_weights(0), samplers))
+        Ok(BlendedSampler::new(weights, samplers))
     }
 
     /// `batches` evaluation batches of `batch_size` blocks of split `which` (1 validation, 2
@@ -253,13 +290,11 @@ impl BlendedCorpus {
     /// cycling, so every evaluation scores the same blocks. A lone corpus gives
     /// [`crate::eval_indices`]'s batches. Empty when the split is.
     pub fn eval_batches(&self, which: usize, batches: usize, batch_size: usize) -> Vec<Vec<usize>> {
-        let weights = self.split_weights(which);
-        let (ranges, weights): (Vec<Range<usize>>, Vec<f64>) =
-            self.parts.iter().map(|p| p.split(which)).zip(weights).filter(|(r, _)| !r.is_empty()).unzip();
-        if ranges.is_empty() {
+        let (members, weights) = self.split_weights(which);
+        if members.is_empty() {
             return Vec::new();
         }
-        let weights = normalize(&weights);
+        let ranges: Vec<Range<usize>> = members.iter().map(|&i| self.parts[i].split(which)).collect();
         let mut drawn = vec![0u64; ranges.len()];
         let mut next = |sample: u64| {
             let i = blend_choice(&weights, &drawn, sample);
@@ -412,15 +447,14 @@ mod tests {
         PackedCorpus::pack(&[(0..2 * blocks as u32).collect()], 2 * blocks as u32, 2)
     }
 
+    fn read(i: usize, weight: Option<f64>, blocks: usize, serves: Option<usize>) -> ReadCorpus {
+        let name = format!("c{i}");
+        let source = CorpusSource::File(name.clone().into());
+        ReadCorpus { entry: entry(weight, &name), source, corpus: packed(blocks), documents: 1, serves }
+    }
+
     fn blend(parts: &[(Option<f64>, usize)], split: [f64; 3]) -> Result<BlendedCorpus> {
-        let parts = parts
-            .iter()
-            .enumerate()
-            .map(|(i, &(w, blocks))| {
-                let name = format!("c{i}");
-                (entry(w, &name), CorpusSource::File(name.into()), packed(blocks), 1)
-            })
-            .collect();
+        let parts = parts.iter().enumerate().map(|(i, &(w, blocks))| read(i, w, blocks, None)).collect();
         BlendedCorpus::new(parts, &split)
     }
 
@@ -481,8 +515,8 @@ mod tests {
     #[test]
     fn corpora_alone_are_weighted_by_their_blocks_in_each_split() -> Result<()> {
         let corpus = blend(&[(None, 30), (None, 10)], [0.8, 0.2, 0.0])?;
-        assert_eq!(corpus.split_weights(0), [24.0 / 32.0, 8.0 / 32.0]);
-        assert_eq!(corpus.split_weights(1), [6.0 / 8.0, 2.0 / 8.0]);
+        assert_eq!(corpus.split_weights(0), (vec![0, 1], vec![24.0 / 32.0, 8.0 / 32.0]));
+        assert_eq!(corpus.split_weights(1), (vec![0, 1], vec![6.0 / 8.0, 2.0 / 8.0]));
         let mut sampler = corpus.train_sampler(1, &DataCursor::default())?;
         sampler.next_indices(32);
         assert_eq!(sampler.drawn(), [24, 8], "one epoch of each in 32 samples");
@@ -514,9 +548,9 @@ mod tests {
         let mut three = corpus.train_sampler(42, &DataCursor::default())?;
         three.next_indices(5);
         let e = two.train_sampler(42, &three.cursor()).expect_err("3 corpora saved").to_string();
-        assert!(e.contains("from 3 corpora and --data-path now gives 2 corpora"), "{e}");
+        assert!(e.contains("from 3 corpora and the data flags now give 2 corpora"), "{e}");
         let e = two.train_sampler(42, &old).expect_err("1 corpus saved").to_string();
-        assert!(e.contains("from 1 corpus and --data-path now gives 2 corpora"), "{e}");
+        assert!(e.contains("from 1 corpus and the data flags now give 2 corpora"), "{e}");
         let bigger = blend(&[(Some(0.3), 24), (Some(0.7), 11), (Some(0.2), 7)], [1.0, 0.0, 0.0])?;
         let e = bigger.train_sampler(42, &three.cursor()).expect_err("23 blocks saved").to_string();
         assert!(e.contains("23 blocks") && e.contains("now makes 24"), "{e}");
@@ -532,6 +566,51 @@ mod tests {
         assert_eq!(valid, [8..9, 22..23]);
         assert_eq!(corpus.eval_batches(1, 2, 3), [vec![8, 22, 8], vec![22, 8, 22]]);
         assert_eq!(corpus.eval_batches(1, 2, 3), corpus.eval_batches(1, 2, 3), "the same every time");
+        Ok(())
+    }
+
+    #[test]
+    fn a_blend_per_split_serves_each_corpus_whole_in_its_split() -> Result<()> {
+        // Train: 0.3/0.7 of corpora 0 and 1; validation: corpora 2 and 3 by size; no test.
+        let parts = vec![
+            read(0, Some(0.3), 10, Some(0)),
+            read(1, Some(0.7), 20, Some(0)),
+            read(2, None, 3, Some(1)),
+            read(3, None, 1, Some(1)),
+        ];
+        let corpus = BlendedCorpus::new(parts, &[0.0; 3])?;
+        let ranges: Vec<[Range<usize>; 3]> = corpus.parts().iter().map(|p| [0, 1, 2].map(|s| p.split(s))).collect();
+        // Each corpus whole in its split; its empty ranges sit at its offset.
+        let want = [[0..10, 0..0, 0..0], [10..30, 10..10, 10..10], [30..30, 30..33, 30..30], [33..33, 33..34, 33..33]];
+        assert_eq!(ranges, want);
+        assert_eq!(corpus.split_weights(0), (vec![0, 1], vec![0.3, 0.7]));
+        assert_eq!(corpus.split_weights(1), (vec![2, 3], vec![0.75, 0.25]));
+        assert_eq!(corpus.split_weights(2), (vec![], vec![]));
+        assert!(corpus.eval_batches(2, 2, 2).is_empty());
+        // Validation in Megatron's order of corpora, each in order and cycling.
+        assert_eq!(corpus.eval_batches(1, 2, 4), [vec![30, 33, 31, 32], vec![30, 33, 31, 32]]);
+        let mut sampler = corpus.train_sampler(9, &DataCursor::default())?;
+        assert_eq!(sampler.next_indices(100).iter().filter(|&&b| b < 10).count(), 30);
+        assert_eq!(sampler.drawn(), [30, 70]);
+        Ok(())
+    }
+
+    #[test]
+    fn a_lone_train_corpus_beside_its_own_validation_draws_as_alone() -> Result<()> {
+        let parts = vec![read(0, None, 12, Some(0)), read(1, None, 5, Some(1)), read(2, None, 4, Some(2))];
+        let corpus = BlendedCorpus::new(parts, &[0.0; 3])?;
+        let mut sampler = corpus.train_sampler(4, &DataCursor::default())?;
+        assert_eq!(sampler.next_indices(30), BlockSampler::new(0..12, 4).next_indices(30));
+        assert!(matches!(sampler.cursor(), DataCursor::One(_)));
+        assert_eq!(corpus.eval_batches(1, 1, 6), [vec![12, 13, 14, 15, 16, 12]]);
+        assert_eq!(corpus.eval_batches(2, 1, 2), [vec![17, 18]]);
+        // Without a train corpus, or with a corpus of no block, it is one line naming the flag.
+        let e = BlendedCorpus::new(vec![read(0, None, 5, Some(1))], &[0.0; 3]).expect_err("no train").to_string();
+        assert!(e.contains("no corpus for the train split"), "{e}");
+        let e = BlendedCorpus::new(vec![read(0, None, 5, Some(0)), read(1, None, 0, Some(2))], &[0.0; 3])
+            .expect_err("an empty test corpus")
+            .to_string();
+        assert!(e.starts_with("corpus c1 of --test-data-path: the corpus gives 0 blocks"), "{e}");
         Ok(())
     }
 

@@ -22,7 +22,7 @@ pub mod split;
 pub mod tasks;
 pub mod tokenizer;
 
-pub use blend::{parse_blend, read_blend, BlendEntry, BlendedCorpus, BlendedSampler, DataCursor};
+pub use blend::{parse_blend, read_blend, BlendEntry, BlendPlan, BlendedCorpus, BlendedSampler, DataCursor};
 pub use corpus::{read_documents, read_packed_corpus, CorpusFormat, CorpusSource, SHAKESPEARE_JSONL};
 pub use indexed_dataset::IndexedDataset;
 pub use pretrain::{eval_indices, tokenize_documents, BlockSampler, PackedCorpus, SamplerCursor};

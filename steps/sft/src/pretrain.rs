@@ -258,18 +258,21 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
 /// its own (said in a line each). Every failure here happens before any training, but a token
 /// of a Megatron dataset beyond the model's vocabulary, found when its block is read.
 fn read_corpus(args: &PretrainArgs, cfg: &PretrainConfig, tokenizer: &Tokenizer) -> Result<BlendedCorpus> {
-    let blend = args.blend()?;
     let corpus =
-        data::read_blend(&blend, &args.text_key, tokenizer, args.seq_length, cfg.model.vocab_size, &cfg.split)?;
-    let weights = corpus.split_weights(0);
-    for (part, weight) in corpus.parts().iter().zip(weights) {
+        data::read_blend(&args.blend_plan()?, &args.text_key, tokenizer, args.seq_length, cfg.model.vocab_size)?;
+    let named = corpus.parts().len() > 1 || corpus.parts().iter().any(|p| p.serves.is_some());
+    for (i, part) in corpus.parts().iter().enumerate() {
         let kind = if matches!(part.source, CorpusSource::Indexed(_)) {
             " (Megatron's indexed dataset, read in place)"
         } else {
             ""
         };
-        let name =
-            if blend.len() > 1 { format!(" {} at {weight:.3} of the train samples", part.name) } else { String::new() };
+        // Its share of the samples of the split it serves (train, when split by --split).
+        let which = part.serves.unwrap_or(0);
+        let (members, weights) = corpus.split_weights(which);
+        let share = members.iter().position(|&m| m == i).map_or(0.0, |k| weights[k]);
+        let split = ["train", "validation", "test"][which];
+        let name = if named { format!(" {} at {share:.3} of the {split} samples", part.name) } else { String::new() };
         let [train, valid, test] = [0, 1, 2].map(|s| part.split(s).len());
         println!(
             "corpus{name}{kind}: {} documents, {} tokens, {} blocks of {} tokens: train {train}, valid {valid}, test {test}",

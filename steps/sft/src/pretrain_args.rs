@@ -61,6 +61,18 @@ pub struct PretrainArgs {
     /// (`0.3 A 0.7 B`), or corpora alone (`A B`, weighted by their sizes).
     #[arg(help_heading = heading::DATA, long, default_value = "shakespeare", alias = "data_path", num_args = 1.., value_name = "DATA_PATH")]
     pub data_path: Vec<String>,
+    /// Megatron's --train-data-path: the train split's corpora (one, or a blend as
+    /// --data-path's), each whole; with --valid-data-path and --test-data-path, instead of
+    /// --data-path and --split.
+    #[arg(help_heading = heading::DATA, long, alias = "train_data_path", num_args = 1.., value_name = "DATA_PATH", conflicts_with_all = ["data_path", "split"])]
+    pub train_data_path: Option<Vec<String>>,
+    /// Megatron's --valid-data-path: the validation split's corpora, each whole (none: no
+    /// validation).
+    #[arg(help_heading = heading::DATA, long, alias = "valid_data_path", num_args = 1.., value_name = "DATA_PATH", requires = "train_data_path")]
+    pub valid_data_path: Option<Vec<String>>,
+    /// Megatron's --test-data-path: the test split's corpora, each whole (none: no test).
+    #[arg(help_heading = heading::DATA, long, alias = "test_data_path", num_args = 1.., value_name = "DATA_PATH", requires = "train_data_path")]
+    pub test_data_path: Option<Vec<String>>,
     /// Megatron-DeepSpeed's --data-impl: mmap (or infer) reads --data-path as an indexed
     /// dataset; the older lazy and cached formats are not read.
     #[arg(help_heading = heading::DATA, long, alias = "data_impl")]
@@ -266,7 +278,6 @@ pub struct PretrainConfig {
     pub schedule: LrSchedule,
     pub adam: AdamWConfig,
     pub save_dir: PathBuf,
-    pub split: [f64; 3],
 }
 
 /// Megatron's fp16 loss-scale defaults (`--initial-loss-scale` 2^32, `--loss-scale-window`
@@ -406,7 +417,7 @@ impl PretrainArgs {
         if let Some(kind) = self.tokenizer_type.as_deref().filter(|&t| t != "GPT2BPETokenizer") {
             bail!("--tokenizer-type {kind}: pretraining takes GPT2BPETokenizer (GPT-2's BPE, from --vocab-file and --merge-file or embedded), or a HF tokenizer.json with --tokenizer");
         }
-        self.blend()?;
+        self.blend_plan()?;
         self.check_data_impl()?;
         if self.pipeline_model_parallel_size != 1 {
             bail!(
@@ -430,7 +441,6 @@ impl PretrainArgs {
                 weight_decay: self.weight_decay,
             },
             save_dir: self.save.clone().unwrap_or_else(|| self.output_dir.clone()),
-            split: data::parse_split(&self.split)?,
         })
     }
 
@@ -561,16 +571,39 @@ impl PretrainArgs {
         }
     }
 
-    /// `--data-path`'s corpora and their weights (Megatron's blend when there are several).
-    pub fn blend(&self) -> Result<Vec<data::BlendEntry>> {
-        data::parse_blend(&self.data_path)
+    /// Where the splits' corpora come from: `--data-path` split by `--split`, or Megatron's
+    /// `--train-data-path` (with `--valid-data-path`, `--test-data-path`), each a blend.
+    pub fn blend_plan(&self) -> Result<data::BlendPlan> {
+        let Some(train) = &self.train_data_path else {
+            let fractions = data::parse_split(&self.split)?;
+            return Ok(data::BlendPlan::Split { entries: data::parse_blend(&self.data_path)?, fractions });
+        };
+        let blend = |words: Option<&Vec<String>>, flag: &str| -> Result<Vec<data::BlendEntry>> {
+            words.map_or(Ok(Vec::new()), |w| {
+                data::parse_blend(w).map_err(|e| anyhow::anyhow!("{}", e.to_string().replace("--data-path", flag)))
+            })
+        };
+        Ok(data::BlendPlan::PerSplit([
+            blend(Some(train), "--train-data-path")?,
+            blend(self.valid_data_path.as_ref(), "--valid-data-path")?,
+            blend(self.test_data_path.as_ref(), "--test-data-path")?,
+        ]))
     }
 
-    /// `--data-path` as a checkpoint records it: a lone corpus's path, or the blend's words.
+    /// The data flags as a checkpoint records them: a lone corpus's path, a blend's
+    /// `--data-path` words, or each split's words.
     pub fn data_path_text(&self) -> Result<String> {
-        Ok(match &self.blend()?[..] {
-            [one] => one.path.clone(),
-            _ => self.data_path.join(" "),
+        Ok(match self.blend_plan()? {
+            data::BlendPlan::Split { entries, .. } if entries.len() == 1 => entries[0].path.clone(),
+            data::BlendPlan::Split { .. } => self.data_path.join(" "),
+            data::BlendPlan::PerSplit(_) => {
+                let given = [&self.train_data_path, &self.valid_data_path, &self.test_data_path];
+                let words = given
+                    .iter()
+                    .zip(data::blend::SPLIT_DATA_FLAGS)
+                    .filter_map(|(w, flag)| w.as_ref().map(|w| format!("{flag} {}", w.join(" "))));
+                words.collect::<Vec<_>>().join(" ")
+            }
         })
     }
 
@@ -579,11 +612,19 @@ impl PretrainArgs {
         match self.data_impl.as_deref() {
             None => Ok(()),
             Some("mmap" | "infer") => {
-                let blend = self.blend()?;
-                match blend.iter().find(|e| !matches!(data::CorpusSource::parse(&e.path), data::CorpusSource::Indexed(_))) {
+                let flagged: Vec<(&str, data::BlendEntry)> = match self.blend_plan()? {
+                    data::BlendPlan::Split { entries, .. } => entries.into_iter().map(|e| ("--data-path", e)).collect(),
+                    data::BlendPlan::PerSplit(per_split) => data::blend::SPLIT_DATA_FLAGS
+                        .into_iter()
+                        .zip(per_split)
+                        .flat_map(|(flag, entries)| entries.into_iter().map(move |e| (flag, e)))
+                        .collect(),
+                };
+                let is_indexed = |e: &data::BlendEntry| matches!(data::CorpusSource::parse(&e.path), data::CorpusSource::Indexed(_));
+                match flagged.iter().find(|(_, e)| !is_indexed(e)) {
                     None => Ok(()),
-                    Some(text) => bail!(
-                        "--data-impl reads Megatron's indexed dataset, and --data-path's {} is not the PREFIX of a PREFIX.bin and PREFIX.idx pair: give that prefix, or drop --data-impl for text",
+                    Some((flag, text)) => bail!(
+                        "--data-impl reads Megatron's indexed dataset, and {flag}'s {} is not the PREFIX of a PREFIX.bin and PREFIX.idx pair: give that prefix, or drop --data-impl for text",
                         text.path
                     ),
                 }
@@ -810,7 +851,8 @@ mod tests {
 
         // Megatron's blends: weights and corpora, or corpora alone; --data-impl wants each indexed.
         let blend = parse(&["--data-path", "0.3", &indexed, "0.7", &jsonl]);
-        let weights: Vec<Option<f64>> = blend.blend().unwrap().iter().map(|e| e.weight).collect();
+        let data::BlendPlan::Split { entries, .. } = blend.blend_plan().unwrap() else { panic!("--data-path splits") };
+        let weights: Vec<Option<f64>> = entries.iter().map(|e| e.weight).collect();
         assert_eq!(weights, [Some(0.3), Some(0.7)]);
         assert_eq!(blend.data_path_text().unwrap(), format!("0.3 {indexed} 0.7 {jsonl}"));
         assert_eq!(parse(&["--data-path", "1", &indexed]).data_path_text().unwrap(), indexed, "a blend of one");
@@ -820,6 +862,18 @@ mod tests {
         assert!(err.contains(&format!("--data-path's {jsonl} is not the PREFIX")), "{err}");
         let err = config(&["--data-path", "0.3", &indexed, "0.7"]).err().unwrap().to_string();
         assert!(err.contains("not weights and corpora in pairs"), "{err}");
+        // Each split its own corpora (Megatron's --train-data-path and the others).
+        let per_split = parse(&["--train-data-path", "0.5", &indexed, "0.5", &jsonl, "--test-data-path", &indexed]);
+        let data::BlendPlan::PerSplit([train, valid, test]) = per_split.blend_plan().unwrap() else {
+            panic!("per split")
+        };
+        assert_eq!((train.len(), valid.len(), test.len()), (2, 0, 1));
+        assert_eq!(
+            per_split.data_path_text().unwrap(),
+            format!("--train-data-path 0.5 {indexed} 0.5 {jsonl} --test-data-path {indexed}")
+        );
+        let err = config(&["--train-data-path", &indexed, "--valid-data-path", &jsonl, "--data-impl", "mmap"]);
+        assert!(err.err().unwrap().to_string().contains(&format!("--valid-data-path's {jsonl} is not the PREFIX")));
 
         assert!(config(&["--tokenizer-type", "GPT2BPETokenizer"]).is_ok());
         let err = config(&["--tokenizer-type", "SentencePieceTokenizer"]).err().unwrap().to_string();

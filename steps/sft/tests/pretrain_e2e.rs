@@ -865,3 +865,51 @@ fn finetune_starts_from_the_loaded_weights_at_iteration_zero() {
     let e = refused(&["--finetune"]);
     assert!(e.contains("--load"), "{e}");
 }
+
+/// Megatron's `--train-data-path`, `--valid-data-path` and `--test-data-path`: each split its
+/// own corpora, each whole. A lone train corpus trains as `--data-path` of it with all its
+/// blocks in train; the validation corpus is what is evaluated.
+#[test]
+fn megatrons_data_path_per_split_serves_each_split_whole() {
+    let tmp = tempfile::tempdir().unwrap();
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/tests/fixtures/megatron");
+    let (indexed, jsonl) = (fixtures.join("corpus_text_document"), fixtures.join("corpus.jsonl"));
+    let (indexed, jsonl) = (indexed.to_str().unwrap(), jsonl.to_str().unwrap());
+    let run = |name: &str, more: &[&str]| {
+        let out = tmp.path().join(name);
+        let common = ["--train-iters", "4", "--lr-decay-iters", "8", "--eval-interval", "2", "--output-dir"];
+        let stdout = ok(&sft(&args(SMALL, &args(&common, &args(&[out.to_str().unwrap()], more))), &[]));
+        (out, stdout)
+    };
+    let valid_losses = |dir: &Path| -> Vec<f64> {
+        let text = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
+        text.lines().filter_map(|l| serde_json::from_str::<Value>(l).unwrap()["valid_loss"].as_f64()).collect()
+    };
+    let per_split = ["--train-data-path", jsonl, "--valid-data-path", indexed, "--test-data-path", indexed];
+    let (split_dir, log) = run("per-split", &per_split);
+    for line in [
+        format!("corpus {jsonl} at 1.000 of the train samples: 12 documents, 239 tokens, 14 blocks of 16 tokens: train 14, valid 0, test 0"),
+        format!("corpus {indexed} at 1.000 of the validation samples (Megatron's indexed dataset, read in place): 12 documents, 239 tokens, 14 blocks of 16 tokens: train 0, valid 14, test 0"),
+    ] {
+        assert!(log.contains(&line), "{line}\n{log}");
+    }
+    assert!(log.contains("test loss at iteration 4"), "{log}");
+    let (whole, _) = run("whole", &["--data-path", jsonl, "--split", "1,0,0"]);
+    assert_eq!(losses(&split_dir), losses(&whole), "the lone train corpus trains as --data-path with all in train");
+    assert!(valid_losses(&whole).is_empty(), "--split 1,0,0 has no validation");
+    // The same documents as jsonl for validation: the same validation losses.
+    let (jsonl_valid, _) = run("jsonl-valid", &["--train-data-path", jsonl, "--valid-data-path", jsonl]);
+    assert_eq!(valid_losses(&split_dir).len(), 2, "at 2 and at the end");
+    assert_eq!(valid_losses(&jsonl_valid), valid_losses(&split_dir));
+
+    let o = tmp.path().join("refused");
+    let refused = |more: &[&str]| {
+        error_line(&sft(&args(SMALL, &args(&["--train-iters", "2", "--output-dir", o.to_str().unwrap()], more)), &[]))
+    };
+    let e = refused(&["--train-data-path", jsonl, "--split", "90,5,5"]);
+    assert!(e.contains("--split") && e.contains("--train-data-path"), "{e}");
+    let e = refused(&["--valid-data-path", jsonl]);
+    assert!(e.contains("--train-data-path"), "{e}");
+    let e = refused(&["--train-data-path", "0.3", jsonl, "0.7"]);
+    assert!(e.contains("--train-data-path 0.3") && e.contains("not weights and corpora in pairs"), "{e}");
+}
