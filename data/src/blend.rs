@@ -59,8 +59,9 @@ pub fn parse_blend(words: &[String]) -> Result<Vec<BlendEntry>> {
         .collect()
 }
 
-/// `weights` divided by their sum (megatron-core's `normalize`: numpy's sum, which adds a short
-/// list left to right as this does).
+/// `weights` divided by their sum (megatron-core's `normalize`). numpy's sum adds fewer than
+/// eight numbers left to right, as this does; over more it sums in eight lanes, so a blend of
+/// eight corpora or more may differ from Megatron's weights in their last bit.
 fn normalize(weights: &[f64]) -> Vec<f64> {
     let total: f64 = weights.iter().sum();
     weights.iter().map(|w| w / total).collect()
@@ -296,24 +297,15 @@ impl BlendedCorpus {
         }
         let ranges: Vec<Range<usize>> = members.iter().map(|&i| self.parts[i].split(which)).collect();
         let mut drawn = vec![0u64; ranges.len()];
-        let mut next = |sample: u64| {
+        let next = |sample: u64| {
             let i = blend_choice(&weights, &drawn, sample);
             let range = &ranges[i];
             let block = range.start + (drawn[i] % range.len() as u64) as usize;
             drawn[i] += 1;
             block
         };
-        let mut sample = 0u64;
-        (0..batches)
-            .map(|_| {
-                (0..batch_size)
-                    .map(|_| {
-                        sample += 1;
-                        next(sample - 1)
-                    })
-                    .collect()
-            })
-            .collect()
+        let picks: Vec<usize> = (0..(batches * batch_size) as u64).map(next).collect();
+        picks.chunks(batch_size.max(1)).map(<[usize]>::to_vec).collect()
     }
 }
 
@@ -506,10 +498,18 @@ mod tests {
         let first: Vec<usize> = drawn.iter().copied().filter(|b| trains[0].contains(b)).collect();
         assert_eq!(first[..80], crate::pretrain::epoch_order_of(&trains[0], 3, 0, 0)[..]);
         assert_eq!(second[..16], crate::pretrain::epoch_order_of(&trains[1], 3, 0, 1)[..]);
+        // 100 + 20 blocks of 2 tokens, from 201 + 41 tokens.
+        assert_eq!((corpus.num_blocks(), corpus.num_tokens(), corpus.seq_length()), (120, 242, 2));
         // Blocks read across corpora: block 100 is the second corpus's block 0.
         assert_eq!(corpus.block(100)?.as_ref(), [0, 1, 2]);
         assert_eq!(corpus.block(99)?.as_ref(), [198, 199, 200]);
         Ok(())
+    }
+
+    #[test]
+    #[should_panic(expected = "index 30 out of range, the blend has 30 blocks")]
+    fn a_block_past_the_blend_panics_naming_the_blend() {
+        let _ = blend(&[(None, 10), (None, 20)], [1.0, 0.0, 0.0]).unwrap().block(30);
     }
 
     #[test]
