@@ -462,6 +462,7 @@ mod tests {
                 assert_eq!(sampler.next_indices(n), alone.next_indices(n));
             }
             assert_eq!(sampler.cursor(), DataCursor::One(alone.cursor()));
+            assert_eq!(sampler.drawn(), [54]);
             for which in [1, 2] {
                 let range = corpus.parts()[0].split(which);
                 assert_eq!(corpus.eval_batches(which, 3, 4), crate::eval_indices(&range, 3, 4));
