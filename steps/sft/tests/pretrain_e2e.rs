@@ -85,6 +85,13 @@ fn latest(dir: &Path) -> String {
     std::fs::read_to_string(dir.join("latest")).expect("latest").trim().to_string()
 }
 
+/// A file of data/tests/fixtures/megatron (the same 12 documents as jsonl and as Megatron's
+/// pre-tokenized pairs), as a path argument.
+fn megatron_fixture(name: &str) -> String {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/tests/fixtures/megatron").join(name);
+    path.to_str().unwrap().to_string()
+}
+
 fn read(p: PathBuf) -> Vec<u8> {
     std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
 }
@@ -739,9 +746,8 @@ fn early_exits_save_and_stop_where_the_same_command_resumes() {
 #[test]
 fn megatrons_blend_of_corpora_trains_and_resumes_exactly() {
     let tmp = tempfile::tempdir().unwrap();
-    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/tests/fixtures/megatron");
-    let (indexed, jsonl) = (fixtures.join("corpus_text_document"), fixtures.join("corpus.jsonl"));
-    let (indexed, jsonl) = (indexed.to_str().unwrap(), jsonl.to_str().unwrap());
+    let (indexed, jsonl) = (megatron_fixture("corpus_text_document"), megatron_fixture("corpus.jsonl"));
+    let (indexed, jsonl) = (indexed.as_str(), jsonl.as_str());
     // The same 12 documents twice, as Megatron's pair and as jsonl: 10 train blocks each, which
     // 6 iterations of 2 blocks pass through at 0.7 (8.4 blocks) and not at 0.3.
     let common = ["--lr-decay-iters", "30", "--split", "10,2,2", "--eval-interval", "3"];
@@ -822,8 +828,8 @@ fn a_sample_based_run_is_its_iteration_based_twin() {
 #[test]
 fn finetune_starts_from_the_loaded_weights_at_iteration_zero() {
     let tmp = tempfile::tempdir().unwrap();
-    let jsonl = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/tests/fixtures/megatron/corpus.jsonl");
-    let jsonl = jsonl.to_str().unwrap();
+    let jsonl = megatron_fixture("corpus.jsonl");
+    let jsonl = jsonl.as_str();
     let pretrained = tmp.path().join("pretrained");
     let p = pretrained.to_str().unwrap();
     let pretraining = ["--train-iters", "20", "--lr", "5e-3", "--lr-warmup-iters", "0", "--eval-interval", "0"];
@@ -872,9 +878,8 @@ fn finetune_starts_from_the_loaded_weights_at_iteration_zero() {
 #[test]
 fn megatrons_data_path_per_split_serves_each_split_whole() {
     let tmp = tempfile::tempdir().unwrap();
-    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/tests/fixtures/megatron");
-    let (indexed, jsonl) = (fixtures.join("corpus_text_document"), fixtures.join("corpus.jsonl"));
-    let (indexed, jsonl) = (indexed.to_str().unwrap(), jsonl.to_str().unwrap());
+    let (indexed, jsonl) = (megatron_fixture("corpus_text_document"), megatron_fixture("corpus.jsonl"));
+    let (indexed, jsonl) = (indexed.as_str(), jsonl.as_str());
     let run = |name: &str, more: &[&str]| {
         let out = tmp.path().join(name);
         let common = ["--train-iters", "4", "--lr-decay-iters", "8", "--eval-interval", "2", "--output-dir"];
