@@ -606,6 +606,14 @@ fn sft_args(out: &Path, per_device: usize, stage: u8) -> Vec<String> {
     a
 }
 
+/// `args` with `--data-split` replaced: a smaller share of the demo for step 1 where a test is
+/// about how ranks start or agree, not about how far training goes.
+fn with_data_split(mut args: Vec<String>, split: &str) -> Vec<String> {
+    let at = args.iter().position(|x| x == "--data-split").expect("the args have a --data-split");
+    args[at + 1] = split.into();
+    args
+}
+
 /// Global micro-batches of 8 rows on 2 ranks (ZeRO stages 0 and 2) and of 6 on 3 (uneven shards;
 /// stages 1 and 3): every stage once through step 1's data path. The pretraining test above runs
 /// every stage on both world sizes; this one is about SFT's sampler, its last short micro-batch
@@ -906,14 +914,15 @@ fn a_killed_rank_fails_the_others_naming_it_and_mismatched_flags_are_refused() {
 #[test]
 fn train_single_node_runs_step_1_as_ranks_with_a_log_each() {
     let dir = tempfile::tempdir().unwrap();
-    // A fast step-1 recipe in the layout of scripts/recipes.
+    // A fast step-1 recipe in the layout of scripts/recipes: 1% of the demo for step 1, a few
+    // optimizer steps (the launcher is the point).
     let recipes = dir.path().join("recipes/step1_sft");
     std::fs::create_dir_all(&recipes).unwrap();
     std::fs::write(
         recipes.join("single_node.sh"),
         // `train` passes '' when it is given no stage (the TP run below): the recipe's default.
         "exec sft --model-name-or-path=\"$3\" --zero-stage=\"${2:-0}\" --output-dir=\"$1\" --data-path demo \
-         --data-split 2,6,2 --max-seq-len 48 --per-device-train-batch-size 4 --num-train-epochs 1 --dropout 0 \
+         --data-split 1,98,1 --max-seq-len 48 --per-device-train-batch-size 4 --num-train-epochs 1 --dropout 0 \
          --data-output-path \"$1.cache\"\n",
     )
     .unwrap();
@@ -992,8 +1001,8 @@ fn train_single_node_runs_step_1_as_ranks_with_a_log_each() {
 }
 
 /// The whole pipeline under `train --deployment-type single_node`: steps 1, 2 and 3 each as 2
-/// ranks (fast recipes in the layout of scripts/recipes), every step's ranks logging and rank 0
-/// saving its model. `--actor-zero-stage ''` (e2e_rlhf.py's "the script's default") reaches
+/// ranks (fast recipes in the layout of scripts/recipes, each step on 1-2% of the demo's rows),
+/// every step's ranks logging and rank 0 saving its model. `--actor-zero-stage ''` (e2e_rlhf.py's "the script's default") reaches
 /// the recipes as '', and their own default, 2, applies.
 #[test]
 fn train_single_node_runs_all_three_steps_as_ranks() {
@@ -1006,19 +1015,19 @@ fn train_single_node_runs_all_three_steps_as_ranks() {
     write(
         "step1_sft",
         "exec sft --model-name-or-path=\"$3\" --zero-stage=\"${2:-2}\" --output-dir=\"$1\" --data-path demo \
-         --data-split 2,6,2 --max-seq-len 48 --per-device-train-batch-size 8 --num-train-epochs 1 --dropout 0 \
+         --data-split 2,97,1 --max-seq-len 48 --per-device-train-batch-size 8 --num-train-epochs 1 --dropout 0 \
          --data-output-path \"$1.cache\"\n",
     );
     write(
         "step2_reward",
         "exec reward --model-name-or-path=\"$3\" --zero-stage=\"$2\" --output-dir=\"$1\" --data-path demo \
-         --data-split 2,6,2 --max-seq-len 48 --per-device-train-batch-size 8 --num-train-epochs 1 --dropout 0 \
+         --data-split 97,2,1 --max-seq-len 48 --per-device-train-batch-size 8 --num-train-epochs 1 --dropout 0 \
          --data-output-path \"$1.cache\"\n",
     );
     write(
         "step3_ppo",
         "exec ppo --actor-model-name-or-path=\"$3\" --critic-model-name-or-path=\"$5\" --actor-zero-stage=\"${2:-2}\" \
-         --critic-zero-stage=\"$6\" --output-dir=\"$1\" --data-path demo --data-split 90,5,5 --max-prompt-seq-len 24 \
+         --critic-zero-stage=\"$6\" --output-dir=\"$1\" --data-path demo --data-split 97,1,2 --max-prompt-seq-len 24 \
          --max-answer-seq-len 6 --num-train-epochs 1 --per-device-generation-batch-size 4 \
          --per-device-training-batch-size 4 --do-sample --data-output-path \"$1.cache\"\n",
     );
@@ -1574,11 +1583,7 @@ fn sft_in_fp16_and_bf16_on_2_ranks_at_stages_2_and_3_matches_one_rank() {
     let dir = tempfile::tempdir().unwrap();
     for (dtype, extra) in [("fp16", " --initial-scale-power 21"), ("bf16", "")] {
         let flags = args(&format!("--dtype {dtype}{extra}"));
-        let half_data = |mut a: Vec<String>| {
-            let split = a.iter().position(|x| x == "--data-split").unwrap();
-            a[split + 1] = "1,18,1".into();
-            a
-        };
+        let half_data = |a: Vec<String>| with_data_split(a, "1,18,1");
         let single = dir.path().join(format!("{dtype}-single"));
         let mut a = half_data(sft_args(&single, 8, 0));
         a.extend(flags.clone());
@@ -1620,8 +1625,11 @@ fn sft_in_fp16_and_bf16_on_2_ranks_at_stages_2_and_3_matches_one_rank() {
 #[test]
 fn torchrun_mpirun_and_mpich_environments_start_the_ranks() {
     let dir = tempfile::tempdir().unwrap();
+    // A tenth of sft_args' rows (40: 3 optimizer steps, the last of one micro-batch): the
+    // launchers' environments are the point.
+    let sft_args = |out: &Path, per_device| with_data_split(sft_args(out, per_device, 0), "1,98,1");
     let single = dir.path().join("single");
-    run_ranks(dir.path(), "sft", 1, &sft_args(&single, 8, 0));
+    run_ranks(dir.path(), "sft", 1, &sft_args(&single, 8));
     // A port whose next one is free too: the agent's store holds the first.
     let port = (0..50)
         .map(|_| free_port())
@@ -1657,7 +1665,7 @@ fn torchrun_mpirun_and_mpich_environments_start_the_ranks() {
             .map(|r| {
                 let env = env_of(r, master);
                 let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-                start_rank_with(dir.path(), "sft", (r, 1, 0), &sft_args(&out, 4, 0), &env)
+                start_rank_with(dir.path(), "sft", (r, 1, 0), &sft_args(&out, 4), &env)
             })
             .collect();
         for (r, o) in children.into_iter().map(|c| wait(c, Duration::from_secs(300))).enumerate() {

@@ -53,12 +53,11 @@ fn the_demo_lowers_perplexity_trains_an_accurate_reward_model_and_ppo_beats_sft(
     }
 
     // Step 1: perplexity on the held-out SFT rows falls far below the random model's.
-    let metrics = std::fs::read_to_string(out.join("actor/metrics.jsonl")).unwrap();
-    let end: serde_json::Value = serde_json::from_str(metrics.lines().last().unwrap()).unwrap();
-    let ppl: Vec<f64> = serde_json::from_value(end["summary"]["perplexity"].clone()).unwrap();
+    let ppl = step1_perplexity(&out);
     assert!(ppl[0] > 1000.0 && *ppl.last().unwrap() < 2.0, "SFT perplexity {ppl:?}");
 
-    // Step 2: at least 0.9 accuracy on the held-out demo pairs.
+    // Step 2: from the step-1 actor, at least 0.9 accuracy on the held-out demo pairs.
+    assert!(stdout.contains("step 2 reward model: the step-1 actor"), "{stdout}");
     let report = json(&out.join("reward/reward_eval.json"));
     let acc = report["final"]["accuracy"].as_f64().unwrap();
     assert!(acc >= 0.9, "reward accuracy {acc}: {report}");
@@ -219,14 +218,18 @@ fn the_demo_lowers_perplexity_trains_an_accurate_reward_model_and_ppo_beats_sft(
     assert!(chat.status.success(), "{}", String::from_utf8_lossy(&chat.stderr));
     assert!(answer.contains("Paris"), "the PPO actor answers a training-distribution question: {answer:?}");
 
-    // The demo on 2 ranks (single_node): each rank takes half of every batch, so the run follows
-    // the one-process demo, up to the rounding of summing the gradients over ranks, which Adam
-    // amplifies over 750 steps (the first steps' losses agree to 1e-6, the final perplexities
-    // within 1%; measured 1.300 and 1.296, accuracy 0.979 and 0.983, task 0.931 and 0.897), and
-    // with the same gains on the held-out prompts.
+    // The demo on 2 ranks (single_node), step 1: each rank takes half of every batch, so the run
+    // follows the one-process demo, up to the rounding of summing the gradients over ranks, which
+    // Adam amplifies over 750 steps (the first evaluation agrees to 1e-5, the last measured 1.300
+    // and 1.296). Step 1 only, for CI's time (the whole 2-rank demo took 5m50s of this test's 11
+    // minutes on 2 cores): steps 2 and 3 split their batches by the same recipe arithmetic
+    // (recipe_args.rs: every demo recipe's global batch equal on 1 and 4 ranks), and
+    // tests/distributed.rs shows each step on 2 and 3 ranks equal to one rank.
     let out2 = dir.path().join("output-2-ranks");
     let run = train(&[
         "--demo",
+        "--step",
+        "1",
         "--deployment-type",
         "single_node",
         "--num-gpus",
@@ -236,41 +239,19 @@ fn the_demo_lowers_perplexity_trains_an_accurate_reward_model_and_ppo_beats_sft(
     ]);
     let stdout = String::from_utf8_lossy(&run.stdout).to_string();
     assert!(run.status.success(), "2-rank demo failed:\n{stdout}\n{}", String::from_utf8_lossy(&run.stderr));
-    assert!(stdout.contains("step 2 reward model: the step-1 actor"), "{stdout}");
-    let (one, two) = (demo_summary(&out), demo_summary(&out2));
+    assert!(stdout.contains("data parallel: 2 ranks"), "{stdout}");
+    let (one, two) = (step1_perplexity(&out), step1_perplexity(&out2));
     let close = |a: f64, b: f64, tol: f64| (a - b).abs() <= tol * a.abs().max(1.0);
-    assert!(close(one.perplexity[0], two.perplexity[0], 1e-5), "the same initial model: {one:?} {two:?}");
-    assert!(close(*one.perplexity.last().unwrap(), *two.perplexity.last().unwrap(), 0.02), "{one:?} {two:?}");
-    assert!((one.accuracy - two.accuracy).abs() <= 0.02 && two.accuracy >= 0.9, "{one:?} {two:?}");
-    assert!((one.task.1 - two.task.1).abs() <= 0.1, "{one:?} {two:?}");
-    assert!(two.reward.1 >= two.reward.0 + 0.5 && two.task.1 >= two.task.0 + 0.10, "the gains: {two:?}");
+    assert_eq!(one.len(), two.len(), "the same evaluations: {one:?} {two:?}");
+    assert!(close(one[0], two[0], 1e-5), "the same initial model: {one:?} {two:?}");
+    assert!(close(*one.last().unwrap(), *two.last().unwrap(), 0.02), "{one:?} {two:?}");
 }
 
-/// What the demo's summary reports: step 1's eval perplexities, step 2's accuracy, and the SFT
-/// and PPO actors' held-out reward-model and task scores.
-#[derive(Debug)]
-struct DemoSummary {
-    perplexity: Vec<f64>,
-    accuracy: f64,
-    reward: (f64, f64),
-    task: (f64, f64),
-}
-
-fn demo_summary(out: &Path) -> DemoSummary {
-    let last = |path: &Path| -> serde_json::Value {
-        let text = std::fs::read_to_string(path).unwrap();
-        serde_json::from_str(text.lines().last().unwrap()).unwrap()
-    };
-    let sft = last(&out.join("actor/metrics.jsonl"));
-    let step3 = last(&out.join("step3/metrics.jsonl"));
-    let (before, after) = (&step3["summary"]["sft_eval"], &step3["summary"]["ppo_eval"]);
-    let number = |v: &serde_json::Value| v.as_f64().unwrap();
-    DemoSummary {
-        perplexity: sft["summary"]["perplexity"].as_array().unwrap().iter().map(number).collect(),
-        accuracy: number(&json(&out.join("reward/reward_eval.json"))["final"]["accuracy"]),
-        reward: (number(&before["reward_mean"]), number(&after["reward_mean"])),
-        task: (number(&before["task_success"]), number(&after["task_success"])),
-    }
+/// Step 1's evaluation perplexities, in order, from its metrics.jsonl's summary.
+fn step1_perplexity(out: &Path) -> Vec<f64> {
+    let text = std::fs::read_to_string(out.join("actor/metrics.jsonl")).unwrap();
+    let end: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
+    serde_json::from_value(end["summary"]["perplexity"].clone()).unwrap()
 }
 
 #[test]
