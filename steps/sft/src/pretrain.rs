@@ -151,6 +151,7 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     if let Some(dir) = &finetune {
         cfg.model = folded.finetune_model(dir)?;
     }
+    folded.check_recompute_layers(cfg.model.n_layer)?;
     let device = hybrid_engine::device::parse_device(&folded.device)?;
     let group = folded.dist.join(&device)?;
     // Tensor parallelism: the ranks of a TP group train on the same data, so the data is split

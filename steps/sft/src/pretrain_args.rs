@@ -239,6 +239,22 @@ pub struct PretrainArgs {
     /// Recompute each block's activations in backward instead of storing them.
     #[arg(help_heading = heading::MODEL, long, alias = "checkpoint_activations", alias = "gradient-checkpointing", alias = "gradient_checkpointing")]
     pub checkpoint_activations: bool,
+    /// Megatron's --recompute-activations: its selective recompute (attention's core only),
+    /// which is not built here; refused in one line naming the full recompute that is.
+    #[arg(help_heading = heading::MODEL, long, alias = "recompute_activations")]
+    pub recompute_activations: bool,
+    /// Megatron's --recompute-granularity: `full` (with --recompute-method and
+    /// --recompute-num-layers, as Megatron requires) recomputes each layer in backward from its
+    /// input, which is --checkpoint-activations; `selective` is refused.
+    #[arg(help_heading = heading::MODEL, long, alias = "recompute_granularity", value_parser = ["full", "selective"])]
+    pub recompute_granularity: Option<String>,
+    /// Megatron's --recompute-method for full recompute: uniform (groups of --recompute-num-layers
+    /// layers; 1 here) or block (the first --recompute-num-layers layers; all of them here).
+    #[arg(help_heading = heading::MODEL, long, alias = "recompute_method", value_parser = ["uniform", "block"])]
+    pub recompute_method: Option<String>,
+    /// Megatron's --recompute-num-layers: the group size (uniform) or the layers recomputed (block).
+    #[arg(help_heading = heading::MODEL, long, alias = "recompute_num_layers")]
+    pub recompute_num_layers: Option<usize>,
     /// auto (CUDA device 0 when built with --features cuda and a GPU opens, else the CPU), cpu,
     /// cuda or cuda:N.
     #[arg(help_heading = heading::PRECISION, long, default_value = "auto", env = hybrid_engine::device::DEVICE_ENV)]
@@ -288,7 +304,8 @@ impl PretrainArgs {
     /// Folds Megatron's flags into ours (clap has refused their conflicts): `--fp16`, `--bf16`
     /// and `--initial-loss-scale` into `--dtype` and `--initial-scale-power`, with Megatron's
     /// loss-scale defaults for fp16 where no flag set them; `--use-distributed-optimizer` into
-    /// `--zero-stage 1`. [`crate::pretrain::run`] calls it first; the run reads ours alone.
+    /// `--zero-stage 1`; the full recompute of every layer into `--checkpoint-activations`.
+    /// [`crate::pretrain::run`] calls it first; the run reads ours alone.
     pub fn fold_megatron_flags(&mut self) -> Result<()> {
         if self.use_distributed_optimizer {
             self.zero_stage = 1;
@@ -317,7 +334,47 @@ impl PretrainArgs {
             p.initial_scale_power.get_or_insert(MEGATRON_LOSS_SCALING.initial_scale_power);
             p.loss_scale_window.get_or_insert(MEGATRON_LOSS_SCALING.window);
         }
+        self.fold_recompute()
+    }
+
+    /// Megatron's full recompute of every layer as `--checkpoint-activations` (each layer's
+    /// input kept, the layer recomputed in backward), the one recompute built here; the other
+    /// recomputes are one line each. `--recompute-method block` is checked against the model's
+    /// layers by [`Self::check_recompute_layers`], once the model is known.
+    fn fold_recompute(&mut self) -> Result<()> {
+        const FULL: &str = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1";
+        if self.recompute_activations || self.recompute_granularity.as_deref() == Some("selective") {
+            bail!("Megatron's selective recompute (--recompute-activations, --recompute-granularity selective: attention's core only) is not built here; whole layers are recomputed with {FULL} (or --checkpoint-activations)");
+        }
+        let method = self.recompute_method.as_deref();
+        if self.recompute_granularity.is_none() {
+            if method.is_some() || self.recompute_num_layers.is_some() {
+                bail!("--recompute-method and --recompute-num-layers shape --recompute-granularity full, which is not given: add it ({FULL})");
+            }
+            return Ok(());
+        }
+        match (method, self.recompute_num_layers) {
+            (None, _) | (_, None) => bail!(
+                "--recompute-granularity full needs --recompute-method (uniform or block) and --recompute-num-layers, as Megatron's does: e.g. {FULL}"
+            ),
+            (Some("uniform"), Some(n)) if n != 1 => bail!(
+                "--recompute-method uniform --recompute-num-layers {n} recomputes groups of {n} layers from each group's input; here each layer is recomputed from its own: use --recompute-num-layers 1"
+            ),
+            _ => self.checkpoint_activations = true,
+        }
         Ok(())
+    }
+
+    /// `--recompute-method block --recompute-num-layers N` recomputes the first N layers and
+    /// stores the rest; here every layer is recomputed or none, so N must cover the model's
+    /// `n_layer` layers.
+    pub fn check_recompute_layers(&self, n_layer: usize) -> Result<()> {
+        match (self.recompute_method.as_deref(), self.recompute_num_layers) {
+            (Some("block"), Some(n)) if n < n_layer => bail!(
+                "--recompute-method block --recompute-num-layers {n} recomputes only the first {n} of the model's {n_layer} layers; here every layer is recomputed or none: use --recompute-num-layers {n_layer} (or --recompute-method uniform --recompute-num-layers 1)"
+            ),
+            _ => Ok(()),
+        }
     }
 
     /// Micro-batches per iteration on each of `world` ranks: --gradient-accumulation-steps, or
@@ -709,6 +766,54 @@ mod tests {
         assert!(err(&["--fp16", "--initial-loss-scale", "1000"]).contains("a power of two from 1 to 2^32"));
         assert!(err(&["--fp16", "--initial-loss-scale", "0.5"]).contains("a power of two from 1 to 2^32"));
         assert!(err(&["--bf16", "--initial-loss-scale", "1024"]).contains("the dtype is bf16: add --fp16"));
+    }
+
+    /// Megatron's full recompute of each layer is `--checkpoint-activations`, spelled as
+    /// Megatron requires it (uniform groups of 1, or block over every layer); selective
+    /// recompute, groups of several layers, a block short of the model, and the method or the
+    /// count without the granularity are one line each.
+    #[test]
+    fn megatrons_full_recompute_is_checkpointing_each_layer() {
+        let fold = |extra: &str| -> Result<PretrainArgs> {
+            let argv = ["sft", "--from-scratch"].into_iter().chain(extra.split_whitespace());
+            let mut a = PretrainArgs::try_parse_from(argv)?;
+            a.fold_megatron_flags()?;
+            Ok(a)
+        };
+        assert!(!fold("").unwrap().checkpoint_activations);
+        assert!(fold("--checkpoint-activations").unwrap().checkpoint_activations);
+        let uniform = fold("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1").unwrap();
+        assert!(uniform.checkpoint_activations);
+        uniform.check_recompute_layers(12).unwrap();
+        let block = fold("--recompute_granularity full --recompute_method block --recompute_num_layers 12").unwrap();
+        assert!(block.checkpoint_activations);
+        block.check_recompute_layers(12).unwrap();
+        let err = block.check_recompute_layers(24).unwrap_err().to_string();
+        assert!(
+            err.contains("only the first 12 of the model's 24 layers") && err.contains("--recompute-num-layers 24")
+        );
+        let err = |extra: &str| fold(extra).unwrap_err().to_string();
+        for selective in ["--recompute-activations", "--recompute-granularity selective"] {
+            assert!(
+                err(selective).contains("selective recompute") && err(selective).contains("--recompute-num-layers 1")
+            );
+        }
+        let with_full =
+            "--recompute-activations --recompute-granularity full --recompute-method uniform --recompute-num-layers 1";
+        assert!(err(with_full).contains("selective recompute"), "Megatron's --recompute-activations wins");
+        for incomplete in [
+            "--recompute-granularity full",
+            "--recompute-granularity full --recompute-method uniform",
+            "--recompute-granularity full --recompute-num-layers 1",
+        ] {
+            assert!(err(incomplete).contains("needs --recompute-method"), "{incomplete}");
+        }
+        assert!(err("--recompute-granularity full --recompute-method uniform --recompute-num-layers 2")
+            .contains("groups of 2 layers"));
+        for alone in ["--recompute-method uniform", "--recompute-num-layers 1"] {
+            assert!(err(alone).contains("add it"), "{alone}");
+        }
+        assert!(fold("--recompute-granularity partial").is_err(), "clap's choices");
     }
 
     /// A `--train-samples` run's rates, update by update, against megatron-core 0.9.0's own
