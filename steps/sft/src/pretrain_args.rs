@@ -218,6 +218,13 @@ pub struct PretrainArgs {
     /// data, the model's shape taken from it.
     #[arg(help_heading = heading::OUTPUT, long, requires = "load", conflicts_with = "exit_on_missing_checkpoint")]
     pub finetune: bool,
+    /// Megatron's --no-load-optim: with --finetune, which already starts a fresh optimizer (as
+    /// Megatron's does); refused without it.
+    #[arg(help_heading = heading::OUTPUT, long, alias = "no_load_optim")]
+    pub no_load_optim: bool,
+    /// Megatron's --no-load-rng: with --finetune, which loads no random state; refused without it.
+    #[arg(help_heading = heading::OUTPUT, long, alias = "no_load_rng")]
+    pub no_load_rng: bool,
     /// Megatron's --exit-interval: save a checkpoint and stop after an iteration divisible by
     /// this (the same command with --load resumes).
     #[arg(help_heading = heading::OUTPUT, long, alias = "exit_interval", value_parser = clap::value_parser!(u64).range(1..))]
@@ -481,6 +488,11 @@ impl PretrainArgs {
                 "--pipeline-model-parallel-size {}: pipeline parallelism is not implemented; split the model with --tensor-model-parallel-size and --zero-stage 3 instead",
                 self.pipeline_model_parallel_size
             );
+        }
+        for (flag, given) in [("--no-load-optim", self.no_load_optim), ("--no-load-rng", self.no_load_rng)] {
+            if given && !self.finetune {
+                bail!("{flag} without --finetune: a resume here continues the run exactly (the optimizer restored with the weights, the random streams derived from --seed and the iteration); to start from --load's weights with a fresh optimizer, add --finetune (which starts at iteration 0, as Megatron's)");
+            }
         }
         if let Some(ramp) = &self.rampup_batch_size {
             bail!(
@@ -814,6 +826,22 @@ mod tests {
             assert!(err(alone).contains("add it"), "{alone}");
         }
         assert!(fold("--recompute-granularity partial").is_err(), "clap's choices");
+    }
+
+    /// Megatron's `--no-load-optim` and `--no-load-rng` go with `--finetune`, which loads neither
+    /// (as Megatron's); without it, a resume restores both, so they are one line.
+    #[test]
+    fn no_load_optim_and_rng_go_with_finetune() {
+        let config = |extra: &str| {
+            let argv = ["sft", "--from-scratch", "--load", "ckpt"].into_iter().chain(extra.split_whitespace());
+            PretrainArgs::try_parse_from(argv).unwrap().pretrain_config()
+        };
+        config("--finetune --no-load-optim --no-load-rng").unwrap();
+        config("--no_load_optim --no_load_rng --finetune").unwrap();
+        for flag in ["--no-load-optim", "--no-load-rng"] {
+            let err = config(flag).err().unwrap().to_string();
+            assert!(err.starts_with(&format!("{flag} without --finetune")) && err.contains("add --finetune"), "{err}");
+        }
     }
 
     /// A `--train-samples` run's rates, update by update, against megatron-core 0.9.0's own
