@@ -1002,8 +1002,9 @@ fn train_single_node_runs_step_1_as_ranks_with_a_log_each() {
 
 /// The whole pipeline under `train --deployment-type single_node`: steps 1, 2 and 3 each as 2
 /// ranks (fast recipes in the layout of scripts/recipes, each step on 1-2% of the demo's rows),
-/// every step's ranks logging and rank 0 saving its model. `--actor-zero-stage ''` (e2e_rlhf.py's "the script's default") reaches
-/// the recipes as '', and their own default, 2, applies.
+/// every step's ranks logging and rank 0 saving its model. `--actor-zero-stage ''`
+/// (e2e_rlhf.py's "the script's default") reaches the recipes as '', and their own default, 2,
+/// applies.
 #[test]
 fn train_single_node_runs_all_three_steps_as_ranks() {
     let dir = tempfile::tempdir().unwrap();
