@@ -15,8 +15,8 @@
 use anyhow::{anyhow, bail, Context, Result};
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::process::CommandExt;
-use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::time::{Duration, Instant};
 
 /// One answer to score: the prompt as the actor saw it and the answer's text (up to EOS).
@@ -194,7 +194,10 @@ fn score_http(client: &reqwest::blocking::Client, url: &str, answers: &[Answer])
 /// with it: a scorer killed at its time-out leaves no process behind.
 struct ExecScorer {
     child: Child,
-    stdin: Option<ChildStdin>,
+    /// The writer thread's queue: a rollout's JSON lines go to the process's stdin from a thread
+    /// of their own, so that a process that stops reading blocks that thread, not the run (the
+    /// deadline covers the writing too). Dropping it closes the process's stdin.
+    to_stdin: Option<Sender<Vec<u8>>>,
     lines: Receiver<std::io::Result<String>>,
     command: String,
     /// Once `sh` is reaped (after its group was killed): its status if it had ended by itself.
@@ -220,7 +223,18 @@ impl ExecScorer {
                 }
             }
         });
-        Ok(Self { stdin: child.stdin.take(), child, lines, command: command.to_string(), reaped: None })
+        let mut stdin = child.stdin.take().expect("stdin is piped");
+        let (to_stdin, inputs) = mpsc::channel::<Vec<u8>>();
+        // A write that fails (the process ended: EPIPE) ends the thread; the reader then sees
+        // the process's output close, and the error names how it ended.
+        std::thread::spawn(move || {
+            for input in inputs {
+                if stdin.write_all(&input).and_then(|()| stdin.flush()).is_err() {
+                    break;
+                }
+            }
+        });
+        Ok(Self { to_stdin: Some(to_stdin), child, lines, command: command.to_string(), reaped: None })
     }
 
     /// Whether `sh` has ended, without reaping it: while it is unreaped its pid, the process
@@ -273,13 +287,14 @@ impl ExecScorer {
             input.push_str(&serde_json::to_string(a)?);
             input.push('\n');
         }
-        // The whole rollout at once; the reader thread drains the replies meanwhile, so a
-        // process that answers as it reads cannot block on a full pipe.
-        let stdin = self.stdin.as_mut().expect("stdin is kept until drop");
-        if stdin.write_all(input.as_bytes()).and_then(|()| stdin.flush()).is_err() {
+        // The deadline covers writing, scoring and reading: the writer thread sends the whole
+        // rollout while the reader thread drains the replies, so a process that answers as it
+        // reads cannot block on a full pipe, and one that stops reading times out here.
+        let deadline = Instant::now() + timeout;
+        let to_stdin = self.to_stdin.as_ref().expect("stdin is kept until drop");
+        if to_stdin.send(input.into_bytes()).is_err() {
             bail!("{} before reading the answers", self.ended());
         }
-        let deadline = Instant::now() + timeout;
         let mut rewards = Vec::with_capacity(answers.len());
         for (i, a) in answers.iter().enumerate() {
             let wait = deadline.saturating_duration_since(Instant::now());
@@ -309,7 +324,7 @@ impl Drop for ExecScorer {
     /// Closing stdin ends a well-behaved scorer; one that does not stop within 2 s is killed,
     /// and so is anything it left running.
     fn drop(&mut self) {
-        drop(self.stdin.take());
+        drop(self.to_stdin.take());
         self.end(Duration::from_secs(2));
     }
 }
@@ -394,6 +409,22 @@ mod tests {
         assert!(e.contains("no answer asked for"), "{e}");
         let e = error(start("exec:echo nan; cat > /dev/null", 10.0).score(&answers(&[" Paris."])));
         assert!(e.contains("JSON number"), "{e}");
+    }
+
+    #[test]
+    fn a_scorer_that_stops_reading_times_out_however_long_the_rollout() {
+        // 256 answers of 1 KiB: four times a pipe's 64 KiB, so writing the rollout blocks once
+        // the scorer stops reading after its first line; the deadline covers that write.
+        let long = " Paris".repeat(170);
+        let rollout = answers(&vec![long.as_str(); 256]);
+        let mut stuck = start("exec:read l; echo 1; sleep 60", 0.5);
+        let started = Instant::now();
+        let e = error(stuck.score(&rollout));
+        assert!(e.contains("within 0.5 s") && e.contains("answer 2"), "{e}");
+        assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
+        let started = Instant::now();
+        drop(stuck);
+        assert!(started.elapsed() < Duration::from_secs(5), "the stuck scorer's end took {:?}", started.elapsed());
     }
 
     /// Whether process `pid` is gone (or a zombie, which its new parent reaps).
