@@ -203,6 +203,8 @@ fn flags_that_would_have_no_effect_are_refused_naming_what_they_need() {
         ("chat", &["--path", "gpt2", "--greedy", "--top-p", "0.5"], "--greedy"),
         ("ppo", &["--reward-fn-timeout", "10"], "--reward-fn exec:CMD"),
         ("ppo", &["--reward-fn", "builtin:capitals", "--reward-fn-timeout", "10"], "built-in scorers"),
+        ("ppo", &["--reward-fn-tries", "2"], "--reward-fn exec:CMD"),
+        ("ppo", &["--reward-fn", "builtin:capitals", "--reward-fn-tries", "2"], "built-in scorers are tried once"),
         ("ppo", &["--no-final-checkpoint", "--save", "ck"], "--save-interval"),
         ("ppo", &["--whiten-advantages", "--algorithm", "reinforce_pp"], "always whitens"),
         ("sft", &["--no-data-cache", "--data-output-path", "cache"], "--no-data-cache"),

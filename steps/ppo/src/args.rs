@@ -226,6 +226,11 @@ pub struct PpoArgs {
     /// (OpenRLHF's 180).
     #[arg(help_heading = heading::REWARDS, long, default_value_t = 180.0, alias = "reward_fn_timeout", value_parser = cli::positive())]
     pub reward_fn_timeout: f64,
+    /// Tries of a rollout's scoring before its error ends the run (each within
+    /// --reward-fn-timeout; an `exec:` command restarted before each next try, 1 s then twice the
+    /// last pause apart). Default: 5 for `http` (OpenRLHF's), 3 for `exec:`.
+    #[arg(help_heading = heading::REWARDS, long, alias = "reward_fn_tries", value_parser = clap::value_parser!(u32).range(1..))]
+    pub reward_fn_tries: Option<u32>,
     /// Score with the --reward-fn alone: no reward model is read (PPO's critic still starts from
     /// --critic-model-name-or-path; GRPO, RLOO and REINFORCE++ then read nothing there and
     /// refuse the flag).
@@ -548,6 +553,9 @@ impl PpoArgs {
         let external = self.reward_fn.iter().any(|spec| !matches!(spec, crate::reward_fn::RewardFnSpec::Builtin(_)));
         if self.reward_fn_timeout != defaults.reward_fn_timeout && !external {
             bail!("--reward-fn-timeout bounds a command's or a server's answer, and no --reward-fn is one (built-in scorers answer at once): drop it, or add --reward-fn exec:CMD or http://URL");
+        }
+        if self.reward_fn_tries.is_some() && !external {
+            bail!("--reward-fn-tries tries a command or a server again, and no --reward-fn is one (built-in scorers are tried once: their errors are the prompt's): drop it, or add --reward-fn exec:CMD or http://URL");
         }
         if self.no_reward_model
             && !self.algorithm.has_critic()

@@ -101,9 +101,9 @@ impl std::fmt::Display for RewardFnSpec {
 }
 
 impl RewardFnSpec {
-    /// Starts the scorer (an `exec:` process is spawned here), each call waiting at most
-    /// `timeout` for its rewards.
-    pub fn start(&self, timeout: Duration) -> Result<RewardFn> {
+    /// Starts the scorer (an `exec:` process is spawned here), each try waiting at most
+    /// `timeout` for its rewards, a rollout tried `tries` times (`None`: [`Self::default_tries`]).
+    pub fn start(&self, timeout: Duration, tries: Option<u32>) -> Result<RewardFn> {
         let scorer = match self {
             Self::Exec(command) => Scorer::Exec(ExecScorer::spawn(command)?),
             Self::Http(url) => Scorer::Http(
@@ -112,7 +112,22 @@ impl RewardFnSpec {
             ),
             Self::Builtin(b) => Scorer::Builtin(*b),
         };
-        Ok(RewardFn { spec: self.clone(), scorer, timeout })
+        let tries = match self {
+            Self::Builtin(_) => 1,
+            _ => tries.unwrap_or(self.default_tries()).max(1),
+        };
+        Ok(RewardFn { spec: self.clone(), scorer, timeout, tries, first_pause: Duration::from_secs(1) })
+    }
+
+    /// How many times a rollout is tried by default: an HTTP server 5 times (OpenRLHF's
+    /// `remote_rm_fn`), a command 3 (a process that crashed or hung is started anew each time); a
+    /// built-in scorer once (its errors are the prompt's, the same every time).
+    pub fn default_tries(&self) -> u32 {
+        match self {
+            Self::Exec(_) => 3,
+            Self::Http(_) => 5,
+            Self::Builtin(_) => 1,
+        }
     }
 }
 
@@ -121,6 +136,10 @@ pub struct RewardFn {
     spec: RewardFnSpec,
     scorer: Scorer,
     timeout: Duration,
+    /// Tries of a rollout before its error ends the run.
+    tries: u32,
+    /// The pause before the second try, doubled before each next one.
+    first_pause: Duration,
 }
 
 enum Scorer {
@@ -130,9 +149,45 @@ enum Scorer {
 }
 
 impl RewardFn {
-    /// One reward per answer, in order; an error names this scorer and the answer at fault.
+    /// One reward per answer, in order. A try that fails is said in a warning line and tried
+    /// again after a pause (1 s, doubled each time), an `exec:` process first killed and started
+    /// anew; the last try's error names this scorer, its tries and the answer at fault.
     pub fn score(&mut self, answers: &[Answer]) -> Result<Vec<f64>> {
-        let rewards = match &mut self.scorer {
+        let (mut attempt, mut pause) = (1, self.first_pause);
+        loop {
+            let error = match self.score_once(answers) {
+                Ok(rewards) => return Ok(rewards),
+                Err(e) => e,
+            };
+            if attempt >= self.tries {
+                let tries = if attempt > 1 { format!(" (tried {attempt} times)") } else { String::new() };
+                return Err(error.context(format!("--reward-fn {}{tries}", self.spec)));
+            }
+            let again = match self.scorer {
+                Scorer::Exec(_) => "restarting it and sending the rollout again",
+                _ => "sending the rollout again",
+            };
+            eprintln!(
+                "warning: --reward-fn {}: {error:#}; {again} in {} s (try {} of {})",
+                self.spec,
+                pause.as_secs_f64(),
+                attempt + 1,
+                self.tries
+            );
+            std::thread::sleep(pause);
+            pause *= 2;
+            if let Scorer::Exec(process) = &mut self.scorer {
+                // Whatever state the process is in (ended, hung, out of step with its answers),
+                // the next try starts from a new one.
+                process.end(Duration::ZERO);
+                *process = ExecScorer::spawn(&process.command)?;
+            }
+            attempt += 1;
+        }
+    }
+
+    fn score_once(&mut self, answers: &[Answer]) -> Result<Vec<f64>> {
+        match &mut self.scorer {
             Scorer::Exec(process) => process.score(answers, self.timeout),
             Scorer::Http(client, url) => score_http(client, url, answers),
             Scorer::Builtin(b) => answers
@@ -140,8 +195,7 @@ impl RewardFn {
                 .enumerate()
                 .map(|(i, a)| b.score(a).map_err(|e| anyhow!("{}: {e}", answer_named(i, a))))
                 .collect(),
-        };
-        rewards.with_context(|| format!("--reward-fn {}", self.spec))
+        }
     }
 }
 
@@ -340,8 +394,17 @@ mod tests {
         texts.iter().map(|t| Answer { prompt: prompt.to_string(), answer: t.to_string() }).collect()
     }
 
+    /// A scorer tried once: each failure is its own.
     fn start(spec: &str, timeout_s: f64) -> RewardFn {
-        spec.parse::<RewardFnSpec>().unwrap().start(Duration::from_secs_f64(timeout_s)).unwrap()
+        start_tried(spec, timeout_s, 1)
+    }
+
+    /// A scorer tried `tries` times, 10 ms apart at first.
+    fn start_tried(spec: &str, timeout_s: f64, tries: u32) -> RewardFn {
+        let mut f =
+            spec.parse::<RewardFnSpec>().unwrap().start(Duration::from_secs_f64(timeout_s), Some(tries)).unwrap();
+        f.first_pause = Duration::from_millis(10);
+        f
     }
 
     fn error(result: Result<Vec<f64>>) -> String {
@@ -463,39 +526,50 @@ mod tests {
         assert!(wait_until_gone(child), "the ended scorer's child {child} was left running");
     }
 
-    /// A one-request HTTP server on a free port: replies `status` and `body`, hands back the
-    /// request's body.
-    fn serve_once(status: &str, body: &str) -> (String, std::thread::JoinHandle<String>) {
+    /// An HTTP server on a free port that answers one request per reply of `replies` (status and
+    /// body), each on its own connection; hands back the requests' bodies.
+    fn serve(replies: &[(&str, &str)]) -> (String, std::thread::JoinHandle<Vec<String>>) {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let url = format!("http://{}/get_reward", listener.local_addr().unwrap());
-        let reply = format!("HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len());
+        let replies: Vec<String> = replies
+            .iter()
+            .map(|(status, body)| format!("HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()))
+            .collect();
         let server = std::thread::spawn(move || {
-            let (mut stream, _) = listener.accept().unwrap();
-            stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-            let mut request = Vec::new();
-            let mut buf = [0u8; 4096];
-            // Headers, then Content-Length bytes of body.
-            let body_start = loop {
-                let n = stream.read(&mut buf).unwrap();
-                request.extend_from_slice(&buf[..n]);
-                if let Some(i) = request.windows(4).position(|w| w == b"\r\n\r\n") {
-                    break i + 4;
+            let mut bodies = Vec::new();
+            for reply in replies {
+                let (mut stream, _) = listener.accept().unwrap();
+                stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+                let mut request = Vec::new();
+                let mut buf = [0u8; 4096];
+                // Headers, then Content-Length bytes of body.
+                let body_start = loop {
+                    let n = stream.read(&mut buf).unwrap();
+                    request.extend_from_slice(&buf[..n]);
+                    if let Some(i) = request.windows(4).position(|w| w == b"\r\n\r\n") {
+                        break i + 4;
+                    }
+                };
+                let head = String::from_utf8_lossy(&request[..body_start]).to_lowercase();
+                let length: usize = head
+                    .lines()
+                    .find_map(|l| l.strip_prefix("content-length:"))
+                    .map(|v| v.trim().parse().unwrap())
+                    .unwrap();
+                while request.len() < body_start + length {
+                    let n = stream.read(&mut buf).unwrap();
+                    request.extend_from_slice(&buf[..n]);
                 }
-            };
-            let head = String::from_utf8_lossy(&request[..body_start]).to_lowercase();
-            let length: usize = head
-                .lines()
-                .find_map(|l| l.strip_prefix("content-length:"))
-                .map(|v| v.trim().parse().unwrap())
-                .unwrap();
-            while request.len() < body_start + length {
-                let n = stream.read(&mut buf).unwrap();
-                request.extend_from_slice(&buf[..n]);
+                stream.write_all(reply.as_bytes()).unwrap();
+                bodies.push(String::from_utf8(request[body_start..].to_vec()).unwrap());
             }
-            stream.write_all(reply.as_bytes()).unwrap();
-            String::from_utf8(request[body_start..].to_vec()).unwrap()
+            bodies
         });
         (url, server)
+    }
+
+    fn serve_once(status: &str, body: &str) -> (String, std::thread::JoinHandle<Vec<String>>) {
+        serve(&[(status, body)])
     }
 
     #[test]
@@ -503,7 +577,7 @@ mod tests {
         let (url, server) = serve_once("200 OK", r#"{"rewards": [0.5, -1]}"#);
         let rewards = start(&url, 10.0).score(&answers(&[" Paris.", " Lyon."])).unwrap();
         assert_eq!(rewards, [0.5, -1.0]);
-        let request: serde_json::Value = serde_json::from_str(&server.join().unwrap()).unwrap();
+        let request: serde_json::Value = serde_json::from_str(&server.join().unwrap()[0]).unwrap();
         let prompt = &answers(&[""])[0].prompt;
         assert_eq!(request["prompts"], serde_json::json!([prompt, prompt]));
         assert_eq!(request["query"], serde_json::json!([format!("{prompt} Paris."), format!("{prompt} Lyon.")]));
@@ -526,5 +600,42 @@ mod tests {
         let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
         let e = error(start(&format!("http://127.0.0.1:{port}/r"), 2.0).score(&answers(&[" Paris."])));
         assert!(e.contains("POST"), "{e}");
+    }
+    #[test]
+    fn a_scorer_that_crashes_or_hangs_once_is_restarted_and_the_rollout_sent_again() {
+        let dir = tempfile::tempdir().unwrap();
+        // The first process crashes after reading a line (or hangs); the one started next answers.
+        let serve = "while read l; do echo 1; done";
+        let marker = dir.path().join("started");
+        let crash = format!("exec:if mkdir '{}' 2>/dev/null; then read l; exit 1; fi; {serve}", marker.display());
+        assert_eq!(start_tried(&crash, 10.0, 2).score(&answers(&[" Paris.", " Lyon."])).unwrap(), [1.0, 1.0]);
+        std::fs::remove_dir(&marker).unwrap();
+        let e = error(start_tried(&crash, 10.0, 1).score(&answers(&[" Paris."])));
+        assert!(e.contains("exited") && !e.contains("tried"), "one try: its error alone: {e}");
+        std::fs::remove_dir(&marker).unwrap();
+        let hang = format!("exec:if mkdir '{}' 2>/dev/null; then sleep 60; fi; {serve}", marker.display());
+        let mut f = start_tried(&hang, 0.3, 3);
+        assert_eq!(f.score(&answers(&[" Paris."])).unwrap(), [1.0]);
+        // The restarted process serves the next rollouts.
+        assert_eq!(f.score(&answers(&[" Nice."])).unwrap(), [1.0]);
+        // Gone for good: each try fails, the last one's error says how many there were.
+        let e = error(start_tried("exec:read l; exit 3", 10.0, 3).score(&answers(&[" Paris."])));
+        assert!(e.contains("tried 3 times") && e.contains("exited") && e.contains("exit status: 3"), "{e}");
+    }
+
+    #[test]
+    fn an_http_scorer_is_tried_again_after_an_error() {
+        let ok = r#"{"rewards": [0.5]}"#;
+        let (url, server) = serve(&[("503 Service Unavailable", "busy"), ("200 OK", "not json"), ("200 OK", ok)]);
+        assert_eq!(start_tried(&url, 10.0, 3).score(&answers(&[" Paris."])).unwrap(), [0.5]);
+        let bodies = server.join().unwrap();
+        assert!(bodies.len() == 3 && bodies.iter().all(|b| b == &bodies[0]), "the same rollout each time: {bodies:?}");
+        let (url, server) = serve(&[("503 Service Unavailable", "busy"), ("500 Internal Server Error", "boom")]);
+        let e = error(start_tried(&url, 10.0, 2).score(&answers(&[" Paris."])));
+        assert!(e.contains("tried 2 times") && e.contains("500") && e.contains("boom"), "{e}");
+        server.join().unwrap();
+        // The defaults: OpenRLHF's 5 tries over HTTP, 3 starts of a command, a built-in once.
+        let tries = |spec: &str| spec.parse::<RewardFnSpec>().unwrap().default_tries();
+        assert_eq!([tries("http://x/r"), tries("exec:x"), tries("builtin:capitals")], [5, 3, 1]);
     }
 }

@@ -756,7 +756,8 @@ fn start_reward_fns(args: &PpoArgs, rank: usize) -> Result<Vec<RewardFn>> {
         return Ok(Vec::new());
     }
     let timeout = std::time::Duration::from_secs_f64(args.reward_fn_timeout);
-    let fns = args.reward_fn.iter().map(|spec| spec.start(timeout)).collect::<Result<Vec<_>>>()?;
+    let fns =
+        args.reward_fn.iter().map(|spec| spec.start(timeout, args.reward_fn_tries)).collect::<Result<Vec<_>>>()?;
     if rank == 0 {
         let specs: Vec<String> = args.reward_fn.iter().map(|s| s.to_string()).collect();
         let model = if args.no_reward_model { "" } else { "the reward model's score + " };
