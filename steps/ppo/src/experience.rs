@@ -155,8 +155,9 @@ pub struct RolloutCounts {
 /// prompts (this rank's share of which `prompts` are). `external` gives the rewards from
 /// outside the reward model of the kept rows, each given as its prompt's tokens (padding
 /// removed) and its answer's (EOS removed), which are added to the reward model's scores.
-/// `normalize` turns the kept rows' scores into the scores their rewards use; every rank calls
-/// it once (it may be a collective), with no scores when it kept no row.
+/// `normalize` turns the kept rows' scores into the scores their rewards use. Every rank calls
+/// `external`, then `normalize`, once (either may be a collective), with no rows when it kept
+/// none.
 #[allow(clippy::too_many_arguments)]
 pub fn generate_experience(
     models: &RolloutModels,
@@ -175,6 +176,7 @@ pub fn generate_experience(
     let keep: Vec<usize> = (0..prompts.b).filter(|&r| answer_is_learnable(&generation.tokens[r], pad)).collect();
     let counts = RolloutCounts { generated: prompts.b, dropped_short: prompts.b - keep.len() };
     if keep.is_empty() {
+        external(&[])?;
         normalize(&[])?;
         let filler = Tensor::zeros((1, 1), DType::U32, device)?;
         for model in models.sharded() {

@@ -19,6 +19,20 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::time::{Duration, Instant};
 
+/// A rollout that could not be scored: a `--reward-fn` failed its last try on some rank (or
+/// gave what is no reward). Every rank returns it for the same rollout (the ranks decide
+/// together), so that all of them save the rollouts done and stop.
+#[derive(Debug)]
+pub struct ScoringFailed(pub String);
+
+impl std::fmt::Display for ScoringFailed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for ScoringFailed {}
+
 /// One answer to score: the prompt as the actor saw it and the answer's text (up to EOS).
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct Answer {

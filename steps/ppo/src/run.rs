@@ -36,7 +36,7 @@ use crate::models::{
 };
 use crate::models::{Ema, PpoModels};
 use crate::ppo;
-use crate::reward_fn::{Answer, RewardFn};
+use crate::reward_fn::{Answer, RewardFn, ScoringFailed};
 use crate::trainer::{answer_tokens, MicroBatch, PtxBatch, UpdateStats};
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
@@ -439,7 +439,12 @@ impl PpoLoop<'_> {
         self.step += 1;
         let rollout_started = Instant::now();
         let cfg = crate::PpoConfig { kl_ctl: self.kl_ctl, ..self.ctx.cfg.clone() };
-        let (experience, groups_zero_std, generate_secs) = self.make_experience(chunk, &cfg)?;
+        let (experience, groups_zero_std, generate_secs) = match self.make_experience(chunk, &cfg) {
+            Err(e) if e.downcast_ref::<ScoringFailed>().is_some() => {
+                return Err(self.save_after_failed_scoring(epoch, batch_index, e))
+            }
+            made => made?,
+        };
         let rollout_secs = rollout_started.elapsed().as_secs_f64();
         let stats = RolloutStats { groups_zero_std, ..RolloutStats::of(&experience, self.ctx.group)? };
         let rollout_kl_ctl = self.adapt_kl_coefficient(&stats);
@@ -471,8 +476,11 @@ impl PpoLoop<'_> {
         // Each prompt --num-samples-per-prompt times in a row: a group of consecutive positions.
         let rollout: Vec<&[u32]> =
             chunk.iter().flat_map(|&i| std::iter::repeat_n(self.prompts[i].ids.as_slice(), samples)).collect();
-        let (tokenizer, reward_fns) = (self.tokenizer, &mut self.reward_fns);
-        let mut external = |rows: &[(&[u32], &[u32])]| external_rewards(reward_fns, tokenizer, rows);
+        let (tokenizer, reward_fns, whole) = (self.tokenizer, &mut self.reward_fns, self.whole);
+        let mut external = |rows: &[(&[u32], &[u32])]| {
+            let scored = external_rewards(reward_fns, tokenizer, rows);
+            scored_on_every_rank(whole, scored, !reward_fns.is_empty())
+        };
         let scoring = Scoring { external: &mut external, moments: &mut self.reward_moments };
         let (mut experience, totals) =
             generate_share(&self.ctx, &self.models, &mut self.engine, &rollout, self.step, cfg, scoring)?;
@@ -565,6 +573,51 @@ impl PpoLoop<'_> {
 }
 
 impl PpoLoop<'_> {
+    /// A rollout that could not be scored ends the run, every rank together, without losing what
+    /// it trained: the rollouts before this one (batch `batch_index` of `epoch`) are saved as a
+    /// checkpoint whatever --save-interval says, and the error returned says how to resume. The
+    /// models are as that rollout's end left them: generating and scoring change nothing
+    /// a checkpoint keeps (the rollout's sampling is keyed by its number).
+    fn save_after_failed_scoring(&mut self, epoch: usize, batch_index: usize, error: anyhow::Error) -> anyhow::Error {
+        let done = self.step - 1;
+        let root = self.save_root.display().to_string();
+        let resume = format!("once the reward function works, resume with the same command and --load {root}");
+        let models = &self.models;
+        let safe_point = self.buffer.is_empty()
+            && models.actor.trainer().at_boundary()
+            && models.critic.as_ref().is_none_or(|c| c.trainer().at_boundary());
+        let what = if done == 0 {
+            "no rollout was done, so nothing is saved".to_string()
+        } else if done == self.last_saved_step {
+            format!("the checkpoint of rollout {done} is saved already; {resume}")
+        } else if !safe_point {
+            let last = match self.last_saved_step {
+                0 => "no checkpoint was saved".to_string(),
+                step => format!("the last checkpoint is rollout {step}'s; {resume}"),
+            };
+            format!("rollout {done} is no point to save at (rollouts are buffered for --generation-batches or gradients are accumulating): {last}")
+        } else {
+            let at = Position {
+                step: done,
+                micro: self.micro,
+                epoch,
+                batches_done: batch_index,
+                kl_ctl: self.kl_ctl,
+                reward_moments: self.reward_moments,
+            };
+            let state =
+                checkpoint_state(self.ctx.args, self.ctx.group.world(), at, models, &self.ptx_cursor, &self.summary);
+            let saved = GatheredModels::of(models, self.ctx.tp).and_then(|gathered| {
+                save_checkpoint(self.whole, &self.save_root, models, &gathered, &state, self.tokenizer)
+            });
+            match saved {
+                Ok(_) => format!("saved a checkpoint of rollouts 1-{done} to {root}; {resume}"),
+                Err(save) => return save.context(format!("saving the rollouts done after: {error:#}")),
+            }
+        };
+        anyhow::anyhow!("{error:#}; {what}")
+    }
+
     /// The end of the run: the trained models saved, the final checkpoint, then on rank 0 the
     /// held-out evaluation of `eval_prompts` (with the reward model of `reward_cfg`, if any).
     fn finish(
@@ -783,6 +836,28 @@ fn external_rewards(fns: &mut [RewardFn], tokenizer: &Tokenizer, rows: &[(&[u32]
         }
     }
     Ok(total.into_iter().map(|t| t as f32).collect())
+}
+
+/// A rollout's `--reward-fn` rewards on this rank (`scored`), once every rank of `group` knows
+/// that all of them scored theirs (one scalar reduction a rollout; none without scorers, `any`
+/// false): otherwise [`ScoringFailed`] on every rank, with this rank's error or the first
+/// failing rank's number.
+fn scored_on_every_rank(group: &ProcessGroup, scored: Result<Vec<f32>>, any: bool) -> Result<Vec<f32>> {
+    if !any {
+        return scored;
+    }
+    let world = group.world();
+    // The first failing rank r as world - r, the largest over the ranks; 0: none failed.
+    let mut first_failed = [if scored.is_err() { (world - group.rank()) as f64 } else { 0.0 }];
+    group.all_reduce_scalars(&mut first_failed, ReduceOp::Max)?;
+    match scored {
+        Err(e) => Err(ScoringFailed(format!("{e:#}")).into()),
+        Ok(_) if first_failed[0] > 0.0 => {
+            let rank = world - first_failed[0] as usize;
+            Err(ScoringFailed(format!("rank {rank}'s --reward-fn failed (its log says how)")).into())
+        }
+        Ok(rewards) => Ok(rewards),
+    }
 }
 
 /// Rows of a rollout over all ranks.

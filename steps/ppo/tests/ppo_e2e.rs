@@ -603,3 +603,66 @@ fn an_exec_reward_fn_scores_every_answer_without_a_reward_model() {
     fails(&["--reward-fn", "exec:exit 3"], &["--reward-fn exec:exit 3", "exited"]);
     assert!(!dir.path().join("bad").join("actor").exists(), "a failed scorer saves nothing");
 }
+
+/// A scorer that crashes once is restarted, the rollout sent again, and the run ends with the
+/// weights of a run without the fault; one gone for good ends the run with one error line and
+/// a checkpoint of the rollouts done (no --save-interval given), from which the same command
+/// with --load ends with those weights too, byte for byte.
+#[test]
+fn a_failing_scorer_is_restarted_or_leaves_a_checkpoint_to_resume_from() {
+    let dir = tempfile::tempdir().unwrap();
+    setup(dir.path());
+    let (lines, fail_at) = (dir.path().join("lines"), dir.path().join("fail_at"));
+    // Reward 1 for an answer with an "e" in it, else -1. It counts the lines its processes read
+    // (in `lines`); while `fail_at` holds a number, from that line on it exits 1 before answering
+    // (once only when `fail_at` says so).
+    let script = format!(
+        r#"while IFS= read -r line; do
+n=$(( $(cat '{lines}' 2>/dev/null || echo 0) + 1 )); echo $n > '{lines}'
+if [ -f '{fail}' ]; then set -- $(cat '{fail}'); if [ $n -ge $1 ]; then [ "$2" = once ] && rm '{fail}'; exit 1; fi; fi
+case "${{line#*\"answer\":}}" in *e*) echo 1;; *) echo -1;; esac
+done"#,
+        lines = lines.display(),
+        fail = fail_at.display()
+    );
+    std::fs::write(dir.path().join("scorer.sh"), script).unwrap();
+    let spec = format!("exec:sh {}", dir.path().join("scorer.sh").display());
+    let flags = ["--algorithm", "grpo", "--num-samples-per-prompt", "2", "--no-reward-model", "--reward-fn", &spec];
+    let weights = |out: &str| {
+        ["actor", "actor_ema"].map(|m| std::fs::read(dir.path().join(out).join(m).join("model.safetensors")).unwrap())
+    };
+    let stderr = |out: &Output| String::from_utf8_lossy(&out.stderr).to_string();
+    let clean = ok(&ppo(dir.path(), "clean", &flags));
+    assert!(clean.contains("step     7/7"), "{clean}");
+    let read = std::fs::read_to_string(&lines).unwrap().trim().parse::<usize>().unwrap();
+    assert!(read > 40, "the fault must fall inside the run: {read} lines in all");
+
+    // Line 40 falls in rollout 3 or later (16 answers a rollout at most): a crash there.
+    std::fs::remove_file(&lines).unwrap();
+    std::fs::write(&fail_at, "40 once").unwrap();
+    let crashed = ppo(dir.path(), "crashed", &flags);
+    ok(&crashed);
+    assert!(!fail_at.exists(), "the scorer crashed");
+    let said = stderr(&crashed);
+    assert!(said.contains("restarting it and sending the rollout again in 1 s (try 2 of 3)"), "{said}");
+    assert!(weights("crashed") == weights("clean"), "a restarted scorer changes nothing");
+
+    // The scorer gone for good: every restart exits at once.
+    std::fs::remove_file(&lines).unwrap();
+    std::fs::write(&fail_at, "40").unwrap();
+    let broken = ppo(dir.path(), "broken", &flags);
+    let said = stderr(&broken);
+    assert_eq!(broken.status.code(), Some(2), "{said}");
+    let errors: Vec<&str> = said.lines().filter(|l| l.starts_with("error")).collect();
+    assert!(errors.len() == 1 && said.trim_end().ends_with(errors[0]), "one error line, the last:\n{said}");
+    let root = dir.path().join("broken/checkpoints");
+    for want in ["--reward-fn exec:", "tried 3 times", "exited", "saved a checkpoint of rollouts 1-", "--load"] {
+        assert!(errors[0].contains(want), "want {want:?} in {}", errors[0]);
+    }
+    assert!(errors[0].ends_with(&format!("--load {}", root.display())), "{}", errors[0]);
+    assert!(!dir.path().join("broken/actor").exists(), "the failed run's models are its checkpoint's");
+    std::fs::remove_file(&fail_at).unwrap();
+    let resumed = ok(&ppo(dir.path(), "broken", &[&flags[..], &["--load", root.to_str().unwrap()]].concat()));
+    assert!(resumed.contains("resumed from"), "{resumed}");
+    assert!(weights("broken") == weights("clean"), "the resumed run ends with the fault-free run's weights");
+}
