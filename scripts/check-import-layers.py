@@ -1,7 +1,11 @@
 #!/usr/bin/env python3
 """Checks that a crate's modules import one way: builds the graph of `crate::` paths in non-test
 code (each file up to its `#[cfg(test)]` module; modules declared `#[cfg(test)] mod name;` are
-test support, left out) and prints any cycle, between files and between top-level modules. Exit 1 on a cycle. Usage: scripts/check-import-layers.py CRATE_SRC_DIR..."""
+test support, left out) and prints any cycle, between files and between top-level modules. Where
+the crate's lib.rs states its layers ("imports point down this list", then one `- `a`, `b`: ...`
+bullet per layer, lowest first), an import from a module to one in a later layer (upward) is an
+error too, and so is a top-level module the list does not place. Exit 1 on any error. Usage:
+scripts/check-import-layers.py CRATE_SRC_DIR..."""
 import os, re, sys
 
 # A module declared for tests only (`#[cfg(test)] mod name;`): test support, not a layer.
@@ -63,9 +67,41 @@ def cycles(graph):
             visit(n)
     return found
 
-bad = False
-for src in sys.argv[1:]:
+def layers(src):
+    """The layer of each top-level module lib.rs's doc list names, or None where it states none."""
+    lib = os.path.join(src, "lib.rs")
+    if not os.path.exists(lib):
+        return None
+    doc = [l[4:].rstrip() for l in open(lib).read().splitlines() if l.startswith("//!")]
+    starts = [i for i, l in enumerate(doc) if "imports point down this list" in l]
+    if not starts:
+        return None
+    layer_of, layer = {}, 0
+    for line in doc[starts[0] + 1:]:
+        bullet = re.match(r"- ((?:`\w+`(?:, )?)+):", line)
+        if bullet:
+            # The names of one bullet share its layer.
+            for name in re.findall(r"`(\w+)`", bullet.group(1)):
+                layer_of[name] = layer
+            layer += 1
+        elif layer_of and line and not line.startswith(" "):
+            break  # the list's end: a line that is neither a bullet nor its continuation
+    return layer_of
+
+def problems(src):
+    """What is wrong with the imports of the crate at `src`, one line each."""
+    out = []
     g = edges(modules(src))
+    order = layers(src)
+    if order is not None:
+        for top_m in sorted({m.split("::")[0] for m in g} - set(order) - {""}):
+            out.append(f"{src}: module {top_m} is in no layer of lib.rs's list: add it where it belongs")
+        for m in sorted(g):
+            top_m = m.split("::")[0]
+            for t in sorted(g[m]):
+                top_t = t.split("::")[0]
+                if top_m in order and top_t in order and order[top_t] > order[top_m]:
+                    out.append(f"{src}: upward import: {m} (layer {order[top_m]}) uses {t} (layer {order[top_t]}), a later, higher layer in lib.rs's list")
     top = {}
     for m, ts in g.items():
         for t in ts:
@@ -74,6 +110,32 @@ for src in sys.argv[1:]:
                 top.setdefault(a, set()).add(b)
     for name, graph in (("files", g), ("top-level modules", top)):
         for c in cycles(graph):
-            bad = True
-            print(f"{src}: import cycle between {name}: {' -> '.join(c)}")
-sys.exit(1 if bad else 0)
+            out.append(f"{src}: import cycle between {name}: {' -> '.join(c)}")
+    return out
+
+def self_test():
+    """The check on made-up crates: an upward import and a module the list does not place are
+    found, a downward import is not."""
+    import tempfile
+    lib = "//! Layers; imports point down this list:\n//!\n//! - `low`, `base`: the bottom;\n//! - `high`: above it,\n//!   a continued line.\n//!\n//! Not a layer: `other`.\n\n"
+    def crate(files):
+        src = tempfile.mkdtemp()
+        for name, text in files.items():
+            open(os.path.join(src, name), "w").write(text)
+        return src
+    fine = crate({"lib.rs": lib, "low.rs": "pub fn f() { crate::base::g() }\n", "base.rs": "pub fn g() {}\n", "high.rs": "pub fn h() { crate::low::f() }\n"})
+    assert layers(fine) == {"low": 0, "base": 0, "high": 1}, layers(fine)
+    assert problems(fine) == [], problems(fine)
+    upward = crate({"lib.rs": lib, "low.rs": "use crate::high::h;\npub fn f() { h() }\n", "high.rs": "pub fn h() {}\n", "extra.rs": "\n"})
+    found = problems(upward)
+    assert any("upward import: low (layer 0) uses high (layer 1)" in p for p in found), found
+    assert any("module extra is in no layer" in p for p in found), found
+
+if sys.argv[1:] == ["--self-test"]:
+    self_test()
+    print("check-import-layers: self-test passed")
+    sys.exit(0)
+found = [p for src in sys.argv[1:] for p in problems(src)]
+for p in found:
+    print(p)
+sys.exit(1 if found else 0)

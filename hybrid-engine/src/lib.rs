@@ -1,6 +1,7 @@
 //! The core of the RLHF system, one module per concern; imports point down this list:
 //!
-//! - `runtime`, `durable`: process setup, crash-safe files;
+//! - `runtime`, `durable`, `storage`: process setup, crash-safe files, candle's CPU storages read in
+//!   place (what the collectives, kernels and optimizer read and write);
 //! - `comm`: process groups from the launcher's environment, rendezvous, collectives (CPU ring,
 //!   NCCL);
 //! - `device`: where to compute (a rank's GPU is its local rank's);
@@ -25,6 +26,7 @@ pub mod generation;
 pub mod kernels;
 pub mod model;
 pub mod runtime;
+pub mod storage;
 pub mod tensor_parallel;
 pub mod training;
 

@@ -15,7 +15,7 @@ pub mod watchdog;
 pub use env::RankEnv;
 pub use tcp::{chunk, CommStats, ReduceOp};
 
-use crate::kernels::parallel::contiguous_f32;
+use crate::storage::contiguous_f32;
 use anyhow::{bail, Result};
 use candle_core::{DType, Tensor};
 use std::net::TcpListener;

@@ -20,7 +20,8 @@
 //! the attention runs on AVX2 with FMA too, with AVX-512 intrinsics for head sizes 32, 64 and
 //! 128. Each is tested against the composed candle ops.
 
-use crate::kernels::parallel::{contiguous_f32 as contiguous, gemm_f32, par_rows, SharedOut};
+use crate::kernels::parallel::{gemm_f32, par_rows, SharedOut};
+use crate::storage::contiguous_f32 as contiguous;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 use std::ops::Range;
 

@@ -2,40 +2,11 @@
 //! pool, written through a shared pointer to disjoint ranges, and gemm with arbitrary strides.
 //! Used by the training kernels (`ops/*.rs`) and the decoding kernels (`decode.rs`).
 
-use candle_core::{CpuStorage, Layout, Result};
 use std::ops::Range;
 
 /// Below this many output values a kernel runs on the calling thread: waking the pool costs
 /// more than it saves (candle's own element-wise ops use 64k).
 pub(crate) const PARALLEL_MIN: usize = 32 * 1024;
-
-pub(crate) fn contiguous_f32<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [f32]> {
-    let (start, end) =
-        l.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg(format!("{what} must be contiguous")))?;
-    match s {
-        CpuStorage::F32(v) => Ok(&v[start..end]),
-        _ => candle_core::bail!("{what} must be f32"),
-    }
-}
-
-/// [`contiguous_f32`], mutable: an in-place op's output.
-pub(crate) fn contiguous_f32_mut<'a>(s: &'a mut CpuStorage, l: &Layout, what: &str) -> Result<&'a mut [f32]> {
-    let (start, end) =
-        l.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg(format!("{what} must be contiguous")))?;
-    match s {
-        CpuStorage::F32(v) => Ok(&mut v[start..end]),
-        _ => candle_core::bail!("{what} must be f32"),
-    }
-}
-
-pub(crate) fn contiguous_u32<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [u32]> {
-    let (start, end) =
-        l.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg(format!("{what} must be contiguous")))?;
-    match s {
-        CpuStorage::U32(v) => Ok(&v[start..end]),
-        _ => candle_core::bail!("{what} must be u32"),
-    }
-}
 
 /// The spare capacity of an output vector, which the pool's workers write in disjoint pieces
 /// before the owner sets its length (outputs are fully overwritten: no zero fill first).

@@ -5,8 +5,8 @@
 //! clipping by the global gradient norm. Moments are f32 whatever the compute dtype (candle's
 //! AdamW in f16 diverges: g^2 underflows).
 
-use crate::kernels::parallel::{contiguous_f32, contiguous_f32_mut};
 use crate::model::params::ParamStore;
+use crate::storage::{contiguous_f32, contiguous_f32_mut};
 use anyhow::{bail, Result};
 use candle_core::{backprop::GradStore, CpuStorage, DType, InplaceOp2, Layout, Tensor, Var};
 use serde::{Deserialize, Serialize};

@@ -510,7 +510,7 @@ impl GradientBuckets {
                 let grad = grads[param].as_ref().ok_or_else(|| missing(param))?;
                 let (storage, layout) = grad.storage_and_layout();
                 let candle_core::Storage::Cpu(s) = &*storage else { bail!("internal error: a gradient left the host") };
-                buf.extend_from_slice(&crate::kernels::parallel::contiguous_f32(s, layout, "a gradient")?[values]);
+                buf.extend_from_slice(&crate::storage::contiguous_f32(s, layout, "a gradient")?[values]);
             }
             chunks.push(start..buf.len());
         }
@@ -936,7 +936,7 @@ pub fn with_host_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> Result<R>) -> Resu
     let copied = if on_host { Vec::new() } else { t.flatten_all()?.to_vec1::<f32>()? };
     let (storage, layout) = t.storage_and_layout();
     match &*storage {
-        candle_core::Storage::Cpu(s) if on_host => f(crate::kernels::parallel::contiguous_f32(s, layout, "a tensor")?),
+        candle_core::Storage::Cpu(s) if on_host => f(crate::storage::contiguous_f32(s, layout, "a tensor")?),
         _ => f(&copied),
     }
 }

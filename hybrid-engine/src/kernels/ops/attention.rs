@@ -4,8 +4,9 @@
 //! flash-style kernels (cuda/flash_attention.cu).
 
 use crate::kernels::dropout::DropoutMask;
-use crate::kernels::parallel::{contiguous_f32, gemm_f32, par_rows, SharedOut};
+use crate::kernels::parallel::{gemm_f32, par_rows, SharedOut};
 use crate::kernels::rowops;
+use crate::storage::contiguous_f32;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 
 /// Self-attention's core on the packed projections of `c_attn`: qkv (B, T, 3C) (q, k, v of C

@@ -1,7 +1,7 @@
 //! The in-place cast that refreshes mixed precision's compute copy from the fp32 masters without
 //! a temporary: on the CPU and on a GPU (cuda/cast.cu), rounding to nearest even as `to_dtype`.
 
-use crate::kernels::parallel::contiguous_f32;
+use crate::storage::contiguous_f32;
 use candle_core::{CpuStorage, Layout, Result, Tensor};
 
 /// Writes an f32 tensor, cast, into the storage of a tensor of the same length: mixed precision's

@@ -3,10 +3,9 @@
 //! tied LM head on the CPU, where the (N, V) logits never become a tensor and backward turns them
 //! into their gradient in place.
 
-use crate::kernels::parallel::{
-    contiguous_f32, contiguous_u32, for_rows, for_rows_weighted, gemm_f32, par_rows, SharedOut,
-};
+use crate::kernels::parallel::{for_rows, for_rows_weighted, gemm_f32, par_rows, SharedOut};
 use crate::kernels::rowops;
+use crate::storage::{contiguous_f32, contiguous_u32};
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 
 /// Per-row `logsumexp(x) - x[target]`: (N, V) f32 logits, (N,) u32 targets -> (N,) f32.

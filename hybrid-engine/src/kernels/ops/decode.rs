@@ -6,7 +6,7 @@
 //! (`cpu` below, f32) are their reference and run a decoding step at a position in memory on
 //! the CPU (generation/decode_graph.rs's bookkeeping, tested without a GPU).
 
-use crate::kernels::parallel::{contiguous_f32, contiguous_f32_mut, contiguous_u32};
+use crate::storage::{contiguous_f32, contiguous_f32_mut, contiguous_u32};
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 
 /// How many positions a KV cache holds before a decoding step's new tokens: a number the host

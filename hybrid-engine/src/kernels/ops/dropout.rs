@@ -3,7 +3,8 @@
 //! hash drawn on the device, so both drop the same elements).
 
 use crate::kernels::dropout::DropoutMask;
-use crate::kernels::parallel::{contiguous_f32, for_chunks};
+use crate::kernels::parallel::for_chunks;
+use crate::storage::contiguous_f32;
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 
 /// Inverted dropout: keeps element i, scaled by 1/(1-p), where `keep(i)` of the mask holds.

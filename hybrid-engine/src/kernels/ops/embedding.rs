@@ -2,8 +2,8 @@
 //! (cuda/embedding.cu) over the ids grouped by row on the host, in the order of the positions as
 //! candle's CPU `index_add` adds them; the CPU kernel adds in that order too.
 
-use crate::kernels::parallel::contiguous_f32;
 use crate::kernels::rowops;
+use crate::storage::contiguous_f32;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 
 /// Rows of a table: `weight` (V, C) at `ids` (N,) gives (N, C), by the backend's own gather

@@ -1,8 +1,9 @@
 //! GPT-2's GELU (`gelu_new`, the tanh approximation) with its backward: the CPU kernel
 //! (`rowops::gelu`, chunks over threads) and the CUDA kernels (cuda/gelu.cu, elementwise).
 
-use crate::kernels::parallel::{contiguous_f32, for_chunks};
+use crate::kernels::parallel::for_chunks;
 use crate::kernels::rowops;
+use crate::storage::contiguous_f32;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 
 /// `gelu_new(h)`, GPT-2's tanh approximation.

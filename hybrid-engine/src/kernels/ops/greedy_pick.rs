@@ -2,8 +2,8 @@
 //! vocabulary limit and its log-probability, on the CPU and on a GPU (cuda/greedy_pick.cu, one
 //! block a row), two numbers a row to the host.
 
-use crate::kernels::parallel::contiguous_f32;
 use crate::kernels::rowops;
+use crate::storage::contiguous_f32;
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 
 /// Per row of logits (B, V): the token greedy decoding takes and its log-probability, (B, 2) f32.

@@ -2,8 +2,9 @@
 //! recomputes the row statistics): the CPU kernel (`rowops::layer_norm`) and the CUDA kernels
 //! (cuda/layer_norm.cu, one warp a row; dw and db summed in a fixed order).
 
-use crate::kernels::parallel::{contiguous_f32, for_rows, reduce_rows, SharedOut};
+use crate::kernels::parallel::{for_rows, reduce_rows, SharedOut};
 use crate::kernels::rowops;
+use crate::storage::contiguous_f32;
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 
 /// `(x - mean) * rstd * w + b` over the last dimension (biased variance, as torch).

@@ -2,8 +2,9 @@
 //! holding the bias (decode.rs's few-row kernel for a decoding step), on a GPU cuBLAS's gemm and
 //! the bias added by one kernel (cuda/linear.cu); the bias gradient's column sums on both.
 
-use crate::kernels::parallel::{contiguous_f32, gemm_f32, reduce_rows};
+use crate::kernels::parallel::{gemm_f32, reduce_rows};
 use crate::kernels::rowops;
+use crate::storage::contiguous_f32;
 use candle_core::{CpuStorage, CustomOp1, CustomOp3, Layout, Result, Shape, Tensor};
 
 /// `x W + b` for x (.., in), W (in, out) (Hugging Face's Conv1D layout), b (out,): one gemm

@@ -4,7 +4,7 @@
 //! picks the token the CPU picks for the same logits and draw, and only two numbers a row come
 //! back to the host instead of the row's V logits.
 
-use crate::kernels::parallel::contiguous_f32;
+use crate::storage::contiguous_f32;
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 
 /// How a row is sampled (generation's `SamplingConfig` less what the decoding loop keeps).

@@ -3,8 +3,9 @@
 //! GPU in f32): the CPU kernel (`rowops::masked_softmax`) and the CUDA kernels
 //! (cuda/masked_softmax.cu, one warp a row in f32).
 
-use crate::kernels::parallel::{contiguous_f32, for_rows};
+use crate::kernels::parallel::for_rows;
 use crate::kernels::rowops;
+use crate::storage::contiguous_f32;
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 
 /// `softmax(att * scale + bias)` over the last dimension: att (B, NH, T, S), bias (B or 1, 1, T, S).
