@@ -316,6 +316,16 @@ fn policy_stats(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::args::PpoArgs;
+    use crate::models::{lm_on, reward_model_on, Ema};
+    use clap::Parser;
+    use hybrid_engine::comm::ProcessGroup;
+    use hybrid_engine::engine::{EngineConfig, Head, Ranks};
+    use hybrid_engine::model::gpt2::Gpt2Config;
+    use hybrid_engine::model::reward_model::add_score_head;
+    use hybrid_engine::training::optim::{AdamW, AdamWConfig};
+    use hybrid_engine::training::train_step::TrainedModel;
+    use hybrid_engine::ParamStore;
 
     /// Four answer actions of this rank (a fifth masked) in a global micro-batch of 8 tokens:
     /// log-ratios 0.1 and 0.05 inside the ratio's range [0.8, 1.2], -0.3 below it (ratio
@@ -341,5 +351,278 @@ mod tests {
         assert_eq!(UpdateStats::from_array([1.0, 2.0, 3.0, 4.0, 5.0, 6.0]).to_array(), [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
         assert_eq!(s.to_array(), [s.actor_loss, s.critic_loss, s.ratio_mean, s.clip_fraction, s.approx_kl, s.entropy]);
         Ok(())
+    }
+
+    fn tiny_config() -> Gpt2Config {
+        Gpt2Config {
+            n_layer: 1,
+            n_embd: 16,
+            n_head: 2,
+            n_positions: 16,
+            vocab_size: 40,
+            resid_pdrop: 0.0,
+            embd_pdrop: 0.0,
+            attn_pdrop: 0.0,
+            ..Gpt2Config::tiny()
+        }
+    }
+
+    /// Step 3's models on one rank, as `run` builds them from `flags`, over tiny random GPT-2s;
+    /// the actor trains at `actor_lr` (the CLI refuses 0), the critic at 1e-3. Also returns a
+    /// copy of the actor's starting weights.
+    fn tiny_models(flags: &str, actor_lr: f64) -> (PpoArgs, PpoModels, ParamStore) {
+        let args = PpoArgs::try_parse_from(std::iter::once("ppo").chain(flags.split_whitespace())).unwrap();
+        let (cfg, cpu) = (tiny_config(), Device::Cpu);
+        let group = std::sync::Arc::new(ProcessGroup::single());
+        let actor = ParamStore::init(&cfg, 1, &cpu).unwrap();
+        let start = actor.copy().unwrap();
+        let mut critic = ParamStore::init(&cfg, 2, &cpu).unwrap();
+        add_score_head(&mut critic, &cfg, 3, &cpu).unwrap();
+        let (reference, reward) =
+            (lm_on(&start, &cfg, false, None).unwrap(), reward_model_on(&critic, &cfg, false, None).unwrap());
+        // As `run` configures them, over 10 optimizer steps at the given learning rates.
+        let engine = |critic: bool, lr: f64| EngineConfig {
+            schedule: args.lr_scheduler_type.schedule(lr, args.num_warmup_steps, 10),
+            lora_learning_rate: Some(lr),
+            ..args.engine_config(critic, 10, &group).unwrap()
+        };
+        let ranks = Ranks { data: group.clone(), tensor: None };
+        let models = PpoModels {
+            actor: Engine::new(&engine(false, actor_lr), &cfg, Head::Lm, actor, ranks.clone()).unwrap(),
+            critic: Some(Engine::new(&engine(true, 1e-3), &cfg, Head::Score, critic.copy().unwrap(), ranks).unwrap()),
+            reference: crate::models::Reference::Loaded(TrainedModel::lm(reference)),
+            reward: Some(TrainedModel::reward(reward)),
+            ema: args.enable_ema.then(|| Ema::Whole(start.copy().unwrap())),
+            align_overflow: false,
+        };
+        (args, models, start)
+    }
+
+    /// Two rows of a 3-token prompt and a 3-token answer (the second ends early: pad 0), with
+    /// the actor's own log-probs as the rollout's and advantages of both signs.
+    fn tiny_experience(actor: &hybrid_engine::Gpt2) -> Experience {
+        tiny_experience_at(actor, 1.0)
+    }
+
+    /// [`tiny_experience`] sampled at `temperature`.
+    fn tiny_experience_at(actor: &hybrid_engine::Gpt2, temperature: f64) -> Experience {
+        let (b, l, p, pad) = (2, 6, 3, 0u32);
+        let seq = vec![5u32, 9, 13, 21, 7, 30, 2, 4, 6, 8, 11, pad];
+        let attention_mask: Vec<u32> = seq.iter().map(|&t| u32::from(t != pad)).collect();
+        let inputs = crate::experience::ForwardInputs::new(&seq, &attention_mask, b, l, &Device::Cpu)
+            .unwrap()
+            .with_temperature(temperature);
+        let logprobs = inputs.logprobs(actor).unwrap();
+        let mut exp = Experience::empty(p, b);
+        let actions = (l - 1) * b;
+        exp.action_mask = seq.chunks(l).flat_map(|row| ppo::action_mask(row, pad, p - 1, true)).collect();
+        exp.advantages = vec![1.5, -0.7, 0.4, -1.2, 0.9, 0.3];
+        exp.returns = vec![0.5, 0.2, -0.3, 0.1, 0.6, -0.4];
+        exp.values = vec![0.0; actions];
+        exp.ref_logprobs = logprobs.clone();
+        exp.rewards = vec![0.0; actions];
+        exp.scores = vec![1.0, -1.0];
+        exp.reward_scores = exp.scores.clone();
+        exp.answer_lens = vec![3, 2];
+        exp.ended_with_eos = vec![false, true];
+        exp.positions = vec![0, 1];
+        Experience { seq, attention_mask, b, l, logprobs, ..exp }
+    }
+
+    fn micro_batch(exp: &Experience, micro: u64) -> MicroBatch<'_> {
+        let rows = 0..exp.b;
+        MicroBatch {
+            exp,
+            global_tokens: answer_tokens(exp, &rows),
+            global_rows: rows.len() as f64,
+            rows,
+            rank: 0,
+            world: 1,
+            micro,
+        }
+    }
+
+    fn actor_trunk(models: &PpoModels) -> &hybrid_engine::Gpt2 {
+        match models.actor.model() {
+            TrainedModel::Whole { trunk, .. } => trunk,
+            TrainedModel::Sharded(_) => unreachable!("one rank"),
+        }
+    }
+
+    fn values(store: &ParamStore) -> Vec<f32> {
+        store.vars.iter().flat_map(|v| v.flatten_all().unwrap().to_vec1::<f32>().unwrap()).collect()
+    }
+
+    fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+        a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    }
+
+    /// The training forward reproduces the rollout's log-probs: at learning rate 0 every
+    /// update sees ratio 1 and approx KL 0; after a real step the ratio departs from 1.
+    #[test]
+    fn the_ratio_is_1_until_the_policy_moves() {
+        for (lr, moves) in [(0.0, false), (1e-2, true)] {
+            // No warmup: DS-Chat's default of 100 steps makes the first update's rate 0.
+            let (args, mut models, _) = tiny_models("--gradient-accumulation-steps 1 --num-warmup-steps 0", lr);
+            let exp = tiny_experience(actor_trunk(&models));
+            let first = models.train_rlhf(&micro_batch(&exp, 1), &args.ppo_config(), 7, None, &Device::Cpu).unwrap();
+            assert!(first.actor_step.is_some(), "one micro-batch per step");
+            let second = models.train_rlhf(&micro_batch(&exp, 2), &args.ppo_config(), 7, None, &Device::Cpu).unwrap();
+            for (n, stats) in [(1, first.stats), (2, second.stats)] {
+                let departed = (stats.ratio_mean - 1.0).abs() > 1e-4 && stats.approx_kl > 1e-8;
+                if n == 1 || !moves {
+                    assert!((stats.ratio_mean - 1.0).abs() < 1e-6, "lr {lr}, update {n}: {stats:?}");
+                    assert!(stats.approx_kl.abs() < 1e-12, "lr {lr}, update {n}: {stats:?}");
+                } else {
+                    assert!(departed, "lr {lr}, update {n}: {stats:?}");
+                }
+            }
+        }
+    }
+
+    /// Rollouts sampled at a temperature: the old log-probs and the training forward's are both
+    /// of softmax(logits / T), so the ratio is 1 before the policy moves; read at another
+    /// temperature than they were sampled at, it is not. The tempered log-probs are
+    /// log_softmax(logits / T) at each action's token.
+    #[test]
+    fn the_ratio_reads_the_policy_at_the_temperature_it_sampled() {
+        let (args, mut models, _) = tiny_models("--gradient-accumulation-steps 1 --do-sample --temperature 0.7", 0.0);
+        let cfg = args.ppo_config();
+        assert_eq!(cfg.temperature, 0.7);
+        let exp = tiny_experience_at(actor_trunk(&models), 0.7);
+        let logits = actor_trunk(&models)
+            .forward(
+                &Tensor::from_slice(&exp.seq, (exp.b, exp.l), &Device::Cpu).unwrap(),
+                &Default::default(),
+                None,
+                None,
+            )
+            .unwrap();
+        let logits: Vec<f32> = logits.flatten_all().unwrap().to_vec1().unwrap();
+        let v = logits.len() / (exp.b * exp.l);
+        for (r, t) in [(0, 2), (1, 3)] {
+            let row = &logits[(r * exp.l + t) * v..(r * exp.l + t + 1) * v];
+            let z: f64 = row.iter().map(|&x| (f64::from(x) / 0.7).exp()).sum();
+            let token = exp.seq[r * exp.l + t + 1] as usize;
+            let want = f64::from(row[token]) / 0.7 - z.ln();
+            let got = f64::from(exp.logprobs[r * exp.actions() + t]);
+            assert!((got - want).abs() < 1e-4, "row {r} action {t}: {got} vs {want}");
+        }
+        let stats = models.train_rlhf(&micro_batch(&exp, 1), &cfg, 7, None, &Device::Cpu).unwrap().stats;
+        assert!((stats.ratio_mean - 1.0).abs() < 1e-6 && stats.approx_kl.abs() < 1e-12, "{stats:?}");
+        let untempered = tiny_experience(actor_trunk(&models));
+        let stats = models.train_rlhf(&micro_batch(&untempered, 2), &cfg, 7, None, &Device::Cpu).unwrap().stats;
+        assert!((stats.ratio_mean - 1.0).abs() > 1e-3, "read at T = 0.7, sampled at 1: {stats:?}");
+    }
+
+    /// The action that emits EOS trains the actor and the critic (TRL, OpenRLHF): with every
+    /// advantage and return zero but that action's, one update moves both models;
+    /// `--mask-eos-action` (DS-Chat's mask) leaves them where they were.
+    #[test]
+    fn the_eos_action_trains_the_actor_and_the_critic_unless_masked() {
+        for (flags, trains) in [("", true), ("--mask-eos-action", false)] {
+            let flags = format!("--gradient-accumulation-steps 1 --num-warmup-steps 0 {flags}");
+            let (args, mut models, start) = tiny_models(&flags, 1e-2);
+            let cfg = args.ppo_config();
+            assert_eq!(cfg.eos_action, trains);
+            let mut exp = tiny_experience(actor_trunk(&models));
+            // Row 1 is [2, 4, 6, 8, 11, pad]: its answer 8, 11, then EOS (= pad), emitted by
+            // action 4, the third of its answer's actions.
+            exp.action_mask =
+                exp.seq.chunks(exp.l).flat_map(|row| ppo::action_mask(row, 0, exp.start, trains)).collect();
+            let eos = exp.actions() - exp.start + 2;
+            exp.advantages = vec![0.0; exp.advantages.len()];
+            (exp.advantages[eos], exp.returns[eos]) = (1.0, 1.0);
+            // The critic's own values as the old values and the returns: no error to learn
+            // from but the EOS action's, whose return is its value plus 1.
+            let critic = models.critic.as_ref().expect("PPO has a critic");
+            let inputs =
+                crate::experience::ForwardInputs::new(&exp.seq, &exp.attention_mask, exp.b, exp.l, &Device::Cpu)
+                    .unwrap();
+            let token_values = inputs.token_values(critic.model()).unwrap();
+            exp.values = token_values.chunks(exp.l).flat_map(|row| row[..exp.l - 1].to_vec()).collect();
+            exp.returns = exp.values.chunks(exp.actions()).flat_map(|row| row[exp.start..].to_vec()).collect();
+            exp.returns[eos] += 1.0;
+            let critic_start = values(critic.masters());
+            models.train_rlhf(&micro_batch(&exp, 1), &cfg, 7, None, &Device::Cpu).unwrap();
+            let actor_moved = max_diff(&values(models.actor.masters()), &values(&start));
+            let critic_moved = max_diff(&values(models.critic.as_ref().unwrap().masters()), &critic_start);
+            assert_eq!(actor_moved > 1e-6, trains, "{flags:?}: actor moved by {actor_moved}");
+            assert_eq!(critic_moved > 1e-6, trains, "{flags:?}: critic moved by {critic_moved}");
+        }
+    }
+
+    /// PTX adds `unsup_coef * L_LM` to the actor's PPO loss: one AdamW step on the sum's
+    /// gradient (computed here by plain autodiff on a whole model), one EMA update.
+    #[test]
+    fn ptx_makes_one_update_from_the_summed_loss() {
+        let cfg = tiny_config();
+        let ptx_ids = Tensor::new(&[[3u32, 8, 12, 19, 25], [1, 2, 3, 4, 5]], &Device::Cpu).unwrap();
+        let ptx_targets = Tensor::new(&[[8u32, 12, 19, 25, 31], [2, 3, 4, 5, 6]], &Device::Cpu).unwrap();
+        let trained_with = |coef: f64| {
+            let flags = "--gradient-accumulation-steps 1 --gradient-clipping 0 --enable-ema --adam-eps 1e-6 --num-warmup-steps 0";
+            let (args, mut models, start) = tiny_models(flags, 1e-2);
+            let exp = tiny_experience(actor_trunk(&models));
+            let key = DropoutKey { seed: 7, step: 1, micro_batch: 0 };
+            let ptx = PtxBatch { ids: ptx_ids.clone(), targets: ptx_targets.clone(), coef, key };
+            let out =
+                models.train_rlhf(&micro_batch(&exp, 1), &args.ppo_config(), 7, Some(&ptx), &Device::Cpu).unwrap();
+            assert!(out.actor_step.is_some_and(|s| !s.skipped) && out.ptx_loss.is_some());
+            assert_eq!(models.actor.trainer().optimizer.step, 1, "one optimizer step per update");
+            let ema = match &models.ema {
+                Some(Ema::Whole(ema)) => values(ema),
+                _ => unreachable!(),
+            };
+            (args, models, start, exp, ema)
+        };
+
+        let coef = 0.5;
+        let (args, models, start, exp, ema) = trained_with(coef);
+        // The reference: the summed loss on a fresh model over the starting weights.
+        let model = start.model(&cfg).unwrap();
+        let inputs =
+            crate::experience::ForwardInputs::new(&exp.seq, &exp.attention_mask, exp.b, exp.l, &Device::Cpu).unwrap();
+        let logits = model.forward(&inputs.ids, &inputs.as_positions(), None, None).unwrap();
+        let logp_all = candle_nn::ops::log_softmax(&logits, candle_core::D::Minus1).unwrap();
+        let answer = exp.start..exp.l - 1;
+        let next = inputs.ids.narrow(1, answer.start + 1, answer.len()).unwrap();
+        let logp = logp_all
+            .narrow(1, answer.start, answer.len())
+            .unwrap()
+            .contiguous()
+            .unwrap()
+            .gather(&next.unsqueeze(2).unwrap().contiguous().unwrap(), 2)
+            .unwrap()
+            .squeeze(2)
+            .unwrap();
+        let per_action = |a: &[f32]| {
+            let rows: Vec<f32> = (0..exp.b).flat_map(|r| exp.row(a, r)[answer.clone()].to_vec()).collect();
+            Tensor::from_vec(rows, (exp.b, answer.len()), &Device::Cpu).unwrap()
+        };
+        let old = per_action(&exp.logprobs);
+        let mask = per_action(&exp.action_mask);
+        let adv = Tensor::from_slice(&exp.advantages, (exp.b, answer.len()), &Device::Cpu).unwrap();
+        let ppo_loss = ppo::actor_loss(&logp, &old, &adv, &mask, &args.ppo_config()).unwrap();
+        let lm_loss = model.lm_loss(&ptx_ids, &ptx_targets, None).unwrap();
+        let loss = (ppo_loss + (lm_loss * coef).unwrap()).unwrap();
+        let grads = loss.backward().unwrap();
+        let grads: Vec<Tensor> = start.vars.iter().map(|v| grads.get(v.as_tensor()).unwrap().clone()).collect();
+        let adam = AdamWConfig::ds_chat(1e-6, 0.0);
+        let mut optimizer = AdamW::new(adam, &start).unwrap();
+        let lr = models.actor.trainer().schedule.lr(0);
+        let before = values(&start);
+        optimizer.step(&start, &grads, lr).unwrap();
+        let (want, got) = (values(&start), values(models.actor.masters()));
+        let moved = max_diff(&want, &before);
+        assert!(moved > 1e-3, "the step moved the weights by {moved}");
+        assert!(max_diff(&got, &want) < 1e-5, "off by {} (moved {moved})", max_diff(&got, &want));
+        // One EMA update after the one step: 0.992 start + 0.008 updated.
+        let want_ema: Vec<f32> = before.iter().zip(&got).map(|(s, a)| 0.992 * s + 0.008 * a).collect();
+        assert!(max_diff(&ema, &want_ema) < 1e-6);
+
+        // The coefficient matters: without PTX the update is another.
+        let (_, without, ..) = trained_with(0.0);
+        let differs = max_diff(&values(without.actor.masters()), &got);
+        assert!(differs > 1e-4, "--unsup-coef 0 and {coef} gave updates {differs} apart");
     }
 }
