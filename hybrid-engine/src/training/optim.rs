@@ -1179,14 +1179,9 @@ mod tests {
     /// three steps, the saved moments, a reload and a fourth step.
     #[cfg(feature = "cuda")]
     #[test]
+    #[ignore = "needs a GPU: scripts/gpu-check.sh runs it (cargo test --features cuda -- --include-ignored)"]
     fn adamw_cuda_kernels_are_the_fused_cpu_update_bit_for_bit() -> Result<()> {
-        let gpu = match Device::new_cuda(0) {
-            Ok(d) => d,
-            Err(e) => {
-                eprintln!("no GPU, the CUDA kernel test checks nothing: {e}");
-                return Ok(());
-            }
-        };
+        let gpu = crate::kernels::ops::test_support::gpu();
         // 131 x 300 values: more than a block of 256 and not a multiple of it.
         let cfg =
             Gpt2Config { n_layer: 1, n_embd: 32, n_head: 2, n_positions: 8, vocab_size: 300, ..Gpt2Config::tiny() };
@@ -1229,8 +1224,9 @@ mod tests {
     /// tensor of more than one chunk (wte, 600 x 32 values) and weight decay on some.
     #[cfg(feature = "cuda")]
     #[test]
+    #[ignore = "needs a GPU: scripts/gpu-check.sh runs it (cargo test --features cuda -- --include-ignored)"]
     fn fused_gpu_step_is_the_per_parameter_update_then_the_cast_bit_for_bit() -> Result<()> {
-        let Ok(gpu) = Device::new_cuda(0) else { return Ok(()) };
+        let gpu = crate::kernels::ops::test_support::gpu();
         let cfg =
             Gpt2Config { n_layer: 1, n_embd: 32, n_head: 2, n_positions: 8, vocab_size: 600, ..Gpt2Config::tiny() };
         let c = AdamWConfig { weight_decay: 0.1, ..AdamWConfig::default() };
