@@ -148,7 +148,7 @@ fn one_shot(chat: &ChatModel, text: &str, args: &ChatArgs, sampling: &SamplingCo
     if ids.is_empty() {
         bail!("--prompt is empty: give some text to complete");
     }
-    let n_pos = chat.model.cfg.n_positions;
+    let n_pos = chat.model.cfg.max_positions();
     if ids.len() >= n_pos {
         bail!("--prompt has {} tokens but the model's context is {n_pos}: shorten it", ids.len());
     }
@@ -169,7 +169,7 @@ fn interactive(chat: &ChatModel, sampling: &SamplingConfig, ranks: Option<&Infer
     println!("Chatting with the model{split}. Type `clear` to start over, `quit` to exit.");
     let stdin = std::io::stdin();
     let mut history = String::new();
-    let n_pos = chat.model.cfg.n_positions;
+    let n_pos = chat.model.cfg.max_positions();
     let keep = n_pos.saturating_sub(sampling.max_new_tokens.min(n_pos / 2)).max(1);
     loop {
         print!("Human: ");

@@ -42,7 +42,7 @@ impl InferenceRanks {
             }
             return Ok(None);
         }
-        check_divides(cfg.n_head, cfg.inner_dim(), size)?;
+        check_divides(cfg.num_heads(), cfg.inner_dim(), size)?;
         let flags: Vec<String> = std::env::args().skip(1).collect();
         let (env, workers) = match env.is_distributed() {
             true if env.world != size => bail!(

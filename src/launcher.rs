@@ -910,7 +910,7 @@ fn model_size(model: &str) -> String {
     if let Ok(cfg) = hybrid_engine::checkpoints::hf_io::read_config(&config) {
         for name in ["tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"] {
             let p = hybrid_engine::Gpt2Config::from_preset(name).expect("known preset");
-            if (p.n_layer, p.n_embd) == (cfg.n_layer, cfg.n_embd) {
+            if (p.num_layers(), p.hidden_size()) == (cfg.num_layers(), cfg.hidden_size()) {
                 return name.to_string();
             }
         }

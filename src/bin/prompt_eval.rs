@@ -55,7 +55,7 @@ fn run(args: &Args) -> Result<()> {
     let size = args.tensor_model_parallel_size as usize;
     if size > 1 {
         let cfg = &baseline.config;
-        hybrid_engine::tensor_parallel::shard::check_divides(cfg.n_head, cfg.inner_dim(), size)?;
+        hybrid_engine::tensor_parallel::shard::check_divides(cfg.num_heads(), cfg.inner_dim(), size)?;
     }
     let timeout = std::time::Duration::from_secs(args.dist_timeout);
     let ranks = rlhf::inference_ranks::InferenceRanks::join(size, &finetuned.config, timeout)?;

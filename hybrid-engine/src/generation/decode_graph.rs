@@ -93,7 +93,7 @@ fn decode_with_state_in_memory(
     on_token: &mut dyn FnMut(),
     capture_on: Capture,
 ) -> Result<Option<Generation>> {
-    let (b, p, n_pos) = (batch.b, batch.p, model.cfg.n_positions);
+    let (b, p, n_pos) = (batch.b, batch.p, model.cfg.max_positions());
     if b == 0 || p == 0 || p >= n_pos {
         return Ok(None);
     }

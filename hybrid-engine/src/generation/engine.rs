@@ -78,7 +78,7 @@ impl GenerationMode {
         config: &Gpt2Config,
         tp: &Arc<ProcessGroup>,
     ) -> Result<Gpt2> {
-        check_divides(config.n_head, config.inner_dim(), tp.world())?;
+        check_divides(config.num_heads(), config.inner_dim(), tp.world())?;
         let fused = params.merged()?;
         let mut weights = HashMap::new();
         for (name, var) in fused.iter() {
@@ -116,7 +116,7 @@ impl GenerationMode {
         sampling: &SamplingConfig,
         device: &Device,
     ) -> Result<Generation> {
-        let capacity = self.capacity.min(model.cfg.n_positions);
+        let capacity = self.capacity.min(model.cfg.max_positions());
         let cache = self.cache.get_or_insert_with(|| Gpt2Cache::new(&model.cfg, capacity));
         let out = match &self.progress {
             Some(label) => {

@@ -48,7 +48,7 @@ pub fn generate_left_padded(
     cfg: &SamplingConfig,
     device: &Device,
 ) -> Result<Generation> {
-    let capacity = batch.p.saturating_add(cfg.max_new_tokens).min(model.cfg.n_positions);
+    let capacity = batch.p.saturating_add(cfg.max_new_tokens).min(model.cfg.max_positions());
     generate_with_cache(model, batch, cfg, &mut Gpt2Cache::new(&model.cfg, capacity), device)
 }
 
@@ -77,7 +77,7 @@ pub fn generate_observed(
     if b == 0 {
         return Ok(Generation { tokens: vec![], logprobs: vec![] });
     }
-    let n_pos = model.cfg.n_positions;
+    let n_pos = model.cfg.max_positions();
     if p >= n_pos {
         bail!("prompt of {p} tokens leaves no room to generate: the model's context is {n_pos} tokens");
     }

@@ -156,6 +156,39 @@ impl Gpt2Config {
         block.checked_mul(l)?.checked_add(embeddings)?.checked_add(c.checked_mul(2)?)
     }
 
+    /// The width of the residual stream (`n_embd`): the dimensions the rest of the engine reads
+    /// go by the architecture-neutral names of HF's `PretrainedConfig` (GPT-2's `attribute_map`),
+    /// so that nothing outside `model/` names GPT-2's fields.
+    pub fn hidden_size(&self) -> usize {
+        self.n_embd
+    }
+    /// Transformer blocks (`n_layer`).
+    pub fn num_layers(&self) -> usize {
+        self.n_layer
+    }
+    /// Attention heads (`n_head`); GPT-2 has as many key/value heads.
+    pub fn num_heads(&self) -> usize {
+        self.n_head
+    }
+    /// The context: learned positions (`n_positions`).
+    pub fn max_positions(&self) -> usize {
+        self.n_positions
+    }
+    /// Megatron's shape flags (`--num-layers`, `--hidden-size`, `--num-attention-heads`,
+    /// `--max-position-embeddings`) over this config, each where given.
+    pub fn with_shape(
+        mut self,
+        num_layers: Option<usize>,
+        hidden_size: Option<usize>,
+        num_heads: Option<usize>,
+        max_positions: Option<usize>,
+    ) -> Self {
+        self.n_layer = num_layers.unwrap_or(self.n_layer);
+        self.n_embd = hidden_size.unwrap_or(self.n_embd);
+        self.n_head = num_heads.unwrap_or(self.n_head);
+        self.n_positions = max_positions.unwrap_or(self.n_positions);
+        self
+    }
     pub fn inner_dim(&self) -> usize {
         self.n_inner.unwrap_or(4 * self.n_embd)
     }

@@ -179,11 +179,11 @@ pub fn whole_numel(name: &str, local: usize, ranks: usize, vocab: usize) -> usiz
     }
 }
 
-/// Whether a GPT-2 of `n_head` heads and an MLP `inner` wide splits over `ranks` TP ranks.
-pub fn check_divides(n_head: usize, inner: usize, ranks: usize) -> Result<()> {
-    if !n_head.is_multiple_of(ranks) {
+/// Whether a GPT-2 of `heads` heads and an MLP `inner` wide splits over `ranks` TP ranks.
+pub fn check_divides(heads: usize, inner: usize, ranks: usize) -> Result<()> {
+    if !heads.is_multiple_of(ranks) {
         bail!(
-            "--tensor-model-parallel-size {ranks} does not divide the model's {n_head} attention heads: use a divisor of {n_head}"
+            "--tensor-model-parallel-size {ranks} does not divide the model's {heads} attention heads: use a divisor of {heads}"
         );
     }
     if !inner.is_multiple_of(ranks) {

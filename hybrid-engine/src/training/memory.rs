@@ -181,7 +181,7 @@ pub fn activation_bytes(a: &ActivationShape) -> u64 {
         return megatron_activation_bytes(a) as u64;
     }
     let (b, t) = (a.b as f64, a.t as f64);
-    let (n, c, l) = (b * t, a.cfg.n_embd as f64, a.cfg.n_layer as f64);
+    let (n, c, l) = (b * t, a.cfg.hidden_size() as f64, a.cfg.num_layers() as f64);
     let v = if a.lm_head { a.cfg.vocab_size as f64 } else { 0.0 };
     let bytes = match a.kernels {
         Kernels::FusedCpu => {
@@ -223,7 +223,7 @@ pub fn activation_bytes(a: &ActivationShape) -> u64 {
         }
         Kernels::FusedGpu { flash_attention } => fused_gpu_activation_bytes(a, flash_attention),
         Kernels::Composed => {
-            let attn = b * a.cfg.n_head as f64 * t * t;
+            let attn = b * a.cfg.num_heads() as f64 * t * t;
             let per_block = 30.0 * n * c + 5.0 * attn;
             let head = 4.0 * n * v + 6.0 * n * c;
             let blocks = if a.checkpoint { l * n * c + per_block } else { l * per_block };
@@ -240,13 +240,13 @@ pub fn activation_bytes(a: &ActivationShape) -> u64 {
 /// 3's experience: candle keeps every op's output on the graph until the result is dropped).
 pub fn forward_kept_values(cfg: &Gpt2Config, rows: f64, lora: bool) -> f64 {
     let lora = if lora { 27.0 } else { 0.0 };
-    ((20.0 + lora) * cfg.n_layer as f64 + 6.0) * (rows * cfg.n_embd as f64)
+    ((20.0 + lora) * cfg.num_layers() as f64 + 6.0) * (rows * cfg.hidden_size() as f64)
 }
 
 /// [`activation_bytes`] for [`Kernels::FusedGpu`] (see there), in bytes.
 fn fused_gpu_activation_bytes(a: &ActivationShape, flash_attention: bool) -> f64 {
     let (b, t) = (a.b as f64, a.t as f64);
-    let (n, c, l, heads) = (b * t, a.cfg.n_embd as f64, a.cfg.n_layer as f64, a.cfg.n_head as f64);
+    let (n, c, l, heads) = (b * t, a.cfg.hidden_size() as f64, a.cfg.num_layers() as f64, a.cfg.num_heads() as f64);
     let nc = n * c;
     let nv = if a.lm_head { n * a.cfg.vocab_size as f64 } else { 0.0 };
     // d: the compute dtype's size, what backward forms gradients in; g: the held gradients'.
@@ -352,8 +352,8 @@ fn fused_gpu_activation_bytes(a: &ActivationShape, flash_attention: bool) -> f64
 /// sum). Measured on gpt2-medium at T = 2 and 4 (BENCHMARKS.md): without these terms the plan
 /// fell short of the measured peak by 680 and 340 MiB.
 fn megatron_activation_bytes(a: &ActivationShape) -> f64 {
-    let (s, b, h) = (a.t as f64, a.b as f64, a.cfg.n_embd as f64);
-    let (heads, layers, t) = (a.cfg.n_head as f64, a.cfg.n_layer as f64, a.tp as f64);
+    let (s, b, h) = (a.t as f64, a.b as f64, a.cfg.hidden_size() as f64);
+    let (heads, layers, t) = (a.cfg.num_heads() as f64, a.cfg.num_layers() as f64, a.tp as f64);
     let scale = a.dtype_bytes as f64 / 2.0;
     let layer = s * b * h * (10.0 + 24.0 / t + 5.0 * heads * s / (h * t)) * scale;
     let blocks = if a.checkpoint { layers * 2.0 * s * b * h * scale + layer } else { layers * layer };
@@ -405,16 +405,16 @@ pub struct MemoryPlan {
 /// During a unit's backward its gathered weights and its gradient are both whole; its gather
 /// buffer and the reduce-scatter buffer each live beside one of them.
 pub fn gathered_unit_values(cfg: &Gpt2Config, extra: usize) -> usize {
-    let c = cfg.n_embd;
-    let outer = cfg.vocab_size * c + cfg.n_positions * c + 2 * c + extra;
+    let c = cfg.hidden_size();
+    let outer = cfg.vocab_size * c + cfg.max_positions() * c + 2 * c + extra;
     outer.max(block_values(cfg))
 }
 
 /// The values of one transformer block.
 fn block_values(cfg: &Gpt2Config) -> usize {
-    let c = cfg.n_embd;
-    let outer = cfg.vocab_size * c + cfg.n_positions * c + 2 * c;
-    (parameter_count(cfg) - outer) / cfg.n_layer.max(1)
+    let c = cfg.hidden_size();
+    let outer = cfg.vocab_size * c + cfg.max_positions() * c + 2 * c;
+    (parameter_count(cfg) - outer) / cfg.num_layers().max(1)
 }
 
 impl MemoryPlan {

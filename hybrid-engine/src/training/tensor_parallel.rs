@@ -94,7 +94,7 @@ impl TensorParallel {
     /// Whether `cfg` splits over this TP group: callers check it before any other work, so that
     /// a bad layout is refused before the data is read.
     pub fn check_model(&self, cfg: &Gpt2Config) -> Result<()> {
-        check_divides(cfg.n_head, cfg.inner_dim(), self.size())
+        check_divides(cfg.num_heads(), cfg.inner_dim(), self.size())
     }
 
     /// For a consolidated save by rank 0: on the ranks of its TP group (the first data-parallel

@@ -258,9 +258,9 @@ impl ShardedModel {
         let (world, rank) = (group.world(), group.rank());
         let ParamLayout { names, shapes, frozen, lora_scaling } = layout;
         // Unit 2p holds part p's trained parameters, unit 2p + 1 its frozen ones.
-        let mut members: Vec<Vec<usize>> = vec![Vec::new(); 2 * (cfg.n_layer + 1)];
+        let mut members: Vec<Vec<usize>> = vec![Vec::new(); 2 * (cfg.num_layers() + 1)];
         for (i, name) in names.iter().enumerate() {
-            members[2 * unit_of(name, cfg.n_layer)? + usize::from(frozen[i])].push(i);
+            members[2 * unit_of(name, cfg.num_layers())? + usize::from(frozen[i])].push(i);
         }
         let mut units = Vec::new();
         let mut held = vec![None; names.len()];
@@ -612,7 +612,7 @@ impl ShardedModel {
         let rank = self.group.rank();
         let index: HashMap<&str, usize> = self.names.iter().enumerate().map(|(i, n)| (n.as_str(), i)).collect();
         let mut full: Vec<Option<Tensor>> = vec![None; self.names.len()];
-        for part in 0..=self.cfg.n_layer {
+        for part in 0..=self.cfg.num_layers() {
             let units: Vec<&Unit> = self.units.iter().filter(|unit| unit.part == part).collect();
             // The part's adapters, whole: a buffer of all of them, this rank's pieces in place,
             // summed over ranks.
@@ -831,7 +831,7 @@ impl ShardedModel {
 
     /// The outer part's model on its gathered weights `g`.
     fn outer_from(&self, g: Gathered) -> Result<(Gpt2, Gathered)> {
-        let cfg = Gpt2Config { n_layer: 0, ..self.cfg.clone() };
+        let cfg = self.cfg.clone().with_shape(Some(0), None, None, None);
         let mut model = match &self.tp {
             Some(tp) => Gpt2::load_tensor_parallel(g.var_builder(self), &cfg, tp)?,
             None => Gpt2::load(g.var_builder(self), &cfg)?,
@@ -856,7 +856,7 @@ impl ShardedModel {
         let bias = outer.attention_bias(b, t, 0, pos, ids.device())?;
         let mut x = outer.embed(ids, pos, 0, None)?;
         drop(outer);
-        let blocks: Vec<usize> = (0..self.cfg.n_layer).collect();
+        let blocks: Vec<usize> = (0..self.cfg.num_layers()).collect();
         self.for_blocks_prefetched(&blocks, Pass::Forward, None, None, |_, block, _| {
             x = block.forward(&x, &bias, None, None)?.detach();
             Ok(())
@@ -883,8 +883,8 @@ impl ShardedModel {
         let bias = outer.attention_bias(b, t, 0, pos, ids.device())?;
         let mut x = outer.embed(ids, pos, 0, dropout)?.detach();
         drop(outer);
-        let mut inputs = Vec::with_capacity(self.cfg.n_layer);
-        let blocks: Vec<usize> = (0..self.cfg.n_layer).collect();
+        let mut inputs = Vec::with_capacity(self.cfg.num_layers());
+        let blocks: Vec<usize> = (0..self.cfg.num_layers()).collect();
         // The outer unit's gather for the head begins while the last block runs.
         let head_weights = self.for_blocks_prefetched(&blocks, Pass::Forward, None, Some(OUTER), |_, block, _| {
             inputs.push(x.clone());
@@ -898,7 +898,7 @@ impl ShardedModel {
         // graph would otherwise keep the gathered embedding through every block's backward).
         let head_weights = head_weights.ok_or_else(|| anyhow!("internal error: the head was not gathered"))?;
         // The last block's gather for its backward begins while the head runs.
-        let last_block = self.cfg.n_layer.checked_sub(1).map(|i| self.begin_gather(i + 1)).transpose()?;
+        let last_block = self.cfg.num_layers().checked_sub(1).map(|i| self.begin_gather(i + 1)).transpose()?;
         let (outer, gathered) = self.outer_from(self.finish_gather(head_weights, Pass::Backward)?)?;
         let last = Var::from_tensor(&x)?;
         let score = gathered.tensor(SCORE_WEIGHT);
@@ -909,7 +909,7 @@ impl ShardedModel {
         let mut grad = take_leaf_grad(&mut store, &last)?;
         self.reduce_scatter_gradients(gathered, store)?;
 
-        let backwards: Vec<usize> = (0..self.cfg.n_layer).rev().collect();
+        let backwards: Vec<usize> = (0..self.cfg.num_layers()).rev().collect();
         self.for_blocks_prefetched(&backwards, Pass::Backward, last_block, None, |i, block, gathered| {
             let input = Var::from_tensor(&inputs[i])?;
             let out = block.forward(input.as_tensor(), &bias, None, dropout)?;
@@ -1156,12 +1156,12 @@ impl Gathered {
 }
 
 /// The unit of parameter `name`: block `i`'s (`h.<i>.…`) is `i + 1`, the rest is [`OUTER`].
-fn unit_of(name: &str, n_layer: usize) -> Result<usize> {
+fn unit_of(name: &str, layers: usize) -> Result<usize> {
     let Some(rest) = name.strip_prefix("h.") else { return Ok(OUTER) };
     let index = rest.split('.').next().and_then(|i| i.parse::<usize>().ok());
     match index {
-        Some(i) if i < n_layer => Ok(i + 1),
-        _ => bail!("internal error: parameter {name} names no block of the {n_layer}"),
+        Some(i) if i < layers => Ok(i + 1),
+        _ => bail!("internal error: parameter {name} names no block of the {layers}"),
     }
 }
 

@@ -115,14 +115,17 @@ impl Step3Plan {
             false => shard(d * s.actor.total as u64 / tp, s.actor_stage),
         };
         let reward_bytes = s.reward.map_or(0, |cfg| {
-            shard(d * (hybrid_engine::model::params::parameter_count(cfg) + cfg.n_embd) as u64 / tp, s.critic_stage)
+            shard(
+                d * (hybrid_engine::model::params::parameter_count(cfg) + cfg.hidden_size()) as u64 / tp,
+                s.critic_stage,
+            )
         });
         let ema_bytes = match s.ema {
             true => shard(4 * s.actor.total as u64 / tp, s.actor_stage),
             false => 0,
         };
         let a = s.actor.cfg;
-        let (l, c, v) = (a.n_layer as u64, a.n_embd as u64, a.vocab_size as u64);
+        let (l, c, v) = (a.num_layers() as u64, a.hidden_size() as u64, a.vocab_size as u64);
         // Generation: the cache, the weights generation reads where they are not the resident
         // ones (ZeRO-3's gather, LoRA's fused copy), a step's f32 logits and their pick.
         let cache = 2 * l * (s.generation_rows * s.positions) as u64 * c * d / tp;
@@ -249,7 +252,7 @@ mod tests {
         };
         Step3Shapes {
             actor: trained(p),
-            critic: Some(trained(p + cfg.n_embd)),
+            critic: Some(trained(p + cfg.hidden_size())),
             reward: Some(cfg),
             generation_rows: 4,
             training_rows: 2,

@@ -308,8 +308,8 @@ impl StartingModels {
         let context = args.max_prompt_seq_len + args.max_answer_seq_len;
         let reward = self.reward.as_ref().map(|(c, _)| ("reward model", c));
         for (what, c) in std::iter::once(("actor", &self.actor_cfg)).chain(reward) {
-            if context > c.n_positions {
-                bail!("--max-prompt-seq-len + --max-answer-seq-len = {context} exceeds the {what}'s context of {} positions: lower them", c.n_positions);
+            if context > c.max_positions() {
+                bail!("--max-prompt-seq-len + --max-answer-seq-len = {context} exceeds the {what}'s context of {} positions: lower them", c.max_positions());
             }
             if tokenizer.vocab_size() > c.vocab_size {
                 bail!("the {what} embeds {} tokens but the actor's tokenizer has {}: pass models trained with the same tokenizer", c.vocab_size, tokenizer.vocab_size());

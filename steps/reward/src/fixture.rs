@@ -17,14 +17,10 @@ pub const FIXTURE_EOS: u32 = 95;
 /// (config, actor parameters, reward parameters with `score.weight`), all seeded.
 pub fn fixture_models() -> Result<(Gpt2Config, ParamStore, ParamStore)> {
     let cfg = Gpt2Config {
-        n_layer: 2,
-        n_embd: 48,
-        n_head: 3,
-        n_positions: 24,
         vocab_size: 96,
         bos_token_id: Some(FIXTURE_EOS),
         eos_token_id: Some(FIXTURE_EOS),
-        ..Gpt2Config::tiny()
+        ..Gpt2Config::tiny().with_shape(Some(2), Some(48), Some(3), Some(24))
     };
     let actor = ParamStore::init(&cfg, 11, &Device::Cpu)?;
     let mut rm = ParamStore::init(&cfg, 12, &Device::Cpu)?;

@@ -81,7 +81,7 @@ pub fn run(args: &RewardArgs) -> Result<RewardSummary> {
     let mut heads = ParamStore::default();
     let head_store = if shard_source.is_some() { &mut heads } else { &mut start.params };
     match start.extra.get(SCORE_WEIGHT) {
-        Some(w) if w.dims() == [1, config.n_embd] => head_store.push(SCORE_WEIGHT, w)?,
+        Some(w) if w.dims() == [1, config.hidden_size()] => head_store.push(SCORE_WEIGHT, w)?,
         _ => add_score_head(head_store, &config, t.seed, &device)?,
     }
     // LoRA on a whole model or its TP slices; a model built sharded gets its adapters beside the
@@ -266,11 +266,11 @@ pub fn step2_tokenizer(args: &RewardArgs, start: &StartingModel) -> Result<Token
         (None, None) => Tokenizer::gpt2_default()?,
     };
     let (config, max_seq_len) = (&start.config, args.train.max_seq_len);
-    if tokenizer.vocab_size() > config.vocab_size || max_seq_len > config.n_positions {
+    if tokenizer.vocab_size() > config.vocab_size || max_seq_len > config.max_positions() {
         anyhow::bail!(
             "the model (vocabulary {}, context {}) cannot hold the tokenizer's {} tokens or --max-seq-len {}: pass a matching --tokenizer or a lower --max-seq-len",
             config.vocab_size,
-            config.n_positions,
+            config.max_positions(),
             tokenizer.vocab_size(),
             max_seq_len
         );

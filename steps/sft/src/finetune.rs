@@ -343,10 +343,10 @@ pub fn check_fits(config: &hybrid_engine::Gpt2Config, tok: &Tokenizer, max_seq_l
             config.vocab_size
         );
     }
-    if max_seq_len > config.n_positions {
+    if max_seq_len > config.max_positions() {
         anyhow::bail!(
             "--max-seq-len {max_seq_len} is larger than the model's context of {} positions: lower --max-seq-len",
-            config.n_positions
+            config.max_positions()
         );
     }
     Ok(())

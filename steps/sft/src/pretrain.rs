@@ -151,7 +151,7 @@ pub fn run(args: &PretrainArgs) -> Result<PretrainSummary> {
     if let Some(dir) = &finetune {
         cfg.model = folded.finetune_model(dir)?;
     }
-    folded.check_recompute_layers(cfg.model.n_layer)?;
+    folded.check_recompute_layers(cfg.model.num_layers())?;
     let device = hybrid_engine::device::parse_device(&folded.device)?;
     let group = folded.dist.join(&device)?;
     // Tensor parallelism: the ranks of a TP group train on the same data, so the data is split
@@ -761,10 +761,10 @@ fn trainer_state(
 /// A checkpoint can only resume a run of the same model shape.
 fn check_same_shape(saved: &hybrid_engine::Gpt2Config, asked: &hybrid_engine::Gpt2Config) -> Result<()> {
     let fields = [
-        ("n_layer (--num-layers)", saved.n_layer, asked.n_layer),
-        ("n_embd (--hidden-size)", saved.n_embd, asked.n_embd),
-        ("n_head (--num-attention-heads)", saved.n_head, asked.n_head),
-        ("n_positions (--max-position-embeddings)", saved.n_positions, asked.n_positions),
+        ("n_layer (--num-layers)", saved.num_layers(), asked.num_layers()),
+        ("n_embd (--hidden-size)", saved.hidden_size(), asked.hidden_size()),
+        ("n_head (--num-attention-heads)", saved.num_heads(), asked.num_heads()),
+        ("n_positions (--max-position-embeddings)", saved.max_positions(), asked.max_positions()),
         ("vocab_size (--make-vocab-size-divisible-by)", saved.vocab_size, asked.vocab_size),
     ];
     for (name, s, a) in fields {

@@ -375,10 +375,10 @@ impl PretrainArgs {
     /// `--recompute-method block --recompute-num-layers N` recomputes the first N layers and
     /// stores the rest; here every layer is recomputed or none, so N must cover the model's
     /// `n_layer` layers.
-    pub fn check_recompute_layers(&self, n_layer: usize) -> Result<()> {
+    pub fn check_recompute_layers(&self, layers: usize) -> Result<()> {
         match (self.recompute_method.as_deref(), self.recompute_num_layers) {
-            (Some("block"), Some(n)) if n < n_layer => bail!(
-                "--recompute-method block --recompute-num-layers {n} recomputes only the first {n} of the model's {n_layer} layers; here every layer is recomputed or none: use --recompute-num-layers {n_layer} (or --recompute-method uniform --recompute-num-layers 1)"
+            (Some("block"), Some(n)) if n < layers => bail!(
+                "--recompute-method block --recompute-num-layers {n} recomputes only the first {n} of the model's {layers} layers; here every layer is recomputed or none: use --recompute-num-layers {layers} (or --recompute-method uniform --recompute-num-layers 1)"
             ),
             _ => Ok(()),
         }
@@ -455,27 +455,20 @@ impl PretrainArgs {
                 self.lr
             );
         }
-        let mut model = self.with_dropout(model_config(&self.model)?);
-        if let Some(n) = self.num_layers {
-            model.n_layer = n;
-        }
-        if let Some(n) = self.hidden_size {
-            model.n_embd = n;
-        }
-        if let Some(n) = self.num_attention_heads {
-            model.n_head = n;
-        }
-        if let Some(n) = self.max_position_embeddings {
-            model.n_positions = n;
-        }
+        let mut model = self.with_dropout(model_config(&self.model)?).with_shape(
+            self.num_layers,
+            self.hidden_size,
+            self.num_attention_heads,
+            self.max_position_embeddings,
+        );
         model.initializer_range = self.init_method_std;
         model.pad_vocab(self.make_vocab_size_divisible_by);
         model.validate()?;
-        if self.seq_length > model.n_positions {
+        if self.seq_length > model.max_positions() {
             bail!(
                 "--seq-length {} is larger than the model's context of {} positions: lower --seq-length or raise --max-position-embeddings",
                 self.seq_length,
-                model.n_positions
+                model.max_positions()
             );
         }
         if let Some(kind) = self.tokenizer_type.as_deref().filter(|&t| t != "GPT2BPETokenizer") {
@@ -581,10 +574,10 @@ impl PretrainArgs {
     pub fn finetune_model(&self, dir: &std::path::Path) -> Result<Gpt2Config> {
         let model = self.with_dropout(hybrid_engine::checkpoints::hf_io::read_config(&dir.join("config.json"))?);
         let given = [
-            ("--num-layers", self.num_layers, "n_layer", model.n_layer),
-            ("--hidden-size", self.hidden_size, "n_embd", model.n_embd),
-            ("--num-attention-heads", self.num_attention_heads, "n_head", model.n_head),
-            ("--max-position-embeddings", self.max_position_embeddings, "n_positions", model.n_positions),
+            ("--num-layers", self.num_layers, "n_layer", model.num_layers()),
+            ("--hidden-size", self.hidden_size, "n_embd", model.hidden_size()),
+            ("--num-attention-heads", self.num_attention_heads, "n_head", model.num_heads()),
+            ("--max-position-embeddings", self.max_position_embeddings, "n_positions", model.max_positions()),
         ];
         for (flag, value, field, has) in given {
             if let Some(v) = value.filter(|&v| v != has) {
@@ -594,11 +587,11 @@ impl PretrainArgs {
                 );
             }
         }
-        if self.seq_length > model.n_positions {
+        if self.seq_length > model.max_positions() {
             bail!(
                 "--seq-length {} is longer than the {} positions of the model --finetune starts from ({}): lower --seq-length",
                 self.seq_length,
-                model.n_positions,
+                model.max_positions(),
                 dir.display()
             );
         }

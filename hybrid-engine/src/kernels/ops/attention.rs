@@ -24,7 +24,7 @@ use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tenso
 /// which then skips the pass over the keys that would recompute the one and the kernels that
 /// would remake the other.
 struct Attention {
-    n_head: usize,
+    heads: usize,
     scale: f32,
     dropout: Option<DropoutMask>,
     #[cfg(feature = "cuda")]
@@ -35,7 +35,7 @@ struct Attention {
 /// forward's output `y` and what it saved (the row statistics and the mask's tile map), and the
 /// mask transposed in its last two dimensions, `bias_t`.
 struct AttentionGrad {
-    n_head: usize,
+    heads: usize,
     scale: f32,
     dropout: Option<DropoutMask>,
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -52,18 +52,18 @@ struct AttentionDims {
     t: usize,
     c: usize,
     hd: usize,
-    n_head: usize,
+    heads: usize,
     bias_rows: usize,
 }
 
 impl AttentionDims {
-    fn new(qkv: &Layout, bias: &Layout, n_head: usize) -> Result<Self> {
+    fn new(qkv: &Layout, bias: &Layout, heads: usize) -> Result<Self> {
         let (_, t, c3) = qkv.shape().dims3()?;
         let (bias_rows, _, bt, bs) = bias.shape().dims4()?;
-        if bt != t || bs != t || c3 % (3 * n_head) != 0 {
-            candle_core::bail!("attention: qkv {:?} and bias {:?} do not fit {n_head} heads", qkv.dims(), bias.dims());
+        if bt != t || bs != t || c3 % (3 * heads) != 0 {
+            candle_core::bail!("attention: qkv {:?} and bias {:?} do not fit {heads} heads", qkv.dims(), bias.dims());
         }
-        Ok(Self { t, c: c3 / 3, hd: c3 / 3 / n_head, n_head, bias_rows })
+        Ok(Self { t, c: c3 / 3, hd: c3 / 3 / heads, heads, bias_rows })
     }
 
     /// Offset of head `h`'s `part` (0 q, 1 k, 2 v) of batch row `b` in qkv; row stride 3C.
@@ -102,7 +102,7 @@ impl AttentionDims {
 
     /// Element index of (b, h, i, 0) in the (B, NH, T, T) probabilities (dropout's counter).
     fn prob_index(&self, b: usize, h: usize) -> usize {
-        (b * self.n_head + h) * self.t * self.t
+        (b * self.heads + h) * self.t * self.t
     }
 }
 
@@ -114,15 +114,15 @@ impl CustomOp2 for Attention {
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
         let qkv = contiguous_f32(s1, l1, "qkv")?;
         let bias = contiguous_f32(s2, l2, "attention bias")?;
-        let d = AttentionDims::new(l1, l2, self.n_head)?;
+        let d = AttentionDims::new(l1, l2, self.heads)?;
         let batch = l1.dims()[0];
         let (t, c) = (d.t, d.c);
         let mut out = Vec::new();
         let y = SharedOut::new(&mut out, batch * t * c);
-        par_rows(batch * d.n_head, batch * d.n_head * t * t * d.hd, |pairs| {
+        par_rows(batch * d.heads, batch * d.heads * t * t * d.hd, |pairs| {
             let mut p = vec![0f32; t * t];
             for pair in pairs {
-                let (b, h) = (pair / d.n_head, pair % d.n_head);
+                let (b, h) = (pair / d.heads, pair % d.heads);
                 d.probabilities(qkv, bias, b, h, self.scale, &mut p);
                 if let Some(mask) = &self.dropout {
                     mask.apply_in_place(d.prob_index(b, h), &mut p);
@@ -156,7 +156,7 @@ impl CustomOp2 for Attention {
         s2: &candle_core::CudaStorage,
         l2: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let (y, saved) = cuda::attention((s1, l1), (s2, l2), self.n_head, self.scale, self.dropout)?;
+        let (y, saved) = cuda::attention((s1, l1), (s2, l2), self.heads, self.scale, self.dropout)?;
         *self
             .saved
             .lock()
@@ -179,7 +179,7 @@ impl CustomOp2 for Attention {
             false => None,
         };
         let op = AttentionGrad {
-            n_head: self.n_head,
+            heads: self.heads,
             scale: self.scale,
             dropout: self.dropout,
             y: y.clone(),
@@ -212,16 +212,16 @@ impl CustomOp3 for AttentionGrad {
         let qkv = contiguous_f32(s1, l1, "qkv")?;
         let bias = contiguous_f32(s2, l2, "attention bias")?;
         let dy = contiguous_f32(s3, l3, "attention output gradient")?;
-        let d = AttentionDims::new(l1, l2, self.n_head)?;
+        let d = AttentionDims::new(l1, l2, self.heads)?;
         let batch = l1.dims()[0];
         let (t, c, hd) = (d.t, d.c, d.hd);
         let c3 = 3 * c;
         let mut out = Vec::new();
         let dqkv = SharedOut::new(&mut out, qkv.len());
-        par_rows(batch * d.n_head, batch * d.n_head * t * t * hd, |pairs| {
+        par_rows(batch * d.heads, batch * d.heads * t * t * hd, |pairs| {
             let (mut p, mut pd, mut dp) = (vec![0f32; t * t], vec![0f32; t * t], vec![0f32; t * t]);
             for pair in pairs {
-                let (b, h) = (pair / d.n_head, pair % d.n_head);
+                let (b, h) = (pair / d.heads, pair % d.heads);
                 d.probabilities(qkv, bias, b, h, self.scale, &mut p);
                 let kept: &[f32] = match &self.dropout {
                     Some(mask) => {
@@ -306,7 +306,7 @@ impl CustomOp3 for AttentionGrad {
         };
         let dqkv = crate::kernels::cuda::with_cuda_operands(&[&self.y, bias_t], |held| {
             let (y, bias_t) = (held[0], held[1]);
-            cuda::attention_grad((s1, l1), (s2, l2), bias_t, y, saved, (s3, l3), self.n_head, self.scale, self.dropout)
+            cuda::attention_grad((s1, l1), (s2, l2), bias_t, y, saved, (s3, l3), self.heads, self.scale, self.dropout)
         })?;
         Ok((dqkv, l1.shape().clone()))
     }
@@ -317,12 +317,12 @@ impl CustomOp3 for AttentionGrad {
 pub fn attention(
     qkv: &Tensor,
     bias: &Tensor,
-    n_head: usize,
+    heads: usize,
     scale: f64,
     dropout: Option<DropoutMask>,
 ) -> Result<Tensor> {
     let op = Attention {
-        n_head,
+        heads,
         scale: scale as f32,
         dropout,
         #[cfg(feature = "cuda")]
@@ -360,23 +360,23 @@ pub mod cuda {
     const ATTENTION_TILE: usize = 64;
 
     /// Shapes of an attention call on the GPU: (B, T, NH, bias batches), checked against the kernels.
-    fn attention_dims(lq: &Layout, lb: &Layout, n_head: usize) -> Result<(usize, usize, usize, usize)> {
+    fn attention_dims(lq: &Layout, lb: &Layout, heads: usize) -> Result<(usize, usize, usize, usize)> {
         let (b, t, c3) = lq.shape().dims3()?;
         let (bias_batches, _, bt, bs) = lb.shape().dims4()?;
-        if c3 != 3 * n_head * ATTENTION_HEAD_DIM || bt != t || bs != t || (bias_batches != 1 && bias_batches != b) {
+        if c3 != 3 * heads * ATTENTION_HEAD_DIM || bt != t || bs != t || (bias_batches != 1 && bias_batches != b) {
             candle_core::bail!(
-                "flash attention on CUDA: qkv {:?} and bias {:?} do not fit {n_head} heads of {ATTENTION_HEAD_DIM}",
+                "flash attention on CUDA: qkv {:?} and bias {:?} do not fit {heads} heads of {ATTENTION_HEAD_DIM}",
                 lq.dims(),
                 lb.dims()
             );
         }
-        Ok((b, t, n_head, bias_batches))
+        Ok((b, t, heads, bias_batches))
     }
 
     /// A block of four warps per 64 rows of each (batch, head) pair.
-    fn attention_grid(b: usize, t: usize, n_head: usize) -> LaunchConfig {
+    fn attention_grid(b: usize, t: usize, heads: usize) -> LaunchConfig {
         LaunchConfig {
-            grid_dim: (t.div_ceil(ATTENTION_TILE) as u32, (b * n_head) as u32, 1),
+            grid_dim: (t.div_ceil(ATTENTION_TILE) as u32, (b * heads) as u32, 1),
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         }
@@ -474,13 +474,13 @@ pub mod cuda {
     pub fn attention(
         (qkv, lq): (&CudaStorage, &Layout),
         (bias, lb): (&CudaStorage, &Layout),
-        n_head: usize,
+        heads: usize,
         scale: f32,
         dropout: Option<DropoutMask>,
     ) -> Result<(CudaStorage, AttentionSaved)> {
         half_precision_only(qkv, "flash attention")?;
         check_aligned(&[lq])?;
-        let (b, t, nh, bias_batches) = attention_dims(lq, lb, n_head)?;
+        let (b, t, nh, bias_batches) = attention_dims(lq, lb, heads)?;
         let bias = view::<f32>(bias, lb, "the attention bias")?;
         let (seed, threshold, keep, on) = dropout_args(dropout);
         let dev = qkv.device();
@@ -513,13 +513,13 @@ pub mod cuda {
         (y, ly): (&CudaStorage, &Layout),
         saved: &AttentionSaved,
         (dy, ldy): (&CudaStorage, &Layout),
-        n_head: usize,
+        heads: usize,
         scale: f32,
         dropout: Option<DropoutMask>,
     ) -> Result<CudaStorage> {
         half_precision_only(qkv, "flash attention backward")?;
         check_aligned(&[lq, ly, ldy])?;
-        let (b, t, nh, bias_batches) = attention_dims(lq, lb, n_head)?;
+        let (b, t, nh, bias_batches) = attention_dims(lq, lb, heads)?;
         if lbt.dims() != lb.dims() {
             candle_core::bail!("flash attention backward: transposed bias {:?}, bias {:?}", lbt.dims(), lb.dims());
         }

@@ -49,29 +49,29 @@ impl CacheStart {
 struct StepShape {
     b: usize,
     t: usize,
-    n_head: usize,
+    heads: usize,
     head_dim: usize,
     capacity: usize,
 }
 
 impl StepShape {
     /// From c_attn's output (B, T, 3C) and the cache (2, B, NH, capacity, HD).
-    fn of(lq: &Layout, lkv: &Layout, n_head: usize) -> Result<Self> {
+    fn of(lq: &Layout, lkv: &Layout, heads: usize) -> Result<Self> {
         let (b, t, c3) = lq.shape().dims3()?;
         let (two, kb, nh, capacity, head_dim) = lkv.shape().dims5()?;
-        if two != 2 || kb != b || nh != n_head || c3 != 3 * nh * head_dim {
-            candle_core::bail!("a decoding step's qkv {:?} and a cache {:?} of {n_head} heads", lq.dims(), lkv.dims());
+        if two != 2 || kb != b || nh != heads || c3 != 3 * nh * head_dim {
+            candle_core::bail!("a decoding step's qkv {:?} and a cache {:?} of {heads} heads", lq.dims(), lkv.dims());
         }
-        Ok(Self { b, t, n_head, head_dim, capacity })
+        Ok(Self { b, t, heads, head_dim, capacity })
     }
 
     fn c(&self) -> usize {
-        self.n_head * self.head_dim
+        self.heads * self.head_dim
     }
 
     /// Where value d of head h of row bi at position j of keys (`which` 0) or values (1) sits.
     fn at(&self, which: usize, bi: usize, h: usize, j: usize, d: usize) -> usize {
-        (((which * self.b + bi) * self.n_head + h) * self.capacity + j) * self.head_dim + d
+        (((which * self.b + bi) * self.heads + h) * self.capacity + j) * self.head_dim + d
     }
 }
 
@@ -116,7 +116,7 @@ fn with_bias_and_start<R>(
 
 /// Writes the new tokens' keys and values of c_attn's output into a KV cache buffer in place.
 struct KvCacheAppend {
-    n_head: usize,
+    heads: usize,
     start: CacheStart,
     /// c_attn's bias, when the output is the gemm's alone.
     qkv_bias: Option<Tensor>,
@@ -128,7 +128,7 @@ impl candle_core::InplaceOp2 for KvCacheAppend {
     }
 
     fn cpu_fwd(&self, kv: &mut CpuStorage, lkv: &Layout, qkv: &CpuStorage, lq: &Layout) -> Result<()> {
-        let shape = StepShape::of(lq, lkv, self.n_head)?;
+        let shape = StepShape::of(lq, lkv, self.heads)?;
         let start = start_on_cpu(&self.start)?;
         if start + shape.t > shape.capacity {
             candle_core::bail!(
@@ -154,7 +154,7 @@ impl candle_core::InplaceOp2 for KvCacheAppend {
         lq: &Layout,
     ) -> Result<()> {
         with_bias_and_start(self.qkv_bias.as_ref(), &self.start, |bias, start_at| {
-            cuda::kv_cache_append((kv, lkv), (qkv, lq), bias, self.n_head, self.start.on_host(), start_at)
+            cuda::kv_cache_append((kv, lkv), (qkv, lq), bias, self.heads, self.start.on_host(), start_at)
         })
     }
 }
@@ -167,16 +167,16 @@ pub fn kv_cache_append(
     kv: &Tensor,
     qkv: &Tensor,
     qkv_bias: Option<&Tensor>,
-    n_head: usize,
+    heads: usize,
     start: impl Into<CacheStart>,
 ) -> Result<()> {
     let qkv_bias = qkv_bias.map(Tensor::contiguous).transpose()?;
-    kv.inplace_op2(&qkv.contiguous()?, &KvCacheAppend { n_head, start: start.into(), qkv_bias })
+    kv.inplace_op2(&qkv.contiguous()?, &KvCacheAppend { heads, start: start.into(), qkv_bias })
 }
 
 /// Attention of the new tokens' queries over a KV cache buffer, from c_attn's output.
 struct DecodeAttention {
-    n_head: usize,
+    heads: usize,
     start: CacheStart,
     scale: f32,
     /// c_attn's bias, when the output is the gemm's alone.
@@ -197,7 +197,7 @@ impl CustomOp3 for DecodeAttention {
         bias: &CpuStorage,
         lb: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let shape = StepShape::of(lq, lkv, self.n_head)?;
+        let shape = StepShape::of(lq, lkv, self.heads)?;
         let start = start_on_cpu(&self.start)?;
         // The mask's rows: over the positions attended to, or over the whole capacity.
         let stride = match self.start.on_device() {
@@ -233,8 +233,8 @@ impl CustomOp3 for DecodeAttention {
         lb: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let y = with_bias_and_start(self.qkv_bias.as_ref(), &self.start, |qkv_bias, start_at| {
-            let (n_head, start, scale) = (self.n_head, (self.start.on_host(), start_at), self.scale);
-            cuda::decode_attention((qkv, lq), qkv_bias, (kv, lkv), (bias, lb), n_head, start, scale)
+            let (heads, start, scale) = (self.heads, (self.start.on_host(), start_at), self.scale);
+            cuda::decode_attention((qkv, lq), qkv_bias, (kv, lkv), (bias, lb), heads, start, scale)
         })?;
         let (b, t, c3) = lq.shape().dims3()?;
         Ok((y, Shape::from((b, t, c3 / 3))))
@@ -252,11 +252,11 @@ pub fn decode_attention(
     kv: &Tensor,
     start: impl Into<CacheStart>,
     bias: &Tensor,
-    n_head: usize,
+    heads: usize,
     scale: f64,
 ) -> Result<Tensor> {
     let qkv_bias = qkv_bias.map(Tensor::contiguous).transpose()?;
-    let op = DecodeAttention { n_head, start: start.into(), scale: scale as f32, qkv_bias };
+    let op = DecodeAttention { heads, start: start.into(), scale: scale as f32, qkv_bias };
     qkv.contiguous()?.apply_op3_no_bwd(kv, &bias.contiguous()?, &op)
 }
 
@@ -496,12 +496,12 @@ pub mod cuda {
     /// A decoding step's shape ([`super::StepShape`]) where cuda/decode_attention.cu takes it:
     /// heads of 32 to 128 values by 32, and room in the cache for `start` + T positions (an error
     /// naming what does not fit).
-    fn decode_shape(lq: &Layout, lkv: &Layout, n_head: usize, start: usize) -> Result<super::StepShape> {
-        let shape = super::StepShape::of(lq, lkv, n_head)?;
+    fn decode_shape(lq: &Layout, lkv: &Layout, heads: usize, start: usize) -> Result<super::StepShape> {
+        let shape = super::StepShape::of(lq, lkv, heads)?;
         let hd = shape.head_dim;
         if hd % 32 != 0 || hd > 128 || start + shape.t > shape.capacity {
             candle_core::bail!(
-                "decode attention on CUDA: qkv {:?} and a cache {:?} of {n_head} heads (of 32, 64, 96 or 128 values) with {start} + {} positions",
+                "decode attention on CUDA: qkv {:?} and a cache {:?} of {heads} heads (of 32, 64, 96 or 128 values) with {start} + {} positions",
                 lq.dims(),
                 lkv.dims(),
                 shape.t
@@ -512,7 +512,7 @@ pub mod cuda {
 
     /// The kernels' shape arguments: B, T, NH, HD, capacity, start.
     fn shape_args(shape: &super::StepShape, start: usize) -> [u32; 6] {
-        [shape.b, shape.t, shape.n_head, shape.head_dim, shape.capacity, start].map(|v| v as u32)
+        [shape.b, shape.t, shape.heads, shape.head_dim, shape.capacity, start].map(|v| v as u32)
     }
 
     /// A null pointer, for a kernel's optional operand.
@@ -539,14 +539,14 @@ pub mod cuda {
         (kv, lkv): (&mut CudaStorage, &Layout),
         (qkv, lq): (&CudaStorage, &Layout),
         qkv_bias: Option<(&CudaStorage, &Layout)>,
-        n_head: usize,
+        heads: usize,
         start: usize,
         start_at: Option<(&CudaStorage, &Layout)>,
     ) -> Result<()> {
-        let shape = decode_shape(lq, lkv, n_head, start)?;
+        let shape = decode_shape(lq, lkv, heads, start)?;
         let start_at = start_at.map(|(s, l)| view::<u32>(s, l, "the KV cache's length")).transpose()?;
         let [b, t, nh, hd, cap, start] = shape_args(&shape, start);
-        let n = 2 * shape.b * shape.t * shape.n_head * shape.head_dim;
+        let n = 2 * shape.b * shape.t * shape.heads * shape.head_dim;
         let dev = kv.device().clone();
         macro_rules! launch {
             ($elem:ty, $suffix:literal) => {{
@@ -595,11 +595,11 @@ pub mod cuda {
         qkv_bias: Option<(&CudaStorage, &Layout)>,
         (kv, lkv): (&CudaStorage, &Layout),
         (bias, lb): (&CudaStorage, &Layout),
-        n_head: usize,
+        heads: usize,
         (start, start_at): (usize, Option<(&CudaStorage, &Layout)>),
         scale: f32,
     ) -> Result<CudaStorage> {
-        let shape = decode_shape(lq, lkv, n_head, start)?;
+        let shape = decode_shape(lq, lkv, heads, start)?;
         let start_at = start_at.map(|(s, l)| view::<u32>(s, l, "the KV cache's length")).transpose()?;
         // The bias's row: the positions attended to, or the whole capacity when the device says how many.
         let s = if start_at.is_some() { shape.capacity } else { start + shape.t };
@@ -615,13 +615,13 @@ pub mod cuda {
         let bias = view::<f32>(bias, lb, "the decoding step's bias")?;
         let [b, t, nh, hd, cap, _] = shape_args(&shape, start);
         let (s32, bb32) = (s as u32, bias_batches as u32);
-        let rows = shape.b * shape.n_head * shape.t;
+        let rows = shape.b * shape.heads * shape.t;
         Ok(for_float_dtype!(qkv, lq, "decode attention", |src: Elem, suffix| {
             let dev = qkv.device();
             let cache = view::<Elem>(kv, lkv, "the KV cache")?;
             let qkv_bias = qkv_bias_view::<Elem>(qkv_bias, lq)?;
             // SAFETY: the kernel writes every head of every row.
-            let y = unsafe { dev.alloc::<Elem>(shape.b * shape.t * shape.n_head * shape.head_dim)? };
+            let y = unsafe { dev.alloc::<Elem>(shape.b * shape.t * shape.heads * shape.head_dim)? };
             let func = dev.get_or_load_custom_func(
                 &format!("decode_attention_{suffix}"),
                 "rlhf_decode_attention",
@@ -737,7 +737,7 @@ pub mod cuda {
         eps: f32,
     ) -> Result<CudaStorage> {
         let rows = li.shape().elem_count();
-        let ((vocab, c), (n_positions, c2)) = (wte.1.shape().dims2()?, wpe.1.shape().dims2()?);
+        let ((vocab, c), (positions, c2)) = (wte.1.shape().dims2()?, wpe.1.shape().dims2()?);
         let vectors_fit = w.1.shape().elem_count() == c && beta.1.shape().elem_count() == c;
         if lp.shape().elem_count() != rows || c2 != c || !vectors_fit {
             candle_core::bail!(
@@ -762,7 +762,7 @@ pub mod cuda {
                 ptx::DECODE_LAYER,
             )?;
             let mut launch = func.builder();
-            let (rows64, c32, vocab32, n_pos32) = (rows as u64, c as u32, vocab as u32, n_positions as u32);
+            let (rows64, c32, vocab32, n_pos32) = (rows as u64, c as u32, vocab as u32, positions as u32);
             launch.arg(&ids).arg(&positions).arg(table).arg(&wpe).arg(&w).arg(&beta).arg(&out);
             launch.arg(&rows64).arg(&c32).arg(&vocab32).arg(&n_pos32).arg(&eps);
             // SAFETY: the arguments match the kernel's signature; it reads table rows below the
@@ -856,7 +856,7 @@ mod cpu {
             for ti in 0..shape.t {
                 let row = (if mask.per_row { bi } else { 0 }) * shape.t + ti;
                 let mask_row = &mask.values[row * mask.stride..row * mask.stride + s];
-                for h in 0..shape.n_head {
+                for h in 0..shape.heads {
                     let q: Vec<f32> = (0..hd).map(|d| qkv_value(qkv, bias, shape, bi, ti, h * hd + d)).collect();
                     for (j, score) in scores.iter_mut().enumerate() {
                         let key = &kv[shape.at(0, bi, h, j, 0)..shape.at(0, bi, h, j, 0) + hd];
@@ -994,8 +994,8 @@ mod cuda_tests {
         use crate::model::kv_cache::KvCache;
         let gpu = gpu();
         let (b, capacity, pad) = (3usize, 16usize, 2usize);
-        for (n_head, head_dim) in [(2usize, 64usize), (4, 32), (1, 128)] {
-            let c = n_head * head_dim;
+        for (heads, head_dim) in [(2usize, 64usize), (4, 32), (1, 128)] {
+            let c = heads * head_dim;
             for (dtype, bound) in [(DType::F32, 1e-5f32), (DType::BF16, 2e-2), (DType::F16, 4e-3)] {
                 let (mut on_cpu, mut on_gpu) = (KvCache::new(capacity), KvCache::new(capacity));
                 let mut bias_apart = KvCache::new(capacity);
@@ -1016,25 +1016,25 @@ mod cuda_tests {
                     let exact_sum = y.to_dtype(DType::F32)?.broadcast_add(&qkv_bias.to_dtype(DType::F32)?)?;
                     let qkv = exact_sum.to_dtype(dtype)?;
                     let exact = qkv.to_dtype(DType::F32)?;
-                    let (q, k, v) = crate::kernels::ops::split_heads(&exact, n_head)?;
+                    let (q, k, v) = crate::kernels::ops::split_heads(&exact, heads)?;
                     let (k, v) = on_cpu.append(&k, &v)?;
                     let scale = 1.0 / (head_dim as f64).sqrt();
                     let want = crate::kernels::ops::cached_attention(&q, &k, &v, &bias, scale)?;
                     let (qkv, bias) = (qkv.to_device(&gpu)?, bias.to_device(&gpu)?);
-                    assert!(crate::kernels::ops::decode_attention_on_cuda(&qkv, &bias, n_head));
-                    let (kv, cached) = on_gpu.append_qkv(&qkv, None, n_head)?;
+                    assert!(crate::kernels::ops::decode_attention_on_cuda(&qkv, &bias, heads));
+                    let (kv, cached) = on_gpu.append_qkv(&qkv, None, heads)?;
                     assert_eq!(cached, start);
-                    let got = crate::kernels::ops::decode_attention(&qkv, None, &kv, start, &bias, n_head, scale)?;
-                    let what = format!("{dtype:?}, {n_head} heads of {head_dim}, {t} tokens after {start}");
+                    let got = crate::kernels::ops::decode_attention(&qkv, None, &kv, start, &bias, heads, scale)?;
+                    let what = format!("{dtype:?}, {heads} heads of {head_dim}, {t} tokens after {start}");
                     let (y, qkv_bias) = (y.to_device(&gpu)?, qkv_bias.to_device(&gpu)?);
-                    let (kv_apart, _) = bias_apart.append_qkv(&y, Some(&qkv_bias), n_head)?;
+                    let (kv_apart, _) = bias_apart.append_qkv(&y, Some(&qkv_bias), heads)?;
                     let got_apart = crate::kernels::ops::decode_attention(
                         &y,
                         Some(&qkv_bias),
                         &kv_apart,
                         start,
                         &bias,
-                        n_head,
+                        heads,
                         scale,
                     )?;
                     let written = |kv: &Tensor| kv.narrow(3, 0, s);
@@ -1077,9 +1077,14 @@ mod cuda_tests {
         use crate::model::gpt2::{Gpt2, Gpt2Cache, Positions};
         let gpu = gpu.clone();
         let (b, p) = (3usize, 5usize);
-        for n_head in [2usize, 4] {
-            let cfg =
-                crate::Gpt2Config { n_layer: 3, n_head, vocab_size: 500, n_positions: 32, ..crate::Gpt2Config::tiny() };
+        for heads in [2usize, 4] {
+            let cfg = crate::Gpt2Config {
+                n_layer: 3,
+                n_head: heads,
+                vocab_size: 500,
+                n_positions: 32,
+                ..crate::Gpt2Config::tiny()
+            };
             let params = crate::ParamStore::init(&cfg, 11, &Device::Cpu)?;
             for dtype in [DType::F32, DType::BF16, DType::F16] {
                 let on_gpu = params.tensors().into_iter().map(|(k, v)| Ok((k, v.to_dtype(dtype)?.to_device(&gpu)?)));
@@ -1104,7 +1109,7 @@ mod cuda_tests {
                         plain = block.forward(&plain, &bias, Some(layer), None)?;
                     }
                     let diff = max_diff(&fused, &plain)?;
-                    assert_eq!(diff, 0.0, "{dtype:?}, {n_head} heads, step {step}: hidden states differ by {diff}");
+                    assert_eq!(diff, 0.0, "{dtype:?}, {heads} heads, step {step}: hidden states differ by {diff}");
                     ids = Tensor::from_vec(vec![(step * 7 + 1) as u32; b], (b, 1), &gpu)?;
                     pos = Tensor::from_vec(next_pos.clone(), (b, 1), &gpu)?;
                     next_pos.iter_mut().for_each(|x| *x += 1);

@@ -224,11 +224,11 @@ pub fn gemm_rows(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 
 /// Splits `c_attn`'s output (B, T, 3C) into q, k, v, each (B, NH, T, HD) and contiguous (the
 /// layout the batched gemm wants).
-pub fn split_heads(qkv: &Tensor, n_head: usize) -> Result<(Tensor, Tensor, Tensor)> {
+pub fn split_heads(qkv: &Tensor, heads: usize) -> Result<(Tensor, Tensor, Tensor)> {
     let (b, t, c3) = qkv.dims3()?;
     let c = c3 / 3;
     let head = |i: usize| -> Result<Tensor> {
-        qkv.narrow(D::Minus1, i * c, c)?.reshape((b, t, n_head, c / n_head))?.transpose(1, 2)?.contiguous()
+        qkv.narrow(D::Minus1, i * c, c)?.reshape((b, t, heads, c / heads))?.transpose(1, 2)?.contiguous()
     };
     Ok((head(0)?, head(1)?, head(2)?))
 }
@@ -255,8 +255,8 @@ pub fn cached_attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale
 /// cache in two launches ([`decode::decode_attention`]): on a GPU, heads of 32 to
 /// 128 values (a multiple of 32), an f32 mask of rank 4. Elsewhere the cache takes the split
 /// heads and [`cached_attention`] runs.
-pub fn decode_attention_on_cuda(qkv: &Tensor, bias: &Tensor, n_head: usize) -> bool {
-    let head_dim = qkv.dims().last().map_or(0, |c3| c3 / 3 / n_head.max(1));
+pub fn decode_attention_on_cuda(qkv: &Tensor, bias: &Tensor, heads: usize) -> bool {
+    let head_dim = qkv.dims().last().map_or(0, |c3| c3 / 3 / heads.max(1));
     decoding_kernels_take(qkv, bias, head_dim)
 }
 
@@ -310,23 +310,23 @@ pub fn lm_head_logits(x: &Tensor, wte: &Tensor) -> Result<Tensor> {
 pub fn attention(
     qkv: &Tensor,
     bias: &Tensor,
-    n_head: usize,
+    heads: usize,
     scale: f64,
     dropout: Option<DropoutMask>,
 ) -> Result<Tensor> {
-    if (fused(&[qkv, bias]) || flash_attention_on_cuda(qkv, bias, n_head)) && !bias.track_op() && bias.rank() == 4 {
-        attention::attention(qkv, bias, n_head, scale, dropout)
+    if (fused(&[qkv, bias]) || flash_attention_on_cuda(qkv, bias, heads)) && !bias.track_op() && bias.rank() == 4 {
+        attention::attention(qkv, bias, heads, scale, dropout)
     } else {
-        attention_reference(qkv, bias, n_head, scale, dropout)
+        attention_reference(qkv, bias, heads, scale, dropout)
     }
 }
 
 /// Whether [`attention()`] runs the flash-style CUDA kernels: on a GPU with an f32 mask, aligned
 /// operands and [`flash_attention_takes`] the dtype and head size.
-fn flash_attention_on_cuda(qkv: &Tensor, bias: &Tensor, n_head: usize) -> bool {
+fn flash_attention_on_cuda(qkv: &Tensor, bias: &Tensor, heads: usize) -> bool {
     #[cfg(feature = "cuda")]
     {
-        let head_dim = qkv.dims().last().map(|c3| c3 / 3 / n_head.max(1));
+        let head_dim = qkv.dims().last().map(|c3| c3 / 3 / heads.max(1));
         on_cuda(&[qkv, bias])
             && attention::cuda::aligned_for_attention(qkv.layout())
             && bias.dtype() == DType::F32
@@ -334,7 +334,7 @@ fn flash_attention_on_cuda(qkv: &Tensor, bias: &Tensor, n_head: usize) -> bool {
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = (qkv, bias, n_head);
+        let _ = (qkv, bias, heads);
         false
     }
 }
@@ -361,11 +361,11 @@ pub(crate) fn flash_attention_takes(dtype: DType, head_dim: usize) -> bool {
 pub fn attention_reference(
     qkv: &Tensor,
     bias: &Tensor,
-    n_head: usize,
+    heads: usize,
     scale: f64,
     dropout: Option<DropoutMask>,
 ) -> Result<Tensor> {
-    let (q, k, v) = split_heads(qkv, n_head)?;
+    let (q, k, v) = split_heads(qkv, heads)?;
     let scores = q.matmul(&k.t()?)?; // (B, NH, T, T)
     let att = match on_cuda(&[&scores, bias]) {
         true => masked_softmax(&scores, scale, bias)?,
