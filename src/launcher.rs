@@ -1285,11 +1285,11 @@ fn pretrain_demo(args: &TrainArgs) -> Result<()> {
 
 /// The demo's `sft --from-scratch` flags: `iters` iterations of tiny into `out`, on the
 /// launcher's --device and in its --dtype.
-fn pretrain_demo_args(args: &TrainArgs, out: &Path, iters: u64) -> sft::pretrain_args::PretrainArgs {
+fn pretrain_demo_args(args: &TrainArgs, out: &Path, iters: u64) -> sft::pretrain::args::PretrainArgs {
     let tensorboard = args.enable_tensorboard.then(|| "--enable-tensorboard".to_string());
     // `run` has checked the wandb flags.
     let wandb = WandbPass::of(args).ok().flatten().map_or_else(Vec::new, |w| w.flags());
-    sft::pretrain_args::PretrainArgs::parse_from(
+    sft::pretrain::args::PretrainArgs::parse_from(
         [
             "sft".to_string(),
             "--from-scratch".into(),

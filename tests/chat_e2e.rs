@@ -14,7 +14,7 @@ fn model_root() -> &'static Path {
         // Under target/ (cargo's per-test scratch space), not the system temp dir.
         let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("chat-e2e-model");
         let _ = std::fs::remove_dir_all(&dir);
-        let args = sft::pretrain_args::PretrainArgs::parse_from([
+        let args = sft::pretrain::args::PretrainArgs::parse_from([
             "sft",
             "--from-scratch",
             "--num-layers",

@@ -145,7 +145,7 @@ fn floats_in_range_parse() {
         let argv: Vec<&str> = [f.binary].into_iter().chain(f.needs.iter().copied()).chain([f.flag, f.inside]).collect();
         let ok = match (f.binary, f.needs == SCRATCH) {
             ("sft", false) => parses::<sft::args::SftArgs>(&argv),
-            ("sft", true) => parses::<sft::pretrain_args::PretrainArgs>(&argv),
+            ("sft", true) => parses::<sft::pretrain::args::PretrainArgs>(&argv),
             ("reward", _) => parses::<reward::args::RewardArgs>(&argv),
             ("ppo", _) => parses::<ppo::args::PpoArgs>(&argv),
             ("chat", _) => parses::<rlhf::chat::ChatArgs>(&[argv.as_slice(), &["--path", "gpt2"]].concat()),
@@ -537,9 +537,9 @@ fn step_3_and_pretraining_read_a_deepspeed_config_in_their_own_flags() {
             "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 7, "warmup_type": "linear"}}}"#,
     );
     let expanded =
-        expand::<sft::pretrain_args::PretrainArgs>(argv("sft", &megatron, &["--from-scratch", "--train-iters", "9"]))
+        expand::<sft::pretrain::args::PretrainArgs>(argv("sft", &megatron, &["--from-scratch", "--train-iters", "9"]))
             .unwrap();
-    let pretrain = sft::pretrain_args::PretrainArgs::try_parse_from(expanded).unwrap();
+    let pretrain = sft::pretrain::args::PretrainArgs::try_parse_from(expanded).unwrap();
     assert_eq!((pretrain.micro_batch_size, pretrain.gradient_accumulation_steps, pretrain.lr_warmup_iters), (2, 3, 7));
     assert_eq!((pretrain.clip_grad, pretrain.lr, pretrain.weight_decay), (0.25, 6e-4, 0.05));
     assert_eq!((pretrain.adam_beta1, pretrain.adam_beta2), (0.9, 0.999));
@@ -559,7 +559,7 @@ fn every_option_of_every_step_is_described_under_a_heading() {
         sft::args::SftArgs::command(),
         reward::args::RewardArgs::command(),
         ppo::PpoArgs::command(),
-        sft::pretrain_args::PretrainArgs::command(),
+        sft::pretrain::args::PretrainArgs::command(),
         rlhf::launcher::TrainArgs::command(),
     ];
     let mut missing = Vec::new();

@@ -625,7 +625,7 @@ fn time_ms(device: &Device, reps: usize, backward: bool, f: &dyn Fn() -> Result<
 fn bench_ops(a: &OpsArgs, device: &Device) -> Result<serde_json::Value> {
     use candle_core::Var;
     use hybrid_engine::kernels::ops;
-    use hybrid_engine::model::gpt2::MASKED;
+    use hybrid_engine::model::positions::MASKED;
     if a.reps == 0 {
         bail!("--reps must be positive");
     }

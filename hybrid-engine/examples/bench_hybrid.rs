@@ -15,9 +15,10 @@
 
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor, D};
-use hybrid_engine::generation::engine::GenerationMode;
 use hybrid_engine::generation::generate::{LeftPadded, SamplingConfig};
-use hybrid_engine::model::gpt2::{Gpt2, Positions, GPT2_VOCAB};
+use hybrid_engine::generation::mode::GenerationMode;
+use hybrid_engine::model::gpt2::{Gpt2, GPT2_VOCAB};
+use hybrid_engine::model::positions::Positions;
 use hybrid_engine::{Gpt2Config, ParamStore};
 use std::time::Instant;
 

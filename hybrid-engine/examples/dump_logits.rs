@@ -5,7 +5,7 @@
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
 use hybrid_engine::checkpoints::hf_io::{load_model_dir, resolve_model_dir};
-use hybrid_engine::model::gpt2::Positions;
+use hybrid_engine::model::positions::Positions;
 use hybrid_engine::ParamStore;
 use std::collections::HashMap;
 

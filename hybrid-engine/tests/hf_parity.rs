@@ -9,7 +9,8 @@ use candle_core::{DType, Device, IndexOp, Tensor};
 use hybrid_engine::checkpoints::hf_io::{load_model_dir, read_safetensors};
 use hybrid_engine::generation::generate::{generate, SamplingConfig};
 use hybrid_engine::kernels::ops::DropoutKey;
-use hybrid_engine::model::gpt2::{Dropout, Gpt2Cache, Positions};
+use hybrid_engine::model::gpt2::{Dropout, Gpt2Cache};
+use hybrid_engine::model::positions::Positions;
 use hybrid_engine::training::optim::GradAccumulator;
 use hybrid_engine::training::train_step::{lm_forward_backward, Backward};
 use hybrid_engine::{Gpt2, ParamStore};
@@ -240,7 +241,8 @@ fn fused_kernels_match_the_reference_ops_on_left_padded_batches() -> Result<()> 
     let positions = hybrid_engine::generation::generate::position_ids(&mask, b, t);
     let mask = Tensor::from_vec(mask, (b, t), &candle_core::Device::Cpu)?;
     let positions = Tensor::from_vec(positions, (b, t), &candle_core::Device::Cpu)?;
-    let pos = hybrid_engine::model::gpt2::Positions { position_ids: Some(&positions), attention_mask: Some(&mask) };
+    let pos =
+        hybrid_engine::model::positions::Positions { position_ids: Some(&positions), attention_mask: Some(&mask) };
     let drop = Dropout::from_config(&f.model.cfg, DropoutKey { seed: 5, step: 1, micro_batch: 0 });
     let next = input.narrow(1, 4, t - 4)?.unsqueeze(2)?.contiguous()?; // (B, T-4, 1)
     for checkpoint in [false, true] {

@@ -11,7 +11,7 @@ use anyhow::Result;
 use candle_core::{Device, Tensor};
 use hybrid_engine::checkpoints::hf_io::load_model_dir;
 use hybrid_engine::lora::peft::{load_peft_adapter, ADAPTER_WEIGHTS};
-use hybrid_engine::model::gpt2::Positions;
+use hybrid_engine::model::positions::Positions;
 use hybrid_engine::model::reward_model::{RewardModel, SCORE_WEIGHT};
 use hybrid_engine::ParamStore;
 use serde_json::Value;

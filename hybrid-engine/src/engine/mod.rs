@@ -12,8 +12,9 @@
 pub mod epochs;
 
 use crate::comm::{ProcessGroup, WireDtype};
-use crate::model::gpt2::{Dropout, Gpt2Config, Positions};
+use crate::model::gpt2::{Dropout, Gpt2Config};
 use crate::model::params::ParamStore;
+use crate::model::positions::Positions;
 use crate::model::reward_model::{Heads, RewardModel};
 use crate::training::optim::{AdamW, AdamWConfig, SavedOptimizer};
 use crate::training::precision::{LossScaling, Precision};

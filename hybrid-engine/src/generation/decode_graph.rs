@@ -30,7 +30,8 @@
 
 use crate::generation::batch::{row_rng, Generation, LeftPadded, SamplingConfig};
 use crate::kernels::ops::{self, DecodeState};
-use crate::model::gpt2::{Gpt2, Gpt2Cache, Positions, MASKED};
+use crate::model::gpt2::{Gpt2, Gpt2Cache};
+use crate::model::positions::{Positions, MASKED};
 #[cfg(feature = "cuda")]
 use anyhow::anyhow;
 use anyhow::Result;

@@ -8,7 +8,8 @@
 //! rows share its batch: a rollout cut across data-parallel ranks samples what one rank would.
 
 use crate::kernels::ops;
-use crate::model::gpt2::{Gpt2, Gpt2Cache, Positions};
+use crate::model::gpt2::{Gpt2, Gpt2Cache};
+use crate::model::positions::Positions;
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor, D};
 use rand::Rng;

@@ -5,4 +5,5 @@
 pub mod gpt2;
 pub mod kv_cache;
 pub mod params;
+pub mod positions;
 pub mod reward_model;

@@ -110,7 +110,7 @@ pub fn causal_lm_config(cfg: &Gpt2Config) -> Gpt2Config {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::gpt2::Positions;
+    use crate::model::positions::Positions;
     use candle_core::Var;
 
     fn small() -> Gpt2Config {

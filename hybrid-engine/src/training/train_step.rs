@@ -8,7 +8,8 @@
 //! activations are alive at a time. Dropout masks are a pure function of their
 //! [`crate::kernels::ops::DropoutKey`], so the recomputation draws the same masks as the forward.
 
-use crate::model::gpt2::{Dropout, Gpt2, Positions};
+use crate::model::gpt2::{Dropout, Gpt2};
+use crate::model::positions::Positions;
 use crate::model::reward_model::{Heads, RewardModel};
 use crate::training::optim::GradAccumulator;
 use crate::training::zero3::ShardedModel;

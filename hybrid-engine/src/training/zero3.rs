@@ -24,8 +24,9 @@
 //! adds the TP ranks' shares ([`crate::tensor_parallel::shard::norm_share`]).
 
 use crate::comm::{Pending, ProcessGroup, ReduceOp};
-use crate::model::gpt2::{Block, Dropout, Gpt2, Gpt2Config, Positions};
+use crate::model::gpt2::{Block, Dropout, Gpt2, Gpt2Config};
 use crate::model::params::{attach_adapters, ParamStore};
+use crate::model::positions::Positions;
 use crate::model::reward_model::{Heads, SCORE_WEIGHT};
 use crate::training::optim::AdamW;
 use crate::training::zero::{Held, InPlacePiece, MasterShard, Partition};

@@ -17,7 +17,8 @@ use crate::ppo::{self, PpoConfig};
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use hybrid_engine::generation::generate::{gather_log_probs, position_ids, Generation, LeftPadded, SamplingConfig};
-use hybrid_engine::model::gpt2::{Gpt2, Positions};
+use hybrid_engine::model::gpt2::Gpt2;
+use hybrid_engine::model::positions::Positions;
 use hybrid_engine::tensor_parallel::vocab::tempered;
 use hybrid_engine::training::train_step::TrainedModel;
 use std::ops::Range;
@@ -374,8 +375,8 @@ impl ForwardInputs {
 mod tests {
     use super::*;
     use hybrid_engine::comm::ProcessGroup;
-    use hybrid_engine::generation::engine::GenerationMode;
     use hybrid_engine::generation::generate::generate_left_padded;
+    use hybrid_engine::generation::mode::GenerationMode;
     use hybrid_engine::model::gpt2::Gpt2Config;
     use hybrid_engine::model::reward_model::{add_score_head, RewardModel};
     use hybrid_engine::training::zero3::ShardedModel;

@@ -694,7 +694,7 @@ pub fn reward_model_on(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use hybrid_engine::model::gpt2::Positions;
+    use hybrid_engine::model::positions::Positions;
 
     /// An offloaded reference, brought to its device, computes what the resident one does.
     #[test]

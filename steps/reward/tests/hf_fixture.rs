@@ -6,7 +6,7 @@
 
 use candle_core::{Device, Tensor};
 use hybrid_engine::checkpoints::hf_io::load_model_dir;
-use hybrid_engine::model::gpt2::Positions;
+use hybrid_engine::model::positions::Positions;
 use hybrid_engine::model::reward_model::{RewardModel, SCORE_WEIGHT};
 use hybrid_engine::ParamStore;
 use reward::fixture::{fixture_models, save_fixture_models, FIXTURE_EOS};

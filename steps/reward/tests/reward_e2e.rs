@@ -151,7 +151,8 @@ fn bad_input_is_one_clear_error_line() {
 fn lora_only_run_saves_a_merged_model_and_an_adapter_that_reproduces_it() {
     use candle_core::{Device, Tensor};
     use hybrid_engine::lora::peft::load_peft_adapter;
-    use hybrid_engine::model::gpt2::{Gpt2Config, Positions};
+    use hybrid_engine::model::gpt2::Gpt2Config;
+    use hybrid_engine::model::positions::Positions;
     use hybrid_engine::model::reward_model::{RewardModel, SCORE_WEIGHT};
     use hybrid_engine::ParamStore;
 

@@ -4,7 +4,6 @@
 pub mod args;
 pub mod finetune;
 pub mod pretrain;
-pub mod pretrain_args;
 pub mod prompt_eval;
 
 pub use args::SftArgs;
@@ -19,8 +18,8 @@ pub fn main_with_args() {
     let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
     use hybrid_engine::cli::{deepspeed_config, exit_with, parse_from_or_exit};
     let result = if wants_pretraining(&argv) {
-        let argv = deepspeed_config::expand::<pretrain_args::PretrainArgs>(argv).unwrap_or_else(|e| exit_with(e));
-        let args: pretrain_args::PretrainArgs = parse_from_or_exit(argv);
+        let argv = deepspeed_config::expand::<pretrain::args::PretrainArgs>(argv).unwrap_or_else(|e| exit_with(e));
+        let args: pretrain::args::PretrainArgs = parse_from_or_exit(argv);
         pretrain::run(&args).map(|_| ())
     } else {
         let argv = deepspeed_config::expand::<SftArgs>(argv).unwrap_or_else(|e| exit_with(e));

@@ -106,7 +106,8 @@ fn one_epoch_on_the_demo_lowers_perplexity_and_saves_a_model_that_generates() {
 fn lora_only_run_lowers_perplexity_and_saves_a_merged_model_and_a_peft_adapter() {
     use candle_core::{Device, Tensor};
     use hybrid_engine::lora::peft::load_peft_adapter;
-    use hybrid_engine::model::gpt2::{Gpt2Config, Positions};
+    use hybrid_engine::model::gpt2::Gpt2Config;
+    use hybrid_engine::model::positions::Positions;
     use hybrid_engine::ParamStore;
 
     let dir = tempfile::tempdir().unwrap();

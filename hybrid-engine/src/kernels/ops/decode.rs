@@ -990,8 +990,8 @@ mod cuda_tests {
     #[test]
     #[ignore = "needs a GPU: scripts/gpu-check.sh runs it (cargo test --features cuda -- --include-ignored)"]
     fn decode_attention_from_qkv_matches_the_cpu_cache_and_cached_attention() -> Result<()> {
-        use crate::model::gpt2::MASKED;
         use crate::model::kv_cache::KvCache;
+        use crate::model::positions::MASKED;
         let gpu = gpu();
         let (b, capacity, pad) = (3usize, 16usize, 2usize);
         for (heads, head_dim) in [(2usize, 64usize), (4, 32), (1, 128)] {
@@ -1054,7 +1054,7 @@ mod cuda_tests {
         Ok(())
     }
 
-    /// A decoding step's fused blocks (gpt2.rs's Block::forward_decoding_on_cuda, nine launches
+    /// A decoding step's fused blocks (model/gpt2/layers.rs's Block::forward_decoding_on_cuda, nine launches
     /// a layer) against the same blocks one op a launch (Block::forward, on the GPU's kernels
     /// too), on a 3-layer GPT-2 with heads of 64 and of 32: a prefill of 5 tokens with row 0
     /// left-padded by 2, then 4 steps, in f32, bf16 and f16. The fused kernels round each
@@ -1074,7 +1074,8 @@ mod cuda_tests {
     }
 
     fn compare_fused_decoding_blocks(gpu: &Device) -> anyhow::Result<()> {
-        use crate::model::gpt2::{Gpt2, Gpt2Cache, Positions};
+        use crate::model::gpt2::{Gpt2, Gpt2Cache};
+        use crate::model::positions::Positions;
         let gpu = gpu.clone();
         let (b, p) = (3usize, 5usize);
         for heads in [2usize, 4] {

@@ -260,7 +260,7 @@ pub fn decode_attention_on_cuda(qkv: &Tensor, bias: &Tensor, heads: usize) -> bo
     decoding_kernels_take(qkv, bias, head_dim)
 }
 
-/// Whether a decoding step's blocks run fused on a GPU (`gpt2.rs`'s
+/// Whether a decoding step's blocks run fused on a GPU (`model/gpt2/layers.rs`'s
 /// `Block::forward_decoding_on_cuda`: the biases added inside the cache append, the attention,
 /// [`bias_residual_layer_norm`] and [`bias_gelu`]; [`embed_layer_norm`] first), for weights `x`,
 /// the step's mask `bias` and heads of `head_dim` values: what [`decode_attention_on_cuda`] asks,

@@ -56,7 +56,7 @@ use data::{PackedCorpus, Tokenizer};
 use hybrid_engine::checkpoints::resume::{save_model_dir, save_sharded_model_dir};
 use hybrid_engine::comm::ProcessGroup;
 use hybrid_engine::engine::Ranks;
-use hybrid_engine::generation::engine::GenerationMode;
+use hybrid_engine::generation::mode::GenerationMode;
 use hybrid_engine::model::gpt2::Gpt2Config;
 use hybrid_engine::training::metrics::{peak_rss_mib, Metrics};
 use hybrid_engine::training::tensor_parallel::data_group;

@@ -4,7 +4,9 @@
 //! `--dtype fp16|bf16` computes in half precision on fp32 master weights, as every step does
 //! (the [`Engine`]: Megatron's `--fp16` with its dynamic loss scale, or `--bf16`).
 
-use crate::pretrain_args::{PretrainArgs, PretrainConfig};
+pub mod args;
+
+use crate::pretrain::args::{PretrainArgs, PretrainConfig};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use data::{BlendedCorpus, BlendedSampler, CorpusSource, DataCursor, Tokenizer};
@@ -15,7 +17,8 @@ use hybrid_engine::cli::step_args::ShardSource;
 use hybrid_engine::comm::{ProcessGroup, ReduceOp};
 use hybrid_engine::engine::{Engine, Head, Ranks};
 use hybrid_engine::kernels::ops::DropoutKey;
-use hybrid_engine::model::gpt2::{Dropout, Positions};
+use hybrid_engine::model::gpt2::Dropout;
+use hybrid_engine::model::positions::Positions;
 use hybrid_engine::training::early_exit::{ExitPolicy, ExitReason};
 use hybrid_engine::training::memory::MemoryPlan;
 use hybrid_engine::training::metrics::{peak_rss_mib, record_parallel_usage, Metrics};

@@ -186,7 +186,7 @@ mod tests {
         // And reads the training weights unchanged when there is nothing to fuse.
         let training = params.model(&cfg)?;
         let ids = Tensor::new(&[[1u32, 2, 3]], &dev)?;
-        let pos = crate::model::gpt2::Positions::default();
+        let pos = crate::model::positions::Positions::default();
         let d =
             (model.forward(&ids, &pos, None, None)? - training.forward(&ids, &pos, None, None)?)?.abs()?.max_all()?;
         assert_eq!(d.to_scalar::<f32>()?, 0.0);
@@ -213,7 +213,7 @@ mod tests {
         assert_eq!(before, snapshot(&params)?, "fusing works on a copy: weights and adapters are unchanged");
         // The fused model computes what the unfused training model computes.
         let ids = Tensor::new(&[[1u32, 2, 3, 4]], &dev)?;
-        let pos = crate::model::gpt2::Positions::default();
+        let pos = crate::model::positions::Positions::default();
         let d = (fused.forward(&ids, &pos, None, None)? - params.model(&cfg)?.forward(&ids, &pos, None, None)?)?;
         assert!(d.abs()?.max_all()?.to_scalar::<f32>()? < 1e-5);
         Ok(())
