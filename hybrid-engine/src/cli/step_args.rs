@@ -339,7 +339,7 @@ impl StepArgs {
     ) -> Result<Option<String>> {
         let Some(lora) = self.lora() else { return Ok(None) };
         let targets = params.add_lora_cut(cfg, &lora, self.seed, |name, whole| match sliced {
-            Some(tp) => tp.cut(name, whole),
+            Some(tp) => tp.cut(cfg, name, whole),
             None => Ok(whole.clone()),
         })?;
         if self.only_optimize_lora {
@@ -574,7 +574,9 @@ pub fn parameter_counts(
         let whole = |store: &ParamStore| -> usize {
             store
                 .iter()
-                .map(|(name, v)| crate::tensor_parallel::shard::whole_numel(name, v.elem_count(), tp, cfg.vocab_size))
+                .map(|(name, v)| {
+                    crate::tensor_parallel::shard::whole_numel(cfg.split_of(name), v.elem_count(), tp, cfg.vocab_size)
+                })
                 .sum()
         };
         let held_beside = crate::model::params::numel_beside_trunk(params.iter().map(|(n, v)| (n, v.elem_count())));
@@ -685,7 +687,7 @@ mod tests {
     /// alone trained on a frozen trunk; what is held beside the trunk is the rank's own slices.
     #[test]
     fn parameter_counts_are_the_whole_models_from_a_tp_ranks_slices() -> Result<()> {
-        use crate::tensor_parallel::shard::{shard, split_of};
+        use crate::tensor_parallel::shard::shard;
         let cfg = Gpt2Config::tiny();
         let mut whole = ParamStore::init(&cfg, 0, &Device::Cpu)?;
         whole.add_lora(&cfg, &lora::LoraConfig { dim: 2, alpha: None, module_name: "h.".into() }, 1)?;
@@ -697,7 +699,7 @@ mod tests {
         assert_eq!(whole.trainable().numel(), adapters);
         let p = crate::model::params::parameter_count(&cfg);
         assert_eq!(counts, ParameterCounts { total: p + adapters, trainable: adapters, held_beside: adapters });
-        let cut = whole.iter().map(|(name, v)| Ok((name.to_string(), shard(v.as_tensor(), split_of(name), 1, 2)?)));
+        let cut = whole.iter().map(|(name, v)| Ok((name.to_string(), shard(v.as_tensor(), cfg.split_of(name), 1, 2)?)));
         let mut slices = ParamStore::of_tensors(cut.collect::<Result<Vec<_>>>()?)?;
         slices.set_layout(whole.frozen(), whole.lora_scaling())?;
         // A rank's slices: the column-parallel linears' (c_attn, c_fc) A (r, in) whole and half of

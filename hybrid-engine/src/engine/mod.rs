@@ -220,7 +220,8 @@ impl Engine {
         };
         // Under tensor parallelism the gradient norm is the whole model's.
         if let Some(tp) = &tensor {
-            trainer = trainer.with_tensor_parallel(tp.tp().clone(), &trainable);
+            let splits = trainable.names.iter().map(|name| config.split_of(name)).collect();
+            trainer = trainer.with_tensor_parallel(tp.tp().clone(), splits);
         }
         if let Some(lr) = cfg.lora_learning_rate {
             trainer.set_lora_learning_rate(&trainable, lr);
@@ -572,7 +573,7 @@ impl Engine {
         step: u64,
         progress: Option<&TrainerProgress>,
     ) -> Result<()> {
-        let sliced = self.tensor.as_ref().map(|tp| tp.slice_optimizer_tensors(whole)).transpose()?;
+        let sliced = self.tensor.as_ref().map(|tp| tp.slice_optimizer_tensors(whole, &self.config)).transpose()?;
         self.trainer.optimizer.load_state(&self.trainable, step, sliced.as_ref().unwrap_or(whole))?;
         if let Some(progress) = progress {
             self.trainer.restore_progress(progress)?;

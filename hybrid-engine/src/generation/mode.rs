@@ -11,7 +11,7 @@ use crate::comm::ProcessGroup;
 use crate::generation::generate::{generate_observed, generate_with_cache, Generation, LeftPadded, SamplingConfig};
 use crate::model::gpt2::{Gpt2, Gpt2Cache, Gpt2Config};
 use crate::model::params::ParamStore;
-use crate::tensor_parallel::shard::{check_divides, shard, split_of};
+use crate::tensor_parallel::shard::{check_divides, shard};
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
@@ -82,7 +82,7 @@ impl GenerationMode {
         let fused = params.merged()?;
         let mut weights = HashMap::new();
         for (name, var) in fused.iter() {
-            let slice = shard(&var.as_tensor().detach(), split_of(name), tp.rank(), tp.world())?;
+            let slice = shard(&var.as_tensor().detach(), config.split_of(name), tp.rank(), tp.world())?;
             weights.insert(name.to_string(), slice);
         }
         self.load_tensor_parallel(weights, config, tp)
@@ -176,7 +176,7 @@ mod tests {
         let split = kept.model_tensor_parallel(&params, &cfg, &tp)?;
         let mut slices = ParamStore::default();
         for (name, v) in params.iter() {
-            slices.push(name, &shard(v, split_of(name), 0, 1)?)?;
+            slices.push(name, &shard(v, cfg.split_of(name), 0, 1)?)?;
         }
         let sliced = kept.model_of_slices(&slices, &cfg, &tp)?;
         for m in [&model, &split, &sliced] {

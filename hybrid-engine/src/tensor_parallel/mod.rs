@@ -13,8 +13,9 @@ pub mod vocab;
 #[cfg(test)]
 mod tests {
     use crate::comm::on_groups;
+    use crate::model::gpt2::layout::split_of;
     use crate::model::gpt2::{Gpt2, Gpt2Config};
-    use crate::tensor_parallel::shard::{shard, split_of};
+    use crate::tensor_parallel::shard::shard;
     use crate::ParamStore;
     use candle_core::{DType, Device, Tensor, Var};
     use candle_nn::VarBuilder;

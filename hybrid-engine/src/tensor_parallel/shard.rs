@@ -1,10 +1,6 @@
-//! Which slice of each GPT-2 parameter a tensor-parallel rank holds: Megatron's layout on HF's
-//! names and Conv1D `(in, out)` weights. `c_attn` is split by heads (each rank the q, k and v
-//! columns of its heads, so attention needs no communication), `c_fc` by columns, both `c_proj`
-//! by rows with their biases whole (added once, after the sum); LayerNorms and embeddings are
-//! whole on every rank. A LoRA adapter is cut as its linear: `B` (out, r) by the rows of a
-//! column-parallel linear's outputs, `A` (r, in) by the columns of a row-parallel one's inputs,
-//! the other factor whole.
+//! Cutting a parameter over the ranks of a tensor-parallel group and putting it back, by its
+//! [`Split`]: which split each parameter has is the model's (`crate::model::gpt2::layout`, read
+//! through the config's `split_of`), how a split cuts is here.
 
 use crate::comm::{ProcessGroup, ReduceOp};
 use anyhow::{bail, Result};
@@ -15,43 +11,15 @@ use candle_core::{DType, Tensor};
 pub enum Split {
     /// The same on every rank.
     Whole,
-    /// The last dimension holds `segments` equal blocks (q, k and v for `c_attn`), each cut
+    /// The last dimension holds `segments` equal blocks (q, k and v of a packed projection), each cut
     /// into equal consecutive pieces: rank r takes piece r of every block.
     Columns { segments: usize },
-    /// The same cut of the first dimension (`c_proj`'s weights, a LoRA `B` of `c_attn` or `c_fc`).
+    /// The same cut of the first dimension (a row-parallel linear's weight, the LoRA `B` of a
+    /// column-parallel one).
     Rows { segments: usize },
     /// The token embedding's rows, padded first with zero rows to
     /// [`crate::tensor_parallel::vocab::padded_vocab_size`].
     VocabRows,
-}
-
-/// The split of parameter `name` (HF names without `transformer.`).
-pub fn split_of(name: &str) -> Split {
-    // LoRA's A (r, in) and B (out, r) of the linear `module`.
-    if let Some(module) = name.strip_suffix(".lora_A.weight") {
-        return match module.ends_with(".c_proj") {
-            true => Split::Columns { segments: 1 },
-            false => Split::Whole,
-        };
-    }
-    if let Some(module) = name.strip_suffix(".lora_B.weight") {
-        return match module {
-            m if m.ends_with(".attn.c_attn") => Split::Rows { segments: 3 },
-            m if m.ends_with(".mlp.c_fc") => Split::Rows { segments: 1 },
-            _ => Split::Whole,
-        };
-    }
-    if name == "wte.weight" {
-        Split::VocabRows
-    } else if name.contains(".attn.c_attn.") {
-        Split::Columns { segments: 3 }
-    } else if name.contains(".mlp.c_fc.") {
-        Split::Columns { segments: 1 }
-    } else if name.ends_with(".c_proj.weight") {
-        Split::Rows { segments: 1 }
-    } else {
-        Split::Whole
-    }
 }
 
 /// Rank `rank`'s slice of the whole parameter `t` cut as `split` over `ranks` ranks.
@@ -104,10 +72,9 @@ pub fn unshard(pieces: &[Tensor], split: Split, rows: usize) -> Result<Tensor> {
     })
 }
 
-/// The whole parameter `name` from this rank's slice `local`, gathered from the ranks of `tp`
-/// (a collective), in f32: what a consolidated save writes. `rows` as for [`unshard`].
-pub fn gather_parameter(name: &str, local: &Tensor, rows: usize, tp: &ProcessGroup) -> Result<Tensor> {
-    let split = split_of(name);
+/// The whole parameter cut as `split` from this rank's slice `local`, gathered from the ranks of
+/// `tp` (a collective), in f32: what a consolidated save writes. `rows` as for [`unshard`].
+pub fn gather_parameter(split: Split, local: &Tensor, rows: usize, tp: &ProcessGroup) -> Result<Tensor> {
     if tp.world() == 1 || split == Split::Whole {
         return Ok(local.to_dtype(DType::F32)?);
     }
@@ -118,34 +85,34 @@ pub fn gather_parameter(name: &str, local: &Tensor, rows: usize, tp: &ProcessGro
     unshard(&pieces, split, rows)
 }
 
-/// The squared global norm of the gradients `grads` of the parameters `names`, each this rank's
-/// slice, over the TP group: sliced parameters' squares are summed over the ranks, whole ones
-/// (the same gradient on every rank) counted once. A collective; non-finite values stay so.
-pub fn grad_norm_squared(names: &[String], grads: &[Tensor], tp: &ProcessGroup) -> Result<f64> {
+/// The squared global norm of the gradients `grads` of the parameters cut as `splits`, each this
+/// rank's slice, over the TP group: sliced parameters' squares are summed over the ranks, whole
+/// ones (the same gradient on every rank) counted once. A collective; non-finite values stay so.
+pub fn grad_norm_squared(splits: &[Split], grads: &[Tensor], tp: &ProcessGroup) -> Result<f64> {
     let mut share = 0f64;
-    for (name, g) in names.iter().zip(grads) {
-        share += norm_share(name, crate::kernels::ops::sum_of_squares(g)?, tp.world());
+    for (&split, g) in splits.iter().zip(grads) {
+        share += norm_share(split, crate::kernels::ops::sum_of_squares(g)?, tp.world());
     }
     let mut total = [share];
     tp.all_reduce_scalars(&mut total, ReduceOp::Sum)?;
     Ok(total[0])
 }
 
-/// What `sum_of_squares`, one TP rank's squared gradient of parameter `name`, adds to the squared
-/// norm summed over the `ranks` ranks: a slice all of it, a whole (replicated) parameter, whose
-/// gradient every rank holds alike, its share, so that it counts once.
-pub fn norm_share(name: &str, sum_of_squares: f64, ranks: usize) -> f64 {
-    match split_of(name) {
+/// What `sum_of_squares`, one TP rank's squared gradient of a parameter cut as `split`, adds to
+/// the squared norm summed over the `ranks` ranks: a slice all of it, a whole (replicated)
+/// parameter, whose gradient every rank holds alike, its share, so that it counts once.
+pub fn norm_share(split: Split, sum_of_squares: f64, ranks: usize) -> f64 {
+    match split {
         Split::Whole => sum_of_squares / ranks as f64,
         _ => sum_of_squares,
     }
 }
 
-/// The shape of rank's slice of a whole parameter `name` of shape `whole` over `ranks` ranks
-/// (the embedding's rows padded first), as [`shard`] cuts it.
-pub fn local_shape(name: &str, whole: &[usize], ranks: usize) -> Vec<usize> {
+/// The shape of rank's slice of a whole parameter of shape `whole` cut as `split` over `ranks`
+/// ranks (the embedding's rows padded first), as [`shard`] cuts it.
+pub fn local_shape(split: Split, whole: &[usize], ranks: usize) -> Vec<usize> {
     let mut shape = whole.to_vec();
-    match split_of(name) {
+    match split {
         Split::Whole => {}
         Split::Columns { .. } => *shape.last_mut().expect("a sliced parameter has a dimension") /= ranks,
         Split::Rows { .. } => shape[0] /= ranks,
@@ -156,9 +123,9 @@ pub fn local_shape(name: &str, whole: &[usize], ranks: usize) -> Vec<usize> {
 
 /// The inverse of [`local_shape`]: the whole parameter's shape from a slice of shape `local`,
 /// `vocab` rows for the embedding (its padding dropped).
-pub fn whole_shape(name: &str, local: &[usize], ranks: usize, vocab: usize) -> Vec<usize> {
+pub fn whole_shape(split: Split, local: &[usize], ranks: usize, vocab: usize) -> Vec<usize> {
     let mut shape = local.to_vec();
-    match split_of(name) {
+    match split {
         Split::Whole => {}
         Split::Columns { .. } => *shape.last_mut().expect("a sliced parameter has a dimension") *= ranks,
         Split::Rows { .. } => shape[0] *= ranks,
@@ -170,8 +137,8 @@ pub fn whole_shape(name: &str, local: &[usize], ranks: usize, vocab: usize) -> V
 /// [`whole_shape`] by element counts: the whole parameter's from `local`, a rank's slice's over
 /// `ranks` ranks; on one rank, which holds every parameter whole (the embedding unpadded),
 /// `local` itself.
-pub fn whole_numel(name: &str, local: usize, ranks: usize, vocab: usize) -> usize {
-    match split_of(name) {
+pub fn whole_numel(split: Split, local: usize, ranks: usize, vocab: usize) -> usize {
+    match split {
         _ if ranks <= 1 => local,
         Split::Whole => local,
         Split::Columns { .. } | Split::Rows { .. } => local * ranks,
@@ -179,7 +146,7 @@ pub fn whole_numel(name: &str, local: usize, ranks: usize, vocab: usize) -> usiz
     }
 }
 
-/// Whether a GPT-2 of `heads` heads and an MLP `inner` wide splits over `ranks` TP ranks.
+/// Whether a model of `heads` heads and an MLP `inner` wide splits over `ranks` TP ranks.
 pub fn check_divides(heads: usize, inner: usize, ranks: usize) -> Result<()> {
     if !heads.is_multiple_of(ranks) {
         bail!(
@@ -195,39 +162,8 @@ pub fn check_divides(heads: usize, inner: usize, ranks: usize) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::gpt2::layout::split_of;
     use candle_core::Device;
-
-    #[test]
-    fn c_attn_is_cut_by_heads_in_each_of_q_k_and_v() -> Result<()> {
-        // C = 4, two heads of 2 over 2 ranks: q = 0..4, k = 4..8, v = 8..12.
-        let bias = Tensor::arange(0f32, 12.0, &Device::Cpu)?;
-        let split = split_of("h.0.attn.c_attn.bias");
-        assert_eq!(shard(&bias, split, 0, 2)?.to_vec1::<f32>()?, [0.0, 1.0, 4.0, 5.0, 8.0, 9.0]);
-        assert_eq!(shard(&bias, split, 1, 2)?.to_vec1::<f32>()?, [2.0, 3.0, 6.0, 7.0, 10.0, 11.0]);
-        let w = Tensor::arange(0f32, 24.0, &Device::Cpu)?.reshape((2, 12))?;
-        assert_eq!(shard(&w, split_of("h.3.attn.c_attn.weight"), 1, 2)?.dims(), [2, 6]);
-        let proj = Tensor::arange(0f32, 8.0, &Device::Cpu)?.reshape((4, 2))?;
-        let rows = shard(&proj, split_of("h.0.mlp.c_proj.weight"), 1, 2)?;
-        assert_eq!(rows.to_vec2::<f32>()?, [[4.0, 5.0], [6.0, 7.0]]);
-        for whole in ["h.0.attn.c_proj.bias", "h.0.mlp.c_proj.bias", "h.0.ln_1.weight", "wpe.weight"] {
-            assert_eq!(split_of(whole), Split::Whole, "{whole}");
-        }
-        assert_eq!(split_of("h.0.mlp.c_fc.bias"), Split::Columns { segments: 1 });
-        // LoRA: B of c_attn (3C, r) by heads in each of q, k and v; A of c_proj (r, in) by inputs.
-        let b = Tensor::arange(0f32, 12.0, &Device::Cpu)?.reshape((12, 1))?;
-        let mine = shard(&b, split_of("h.0.attn.c_attn.lora_B.weight"), 1, 2)?;
-        assert_eq!(mine.flatten_all()?.to_vec1::<f32>()?, [2.0, 3.0, 6.0, 7.0, 10.0, 11.0]);
-        assert_eq!(split_of("h.0.mlp.c_proj.lora_A.weight"), Split::Columns { segments: 1 });
-        for whole in ["h.0.attn.c_attn.lora_A.weight", "h.0.mlp.c_fc.lora_A.weight", "h.0.attn.c_proj.lora_B.weight"] {
-            assert_eq!(split_of(whole), Split::Whole, "{whole}");
-        }
-        // The embedding: 300 rows padded to 512 over 2 ranks, the second slice partly padding.
-        let wte = Tensor::ones((300, 2), candle_core::DType::F32, &Device::Cpu)?;
-        let second = shard(&wte, split_of("wte.weight"), 1, 2)?;
-        assert_eq!(second.dims(), [256, 2]);
-        assert_eq!(second.sum_all()?.to_scalar::<f32>()?, 2.0 * 44.0);
-        Ok(())
-    }
 
     /// `unshard` inverts `shard` for every split, over 1 to 4 ranks, and `whole_numel` counts the
     /// whole from a slice; gathered over real ranks the slices give the whole parameter, and the
@@ -259,22 +195,22 @@ mod tests {
                     "{name} / {ranks}"
                 );
                 if ranks > 1 {
-                    let whole = whole_numel(name, pieces[0].elem_count(), ranks, t.dim(0)?);
+                    let whole = whole_numel(split_of(name), pieces[0].elem_count(), ranks, t.dim(0)?);
                     assert_eq!(whole, t.elem_count(), "{name} / {ranks}: the whole count from a slice's");
                 }
             }
         }
         // Without tensor parallelism every parameter is whole, the embedding unpadded (50257
         // rows, not a multiple of 128).
-        assert_eq!(whole_numel("wte.weight", 50257 * 8, 1, 50257), 50257 * 8);
-        assert_eq!(whole_numel("h.0.mlp.c_fc.weight", 8 * 32, 1, 50257), 8 * 32);
+        assert_eq!(whole_numel(Split::VocabRows, 50257 * 8, 1, 50257), 50257 * 8);
+        assert_eq!(whole_numel(Split::Columns { segments: 1 }, 8 * 32, 1, 50257), 8 * 32);
         let w = Tensor::arange(0f32, 8.0 * 24.0, &cpu)?.reshape((8, 24))?;
         let ln = Tensor::new(&[3f32, 4.0], &cpu)?;
-        let names = ["h.0.attn.c_attn.weight".to_string(), "h.0.ln_1.weight".to_string()];
+        let splits = [split_of("h.0.attn.c_attn.weight"), split_of("h.0.ln_1.weight")];
         for res in crate::comm::on_groups(2, |tp| {
-            let local = shard(&w, split_of(&names[0]), tp.rank(), 2)?;
-            let whole = gather_parameter(&names[0], &local, 8, &tp)?;
-            let norm = grad_norm_squared(&names, &[local, ln.clone()], &tp)?;
+            let local = shard(&w, splits[0], tp.rank(), 2)?;
+            let whole = gather_parameter(splits[0], &local, 8, &tp)?;
+            let norm = grad_norm_squared(&splits, &[local, ln.clone()], &tp)?;
             Ok((whole.flatten_all()?.to_vec1::<f32>()?, norm))
         }) {
             let (whole, norm) = res?;

@@ -554,7 +554,7 @@ impl MemoryPlan {
         let trunk: usize = crate::model::params::parameter_shapes(cfg)
             .iter()
             .map(|(name, shape)| {
-                crate::tensor_parallel::shard::local_shape(name, shape, ranks).iter().product::<usize>()
+                crate::tensor_parallel::shard::local_shape(cfg.split_of(name), shape, ranks).iter().product::<usize>()
             })
             .sum();
         let held = trunk + held_beside;

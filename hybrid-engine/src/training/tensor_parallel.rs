@@ -6,7 +6,7 @@ use crate::comm::ProcessGroup;
 use crate::model::gpt2::{Gpt2, Gpt2Config};
 use crate::model::params::ParamStore;
 use crate::tensor_parallel::layout::ParallelLayout;
-use crate::tensor_parallel::shard::{check_divides, gather_parameter, shard, split_of, whole_shape};
+use crate::tensor_parallel::shard::{check_divides, gather_parameter, shard, whole_shape};
 use crate::training::optim::AdamW;
 use anyhow::{bail, Result};
 use candle_core::{Device, Tensor};
@@ -52,7 +52,7 @@ impl TensorParallel {
         let (frozen, lora_scaling) = (whole.frozen().to_vec(), whole.lora_scaling());
         let mut local = ParamStore::default();
         for (name, var) in whole.names.into_iter().zip(whole.vars) {
-            let piece = self.cut(&name, var.as_tensor())?;
+            let piece = self.cut(cfg, &name, var.as_tensor())?;
             drop(var);
             local.push(&name, &piece)?;
         }
@@ -64,7 +64,7 @@ impl TensorParallel {
     /// tensor by tensor: a rank never holds more than its slices and one whole tensor.
     pub fn init(&self, cfg: &Gpt2Config, seed: u64, device: &Device) -> Result<ParamStore> {
         self.check_model(cfg)?;
-        ParamStore::init_each(cfg, seed, device, |name, t| self.cut(name, &t))
+        ParamStore::init_each(cfg, seed, device, |name, t| self.cut(cfg, name, &t))
     }
 
     /// This rank's slices of a saved model's trunk of config `cfg`: `read(name, range)` returns
@@ -81,14 +81,15 @@ impl TensorParallel {
         let mut local = ParamStore::default();
         for (name, shape) in crate::model::params::parameter_shapes(cfg) {
             let whole = Tensor::from_vec(read(&name, 0..shape.iter().product())?, shape, device)?;
-            local.push(&name, &self.cut(&name, &whole)?)?;
+            local.push(&name, &self.cut(cfg, &name, &whole)?)?;
         }
         Ok(local)
     }
 
-    /// This rank's slice of parameter `name`'s whole value (trunk, head or LoRA adapter).
-    pub fn cut(&self, name: &str, whole: &Tensor) -> Result<Tensor> {
-        shard(whole, split_of(name), self.layout.tp.rank(), self.size())
+    /// This rank's slice of parameter `name`'s whole value (trunk, head or LoRA adapter) of a
+    /// model of config `cfg`, cut as the model's layout says.
+    pub fn cut(&self, cfg: &Gpt2Config, name: &str, whole: &Tensor) -> Result<Tensor> {
+        shard(whole, cfg.split_of(name), self.layout.tp.rank(), self.size())
     }
 
     /// Whether `cfg` splits over this TP group: callers check it before any other work, so that
@@ -102,7 +103,7 @@ impl TensorParallel {
     /// (`None` on the others); the other TP groups hold the same slices and skip it.
     pub fn gather(&self, local: &ParamStore, cfg: &Gpt2Config) -> Result<Option<ParamStore>> {
         match self.layout.dp.rank() {
-            0 => gather_params(local, cfg.vocab_size, &self.layout.tp),
+            0 => gather_params(local, cfg, &self.layout.tp),
             _ => Ok(None),
         }
     }
@@ -110,7 +111,7 @@ impl TensorParallel {
     /// [`Self::gather`] for the optimizer over the slices `params`.
     pub fn gather_optimizer(&self, local: &AdamW, params: &ParamStore, cfg: &Gpt2Config) -> Result<Option<AdamW>> {
         match self.layout.dp.rank() {
-            0 => gather_optimizer(local, params, cfg.vocab_size, &self.layout.tp),
+            0 => gather_optimizer(local, params, cfg, &self.layout.tp),
             _ => Ok(None),
         }
     }
@@ -124,12 +125,17 @@ impl TensorParallel {
         local: &mut AdamW,
         cfg: &Gpt2Config,
     ) -> Result<()> {
-        shard_optimizer(whole, params, local, (self.layout.tp.rank(), self.size()), cfg.vocab_size)
+        shard_optimizer(whole, params, local, (self.layout.tp.rank(), self.size()), cfg)
     }
 
     /// This rank's slices of saved whole optimizer state (`AdamW::state_tensors`, named
-    /// `exp_avg.<parameter>` and `exp_avg_sq.<parameter>`): each moment cut as its parameter is.
-    pub fn slice_optimizer_tensors(&self, whole: &HashMap<String, Tensor>) -> Result<HashMap<String, Tensor>> {
+    /// `exp_avg.<parameter>` and `exp_avg_sq.<parameter>`) of a model of config `cfg`: each
+    /// moment cut as its parameter is.
+    pub fn slice_optimizer_tensors(
+        &self,
+        whole: &HashMap<String, Tensor>,
+        cfg: &Gpt2Config,
+    ) -> Result<HashMap<String, Tensor>> {
         let (rank, ranks) = (self.layout.tp.rank(), self.size());
         let mut local = HashMap::with_capacity(whole.len());
         for (key, t) in whole {
@@ -138,14 +144,15 @@ impl TensorParallel {
                     "optimizer state {key:?} is not named <moment>.<parameter>: the checkpoint is not this program's"
                 );
             };
-            local.insert(key.clone(), shard(t, split_of(name), rank, ranks)?);
+            local.insert(key.clone(), shard(t, cfg.split_of(name), rank, ranks)?);
         }
         Ok(local)
     }
 
     /// The element counts of the whole parameters of which `local` holds this rank's slices.
     pub fn whole_numels(&self, local: &ParamStore, cfg: &Gpt2Config) -> Vec<usize> {
-        let shapes = local.iter().map(|(name, var)| whole_shape(name, var.dims(), self.size(), cfg.vocab_size));
+        let shapes =
+            local.iter().map(|(name, var)| whole_shape(cfg.split_of(name), var.dims(), self.size(), cfg.vocab_size));
         shapes.map(|s| s.iter().product()).collect()
     }
 
@@ -161,13 +168,13 @@ pub fn data_group(world: &Arc<ProcessGroup>, tp: Option<&TensorParallel>) -> Arc
     tp.map_or_else(|| world.clone(), |t| t.layout.dp.clone())
 }
 
-/// The whole parameters from every rank's slices `local` (a collective over `tp`), the
-/// embedding cut to `vocab` rows (the TP padding dropped), kept by TP rank 0 only (`None` on the
-/// others, which drop each tensor as soon as it is gathered).
-pub fn gather_params(local: &ParamStore, vocab: usize, tp: &ProcessGroup) -> Result<Option<ParamStore>> {
+/// The whole parameters of a model of config `cfg` from every rank's slices `local` (a
+/// collective over `tp`), the embedding cut to its `vocab_size` rows (the TP padding dropped),
+/// kept by TP rank 0 only (`None` on the others, which drop each tensor as soon as it is gathered).
+pub fn gather_params(local: &ParamStore, cfg: &Gpt2Config, tp: &ProcessGroup) -> Result<Option<ParamStore>> {
     let mut whole = ParamStore::default();
     for (name, var) in local.iter() {
-        let t = gather_parameter(name, var.as_tensor(), vocab, tp)?;
+        let t = gather_parameter(cfg.split_of(name), var.as_tensor(), cfg.vocab_size, tp)?;
         if tp.rank() == 0 {
             whole.push(name, &t)?;
         }
@@ -181,14 +188,19 @@ pub fn gather_params(local: &ParamStore, vocab: usize, tp: &ProcessGroup) -> Res
 
 /// The whole optimizer from every rank's `local` one over the slices `params` (a collective
 /// over `tp`): what a consolidated checkpoint saves. Kept by TP rank 0 only, as [`gather_params`].
-pub fn gather_optimizer(local: &AdamW, params: &ParamStore, vocab: usize, tp: &ProcessGroup) -> Result<Option<AdamW>> {
+pub fn gather_optimizer(
+    local: &AdamW,
+    params: &ParamStore,
+    cfg: &Gpt2Config,
+    tp: &ProcessGroup,
+) -> Result<Option<AdamW>> {
     let keep = tp.rank() == 0;
     let (mut m, mut v) = (Vec::new(), Vec::new());
     for (i, (name, var)) in params.iter().enumerate() {
         let (mi, vi) = local.held_moments(i)?;
         for (moments, out) in [(mi, &mut m), (vi, &mut v)] {
             let slice = Tensor::from_slice(&moments, var.shape(), &Device::Cpu)?;
-            let gathered = gather_parameter(name, &slice, vocab, tp)?;
+            let gathered = gather_parameter(cfg.split_of(name), &slice, cfg.vocab_size, tp)?;
             if keep {
                 out.push(gathered.flatten_all()?.to_vec1::<f32>()?);
             }
@@ -201,21 +213,22 @@ pub fn gather_optimizer(local: &AdamW, params: &ParamStore, vocab: usize, tp: &P
 }
 
 /// Puts rank `rank`'s slices of the moments of `whole` (an optimizer over the whole parameters)
-/// into `local`, one over this rank's slices `params` (of a model of `vocab` rows), where it holds
+/// into `local`, one over this rank's slices `params` (of a model of config `cfg`), where it holds
 /// them (all of each slice, or under ZeRO 1/2 its data-parallel shard).
 pub fn shard_optimizer(
     whole: &AdamW,
     params: &ParamStore,
     local: &mut AdamW,
     (rank, ranks): (usize, usize),
-    vocab: usize,
+    cfg: &Gpt2Config,
 ) -> Result<()> {
     for (i, (name, var)) in params.iter().enumerate() {
         let (mi, vi) = whole.held_moments(i)?;
-        let shape = whole_shape(name, var.dims(), ranks, vocab);
+        let split = cfg.split_of(name);
+        let shape = whole_shape(split, var.dims(), ranks, cfg.vocab_size);
         let slice = |moments: &[f32]| -> Result<Vec<f32>> {
             let t = Tensor::from_slice(moments, shape.as_slice(), &Device::Cpu)?;
-            Ok(shard(&t, split_of(name), rank, ranks)?.flatten_all()?.to_vec1::<f32>()?)
+            Ok(shard(&t, split, rank, ranks)?.flatten_all()?.to_vec1::<f32>()?)
         };
         let (m, v) = (slice(&mi)?, slice(&vi)?);
         local.fill_held(i, 0..m.len(), &m, &v)?;
@@ -251,12 +264,12 @@ mod tests {
         for res in on_groups(2, |tp| {
             let mut local = ParamStore::default();
             for (name, var) in whole.iter() {
-                local.push(name, &shard(var.as_tensor(), split_of(name), tp.rank(), 2)?)?;
+                local.push(name, &shard(var.as_tensor(), cfg.split_of(name), tp.rank(), 2)?)?;
             }
             let mut local_opt = AdamW::new(AdamWConfig::default(), &local)?;
-            shard_optimizer(&optimizer, &local, &mut local_opt, (tp.rank(), 2), cfg.vocab_size)?;
-            let params = gather_params(&local, cfg.vocab_size, &tp)?;
-            let opt = gather_optimizer(&local_opt, &local, cfg.vocab_size, &tp)?;
+            shard_optimizer(&optimizer, &local, &mut local_opt, (tp.rank(), 2), &cfg)?;
+            let params = gather_params(&local, &cfg, &tp)?;
+            let opt = gather_optimizer(&local_opt, &local, &cfg, &tp)?;
             Ok((params, opt))
         }) {
             let (Some(params), Some(opt)) = res? else { continue };

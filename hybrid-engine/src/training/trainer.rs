@@ -5,7 +5,7 @@
 
 use crate::comm::ProcessGroup;
 use crate::model::params::ParamStore;
-use crate::tensor_parallel::shard::grad_norm_squared;
+use crate::tensor_parallel::shard::{grad_norm_squared, Split};
 use crate::training::metrics::Metrics;
 use crate::training::optim::{
     clip_coefficient, clip_to_norm, global_grad_norm, AdamW, AdamWConfig, GradAccumulator, SavedOptimizer,
@@ -93,9 +93,9 @@ pub struct Trainer {
     master_shard: Option<zero::MasterShard>,
     /// ZeRO stage 3: the sharded model, which holds the master shard and the gradient shard.
     zero3: Option<Rc<ShardedModel>>,
-    /// Tensor parallelism: the TP group and the parameters' names (which say how each is cut),
-    /// for the global gradient norm over the ranks' slices.
-    tp: Option<(Arc<ProcessGroup>, Vec<String>)>,
+    /// Tensor parallelism: the TP group and how each parameter is cut, for the global gradient
+    /// norm over the ranks' slices.
+    tp: Option<(Arc<ProcessGroup>, Vec<Split>)>,
 }
 
 impl Trainer {
@@ -252,9 +252,9 @@ impl Trainer {
     /// trained slices): the gradient norm that clipping and the fp16 overflow check read is the
     /// whole model's. With any ZeRO stage across the data-parallel group (at stage 3 the
     /// [`ShardedModel`] is built with [`ShardedModel::with_tensor_parallel`] and computes it).
-    pub fn with_tensor_parallel(mut self, tp: Arc<ProcessGroup>, params: &ParamStore) -> Self {
+    pub fn with_tensor_parallel(mut self, tp: Arc<ProcessGroup>, splits: Vec<Split>) -> Self {
         if tp.world() > 1 {
-            self.tp = Some((tp, params.names.clone()));
+            self.tp = Some((tp, splits));
         }
         self
     }
@@ -454,13 +454,13 @@ impl Trainer {
             (Gradients::Shard(shard), _, _) if self.zero3.is_some() => {
                 self.zero3.as_ref().expect("checked").grad_norm(shard)?
             }
-            (Gradients::Shard(shard), Some(group), Some((tp, names))) => {
+            (Gradients::Shard(shard), Some(group), Some((tp, splits))) => {
                 let (_, partition) =
                     self.dp.as_ref().context("internal error: gradient shards without data parallelism")?;
-                zero::sharded_grad_norm_tensor_parallel(group, tp, (names, partition), shard)?
+                zero::sharded_grad_norm_tensor_parallel(group, tp, (splits, partition), shard)?
             }
             (Gradients::Shard(shard), Some(group), _) => zero::sharded_grad_norm(group, shard)?,
-            (Gradients::Full(grads), _, Some((tp, names))) => grad_norm_squared(names, grads, tp)?.sqrt(),
+            (Gradients::Full(grads), _, Some((tp, splits))) => grad_norm_squared(splits, grads, tp)?.sqrt(),
             // `fix` is positive: the norm of the corrected gradients.
             _ if fused => fix * global_grad_norm(gradients.tensors_mut())?,
             _ => global_grad_norm(gradients.tensors_mut())?,

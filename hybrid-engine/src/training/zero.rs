@@ -24,6 +24,7 @@
 
 use crate::comm::{ProcessGroup, ReduceOp, WireDtype};
 use crate::model::params::ParamStore;
+use crate::tensor_parallel::shard::Split;
 use crate::training::optim::AdamW;
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
@@ -583,19 +584,19 @@ pub fn sharded_grad_norm(group: &ProcessGroup, shard: &Tensor) -> Result<f64> {
 }
 
 /// [`sharded_grad_norm`] under tensor parallelism: the shard is this data-parallel rank's piece
-/// of the gradients of this TP rank's slices `names`; squares are summed over the data-parallel
+/// of the gradients of this TP rank's slices, cut as `splits`; squares are summed over the data-parallel
 /// shards, then over the TP ranks, each replicated (whole) parameter counted once.
 pub fn sharded_grad_norm_tensor_parallel(
     dp: &ProcessGroup,
     tp: &ProcessGroup,
-    (names, partition): (&[String], &Partition),
+    (splits, partition): (&[Split], &Partition),
     shard: &Tensor,
 ) -> Result<f64> {
     let mut sq = [0f64];
     for piece in partition.pieces(dp.rank()) {
         let values = shard.narrow(0, piece.in_shard.start, piece.in_shard.len())?;
         let s = crate::kernels::ops::sum_of_squares(&values)?;
-        sq[0] += crate::tensor_parallel::shard::norm_share(&names[piece.param], s, tp.world());
+        sq[0] += crate::tensor_parallel::shard::norm_share(splits[piece.param], s, tp.world());
     }
     dp.all_reduce_scalars(&mut sq, ReduceOp::Sum)?;
     tp.all_reduce_scalars(&mut sq, ReduceOp::Sum)?;
@@ -1110,7 +1111,7 @@ mod tests {
     /// TP 2 by data-parallel 2, the flat layout of a 2-value LayerNorm and a 3-value slice).
     #[test]
     fn sharded_gradient_norms_count_every_value_once() -> Result<()> {
-        let names = ["h.0.ln_1.weight".to_string(), "h.0.mlp.c_fc.weight".to_string()];
+        let splits = [Split::Whole, Split::Columns { segments: 1 }];
         let partition = Partition::new(vec![2, 3], 2);
         let results = crate::comm::on_groups(4, |world| {
             let plain = sharded_grad_norm(&world, &Tensor::new(&[world.rank() as f32 + 1.0], &Device::Cpu)?)?;
@@ -1119,7 +1120,7 @@ mod tests {
             let flat = [1.0, 2.0, 3.0 + t, 4.0 + t, 5.0 + t, 0.0];
             let d = layout.dp.rank();
             let shard = Tensor::new(&flat[d * 3..(d + 1) * 3], &Device::Cpu)?;
-            let tp = sharded_grad_norm_tensor_parallel(&layout.dp, &layout.tp, (&names, &partition), &shard)?;
+            let tp = sharded_grad_norm_tensor_parallel(&layout.dp, &layout.tp, (&splits, &partition), &shard)?;
             Ok((plain, tp))
         });
         for result in results {

@@ -261,7 +261,7 @@ impl ShardedModel {
         // Unit 2p holds part p's trained parameters, unit 2p + 1 its frozen ones.
         let mut members: Vec<Vec<usize>> = vec![Vec::new(); 2 * (cfg.num_layers() + 1)];
         for (i, name) in names.iter().enumerate() {
-            members[2 * unit_of(name, cfg.num_layers())? + usize::from(frozen[i])].push(i);
+            members[2 * unit_of(cfg, name)? + usize::from(frozen[i])].push(i);
         }
         let mut units = Vec::new();
         let mut held = vec![None; names.len()];
@@ -376,7 +376,8 @@ impl ShardedModel {
         for (unit, _, piece) in self.trained_pieces() {
             let from = unit.grad_offset.expect("a trained unit") + piece.in_shard.start;
             let s = crate::kernels::ops::sum_of_squares(&shard.narrow(0, from, piece.in_shard.len())?)?;
-            sq[0] += crate::tensor_parallel::shard::norm_share(&self.names[unit.params[piece.param]], s, tp.world());
+            let split = self.cfg.split_of(&self.names[unit.params[piece.param]]);
+            sq[0] += crate::tensor_parallel::shard::norm_share(split, s, tp.world());
         }
         self.group.all_reduce_scalars(&mut sq, crate::comm::ReduceOp::Sum)?;
         tp.all_reduce_scalars(&mut sq, crate::comm::ReduceOp::Sum)?;
@@ -1156,13 +1157,14 @@ impl Gathered {
     }
 }
 
-/// The unit of parameter `name`: block `i`'s (`h.<i>.…`) is `i + 1`, the rest is [`OUTER`].
-fn unit_of(name: &str, layers: usize) -> Result<usize> {
-    let Some(rest) = name.strip_prefix("h.") else { return Ok(OUTER) };
-    let index = rest.split('.').next().and_then(|i| i.parse::<usize>().ok());
-    match index {
-        Some(i) if i < layers => Ok(i + 1),
-        _ => bail!("internal error: parameter {name} names no block of the {layers}"),
+/// The unit of parameter `name` of a model of config `cfg`: block `i`'s is `i + 1`, the rest
+/// (embeddings, final norm, heads) is [`OUTER`]; which block a parameter is in is the model's
+/// layout's (`cfg.block_of`).
+fn unit_of(cfg: &Gpt2Config, name: &str) -> Result<usize> {
+    match cfg.block_of(name) {
+        None => Ok(OUTER),
+        Some(Some(i)) if i < cfg.num_layers() => Ok(i + 1),
+        Some(_) => bail!("internal error: parameter {name} names no block of the {}", cfg.num_layers()),
     }
 }
 
@@ -1181,11 +1183,13 @@ mod tests {
 
     #[test]
     fn parameters_fall_into_their_blocks_unit() {
-        assert_eq!(unit_of("wte.weight", 2).unwrap(), OUTER);
-        assert_eq!(unit_of("score.weight", 2).unwrap(), OUTER);
-        assert_eq!(unit_of("h.0.attn.c_attn.weight", 2).unwrap(), 1);
-        assert_eq!(unit_of("h.1.ln_2.bias", 2).unwrap(), 2);
-        assert!(unit_of("h.2.ln_2.bias", 2).is_err());
+        let cfg = Gpt2Config::tiny().with_shape(Some(2), None, None, None);
+        assert_eq!(unit_of(&cfg, "wte.weight").unwrap(), OUTER);
+        assert_eq!(unit_of(&cfg, "score.weight").unwrap(), OUTER);
+        assert_eq!(unit_of(&cfg, "h.0.attn.c_attn.weight").unwrap(), 1);
+        assert_eq!(unit_of(&cfg, "h.1.ln_2.bias").unwrap(), 2);
+        assert!(unit_of(&cfg, "h.2.ln_2.bias").is_err());
+        assert!(unit_of(&cfg, "h.x.ln_2.bias").is_err());
     }
 
     /// One rank: the sharded forward and backward give the whole model's loss and gradients.

@@ -350,7 +350,7 @@ impl StartingModels {
                     _ => bail!("internal error: the {what} was read in slices without TP"),
                 };
                 let linears = params.add_lora_cut(cfg, &lora, args.seed, |name, whole| match cut {
-                    Some(tp) => tp.cut(name, whole),
+                    Some(tp) => tp.cut(cfg, name, whole),
                     None => Ok(whole.clone()),
                 })?;
                 println!(

@@ -174,6 +174,14 @@ impl Gpt2Config {
         self.n_positions = max_positions.unwrap_or(self.n_positions);
         self
     }
+    /// How tensor parallelism cuts parameter `name` (this family's table: [`super::layout`]).
+    pub fn split_of(&self, name: &str) -> crate::tensor_parallel::shard::Split {
+        super::layout::split_of(name)
+    }
+    /// The block parameter `name` belongs to (see [`super::layout::block_of`]).
+    pub fn block_of(&self, name: &str) -> Option<Option<usize>> {
+        super::layout::block_of(name)
+    }
     pub fn inner_dim(&self) -> usize {
         self.n_inner.unwrap_or(4 * self.n_embd)
     }

@@ -14,6 +14,7 @@
 
 mod config;
 mod layers;
+pub mod layout;
 
 pub use self::config::{Gpt2Config, GPT2_EOS, GPT2_VOCAB};
 pub use self::layers::{Attention, Block, Conv1D, Dropout, Gpt2Cache, KvCache, LayerNorm, Mlp};

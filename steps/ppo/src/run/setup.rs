@@ -48,7 +48,12 @@ pub(super) fn check_memory_plan(
         // Counted whole, as MemoryPlan takes them: under tensor parallelism the engine trains slices.
         let (names, numels) = engine.trained_inventory();
         let whole = |(name, n): (&String, &usize)| {
-            hybrid_engine::tensor_parallel::shard::whole_numel(name, *n, tp, engine.config.vocab_size)
+            hybrid_engine::tensor_parallel::shard::whole_numel(
+                engine.config.split_of(name),
+                *n,
+                tp,
+                engine.config.vocab_size,
+            )
         };
         let trainable: usize = names.iter().zip(&numels).map(whole).sum();
         let frozen = if args.only_optimize_lora && lora_dim > 0 {
