@@ -5,6 +5,7 @@
 //! Only safetensors and JSON are ever parsed (never pickle), defensively: a truncated or corrupt
 //! file is one error line naming it.
 
+use crate::model::config::ModelConfig;
 use crate::model::gpt2::Gpt2Config;
 use crate::model::params::ParamStore;
 use anyhow::{anyhow, bail, Context, Result};
@@ -316,13 +317,12 @@ pub fn write_json(path: &Path, value: &serde_json::Value) -> Result<()> {
     std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))
 }
 
-/// Reads and validates a config.json.
+/// Reads and validates a config.json (by its `model_type`: [`ModelConfig::from_json`]).
 pub fn read_config(path: &std::path::Path) -> anyhow::Result<Gpt2Config> {
     let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
-    let cfg: Gpt2Config = serde_json::from_str(&text)
-        .map_err(|e| anyhow::anyhow!("{} is not a valid GPT-2 config.json: {e}", path.display()))?;
-    cfg.validate().with_context(|| format!("in {}", path.display()))?;
-    Ok(cfg)
+    match ModelConfig::from_json(&text).with_context(|| format!("{}", path.display()))? {
+        ModelConfig::Gpt2(cfg) => Ok(cfg),
+    }
 }
 
 #[cfg(test)]
