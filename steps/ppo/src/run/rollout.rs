@@ -26,7 +26,8 @@ pub(super) fn external_rewards(
     tokenizer: &Tokenizer,
     rows: &[(&[u32], &[u32])],
 ) -> Result<Vec<f32>> {
-    if fns.is_empty() {
+    // A rank that kept no answer asks no scorer (an HTTP server is sent no empty rollout).
+    if fns.is_empty() || rows.is_empty() {
         return Ok(vec![0.0; rows.len()]);
     }
     let mut total = vec![0f64; rows.len()];
