@@ -8,9 +8,11 @@
 //!   `{"query": [prompt + answer, ...], "prompts": [...]}` answered by `{"rewards": [...]}`;
 //! - `builtin:NAME`: a scorer compiled in ([`Builtin`]).
 //!
-//! Every failure (a time-out, a line that is not a number, a count that is not the answers', a
-//! process that died) is one error naming the scorer and the answer, before anything of the
-//! rollout is trained on or saved.
+//! A failed try (a time-out, a line that is not a number, a count that is not the answers', a
+//! process that died, an HTTP error) is a warning line and the rollout is sent again
+//! (`--reward-fn-tries`, an `exec:` process started anew); the last try's failure is one error
+//! naming the scorer and the answer, before anything of the rollout is trained on, which the
+//! loop turns into a saved checkpoint and an exit ([`ScoringFailed`]).
 
 use anyhow::{anyhow, bail, Context, Result};
 use std::io::{BufRead, BufReader, Write};

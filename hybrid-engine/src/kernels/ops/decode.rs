@@ -737,7 +737,7 @@ pub mod cuda {
         eps: f32,
     ) -> Result<CudaStorage> {
         let rows = li.shape().elem_count();
-        let ((vocab, c), (positions, c2)) = (wte.1.shape().dims2()?, wpe.1.shape().dims2()?);
+        let ((vocab, c), (position_rows, c2)) = (wte.1.shape().dims2()?, wpe.1.shape().dims2()?);
         let vectors_fit = w.1.shape().elem_count() == c && beta.1.shape().elem_count() == c;
         if lp.shape().elem_count() != rows || c2 != c || !vectors_fit {
             candle_core::bail!(
@@ -762,7 +762,7 @@ pub mod cuda {
                 ptx::DECODE_LAYER,
             )?;
             let mut launch = func.builder();
-            let (rows64, c32, vocab32, n_pos32) = (rows as u64, c as u32, vocab as u32, positions as u32);
+            let (rows64, c32, vocab32, n_pos32) = (rows as u64, c as u32, vocab as u32, position_rows as u32);
             launch.arg(&ids).arg(&positions).arg(table).arg(&wpe).arg(&w).arg(&beta).arg(&out);
             launch.arg(&rows64).arg(&c32).arg(&vocab32).arg(&n_pos32).arg(&eps);
             // SAFETY: the arguments match the kernel's signature; it reads table rows below the

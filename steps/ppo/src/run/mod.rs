@@ -25,6 +25,9 @@
 //! groups, generation runs on the training slices in lockstep in each TP group, log-probs come
 //! from the vocabulary slices, and the gradients are averaged over the data-parallel group.
 //! Saves and checkpoints are consolidated (rank 0's TP group gathers them).
+//!
+//! A rollout that no `--reward-fn` could score, on any rank, stops every rank at that rollout
+//! with a checkpoint of the rollouts done (`save_after_failed_scoring`).
 
 mod context;
 mod rollout;
@@ -47,8 +50,7 @@ use crate::args::PpoArgs;
 use crate::checkpoint::ModelSave;
 use crate::eval::{evaluate_policy, heldout_countries_clause, score_text, PolicyEval};
 use crate::experience::Experience;
-use crate::models::PpoModels;
-use crate::models::{build_models, read_model, read_starting_models, Sharding};
+use crate::models::{build_models, read_model, read_starting_models, PpoModels, Sharding};
 use crate::ppo;
 use crate::reward_fn::{RewardFn, ScoringFailed};
 use anyhow::{bail, Result};

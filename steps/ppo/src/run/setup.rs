@@ -5,8 +5,7 @@
 use super::saves::Position;
 use super::stats::PpoSummary;
 use crate::args::PpoArgs;
-use crate::models::PpoModels;
-use crate::models::{lm_on, read_model, read_reward_model, reward_model_on};
+use crate::models::{lm_on, read_model, read_reward_model, reward_model_on, PpoModels};
 use crate::ppo;
 use crate::reward_fn::RewardFn;
 use anyhow::{bail, Context, Result};
