@@ -213,6 +213,32 @@ fn exchange(_: &Path, _: &Path) -> Result<bool> {
     Ok(false)
 }
 
+/// Gives `path`, a file some writer made through a private temporary file (the safetensors
+/// crate's `serialize_to_file` renames a 0600 `NamedTempFile` into place), the permissions any
+/// new file of ours gets, 0666 less the process's umask: a model's weights are as readable as the
+/// config and tokenizer beside it.
+pub fn set_created_permissions(path: &Path) -> Result<()> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = 0o666 & !umask();
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+            .with_context(|| format!("cannot set the permissions of {}", path.display()))?;
+    }
+    #[cfg(not(unix))]
+    let _ = path;
+    Ok(())
+}
+
+/// The process's umask, read where reading does not change it (Linux's /proc/self/status; setting
+/// it to read it back would race with other threads creating files); 022 where it cannot be read.
+#[cfg(unix)]
+fn umask() -> u32 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let field = status.lines().find_map(|l| l.strip_prefix("Umask:")).map(str::trim);
+    field.and_then(|m| u32::from_str_radix(m, 8).ok()).unwrap_or(0o022)
+}
+
 /// Replaces a small file atomically (temporary sibling, fsync, rename, fsync of the directory).
 pub fn write_file_atomically(path: &Path, contents: &[u8]) -> Result<()> {
     write_file_atomically_with_mode(path, contents, 0o666)
@@ -338,6 +364,22 @@ mod tests {
         for (n, c) in files {
             std::fs::write(dir.join(n), c)?;
         }
+        Ok(())
+    }
+
+    /// A file made private by its writer gets what a plain new file gets: 0666 less the umask.
+    #[cfg(unix)]
+    #[test]
+    fn a_privately_written_file_gets_a_new_files_permissions() -> Result<()> {
+        use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+        let dir = tempfile::tempdir()?;
+        let (private, plain) = (dir.path().join("weights"), dir.path().join("config.json"));
+        std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&private)?;
+        std::fs::write(&plain, b"{}")?;
+        set_created_permissions(&private)?;
+        let mode = |p: &Path| std::fs::metadata(p).map(|m| m.permissions().mode() & 0o777);
+        assert_eq!(mode(&private)?, mode(&plain)?);
+        assert_eq!(mode(&plain)?, 0o666 & !umask(), "the umask read is the one the kernel applied");
         Ok(())
     }
 

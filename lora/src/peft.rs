@@ -109,6 +109,7 @@ pub fn save_peft_adapter(dir: &Path, adapter: &PeftAdapter) -> Result<()> {
     let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
     safetensors::serialize_to_file(tensors, Some(metadata), &dir.join(ADAPTER_WEIGHTS))
         .with_context(|| format!("writing {}", dir.join(ADAPTER_WEIGHTS).display()))
+        .and_then(|()| durable::set_created_permissions(&dir.join(ADAPTER_WEIGHTS)))
         .with_context(|| format!("saving the LoRA adapter to {}", dir.display()))
 }
 

@@ -275,7 +275,8 @@ pub fn write_model_files(
     let mut tensors: Vec<(String, Tensor)> = params.iter().map(|(n, v)| (hf_name(n), v.as_tensor().clone())).collect();
     tensors.extend(extra.iter().map(|(n, t)| (n.to_string(), (*t).clone())));
     safetensors::serialize_to_file(tensors, Some(weights_metadata()), &dir.join(WEIGHTS))
-        .with_context(|| format!("writing {}", dir.join(WEIGHTS).display()))
+        .with_context(|| format!("writing {}", dir.join(WEIGHTS).display()))?;
+    crate::durable::set_created_permissions(&dir.join(WEIGHTS))
 }
 
 /// A parameter's name in a HF directory: the trunk under `transformer.`, heads (`score.weight`)
@@ -328,6 +329,19 @@ pub fn read_config(path: &std::path::Path) -> anyhow::Result<Gpt2Config> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The weights are as readable as the config beside them (the umask decides for both), not
+    /// 0600 as the safetensors writer's temporary file is made.
+    #[test]
+    fn the_weights_get_the_permissions_of_their_siblings() -> Result<()> {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir()?;
+        let cfg = Gpt2Config::tiny().with_shape(Some(1), Some(8), Some(2), Some(8));
+        write_model_files(dir.path(), &cfg, &ParamStore::init(&cfg, 0, &Device::Cpu)?, &[])?;
+        let mode = |name: &str| std::fs::metadata(dir.path().join(name)).map(|m| m.permissions().mode() & 0o777);
+        assert_eq!(mode(WEIGHTS)?, mode(CONFIG)?);
+        Ok(())
+    }
 
     #[test]
     fn truncated_safetensors_is_a_clear_error() -> Result<()> {

@@ -67,7 +67,9 @@ pub fn write_shard(dir: &Path, rank: usize, world: usize, optimizer: &AdamW, nam
         tensors.push((format!("range.{name}"), Tensor::from_slice(&range, 2, &Device::Cpu)?));
     }
     let path = dir.join(shard_file(rank, world));
-    safetensors::serialize_to_file(tensors, Some(meta), &path).with_context(|| format!("writing {}", path.display()))
+    safetensors::serialize_to_file(tensors, Some(meta), &path)
+        .with_context(|| format!("writing {}", path.display()))?;
+    crate::durable::set_created_permissions(&path)
 }
 
 /// Reads the manifest in `dir`.

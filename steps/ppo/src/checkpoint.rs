@@ -224,15 +224,15 @@ fn assemble_model(tmp: &Path, model: &SavedModel, staging: &Path, world: usize, 
             // directory holds the merged weights, for people and other tools.
             let raw: Vec<(String, Tensor)> =
                 params.iter().map(|(n, v)| (n.to_string(), v.as_tensor().clone())).collect();
-            safetensors::serialize_to_file(raw, None, &tmp.join(format!("{name}_params.safetensors")))?;
+            let raw_path = tmp.join(format!("{name}_params.safetensors"));
+            safetensors::serialize_to_file(raw, None, &raw_path)?;
+            hybrid_engine::durable::set_created_permissions(&raw_path)?;
             if let Some(optimizer) = optimizer {
                 let meta = HashMap::from([("format".to_string(), "rlhf-adamw".to_string())]);
                 let moments = optimizer.state_tensors(&params.trainable())?;
-                safetensors::serialize_to_file(
-                    moments,
-                    Some(meta),
-                    &tmp.join(format!("{name}_optimizer.safetensors")),
-                )?;
+                let path = tmp.join(format!("{name}_optimizer.safetensors"));
+                safetensors::serialize_to_file(moments, Some(meta), &path)?;
+                hybrid_engine::durable::set_created_permissions(&path)?;
             }
         }
         ModelSave::Sharded { model: sharded, optimizer, .. } => {
