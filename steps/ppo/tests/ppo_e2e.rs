@@ -661,6 +661,20 @@ done"#,
     }
     assert!(errors[0].ends_with(&format!("--load {}", root.display())), "{}", errors[0]);
     assert!(!dir.path().join("broken/actor").exists(), "the failed run's models are its checkpoint's");
+    // Resumed with the scorer still gone, its checkpoints going elsewhere: the first rollout
+    // fails again, and the line points back at the checkpoint it was resumed from.
+    let elsewhere = dir.path().join("elsewhere");
+    let again = ppo(
+        dir.path(),
+        "broken",
+        &[&flags[..], &["--load", root.to_str().unwrap(), "--save", elsewhere.to_str().unwrap()]].concat(),
+    );
+    let said = stderr(&again);
+    assert_eq!(again.status.code(), Some(2), "{said}");
+    assert!(
+        said.contains("is saved already") && said.trim_end().ends_with(&format!("--load {}", root.display())),
+        "{said}"
+    );
     std::fs::remove_file(&fail_at).unwrap();
     let resumed = ok(&ppo(dir.path(), "broken", &[&flags[..], &["--load", root.to_str().unwrap()]].concat()));
     assert!(resumed.contains("resumed from"), "{resumed}");

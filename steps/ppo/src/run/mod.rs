@@ -181,6 +181,7 @@ pub fn run(args: &PpoArgs) -> Result<PpoSummary> {
         kl_ctl: at.kl_ctl,
         reward_moments: at.reward_moments,
         reward_fns,
+        last_saved_root: args.load.clone().unwrap_or_else(|| save_root.clone()),
         save_root,
         save_pending: false,
         last_saved_step: at.step,
@@ -222,6 +223,8 @@ struct PpoLoop<'a> {
     /// A --save-interval checkpoint waiting for a safe point.
     save_pending: bool,
     last_saved_step: u64,
+    /// Where the checkpoint of `last_saved_step` is: --load's root until this run saves one.
+    last_saved_root: PathBuf,
     total_rollouts: u64,
 }
 
@@ -378,6 +381,7 @@ impl PpoLoop<'_> {
             self.metrics.println(&format!(" saved a step-3 checkpoint at rollout {step} to {}", dir.display()));
         }
         (self.save_pending, self.last_saved_step) = (false, step);
+        self.last_saved_root = self.save_root.clone();
         Ok(())
     }
 }
@@ -391,7 +395,10 @@ impl PpoLoop<'_> {
     fn save_after_failed_scoring(&mut self, epoch: usize, batch_index: usize, error: anyhow::Error) -> anyhow::Error {
         let done = self.step - 1;
         let root = self.save_root.display().to_string();
-        let resume = format!("once the reward function works, resume with the same command and --load {root}");
+        let resume_from = |root: &Path| {
+            format!("once the reward function works, resume with the same command and --load {}", root.display())
+        };
+        let resume = resume_from(&self.save_root);
         let models = &self.models;
         let safe_point = self.buffer.is_empty()
             && models.actor.trainer().at_boundary()
@@ -399,11 +406,11 @@ impl PpoLoop<'_> {
         let what = if done == 0 {
             "no rollout was done, so nothing is saved".to_string()
         } else if done == self.last_saved_step {
-            format!("the checkpoint of rollout {done} is saved already; {resume}")
+            format!("the checkpoint of rollout {done} is saved already; {}", resume_from(&self.last_saved_root))
         } else if !safe_point {
             let last = match self.last_saved_step {
                 0 => "no checkpoint was saved".to_string(),
-                step => format!("the last checkpoint is rollout {step}'s; {resume}"),
+                step => format!("the last checkpoint is rollout {step}'s; {}", resume_from(&self.last_saved_root)),
             };
             format!("rollout {done} is no point to save at (rollouts are buffered for --generation-batches or gradients are accumulating): {last}")
         } else {
