@@ -1161,9 +1161,9 @@ impl Gathered {
 /// (embeddings, final norm, heads) is [`OUTER`]; which block a parameter is in is the model's
 /// layout's (`cfg.block_of`).
 fn unit_of(cfg: &Gpt2Config, name: &str) -> Result<usize> {
-    match cfg.block_of(name) {
+    match cfg.block_of(name)? {
         None => Ok(OUTER),
-        Some(Some(i)) if i < cfg.num_layers() => Ok(i + 1),
+        Some(i) if i < cfg.num_layers() => Ok(i + 1),
         Some(_) => bail!("internal error: parameter {name} names no block of the {}", cfg.num_layers()),
     }
 }

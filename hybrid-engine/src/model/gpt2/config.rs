@@ -179,7 +179,7 @@ impl Gpt2Config {
         super::layout::split_of(name)
     }
     /// The block parameter `name` belongs to (see [`super::layout::block_of`]).
-    pub fn block_of(&self, name: &str) -> Option<Option<usize>> {
+    pub fn block_of(&self, name: &str) -> anyhow::Result<Option<usize>> {
         super::layout::block_of(name)
     }
     pub fn inner_dim(&self) -> usize {

@@ -39,12 +39,15 @@ pub fn split_of(name: &str) -> Split {
     }
 }
 
-/// The block parameter `name` belongs to: `Some(Some(i))` for block `i`'s (`h.<i>.…`),
-/// `Some(None)` for a name under the blocks that gives no index, `None` outside the blocks
-/// (the embeddings, the final LayerNorm, the heads beside the trunk).
-pub fn block_of(name: &str) -> Option<Option<usize>> {
-    let rest = name.strip_prefix("h.")?;
-    Some(rest.split('.').next().and_then(|i| i.parse::<usize>().ok()))
+/// The block parameter `name` belongs to: `Some(i)` for block `i`'s (`h.<i>.…`), `None`
+/// outside the blocks (the embeddings, the final LayerNorm, the heads beside the trunk); an
+/// error for a name under the blocks without an index.
+pub fn block_of(name: &str) -> anyhow::Result<Option<usize>> {
+    let Some(rest) = name.strip_prefix("h.") else { return Ok(None) };
+    match rest.split('.').next().and_then(|i| i.parse::<usize>().ok()) {
+        Some(i) => Ok(Some(i)),
+        None => anyhow::bail!("internal error: parameter {name} names no block"),
+    }
 }
 
 #[cfg(test)]
